@@ -1,0 +1,183 @@
+"""The public, embeddable API: an item matrix prepared once, searched many times."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from . import backends, metrics, scoring
+from .errors import InputError
+from .exclusions import Exclusions, normalise
+from .result import SearchResult
+
+log = logging.getLogger("recall")
+
+
+def _is_device_array(arr: Any) -> bool:
+    return hasattr(arr, "__cuda_array_interface__") or (
+        hasattr(arr, "__dlpack_device__") and not isinstance(arr, np.ndarray) and arr.__dlpack_device__()[0] != 1
+    )
+
+
+def _check_matrix(backend: Any, arr: Any, what: str, dim: int | None = None) -> Any:
+    """``arr`` as a float32 (n, dim) matrix on the backend; InputError naming the first bad row."""
+    shape = getattr(arr, "shape", None)
+    if shape is None:
+        arr = np.asarray(arr)
+        shape = arr.shape
+    if len(shape) != 2:
+        raise InputError(f"{what}: expected a 2-d (n, dim) array, got shape {tuple(shape)}")
+    kind = getattr(getattr(arr, "dtype", None), "kind", "f")
+    if kind not in "fiu":
+        raise InputError(f"{what}: expected real numbers, got dtype {arr.dtype}")
+    if dim is not None and shape[1] != dim:
+        raise InputError(f"{what}: dimension {shape[1]} does not match the items' dimension {dim}")
+    if shape[1] < 1:
+        raise InputError(f"{what}: vectors have dimension 0")
+    out = backend.asarray(arr)
+    if out.dtype != backend.xp.float32:
+        out = out.astype(backend.xp.float32)
+    finite = backend.xp.isfinite(out).all(axis=1)
+    if not bool(finite.all()):
+        row = int(backend.xp.argmax(~finite))
+        raise InputError(f"{what}: row {row} has a NaN or infinite value")
+    return out
+
+
+class Engine:
+    """Exact top-k search of users against a resident item matrix.
+
+    Parameters
+    ----------
+    item_vecs : array, shape (n_items, dim)
+        Item embeddings, any real dtype (converted to float32); NumPy, or a device array (CuPy, anything with
+        ``__dlpack__``) for the GPU backend. Uploaded once and kept on the device.
+    ids : array, shape (n_items,), optional
+        Item ids (integers or strings), unique. ``SearchResult.ids`` maps rows to these; row positions when omitted.
+    metric : {"ip", "cosine", "l2"}
+        Inner product, cosine similarity, or negative squared Euclidean distance.
+    device : {"auto", "cpu", "gpu"}
+        "auto" takes the GPU when one is usable and otherwise falls back to the CPU, saying so once.
+    memory_budget : int, optional
+        Bytes of working memory a search may use beyond the item matrix and its results; the search is tiled to fit.
+        Default: a quarter of the free memory of the device, at most 1 GiB on the CPU and 8 GiB on a GPU.
+
+    Raises
+    ------
+    InputError
+        Bad vectors (not 2-d, empty, NaN/Inf), duplicate ids, wrong-length ids, unknown metric or device.
+    BackendUnavailable
+        ``device="gpu"`` and no usable GPU.
+    """
+
+    def __init__(self, item_vecs: Any, ids: Any = None, metric: str = "ip", device: str = "auto",
+                 memory_budget: int | None = None) -> None:
+        self.metric = metrics.check_metric(metric)
+        self.backend = backends.resolve(device)
+        items = _check_matrix(self.backend, item_vecs, "item_vecs")
+        if items.shape[0] < 1:
+            raise InputError("item_vecs: there are no items")
+        self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
+        self.ids = self._check_ids(ids)
+        if memory_budget is not None and (not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
+            raise InputError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+        self.memory_budget = int(memory_budget) if memory_budget is not None else self.backend.default_budget()
+        self._items = metrics.prepare_items(self.metric, self.backend.xp, items)
+
+    @property
+    def device(self) -> str:
+        """"cpu" or "gpu": where this engine runs."""
+        return self.backend.name
+
+    def _check_ids(self, ids: Any) -> np.ndarray | None:
+        if ids is None:
+            return None
+        ids = np.asarray(ids.get() if hasattr(ids, "get") and not isinstance(ids, np.ndarray) else ids)
+        if ids.shape != (self.n_items,):
+            raise InputError(f"ids: expected {self.n_items} ids (one per item row), got shape {ids.shape}")
+        if ids.dtype.kind in "US":
+            ids = ids.astype(object)
+        uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+        if uniq.size != ids.size:
+            dup = int(np.argmax(counts > 1))
+            rows = np.flatnonzero(ids == uniq[dup])[:2]
+            raise InputError(f"ids: duplicate item id {uniq[dup]!r} at rows {int(rows[0])} and {int(rows[1])}")
+        return ids
+
+    def search(self, user_vecs: Any, k: int, exclude: Any = None) -> SearchResult:
+        """The exact top-k items for every user, best first; ties go to the lower item row.
+
+        Parameters
+        ----------
+        user_vecs : array, shape (n_users, dim)
+            NumPy, or a device array (CuPy, torch CUDA tensor via ``__dlpack__``) used in place on the GPU.
+        k : int
+            Items per user, >= 1. Where fewer than k items qualify (k > n_items, exclusions), rows are padded
+            with index -1 and score -inf.
+        exclude : mapping {user_row: iterable of item rows} or (indptr, item_rows) CSR, optional
+            Items never to return to a user; removed before selection, so a user still gets k items if k remain.
+
+        Returns
+        -------
+        SearchResult
+            CuPy arrays when ``user_vecs`` lived on the GPU, NumPy arrays otherwise.
+
+        Raises
+        ------
+        InputError
+            k < 1, wrong dimension, NaN/Inf, zero vector under cosine, exclusions out of range.
+        ResourceError
+            The memory budget cannot hold even the smallest tile.
+        """
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise InputError(f"k must be an integer >= 1, got {k!r}")
+        k = int(k)
+        on_device = _is_device_array(user_vecs) and self.backend.name == "gpu"
+        users = _check_matrix(self.backend, user_vecs, "user_vecs", self.dim)
+        n_users = int(users.shape[0])
+        excl = normalise(exclude, n_users, self.n_items)
+        vals, rows = self._search(metrics.prepare_users(self.metric, self.backend.xp, users), k, excl)
+        vals = metrics.finish_scores(self.metric, self.backend.xp, vals, users)
+        if not on_device:
+            vals, rows = self.backend.to_host(vals), self.backend.to_host(rows)
+        return SearchResult(indices=rows, scores=vals, ids=self._map_ids(rows))
+
+    def _search(self, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
+        """(scores, item rows), each (n_users, k), in inner-product space."""
+        xp, backend = self.backend.xp, self.backend
+        n_users, dim = users.shape
+        k_sel = min(k, self.n_items)
+        vals = xp.full((n_users, k), -xp.inf, dtype=xp.float32)
+        rows = xp.full((n_users, k), -1, dtype=xp.int64)
+        if n_users == 0:
+            return vals, rows
+        plan = scoring.plan_tiles(n_users, self.n_items, dim, k_sel, self.memory_budget,
+                                  backend.preferred_tiles(dim, k_sel), backend.state_bytes(k_sel))
+        state = backend.topk_new(plan.user_block, k_sel)
+        scores_buf = xp.empty(plan.user_block * plan.item_tile * plan.tiles_per_call, dtype=xp.float32)
+        for start in range(0, n_users, plan.user_block):
+            stop = min(start + plan.user_block, n_users)
+            ptr, items = excl.block(start, stop)
+            backend.topk_reset(state, stop - start)
+            scoring.search_block(backend, plan, users[start:stop], self._items, self.n_items, state, scores_buf,
+                                 backend.asarray(ptr), backend.asarray(items))
+            block_vals, block_rows = backend.topk_result(state)
+            vals[start:stop, :k_sel] = block_vals
+            rows[start:stop, :k_sel] = block_rows
+        return vals, rows
+
+    def _map_ids(self, rows: Any) -> Any:
+        if self.ids is None:
+            return rows
+        host_rows = rows if isinstance(rows, np.ndarray) else self.backend.to_host(rows)
+        if self.ids.dtype == object:
+            out = np.empty(host_rows.shape, dtype=object)
+            valid = host_rows >= 0
+            out[valid] = self.ids[host_rows[valid]]
+            return out
+        out = self.ids[np.maximum(host_rows, 0)]
+        out[host_rows < 0] = -1
+        if host_rows is rows:
+            return out
+        return self.backend.xp.asarray(out)

@@ -1,0 +1,77 @@
+"""Metrics as vector transforms, so that every metric is an inner product below the backend seam.
+
+- ``ip``: score = u·v.
+- ``cosine``: both sides normalised to unit length, then u·v.
+- ``l2``: ranked by -||u - v||², which for a fixed user orders items like u·v - ||v||²/2. Items become
+  ``[v, -||v||²/2, 0…]`` and users ``[u, 1, 0…]`` (zero-padded to a multiple of 4 so rows stay 16-byte aligned);
+  the reported score is recovered as ``2·s - ||u||²``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError
+
+METRICS = ("ip", "cosine", "l2")
+
+
+def check_metric(metric: str) -> str:
+    """Return ``metric`` if it is known, else raise InputError."""
+    if metric not in METRICS:
+        raise InputError(f"unknown metric {metric!r}: expected one of {', '.join(METRICS)}")
+    return metric
+
+
+def _row_norms(xp: Any, vecs: Any) -> Any:
+    # Norms in float64: a float32 sum of squares loses digits that cosine and l2 then carry into every score.
+    return xp.sqrt(xp.einsum("ij,ij->i", vecs.astype(xp.float64), vecs.astype(xp.float64)))
+
+
+def _normalise(xp: Any, vecs: Any, what: str) -> Any:
+    norms = _row_norms(xp, vecs)
+    zero = norms == 0
+    if bool(zero.any()):
+        row = int(xp.argmax(zero))
+        raise InputError(f"{what}: row {row} is a zero vector, which has no direction for metric 'cosine'")
+    return (vecs / norms[:, None]).astype(xp.float32)
+
+
+def _augmented_width(dim: int) -> int:
+    return (dim + 1 + 3) // 4 * 4
+
+
+def prepare_items(metric: str, xp: Any, item_vecs: Any) -> Any:
+    """Item vectors (n_items, dim) float32 -> the float32 matrix the backend scores against."""
+    if metric == "cosine":
+        return _normalise(xp, item_vecs, "item_vecs")
+    if metric == "l2":
+        n, dim = item_vecs.shape
+        out = xp.zeros((n, _augmented_width(dim)), dtype=xp.float32)
+        out[:, :dim] = item_vecs
+        out[:, dim] = (-0.5 * _row_norms(xp, item_vecs) ** 2).astype(xp.float32)
+        return out
+    return item_vecs
+
+
+def prepare_users(metric: str, xp: Any, user_vecs: Any) -> Any:
+    """User vectors (n_users, dim) float32 -> the float32 matrix scored against the prepared items."""
+    if metric == "cosine":
+        return _normalise(xp, user_vecs, "user_vecs")
+    if metric == "l2":
+        n, dim = user_vecs.shape
+        out = xp.zeros((n, _augmented_width(dim)), dtype=xp.float32)
+        out[:, :dim] = user_vecs
+        out[:, dim] = 1.0
+        return out
+    return user_vecs
+
+
+def finish_scores(metric: str, xp: Any, scores: Any, user_vecs: Any) -> Any:
+    """Turn selected inner-product scores (n_users, k) back into the metric's scores, in place where possible."""
+    if metric == "l2":
+        sq = (_row_norms(xp, user_vecs) ** 2).astype(xp.float32)
+        # -inf padding stays -inf: 2·(-inf) - finite.
+        scores = 2.0 * scores - sq[:, None]
+    return scores.astype(xp.float32, copy=False)

@@ -1,0 +1,80 @@
+"""The result of a search: per-user top-k item rows, ids and scores, best first."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+
+def _to_numpy(arr: Any) -> np.ndarray:
+    """A host copy of a NumPy or device (CuPy) array."""
+    get = getattr(arr, "get", None)
+    return get() if callable(get) and not isinstance(arr, np.ndarray) else np.asarray(arr)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Exact top-k per user.
+
+    Attributes
+    ----------
+    indices : array of int64, shape (n_users, k)
+        Item row positions, best first; -1 where fewer than k items qualify (padding is always at the end of a row).
+    scores : array of float32, shape (n_users, k)
+        Scores in the engine's metric, best first; -inf where padded.
+    ids : array, shape (n_users, k)
+        ``item_ids[indices]``; the row positions themselves when the engine has no ids. Padded slots hold -1 for
+        integer ids and ``None`` for string ids: test ``indices < 0`` to find them.
+
+    ``indices`` and ``scores`` are CuPy arrays when the users were given as device arrays, NumPy arrays otherwise.
+    """
+
+    indices: Any
+    scores: Any
+    ids: Any
+
+    @property
+    def n_users(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.indices.shape[1])
+
+    def to_arrow(self, user_ids: Any = None) -> pa.Table:
+        """The result as a table ``(user_id, item_ids: list, scores: list<float32>)``, one row per user, padding dropped.
+
+        Parameters
+        ----------
+        user_ids : array-like, shape (n_users,), optional
+            The users' ids, in the order of the searched rows; row positions when omitted.
+
+        Raises
+        ------
+        InputError
+            If ``user_ids`` does not have one entry per user.
+        """
+        from .errors import InputError
+
+        n = self.n_users
+        if user_ids is None:
+            user_col = pa.array(np.arange(n, dtype=np.int64))
+        else:
+            user_col = user_ids if isinstance(user_ids, (pa.Array, pa.ChunkedArray)) else pa.array(_to_numpy(user_ids))
+            if len(user_col) != n:
+                raise InputError(f"to_arrow: got {len(user_col)} user ids for {n} result rows")
+        indices = _to_numpy(self.indices)
+        keep = indices >= 0
+        counts = keep.sum(axis=1)
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(counts, out=offsets[1:])
+        ids = self.ids if isinstance(self.ids, np.ndarray) else _to_numpy(self.ids)
+        flat_ids = ids[keep]
+        if flat_ids.dtype == object:
+            flat_ids = pa.array(flat_ids.tolist(), type=pa.string())
+        flat_scores = _to_numpy(self.scores)[keep].astype(np.float32, copy=False)
+        item_col = pa.ListArray.from_arrays(pa.array(offsets), flat_ids)
+        score_col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_scores, type=pa.float32()))
+        return pa.table({"user_id": user_col, "item_ids": item_col, "scores": score_col})
