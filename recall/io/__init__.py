@@ -1,19 +1,32 @@
-"""Parquet in and out (placeholder until the I/O module lands)."""
+"""Parquet in and out: validated embedding and exclusion readers, and the atomic candidates writer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from .parquet import (
+    EmbeddingFileInfo,
+    Embeddings,
+    ExclusionPairs,
+    inspect_embeddings,
+    iter_embedding_batches,
+    load_exclusions,
+    open_parquet,
+    read_embeddings,
+    read_exclusions,
+    read_ids,
+)
+from .writer import CandidateWriter, candidates_schema, check_output_path
 
-import numpy as np
-
-
-@dataclass(frozen=True)
-class Embeddings:
-    ids: np.ndarray
-    vectors: np.ndarray
-
-
-def read_embeddings(path, id_col="id", vec_col="embedding"):
-    import pyarrow.parquet as pq
-
-    t = pq.read_table(path)
-    return Embeddings(t[id_col].to_numpy(), np.stack(t[vec_col].to_pylist()).astype(np.float32))
+__all__ = [
+    "CandidateWriter",
+    "EmbeddingFileInfo",
+    "Embeddings",
+    "ExclusionPairs",
+    "candidates_schema",
+    "check_output_path",
+    "inspect_embeddings",
+    "iter_embedding_batches",
+    "load_exclusions",
+    "open_parquet",
+    "read_embeddings",
+    "read_exclusions",
+    "read_ids",
+]
