@@ -152,19 +152,10 @@ class Engine:
         rows = xp.full((n_users, k), -1, dtype=xp.int64)
         if n_users == 0:
             return vals, rows
-        plan = scoring.plan_tiles(n_users, self.n_items, dim, k_sel, self.memory_budget,
+        # Each concurrent worker holds its own workspace, so the budget is shared out among them.
+        plan = scoring.plan_tiles(n_users, self.n_items, dim, k_sel, self.memory_budget // backend.workers,
                                   backend.preferred_tiles(dim, k_sel), backend.state_bytes(k_sel))
-        state = backend.topk_new(plan.user_block, k_sel)
-        scores_buf = xp.empty(plan.user_block * plan.item_tile * plan.tiles_per_call, dtype=xp.float32)
-        for start in range(0, n_users, plan.user_block):
-            stop = min(start + plan.user_block, n_users)
-            ptr, items = excl.block(start, stop)
-            backend.topk_reset(state, stop - start)
-            scoring.search_block(backend, plan, users[start:stop], self._items, self.n_items, state, scores_buf,
-                                 backend.asarray(ptr), backend.asarray(items))
-            block_vals, block_rows = backend.topk_result(state)
-            vals[start:stop, :k_sel] = block_vals
-            rows[start:stop, :k_sel] = block_rows
+        scoring.run_blocks(backend, plan, users, self._items, self.n_items, k_sel, excl, vals, rows)
         return vals, rows
 
     def _map_ids(self, rows: Any) -> Any:

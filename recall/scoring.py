@@ -6,6 +6,8 @@ batch: stride 0), and the segment's scores go straight into the running top-k.
 """
 from __future__ import annotations
 
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -85,3 +87,44 @@ def search_block(backend: Any, plan: TilePlan, users: Any, items: Any, n_items: 
         scores = scores_buf[: tiles * n * width].reshape(tiles, n, width)
         backend.gemm_strided_batched(users_batch, segment, scores)
         backend.topk_update(state, scores, start, n_items, excl_indptr, excl_items)
+
+
+def run_blocks(backend: Any, plan: TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Any,
+               out_vals: Any, out_rows: Any) -> None:
+    """Search every user block, writing each block's top-k into rows of ``out_vals`` / ``out_rows``.
+
+    ``backend.workers`` blocks run at once (one per CPU core on the CPU; one on a GPU, which overlaps its work on
+    streams instead), each with its own top-k state and score buffer, taken from a pool so that nothing is allocated
+    per block.
+    """
+    n_users = users.shape[0]
+    blocks = [(start, min(start + plan.user_block, n_users)) for start in range(0, n_users, plan.user_block)]
+    workers = max(1, min(backend.workers, len(blocks)))
+    workspaces: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(workers):
+        workspaces.put((backend.topk_new(plan.user_block, k),
+                        backend.xp.empty(plan.user_block * plan.item_tile * plan.tiles_per_call,
+                                         dtype=backend.xp.float32)))
+
+    def one(block: tuple[int, int]) -> None:
+        start, stop = block
+        state, scores_buf = workspaces.get()
+        try:
+            ptr, excluded = excl.block(start, stop)
+            backend.topk_reset(state, stop - start)
+            search_block(backend, plan, users[start:stop], items, n_items, state, scores_buf,
+                         backend.asarray(ptr), backend.asarray(excluded))
+            vals, rows = backend.topk_result(state)
+            out_vals[start:stop, :k] = vals
+            out_rows[start:stop, :k] = rows
+        finally:
+            workspaces.put((state, scores_buf))
+
+    with backend.compute_context():
+        if workers == 1:
+            for block in blocks:
+                one(block)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="recall") as pool:
+                for _ in pool.map(one, blocks):
+                    pass

@@ -2,7 +2,8 @@
 
 Selection must cost next to nothing beside the GEMM: after the first tiles almost no score beats a user's k-th best,
 so each row is scanned in chunks whose "any score above the threshold?" test vectorises, and only chunks that pass
-are walked element by element into the heap. Rows are processed in parallel (numba ``prange``).
+are walked element by element into the heap. The kernels release the GIL: the CPU backend runs one user block per
+core, each on a tile small enough to stay in that core's L2 between the GEMM that writes it and the scan that reads it.
 
 Ordering: (score descending, item row ascending). The heap's root is the worst kept pair. Items arrive in increasing
 row order, so a new item with a score equal to the root's never displaces it; a strict ``>`` is the tie rule.
@@ -10,7 +11,7 @@ row order, so a new item with a score equal to the root's never displaces it; a 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 _CHUNK = 64
 
@@ -21,7 +22,7 @@ def _worse(va, ia, vb, ib):
     return va < vb or (va == vb and ia > ib)
 
 
-@njit
+@njit(cache=True)
 def _replace_root(vals, idx, v, i):
     """Put (v, i) at the root of the min-heap ``vals/idx`` and sift it down."""
     k = vals.shape[0]
@@ -43,11 +44,11 @@ def _replace_root(vals, idx, v, i):
     idx[pos] = i
 
 
-@njit(parallel=True, cache=True)
+@njit(nogil=True, cache=True)
 def heap_update(scores, item_start, n_items, heap_vals, heap_idx, excl_indptr, excl_items):
     """Merge a score tile (n_tiles, n_users, width) into per-user heaps (n_users, k)."""
     n_tiles, n_users, width = scores.shape
-    for u in prange(n_users):
+    for u in range(n_users):
         hv = heap_vals[u]
         hi = heap_idx[u]
         thr = hv[0]
@@ -78,11 +79,11 @@ def heap_update(scores, item_start, n_items, heap_vals, heap_idx, excl_indptr, e
                         thr = hv[0]
 
 
-@njit(parallel=True, cache=True)
+@njit(nogil=True, cache=True)
 def heap_sort_rows(heap_vals, heap_idx, out_vals, out_idx):
     """Heaps -> rows sorted best first; padding (-inf, -1) ends each row."""
     n_users, k = heap_vals.shape
-    for u in prange(n_users):
+    for u in range(n_users):
         order = np.argsort(heap_idx[u], kind="mergesort")
         vals = heap_vals[u][order]
         order2 = np.argsort(-vals, kind="mergesort")

@@ -29,6 +29,10 @@ class TopKState(Protocol):
 class Backend(Protocol):
     name: str  # "cpu" or "gpu"
     xp: Any  # the array module: numpy or cupy
+    workers: int  # user blocks searched at once, each with its own workspace
+
+    def compute_context(self) -> Any:
+        """A context manager held while a search runs (e.g. pinning BLAS to one thread per worker)."""
 
     def describe(self) -> str:
         """One line naming the device, for summaries and logs."""

@@ -534,6 +534,35 @@ def _match_type(path: str, col: str, values: pa.Array, ids: np.ndarray, whose: s
     raise InputError(f"{path}: column {col!r} has type {t}, but the {whose} ids are {kind}")
 
 
+def _exclusion_item_column(pf: pq.ParquetFile, path: str) -> str:
+    """"item_id" or "item_ids": which form an exclusions file has. InputError naming found and expected columns."""
+    schema = pf.schema_arrow
+    names = set(schema.names)
+    has_pair, has_list = "item_id" in names, "item_ids" in names
+    if "user_id" not in names or has_pair == has_list:
+        raise InputError(
+            f"{path}: exclusion columns are {_column_names(schema)}; expected 'user_id' with 'item_id' "
+            f"(one pair per row) or 'user_id' with 'item_ids' (a list per row)"
+        )
+    if has_list:
+        t = schema.field("item_ids").type
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+            raise InputError(f"{path}: column 'item_ids' has type {t}, expected a list of item ids")
+    return "item_id" if has_pair else "item_ids"
+
+
+def inspect_exclusions(path: str | os.PathLike) -> str:
+    """Open an exclusions file and check its columns without reading rows; returns "item_id" or "item_ids".
+
+    Raises
+    ------
+    InputError
+        Unreadable or not Parquet; columns other than the two accepted forms (see :func:`load_exclusions`).
+    """
+    path = os.fspath(path)
+    return _exclusion_item_column(open_parquet(path, "exclusions"), path)
+
+
 def load_exclusions(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.ndarray) -> ExclusionPairs:
     """Read an exclusions Parquet file and map its ids to user and item row positions.
 
@@ -562,19 +591,8 @@ def load_exclusions(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.
     path = os.fspath(path)
     user_ids, item_ids = np.asarray(user_ids), np.asarray(item_ids)
     pf = open_parquet(path, "exclusions")
-    schema = pf.schema_arrow
-    names = set(schema.names)
-    has_pair, has_list = "item_id" in names, "item_ids" in names
-    if "user_id" not in names or has_pair == has_list:
-        raise InputError(
-            f"{path}: exclusion columns are {_column_names(schema)}; expected 'user_id' with 'item_id' "
-            f"(one pair per row) or 'user_id' with 'item_ids' (a list per row)"
-        )
-    item_col = "item_id" if has_pair else "item_ids"
-    if has_list and not (pa.types.is_list(schema.field(item_col).type)
-                         or pa.types.is_large_list(schema.field(item_col).type)
-                         or pa.types.is_fixed_size_list(schema.field(item_col).type)):
-        raise InputError(f"{path}: column 'item_ids' has type {schema.field(item_col).type}, expected a list of ids")
+    item_col = _exclusion_item_column(pf, path)
+    has_list = item_col == "item_ids"
 
     user_rows_parts, item_rows_parts = [], []
     row = 0

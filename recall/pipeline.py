@@ -1,0 +1,360 @@
+"""Parquet to Parquet: stream user batches through one ``Engine``, overlapping reading, searching and writing.
+
+Three stages run at once on one host:
+
+- a reader thread reads and validates the next user batch (pyarrow decodes with the GIL released);
+- the calling thread searches the current batch (BLAS, the top-k kernels, or the GPU);
+- a writer thread turns the previous result into Arrow and appends it to the output file.
+
+Bounded queues (two batches each) keep memory flat whatever the number of users, and keep results in input order
+(one producer, one consumer per queue). The first error in any stage stops the others and is re-raised in the caller;
+the output is written through :class:`recall.io.CandidateWriter`, so an error or a kill never leaves a partial file.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from . import metrics
+from .backends import DEVICES
+from .engine import Engine
+from .errors import InputError
+from .io import (
+    CandidateWriter,
+    Embeddings,
+    check_output_path,
+    inspect_embeddings,
+    inspect_exclusions,
+    iter_embedding_batches,
+    load_exclusions,
+    read_embeddings,
+    read_ids,
+)
+
+#: Host memory the batches in flight may hold together (read queue, the batch being searched, write queue, the one
+#: being written): bounds the automatic batch size, so that a large k gets smaller batches.
+INFLIGHT_BYTES = 512 << 20
+_MAX_BATCH = 65_536
+_MIN_BATCH = 256
+_QUEUE_DEPTH = 2
+_POLL_S = 0.05
+
+#: ``progress(done_users, total_users)``; called from the writer thread after each batch is written.
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ScoreSummary:
+    """What :func:`score_files` did.
+
+    Attributes
+    ----------
+    users, items, dim, k : int
+    metric : str
+    device : str
+        "cpu" or "gpu".
+    device_detail : str
+        One line naming the device.
+    seconds : float
+        Wall time of the whole call, reading included.
+    read_s, search_s, write_s : float
+        Time spent in each stage. They overlap, so they add up to more than ``seconds`` when overlap works.
+    batch_size : int
+        Users per batch.
+    exclusion_pairs : int
+        Pairs in the exclusions file (0 without one).
+    unknown_exclusions : int
+        Of those, pairs ignored because their user or item id is unknown.
+    out_path : str
+    """
+
+    users: int
+    items: int
+    dim: int
+    k: int
+    metric: str
+    device: str
+    device_detail: str
+    seconds: float
+    read_s: float
+    search_s: float
+    write_s: float
+    batch_size: int
+    exclusion_pairs: int
+    unknown_exclusions: int
+    out_path: str
+
+    @property
+    def users_per_s(self) -> float:
+        return self.users / self.seconds if self.seconds > 0 else float("inf")
+
+    def line(self) -> str:
+        """The one-line summary the CLI prints."""
+        return (
+            f"scored {self.users:,} users x {self.items:,} items, dim {self.dim}, k {self.k}, metric {self.metric}, "
+            f"on {self.device} in {self.seconds:.2f} s ({self.users_per_s:,.0f} users/s) -> {self.out_path}"
+        )
+
+    def stages_line(self) -> str:
+        """Per-stage times (overlapping), for ``--verbose``."""
+        return (
+            f"stages (overlapping): read {self.read_s:.2f} s, search {self.search_s:.2f} s, "
+            f"write {self.write_s:.2f} s; batch {self.batch_size:,} users; device {self.device_detail}"
+        )
+
+
+def auto_batch_size(k: int, dim: int) -> int:
+    """Users per batch such that the batches in flight fit in :data:`INFLIGHT_BYTES`.
+
+    Per user a batch holds its vector (4·dim bytes), the result (int64 rows, float32 scores, int64 ids: 20·k) and its
+    Arrow copy (about 12·k); five batches are alive at once (two queued on each side and the one being searched).
+    """
+    per_user = 4 * dim + 32 * k
+    return int(np.clip(INFLIGHT_BYTES // (5 * per_user), _MIN_BATCH, _MAX_BATCH))
+
+
+def _check_k(k: Any) -> int:
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise InputError(f"k must be an integer >= 1, got {k!r}")
+    return int(k)
+
+
+def _check_nonzero(emb: Embeddings, path: str) -> None:
+    """Cosine has no direction for a zero vector: name the file, row and id here, where they are known."""
+    zero = ~emb.vectors.any(axis=1)
+    if zero.any():
+        pos = int(np.argmax(zero))
+        rid = emb.ids[pos]
+        rid = int(rid) if isinstance(rid, (int, np.integer)) else repr(str(rid))
+        raise InputError(f"{path}: row {emb.row_start + pos} (id {rid}) is a zero vector, which has no direction "
+                         f"for metric 'cosine'")
+
+
+class _Stopped(Exception):
+    """Another stage failed: leave quietly, the caller raises the first error."""
+
+
+class _Overlap:
+    """The reader / searcher / writer hand-off: bounded queues, one stop flag, the first error kept."""
+
+    _DONE = object()
+
+    def __init__(self) -> None:
+        self.read_q: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self.write_q: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.seconds = {"read": 0.0, "search": 0.0, "write": 0.0}
+
+    def fail(self, exc: BaseException) -> None:
+        self.errors.append(exc)
+        self.stop.set()
+
+    def put(self, q: queue.Queue, item: Any) -> None:
+        # Poll rather than block: a stage whose consumer died must notice and stop instead of waiting forever.
+        while not self.stop.is_set():
+            try:
+                q.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue
+        raise _Stopped
+
+    def get(self, q: queue.Queue) -> Any:
+        while not self.stop.is_set():
+            try:
+                return q.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        raise _Stopped
+
+    def reader(self, batches: Iterable[Any]) -> None:
+        try:
+            it = iter(batches)
+            while True:
+                t0 = time.perf_counter()
+                batch = next(it, self._DONE)
+                self.seconds["read"] += time.perf_counter() - t0
+                self.put(self.read_q, batch)
+                if batch is self._DONE:
+                    return
+        except _Stopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+            self.fail(exc)
+
+    def writer(self, write: Callable[[Any], None]) -> None:
+        try:
+            while True:
+                item = self.get(self.write_q)
+                if item is self._DONE:
+                    return
+                t0 = time.perf_counter()
+                write(item)
+                self.seconds["write"] += time.perf_counter() - t0
+        except _Stopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(exc)
+
+    def run(self, batches: Iterable[Any], search: Callable[[Any], Any], write: Callable[[Any], None]) -> None:
+        """Run the three stages to the end; re-raise the first error of any of them."""
+        threads = [
+            threading.Thread(target=self.reader, args=(batches,), name="recall-reader", daemon=True),
+            threading.Thread(target=self.writer, args=(write,), name="recall-writer", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        try:
+            while True:
+                batch = self.get(self.read_q)
+                if batch is self._DONE:
+                    break
+                t0 = time.perf_counter()
+                result = search(batch)
+                self.seconds["search"] += time.perf_counter() - t0
+                self.put(self.write_q, (batch, result))
+            self.put(self.write_q, self._DONE)
+        except _Stopped:
+            pass
+        except BaseException as exc:
+            self.fail(exc)
+        finally:
+            # A failed searcher must not leave the writer waiting for a DONE that never comes.
+            if self.errors:
+                self.stop.set()
+            for t in threads:
+                t.join()
+        if self.errors:
+            raise self.errors[0]
+
+
+def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, out_path: str | os.PathLike, k: int,
+                metric: str = "ip", exclude_path: str | os.PathLike | None = None, id_col: str = "id",
+                vec_col: str = "embedding", device: str = "auto", batch_size: int | None = None,
+                memory_budget: int | None = None, progress: Progress | None = None) -> ScoreSummary:
+    """Score every user of a Parquet file against every item of another and write the top-k candidates to Parquet.
+
+    Items are read whole and an :class:`recall.Engine` is built once; users are streamed in batches, in input
+    order, each batch searched while the next is read and the previous one written.
+
+    Parameters
+    ----------
+    users_path, items_path : str or PathLike
+        Embedding Parquet files: an id column (integers or strings) and a vector column
+        (``fixed_size_list<float32>[dim]`` or ``list<float32|float64>``), with the same dimension in both.
+    out_path : str or PathLike
+        The candidates Parquet file: ``user_id``, ``item_ids`` list<item id type>, ``scores`` list<float32>, one row
+        per user in input order, best first. Written to a temporary file and renamed into place when complete.
+    k : int
+        Items per user, >= 1. Users with fewer than k qualifying items get shorter lists.
+    metric : {"ip", "cosine", "l2"}
+    exclude_path : str or PathLike, optional
+        Parquet of ``user_id``, ``item_id`` pairs (or ``user_id``, ``item_ids`` lists) never to return. Pairs with an
+        unknown user or item id are ignored and counted in ``ScoreSummary.unknown_exclusions``.
+    id_col, vec_col : str
+        Column names in both embedding files.
+    device : {"auto", "cpu", "gpu"}
+    batch_size : int, optional
+        Users per batch; default :func:`auto_batch_size`.
+    memory_budget : int, optional
+        Working-memory bytes of the engine's search (see :class:`recall.Engine`).
+    progress : callable ``(done_users, total_users) -> None``, optional
+        Called from a worker thread after each batch is written.
+
+    Returns
+    -------
+    ScoreSummary
+
+    Raises
+    ------
+    InputError
+        Any bad file, row or argument (the message names the file, row and id); nothing is written.
+    ResourceError
+        The memory budget cannot hold the smallest tile.
+    BackendUnavailable
+        ``device="gpu"`` without a usable GPU.
+    """
+    t_start = time.perf_counter()
+    k = _check_k(k)
+    metrics.check_metric(metric)
+    if device not in DEVICES:
+        raise InputError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size < 1):
+        raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    users_path, items_path = os.fspath(users_path), os.fspath(items_path)
+    exclude_path = os.fspath(exclude_path) if exclude_path is not None else None
+
+    # Cheap checks first, so that a typo in the last argument does not cost a full read of the items.
+    out = check_output_path(out_path, (users_path, items_path, exclude_path))
+    users_info = inspect_embeddings(users_path, id_col, vec_col)
+    items_info = inspect_embeddings(items_path, id_col, vec_col)
+    if users_info.dim is not None and items_info.dim is not None and users_info.dim != items_info.dim:
+        raise InputError(f"{users_path}: vectors have dimension {users_info.dim}, but the items ({items_path}) have "
+                         f"dimension {items_info.dim}")
+    if exclude_path is not None:
+        inspect_exclusions(exclude_path)
+
+    t0 = time.perf_counter()
+    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False)
+    if metric == "cosine":
+        _check_nonzero(items, items_path)
+    item_read_s = time.perf_counter() - t0
+    engine = Engine(items.vectors, ids=items.ids, metric=metric, device=device, memory_budget=memory_budget)
+    dim = engine.dim
+
+    t0 = time.perf_counter()
+    user_ids = read_ids(users_path, id_col, vec_col)
+    excl = load_exclusions(exclude_path, user_ids, items.ids) if exclude_path is not None else None
+    n_users = int(user_ids.size)
+    item_read_s += time.perf_counter() - t0
+    batch_size = int(batch_size) if batch_size is not None else auto_batch_size(k, dim)
+
+    def batches() -> Iterable[Embeddings]:
+        for batch in iter_embedding_batches(users_path, batch_size, id_col, vec_col, dim=dim,
+                                            dim_source=f"the items' dimension, {items_path}", check_unique=False):
+            if metric == "cosine":
+                _check_nonzero(batch, users_path)
+            yield batch
+
+    def search(batch: Embeddings) -> Any:
+        exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
+        return engine.search(batch.vectors, k, exclude=exclude)
+
+    done = 0
+
+    def write(item: tuple[Embeddings, Any]) -> None:
+        nonlocal done
+        batch, result = item
+        writer.write(result.to_arrow(batch.ids))
+        done += len(batch)
+        if progress is not None:
+            progress(done, n_users)
+
+    id_type = {True: pa.string(), False: pa.int64()}
+    overlap = _Overlap()
+    with CandidateWriter(out, id_type[user_ids.dtype == object], id_type[items.ids.dtype == object]) as writer:
+        if progress is not None:
+            progress(0, n_users)
+        overlap.run(batches(), search, write)
+        if writer.rows_written != n_users:
+            # Cannot happen unless a stage dropped a batch; refuse to publish a file missing users.
+            raise RuntimeError(f"wrote {writer.rows_written} rows for {n_users} users")
+
+    return ScoreSummary(
+        users=n_users, items=engine.n_items, dim=dim, k=k, metric=metric, device=engine.device,
+        device_detail=engine.backend.describe(), seconds=time.perf_counter() - t_start,
+        read_s=item_read_s + overlap.seconds["read"], search_s=overlap.seconds["search"],
+        write_s=overlap.seconds["write"], batch_size=batch_size,
+        exclusion_pairs=excl.n_pairs if excl is not None else 0,
+        unknown_exclusions=excl.n_unknown if excl is not None else 0, out_path=str(out_path),
+    )
