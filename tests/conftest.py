@@ -1,0 +1,122 @@
+"""Shared fixtures: the backend-parametrised ``device`` fixture and seeded data.
+
+Every Engine test takes ``device``, so the same test bodies run on the CPU backend here and on the GPU backend on a
+GPU machine (``pytest -m gpu``). Without a usable GPU the "gpu" params are skipped with the probe's reason.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+# ``import oracle`` from test modules, whatever the rootdir/import mode.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Small, bounded property tests; ``deadline=None`` because the first example of a process pays numba's compile/cache
+# load. The device fixture is a plain string, safe to share across examples.
+settings.register_profile(
+    "recall",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+settings.load_profile("recall")
+
+
+def _gpu_status() -> tuple[bool, str]:
+    from recall.backends.probe import cuda_status
+
+    return cuda_status()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every ``gpu``-marked test at collection when no GPU is usable, with the probe's reason.
+
+    On a GPU machine nothing is skipped, and ``-m gpu`` selects exactly the GPU params of the shared bodies plus
+    GPU-only tests.
+    """
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    usable, reason = _gpu_status()
+    if usable:
+        return
+    skip = pytest.mark.skip(reason=f"no usable GPU: {reason}")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    """The backend to run an Engine test on: "cpu", or "gpu" (skipped cleanly without a usable GPU)."""
+    if request.param == "gpu":
+        usable, reason = _gpu_status()
+        if not usable:
+            pytest.skip(f"no usable GPU: {reason}")
+    return request.param
+
+
+@pytest.fixture
+def gpu_available() -> bool:
+    return _gpu_status()[0]
+
+
+def to_numpy(arr):
+    """A host NumPy copy of a NumPy or CuPy array (results are CuPy only when users were device arrays)."""
+    get = getattr(arr, "get", None)
+    return get() if callable(get) and not isinstance(arr, np.ndarray) else np.asarray(arr)
+
+
+# ---- seeded data -------------------------------------------------------------------------------------------------
+
+def normal_data(n_users: int, n_items: int, dim: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Standard normal float32 users and items."""
+    rng = np.random.default_rng(seed)
+    users = rng.standard_normal((n_users, dim)).astype(np.float32)
+    items = rng.standard_normal((n_items, dim)).astype(np.float32)
+    return users, items
+
+
+def clustered_data(n_users: int, n_items: int, dim: int, n_clusters: int = 8, seed: int = 0
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Users and items around a few cluster centres, item norms skewed (log-normal), as real embeddings are: many
+    near-duplicates per cluster and a few high-norm items that win for many users under ``ip``."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((n_clusters, dim))
+    item_c = rng.integers(0, n_clusters, n_items)
+    user_c = rng.integers(0, n_clusters, n_users)
+    items = centres[item_c] + 0.3 * rng.standard_normal((n_items, dim))
+    items *= rng.lognormal(0.0, 0.75, (n_items, 1))
+    users = centres[user_c] + 0.3 * rng.standard_normal((n_users, dim))
+    return users.astype(np.float32), items.astype(np.float32)
+
+
+def ties_data(n_users: int, n_items: int, dim: int, low: int = -2, high: int = 2, seed: int = 0
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Small-integer-valued float32 vectors: every score is an exact small integer in float32 and float64, so many
+    items tie and the tie rule (lower item row first) decides the order. Items also contain exact duplicate rows."""
+    rng = np.random.default_rng(seed)
+    users = rng.integers(low, high + 1, (n_users, dim)).astype(np.float32)
+    items = rng.integers(low, high + 1, (n_items, dim)).astype(np.float32)
+    if n_items >= 4:
+        dup = rng.choice(n_items, size=n_items // 4, replace=False)
+        items[dup] = items[rng.integers(0, n_items, dup.size)]
+    return users, items
+
+
+@pytest.fixture
+def make_normal():
+    return normal_data
+
+
+@pytest.fixture
+def make_clustered():
+    return clustered_data
+
+
+@pytest.fixture
+def make_ties():
+    return ties_data
