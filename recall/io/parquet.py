@@ -94,14 +94,14 @@ def _at(path: str, row: int, ids: Any = None, pos: int | None = None) -> str:
     return f"{path}: row {row} (id {_fmt_id(ids[pos])})"
 
 
-def open_parquet(path: str | os.PathLike, what: str = "file") -> pq.ParquetFile:
+def open_parquet(path: str | os.PathLike, what: str = "data") -> pq.ParquetFile:
     """Open a Parquet file for reading, turning every way that can fail into one clear ``InputError``.
 
     Parameters
     ----------
     path : str or PathLike
     what : str
-        What the file is for ("users", "items", "exclusions"), used in messages.
+        What the file holds ("embeddings", "exclusions"), for messages.
 
     Raises
     ------
@@ -110,9 +110,9 @@ def open_parquet(path: str | os.PathLike, what: str = "file") -> pq.ParquetFile:
     """
     p = Path(path)
     if not p.exists():
-        raise InputError(f"{path}: no such file (the {what} Parquet file)")
+        raise InputError(f"{path}: no such file")
     if p.is_dir():
-        raise InputError(f"{path}: is a directory, expected a Parquet file ({what})")
+        raise InputError(f"{path}: is a directory, expected a Parquet file of {what}")
     try:
         with open(p, "rb"):
             pass
@@ -188,7 +188,7 @@ def inspect_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str
         a column of the wrong type.
     """
     path = os.fspath(path)
-    pf = open_parquet(path, "embedding")
+    pf = open_parquet(path, "embeddings")
     id_type, dim = _check_columns(pf, path, id_col, vec_col)
     return EmbeddingFileInfo(path, pf.metadata.num_rows, pf.metadata.num_row_groups, id_type, dim)
 
@@ -322,7 +322,7 @@ def read_ids(path: str | os.PathLike, id_col: str = "id", vec_col: str | None = 
         Bad file or schema, a null id, an integer id beyond int64, a duplicate id.
     """
     path = os.fspath(path)
-    pf = open_parquet(path, "embedding")
+    pf = open_parquet(path, "embeddings")
     if vec_col is not None:
         _check_columns(pf, path, id_col, vec_col)
     else:
@@ -373,7 +373,7 @@ def iter_embedding_batches(path: str | os.PathLike, batch_size: int = READ_BATCH
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     path = os.fspath(path)
-    pf = open_parquet(path, "embedding")
+    pf = open_parquet(path, "embeddings")
     _, fixed_dim = _check_columns(pf, path, id_col, vec_col)
     if fixed_dim is not None and dim is not None and fixed_dim != dim:
         where = f" ({dim_source})" if dim_source else ""
@@ -424,7 +424,7 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
         lengths, NaN/Inf, float64 values beyond float32, duplicate ids, no rows when ``allow_empty`` is False.
     """
     path = os.fspath(path)
-    pf = open_parquet(path, "embedding")
+    pf = open_parquet(path, "embeddings")
     id_type, fixed_dim = _check_columns(pf, path, id_col, vec_col)
     n_rows = pf.metadata.num_rows
     if n_rows == 0 and not allow_empty:

@@ -1,0 +1,254 @@
+"""The ``recall`` command line: ``recall score``, ``recall demo`` (and ``recall bench``, registered by recall.bench).
+
+Errors the user can fix (bad files, rows, arguments; an unmet memory budget; no GPU) print one line,
+``error: ...``, on stderr and exit with code 2, without a traceback. Progress goes to stderr, and only when stderr is a
+terminal; the final summary goes to stdout.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+
+from . import __version__
+from .errors import BackendUnavailable, InputError, ResourceError
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    help="Exact top-k recommendation candidates: every user against every item, on the GPU or the CPU.",
+)
+
+#: Exit code for bad input (data, arguments), an unmet memory budget or a missing GPU: the user can fix these.
+EXIT_BAD_INPUT = 2
+#: Exit code for operating-system failures that are not the input's fault (disk full, I/O error).
+EXIT_OS_ERROR = 1
+
+log = logging.getLogger("recall")
+
+
+class Metric(str, Enum):
+    ip = "ip"
+    cosine = "cosine"
+    l2 = "l2"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class _StderrHandler(logging.Handler):
+    """Log records to whatever ``sys.stderr`` is at the time (test runners swap it per invocation)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # logging must never take the command down
+            self.handleError(record)
+
+
+def _setup_logging(quiet: bool, verbose: bool) -> None:
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        log.addHandler(_StderrHandler())
+        log.propagate = False
+    log.setLevel(logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+@contextmanager
+def _errors_to_exit() -> Iterator[None]:
+    """Turn the errors a user can act on into ``error: ...`` on stderr and an exit code, never a traceback."""
+    try:
+        yield
+    except (InputError, ResourceError, BackendUnavailable) as exc:
+        typer.echo(f"error: {_one_line(exc)}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    except OSError as exc:
+        typer.echo(f"error: {_one_line(exc)}", err=True)
+        raise typer.Exit(EXIT_OS_ERROR) from None
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | None) -> int | None:
+    """``"1073741824"``, ``"512MiB"``, ``"2G"``, ``"1.5GB"`` -> bytes (binary multiples: K = 1024). None stays None.
+
+    Raises
+    ------
+    InputError
+        If the text is not a positive size.
+    """
+    if text is None:
+        return None
+    m = _SIZE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise InputError(f"--memory-budget must be a positive number of bytes (e.g. 1073741824, 512MiB, 2G), "
+                         f"got {text!r}")
+    scale = 1024 ** " kmgt".index((m.group(2) or " ").lower())
+    return int(float(m.group(1)) * scale)
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar on stderr, fed by ``score_files``'s callback; None when disabled."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("users"), TimeElapsedColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("reading items", total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, description="scoring", completed=done, total=total)
+
+        yield update
+
+
+def _show_progress(quiet: bool) -> bool:
+    return not quiet and sys.stderr.isatty()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True)] = False,
+) -> None:
+    """Exact top-k recommendation candidates: every user against every item, on the GPU or the CPU."""
+    if version:
+        typer.echo(f"recall {__version__}")
+        raise typer.Exit(0)
+
+
+def _run_score(users: Path, items: Path, out: Path, k: int, metric: Metric, exclude: Path | None, id_col: str,
+               vec_col: str, device: Device, batch_size: int | None, memory_budget: int | None, quiet: bool,
+               verbose: bool) -> Any:
+    from .pipeline import score_files
+
+    with _progress(_show_progress(quiet)) as progress:
+        summary = score_files(users, items, out, k, metric=metric.value, exclude_path=exclude, id_col=id_col,
+                              vec_col=vec_col, device=device.value, batch_size=batch_size,
+                              memory_budget=memory_budget, progress=progress)
+    if summary.unknown_exclusions:
+        typer.echo(f"warning: {summary.unknown_exclusions:,} of {summary.exclusion_pairs:,} exclusion pairs name a "
+                   f"user or item id that is not in the input files; they were ignored", err=True)
+    typer.echo(summary.line())
+    if verbose:
+        typer.echo(summary.stages_line())
+    return summary
+
+
+@app.command()
+def score(
+    users: Annotated[Path, typer.Option("--users", help="User embeddings Parquet (id + vector columns).",
+                                        show_default=False)],
+    items: Annotated[Path, typer.Option("--items", help="Item embeddings Parquet (id + vector columns).",
+                                        show_default=False)],
+    k: Annotated[int, typer.Option("--k", help="Items per user (>= 1).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="Candidates Parquet to write (atomically).",
+                                      show_default=False)],
+    metric: Annotated[Metric, typer.Option("--metric", help="ip: inner product; cosine; l2: -||u - v||^2.")]
+    = Metric.ip,
+    exclude: Annotated[Path | None, typer.Option(
+        "--exclude", help="Parquet of user_id, item_id pairs (or user_id, item_ids lists) never to return.")] = None,
+    id_col: Annotated[str, typer.Option("--id-col", help="Id column of both embedding files.")] = "id",
+    vec_col: Annotated[str, typer.Option("--vec-col", help="Vector column of both embedding files.")] = "embedding",
+    device: Annotated[Device, typer.Option("--device", help="auto: the GPU when usable, else the CPU.")]
+    = Device.auto,
+    batch_size: Annotated[int | None, typer.Option(
+        "--batch-size", help="Users per batch (default: sized from k and dim).", show_default=False)] = None,
+    memory_budget: Annotated[str | None, typer.Option(
+        "--memory-budget", metavar="BYTES",
+        help="Working memory of the search, e.g. 1073741824, 512MiB, 2G (default: a share of free memory).",
+        show_default=False)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notices.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-stage times.")] = False,
+) -> None:
+    """Score every user against every item and write each user's top-k items to Parquet."""
+    _setup_logging(quiet, verbose)
+    with _errors_to_exit():
+        if batch_size is not None and batch_size < 1:
+            raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+        _run_score(users, items, out, k, metric, exclude, id_col, vec_col, device, batch_size,
+                   parse_bytes(memory_budget), quiet, verbose)
+
+
+def sample_dir() -> Path:
+    """The bundled sample: ``data/`` next to the ``recall`` package in a source checkout."""
+    return Path(__file__).resolve().parent.parent / "data"
+
+
+def _format_top(item_ids: list[Any], scores: list[float], n: int) -> str:
+    return ", ".join(f"{i} ({s:.2f})" for i, s in zip(item_ids[:n], scores[:n]))
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option("--out", help="Where to write the candidates Parquet.")]
+    = Path("demo-candidates.parquet"),
+    k: Annotated[int, typer.Option("--k", help="Items per user.")] = 10,
+    device: Annotated[Device, typer.Option("--device", help="auto: the GPU when usable, else the CPU.")]
+    = Device.auto,
+    data: Annotated[Path | None, typer.Option(
+        "--data", help="Directory with users/items/exclusions.parquet (default: the bundled sample).",
+        show_default=False)] = None,
+    n_users: Annotated[int, typer.Option("--show", help="How many users' top-5 to print (at least 1).")] = 3,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notices.")] = False,
+) -> None:
+    """Score the bundled sample (3,000 users x 5,000 items, with exclusions) and show a few users' top items."""
+    import pyarrow.parquet as pq
+
+    _setup_logging(quiet, False)
+    with _errors_to_exit():
+        data_dir = data if data is not None else sample_dir()
+        names = ("users.parquet", "items.parquet", "exclusions.parquet")
+        missing = [n for n in names if not (data_dir / n).is_file()]
+        if missing:
+            raise InputError(f"{data_dir}: the sample files {', '.join(missing)} are missing; run "
+                             f"'python scripts/make_sample_data.py --out {data_dir}' from a source checkout, "
+                             f"or pass --data DIR")
+        summary = _run_score(data_dir / names[0], data_dir / names[1], out, k, Metric.ip, data_dir / names[2],
+                             "id", "embedding", device, None, None, quiet, False)
+        excluded_users = pq.read_table(data_dir / names[2], columns=["user_id"]).column("user_id").to_numpy()
+        table = pq.read_table(out)
+        rows = list(range(min(max(n_users, 1), table.num_rows)))
+        # Show one user whose already-seen items were excluded, so the demo shows exclusions at work.
+        with_excl = np.flatnonzero(np.isin(table.column("user_id").to_numpy(), excluded_users))
+        if with_excl.size and not set(rows) & set(with_excl.tolist()) and rows:
+            rows[-1] = int(with_excl[0])
+        typer.echo(f"top-5 items (score) of {len(rows)} users; {k} per user written to {out}:")
+        for row in table.take(rows).to_pylist():
+            n_excl = int(np.count_nonzero(excluded_users == row["user_id"]))
+            note = f"  [{n_excl} already-seen items excluded]" if n_excl else ""
+            typer.echo(f"  user {row['user_id']}: {_format_top(row['item_ids'], row['scores'], 5)}{note}")
+        if summary.exclusion_pairs:
+            typer.echo(f"{summary.exclusion_pairs:,} (user, item) exclusion pairs applied from "
+                       f"{data_dir / names[2]}")
+
+
+def main() -> None:
+    """Entry point of the ``recall`` console script and of ``python -m recall``."""
+    app()
+
+
+from recall.bench.cli import register as _register_bench  # noqa: E402 - bench adds its commands to this app
+
+_register_bench(app)
