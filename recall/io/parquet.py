@@ -263,10 +263,12 @@ def _vectors_from_arrow(path: str, col: pa.Array, ids: np.ndarray, row0: int, di
 
 def _to_float32(path: str, vecs: np.ndarray, ids: np.ndarray, row0: int, out: np.ndarray | None = None) -> np.ndarray:
     """``vecs`` as float32 (into ``out`` when given), rejecting float64 values that overflow float32."""
-    if out is None:
-        out = np.ascontiguousarray(vecs, dtype=np.float32)
-    else:
-        out[...] = vecs
+    # Overflow to inf is expected here and reported below, with the row: no RuntimeWarning.
+    with np.errstate(over="ignore"):
+        if out is None:
+            out = np.ascontiguousarray(vecs, dtype=np.float32)
+        else:
+            out[...] = vecs
     if vecs.dtype.itemsize > 4:
         finite = np.isfinite(out).all(axis=1)
         if not finite.all():
