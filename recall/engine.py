@@ -20,8 +20,8 @@ def _is_device_array(arr: Any) -> bool:
     )
 
 
-def _check_matrix(backend: Any, arr: Any, what: str, dim: int | None = None) -> Any:
-    """``arr`` as a float32 (n, dim) matrix on the backend; InputError naming the first bad row."""
+def _check_matrix(xp: Any, arr: Any, what: str, dim: int | None = None) -> Any:
+    """``arr`` as a C-contiguous float32 (n, dim) array of module ``xp``; InputError naming the first bad row."""
     shape = getattr(arr, "shape", None)
     if shape is None:
         arr = np.asarray(arr)
@@ -35,12 +35,17 @@ def _check_matrix(backend: Any, arr: Any, what: str, dim: int | None = None) -> 
         raise InputError(f"{what}: dimension {shape[1]} does not match the items' dimension {dim}")
     if shape[1] < 1:
         raise InputError(f"{what}: vectors have dimension 0")
-    out = backend.asarray(arr)
-    if out.dtype != backend.xp.float32:
-        out = out.astype(backend.xp.float32)
-    finite = backend.xp.isfinite(out).all(axis=1)
+    if xp is np:
+        if hasattr(arr, "get") and not isinstance(arr, np.ndarray):
+            arr = arr.get()
+        out = np.ascontiguousarray(arr, dtype=np.float32)
+    else:
+        if not hasattr(arr, "__cuda_array_interface__") and hasattr(arr, "__dlpack__"):
+            arr = xp.from_dlpack(arr)
+        out = xp.ascontiguousarray(xp.asarray(arr), dtype=xp.float32)
+    finite = xp.isfinite(out).all(axis=1)
     if not bool(finite.all()):
-        row = int(backend.xp.argmax(~finite))
+        row = int(xp.argmax(~finite))
         raise InputError(f"{what}: row {row} has a NaN or infinite value")
     return out
 
@@ -75,7 +80,7 @@ class Engine:
                  memory_budget: int | None = None) -> None:
         self.metric = metrics.check_metric(metric)
         self.backend = backends.resolve(device)
-        items = _check_matrix(self.backend, item_vecs, "item_vecs")
+        items = _check_matrix(self._xp_for(item_vecs), item_vecs, "item_vecs")
         if items.shape[0] < 1:
             raise InputError("item_vecs: there are no items")
         self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
@@ -83,7 +88,13 @@ class Engine:
         if memory_budget is not None and (not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
             raise InputError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
         self.memory_budget = int(memory_budget) if memory_budget is not None else self.backend.default_budget()
-        self._items = metrics.prepare_items(self.metric, self.backend.xp, items)
+        prepared = metrics.prepare_items(self.metric, self._xp_for(item_vecs), items)
+        self._items = self.backend.asarray(prepared)  # uploaded once, resident for every search
+
+    def _xp_for(self, arr: Any) -> Any:
+        """The array module an input is validated and prepared with: the device's for device arrays on a GPU
+        engine (used in place), NumPy otherwise (a GPU engine stages host users to the device block by block)."""
+        return self.backend.xp if self.backend.name == "gpu" and _is_device_array(arr) else np
 
     @property
     def device(self) -> str:
@@ -133,14 +144,14 @@ class Engine:
         if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be an integer >= 1, got {k!r}")
         k = int(k)
-        on_device = _is_device_array(user_vecs) and self.backend.name == "gpu"
-        users = _check_matrix(self.backend, user_vecs, "user_vecs", self.dim)
+        xp = self._xp_for(user_vecs)
+        users = _check_matrix(xp, user_vecs, "user_vecs", self.dim)
         n_users = int(users.shape[0])
         excl = normalise(exclude, n_users, self.n_items)
-        vals, rows = self._search(metrics.prepare_users(self.metric, self.backend.xp, users), k, excl)
-        vals = metrics.finish_scores(self.metric, self.backend.xp, vals, users)
-        if not on_device:
+        vals, rows = self._search(metrics.prepare_users(self.metric, xp, users), k, excl)
+        if xp is np:
             vals, rows = self.backend.to_host(vals), self.backend.to_host(rows)
+        vals = metrics.finish_scores(self.metric, xp, vals, users)
         return SearchResult(indices=rows, scores=vals, ids=self._map_ids(rows))
 
     def _search(self, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
@@ -155,7 +166,7 @@ class Engine:
         # Each concurrent worker holds its own workspace, so the budget is shared out among them.
         plan = scoring.plan_tiles(n_users, self.n_items, dim, k_sel, self.memory_budget // backend.workers,
                                   backend.preferred_tiles(dim, k_sel), backend.state_bytes(k_sel))
-        scoring.run_blocks(backend, plan, users, self._items, self.n_items, k_sel, excl, vals, rows)
+        backend.run_blocks(plan, users, self._items, self.n_items, k_sel, excl, vals, rows)
         return vals, rows
 
     def _map_ids(self, rows: Any) -> Any:

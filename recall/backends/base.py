@@ -55,6 +55,12 @@ class Backend(Protocol):
     def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
         """(user block, item tile width, item tiles per GEMM call) this backend runs best with."""
 
+    def run_blocks(self, plan: Any, users: Any, items: Any, n_items: int, k: int, excl: Any, out_vals: Any,
+                   out_rows: Any) -> None:
+        """Search every block of ``plan`` and write each user's top-k (inner-product space) into its row of
+        ``out_vals`` / ``out_rows`` (backend arrays, (n_users, >= k)). ``users`` may be host or backend arrays.
+        Each block's work is ``scoring.search_block``; backends differ only in how blocks are staged and overlapped."""
+
     def gemm_strided_batched(self, users: Any, items: Any, out: Any) -> None:
         """``out[b] = users[b or 0] @ items[b].T`` for every batch ``b``, in one strided-batched GEMM.
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import topk
+from .. import scoring, topk
 
 
 @dataclass
@@ -69,6 +69,10 @@ class NumpyBackend:
         # A (128 x 2048) float32 tile is 1 MiB: it stays in one core's L2 between the GEMM that writes it and the
         # scan that reads it, and is still large enough for BLAS to run near its peak.
         return 128, 2048, 1
+
+    def run_blocks(self, plan: "scoring.TilePlan", users: np.ndarray, items: np.ndarray, n_items: int, k: int,
+                   excl: Any, out_vals: np.ndarray, out_rows: np.ndarray) -> None:
+        scoring.run_blocks(self, plan, users, items, n_items, k, excl, out_vals, out_rows)
 
     def gemm_strided_batched(self, users: np.ndarray, items: np.ndarray, out: np.ndarray) -> None:
         np.matmul(users, items.transpose(0, 2, 1), out=out)

@@ -1,0 +1,341 @@
+"""The GPU backend: cuBLAS ``SgemmStridedBatched`` through CuPy, exact top-k kernels, pinned staging and streams.
+
+Per search block of users, every item segment is one strided-batched GEMM (the user block shared by all tiles of
+the batch: stride 0) writing a score tile that is small enough to stay in L2, followed at once by the selection
+kernels of ``recall/kernels/topk.cu`` reading it back. Blocks are pipelined on two streams: the copy stream stages
+the next block's users (and exclusions) from pinned host memory while the compute stream searches the current one.
+After the first block, a block's whole sequence of launches is replayed as a CUDA graph, so that a search of many
+small tiles is not bound by Python's launch overhead.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from .. import scoring
+
+log = logging.getLogger("recall")
+
+_OP_N, _OP_T = 0, 1
+_ONE = np.ones(1, np.float32)
+_ZERO = np.zeros(1, np.float32)
+_MERGE_THREADS = 256
+_FILTER_THREADS = 256
+
+_module_lock = threading.Lock()
+_modules: dict[int, Any] = {}
+
+
+def _kernels() -> Any:
+    """The compiled selection kernels for the current device (compiled once per device and process)."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    with _module_lock:
+        if dev not in _modules:
+            source = resources.files("recall.kernels").joinpath("topk.cu").read_text()
+            _modules[dev] = cupy.RawModule(code=source, options=("--std=c++14",))
+        return _modules[dev]
+
+
+def _candidate_capacity(k: int) -> int:
+    # Room for several tiles' survivors between merges; a merge runs once a user's buffer is half full.
+    return max(4096, 4 * k)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass
+class GpuTopK:
+    """Running top-k of one block of users on the device (see topk.cu for the meaning of each array)."""
+
+    k: int
+    n_users: int  # rows of this block that are real users (the arrays hold capacity rows)
+    capacity: int
+    cand_capacity: int
+    top: Any
+    n_valid: Any
+    thr: Any
+    cand: Any
+    cnt: Any
+    base: Any
+    out_vals: Any
+    out_rows: Any
+
+    @classmethod
+    def allocate(cls, capacity: int, k: int) -> "GpuTopK":
+        import cupy
+
+        c = _candidate_capacity(k)
+        state = cls(k, capacity, capacity, c,
+                    top=cupy.zeros((capacity, k), cupy.uint64), n_valid=cupy.zeros(capacity, cupy.int32),
+                    thr=cupy.full(capacity, -cupy.inf, cupy.float32), cand=cupy.zeros((capacity, c), cupy.uint64),
+                    cnt=cupy.zeros(capacity, cupy.int32), base=cupy.zeros(capacity, cupy.int32),
+                    out_vals=cupy.empty((capacity, k), cupy.float32), out_rows=cupy.empty((capacity, k), cupy.int64))
+        return state
+
+    def clear(self) -> None:
+        """Empty every row (the final merge also leaves its rows empty; this recovers from an interrupted search)."""
+        self.n_valid.fill(0)
+        self.thr.fill(-np.inf)
+        self.cnt.fill(0)
+        self.base.fill(0)
+
+
+@dataclass
+class _Slot:
+    """One of the two staging slots of the block pipeline."""
+
+    users: Any  # device (capacity, dim) float32
+    ex_ptr: Any  # device (capacity + 1,) int64
+    ex_items: Any  # device (max exclusions per block,) int64
+    host_users: Any  # pinned (capacity, dim) float32
+    host_ptr: Any  # pinned (capacity + 1,) int64
+    host_items: Any  # pinned, like ex_items
+    staged: Any  # event: this slot's uploads are done
+    consumed: Any  # event: the compute stream no longer reads this slot
+    graph: Any = None
+    graph_key: tuple = field(default_factory=tuple)
+
+
+class CupyBackend:
+    """CuPy backend. Arrays are CuPy arrays on the current device."""
+
+    name = "gpu"
+    workers = 1  # blocks overlap on streams, not threads
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.xp = cupy
+        self.device = cupy.cuda.Device()
+        self.compute_stream = cupy.cuda.Stream(non_blocking=True)
+        self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+        self.use_graphs = os.environ.get("RECALL_CUDA_GRAPHS", "1") != "0"
+        self.stats: dict[str, float] = {}
+        mod = _kernels()
+        self._mask = mod.get_function("recall_mask_excluded")
+        self._filter = mod.get_function("recall_filter")
+        self._merge = mod.get_function("recall_merge")
+        self._merge_smem_limit = 0
+
+    # -- description and memory -------------------------------------------------------------------------------
+    def describe(self) -> str:
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        return f"gpu {self.device.id}: {name}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, cupy {cupy.__version__}"
+
+    def free_memory(self) -> int:
+        import cupy
+
+        free, _total = cupy.cuda.runtime.memGetInfo()
+        pool = cupy.get_default_memory_pool()
+        return int(free + pool.free_bytes())
+
+    def default_budget(self) -> int:
+        return min(8 << 30, self.free_memory() // 4)
+
+    def state_bytes(self, k: int) -> int:
+        # top keys + candidates + results + per-user scalars, plus the pinned/device staging of users (counted by
+        # the plan) twice over for the two pipeline slots.
+        return 8 * k + 8 * _candidate_capacity(k) + 12 * k + 32
+
+    def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
+        env = os.environ.get("RECALL_GPU_TILES")
+        if env:
+            users, width, tiles = (int(x) for x in env.split(","))
+            return users, width, tiles
+        # 1024 users x (2 x 4096) items: a 32 MiB float32 tile, under the H100/H200 L2 (50 MiB), so the selection
+        # kernels read scores the GEMM has just written without a round trip through HBM.
+        return 1024, 4096, 2
+
+    def compute_context(self) -> Any:
+        return self.compute_stream
+
+    # -- arrays -----------------------------------------------------------------------------------------------
+    def asarray(self, arr: Any) -> Any:
+        cupy = self.xp
+        if not hasattr(arr, "__cuda_array_interface__") and hasattr(arr, "__dlpack__") \
+                and not isinstance(arr, np.ndarray):
+            arr = cupy.from_dlpack(arr)
+        arr = cupy.asarray(arr)
+        dtype = cupy.int64 if arr.dtype.kind in "iu" else cupy.float32
+        return cupy.ascontiguousarray(arr, dtype=dtype)
+
+    def to_host(self, arr: Any) -> np.ndarray:
+        if isinstance(arr, np.ndarray):
+            return arr
+        self.compute_stream.synchronize()
+        return arr.get()
+
+    def synchronize(self) -> None:
+        self.compute_stream.synchronize()
+        self.copy_stream.synchronize()
+
+    # -- primitives (run on the current stream: the compute stream inside run_blocks) -------------------------
+    def gemm_strided_batched(self, users: Any, items: Any, out: Any) -> None:
+        """``out[b] = users[b or 0] @ items[b].T`` with one ``cublasSgemmStridedBatched``.
+
+        cuBLAS is column-major: a row-major (n, T) tile is a column-major (T, n) matrix, so each batch computes
+        ``out[b]ᵀ = items[b] · usersᵀ`` — A = items[b] (column-major d x T, transposed), B = users (d x n).
+        """
+        from cupy_backends.cuda.libs import cublas
+
+        tiles, width, dim = items.shape
+        n = users.shape[1]
+        stride_users = 0 if users.shape[0] == 1 else n * dim
+        handle = self.device.cublas_handle
+        cublas.sgemmStridedBatched(
+            handle, _OP_T, _OP_N, width, n, dim,
+            _ONE.ctypes.data, items.data.ptr, dim, width * dim,
+            users.data.ptr, dim, stride_users,
+            _ZERO.ctypes.data, out.data.ptr, width, n * width,
+            tiles)
+
+    def topk_new(self, n_users: int, k: int) -> GpuTopK:
+        return GpuTopK.allocate(n_users, k)
+
+    def topk_reset(self, state: GpuTopK, n_users: int) -> None:
+        # The final merge of the previous block left every row empty; only the row count changes.
+        state.n_users = n_users
+
+    def topk_update(self, state: GpuTopK, scores: Any, item_start: int, n_items: int, excl_indptr: Any,
+                    excl_items: Any) -> None:
+        tiles, n, width = scores.shape
+        if excl_items.size:
+            self._mask(((n + 127) // 128,), (128,),
+                       (scores, np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start),
+                        excl_indptr, excl_items))
+        self._filter((n, tiles), (_FILTER_THREADS,),
+                     (scores, np.int32(n), np.int32(width), np.int32(item_start), state.thr, state.cand,
+                      np.int32(state.cand_capacity), state.cnt))
+        self._launch_merge(state, scores, n, width, tiles, item_start, final=False)
+
+    def topk_result(self, state: GpuTopK) -> tuple[Any, Any]:
+        n = state.n_users
+        self._launch_merge(state, state.out_vals, n, 1, 1, 0, final=True)
+        return state.out_vals[:n], state.out_rows[:n]
+
+    def _launch_merge(self, state: GpuTopK, scores: Any, n: int, width: int, tiles: int, item_start: int,
+                      final: bool) -> None:
+        k_pad = _pow2(state.k)
+        smem = 8 * k_pad
+        if smem > 48 * 1024 and smem > self._merge_smem_limit:
+            self._merge.max_dynamic_shared_size_bytes = smem
+            self._merge_smem_limit = smem
+        self._merge((n,), (_MERGE_THREADS,),
+                    (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, scores,
+                     np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start), np.int32(state.k),
+                     np.int32(k_pad), np.int32(state.cand_capacity), np.int32(state.cand_capacity // 2),
+                     np.int32(1 if final else 0), state.out_vals, state.out_rows),
+                    shared_mem=smem)
+
+    # -- the block pipeline -----------------------------------------------------------------------------------
+    def run_blocks(self, plan: scoring.TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Any,
+                   out_vals: Any, out_rows: Any) -> None:
+        import cupy
+
+        n_users, dim = users.shape
+        cap = plan.user_block
+        blocks = [(s, min(s + cap, n_users)) for s in range(0, n_users, cap)]
+        max_excl = max(1, max(int(excl.indptr[e] - excl.indptr[s]) for s, e in blocks))
+        has_excl = excl.items.size > 0
+        host_users = isinstance(users, np.ndarray)
+        state = GpuTopK.allocate(cap, k)
+        scores_buf = cupy.empty(cap * plan.item_tile * plan.tiles_per_call, cupy.float32)
+        slots = [self._slot(cap, dim, max_excl) for _ in range(2)]
+        stats = {"blocks": len(blocks), "graph_blocks": 0}
+        compute, copy = self.compute_stream, self.copy_stream
+        # Our streams do not synchronise with the caller's: order them after whatever produced the inputs and
+        # the output arrays (the item upload, the caller's device users, the allocation of out_vals).
+        ready = cupy.cuda.get_current_stream().record()
+        compute.wait_event(ready)
+        copy.wait_event(ready)
+
+        for i, (start, stop) in enumerate(blocks):
+            slot = slots[i % 2]
+            n = stop - start
+            # Stage: wait until the compute stream is done with this slot (block i - 2), then upload.
+            slot.consumed.synchronize()  # the pinned buffers are rewritten by the host below
+            ptr, ex_items = excl.block(start, stop)
+            slot.host_ptr[: n + 1] = ptr
+            slot.host_ptr[n + 1:] = ptr[-1]  # rows past the block's end are empty
+            slot.host_items[: ex_items.size] = ex_items
+            with copy:
+                if host_users:
+                    slot.host_users[:n] = users[start:stop]
+                    slot.users.set(slot.host_users, stream=copy)
+                else:
+                    copy.wait_event(compute.record())  # device users may come from work queued on compute
+                    slot.users[:n] = users[start:stop]
+                slot.ex_ptr.set(slot.host_ptr, stream=copy)
+                if has_excl:
+                    slot.ex_items.set(slot.host_items, stream=copy)
+                slot.staged.record(copy)
+            with compute:
+                compute.wait_event(slot.staged)
+                self._search_slot(slot, i, plan, items, n_items, state, scores_buf, cap, has_excl, stats)
+                out_vals[start:stop, :k] = state.out_vals[:n]
+                out_rows[start:stop, :k] = state.out_rows[:n]
+                slot.consumed.record(compute)
+        compute.synchronize()
+        self.stats = stats
+
+    def _slot(self, cap: int, dim: int, max_excl: int) -> _Slot:
+        import cupy
+        import cupyx
+
+        return _Slot(users=cupy.zeros((cap, dim), cupy.float32), ex_ptr=cupy.zeros(cap + 1, cupy.int64),
+                     ex_items=cupy.zeros(max_excl, cupy.int64),
+                     host_users=cupyx.zeros_pinned((cap, dim), np.float32),
+                     host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
+                     staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
+
+    def _search_slot(self, slot: _Slot, i: int, plan: scoring.TilePlan, items: Any, n_items: int, state: GpuTopK,
+                     scores_buf: Any, cap: int, has_excl: bool, stats: dict) -> None:
+        """One block, always over the slot's full capacity of rows (rows past the real users are ignored), so that
+        every block runs the same launches and the graph captured for a slot replays for each of its blocks."""
+        ex_items = slot.ex_items if has_excl else slot.ex_items[:0]
+
+        def launches() -> None:
+            self.topk_reset(state, cap)
+            scoring.search_block(self, plan, slot.users, items, n_items, state, scores_buf, slot.ex_ptr, ex_items)
+            self.topk_result(state)
+
+        # The first block runs eagerly: it compiles and loads everything the capture must not have to.
+        if not self.use_graphs or i == 0:
+            launches()
+            return
+        key = (id(items), n_items, plan, state.k, has_excl, id(scores_buf))
+        if slot.graph is None or slot.graph_key != key:
+            slot.graph = self._capture(launches)
+            slot.graph_key = key
+        if slot.graph is None:
+            launches()
+        else:
+            slot.graph.launch(self.compute_stream)
+            stats["graph_blocks"] += 1
+
+    def _capture(self, launches: Any) -> Any:
+        stream = self.compute_stream
+        try:
+            stream.begin_capture()
+            try:
+                launches()
+            finally:
+                graph = stream.end_capture()
+            return graph
+        except Exception as exc:  # capture is an optimisation: never fail a search for it
+            log.warning("recall: CUDA graph capture failed (%s: %s); launching eagerly", type(exc).__name__, exc)
+            self.use_graphs = False
+            return None

@@ -1,0 +1,235 @@
+// Exact running top-k on the GPU, fed by cuBLAS score tiles (compiled at run time by NVRTC through CuPy).
+//
+// A (score, item row) pair is packed into one 64-bit key that orders exactly like the tie rule:
+//   high 32 bits: the float score mapped to an unsigned integer that sorts like the float;
+//   low 32 bits:  ~item_row, so that a lower row (the winner of a tie) gives a larger key.
+// Keys of real pairs are never 0, so 0 marks an empty slot. Larger key = better pair.
+//
+// Per search block of U users the state is, per user: the K best keys so far (unsorted), how many are valid, and
+// the score of the worst of them (the threshold; -inf until K are held). Per score tile:
+//   recall_mask_excluded  sets excluded (user, item) scores to -inf;
+//   recall_filter         appends keys of scores above the user's threshold to a per-user candidate buffer;
+//   recall_merge          folds candidates into the state (exact radix select) once the buffer is half full, or
+//                         rescans the tile when the buffer overflowed; with `final` set it sorts and writes results.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+#define RECALL_NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ u32 recall_f2ord(float f) {
+    u32 b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float recall_ord2f(u32 o) {
+    u32 b = (o & 0x80000000u) ? (o & 0x7fffffffu) : ~o;
+    return __uint_as_float(b);
+}
+
+__device__ __forceinline__ u64 recall_key(float s, int row) {
+    return ((u64)recall_f2ord(s) << 32) | (u64)(~(u32)row);
+}
+
+// One thread per user: walk the user's sorted exclusions that fall inside this segment.
+// ex_ptr has U + 1 entries (rows past the block's last user are empty).
+extern "C" __global__ void recall_mask_excluded(float* __restrict__ scores, int U, int T, int B, int item_start,
+                                                const long long* __restrict__ ex_ptr,
+                                                const long long* __restrict__ ex_items) {
+    int u = blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= U) return;
+    long long lo = ex_ptr[u], hi = ex_ptr[u + 1];
+    long long stop = (long long)item_start + (long long)B * T;
+    // first exclusion >= item_start
+    long long a = lo, b = hi;
+    while (a < b) {
+        long long m = (a + b) >> 1;
+        if (ex_items[m] < item_start) a = m + 1; else b = m;
+    }
+    for (long long e = a; e < hi; ++e) {
+        long long j = ex_items[e];
+        if (j >= stop) break;
+        long long off = j - item_start;
+        long long tile = off / T;
+        scores[(tile * U + u) * (long long)T + (off - tile * T)] = RECALL_NEG_INF;
+    }
+}
+
+// Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
+extern "C" __global__ void recall_filter(const float* __restrict__ scores, int U, int T, int item_start,
+                                         const float* __restrict__ thr, u64* __restrict__ cand, int C,
+                                         int* __restrict__ cnt) {
+    const int u = blockIdx.x, b = blockIdx.y;
+    const float* row = scores + ((long long)b * U + u) * (long long)T;
+    const float t = thr[u];
+    const int row0 = item_start + b * T;
+    const int lane = threadIdx.x & 31;
+    const bool vec = (T & 3) == 0;
+    for (int i0 = 0; i0 < T; i0 += blockDim.x * 4) {
+        const int i = i0 + threadIdx.x * 4;
+        float v[4];
+        if (vec && i + 3 < T) {
+            float4 q = *reinterpret_cast<const float4*>(row + i);
+            v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+        } else {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) v[c] = (i + c < T) ? row[i + c] : RECALL_NEG_INF;
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const bool pass = v[c] > t;
+            const unsigned m = __ballot_sync(0xffffffffu, pass);
+            if (m) {
+                const int leader = __ffs(m) - 1;
+                int pos0 = 0;
+                if (lane == leader) pos0 = atomicAdd(&cnt[u], __popc(m));
+                pos0 = __shfl_sync(0xffffffffu, pos0, leader);
+                if (pass) {
+                    const int pos = pos0 + __popc(m & ((1u << lane) - 1u));
+                    if (pos < C) cand[(long long)u * C + pos] = recall_key(v[c], row0 + i + c);
+                }
+            }
+        }
+    }
+}
+
+struct RecallSources {
+    const u64* top; int n_top;
+    const u64* cand; int n_cand;
+    const float* scores; int n_tile; int U; int T; int u; int item_start; float thr;
+};
+
+__device__ __forceinline__ u64 recall_key_at(const RecallSources& s, int i) {
+    if (i < s.n_top) return s.top[i];
+    i -= s.n_top;
+    if (i < s.n_cand) return s.cand[i];
+    i -= s.n_cand;
+    const int tile = i / s.T;
+    const float v = s.scores[((long long)tile * s.U + s.u) * (long long)s.T + (i - tile * s.T)];
+    return v > s.thr ? recall_key(v, s.item_start + i) : 0ull;
+}
+
+// One block per user. Dynamic shared memory: K_pad keys (K_pad = next power of two >= K).
+extern "C" __global__ void recall_merge(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
+                                        const u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
+                                        const float* __restrict__ scores, int U, int T, int B, int item_start,
+                                        int K, int K_pad, int C, int high_water, int final_pass,
+                                        float* __restrict__ out_vals, long long* __restrict__ out_rows) {
+    extern __shared__ u64 sel[];
+    __shared__ u32 hist[256];
+    __shared__ u64 s_prefix, s_mask, s_min;
+    __shared__ int s_want, s_done, s_count;
+
+    const int u = blockIdx.x;
+    const int c = cnt[u];
+    const bool overflow = c > C;
+    if (!final_pass && !overflow && c <= high_water) {
+        // Not worth a merge yet: the candidates stay, and the next tile appends after them.
+        if (threadIdx.x == 0) base[u] = c;
+        return;
+    }
+    RecallSources src;
+    src.top = top + (long long)u * K;
+    src.n_top = n_valid[u];
+    src.cand = cand + (long long)u * C;
+    // On overflow the buffer holds this tile's survivors only in part: keep the earlier tiles' candidates and
+    // rescan this tile's row (still resident) instead.
+    src.n_cand = overflow ? base[u] : c;
+    src.scores = scores;
+    src.n_tile = overflow ? B * T : 0;
+    src.U = U; src.T = T; src.u = u; src.item_start = item_start;
+    src.thr = thr[u];
+    const int total = src.n_top + src.n_cand + src.n_tile;
+
+    if (threadIdx.x == 0) { s_prefix = 0; s_mask = 0; s_want = K; s_done = 0; s_count = 0; s_min = ~0ull; }
+    // Radix select of the K-th largest key, 8 bits at a time from the top; stops as soon as every key sharing the
+    // chosen prefix is needed (keys are unique, so it stops at the latest on the last digit).
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const u64 prefix = s_prefix, mask = s_mask;
+        for (int i = threadIdx.x; i < total; i += blockDim.x) {
+            const u64 key = recall_key_at(src, i);
+            if (key != 0ull && (key & mask) == prefix) atomicAdd(&hist[(u32)(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            if (shift == 56) {
+                u32 n = 0;
+                for (int d = 0; d < 256; ++d) n += hist[d];
+                if (n <= (u32)K) s_done = 2;  // every valid key is kept
+            }
+            if (!s_done) {
+                int want = s_want;
+                u32 above = 0;
+                int d = 255;
+                for (; d > 0; --d) {
+                    if (above + hist[d] >= (u32)want) break;
+                    above += hist[d];
+                }
+                want -= (int)above;
+                s_prefix = prefix | ((u64)d << shift);
+                s_mask = mask | (0xffull << shift);
+                s_want = want;
+                if (hist[d] == (u32)want) s_done = 1;
+            }
+        }
+        __syncthreads();
+        if (s_done) break;
+    }
+    const u64 prefix = s_prefix, mask = s_mask;
+    const bool take_all = s_done == 2;
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        const u64 key = recall_key_at(src, i);
+        if (key != 0ull && (take_all || (key & mask) >= prefix)) {
+            const int pos = atomicAdd(&s_count, 1);
+            sel[pos] = key;
+            atomicMin(&s_min, key);
+        }
+    }
+    __syncthreads();
+    const int n_sel = s_count;
+
+    if (!final_pass) {
+        for (int i = threadIdx.x; i < n_sel; i += blockDim.x) top[(long long)u * K + i] = sel[i];
+        if (threadIdx.x == 0) {
+            n_valid[u] = n_sel;
+            thr[u] = n_sel == K ? recall_ord2f((u32)(s_min >> 32)) : RECALL_NEG_INF;
+            cnt[u] = 0;
+            base[u] = 0;
+        }
+        return;
+    }
+    // Final: sort descending (bitonic, padded with empty keys) and write scores and rows, best first.
+    for (int i = n_sel + threadIdx.x; i < K_pad; i += blockDim.x) sel[i] = 0ull;
+    __syncthreads();
+    for (int size = 2; size <= K_pad; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < (K_pad >> 1); i += blockDim.x) {
+                const int lo = 2 * i - (i & (stride - 1));
+                const int hi = lo + stride;
+                const bool desc = (lo & size) == 0;
+                const u64 a = sel[lo], b2 = sel[hi];
+                if ((a < b2) == desc) { sel[lo] = b2; sel[hi] = a; }
+            }
+            __syncthreads();
+        }
+    }
+    for (int r = threadIdx.x; r < K; r += blockDim.x) {
+        const u64 key = sel[r];
+        const long long o = (long long)u * K + r;
+        if (key == 0ull) {
+            out_vals[o] = RECALL_NEG_INF;
+            out_rows[o] = -1;
+        } else {
+            out_vals[o] = recall_ord2f((u32)(key >> 32));
+            out_rows[o] = (long long)(~(u32)(key & 0xffffffffull));
+        }
+    }
+    if (threadIdx.x == 0) {
+        n_valid[u] = 0;
+        thr[u] = RECALL_NEG_INF;
+        cnt[u] = 0;
+        base[u] = 0;
+    }
+}
