@@ -1,0 +1,403 @@
+"""The contenders of a benchmark: this engine, FAISS and torch, behind one small interface.
+
+A contender is measured like this (``runner.py``)::
+
+    reason = c.unavailable()         # None, or why it cannot run here -> reported as skipped, never dropped
+    c.prepare(items)                 # not timed: build the index, upload / convert the items
+    c.search(users, k)               # warm-up
+    c.sync(); t0; c.search(users, k); c.sync(); t1     # timed, repeated
+
+``search`` returns ``(indices, scores)``, each ``(n_users, k)``, where the contender left them: on the device for GPU
+contenders, so that copying a 100,000 x 1,000 answer back to the host is not charged to the kernel comparison. The
+runner brings the sampled users' rows to the host afterwards, for the oracle. Users and items are already resident on
+the device for every GPU contender alike (generated there by CuPy; torch sees them through DLPack, FAISS through raw
+device pointers), so the timed region is the search itself.
+
+Names ``xq`` (queries = users), ``xb`` (database = items), ``D`` (distances = scores) and ``I`` (indices) mirror FAISS.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ..errors import InputError
+
+FAMILIES = ("recall", "faiss", "torch")
+"""The contender families ``--contenders`` takes."""
+FAISS_GPU_MAX_K = 2048
+"""GpuIndexFlat refuses k > 2048 (verified on the H200 with FAISS 1.15.1)."""
+TORCH_SCORE_BYTES = 1 << 30
+"""Bytes of one torch score chunk (users_chunk x n_items): big enough to saturate the GPU, far from its memory."""
+
+
+def synchronize(device: str) -> None:
+    """Wait for every queued kernel on the current GPU (all streams: FAISS runs on its own); no-op on the CPU."""
+    if device != "gpu":
+        return
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+class Contender:
+    """Base class: one way of computing the top-k, on one device.
+
+    Attributes
+    ----------
+    name : str
+        Row label in the report, e.g. "recall", "faiss", "torch-bf16".
+    family : str
+        "recall", "faiss" or "torch".
+    device : {"cpu", "gpu"}
+    exact : bool
+        Whether the method claims exact results (bf16 does not; its recall is reported, not required).
+    """
+
+    name = "?"
+    family = "?"
+    exact = True
+
+    def __init__(self, device: str, metric: str = "ip") -> None:
+        self.device = device
+        self.metric = metric
+
+    def unavailable(self) -> str | None:
+        """None when this contender can run here, else the reason it cannot (one line)."""
+        return None
+
+    def unsupported(self, k: int, n_items: int) -> str | None:
+        """None when this contender can answer a top-``k`` query, else why not (e.g. FAISS GPU k > 2048)."""
+        return None
+
+    def prepare(self, item_vecs: Any) -> None:
+        """Build whatever the search needs from the items (not timed). ``item_vecs``: (n_items, dim) float32."""
+        raise NotImplementedError
+
+    def search(self, user_vecs: Any, k: int) -> tuple[Any, Any]:
+        """(indices (n_users, k) int64, scores (n_users, k) float) of the best ``k`` items per user (timed)."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Wait for this contender's queued work (called around the timed region)."""
+        synchronize(self.device)
+
+    def release(self) -> None:
+        """Drop the prepared index, so the next contender gets the memory."""
+
+
+# --- this engine ----------------------------------------------------------------------------------------------------
+
+
+def engine_precisions() -> list[str | None]:
+    """The engine's precision modes to benchmark: ["exact", "fast"] when ``Engine`` takes ``precision``, else [None]."""
+    from ..engine import Engine
+
+    if "precision" in inspect.signature(Engine).parameters:
+        return ["exact", "fast"]
+    return [None]
+
+
+class RecallContender(Contender):
+    """``recall.Engine`` on the CPU or the GPU, in one precision mode (None: the engine has no such parameter)."""
+
+    family = "recall"
+
+    def __init__(self, device: str, metric: str = "ip", precision: str | None = None,
+                 memory_budget: int | None = None) -> None:
+        super().__init__(device, metric)
+        self.precision = precision
+        self.memory_budget = memory_budget
+        self.name = "recall" if precision is None else f"recall-{precision}"
+        self.exact = precision in (None, "exact")
+        self._engine = None
+
+    def unavailable(self) -> str | None:
+        if self.device == "gpu":
+            from ..backends.probe import cuda_status
+
+            usable, reason = cuda_status()
+            if not usable:
+                return reason
+            try:
+                import recall.backends.cupy_backend  # noqa: F401
+            except ImportError as exc:
+                return f"the engine has no GPU backend yet ({exc})"
+        return None
+
+    def prepare(self, item_vecs: Any) -> None:
+        from ..engine import Engine
+
+        kwargs: dict[str, Any] = {"metric": self.metric, "device": self.device, "memory_budget": self.memory_budget}
+        if self.precision is not None:
+            kwargs["precision"] = self.precision
+        self._engine = Engine(item_vecs, **kwargs)
+
+    def search(self, user_vecs: Any, k: int) -> tuple[Any, Any]:
+        res = self._engine.search(user_vecs, k)
+        return res.indices, res.scores
+
+    def release(self) -> None:
+        self._engine = None
+
+
+# --- FAISS ----------------------------------------------------------------------------------------------------------
+
+
+def _import_faiss() -> tuple[Any, str | None]:
+    try:
+        import faiss
+    except ImportError as exc:
+        return None, f"faiss is not installed ({exc}); install the 'bench' extra (faiss-cpu) or 'bench-gpu' (faiss-gpu)"
+    except Exception as exc:  # a broken shared-library setup fails at import with assorted errors
+        return None, f"faiss failed to import: {type(exc).__name__}: {exc}"
+    return faiss, None
+
+
+class FaissContender(Contender):
+    """FAISS brute force: ``IndexFlatIP`` on the CPU, ``GpuIndexFlatIP`` on the GPU (``IndexFlatL2`` for l2).
+
+    For ``l2`` FAISS returns squared distances; they are negated so that, like the engine's, higher is better.
+    ``cosine`` normalises users and items first, as the engine does.
+    """
+
+    family = "faiss"
+    name = "faiss"
+
+    def __init__(self, device: str, metric: str = "ip") -> None:
+        super().__init__(device, metric)
+        self._index = None
+        self._res = None
+        self._faiss = None
+
+    def unavailable(self) -> str | None:
+        faiss, reason = _import_faiss()
+        if reason:
+            return reason
+        if self.device == "gpu":
+            if not hasattr(faiss, "StandardGpuResources"):
+                return "this faiss has no GPU support (faiss-cpu); install faiss-gpu >= 1.15 (sm_90 code for Hopper)"
+            if faiss.get_num_gpus() < 1:
+                return "faiss sees no GPU"
+        return None
+
+    def unsupported(self, k: int, n_items: int) -> str | None:
+        if self.device == "gpu" and k > FAISS_GPU_MAX_K:
+            return f"GpuIndexFlat supports k <= {FAISS_GPU_MAX_K}, asked for k={k}"
+        return None
+
+    def _normalised(self, x: Any) -> Any:
+        if self.metric != "cosine":
+            return x
+        xp = _array_module(x)
+        norms = xp.sqrt(xp.einsum("ij,ij->i", x.astype(xp.float64), x.astype(xp.float64)))
+        return (x / norms[:, None]).astype(xp.float32)
+
+    def prepare(self, item_vecs: Any) -> None:
+        faiss, _ = _import_faiss()
+        self._faiss = faiss
+        xb = self._normalised(item_vecs)
+        dim = int(xb.shape[1])
+        if self.device == "gpu":
+            self._res = faiss.StandardGpuResources()
+            cfg = faiss.GpuIndexFlatConfig()
+            cfg.device = _current_gpu()
+            index = (faiss.GpuIndexFlatL2 if self.metric == "l2" else faiss.GpuIndexFlatIP)(self._res, dim, cfg)
+            # add_c with a device pointer: FAISS copies device-to-device, the items never visit the host.
+            synchronize("gpu")
+            index.add_c(int(xb.shape[0]), faiss.cast_integer_to_float_ptr(int(xb.data.ptr)))
+            synchronize("gpu")
+            self._keep = xb  # keep the source alive until the copy is surely done
+        else:
+            import numpy as np
+
+            index = faiss.IndexFlatL2(dim) if self.metric == "l2" else faiss.IndexFlatIP(dim)
+            index.add(np.ascontiguousarray(xb, dtype=np.float32))
+        self._index = index
+
+    def search(self, user_vecs: Any, k: int) -> tuple[Any, Any]:
+        xq = self._normalised(user_vecs)
+        if self.device == "gpu":
+            import cupy
+
+            n = int(xq.shape[0])
+            xq = cupy.ascontiguousarray(xq, dtype=cupy.float32)
+            D = cupy.empty((n, k), dtype=cupy.float32)
+            I = cupy.empty((n, k), dtype=cupy.int64)
+            f = self._faiss
+            # Device pointers in, device pointers out: GpuIndex runs on resident data (what faiss.contrib.torch_utils
+            # does for torch tensors). FAISS works on its own stream; the runner synchronises the whole device.
+            self._index.search_c(n, f.cast_integer_to_float_ptr(int(xq.data.ptr)), k,
+                                 f.cast_integer_to_float_ptr(int(D.data.ptr)),
+                                 f.cast_integer_to_idx_t_ptr(int(I.data.ptr)))
+        else:
+            D, I = self._index.search(xq, k)
+        if self.metric == "l2":
+            D = -D
+        return I, D
+
+    def release(self) -> None:
+        self._index = None
+        self._res = None
+        self._keep = None
+
+
+# --- torch ----------------------------------------------------------------------------------------------------------
+
+
+def _import_torch() -> tuple[Any, str | None]:
+    try:
+        import torch
+    except ImportError as exc:
+        return None, f"torch is not installed ({exc})"
+    except Exception as exc:
+        return None, f"torch failed to import: {type(exc).__name__}: {exc}"
+    return torch, None
+
+
+class TorchContender(Contender):
+    """Chunked ``torch.matmul`` + ``torch.topk``: the baseline anyone would write first.
+
+    fp32 runs with TF32 off (``torch.backends.cuda.matmul.allow_tf32 = False``), so it is exact up to float32
+    rounding; ``bf16`` (GPU only) casts users and items to bfloat16 and is not exact: its recall is reported.
+    Users are taken in chunks whose score block is ``TORCH_SCORE_BYTES``.
+    """
+
+    family = "torch"
+
+    def __init__(self, device: str, metric: str = "ip", dtype: str = "fp32") -> None:
+        super().__init__(device, metric)
+        self.dtype_name = dtype
+        self.name = "torch" if dtype == "fp32" else f"torch-{dtype}"
+        self.exact = dtype == "fp32"
+        self._items = None
+        self._torch = None
+
+    def unavailable(self) -> str | None:
+        torch, reason = _import_torch()
+        if reason:
+            return reason
+        if self.device == "gpu" and not torch.cuda.is_available():
+            return "torch sees no CUDA GPU"
+        if self.device == "cpu" and self.dtype_name != "fp32":
+            return f"{self.dtype_name} is benchmarked on the GPU only"
+        return None
+
+    def _tensor(self, x: Any) -> Any:
+        torch = self._torch
+        if self.device == "gpu":
+            t = torch.from_dlpack(x)  # zero-copy view of the CuPy array
+        else:
+            t = torch.from_numpy(x)
+        return t
+
+    def _prepare_metric(self, t: Any, items: bool) -> Any:
+        torch = self._torch
+        if self.metric == "cosine":
+            return torch.nn.functional.normalize(t.double(), dim=1).float()
+        if self.metric == "l2":
+            # Same augmentation as the engine: rank by u.v - |v|^2/2 with users [u, 1] and items [v, -|v|^2/2].
+            extra = (-0.5 * (t.double() ** 2).sum(1, keepdim=True)).float() if items else torch.ones_like(t[:, :1])
+            return torch.cat([t, extra], dim=1)
+        return t
+
+    def prepare(self, item_vecs: Any) -> None:
+        torch, _ = _import_torch()
+        self._torch = torch
+        # "highest" keeps fp32 matmuls off TF32 tensor cores; the default may change between torch versions.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        items = self._prepare_metric(self._tensor(item_vecs), items=True)
+        if self.dtype_name == "bf16":
+            items = items.to(torch.bfloat16)
+        self._items_t = items.t()  # (dim, n_items) view: matmul(users, items.T) without a copy
+        self._items = items
+
+    def search(self, user_vecs: Any, k: int) -> tuple[Any, Any]:
+        torch = self._torch
+        users = self._tensor(user_vecs)
+        n_users, n_items = int(users.shape[0]), int(self._items.shape[0])
+        k_sel = min(k, n_items)
+        elem = 2 if self.dtype_name == "bf16" else 4
+        chunk = max(1, min(n_users, TORCH_SCORE_BYTES // (elem * n_items)))
+        D = torch.empty((n_users, k_sel), dtype=torch.float32, device=users.device)
+        I = torch.empty((n_users, k_sel), dtype=torch.int64, device=users.device)
+        for start in range(0, n_users, chunk):
+            xq = self._prepare_metric(users[start:start + chunk], items=False)
+            if self.dtype_name == "bf16":
+                xq = xq.to(torch.bfloat16)
+            vals, idx = torch.topk(torch.matmul(xq, self._items_t), k_sel, dim=1)
+            D[start:start + chunk] = vals
+            I[start:start + chunk] = idx
+        if self.metric == "l2":
+            sq = (users.double() ** 2).sum(1, keepdim=True).float()
+            D = 2.0 * D - sq
+        return I, D
+
+    def sync(self) -> None:
+        if self.device == "gpu" and self._torch is not None:
+            self._torch.cuda.synchronize()
+        synchronize(self.device)
+
+    def release(self) -> None:
+        self._items = None
+        self._items_t = None
+
+
+# --- helpers --------------------------------------------------------------------------------------------------------
+
+
+def _array_module(x: Any) -> Any:
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    import numpy
+
+    return numpy
+
+
+def _current_gpu() -> int:
+    import cupy
+
+    return int(cupy.cuda.Device().id)
+
+
+def parse_families(spec: str | list[str] | None) -> list[str]:
+    """``"recall,faiss"`` -> ["recall", "faiss"]; None -> every family.
+
+    Raises
+    ------
+    InputError
+        On an unknown family name or an empty list.
+    """
+    if spec is None:
+        return list(FAMILIES)
+    parts = spec if isinstance(spec, list) else [spec]
+    names = [p.strip() for part in parts for p in part.split(",") if p.strip()]
+    if not names:
+        raise InputError("--contenders is empty: expected a comma-separated list of " + ", ".join(FAMILIES))
+    for n in names:
+        if n not in FAMILIES:
+            raise InputError(f"unknown contender {n!r}: expected some of {', '.join(FAMILIES)}")
+    return list(dict.fromkeys(names))
+
+
+def build(families: list[str], device: str, metric: str = "ip", memory_budget: int | None = None) -> list[Contender]:
+    """The contenders of ``families`` on ``device``, in report order (every engine precision mode; torch-bf16 on GPU).
+
+    Raises
+    ------
+    InputError
+        On an unknown family.
+    """
+    out: list[Contender] = []
+    for fam in parse_families(families):
+        if fam == "recall":
+            out += [RecallContender(device, metric, p, memory_budget) for p in engine_precisions()]
+        elif fam == "faiss":
+            out.append(FaissContender(device, metric))
+        elif fam == "torch":
+            out.append(TorchContender(device, metric, "fp32"))
+            if device == "gpu":
+                out.append(TorchContender(device, metric, "bf16"))
+    return out

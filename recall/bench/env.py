@@ -1,0 +1,123 @@
+"""The environment a benchmark ran in, so that every number in a report can be traced to its machine."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _blas() -> str | None:
+    try:
+        cfg = np.show_config(mode="dicts")
+        blas = cfg["Build Dependencies"]["blas"]
+        return f"{blas.get('name')} {blas.get('version', '')}".strip()
+    except Exception:  # older NumPy has no mode="dicts"; the BLAS name is a nicety, not a requirement
+        return None
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def _gpu(info: dict[str, Any]) -> None:
+    from ..backends.probe import cuda_status
+
+    usable, reason = cuda_status()
+    info["gpu_usable"] = usable
+    info["gpu_status"] = reason
+    if not usable:
+        return
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"]
+    info["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+    info["gpu_memory_bytes"] = int(props["totalGlobalMem"])
+    info["gpu_compute_capability"] = f"{props['major']}.{props['minor']}"
+    info["gpu_count"] = int(cupy.cuda.runtime.getDeviceCount())
+    info["cuda_driver_api"] = _cuda_version(cupy.cuda.runtime.driverGetVersion())
+    info["cuda_runtime"] = _cuda_version(cupy.cuda.runtime.runtimeGetVersion())
+    smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    info["driver"] = smi.splitlines()[0] if smi else None
+
+
+def collect(device: str) -> dict[str, Any]:
+    """Date, machine, load and library versions; GPU name, driver and CUDA versions when ``device == "gpu"``.
+
+    Returns
+    -------
+    dict
+        JSON-serialisable; a library that is missing is recorded as None.
+    """
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        # Load before the run: on a shared machine, other work on the same cores makes every CPU time slower.
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "numpy": np.__version__,
+        "blas": _blas(),
+        "openblas_env": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS")},
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    try:
+        from .. import __version__
+        info["recall"] = __version__
+    except ImportError:
+        info["recall"] = None
+    commit = _run(["git", "rev-parse", "--short", "HEAD"])
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+    info["git_commit"] = None if commit is None else commit + ("+dirty" if dirty else "")
+    try:
+        import faiss
+        info["faiss"] = faiss.__version__
+        info["faiss_gpu"] = hasattr(faiss, "StandardGpuResources")
+        info["faiss_omp_threads"] = faiss.omp_get_max_threads()
+    except Exception:
+        info["faiss"] = None
+    try:
+        import numba
+        info["numba"] = numba.__version__
+        info["numba_threads"] = numba.config.NUMBA_NUM_THREADS
+    except Exception:
+        info["numba"] = None
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_cuda"] = torch.version.cuda
+    except Exception:
+        info["torch"] = None
+    try:
+        import cupy
+        info["cupy"] = cupy.__version__
+    except Exception:
+        info["cupy"] = None
+    if device == "gpu":
+        _gpu(info)
+    return info

@@ -1,0 +1,364 @@
+"""Run workloads x contenders: generate, prepare, warm up, time, check against the oracle, collect raw numbers.
+
+Timing protocol, the same for every contender: ``prepare`` (index build, uploads) is outside the timed region; one
+warm-up search (JIT compilation, cuBLAS heuristics, allocator pools); then ``repeat`` timed searches, each between two
+device-wide synchronisations on the GPU, timed with ``time.perf_counter``. The median is the headline, every repeat
+is kept. The answer of the last repeat is checked against the float64 oracle on a sample of users.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import BackendUnavailable, InputError
+from . import ceilings as ceil
+from . import contenders as cont
+from . import env, oracle
+from .workloads import Workload
+
+SCHEMA = 1
+"""Version of the results.json layout."""
+
+
+@dataclass
+class Settings:
+    """What to run. See ``recall bench --help`` for the meaning of each field."""
+
+    workloads: list[Workload]
+    device: str = "cpu"
+    families: list[str] = field(default_factory=lambda: list(cont.FAMILIES))
+    repeat: int = 3
+    seed: int = 0
+    sample_users: int = 1000
+    metric: str = "ip"
+    rtol: float = oracle.DEFAULT_RTOL
+    measure_ceilings: bool = False
+    e2e: bool = False
+    memory_budget: int | None = None
+    data: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    """Users' own (users, items) per workload name (``--users/--items``), used instead of generating."""
+
+    def validate(self) -> None:
+        """Raise InputError on values no run can use."""
+        if self.device not in ("cpu", "gpu"):
+            raise InputError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        if not isinstance(self.repeat, int) or self.repeat < 1:
+            raise InputError(f"--repeat must be >= 1, got {self.repeat!r}")
+        if not isinstance(self.sample_users, int) or self.sample_users < 1:
+            raise InputError(f"--sample-users must be >= 1, got {self.sample_users!r}")
+        if self.seed < 0:
+            raise InputError(f"--seed must be >= 0, got {self.seed}")
+        if self.metric not in ("ip", "cosine", "l2"):
+            raise InputError(f"unknown metric {self.metric!r}: expected ip, cosine or l2")
+        cont.parse_families(self.families)
+
+
+def _free_device_memory(device: str) -> None:
+    gc.collect()
+    if device != "gpu":
+        return
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+def _row(w: Workload, c_name: str, family: str, device: str, exact: bool, mode: str = "kernel") -> dict[str, Any]:
+    return {"workload": w.name, "kind": w.kind_label, "device": device, "contender": c_name, "family": family,
+            "mode": mode, "claims_exact": exact, "status": "ok", "reason": None, "n_users": w.n_users,
+            "n_items": w.n_items, "dim": w.dim, "k": w.k, "prepare_s": None, "warmup_s": None, "times_s": [],
+            "median_s": None, "users_per_s": None, "tflops": None, "check": None, "vs_faiss": None}
+
+
+def _finish_times(row: dict[str, Any], w: Workload) -> None:
+    t = statistics.median(row["times_s"])
+    row["median_s"] = t
+    row["users_per_s"] = w.n_users / t if t > 0 else None
+    row["tflops"] = w.flops / t / 1e12 if t > 0 else None
+
+
+def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings,
+                    log: Callable[[str], None]) -> dict[str, Any]:
+    row = _row(w, c.name, c.family, s.device, c.exact)
+    reason = c.unavailable() or c.unsupported(w.k, w.n_items)
+    if reason:
+        row.update(status="skipped", reason=reason)
+        log(f"  {c.name}: skipped ({reason})")
+        return row
+    try:
+        t0 = time.perf_counter()
+        c.prepare(items)
+        c.sync()
+        row["prepare_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        c.search(users, w.k)
+        c.sync()
+        row["warmup_s"] = time.perf_counter() - t0
+        answer = None
+        for _ in range(s.repeat):
+            answer = None  # let the previous answer's memory go before the next search allocates its own
+            c.sync()
+            t0 = time.perf_counter()
+            answer = c.search(users, w.k)
+            c.sync()
+            row["times_s"].append(time.perf_counter() - t0)
+        _finish_times(row, w)
+        indices, scores = answer
+        row["check"] = oracle.check(truth, items, indices, scores, rtol=s.rtol).as_dict()
+        log(f"  {c.name}: median {row['median_s']:.4g} s, recall@{w.k} {row['check']['recall']:.4f}")
+    except (BackendUnavailable, ImportError) as exc:
+        row.update(status="skipped", reason=f"{type(exc).__name__}: {exc}")
+        log(f"  {c.name}: skipped ({row['reason']})")
+    except Exception as exc:  # one contender failing must not lose the others' numbers
+        row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
+        log(f"  {c.name}: ERROR {row['reason']}")
+    finally:
+        answer = None
+        c.release()
+        _free_device_memory(s.device)
+    return row
+
+
+def _write_parquet(vecs: np.ndarray, path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n, dim = vecs.shape
+    flat = pa.array(np.ascontiguousarray(vecs, dtype=np.float32).ravel(), type=pa.float32())
+    emb = pa.FixedSizeListArray.from_arrays(flat, dim)
+    pq.write_table(pa.table({"id": pa.array(np.arange(n, dtype=np.int64)), "embedding": emb}), path)
+
+
+def _read_candidates(path: Path, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, scores) of the sampled users from a candidates Parquet whose user and item ids are row numbers."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path, columns=["user_id", "item_ids", "scores"])
+    user_ids = t.column("user_id").to_numpy()
+    where = {int(u): i for i, u in enumerate(user_ids)}
+    idx = np.full((rows.size, k), -1, dtype=np.int64)
+    sc = np.full((rows.size, k), -np.inf, dtype=np.float64)
+    items_col, scores_col = t.column("item_ids").to_pylist(), t.column("scores").to_pylist()
+    for j, r in enumerate(rows):
+        i = where.get(int(r))
+        if i is None:
+            continue
+        got = items_col[i][:k]
+        idx[j, :len(got)] = got
+        sc[j, :len(got)] = scores_col[i][:k]
+    return idx, sc
+
+
+def _e2e(w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings,
+         log: Callable[[str], None]) -> dict[str, Any]:
+    """Parquet to Parquet through ``recall.pipeline.score_files``: the whole job, with files in the page cache."""
+    row = _row(w, "recall", "recall", s.device, True, mode="e2e")
+    try:
+        from ..pipeline import score_files
+    except ImportError as exc:
+        row.update(status="skipped", reason=f"recall.pipeline.score_files is not available ({exc})")
+        log(f"  e2e: skipped ({row['reason']})")
+        return row
+    try:
+        with tempfile.TemporaryDirectory(prefix="recall-bench-e2e-") as tmp:
+            tmp_path = Path(tmp)
+            users_path, items_path = tmp_path / "users.parquet", tmp_path / "items.parquet"
+            # Ids are row numbers, so the candidates file maps straight back onto the oracle's rows.
+            _write_parquet(oracle.to_host(users), users_path)
+            _write_parquet(oracle.to_host(items), items_path)
+            row["input_bytes"] = users_path.stat().st_size + items_path.stat().st_size
+
+            def once(out: Path) -> float:
+                t0 = time.perf_counter()
+                score_files(str(users_path), str(items_path), str(out), w.k, metric=s.metric, device=s.device,
+                            memory_budget=s.memory_budget)
+                return time.perf_counter() - t0
+
+            row["warmup_s"] = once(tmp_path / "warmup.parquet")
+            os.remove(tmp_path / "warmup.parquet")
+            out = tmp_path / "out.parquet"
+            for _ in range(s.repeat):
+                if out.exists():
+                    os.remove(out)
+                row["times_s"].append(once(out))
+            _finish_times(row, w)
+            row["output_bytes"] = out.stat().st_size
+            idx, sc = _read_candidates(out, truth.rows, w.k)
+            row["check"] = oracle.check(truth, items, idx, sc, rtol=s.rtol, rows_are_sampled=True).as_dict()
+        log(f"  e2e: median {row['median_s']:.4g} s, recall@{w.k} {row['check']['recall']:.4f}")
+    except Exception as exc:
+        row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
+        log(f"  e2e: ERROR {row['reason']}")
+    return row
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """vs_faiss = FAISS median time / contender median time, within the same workload, device and mode."""
+    for r in rows:
+        if r["mode"] != "kernel":
+            continue  # an end-to-end job and a resident-data kernel are different things to compare
+        base = next((b for b in rows if b["family"] == "faiss" and b["mode"] == "kernel"
+                     and b["workload"] == r["workload"] and b["kind"] == r["kind"] and b["median_s"]), None)
+        if base is not None and r["median_s"]:
+            r["vs_faiss"] = base["median_s"] / r["median_s"]
+
+
+def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every workload of ``s`` against every contender and return the results document (see results.json).
+
+    Parameters
+    ----------
+    s : Settings
+    log : callable
+        Receives one-line progress messages.
+    argv : list of str, optional
+        The command line, recorded in the results.
+
+    Raises
+    ------
+    InputError
+        Invalid settings.
+    BackendUnavailable
+        ``device="gpu"`` (or ``measure_ceilings``) without a usable GPU.
+    """
+    s.validate()
+    if s.device == "gpu":
+        from ..backends.probe import cuda_status
+
+        usable, reason = cuda_status()
+        if not usable:
+            raise BackendUnavailable(f"--device gpu: no usable GPU: {reason}")
+    environment = env.collect(s.device)
+    ceilings = None
+    if s.measure_ceilings:
+        log("measuring ceilings (matmul rates, copy bandwidth)")
+        ceilings = ceil.measure()
+    elif s.device == "gpu":
+        ceilings = ceil.defaults_for(environment.get("gpu"))
+    doc: dict[str, Any] = {
+        "schema": SCHEMA, "command": argv, "environment": environment,
+        "settings": {"device": s.device, "families": list(s.families), "repeat": s.repeat, "seed": s.seed,
+                     "sample_users": s.sample_users, "metric": s.metric, "rtol": s.rtol, "e2e": s.e2e,
+                     "memory_budget": s.memory_budget, "timing": "perf_counter between device-wide synchronisations; "
+                     "median of repeats after one warm-up; prepare (index build, upload) not timed"},
+        "ceilings": ceilings, "workloads": [], "results": [],
+    }
+    built = cont.build(s.families, s.device, s.metric, s.memory_budget)
+    for w in s.workloads:
+        winfo: dict[str, Any] = {"name": w.name, "kind": w.kind_label, "n_users": w.n_users, "n_items": w.n_items,
+                                 "dim": w.dim, "k": w.k, "flops": w.flops, "status": "ok", "reason": None,
+                                 "floors": ceil.floors(w.n_users, w.n_items, w.dim, ceilings) if s.device == "gpu"
+                                 else None}
+        doc["workloads"].append(winfo)
+        log(f"{w.name}: {w.n_users:,} users x {w.n_items:,} items x {w.dim}, k={w.k}, {w.kind_label}, {s.device}")
+        if w.unsupported:
+            winfo.update(status="skipped", reason=w.unsupported)
+            log(f"  skipped: {w.unsupported}")
+            for c in built:
+                row = _row(w, c.name, c.family, s.device, c.exact)
+                row.update(status="skipped", reason=w.unsupported)
+                doc["results"].append(row)
+            continue
+        t0 = time.perf_counter()
+        if w.name in s.data:
+            users, items = s.data[w.name]
+        else:
+            users, items = w.generate(s.seed, s.device)
+        cont.synchronize(s.device)
+        winfo["generate_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rows = oracle.sample_rows(w.n_users, s.sample_users, s.seed)
+        truth = oracle.exact_topk(users, items, w.k, rows, metric=s.metric)
+        winfo["oracle_s"] = time.perf_counter() - t0
+        winfo["n_sample"] = int(rows.size)
+        results = [_time_contender(c, w, users, items, truth, s, log) for c in built]
+        if s.e2e:
+            results.append(_e2e(w, users, items, truth, s, log))
+        _ratios(results)
+        doc["results"].extend(results)
+        del users, items, truth
+        _free_device_memory(s.device)
+    return doc
+
+
+def problems(doc: dict[str, Any]) -> list[str]:
+    """Lines naming every contender that errored, or that claims exactness and missed (recall < 1)."""
+    out = []
+    for r in doc["results"]:
+        if r["status"] == "error":
+            out.append(f"{r['workload']}/{r['contender']} ({r['mode']}): {r['reason']}")
+        elif r["status"] == "ok" and r["claims_exact"] and r["check"] and not r["check"]["exact"]:
+            out.append(f"{r['workload']}/{r['contender']} ({r['mode']}): not exact, recall@{r['k']} "
+                       f"{r['check']['recall']:.6f} ({r['check']['users_short']} of {r['check']['n_sample']} "
+                       "sampled users short)")
+    return out
+
+
+def load_parquet_workload(users_path: Path, items_path: Path, k: int, device: str, id_col: str = "id",
+                          vec_col: str = "embedding") -> tuple[Workload, tuple[Any, Any]]:
+    """A workload from a user's own embedding files, and its (users, items) on ``device``.
+
+    Raises
+    ------
+    InputError
+        Missing file or column, vectors of unequal or mismatched dimension, nulls, k < 1.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InputError(f"--k must be an integer >= 1 with --users/--items, got {k!r}")
+    users = _read_vectors(Path(users_path), vec_col)
+    items = _read_vectors(Path(items_path), vec_col)
+    if users.shape[1] != items.shape[1]:
+        raise InputError(f"{users_path}: dimension {users.shape[1]} does not match {items_path}: {items.shape[1]}")
+    if device == "gpu":
+        import cupy
+
+        users, items = cupy.asarray(users), cupy.asarray(items)
+    name = f"{Path(users_path).stem}x{Path(items_path).stem}"
+    # The data kind of a user's own files is unknown: "file" in the report says so.
+    w = Workload(name, int(users.shape[0]), int(items.shape[0]), int(users.shape[1]), k, "file", device,
+                 f"{users_path} x {items_path}")
+    return w, (users, items)
+
+
+def _read_vectors(path: Path, vec_col: str) -> np.ndarray:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    try:
+        col = pq.read_table(path, columns=[vec_col]).column(vec_col).combine_chunks()
+    except (KeyError, pa.ArrowInvalid) as exc:
+        raise InputError(f"{path}: cannot read column {vec_col!r}: {exc}") from None
+    if not (pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type)
+            or pa.types.is_large_list(col.type)):
+        raise InputError(f"{path}: column {vec_col!r} has type {col.type}, expected a list of floats")
+    if col.null_count:
+        row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise InputError(f"{path}: row {row} has a null vector")
+    lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+    if lengths.size == 0:
+        raise InputError(f"{path}: no rows")
+    if (lengths != lengths[0]).any():
+        row = int(np.argmax(lengths != lengths[0]))
+        raise InputError(f"{path}: row {row} has dimension {lengths[row]}, expected {lengths[0]}")
+    flat = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.float32)
+    vecs = flat.reshape(lengths.size, int(lengths[0]))
+    if not np.isfinite(vecs).all():
+        row = int(np.argmax(~np.isfinite(vecs).all(axis=1)))
+        raise InputError(f"{path}: row {row} has a NaN or infinite value")
+    return vecs
