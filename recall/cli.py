@@ -128,14 +128,18 @@ def _show_progress(quiet: bool) -> bool:
     return not quiet and sys.stderr.isatty()
 
 
-@app.callback()
-def _root(
-    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True)] = False,
-) -> None:
-    """Exact top-k recommendation candidates: every user against every item, on the GPU or the CPU."""
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         typer.echo(f"recall {__version__}")
         raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True,
+                                          callback=_print_version)] = False,
+) -> None:
+    """Exact top-k recommendation candidates: every user against every item, on the GPU or the CPU."""
 
 
 def _run_score(users: Path, items: Path, out: Path, k: int, metric: Metric, exclude: Path | None, id_col: str,
