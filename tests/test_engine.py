@@ -130,6 +130,19 @@ def test_padding_in_ids_int_and_string(device, make_ties):
     assert ids[:, :3].tolist() == str_ids[idx[:, :3]].tolist()
 
 
+def test_padding_with_unsigned_int_ids(device, make_ties):
+    # Hashed ids are often uint64 (here some above 2**63). Padded slots need not hold any particular value (the
+    # contract is "test indices < 0"), but padding must not crash the search, and real slots must map exactly.
+    users, items = make_ties(3, 4, 3, seed=48)
+    ids = np.array([2**63 + 5, 7, 2**64 - 2, 0], dtype=np.uint64)
+    exclude = {1: [0, 1]}
+    idx, _, res = _search(Engine(items, ids=ids, device=device), users, 6, exclude)
+    got = as_numpy(res.ids)
+    assert got.shape == (3, 6)
+    real = idx >= 0
+    assert [int(x) for x in got[real]] == [int(x) for x in ids[idx[real]]]
+
+
 def test_one_user(device, make_normal):
     users, items = make_normal(1, 300, 8, seed=8)
     idx, val, _ = _search(Engine(items, device=device), users, 12)
@@ -296,6 +309,23 @@ def test_float64_overflowing_float32_is_rejected(device, make_normal):
     items[6, 1] = 1e300  # finite in float64, inf in float32
     with pytest.raises(InputError, match=r"row 6\b"):
         Engine(items, device=device)
+
+
+@pytest.mark.parametrize("metric, item, user", [
+    ("ip", [1e20, 0.0], [-1e20, 0.0]),  # the score -1e40 overflows float32 to -inf
+    ("ip", [1e20, -1e20], [1e20, 1e20]),  # inf + -inf: NaN inside the GEMM; the true score is 0
+    ("l2", [3e19, 0.0], [3e19, 0.0]),  # ||v||^2 overflows in the expanded form; the true score is exactly 0
+])
+def test_float32_overflow_is_not_silently_dropped(device, metric, item, user):
+    # Every input is finite in float32, so it passes validation; the item exists and passes, so with k=1 the engine
+    # must either return both items (k=2) or refuse the input with an InputError, never report "no item" (-1).
+    items = np.array([item, [1.0, 1.0]], np.float32)
+    users = np.array([user], np.float32)
+    try:
+        idx, _, _ = _search(Engine(items, metric=metric, device=device), users, 2)
+    except InputError:
+        return
+    assert np.all(idx >= 0), f"an existing item was silently dropped: indices {idx.tolist()}"
 
 
 def test_dimension_mismatch(device, make_normal):
