@@ -34,7 +34,7 @@ def _recall(row: dict[str, Any]) -> str:
     return text
 
 
-def _note(row: dict[str, Any]) -> str:
+def _note(row: dict[str, Any], repeats: bool) -> str:
     if row["status"] != "ok":
         return f"{row['status']}: {row['reason']}"
     notes = []
@@ -42,19 +42,19 @@ def _note(row: dict[str, Any]) -> str:
         notes.append("Parquet to Parquet")
     if not row["claims_exact"]:
         notes.append("not exact by design")
-    if len(row["times_s"]) > 1:
-        notes.append("repeats " + "/".join(f"{t:.3g}" for t in row["times_s"]))
+    if repeats and len(row["times_s"]) > 1:
+        notes.append("runs " + ", ".join(f"{t:.3g}" for t in row["times_s"]) + " s")
     return "; ".join(notes)
 
 
-def rows_as_text(doc: dict[str, Any]) -> list[list[str]]:
-    """One list of cell texts per result row, in ``COLUMNS`` order."""
+def rows_as_text(doc: dict[str, Any], repeats: bool = True) -> list[list[str]]:
+    """One list of cell texts per result row, in ``COLUMNS`` order; ``repeats`` lists every timed run in the note."""
     out = []
     for r in doc["results"]:
         name = r["contender"] + (" (e2e)" if r["mode"] == "e2e" else "")
         out.append([r["workload"], r["kind"], r["device"], name, _num(r["median_s"], 4), _num(r["users_per_s"]),
                     _num(r["tflops"]), _recall(r), _num(r["vs_faiss"]) + ("x" if r["vs_faiss"] else ""),
-                    _note(r)])
+                    _note(r, repeats)])
     return out
 
 
@@ -102,11 +102,14 @@ def print_table(doc: dict[str, Any], console: Any = None) -> None:
     from rich.table import Table
 
     console = console or Console()
+    if not console.is_terminal and console.width < 160:
+        # Logs and pipes get rich's 80-column default, which folds every cell; a log line may be long.
+        console = Console(width=160, file=console.file)
     table = Table(title="recall bench", show_lines=False)
     for col in COLUMNS:
         table.add_column(col, justify="right" if col not in ("workload", "kind", "device", "contender", "note")
                          else "left", overflow="fold")
-    for cells in rows_as_text(doc):
+    for cells in rows_as_text(doc, repeats=False):
         table.add_row(*cells)
     console.print(table)
     for line in floor_lines(doc):

@@ -31,6 +31,8 @@ NOISE = 0.35
 """Per-coordinate noise around a centre (centres are N(0, 1)): clusters are tight but overlap a little."""
 NORM_SIGMA = 0.5
 """Sigma of the log-normal item norms of the ``clustered`` kind."""
+ADVERSARIAL_BIAS = 2.0
+"""Strength of the ``adversarial`` users' shared direction, relative to their N(0, 1) noise (cosine to it ~0.9)."""
 TIE_RANGE = 2
 """``ties`` vectors have integer coordinates in [-TIE_RANGE, TIE_RANGE]: scores are small integers, exact in float32."""
 
@@ -262,10 +264,11 @@ def generate(kind: Kind | str, n_users: int, n_items: int, dim: int, seed: int =
         return users, items
 
     if kind is Kind.adversarial:
-        # Users lean one common way (a shared preference direction as strong as the noise), so "the mean user" is a
-        # meaningful direction and sorting items by their score against it makes scores rise along the item rows for
-        # most users, not just on average.
+        # Users lean one common way (a shared preference direction twice as strong as the noise), so "the mean
+        # user" is a meaningful direction and sorting items by their score against it makes scores rise along the
+        # item rows for most users, not just on average: with a weaker lean, a third of users see tiles that don't.
         bias = shared.normal((1, dim))
+        bias *= ADVERSARIAL_BIAS
         users = ru.normal((n_users, dim))
         users += bias
         items = ri.normal((n_items, dim))
