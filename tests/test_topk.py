@@ -192,3 +192,64 @@ def test_property_heap_matches_stable_argsort(problem):
     for row in idx:
         kept = row[row >= 0]
         assert np.unique(kept).size == kept.size
+
+
+# ---- the float64 oracle itself: the reference must be right, and its checks must be able to fail ----------------
+
+def test_oracle_by_hand():
+    users = np.array([[1.0, 0.0], [0.0, 0.0]])
+    items = np.array([[2.0, 0.0], [0.0, 5.0], [2.0, 1.0], [-1.0, 0.0]])
+    idx, val = oracle.topk(users, items, 3)
+    np.testing.assert_array_equal(idx, [[0, 2, 1], [0, 1, 2]])  # user 1: every score 0, row order
+    np.testing.assert_array_equal(val, [[2.0, 2.0, 0.0], [0.0, 0.0, 0.0]])
+    idx, val = oracle.topk(users, items, 6, "l2", exclude={0: [0, 0]})
+    np.testing.assert_array_equal(idx, [[2, 3, 1, -1, -1, -1], [3, 0, 2, 1, -1, -1]])
+    np.testing.assert_array_equal(val[0, :3], [-2.0, -4.0, -26.0])
+    assert np.all(np.isneginf(val[:, 4:]))
+    idx, _ = oracle.topk(np.array([[3.0, 4.0]]), np.array([[6.0, 8.0], [1.0, 0.0], [0.3, 0.4]]), 3, "cosine")
+    np.testing.assert_array_equal(idx, [[0, 2, 1]])
+    assert oracle.topk(np.zeros((0, 2)), items, 2)[0].shape == (0, 2)
+
+
+def test_oracle_csr_and_dict_exclusions_agree():
+    scores = np.arange(12, dtype=np.float64).reshape(2, 6)
+    a = oracle.topk_from_scores(scores, 4, {1: [5, 4]})
+    b = oracle.topk_from_scores(scores, 4, (np.array([0, 0, 2]), np.array([5, 4])))
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[0], [[5, 4, 3, 2], [3, 2, 1, 0]])
+
+
+def test_oracle_checks_can_fail():
+    rng = np.random.default_rng(1)
+    users = rng.standard_normal((6, 5))
+    items = rng.standard_normal((40, 5))
+    idx, val = oracle.topk(users, items, 5)
+    oracle.assert_topk_close(idx, val.astype(np.float32), users, items, 5)
+    assert oracle.recall_at_k(idx, users, items, 5) == 1.0
+    wrong = idx.copy()
+    wrong[2, 0] = oracle.topk(users, items, 40)[0][2, -1]  # the worst item in place of the best
+    with pytest.raises(AssertionError):
+        oracle.assert_topk_close(wrong, val, users, items, 5)
+    assert oracle.recall_at_k(wrong, users, items, 5) == pytest.approx(29 / 30)
+    dup = idx.copy()
+    dup[0, 1] = dup[0, 0]
+    with pytest.raises(AssertionError):
+        oracle.assert_topk_close(dup, val, users, items, 5)
+    assert oracle.recall_at_k(dup, users, items, 5) == pytest.approx(29 / 30)
+    with pytest.raises(AssertionError):
+        oracle.assert_topk_close(idx, val + 0.01, users, items, 5)
+    with pytest.raises(AssertionError):  # an excluded item returned
+        oracle.assert_topk_close(idx, val, users, items, 5, exclude={3: [int(idx[3, 4])]})
+
+
+def test_oracle_recall_is_tie_aware():
+    users = np.array([[1.0]])
+    items = np.array([[1.0], [1.0], [1.0], [0.0]])
+    # Any two of the three tied items are a correct top-2; the tie rule picks rows 0 and 1.
+    assert oracle.recall_at_k(np.array([[2, 1]]), users, items, 2) == 1.0
+    assert oracle.recall_at_k(np.array([[3, 1]]), users, items, 2) == 0.5
+    assert oracle.recall_at_k(np.array([[0, -1]]), users, items, 2) == 0.5
+    assert oracle.recall_at_k(np.array([[0, 1]]), users, items, 2, exclude={0: [0]}) == 0.5
+    # assert_topk_close (for float data) accepts any order among tied scores; the exact tie order is what the
+    # integer-data tests check, comparing indices exactly.
+    oracle.assert_topk_close(np.array([[1, 0]]), np.array([[1.0, 1.0]]), users, items, 2)
