@@ -58,11 +58,22 @@ class _StderrHandler(logging.Handler):
             self.handleError(record)
 
 
-def _setup_logging(quiet: bool, verbose: bool) -> None:
-    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
-        log.addHandler(_StderrHandler())
-        log.propagate = False
+@contextmanager
+def _logging(quiet: bool, verbose: bool) -> Iterator[None]:
+    """Show recall's notices on stderr for the length of a command, then put the logger back as it was.
+
+    Scoped rather than global so that embedding the CLI (or running it under a test runner) leaves the
+    ``recall`` logger's configuration to its owner.
+    """
+    handler = _StderrHandler()
+    old_level = log.level
+    log.addHandler(handler)
     log.setLevel(logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -187,8 +198,7 @@ def score(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-stage times.")] = False,
 ) -> None:
     """Score every user against every item and write each user's top-k items to Parquet."""
-    _setup_logging(quiet, verbose)
-    with _errors_to_exit():
+    with _logging(quiet, verbose), _errors_to_exit():
         if batch_size is not None and batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         _run_score(users, items, out, k, metric, exclude, id_col, vec_col, device, batch_size,
@@ -220,8 +230,7 @@ def demo(
     """Score the bundled sample (3,000 users x 5,000 items, with exclusions) and show a few users' top items."""
     import pyarrow.parquet as pq
 
-    _setup_logging(quiet, False)
-    with _errors_to_exit():
+    with _logging(quiet, False), _errors_to_exit():
         data_dir = data if data is not None else sample_dir()
         names = ("users.parquet", "items.parquet", "exclusions.parquet")
         missing = [n for n in names if not (data_dir / n).is_file()]
