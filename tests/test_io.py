@@ -201,6 +201,18 @@ def test_bad_embeddings_streamed(tmp_path: Path, case: str) -> None:
             pass
 
 
+def test_corrupt_data_pages(tmp_path: Path) -> None:
+    """A valid footer over damaged pages: the error is raised while reading, still naming the file."""
+    path = tmp_path / "corrupt.parquet"
+    pq.write_table(pa.table({"id": np.arange(1000), "embedding": vector_array(_vecs(1000, 8))}), path,
+                   compression="snappy")
+    data = bytearray(path.read_bytes())
+    data[100:2000] = bytes(b ^ 0xFF for b in data[100:2000])
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"corrupt\.parquet: (unreadable data after row \d+|not a Parquet file)"):
+        read_embeddings(path)
+
+
 def test_ragged_across_batches_names_global_row(tmp_path: Path) -> None:
     arr = _vecs(40, 4).tolist()
     arr[33] = arr[33] + [0.5]
