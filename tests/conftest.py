@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, settings
 # ``import oracle`` from test modules, whatever the rootdir/import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Small, bounded property tests; ``deadline=None`` because the first example of a process pays numba's compile/cache
-# load. The device fixture is a plain string, safe to share across examples.
+# ``deadline=None``: the first example in a process pays numba's compile or cache load, and a shared CI runner's
+# timing is no test. Each property test bounds its own ``max_examples``. The device fixture is a plain string, safe
+# to share across examples.
 settings.register_profile(
     "recall",
-    max_examples=25,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -62,12 +62,6 @@ def device(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def gpu_available() -> bool:
     return _gpu_status()[0]
-
-
-def to_numpy(arr):
-    """A host NumPy copy of a NumPy or CuPy array (results are CuPy only when users were device arrays)."""
-    get = getattr(arr, "get", None)
-    return get() if callable(get) and not isinstance(arr, np.ndarray) else np.asarray(arr)
 
 
 # ---- seeded data -------------------------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def _heap_problems(draw):
 
 
 @given(problem=_heap_problems())
-@settings(max_examples=80)
+@settings(max_examples=150)
 def test_property_heap_matches_stable_argsort(problem):
     full, k, width, tiles_per_call, n_items, excl = problem
     vals, idx = _run(full, k, width, tiles_per_call, n_items, excl)
