@@ -13,6 +13,10 @@ from .result import SearchResult
 
 log = logging.getLogger("recall")
 
+# Largest score magnitude we let the float32 arithmetic reach: a margin under float32's 3.4e38 keeps every partial sum
+# of the GEMM (bounded by |u|·|v|, Cauchy-Schwarz) and the l2 expansion finite.
+_SCORE_LIMIT = 1e37
+
 
 def _is_device_array(arr: Any) -> bool:
     return hasattr(arr, "__cuda_array_interface__") or (
@@ -85,11 +89,18 @@ class Engine:
             raise InputError("item_vecs: there are no items")
         self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
         self.ids = self._check_ids(ids)
-        if memory_budget is not None and (not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
+        if memory_budget is not None and (isinstance(memory_budget, (bool, np.bool_))
+                                          or not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
             raise InputError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
         self.memory_budget = int(memory_budget) if memory_budget is not None else self.backend.default_budget()
+        xp = self._xp_for(item_vecs)
+        self._item_norm = float(metrics._row_norms(xp, items).max()) if self.metric != "cosine" else 1.0
         prepared = metrics.prepare_items(self.metric, self._xp_for(item_vecs), items)
-        self._items = self.backend.asarray(prepared)  # uploaded once, resident for every search
+        # Uploaded (or, on the CPU, copied) once and resident for every search: a caller refilling its buffer
+        # afterwards must not change the engine's items.
+        self._items = self.backend.asarray(prepared)
+        if self._items is item_vecs or self._items is items or self._items is prepared:
+            self._items = self._items.copy()
 
     def _xp_for(self, arr: Any) -> Any:
         """The array module an input is validated and prepared with: the device's for device arrays on a GPU
@@ -104,16 +115,20 @@ class Engine:
     def _check_ids(self, ids: Any) -> np.ndarray | None:
         if ids is None:
             return None
-        ids = np.asarray(ids.get() if hasattr(ids, "get") and not isinstance(ids, np.ndarray) else ids)
+        ids = np.array(ids.get() if hasattr(ids, "get") and not isinstance(ids, np.ndarray) else ids, copy=True)
         if ids.shape != (self.n_items,):
             raise InputError(f"ids: expected {self.n_items} ids (one per item row), got shape {ids.shape}")
         if ids.dtype.kind in "US":
             ids = ids.astype(object)
-        uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
-        if uniq.size != ids.size:
-            dup = int(np.argmax(counts > 1))
-            rows = np.flatnonzero(ids == uniq[dup])[:2]
-            raise InputError(f"ids: duplicate item id {uniq[dup]!r} at rows {int(rows[0])} and {int(rows[1])}")
+        order = np.argsort(ids, kind="stable")
+        ranked = ids[order]
+        repeat = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1
+        if repeat.size:
+            # Name the first row (in file order) that repeats an earlier id, and that id's first row.
+            second = int(order[repeat].min())
+            first = int(np.flatnonzero(ids == ids[second])[0])
+            dup = ids[second].item() if hasattr(ids[second], "item") else ids[second]
+            raise InputError(f"ids: duplicate item id {dup!r} at rows {first} and {second}")
         return ids
 
     def search(self, user_vecs: Any, k: int, exclude: Any = None) -> SearchResult:
@@ -147,12 +162,27 @@ class Engine:
         xp = self._xp_for(user_vecs)
         users = _check_matrix(xp, user_vecs, "user_vecs", self.dim)
         n_users = int(users.shape[0])
+        self._check_overflow(xp, users)
         excl = normalise(exclude, n_users, self.n_items)
         vals, rows = self._search(metrics.prepare_users(self.metric, xp, users), k, excl)
         if xp is np:
             vals, rows = self.backend.to_host(vals), self.backend.to_host(rows)
         vals = metrics.finish_scores(self.metric, xp, vals, users)
         return SearchResult(indices=rows, scores=vals, ids=self._map_ids(rows))
+
+    def _check_overflow(self, xp: Any, users: Any) -> None:
+        """Refuse vectors whose scores could overflow float32 (they would come out as +-inf or NaN and be lost)."""
+        if self.metric == "cosine" or users.shape[0] == 0:
+            return
+        norms = metrics._row_norms(xp, users)
+        row = int(xp.argmax(norms))
+        top = float(norms[row])
+        bound = (top + self._item_norm) ** 2 if self.metric == "l2" else top * self._item_norm
+        if bound > _SCORE_LIMIT:
+            raise InputError(
+                f"user_vecs: row {row} has norm {top:.3g} and the largest item norm is {self._item_norm:.3g}: "
+                f"metric {self.metric!r} scores could overflow float32; rescale the vectors"
+            )
 
     def _search(self, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
         """(scores, item rows), each (n_users, k), in inner-product space."""
@@ -163,9 +193,8 @@ class Engine:
         rows = xp.full((n_users, k), -1, dtype=xp.int64)
         if n_users == 0:
             return vals, rows
-        # Each concurrent worker holds its own workspace, so the budget is shared out among them.
-        plan = scoring.plan_tiles(n_users, self.n_items, dim, k_sel, self.memory_budget // backend.workers,
-                                  backend.preferred_tiles(dim, k_sel), backend.state_bytes(k_sel))
+        plan = scoring.plan_tiles(n_users, self.n_items, dim, k_sel, self.memory_budget,
+                                  backend.preferred_tiles(dim, k_sel), backend.state_bytes(k_sel), backend.workers)
         backend.run_blocks(plan, users, self._items, self.n_items, k_sel, excl, vals, rows)
         return vals, rows
 
@@ -179,7 +208,7 @@ class Engine:
             out[valid] = self.ids[host_rows[valid]]
             return out
         out = self.ids[np.maximum(host_rows, 0)]
-        out[host_rows < 0] = -1
+        out[host_rows < 0] = np.iinfo(out.dtype).max if out.dtype.kind == "u" else -1
         if host_rows is rows:
             return out
         return self.backend.xp.asarray(out)

@@ -26,7 +26,8 @@ class SearchResult:
         Scores in the engine's metric, best first; -inf where padded.
     ids : array, shape (n_users, k)
         ``item_ids[indices]``; the row positions themselves when the engine has no ids. Padded slots hold -1 for
-        integer ids and ``None`` for string ids: test ``indices < 0`` to find them.
+        signed integer ids, the dtype's maximum for unsigned ones and ``None`` for string ids: test ``indices < 0``
+        to find them.
 
     ``indices`` and ``scores`` are CuPy arrays when the users were given as device arrays, NumPy arrays otherwise.
     """

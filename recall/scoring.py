@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import queue
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 from .errors import ResourceError
@@ -19,19 +19,21 @@ class TilePlan:
     user_block: int
     item_tile: int
     tiles_per_call: int
+    workers: int = 1  # blocks searched at once, each holding its own workspace
 
     def workspace_bytes(self, dim: int, k: int, state_bytes_per_user: int) -> int:
-        """Bytes of working memory one block of the search holds: the score tiles, the user block and the top-k."""
+        """Bytes of working memory the search holds: per worker, the score tiles, the user block and the top-k."""
         scores = 4 * self.user_block * self.item_tile * self.tiles_per_call
         users = 4 * self.user_block * dim
-        return scores + users + self.user_block * state_bytes_per_user
+        return self.workers * (scores + users + self.user_block * state_bytes_per_user)
 
 
 def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, preferred: tuple[int, int, int],
-               state_bytes_per_user: int) -> TilePlan:
+               state_bytes_per_user: int, workers: int = 1) -> TilePlan:
     """The largest tiling at most ``preferred`` whose workspace fits in ``budget`` bytes.
 
-    Shrinks the number of tiles per call first, then the item tile, then the user block, halving each.
+    Shrinks the number of tiles per call first, then the item tile (to 256), then the user block, then the number
+    of concurrent workers, then the item tile to 1, halving each.
 
     Raises
     ------
@@ -42,16 +44,19 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
     user_block = max(1, min(pref_users, n_users))
     item_tile = max(1, min(pref_tile, n_items))
     tiles = max(1, min(pref_tiles, -(-n_items // item_tile)))
-    plan = TilePlan(user_block, item_tile, tiles)
+    workers = max(1, min(workers, -(-n_users // user_block)))
+    plan = TilePlan(user_block, item_tile, tiles, workers)
     while plan.workspace_bytes(dim, k, state_bytes_per_user) > budget:
         if plan.tiles_per_call > 1:
-            plan = TilePlan(plan.user_block, plan.item_tile, plan.tiles_per_call // 2)
+            plan = replace(plan, tiles_per_call=plan.tiles_per_call // 2)
         elif plan.item_tile > 256:
-            plan = TilePlan(plan.user_block, plan.item_tile // 2, 1)
+            plan = replace(plan, item_tile=plan.item_tile // 2)
         elif plan.user_block > 1:
-            plan = TilePlan(plan.user_block // 2, plan.item_tile, 1)
+            plan = replace(plan, user_block=plan.user_block // 2)
+        elif plan.workers > 1:
+            plan = replace(plan, workers=plan.workers // 2)
         elif plan.item_tile > 1:
-            plan = TilePlan(1, plan.item_tile // 2, 1)
+            plan = replace(plan, item_tile=plan.item_tile // 2)
         else:
             need = plan.workspace_bytes(dim, k, state_bytes_per_user)
             raise ResourceError(
@@ -99,7 +104,7 @@ def run_blocks(backend: Any, plan: TilePlan, users: Any, items: Any, n_items: in
     """
     n_users = users.shape[0]
     blocks = [(start, min(start + plan.user_block, n_users)) for start in range(0, n_users, plan.user_block)]
-    workers = max(1, min(backend.workers, len(blocks)))
+    workers = max(1, min(plan.workers, len(blocks)))
     workspaces: queue.SimpleQueue = queue.SimpleQueue()
     for _ in range(workers):
         workspaces.put((backend.topk_new(plan.user_block, k),

@@ -44,6 +44,35 @@ def _kernels() -> Any:
         return _modules[dev]
 
 
+_cublas_lib: Any = None
+
+
+def _captured_sgemm_strided_batched(stream_ptr: int, handle: int, transa: int, transb: int, m: int, n: int, k: int,
+                                    alpha: int, a: int, lda: int, stride_a: int, b: int, ldb: int, stride_b: int,
+                                    beta: int, c: int, ldc: int, stride_c: int, batch: int) -> None:
+    """``cublasSgemmStridedBatched`` through ctypes, on the libcublas CuPy has loaded (found in /proc/self/maps)."""
+    import ctypes
+
+    global _cublas_lib
+    if _cublas_lib is None:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libcublas.so" in line})
+        if not paths:
+            raise RuntimeError("libcublas is not loaded in this process")
+        lib = ctypes.CDLL(paths[0])
+        lib.cublasSetStream_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cublasSetPointerMode_v2.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        lib.cublasSgemmStridedBatched.argtypes = [p, i, i, i, i, i, p, p, i, ll, p, i, ll, p, p, i, ll, i]
+        _cublas_lib = lib
+    lib = _cublas_lib
+    for status in (lib.cublasSetStream_v2(handle, stream_ptr), lib.cublasSetPointerMode_v2(handle, 0),
+                   lib.cublasSgemmStridedBatched(handle, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                                                 stride_b, beta, c, ldc, stride_c, batch)):
+        if status != 0:
+            raise RuntimeError(f"cuBLAS call failed during graph capture: status {status}")
+
+
 def _candidate_capacity(k: int) -> int:
     # Room for several tiles' survivors between merges; a merge runs once a user's buffer is half full.
     return max(4096, 4 * k)
@@ -126,6 +155,7 @@ class CupyBackend:
         self._filter = mod.get_function("recall_filter")
         self._merge = mod.get_function("recall_merge")
         self._merge_smem_limit = 0
+        self._capturing = False
 
     # -- description and memory -------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -195,12 +225,18 @@ class CupyBackend:
         n = users.shape[1]
         stride_users = 0 if users.shape[0] == 1 else n * dim
         handle = self.device.cublas_handle
-        cublas.sgemmStridedBatched(
-            handle, _OP_T, _OP_N, width, n, dim,
-            _ONE.ctypes.data, items.data.ptr, dim, width * dim,
-            users.data.ptr, dim, stride_users,
-            _ZERO.ctypes.data, out.data.ptr, width, n * width,
-            tiles)
+        args = (handle, _OP_T, _OP_N, width, n, dim,
+                _ONE.ctypes.data, items.data.ptr, dim, width * dim,
+                users.data.ptr, dim, stride_users,
+                _ZERO.ctypes.data, out.data.ptr, width, n * width,
+                tiles)
+        if self._capturing:
+            # CuPy's bindings refuse cuBLAS calls while a stream is being captured, although cuBLAS itself
+            # supports capture; make the same call on the same handle through the library CuPy loaded.
+            _captured_sgemm_strided_batched(self.compute_stream.ptr, *args)
+            return
+        cublas.setPointerMode(handle, 0)  # alpha and beta are host scalars (CuPy may leave device mode set)
+        cublas.sgemmStridedBatched(*args)
 
     def topk_new(self, n_users: int, k: int) -> GpuTopK:
         return GpuTopK.allocate(n_users, k)
@@ -217,17 +253,17 @@ class CupyBackend:
                        (scores, np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start),
                         excl_indptr, excl_items))
         self._filter((n, tiles), (_FILTER_THREADS,),
-                     (scores, np.int32(n), np.int32(width), np.int32(item_start), state.thr, state.cand,
-                      np.int32(state.cand_capacity), state.cnt))
-        self._launch_merge(state, scores, n, width, tiles, item_start, final=False)
+                     (scores, np.int32(n), np.int32(width), np.int32(item_start), np.int32(n_items), state.thr,
+                      state.cand, np.int32(state.cand_capacity), state.cnt))
+        self._launch_merge(state, scores, n, width, tiles, item_start, n_items, final=False)
 
     def topk_result(self, state: GpuTopK) -> tuple[Any, Any]:
         n = state.n_users
-        self._launch_merge(state, state.out_vals, n, 1, 1, 0, final=True)
+        self._launch_merge(state, state.out_vals, n, 1, 1, 0, 0, final=True)
         return state.out_vals[:n], state.out_rows[:n]
 
     def _launch_merge(self, state: GpuTopK, scores: Any, n: int, width: int, tiles: int, item_start: int,
-                      final: bool) -> None:
+                      n_items: int, final: bool) -> None:
         k_pad = _pow2(state.k)
         smem = 8 * k_pad
         if smem > 48 * 1024 and smem > self._merge_smem_limit:
@@ -235,7 +271,8 @@ class CupyBackend:
             self._merge_smem_limit = smem
         self._merge((n,), (_MERGE_THREADS,),
                     (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, scores,
-                     np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start), np.int32(state.k),
+                     np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start), np.int32(n_items),
+                     np.int32(state.k),
                      np.int32(k_pad), np.int32(state.cand_capacity), np.int32(state.cand_capacity // 2),
                      np.int32(1 if final else 0), state.out_vals, state.out_rows),
                     shared_mem=smem)
@@ -330,9 +367,11 @@ class CupyBackend:
         stream = self.compute_stream
         try:
             stream.begin_capture()
+            self._capturing = True
             try:
                 launches()
             finally:
+                self._capturing = False
                 graph = stream.end_capture()
             return graph
         except Exception as exc:  # capture is an optimisation: never fail a search for it

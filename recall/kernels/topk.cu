@@ -57,7 +57,7 @@ extern "C" __global__ void recall_mask_excluded(float* __restrict__ scores, int 
 
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
 extern "C" __global__ void recall_filter(const float* __restrict__ scores, int U, int T, int item_start,
-                                         const float* __restrict__ thr, u64* __restrict__ cand, int C,
+                                         int n_items, const float* __restrict__ thr, u64* __restrict__ cand, int C,
                                          int* __restrict__ cnt) {
     const int u = blockIdx.x, b = blockIdx.y;
     const float* row = scores + ((long long)b * U + u) * (long long)T;
@@ -77,7 +77,7 @@ extern "C" __global__ void recall_filter(const float* __restrict__ scores, int U
         }
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            const bool pass = v[c] > t;
+            const bool pass = v[c] > t && row0 + i + c < n_items;
             const unsigned m = __ballot_sync(0xffffffffu, pass);
             if (m) {
                 const int leader = __ffs(m) - 1;
@@ -96,7 +96,7 @@ extern "C" __global__ void recall_filter(const float* __restrict__ scores, int U
 struct RecallSources {
     const u64* top; int n_top;
     const u64* cand; int n_cand;
-    const float* scores; int n_tile; int U; int T; int u; int item_start; float thr;
+    const float* scores; int n_tile; int U; int T; int u; int item_start; int n_items; float thr;
 };
 
 __device__ __forceinline__ u64 recall_key_at(const RecallSources& s, int i) {
@@ -106,14 +106,14 @@ __device__ __forceinline__ u64 recall_key_at(const RecallSources& s, int i) {
     i -= s.n_cand;
     const int tile = i / s.T;
     const float v = s.scores[((long long)tile * s.U + s.u) * (long long)s.T + (i - tile * s.T)];
-    return v > s.thr ? recall_key(v, s.item_start + i) : 0ull;
+    return (v > s.thr && s.item_start + i < s.n_items) ? recall_key(v, s.item_start + i) : 0ull;
 }
 
 // One block per user. Dynamic shared memory: K_pad keys (K_pad = next power of two >= K).
 extern "C" __global__ void recall_merge(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
                                         const u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
                                         const float* __restrict__ scores, int U, int T, int B, int item_start,
-                                        int K, int K_pad, int C, int high_water, int final_pass,
+                                        int n_items, int K, int K_pad, int C, int high_water, int final_pass,
                                         float* __restrict__ out_vals, long long* __restrict__ out_rows) {
     extern __shared__ u64 sel[];
     __shared__ u32 hist[256];
@@ -137,7 +137,7 @@ extern "C" __global__ void recall_merge(u64* __restrict__ top, int* __restrict__
     src.n_cand = overflow ? base[u] : c;
     src.scores = scores;
     src.n_tile = overflow ? B * T : 0;
-    src.U = U; src.T = T; src.u = u; src.item_start = item_start;
+    src.U = U; src.T = T; src.u = u; src.item_start = item_start; src.n_items = n_items;
     src.thr = thr[u];
     const int total = src.n_top + src.n_cand + src.n_tile;
 
