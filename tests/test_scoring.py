@@ -18,21 +18,23 @@ from recall.scoring import TilePlan, item_segments, plan_tiles
 
 def _shrink_sequence(start: TilePlan) -> list[TilePlan]:
     """The documented order, written out independently: tiles per call halve to 1, then the item tile halves down
-    to 256, then the user block halves to 1, then the item tile halves to 1."""
+    to 256, then the user block halves to 1, then the concurrent workers halve to 1, then the item tile halves to 1."""
     seq = [start]
-    p = start
+    u, t, c, w = start.user_block, start.item_tile, start.tiles_per_call, start.workers
     while True:
-        if p.tiles_per_call > 1:
-            p = TilePlan(p.user_block, p.item_tile, p.tiles_per_call // 2)
-        elif p.item_tile > 256:
-            p = TilePlan(p.user_block, p.item_tile // 2, 1)
-        elif p.user_block > 1:
-            p = TilePlan(p.user_block // 2, p.item_tile, 1)
-        elif p.item_tile > 1:
-            p = TilePlan(1, p.item_tile // 2, 1)
+        if c > 1:
+            c //= 2
+        elif t > 256:
+            t //= 2
+        elif u > 1:
+            u //= 2
+        elif w > 1:
+            w //= 2
+        elif t > 1:
+            t //= 2
         else:
             return seq
-        seq.append(p)
+        seq.append(TilePlan(u, t, c, w))
 
 
 def test_plan_is_preferred_when_it_fits():
@@ -47,18 +49,21 @@ def test_plan_clips_to_the_problem():
     assert plan == TilePlan(256, 4096, 3)  # ceil(9000 / 4096) tiles cover the items
 
 
-@pytest.mark.parametrize("preferred", [(256, 4096, 8), (64, 1024, 3), (5, 300, 1)])
-def test_shrink_order(preferred):
+@pytest.mark.parametrize("preferred, workers", [((256, 4096, 8), 1), ((64, 1024, 3), 4), ((5, 300, 1), 3),
+                                                 ((1, 1, 1), 2)])
+def test_shrink_order(preferred, workers):
     n_users, n_items, dim, k, state = 100_000, 1_000_000, 32, 50, 600
-    seq = _shrink_sequence(TilePlan(*preferred))
+    seq = _shrink_sequence(TilePlan(*preferred, workers))
     sizes = [p.workspace_bytes(dim, k, state) for p in seq]
     assert all(a > b for a, b in zip(sizes, sizes[1:])), "each step must shrink the workspace"
     for i, (plan, size) in enumerate(zip(seq, sizes)):
         # A budget of exactly this plan's workspace gives this plan: the first in the order that fits ...
-        assert plan_tiles(n_users, n_items, dim, k, size, preferred, state) == plan
+        assert plan_tiles(n_users, n_items, dim, k, size, preferred, state, workers) == plan
         # ... and one byte less the next one.
         if i + 1 < len(seq):
-            assert plan_tiles(n_users, n_items, dim, k, size - 1, preferred, state) == seq[i + 1]
+            assert plan_tiles(n_users, n_items, dim, k, size - 1, preferred, state, workers) == seq[i + 1]
+    with pytest.raises(ResourceError):
+        plan_tiles(n_users, n_items, dim, k, sizes[-1] - 1, preferred, state, workers)
 
 
 def test_shrinks_tiles_first_then_item_tile_then_users():
@@ -73,6 +78,19 @@ def test_shrinks_tiles_first_then_item_tile_then_users():
     assert p.item_tile == 256 and p.user_block < 128
     p = plan_tiles(10**6, 10**6, dim, k, TilePlan(1, 256, 1).workspace_bytes(dim, k, state) - 1, preferred, state)
     assert p.user_block == 1 and p.item_tile < 256
+
+
+def test_workers_each_hold_a_workspace_and_never_outnumber_blocks():
+    dim, k, state = 8, 10, 120
+    one = TilePlan(4, 100, 1).workspace_bytes(dim, k, state)
+    assert TilePlan(4, 100, 1, 3).workspace_bytes(dim, k, state) == 3 * one
+    # 10 users in blocks of 4: three blocks, so at most three workers however many cores.
+    assert plan_tiles(10, 100, dim, k, 1 << 30, (4, 4096, 1), state, 16).workers == 3
+    assert plan_tiles(1, 100, dim, k, 1 << 30, (4, 4096, 1), state, 16).workers == 1
+    # A budget for two workers' workspaces keeps two, a byte less halves them before touching the item tile.
+    two = TilePlan(1, 100, 1, 2).workspace_bytes(dim, k, state)
+    assert plan_tiles(10, 100, dim, k, two, (1, 4096, 1), state, 2) == TilePlan(1, 100, 1, 2)
+    assert plan_tiles(10, 100, dim, k, two - 1, (1, 4096, 1), state, 2) == TilePlan(1, 100, 1, 1)
 
 
 def test_smallest_tile_and_resource_error_numbers():
@@ -91,12 +109,12 @@ def test_smallest_tile_and_resource_error_numbers():
 
 @given(n_users=st.integers(1, 5000), n_items=st.integers(1, 50_000), dim=st.integers(1, 300),
        k=st.integers(1, 500), budget=st.integers(1, 1 << 26),
-       preferred=st.tuples(st.integers(1, 512), st.integers(1, 8192), st.integers(1, 16)))
+       preferred=st.tuples(st.integers(1, 512), st.integers(1, 8192), st.integers(1, 16)), workers=st.integers(1, 64))
 @settings(max_examples=200)
-def test_property_plan_fits_or_raises(n_users, n_items, dim, k, budget, preferred):
+def test_property_plan_fits_or_raises(n_users, n_items, dim, k, budget, preferred, workers):
     state = 12 * k
     try:
-        plan = plan_tiles(n_users, n_items, dim, k, budget, preferred, state)
+        plan = plan_tiles(n_users, n_items, dim, k, budget, preferred, state, workers)
     except ResourceError as exc:
         assert budget < TilePlan(1, 1, 1).workspace_bytes(dim, k, state)
         assert re.search(rf"{budget:,} bytes", str(exc))
@@ -105,6 +123,8 @@ def test_property_plan_fits_or_raises(n_users, n_items, dim, k, budget, preferre
     assert 1 <= plan.user_block <= min(preferred[0], n_users)
     assert 1 <= plan.item_tile <= min(preferred[1], n_items)
     assert 1 <= plan.tiles_per_call <= preferred[2]
+    assert 1 <= plan.workers <= workers
+    assert plan.workers <= -(-n_users // plan.user_block), "a worker with no block to search"
     assert (plan.tiles_per_call - 1) * plan.item_tile < n_items, "no GEMM call needs a whole tile past the end"
 
 
