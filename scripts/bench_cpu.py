@@ -32,12 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out/cpu"))
     args = parser.parse_args(argv)
 
-    from rich.console import Console
-
     from recall.bench import report, runner, workloads
     from recall.errors import InputError
 
-    console = Console()
+    console = report.make_console()
     set_vars = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ]
     if set_vars:
         console.print(f"note: {', '.join(set_vars)} set; see this script's docstring", style="yellow")

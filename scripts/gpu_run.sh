@@ -32,13 +32,14 @@ if [ ! -f /tmp/faiss_env.sh ] && [ -f .device/faiss-gpu-setup.sh ]; then
     bash .device/faiss-gpu-setup.sh >"$OUT/setup.log" 2>&1 || echo "FAISS GPU setup failed: see setup.log"
 fi
 if [ -f /tmp/faiss_env.sh ]; then
+    # It prepends FAISS's folder to PYTHONPATH: the commands below add "." in front of it, not instead of it.
     # shellcheck disable=SC1091
     source /tmp/faiss_env.sh
 fi
 
 tests_rc=0
 if [ "$RUN_TESTS" = 1 ]; then
-    PYTHONPATH=. timeout "$TEST_TIMEOUT" python3 -m pytest -m gpu -q -x >"$OUT/gpu-tests.log" 2>&1
+    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "$TEST_TIMEOUT" python3 -m pytest -m gpu -q -x >"$OUT/gpu-tests.log" 2>&1
     tests_rc=$?
 fi
 
@@ -48,7 +49,7 @@ for w in $WORKLOADS; do args+=(--workload "$w"); done
 [ "$CEILINGS" = 1 ] && args+=(--ceilings)
 # shellcheck disable=SC2206
 [ -n "$BENCH_ARGS" ] && args+=($BENCH_ARGS)
-PYTHONPATH=. timeout "$BENCH_TIMEOUT" python3 -m recall bench "${args[@]}" >"$OUT/bench.log" 2>&1
+PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "$BENCH_TIMEOUT" python3 -m recall bench "${args[@]}" >"$OUT/bench.log" 2>&1
 bench_rc=$?
 
 echo "== gpu tests (rc $tests_rc): $(tail -n 1 "$OUT/gpu-tests.log" 2>/dev/null || echo 'not run')"

@@ -89,14 +89,12 @@ def bench(
     list_: Annotated[bool, typer.Option("--list", help="Print the workload table and exit.")] = False,
 ) -> None:
     """Benchmark exact top-k: this engine against FAISS and torch, with recall@k checked against float64."""
-    from rich.console import Console
-
     from . import report, runner
 
     if list_:
         _print_list()
         return
-    console = Console(stderr=False)
+    console = report.make_console()
     try:
         if (users is None) != (items is None):
             raise InputError("--users and --items go together")

@@ -18,6 +18,8 @@ misses, and recall is hits / min(k, n_items).
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +107,8 @@ class Truth:
     top_scores : array of float64, shape (n_sample, k_eff)
         True best scores, descending.
     top_items : array of int64, shape (n_sample, k_eff)
-        One valid exact answer (ties broken by lower item row).
+        One valid exact answer, best first, equal scores by item row (among items tied at the k-th score, not
+        necessarily the lowest rows).
     kth : array of float64, shape (n_sample,)
         True k-th best score.
     scale : array of float64, shape (n_sample,)
@@ -187,6 +190,23 @@ def sample_rows(n_users: int, n_sample: int, seed: int = 0) -> np.ndarray:
     return np.sort(rng.choice(n_users, size=n_sample, replace=False)).astype(np.int64)
 
 
+def _merge(best_s: np.ndarray, best_i: np.ndarray, s: np.ndarray, start: int,
+           k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of (kept scores ``best_s`` with item rows ``best_i``) and (a new chunk ``s`` of rows start...)."""
+    kept = best_s.shape[1]
+    cand = np.concatenate([best_s, s], axis=1)
+    if cand.shape[1] <= k:
+        return cand, np.concatenate([best_i, np.broadcast_to(np.arange(start, start + s.shape[1]), s.shape)], axis=1)
+    # argpartition keeps some k best; with ties at the k-th score it may keep any of the tied items, which the
+    # tie-aware check does not mind.
+    part = np.argpartition(-cand, k - 1, axis=1)[:, :k]
+    # Map positions back to item rows without materialising a (n, kept + chunk) index array.
+    from_kept = part < kept
+    rows = np.where(from_kept, np.take_along_axis(best_i, np.minimum(part, max(kept - 1, 0)), axis=1)
+                    if kept else 0, start + part - kept)
+    return np.take_along_axis(cand, part, axis=1), rows.astype(np.int64)
+
+
 def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric: str = "ip",
                memory_budget: int = DEFAULT_BUDGET) -> Truth:
     """Exact float64 top-k of the users ``rows`` against every item, chunked over items.
@@ -231,17 +251,18 @@ def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric:
 
     best_s = np.full((n, 0), -np.inf)
     best_i = np.zeros((n, 0), dtype=np.int64)
-    for start in range(0, n_items, chunk):
-        stop = min(start + chunk, n_items)
-        s = _metric_scores(metric, u, _slice_f64(item_vecs, start, stop))
-        cand_s = np.concatenate([best_s, s], axis=1)
-        cand_i = np.concatenate([best_i, np.broadcast_to(np.arange(start, stop), s.shape)], axis=1)
-        if cand_s.shape[1] > k_eff:
-            # argpartition keeps some k best; the exact tie rule (lower row first) is applied in the final sort.
-            part = np.argpartition(-cand_s, k_eff - 1, axis=1)[:, :k_eff]
-            cand_s = np.take_along_axis(cand_s, part, axis=1)
-            cand_i = np.take_along_axis(cand_i, part, axis=1)
-        best_s, best_i = cand_s, cand_i
+    # Selection (argpartition) is single-threaded in NumPy but releases the GIL: split the users over threads. The
+    # float64 GEMM is already multi-threaded by BLAS.
+    workers = max(1, min(os.cpu_count() or 1, n // 64))
+    blocks = [(a, min(a + -(-n // workers), n)) for a in range(0, n, -(-n // workers))]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for start in range(0, n_items, chunk):
+            stop = min(start + chunk, n_items)
+            s = _metric_scores(metric, u, _slice_f64(item_vecs, start, stop))
+            parts = list(pool.map(lambda ab: _merge(best_s[ab[0]:ab[1]], best_i[ab[0]:ab[1]], s[ab[0]:ab[1]],
+                                                    start, k_eff), blocks))
+            best_s = np.concatenate([p[0] for p in parts])
+            best_i = np.concatenate([p[1] for p in parts])
     order = np.lexsort((best_i, -best_s), axis=1)
     best_s = np.take_along_axis(best_s, order, axis=1)
     best_i = np.take_along_axis(best_i, order, axis=1)

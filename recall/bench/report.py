@@ -96,15 +96,22 @@ def _load(e: dict[str, Any]) -> str:
     return "?" if not e.get("loadavg") else f"{e['loadavg'][0]:.2f}"
 
 
-def print_table(doc: dict[str, Any], console: Any = None) -> None:
-    """The results as a rich table, then the floors and the environment."""
+def make_console() -> Any:
+    """A rich console for progress and tables: 160 columns when writing to a log or pipe instead of a terminal."""
     from rich.console import Console
-    from rich.table import Table
 
-    console = console or Console()
+    console = Console()
     if not console.is_terminal and console.width < 160:
         # Logs and pipes get rich's 80-column default, which folds every cell; a log line may be long.
-        console = Console(width=160, file=console.file)
+        console = Console(width=160)
+    return console
+
+
+def print_table(doc: dict[str, Any], console: Any = None) -> None:
+    """The results as a rich table, then the floors and the environment."""
+    from rich.table import Table
+
+    console = console or make_console()
     table = Table(title="recall bench", show_lines=False)
     for col in COLUMNS:
         table.add_column(col, justify="right" if col not in ("workload", "kind", "device", "contender", "note")
