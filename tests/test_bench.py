@@ -355,3 +355,16 @@ def test_floors_and_h200_defaults():
 def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert report.plot({"results": []}, tmp_path / "x.png") == "skipped: matplotlib not installed"
+
+
+def test_e2e_candidates_reader_pads_missing_users(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"user_id": pa.array([5, 2], pa.int64()),
+                      "item_ids": pa.array([[9, 8, 7], [1]], pa.list_(pa.int64())),
+                      "scores": pa.array([[3.0, 2.0, 1.0], [0.5]], pa.list_(pa.float32()))})
+    pq.write_table(table, tmp_path / "c.parquet")
+    idx, sc = runner._read_candidates(tmp_path / "c.parquet", np.array([2, 3, 5]), 2)
+    np.testing.assert_array_equal(idx, [[1, -1], [-1, -1], [9, 8]])
+    assert sc[2, 1] == 2.0 and np.isneginf(sc[1]).all()

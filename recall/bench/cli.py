@@ -98,8 +98,8 @@ def bench(
     try:
         if (users is None) != (items is None):
             raise InputError("--users and --items go together")
-        if users is not None and workload:
-            raise InputError("give either --workload or --users/--items, not both")
+        if users is not None and (workload or kind is not None):
+            raise InputError("--users/--items bring their own data: --workload and --kind do not apply")
         if k is not None and k < 1:
             raise InputError(f"--k must be >= 1, got {k}")
         if device is None:

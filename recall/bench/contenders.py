@@ -168,6 +168,7 @@ class FaissContender(Contender):
         self._index = None
         self._res = None
         self._faiss = None
+        self._keep = None
 
     def unavailable(self) -> str | None:
         faiss, reason = _import_faiss()
@@ -270,6 +271,7 @@ class TorchContender(Contender):
         self.name = "torch" if dtype == "fp32" else f"torch-{dtype}"
         self.exact = dtype == "fp32"
         self._items = None
+        self._items_t = None
         self._torch = None
 
     def unavailable(self) -> str | None:

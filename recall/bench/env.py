@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,9 +32,9 @@ def _blas() -> str | None:
         return None
 
 
-def _run(cmd: list[str]) -> str | None:
+def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=cwd)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -91,8 +92,10 @@ def collect(device: str) -> dict[str, Any]:
         info["recall"] = __version__
     except ImportError:
         info["recall"] = None
-    commit = _run(["git", "rev-parse", "--short", "HEAD"])
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+    # The revision of the recall package itself, whatever the current directory is.
+    src = Path(__file__).resolve().parents[2]
+    commit = _run(["git", "rev-parse", "--short", "HEAD"], cwd=src)
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=src)
     info["git_commit"] = None if commit is None else commit + ("+dirty" if dirty else "")
     try:
         import faiss

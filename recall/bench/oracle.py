@@ -330,7 +330,7 @@ def check(truth: Truth, item_vecs: Any, indices: Any, scores: Any = None, rtol: 
     hits = (valid & (true_s >= (truth.kth - tol)[:, None])).sum(axis=1)
     per_user = np.minimum(hits, truth.k_eff) / truth.k_eff
     # Slots past k_eff (k > n_items) are padding by contract; only the first k_eff slots can be wrong.
-    invalid = int((~valid[:, :truth.k_eff]).sum())
+    invalid = int((~valid[:, :truth.k_eff]).sum()) + n * max(0, truth.k_eff - k_ret)
     max_err = None
     if sc is not None:
         ok = valid & np.isfinite(sc)

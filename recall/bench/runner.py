@@ -143,22 +143,34 @@ def _write_parquet(vecs: np.ndarray, path: Path) -> None:
 
 
 def _read_candidates(path: Path, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(indices, scores) of the sampled users from a candidates Parquet whose user and item ids are row numbers."""
+    """(indices, scores) of the sampled users from a candidates Parquet whose user and item ids are row numbers.
+
+    Users missing from the file get a row of padding (-1, -inf), which the oracle counts as misses.
+    """
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     t = pq.read_table(path, columns=["user_id", "item_ids", "scores"])
     user_ids = t.column("user_id").to_numpy()
-    where = {int(u): i for i, u in enumerate(user_ids)}
+    order = np.argsort(user_ids, kind="stable")
+    if user_ids.size == 0:
+        found, pos = np.zeros(rows.size, dtype=bool), np.zeros(rows.size, dtype=np.int64)
+    else:
+        pos = np.minimum(np.searchsorted(user_ids[order], rows), user_ids.size - 1)
+        found = user_ids[order[pos]] == rows
+    # Only the sampled users' lists are materialised: a 100,000 x 1,000 file stays in Arrow.
+    sub = t.take(pa.array(order[pos[found]]))
+    items_col = sub.column("item_ids").combine_chunks()
+    scores_col = sub.column("scores").combine_chunks()
+    offsets = items_col.offsets.to_numpy()
+    flat_items = items_col.values.to_numpy(zero_copy_only=False).astype(np.int64)
+    flat_scores = scores_col.values.to_numpy(zero_copy_only=False).astype(np.float64)
     idx = np.full((rows.size, k), -1, dtype=np.int64)
     sc = np.full((rows.size, k), -np.inf, dtype=np.float64)
-    items_col, scores_col = t.column("item_ids").to_pylist(), t.column("scores").to_pylist()
-    for j, r in enumerate(rows):
-        i = where.get(int(r))
-        if i is None:
-            continue
-        got = items_col[i][:k]
-        idx[j, :len(got)] = got
-        sc[j, :len(got)] = scores_col[i][:k]
+    for j, r in enumerate(np.flatnonzero(found)):
+        a, b = int(offsets[j]), min(int(offsets[j + 1]), int(offsets[j]) + k)
+        idx[r, :b - a] = flat_items[a:b]
+        sc[r, :b - a] = flat_scores[a:b]
     return idx, sc
 
 
