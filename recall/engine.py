@@ -99,6 +99,7 @@ class Engine:
         # Uploaded (or, on the CPU, copied) once and resident for every search: a caller refilling its buffer
         # afterwards must not change the engine's items.
         self._items = self.backend.asarray(prepared)
+        self.stats: dict = {}  # what the last search did: blocks, tiling, wall and (GPU) busy seconds
         if self._items is item_vecs or self._items is items or self._items is prepared:
             self._items = self._items.copy()
 
@@ -196,6 +197,7 @@ class Engine:
         plan = scoring.plan_tiles(n_users, self.n_items, dim, k_sel, self.memory_budget,
                                   backend.preferred_tiles(dim, k_sel), backend.state_bytes(k_sel), backend.workers)
         backend.run_blocks(plan, users, self._items, self.n_items, k_sel, excl, vals, rows)
+        self.stats = dict(backend.stats)
         return vals, rows
 
     def _map_ids(self, rows: Any) -> Any:

@@ -91,6 +91,7 @@ class ScoreSummary:
     exclusion_pairs: int
     unknown_exclusions: int
     out_path: str
+    device_busy_s: float = 0.0  # GPU time spent computing (CUDA events); 0 on the CPU
 
     @property
     def users_per_s(self) -> float:
@@ -105,9 +106,11 @@ class ScoreSummary:
 
     def stages_line(self) -> str:
         """Per-stage times (overlapping), for ``--verbose``."""
+        busy = (f"; GPU busy {self.device_busy_s:.2f} s ({self.device_busy_s / self.seconds:.0%} of wall)"
+                if self.device_busy_s and self.seconds > 0 else "")
         return (
             f"stages (overlapping): read {self.read_s:.2f} s, search {self.search_s:.2f} s, "
-            f"write {self.write_s:.2f} s; batch {self.batch_size:,} users; device {self.device_detail}"
+            f"write {self.write_s:.2f} s; batch {self.batch_size:,} users; device {self.device_detail}{busy}"
         )
 
 
@@ -326,9 +329,14 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
                 _check_nonzero(batch, users_path)
             yield batch
 
+    busy = 0.0
+
     def search(batch: Embeddings) -> Any:
+        nonlocal busy
         exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
-        return engine.search(batch.vectors, k, exclude=exclude)
+        result = engine.search(batch.vectors, k, exclude=exclude)
+        busy += engine.stats.get("gpu_busy_s", 0.0)
+        return result
 
     done = 0
 
@@ -357,4 +365,5 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
         write_s=overlap.seconds["write"], batch_size=batch_size,
         exclusion_pairs=excl.n_pairs if excl is not None else 0,
         unknown_exclusions=excl.n_unknown if excl is not None else 0, out_path=str(out_path),
+        device_busy_s=busy,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import scoring
+from ..errors import ResourceError
 
 log = logging.getLogger("recall")
 
@@ -135,6 +137,15 @@ class _Slot:
     graph_key: tuple = field(default_factory=tuple)
 
 
+@dataclass
+class _Workspace:
+    key: tuple
+    max_excl: int
+    state: GpuTopK
+    scores: Any
+    slots: list
+
+
 class CupyBackend:
     """CuPy backend. Arrays are CuPy arrays on the current device."""
 
@@ -156,6 +167,7 @@ class CupyBackend:
         self._merge = mod.get_function("recall_merge")
         self._merge_smem_limit = 0
         self._capturing = False
+        self._ws: _Workspace | None = None
 
     # -- description and memory -------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -198,9 +210,14 @@ class CupyBackend:
         if not hasattr(arr, "__cuda_array_interface__") and hasattr(arr, "__dlpack__") \
                 and not isinstance(arr, np.ndarray):
             arr = cupy.from_dlpack(arr)
-        arr = cupy.asarray(arr)
-        dtype = cupy.int64 if arr.dtype.kind in "iu" else cupy.float32
-        return cupy.ascontiguousarray(arr, dtype=dtype)
+        try:
+            arr = cupy.asarray(arr)
+            dtype = cupy.int64 if arr.dtype.kind in "iu" else cupy.float32
+            return cupy.ascontiguousarray(arr, dtype=dtype)
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            nbytes = int(np.prod(arr.shape)) * 8
+            raise ResourceError(f"GPU out of memory: an array of shape {tuple(arr.shape)} (about {nbytes:,} bytes) "
+                                f"does not fit; {self.free_memory():,} bytes free") from exc
 
     def to_host(self, arr: Any) -> np.ndarray:
         if isinstance(arr, np.ndarray):
@@ -282,15 +299,15 @@ class CupyBackend:
                    out_vals: Any, out_rows: Any) -> None:
         import cupy
 
+        wall = time.perf_counter()
         n_users, dim = users.shape
         cap = plan.user_block
         blocks = [(s, min(s + cap, n_users)) for s in range(0, n_users, cap)]
         max_excl = max(1, max(int(excl.indptr[e] - excl.indptr[s]) for s, e in blocks))
         has_excl = excl.items.size > 0
         host_users = isinstance(users, np.ndarray)
-        state = GpuTopK.allocate(cap, k)
-        scores_buf = cupy.empty(cap * plan.item_tile * plan.tiles_per_call, cupy.float32)
-        slots = [self._slot(cap, dim, max_excl) for _ in range(2)]
+        ws = self._workspace(plan, k, dim, max_excl)
+        state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
         compute, copy = self.compute_stream, self.copy_stream
         # Our streams do not synchronise with the caller's: order them after whatever produced the inputs and
@@ -298,10 +315,12 @@ class CupyBackend:
         ready = cupy.cuda.get_current_stream().record()
         compute.wait_event(ready)
         copy.wait_event(ready)
+        timing = []  # (h2d start, h2d end, compute start, compute end) events per block
 
         for i, (start, stop) in enumerate(blocks):
             slot = slots[i % 2]
             n = stop - start
+            ev = [cupy.cuda.Event() for _ in range(4)]
             # Stage: wait until the compute stream is done with this slot (block i - 2), then upload.
             slot.consumed.synchronize()  # the pinned buffers are rewritten by the host below
             ptr, ex_items = excl.block(start, stop)
@@ -309,6 +328,7 @@ class CupyBackend:
             slot.host_ptr[n + 1:] = ptr[-1]  # rows past the block's end are empty
             slot.host_items[: ex_items.size] = ex_items
             with copy:
+                ev[0].record(copy)
                 if host_users:
                     slot.host_users[:n] = users[start:stop]
                     slot.users.set(slot.host_users, stream=copy)
@@ -318,25 +338,49 @@ class CupyBackend:
                 slot.ex_ptr.set(slot.host_ptr, stream=copy)
                 if has_excl:
                     slot.ex_items.set(slot.host_items, stream=copy)
+                ev[1].record(copy)
                 slot.staged.record(copy)
             with compute:
                 compute.wait_event(slot.staged)
+                ev[2].record(compute)
                 self._search_slot(slot, i, plan, items, n_items, state, scores_buf, cap, has_excl, stats)
                 out_vals[start:stop, :k] = state.out_vals[:n]
                 out_rows[start:stop, :k] = state.out_rows[:n]
+                ev[3].record(compute)
                 slot.consumed.record(compute)
+            timing.append(ev)
         compute.synchronize()
+        wall = time.perf_counter() - wall
+        busy = sum(cupy.cuda.get_elapsed_time(e[2], e[3]) for e in timing) / 1e3
+        h2d = sum(cupy.cuda.get_elapsed_time(e[0], e[1]) for e in timing) / 1e3
+        stats.update(wall_s=wall, gpu_busy_s=busy, h2d_s=h2d, busy_fraction=busy / wall if wall > 0 else 0.0,
+                     tiles=(plan.user_block, plan.item_tile, plan.tiles_per_call))
         self.stats = stats
 
-    def _slot(self, cap: int, dim: int, max_excl: int) -> _Slot:
+    def _workspace(self, plan: scoring.TilePlan, k: int, dim: int, max_excl: int) -> "_Workspace":
+        """The device and pinned buffers of a search, kept for the next search of the same shape (an embedded
+        engine answering many calls allocates, and captures its graphs, once)."""
         import cupy
-        import cupyx
 
-        return _Slot(users=cupy.zeros((cap, dim), cupy.float32), ex_ptr=cupy.zeros(cap + 1, cupy.int64),
-                     ex_items=cupy.zeros(max_excl, cupy.int64),
-                     host_users=cupyx.zeros_pinned((cap, dim), np.float32),
-                     host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
-                     staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
+        ws = self._ws
+        if ws is not None and ws.key == (plan, k, dim) and ws.max_excl >= max_excl:
+            ws.state.clear()  # the last final merge emptied it, unless that search was interrupted
+            return ws
+        self._ws = None  # let the old buffers go before taking new ones
+        need = (4 * plan.user_block * plan.item_tile * plan.tiles_per_call
+                + plan.user_block * self.state_bytes(k) + 2 * 4 * plan.user_block * dim)
+        try:
+            state = GpuTopK.allocate(plan.user_block, k)
+            scores = cupy.empty(plan.user_block * plan.item_tile * plan.tiles_per_call, cupy.float32)
+            slots = [self._slot(plan.user_block, dim, max_excl) for _ in range(2)]
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            raise ResourceError(
+                f"GPU out of memory allocating a {need:,}-byte search workspace ({plan.user_block} users x "
+                f"{plan.item_tile * plan.tiles_per_call} items per tile, k={k}); {self.free_memory():,} bytes free: "
+                f"lower memory_budget"
+            ) from exc
+        self._ws = _Workspace((plan, k, dim), max_excl, state, scores, slots)
+        return self._ws
 
     def _search_slot(self, slot: _Slot, i: int, plan: scoring.TilePlan, items: Any, n_items: int, state: GpuTopK,
                      scores_buf: Any, cap: int, has_excl: bool, stats: dict) -> None:
@@ -350,10 +394,10 @@ class CupyBackend:
             self.topk_result(state)
 
         # The first block runs eagerly: it compiles and loads everything the capture must not have to.
-        if not self.use_graphs or i == 0:
+        if not self.use_graphs or (i == 0 and slot.graph is None):
             launches()
             return
-        key = (id(items), n_items, plan, state.k, has_excl, id(scores_buf))
+        key = (id(items), n_items, has_excl)  # the workspace (and so every other pointer) is fixed per slot
         if slot.graph is None or slot.graph_key != key:
             slot.graph = self._capture(launches)
             slot.graph_key = key

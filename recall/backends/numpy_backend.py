@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ class NumpyBackend:
 
     def __init__(self) -> None:
         # One user block per core; each block's GEMM runs on one BLAS thread (see compute_context).
+        self.stats: dict = {}
         self.workers = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
     def compute_context(self) -> contextlib.AbstractContextManager:
@@ -72,7 +74,11 @@ class NumpyBackend:
 
     def run_blocks(self, plan: "scoring.TilePlan", users: np.ndarray, items: np.ndarray, n_items: int, k: int,
                    excl: Any, out_vals: np.ndarray, out_rows: np.ndarray) -> None:
+        wall = time.perf_counter()
         scoring.run_blocks(self, plan, users, items, n_items, k, excl, out_vals, out_rows)
+        self.stats = {"blocks": -(-users.shape[0] // plan.user_block), "workers": plan.workers,
+                      "wall_s": time.perf_counter() - wall,
+                      "tiles": (plan.user_block, plan.item_tile, plan.tiles_per_call)}
 
     def gemm_strided_batched(self, users: np.ndarray, items: np.ndarray, out: np.ndarray) -> None:
         np.matmul(users, items.transpose(0, 2, 1), out=out)
