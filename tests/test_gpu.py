@@ -12,7 +12,7 @@ from recall import Engine
 from recall.backends.probe import cuda_status
 from recall.errors import ResourceError
 
-from .oracle import as_numpy
+from oracle import as_numpy
 
 usable, reason = cuda_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not usable, reason=f"no usable GPU: {reason}")]
