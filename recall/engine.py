@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from . import backends, metrics, scoring
+from . import backends, fast, metrics, scoring
+from . import tune as tuning
 from .errors import InputError
 from .exclusions import Exclusions, normalise
 from .result import SearchResult
@@ -16,6 +17,7 @@ log = logging.getLogger("recall")
 # Largest score magnitude we let the float32 arithmetic reach: a margin under float32's 3.4e38 keeps every partial sum
 # of the GEMM (bounded by |u|·|v|, Cauchy-Schwarz) and the l2 expansion finite.
 _SCORE_LIMIT = 1e37
+PRECISIONS = ("exact", "fast")
 
 
 def _is_device_array(arr: Any) -> bool:
@@ -71,6 +73,14 @@ class Engine:
     memory_budget : int, optional
         Bytes of working memory a search may use beyond the item matrix and its results; the search is tiled to fit.
         Default: a quarter of the free memory of the device, at most 1 GiB on the CPU and 8 GiB on a GPU.
+    precision : {"exact", "fast"}
+        "exact" scores in float32 (``cublasSgemmStridedBatched``). "fast" scores float16 inputs on tensor cores,
+        re-ranks k + k/4 candidates in float32 and proves from an error bound that the answer equals exact mode's,
+        falling back to exact mode for the users where the proof fails (``stats["fallback_users"]``); on the CPU it
+        emulates the same arithmetic and is for testing only (no faster).
+    tune : {"auto", "force", "off"}
+        Tiling: "auto" takes a matching entry of the ``recall tune`` cache, else the backend's heuristic; "force"
+        tunes each new shape on its first search (and caches it); "off" always uses the heuristic. See recall.tune.
 
     Raises
     ------
@@ -81,8 +91,13 @@ class Engine:
     """
 
     def __init__(self, item_vecs: Any, ids: Any = None, metric: str = "ip", device: str = "auto",
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None, precision: str = "exact", tune: str = "auto") -> None:
         self.metric = metrics.check_metric(metric)
+        self.tune_mode = tuning.check_mode(tune)
+        if precision not in PRECISIONS:
+            raise InputError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+        self.precision = precision
+        self._fast_items: fast.FastItems | None = None
         self.backend = backends.resolve(device)
         items = _check_matrix(self._xp_for(item_vecs), item_vecs, "item_vecs")
         if items.shape[0] < 1:
@@ -187,17 +202,63 @@ class Engine:
 
     def _search(self, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
         """(scores, item rows), each (n_users, k), in inner-product space."""
-        xp, backend = self.backend.xp, self.backend
-        n_users, dim = users.shape
+        xp = self.backend.xp
+        n_users = users.shape[0]
         k_sel = min(k, self.n_items)
         vals = xp.full((n_users, k), -xp.inf, dtype=xp.float32)
         rows = xp.full((n_users, k), -1, dtype=xp.int64)
         if n_users == 0:
             return vals, rows
-        plan = scoring.plan_tiles(n_users, self.n_items, dim, k_sel, self.memory_budget,
-                                  backend.preferred_tiles(dim, k_sel), backend.state_bytes(k_sel), backend.workers)
-        backend.run_blocks(plan, users, self._items, self.n_items, k_sel, excl, vals, rows)
-        self.stats = dict(backend.stats)
+        if self.precision == "fast":
+            vals[:, :k_sel], rows[:, :k_sel] = self._search_fast(users, k_sel, excl)
+        else:
+            vals[:, :k_sel], rows[:, :k_sel] = self._run(users, self._items, k_sel, excl)
+            self.stats = dict(self.backend.stats)
+        return vals, rows
+
+    def _run(self, users: Any, items: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
+        """One tiled pass of ``users`` against ``items`` (k <= n_items): (scores, rows) (n, k) on the backend."""
+        backend, xp = self.backend, self.backend.xp
+        n_users, dim = users.shape
+        vals = xp.empty((n_users, k), dtype=xp.float32)
+        rows = xp.empty((n_users, k), dtype=xp.int64)
+        plan = scoring.plan_tiles(n_users, self.n_items, dim, k, self.memory_budget,
+                                  tuning.preferred_tiles(self, users, k), backend.state_bytes(k), backend.workers)
+        backend.run_blocks(plan, users, items, self.n_items, k, excl, vals, rows)
+        return vals, rows
+
+    def _search_fast(self, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
+        """Half-precision scores, exact float32 re-rank of k + m candidates, certificate, exact fallback."""
+        backend, xp = self.backend, self.backend.xp
+        if self._fast_items is None:
+            host_items = backend.to_host(self._items)
+            self._fast_items = fast.prepare_items(np, host_items)
+            self._fast_items = fast.FastItems(backend.asarray_raw(self._fast_items.vecs16), self._fast_items.scale,
+                                              self._fast_items.max_norm, self._fast_items.max_l1)
+        items16 = self._fast_items
+        uxp = np if isinstance(users, np.ndarray) else xp
+        users16, alpha, bound = fast.prepare_users(uxp, users, items16)
+        wide = min(k + fast.margin(k) + 1, self.n_items)
+        approx_vals, approx_rows = self._run(users16, items16.vecs16, wide, excl)
+        run_stats = dict(backend.stats)
+        n_cand = wide - 1 if wide < self.n_items else wide
+        users_b = backend.asarray(users)
+        chunk = max(1, self.memory_budget // (8 * n_cand * self.dim + 1))
+        exact = fast.rescore(xp, users_b, self._items, approx_rows[:, :n_cand], chunk)
+        vals, rows = fast.top_k(xp, exact, approx_rows[:, :n_cand], k)
+        if wide < self.n_items:
+            ok = fast.certified(xp, vals[:, k - 1], approx_vals[:, wide - 1], backend.asarray_raw(alpha),
+                                items16.scale, backend.asarray_raw(bound))
+            failed = np.flatnonzero(backend.to_host(~ok))
+        else:
+            failed = np.zeros(0, np.int64)  # every item was a candidate: nothing left out to certify against
+        if failed.size:
+            users_failed = users[failed] if uxp is np else users[xp.asarray(failed)]
+            fv, fr = self._run(users_failed, self._items, k, excl.subset(failed))
+            sel = xp.asarray(failed)
+            vals[sel], rows[sel] = fv, fr
+        self.stats = {**run_stats, "precision": "fast", "candidates": n_cand, "fallback_users": int(failed.size),
+                      "fallback_fraction": failed.size / users.shape[0]}
         return vals, rows
 
     def _map_ids(self, rows: Any) -> Any:

@@ -26,6 +26,17 @@ class Exclusions:
         ptr = self.indptr[start:stop + 1]
         return ptr - ptr[0], self.items[ptr[0]:ptr[-1]]
 
+    def subset(self, users: np.ndarray) -> "Exclusions":
+        """The exclusions of the given user rows, in that order, as CSR over them."""
+        counts = self.indptr[users + 1] - self.indptr[users]
+        indptr = np.zeros(users.size + 1, np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        if not self.items.size:
+            return Exclusions(indptr, self.items)
+        take = np.concatenate([self.items[self.indptr[u]:self.indptr[u + 1]] for u in users]) if users.size \
+            else self.items[:0]
+        return Exclusions(indptr, take)
+
     def count(self, user: int) -> int:
         return int(self.indptr[user + 1] - self.indptr[user])
 

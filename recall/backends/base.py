@@ -40,6 +40,9 @@ class Backend(Protocol):
     def asarray(self, arr: Any) -> Any:
         """``arr`` as a C-contiguous float32 or int64 array on this backend, without a copy where it already is."""
 
+    def asarray_raw(self, arr: Any) -> Any:
+        """``arr`` on this backend, keeping its dtype."""
+
     def to_host(self, arr: Any) -> Any:
         """A NumPy copy of a backend array."""
 
@@ -64,8 +67,9 @@ class Backend(Protocol):
     def gemm_strided_batched(self, users: Any, items: Any, out: Any) -> None:
         """``out[b] = users[b or 0] @ items[b].T`` for every batch ``b``, in one strided-batched GEMM.
 
-        users : (1 or n_tiles, n_users_block, dim) float32; items : (n_tiles, tile_width, dim) float32;
-        out : (n_tiles, n_users_block, tile_width) float32. All on this backend.
+        users : (1 or n_tiles, n_users_block, dim) float32, or float16 for fast mode (then items are float16 too and
+        the products accumulate in float32); items : (n_tiles, tile_width, dim); out : (n_tiles, n_users_block,
+        tile_width) float32. All on this backend.
         """
 
     def topk_new(self, n_users: int, k: int) -> TopKState:

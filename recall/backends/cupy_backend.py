@@ -9,6 +9,7 @@ small tiles is not bound by Python's launch overhead.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -25,6 +26,9 @@ from ..errors import ResourceError
 log = logging.getLogger("recall")
 
 _OP_N, _OP_T = 0, 1
+_CUDA_R_32F, _CUDA_R_16F = 0, 2
+_CUBLAS_COMPUTE_32F = 68  # float32 accumulation (not the _FAST_16F variant, which would accumulate in float16)
+_CUBLAS_GEMM_DEFAULT = -1
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
 _MERGE_THREADS = 256
@@ -49,12 +53,17 @@ def _kernels() -> Any:
 _cublas_lib: Any = None
 
 
-def _captured_sgemm_strided_batched(stream_ptr: int, handle: int, transa: int, transb: int, m: int, n: int, k: int,
-                                    alpha: int, a: int, lda: int, stride_a: int, b: int, ldb: int, stride_b: int,
-                                    beta: int, c: int, ldc: int, stride_c: int, batch: int) -> None:
-    """``cublasSgemmStridedBatched`` through ctypes, on the libcublas CuPy has loaded (found in /proc/self/maps)."""
-    import ctypes
+_P, _I, _LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+_CUBLAS_ARGTYPES = {
+    "cublasSgemmStridedBatched": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _LL, _P, _I, _LL, _P, _P, _I, _LL, _I],
+    "cublasGemmStridedBatchedEx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _LL, _P, _I, _I, _LL, _P, _P, _I, _I, _LL,
+                                   _I, _I, _I],
+}
 
+
+def _captured_cublas(stream_ptr: int, name: str, args: tuple) -> None:
+    """Call cuBLAS function ``name`` through ctypes, on the libcublas CuPy has loaded (found in /proc/self/maps),
+    on the stream being captured: CuPy's bindings refuse cuBLAS calls during capture, cuBLAS itself allows them."""
     global _cublas_lib
     if _cublas_lib is None:
         with open("/proc/self/maps") as maps:
@@ -62,15 +71,15 @@ def _captured_sgemm_strided_batched(stream_ptr: int, handle: int, transa: int, t
         if not paths:
             raise RuntimeError("libcublas is not loaded in this process")
         lib = ctypes.CDLL(paths[0])
-        lib.cublasSetStream_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.cublasSetPointerMode_v2.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        lib.cublasSgemmStridedBatched.argtypes = [p, i, i, i, i, i, p, p, i, ll, p, i, ll, p, p, i, ll, i]
+        lib.cublasSetStream_v2.argtypes = [_P, _P]
+        lib.cublasSetPointerMode_v2.argtypes = [_P, _I]
+        for fn, types in _CUBLAS_ARGTYPES.items():
+            getattr(lib, fn).argtypes = types
         _cublas_lib = lib
     lib = _cublas_lib
+    handle = args[0]
     for status in (lib.cublasSetStream_v2(handle, stream_ptr), lib.cublasSetPointerMode_v2(handle, 0),
-                   lib.cublasSgemmStridedBatched(handle, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb,
-                                                 stride_b, beta, c, ldc, stride_c, batch)):
+                   getattr(lib, name)(*args)):
         if status != 0:
             raise RuntimeError(f"cuBLAS call failed during graph capture: status {status}")
 
@@ -219,6 +228,9 @@ class CupyBackend:
             raise ResourceError(f"GPU out of memory: an array of shape {tuple(arr.shape)} (about {nbytes:,} bytes) "
                                 f"does not fit; {self.free_memory():,} bytes free") from exc
 
+    def asarray_raw(self, arr: Any) -> Any:
+        return self.xp.asarray(arr)
+
     def to_host(self, arr: Any) -> np.ndarray:
         if isinstance(arr, np.ndarray):
             return arr
@@ -242,6 +254,19 @@ class CupyBackend:
         n = users.shape[1]
         stride_users = 0 if users.shape[0] == 1 else n * dim
         handle = self.device.cublas_handle
+        if users.dtype == np.float16:
+            # Fast mode: float16 inputs on the tensor cores, float32 accumulation and output.
+            args = (handle, _OP_T, _OP_N, width, n, dim,
+                    _ONE.ctypes.data, items.data.ptr, _CUDA_R_16F, dim, width * dim,
+                    users.data.ptr, _CUDA_R_16F, dim, stride_users,
+                    _ZERO.ctypes.data, out.data.ptr, _CUDA_R_32F, width, n * width,
+                    tiles, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+            if self._capturing:
+                _captured_cublas(self.compute_stream.ptr, "cublasGemmStridedBatchedEx", args)
+                return
+            cublas.setPointerMode(handle, 0)
+            cublas.gemmStridedBatchedEx(*args)
+            return
         args = (handle, _OP_T, _OP_N, width, n, dim,
                 _ONE.ctypes.data, items.data.ptr, dim, width * dim,
                 users.data.ptr, dim, stride_users,
@@ -250,7 +275,7 @@ class CupyBackend:
         if self._capturing:
             # CuPy's bindings refuse cuBLAS calls while a stream is being captured, although cuBLAS itself
             # supports capture; make the same call on the same handle through the library CuPy loaded.
-            _captured_sgemm_strided_batched(self.compute_stream.ptr, *args)
+            _captured_cublas(self.compute_stream.ptr, "cublasSgemmStridedBatched", args)
             return
         cublas.setPointerMode(handle, 0)  # alpha and beta are host scalars (CuPy may leave device mode set)
         cublas.sgemmStridedBatched(*args)
@@ -306,7 +331,7 @@ class CupyBackend:
         max_excl = max(1, max(int(excl.indptr[e] - excl.indptr[s]) for s, e in blocks))
         has_excl = excl.items.size > 0
         host_users = isinstance(users, np.ndarray)
-        ws = self._workspace(plan, k, dim, max_excl)
+        ws = self._workspace(plan, k, dim, max_excl, users.dtype)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
         compute, copy = self.compute_stream, self.copy_stream
@@ -357,13 +382,13 @@ class CupyBackend:
                      tiles=(plan.user_block, plan.item_tile, plan.tiles_per_call))
         self.stats = stats
 
-    def _workspace(self, plan: scoring.TilePlan, k: int, dim: int, max_excl: int) -> "_Workspace":
+    def _workspace(self, plan: scoring.TilePlan, k: int, dim: int, max_excl: int, dtype: Any) -> "_Workspace":
         """The device and pinned buffers of a search, kept for the next search of the same shape (an embedded
         engine answering many calls allocates, and captures its graphs, once)."""
         import cupy
 
         ws = self._ws
-        if ws is not None and ws.key == (plan, k, dim) and ws.max_excl >= max_excl:
+        if ws is not None and ws.key == (plan, k, dim, np.dtype(dtype)) and ws.max_excl >= max_excl:
             ws.state.clear()  # the last final merge emptied it, unless that search was interrupted
             return ws
         self._ws = None  # let the old buffers go before taking new ones
@@ -372,14 +397,14 @@ class CupyBackend:
         try:
             state = GpuTopK.allocate(plan.user_block, k)
             scores = cupy.empty(plan.user_block * plan.item_tile * plan.tiles_per_call, cupy.float32)
-            slots = [self._slot(plan.user_block, dim, max_excl) for _ in range(2)]
+            slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(2)]
         except cupy.cuda.memory.OutOfMemoryError as exc:
             raise ResourceError(
                 f"GPU out of memory allocating a {need:,}-byte search workspace ({plan.user_block} users x "
                 f"{plan.item_tile * plan.tiles_per_call} items per tile, k={k}); {self.free_memory():,} bytes free: "
                 f"lower memory_budget"
             ) from exc
-        self._ws = _Workspace((plan, k, dim), max_excl, state, scores, slots)
+        self._ws = _Workspace((plan, k, dim, np.dtype(dtype)), max_excl, state, scores, slots)
         return self._ws
 
     def _search_slot(self, slot: _Slot, i: int, plan: scoring.TilePlan, items: Any, n_items: int, state: GpuTopK,

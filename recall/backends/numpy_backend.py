@@ -48,6 +48,10 @@ class NumpyBackend:
         dtype = np.int64 if arr.dtype.kind in "iu" else np.float32
         return np.ascontiguousarray(arr, dtype=dtype)
 
+    def asarray_raw(self, arr: Any) -> np.ndarray:
+        """``arr`` as a NumPy array of its own dtype."""
+        return np.asarray(arr.get() if hasattr(arr, "get") and not isinstance(arr, np.ndarray) else arr)
+
     def to_host(self, arr: Any) -> np.ndarray:
         return np.asarray(arr)
 
@@ -81,6 +85,9 @@ class NumpyBackend:
                       "tiles": (plan.user_block, plan.item_tile, plan.tiles_per_call)}
 
     def gemm_strided_batched(self, users: np.ndarray, items: np.ndarray, out: np.ndarray) -> None:
+        if users.dtype == np.float16:
+            # Fast mode's arithmetic, emulated: float16 inputs, exact products, float32 accumulation.
+            users, items = users.astype(np.float32), items.astype(np.float32)
         np.matmul(users, items.transpose(0, 2, 1), out=out)
 
     def topk_new(self, n_users: int, k: int) -> _HeapState:

@@ -1,0 +1,103 @@
+"""Fast mode: half-precision scores with a certified exact re-rank must give exact mode's answer."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oracle
+from oracle import as_numpy
+from recall import Engine, InputError, fast
+
+
+def _ints(rng, n, dim):
+    return rng.integers(-3, 4, size=(n, dim)).astype(np.float32)
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_fast_equals_exact_on_integer_data(device, metric):
+    # Integer data: every float32 score is exact, so both modes must agree bit for bit (ties included), whether a
+    # user was certified or fell back.
+    rng = np.random.default_rng(0)
+    items, users = _ints(rng, 3000, 12), _ints(rng, 300, 12)
+    excl = {u: rng.choice(3000, 30, replace=False).tolist() for u in range(0, 300, 4)}
+    excl[5] = list(range(3000))
+    want = Engine(items, metric=metric, device=device).search(users, 40, exclude=excl)
+    engine = Engine(items, metric=metric, device=device, precision="fast")
+    got = engine.search(users, 40, exclude=excl)
+    np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
+    np.testing.assert_array_equal(as_numpy(got.scores), as_numpy(want.scores))
+    assert engine.stats["precision"] == "fast" and 0 <= engine.stats["fallback_users"] <= 300
+
+
+@pytest.mark.parametrize("kind", ["normal", "clustered"])
+def test_fast_is_exact_on_float_data(device, kind, make_normal, make_clustered):
+    make = make_normal if kind == "normal" else make_clustered
+    users, items = make(400, 6000, 32, seed=3)
+    engine = Engine(items, device=device, precision="fast")
+    res = engine.search(users, 50)
+    idx, val = as_numpy(res.indices), as_numpy(res.scores)
+    oracle.assert_topk_close(idx, val, users, items, 50)
+    # Real-valued data certifies nearly everyone: the fallback is the exception, not the path.
+    assert engine.stats["fallback_users"] < 40
+
+
+def test_fast_k_at_least_the_catalogue(device):
+    rng = np.random.default_rng(1)
+    items, users = _ints(rng, 50, 6), _ints(rng, 20, 6)
+    for k in (40, 50, 70):
+        want = Engine(items, device=device).search(users, k)
+        got = Engine(items, device=device, precision="fast").search(users, k)
+        np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
+
+
+def test_failed_certificates_fall_back_to_exact(device, monkeypatch):
+    # With no margin and heavy ties, most certificates fail: the answer must still be exact mode's.
+    monkeypatch.setattr(fast, "margin", lambda k: 0)
+    rng = np.random.default_rng(2)
+    items = rng.integers(-1, 2, size=(2000, 4)).astype(np.float32)
+    users = rng.integers(-1, 2, size=(200, 4)).astype(np.float32)
+    engine = Engine(items, device=device, precision="fast")
+    got = engine.search(users, 10)
+    assert engine.stats["fallback_users"] > 100
+    want = Engine(items, device=device).search(users, 10)
+    np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
+
+
+def test_unknown_precision_is_an_input_error():
+    with pytest.raises(InputError, match="unknown precision 'half'"):
+        Engine(np.ones((3, 2), np.float32), device="cpu", precision="half")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1e-30, 1e-6, 1.0, 1e6, 1e18]), st.integers(1, 70))
+def test_error_bound_holds_for_every_pair(seed, scale, dim):
+    # The certificate is only as good as the bound: |approx - exact| <= E_u for every (user, item), across
+    # magnitudes (including the float16 subnormal range after scaling) and dimensions.
+    rng = np.random.default_rng(seed)
+    items = (rng.standard_normal((200, dim)) * scale * np.exp(rng.standard_normal((200, 1)))).astype(np.float32)
+    users = (rng.standard_normal((30, dim)) * scale).astype(np.float32)
+    items[rng.random(items.shape) < 0.1] *= 1e-4  # tiny components next to large ones
+    fi = fast.prepare_items(np, items)
+    u16, alpha, bound = fast.prepare_users(np, users, fi)
+    approx = (u16.astype(np.float32) @ fi.vecs16.astype(np.float32).T) / (alpha[:, None] * fi.scale)
+    exact = users.astype(np.float64) @ items.astype(np.float64).T
+    assert np.all(np.abs(approx - exact) <= bound[:, None])
+
+
+def test_top_k_packing_matches_a_stable_sort():
+    rng = np.random.default_rng(4)
+    scores = rng.integers(-3, 4, size=(50, 30)).astype(np.float32)
+    scores[0, :5] = -0.0
+    scores[1, :5] = 0.0
+    rows = np.stack([rng.permutation(100)[:30] for _ in range(50)]).astype(np.int64)
+    rows[2, 10:] = -1
+    vals, got = fast.top_k(np, scores, rows, 12)
+    for u in range(50):
+        valid = rows[u] >= 0
+        order = np.lexsort((rows[u][valid], -scores[u][valid]))[:12]
+        want = rows[u][valid][order]
+        np.testing.assert_array_equal(got[u][: want.size], want)
+        np.testing.assert_array_equal(vals[u][: want.size], scores[u][valid][order])
+        assert np.all(got[u][want.size:] == -1) and np.all(np.isneginf(vals[u][want.size:]))
