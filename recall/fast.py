@@ -97,12 +97,14 @@ def top_k(xp: Any, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
     Packs each pair into one uint64 that orders like the tie rule (the same packing as the GPU kernels), so one
     sort per row decides both score and tie order."""
     bits = scores.view(xp.uint32)
-    ordered = xp.where(bits & xp.uint32(0x80000000), ~bits, bits | xp.uint32(0x80000000)).astype(xp.uint64)
+    negative = (bits & xp.uint32(0x80000000)) != 0
+    ordered = xp.where(negative, ~bits, bits | xp.uint32(0x80000000)).astype(xp.uint64)
     keys = (ordered << xp.uint64(32)) | (~rows.astype(xp.uint32)).astype(xp.uint64)
     keys[rows < 0] = 0
     best = xp.sort(keys, axis=1)[:, ::-1][:, :k]
     hi = (best >> xp.uint64(32)).astype(xp.uint32)
-    vals = xp.where(hi & xp.uint32(0x80000000), hi & xp.uint32(0x7FFFFFFF), ~hi).view(xp.float32)
+    positive = (hi & xp.uint32(0x80000000)) != 0
+    vals = xp.ascontiguousarray(xp.where(positive, hi & xp.uint32(0x7FFFFFFF), ~hi)).view(xp.float32)
     out_rows = (~(best & xp.uint64(0xFFFFFFFF)).astype(xp.uint32)).astype(xp.int64)
     empty = best == 0
     vals = xp.where(empty, -xp.inf, vals).astype(xp.float32)

@@ -4,7 +4,7 @@
 # 1. FAISS with GPU support: sources /tmp/faiss_env.sh when it exists; otherwise, when the staged .device/ folder came
 #    along with the working tree (see ../shared/device/README.md), runs its setup first. Without either, the FAISS GPU
 #    contender is reported as skipped with its reason: nothing else changes.
-# 2. The GPU tests:   PYTHONPATH=. python3 -m pytest -m gpu -q -x          -> $OUT/gpu-tests.log
+# 2. The GPU tests:   PYTHONPATH=. python3 -m pytest -m gpu -q          -> $OUT/gpu-tests.log
 # 3. The benchmark:   PYTHONPATH=. python3 -m recall bench --device gpu --ceilings --workload S1 ... --out $OUT/bench
 #                                                                          -> $OUT/bench.log, $OUT/bench/results.*
 # 4. Prints a short summary: test outcome and the results table.
@@ -39,7 +39,7 @@ fi
 
 tests_rc=0
 if [ "$RUN_TESTS" = 1 ]; then
-    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "$TEST_TIMEOUT" python3 -m pytest -m gpu -q -x >"$OUT/gpu-tests.log" 2>&1
+    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "$TEST_TIMEOUT" python3 -m pytest -m gpu -q >"$OUT/gpu-tests.log" 2>&1
     tests_rc=$?
 fi
 

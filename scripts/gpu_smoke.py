@@ -95,11 +95,12 @@ def main() -> int:
     cu_items = cupy.random.default_rng(0).standard_normal((1_000_000, 64), dtype=cupy.float32)
     cu_users = cupy.random.default_rng(1).standard_normal((n_users, 64), dtype=cupy.float32)
     rows = []
+    precisions = os.environ.get("SMOKE_PRECISIONS", "exact").split(",")
     for tiles in os.environ.get("SMOKE_TILES", "1024,4096,2;2048,4096,2;1024,8192,2;2048,8192,4").split(";"):
-        for graphs in ("1", "0"):
+        for graphs, precision in [(g, p) for g in os.environ.get("SMOKE_GRAPHS", "1,0").split(",") for p in precisions]:
             os.environ["RECALL_GPU_TILES"] = tiles
             os.environ["RECALL_CUDA_GRAPHS"] = graphs
-            eng = recall.Engine(cu_items, device="gpu")
+            eng = recall.Engine(cu_items, device="gpu", precision=precision)
             eng.search(cu_users[:5000], 100)
             cupy.cuda.Device().synchronize()
             times = []
@@ -110,9 +111,13 @@ def main() -> int:
                 times.append(time.perf_counter() - t)
             med = sorted(times)[1]
             tflops = 2 * n_users * 1e6 * 64 / med / 1e12
-            rows.append({"tiles": tiles, "graphs": graphs, "seconds": med, "tflops": tflops,
-                         "stats": eng.backend.stats})
-            print(f"tiles={tiles:>14} graphs={graphs} {med:.3f}s {tflops:.1f} TFLOP/s", flush=True)
+            rows.append({"tiles": tiles, "graphs": graphs, "precision": precision, "seconds": med, "tflops": tflops,
+                         "stats": {k: v for k, v in eng.stats.items() if k != "tiles"}})
+            print(f"tiles={tiles:>14} graphs={graphs} {precision:>5} {med:.3f}s {tflops:.1f} TFLOP/s "
+                  f"busy {eng.stats.get('busy_fraction', 0):.2f} fallback {eng.stats.get('fallback_users', '-')}",
+                  flush=True)
+            if precision != "exact":
+                continue
             # The GEMMs alone at the same tiling: what selection costs on top of them.
             from recall import scoring
 

@@ -176,7 +176,7 @@ class CupyBackend:
         self._merge = mod.get_function("recall_merge")
         self._merge_smem_limit = 0
         self._capturing = False
-        self._ws: _Workspace | None = None
+        self._ws: dict[tuple, _Workspace] = {}
 
     # -- description and memory -------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -387,11 +387,16 @@ class CupyBackend:
         engine answering many calls allocates, and captures its graphs, once)."""
         import cupy
 
-        ws = self._ws
-        if ws is not None and ws.key == (plan, k, dim, np.dtype(dtype)) and ws.max_excl >= max_excl:
+        key = (plan, k, dim, np.dtype(dtype))
+        ws = self._ws.get(key)
+        if ws is not None and ws.max_excl >= max_excl:
             ws.state.clear()  # the last final merge emptied it, unless that search was interrupted
             return ws
-        self._ws = None  # let the old buffers go before taking new ones
+        # Keep at most two shapes (fast mode alternates its wide half-precision pass and the exact fallback);
+        # let the others go before taking new buffers.
+        self._ws.pop(key, None)
+        while len(self._ws) >= 2:
+            self._ws.pop(next(iter(self._ws)))
         need = (4 * plan.user_block * plan.item_tile * plan.tiles_per_call
                 + plan.user_block * self.state_bytes(k) + 2 * 4 * plan.user_block * dim)
         try:
@@ -404,8 +409,18 @@ class CupyBackend:
                 f"{plan.item_tile * plan.tiles_per_call} items per tile, k={k}); {self.free_memory():,} bytes free: "
                 f"lower memory_budget"
             ) from exc
-        self._ws = _Workspace((plan, k, dim, np.dtype(dtype)), max_excl, state, scores, slots)
-        return self._ws
+        self._ws[key] = _Workspace(key, max_excl, state, scores, slots)
+        return self._ws[key]
+
+    def _slot(self, cap: int, dim: int, max_excl: int, dtype: Any) -> _Slot:
+        import cupy
+        import cupyx
+
+        return _Slot(users=cupy.zeros((cap, dim), dtype), ex_ptr=cupy.zeros(cap + 1, cupy.int64),
+                     ex_items=cupy.zeros(max_excl, cupy.int64),
+                     host_users=cupyx.zeros_pinned((cap, dim), dtype),
+                     host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
+                     staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
 
     def _search_slot(self, slot: _Slot, i: int, plan: scoring.TilePlan, items: Any, n_items: int, state: GpuTopK,
                      scores_buf: Any, cap: int, has_excl: bool, stats: dict) -> None:
