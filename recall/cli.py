@@ -265,3 +265,7 @@ def main() -> None:
 from recall.bench.cli import register as _register_bench  # noqa: E402 - bench adds its commands to this app
 
 _register_bench(app)
+
+from recall.ops_cli import register as _register_ops  # noqa: E402 - doctor and tune add their commands to this app
+
+_register_ops(app)

@@ -125,7 +125,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown cpu"
 
 
-def _blas() -> str:
+def blas_name() -> str:
+    """NumPy's BLAS, e.g. "scipy-openblas 0.3.29" ("blas" where NumPy cannot say)."""
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         return f"{blas.get('name')} {blas.get('version', '')}".strip()
@@ -176,7 +177,7 @@ def device_identity(backend: Any) -> dict[str, str]:
             ident = {"backend": "gpu", "device": f"unknown gpu ({type(exc).__name__})", "driver": "", "runtime": ""}
     else:
         ident = {"backend": backend.name, "device": f"{_cpu_model()} x{getattr(backend, 'workers', 1)}",
-                 "driver": f"numpy {np.__version__}", "runtime": _blas()}
+                 "driver": f"numpy {np.__version__}", "runtime": blas_name()}
     with _lock:
         _identities[slot] = ident
     return ident
