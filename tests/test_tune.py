@@ -199,7 +199,8 @@ for i in range(int(sys.argv[2])):
 
 
 def test_concurrent_writers_never_tear_the_file(cache_home: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CACHE_HOME": str(cache_home)}
+    path_env = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path_env, "XDG_CACHE_HOME": str(cache_home)}
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(w), "15"], env=env) for w in range(3)]
     path = cache_home / "recall" / "tune.json"
     while any(p.poll() is None for p in procs):
