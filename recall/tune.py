@@ -567,7 +567,8 @@ def preferred_tiles(engine: Any, users: Any, k: int) -> Tiles:
     Inside :func:`trying`: the tiling being tried. Else, by ``engine.tune_mode``: "off" -> the backend's heuristic
     (``backend.preferred_tiles``); "auto" -> the cached tiling of a matching key, else the heuristic; "force" -> the
     tiling tuned for this key in this process, tuning it now (on up to :data:`USERS_BUCKET_CAP` of ``users``) the
-    first time. Never raises for a cache problem: a bad cache is warned about once and the heuristic used.
+    first time (exact precision only: a fast-precision engine reads the cache as in "auto"). Never raises for a
+    cache problem: a bad cache is warned about once and the heuristic used.
 
     Parameters
     ----------
@@ -590,7 +591,12 @@ def preferred_tiles(engine: Any, users: Any, k: int) -> Tiles:
         return backend.preferred_tiles(dim, k)
     key = make_key(backend, engine.metric, dim, k, n_users, engine.n_items, dtype)
     if mode == "force":
-        return _force(engine, users, k, key)
+        # Tuning re-runs whole searches of these users; only in exact precision is a tiled pass a whole search (fast
+        # mode's passes score float16 copies and fallback subsets), so fast mode reads the cache as "auto" does.
+        if getattr(engine, "precision", "exact") == "exact":
+            return _force(engine, users, k, key)
+        _warn_once(cache_path(), "force-fast", "tune='force' tunes exact-precision engines only; for "
+                   "precision='fast' run `recall tune --precision fast` once (its result is used here)")
     tiles = lookup(key)
     if tiles is None:
         return backend.preferred_tiles(dim, k)

@@ -279,6 +279,19 @@ def test_tune_force_tunes_once_then_caches(cache_home: Path, plan_spy: list, mon
     assert plan_spy[-1] == tiles
 
 
+def test_tune_force_with_fast_precision_reads_the_cache(monkeypatch: pytest.MonkeyPatch, make_normal,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    users, items = make_normal(60, 900, 8, seed=9)
+    monkeypatch.setattr(tuning, "tune_engine", lambda *a, **kw: pytest.fail("fast precision must not tune inline"))
+    engine = Engine(items, device="cpu", tune="force", precision="fast")
+    with caplog.at_level(logging.WARNING, logger="recall"):
+        got = engine.search(users, 5)
+        engine.search(users, 5)
+    assert sum("exact-precision engines only" in r.getMessage() for r in caplog.records) == 1
+    want, _ = oracle.topk(users, items, 5)
+    np.testing.assert_array_equal(got.indices, want)
+
+
 def test_tune_engine_dedupes_candidates_and_keeps_the_heuristic_within_noise(monkeypatch: pytest.MonkeyPatch,
                                                                              make_normal) -> None:
     users, items = make_normal(10, 5000, 4, seed=7)
