@@ -198,7 +198,8 @@ class ShardTask:
 class ShardResult:
     """What a worker reports for a finished shard; ``sha256`` and ``bytes`` describe the output as renamed in place.
 
-    Stage times (``read_s``, ``search_s``, ``write_s``) overlap, so they may add up to more than ``seconds``.
+    Stage times (``read_s``, ``search_s``, ``write_s``) overlap, so they may add up to more than ``seconds``;
+    ``device_busy_s`` is the GPU's compute time (0 on the CPU).
     """
 
     name: str
@@ -210,6 +211,7 @@ class ShardResult:
     search_s: float
     write_s: float
     hash_s: float
+    device_busy_s: float
     batch_size: int
     memory_budget: int
     device: str
@@ -332,15 +334,6 @@ class _ExclusionIndex:
         return ExclusionPairs(user_rows, item_rows, int(user_ids.size), total, 0), total
 
 
-def _device_kind(device: str) -> str:
-    """"cpu" or "gpu": what ``Engine(device=device)`` will run on (it raises for "gpu" without one)."""
-    if device == "cpu":
-        return "cpu"
-    from .backends.probe import cuda_status
-
-    return "gpu" if device == "gpu" or cuda_status()[0] else "cpu"
-
-
 class ShardScorer:
     """One worker's resident state: the items prepared once in an :class:`recall.Engine`, the exclusions read once;
     :meth:`score` streams one shard through it.
@@ -412,9 +405,14 @@ class ShardScorer:
                     _check_nonzero(batch, task.path)
                 yield batch
 
+        busy = 0.0
+
         def search(batch: Embeddings) -> Any:
+            nonlocal busy
             exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
-            return engine.search(batch.vectors, spec.k, exclude=exclude)
+            result = engine.search(batch.vectors, spec.k, exclude=exclude)
+            busy += engine.stats.get("gpu_busy_s", 0.0)
+            return result
 
         def write(item: tuple[Embeddings, Any]) -> None:
             batch, result = item
@@ -438,7 +436,7 @@ class ShardScorer:
         return ShardResult(
             name=task.name, rows=n_users, bytes=os.path.getsize(task.out_path), sha256=digest,
             seconds=t_end - t0, read_s=t_ids + overlap.seconds["read"], search_s=overlap.seconds["search"],
-            write_s=overlap.seconds["write"], hash_s=t_end - t_hash, batch_size=self.batch_size,
+            write_s=overlap.seconds["write"], hash_s=t_end - t_hash, device_busy_s=busy, batch_size=self.batch_size,
             memory_budget=engine.memory_budget, device=engine.device, worker=self.worker, exclusions_applied=applied,
         )
 
@@ -698,7 +696,9 @@ class _Job:
     def worker_ready(self, info: WorkerInfo) -> None:
         with self.lock:
             self.workers.append(info)
-            self.metrics["workers"] = [asdict(w) for w in self.workers]
+            self.metrics["workers"] = [{key: round(v, 4) if isinstance(v, float) else v
+                                        for key, v in asdict(w).items()} for w in self.workers]
+            _write_json(self.out_dir / METRICS, self.metrics)
             n = len(self.workers)
         self.progress.workers_ready(n)
 
@@ -716,9 +716,9 @@ class _Job:
             _write_json(self.out_dir / MANIFEST, self.manifest)
             self.done += 1
             self.users_done += result.rows
-            entry = asdict(result)
-            entry["users_per_s"] = result.users_per_s
-            del entry["name"]
+            entry = {key: round(v, 4) if isinstance(v, float) else v for key, v in asdict(result).items()
+                     if key != "name"}
+            entry["users_per_s"] = round(result.users_per_s, 1)
             self.metrics["shards"][result.name] = entry
             self._update_totals()
             _write_json(self.out_dir / METRICS, self.metrics)

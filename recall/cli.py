@@ -269,3 +269,6 @@ _register_bench(app)
 from recall.ops_cli import register as _register_ops  # noqa: E402 - doctor and tune add their commands to this app
 
 _register_ops(app)
+from recall.batch_cli import register as _register_batch  # noqa: E402 - `recall batch` (recall/batch_cli.py)
+
+_register_batch(app)
