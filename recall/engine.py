@@ -186,6 +186,33 @@ class Engine:
         vals = metrics.finish_scores(self.metric, xp, vals, users)
         return SearchResult(indices=rows, scores=vals, ids=self._map_ids(rows))
 
+    def rescore(self, user_vecs: Any, candidates: Any, k: int) -> SearchResult:
+        """Each user's exact top-k among its own candidate items, best first; ties go to the lower item row.
+
+        Parameters
+        ----------
+        user_vecs : array, shape (n_users, dim)
+            As for :meth:`search` (NumPy, or a device array used in place on the GPU).
+        candidates : (indptr, item_rows) CSR, a list of n_users integer arrays, or an (n_users, width) matrix
+            Item rows per user: ``item_rows[indptr[u]:indptr[u+1]]``, ``candidates[u]`` or row ``u``; any length,
+            any order, duplicates count once. Host arrays, or device arrays on a GPU engine (read in place).
+        k : int
+            Items per user, >= 1; rows are padded with (-1, -inf) where a user has fewer than k distinct candidates.
+
+        Returns
+        -------
+        SearchResult
+            As :meth:`search` returns it, in the engine's metric.
+
+        Raises
+        ------
+        InputError
+            k < 1, bad vectors, a malformed candidate structure, or an item row out of range (naming user and row).
+        """
+        from . import rescore
+
+        return rescore.rescore(self, user_vecs, candidates, k)
+
     def _check_overflow(self, xp: Any, users: Any) -> None:
         """Refuse vectors whose scores could overflow float32 (they would come out as +-inf or NaN and be lost)."""
         if self.metric == "cosine" or users.shape[0] == 0:

@@ -87,3 +87,10 @@ class Backend(Protocol):
 
     def synchronize(self) -> None:
         """Wait for all queued work."""
+
+    def rescore_select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
+        """Per row of a padded candidate block, the best k (score desc, lower row first), padded with (-inf, -1).
+
+        scores : (n, width) float32; rows : (n, width) int64 item rows, -1 for an empty slot. On this backend.
+        Optional, faster path (``rescore_fused``, the GPU only): see recall/rescore.py.
+        """

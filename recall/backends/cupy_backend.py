@@ -462,3 +462,17 @@ class CupyBackend:
             log.warning("recall: CUDA graph capture failed (%s: %s); launching eagerly", type(exc).__name__, exc)
             self.use_graphs = False
             return None
+
+    # -- per-user candidate re-scoring (recall/rescore.py, recall/kernels/rescore.cu) ------------------------------
+    def rescore_fused(self, users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int, out_vals: Any,
+                      out_rows: Any, budget: int) -> bool:
+        """Gather, score and select each user's own candidates in one kernel; False when k is beyond it."""
+        from .. import rescore
+
+        return rescore.fused_device(self, users, items, indptr, rows, k, out_vals, out_rows, budget)
+
+    def rescore_select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
+        """The best k (score desc, lower row first) of each row of a padded candidate block (recall/rescore.py)."""
+        from .. import rescore
+
+        return rescore.select_device(self, scores, rows, k)

@@ -114,3 +114,9 @@ class NumpyBackend:
 
     def synchronize(self) -> None:
         pass
+
+    def rescore_select(self, scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The best k (score desc, lower row first) of each row of a padded candidate block (recall/rescore.py)."""
+        from .. import rescore
+
+        return rescore.select_keys(np, scores, rows, k)

@@ -1,0 +1,487 @@
+"""Per-user candidate re-scoring: each user against its own candidate item rows, keeping the best k.
+
+Candidate lists come from other retrievers, business rules or a previous stage, one list per user, of any length.
+``Engine.rescore`` scores every user only against its own candidates and returns the same ``SearchResult`` as
+``Engine.search``: best first, ties to the lower item row, padded with (-1, -inf) where a user has fewer than k
+distinct candidates. Duplicates in a list count once.
+
+Two ways to run a block of users, behind the backend seam:
+
+- **gather + GEMM** (every backend; the CPU's path): users sorted by list length are cut into blocks whose padded
+  ``(users, longest list, dim)`` gather fits the memory budget; the block's candidate vectors are gathered, scored with
+  ONE strided-batched GEMM (batch = users, one user row each: ``backend.gemm_strided_batched``), and each row's best
+  k are selected by ``backend.rescore_select`` (64-bit keys that order like the tie rule).
+- **fused** (backends with ``rescore_fused``: the GPU): one kernel per launch, one thread block per user, reads each
+  candidate vector once from the resident item matrix, computes its dot product and keeps the best k in shared
+  memory (``recall/kernels/rescore.cu``). The job is memory-bound; this path reads the candidate vectors once and
+  writes nothing but the results, where gather + GEMM writes and re-reads the gathered copy.
+  ``RECALL_RESCORE=gemm`` forces the GEMM path on the GPU too (to compare the two).
+
+``rescore_files`` is the Parquet-to-Parquet job behind ``recall rescore``.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from . import metrics
+from .errors import InputError
+from .result import SearchResult
+
+#: ``RECALL_RESCORE``: "fused" (default) or "gemm", the GPU's path (the CPU always gathers and runs the GEMM).
+MODES = ("fused", "gemm")
+
+# Workspace of the gather + GEMM path per padded candidate slot: the gathered vector, its score, its row (and the
+# sorted copy of the rows), and the 64-bit keys of the selection with the copy the sort makes.
+_SLOT_BYTES_FIXED = 4 + 8 + 8 + 16
+
+
+def _mode() -> str:
+    mode = os.environ.get("RECALL_RESCORE", "fused").strip().lower() or "fused"
+    if mode not in MODES:
+        raise InputError(f"RECALL_RESCORE={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+def _check_k(k: Any) -> int:
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise InputError(f"k must be an integer >= 1, got {k!r}")
+    return int(k)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Candidates
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Candidate lists as CSR over user rows, validated (every row in range), duplicates still in.
+
+    Attributes
+    ----------
+    indptr : np.ndarray of int64, shape (n_users + 1,)
+        On the host: user ``u``'s candidates are ``rows[indptr[u]:indptr[u + 1]]``.
+    rows : array of int64, shape (nnz,)
+        Item rows; NumPy, or a device array when the caller passed device arrays to a GPU engine.
+    """
+
+    indptr: np.ndarray
+    rows: Any
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indptr[-1])
+
+
+def _is_device(arr: Any) -> bool:
+    return hasattr(arr, "__cuda_array_interface__") and not isinstance(arr, np.ndarray)
+
+
+def _host(arr: Any) -> np.ndarray:
+    get = getattr(arr, "get", None)
+    return get() if callable(get) and not isinstance(arr, np.ndarray) else np.asarray(arr)
+
+
+def _int_rows(xp: Any, arr: Any, what: str) -> Any:
+    """``arr`` as a 1-d int64 array of module ``xp``; InputError for anything but integers (empty is fine)."""
+    arr = xp.asarray(arr) if xp is not np else np.asarray(_host(arr))
+    if arr.size == 0:
+        return xp.zeros(0, xp.int64)
+    if arr.dtype.kind not in "iu":
+        raise InputError(f"candidates: {what} must be integer item rows, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise InputError(f"candidates: {what} must be 1-d, got shape {tuple(arr.shape)}")
+    if arr.dtype == np.uint64 and bool((arr > np.iinfo(np.int64).max).any()):
+        arr = xp.minimum(arr, np.iinfo(np.int64).max)  # beyond any item row: reported as out of range below
+    return arr.astype(xp.int64, copy=False)
+
+
+def normalise_candidates(candidates: Any, n_users: int, n_items: int, device_xp: Any = None) -> Candidates:
+    """Turn ``candidates`` into validated CSR.
+
+    Parameters
+    ----------
+    candidates : (indptr, item_rows) tuple, a sequence of ``n_users`` integer arrays, or an (n_users, width) matrix
+        CSR: ``indptr`` (n_users + 1,) and ``item_rows`` (nnz,) integer arrays; or one array (or list) of item rows
+        per user; or a 2-d integer matrix, one row of candidates per user. Host arrays, or device arrays when
+        ``device_xp`` is given (they then stay on the device).
+    n_users, n_items : int
+    device_xp : module, optional
+        The device array module (CuPy) of a GPU engine; None keeps everything on the host.
+
+    Raises
+    ------
+    InputError
+        A malformed CSR pair, a wrong number of lists, non-integer rows, or an item row out of range (the message
+        names the user row, the position in its list and the row).
+    """
+    if isinstance(candidates, tuple) and len(candidates) == 2:
+        indptr_in, rows_in = candidates
+        on_device = device_xp is not None and _is_device(rows_in)
+        xp = device_xp if on_device else np
+        indptr = np.asarray(_host(indptr_in))
+        if indptr.dtype.kind not in "iu" or indptr.ndim != 1:
+            raise InputError(f"candidates: indptr must be a 1-d integer array, got dtype {indptr.dtype} and shape "
+                             f"{indptr.shape}")
+        indptr = indptr.astype(np.int64)
+        rows = _int_rows(xp, rows_in, "item_rows")
+        if indptr.shape != (n_users + 1,):
+            raise InputError(f"candidates: indptr has {indptr.size} entries, expected n_users + 1 = {n_users + 1}")
+        if indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] != rows.size:
+            raise InputError("candidates: indptr must start at 0, never decrease and end at len(item_rows)")
+    elif getattr(candidates, "ndim", None) == 2:
+        # A (n_users, width) matrix: every user has ``width`` candidates (a retriever's fixed-size output).
+        on_device = device_xp is not None and _is_device(candidates)
+        xp = device_xp if on_device else np
+        arr = candidates if on_device else np.asarray(_host(candidates))
+        if arr.shape[0] != n_users:
+            raise InputError(f"candidates: a matrix of {arr.shape[0]} rows for {n_users} users (one row per user)")
+        rows = _int_rows(xp, xp.ascontiguousarray(arr).reshape(-1), "item_rows")
+        indptr = np.arange(n_users + 1, dtype=np.int64) * int(arr.shape[1])
+    elif isinstance(candidates, (list, tuple)) or (hasattr(candidates, "__len__") and not hasattr(candidates, "shape")):
+        lists = list(candidates)
+        if len(lists) != n_users:
+            raise InputError(f"candidates: got {len(lists)} lists for {n_users} users (one list per user row)")
+        on_device = device_xp is not None and len(lists) > 0 and all(_is_device(a) for a in lists)
+        xp = device_xp if on_device else np
+        parts = []
+        for u, lst in enumerate(lists):
+            lst = lst if on_device or isinstance(lst, np.ndarray) or _is_device(lst) else np.asarray(lst)
+            if getattr(lst, "ndim", 1) != 1:
+                raise InputError(f"candidates: the list of user row {u} must be 1-d, got shape {tuple(lst.shape)}")
+            parts.append(_int_rows(xp, lst, f"the list of user row {u}"))
+        indptr = np.zeros(n_users + 1, np.int64)
+        np.cumsum([p.size for p in parts], out=indptr[1:])
+        rows = xp.concatenate(parts) if parts else xp.zeros(0, xp.int64)
+    else:
+        raise InputError(f"candidates must be a CSR pair (indptr, item_rows) or a list of item-row arrays, one per "
+                         f"user; got {type(candidates).__name__}")
+    if rows.size:
+        bad = (rows < 0) | (rows >= n_items)
+        if bool(bad.any()):
+            pos = int(xp.argmax(bad))
+            user = int(np.searchsorted(indptr, pos, side="right") - 1)
+            raise InputError(f"candidates: user row {user} has item row {int(rows[pos])} at position "
+                             f"{pos - int(indptr[user])} of its list, out of range for {n_items} items")
+    return Candidates(indptr, rows)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Engine.rescore
+
+
+def rescore(engine: Any, user_vecs: Any, candidates: Any, k: int) -> SearchResult:
+    """Each user's best ``k`` among its own candidates; see :meth:`recall.Engine.rescore`."""
+    from .engine import _check_matrix
+
+    k = _check_k(k)
+    xp = engine._xp_for(user_vecs)
+    users = _check_matrix(xp, user_vecs, "user_vecs", engine.dim)
+    n_users = int(users.shape[0])
+    engine._check_overflow(xp, users)
+    device_xp = None if engine.backend.xp is np else engine.backend.xp
+    cands = normalise_candidates(candidates, n_users, engine.n_items, device_xp)
+    vals, rows = _run(engine, metrics.prepare_users(engine.metric, xp, users), cands, k)
+    if xp is np:
+        vals, rows = engine.backend.to_host(vals), engine.backend.to_host(rows)
+    vals = metrics.finish_scores(engine.metric, xp, vals, users)
+    return SearchResult(indices=rows, scores=vals, ids=engine._map_ids(rows))
+
+
+def _run(engine: Any, users: Any, cands: Candidates, k: int) -> tuple[Any, Any]:
+    """(scores in inner-product space, item rows), each (n_users, k), on the backend."""
+    backend, xp = engine.backend, engine.backend.xp
+    n_users = int(users.shape[0])
+    vals = xp.full((n_users, k), -xp.inf, dtype=xp.float32)
+    rows = xp.full((n_users, k), -1, dtype=xp.int64)
+    wall = time.perf_counter()
+    path = "none"
+    if n_users and cands.nnz:
+        fused = getattr(backend, "rescore_fused", None)
+        if fused is not None and _mode() == "fused" and fused(users, engine._items, cands.indptr, cands.rows, k,
+                                                               vals, rows, engine.memory_budget):
+            path = "fused"
+        else:
+            _gemm_path(engine, users, cands, k, vals, rows)
+            path = "gemm"
+    engine.stats = {"rescore_path": path, "users": n_users, "candidates": cands.nnz,
+                    "wall_s": time.perf_counter() - wall}
+    return vals, rows
+
+
+def _padded_rows(rxp: Any, rows: Any, starts: np.ndarray, lengths: np.ndarray, width: int) -> Any:
+    """(len(starts), width) int64 of module ``rxp``: row ``i`` holds ``rows[starts[i]:starts[i] + lengths[i]]``,
+    then -1."""
+    offs = np.arange(width, dtype=np.int64)
+    pos = starts[:, None] + offs[None, :]
+    valid = offs[None, :] < lengths[:, None]
+    pos = np.where(valid, pos, 0)
+    if rxp is not np:
+        pos, valid = rxp.asarray(pos), rxp.asarray(valid)
+    return rxp.where(valid, rows[pos], -1)
+
+
+def _drop_duplicate_rows(xp: Any, rows_pad: Any) -> Any:
+    """Sort each row of a padded (n, width) block and blank (-1) every repeat of an item row: a duplicate must count
+    once, and it is removed before scoring because BLAS may score two copies of a row at different positions of a
+    block with different rounding (edge kernels), which would defeat a de-duplication by score."""
+    rows_pad.sort(axis=1)
+    if rows_pad.shape[1] > 1:
+        tail = rows_pad[:, 1:]
+        rows_pad[:, 1:] = xp.where((tail == rows_pad[:, :-1]) & (tail >= 0), -1, tail)
+    return rows_pad
+
+
+def _gemm_path(engine: Any, users: Any, cands: Candidates, k: int, out_vals: Any, out_rows: Any) -> None:
+    """Gather + one strided-batched GEMM per block of users + selection, blocks sized to the memory budget."""
+    backend, xp = engine.backend, engine.backend.xp
+    items = engine._items
+    dim = int(items.shape[1])
+    users_b = backend.asarray(users)
+    indptr = cands.indptr
+    lengths = np.diff(indptr)
+    rxp = np if isinstance(cands.rows, np.ndarray) else xp
+    slot_bytes = 4 * dim + _SLOT_BYTES_FIXED
+    user_bytes = 4 * dim + 40 * k  # the user's row, its results and their selection scratch
+    budget = int(engine.memory_budget)
+    cap = max(1, budget // slot_bytes)
+    max_users = max(1, budget // user_bytes)
+    # Short lists first: a block's users then have similar lengths, so padding to the block's longest costs little.
+    nonempty = np.flatnonzero(lengths > 0)
+    order = nonempty[np.argsort(lengths[nonempty], kind="stable")]
+    ls = lengths[order]
+    i = 0
+    while i < order.size:
+        if ls[i] > cap:
+            for u in order[i:]:  # every user from here on has more candidates than one block holds
+                _long_user(engine, users_b, cands, int(u), k, cap, out_vals, out_rows)
+            return
+        # The largest block [i, j) whose padded size (j - i) * ls[j - 1] fits: ls is sorted, so bisect.
+        lo, hi = i + 1, min(order.size, i + max_users)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if (mid - i) * int(ls[mid - 1]) <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        j = lo
+        block = order[i:j]
+        width = int(ls[j - 1])
+        rows_pad = backend.asarray(_padded_rows(rxp, cands.rows, indptr[block], lengths[block], width))
+        rows_pad = _drop_duplicate_rows(xp, rows_pad)
+        sel = backend.asarray(block)
+        vals, rows = _score_block(backend, users_b[sel], items, rows_pad, k)
+        out_vals[sel] = vals
+        out_rows[sel] = rows
+        i = j
+
+
+def _score_block(backend: Any, users: Any, items: Any, rows_pad: Any, k: int) -> tuple[Any, Any]:
+    """The best k of each user's padded candidate block: gather, one strided-batched GEMM, select."""
+    xp = backend.xp
+    n, width = rows_pad.shape
+    dim = int(items.shape[1])
+    gathered = items[xp.maximum(rows_pad, 0)]  # (n, width, dim): padding gathers row 0 and is ignored below
+    scores = xp.empty((n, 1, width), dtype=xp.float32)
+    backend.gemm_strided_batched(users.reshape(n, 1, dim), gathered, scores)
+    return backend.rescore_select(scores.reshape(n, width), rows_pad, k)
+
+
+def _long_user(engine: Any, users_b: Any, cands: Candidates, u: int, k: int, cap: int, out_vals: Any,
+               out_rows: Any) -> None:
+    """A user whose list alone exceeds a block: de-duplicate it whole, then score it in chunks, merging the best k."""
+    backend, xp = engine.backend, engine.backend.xp
+    lo, hi = int(cands.indptr[u]), int(cands.indptr[u + 1])
+    rows = xp.unique(backend.asarray(cands.rows[lo:hi]))  # sorted and unique: chunks cannot share a row
+    best_v = best_r = None
+    for c0 in range(0, int(rows.size), cap):
+        chunk = rows[c0:c0 + cap].reshape(1, -1)
+        v, r = _score_block(backend, users_b[u:u + 1], engine._items, chunk, k)
+        if best_v is not None:
+            v, r = select_keys(xp, xp.concatenate([best_v, v], axis=1), xp.concatenate([best_r, r], axis=1), k)
+        best_v, best_r = v, r
+    out_vals[u] = best_v[0]
+    out_rows[u] = best_r[0]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Selection by 64-bit keys (any array module)
+
+
+def _keys(xp: Any, scores: Any, rows: Any) -> Any:
+    """uint64 keys that order like the tie rule (score desc, lower row first); 0 where ``rows`` < 0.
+
+    High 32 bits: the float32 score mapped to an unsigned integer that sorts like the float (-0.0 folded into +0.0,
+    so that equal scores are decided by the row alone); low 32 bits: ~row. The packing of recall/kernels/*.cu."""
+    scores = xp.where(scores == 0, xp.float32(0), scores).astype(xp.float32, copy=False)
+    bits = scores.view(xp.uint32)
+    ordered = xp.where(bits & xp.uint32(0x80000000), ~bits, bits | xp.uint32(0x80000000)).astype(xp.uint64)
+    keys = (ordered << xp.uint64(32)) | (~rows.astype(xp.uint32)).astype(xp.uint64)
+    return xp.where(rows < 0, xp.uint64(0), keys)
+
+
+def _unpack(xp: Any, keys: Any) -> tuple[Any, Any]:
+    hi = (keys >> xp.uint64(32)).astype(xp.uint32)
+    vals = xp.where(hi & xp.uint32(0x80000000), hi & xp.uint32(0x7FFFFFFF), ~hi).view(xp.float32)
+    rows = (~(keys & xp.uint64(0xFFFFFFFF)).astype(xp.uint32)).astype(xp.int64)
+    empty = keys == 0
+    return xp.where(empty, xp.float32(-np.inf), vals).astype(xp.float32), xp.where(empty, -1, rows)
+
+
+def select_keys(xp: Any, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
+    """The best k (score desc, lower row first) of each row of a candidate block, padded with (-inf, -1).
+
+    Parameters
+    ----------
+    xp : module
+        numpy or cupy, the module of the arrays.
+    scores : array of float32, shape (n, width)
+    rows : array of int64, shape (n, width)
+        Item rows, -1 for an empty slot; no row twice within a row of the block.
+    k : int
+
+    Returns
+    -------
+    (scores (n, k) float32, rows (n, k) int64), best first.
+    """
+    n, width = rows.shape
+    keys = _keys(xp, scores, rows)
+    if width > k:
+        keys = xp.partition(keys, width - k, axis=1)[:, width - k:]
+    keys = xp.sort(keys, axis=1)[:, ::-1]
+    if keys.shape[1] < k:
+        keys = xp.concatenate([keys, xp.zeros((n, k - keys.shape[1]), xp.uint64)], axis=1)
+    return _unpack(xp, xp.ascontiguousarray(keys))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The GPU kernel (called by the CuPy backend's rescore_fused / rescore_select)
+
+_THREADS = 256
+_SZ_TARGET = 4096  # keys sorted at once per user: candidates per chunk, up to this
+_DEFAULT_SMEM = 48 * 1024
+_module_lock = threading.Lock()
+_modules: dict[int, Any] = {}
+
+
+def _kernel() -> Any:
+    """The compiled ``recall_rescore`` kernel for the current device (compiled once per device and process)."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    with _module_lock:
+        if dev not in _modules:
+            source = resources.files("recall.kernels").joinpath("rescore.cu").read_text()
+            _modules[dev] = cupy.RawModule(code=source, options=("--std=c++14",)).get_function("recall_rescore")
+        return _modules[dev]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def lanes_per_candidate(dim: int) -> int:
+    """Threads that share one candidate's dot product: the largest power of two <= 32 that leaves few idle lanes.
+
+    Each lane reads 16 bytes (a float4) of the row per step when dim % 4 == 0, else 4 bytes; G lanes read G
+    consecutive chunks, so a row is read in full 32-byte sectors whenever G >= 2."""
+    chunks = dim // 4 if dim % 4 == 0 else dim
+    for g in (32, 16, 8, 4, 2):
+        if -(-chunks // g) * g <= 1.2 * chunks:
+            return g
+    return 1
+
+
+def _smem_bytes(sz: int, dim: int) -> int:
+    return 8 * sz + 4 * ((dim + 3) // 4 * 4) + sz
+
+
+def _max_smem() -> int:
+    import cupy
+
+    try:
+        return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                        cupy.cuda.Device().id))
+    except Exception:  # an older runtime without the attribute: the default every device has
+        return _DEFAULT_SMEM
+
+
+def _launch_config(k: int, dim: int, longest: int) -> tuple[int, int, int] | None:
+    """(K_pad, SZ, shared bytes) for a launch, or None when k needs more shared memory than the device has."""
+    k_pad = _pow2(k)
+    sz = max(2 * k_pad, min(_pow2(max(longest, 1)), _SZ_TARGET))
+    smem = _smem_bytes(sz, dim)
+    if smem > _DEFAULT_SMEM and smem > _max_smem():
+        return None
+    return k_pad, sz, smem
+
+
+def _launch(users: Any, items: Any, dim: int, scores: Any, indptr: Any, rows: Any, k: int,
+            cfg: tuple[int, int, int], out_vals: Any, out_rows: Any) -> None:
+    """One ``recall_rescore`` launch over the users of ``indptr`` (``dim`` 0 when ``scores`` are given: no user
+    vector in shared memory, which is how ``cfg`` was sized)."""
+    n = int(indptr.size) - 1
+    if n <= 0:
+        return
+    k_pad, sz, smem = cfg
+    kern = _kernel()
+    if smem > _DEFAULT_SMEM:
+        kern.max_dynamic_shared_size_bytes = smem
+    scores_arg = scores if scores is not None else np.uint64(0)  # a null pointer: compute the dot products
+    kern((n,), (_THREADS,), (users, items, np.int32(dim), scores_arg, indptr, rows, np.int32(k), np.int32(k_pad),
+                             np.int32(sz), np.int32(lanes_per_candidate(dim)), out_vals, out_rows),
+         shared_mem=smem)
+
+
+def fused_device(backend: Any, users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int, out_vals: Any,
+                 out_rows: Any, budget: int) -> bool:
+    """Score and select on the GPU in one kernel per block of users; False when k or n_items is beyond the kernel.
+
+    users : (n, dim) float32 (host or device); items : (n_items, dim) float32 on the device; indptr : host int64
+    (n + 1,); rows : int64 item rows, host or device; out_vals / out_rows : (n, k) device arrays, C-contiguous.
+    Device rows are read in place; host rows are uploaded in blocks of users whose rows fit in ``budget``.
+    """
+    cupy = backend.xp
+    n_items, dim = int(items.shape[0]), int(items.shape[1])
+    lengths = np.diff(indptr)
+    cfg = _launch_config(k, dim, int(lengths.max()) if lengths.size else 1)
+    if cfg is None or n_items >= 2 ** 31:
+        return False
+    users_d = backend.asarray(users)
+    if not isinstance(rows, np.ndarray):
+        _launch(users_d, items, dim, None, cupy.asarray(indptr), rows, k, cfg, out_vals, out_rows)
+        return True
+    per_block = max(1, budget // 8)
+    start = 0
+    n = lengths.size
+    while start < n:
+        # The most users from `start` whose candidate rows fit in the budget (at least one user).
+        stop = int(np.searchsorted(indptr, indptr[start] + per_block, side="right")) - 1
+        stop = min(n, max(stop, start + 1))
+        lo, hi = int(indptr[start]), int(indptr[stop])
+        _launch(users_d[start:stop], items, dim, None, cupy.asarray(indptr[start:stop + 1] - lo),
+                cupy.asarray(rows[lo:hi]), k, cfg, out_vals[start:stop], out_rows[start:stop])
+        start = stop
+    return True
+
+
+def select_device(backend: Any, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
+    """``select_keys`` on the GPU: the rescore kernel fed with precomputed scores of a padded (n, width) block."""
+    cupy = backend.xp
+    n, width = rows.shape
+    cfg = _launch_config(k, 0, width)
+    if cfg is None:
+        return select_keys(cupy, scores, rows, k)
+    vals = cupy.empty((n, k), cupy.float32)
+    out = cupy.empty((n, k), cupy.int64)
+    indptr = cupy.arange(n + 1, dtype=cupy.int64) * width
+    scores = cupy.ascontiguousarray(scores)
+    _launch(scores, scores, 0, scores, indptr, cupy.ascontiguousarray(rows), k, cfg, vals, out)
+    return vals, out
