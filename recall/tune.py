@@ -53,12 +53,13 @@ NOISE = 0.02
 FORCE_REPEAT = 2
 """Timed runs per candidate (after one warm-up) when ``tune="force"`` tunes inside a search."""
 
-# Candidate grids, as (user block, item tile, tiles per call) from which those whose score tile (4 bytes a score)
-# falls outside a band of sizes are dropped. GPU: 16-64 MiB brackets the 50 MiB L2 of an H100/H200, the condition
-# for the selection kernels to read the GEMM's output from L2. CPU: 256 KiB - 4 MiB brackets a core's L2.
-_GPU_USERS = (512, 1024, 2048, 4096)
-_GPU_ITEMS = ((4096, 1), (4096, 2), (8192, 1), (8192, 2), (16384, 1))
-_GPU_BAND = (16 << 20, 64 << 20)
+# Candidate grids, as (user block, item tile, tiles per call) from which those whose score tiles (4 bytes a score)
+# fall outside a band of sizes are dropped. GPU: 32-512 MiB, from tiles that stay in the 50 MiB L2 of an H100/H200
+# (the selection kernels then read the GEMM's output from L2) to few, large calls (fewer launches; measured faster on
+# the H200 for S1). CPU: 256 KiB - 4 MiB brackets a core's L2.
+_GPU_USERS = (1024, 2048, 4096)
+_GPU_ITEMS = ((4096, 2), (8192, 1), (8192, 2), (8192, 4), (16384, 4))
+_GPU_BAND = (32 << 20, 512 << 20)
 _CPU_USERS = (64, 128, 256, 512)
 _CPU_ITEMS = ((1024, 1), (2048, 1), (4096, 1))
 _CPU_BAND = (256 << 10, 4 << 20)

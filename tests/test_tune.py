@@ -330,11 +330,12 @@ def test_gpu_env_override_beats_the_cache(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_candidate_grids_stay_in_their_bands() -> None:
-    gpu = tuning.candidates("gpu", (1024, 4096, 2))
+    gpu = tuning.candidates("gpu", (2048, 8192, 4))
     cpu = tuning.candidates("cpu", (128, 2048, 1))
-    assert gpu[0] == (1024, 4096, 2) and cpu[0] == (128, 2048, 1)
+    assert gpu[0] == (2048, 8192, 4) and cpu[0] == (128, 2048, 1)
     assert len(set(gpu)) == len(gpu) <= 16 and len(set(cpu)) == len(cpu) <= 12
-    assert all(16 << 20 <= 4 * u * w * t <= 64 << 20 for u, w, t in gpu)
+    assert all(32 << 20 <= 4 * u * w * t <= 512 << 20 for u, w, t in gpu)
+    assert (1024, 4096, 2) in gpu  # the former, L2-sized default stays a candidate
     assert all(256 << 10 <= 4 * u * w * t <= 4 << 20 for u, w, t in cpu)
 
 
