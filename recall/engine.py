@@ -147,7 +147,7 @@ class Engine:
             raise InputError(f"ids: duplicate item id {dup!r} at rows {first} and {second}")
         return ids
 
-    def search(self, user_vecs: Any, k: int, exclude: Any = None) -> SearchResult:
+    def search(self, user_vecs: Any, k: int, exclude: Any = None, aggregate: str | None = None) -> SearchResult:
         """The exact top-k items for every user, best first; ties go to the lower item row.
 
         Parameters
@@ -159,6 +159,9 @@ class Engine:
             with index -1 and score -inf.
         exclude : mapping {user_row: iterable of item rows} or (indptr, item_rows) CSR, optional
             Items never to return to a user; removed before selection, so a user still gets k items if k remain.
+        aggregate : {"max", "sum"}, optional
+            For users with several vectors (``user_vecs`` of shape (n_users, n_interests, dim), or a list of
+            (n_i, dim) arrays): an item's score is the max (default) or the sum over the user's interests.
 
         Returns
         -------
@@ -172,6 +175,12 @@ class Engine:
         ResourceError
             The memory budget cannot hold even the smallest tile.
         """
+        from . import interests
+
+        if interests.is_multi(user_vecs):  # several vectors per user: recall/interests.py
+            return interests.search(self, user_vecs, k, exclude, interests.check_aggregate(aggregate or "max"))
+        if aggregate is not None:
+            interests.check_aggregate(aggregate)
         if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be an integer >= 1, got {k!r}")
         k = int(k)

@@ -20,6 +20,7 @@ class TilePlan:
     item_tile: int
     tiles_per_call: int
     workers: int = 1  # blocks searched at once, each holding its own workspace
+    interests: Any = None  # recall.interests.InterestPlan: several rows per user, reduced to one before the top-k
 
     def workspace_bytes(self, dim: int, k: int, state_bytes_per_user: int) -> int:
         """Bytes of working memory the search holds: per worker, the score tiles, the user block and the top-k."""
@@ -85,6 +86,9 @@ def item_segments(n_items: int, plan: TilePlan) -> Iterator[tuple[int, int, int]
 def search_block(backend: Any, plan: TilePlan, users: Any, items: Any, n_items: int, state: Any, scores_buf: Any,
                  excl_indptr: Any, excl_items: Any) -> None:
     """Score one user block (n, dim) against every item and fold the scores into ``state`` (already reset)."""
+    if plan.interests is not None:
+        return plan.interests.search_block(backend, plan, users, items, n_items, state, scores_buf, excl_indptr,
+                                           excl_items)
     n, dim = users.shape
     users_batch = users.reshape(1, n, dim)
     for start, width, tiles in item_segments(n_items, plan):
