@@ -8,6 +8,9 @@ import numpy as np
 import pyarrow as pa
 
 
+_MAX_LIST_VALUES = 1 << 30
+
+
 def _to_numpy(arr: Any) -> np.ndarray:
     """A host copy of a NumPy or device (CuPy) array."""
     get = getattr(arr, "get", None)
@@ -67,15 +70,26 @@ class SearchResult:
             if len(user_col) != n:
                 raise InputError(f"to_arrow: got {len(user_col)} user ids for {n} result rows")
         indices = _to_numpy(self.indices)
-        keep = indices >= 0
-        counts = keep.sum(axis=1)
-        offsets = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(counts, out=offsets[1:])
         ids = self.ids if isinstance(self.ids, np.ndarray) else _to_numpy(self.ids)
-        flat_ids = ids[keep]
+        scores = _to_numpy(self.scores)
+        rows_per_chunk = max(1, _MAX_LIST_VALUES // max(1, self.k))
+        if n > rows_per_chunk:
+            # Arrow list offsets are 32-bit: build the table in row ranges that each stay under 2^31 values.
+            parts = [SearchResult(indices[s:s + rows_per_chunk], scores[s:s + rows_per_chunk],
+                                  ids[s:s + rows_per_chunk]).to_arrow(user_col.slice(s, rows_per_chunk))
+                     for s in range(0, n, rows_per_chunk)]
+            return pa.concat_tables(parts)
+        keep = indices >= 0
+        if keep.all():
+            # The common case (no padding): the row-major arrays are the list values as they are, no masking copy.
+            offsets = np.arange(0, n * self.k + 1, self.k, dtype=np.int32) if n else np.zeros(1, np.int32)
+            flat_ids, flat_scores = ids.reshape(-1), scores.reshape(-1).astype(np.float32, copy=False)
+        else:
+            offsets = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(keep.sum(axis=1), out=offsets[1:])
+            flat_ids, flat_scores = ids[keep], scores[keep].astype(np.float32, copy=False)
         if flat_ids.dtype == object:
             flat_ids = pa.array(flat_ids.tolist(), type=pa.string())
-        flat_scores = _to_numpy(self.scores)[keep].astype(np.float32, copy=False)
         item_col = pa.ListArray.from_arrays(pa.array(offsets), flat_ids)
         score_col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_scores, type=pa.float32()))
         return pa.table({"user_id": user_col, "item_ids": item_col, "scores": score_col})
