@@ -272,3 +272,6 @@ _register_ops(app)
 from recall.batch_cli import register as _register_batch  # noqa: E402 - `recall batch` (recall/batch_cli.py)
 
 _register_batch(app)
+from recall.rescore_cli import register as _register_rescore  # noqa: E402 - `recall rescore` (recall/rescore_cli.py)
+
+_register_rescore(app)

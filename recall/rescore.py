@@ -485,3 +485,221 @@ def select_device(backend: Any, scores: Any, rows: Any, k: int) -> tuple[Any, An
     scores = cupy.ascontiguousarray(scores)
     _launch(scores, scores, 0, scores, indptr, cupy.ascontiguousarray(rows), k, cfg, vals, out)
     return vals, out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parquet: the candidates file and the job behind `recall rescore`
+
+
+@dataclass(frozen=True)
+class CandidateFile:
+    """A candidates Parquet file mapped to row positions of the users' and the items' files.
+
+    Attributes
+    ----------
+    user_rows : np.ndarray of int64, shape (n,)
+        The users the file names (known ids only), ascending: the users file's order.
+    indptr : np.ndarray of int64, shape (n + 1,)
+    item_rows : np.ndarray of int64, shape (nnz,)
+        User ``user_rows[i]``'s candidates are ``item_rows[indptr[i]:indptr[i + 1]]``, in file order, duplicates
+        still in (the engine counts them once).
+    n_pairs : int
+        (user, item) pairs in the file (list elements, or rows of the pair form).
+    n_unknown : int
+        Of those, pairs skipped because their user id or item id is in neither embedding file.
+    """
+
+    user_rows: np.ndarray
+    indptr: np.ndarray
+    item_rows: np.ndarray
+    n_pairs: int
+    n_unknown: int
+
+
+def _candidate_column(pf: Any, path: str) -> str:
+    """"item_ids" (a list per row) or "item_id" (one pair per row); InputError naming the columns found."""
+    from .io.parquet import _column_names
+
+    schema = pf.schema_arrow
+    names = set(schema.names)
+    has_list, has_pair = "item_ids" in names, "item_id" in names
+    if "user_id" not in names or has_list == has_pair:
+        raise InputError(f"{path}: candidate columns are {_column_names(schema)}; expected 'user_id' with 'item_ids' "
+                         f"(a list of item ids per row) or 'user_id' with 'item_id' (one pair per row)")
+    if has_list:
+        t = schema.field("item_ids").type
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+            raise InputError(f"{path}: column 'item_ids' has type {t}, expected a list of item ids")
+    return "item_ids" if has_list else "item_id"
+
+
+def read_candidates(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.ndarray) -> CandidateFile:
+    """Read a candidates Parquet file (``user_id``, ``item_ids`` list; or ``user_id``, ``item_id`` pairs).
+
+    A user may appear on several rows: its lists are concatenated. Ids must have the embeddings' types (integers with
+    integers, strings with strings). Unknown user or item ids are skipped and counted.
+
+    Parameters
+    ----------
+    path : str or PathLike
+    user_ids, item_ids : np.ndarray
+        The ids of the users' and the items' files, in file order (int64, or object for strings).
+
+    Raises
+    ------
+    InputError
+        Unreadable file, missing or mistyped columns, a null user id, list or item id (naming the row), id types
+        that do not match the embeddings'.
+    """
+    from .io.parquet import READ_BATCH_ROWS, _first, _iter_batches, _lookup, _match_type, open_parquet
+
+    path = os.fspath(path)
+    user_ids, item_ids = np.asarray(user_ids), np.asarray(item_ids)
+    pf = open_parquet(path, "candidates")
+    col = _candidate_column(pf, path)
+    row_users, pair_users, pair_items = [], [], []
+    row = 0
+    for batch in _iter_batches(pf, path, ["user_id", col], READ_BATCH_ROWS):
+        users, items = batch.column(0), batch.column(1)
+        for c, name in ((users, "user_id"), (items, col)):
+            if c.null_count:
+                raise InputError(f"{path}: row {row + _first(c.is_null().to_numpy(zero_copy_only=False))} has a "
+                                 f"null {name}")
+        users = _match_type(path, "user_id", users, user_ids, "users'", row)
+        upos = _lookup(users, user_ids)
+        if col == "item_ids":
+            lengths = (np.full(len(items), items.type.list_size, np.int64) if pa.types.is_fixed_size_list(items.type)
+                       else np.diff(items.offsets.to_numpy()))
+            flat = items.flatten()
+            if flat.null_count:
+                pos = _first(flat.is_null().to_numpy(zero_copy_only=False))
+                at = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+                raise InputError(f"{path}: row {row + at} has a null inside its item_ids list")
+            pair_users.append(np.repeat(upos, lengths))
+            items = flat
+        else:
+            pair_users.append(upos)
+        pair_items.append(_lookup(_match_type(path, col, items, item_ids, "items'", row), item_ids))
+        row_users.append(upos)
+        row += batch.num_rows
+    cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
+    row_users, pair_users, pair_items = cat(row_users), cat(pair_users), cat(pair_items)
+    known = (pair_users >= 0) & (pair_items >= 0)
+    present = np.unique(row_users[row_users >= 0])  # a named user gets a (maybe empty) row of output
+    order = np.argsort(pair_users[known], kind="stable")  # grouped by user, file order within a user
+    users_k, items_k = pair_users[known][order], pair_items[known][order]
+    indptr = np.searchsorted(users_k, np.append(present, np.iinfo(np.int64).max)).astype(np.int64)
+    indptr[-1] = users_k.size
+    return CandidateFile(present.astype(np.int64), indptr, items_k.astype(np.int64), int(pair_users.size),
+                         int(pair_users.size - known.sum()))
+
+
+@dataclass(frozen=True)
+class RescoreSummary:
+    """What :func:`rescore_files` did: users and candidates scored, the k, metric and device, timings, skipped ids."""
+
+    users: int
+    candidates: int
+    items: int
+    dim: int
+    k: int
+    metric: str
+    device: str
+    device_detail: str
+    seconds: float
+    candidate_pairs: int
+    unknown_candidates: int
+    out_path: str
+
+    @property
+    def users_per_s(self) -> float:
+        return self.users / self.seconds if self.seconds > 0 else float("inf")
+
+    def line(self) -> str:
+        """The one-line summary the CLI prints."""
+        return (f"rescored {self.users:,} users x {self.candidates:,} own candidates (of {self.items:,} items), "
+                f"dim {self.dim}, k {self.k}, metric {self.metric}, on {self.device} in {self.seconds:.2f} s "
+                f"({self.users_per_s:,.0f} users/s) -> {self.out_path}")
+
+
+def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
+                  candidates_path: str | os.PathLike, out_path: str | os.PathLike, k: int, metric: str = "ip",
+                  id_col: str = "id", vec_col: str = "embedding", device: str = "auto",
+                  memory_budget: int | None = None, batch_size: int | None = None) -> RescoreSummary:
+    """Re-score each user's candidates from Parquet files and write its top-k to a candidates Parquet file.
+
+    Parameters
+    ----------
+    users_path, items_path : str or PathLike
+        Embedding files (id + vector columns, as for ``recall score``).
+    candidates_path : str or PathLike
+        ``user_id`` with ``item_ids`` (a list per row; a user may have several rows), or ``user_id`` with ``item_id``
+        pairs. Unknown ids are skipped and counted (``RescoreSummary.unknown_candidates``); duplicates count once.
+    out_path : str or PathLike
+        ``user_id``, ``item_ids``, ``scores``: one row per user named in the candidates file, in the users file's
+        order, best first; written to a temporary file and renamed into place when complete.
+    k : int
+    metric, id_col, vec_col, device, memory_budget
+        As for :func:`recall.pipeline.score_files`.
+    batch_size : int, optional
+        Users per engine call (default: sized from k and dim).
+
+    Raises
+    ------
+    InputError
+        Any bad file, row, id type or argument (naming file, row and id); nothing is written.
+    ResourceError, BackendUnavailable
+        As for ``recall score``.
+    """
+    from .backends import DEVICES
+    from .engine import Engine
+    from .io import CandidateWriter, check_output_path, inspect_embeddings, read_embeddings
+    from .io.parquet import _fmt_id, open_parquet
+    from .pipeline import _check_nonzero, auto_batch_size
+
+    t_start = time.perf_counter()
+    k = _check_k(k)
+    metrics.check_metric(metric)
+    if device not in DEVICES:
+        raise InputError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size < 1):
+        raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    users_path, items_path, candidates_path = (os.fspath(p) for p in (users_path, items_path, candidates_path))
+    out = check_output_path(out_path, (users_path, items_path, candidates_path))
+    users_info = inspect_embeddings(users_path, id_col, vec_col)
+    items_info = inspect_embeddings(items_path, id_col, vec_col)
+    if users_info.dim is not None and items_info.dim is not None and users_info.dim != items_info.dim:
+        raise InputError(f"{users_path}: vectors have dimension {users_info.dim}, but the items ({items_path}) have "
+                         f"dimension {items_info.dim}")
+    _candidate_column(open_parquet(candidates_path, "candidates"), candidates_path)
+
+    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False)
+    if metric == "cosine":
+        _check_nonzero(items, items_path)
+    engine = Engine(items.vectors, ids=items.ids, metric=metric, device=device, memory_budget=memory_budget)
+    users = read_embeddings(users_path, id_col, vec_col)
+    if len(users) and users.dim != engine.dim:
+        raise InputError(f"{users_path}: row 0 (id {_fmt_id(users.ids[0])}) has dimension {users.dim}, expected "
+                         f"{engine.dim} (the items' dimension, {items_path})")
+    cands = read_candidates(candidates_path, users.ids, items.ids)
+    if metric == "cosine" and cands.user_rows.size:
+        zero = ~users.vectors[cands.user_rows].any(axis=1)
+        if zero.any():
+            r = int(cands.user_rows[int(np.argmax(zero))])
+            raise InputError(f"{users_path}: row {r} (id {_fmt_id(users.ids[r])}) is a zero vector, which has no "
+                             f"direction for metric 'cosine'")
+    n = int(cands.user_rows.size)
+    batch = int(batch_size) if batch_size is not None else auto_batch_size(k, engine.dim)
+    id_type = {True: pa.string(), False: pa.int64()}
+    with CandidateWriter(out, id_type[users.ids.dtype == object], id_type[items.ids.dtype == object]) as writer:
+        for start in range(0, n, batch):
+            stop = min(start + batch, n)
+            sel = cands.user_rows[start:stop]
+            lo, hi = int(cands.indptr[start]), int(cands.indptr[stop])
+            res = engine.rescore(users.vectors[sel], (cands.indptr[start:stop + 1] - lo, cands.item_rows[lo:hi]), k)
+            writer.write(res.to_arrow(users.ids[sel]))
+    return RescoreSummary(users=n, candidates=int(cands.item_rows.size), items=engine.n_items, dim=engine.dim, k=k,
+                          metric=metric, device=engine.device, device_detail=engine.backend.describe(),
+                          seconds=time.perf_counter() - t_start, candidate_pairs=cands.n_pairs,
+                          unknown_candidates=cands.n_unknown, out_path=str(out_path))

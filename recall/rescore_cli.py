@@ -1,0 +1,65 @@
+"""``recall rescore``: each user's own candidate list, re-scored, top k kept (see :mod:`recall.rescore`).
+Registered on the main app by :func:`register`.
+
+Exit codes as for ``recall score``: 0 done; 2 bad input or arguments (one ``error:`` line naming the file, row and
+id); 1 an operating-system failure. Unknown user or item ids in the candidates file are skipped and counted in one
+``warning:`` line on stderr.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .cli import Device, Metric, _errors_to_exit, _logging, parse_bytes
+from .errors import InputError
+
+
+def rescore(
+    users: Annotated[Path, typer.Option("--users", help="User embeddings Parquet (id + vector columns).",
+                                        show_default=False)],
+    items: Annotated[Path, typer.Option("--items", help="Item embeddings Parquet (id + vector columns).",
+                                        show_default=False)],
+    candidates: Annotated[Path, typer.Option(
+        "--candidates", help="Parquet of user_id, item_ids (a list per row; or user_id, item_id pairs).",
+        show_default=False)],
+    k: Annotated[int, typer.Option("--k", help="Items kept per user (>= 1).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="Candidates Parquet to write (atomically).",
+                                      show_default=False)],
+    metric: Annotated[Metric, typer.Option("--metric", help="ip: inner product; cosine; l2: -||u - v||^2.")]
+    = Metric.ip,
+    id_col: Annotated[str, typer.Option("--id-col", help="Id column of both embedding files.")] = "id",
+    vec_col: Annotated[str, typer.Option("--vec-col", help="Vector column of both embedding files.")] = "embedding",
+    device: Annotated[Device, typer.Option("--device", help="auto: the GPU when usable, else the CPU.")]
+    = Device.auto,
+    batch_size: Annotated[int | None, typer.Option(
+        "--batch-size", help="Users per engine call (default: sized from k and dim).", show_default=False)] = None,
+    memory_budget: Annotated[str | None, typer.Option(
+        "--memory-budget", metavar="BYTES",
+        help="Working memory of the scoring, e.g. 1073741824, 512MiB, 2G (default: a share of free memory).",
+        show_default=False)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices.")] = False,
+) -> None:
+    """Score each user against its own candidate items only and write its top-k to Parquet.
+
+    One output row per user named in the candidates file, in the users file's order; a user's duplicates count once;
+    unknown user or item ids are skipped with a warning that counts them.
+    """
+    from .rescore import rescore_files
+
+    with _logging(quiet, False), _errors_to_exit():
+        if batch_size is not None and batch_size < 1:
+            raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+        summary = rescore_files(users, items, candidates, out, k, metric=metric.value, id_col=id_col,
+                                vec_col=vec_col, device=device.value, memory_budget=parse_bytes(memory_budget),
+                                batch_size=batch_size)
+        if summary.unknown_candidates:
+            typer.echo(f"warning: {summary.unknown_candidates:,} of {summary.candidate_pairs:,} candidates name a "
+                       f"user or item id that is not in the input files; they were skipped", err=True)
+        typer.echo(summary.line())
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``rescore`` command to the main ``recall`` CLI app."""
+    app.command("rescore")(rescore)
