@@ -202,10 +202,10 @@ def _run(engine: Any, users: Any, cands: Candidates, k: int) -> tuple[Any, Any]:
     vals = xp.full((n_users, k), -xp.inf, dtype=xp.float32)
     rows = xp.full((n_users, k), -1, dtype=xp.int64)
     wall = time.perf_counter()
-    path = "none"
+    mode, path = _mode(), "none"
     if n_users and cands.nnz:
         fused = getattr(backend, "rescore_fused", None)
-        if fused is not None and _mode() == "fused" and fused(users, engine._items, cands.indptr, cands.rows, k,
+        if fused is not None and mode == "fused" and fused(users, engine._items, cands.indptr, cands.rows, k,
                                                                vals, rows, engine.memory_budget):
             path = "fused"
         else:

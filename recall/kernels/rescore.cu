@@ -106,7 +106,8 @@ extern "C" __global__ void recall_rescore(const float* __restrict__ users, const
     long long pos = lo;
     int start = 0;  // first slot this chunk fills
     do {
-        const int cnt = (int)min((long long)(SZ - start), hi - pos);
+        const long long left = hi - pos;
+        const int cnt = left < (long long)(SZ - start) ? (int)left : SZ - start;
         for (int j = cnt + threadIdx.x; j < SZ - start; j += blockDim.x) keys[start + j] = 0ull;
         if (!fused) {
             for (int j = threadIdx.x; j < cnt; j += blockDim.x) {
