@@ -85,7 +85,8 @@ class Engine:
     Raises
     ------
     InputError
-        Bad vectors (not 2-d, empty, NaN/Inf), duplicate ids, wrong-length ids, unknown metric or device.
+        Bad vectors (not 2-d, empty, NaN/Inf), duplicate ids, wrong-length ids, unknown metric, device, precision or
+        tune mode.
     BackendUnavailable
         ``device="gpu"`` and no usable GPU.
     """

@@ -5,12 +5,17 @@ GPU machine (``pytest -m gpu``). Without a usable GPU the "gpu" params are skipp
 """
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+
+# A developer's own `recall tune` cache must not change the tilings the tests run with.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="recall-test-cache-")
 
 # ``import oracle`` from test modules, whatever the rootdir/import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
