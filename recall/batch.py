@@ -238,6 +238,7 @@ class WorkerInfo:
     exclusion_pairs: int = 0
     unknown_exclusions: int = 0
     cuda_visible_devices: str | None = None
+    cpu_affinity: list[int] | None = None
 
 
 def row_group_rows(k: int) -> int:
@@ -374,6 +375,7 @@ class ShardScorer:
             exclusion_pairs=self.exclusions.n_pairs if self.exclusions else 0,
             unknown_exclusions=self.exclusions.n_unknown if self.exclusions else 0,
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         )
 
     def score(self, task: ShardTask, progress: Callable[[int], None] | None = None) -> ShardResult:
@@ -684,9 +686,13 @@ class _Job:
     """The parent's bookkeeping while workers run: the manifest, ``_metrics.json`` and progress, all under one lock
     (the in-process executor reports from the pipeline's writer thread)."""
 
-    def __init__(self, out_dir: Path, manifest: dict, metrics: dict, progress: BatchProgress, n_todo: int) -> None:
+    def __init__(self, out_dir: Path, manifest: dict, metrics: dict, progress: BatchProgress, n_todo: int,
+                 say: Callable[[str], None]) -> None:
         self.out_dir, self.manifest, self.metrics, self.progress = out_dir, manifest, metrics, progress
-        self.n_todo = n_todo
+        self.n_todo, self.say = n_todo, say
+        # How the outputs kept from earlier runs were computed: a resume that computes differently is said once.
+        self.earlier = {_numerics(e) for e in manifest["outputs"].values()}
+        self.warned_numerics = False
         self.done = 0
         self.users_done = 0
         self.lock = threading.Lock()
@@ -706,6 +712,12 @@ class _Job:
         self.progress.users(n)
 
     def shard_done(self, result: ShardResult) -> None:
+        now = _numerics(asdict(result))
+        if self.earlier and not self.warned_numerics and self.earlier != {now}:
+            self.warned_numerics = True
+            self.say(f"shards kept from earlier runs were computed with {_describe_numerics(self.earlier)}, this run "
+                     f"uses {_describe_numerics({now})}: every list is still the exact top-k, but scores may differ "
+                     f"in the last bits from a single uninterrupted run")
         with self.lock:
             self.manifest["outputs"][result.name] = {
                 "rows": result.rows, "bytes": result.bytes, "sha256": result.sha256, "device": result.device,
@@ -732,13 +744,22 @@ class _Job:
                    users_per_s=round(self.users_done / seconds, 1) if seconds > 0 else 0.0,
                    items_load_s_max=max((w.items_load_s for w in self.workers), default=0.0))
 
-    def finish(self, status: str, error: str | None = None) -> None:
+    def finish(self, status: str, notices: list[str], error: str | None = None) -> None:
         with self.lock:
             self._update_totals()
-            self.metrics["job"].update(status=status, finished_at=_now())
+            self.metrics["job"].update(status=status, finished_at=_now(), notices=list(notices))
             if error is not None:
                 self.metrics["job"]["error"] = error
             _write_json(self.out_dir / METRICS, self.metrics)
+
+
+def _numerics(entry: dict) -> tuple:
+    """What decides an output's last bits besides its inputs: the device and the tiling (batch size, budget)."""
+    return entry.get("device"), entry.get("batch_size"), entry.get("memory_budget")
+
+
+def _describe_numerics(values: set[tuple]) -> str:
+    return " / ".join(f"device {d}, batch size {b}, memory budget {m}" for d, b, m in sorted(values, key=str))
 
 
 def _check_choice(value: str, choices: tuple[str, ...], what: str) -> str:
@@ -995,7 +1016,7 @@ def _run_locked(*, out: Path, out_label: str, users: str, items_path: str, exclu
         "workers": [], "shards": {},
     }
     _write_json(out / METRICS, metrics)
-    state = _Job(out, manifest, metrics, progress, len(todo))
+    state = _Job(out, manifest, metrics, progress, len(todo), say)
     spec = JobSpec(items_path=items_path, exclude_path=exclude_path, k=k, metric=metric, id_col=id_col,
                    vec_col=vec_col, user_id_type=shards[0].id_type, batch_size=batch_size,
                    memory_budget=memory_budget)
@@ -1010,16 +1031,16 @@ def _run_locked(*, out: Path, out_label: str, users: str, items_path: str, exclu
     try:
         executor.run(spec, tasks, state)
     except BaseException as exc:
-        state.finish("failed", f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+        state.finish("failed", notices, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         raise
     finally:
         progress.end()
-    state.finish("succeeded")
+    state.finish("succeeded", notices)
     _write_atomic(out / SUCCESS, b"")
     info = state.workers[0] if state.workers else None
     return BatchSummary(
         shards_scored=state.done, users_scored=state.users_done, seconds=time.perf_counter() - t_start,
-        device=info.device if info else "", workers=len(state.workers), n_items=info.n_items if info else 0,
+        device=info.device if info else "", workers=executor.n_workers, n_items=info.n_items if info else 0,
         exclusion_pairs=info.exclusion_pairs if info else 0, unknown_exclusions=info.unknown_exclusions if info else 0,
         worker_infos=list(state.workers), **base,
     )

@@ -36,7 +36,7 @@ LOG="$LOG_DIR/nightly_recall-$RUN_DATE.log"
 read -ra recall_cmd <<<"$RECALL"
 read -ra extra <<<"$EXTRA_ARGS"
 args=(batch --users "$USERS" --items "$ITEMS" --k "$K" --metric "$METRIC" --out "$OUT" --gpus "$GPUS"
-      --engine "$ENGINE" --quiet)
+      --engine "$ENGINE")
 if [[ -n "$EXCLUDE" ]]; then args+=(--exclude "$EXCLUDE"); fi
 if [[ "$ENGINE" == ray && -n "$RAY_ADDRESS" ]]; then args+=(--ray-address "$RAY_ADDRESS"); fi
 args+=("${extra[@]}")

@@ -102,6 +102,8 @@ def test_outputs_are_exact_and_match_recall_score(job: dict, tmp_path: Path) -> 
         assert pq.read_table(single).equals(table)
     assert (out / SUCCESS).exists() and (out / SUCCESS).stat().st_size == 0
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+    # The directory reads as one dataset: bookkeeping files start with "_" or ".", which readers skip.
+    assert pq.read_table(out).num_rows == sum(SIZES)
 
 
 def test_manifest_and_metrics(job: dict, tmp_path: Path) -> None:
@@ -193,9 +195,13 @@ def test_interrupted_run_resumes(job: dict, tmp_path: Path) -> None:
     assert not (out / SUCCESS).exists()
     assert json.loads((out / MANIFEST).read_text())["shards_done"] == 2
     assert json.loads((out / METRICS).read_text())["job"]["status"] == "failed"
-    summary = _run(job, out)
+    notices: list[str] = []
+    summary = _run(job, out, batch_size=64, notice=notices.append)
     assert summary.shards_skipped == 2 and summary.shards_scored == len(SIZES) - 2
-    assert _outputs(out) == _outputs(ref) and (out / SUCCESS).exists()
+    assert _outputs(out) == _outputs(ref) and (out / SUCCESS).exists()  # exact integer scores: same bytes anyway
+    assert len(notices) == 1 and "computed with device cpu, batch size 32" in notices[0] and "batch size 64" in \
+        notices[0]
+    assert json.loads((out / METRICS).read_text())["job"]["notices"] == notices
 
 
 def _wait_for(predicate, timeout: float = 60.0) -> bool:

@@ -2,7 +2,8 @@
 host, or Ray actors on a cluster. Each worker holds one :class:`recall.batch.ShardScorer` (items resident, one
 ``Engine``) and takes shards until none is left; the parent (:func:`recall.batch.run_batch`) owns the manifest.
 
-An executor has one method, ``run(spec, tasks, job)``: it starts its workers, reports each one to
+An executor has one method, ``run(spec, tasks, job)``, and one attribute, ``n_workers`` (the workers it started, set
+by the end of ``run``): ``run`` starts its workers, reports each one to
 ``job.worker_ready(WorkerInfo)``, feeds ``tasks`` to them dynamically, reports written users to ``job.users(n)`` and
 finished shards to ``job.shard_done(ShardResult)`` (in the calling thread, or the in-process pipeline's writer
 thread), and re-raises the first worker failure: ``InputError`` / ``ResourceError`` / ``BackendUnavailable`` as

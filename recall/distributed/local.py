@@ -142,9 +142,12 @@ class ProcessExecutor:
                                        args=(name, spec, self.device, cores, task_q, result_q, os.getpid()))
                     proc.start()
                 procs[name] = proc
-            self._collect(tasks, job, procs, result_q)
-            for proc in procs.values():
-                proc.join(_JOIN_S)
+            ready = self._collect(tasks, job, procs, result_q)
+            # Workers that were ready take their None and exit; one still loading the items when the last shard
+            # finished has nothing left to do and is stopped below.
+            for name, proc in procs.items():
+                if name in ready:
+                    proc.join(_JOIN_S)
         finally:
             for proc in procs.values():
                 if proc.is_alive():
@@ -158,9 +161,11 @@ class ProcessExecutor:
             result_q.cancel_join_thread()
 
     @staticmethod
-    def _collect(tasks: list[ShardTask], job: Any, procs: dict[str, Any], result_q: Any) -> None:
+    def _collect(tasks: list[ShardTask], job: Any, procs: dict[str, Any], result_q: Any) -> set[str]:
+        """Handle the workers' messages until every task is done; returns the names of the workers that were ready."""
         pending = len(tasks)
         current: dict[str, str] = {}
+        ready: set[str] = set()
         while pending:
             try:
                 msg = result_q.get(timeout=_POLL_S)
@@ -179,6 +184,7 @@ class ProcessExecutor:
                 continue
             kind, name = msg[0], msg[1]
             if kind == "ready":
+                ready.add(name)
                 job.worker_ready(msg[2])
             elif kind == "start":
                 current[name] = msg[2]
@@ -190,6 +196,7 @@ class ProcessExecutor:
                 pending -= 1
             elif kind == "error":
                 raise rebuild_error(name, *msg[2:])
+        return ready
 
 
 def visible_gpus() -> list[str]:

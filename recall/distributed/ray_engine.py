@@ -77,6 +77,7 @@ class RayExecutor:
         except ImportError as exc:
             raise InputError(f"--engine ray needs Ray: pip install 'recall[ray]' ({exc})") from None
         self.device, self.gpus, self.workers, self.address, self.say = device, gpus, workers, address, say
+        self.n_workers = 0
 
     def _plan(self, ray: Any) -> tuple[str, int]:
         cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -103,11 +104,17 @@ class RayExecutor:
             kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
             if self.address is None and not os.environ.get("RAY_ADDRESS"):
                 kwargs["include_dashboard"] = False
-            ray.init(address=self.address, **kwargs)
+            try:
+                ray.init(address=self.address, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - connection refused, version mismatch, bad address...
+                where = self.address or os.environ.get("RAY_ADDRESS") or "a local Ray instance"
+                raise BatchError(f"cannot start or reach Ray ({where}): {type(exc).__name__}: "
+                                 f"{' '.join(str(exc).split())}") from None
             started = True
         actors: list[Any] = []
         try:
             kind, n = self._plan(ray)
+            self.n_workers = n
             options: dict[str, Any] = {"num_gpus": 1 if kind == "gpu" else 0, "num_cpus": 1,
                                        "scheduling_strategy": "SPREAD", "max_restarts": 0}
             actor_cls = ray.remote(ShardActor).options(**options)
@@ -119,9 +126,9 @@ class RayExecutor:
                     raise rebuild_error(name, None, *info[1:])
                 job.worker_ready(info[1])
             self._dispatch(ray, actors, names, tasks, job)
-        except ray.exceptions.RayActorError as exc:
-            raise BatchError(f"a Ray actor died: {' '.join(str(exc).split())[:500]}; rerun the same command to "
-                             f"resume") from None
+        except ray.exceptions.RayError as exc:  # an actor died, a node was lost, the object store ran out...
+            raise BatchError(f"Ray failed: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}; rerun the same "
+                             f"command to resume") from None
         finally:
             for actor in actors:
                 try:
