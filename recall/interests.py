@@ -26,8 +26,10 @@ column) and ``score_files`` is the Parquet-to-Parquet job behind ``recall score 
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,7 @@ import pyarrow.compute as pc
 from . import metrics, scoring
 from .errors import InputError, ResourceError
 from .exclusions import normalise
+from .pipeline import ScoreSummary
 from .result import SearchResult
 
 AGGREGATES = ("max", "sum")
@@ -318,3 +321,266 @@ def _run(engine: Any, users: Any, m: int, rows: int, aggregate: str, bias: bool,
     engine.stats = {**dict(getattr(backend, "stats", {})), "interests": m, "aggregate": aggregate,
                     "item_tile": tile}
     return vals, out_rows
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parquet: users with several vectors, and the job behind `recall score --interests`
+
+
+class Aggregate(str, Enum):
+    """``--interests``: how a user's interest scores combine."""
+
+    max = "max"
+    sum = "sum"
+
+
+@dataclass(frozen=True)
+class InterestUsers:
+    """Users with one or more vectors each, read from Parquet.
+
+    Attributes
+    ----------
+    ids : np.ndarray, shape (n_users,)
+        int64, or object (str); unique, in order of first appearance in the file.
+    vectors : np.ndarray of float32, shape (n_vectors, dim)
+        Every user's interest vectors, contiguous per user, in file order within a user.
+    indptr : np.ndarray of int64, shape (n_users + 1,)
+        User ``i`` has ``vectors[indptr[i]:indptr[i + 1]]`` (at least one).
+    file_rows : np.ndarray of int64, shape (n_vectors,)
+        The file row each vector came from (for messages).
+    """
+
+    ids: np.ndarray
+    vectors: np.ndarray
+    indptr: np.ndarray
+    file_rows: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+    @property
+    def max_interests(self) -> int:
+        return int(np.diff(self.indptr).max()) if len(self) else 0
+
+    def batch(self, start: int, stop: int) -> Any:
+        """Users ``start:stop`` as ``Engine.search`` takes them: a 3-d array when they all have the same number of
+        vectors, else a list of (n_i, dim) views."""
+        counts = np.diff(self.indptr[start:stop + 1])
+        lo, hi = int(self.indptr[start]), int(self.indptr[stop])
+        if counts.size and bool((counts == counts[0]).all()):
+            return self.vectors[lo:hi].reshape(counts.size, int(counts[0]), self.vectors.shape[1])
+        return [self.vectors[self.indptr[i]:self.indptr[i + 1]] for i in range(start, stop)]
+
+
+def _list_like(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def inspect_interest_users(path: str | os.PathLike, id_col: str = "id", vec_col: str = "embedding") -> bool:
+    """Check a multi-interest users file's columns without reading rows; True for the nested layout (a list of
+    vectors per row), False for one vector per row (ids repeated).
+
+    Raises
+    ------
+    InputError
+        Unreadable or not Parquet; a missing column (listing those there are) or a column of the wrong type.
+    """
+    from .io.parquet import _column_names, _id_type, open_parquet
+
+    path = os.fspath(path)
+    schema = open_parquet(path, "embeddings").schema_arrow
+    for col, role, option in ((id_col, "id", "--id-col"), (vec_col, "vector", "--vec-col")):
+        if schema.get_field_index(col) < 0:
+            raise InputError(f"{path}: no {role} column {col!r}; the columns are {_column_names(schema)} "
+                             f"(choose another with {option})")
+    _id_type(path, id_col, schema.field(id_col).type)
+    vt = schema.field(vec_col).type
+    nested = _list_like(vt) and _list_like(vt.value_type)
+    inner = vt.value_type.value_type if nested else (vt.value_type if _list_like(vt) else None)
+    if inner is None or not pa.types.is_floating(inner):
+        raise InputError(f"{path}: vector column {vec_col!r} has type {vt}, expected fixed_size_list<float32>[dim] "
+                         f"(one interest per row, user ids repeated) or list<fixed_size_list<float32>[dim]> (a list "
+                         f"of interests per row)")
+    return nested
+
+
+def read_interest_users(path: str | os.PathLike, id_col: str = "id", vec_col: str = "embedding", *,
+                        dim: int | None = None, dim_source: str | None = None) -> InterestUsers:
+    """Read users with several vectors each from Parquet.
+
+    Two layouts: one vector per row with the user id repeated on each of its rows (the rows of a user need not be
+    adjacent), or one row per user whose vector column is a list of vectors (``list<fixed_size_list<float32>[d]>``
+    or ``list<list<float>>``). The whole file is read.
+
+    Parameters
+    ----------
+    path : str or PathLike
+    id_col, vec_col : str
+    dim : int, optional
+        The dimension every vector must have (the items'); default: the first vector's.
+    dim_source : str, optional
+        Where ``dim`` comes from, for messages.
+
+    Raises
+    ------
+    InputError
+        Naming the file, the row and the id: bad file or columns, null ids, lists or vectors, a user without vectors,
+        a wrong or ragged dimension, NaN/Inf or float32 overflow, and (nested layout) a user id on two rows.
+    """
+    from .io.parquet import (READ_BATCH_ROWS, _at, _duplicate, _first, _ids_from_arrow, _iter_batches, _to_float32,
+                             _vectors_from_arrow, open_parquet)
+
+    path = os.fspath(path)
+    nested = inspect_interest_users(path, id_col, vec_col)
+    pf = open_parquet(path, "embeddings")
+    id_parts, vec_parts, row_parts = [], [], []
+    row = 0
+    for batch in _iter_batches(pf, path, [id_col, vec_col], READ_BATCH_ROWS):
+        ids = _ids_from_arrow(path, batch.column(0), row)
+        col = batch.column(1)
+        if not nested:
+            vecs = _vectors_from_arrow(path, col, ids, row, dim, dim_source)
+            vec_parts.append(_to_float32(path, vecs, ids, row))
+            id_parts.append(ids)
+            row_parts.append(np.arange(row, row + len(ids), dtype=np.int64))
+        else:
+            if col.null_count:
+                pos = _first(col.is_null().to_numpy(zero_copy_only=False))
+                raise InputError(f"{_at(path, row + pos, ids, pos)} has a null list of vectors")
+            lengths = (np.full(len(col), col.type.list_size, np.int64) if pa.types.is_fixed_size_list(col.type)
+                       else np.diff(col.offsets.to_numpy()).astype(np.int64))
+            if (lengths == 0).any():
+                pos = _first(lengths == 0)
+                raise InputError(f"{_at(path, row + pos, ids, pos)} has no interest vectors; every user needs one")
+            outer = np.repeat(np.arange(len(col), dtype=np.int64), lengths)
+            inner_ids = np.repeat(ids, lengths)
+            try:
+                vecs = _vectors_from_arrow(path, col.flatten(), inner_ids, 0, dim, dim_source)
+                vecs = _to_float32(path, vecs, inner_ids, 0)
+            except InputError as exc:
+                # The vector reader counts vectors, not rows: name the row that holds the bad vector instead.
+                m = re.match(re.escape(path) + r": row (\d+)", str(exc))
+                if m is None:
+                    raise
+                i = int(m.group(1))
+                detail = str(exc)[len(_at(path, i, inner_ids, i)):].strip()
+                pos = int(outer[i])
+                raise InputError(f"{_at(path, row + pos, ids, pos)}: vector {i - int(np.searchsorted(outer, pos))} "
+                                 f"of its list {detail}") from None
+            vec_parts.append(vecs)
+            id_parts.append(ids)
+            row_parts.append(row + outer)
+        if dim is None and vec_parts and vec_parts[-1].shape[0]:
+            dim, dim_source = vec_parts[-1].shape[1], f"the dimension of the first vector of {path}"
+        row += batch.num_rows
+    ids = np.concatenate(id_parts) if id_parts else np.zeros(0, np.int64)
+    vectors = np.concatenate(vec_parts) if vec_parts else np.zeros((0, dim or 0), np.float32)
+    file_rows = np.concatenate(row_parts) if row_parts else np.zeros(0, np.int64)
+    if nested:
+        _duplicate(path, ids, "user id")
+        counts = np.diff(np.append(np.flatnonzero(np.r_[True, file_rows[1:] != file_rows[:-1]]), file_rows.size))
+        indptr = np.zeros(ids.size + 1, np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        return InterestUsers(ids, np.ascontiguousarray(vectors), indptr, file_rows)
+    # One vector per row: group the rows of each id, users in order of first appearance (Arrow's dictionary
+    # encoding numbers distinct values in that order), rows in file order within a user.
+    arr = pa.array(ids, type=pa.string() if ids.dtype == object else pa.int64())
+    enc = pc.dictionary_encode(arr)
+    codes = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    uniq = enc.dictionary.to_numpy(zero_copy_only=False)
+    uniq = uniq.astype(object) if ids.dtype == object else uniq.astype(np.int64)
+    order = np.argsort(codes, kind="stable")
+    indptr = np.zeros(uniq.size + 1, np.int64)
+    np.cumsum(np.bincount(codes, minlength=uniq.size), out=indptr[1:])
+    return InterestUsers(uniq, np.ascontiguousarray(vectors[order]), indptr, file_rows[order])
+
+
+@dataclass(frozen=True)
+class InterestScoreSummary(ScoreSummary):
+    """:class:`recall.pipeline.ScoreSummary` of a multi-interest job, with the vector count and the aggregate."""
+
+    vectors: int = 0
+    aggregate: str = "max"
+
+    def line(self) -> str:
+        return (
+            f"scored {self.users:,} users ({self.vectors:,} interest vectors, {self.aggregate}) x {self.items:,} "
+            f"items, dim {self.dim}, k {self.k}, metric {self.metric}, on {self.device} in {self.seconds:.2f} s "
+            f"({self.users_per_s:,.0f} users/s) -> {self.out_path}"
+        )
+
+
+def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, out_path: str | os.PathLike, k: int,
+                aggregate: str = "max", metric: str = "ip", exclude_path: str | os.PathLike | None = None,
+                id_col: str = "id", vec_col: str = "embedding", device: str = "auto", batch_size: int | None = None,
+                memory_budget: int | None = None, progress: Any = None) -> InterestScoreSummary:
+    """:func:`recall.pipeline.score_files` for users with several vectors each (see :func:`read_interest_users`).
+
+    Same parameters, output and errors, plus ``aggregate`` ("max" or "sum"). One output row per user, in order of
+    first appearance in the users file; exclusions name user ids. The users file is read whole, then searched in
+    batches of ``batch_size`` users.
+    """
+    from .backends import DEVICES
+    from .engine import Engine
+    from .io import (CandidateWriter, check_output_path, inspect_embeddings, inspect_exclusions, load_exclusions,
+                     read_embeddings)
+    from .io.parquet import _fmt_id
+    from .pipeline import _check_k, _check_nonzero, auto_batch_size
+
+    t_start = time.perf_counter()
+    k = _check_k(k)
+    aggregate = check_aggregate(aggregate)
+    metrics.check_metric(metric)
+    if device not in DEVICES:
+        raise InputError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size < 1):
+        raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    users_path, items_path = os.fspath(users_path), os.fspath(items_path)
+    exclude_path = os.fspath(exclude_path) if exclude_path is not None else None
+    out = check_output_path(out_path, (users_path, items_path, exclude_path))
+    inspect_interest_users(users_path, id_col, vec_col)
+    inspect_embeddings(items_path, id_col, vec_col)
+    if exclude_path is not None:
+        inspect_exclusions(exclude_path)
+
+    t0 = time.perf_counter()
+    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False)
+    if metric == "cosine":
+        _check_nonzero(items, items_path)
+    engine = Engine(items.vectors, ids=items.ids, metric=metric, device=device, memory_budget=memory_budget)
+    users = read_interest_users(users_path, id_col, vec_col, dim=engine.dim,
+                                dim_source=f"the items' dimension, {items_path}")
+    if metric == "cosine" and users.vectors.shape[0]:
+        zero = ~users.vectors.any(axis=1)
+        if zero.any():
+            pos = int(np.argmax(zero))
+            user = int(np.searchsorted(users.indptr, pos, side="right") - 1)
+            raise InputError(f"{users_path}: row {int(users.file_rows[pos])} (id {_fmt_id(users.ids[user])}) has a "
+                             f"zero vector, which has no direction for metric 'cosine'")
+    excl = load_exclusions(exclude_path, users.ids, items.ids) if exclude_path is not None else None
+    read_s = time.perf_counter() - t0
+    n = len(users)
+    batch = int(batch_size) if batch_size is not None else auto_batch_size(k, engine.dim * max(1, users.max_interests))
+    search_s = write_s = busy = 0.0
+    id_type = {True: pa.string(), False: pa.int64()}
+    with CandidateWriter(out, id_type[users.ids.dtype == object], id_type[items.ids.dtype == object]) as writer:
+        if progress is not None:
+            progress(0, n)
+        for start in range(0, n, batch):
+            stop = min(start + batch, n)
+            t0 = time.perf_counter()
+            res = engine.search(users.batch(start, stop), k, aggregate=aggregate,
+                                exclude=excl.block(start, stop) if excl is not None else None)
+            busy += engine.stats.get("gpu_busy_s", 0.0)
+            t1 = time.perf_counter()
+            writer.write(res.to_arrow(users.ids[start:stop]))
+            search_s, write_s = search_s + t1 - t0, write_s + time.perf_counter() - t1
+            if progress is not None:
+                progress(stop, n)
+    return InterestScoreSummary(
+        users=n, items=engine.n_items, dim=engine.dim, k=k, metric=metric, device=engine.device,
+        device_detail=engine.backend.describe(), seconds=time.perf_counter() - t_start, read_s=read_s,
+        search_s=search_s, write_s=write_s, batch_size=batch, exclusion_pairs=excl.n_pairs if excl is not None else 0,
+        unknown_exclusions=excl.n_unknown if excl is not None else 0, out_path=str(out_path), device_busy_s=busy,
+        vectors=int(users.vectors.shape[0]), aggregate=aggregate)

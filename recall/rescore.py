@@ -252,7 +252,7 @@ def _gemm_path(engine: Any, users: Any, cands: Candidates, k: int, out_vals: Any
     user_bytes = 4 * dim + 40 * k  # the user's row, its results and their selection scratch
     budget = int(engine.memory_budget)
     cap = max(1, budget // slot_bytes)
-    max_users = max(1, budget // user_bytes)
+    max_users = max(1, min(budget // user_bytes, 65_535))  # also within every cuBLAS's batch-count limit
     # Short lists first: a block's users then have similar lengths, so padding to the block's longest costs little.
     nonempty = np.flatnonzero(lengths > 0)
     order = nonempty[np.argsort(lengths[nonempty], kind="stable")]
