@@ -48,6 +48,11 @@ class Device(str, Enum):
     gpu = "gpu"
 
 
+class Interests(str, Enum):
+    max = "max"
+    sum = "sum"
+
+
 class _StderrHandler(logging.Handler):
     """Log records to whatever ``sys.stderr`` is at the time (test runners swap it per invocation)."""
 
@@ -155,8 +160,15 @@ def _root(
 
 def _run_score(users: Path, items: Path, out: Path, k: int, metric: Metric, exclude: Path | None, id_col: str,
                vec_col: str, device: Device, batch_size: int | None, memory_budget: int | None, quiet: bool,
-               verbose: bool) -> Any:
+               verbose: bool, interests: Interests | None = None) -> Any:
     from .pipeline import score_files
+
+    if interests is not None:  # several vectors per user: recall/interests.py
+        from functools import partial
+
+        from .interests import score_files as interest_files
+
+        score_files = partial(interest_files, aggregate=interests.value)
 
     with _progress(_show_progress(quiet)) as progress:
         summary = score_files(users, items, out, k, metric=metric.value, exclude_path=exclude, id_col=id_col,
@@ -196,13 +208,16 @@ def score(
         show_default=False)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notices.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-stage times.")] = False,
+    interests: Annotated[Interests | None, typer.Option(
+        "--interests", help="Users have several vectors (ids repeated, or a list of vectors per row): an item's "
+        "score is the max or the sum over them.", show_default=False)] = None,
 ) -> None:
     """Score every user against every item and write each user's top-k items to Parquet."""
     with _logging(quiet, verbose), _errors_to_exit():
         if batch_size is not None and batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         _run_score(users, items, out, k, metric, exclude, id_col, vec_col, device, batch_size,
-                   parse_bytes(memory_budget), quiet, verbose)
+                   parse_bytes(memory_budget), quiet, verbose, interests)
 
 
 def sample_dir() -> Path:

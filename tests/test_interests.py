@@ -290,3 +290,32 @@ def test_score_files(tmp_path, layout, aggregate):
     want_idx, want_val = _want(per_user, items, 6, "l2", aggregate, {1: [0, 1]})
     assert table.column("item_ids").to_pylist() == (5000 + want_idx).tolist()
     np.testing.assert_array_equal(np.array(table.column("scores").to_pylist()), want_val.astype(np.float32))
+
+
+def test_cli_score_interests(tmp_path):
+    from typer.testing import CliRunner
+
+    from recall.cli import app
+
+    rng = np.random.default_rng(10)
+    per_user = _ragged(rng, 7, 3)
+    items = _ints(rng, (40, 3))
+    users_path = _nested(tmp_path / "u.parquet", [f"u{i}" for i in range(7)], per_user, 3)
+    items_path = write_embeddings(tmp_path / "i.parquet", np.arange(40), items)
+    args = ["score", "--users", str(users_path), "--items", str(items_path), "--k", "4", "--out",
+            str(tmp_path / "o.parquet"), "--device", "cpu", "--interests", "sum", "-v"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "scored 7 users (" in result.stdout and "interest vectors, sum) x 40 items" in result.stdout
+    assert "stages (overlapping)" in result.stdout
+    want_idx, _ = _want(per_user, items, 4, "ip", "sum")
+    assert pq.read_table(tmp_path / "o.parquet").column("item_ids").to_pylist() == want_idx.tolist()
+    result = CliRunner().invoke(app, args[:-3] + ["--interests", "mean"])
+    assert result.exit_code == 2 and "mean" in result.output
+    # A users file that is not multi-interest-shaped: one line, exit 2, no output.
+    pq.write_table(pa.table({"id": [1], "embedding": [["x"]]}), tmp_path / "bad.parquet")
+    args[2] = str(tmp_path / "bad.parquet")
+    (tmp_path / "o.parquet").unlink()
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / "o.parquet").exists()
