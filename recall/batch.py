@@ -673,8 +673,8 @@ class BatchSummary:
     def line(self) -> str:
         """The one-line summary the CLI prints."""
         if self.shards_scored == 0:
-            return (f"batch: all {self.shards_total:,} shards ({self.users_total:,} users) already done and verified, "
-                    f"nothing to do -> {self.out_dir}")
+            return (f"batch: all {self.shards_total:,} shard{'s' if self.shards_total != 1 else ''} "
+                    f"({self.users_total:,} users) already done and verified, nothing to do -> {self.out_dir}")
         skipped = f", {self.shards_skipped:,} already done" if self.shards_skipped else ""
         return (f"batch: {self.shards_scored:,} of {self.shards_total:,} shards scored{skipped}; "
                 f"{self.users_scored:,} users x {self.n_items:,} items, k {self.k}, metric {self.metric}, "

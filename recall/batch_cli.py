@@ -32,10 +32,11 @@ class _RichProgress(BatchProgress):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
             TimeElapsedColumn, TimeRemainingColumn
 
-        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("users, {task.fields[rate]} users/s"), TimeElapsedColumn(), TextColumn("ETA"),
-                            TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),
+                            MofNCompleteColumn(), TextColumn("users, {task.fields[rate]}/s,"), TimeElapsedColumn(),
+                            TextColumn("ETA"), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
         self.task: Any = None
+        self.workers = 0
         self.lock = threading.Lock()
         self.done_users = 0
         self.shards = (0, 0)
@@ -48,10 +49,15 @@ class _RichProgress(BatchProgress):
         self.task = self.bar.add_task(f"loading items, shards 0/{shards}", total=users, rate="-")
 
     def workers_ready(self, n: int) -> None:
-        self.bar.update(self.task, description=f"scoring ({n} worker{'s' if n != 1 else ''}), "
-                                               f"shards {self.shards[0]}/{self.shards[1]}")
-        self.t0 = time.perf_counter()  # users/s from here: the item load is not scoring time
+        if n == 1:
+            self.t0 = time.perf_counter()  # users/s from the first ready worker: loading items is not scoring
         self.workers = n
+        self._describe()
+
+    def _describe(self) -> None:
+        n = self.workers
+        self.bar.update(self.task, description=f"shards {self.shards[0]}/{self.shards[1]} "
+                                               f"({n} worker{'s' if n != 1 else ''})")
 
     def users(self, n: int) -> None:
         with self.lock:
@@ -61,8 +67,7 @@ class _RichProgress(BatchProgress):
 
     def shard_done(self, done: int, total: int) -> None:
         self.shards = (done, total)
-        n = getattr(self, "workers", 1)
-        self.bar.update(self.task, description=f"scoring ({n} worker{'s' if n != 1 else ''}), shards {done}/{total}")
+        self._describe()
 
     def end(self) -> None:
         self.bar.stop()
