@@ -639,7 +639,7 @@ class BatchSummary:
     users_total : int
         Users in all shards.
     seconds : float
-        Wall time of this run.
+        Wall time of this run, from the call to the end.
     engine, device : str
         "local" or "ray"; "cpu" or "gpu" ("" when nothing had to be done).
     workers : int
@@ -687,9 +687,9 @@ class _Job:
     (the in-process executor reports from the pipeline's writer thread)."""
 
     def __init__(self, out_dir: Path, manifest: dict, metrics: dict, progress: BatchProgress, n_todo: int,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], t_start: float) -> None:
         self.out_dir, self.manifest, self.metrics, self.progress = out_dir, manifest, metrics, progress
-        self.n_todo, self.say = n_todo, say
+        self.n_todo, self.say, self.t_start = n_todo, say, t_start
         # How the outputs kept from earlier runs were computed: a resume that computes differently is said once.
         self.earlier = {_numerics(e) for e in manifest["outputs"].values()}
         self.warned_numerics = False
@@ -740,7 +740,8 @@ class _Job:
     def _update_totals(self) -> None:
         seconds = time.perf_counter() - self.t0
         job = self.metrics["job"]
-        job.update(seconds=round(seconds, 3), shards_scored=self.done, users_scored=self.users_done,
+        job.update(seconds=round(seconds, 3), wall_s=round(time.perf_counter() - self.t_start, 3),
+                   shards_scored=self.done, users_scored=self.users_done,
                    users_per_s=round(self.users_done / seconds, 1) if seconds > 0 else 0.0,
                    items_load_s_max=max((w.items_load_s for w in self.workers), default=0.0))
 
@@ -1006,6 +1007,11 @@ def _run_locked(*, out: Path, out_label: str, users: str, items_path: str, exclu
         return BatchSummary(shards_scored=0, users_scored=0, seconds=time.perf_counter() - t_start, device="",
                             workers=0, **base)
 
+    # Placement errors (more GPUs than there are, Ray missing) before anything in OUT_DIR changes.
+    from .distributed import make_executor
+
+    executor = make_executor(engine, device=device, gpus=gpus, workers=workers, ray_address=ray_address, say=say)
+
     _remove(out / SUCCESS)
     _write_json(manifest_path, manifest)
     metrics = {
@@ -1013,10 +1019,10 @@ def _run_locked(*, out: Path, out_label: str, users: str, items_path: str, exclu
                 "shards_total": len(shards), "shards_skipped": len(outputs), "shards_todo": len(todo),
                 "users_total": users_total, "users_todo": sum(s.rows for s in todo), "k": k, "metric": metric,
                 "fingerprint_s": round(fingerprint_s, 3), "verify_s": round(verify_s, 3), "host": socket.gethostname()},
-        "workers": [], "shards": {},
+        "workers": [], "shards": _earlier_shard_metrics(out / METRICS, outputs),
     }
     _write_json(out / METRICS, metrics)
-    state = _Job(out, manifest, metrics, progress, len(todo), say)
+    state = _Job(out, manifest, metrics, progress, len(todo), say, t_start)
     spec = JobSpec(items_path=items_path, exclude_path=exclude_path, k=k, metric=metric, id_col=id_col,
                    vec_col=vec_col, user_id_type=shards[0].id_type, batch_size=batch_size,
                    memory_budget=memory_budget)
@@ -1024,9 +1030,6 @@ def _run_locked(*, out: Path, out_label: str, users: str, items_path: str, exclu
     tasks = [ShardTask(s.name, s.path, str(out / s.name), s.rows)
              for s in sorted(todo, key=lambda s: (-s.rows, s.name))]
 
-    from .distributed import make_executor
-
-    executor = make_executor(engine, device=device, gpus=gpus, workers=workers, ray_address=ray_address, say=say)
     progress.begin(len(tasks), sum(t.rows for t in tasks))
     try:
         executor.run(spec, tasks, state)
@@ -1044,6 +1047,17 @@ def _run_locked(*, out: Path, out_label: str, users: str, items_path: str, exclu
         exclusion_pairs=info.exclusion_pairs if info else 0, unknown_exclusions=info.unknown_exclusions if info else 0,
         worker_infos=list(state.workers), **base,
     )
+
+
+def _earlier_shard_metrics(path: Path, kept: dict[str, dict]) -> dict[str, dict]:
+    """The previous ``_metrics.json`` entries of the shards a resumed run keeps, marked ``"earlier_run": true``, so
+    the file still describes every shard of the job."""
+    try:
+        shards = json.loads(path.read_text()).get("shards", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {name: {**entry, "earlier_run": True} for name, entry in shards.items()
+            if name in kept and isinstance(entry, dict)}
 
 
 def _versions() -> dict:

@@ -201,7 +201,10 @@ def test_interrupted_run_resumes(job: dict, tmp_path: Path) -> None:
     assert _outputs(out) == _outputs(ref) and (out / SUCCESS).exists()  # exact integer scores: same bytes anyway
     assert len(notices) == 1 and "computed with device cpu, batch size 32" in notices[0] and "batch size 64" in \
         notices[0]
-    assert json.loads((out / METRICS).read_text())["job"]["notices"] == notices
+    metrics = json.loads((out / METRICS).read_text())
+    assert metrics["job"]["notices"] == notices
+    assert len(metrics["shards"]) == len(SIZES)  # the two kept shards' metrics come from the first run
+    assert sum(bool(e.get("earlier_run")) for e in metrics["shards"].values()) == 2
 
 
 def _wait_for(predicate, timeout: float = 60.0) -> bool:
@@ -515,3 +518,15 @@ def test_gpu_batch_equals_cpu_bytes(job: dict, tmp_path: Path) -> None:
     summary = _run(job, tmp_path / "gpu", device="gpu")
     assert summary.device == "gpu"
     assert _outputs(tmp_path / "gpu") == _outputs(tmp_path / "cpu")
+
+
+def test_no_gpu_is_refused_before_anything_is_written(job: dict, tmp_path: Path, gpu_available: bool) -> None:
+    if gpu_available:
+        pytest.skip("a GPU is usable here")
+    out = tmp_path / "out"
+    args = _cli(job, out)
+    args[args.index("--device") + 1] = "gpu"
+    result = runner.invoke(app, [*args, "--gpus", "2"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: --device gpu but no GPU is usable")
+    assert sorted(p.name for p in out.iterdir()) == [LOCK]  # no manifest: the directory still counts as empty
+    assert _run(job, out).shards_scored == len(SIZES)
