@@ -319,3 +319,35 @@ def test_cli_score_interests(tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "o.parquet").exists()
+
+
+# ---- the S7 bench workload -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("aggregate", ["max", "sum"])
+def test_bench_interest_workload_truth_and_check(aggregate):
+    import dataclasses
+
+    from recall.bench import contenders, oracle as bench_oracle, workloads
+
+    w = dataclasses.replace(workloads.get("S7-small"), n_users=120, n_items=1500, k=10, aggregate=aggregate)
+    users, items = w.generate(seed=3)
+    assert isinstance(users, workloads.MultiInterestUsers) and users.vecs.shape == (120, 4, 32)
+    assert w.flops == 2.0 * 120 * 4 * 1500 * 32
+    sample = bench_oracle.sample_rows(120, 50, 0)
+    for metric in METRICS:
+        truth = w.truth(users, items, sample, metric)
+        want_idx, want_val = _want(list(users.vecs[sample]), items, 10, metric, aggregate)
+        np.testing.assert_allclose(truth.top_scores, want_val, rtol=1e-12, atol=1e-9)
+        c = contenders.RecallContender("cpu", metric)
+        c.prepare(items)
+        idx, sc = c.search(users, w.k)
+        check = w.check(truth, users, items, idx, sc, rtol=1e-4)
+        assert check.exact and check.invalid == 0 and check.max_score_error < 1e-4
+        bad = np.array(idx, copy=True)
+        bad[sample[1], :] = bad[sample[1], ::-1]  # same items, another order: still every one a hit
+        assert w.check(truth, users, items, bad, None, rtol=1e-4).exact
+        # The user's worst item (by the aggregated score) in place of its 10th: exactly one user falls short.
+        worst, _ = _want([users.vecs[sample[1]]], items, 1500, metric, aggregate)
+        bad[sample[1]] = np.r_[truth.top_items[1][:9], worst[0, -1]]
+        assert w.check(truth, users, items, bad, None, rtol=1e-4).users_short == 1
+    assert contenders.FaissContender("cpu").unsupported_workload(w)

@@ -404,3 +404,35 @@ def test_cli_failure_keeps_previous_output(files):
     assert runner.invoke(app, _args(files)).exit_code == 2
     assert files["out"].read_bytes() == b"previous"
     assert [p.name for p in files["dir"].iterdir() if p.name.startswith(".out")] == []
+
+
+# ---- the S5 bench workload -------------------------------------------------------------------------------------
+
+def test_bench_candidate_workload_truth_and_check():
+    import dataclasses
+
+    from recall.bench import contenders, oracle as bench_oracle, workloads
+
+    w = dataclasses.replace(workloads.get("S5-small"), n_users=150, n_items=2000, candidates=120, k=10)
+    rows = workloads.candidate_rows(150, 2000, 120, seed=1)
+    assert rows.shape == (150, 120) and rows.dtype == np.int64 and rows.min() >= 0 and rows.max() < 2000
+    assert all(np.unique(r).size == 120 for r in rows)  # distinct within a user
+    users, items = w.generate(seed=2)
+    assert isinstance(users, workloads.CandidateUsers) and users.shape == (150, 32)
+    sample = bench_oracle.sample_rows(150, 60, 0)
+    for metric in METRICS:
+        truth = w.truth(users, items, sample, metric)
+        c = contenders.RecallContender("cpu", metric)
+        assert c.unsupported_workload(w) is None
+        c.prepare(items)
+        idx, sc = c.search(users, w.k)
+        check = w.check(truth, users, items, idx, sc, rtol=1e-4)
+        assert check.exact and check.invalid == 0 and check.max_score_error < 1e-5
+        # An item outside a user's candidates never counts, even if it would score well.
+        bad = np.array(idx, copy=True)
+        outside = np.setdiff1d(np.arange(2000), users.candidates[sample[0]])[0]
+        bad[sample[0], 0] = outside
+        assert w.check(truth, users, items, bad, None, rtol=1e-4).users_short == 1
+    assert contenders.FaissContender("cpu").unsupported_workload(w)
+    assert contenders.RecallContender("cpu", "ip", "fast").unsupported_workload(w)
+    assert w.bytes_moved == 150 * (120 * 32 * 4 + 10 * 12)

@@ -69,6 +69,11 @@ class Contender:
         """None when this contender can answer a top-``k`` query, else why not (e.g. FAISS GPU k > 2048)."""
         return None
 
+    def unsupported_workload(self, w: Any) -> str | None:
+        """None when this contender can run workload ``w`` (re-scoring and multi-interest ones included: ``search``
+        then gets :class:`~recall.bench.workloads.CandidateUsers` / ``MultiInterestUsers``), else why not."""
+        return None
+
     def prepare(self, item_vecs: Any) -> None:
         """Build whatever the search needs from the items (not timed). ``item_vecs``: (n_items, dim) float32."""
         raise NotImplementedError
@@ -133,8 +138,20 @@ class RecallContender(Contender):
             kwargs["precision"] = self.precision
         self._engine = Engine(item_vecs, **kwargs)
 
+    def unsupported_workload(self, w: Any) -> str | None:
+        if (w.candidates or w.interests) and self.precision not in (None, "exact"):
+            return f"precision {self.precision!r} applies to single-vector full searches"
+        return None
+
     def search(self, user_vecs: Any, k: int) -> tuple[Any, Any]:
-        res = self._engine.search(user_vecs, k)
+        from .workloads import CandidateUsers, MultiInterestUsers
+
+        if isinstance(user_vecs, CandidateUsers):
+            res = self._engine.rescore(user_vecs.vecs, user_vecs.candidates, k)
+        elif isinstance(user_vecs, MultiInterestUsers):
+            res = self._engine.search(user_vecs.vecs, k, aggregate=user_vecs.aggregate)
+        else:
+            res = self._engine.search(user_vecs, k)
         return res.indices, res.scores
 
     def release(self) -> None:
@@ -185,6 +202,13 @@ class FaissContender(Contender):
     def unsupported(self, k: int, n_items: int) -> str | None:
         if self.device == "gpu" and k > FAISS_GPU_MAX_K:
             return f"GpuIndexFlat supports k <= {FAISS_GPU_MAX_K}, asked for k={k}"
+        return None
+
+    def unsupported_workload(self, w: Any) -> str | None:
+        if w.candidates:
+            return "a flat FAISS index searches every item: no per-user candidate lists"
+        if w.interests:
+            return "a flat FAISS index has no multi-vector users"
         return None
 
     def _normalised(self, x: Any) -> Any:
@@ -315,7 +339,18 @@ class TorchContender(Contender):
         self._items_t = items.t()  # (dim, n_items) view: matmul(users, items.T) without a copy
         self._items = items
 
+    def unsupported_workload(self, w: Any) -> str | None:
+        if (w.candidates or w.interests) and self.dtype_name != "fp32":
+            return f"{self.dtype_name} is benchmarked on single-vector full searches only"
+        return None
+
     def search(self, user_vecs: Any, k: int) -> tuple[Any, Any]:
+        from .workloads import CandidateUsers, MultiInterestUsers
+
+        if isinstance(user_vecs, CandidateUsers):
+            return self._search_candidates(user_vecs, k)
+        if isinstance(user_vecs, MultiInterestUsers):
+            return self._search_interests(user_vecs, k)
         torch = self._torch
         users = self._tensor(user_vecs)
         n_users, n_items = int(users.shape[0]), int(self._items.shape[0])
@@ -334,6 +369,50 @@ class TorchContender(Contender):
         if self.metric == "l2":
             sq = (users.double() ** 2).sum(1, keepdim=True).float()
             D = 2.0 * D - sq
+        return I, D
+
+    def _search_candidates(self, users: Any, k: int) -> tuple[Any, Any]:
+        """Re-scoring baseline: gather each user's candidate vectors, ``torch.bmm``, ``torch.topk``."""
+        torch = self._torch
+        vecs, cands = self._tensor(users.vecs), self._tensor(users.candidates)
+        n_users, per_user = int(cands.shape[0]), int(cands.shape[1])
+        k_sel = min(k, per_user)
+        chunk = max(1, min(n_users, TORCH_SCORE_BYTES // (4 * per_user * int(self._items.shape[1]))))
+        D = torch.empty((n_users, k_sel), dtype=torch.float32, device=vecs.device)
+        I = torch.empty((n_users, k_sel), dtype=torch.int64, device=vecs.device)
+        for start in range(0, n_users, chunk):
+            rows = cands[start:start + chunk]
+            xq = self._prepare_metric(vecs[start:start + chunk], items=False)
+            scores = torch.bmm(self._items[rows], xq.unsqueeze(2)).squeeze(2)  # (chunk, per_user)
+            vals, pos = torch.topk(scores, k_sel, dim=1)
+            D[start:start + chunk] = vals
+            I[start:start + chunk] = rows.gather(1, pos)
+        if self.metric == "l2":
+            D = 2.0 * D - (vecs.double() ** 2).sum(1, keepdim=True).float()
+        return I, D
+
+    def _search_interests(self, users: Any, k: int) -> tuple[Any, Any]:
+        """Multi-interest baseline: ``torch.matmul`` of every interest, max (or sum) over a user's, ``torch.topk``."""
+        torch = self._torch
+        vecs = self._tensor(users.vecs)
+        n_users, m, dim = (int(x) for x in vecs.shape)
+        n_items = int(self._items.shape[0])
+        k_sel = min(k, n_items)
+        chunk = max(1, min(n_users, TORCH_SCORE_BYTES // (4 * m * n_items)))
+        D = torch.empty((n_users, k_sel), dtype=torch.float32, device=vecs.device)
+        I = torch.empty((n_users, k_sel), dtype=torch.int64, device=vecs.device)
+        for start in range(0, n_users, chunk):
+            flat = vecs[start:start + chunk].reshape(-1, dim)
+            s = torch.matmul(self._prepare_metric(flat, items=False), self._items_t)
+            if self.metric == "l2":
+                s -= 0.5 * (flat.double() ** 2).sum(1, keepdim=True).float()  # each interest's own -|u - v|^2 / 2
+            s = s.view(-1, m, n_items)
+            agg = s.amax(dim=1) if users.aggregate == "max" else s.sum(dim=1)
+            vals, idx = torch.topk(agg, k_sel, dim=1)
+            D[start:start + chunk] = vals
+            I[start:start + chunk] = idx
+        if self.metric == "l2":
+            D = 2.0 * D
         return I, D
 
     def sync(self) -> None:

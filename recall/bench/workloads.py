@@ -69,6 +69,10 @@ class Workload:
         Per-user candidate count for re-scoring workloads (S5); 0 for full searches.
     unsupported : str
         Empty when the harness can run the workload, else the reason it is skip-listed.
+    interests : int
+        Vectors per user for multi-interest workloads (S7); 0 for one vector per user.
+    aggregate : {"max", "sum"}
+        How a multi-interest user's scores combine.
     """
 
     name: str
@@ -81,12 +85,23 @@ class Workload:
     why: str = ""
     candidates: int = 0
     unsupported: str = ""
+    interests: int = 0
+    aggregate: str = "max"
 
     @property
     def flops(self) -> float:
-        """Floating-point operations of a full search, 2 * n_users * n_items * dim (per-user candidates for S5)."""
+        """Floating-point operations of a full search, 2 * n_users * n_items * dim (per-user candidates for S5,
+        times the interests per user for S7)."""
         per_user = self.candidates if self.candidates else self.n_items
-        return 2.0 * self.n_users * per_user * self.dim
+        return 2.0 * self.n_users * max(1, self.interests) * per_user * self.dim
+
+    @property
+    def bytes_moved(self) -> float:
+        """For re-scoring (memory-bound): the candidate vectors read once plus the results written (float32 score,
+        int64 row per slot), the bytes its HBM-bandwidth efficiency is measured by; 0 for other workloads."""
+        if not self.candidates:
+            return 0.0
+        return float(self.n_users) * (self.candidates * self.dim * 4 + self.k * 12)
 
     @property
     def kind_label(self) -> str:
@@ -98,17 +113,55 @@ class Workload:
         return self if kind is None else replace(self, kind=Kind(kind))
 
     def generate(self, seed: int = 0, device: str = "cpu") -> tuple[Any, Any]:
-        """The (users, items) of this workload; see :func:`generate`."""
-        return generate(self.kind, self.n_users, self.n_items, self.dim, seed=seed, device=device)
+        """The (users, items) of this workload; see :func:`generate`. Re-scoring workloads give
+        :class:`CandidateUsers` as users, multi-interest ones :class:`MultiInterestUsers`."""
+        n_vecs = self.n_users * max(1, self.interests)
+        users, items = generate(self.kind, n_vecs, self.n_items, self.dim, seed=seed, device=device)
+        if self.interests:
+            users = MultiInterestUsers(users.reshape(self.n_users, self.interests, self.dim), self.aggregate)
+        if self.candidates:
+            users = CandidateUsers(users, candidate_rows(self.n_users, self.n_items, self.candidates, seed, device))
+        return users, items
+
+    def truth(self, users: Any, items: Any, rows: Any, metric: str = "ip") -> Any:
+        """The exact float64 answer for the sampled user ``rows`` (``oracle.Truth``): over each user's own candidates
+        for re-scoring, over the aggregate of its interests for multi-interest users, else ``oracle.exact_topk``."""
+        from . import oracle
+
+        if isinstance(users, CandidateUsers):
+            return _candidate_truth(users, items, self.k, rows, metric)
+        if isinstance(users, MultiInterestUsers):
+            return _interest_truth(users, items, self.k, rows, metric)
+        return oracle.exact_topk(users, items, self.k, rows, metric=metric)
+
+    def check(self, truth: Any, users: Any, items: Any, indices: Any, scores: Any = None,
+              rtol: float | None = None) -> Any:
+        """``oracle.check`` of an answer (all users' rows) against :meth:`truth`, for every kind of workload."""
+        from . import oracle
+
+        rtol = oracle.DEFAULT_RTOL if rtol is None else rtol
+        if isinstance(users, CandidateUsers):
+            return _candidate_check(truth, users, items, indices, scores, rtol)
+        if isinstance(users, MultiInterestUsers):
+            return _interest_check(truth, users, items, indices, scores, rtol)
+        return oracle.check(truth, items, indices, scores, rtol=rtol)
 
 
-def _rescore_reason() -> str:
-    """Why S5 cannot run: the engine has no per-user re-scoring entry point, or the harness does not drive it yet."""
+def _rescore_reason(what: str = "Engine.rescore()") -> str:
+    """Why S5 (or S7) cannot run: the engine has no per-user re-scoring entry point, or the harness does not drive
+    these workloads yet. The float64 oracle of a full search would judge them wrongly, so the runner has to ask the
+    workload for its truth and check (``Workload.truth`` / ``Workload.check``); until its source does, they are
+    skip-listed with this reason rather than run and misjudged."""
+    from importlib import resources
+
     from ..engine import Engine
 
     if not hasattr(Engine, "rescore"):
         return "not yet supported: recall.Engine has no rescore() for per-user candidate re-scoring"
-    return "not yet supported: the harness does not drive Engine.rescore() yet"
+    runner_src = resources.files("recall.bench").joinpath("runner.py").read_text()
+    if "w.truth(" in runner_src and "w.check(" in runner_src:
+        return ""
+    return f"not yet supported: the harness does not drive {what} yet (runner.py must call Workload.truth/check)"
 
 
 def _workloads() -> dict[str, Workload]:
@@ -123,6 +176,14 @@ def _workloads() -> dict[str, Workload]:
                  "per-user re-scoring of 1,000 own candidates: memory-bound", candidates=1_000,
                  unsupported=_rescore_reason()),
         Workload("S6", 100_000, 1_000_000, 256, 100, Kind.clustered, "gpu", "GEMM-bound"),
+        Workload("S7", 100_000, 1_000_000, 64, 100, Kind.clustered, "gpu",
+                 "multi-interest users: 4 vectors each, score = max over them", interests=4,
+                 unsupported=_rescore_reason("multi-interest search")),
+        Workload("S5-small", 2_000, 50_000, 32, 10, Kind.clustered, "cpu",
+                 "S5 in small: 500 own candidates per user", candidates=500, unsupported=_rescore_reason()),
+        Workload("S7-small", 2_000, 20_000, 32, 10, Kind.clustered, "cpu",
+                 "S7 in small: 4 vectors per user, max", interests=4,
+                 unsupported=_rescore_reason("multi-interest search")),
     ]
     return {x.name: x for x in w}
 
@@ -282,3 +343,175 @@ def generate(kind: Kind | str, n_users: int, n_items: int, dim: int, seed: int =
     items = ri.integers(-TIE_RANGE, TIE_RANGE + 1, (n_items, dim), np.int8).astype(xp.float32)
     return users, items
 
+
+
+# --- re-scoring (S5) and multi-interest (S7) workloads -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CandidateUsers:
+    """Users of a re-scoring workload: their vectors and each one's own candidate item rows.
+
+    vecs : (n_users, dim) float32; candidates : (n_users, c) int64, distinct within a row, in random order. NumPy, or
+    CuPy on the GPU."""
+
+    vecs: Any
+    candidates: Any
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.vecs.shape)
+
+
+@dataclass(frozen=True)
+class MultiInterestUsers:
+    """Users of a multi-interest workload: vecs (n_users, n_interests, dim) float32, and how scores combine."""
+
+    vecs: Any
+    aggregate: str = "max"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.vecs.shape[0]), int(self.vecs.shape[2]))
+
+
+def candidate_rows(n_users: int, n_items: int, per_user: int, seed: int = 0, device: str = "cpu") -> Any:
+    """(n_users, per_user) int64 item rows, distinct within each row, spread over the catalogue, in random order.
+
+    Distinct (like the output of a retriever stage) so that baselines without de-duplication stay comparable: a
+    random start plus increasing gaps of at most ``n_items // per_user`` never wraps onto itself.
+
+    Raises
+    ------
+    InputError
+        If ``per_user`` > ``n_items``.
+    """
+    if per_user > n_items:
+        raise InputError(f"{per_user} candidates per user need at least as many items, got {n_items}")
+    xp = _xp(device)
+    rng = _Rng(xp, int(np.random.SeedSequence([int(seed), 0x5C0E]).generate_state(1)[0]))
+    gap = max(1, n_items // per_user)
+    steps = rng.integers(1, gap + 1, (n_users, per_user))
+    offsets = xp.cumsum(steps, axis=1) - steps[:, :1]  # 0, then strictly increasing, below n_items
+    rows = (rng.integers(0, n_items, (n_users, 1)) + offsets) % n_items
+    order = xp.argsort(rng.normal((n_users, per_user)), axis=1)
+    return xp.ascontiguousarray(xp.take_along_axis(rows, order, axis=1).astype(xp.int64))
+
+
+def _host(arr: Any) -> np.ndarray:
+    get = getattr(arr, "get", None)
+    return get() if callable(get) and not isinstance(arr, np.ndarray) else np.asarray(arr)
+
+
+def _truth_from(rows: np.ndarray, user_vecs: np.ndarray, k: int, scores: np.ndarray, items_of: np.ndarray,
+                metric: str, n_items: int) -> Any:
+    """``oracle.Truth`` from every candidate's true score: best first, equal scores by item row."""
+    from . import oracle
+
+    order = np.lexsort((items_of, -scores), axis=1)[:, :k]
+    top_s = np.take_along_axis(scores, order, axis=1)
+    top_i = np.take_along_axis(items_of, order, axis=1)
+    kth = top_s[:, -1].copy()
+    scale = np.maximum(np.abs(top_s[:, 0]), np.abs(kth))
+    scale[~(scale > 0)] = 1.0
+    return oracle.Truth(rows=rows, user_vecs=user_vecs, k=int(k), top_scores=top_s, top_items=top_i.astype(np.int64),
+                        kth=kth, scale=scale, metric=metric, n_items=n_items)
+
+
+def _candidate_truth(users: CandidateUsers, items: Any, k: int, rows: Any, metric: str) -> Any:
+    """Exact float64 top-k of the sampled users over their own candidates (k <= candidates per user)."""
+    from . import oracle
+
+    rows = np.asarray(rows, dtype=np.int64)
+    u = oracle._metric_users(metric, oracle._rows_f64(users.vecs, rows))
+    cand = _sampled(users.candidates, rows)
+    scores = np.empty(cand.shape)
+    block = max(1, int(oracle.DEFAULT_BUDGET // max(1, 8 * cand.shape[1] * u.shape[1])))
+    for a in range(0, rows.size, block):
+        b = min(a + block, rows.size)
+        uniq, inv = np.unique(cand[a:b].ravel(), return_inverse=True)
+        v = oracle._rows_f64(items, uniq)[inv.ravel()].reshape(b - a, cand.shape[1], -1)
+        scores[a:b] = oracle._pair_scores(metric, u[a:b], v)
+    return _truth_from(rows, u, min(k, cand.shape[1]), scores, cand, metric, int(items.shape[0]))
+
+
+def _sampled(arr: Any, rows: np.ndarray) -> np.ndarray:
+    """``arr[rows]`` on the host (gathered on the array's device so only the rows cross)."""
+    if isinstance(arr, np.ndarray):
+        return arr[rows]
+    from . import oracle
+
+    return _host(arr[oracle._index_rows(arr, rows)])
+
+
+def _candidate_check(truth: Any, users: CandidateUsers, items: Any, indices: Any, scores: Any, rtol: float) -> Any:
+    """``oracle.check``, with any returned item that is not among the user's candidates counted as a miss."""
+    from . import oracle
+
+    rows = truth.rows
+    idx = _sampled(indices, rows).astype(np.int64)
+    cand = _sampled(users.candidates, rows)
+    base = (np.arange(rows.size, dtype=np.int64) * (truth.n_items + 1))[:, None]
+    own = np.isin(idx + base, cand + base) & (idx >= 0)
+    idx = np.where(own, idx, -1)
+    sc = _sampled(scores, rows) if scores is not None else None
+    return oracle.check(truth, items, idx, sc, rtol=rtol, rows_are_sampled=True)
+
+
+def _interest_truth(users: MultiInterestUsers, items: Any, k: int, rows: Any, metric: str) -> Any:
+    """Exact float64 top-k of the sampled users over every item, scoring an item by the max (or sum) over the
+    user's interests; chunked over items like ``oracle.exact_topk``."""
+    from . import oracle
+
+    rows = np.asarray(rows, dtype=np.int64)
+    n, m, dim = rows.size, int(users.vecs.shape[1]), int(users.vecs.shape[2])
+    vecs = _sampled(users.vecs, rows).astype(np.float64).reshape(n * m, dim)
+    u = oracle._metric_users(metric, vecs)
+    n_items = int(items.shape[0])
+    k_eff = min(int(k), n_items)
+    chunk = int(max(k_eff, min(n_items, oracle.DEFAULT_BUDGET // max(1, 8 * n * m + 12 * dim))))
+    best_s, best_i = np.full((n, 0), -np.inf), np.zeros((n, 0), dtype=np.int64)
+    for start in range(0, n_items, chunk):
+        stop = min(start + chunk, n_items)
+        s = oracle._metric_scores(metric, u, oracle._slice_f64(items, start, stop)).reshape(n, m, stop - start)
+        agg = s.max(axis=1) if users.aggregate == "max" else s.sum(axis=1)
+        best_s, best_i = oracle._merge(best_s, best_i, agg, start, k_eff)
+    return _truth_from(rows, u.reshape(n, m, dim), k_eff, best_s, best_i, metric, n_items)
+
+
+def _interest_check(truth: Any, users: MultiInterestUsers, items: Any, indices: Any, scores: Any,
+                    rtol: float) -> Any:
+    """Tie-aware recall@k as ``oracle.check`` computes it, with the true score of a returned item aggregated over the
+    user's interests (``truth.user_vecs`` is (n_sample, m, dim))."""
+    from . import oracle
+
+    idx = _sampled(indices, truth.rows).astype(np.int64)
+    sc = _sampled(scores, truth.rows).astype(np.float64) if scores is not None else None
+    n, k_ret = idx.shape
+    valid = (idx >= 0) & (idx < truth.n_items)
+    order = np.argsort(idx, axis=1, kind="stable")
+    srt = np.take_along_axis(idx, order, axis=1)
+    first_sorted = np.ones_like(srt, dtype=bool)
+    first_sorted[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    first = np.empty_like(first_sorted)
+    np.put_along_axis(first, order, first_sorted, axis=1)
+    valid &= first
+    safe = np.where(valid, idx, 0)
+    uniq, inv = np.unique(safe.ravel(), return_inverse=True)
+    v = oracle._rows_f64(items, uniq)[inv.ravel()].reshape(n, k_ret, -1)
+    per = np.stack([oracle._pair_scores(truth.metric, truth.user_vecs[:, j], v)
+                    for j in range(truth.user_vecs.shape[1])], axis=1)
+    true_s = per.max(axis=1) if users.aggregate == "max" else per.sum(axis=1)
+    true_s[~valid] = -np.inf
+    tol = rtol * truth.scale
+    hits = (valid & (true_s >= (truth.kth - tol)[:, None])).sum(axis=1)
+    per_user = np.minimum(hits, truth.k_eff) / truth.k_eff
+    invalid = int((~valid[:, :truth.k_eff]).sum()) + n * max(0, truth.k_eff - k_ret)
+    max_err = None
+    if sc is not None:
+        ok = valid & np.isfinite(sc)
+        max_err = float(np.max(np.abs(sc - true_s)[ok] / np.broadcast_to(truth.scale[:, None], idx.shape)[ok])) \
+            if ok.any() else float("inf")
+    return oracle.Check(recall=float(per_user.mean()), min_recall=float(per_user.min()),
+                        users_short=int((per_user < 1).sum()), invalid=invalid, max_score_error=max_err, rtol=rtol,
+                        n_sample=n, per_user=per_user)
