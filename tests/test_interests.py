@@ -351,3 +351,26 @@ def test_bench_interest_workload_truth_and_check(aggregate):
         bad[sample[1]] = np.r_[truth.top_items[1][:9], worst[0, -1]]
         assert w.check(truth, users, items, bad, None, rtol=1e-4).users_short == 1
     assert contenders.FaissContender("cpu").unsupported_workload(w)
+
+
+# ---- GPU only: device arrays in place, many blocks with graph replay, equal to the CPU bit for bit -------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("aggregate", ["max", "sum"])
+def test_gpu_blocks_and_graphs_equal_cpu(monkeypatch, aggregate):
+    import cupy
+
+    monkeypatch.setenv("RECALL_GPU_TILES", "64,600,3")  # many blocks and segments: both slots, capture, replay
+    rng = np.random.default_rng(12)
+    items = _ints(rng, (2500, 12), -3, 3)
+    users = _ragged(rng, 500, 12, most=5)
+    excl = {u: rng.choice(2500, 30, replace=False).tolist() for u in range(0, 500, 4)}
+    for metric in ("ip", "l2"):
+        want = Engine(items, metric=metric, device="cpu").search(users, 33, exclude=excl, aggregate=aggregate)
+        gpu = Engine(items, metric=metric, device="gpu")
+        got = gpu.search(users, 33, exclude=excl, aggregate=aggregate)
+        np.testing.assert_array_equal(as_numpy(got.indices), want.indices)
+        np.testing.assert_array_equal(as_numpy(got.scores), want.scores)
+        assert gpu.stats["blocks"] == 8 and gpu.stats["graph_blocks"] >= 6  # the reduce step was captured
+        dev = gpu.search(cupy.asarray(_ints(rng, (40, 3, 12))), 5, aggregate=aggregate)
+        assert isinstance(dev.indices, cupy.ndarray)

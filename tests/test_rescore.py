@@ -436,3 +436,27 @@ def test_bench_candidate_workload_truth_and_check():
     assert contenders.FaissContender("cpu").unsupported_workload(w)
     assert contenders.RecallContender("cpu", "ip", "fast").unsupported_workload(w)
     assert w.bytes_moved == 150 * (120 * 32 * 4 + 10 * 12)
+
+
+# ---- GPU only: device arrays in place, both paths, equal to the CPU bit for bit ---------------------------------
+
+@pytest.mark.gpu
+def test_gpu_device_arrays_in_place_equal_cpu(path):
+    import cupy
+
+    rng = np.random.default_rng(11)
+    items, users = _ints(rng, 5000, 20, -3, 3), _ints(rng, 300, 20, -3, 3)
+    lists = _lists(rng, 300, 5000, 900)
+    indptr, rows = _csr(lists)
+    want = Engine(items, device="cpu").rescore(users, lists, 50)
+    gpu = Engine(cupy.asarray(items), device="gpu")
+    got = gpu.rescore(cupy.asarray(users), (indptr, cupy.asarray(rows)), 50)
+    assert isinstance(got.indices, cupy.ndarray) and isinstance(got.scores, cupy.ndarray)
+    assert gpu.stats["rescore_path"] == path
+    np.testing.assert_array_equal(as_numpy(got.indices), want.indices)
+    np.testing.assert_array_equal(as_numpy(got.scores), want.scores)
+    matrix = rng.integers(0, 5000, (300, 64))
+    got = gpu.rescore(cupy.asarray(users), cupy.asarray(matrix), 7)
+    want = Engine(items, device="cpu").rescore(users, matrix, 7)
+    np.testing.assert_array_equal(as_numpy(got.indices), want.indices)
+    np.testing.assert_array_equal(as_numpy(got.scores), want.scores)
