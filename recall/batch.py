@@ -303,7 +303,10 @@ class _ExclusionIndex:
         import pyarrow.parquet as pq
 
         empty = np.zeros(0, object if want_str else np.int64)
-        col = pq.read_table(path, columns=["user_id"]).column("user_id").combine_chunks()
+        try:
+            col = pq.read_table(path, columns=["user_id"]).column("user_id").combine_chunks()
+        except (pa.ArrowException, OSError):
+            return empty  # load_exclusions reads the file again and names the problem (file, row)
         if pa.types.is_dictionary(col.type):
             col = col.dictionary_decode()
         col = pc.unique(col.drop_null())
@@ -321,6 +324,9 @@ class _ExclusionIndex:
         """(the pairs of this shard's users, keyed by shard row; how many pairs that is)."""
         import pyarrow.compute as pc
 
+        if self.keys.size == 0 or user_ids.size == 0:
+            empty = np.zeros(0, np.int64)
+            return ExclusionPairs(empty, empty, int(user_ids.size), 0, 0), 0
         value_set = pa.array(self.keys, type=pa.string() if self.keys.dtype == object else pa.int64())
         ids = pa.array(user_ids, type=value_set.type)
         pos = pc.index_in(ids, value_set=value_set).fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -7,8 +7,11 @@ when the same command is run again).
 """
 from __future__ import annotations
 
+import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,6 +20,33 @@ import typer
 
 from .batch import BatchError, BatchProgress, run_batch
 from .cli import EXIT_OS_ERROR, Device, Metric, _errors_to_exit, _logging, _show_progress, log, parse_bytes
+
+
+class Terminated(SystemExit):
+    """SIGTERM (a scheduler's timeout, ``kill``) turned into an exception, so that the job records its failure in
+    ``_metrics.json``, stops its workers and removes its temporary file before exiting with 128 + 15."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+    def __str__(self) -> str:
+        return "terminated by SIGTERM"
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 class EngineName(str, Enum):
@@ -91,15 +121,15 @@ def batch(
     = Device.auto,
     gpus: Annotated[str | None, typer.Option(
         "--gpus", metavar="N|all", help="GPU workers, one process (or Ray actor) per GPU, items resident on each "
-                                        "[default: 1]. Ignored on the CPU.", show_default=False)] = None,
+                                        "(default 1). Ignored on the CPU.", show_default=False)] = None,
     workers: Annotated[int | None, typer.Option(
         "--workers", metavar="N", help="CPU workers: processes pinned to disjoint cores (or Ray actors) "
-                                       "[default: 1]. Ignored on GPUs.", show_default=False)] = None,
+                                       "(default 1). Ignored on GPUs.", show_default=False)] = None,
     engine: Annotated[EngineName, typer.Option(
-        "--engine", help="local: this host; ray: a Ray cluster (pip install 'recall[ray]').")] = EngineName.local,
+        "--engine", help="local: this host; ray: a Ray cluster (needs the ray extra).")] = EngineName.local,
     ray_address: Annotated[str | None, typer.Option(
         "--ray-address", metavar="ADDR", help="With --engine ray: the cluster, e.g. auto or ray://head:10001 "
-                                              "[default: $RAY_ADDRESS, else a local Ray].", show_default=False)] = None,
+                                              "(default: $RAY_ADDRESS, else a local Ray).", show_default=False)] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Discard what --out holds (another job's output) and score every shard again.")] = False,
     id_col: Annotated[str, typer.Option("--id-col", help="Id column of the embedding files.")] = "id",
@@ -126,12 +156,16 @@ def batch(
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         progress = _RichProgress() if _show_progress(quiet) else None
         try:
-            summary = run_batch(
-                users, items, out, k, metric=metric.value, exclude=exclude, id_col=id_col, vec_col=vec_col,
-                device=device.value, gpus=gpus, workers=workers, engine=engine.value, ray_address=ray_address,
-                overwrite=overwrite, batch_size=batch_size, memory_budget=parse_bytes(memory_budget),
-                progress=progress, notice=lambda msg: log.warning("notice: %s", msg),
-            )
+            with _sigterm_raises():
+                summary = run_batch(
+                    users, items, out, k, metric=metric.value, exclude=exclude, id_col=id_col, vec_col=vec_col,
+                    device=device.value, gpus=gpus, workers=workers, engine=engine.value, ray_address=ray_address,
+                    overwrite=overwrite, batch_size=batch_size, memory_budget=parse_bytes(memory_budget),
+                    progress=progress, notice=lambda msg: log.warning("notice: %s", msg),
+                )
+        except Terminated as exc:
+            typer.echo(f"error: {exc}; rerun the same command to resume", err=True)
+            raise
         except BatchError as exc:
             first, _, rest = str(exc).partition("\n")
             if rest:

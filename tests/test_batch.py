@@ -262,6 +262,23 @@ def test_kill_9_then_rerun_gives_identical_bytes(job: dict, tmp_path: Path) -> N
     assert (out / SUCCESS).exists() and not [p for p in out.iterdir() if ".tmp-" in p.name]
 
 
+def test_sigterm_records_the_failure_and_the_rerun_resumes(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, TEST_SLEEP_ENV: "0.05", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "recall", *_cli(job, out)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir()))
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
+    metrics = json.loads((out / METRICS).read_text())
+    assert metrics["job"]["status"] == "failed" and "SIGTERM" in metrics["job"]["error"]
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]  # the shard being written was aborted cleanly
+    summary = _run(job, out)
+    assert summary.shards_skipped >= 1 and (out / SUCCESS).exists()
+
+
 # ---- refusals ------------------------------------------------------------------------------------------------------
 
 def test_different_parameters_are_refused_unless_overwrite(job: dict, tmp_path: Path) -> None:
@@ -400,6 +417,26 @@ def test_exclusions_string_ids(tmp_path: Path) -> None:
         assert pq.read_table(single).equals(pq.read_table(out / path.name)), path.name
     applied = sum(e["exclusions_applied"] for e in manifest["outputs"].values())
     assert applied == 60 * 4  # the unknown user's and the unknown item's pairs are not applied
+
+
+def test_exclusions_list_form_and_empty_file(job: dict, tmp_path: Path) -> None:
+    ids = job["user_ids"]
+    lists = pq.read_table(job["items"]).column("id").to_pylist()
+    excl = tmp_path / "lists.parquet"
+    pq.write_table(pa.table({"user_id": pa.array(ids[::7].astype(np.uint64)),  # another integer type
+                             "item_ids": [lists[i % 9:i % 9 + 3] for i in range(len(ids[::7]))]}), excl)
+    out = tmp_path / "out"
+    run_batch(job["users"], job["items"], out, K, device="cpu", exclude=excl)
+    for path, _, _ in job["shards"]:
+        single = tmp_path / f"single-{path.name}"
+        score_files(path, job["items"], single, K, device="cpu", exclude_path=excl)
+        assert pq.read_table(single).equals(pq.read_table(out / path.name)), path.name
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"user_id": pa.array([], pa.int64()), "item_id": pa.array([], pa.int64())}), empty)
+    out2 = tmp_path / "out2"
+    run_batch(job["users"], job["items"], out2, K, device="cpu", exclude=empty)
+    run_batch(job["users"], job["items"], tmp_path / "plain", K, device="cpu")
+    assert _outputs(out2) == _outputs(tmp_path / "plain")
 
 
 # ---- the CLI -------------------------------------------------------------------------------------------------------
