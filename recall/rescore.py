@@ -15,7 +15,8 @@ Two ways to run a block of users, behind the backend seam:
   candidate vector once from the resident item matrix, computes its dot product and keeps the best k in shared
   memory (``recall/kernels/rescore.cu``). The job is memory-bound; this path reads the candidate vectors once and
   writes nothing but the results, where gather + GEMM writes and re-reads the gathered copy.
-  ``RECALL_RESCORE=gemm`` forces the GEMM path on the GPU too (to compare the two).
+  ``RECALL_RESCORE=gemm`` forces the GEMM path on the GPU too (to compare the two); ``RECALL_RESCORE_THREADS``
+  (default 256) sets the fused kernel's threads per user.
 
 ``rescore_files`` is the Parquet-to-Parquet job behind ``recall rescore``.
 """
@@ -100,7 +101,7 @@ def _int_rows(xp: Any, arr: Any, what: str) -> Any:
         raise InputError(f"candidates: {what} must be 1-d, got shape {tuple(arr.shape)}")
     if arr.dtype == np.uint64 and bool((arr > np.iinfo(np.int64).max).any()):
         arr = xp.minimum(arr, np.iinfo(np.int64).max)  # beyond any item row: reported as out of range below
-    return arr.astype(xp.int64, copy=False)
+    return xp.ascontiguousarray(arr.astype(xp.int64, copy=False))  # the GPU kernel reads it as flat memory
 
 
 def normalise_candidates(candidates: Any, n_users: int, n_items: int, device_xp: Any = None) -> Candidates:
@@ -387,6 +388,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _threads() -> int:
+    """Threads per user's block: ``RECALL_RESCORE_THREADS`` (a multiple of 32, 32 to 1024), default 256."""
+    text = os.environ.get("RECALL_RESCORE_THREADS", "").strip()
+    if not text:
+        return _THREADS
+    if not text.isdigit() or int(text) % 32 or not 32 <= int(text) <= 1024:
+        raise InputError(f"RECALL_RESCORE_THREADS={text!r}: expected a multiple of 32 from 32 to 1024")
+    return int(text)
+
+
 def lanes_per_candidate(dim: int) -> int:
     """Threads that share one candidate's dot product: the largest power of two <= 32 that leaves few idle lanes.
 
@@ -435,7 +446,7 @@ def _launch(users: Any, items: Any, dim: int, scores: Any, indptr: Any, rows: An
     if smem > _DEFAULT_SMEM:
         kern.max_dynamic_shared_size_bytes = smem
     scores_arg = scores if scores is not None else np.uint64(0)  # a null pointer: compute the dot products
-    kern((n,), (_THREADS,), (users, items, np.int32(dim), scores_arg, indptr, rows, np.int32(k), np.int32(k_pad),
+    kern((n,), (_threads(),), (users, items, np.int32(dim), scores_arg, indptr, rows, np.int32(k), np.int32(k_pad),
                              np.int32(sz), np.int32(lanes_per_candidate(dim)), out_vals, out_rows),
          shared_mem=smem)
 
