@@ -88,12 +88,13 @@ def _finish_times(row: dict[str, Any], w: Workload) -> None:
     row["median_s"] = t
     row["users_per_s"] = w.n_users / t if t > 0 else None
     row["tflops"] = w.flops / t / 1e12 if t > 0 else None
+    row["gb_per_s"] = w.bytes_moved / t / 1e9 if t > 0 and w.bytes_moved else None  # memory-bound workloads (S5)
 
 
 def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings,
                     log: Callable[[str], None]) -> dict[str, Any]:
     row = _row(w, c.name, c.family, s.device, c.exact)
-    reason = c.unavailable() or c.unsupported(w.k, w.n_items)
+    reason = c.unavailable() or c.unsupported(w.k, w.n_items) or c.unsupported_workload(w)
     if reason:
         row.update(status="skipped", reason=reason)
         log(f"  {c.name}: skipped ({reason})")
@@ -117,7 +118,7 @@ def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, trut
             row["times_s"].append(time.perf_counter() - t0)
         _finish_times(row, w)
         indices, scores = answer
-        row["check"] = oracle.check(truth, items, indices, scores, rtol=s.rtol).as_dict()
+        row["check"] = w.check(truth, users, items, indices, scores, rtol=s.rtol).as_dict()
         log(f"  {c.name}: median {row['median_s']:.4g} s, recall@{w.k} {row['check']['recall']:.4f}")
     except (BackendUnavailable, ImportError) as exc:
         row.update(status="skipped", reason=f"{type(exc).__name__}: {exc}")
@@ -293,11 +294,11 @@ def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[s
         winfo["generate_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         rows = oracle.sample_rows(w.n_users, s.sample_users, s.seed)
-        truth = oracle.exact_topk(users, items, w.k, rows, metric=s.metric)
+        truth = w.truth(users, items, rows, metric=s.metric)
         winfo["oracle_s"] = time.perf_counter() - t0
         winfo["n_sample"] = int(rows.size)
         results = [_time_contender(c, w, users, items, truth, s, log) for c in built]
-        if s.e2e:
+        if s.e2e and not (w.candidates or w.interests):  # score_files runs full single-vector searches
             results.append(_e2e(w, users, items, truth, s, log))
         _ratios(results)
         doc["results"].extend(results)
