@@ -392,8 +392,10 @@ def candidate_rows(n_users: int, n_items: int, per_user: int, seed: int = 0, dev
 
 
 def _host(arr: Any) -> np.ndarray:
-    get = getattr(arr, "get", None)
-    return get() if callable(get) and not isinstance(arr, np.ndarray) else np.asarray(arr)
+    """A NumPy copy of a NumPy, CuPy or torch (CUDA) array."""
+    from . import oracle
+
+    return oracle.to_host(arr)
 
 
 def _truth_from(rows: np.ndarray, user_vecs: np.ndarray, k: int, scores: np.ndarray, items_of: np.ndarray,
