@@ -86,6 +86,10 @@ class Contender:
         """Wait for this contender's queued work (called around the timed region)."""
         synchronize(self.device)
 
+    def stats(self) -> dict[str, Any]:
+        """What the contender reports of its last search (this engine: blocks, tiling, GPU busy time...)."""
+        return {}
+
     def release(self) -> None:
         """Drop the prepared index, so the next contender gets the memory."""
 
@@ -153,6 +157,10 @@ class RecallContender(Contender):
         else:
             res = self._engine.search(user_vecs, k)
         return res.indices, res.scores
+
+    def stats(self) -> dict[str, Any]:
+        st = dict(self._engine.stats) if self._engine is not None else {}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in st.items()}
 
     def release(self) -> None:
         self._engine = None

@@ -42,6 +42,11 @@ def _note(row: dict[str, Any], repeats: bool) -> str:
         notes.append("Parquet to Parquet")
     if not row["claims_exact"]:
         notes.append("not exact by design")
+    stats = row.get("engine_stats") or {}
+    if "busy_fraction" in stats:
+        notes.append(f"GPU busy {stats['busy_fraction']:.0%}")
+    if stats.get("fallback_users"):
+        notes.append(f"exact fallback for {stats['fallback_users']:,} users")
     if repeats and len(row["times_s"]) > 1:
         notes.append("runs " + ", ".join(f"{t:.3g}" for t in row["times_s"]) + " s")
     return "; ".join(notes)

@@ -117,6 +117,7 @@ def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, trut
             c.sync()
             row["times_s"].append(time.perf_counter() - t0)
         _finish_times(row, w)
+        row["engine_stats"] = c.stats()  # e.g. GPU busy time / wall time of the last timed search
         indices, scores = answer
         row["check"] = w.check(truth, users, items, indices, scores, rtol=s.rtol).as_dict()
         log(f"  {c.name}: median {row['median_s']:.4g} s, recall@{w.k} {row['check']['recall']:.4f}")
