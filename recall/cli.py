@@ -161,14 +161,14 @@ def _root(
 def _run_score(users: Path, items: Path, out: Path, k: int, metric: Metric, exclude: Path | None, id_col: str,
                vec_col: str, device: Device, batch_size: int | None, memory_budget: int | None, quiet: bool,
                verbose: bool, interests: Interests | None = None) -> Any:
-    from .pipeline import score_files
-
     if interests is not None:  # several vectors per user: recall/interests.py
         from functools import partial
 
         from .interests import score_files as interest_files
 
         score_files = partial(interest_files, aggregate=interests.value)
+    else:
+        from .pipeline import score_files
 
     with _progress(_show_progress(quiet)) as progress:
         summary = score_files(users, items, out, k, metric=metric.value, exclude_path=exclude, id_col=id_col,

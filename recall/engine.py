@@ -20,6 +20,13 @@ _SCORE_LIMIT = 1e37
 PRECISIONS = ("exact", "fast")
 
 
+def check_k(k: Any) -> int:
+    """``k`` as an int, or InputError unless it is an integer >= 1 (bools refused)."""
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise InputError(f"k must be an integer >= 1, got {k!r}")
+    return int(k)
+
+
 def _is_device_array(arr: Any) -> bool:
     return hasattr(arr, "__cuda_array_interface__") or (
         hasattr(arr, "__dlpack_device__") and not isinstance(arr, np.ndarray) and arr.__dlpack_device__()[0] != 1
@@ -182,9 +189,7 @@ class Engine:
             return interests.search(self, user_vecs, k, exclude, interests.check_aggregate(aggregate or "max"))
         if aggregate is not None:
             interests.check_aggregate(aggregate)
-        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise InputError(f"k must be an integer >= 1, got {k!r}")
-        k = int(k)
+        k = check_k(k)
         xp = self._xp_for(user_vecs)
         users = _check_matrix(xp, user_vecs, "user_vecs", self.dim)
         n_users = int(users.shape[0])

@@ -520,22 +520,15 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     first appearance in the users file; exclusions name user ids. The users file is read whole, then searched in
     batches of ``batch_size`` users.
     """
-    from .backends import DEVICES
     from .engine import Engine
     from .io import (CandidateWriter, check_output_path, inspect_embeddings, inspect_exclusions, load_exclusions,
                      read_embeddings)
     from .io.parquet import _fmt_id
-    from .pipeline import _check_k, _check_nonzero, auto_batch_size
+    from .pipeline import _check_nonzero, auto_batch_size, check_job_args
 
     t_start = time.perf_counter()
-    k = _check_k(k)
+    k = check_job_args(k, metric, device, batch_size)
     aggregate = check_aggregate(aggregate)
-    metrics.check_metric(metric)
-    if device not in DEVICES:
-        raise InputError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
-                                   or batch_size < 1):
-        raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     users_path, items_path = os.fspath(users_path), os.fspath(items_path)
     exclude_path = os.fspath(exclude_path) if exclude_path is not None else None
     out = check_output_path(out_path, (users_path, items_path, exclude_path))

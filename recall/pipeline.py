@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from . import metrics
 from .backends import DEVICES
-from .engine import Engine
+from .engine import Engine, check_k
 from .errors import InputError
 from .io import (
     CandidateWriter,
@@ -124,10 +124,25 @@ def auto_batch_size(k: int, dim: int) -> int:
     return int(np.clip(INFLIGHT_BYTES // (5 * per_user), _MIN_BATCH, _MAX_BATCH))
 
 
-def _check_k(k: Any) -> int:
-    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise InputError(f"k must be an integer >= 1, got {k!r}")
-    return int(k)
+def check_job_args(k: Any, metric: str, device: str, batch_size: Any) -> int:
+    """Validate the arguments every Parquet job shares (score, rescore, multi-interest); returns k as an int.
+
+    Raises
+    ------
+    InputError
+        k < 1, an unknown metric or device, or a batch size that is not an integer >= 1.
+    """
+    k = _check_k(k)
+    metrics.check_metric(metric)
+    if device not in DEVICES:
+        raise InputError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size < 1):
+        raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    return k
+
+
+_check_k = check_k  # the engine's own check: one rule for k everywhere
 
 
 def _check_nonzero(emb: Embeddings, path: str) -> None:
@@ -287,13 +302,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
         ``device="gpu"`` without a usable GPU.
     """
     t_start = time.perf_counter()
-    k = _check_k(k)
-    metrics.check_metric(metric)
-    if device not in DEVICES:
-        raise InputError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
-                                   or batch_size < 1):
-        raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    k = check_job_args(k, metric, device, batch_size)
     users_path, items_path = os.fspath(users_path), os.fspath(items_path)
     exclude_path = os.fspath(exclude_path) if exclude_path is not None else None
 

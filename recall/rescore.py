@@ -51,10 +51,6 @@ def _mode() -> str:
     return mode
 
 
-def _check_k(k: Any) -> int:
-    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise InputError(f"k must be an integer >= 1, got {k!r}")
-    return int(k)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -180,9 +176,9 @@ def normalise_candidates(candidates: Any, n_users: int, n_items: int, device_xp:
 
 def rescore(engine: Any, user_vecs: Any, candidates: Any, k: int) -> SearchResult:
     """Each user's best ``k`` among its own candidates; see :meth:`recall.Engine.rescore`."""
-    from .engine import _check_matrix
+    from .engine import _check_matrix, check_k
 
-    k = _check_k(k)
+    k = check_k(k)
     xp = engine._xp_for(user_vecs)
     users = _check_matrix(xp, user_vecs, "user_vecs", engine.dim)
     n_users = int(users.shape[0])
@@ -662,20 +658,13 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     ResourceError, BackendUnavailable
         As for ``recall score``.
     """
-    from .backends import DEVICES
     from .engine import Engine
     from .io import CandidateWriter, check_output_path, inspect_embeddings, read_embeddings
     from .io.parquet import _fmt_id, open_parquet
-    from .pipeline import _check_nonzero, auto_batch_size
+    from .pipeline import _check_nonzero, auto_batch_size, check_job_args
 
     t_start = time.perf_counter()
-    k = _check_k(k)
-    metrics.check_metric(metric)
-    if device not in DEVICES:
-        raise InputError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
-                                   or batch_size < 1):
-        raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    k = check_job_args(k, metric, device, batch_size)
     users_path, items_path, candidates_path = (os.fspath(p) for p in (users_path, items_path, candidates_path))
     out = check_output_path(out_path, (users_path, items_path, candidates_path))
     users_info = inspect_embeddings(users_path, id_col, vec_col)
