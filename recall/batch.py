@@ -53,6 +53,7 @@ from .io import (
     read_embeddings,
     read_ids,
 )
+from .io.writer import fsync_dir
 
 # The pipeline's three-stage overlap (reader thread, search, writer thread) and its cosine zero-vector check, reused
 # rather than copied. ``score_files`` builds its own Engine per call and cannot take a resident one; until the
@@ -112,16 +113,7 @@ def _footer_sha256(path: str, size: int) -> str:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(path)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

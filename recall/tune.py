@@ -114,16 +114,9 @@ def bucket(n: int, cap: int | None = None) -> int:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+    from .bench.env import _cpu_model as cpu_model  # one reader of /proc/cpuinfo
 
-    return platform.processor() or platform.machine() or "unknown cpu"
+    return cpu_model()
 
 
 def blas_name() -> str:

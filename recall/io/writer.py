@@ -156,16 +156,7 @@ class CandidateWriter:
 
     def _fsync_dir(self) -> None:
         # The rename is only durable once the directory entry is on disk.
-        try:
-            fd = os.open(self.out_path.parent, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        fsync_dir(self.out_path.parent)
 
     def __enter__(self) -> "CandidateWriter":
         return self.open()
@@ -176,3 +167,17 @@ class CandidateWriter:
             self.commit()
         else:
             self.abort()
+
+
+def fsync_dir(path: os.PathLike | str) -> None:
+    """Flush a directory's entries (a rename into it) to disk; a no-op where the platform cannot."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
