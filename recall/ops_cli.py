@@ -15,18 +15,9 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .bench.workloads import Kind
+from .cli import Device, Metric
 
 
-class Device(str, enum.Enum):
-    auto = "auto"
-    cpu = "cpu"
-    gpu = "gpu"
-
-
-class Metric(str, enum.Enum):
-    ip = "ip"
-    cosine = "cosine"
-    l2 = "l2"
 
 
 class Precision(str, enum.Enum):
