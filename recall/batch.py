@@ -48,18 +48,15 @@ from .io import (
     ExclusionPairs,
     inspect_embeddings,
     inspect_exclusions,
-    iter_embedding_batches,
     load_exclusions,
     read_embeddings,
     read_ids,
 )
 from .io.writer import fsync_dir
 
-# The pipeline's three-stage overlap (reader thread, search, writer thread) and its cosine zero-vector check, reused
-# rather than copied. ``score_files`` builds its own Engine per call and cannot take a resident one; until the
-# pipeline exposes a per-file entry point that does (see the batch issue's report), the shard loop below drives the
-# same machinery.
-from .pipeline import _check_k, _check_nonzero, _Overlap, auto_batch_size  # noqa: PLC2701
+# The pipeline's streaming search (reader thread, search with a resident engine, writer thread), shared with
+# `recall score` rather than copied.
+from .pipeline import _check_k, _check_nonzero, auto_batch_size, stream_search  # noqa: PLC2701
 
 log = logging.getLogger("recall")
 
@@ -397,23 +394,6 @@ class ShardScorer:
         t_ids = time.perf_counter() - t0
         n_users = int(user_ids.size)
 
-        def batches() -> Any:
-            for batch in iter_embedding_batches(task.path, self.batch_size, spec.id_col, spec.vec_col,
-                                                dim=engine.dim, dim_source=f"the items' dimension, {spec.items_path}",
-                                                check_unique=False):
-                if spec.metric == "cosine":
-                    _check_nonzero(batch, task.path)
-                yield batch
-
-        busy = 0.0
-
-        def search(batch: Embeddings) -> Any:
-            nonlocal busy
-            exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
-            result = engine.search(batch.vectors, spec.k, exclude=exclude)
-            busy += engine.stats.get("gpu_busy_s", 0.0)
-            return result
-
         def write(item: tuple[Embeddings, Any]) -> None:
             batch, result = item
             groups.add(result.to_arrow(batch.ids))
@@ -423,10 +403,11 @@ class ShardScorer:
                 time.sleep(self.test_sleep)
 
         user_type = pa.string() if user_ids.dtype == object else pa.int64()
-        overlap = _Overlap()
         with CandidateWriter(task.out_path, user_type, self.item_id_type) as writer:
             groups = _RowGroups(writer, self.group_rows)
-            overlap.run(batches(), search, write)
+            stream = stream_search(engine, task.path, spec.k, write, exclusions=excl, id_col=spec.id_col,
+                                   vec_col=spec.vec_col, batch_size=self.batch_size,
+                                   dim_source=f"the items' dimension, {spec.items_path}")
             groups.close()
             if writer.rows_written != n_users:
                 raise BatchError(f"{task.path}: wrote {writer.rows_written} rows for {n_users} users")
@@ -435,8 +416,8 @@ class ShardScorer:
         t_end = time.perf_counter()
         return ShardResult(
             name=task.name, rows=n_users, bytes=os.path.getsize(task.out_path), sha256=digest,
-            seconds=t_end - t0, read_s=t_ids + overlap.seconds["read"], search_s=overlap.seconds["search"],
-            write_s=overlap.seconds["write"], hash_s=t_end - t_hash, device_busy_s=busy, batch_size=self.batch_size,
+            seconds=t_end - t0, read_s=t_ids + stream.read_s, search_s=stream.search_s, write_s=stream.write_s,
+            hash_s=t_end - t_hash, device_busy_s=stream.device_busy_s, batch_size=self.batch_size,
             memory_budget=engine.memory_budget, device=engine.device, worker=self.worker, exclusions_applied=applied,
         )
 

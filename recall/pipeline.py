@@ -255,6 +255,47 @@ class _Overlap:
             raise self.errors[0]
 
 
+@dataclass(frozen=True)
+class StreamStats:
+    """Seconds each stage of :func:`stream_search` spent (they overlap) and the GPU's busy time (0 on the CPU)."""
+
+    read_s: float
+    search_s: float
+    write_s: float
+    device_busy_s: float
+
+
+def stream_search(engine: Engine, users_path: str, k: int, write: Callable[[tuple[Embeddings, Any]], None], *,
+                  exclusions: Any = None, id_col: str = "id", vec_col: str = "embedding", batch_size: int,
+                  dim_source: str) -> StreamStats:
+    """Search a user Parquet file batch by batch with a resident engine, reading ahead and writing behind.
+
+    A reader thread decodes and validates the next batch while the engine searches this one, and ``write`` (called
+    on a writer thread, in input order, with ``(batch, SearchResult)``) handles the previous one. The first error of
+    any stage stops the others and is raised here. ``exclusions``: an object whose ``block(start, stop)`` gives the
+    CSR of user rows ``start:stop`` (see ``recall.io.load_exclusions``).
+    """
+    def batches() -> Iterable[Embeddings]:
+        for batch in iter_embedding_batches(users_path, batch_size, id_col, vec_col, dim=engine.dim,
+                                            dim_source=dim_source, check_unique=False):
+            if engine.metric == "cosine":
+                _check_nonzero(batch, users_path)
+            yield batch
+
+    busy = 0.0
+
+    def search(batch: Embeddings) -> Any:
+        nonlocal busy
+        exclude = exclusions.block(batch.row_start, batch.row_start + len(batch)) if exclusions is not None else None
+        result = engine.search(batch.vectors, k, exclude=exclude)
+        busy += engine.stats.get("gpu_busy_s", 0.0)
+        return result
+
+    overlap = _Overlap()
+    overlap.run(batches(), search, write)
+    return StreamStats(overlap.seconds["read"], overlap.seconds["search"], overlap.seconds["write"], busy)
+
+
 def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, out_path: str | os.PathLike, k: int,
                 metric: str = "ip", exclude_path: str | os.PathLike | None = None, id_col: str = "id",
                 vec_col: str = "embedding", device: str = "auto", batch_size: int | None = None,
@@ -331,22 +372,6 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     item_read_s += time.perf_counter() - t0
     batch_size = int(batch_size) if batch_size is not None else auto_batch_size(k, dim)
 
-    def batches() -> Iterable[Embeddings]:
-        for batch in iter_embedding_batches(users_path, batch_size, id_col, vec_col, dim=dim,
-                                            dim_source=f"the items' dimension, {items_path}", check_unique=False):
-            if metric == "cosine":
-                _check_nonzero(batch, users_path)
-            yield batch
-
-    busy = 0.0
-
-    def search(batch: Embeddings) -> Any:
-        nonlocal busy
-        exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
-        result = engine.search(batch.vectors, k, exclude=exclude)
-        busy += engine.stats.get("gpu_busy_s", 0.0)
-        return result
-
     done = 0
 
     def write(item: tuple[Embeddings, Any]) -> None:
@@ -358,11 +383,11 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
             progress(done, n_users)
 
     id_type = {True: pa.string(), False: pa.int64()}
-    overlap = _Overlap()
     with CandidateWriter(out, id_type[user_ids.dtype == object], id_type[items.ids.dtype == object]) as writer:
         if progress is not None:
             progress(0, n_users)
-        overlap.run(batches(), search, write)
+        stream = stream_search(engine, users_path, k, write, exclusions=excl, id_col=id_col, vec_col=vec_col,
+                               batch_size=batch_size, dim_source=f"the items' dimension, {items_path}")
         if writer.rows_written != n_users:
             # Cannot happen unless a stage dropped a batch; refuse to publish a file missing users.
             raise RuntimeError(f"wrote {writer.rows_written} rows for {n_users} users")
@@ -370,9 +395,8 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     return ScoreSummary(
         users=n_users, items=engine.n_items, dim=dim, k=k, metric=metric, device=engine.device,
         device_detail=engine.backend.describe(), seconds=time.perf_counter() - t_start,
-        read_s=item_read_s + overlap.seconds["read"], search_s=overlap.seconds["search"],
-        write_s=overlap.seconds["write"], batch_size=batch_size,
+        read_s=item_read_s + stream.read_s, search_s=stream.search_s, write_s=stream.write_s, batch_size=batch_size,
         exclusion_pairs=excl.n_pairs if excl is not None else 0,
         unknown_exclusions=excl.n_unknown if excl is not None else 0, out_path=str(out_path),
-        device_busy_s=busy,
+        device_busy_s=stream.device_busy_s,
     )
