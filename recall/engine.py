@@ -107,7 +107,8 @@ class Engine:
         self.precision = precision
         self._fast_items: fast.FastItems | None = None
         self.backend = backends.resolve(device)
-        items = _check_matrix(self._xp_for(item_vecs), item_vecs, "item_vecs")
+        xp = self._xp_for(item_vecs)
+        items = _check_matrix(xp, item_vecs, "item_vecs")
         if items.shape[0] < 1:
             raise InputError("item_vecs: there are no items")
         self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
@@ -116,15 +117,14 @@ class Engine:
                                           or not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
             raise InputError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
         self.memory_budget = int(memory_budget) if memory_budget is not None else self.backend.default_budget()
-        xp = self._xp_for(item_vecs)
-        self._item_norm = float(metrics._row_norms(xp, items).max()) if self.metric != "cosine" else 1.0
-        prepared = metrics.prepare_items(self.metric, self._xp_for(item_vecs), items)
+        self._item_norm = float(metrics.row_norms(xp, items).max()) if self.metric != "cosine" else 1.0
+        prepared = metrics.prepare_items(self.metric, xp, items)
         # Uploaded (or, on the CPU, copied) once and resident for every search: a caller refilling its buffer
         # afterwards must not change the engine's items.
         self._items = self.backend.asarray(prepared)
-        self.stats: dict = {}  # what the last search did: blocks, tiling, wall and (GPU) busy seconds
         if self._items is item_vecs or self._items is items or self._items is prepared:
             self._items = self._items.copy()
+        self.stats: dict = {}  # what the last search did: blocks, tiling, wall and (GPU) busy seconds
 
     def _xp_for(self, arr: Any) -> Any:
         """The array module an input is validated and prepared with: the device's for device arrays on a GPU
@@ -232,7 +232,7 @@ class Engine:
         """Refuse vectors whose scores could overflow float32 (they would come out as +-inf or NaN and be lost)."""
         if self.metric == "cosine" or users.shape[0] == 0:
             return
-        norms = metrics._row_norms(xp, users)
+        norms = metrics.row_norms(xp, users)
         row = int(xp.argmax(norms))
         top = float(norms[row])
         bound = (top + self._item_norm) ** 2 if self.metric == "l2" else top * self._item_norm

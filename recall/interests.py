@@ -187,7 +187,7 @@ def _where(indptr: np.ndarray, row: int) -> tuple[int, int]:
 
 def _check_values(engine: Any, xp: Any, flat: Any, indptr: np.ndarray, aggregate: str) -> Any:
     """Refuse zero vectors under cosine and scores that could overflow float32; returns the rows' squared norms."""
-    sq = metrics._row_norms(xp, flat) ** 2 if flat.shape[0] else xp.zeros(0, xp.float64)
+    sq = metrics.row_norms(xp, flat) ** 2 if flat.shape[0] else xp.zeros(0, xp.float64)
     if engine.metric == "cosine":
         zero = sq == 0
         if bool(zero.any()):

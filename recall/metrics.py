@@ -23,13 +23,13 @@ def check_metric(metric: str) -> str:
     return metric
 
 
-def _row_norms(xp: Any, vecs: Any) -> Any:
+def row_norms(xp: Any, vecs: Any) -> Any:
     # Norms in float64: a float32 sum of squares loses digits that cosine and l2 then carry into every score.
     return xp.sqrt(xp.einsum("ij,ij->i", vecs.astype(xp.float64), vecs.astype(xp.float64)))
 
 
 def _normalise(xp: Any, vecs: Any, what: str) -> Any:
-    norms = _row_norms(xp, vecs)
+    norms = row_norms(xp, vecs)
     zero = norms == 0
     if bool(zero.any()):
         row = int(xp.argmax(zero))
@@ -49,7 +49,7 @@ def prepare_items(metric: str, xp: Any, item_vecs: Any) -> Any:
         n, dim = item_vecs.shape
         out = xp.zeros((n, _augmented_width(dim)), dtype=xp.float32)
         out[:, :dim] = item_vecs
-        out[:, dim] = (-0.5 * _row_norms(xp, item_vecs) ** 2).astype(xp.float32)
+        out[:, dim] = (-0.5 * row_norms(xp, item_vecs) ** 2).astype(xp.float32)
         return out
     return item_vecs
 
@@ -70,7 +70,7 @@ def prepare_users(metric: str, xp: Any, user_vecs: Any) -> Any:
 def finish_scores(metric: str, xp: Any, scores: Any, user_vecs: Any) -> Any:
     """Turn selected inner-product scores (n_users, k) back into the metric's scores, in place where possible."""
     if metric == "l2":
-        sq = (_row_norms(xp, user_vecs) ** 2).astype(xp.float32)
+        sq = (row_norms(xp, user_vecs) ** 2).astype(xp.float32)
         # -inf padding stays -inf: 2·(-inf) - finite.
         scores = 2.0 * scores - sq[:, None]
     return scores.astype(xp.float32, copy=False)
