@@ -244,26 +244,34 @@ class Engine:
 
     def _search(self, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
         """(scores, item rows), each (n_users, k), in inner-product space."""
-        xp = self.backend.xp
+        # Host users get host results: a GPU backend then copies each block's results back while it searches the next.
+        host = isinstance(users, np.ndarray)
+        out_xp = np if host else self.backend.xp
         n_users = users.shape[0]
         k_sel = min(k, self.n_items)
-        vals = xp.full((n_users, k), -xp.inf, dtype=xp.float32)
-        rows = xp.full((n_users, k), -1, dtype=xp.int64)
         if n_users == 0:
-            return vals, rows
+            return out_xp.full((0, k), -np.inf, dtype=np.float32), out_xp.full((0, k), -1, dtype=np.int64)
         if self.precision == "fast":
-            vals[:, :k_sel], rows[:, :k_sel] = self._search_fast(users, k_sel, excl)
+            found_vals, found_rows = self._search_fast(users, k_sel, excl)
+            if host:
+                found_vals, found_rows = self.backend.to_host(found_vals), self.backend.to_host(found_rows)
         else:
-            vals[:, :k_sel], rows[:, :k_sel] = self._run(users, self._items, k_sel, excl)
+            found_vals, found_rows = self._run(users, self._items, k_sel, excl, host_out=host)
             self.stats = dict(self.backend.stats)
+        if k_sel == k:
+            return found_vals, found_rows
+        vals = out_xp.full((n_users, k), -np.inf, dtype=np.float32)
+        rows = out_xp.full((n_users, k), -1, dtype=np.int64)
+        vals[:, :k_sel], rows[:, :k_sel] = found_vals, found_rows
         return vals, rows
 
-    def _run(self, users: Any, items: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
-        """One tiled pass of ``users`` against ``items`` (k <= n_items): (scores, rows) (n, k) on the backend."""
-        backend, xp = self.backend, self.backend.xp
+    def _run(self, users: Any, items: Any, k: int, excl: Exclusions, host_out: bool = False) -> tuple[Any, Any]:
+        """One tiled pass of ``users`` against ``items`` (k <= n_items): (scores, rows) (n, k), in host memory
+        (page-locked on a GPU) when ``host_out``, else on the backend."""
+        backend = self.backend
         n_users, dim = users.shape
-        vals = xp.empty((n_users, k), dtype=xp.float32)
-        rows = xp.empty((n_users, k), dtype=xp.int64)
+        vals = backend.empty_out((n_users, k), np.float32, host_out)
+        rows = backend.empty_out((n_users, k), np.int64, host_out)
         plan = scoring.plan_tiles(n_users, self.n_items, dim, k, self.memory_budget,
                                   tuning.preferred_tiles(self, users, k), backend.state_bytes(k), backend.workers)
         backend.run_blocks(plan, users, items, self.n_items, k, excl, vals, rows)

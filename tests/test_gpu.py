@@ -134,6 +134,24 @@ def test_stats_report_gpu_busy_time(small_tiles):
     st = engine.stats
     assert st["wall_s"] > 0 and 0 < st["gpu_busy_s"] <= st["wall_s"] * 1.05
     assert 0 < st["busy_fraction"] <= 1.05 and st["h2d_s"] >= 0
+    assert st["d2h_s"] > 0  # host users: each block's results were fetched into page-locked host memory
+
+
+def test_host_results_fetched_per_block_match_device_results(small_tiles):
+    # Host users: results travel back block by block on the fetch stream while later blocks are searched; device
+    # users: results stay on the device. Both must be the same answer, with k < n_items and k > n_items (padding).
+    import cupy
+
+    rng = np.random.default_rng(11)
+    items = _ints(rng, 700, 8)
+    users = _ints(rng, 900, 8)
+    engine = Engine(items, device="gpu")
+    for k in (33, 800):
+        host = engine.search(users, k, exclude={3: [1, 2], 899: list(range(700))})
+        dev = engine.search(cupy.asarray(users), k, exclude={3: [1, 2], 899: list(range(700))})
+        assert isinstance(host.indices, np.ndarray) and isinstance(dev.indices, cupy.ndarray)
+        _same(host, dev)
+        _same(host, Engine(items, device="cpu").search(users, k, exclude={3: [1, 2], 899: list(range(700))}))
 
 
 def test_out_of_memory_is_a_resource_error(monkeypatch):

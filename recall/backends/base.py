@@ -43,6 +43,10 @@ class Backend(Protocol):
     def asarray_raw(self, arr: Any) -> Any:
         """``arr`` on this backend, keeping its dtype."""
 
+    def empty_out(self, shape: tuple, dtype: Any, host: bool) -> Any:
+        """An uninitialised result array: in host memory (page-locked where that helps copies) when ``host``,
+        else on this backend. ``run_blocks`` fills either kind."""
+
     def to_host(self, arr: Any) -> Any:
         """A NumPy copy of a backend array."""
 
@@ -61,7 +65,7 @@ class Backend(Protocol):
     def run_blocks(self, plan: Any, users: Any, items: Any, n_items: int, k: int, excl: Any, out_vals: Any,
                    out_rows: Any) -> None:
         """Search every block of ``plan`` and write each user's top-k (inner-product space) into its row of
-        ``out_vals`` / ``out_rows`` (backend arrays, (n_users, >= k)). ``users`` may be host or backend arrays.
+        ``out_vals`` / ``out_rows`` ((n_users, k) arrays from ``empty_out``, on the host or the backend). ``users`` may be host or backend arrays.
         Each block's work is ``scoring.search_block``; backends differ only in how blocks are staged and overlapped."""
 
     def gemm_strided_batched(self, users: Any, items: Any, out: Any) -> None:

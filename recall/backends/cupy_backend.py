@@ -168,6 +168,8 @@ class CupyBackend:
         self.device = cupy.cuda.Device()
         self.compute_stream = cupy.cuda.Stream(non_blocking=True)
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+        # Results go back on a stream of their own, so that fetching block i never delays staging block i + 2.
+        self.fetch_stream = cupy.cuda.Stream(non_blocking=True)
         self.use_graphs = os.environ.get("RECALL_CUDA_GRAPHS", "1") != "0"
         self.stats: dict[str, float] = {}
         mod = _kernels()
@@ -231,6 +233,12 @@ class CupyBackend:
 
     def asarray_raw(self, arr: Any) -> Any:
         return self.xp.asarray(arr)
+
+    def empty_out(self, shape: tuple, dtype: Any, host: bool) -> Any:
+        import cupyx
+
+        # Page-locked, so that each block's results can be copied back asynchronously while the next is searched.
+        return cupyx.empty_pinned(shape, dtype) if host else self.xp.empty(shape, dtype)
 
     def to_host(self, arr: Any) -> np.ndarray:
         if isinstance(arr, np.ndarray):
@@ -335,13 +343,15 @@ class CupyBackend:
         ws = self._workspace(plan, k, dim, max_excl, users.dtype)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
-        compute, copy = self.compute_stream, self.copy_stream
+        compute, copy, fetch = self.compute_stream, self.copy_stream, self.fetch_stream
+        host_out = isinstance(out_vals, np.ndarray)  # page-locked host results (empty_out), filled block by block
         # Our streams do not synchronise with the caller's: order them after whatever produced the inputs and
         # the output arrays (the item upload, the caller's device users, the allocation of out_vals).
         ready = cupy.cuda.get_current_stream().record()
         compute.wait_event(ready)
         copy.wait_event(ready)
-        timing = []  # (h2d start, h2d end, compute start, compute end) events per block
+        fetched = None  # event: the previous block's results have left state.out_vals for the host
+        timing = []  # (h2d start, h2d end, compute start, compute end[, d2h end]) events per block
 
         for i, (start, stop) in enumerate(blocks):
             slot = slots[i % 2]
@@ -368,18 +378,31 @@ class CupyBackend:
                 slot.staged.record(copy)
             with compute:
                 compute.wait_event(slot.staged)
+                if fetched is not None:
+                    compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
                 self._search_slot(slot, i, plan, items, n_items, state, scores_buf, cap, has_excl, stats)
-                out_vals[start:stop, :k] = state.out_vals[:n]
-                out_rows[start:stop, :k] = state.out_rows[:n]
+                if not host_out:
+                    out_vals[start:stop, :k] = state.out_vals[:n]
+                    out_rows[start:stop, :k] = state.out_rows[:n]
                 ev[3].record(compute)
                 slot.consumed.record(compute)
+            if host_out:
+                with fetch:
+                    fetch.wait_event(ev[3])
+                    state.out_vals[:n].get(stream=fetch, out=out_vals[start:stop], blocking=False)
+                    state.out_rows[:n].get(stream=fetch, out=out_rows[start:stop], blocking=False)
+                    fetched = fetch.record()
+                    ev.append(fetched)
             timing.append(ev)
         compute.synchronize()
+        fetch.synchronize()
         wall = time.perf_counter() - wall
         busy = sum(cupy.cuda.get_elapsed_time(e[2], e[3]) for e in timing) / 1e3
         h2d = sum(cupy.cuda.get_elapsed_time(e[0], e[1]) for e in timing) / 1e3
-        stats.update(wall_s=wall, gpu_busy_s=busy, h2d_s=h2d, busy_fraction=busy / wall if wall > 0 else 0.0,
+        d2h = sum(cupy.cuda.get_elapsed_time(e[3], e[4]) for e in timing if len(e) > 4) / 1e3
+        stats.update(wall_s=wall, gpu_busy_s=busy, h2d_s=h2d, d2h_s=d2h,
+                     busy_fraction=busy / wall if wall > 0 else 0.0,
                      tiles=(plan.user_block, plan.item_tile, plan.tiles_per_call))
         self.stats = stats
 

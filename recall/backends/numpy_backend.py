@@ -52,6 +52,9 @@ class NumpyBackend:
         """``arr`` as a NumPy array of its own dtype."""
         return np.asarray(arr.get() if hasattr(arr, "get") and not isinstance(arr, np.ndarray) else arr)
 
+    def empty_out(self, shape: tuple, dtype: Any, host: bool) -> np.ndarray:
+        return np.empty(shape, dtype)
+
     def to_host(self, arr: Any) -> np.ndarray:
         return np.asarray(arr)
 
