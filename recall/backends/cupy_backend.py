@@ -364,12 +364,13 @@ class CupyBackend:
             slot.host_ptr[n + 1:] = ptr[-1]  # rows past the block's end are empty
             slot.host_items[: ex_items.size] = ex_items
             with copy:
-                ev[0].record(copy)
                 if host_users:
+                    ev[0].record(copy)
                     slot.host_users[:n] = users[start:stop]
                     slot.users.set(slot.host_users, stream=copy)
                 else:
                     copy.wait_event(compute.record())  # device users may come from work queued on compute
+                    ev[0].record(copy)  # after the wait: h2d_s times the copies, not the wait
                     slot.users[:n] = users[start:stop]
                 slot.ex_ptr.set(slot.host_ptr, stream=copy)
                 if has_excl:
