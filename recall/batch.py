@@ -49,14 +49,13 @@ from .io import (
     inspect_embeddings,
     inspect_exclusions,
     load_exclusions,
-    read_embeddings,
     read_ids,
 )
 from .io.writer import fsync_dir
 
 # The pipeline's streaming search (reader thread, search with a resident engine, writer thread), shared with
 # `recall score` rather than copied.
-from .pipeline import _check_k, _check_nonzero, auto_batch_size, stream_search  # noqa: PLC2701
+from .pipeline import _check_k, auto_batch_size, load_engine, stream_search  # noqa: PLC2701
 
 log = logging.getLogger("recall")
 
@@ -348,15 +347,10 @@ class ShardScorer:
     """
 
     def __init__(self, spec: JobSpec, device: str = "auto", worker: str = "0") -> None:
-        from .engine import Engine
-
         t0 = time.perf_counter()
         self.spec, self.worker = spec, worker
-        items = read_embeddings(spec.items_path, spec.id_col, spec.vec_col, allow_empty=False)
-        if spec.metric == "cosine":
-            _check_nonzero(items, spec.items_path)
-        self.engine = Engine(items.vectors, ids=items.ids, metric=spec.metric, device=device,
-                             memory_budget=spec.memory_budget)
+        items, self.engine, _ = load_engine(spec.items_path, spec.id_col, spec.vec_col, spec.metric, device,
+                                            spec.memory_budget)
         self.item_id_type = pa.string() if items.ids.dtype == object else pa.int64()
         self.exclusions = (_ExclusionIndex(spec.exclude_path, spec.user_id_type == "string", items.ids)
                            if spec.exclude_path is not None else None)

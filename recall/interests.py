@@ -520,11 +520,9 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     first appearance in the users file; exclusions name user ids. The users file is read whole, then searched in
     batches of ``batch_size`` users.
     """
-    from .engine import Engine
-    from .io import (CandidateWriter, check_output_path, inspect_embeddings, inspect_exclusions, load_exclusions,
-                     read_embeddings)
+    from .io import CandidateWriter, check_output_path, inspect_embeddings, inspect_exclusions, load_exclusions
     from .io.parquet import _fmt_id
-    from .pipeline import _check_nonzero, auto_batch_size, check_job_args
+    from .pipeline import auto_batch_size, check_job_args, load_engine
 
     t_start = time.perf_counter()
     k = check_job_args(k, metric, device, batch_size)
@@ -538,10 +536,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
         inspect_exclusions(exclude_path)
 
     t0 = time.perf_counter()
-    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False)
-    if metric == "cosine":
-        _check_nonzero(items, items_path)
-    engine = Engine(items.vectors, ids=items.ids, metric=metric, device=device, memory_budget=memory_budget)
+    items, engine, _ = load_engine(items_path, id_col, vec_col, metric, device, memory_budget)
     users = read_interest_users(users_path, id_col, vec_col, dim=engine.dim,
                                 dim_source=f"the items' dimension, {items_path}")
     if metric == "cosine" and users.vectors.shape[0]:

@@ -255,6 +255,21 @@ class _Overlap:
             raise self.errors[0]
 
 
+def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, device: str,
+                memory_budget: int | None) -> tuple[Embeddings, Engine, float]:
+    """Read and validate an item file and build the resident engine on it: the start of every Parquet job.
+
+    Returns (items, engine, seconds spent reading). Raises InputError naming the file, row and id of a bad item.
+    """
+    t0 = time.perf_counter()
+    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False)
+    if metric == "cosine":
+        _check_nonzero(items, items_path)
+    read_s = time.perf_counter() - t0
+    engine = Engine(items.vectors, ids=items.ids, metric=metric, device=device, memory_budget=memory_budget)
+    return items, engine, read_s
+
+
 @dataclass(frozen=True)
 class StreamStats:
     """Seconds each stage of :func:`stream_search` spent (they overlap) and the GPU's busy time (0 on the CPU)."""
@@ -357,12 +372,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     if exclude_path is not None:
         inspect_exclusions(exclude_path)
 
-    t0 = time.perf_counter()
-    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False)
-    if metric == "cosine":
-        _check_nonzero(items, items_path)
-    item_read_s = time.perf_counter() - t0
-    engine = Engine(items.vectors, ids=items.ids, metric=metric, device=device, memory_budget=memory_budget)
+    items, engine, item_read_s = load_engine(items_path, id_col, vec_col, metric, device, memory_budget)
     dim = engine.dim
 
     t0 = time.perf_counter()

@@ -658,10 +658,9 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     ResourceError, BackendUnavailable
         As for ``recall score``.
     """
-    from .engine import Engine
     from .io import CandidateWriter, check_output_path, inspect_embeddings, read_embeddings
     from .io.parquet import _fmt_id, open_parquet
-    from .pipeline import _check_nonzero, auto_batch_size, check_job_args
+    from .pipeline import auto_batch_size, check_job_args, load_engine
 
     t_start = time.perf_counter()
     k = check_job_args(k, metric, device, batch_size)
@@ -674,10 +673,7 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
                          f"dimension {items_info.dim}")
     _candidate_column(open_parquet(candidates_path, "candidates"), candidates_path)
 
-    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False)
-    if metric == "cosine":
-        _check_nonzero(items, items_path)
-    engine = Engine(items.vectors, ids=items.ids, metric=metric, device=device, memory_budget=memory_budget)
+    items, engine, _ = load_engine(items_path, id_col, vec_col, metric, device, memory_budget)
     users = read_embeddings(users_path, id_col, vec_col)
     if len(users) and users.dim != engine.dim:
         raise InputError(f"{users_path}: row 0 (id {_fmt_id(users.ids[0])}) has dimension {users.dim}, expected "
