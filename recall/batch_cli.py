@@ -19,7 +19,8 @@ from typing import Annotated, Any
 import typer
 
 from .batch import BatchError, BatchProgress, run_batch
-from .cli import EXIT_OS_ERROR, Device, Metric, _errors_to_exit, _logging, _show_progress, log, parse_bytes
+from .cli import (EXIT_OS_ERROR, BatchSizeOption, Device, IdColOption, MemoryBudgetOption, Metric, MetricOption,
+                  QuietOption, VecColOption, _errors_to_exit, _logging, _show_progress, log, parse_bytes)
 
 
 class Terminated(SystemExit):
@@ -115,8 +116,7 @@ def batch(
                       "_metrics.json, _SUCCESS. Created if missing.", show_default=False)],
     exclude: Annotated[Path | None, typer.Option(
         "--exclude", help="Parquet of user_id, item_id pairs (or user_id, item_ids lists) never to return.")] = None,
-    metric: Annotated[Metric, typer.Option("--metric", help="ip: inner product; cosine; l2: -||u - v||^2.")]
-    = Metric.ip,
+    metric: MetricOption = Metric.ip,
     device: Annotated[Device, typer.Option("--device", help="auto: the GPU(s) when usable, else the CPU.")]
     = Device.auto,
     gpus: Annotated[str | None, typer.Option(
@@ -132,15 +132,11 @@ def batch(
                                               "(default: $RAY_ADDRESS, else a local Ray).", show_default=False)] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Discard what --out holds (another job's output) and score every shard again.")] = False,
-    id_col: Annotated[str, typer.Option("--id-col", help="Id column of the embedding files.")] = "id",
-    vec_col: Annotated[str, typer.Option("--vec-col", help="Vector column of the embedding files.")] = "embedding",
-    batch_size: Annotated[int | None, typer.Option(
-        "--batch-size", help="Users per batch (default: sized from k and dim).", show_default=False)] = None,
-    memory_budget: Annotated[str | None, typer.Option(
-        "--memory-budget", metavar="BYTES",
-        help="Working memory of each worker's search, e.g. 512MiB, 2G (default: a share of free memory).",
-        show_default=False)] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notices.")] = False,
+    id_col: IdColOption = "id",
+    vec_col: VecColOption = "embedding",
+    batch_size: BatchSizeOption = None,
+    memory_budget: MemoryBudgetOption = None,
+    quiet: QuietOption = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print each worker's device and load time.")]
     = False,
 ) -> None:

@@ -101,6 +101,20 @@ def _errors_to_exit() -> Iterator[None]:
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
+# Options every Parquet command shares (score, rescore, batch), defined once.
+MetricOption = Annotated[Metric, typer.Option("--metric", help="ip: inner product; cosine; l2: -||u - v||^2.")]
+DeviceOption = Annotated[Device, typer.Option("--device", help="auto: the GPU when usable, else the CPU.")]
+IdColOption = Annotated[str, typer.Option("--id-col", help="Id column of the embedding files.")]
+VecColOption = Annotated[str, typer.Option("--vec-col", help="Vector column of the embedding files.")]
+BatchSizeOption = Annotated[int | None, typer.Option(
+    "--batch-size", help="Users per batch (default: sized from k and dim).", show_default=False)]
+MemoryBudgetOption = Annotated[str | None, typer.Option(
+    "--memory-budget", metavar="BYTES",
+    help="Working memory of a search, e.g. 1073741824, 512MiB, 2G (default: a share of free memory).",
+    show_default=False)]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notices.")]
+
+
 def parse_bytes(text: str | None) -> int | None:
     """``"1073741824"``, ``"512MiB"``, ``"2G"``, ``"1.5GB"`` -> bytes (binary multiples: K = 1024). None stays None.
 
@@ -192,21 +206,15 @@ def score(
     k: Annotated[int, typer.Option("--k", help="Items per user (>= 1).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="Candidates Parquet to write (atomically).",
                                       show_default=False)],
-    metric: Annotated[Metric, typer.Option("--metric", help="ip: inner product; cosine; l2: -||u - v||^2.")]
-    = Metric.ip,
+    metric: MetricOption = Metric.ip,
     exclude: Annotated[Path | None, typer.Option(
         "--exclude", help="Parquet of user_id, item_id pairs (or user_id, item_ids lists) never to return.")] = None,
-    id_col: Annotated[str, typer.Option("--id-col", help="Id column of both embedding files.")] = "id",
-    vec_col: Annotated[str, typer.Option("--vec-col", help="Vector column of both embedding files.")] = "embedding",
-    device: Annotated[Device, typer.Option("--device", help="auto: the GPU when usable, else the CPU.")]
-    = Device.auto,
-    batch_size: Annotated[int | None, typer.Option(
-        "--batch-size", help="Users per batch (default: sized from k and dim).", show_default=False)] = None,
-    memory_budget: Annotated[str | None, typer.Option(
-        "--memory-budget", metavar="BYTES",
-        help="Working memory of the search, e.g. 1073741824, 512MiB, 2G (default: a share of free memory).",
-        show_default=False)] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notices.")] = False,
+    id_col: IdColOption = "id",
+    vec_col: VecColOption = "embedding",
+    device: DeviceOption = Device.auto,
+    batch_size: BatchSizeOption = None,
+    memory_budget: MemoryBudgetOption = None,
+    quiet: QuietOption = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-stage times.")] = False,
     interests: Annotated[Interests | None, typer.Option(
         "--interests", help="Users have several vectors (ids repeated, or a list of vectors per row): an item's "

@@ -12,7 +12,8 @@ from typing import Annotated
 
 import typer
 
-from .cli import Device, Metric, _errors_to_exit, _logging, parse_bytes
+from .cli import (BatchSizeOption, Device, DeviceOption, IdColOption, MemoryBudgetOption, Metric, MetricOption,
+                  VecColOption, _errors_to_exit, _logging, parse_bytes)
 from .errors import InputError
 
 
@@ -27,18 +28,12 @@ def rescore(
     k: Annotated[int, typer.Option("--k", help="Items kept per user (>= 1).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="Candidates Parquet to write (atomically).",
                                       show_default=False)],
-    metric: Annotated[Metric, typer.Option("--metric", help="ip: inner product; cosine; l2: -||u - v||^2.")]
-    = Metric.ip,
-    id_col: Annotated[str, typer.Option("--id-col", help="Id column of both embedding files.")] = "id",
-    vec_col: Annotated[str, typer.Option("--vec-col", help="Vector column of both embedding files.")] = "embedding",
-    device: Annotated[Device, typer.Option("--device", help="auto: the GPU when usable, else the CPU.")]
-    = Device.auto,
-    batch_size: Annotated[int | None, typer.Option(
-        "--batch-size", help="Users per engine call (default: sized from k and dim).", show_default=False)] = None,
-    memory_budget: Annotated[str | None, typer.Option(
-        "--memory-budget", metavar="BYTES",
-        help="Working memory of the scoring, e.g. 1073741824, 512MiB, 2G (default: a share of free memory).",
-        show_default=False)] = None,
+    metric: MetricOption = Metric.ip,
+    id_col: IdColOption = "id",
+    vec_col: VecColOption = "embedding",
+    device: DeviceOption = Device.auto,
+    batch_size: BatchSizeOption = None,
+    memory_budget: MemoryBudgetOption = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices.")] = False,
 ) -> None:
     """Score each user against its own candidate items only and write its top-k to Parquet.
