@@ -48,6 +48,11 @@ class Device(str, Enum):
     gpu = "gpu"
 
 
+class Precision(str, Enum):
+    exact = "exact"
+    fast = "fast"
+
+
 class Interests(str, Enum):
     max = "max"
     sum = "sum"
@@ -174,15 +179,19 @@ def _root(
 
 def _run_score(users: Path, items: Path, out: Path, k: int, metric: Metric, exclude: Path | None, id_col: str,
                vec_col: str, device: Device, batch_size: int | None, memory_budget: int | None, quiet: bool,
-               verbose: bool, interests: Interests | None = None) -> Any:
-    if interests is not None:  # several vectors per user: recall/interests.py
-        from functools import partial
+               verbose: bool, interests: Interests | None = None, precision: Precision = Precision.exact) -> Any:
+    from functools import partial
 
+    if interests is not None:  # several vectors per user: recall/interests.py
+        if precision is not Precision.exact:
+            raise InputError("--precision fast applies to single-vector users; with --interests use --precision exact")
         from .interests import score_files as interest_files
 
         score_files = partial(interest_files, aggregate=interests.value)
     else:
-        from .pipeline import score_files
+        from .pipeline import score_files as single_files
+
+        score_files = partial(single_files, precision=precision.value)
 
     with _progress(_show_progress(quiet)) as progress:
         summary = score_files(users, items, out, k, metric=metric.value, exclude_path=exclude, id_col=id_col,
@@ -216,6 +225,9 @@ def score(
     memory_budget: MemoryBudgetOption = None,
     quiet: QuietOption = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-stage times.")] = False,
+    precision: Annotated[Precision, typer.Option(
+        "--precision", help="exact: float32 scores; fast: float16 tensor-core scores with a certified exact "
+        "re-rank (same answer; faster on GPUs).")] = Precision.exact,
     interests: Annotated[Interests | None, typer.Option(
         "--interests", help="Users have several vectors (ids repeated, or a list of vectors per row): an item's "
         "score is the max or the sum over them.", show_default=False)] = None,
@@ -225,7 +237,7 @@ def score(
         if batch_size is not None and batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         _run_score(users, items, out, k, metric, exclude, id_col, vec_col, device, batch_size,
-                   parse_bytes(memory_budget), quiet, verbose, interests)
+                   parse_bytes(memory_budget), quiet, verbose, interests, precision)
 
 
 def sample_dir() -> Path:

@@ -256,7 +256,7 @@ class _Overlap:
 
 
 def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, device: str,
-                memory_budget: int | None) -> tuple[Embeddings, Engine, float]:
+                memory_budget: int | None, precision: str = "exact") -> tuple[Embeddings, Engine, float]:
     """Read and validate an item file and build the resident engine on it: the start of every Parquet job.
 
     Returns (items, engine, seconds spent reading). Raises InputError naming the file, row and id of a bad item.
@@ -266,7 +266,8 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, device:
     if metric == "cosine":
         _check_nonzero(items, items_path)
     read_s = time.perf_counter() - t0
-    engine = Engine(items.vectors, ids=items.ids, metric=metric, device=device, memory_budget=memory_budget)
+    engine = Engine(items.vectors, ids=items.ids, metric=metric, device=device, memory_budget=memory_budget,
+                    precision=precision)
     return items, engine, read_s
 
 
@@ -314,7 +315,8 @@ def stream_search(engine: Engine, users_path: str, k: int, write: Callable[[tupl
 def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, out_path: str | os.PathLike, k: int,
                 metric: str = "ip", exclude_path: str | os.PathLike | None = None, id_col: str = "id",
                 vec_col: str = "embedding", device: str = "auto", batch_size: int | None = None,
-                memory_budget: int | None = None, progress: Progress | None = None) -> ScoreSummary:
+                memory_budget: int | None = None, progress: Progress | None = None,
+                precision: str = "exact") -> ScoreSummary:
     """Score every user of a Parquet file against every item of another and write the top-k candidates to Parquet.
 
     Items are read whole and an :class:`recall.Engine` is built once; users are streamed in batches, in input
@@ -343,6 +345,8 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
         Working-memory bytes of the engine's search (see :class:`recall.Engine`).
     progress : callable ``(done_users, total_users) -> None``, optional
         Called from a worker thread after each batch is written.
+    precision : {"exact", "fast"}
+        As for :class:`recall.Engine`: "fast" scores on tensor cores and certifies the exact answer.
 
     Returns
     -------
@@ -372,7 +376,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     if exclude_path is not None:
         inspect_exclusions(exclude_path)
 
-    items, engine, item_read_s = load_engine(items_path, id_col, vec_col, metric, device, memory_budget)
+    items, engine, item_read_s = load_engine(items_path, id_col, vec_col, metric, device, memory_budget, precision)
     dim = engine.dim
 
     t0 = time.perf_counter()

@@ -256,3 +256,36 @@ def test_progress_bar_only_on_a_terminal_without_quiet(files: dict, monkeypatch:
     result = runner.invoke(app, _score_args(files, "--batch-size", "3"))
     assert result.exit_code == 0, result.output
     assert "29 users x 17 items" in result.stdout
+
+
+def test_score_precision_fast_gives_the_exact_answer(tmp_path):
+    # --precision fast scores in (emulated, on the CPU) float16 and certifies the exact top-k: same file content.
+    from typer.testing import CliRunner
+
+    from recall.cli import app
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    outs = {}
+    for precision in ("exact", "fast"):
+        out = tmp_path / f"{precision}.parquet"
+        result = CliRunner().invoke(app, ["score", "--users", str(data / "users.parquet"), "--items",
+                                          str(data / "items.parquet"), "--k", "7", "--out", str(out), "--device",
+                                          "cpu", "--precision", precision, "--quiet"])
+        assert result.exit_code == 0, result.output
+        outs[precision] = pq.read_table(out)
+    assert outs["exact"]["user_id"].equals(outs["fast"]["user_id"])
+    assert outs["exact"]["item_ids"].equals(outs["fast"]["item_ids"])
+
+
+def test_score_precision_fast_with_interests_is_refused(tmp_path):
+    from typer.testing import CliRunner
+
+    from recall.cli import app
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    result = CliRunner().invoke(app, ["score", "--users", str(data / "users.parquet"), "--items",
+                                      str(data / "items.parquet"), "--k", "7", "--out", str(tmp_path / "o.parquet"),
+                                      "--interests", "max", "--precision", "fast"])
+    assert result.exit_code == 2
+    assert "--precision fast applies to single-vector users" in result.output
+    assert not (tmp_path / "o.parquet").exists()
