@@ -304,15 +304,7 @@ def check(truth: Truth, item_vecs: Any, indices: Any, scores: Any = None, rtol: 
     n, k_ret = idx.shape
     if n != truth.rows.size:
         raise InputError(f"answer has {n} rows, expected {truth.rows.size}")
-    valid = (idx >= 0) & (idx < truth.n_items)
-    # A repeated item counts once: keep only the first occurrence of each row in each answer.
-    order = np.argsort(idx, axis=1, kind="stable")
-    sorted_idx = np.take_along_axis(idx, order, axis=1)
-    first_sorted = np.ones_like(sorted_idx, dtype=bool)
-    first_sorted[:, 1:] = sorted_idx[:, 1:] != sorted_idx[:, :-1]
-    first = np.empty_like(first_sorted)
-    np.put_along_axis(first, order, first_sorted, axis=1)
-    valid &= first
+    valid = answer_validity(idx, truth.n_items)
 
     # Gather and score the returned rows a block of users at a time, so (block, k, dim) float64 stays bounded.
     true_s = np.full(idx.shape, -np.inf)
@@ -324,8 +316,30 @@ def check(truth: Truth, item_vecs: Any, indices: Any, scores: Any = None, rtol: 
         uniq, inv = np.unique(safe[a:b].ravel(), return_inverse=True)
         v = _rows_f64(item_vecs, uniq)[inv.ravel()].reshape(b - a, k_ret, dim)
         true_s[a:b] = _pair_scores(truth.metric, truth.user_vecs[a:b], v)
-    true_s[~valid] = -np.inf
+    return check_from_true_scores(truth, valid, true_s, sc, rtol)
 
+
+def answer_validity(idx: np.ndarray, n_items: int) -> np.ndarray:
+    """(n, k) bool: the slot holds an item row in range that the row has not returned before (a repeated item counts
+    once: only its first occurrence is valid)."""
+    valid = (idx >= 0) & (idx < n_items)
+    order = np.argsort(idx, axis=1, kind="stable")
+    sorted_idx = np.take_along_axis(idx, order, axis=1)
+    first_sorted = np.ones_like(sorted_idx, dtype=bool)
+    first_sorted[:, 1:] = sorted_idx[:, 1:] != sorted_idx[:, :-1]
+    first = np.empty_like(first_sorted)
+    np.put_along_axis(first, order, first_sorted, axis=1)
+    return valid & first
+
+
+def check_from_true_scores(truth: Truth, valid: np.ndarray, true_s: np.ndarray, sc: np.ndarray | None,
+                           rtol: float) -> Check:
+    """Tie-aware recall@k of an answer from the true (float64) scores of its slots; see :func:`check`.
+
+    valid: (n, k_returned) bool from :func:`answer_validity`; true_s: (n, k_returned) true scores; sc: the scores
+    the contender reported (float64), or None."""
+    n, k_ret = valid.shape
+    true_s = np.where(valid, true_s, -np.inf)
     tol = rtol * truth.scale
     hits = (valid & (true_s >= (truth.kth - tol)[:, None])).sum(axis=1)
     per_user = np.minimum(hits, truth.k_eff) / truth.k_eff
@@ -335,7 +349,7 @@ def check(truth: Truth, item_vecs: Any, indices: Any, scores: Any = None, rtol: 
     if sc is not None:
         ok = valid & np.isfinite(sc)
         if ok.any():
-            max_err = float(np.max(np.abs(sc - true_s)[ok] / np.broadcast_to(truth.scale[:, None], idx.shape)[ok]))
+            max_err = float(np.max(np.abs(sc - true_s)[ok] / np.broadcast_to(truth.scale[:, None], valid.shape)[ok]))
         else:
             max_err = float("inf")
     return Check(recall=float(per_user.mean()), min_recall=float(per_user.min()),

@@ -483,30 +483,11 @@ def _interest_check(truth: Any, users: MultiInterestUsers, items: Any, indices: 
     idx = _sampled(indices, truth.rows).astype(np.int64)
     sc = _sampled(scores, truth.rows).astype(np.float64) if scores is not None else None
     n, k_ret = idx.shape
-    valid = (idx >= 0) & (idx < truth.n_items)
-    order = np.argsort(idx, axis=1, kind="stable")
-    srt = np.take_along_axis(idx, order, axis=1)
-    first_sorted = np.ones_like(srt, dtype=bool)
-    first_sorted[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    first = np.empty_like(first_sorted)
-    np.put_along_axis(first, order, first_sorted, axis=1)
-    valid &= first
+    valid = oracle.answer_validity(idx, truth.n_items)
     safe = np.where(valid, idx, 0)
     uniq, inv = np.unique(safe.ravel(), return_inverse=True)
     v = oracle._rows_f64(items, uniq)[inv.ravel()].reshape(n, k_ret, -1)
     per = np.stack([oracle._pair_scores(truth.metric, truth.user_vecs[:, j], v)
                     for j in range(truth.user_vecs.shape[1])], axis=1)
     true_s = per.max(axis=1) if users.aggregate == "max" else per.sum(axis=1)
-    true_s[~valid] = -np.inf
-    tol = rtol * truth.scale
-    hits = (valid & (true_s >= (truth.kth - tol)[:, None])).sum(axis=1)
-    per_user = np.minimum(hits, truth.k_eff) / truth.k_eff
-    invalid = int((~valid[:, :truth.k_eff]).sum()) + n * max(0, truth.k_eff - k_ret)
-    max_err = None
-    if sc is not None:
-        ok = valid & np.isfinite(sc)
-        max_err = float(np.max(np.abs(sc - true_s)[ok] / np.broadcast_to(truth.scale[:, None], idx.shape)[ok])) \
-            if ok.any() else float("inf")
-    return oracle.Check(recall=float(per_user.mean()), min_recall=float(per_user.min()),
-                        users_short=int((per_user < 1).sum()), invalid=invalid, max_score_error=max_err, rtol=rtol,
-                        n_sample=n, per_user=per_user)
+    return oracle.check_from_true_scores(truth, valid, true_s, sc, rtol)
