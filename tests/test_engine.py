@@ -704,14 +704,19 @@ def _check_sorted_unique(idx, val):
         assert np.unique(kept).size == kept.size
 
 
+def _problem_engine(items, metric, device, k, budget_extra):
+    """The engine a property test searches with: the default budget, or one just above the smallest tile."""
+    engine = Engine(items, metric=metric, device=device)
+    if budget_extra is None:
+        return engine
+    return Engine(items, metric=metric, device=device, memory_budget=_small_budget(engine, k, budget_extra))
+
+
 @given(problem=_problems(integer=True))
 @settings(max_examples=100)
 def test_property_exact_on_integer_data(device, problem):
     users, items, k, metric, exclude, budget_extra = problem
-    engine = Engine(items, metric=metric, device=device)
-    if budget_extra is not None:
-        engine = Engine(items, metric=metric, device=device, memory_budget=_small_budget(engine, k, budget_extra))
-    idx, val, _ = _search(engine, users, k, exclude)
+    idx, val, _ = _search(_problem_engine(items, metric, device, k, budget_extra), users, k, exclude)
     _check_sorted_unique(idx, val)
     _assert_exact(idx, val, users, items, k, metric, exclude)
     # Ties within a row are in increasing item order.
@@ -723,10 +728,7 @@ def test_property_exact_on_integer_data(device, problem):
 @settings(max_examples=100)
 def test_property_float_data_matches_oracle(device, problem):
     users, items, k, metric, exclude, budget_extra = problem
-    engine = Engine(items, metric=metric, device=device)
-    if budget_extra is not None:
-        engine = Engine(items, metric=metric, device=device, memory_budget=_small_budget(engine, k, budget_extra))
-    idx, val, _ = _search(engine, users, k, exclude)
+    idx, val, _ = _search(_problem_engine(items, metric, device, k, budget_extra), users, k, exclude)
     _check_sorted_unique(idx, val)
     oracle.assert_topk_close(idx, val, users, items, k, metric, exclude)
     if users.shape[0]:
