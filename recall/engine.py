@@ -287,9 +287,12 @@ class Engine:
                                               self._fast_items.max_norm, self._fast_items.max_l1)
         items16 = self._fast_items
         uxp = np if isinstance(users, np.ndarray) else xp
-        users16, alpha, bound = fast.prepare_users(uxp, users, items16)
+        half = backend.score_dtype(np.float16) == np.float16
+        users16, alpha, bound = fast.prepare_users(uxp, users, items16, half_scores=half)
         wide = min(k + fast.margin(k) + 1, self.n_items)
         approx_vals, approx_rows = self._run(users16, items16.vecs16, wide, excl)
+        if half:
+            approx_vals /= np.float32(fast.output_scale(self.dim))  # exact: a power of two
         run_stats = dict(backend.stats)
         n_cand = wide - 1 if wide < self.n_items else wide
         users_b = backend.asarray(users)

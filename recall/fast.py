@@ -17,6 +17,11 @@ unit, so it also covers accumulators that truncate), user scale α and item scal
 sum of |u_i v_i| is at most |u|·|v| by Cauchy-Schwarz). The float32 re-scoring itself may differ from the real
 score by γ·|u|·|v|; that term is added too, and the whole bound is taken 1% larger. |v| and |v|₁ are bounded by the
 item matrix's largest norms, so ``E_u`` is one number per user.
+
+Where the backend keeps its score tiles in float16 (the GPU: half the bytes written by the GEMM and read by the
+selection), the GEMM multiplies its float32 result by ``g = output_scale(dim)`` (a power of two that keeps every score
+inside float16's range) before rounding it to float16, which adds at most ``2^-10·|s̃| + 2^-24/(g·α·β)`` (a full
+float16 ulp, and the subnormal spacing, so rounding that truncates is covered too) with ``|s̃| <= |u|·|v| + E``.
 """
 from __future__ import annotations
 
@@ -29,6 +34,14 @@ _R16 = 2.0 ** -11
 _ETA16 = 2.0 ** -25
 _TOP_EXP = 13  # scale so the largest |component| lies in [2^13, 2^14): far below float16's 65504
 _SAFETY = 1.01
+
+
+def output_scale(dim: int) -> float:
+    """g: the power of two that scales float32 GEMM results of scaled float16 inputs into float16's range.
+
+    Scaled components are below 2^(_TOP_EXP + 1), so |s̃| <= dim·2^(2·_TOP_EXP + 2)(1 + γ); g brings that under
+    2^15·(1 + γ) < 65504."""
+    return 2.0 ** (15 - 2 * (_TOP_EXP + 1) - max(0, int(dim - 1).bit_length()))
 
 
 def margin(k: int) -> int:
@@ -61,8 +74,10 @@ def prepare_items(xp: Any, items: Any) -> FastItems:
     return FastItems(vecs16, scale, float(norms.max()), float(xp.abs(items64).sum(axis=1).max()))
 
 
-def prepare_users(xp: Any, users: Any, items: FastItems) -> tuple[Any, Any, Any]:
-    """users: (n, dim) float32 -> (float16 scaled users, per-user scale α (n,), per-user error bound E_u (n,))."""
+def prepare_users(xp: Any, users: Any, items: FastItems, half_scores: bool = False) -> tuple[Any, Any, Any]:
+    """users: (n, dim) float32 -> (float16 scaled users, per-user scale α (n,), per-user error bound E_u (n,)).
+
+    ``half_scores``: the GEMM's scores are rounded to float16 after scaling by ``output_scale(dim)``."""
     users64 = users.astype(xp.float64)
     alpha = _pow2_scale(xp, xp.abs(users64).max(axis=1))
     users16 = (users * alpha[:, None].astype(xp.float32)).astype(xp.float16)
@@ -73,6 +88,9 @@ def prepare_users(xp: Any, users: Any, items: FastItems) -> tuple[Any, Any, Any]
     bound = ((2 * _R16 + _R16 ** 2 + gamma * (1 + _R16) ** 2 + gamma) * norm * items.max_norm
              + _ETA16 * (1 + _R16) * (1 + gamma) * (l1 / items.scale + items.max_l1 / alpha)
              + dim * _ETA16 ** 2 * (1 + gamma) / (alpha * items.scale))
+    if half_scores:
+        bound = bound + 2.0 ** -10 * (norm * items.max_norm + bound) \
+            + 2.0 ** -24 / (output_scale(dim) * alpha * items.scale)
     return users16, alpha, _SAFETY * bound
 
 

@@ -70,18 +70,28 @@ def test_unknown_precision_is_an_input_error():
         Engine(np.ones((3, 2), np.float32), device="cpu", precision="half")
 
 
+@pytest.mark.parametrize("half_scores", [False, True])
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.sampled_from([1e-30, 1e-6, 1.0, 1e6, 1e18]), st.integers(1, 70))
-def test_error_bound_holds_for_every_pair(seed, scale, dim):
+def test_error_bound_holds_for_every_pair(half_scores, seed, scale, dim):
     # The certificate is only as good as the bound: |approx - exact| <= E_u for every (user, item), across
-    # magnitudes (including the float16 subnormal range after scaling) and dimensions.
+    # magnitudes (including the float16 subnormal range after scaling) and dimensions; with half_scores the GEMM's
+    # float32 result is scaled by output_scale and rounded to float16, as the GPU's score tiles are.
     rng = np.random.default_rng(seed)
     items = (rng.standard_normal((200, dim)) * scale * np.exp(rng.standard_normal((200, 1)))).astype(np.float32)
     users = (rng.standard_normal((30, dim)) * scale).astype(np.float32)
     items[rng.random(items.shape) < 0.1] *= 1e-4  # tiny components next to large ones
+    items[0] = np.abs(items).max()  # one item at the top of the range in every component: the largest score
+    users[0] = np.abs(users).max()
     fi = fast.prepare_items(np, items)
-    u16, alpha, bound = fast.prepare_users(np, users, fi)
-    approx = (u16.astype(np.float32) @ fi.vecs16.astype(np.float32).T) / (alpha[:, None] * fi.scale)
+    u16, alpha, bound = fast.prepare_users(np, users, fi, half_scores=half_scores)
+    raw = u16.astype(np.float32) @ fi.vecs16.astype(np.float32).T
+    if half_scores:
+        g = np.float32(fast.output_scale(dim))
+        stored = (raw * g).astype(np.float16)
+        assert np.isfinite(stored).all()
+        raw = stored.astype(np.float32) / g
+    approx = raw / (alpha[:, None] * fi.scale)
     exact = users.astype(np.float64) @ items.astype(np.float64).T
     assert np.all(np.abs(approx - exact) <= bound[:, None])
 

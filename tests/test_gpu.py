@@ -12,7 +12,7 @@ from recall import Engine
 from recall.backends.probe import cuda_status
 from recall.errors import ResourceError
 
-from oracle import as_numpy
+from oracle import as_numpy, assert_topk_close
 
 usable, reason = cuda_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not usable, reason=f"no usable GPU: {reason}")]
@@ -166,3 +166,45 @@ def test_out_of_memory_is_a_resource_error(monkeypatch):
     rng = np.random.default_rng(10)
     with pytest.raises(ResourceError, match="GPU out of memory"):
         Engine(_ints(rng, 100, 4), device="gpu").search(_ints(rng, 10, 4), 5)
+
+
+def _sample_rows(n_items, k, capacity):
+    from recall.backends.cupy_backend import seed_size
+
+    size = seed_size(n_items, k, capacity)
+    stride = n_items // size
+    return np.arange(size) * stride + stride // 2
+
+
+def test_seeded_threshold_exact_with_ties_and_excluded_sample(small_tiles):
+    # Integer scores from {-1, 0, 1} components tie everywhere, also at the sampled k-th best. Some users have every
+    # sampled row excluded (no seed), some the sample's best rows, some the rows just above and below the seed.
+    rng = np.random.default_rng(7)
+    n_items, k = 20000, 37
+    items, users = _ints(rng, n_items, 12, -1, 2), _ints(rng, 300, 12, -1, 2)
+    sample = _sample_rows(n_items, k, 300 * 3)
+    assert sample.size > 0
+    excl = {0: sample.tolist(), 1: sample[:400].tolist(), 2: []}
+    for u in range(3, 300, 4):
+        excl[u] = rng.choice(n_items, 500, replace=False).tolist()
+    gpu = Engine(items, device="gpu")
+    got = gpu.search(users, k, exclude=excl)
+    assert gpu.stats["seed_sample"] == sample.size
+    _same(got, Engine(items, device="cpu").search(users, k, exclude=excl))
+
+
+def test_seeded_equals_unseeded_on_rising_order(small_tiles, monkeypatch):
+    # Items sorted by rising score against the mean user: every tile beats the last, the case the seed is for.
+    rng = np.random.default_rng(8)
+    items, users = rng.standard_normal((30000, 16), dtype=np.float32), rng.standard_normal((400, 16), dtype=np.float32)
+    users += 2.0
+    items = items[np.argsort(items @ users.mean(axis=0), kind="stable")]
+    seeded = Engine(items, device="gpu")
+    got = seeded.search(users, 50, exclude={5: list(range(29000, 30000))})
+    assert seeded.stats["seed_sample"] > 0
+    monkeypatch.setenv("RECALL_SEED", "0")
+    plain = Engine(items, device="gpu")
+    want = plain.search(users, 50, exclude={5: list(range(29000, 30000))})
+    assert plain.stats["seed_sample"] == 0
+    _same(got, want)
+    assert_topk_close(got.indices, got.scores, users, items, 50, exclude={5: list(range(29000, 30000))})

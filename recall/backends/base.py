@@ -37,6 +37,10 @@ class Backend(Protocol):
     def describe(self) -> str:
         """One line naming the device, for summaries and logs."""
 
+    def score_dtype(self, input_dtype: Any) -> Any:
+        """The dtype of the score tiles a GEMM of ``input_dtype`` vectors writes (fast mode: float16 on the GPU,
+        scaled by ``fast.output_scale``)."""
+
     def asarray(self, arr: Any) -> Any:
         """``arr`` as a C-contiguous float32 or int64 array on this backend, without a copy where it already is."""
 

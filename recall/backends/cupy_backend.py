@@ -89,6 +89,16 @@ def _candidate_capacity(k: int) -> int:
     return max(4096, 4 * k)
 
 
+def seed_size(n_items: int, k: int, capacity: int) -> int:
+    """Items in a block's threshold sample (see ``recall_seed_done``), or 0 where seeding does not pay: the sample
+    costs ``size / n_items`` of the search's GEMM work and leaves about ``k * n_items / size`` scores per user to pass
+    the filter over the whole search."""
+    size = min(capacity, max(8192, 32 * k))
+    if size < 4 * k or n_items < 8 * size or os.environ.get("RECALL_SEED", "1") == "0":
+        return 0
+    return size
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -153,6 +163,7 @@ class _Workspace:
     state: GpuTopK
     scores: Any
     slots: list
+    sample: Any = None  # (size, dim): the threshold sample's item rows, refreshed by every search
 
 
 class CupyBackend:
@@ -171,11 +182,18 @@ class CupyBackend:
         # Results go back on a stream of their own, so that fetching block i never delays staging block i + 2.
         self.fetch_stream = cupy.cuda.Stream(non_blocking=True)
         self.use_graphs = os.environ.get("RECALL_CUDA_GRAPHS", "1") != "0"
+        # Fast mode's GEMM writes float16 scores (scaled by fast.output_scale): half the bytes written and read back.
+        self.half_scores = os.environ.get("RECALL_HALF_SCORES", "1") != "0"
         self.stats: dict[str, float] = {}
         mod = _kernels()
-        self._mask = mod.get_function("recall_mask_excluded")
-        self._filter = mod.get_function("recall_filter")
-        self._merge = mod.get_function("recall_merge")
+        # Selection kernels by score type: float32 tiles, or float16 tiles of fast mode.
+        self._mask = {np.dtype(np.float32): mod.get_function("recall_mask_excluded"),
+                      np.dtype(np.float16): mod.get_function("recall_mask_excluded_h")}
+        self._filter = {np.dtype(np.float32): mod.get_function("recall_filter"),
+                        np.dtype(np.float16): mod.get_function("recall_filter_h")}
+        self._merge = {np.dtype(np.float32): mod.get_function("recall_merge"),
+                       np.dtype(np.float16): mod.get_function("recall_merge_h")}
+        self._seed_done = mod.get_function("recall_seed_done")
         self._merge_smem_limit = 0
         self._capturing = False
         self._ws: dict[tuple, _Workspace] = {}
@@ -264,11 +282,14 @@ class CupyBackend:
         stride_users = 0 if users.shape[0] == 1 else n * dim
         handle = self.device.cublas_handle
         if users.dtype == np.float16:
-            # Fast mode: float16 inputs on the tensor cores, float32 accumulation and output.
+            # Fast mode: float16 inputs on the tensor cores, float32 accumulation; float32 output, or float16 output
+            # scaled by fast.output_scale (a power of two, so that every score fits float16's range).
+            half_out = out.dtype == np.float16
+            alpha = self._half_alpha(dim) if half_out else _ONE
             args = (handle, _OP_T, _OP_N, width, n, dim,
-                    _ONE.ctypes.data, items.data.ptr, _CUDA_R_16F, dim, width * dim,
+                    alpha.ctypes.data, items.data.ptr, _CUDA_R_16F, dim, width * dim,
                     users.data.ptr, _CUDA_R_16F, dim, stride_users,
-                    _ZERO.ctypes.data, out.data.ptr, _CUDA_R_32F, width, n * width,
+                    _ZERO.ctypes.data, out.data.ptr, _CUDA_R_16F if half_out else _CUDA_R_32F, width, n * width,
                     tiles, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
             if self._capturing:
                 _captured_cublas(self.compute_stream.ptr, "cublasGemmStridedBatchedEx", args)
@@ -289,6 +310,19 @@ class CupyBackend:
         cublas.setPointerMode(handle, 0)  # alpha and beta are host scalars (CuPy may leave device mode set)
         cublas.sgemmStridedBatched(*args)
 
+    def _half_alpha(self, dim: int) -> np.ndarray:
+        # One host scalar per dimension, kept alive: a captured graph holds the GEMM's pointer to it.
+        from .. import fast
+
+        alphas = self.__dict__.setdefault("_alphas", {})
+        if dim not in alphas:
+            alphas[dim] = np.full(1, fast.output_scale(dim), np.float32)
+        return alphas[dim]
+
+    def score_dtype(self, input_dtype: Any) -> Any:
+        """The dtype of score tiles for GEMM inputs of ``input_dtype``."""
+        return np.dtype(np.float16) if np.dtype(input_dtype) == np.float16 and self.half_scores else np.dtype(np.float32)
+
     def topk_new(self, n_users: int, k: int) -> GpuTopK:
         return GpuTopK.allocate(n_users, k)
 
@@ -300,13 +334,33 @@ class CupyBackend:
                     excl_items: Any) -> None:
         tiles, n, width = scores.shape
         if excl_items.size:
-            self._mask(((n + 127) // 128,), (128,),
-                       (scores, np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start),
-                        excl_indptr, excl_items))
-        self._filter((n, tiles), (_FILTER_THREADS,),
+            self._mask[scores.dtype](((n + 127) // 128,), (128,),
+                                     (scores, np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start),
+                                      np.int32(1), excl_indptr, excl_items))
+        self._filter[scores.dtype]((n, tiles), (_FILTER_THREADS,),
                      (scores, np.int32(n), np.int32(width), np.int32(item_start), np.int32(n_items), state.thr,
                       state.cand, np.int32(state.cand_capacity), state.cnt))
         self._launch_merge(state, scores, n, width, tiles, item_start, n_items, final=False)
+
+    def topk_seed(self, state: GpuTopK, users: Any, sample: Any, first: int, stride: int, scores_buf: Any,
+                  excl_indptr: Any, excl_items: Any) -> None:
+        """Start every user's threshold at its k-th best score over ``sample`` (item rows first + j * stride):
+        a lower bound of the final k-th best, so that later tiles pass few scores to the merge whatever the item
+        order. The sample tile goes through the filter and a forced merge like a segment; the state is left empty."""
+        n, dim = users.shape
+        size = sample.shape[0]
+        scores = scores_buf[: n * size].reshape(1, n, size)
+        self.gemm_strided_batched(users.reshape(1, n, dim), sample.reshape(1, size, dim), scores)
+        grid = ((n + 127) // 128,)
+        if excl_items.size:
+            self._mask[scores.dtype](grid, (128,), (scores, np.int32(n), np.int32(size), np.int32(1), np.int32(first),
+                                                    np.int32(stride), excl_indptr, excl_items))
+        self._filter[scores.dtype]((n, 1), (_FILTER_THREADS,),
+                     (scores, np.int32(n), np.int32(size), np.int32(0), np.int32(size), state.thr,
+                      state.cand, np.int32(state.cand_capacity), state.cnt))
+        self._launch_merge(state, scores, n, size, 1, 0, size, final=False, force=True)
+        self._seed_done(grid, (128,), (np.int32(n), np.int32(state.k), state.n_valid, state.thr, state.cnt,
+                                       state.base))
 
     def topk_result(self, state: GpuTopK) -> tuple[Any, Any]:
         n = state.n_users
@@ -314,17 +368,19 @@ class CupyBackend:
         return state.out_vals[:n], state.out_rows[:n]
 
     def _launch_merge(self, state: GpuTopK, scores: Any, n: int, width: int, tiles: int, item_start: int,
-                      n_items: int, final: bool) -> None:
+                      n_items: int, final: bool, force: bool = False) -> None:
         k_pad = _pow2(state.k)
         smem = 8 * k_pad
+        merge = self._merge[scores.dtype]
         if smem > 48 * 1024 and smem > self._merge_smem_limit:
-            self._merge.max_dynamic_shared_size_bytes = smem
+            for fn in self._merge.values():
+                fn.max_dynamic_shared_size_bytes = smem
             self._merge_smem_limit = smem
-        self._merge((n,), (_MERGE_THREADS,),
+        merge((n,), (_MERGE_THREADS,),
                     (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, scores,
                      np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start), np.int32(n_items),
                      np.int32(state.k),
-                     np.int32(k_pad), np.int32(state.cand_capacity), np.int32(state.cand_capacity // 2),
+                     np.int32(k_pad), np.int32(state.cand_capacity), np.int32(-1 if force else state.cand_capacity // 2),
                      np.int32(1 if final else 0), state.out_vals, state.out_rows),
                     shared_mem=smem)
 
@@ -350,6 +406,8 @@ class CupyBackend:
         ready = cupy.cuda.get_current_stream().record()
         compute.wait_event(ready)
         copy.wait_event(ready)
+        seed = self._refresh_sample(ws, plan, items, n_items, k, dim)
+        stats["seed_sample"] = 0 if seed is None else seed[0].shape[0]
         fetched = None  # event: the previous block's results have left state.out_vals for the host
         timing = []  # (h2d start, h2d end, compute start, compute end[, d2h end]) events per block
 
@@ -382,7 +440,7 @@ class CupyBackend:
                 if fetched is not None:
                     compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
-                self._search_slot(slot, i, plan, items, n_items, state, scores_buf, cap, has_excl, stats)
+                self._search_slot(slot, i, plan, items, n_items, state, scores_buf, cap, has_excl, stats, seed)
                 if not host_out:
                     out_vals[start:stop, :k] = state.out_vals[:n]
                     out_rows[start:stop, :k] = state.out_rows[:n]
@@ -426,7 +484,7 @@ class CupyBackend:
                 + plan.user_block * self.state_bytes(k) + 2 * 4 * plan.user_block * dim)
         try:
             state = GpuTopK.allocate(plan.user_block, k)
-            scores = cupy.empty(plan.user_block * plan.item_tile * plan.tiles_per_call, cupy.float32)
+            scores = cupy.empty(plan.user_block * plan.item_tile * plan.tiles_per_call, self.score_dtype(dtype))
             slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(2)]
         except cupy.cuda.memory.OutOfMemoryError as exc:
             raise ResourceError(
@@ -447,14 +505,31 @@ class CupyBackend:
                      host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
                      staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
 
+    def _refresh_sample(self, ws: _Workspace, plan: scoring.TilePlan, items: Any, n_items: int, k: int,
+                        dim: int) -> tuple[Any, int, int] | None:
+        """Copy this search's threshold sample (every stride-th item row from first) into the workspace's buffer, on
+        the compute stream; None where the search is not seeded (small catalogues, multi-interest blocks)."""
+        size = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call)
+        if not size or plan.interests is not None:
+            return None
+        if ws.sample is None or ws.sample.shape != (size, dim):
+            ws.sample = self.xp.empty((size, dim), items.dtype)
+        stride = n_items // size
+        first = stride // 2
+        with self.compute_stream:
+            ws.sample[...] = items[first: first + stride * size: stride]
+        return ws.sample, first, stride
+
     def _search_slot(self, slot: _Slot, i: int, plan: scoring.TilePlan, items: Any, n_items: int, state: GpuTopK,
-                     scores_buf: Any, cap: int, has_excl: bool, stats: dict) -> None:
+                     scores_buf: Any, cap: int, has_excl: bool, stats: dict, seed: Any) -> None:
         """One block, always over the slot's full capacity of rows (rows past the real users are ignored), so that
         every block runs the same launches and the graph captured for a slot replays for each of its blocks."""
         ex_items = slot.ex_items if has_excl else slot.ex_items[:0]
 
         def launches() -> None:
             self.topk_reset(state, cap)
+            if seed is not None:
+                self.topk_seed(state, slot.users, *seed, scores_buf, slot.ex_ptr, ex_items)
             scoring.search_block(self, plan, slot.users, items, n_items, state, scores_buf, slot.ex_ptr, ex_items)
             self.topk_result(state)
 
@@ -462,7 +537,8 @@ class CupyBackend:
         if not self.use_graphs or (i == 0 and slot.graph is None):
             launches()
             return
-        key = (id(items), n_items, has_excl)  # the workspace (and so every other pointer) is fixed per slot
+        # The workspace (and so every other pointer, the sample buffer included) is fixed per slot.
+        key = (id(items), n_items, has_excl, seed is not None)
         if slot.graph is None or slot.graph_key != key:
             slot.graph = self._capture(launches)
             slot.graph_key = key

@@ -41,6 +41,9 @@ class NumpyBackend:
     def describe(self) -> str:
         return f"cpu ({os.cpu_count()} cores, numpy {np.__version__})"
 
+    def score_dtype(self, input_dtype: Any) -> Any:
+        return np.dtype(np.float32)  # float16 inputs (fast mode) are scored in float32 on the CPU
+
     def asarray(self, arr: Any) -> np.ndarray:
         if hasattr(arr, "get") and not isinstance(arr, np.ndarray):
             arr = arr.get()

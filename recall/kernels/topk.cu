@@ -11,6 +11,9 @@
 //   recall_filter         appends keys of scores above the user's threshold to a per-user candidate buffer;
 //   recall_merge          folds candidates into the state (exact radix select) once the buffer is half full, or
 //                         rescans the tile when the buffer overflowed; with `final` set it sorts and writes results.
+// Before its first segment a block may be seeded (recall_seed_done): its users' K-th best score over a strided sample
+// of the items is a lower bound of the final K-th best, so the filter passes few scores from the first tile on, and
+// item orders that raise the scores tile after tile (the worst case for a running threshold) cost little more.
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -31,15 +34,46 @@ __device__ __forceinline__ u64 recall_key(float s, int row) {
     return ((u64)recall_f2ord(s) << 32) | (u64)(~(u32)row);
 }
 
-// One thread per user: walk the user's sorted exclusions that fall inside this segment.
+// Score tiles hold float32 (exact mode) or float16 (fast mode; kept as raw 16-bit words, converted with one PTX
+// instruction, so that no CUDA header is needed at run-time compilation).
+typedef unsigned short half_bits;
+
+__device__ __forceinline__ float recall_load(const float* p, long long i) { return p[i]; }
+
+__device__ __forceinline__ float recall_load(const half_bits* p, long long i) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i]));
+    return f;
+}
+
+__device__ __forceinline__ void recall_store_neg_inf(float* p, long long i) { p[i] = RECALL_NEG_INF; }
+
+__device__ __forceinline__ void recall_store_neg_inf(half_bits* p, long long i) { p[i] = (half_bits)0xfc00u; }
+
+// Four consecutive scores from p + i (i a multiple of 4): one 16-byte load of float32, one 8-byte load of float16.
+__device__ __forceinline__ void recall_load4(const float* p, int i, float v[4]) {
+    const float4 q = *reinterpret_cast<const float4*>(p + i);
+    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+}
+
+__device__ __forceinline__ void recall_load4(const half_bits* p, int i, float v[4]) {
+    const uint2 q = *reinterpret_cast<const uint2*>(p + i);
+    const half_bits h[4] = {(half_bits)(q.x & 0xffffu), (half_bits)(q.x >> 16), (half_bits)(q.y & 0xffffu),
+                            (half_bits)(q.y >> 16)};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) asm("cvt.f32.f16 %0, %1;" : "=f"(v[c]) : "h"(h[c]));
+}
+
+// One thread per user: walk the user's sorted exclusions that fall inside this score tile, whose column j (over the B
+// tiles of T columns) is item row item_start + j * stride (stride 1 for a segment, larger for the threshold sample).
 // ex_ptr has U + 1 entries (rows past the block's last user are empty).
-extern "C" __global__ void recall_mask_excluded(float* __restrict__ scores, int U, int T, int B, int item_start,
-                                                const long long* __restrict__ ex_ptr,
-                                                const long long* __restrict__ ex_items) {
+template <typename S>
+__device__ void recall_mask_body(S* __restrict__ scores, int U, int T, int B, int item_start, int stride,
+                                 const long long* __restrict__ ex_ptr, const long long* __restrict__ ex_items) {
     int u = blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= U) return;
     long long lo = ex_ptr[u], hi = ex_ptr[u + 1];
-    long long stop = (long long)item_start + (long long)B * T;
+    long long stop = (long long)item_start + (long long)B * T * stride;
     // first exclusion >= item_start
     long long a = lo, b = hi;
     while (a < b) {
@@ -50,17 +84,46 @@ extern "C" __global__ void recall_mask_excluded(float* __restrict__ scores, int 
         long long j = ex_items[e];
         if (j >= stop) break;
         long long off = j - item_start;
+        if (off % stride) continue;
+        off /= stride;
         long long tile = off / T;
-        scores[(tile * U + u) * (long long)T + (off - tile * T)] = RECALL_NEG_INF;
+        recall_store_neg_inf(scores, (tile * U + u) * (long long)T + (off - tile * T));
     }
 }
 
+extern "C" __global__ void recall_mask_excluded(float* __restrict__ scores, int U, int T, int B, int item_start,
+                                                int stride, const long long* __restrict__ ex_ptr,
+                                                const long long* __restrict__ ex_items) {
+    recall_mask_body(scores, U, T, B, item_start, stride, ex_ptr, ex_items);
+}
+
+extern "C" __global__ void recall_mask_excluded_h(half_bits* __restrict__ scores, int U, int T, int B,
+                                                  int item_start, int stride, const long long* __restrict__ ex_ptr,
+                                                  const long long* __restrict__ ex_items) {
+    recall_mask_body(scores, U, T, B, item_start, stride, ex_ptr, ex_items);
+}
+
+// After a block's threshold sample went through filter + merge like a segment: turn what the state holds into a
+// starting threshold and empty the state. The K-th best sampled score t is the score of K real (non-excluded) items,
+// so the final K-th best is >= t: the threshold becomes the float just below t, so that scores equal to t pass the
+// strict `score > threshold` test until K items are held. Users with fewer than K sampled items keep -inf.
+extern "C" __global__ void recall_seed_done(int U, int K, int* __restrict__ n_valid, float* __restrict__ thr,
+                                            int* __restrict__ cnt, int* __restrict__ base) {
+    int u = blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= U) return;
+    thr[u] = n_valid[u] == K ? nextafterf(thr[u], RECALL_NEG_INF) : RECALL_NEG_INF;
+    n_valid[u] = 0;
+    cnt[u] = 0;
+    base[u] = 0;
+}
+
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
-extern "C" __global__ void recall_filter(const float* __restrict__ scores, int U, int T, int item_start,
-                                         int n_items, const float* __restrict__ thr, u64* __restrict__ cand, int C,
-                                         int* __restrict__ cnt) {
+template <typename S>
+__device__ void recall_filter_body(const S* __restrict__ scores, int U, int T, int item_start, int n_items,
+                                   const float* __restrict__ thr, u64* __restrict__ cand, int C,
+                                   int* __restrict__ cnt) {
     const int u = blockIdx.x, b = blockIdx.y;
-    const float* row = scores + ((long long)b * U + u) * (long long)T;
+    const S* row = scores + ((long long)b * U + u) * (long long)T;
     const float t = thr[u];
     const int row0 = item_start + b * T;
     const int lane = threadIdx.x & 31;
@@ -69,11 +132,10 @@ extern "C" __global__ void recall_filter(const float* __restrict__ scores, int U
         const int i = i0 + threadIdx.x * 4;
         float v[4];
         if (vec && i + 3 < T) {
-            float4 q = *reinterpret_cast<const float4*>(row + i);
-            v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+            recall_load4(row, i, v);
         } else {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) v[c] = (i + c < T) ? row[i + c] : RECALL_NEG_INF;
+            for (int c = 0; c < 4; ++c) v[c] = (i + c < T) ? recall_load(row, i + c) : RECALL_NEG_INF;
         }
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
@@ -93,28 +155,43 @@ extern "C" __global__ void recall_filter(const float* __restrict__ scores, int U
     }
 }
 
+extern "C" __global__ void recall_filter(const float* __restrict__ scores, int U, int T, int item_start,
+                                         int n_items, const float* __restrict__ thr, u64* __restrict__ cand, int C,
+                                         int* __restrict__ cnt) {
+    recall_filter_body(scores, U, T, item_start, n_items, thr, cand, C, cnt);
+}
+
+extern "C" __global__ void recall_filter_h(const half_bits* __restrict__ scores, int U, int T, int item_start,
+                                           int n_items, const float* __restrict__ thr, u64* __restrict__ cand,
+                                           int C, int* __restrict__ cnt) {
+    recall_filter_body(scores, U, T, item_start, n_items, thr, cand, C, cnt);
+}
+
+template <typename S>
 struct RecallSources {
     const u64* top; int n_top;
     const u64* cand; int n_cand;
-    const float* scores; int n_tile; int U; int T; int u; int item_start; int n_items; float thr;
+    const S* scores; int n_tile; int U; int T; int u; int item_start; int n_items; float thr;
 };
 
-__device__ __forceinline__ u64 recall_key_at(const RecallSources& s, int i) {
+template <typename S>
+__device__ __forceinline__ u64 recall_key_at(const RecallSources<S>& s, int i) {
     if (i < s.n_top) return s.top[i];
     i -= s.n_top;
     if (i < s.n_cand) return s.cand[i];
     i -= s.n_cand;
     const int tile = i / s.T;
-    const float v = s.scores[((long long)tile * s.U + s.u) * (long long)s.T + (i - tile * s.T)];
+    const float v = recall_load(s.scores, ((long long)tile * s.U + s.u) * (long long)s.T + (i - tile * s.T));
     return (v > s.thr && s.item_start + i < s.n_items) ? recall_key(v, s.item_start + i) : 0ull;
 }
 
 // One block per user. Dynamic shared memory: K_pad keys (K_pad = next power of two >= K).
-extern "C" __global__ void recall_merge(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
-                                        const u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
-                                        const float* __restrict__ scores, int U, int T, int B, int item_start,
-                                        int n_items, int K, int K_pad, int C, int high_water, int final_pass,
-                                        float* __restrict__ out_vals, long long* __restrict__ out_rows) {
+template <typename S>
+__device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
+                                  const u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
+                                  const S* __restrict__ scores, int U, int T, int B, int item_start, int n_items,
+                                  int K, int K_pad, int C, int high_water, int final_pass,
+                                  float* __restrict__ out_vals, long long* __restrict__ out_rows) {
     extern __shared__ u64 sel[];
     __shared__ u32 hist[256];
     __shared__ u64 s_prefix, s_mask, s_min;
@@ -128,7 +205,7 @@ extern "C" __global__ void recall_merge(u64* __restrict__ top, int* __restrict__
         if (threadIdx.x == 0) base[u] = c;
         return;
     }
-    RecallSources src;
+    RecallSources<S> src;
     src.top = top + (long long)u * K;
     src.n_top = n_valid[u];
     src.cand = cand + (long long)u * C;
@@ -194,7 +271,8 @@ extern "C" __global__ void recall_merge(u64* __restrict__ top, int* __restrict__
         for (int i = threadIdx.x; i < n_sel; i += blockDim.x) top[(long long)u * K + i] = sel[i];
         if (threadIdx.x == 0) {
             n_valid[u] = n_sel;
-            thr[u] = n_sel == K ? recall_ord2f((u32)(s_min >> 32)) : RECALL_NEG_INF;
+            // Fewer than K held: the threshold stays (-inf, or the block's seed from its threshold sample).
+            if (n_sel == K) thr[u] = recall_ord2f((u32)(s_min >> 32));
             cnt[u] = 0;
             base[u] = 0;
         }
@@ -232,4 +310,22 @@ extern "C" __global__ void recall_merge(u64* __restrict__ top, int* __restrict__
         cnt[u] = 0;
         base[u] = 0;
     }
+}
+
+extern "C" __global__ void recall_merge(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
+                                        const u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
+                                        const float* __restrict__ scores, int U, int T, int B, int item_start,
+                                        int n_items, int K, int K_pad, int C, int high_water, int final_pass,
+                                        float* __restrict__ out_vals, long long* __restrict__ out_rows) {
+    recall_merge_body(top, n_valid, thr, cand, cnt, base, scores, U, T, B, item_start, n_items, K, K_pad, C,
+                      high_water, final_pass, out_vals, out_rows);
+}
+
+extern "C" __global__ void recall_merge_h(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
+                                          const u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
+                                          const half_bits* __restrict__ scores, int U, int T, int B, int item_start,
+                                          int n_items, int K, int K_pad, int C, int high_water, int final_pass,
+                                          float* __restrict__ out_vals, long long* __restrict__ out_rows) {
+    recall_merge_body(top, n_valid, thr, cand, cnt, base, scores, U, T, B, item_start, n_items, K, K_pad, C,
+                      high_water, final_pass, out_vals, out_rows);
 }
