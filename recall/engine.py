@@ -296,9 +296,18 @@ class Engine:
         run_stats = dict(backend.stats)
         n_cand = wide - 1 if wide < self.n_items else wide
         users_b = backend.asarray(users)
-        chunk = max(1, self.memory_budget // (8 * n_cand * self.dim + 1))
-        exact = fast.rescore(xp, users_b, self._items, approx_rows[:, :n_cand], chunk)
-        vals, rows = fast.top_k(xp, exact, approx_rows[:, :n_cand], k)
+        cand_rows = approx_rows[:, :n_cand]
+        n_users = users.shape[0]
+        # The float32 re-rank: on the GPU one fused gather + dot product + top-k kernel (recall/kernels/rescore.cu)
+        # over each user's candidates; elsewhere (or where k is beyond that kernel) a gathered matmul and a sort.
+        fused = getattr(backend, "rescore_fused", None)
+        vals = backend.empty_out((n_users, k), np.float32, False)
+        rows = backend.empty_out((n_users, k), np.int64, False)
+        if fused is None or not fused(users_b, self._items, np.arange(n_users + 1, dtype=np.int64) * n_cand,
+                                      xp.ascontiguousarray(cand_rows).reshape(-1), k, vals, rows, self.memory_budget):
+            chunk = max(1, self.memory_budget // (8 * n_cand * self.dim + 1))
+            exact = fast.rescore(xp, users_b, self._items, cand_rows, chunk)
+            vals, rows = fast.top_k(xp, exact, cand_rows, k)
         if wide < self.n_items:
             ok = fast.certified(xp, vals[:, k - 1], approx_vals[:, wide - 1], backend.asarray_raw(alpha),
                                 items16.scale, backend.asarray_raw(bound))

@@ -229,7 +229,11 @@ class CupyBackend:
         # 2048 users x (4 x 8192) items per strided-batched call. A tile sized to stay in L2 (1024 x 8192, 32 MiB)
         # needs 8x more calls, and on the H200 the launches cost more than the HBM round trip they save: measured
         # on S1 (100k x 1M x 64, graphs on), 0.633 s at 1024 x (2 x 4096) against 0.589 s at this tiling.
-        return 2048, 8192, 4
+        # `recall tune` on the H200 (docs/benchmarks.md) found wider tiles better for long vectors (d=128, k=100:
+        # 2048 x 16384 x 4, 1.04x) and larger user blocks for large k (d=64, k=1000: 4096 x 8192 x 4, 1.07x).
+        users = 4096 if k >= 512 else 2048
+        width = 16384 if dim >= 128 else 8192
+        return users, width, 4
 
     def compute_context(self) -> Any:
         return self.compute_stream
