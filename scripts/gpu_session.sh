@@ -29,7 +29,7 @@ lane_a() {
         tail -n 1 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
     fi
     bench main "${MAIN_TIMEOUT:-260}" -w S1 -w S2 -w S3 --ceilings --repeat 3
-    mkdir -p "$OUT/main"; cp /tmp/main/results.md /tmp/main/results.json "$OUT/main/" 2>/dev/null
+    mkdir -p "$OUT/main"; cp /tmp/main/results.json "$OUT/main/" 2>/dev/null  # the table is in the log
     bench e2e 120 -w S1 --e2e --contenders recall --repeat 2
 }
 
@@ -37,7 +37,9 @@ lane_b() {
     for s in $LANE_B_STEPS; do
         case $s in
             doctor) step doctor 90 python3 -m recall doctor ;;
-            rescore) [ -f scripts/gpu_rescore_sweep.py ] && step "rescore sweep" 150 python3 scripts/gpu_rescore_sweep.py ;;
+            rescore) step "rescore sweep" 150 env -u OUT python3 scripts/gpu_rescore_sweep.py ;;
+            sweep) step "selection overhead" 150 env SMOKE_SKIP_CHECKS=1 SMOKE_KIND=clustered SMOKE_TILES=2048,8192,4 \
+                       SMOKE_GRAPHS=1 SMOKE_PRECISIONS=exact,fast python3 scripts/gpu_smoke.py ;;
             s5s7) bench s5s7 150 -w S5 -w S7 --repeat 3 ;;
             s4) bench s4 240 -w S4 --repeat 1 ;;
             adversarial) bench adv 150 -w S1 --kind adversarial --repeat 1 ;;
@@ -61,5 +63,5 @@ cat "$OUT/lane_a.log"
 grep -E "^==|^\| (S|s|recall|faiss|torch)|TB/s|best|PASS|FAIL|cold|tuned" "$OUT/lane_b.log"
 if [ "$GPUS" -ge 2 ] && [ "${RUN_BATCH:-1}" = 1 ] && [ -f scripts/gpu_batch.sh ]; then
     step "2-GPU tests" 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py tests/test_batch.py
-    step "batch on 1 and 2 GPUs" "${BATCH_TIMEOUT:-240}" bash scripts/gpu_batch.sh
+    step "batch on 1 and 2 GPUs" "${BATCH_TIMEOUT:-300}" env USERS="${BATCH_USERS:-1000000}" bash scripts/gpu_batch.sh
 fi
