@@ -16,7 +16,8 @@ Two ways to run a block of users, behind the backend seam:
   memory (``recall/kernels/rescore.cu``). The job is memory-bound; this path reads the candidate vectors once and
   writes nothing but the results, where gather + GEMM writes and re-reads the gathered copy.
   ``RECALL_RESCORE=gemm`` forces the GEMM path on the GPU too (to compare the two); ``RECALL_RESCORE_THREADS``
-  (default 256) sets the fused kernel's threads per user.
+  (default 128) sets the fused kernel's threads per user and ``RECALL_RESCORE_VARIANT`` (default "select-lean", see
+  ``VARIANTS``) its variant; ``scripts/gpu_rescore_sweep.py`` times them.
 
 ``rescore_files`` is the Parquet-to-Parquet job behind ``recall rescore``.
 """
@@ -361,23 +362,92 @@ def select_keys(xp: Any, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
 # --------------------------------------------------------------------------------------------------------------------
 # The GPU kernel (called by the CuPy backend's rescore_fused / rescore_select)
 
-_THREADS = 256
-_SZ_TARGET = 4096  # keys sorted at once per user: candidates per chunk, up to this
+_THREADS = 128
+_SZ_TARGET = 4096  # keys held at once per user: candidates per chunk, up to this
 _DEFAULT_SMEM = 48 * 1024
 _module_lock = threading.Lock()
-_modules: dict[int, Any] = {}
+_modules: dict[tuple[int, str, bool], Any] = {}
 
 
-def _kernel() -> Any:
-    """The compiled ``recall_rescore`` kernel for the current device (compiled once per device and process)."""
+@dataclass(frozen=True)
+class KernelVariant:
+    """One instantiation of ``recall_rescore_t`` (recall/kernels/rescore.cu) and how it is launched.
+
+    Attributes
+    ----------
+    stage : bool
+        Copy each chunk's item rows into shared memory (int32) before the gather, so that no index load sits in front
+        of each round of vector loads.
+    select : bool
+        Radix-select the K best and sort only those; False: bitonic-sort the whole chunk (the original kernel).
+    unroll, chunks : int
+        Each lane keeps ``unroll`` rows x ``chunks`` 16-byte (or 4-byte) pieces of loads in flight before any
+        arithmetic.
+    lanes : {"wide", "narrow"}
+        "wide": ``chunks`` pieces per lane per row (G = 8 lanes for dim 64: each warp load covers whole 128-byte lines,
+        with 3 shuffles per candidate instead of 4); "narrow": :func:`lanes_per_candidate` (one piece per lane).
+    max_registers : int or None
+        NVRTC's ``--maxrregcount`` for the variant (None: the compiler's choice). Registers per thread decide how many
+        blocks share an SM (65,536 registers each); the caps compile without spills (nvcc 13,
+        sm_90): "select" 56 -> 4 blocks of 256 threads, "select-lean" 40 -> 6.
+    """
+
+    stage: bool
+    select: bool
+    unroll: int
+    chunks: int
+    lanes: str
+    max_registers: int | None
+
+    def name_expression(self, vec: bool) -> str:
+        return (f"recall_rescore_t<{int(self.stage)}, {int(self.select)}, {self.unroll}, {self.chunks}, "
+                f"{int(vec)}>")
+
+    def lanes_for(self, dim: int) -> int:
+        return lanes_per_candidate(dim) if self.lanes == "narrow" else _wide_lanes(dim, self.chunks)
+
+
+#: ``RECALL_RESCORE_VARIANT``: the fused kernel's variant (default "select-lean"). "legacy" is the original algorithm
+#: (index loads in the gather loop, a full bitonic sort of each chunk); scripts/gpu_rescore_sweep.py times them all.
+VARIANTS: dict[str, KernelVariant] = {
+    "select": KernelVariant(stage=True, select=True, unroll=4, chunks=2, lanes="wide", max_registers=56),
+    "select-lean": KernelVariant(stage=True, select=True, unroll=2, chunks=2, lanes="wide", max_registers=40),
+    "select-narrow": KernelVariant(stage=True, select=True, unroll=4, chunks=1, lanes="narrow", max_registers=56),
+    "sort": KernelVariant(stage=True, select=False, unroll=4, chunks=2, lanes="wide", max_registers=64),
+    "legacy": KernelVariant(stage=False, select=False, unroll=4, chunks=1, lanes="narrow", max_registers=None),
+}
+# Measured on the H200 (docs/benchmarks.md, scripts/gpu_rescore_sweep.py on S5): select-lean at 128 threads, 5.99 ms
+# for the kernel (select at 256 threads: 7.36 ms; legacy at 256: 10.14 ms).
+DEFAULT_VARIANT = "select-lean"
+
+
+def _variant_name() -> str:
+    name = os.environ.get("RECALL_RESCORE_VARIANT", "").strip().lower() or DEFAULT_VARIANT
+    if name not in VARIANTS:
+        raise InputError(f"RECALL_RESCORE_VARIANT={name!r}: expected one of {', '.join(VARIANTS)}")
+    return name
+
+
+def _kernel(variant: str | None = None, vec: bool = True) -> Any:
+    """The compiled ``recall_rescore_t`` of ``variant`` (default: ``RECALL_RESCORE_VARIANT``) for the current device;
+    ``vec``: rows read as float4 (dim % 4 == 0). Compiled once per device, variant and ``vec`` in a process (NVRTC
+    compiles only the instantiation asked for; CuPy caches the binary on disk)."""
     import cupy
 
+    name = variant or _variant_name()
+    var = VARIANTS[name]
     dev = cupy.cuda.Device().id
     with _module_lock:
-        if dev not in _modules:
+        key = (dev, name, bool(vec))
+        if key not in _modules:
             source = resources.files("recall.kernels").joinpath("rescore.cu").read_text()
-            _modules[dev] = cupy.RawModule(code=source, options=("--std=c++14",)).get_function("recall_rescore")
-        return _modules[dev]
+            options: tuple[str, ...] = ("--std=c++14",)
+            if var.max_registers:
+                options += (f"--maxrregcount={var.max_registers}",)
+            expr = var.name_expression(bool(vec))
+            module = cupy.RawModule(code=source, options=options, name_expressions=[expr])
+            _modules[key] = module.get_function(expr)
+        return _modules[key]
 
 
 def _pow2(n: int) -> int:
@@ -385,7 +455,7 @@ def _pow2(n: int) -> int:
 
 
 def _threads() -> int:
-    """Threads per user's block: ``RECALL_RESCORE_THREADS`` (a multiple of 32, 32 to 1024), default 256."""
+    """Threads per user's block: ``RECALL_RESCORE_THREADS`` (a multiple of 32, 32 to 1024), default 128."""
     text = os.environ.get("RECALL_RESCORE_THREADS", "").strip()
     if not text:
         return _THREADS
@@ -406,8 +476,19 @@ def lanes_per_candidate(dim: int) -> int:
     return 1
 
 
+def _wide_lanes(dim: int, per_lane: int) -> int:
+    """Lanes per candidate when each lane loads ``per_lane`` pieces of a row before any arithmetic: the fewest (a
+    power of two <= 32) that cover the row in one round, so that every load is issued before the first use. dim 64:
+    8 lanes x 2 float4; each warp load then reads four rows' 128-byte halves, whole cache lines."""
+    chunks = dim // 4 if dim % 4 == 0 else dim
+    return min(32, _pow2(-(-max(chunks, 1) // per_lane)))
+
+
 def _smem_bytes(sz: int, dim: int) -> int:
-    return 8 * sz + 4 * ((dim + 3) // 4 * 4) + sz
+    """Dynamic shared memory of one block (the layout in rescore.cu): SZ keys and 6 control words (8 bytes each),
+    the user's vector, a 4 * SZ byte scratch (staged rows, then the selected keys), a 256-bin histogram, SZ duplicate
+    flags."""
+    return 8 * (sz + 6) + 4 * ((dim + 3) // 4 * 4) + 4 * sz + 4 * 256 + sz
 
 
 def _max_smem() -> int:
@@ -430,20 +511,29 @@ def _launch_config(k: int, dim: int, longest: int) -> tuple[int, int, int] | Non
     return k_pad, sz, smem
 
 
+def launch_shape(dim: int, variant: str | None = None) -> tuple[Any, int, int]:
+    """(kernel, threads per block, lanes per candidate) of a fused launch for ``dim``: ``RECALL_RESCORE_THREADS``,
+    lowered to what the compiled variant can launch (a variant with many registers per thread may not run 1,024)."""
+    name = variant or _variant_name()
+    kern = _kernel(name, dim % 4 == 0)
+    threads = min(_threads(), int(kern.max_threads_per_block) // 32 * 32)
+    return kern, threads, VARIANTS[name].lanes_for(dim) if dim > 0 else 1
+
+
 def _launch(users: Any, items: Any, dim: int, scores: Any, indptr: Any, rows: Any, k: int,
             cfg: tuple[int, int, int], out_vals: Any, out_rows: Any) -> None:
-    """One ``recall_rescore`` launch over the users of ``indptr`` (``dim`` 0 when ``scores`` are given: no user
+    """One ``recall_rescore_t`` launch over the users of ``indptr`` (``dim`` 0 when ``scores`` are given: no user
     vector in shared memory, which is how ``cfg`` was sized)."""
     n = int(indptr.size) - 1
     if n <= 0:
         return
     k_pad, sz, smem = cfg
-    kern = _kernel()
+    kern, threads, lanes = launch_shape(dim)
     if smem > _DEFAULT_SMEM:
         kern.max_dynamic_shared_size_bytes = smem
     scores_arg = scores if scores is not None else np.uint64(0)  # a null pointer: compute the dot products
-    kern((n,), (_threads(),), (users, items, np.int32(dim), scores_arg, indptr, rows, np.int32(k), np.int32(k_pad),
-                             np.int32(sz), np.int32(lanes_per_candidate(dim)), out_vals, out_rows),
+    kern((n,), (threads,), (users, items, np.int32(dim), scores_arg, indptr, rows, np.int32(k), np.int32(k_pad),
+                            np.int32(sz), np.int32(lanes), out_vals, out_rows),
          shared_mem=smem)
 
 
@@ -564,7 +654,9 @@ def read_candidates(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.
     user_ids, item_ids = np.asarray(user_ids), np.asarray(item_ids)
     pf = open_parquet(path, "candidates")
     col = _candidate_column(pf, path)
-    row_users, pair_users, pair_items = [], [], []
+    # Ids are checked batch by batch and looked up once per column at the end (one hash table of the ids, not one
+    # per batch).
+    user_parts, item_parts, length_parts = [], [], []
     row = 0
     for batch in _iter_batches(pf, path, ["user_id", col], READ_BATCH_ROWS):
         users, items = batch.column(0), batch.column(1)
@@ -572,8 +664,7 @@ def read_candidates(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.
             if c.null_count:
                 raise InputError(f"{path}: row {row + _first(c.is_null().to_numpy(zero_copy_only=False))} has a "
                                  f"null {name}")
-        users = _match_type(path, "user_id", users, user_ids, "users'", row)
-        upos = _lookup(users, user_ids)
+        user_parts.append(_match_type(path, "user_id", users, user_ids, "users'", row))
         if col == "item_ids":
             lengths = (np.full(len(items), items.type.list_size, np.int64) if pa.types.is_fixed_size_list(items.type)
                        else np.diff(items.offsets.to_numpy()))
@@ -582,15 +673,14 @@ def read_candidates(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.
                 pos = _first(flat.is_null().to_numpy(zero_copy_only=False))
                 at = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
                 raise InputError(f"{path}: row {row + at} has a null inside its item_ids list")
-            pair_users.append(np.repeat(upos, lengths))
+            length_parts.append(lengths)
             items = flat
-        else:
-            pair_users.append(upos)
-        pair_items.append(_lookup(_match_type(path, col, items, item_ids, "items'", row), item_ids))
-        row_users.append(upos)
+        item_parts.append(_match_type(path, col, items, item_ids, "items'", row))
         row += batch.num_rows
-    cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
-    row_users, pair_users, pair_items = cat(row_users), cat(pair_users), cat(pair_items)
+    empty = np.zeros(0, np.int64)
+    row_users = _lookup(pa.chunked_array(user_parts), user_ids) if user_parts else empty
+    pair_users = np.repeat(row_users, np.concatenate(length_parts)) if length_parts else row_users
+    pair_items = _lookup(pa.chunked_array(item_parts), item_ids) if item_parts else empty
     known = (pair_users >= 0) & (pair_items >= 0)
     present = np.unique(row_users[row_users >= 0])  # a named user gets a (maybe empty) row of output
     order = np.argsort(pair_users[known], kind="stable")  # grouped by user, file order within a user

@@ -510,11 +510,13 @@ class ExclusionPairs:
         return self.block(0, self.n_users)
 
 
-def _lookup(values: pa.Array, ids: np.ndarray) -> np.ndarray:
+def _lookup(values: pa.Array | pa.ChunkedArray, ids: np.ndarray) -> np.ndarray:
     """Row position of each value in ``ids``, -1 where absent (a hash lookup in Arrow, no Python loop)."""
     value_set = pa.array(ids, type=pa.string() if ids.dtype == object else pa.int64())
-    pos = pc.index_in(values, value_set=value_set)
-    return pos.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    pos = pc.index_in(values, value_set=value_set).fill_null(-1)
+    if isinstance(pos, pa.ChunkedArray):
+        return np.asarray(pos.to_numpy(), dtype=np.int64) if pos.num_chunks else np.zeros(0, np.int64)
+    return pos.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
 def _match_type(path: str, col: str, values: pa.Array, ids: np.ndarray, whose: str, row0: int = 0) -> pa.Array:
@@ -596,7 +598,9 @@ def load_exclusions(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.
     item_col = _exclusion_item_column(pf, path)
     has_list = item_col == "item_ids"
 
-    user_rows_parts, item_rows_parts = [], []
+    # Ids are validated batch by batch but looked up once per column at the end: building the hash table of a
+    # million ids costs ~50 ms, once per lookup call.
+    user_parts, item_parts, length_parts = [], [], []
     row = 0
     for batch in _iter_batches(pf, path, ["user_id", item_col], READ_BATCH_ROWS):
         users, items = batch.column(0), batch.column(1)
@@ -613,17 +617,20 @@ def load_exclusions(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.
                 pos = _first(flat.is_null().to_numpy(zero_copy_only=False))
                 list_row = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
                 raise InputError(f"{path}: row {row + list_row} has a null inside its item_ids list")
-            user_pos = np.repeat(_lookup(users, user_ids), lengths)
+            length_parts.append(lengths)
             items = flat
-        else:
-            user_pos = _lookup(users, user_ids)
         items = _match_type(path, item_col, items, item_ids, "items'", row)
-        user_rows_parts.append(user_pos)
-        item_rows_parts.append(_lookup(items, item_ids))
+        user_parts.append(users)
+        item_parts.append(items)
         row += batch.num_rows
 
-    user_rows = np.concatenate(user_rows_parts) if user_rows_parts else np.zeros(0, np.int64)
-    item_rows = np.concatenate(item_rows_parts) if item_rows_parts else np.zeros(0, np.int64)
+    if user_parts:
+        user_rows = _lookup(pa.chunked_array(user_parts), user_ids)
+        if has_list:
+            user_rows = np.repeat(user_rows, np.concatenate(length_parts))
+        item_rows = _lookup(pa.chunked_array(item_parts), item_ids)
+    else:
+        user_rows = item_rows = np.zeros(0, np.int64)
     known = (user_rows >= 0) & (item_rows >= 0)
     n_pairs = int(user_rows.size)
     user_rows, item_rows = user_rows[known], item_rows[known]
