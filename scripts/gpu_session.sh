@@ -7,7 +7,8 @@
 # S5/S7, S4 and adversarial S1 against FAISS and torch, tuning runs for S2 and S3.
 # Then, with two GPUs, the nightly batch job on one GPU and on both (scripts/gpu_batch.sh).
 # Each step has its own time limit, so a slow step cannot eat the others; at most 8 files come back under $OUT.
-# Knobs: LANE_B_STEPS (default "doctor rescore s5s7 s4 adversarial tune"), RUN_TESTS=1, RUN_BATCH=1.
+# Knobs: LANE_A_STEPS (default "tests main e2e"), LANE_B_STEPS (default "doctor rescore s5s7 s4 adversarial tune"),
+# RUN_BATCH=1.
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
 export PYTHONUNBUFFERED=1
@@ -24,13 +25,17 @@ bench() { local dir=$1 limit=$2; shift 2; step "bench $dir: $*" "$limit" python3
     >"/tmp/$dir.log" 2>&1; grep -E "^\| |^- " "/tmp/$dir/results.md" 2>/dev/null || tail -n 20 "/tmp/$dir.log"; }
 
 lane_a() {
-    if [ "${RUN_TESTS:-1}" = 1 ]; then
-        step "gpu tests" "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors >"$OUT/tests.log" 2>&1
-        tail -n 1 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
-    fi
-    bench main "${MAIN_TIMEOUT:-260}" -w S1 -w S2 -w S3 --ceilings --repeat 3
-    mkdir -p "$OUT/main"; cp /tmp/main/results.json "$OUT/main/" 2>/dev/null  # the table is in the log
-    bench e2e 120 -w S1 --e2e --contenders recall --repeat 2
+    for s in ${LANE_A_STEPS:-tests main e2e}; do
+        case $s in
+            tests) step "gpu tests" "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+                       --continue-on-collection-errors >"$OUT/tests.log" 2>&1
+                   tail -n 1 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20 ;;
+            main) bench main "${MAIN_TIMEOUT:-260}" -w S1 -w S2 -w S3 --ceilings --repeat 3
+                  mkdir -p "$OUT/main"; cp /tmp/main/results.json "$OUT/main/" 2>/dev/null ;;  # the table is in the log
+            e2e) bench e2e 120 -w S1 --e2e --contenders recall --repeat 2 ;;
+            s5s7) bench s5s7 150 -w S5 -w S7 --repeat 3 ;;
+        esac
+    done
 }
 
 lane_b() {
