@@ -648,7 +648,8 @@ def read_candidates(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.
         Unreadable file, missing or mistyped columns, a null user id, list or item id (naming the row), id types
         that do not match the embeddings'.
     """
-    from .io.parquet import READ_BATCH_ROWS, _first, _iter_batches, _lookup, _match_type, open_parquet
+    from .io.parquet import (READ_BATCH_ROWS, _first, _iter_batches, _lookup, _match_type, flatten_id_lists,
+                             open_parquet)
 
     path = os.fspath(path)
     user_ids, item_ids = np.asarray(user_ids), np.asarray(item_ids)
@@ -666,15 +667,8 @@ def read_candidates(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.
                                  f"null {name}")
         user_parts.append(_match_type(path, "user_id", users, user_ids, "users'", row))
         if col == "item_ids":
-            lengths = (np.full(len(items), items.type.list_size, np.int64) if pa.types.is_fixed_size_list(items.type)
-                       else np.diff(items.offsets.to_numpy()))
-            flat = items.flatten()
-            if flat.null_count:
-                pos = _first(flat.is_null().to_numpy(zero_copy_only=False))
-                at = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
-                raise InputError(f"{path}: row {row + at} has a null inside its item_ids list")
+            items, lengths = flatten_id_lists(path, items, row)
             length_parts.append(lengths)
-            items = flat
         item_parts.append(_match_type(path, col, items, item_ids, "items'", row))
         row += batch.num_rows
     empty = np.zeros(0, np.int64)

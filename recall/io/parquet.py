@@ -510,6 +510,19 @@ class ExclusionPairs:
         return self.block(0, self.n_users)
 
 
+def flatten_id_lists(path: str, lists: pa.Array, row0: int) -> tuple[pa.Array, np.ndarray]:
+    """A column of item-id lists (rows ``row0`` on of ``path``) as (flat ids, list lengths); InputError naming the
+    row of a null inside a list."""
+    lengths = np.diff(lists.offsets.to_numpy()) if not pa.types.is_fixed_size_list(lists.type) else \
+        np.full(len(lists), lists.type.list_size, np.int64)
+    flat = lists.flatten()
+    if flat.null_count:
+        pos = _first(flat.is_null().to_numpy(zero_copy_only=False))
+        list_row = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+        raise InputError(f"{path}: row {row0 + list_row} has a null inside its item_ids list")
+    return flat, lengths
+
+
 def _lookup(values: pa.Array | pa.ChunkedArray, ids: np.ndarray) -> np.ndarray:
     """Row position of each value in ``ids``, -1 where absent (a hash lookup in Arrow, no Python loop)."""
     value_set = pa.array(ids, type=pa.string() if ids.dtype == object else pa.int64())
@@ -610,15 +623,8 @@ def load_exclusions(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.
                 raise InputError(f"{path}: row {row + pos} has a null {name}")
         users = _match_type(path, "user_id", users, user_ids, "users'", row)
         if has_list:
-            lengths = np.diff(items.offsets.to_numpy()) if not pa.types.is_fixed_size_list(items.type) else \
-                np.full(len(items), items.type.list_size, np.int64)
-            flat = items.flatten()
-            if flat.null_count:
-                pos = _first(flat.is_null().to_numpy(zero_copy_only=False))
-                list_row = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
-                raise InputError(f"{path}: row {row + list_row} has a null inside its item_ids list")
+            items, lengths = flatten_id_lists(path, items, row)
             length_parts.append(lengths)
-            items = flat
         items = _match_type(path, item_col, items, item_ids, "items'", row)
         user_parts.append(users)
         item_parts.append(items)
