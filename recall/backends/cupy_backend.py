@@ -184,6 +184,7 @@ class CupyBackend:
         self.use_graphs = os.environ.get("RECALL_CUDA_GRAPHS", "1") != "0"
         # Fast mode's GEMM writes float16 scores (scaled by fast.output_scale): half the bytes written and read back.
         self.half_scores = os.environ.get("RECALL_HALF_SCORES", "1") != "0"
+        self._alphas: dict[int, np.ndarray] = {}  # the GEMM's output scale per dimension (host scalars)
         self.stats: dict[str, float] = {}
         mod = _kernels()
         # Selection kernels by score type: float32 tiles, or float16 tiles of fast mode.
@@ -318,10 +319,9 @@ class CupyBackend:
         # One host scalar per dimension, kept alive: a captured graph holds the GEMM's pointer to it.
         from .. import fast
 
-        alphas = self.__dict__.setdefault("_alphas", {})
-        if dim not in alphas:
-            alphas[dim] = np.full(1, fast.output_scale(dim), np.float32)
-        return alphas[dim]
+        if dim not in self._alphas:
+            self._alphas[dim] = np.full(1, fast.output_scale(dim), np.float32)
+        return self._alphas[dim]
 
     def score_dtype(self, input_dtype: Any) -> Any:
         """The dtype of score tiles for GEMM inputs of ``input_dtype``."""
