@@ -93,6 +93,37 @@ def main() -> int:
     return sweep(ok)
 
 
+def fused_only(backend, users, items, block: int) -> float:
+    """Seconds of recall_fused_filter alone over every user block and item segment, with thresholds of +inf: the
+    fused kernel's GEMM and its threshold test, no candidates and no merges."""
+    import cupy
+
+    n_users, dim = users.shape
+    items_t = backend._transpose_items(items, items.shape[0], dim)
+    users_t = cupy.zeros((items_t.shape[0], -(-block // 128) * 128), cupy.float32)
+    thr = cupy.full(block, cupy.inf, cupy.float32)
+    cand = cupy.zeros((block, 1), cupy.uint64)
+    cnt = cupy.zeros(block, cupy.int32)
+    tiles = items_t.shape[1] // 128
+    seg, per_cta = backend.fused_segment // 128, backend.fused_tiles_per_cta
+    smem = 4 * 128 * (items_t.shape[0] + 64)
+    backend._fused.max_dynamic_shared_size_bytes = max(smem, 48 * 1024)
+    cupy.cuda.Device().synchronize()
+    t = time.perf_counter()
+    with backend.compute_stream:
+        for s0 in range(0, n_users, block):
+            n = min(block, n_users - s0)
+            users_t[:dim, :n] = users[s0:s0 + n].T
+            for t0 in range(0, tiles, seg):
+                nt = min(seg, tiles - t0)
+                backend._fused((-(-nt // per_cta), -(-n // 128)), (256,),
+                               (users_t, np.int32(users_t.shape[1]), items_t, np.int64(items_t.shape[1]),
+                                np.int32(items_t.shape[0]), np.int32(t0), np.int32(nt), np.int32(per_cta),
+                                np.int32(items.shape[0]), np.int32(n), thr, cand, np.int32(1), cnt), shared_mem=smem)
+    backend.compute_stream.synchronize()
+    return time.perf_counter() - t
+
+
 def sweep(ok: bool) -> int:
     """Tile sweep on S1-shaped data, resident on the GPU."""
     import cupy
@@ -109,46 +140,57 @@ def sweep(ok: bool) -> int:
     print(f"sweep data: {kind}", flush=True)
     rows = []
     precisions = os.environ.get("SMOKE_PRECISIONS", "exact").split(",")
-    for tiles in os.environ.get("SMOKE_TILES", "1024,4096,2;2048,4096,2;1024,8192,2;2048,8192,4").split(";"):
-        for graphs, precision in [(g, p) for g in os.environ.get("SMOKE_GRAPHS", "1,0").split(",") for p in precisions]:
-            os.environ["RECALL_GPU_TILES"] = tiles
-            os.environ["RECALL_CUDA_GRAPHS"] = graphs
-            eng = recall.Engine(cu_items, device="gpu", precision=precision)
-            eng.search(cu_users[:5000], 100)
-            cupy.cuda.Device().synchronize()
-            times = []
-            for _ in range(3):
-                t = time.perf_counter()
-                res = eng.search(cu_users, 100)
-                cupy.cuda.Device().synchronize()
-                times.append(time.perf_counter() - t)
-            med = sorted(times)[1]
-            tflops = 2 * n_users * 1e6 * 64 / med / 1e12
-            rows.append({"tiles": tiles, "graphs": graphs, "precision": precision, "seconds": med, "tflops": tflops,
-                         "stats": {k: v for k, v in eng.stats.items() if k != "tiles"}})
-            print(f"tiles={tiles:>14} graphs={graphs} {precision:>5} {med:.3f}s {tflops:.1f} TFLOP/s "
-                  f"busy {eng.stats.get('busy_fraction', 0):.2f} fallback {eng.stats.get('fallback_users', '-')}",
-                  flush=True)
-            if precision != "exact":
-                continue
-            # The GEMMs alone at the same tiling: what selection costs on top of them.
-            from recall import scoring
-
-            plan = scoring.plan_tiles(n_users, 1_000_000, 64, 100, eng.memory_budget,
-                                      eng.backend.preferred_tiles(64, 100), eng.backend.state_bytes(100))
-            buf = cupy.empty(plan.user_block * plan.item_tile * plan.tiles_per_call, cupy.float32)
+    # SMOKE_FUSED: exact mode's fused-kernel settings to try, "mode" or "mode:tiles per block:segment items".
+    fused_runs = os.environ.get("SMOKE_FUSED", "auto").split(";")
+    runs = [(t, g, p, f) for t in os.environ.get("SMOKE_TILES", "1024,4096,2;2048,4096,2;1024,8192,2;2048,8192,4")
+            .split(";") for g in os.environ.get("SMOKE_GRAPHS", "1,0").split(",") for p in precisions
+            for f in (fused_runs if p == "exact" else ["auto"])]
+    for tiles, graphs, precision, fused in runs:
+        os.environ["RECALL_GPU_TILES"] = tiles
+        os.environ["RECALL_CUDA_GRAPHS"] = graphs
+        mode, *rest = fused.split(":")
+        os.environ["RECALL_FUSED"] = mode
+        os.environ["RECALL_FUSED_TPC"] = rest[0] if rest else "8"
+        os.environ["RECALL_FUSED_SEGMENT"] = rest[1] if len(rest) > 1 else "65536"
+        eng = recall.Engine(cu_items, device="gpu", precision=precision)
+        eng.search(cu_users[:5000], 100)
+        cupy.cuda.Device().synchronize()
+        times = []
+        for _ in range(3):
             t = time.perf_counter()
-            with eng.backend.compute_stream:
-                for s0 in range(0, n_users, plan.user_block):
-                    ub = cu_users[s0:s0 + plan.user_block]
-                    for st, w, nt in scoring.item_segments(1_000_000, plan):
-                        eng.backend.gemm_strided_batched(
-                            ub.reshape(1, *ub.shape), cu_items[st:st + w * nt].reshape(nt, w, 64),
-                            buf[: nt * ub.shape[0] * w].reshape(nt, ub.shape[0], w))
-            eng.backend.compute_stream.synchronize()
-            gemm = time.perf_counter() - t
-            rows[-1]["gemm_only_seconds"] = gemm
-            print(f"    gemm only {gemm:.3f}s -> total/gemm {med / gemm:.2f}", flush=True)
+            eng.search(cu_users, 100)
+            cupy.cuda.Device().synchronize()
+            times.append(time.perf_counter() - t)
+        med = sorted(times)[1]
+        tflops = 2 * n_users * 1e6 * 64 / med / 1e12
+        rows.append({"tiles": tiles, "graphs": graphs, "precision": precision, "fused": fused, "seconds": med,
+                     "tflops": tflops, "stats": {k: v for k, v in eng.stats.items() if k != "tiles"}})
+        print(f"tiles={tiles:>14} graphs={graphs} {precision:>5} fused={fused:<14} {med:.3f}s {tflops:.1f} TFLOP/s "
+              f"busy {eng.stats.get('busy_fraction', 0):.2f} fallback {eng.stats.get('fallback_users', '-')}",
+              flush=True)
+        if precision != "exact" or fused != fused_runs[0]:
+            continue
+        # The GEMMs alone at the same tiling: what selection costs on top of them.
+        from recall import scoring
+
+        plan = scoring.plan_tiles(n_users, 1_000_000, 64, 100, eng.memory_budget,
+                                  eng.backend.preferred_tiles(64, 100), eng.backend.state_bytes(100))
+        buf = cupy.empty(plan.user_block * plan.item_tile * plan.tiles_per_call, cupy.float32)
+        t = time.perf_counter()
+        with eng.backend.compute_stream:
+            for s0 in range(0, n_users, plan.user_block):
+                ub = cu_users[s0:s0 + plan.user_block]
+                for st, w, nt in scoring.item_segments(1_000_000, plan):
+                    eng.backend.gemm_strided_batched(
+                        ub.reshape(1, *ub.shape), cu_items[st:st + w * nt].reshape(nt, w, 64),
+                        buf[: nt * ub.shape[0] * w].reshape(nt, ub.shape[0], w))
+        eng.backend.compute_stream.synchronize()
+        gemm = time.perf_counter() - t
+        rows[-1]["gemm_only_seconds"] = gemm
+        fused_alone = fused_only(eng.backend, cu_users, cu_items, plan.user_block)
+        rows[-1]["fused_kernel_only_seconds"] = fused_alone
+        print(f"    gemm only {gemm:.3f}s -> total/gemm {med / gemm:.2f}; fused kernel alone (no score passes) "
+              f"{fused_alone:.3f}s", flush=True)
     os.environ.pop("RECALL_CUDA_GRAPHS", None)
     out = os.environ.get("OUT")
     if out:

@@ -45,7 +45,8 @@ def _kernels() -> Any:
     dev = cupy.cuda.Device().id
     with _module_lock:
         if dev not in _modules:
-            source = resources.files("recall.kernels").joinpath("topk.cu").read_text()
+            kernels = resources.files("recall.kernels")
+            source = kernels.joinpath("topk.cu").read_text() + kernels.joinpath("fused.cu").read_text()
             _modules[dev] = cupy.RawModule(code=source, options=("--std=c++14",))
         return _modules[dev]
 
@@ -89,6 +90,19 @@ def _candidate_capacity(k: int) -> int:
     return max(4096, 4 * k)
 
 
+def _fused_capacity(k: int) -> int:
+    # The fused path cannot rescan a score tile when a user's buffer overflows (it recomputes the segment's scores,
+    # slowly), so its buffer holds about all the survivors a seeded search passes: k * n_items / sample size.
+    return _pow2(max(16384, 32 * k))
+
+
+#: Tile geometry of recall_fused_filter (fused.cu): 128 x 128 scores per tile, 32 dimensions per chunk.
+_FUSED_TILE = 128
+_FUSED_CHUNK = 32
+_FUSED_THREADS = 256
+_FUSED_MAX_DIM = 256  # the users' vectors of a block stay in shared memory: 128 x 256 floats at most
+
+
 def seed_size(n_items: int, k: int, capacity: int) -> int:
     """Items in a block's threshold sample (see ``recall_seed_done``), or 0 where seeding does not pay: the sample
     costs ``size / n_items`` of the search's GEMM work and leaves about ``k * n_items / size`` scores per user to pass
@@ -121,10 +135,10 @@ class GpuTopK:
     out_rows: Any
 
     @classmethod
-    def allocate(cls, capacity: int, k: int) -> "GpuTopK":
+    def allocate(cls, capacity: int, k: int, cand_capacity: int = 0) -> "GpuTopK":
         import cupy
 
-        c = _candidate_capacity(k)
+        c = cand_capacity or _candidate_capacity(k)
         state = cls(k, capacity, capacity, c,
                     top=cupy.zeros((capacity, k), cupy.uint64), n_valid=cupy.zeros(capacity, cupy.int32),
                     thr=cupy.full(capacity, -cupy.inf, cupy.float32), cand=cupy.zeros((capacity, c), cupy.uint64),
@@ -164,6 +178,7 @@ class _Workspace:
     scores: Any
     slots: list
     sample: Any = None  # (size, dim): the threshold sample's item rows, refreshed by every search
+    users_t: Any = None  # fused path: (padded dim, padded capacity) the block's users transposed, zero-padded
 
 
 class CupyBackend:
@@ -195,6 +210,15 @@ class CupyBackend:
         self._merge = {np.dtype(np.float32): mod.get_function("recall_merge"),
                        np.dtype(np.float16): mod.get_function("recall_merge_h")}
         self._seed_done = mod.get_function("recall_seed_done")
+        self._fused = mod.get_function("recall_fused_filter")
+        self._merge_fused = mod.get_function("recall_merge_fused")
+        # Exact mode scores and filters in one kernel (fused.cu) where it applies: "auto" (seeded searches of float32
+        # vectors of at most 256 dimensions), "force" (also unseeded: tests), "off" (always cuBLAS + filter).
+        self.fused_mode = os.environ.get("RECALL_FUSED", "auto")
+        self.fused_segment = int(os.environ.get("RECALL_FUSED_SEGMENT", "65536"))  # items between merges
+        self.fused_tiles_per_cta = int(os.environ.get("RECALL_FUSED_TPC", "8"))
+        self._items_t: Any = None  # fused path: the items transposed, (padded dim, padded rows), rebuilt per search
+        self._fused_smem_limit = 0
         self._merge_smem_limit = 0
         self._capturing = False
         self._ws: dict[tuple, _Workspace] = {}
@@ -218,9 +242,9 @@ class CupyBackend:
         return min(8 << 30, self.free_memory() // 4)
 
     def state_bytes(self, k: int) -> int:
-        # top keys + candidates + results + per-user scalars, plus the pinned/device staging of users (counted by
-        # the plan) twice over for the two pipeline slots.
-        return 8 * k + 8 * _candidate_capacity(k) + 12 * k + 32
+        # top keys + candidates (the fused path's larger buffer) + results + per-user scalars, plus the pinned/device
+        # staging of users (counted by the plan) twice over for the two pipeline slots.
+        return 8 * k + 8 * _fused_capacity(k) + 12 * k + 32
 
     def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
         env = os.environ.get("RECALL_GPU_TILES")
@@ -371,15 +395,20 @@ class CupyBackend:
         self._launch_merge(state, state.out_vals, n, 1, 1, 0, 0, final=True)
         return state.out_vals[:n], state.out_rows[:n]
 
-    def _launch_merge(self, state: GpuTopK, scores: Any, n: int, width: int, tiles: int, item_start: int,
-                      n_items: int, final: bool, force: bool = False) -> None:
-        k_pad = _pow2(state.k)
+    def _merge_smem(self, k: int) -> tuple[int, int]:
+        """(K_pad, dynamic shared memory bytes) of a merge for k, the merge kernels allowed that much."""
+        k_pad = _pow2(k)
         smem = 8 * k_pad
-        merge = self._merge[scores.dtype]
         if smem > 48 * 1024 and smem > self._merge_smem_limit:
-            for fn in self._merge.values():
+            for fn in (*self._merge.values(), self._merge_fused):
                 fn.max_dynamic_shared_size_bytes = smem
             self._merge_smem_limit = smem
+        return k_pad, smem
+
+    def _launch_merge(self, state: GpuTopK, scores: Any, n: int, width: int, tiles: int, item_start: int,
+                      n_items: int, final: bool, force: bool = False) -> None:
+        k_pad, smem = self._merge_smem(state.k)
+        merge = self._merge[scores.dtype]
         merge((n,), (_MERGE_THREADS,),
                     (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, scores,
                      np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start), np.int32(n_items),
@@ -387,6 +416,64 @@ class CupyBackend:
                      np.int32(k_pad), np.int32(state.cand_capacity), np.int32(-1 if force else state.cand_capacity // 2),
                      np.int32(1 if final else 0), state.out_vals, state.out_rows),
                     shared_mem=smem)
+
+    # -- the fused path: exact scores filtered in the GEMM's registers (fused.cu) ------------------------------
+    def _fused_applies(self, plan: scoring.TilePlan, n_items: int, k: int, dim: int, dtype: Any) -> bool:
+        if self.fused_mode == "off" or np.dtype(dtype) != np.float32 or dim > _FUSED_MAX_DIM \
+                or plan.interests is not None:
+            return False
+        return self.fused_mode == "force" or seed_size(n_items, k, plan.item_tile * plan.tiles_per_call) > 0
+
+    def _transpose_items(self, items: Any, n_items: int, dim: int) -> Any:
+        """The items transposed into (dim rounded up to 32, rows rounded up to 128), zero-padded, on the compute
+        stream: the fused kernel's operand, rebuilt by every search (the engine's items may have changed)."""
+        dp = -(-dim // _FUSED_CHUNK) * _FUSED_CHUNK
+        shape = (dp, -(-n_items // _FUSED_TILE) * _FUSED_TILE)
+        with self.compute_stream:
+            if self._items_t is None or self._items_t[0] != (shape, dim):
+                self._items_t = None  # let the old one go first
+                self._items_t = ((shape, dim), self.xp.zeros(shape, np.float32))
+            items_t = self._items_t[1]
+            items_t[:dim, :n_items] = items[:n_items].T
+        return items_t
+
+    def _fused_search(self, ws: "_Workspace", users: Any, items_t: Any, n_items: int, state: GpuTopK,
+                      ex_ptr: Any, ex_items: Any, has_excl: bool) -> None:
+        """Score one block's n users against every item with recall_fused_filter, a segment of items per launch,
+        each followed by a merge (which recomputes the segment for a user whose buffer overflowed)."""
+        n, dim = users.shape
+        users_t = ws.users_t
+        users_t[:dim, :n] = users.T
+        dp, ldu = users_t.shape
+        smem = 4 * _FUSED_TILE * (dp + 2 * _FUSED_CHUNK)
+        if smem > 48 * 1024 and smem > self._fused_smem_limit:
+            self._fused.max_dynamic_shared_size_bytes = smem
+            self._fused_smem_limit = smem
+        tiles = -(-n_items // _FUSED_TILE)
+        seg = max(1, self.fused_segment // _FUSED_TILE)
+        per_cta = max(1, self.fused_tiles_per_cta)
+        for t0 in range(0, tiles, seg):
+            nt = min(seg, tiles - t0)
+            self._fused((-(-nt // per_cta), -(-n // _FUSED_TILE)), (_FUSED_THREADS,),
+                        (users_t, np.int32(ldu), items_t, np.int64(items_t.shape[1]), np.int32(dp), np.int32(t0),
+                         np.int32(nt), np.int32(per_cta), np.int32(n_items), np.int32(n), state.thr, state.cand,
+                         np.int32(state.cand_capacity), state.cnt), shared_mem=smem)
+            start = t0 * _FUSED_TILE
+            self._launch_merge_fused(state, users_t, items_t, n, start, min(nt * _FUSED_TILE, n_items - start),
+                                     n_items, False, ex_ptr, ex_items, has_excl)
+        self._launch_merge_fused(state, users_t, items_t, n, 0, 0, n_items, True, ex_ptr, ex_items, has_excl)
+
+    def _launch_merge_fused(self, state: GpuTopK, users_t: Any, items_t: Any, n: int, item_start: int, n_tile: int,
+                            n_items: int, final: bool, ex_ptr: Any, ex_items: Any, has_excl: bool) -> None:
+        k_pad, smem = self._merge_smem(state.k)
+        c = state.cand_capacity
+        self._merge_fused((n,), (_MERGE_THREADS,),
+                          (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, users_t,
+                           np.int32(users_t.shape[1]), items_t, np.int64(items_t.shape[1]), np.int32(users_t.shape[0]),
+                           np.int32(item_start), np.int32(n_tile), np.int32(n_items), np.int32(state.k),
+                           np.int32(k_pad), np.int32(c), np.int32(c // 2), np.int32(1 if final else 0),
+                           state.out_vals, state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0)),
+                          shared_mem=smem)
 
     # -- the block pipeline -----------------------------------------------------------------------------------
     def run_blocks(self, plan: scoring.TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Any,
@@ -400,7 +487,10 @@ class CupyBackend:
         max_excl = max(1, max(int(excl.indptr[e] - excl.indptr[s]) for s, e in blocks))
         has_excl = excl.items.size > 0
         host_users = isinstance(users, np.ndarray)
-        ws = self._workspace(plan, k, dim, max_excl, users.dtype)
+        fused = self._fused_applies(plan, n_items, k, dim, users.dtype)
+        # The fused path keeps score room for the threshold sample only.
+        sample = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call) if plan.interests is None else 0
+        ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused, max(1, sample) if fused else None)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
         compute, copy, fetch = self.compute_stream, self.copy_stream, self.fetch_stream
@@ -412,6 +502,8 @@ class CupyBackend:
         copy.wait_event(ready)
         seed = self._refresh_sample(ws, plan, items, n_items, k, dim)
         stats["seed_sample"] = 0 if seed is None else seed[0].shape[0]
+        items_t = self._transpose_items(items, n_items, dim) if fused else None
+        stats["fused"] = fused
         fetched = None  # event: the previous block's results have left state.out_vals for the host
         timing = []  # (h2d start, h2d end, compute start, compute end[, d2h end]) events per block
 
@@ -444,7 +536,8 @@ class CupyBackend:
                 if fetched is not None:
                     compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
-                self._search_slot(slot, i, plan, items, n_items, state, scores_buf, cap, has_excl, stats, seed)
+                self._search_slot(slot, i, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
+                                  ws if fused else None, items_t)
                 if not host_out:
                     out_vals[start:stop, :k] = state.out_vals[:n]
                     out_rows[start:stop, :k] = state.out_rows[:n]
@@ -469,12 +562,14 @@ class CupyBackend:
                      tiles=(plan.user_block, plan.item_tile, plan.tiles_per_call))
         self.stats = stats
 
-    def _workspace(self, plan: scoring.TilePlan, k: int, dim: int, max_excl: int, dtype: Any) -> "_Workspace":
+    def _workspace(self, plan: scoring.TilePlan, k: int, dim: int, max_excl: int, dtype: Any,
+                   fused: bool = False, score_width: int | None = None) -> "_Workspace":
         """The device and pinned buffers of a search, kept for the next search of the same shape (an embedded
-        engine answering many calls allocates, and captures its graphs, once)."""
+        engine answering many calls allocates, and captures its graphs, once). The fused path needs score room for
+        the threshold sample only, and a larger candidate buffer."""
         import cupy
 
-        key = (plan, k, dim, np.dtype(dtype))
+        key = (plan, k, dim, np.dtype(dtype), fused, score_width)
         ws = self._ws.get(key)
         if ws is not None and ws.max_excl >= max_excl:
             ws.state.clear()  # the last final merge emptied it, unless that search was interrupted
@@ -484,11 +579,11 @@ class CupyBackend:
         self._ws.pop(key, None)
         while len(self._ws) >= 2:
             self._ws.pop(next(iter(self._ws)))
-        need = (4 * plan.user_block * plan.item_tile * plan.tiles_per_call
-                + plan.user_block * self.state_bytes(k) + 2 * 4 * plan.user_block * dim)
+        width = plan.item_tile * plan.tiles_per_call if score_width is None else score_width
+        need = (4 * plan.user_block * width + plan.user_block * self.state_bytes(k) + 2 * 4 * plan.user_block * dim)
         try:
-            state = GpuTopK.allocate(plan.user_block, k)
-            scores = cupy.empty(plan.user_block * plan.item_tile * plan.tiles_per_call, self.score_dtype(dtype))
+            state = GpuTopK.allocate(plan.user_block, k, _fused_capacity(k) if fused else 0)
+            scores = cupy.empty(plan.user_block * width, self.score_dtype(dtype))
             slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(2)]
         except cupy.cuda.memory.OutOfMemoryError as exc:
             raise ResourceError(
@@ -497,6 +592,9 @@ class CupyBackend:
                 f"lower memory_budget"
             ) from exc
         self._ws[key] = _Workspace(key, max_excl, state, scores, slots)
+        if fused:
+            self._ws[key].users_t = cupy.zeros((-(-dim // _FUSED_CHUNK) * _FUSED_CHUNK,
+                                                -(-plan.user_block // _FUSED_TILE) * _FUSED_TILE), np.float32)
         return self._ws[key]
 
     def _slot(self, cap: int, dim: int, max_excl: int, dtype: Any) -> _Slot:
@@ -525,24 +623,33 @@ class CupyBackend:
         return ws.sample, first, stride
 
     def _search_slot(self, slot: _Slot, i: int, plan: scoring.TilePlan, items: Any, n_items: int, state: GpuTopK,
-                     scores_buf: Any, cap: int, has_excl: bool, stats: dict, seed: Any) -> None:
-        """One block, always over the slot's full capacity of rows (rows past the real users are ignored), so that
-        every block runs the same launches and the graph captured for a slot replays for each of its blocks."""
+                     scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any,
+                     items_t: Any) -> None:
+        """One block of n users. The cuBLAS path always runs over the slot's full capacity of rows (rows past the
+        real users are ignored), so that every block runs the same launches and the graph captured for a slot
+        replays for each of its blocks; the fused path (``fused_ws`` set) scores the real rows only, and runs a
+        short last block eagerly."""
         ex_items = slot.ex_items if has_excl else slot.ex_items[:0]
+        cap = slot.users.shape[0]
+        rows = n if fused_ws is not None else cap
 
         def launches() -> None:
-            self.topk_reset(state, cap)
+            users = slot.users[:rows]
+            self.topk_reset(state, rows)
             if seed is not None:
-                self.topk_seed(state, slot.users, *seed, scores_buf, slot.ex_ptr, ex_items)
-            scoring.search_block(self, plan, slot.users, items, n_items, state, scores_buf, slot.ex_ptr, ex_items)
-            self.topk_result(state)
+                self.topk_seed(state, users, *seed, scores_buf, slot.ex_ptr, ex_items)
+            if fused_ws is None:
+                scoring.search_block(self, plan, users, items, n_items, state, scores_buf, slot.ex_ptr, ex_items)
+                self.topk_result(state)
+            else:
+                self._fused_search(fused_ws, users, items_t, n_items, state, slot.ex_ptr, slot.ex_items, has_excl)
 
         # The first block runs eagerly: it compiles and loads everything the capture must not have to.
-        if not self.use_graphs or (i == 0 and slot.graph is None):
+        if not self.use_graphs or (i == 0 and slot.graph is None) or rows != cap:
             launches()
             return
         # The workspace (and so every other pointer, the sample buffer included) is fixed per slot.
-        key = (id(items), n_items, has_excl, seed is not None)
+        key = (id(items), n_items, has_excl, seed is not None, None if items_t is None else items_t.data.ptr)
         if slot.graph is None or slot.graph_key != key:
             slot.graph = self._capture(launches)
             slot.graph_key = key

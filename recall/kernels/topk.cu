@@ -167,31 +167,69 @@ extern "C" __global__ void recall_filter_h(const half_bits* __restrict__ scores,
     recall_filter_body(scores, U, T, item_start, n_items, thr, cand, C, cnt);
 }
 
+// The scores of the tile being merged, for the overflow rescan: read back from a score tile (cuBLAS path)...
 template <typename S>
+struct RecallScoreTile {
+    const S* scores; int U; int T; int u;
+    __device__ __forceinline__ float at(int i) const {
+        const int tile = i / T;
+        return recall_load(scores, ((long long)tile * U + u) * (long long)T + (i - tile * T));
+    }
+};
+
+// ...or recomputed from the embeddings (fused path, recall_fused_filter in fused.cu), with the same FMA sequence as
+// that kernel so that every score comes out bit for bit the same; exclusions are checked here, since no tile was
+// masked. uT is (Dp, ldu) users, iT is (Dp, ldi) items, both transposed and zero-padded to Dp.
+struct RecallDotTile {
+    const float* uT; int ldu; const float* iT; long long ldi; int Dp; int u; int item_start;
+    __device__ __forceinline__ float at(int i) const {
+        const long long j = (long long)item_start + i;
+        float acc = 0.0f;
+        for (int k = 0; k < Dp; ++k) acc = fmaf(uT[(long long)k * ldu + u], iT[k * ldi + j], acc);
+        return acc;
+    }
+};
+
+// Whether item row is among a user's n_ex sorted excluded rows ex.
+__device__ __forceinline__ bool recall_excluded(const long long* ex, long long n_ex, long long row) {
+    long long a = 0, b = n_ex;
+    while (a < b) {
+        const long long m = (a + b) >> 1;
+        if (ex[m] < row) a = m + 1; else b = m;
+    }
+    return a < n_ex && ex[a] == row;
+}
+
+template <typename Tile>
 struct RecallSources {
     const u64* top; int n_top;
     const u64* cand; int n_cand;
-    const S* scores; int n_tile; int U; int T; int u; int item_start; int n_items; float thr;
+    Tile tile; int n_tile; int item_start; int n_items; float thr;
+    const long long* ex; long long n_ex;  // the user's sorted excluded rows, where the tile was not masked
 };
 
-template <typename S>
-__device__ __forceinline__ u64 recall_key_at(const RecallSources<S>& s, int i) {
+template <typename Tile>
+__device__ __forceinline__ u64 recall_key_at(const RecallSources<Tile>& s, int i) {
     if (i < s.n_top) return s.top[i];
     i -= s.n_top;
     if (i < s.n_cand) return s.cand[i];
     i -= s.n_cand;
-    const int tile = i / s.T;
-    const float v = recall_load(s.scores, ((long long)tile * s.U + s.u) * (long long)s.T + (i - tile * s.T));
-    return (v > s.thr && s.item_start + i < s.n_items) ? recall_key(v, s.item_start + i) : 0ull;
+    const int row = s.item_start + i;
+    if (row >= s.n_items) return 0ull;
+    const float v = s.tile.at(i);
+    return (v > s.thr && !recall_excluded(s.ex, s.n_ex, row)) ? recall_key(v, row) : 0ull;
 }
 
-// One block per user. Dynamic shared memory: K_pad keys (K_pad = next power of two >= K).
-template <typename S>
+// One block per user. Dynamic shared memory: K_pad keys (K_pad = next power of two >= K). The tile (the last
+// n_tile items from item_start) is rescanned only when the candidate buffer overflowed. With ex_ptr set (the fused
+// path, whose scores were never masked), candidates of excluded items are dropped here.
+template <typename Tile>
 __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
-                                  const u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
-                                  const S* __restrict__ scores, int U, int T, int B, int item_start, int n_items,
+                                  u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
+                                  Tile tile, int n_tile, int item_start, int n_items,
                                   int K, int K_pad, int C, int high_water, int final_pass,
-                                  float* __restrict__ out_vals, long long* __restrict__ out_rows) {
+                                  float* __restrict__ out_vals, long long* __restrict__ out_rows,
+                                  const long long* __restrict__ ex_ptr, const long long* __restrict__ ex_items) {
     extern __shared__ u64 sel[];
     __shared__ u32 hist[256];
     __shared__ u64 s_prefix, s_mask, s_min;
@@ -205,18 +243,29 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
         if (threadIdx.x == 0) base[u] = c;
         return;
     }
-    RecallSources<S> src;
+    RecallSources<Tile> src;
     src.top = top + (long long)u * K;
     src.n_top = n_valid[u];
     src.cand = cand + (long long)u * C;
     // On overflow the buffer holds this tile's survivors only in part: keep the earlier tiles' candidates and
-    // rescan this tile's row (still resident) instead.
+    // rescan this tile's row (still resident, or recomputed) instead.
     src.n_cand = overflow ? base[u] : c;
-    src.scores = scores;
-    src.n_tile = overflow ? B * T : 0;
-    src.U = U; src.T = T; src.u = u; src.item_start = item_start; src.n_items = n_items;
+    src.tile = tile;
+    src.n_tile = overflow ? n_tile : 0;
+    src.item_start = item_start; src.n_items = n_items;
     src.thr = thr[u];
     const int total = src.n_top + src.n_cand + src.n_tile;
+    src.ex = nullptr;
+    src.n_ex = 0;
+    if (ex_ptr != nullptr && ex_ptr[u + 1] > ex_ptr[u]) {
+        src.ex = ex_items + ex_ptr[u];
+        src.n_ex = ex_ptr[u + 1] - ex_ptr[u];
+        u64* mine = cand + (long long)u * C;
+        for (int i = threadIdx.x; i < src.n_cand; i += blockDim.x) {
+            if (recall_excluded(src.ex, src.n_ex, (long long)(~(u32)(mine[i] & 0xffffffffull)))) mine[i] = 0ull;
+        }
+        __syncthreads();
+    }
 
     if (threadIdx.x == 0) { s_prefix = 0; s_mask = 0; s_want = K; s_done = 0; s_count = 0; s_min = ~0ull; }
     // Radix select of the K-th largest key, 8 bits at a time from the top; stops as soon as every key sharing the
@@ -313,19 +362,36 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
 }
 
 extern "C" __global__ void recall_merge(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
-                                        const u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
+                                        u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
                                         const float* __restrict__ scores, int U, int T, int B, int item_start,
                                         int n_items, int K, int K_pad, int C, int high_water, int final_pass,
                                         float* __restrict__ out_vals, long long* __restrict__ out_rows) {
-    recall_merge_body(top, n_valid, thr, cand, cnt, base, scores, U, T, B, item_start, n_items, K, K_pad, C,
-                      high_water, final_pass, out_vals, out_rows);
+    const RecallScoreTile<float> tile = {scores, U, T, (int)blockIdx.x};
+    recall_merge_body(top, n_valid, thr, cand, cnt, base, tile, B * T, item_start, n_items, K, K_pad, C, high_water,
+                      final_pass, out_vals, out_rows, nullptr, nullptr);
 }
 
 extern "C" __global__ void recall_merge_h(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
-                                          const u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
+                                          u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
                                           const half_bits* __restrict__ scores, int U, int T, int B, int item_start,
                                           int n_items, int K, int K_pad, int C, int high_water, int final_pass,
                                           float* __restrict__ out_vals, long long* __restrict__ out_rows) {
-    recall_merge_body(top, n_valid, thr, cand, cnt, base, scores, U, T, B, item_start, n_items, K, K_pad, C,
-                      high_water, final_pass, out_vals, out_rows);
+    const RecallScoreTile<half_bits> tile = {scores, U, T, (int)blockIdx.x};
+    recall_merge_body(top, n_valid, thr, cand, cnt, base, tile, B * T, item_start, n_items, K, K_pad, C, high_water,
+                      final_pass, out_vals, out_rows, nullptr, nullptr);
+}
+
+// The merge of the fused path: the segment's n_tile items from item_start are recomputed on overflow, and excluded
+// items are dropped when has_excl (ex_ptr then has an entry per user of the block, plus one).
+extern "C" __global__ void recall_merge_fused(u64* __restrict__ top, int* __restrict__ n_valid,
+                                              float* __restrict__ thr, u64* __restrict__ cand, int* __restrict__ cnt,
+                                              int* __restrict__ base, const float* __restrict__ uT, int ldu,
+                                              const float* __restrict__ iT, long long ldi, int Dp, int item_start,
+                                              int n_tile, int n_items, int K, int K_pad, int C, int high_water,
+                                              int final_pass, float* __restrict__ out_vals,
+                                              long long* __restrict__ out_rows, const long long* __restrict__ ex_ptr,
+                                              const long long* __restrict__ ex_items, int has_excl) {
+    const RecallDotTile tile = {uT, ldu, iT, ldi, Dp, (int)blockIdx.x, item_start};
+    recall_merge_body(top, n_valid, thr, cand, cnt, base, tile, n_tile, item_start, n_items, K, K_pad, C, high_water,
+                      final_pass, out_vals, out_rows, has_excl ? ex_ptr : nullptr, ex_items);
 }

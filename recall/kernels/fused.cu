@@ -1,0 +1,117 @@
+// Exact mode's fused scoring and filtering: an FP32 GEMM whose scores never leave the registers. Compiled after
+// topk.cu, in the same module (it appends to the candidate buffers that recall_merge_fused folds in).
+//
+// One block of 256 threads owns 128 users and walks `tiles_per_cta` tiles of 128 items. The users' vectors stay in
+// shared memory; the items come in chunks of 32 dimensions through a double buffer filled with cp.async, so that the
+// next chunk loads while this one is multiplied. Each thread accumulates an 8 x 8 patch of scores (users ty*4+i and
+// 64+ty*4+i, items tx*4+j and 64+tx*4+j) with one fmaf per dimension in order, from 0, the sequence that
+// RecallDotTile repeats when a merge must recompute a segment. When a tile is done, every score above its user's
+// threshold is appended to the user's candidates (one atomic each: after a block is seeded, few pass).
+//
+// uT is (Dp, ldu) and iT is (Dp, ldi): users and items transposed, zero-padded to Dp (a multiple of 32) dimensions
+// and to whole tiles of 128 rows (the scores of padding rows are computed, and never kept).
+
+#define RF_TILE 128
+#define RF_CHUNK 32
+#define RF_THREADS 256
+
+__device__ __forceinline__ unsigned recall_smem_addr(const void* p) {
+    unsigned a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void recall_cp16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(recall_smem_addr(smem)), "l"(gmem));
+}
+
+__device__ __forceinline__ void recall_cp_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void recall_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Dynamic shared memory: Dp * 128 floats of users, then 2 * 32 * 128 floats of item chunks.
+extern "C" __global__ void __launch_bounds__(RF_THREADS, 2)
+recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restrict__ iT, long long ldi, int Dp,
+                    int tile0, int n_tiles, int tiles_per_cta, int n_items, int n_users, const float* __restrict__ thr,
+                    u64* __restrict__ cand, int C, int* __restrict__ cnt) {
+    extern __shared__ float4 recall_fused_smem[];
+    float* As = reinterpret_cast<float*>(recall_fused_smem);
+    float* Bs = As + Dp * RF_TILE;
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const int u0 = blockIdx.y * RF_TILE;
+    const int t_first = tile0 + blockIdx.x * tiles_per_cta;
+    const int t_count = min(tiles_per_cta, tile0 + n_tiles - t_first);
+    if (t_count <= 0) return;
+    const int chunks = Dp / RF_CHUNK;
+    const int steps = t_count * chunks;
+
+    for (int p = tid; p < Dp * 32; p += RF_THREADS) {
+        const int r = p >> 5, col = (p & 31) * 4;
+        recall_cp16(As + r * RF_TILE + col, uT + (long long)r * ldu + u0 + col);
+    }
+    // Step s multiplies chunk s % chunks of item tile t_first + s / chunks.
+    auto load_items = [&](int s) {
+        float* dst = Bs + (s & 1) * (RF_CHUNK * RF_TILE);
+        const long long col0 = (long long)(t_first + s / chunks) * RF_TILE;
+        const int k0 = (s % chunks) * RF_CHUNK;
+#pragma unroll
+        for (int q = 0; q < (RF_CHUNK * RF_TILE / 4) / RF_THREADS; ++q) {
+            const int p = tid + q * RF_THREADS;
+            const int r = p >> 5, col = (p & 31) * 4;
+            recall_cp16(dst + r * RF_TILE + col, iT + (long long)(k0 + r) * ldi + col0 + col);
+        }
+    };
+    load_items(0);
+    recall_cp_commit();
+
+    float acc[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+
+    for (int s = 0; s < steps; ++s) {
+        if (s + 1 < steps) {
+            load_items(s + 1);
+            recall_cp_commit();
+            recall_cp_wait<1>();
+        } else {
+            recall_cp_wait<0>();
+        }
+        __syncthreads();
+        const float* Ak = As + (s % chunks) * (RF_CHUNK * RF_TILE);
+        const float* Bk = Bs + (s & 1) * (RF_CHUNK * RF_TILE);
+#pragma unroll
+        for (int k = 0; k < RF_CHUNK; ++k) {
+            const float4 a0 = *reinterpret_cast<const float4*>(Ak + k * RF_TILE + ty * 4);
+            const float4 a1 = *reinterpret_cast<const float4*>(Ak + k * RF_TILE + 64 + ty * 4);
+            const float4 b0 = *reinterpret_cast<const float4*>(Bk + k * RF_TILE + tx * 4);
+            const float4 b1 = *reinterpret_cast<const float4*>(Bk + k * RF_TILE + 64 + tx * 4);
+            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();  // the buffer just read is refilled at the next step
+        if (s % chunks == chunks - 1) {
+            const int j0 = (t_first + s / chunks) * RF_TILE;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int user = u0 + (i < 4 ? ty * 4 + i : 64 + ty * 4 + i - 4);
+                const float t = user < n_users ? thr[user] : __int_as_float(0x7f800000);  // +inf: none passes
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int row = j0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
+                    if (acc[i][j] > t && row < n_items) {
+                        const int pos = atomicAdd(&cnt[user], 1);
+                        if (pos < C) cand[(long long)user * C + pos] = recall_key(acc[i][j], row);
+                    }
+                    acc[i][j] = 0.0f;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,140 @@
+"""Exact mode's fused path on the GPU (recall/kernels/fused.cu): scores filtered in the GEMM's registers.
+
+Integer-valued data makes every float32 score exact whatever the summation order, so the fused path must equal the
+CPU backend bit for bit there; on real-valued data it is checked against the float64 oracle (tie-aware).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from recall import Engine
+from recall.backends.probe import cuda_status
+
+from oracle import as_numpy, assert_topk_close
+
+usable, reason = cuda_status()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not usable, reason=f"no usable GPU: {reason}")]
+
+
+def _ints(rng, n, dim, lo=-3, hi=4):
+    return rng.integers(lo, hi, size=(n, dim)).astype(np.float32)
+
+
+def _same(a, b):
+    np.testing.assert_array_equal(as_numpy(a.indices), as_numpy(b.indices))
+    np.testing.assert_array_equal(as_numpy(a.scores), as_numpy(b.scores))
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """The fused path on small problems: also unseeded, many blocks, segments of 3 tiles, 2 tiles per kernel block."""
+    monkeypatch.setenv("RECALL_FUSED", "force")
+    monkeypatch.setenv("RECALL_FUSED_SEGMENT", "384")
+    monkeypatch.setenv("RECALL_FUSED_TPC", "2")
+    monkeypatch.setenv("RECALL_GPU_TILES", "200,300,3")
+
+
+def _gpu(items, **kw):
+    engine = Engine(items, device="gpu", **kw)
+    return engine
+
+
+@pytest.mark.parametrize("n_users,n_items,dim,k", [
+    (1, 1, 1, 1), (1, 300, 5, 300), (3, 129, 31, 7), (700, 2500, 12, 37), (130, 1000, 33, 10), (257, 3001, 256, 64),
+    (50, 5000, 64, 1000),
+])
+def test_equals_cpu_exactly(fused, n_users, n_items, dim, k):
+    rng = np.random.default_rng(n_users + n_items + dim)
+    items, users = _ints(rng, n_items, dim), _ints(rng, n_users, dim)
+    gpu = _gpu(items)
+    got = gpu.search(users, k)
+    assert gpu.stats["fused"]
+    _same(got, Engine(items, device="cpu").search(users, k))
+
+
+def test_exclusions_all_excluded_and_empty(fused):
+    rng = np.random.default_rng(1)
+    items, users = _ints(rng, 3000, 16), _ints(rng, 450, 16)
+    excl = {u: rng.choice(3000, 200, replace=False).tolist() for u in range(0, 450, 3)}
+    excl[1] = list(range(3000))  # every item excluded: nothing to return
+    excl[2] = []
+    excl[4] = list(range(0, 3000, 2))  # half of them, among them every seed-sample row
+    gpu = _gpu(items)
+    got = gpu.search(users, 50, exclude=excl)
+    assert gpu.stats["fused"]
+    _same(got, Engine(items, device="cpu").search(users, 50, exclude=excl))
+    assert (as_numpy(got.indices)[1] == -1).all()
+
+
+def test_ties_everywhere(fused):
+    rng = np.random.default_rng(2)
+    items, users = _ints(rng, 6000, 12, -1, 2), _ints(rng, 300, 12, -1, 2)
+    _same(_gpu(items).search(users, 77), Engine(items, device="cpu").search(users, 77))
+
+
+def test_seeded_auto_on_rising_order_against_oracle(monkeypatch):
+    # The default mode on a seeded search; items sorted by rising score, the order that fills candidate buffers.
+    monkeypatch.setenv("RECALL_FUSED_SEGMENT", "2048")
+    rng = np.random.default_rng(3)
+    items = rng.standard_normal((40000, 24), dtype=np.float32)
+    users = rng.standard_normal((600, 24), dtype=np.float32) + 1.5
+    items = items[np.argsort(items @ users.mean(axis=0), kind="stable")]
+    excl = {5: list(range(39000, 40000)), 6: list(range(0, 40000, 7))}
+    gpu = _gpu(items)
+    got = gpu.search(users, 100, exclude=excl)
+    assert gpu.stats["fused"] and gpu.stats["seed_sample"] > 0
+    assert_topk_close(got.indices, got.scores, users, items, 100, exclude=excl)
+
+
+def test_overflow_recompute_equals_cpu(fused, monkeypatch):
+    # Unseeded, one segment of 128-item tiles per merge and k close to the item count: every user's buffer overflows
+    # (a buffer holds 16384 candidates; a segment passes all of its 20480 scores), so each merge recomputes.
+    monkeypatch.setenv("RECALL_FUSED_SEGMENT", "20480")
+    rng = np.random.default_rng(4)
+    items, users = _ints(rng, 41000, 8), _ints(rng, 70, 8)
+    excl = {3: list(range(0, 41000, 3))}
+    gpu = _gpu(items)
+    got = gpu.search(users, 500, exclude=excl)
+    assert gpu.stats["fused"] and gpu.stats["seed_sample"] == 0
+    _same(got, Engine(items, device="cpu").search(users, 500, exclude=excl))
+
+
+def test_k_8192(fused):
+    rng = np.random.default_rng(5)
+    items, users = _ints(rng, 30000, 8), _ints(rng, 40, 8)
+    _same(_gpu(items).search(users, 8192), Engine(items, device="cpu").search(users, 8192))
+
+
+def test_device_users_and_graph_replay_equal_eager(fused, monkeypatch):
+    import cupy
+
+    rng = np.random.default_rng(6)
+    items, users = rng.standard_normal((5000, 40), dtype=np.float32), rng.standard_normal((900, 40), dtype=np.float32)
+    graphs = _gpu(items)
+    on_device = graphs.search(cupy.asarray(users), 30)
+    assert graphs.stats["graph_blocks"] > 0
+    monkeypatch.setenv("RECALL_CUDA_GRAPHS", "0")
+    _same(on_device, _gpu(items).search(users, 30))
+    assert_topk_close(as_numpy(on_device.indices), as_numpy(on_device.scores), users, items, 30)
+
+
+def test_fused_equals_cublas_path_on_integer_data(monkeypatch):
+    rng = np.random.default_rng(7)
+    items, users = _ints(rng, 80000, 64), _ints(rng, 500, 64)
+    fused_engine = _gpu(items)
+    got = fused_engine.search(users, 100, exclude={0: [1, 2, 3]})
+    assert fused_engine.stats["fused"]
+    monkeypatch.setenv("RECALL_FUSED", "off")
+    plain = _gpu(items)
+    want = plain.search(users, 100, exclude={0: [1, 2, 3]})
+    assert not plain.stats["fused"]
+    _same(got, want)
+
+
+def test_wide_vectors_take_the_cublas_path(fused):
+    rng = np.random.default_rng(8)
+    items, users = _ints(rng, 2000, 260), _ints(rng, 50, 260)
+    gpu = _gpu(items)
+    _same(gpu.search(users, 10), Engine(items, device="cpu").search(users, 10))
+    assert not gpu.stats["fused"]
