@@ -74,8 +74,10 @@ def test_ties_everywhere(fused):
 
 
 def test_seeded_auto_on_rising_order_against_oracle(monkeypatch):
-    # The default mode on a seeded search; items sorted by rising score, the order that fills candidate buffers.
+    # The default mode on a seeded search (tiles of 2,000 items: a sample of 2,000); items sorted by rising score,
+    # the order that fills candidate buffers.
     monkeypatch.setenv("RECALL_FUSED_SEGMENT", "2048")
+    monkeypatch.setenv("RECALL_GPU_TILES", "256,1000,2")
     rng = np.random.default_rng(3)
     items = rng.standard_normal((40000, 24), dtype=np.float32)
     users = rng.standard_normal((600, 24), dtype=np.float32) + 1.5

@@ -40,6 +40,12 @@ def _note(row: dict[str, Any], repeats: bool) -> str:
     notes = []
     if row["mode"] == "e2e":
         notes.append("Parquet to Parquet")
+        if row.get("vs_resident"):
+            notes.append(f"{row['vs_resident']:.2f}x the resident search")
+        st = row.get("stages")
+        if st:
+            notes.append(f"stages (overlapping) read {st['read_s']:.2f}, search {st['search_s']:.2f}, write "
+                         f"{st['write_s']:.2f} s, GPU busy {st['device_busy_s']:.2f} s")
     if not row["claims_exact"]:
         notes.append("not exact by design")
     stats = row.get("engine_stats") or {}
