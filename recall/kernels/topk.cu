@@ -232,8 +232,8 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
                                   const long long* __restrict__ ex_ptr, const long long* __restrict__ ex_items) {
     extern __shared__ u64 sel[];
     __shared__ u32 hist[256];
-    __shared__ u64 s_prefix, s_mask, s_min;
-    __shared__ int s_want, s_done, s_count;
+    __shared__ u64 s_prefix, s_mask, s_min, s_lo, s_hi;
+    __shared__ int s_want, s_done, s_count, s_n, s_shift;
 
     const int u = blockIdx.x;
     const int c = cnt[u];
@@ -267,50 +267,99 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
         __syncthreads();
     }
 
-    if (threadIdx.x == 0) { s_prefix = 0; s_mask = 0; s_want = K; s_done = 0; s_count = 0; s_min = ~0ull; }
-    // Radix select of the K-th largest key, 8 bits at a time from the top; stops as soon as every key sharing the
-    // chosen prefix is needed (keys are unique, so it stops at the latest on the last digit).
-    for (int shift = 56; shift >= 0; shift -= 8) {
+    const int lane = threadIdx.x & 31;
+    const unsigned full = 0xffffffffu;
+    if (threadIdx.x == 0) { s_lo = ~0ull; s_hi = 0; s_n = 0; s_want = K; s_done = 0; s_count = 0; s_min = ~0ull; }
+    __syncthreads();
+    // Every loop over the keys runs the same trip count in every thread, so that warps vote and shuffle whole.
+    // First: how many keys there are, and the lowest and highest; the digits they share need no histogram.
+    {
+        u64 lo = ~0ull, hi = 0ull;
+        int n = 0;
+        for (int i0 = 0; i0 < total; i0 += blockDim.x) {
+            const u64 key = i0 + threadIdx.x < total ? recall_key_at(src, i0 + threadIdx.x) : 0ull;
+            if (key != 0ull) { lo = min(lo, key); hi = max(hi, key); ++n; }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            lo = min(lo, __shfl_xor_sync(full, lo, off));
+            hi = max(hi, __shfl_xor_sync(full, hi, off));
+            n += __shfl_xor_sync(full, n, off);
+        }
+        if (lane == 0 && n > 0) { atomicMin(&s_lo, lo); atomicMax(&s_hi, hi); atomicAdd(&s_n, n); }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (s_n <= K) {
+            s_done = 2;  // every valid key is kept
+        } else {
+            // Keys are unique, so the lowest and highest differ: start at the digit of their highest differing bit.
+            const int top_bit = 63 - __clzll((long long)(s_lo ^ s_hi));
+            const int shift = top_bit & ~7;
+            s_mask = shift == 56 ? 0ull : ~((1ull << (shift + 8)) - 1ull);
+            s_prefix = s_hi & s_mask;
+            s_shift = shift;
+        }
+    }
+    __syncthreads();
+    // Radix select of the K-th largest key, 8 bits at a time; stops as soon as every key sharing the chosen prefix
+    // is needed (keys are unique, so it stops at the latest on the last digit).
+    for (int shift = s_shift; !s_done && shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
         const u64 prefix = s_prefix, mask = s_mask;
-        for (int i = threadIdx.x; i < total; i += blockDim.x) {
-            const u64 key = recall_key_at(src, i);
-            if (key != 0ull && (key & mask) == prefix) atomicAdd(&hist[(u32)(key >> shift) & 255u], 1u);
+        for (int i0 = 0; i0 < total; i0 += blockDim.x) {
+            const u64 key = i0 + threadIdx.x < total ? recall_key_at(src, i0 + threadIdx.x) : 0ull;
+            const bool match = key != 0ull && (key & mask) == prefix;
+            const u32 bin = (u32)(key >> shift) & 255u;
+            const unsigned voters = __ballot_sync(full, match);
+            if (match) {
+                // One shared-memory atomic per distinct digit in the warp: near-equal scores share their leading
+                // digits, and a plain atomic per key would serialise on one counter.
+                const unsigned peers = __match_any_sync(voters, bin);
+                if (lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
+            }
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            if (shift == 56) {
-                u32 n = 0;
-                for (int d = 0; d < 256; ++d) n += hist[d];
-                if (n <= (u32)K) s_done = 2;  // every valid key is kept
+        if (threadIdx.x < 32) {
+            // Warp 0 finds the digit: lane l sums bins 255 - 8l down to 248 - 8l, a scan over lanes adds up the keys
+            // above, and the first lane to reach the wanted count walks its 8 bins.
+            u32 c[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) { c[j] = hist[255 - 8 * lane - j]; sum += c[j]; }
+            u32 incl = sum;
+            for (int off = 1; off < 32; off <<= 1) {
+                const u32 v = __shfl_up_sync(full, incl, off);
+                if (lane >= off) incl += v;
             }
-            if (!s_done) {
-                int want = s_want;
-                u32 above = 0;
-                int d = 255;
-                for (; d > 0; --d) {
-                    if (above + hist[d] >= (u32)want) break;
-                    above += hist[d];
-                }
-                want -= (int)above;
-                s_prefix = prefix | ((u64)d << shift);
+            const int want = s_want;
+            const int first = __ffs(__ballot_sync(full, incl >= (u32)want)) - 1;
+            if (lane == first) {
+                u32 above = incl - sum;
+                int j = 0;
+                while (j < 7 && above + c[j] < (u32)want) above += c[j++];
+                const int digit = 255 - 8 * lane - j;
+                s_prefix = prefix | ((u64)digit << shift);
                 s_mask = mask | (0xffull << shift);
-                s_want = want;
-                if (hist[d] == (u32)want) s_done = 1;
+                s_want = want - (int)above;
+                if (c[j] == (u32)(want - (int)above)) s_done = 1;
             }
         }
         __syncthreads();
-        if (s_done) break;
     }
     const u64 prefix = s_prefix, mask = s_mask;
     const bool take_all = s_done == 2;
-    for (int i = threadIdx.x; i < total; i += blockDim.x) {
-        const u64 key = recall_key_at(src, i);
-        if (key != 0ull && (take_all || (key & mask) >= prefix)) {
-            const int pos = atomicAdd(&s_count, 1);
-            sel[pos] = key;
-            atomicMin(&s_min, key);
+    for (int i0 = 0; i0 < total; i0 += blockDim.x) {
+        const u64 key = i0 + threadIdx.x < total ? recall_key_at(src, i0 + threadIdx.x) : 0ull;
+        const bool take = key != 0ull && (take_all || (key & mask) >= prefix);
+        const unsigned takers = __ballot_sync(full, take);
+        if (takers) {
+            int pos = 0;
+            if (lane == 0) pos = atomicAdd(&s_count, __popc(takers));
+            pos = __shfl_sync(full, pos, 0) + __popc(takers & ((1u << lane) - 1u));
+            if (take) sel[pos] = key;
+            u64 least = take ? key : ~0ull;
+            for (int off = 16; off > 0; off >>= 1) least = min(least, __shfl_xor_sync(full, least, off));
+            if (lane == 0) atomicMin(&s_min, least);
         }
     }
     __syncthreads();
