@@ -2,7 +2,7 @@
 # Everything a GPU session measures, in one call on the GPU machine, from the repo root, with $OUT set.
 #
 # Lane A (GPU 0): the GPU tests, then the benchmark of record (S1-S3 side by side with FAISS and torch, ceilings),
-# then Parquet-to-Parquet on S1.
+# then Parquet-to-Parquet on S1 (e2e4: on S4; profile: where exact mode's fused path spends its time).
 # Lane B (GPU 1 when there are two, else after lane A on GPU 0): the engine's self-check, re-scoring sweep (S5),
 # S5/S7, S4 and adversarial S1 against FAISS and torch, tuning runs for S2 and S3.
 # Then, with two GPUs, the nightly batch job on one GPU and on both (scripts/gpu_batch.sh).
@@ -33,7 +33,11 @@ lane_a() {
             main) bench main "${MAIN_TIMEOUT:-260}" -w S1 -w S2 -w S3 --ceilings --repeat 3
                   mkdir -p "$OUT/main"; cp /tmp/main/results.json "$OUT/main/" 2>/dev/null ;;  # the table is in the log
             e2e) bench e2e 120 -w S1 --e2e --contenders recall --repeat 2 ;;
+            e2e4) bench e2e4 300 -w S4 --e2e --contenders recall --repeat 1 ;;
             s5s7) bench s5s7 150 -w S5 -w S7 --repeat 3 ;;
+            profile) for kind in clustered adversarial; do
+                         step "fused profile $kind" 120 env PROFILE_KIND=$kind python3 scripts/gpu_fused_profile.py
+                     done ;;
         esac
     done
 }

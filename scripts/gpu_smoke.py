@@ -140,7 +140,7 @@ def sweep(ok: bool) -> int:
     print(f"sweep data: {kind}", flush=True)
     rows = []
     precisions = os.environ.get("SMOKE_PRECISIONS", "exact").split(",")
-    # SMOKE_FUSED: exact mode's fused-kernel settings to try, "mode" or "mode:tiles per block:segment items".
+    # SMOKE_FUSED: exact mode's fused-kernel settings to try, "mode" or "mode:tiles per block:segment items:merge at".
     fused_runs = os.environ.get("SMOKE_FUSED", "auto").split(";")
     runs = [(t, g, p, f) for t in os.environ.get("SMOKE_TILES", "1024,4096,2;2048,4096,2;1024,8192,2;2048,8192,4")
             .split(";") for g in os.environ.get("SMOKE_GRAPHS", "1,0").split(",") for p in precisions
@@ -152,6 +152,7 @@ def sweep(ok: bool) -> int:
         os.environ["RECALL_FUSED"] = mode
         os.environ["RECALL_FUSED_TPC"] = rest[0] if rest else "8"
         os.environ["RECALL_FUSED_SEGMENT"] = rest[1] if len(rest) > 1 else "65536"
+        os.environ["RECALL_FUSED_MERGE_AT"] = rest[2] if len(rest) > 2 else "0"
         eng = recall.Engine(cu_items, device="gpu", precision=precision)
         eng.search(cu_users[:5000], 100)
         cupy.cuda.Device().synchronize()

@@ -217,6 +217,11 @@ class CupyBackend:
         self.fused_mode = os.environ.get("RECALL_FUSED", "auto")
         self.fused_segment = int(os.environ.get("RECALL_FUSED_SEGMENT", "65536"))  # items between merges
         self.fused_tiles_per_cta = int(os.environ.get("RECALL_FUSED_TPC", "8"))
+        # Candidates a user holds before the merge after a segment folds them in (0: max(k, 256)). Early merges
+        # raise the threshold: the seed's k-th best sampled score is about the (k * n_items / sample)-th best
+        # overall, while after one merge the threshold is the k-th best of a whole segment, so later segments pass
+        # (and append with a global atomic) a fraction of the scores.
+        self.fused_merge_at = int(os.environ.get("RECALL_FUSED_MERGE_AT", "0"))
         self._items_t: Any = None  # fused path: the items transposed, (padded dim, padded rows), rebuilt per search
         self._fused_smem_limit = 0
         self._merge_smem_limit = 0
@@ -467,11 +472,12 @@ class CupyBackend:
                             n_items: int, final: bool, ex_ptr: Any, ex_items: Any, has_excl: bool) -> None:
         k_pad, smem = self._merge_smem(state.k)
         c = state.cand_capacity
+        merge_at = min(self.fused_merge_at or max(state.k, 256), c // 2)
         self._merge_fused((n,), (_MERGE_THREADS,),
                           (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, users_t,
                            np.int32(users_t.shape[1]), items_t, np.int64(items_t.shape[1]), np.int32(users_t.shape[0]),
                            np.int32(item_start), np.int32(n_tile), np.int32(n_items), np.int32(state.k),
-                           np.int32(k_pad), np.int32(c), np.int32(c // 2), np.int32(1 if final else 0),
+                           np.int32(k_pad), np.int32(c), np.int32(merge_at), np.int32(1 if final else 0),
                            state.out_vals, state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0)),
                           shared_mem=smem)
 
