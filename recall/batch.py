@@ -56,6 +56,7 @@ from .io.writer import fsync_dir
 # The pipeline's streaming search (reader thread, search with a resident engine, writer thread), shared with
 # `recall score` rather than copied.
 from .pipeline import _check_k, auto_batch_size, load_engine, stream_search  # noqa: PLC2701
+from .result import id_lookup
 
 log = logging.getLogger("recall")
 
@@ -352,6 +353,7 @@ class ShardScorer:
         items, self.engine, _ = load_engine(spec.items_path, spec.id_col, spec.vec_col, spec.metric, device,
                                             spec.memory_budget)
         self.item_id_type = pa.string() if items.ids.dtype == object else pa.int64()
+        self.item_ids = id_lookup(items.ids)
         self.exclusions = (_ExclusionIndex(spec.exclude_path, spec.user_id_type == "string", items.ids)
                            if spec.exclude_path is not None else None)
         self.batch_size = spec.batch_size or auto_batch_size(spec.k, self.engine.dim)
@@ -390,7 +392,7 @@ class ShardScorer:
 
         def write(item: tuple[Embeddings, Any]) -> None:
             batch, result = item
-            groups.add(result.to_arrow(batch.ids))
+            groups.add(result.to_arrow(batch.ids, self.item_ids))
             if progress is not None:
                 progress(len(batch))
             if self.test_sleep:

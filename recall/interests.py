@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 from . import metrics, scoring
 from .errors import InputError, ResourceError
 from .exclusions import normalise
+from .io import DEFAULT_COMPRESSION
 from .pipeline import ScoreSummary
 from .result import SearchResult
 
@@ -513,20 +514,30 @@ class InterestScoreSummary(ScoreSummary):
 def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, out_path: str | os.PathLike, k: int,
                 aggregate: str = "max", metric: str = "ip", exclude_path: str | os.PathLike | None = None,
                 id_col: str = "id", vec_col: str = "embedding", device: str = "auto", batch_size: int | None = None,
-                memory_budget: int | None = None, progress: Any = None) -> InterestScoreSummary:
+                memory_budget: int | None = None, progress: Any = None,
+                compression: str = DEFAULT_COMPRESSION) -> InterestScoreSummary:
     """:func:`recall.pipeline.score_files` for users with several vectors each (see :func:`read_interest_users`).
 
     Same parameters, output and errors, plus ``aggregate`` ("max" or "sum"). One output row per user, in order of
     first appearance in the users file; exclusions name user ids. The users file is read whole, then searched in
     batches of ``batch_size`` users.
     """
-    from .io import CandidateWriter, check_output_path, inspect_embeddings, inspect_exclusions, load_exclusions
+    from .io import (
+        CandidateWriter,
+        check_compression,
+        check_output_path,
+        inspect_embeddings,
+        inspect_exclusions,
+        load_exclusions,
+    )
     from .io.parquet import _fmt_id
     from .pipeline import auto_batch_size, check_job_args, load_engine
+    from .result import id_lookup
 
     t_start = time.perf_counter()
     k = check_job_args(k, metric, device, batch_size)
     aggregate = check_aggregate(aggregate)
+    check_compression(compression)
     users_path, items_path = os.fspath(users_path), os.fspath(items_path)
     exclude_path = os.fspath(exclude_path) if exclude_path is not None else None
     out = check_output_path(out_path, (users_path, items_path, exclude_path))
@@ -552,7 +563,9 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     batch = int(batch_size) if batch_size is not None else auto_batch_size(k, engine.dim * max(1, users.max_interests))
     search_s = write_s = busy = 0.0
     id_type = {True: pa.string(), False: pa.int64()}
-    with CandidateWriter(out, id_type[users.ids.dtype == object], id_type[items.ids.dtype == object]) as writer:
+    item_ids = id_lookup(items.ids)
+    with CandidateWriter(out, id_type[users.ids.dtype == object], id_type[items.ids.dtype == object],
+                         compression) as writer:
         if progress is not None:
             progress(0, n)
         for start in range(0, n, batch):
@@ -562,7 +575,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
                                 exclude=excl.block(start, stop) if excl is not None else None)
             busy += engine.stats.get("gpu_busy_s", 0.0)
             t1 = time.perf_counter()
-            writer.write(res.to_arrow(users.ids[start:stop]))
+            writer.write(res.to_arrow(users.ids[start:stop], item_ids))
             search_s, write_s = search_s + t1 - t0, write_s + time.perf_counter() - t1
             if progress is not None:
                 progress(stop, n)

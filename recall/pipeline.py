@@ -4,7 +4,8 @@ Three stages run at once on one host:
 
 - a reader thread reads and validates the next user batch (pyarrow decodes with the GIL released);
 - the calling thread searches the current batch (BLAS, the top-k kernels, or the GPU);
-- a writer thread turns the previous result into Arrow and appends it to the output file.
+- a writer thread turns the previous result into Arrow and hands it to :class:`recall.io.CandidateWriter`, which
+  encodes Parquet on a few threads of its own and appends the row groups in order.
 
 Bounded queues (two batches each) keep memory flat whatever the number of users, and keep results in input order
 (one producer, one consumer per queue). The first error in any stage stops the others and is re-raised in the caller;
@@ -17,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +30,10 @@ from .backends import DEVICES
 from .engine import Engine, check_k
 from .errors import InputError
 from .io import (
+    DEFAULT_COMPRESSION,
     CandidateWriter,
     Embeddings,
+    check_compression,
     check_output_path,
     inspect_embeddings,
     inspect_exclusions,
@@ -38,6 +42,7 @@ from .io import (
     read_embeddings,
     read_ids,
 )
+from .result import id_lookup
 
 #: Host memory the batches in flight may hold together (read queue, the batch being searched, write queue, the one
 #: being written): bounds the automatic batch size, so that a large k gets smaller batches.
@@ -47,7 +52,8 @@ _MIN_BATCH = 256
 _QUEUE_DEPTH = 2
 _POLL_S = 0.05
 
-#: ``progress(done_users, total_users)``; called from the writer thread after each batch is written.
+#: ``progress(done_users, total_users)``; called from the writer thread after each batch is handed to the Parquet
+#: writer (whose encoding threads may still hold the last few).
 Progress = Callable[[int, int], None]
 
 
@@ -117,8 +123,11 @@ class ScoreSummary:
 def auto_batch_size(k: int, dim: int) -> int:
     """Users per batch such that the batches in flight fit in :data:`INFLIGHT_BYTES`.
 
-    Per user a batch holds its vector (4·dim bytes), the result (int64 rows, float32 scores, int64 ids: 20·k) and its
-    Arrow copy (about 12·k); five batches are alive at once (two queued on each side and the one being searched).
+    Per user a batch holds its vector (4·dim bytes) and its result (int64 rows, float32 scores, int64 ids: 20·k);
+    once handed to the writer, the ids and scores (12·k, shared with the Arrow table) and their Parquet encoding (up
+    to 12·k) until it is in the file. Alive at once: two batches queued for the search, one being searched, two queued
+    for the writer (4·dim + 20·k each) and up to :data:`recall.io.writer.ENCODE_THREADS` (4) being encoded (24·k
+    each), at most 20·dim + 156·k bytes per user, which the 5·(4·dim + 32·k) used here covers.
     """
     per_user = 4 * dim + 32 * k
     return int(np.clip(INFLIGHT_BYTES // (5 * per_user), _MIN_BATCH, _MAX_BATCH))
@@ -259,6 +268,11 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, device:
                 memory_budget: int | None, precision: str = "exact") -> tuple[Embeddings, Engine, float]:
     """Read and validate an item file and build the resident engine on it: the start of every Parquet job.
 
+    The engine gets no ids: its results hold item rows, which the job maps to ids as it writes them
+    (``result.to_arrow(user_ids, id_lookup(items.ids))``). So the gather of 10^8 ids runs on the writer thread
+    rather than between two searches, and the ids, already checked by the reader (naming the file and rows), are not
+    sorted a second time by the engine.
+
     Returns (items, engine, seconds spent reading). Raises InputError naming the file, row and id of a bad item.
     """
     t0 = time.perf_counter()
@@ -266,8 +280,7 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, device:
     if metric == "cosine":
         _check_nonzero(items, items_path)
     read_s = time.perf_counter() - t0
-    engine = Engine(items.vectors, ids=items.ids, metric=metric, device=device, memory_budget=memory_budget,
-                    precision=precision)
+    engine = Engine(items.vectors, metric=metric, device=device, memory_budget=memory_budget, precision=precision)
     return items, engine, read_s
 
 
@@ -316,7 +329,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
                 metric: str = "ip", exclude_path: str | os.PathLike | None = None, id_col: str = "id",
                 vec_col: str = "embedding", device: str = "auto", batch_size: int | None = None,
                 memory_budget: int | None = None, progress: Progress | None = None,
-                precision: str = "exact") -> ScoreSummary:
+                precision: str = "exact", compression: str = DEFAULT_COMPRESSION) -> ScoreSummary:
     """Score every user of a Parquet file against every item of another and write the top-k candidates to Parquet.
 
     Items are read whole and an :class:`recall.Engine` is built once; users are streamed in batches, in input
@@ -344,9 +357,11 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     memory_budget : int, optional
         Working-memory bytes of the engine's search (see :class:`recall.Engine`).
     progress : callable ``(done_users, total_users) -> None``, optional
-        Called from a worker thread after each batch is written.
+        Called from a worker thread after each batch is handed to the Parquet writer.
     precision : {"exact", "fast"}
         As for :class:`recall.Engine`: "fast" scores on tensor cores and certifies the exact answer.
+    compression : {"none", "snappy", "lz4", "zstd"}
+        Parquet codec of the output (see :data:`recall.io.COMPRESSIONS`).
 
     Returns
     -------
@@ -363,6 +378,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     """
     t_start = time.perf_counter()
     k = check_job_args(k, metric, device, batch_size)
+    check_compression(compression)
     users_path, items_path = os.fspath(users_path), os.fspath(items_path)
     exclude_path = os.fspath(exclude_path) if exclude_path is not None else None
 
@@ -376,28 +392,34 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     if exclude_path is not None:
         inspect_exclusions(exclude_path)
 
-    items, engine, item_read_s = load_engine(items_path, id_col, vec_col, metric, device, memory_budget, precision)
+    # The users' ids are read and checked for duplicates while the items load: both spend their time in pyarrow and
+    # NumPy with the GIL released, and nothing can be searched before both are done.
+    with ThreadPoolExecutor(1, thread_name_prefix="recall-ids") as pool:
+        ids_read = pool.submit(read_ids, users_path, id_col, vec_col)
+        items, engine, item_read_s = load_engine(items_path, id_col, vec_col, metric, device, memory_budget,
+                                                 precision)
+        t0 = time.perf_counter()
+        user_ids = ids_read.result()
     dim = engine.dim
-
-    t0 = time.perf_counter()
-    user_ids = read_ids(users_path, id_col, vec_col)
     excl = load_exclusions(exclude_path, user_ids, items.ids) if exclude_path is not None else None
     n_users = int(user_ids.size)
     item_read_s += time.perf_counter() - t0
     batch_size = int(batch_size) if batch_size is not None else auto_batch_size(k, dim)
 
     done = 0
+    item_ids = id_lookup(items.ids)
 
     def write(item: tuple[Embeddings, Any]) -> None:
         nonlocal done
         batch, result = item
-        writer.write(result.to_arrow(batch.ids))
+        writer.write(result.to_arrow(batch.ids, item_ids))
         done += len(batch)
         if progress is not None:
             progress(done, n_users)
 
     id_type = {True: pa.string(), False: pa.int64()}
-    with CandidateWriter(out, id_type[user_ids.dtype == object], id_type[items.ids.dtype == object]) as writer:
+    with CandidateWriter(out, id_type[user_ids.dtype == object], id_type[items.ids.dtype == object],
+                         compression) as writer:
         if progress is not None:
             progress(0, n_users)
         stream = stream_search(engine, users_path, k, write, exclusions=excl, id_col=id_col, vec_col=vec_col,

@@ -35,7 +35,7 @@ import pyarrow as pa
 
 from . import metrics
 from .errors import InputError
-from .result import SearchResult
+from .result import SearchResult, id_lookup
 
 #: ``RECALL_RESCORE``: "fused" (default) or "gemm", the GPU's path (the CPU always gathers and runs the GEMM).
 MODES = ("fused", "gemm")
@@ -772,13 +772,14 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     n = int(cands.user_rows.size)
     batch = int(batch_size) if batch_size is not None else auto_batch_size(k, engine.dim)
     id_type = {True: pa.string(), False: pa.int64()}
+    item_ids = id_lookup(items.ids)
     with CandidateWriter(out, id_type[users.ids.dtype == object], id_type[items.ids.dtype == object]) as writer:
         for start in range(0, n, batch):
             stop = min(start + batch, n)
             sel = cands.user_rows[start:stop]
             lo, hi = int(cands.indptr[start]), int(cands.indptr[stop])
             res = engine.rescore(users.vectors[sel], (cands.indptr[start:stop + 1] - lo, cands.item_rows[lo:hi]), k)
-            writer.write(res.to_arrow(users.ids[sel]))
+            writer.write(res.to_arrow(users.ids[sel], item_ids))
     return RescoreSummary(users=n, candidates=int(cands.item_rows.size), items=engine.n_items, dim=engine.dim, k=k,
                           metric=metric, device=engine.device, device_detail=engine.backend.describe(),
                           seconds=time.perf_counter() - t_start, candidate_pairs=cands.n_pairs,

@@ -58,6 +58,19 @@ def test_score_verbose_and_options(files: dict) -> None:
     assert "metric l2" in result.stdout and "stages (overlapping): read" in result.stdout
 
 
+def test_score_compression(files: dict) -> None:
+    from recall.cli import Compression
+    from recall.io import COMPRESSIONS
+
+    assert tuple(c.value for c in Compression) == COMPRESSIONS
+    result = runner.invoke(app, _score_args(files, "--compression", "none"))
+    assert result.exit_code == 0, result.output
+    assert pq.ParquetFile(files["out"]).metadata.row_group(0).column(2).compression == "UNCOMPRESSED"
+    result = runner.invoke(app, _score_args(files, "--compression", "gzip"))
+    assert result.exit_code == 2
+    assert "'gzip' is not one of 'none', 'snappy', 'lz4', 'zstd'" in " ".join(result.output.replace("│", " ").split())
+
+
 def test_score_custom_columns(files: dict, tmp_path: Path) -> None:
     users = write_embeddings(tmp_path / "u2.parquet", files["user_ids"], files["user_vecs"], id_col="uid",
                              vec_col="vec")

@@ -579,6 +579,25 @@ def test_to_arrow_string_ids_and_default_user_ids(device, make_ties):
     assert table.column("user_id").to_pylist() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("kind", ["int", "str"])
+def test_to_arrow_maps_rows_through_item_ids(device, make_ties, kind):
+    """An engine without ids, its rows mapped at conversion (as the Parquet jobs do): the same table as an engine
+    with ids, padding dropped, for ids as NumPy arrays and as the Arrow array ``id_lookup`` makes of strings."""
+    from recall.result import id_lookup
+
+    users, items = make_ties(5, 6, 3, seed=41)
+    ids = np.array([10, 31, 12, 53, 14, 75]) if kind == "int" else np.array(list("uvwxyz"), object)
+    exclude = {1: [0, 1, 2, 3, 4], 2: list(range(6))}
+    _, _, with_ids = _search(Engine(items, ids=ids, device=device), users, 8, exclude)
+    _, _, rows = _search(Engine(items, device=device), users, 8, exclude)
+    want = with_ids.to_arrow(np.arange(5))
+    lookup = id_lookup(ids)
+    assert isinstance(lookup, np.ndarray if kind == "int" else pa.Array)
+    for item_ids in (lookup, ids):
+        assert rows.to_arrow(np.arange(5), item_ids).equals(want)
+    assert [len(x) for x in want.column("item_ids").to_pylist()] == [6, 1, 0, 6, 6]
+
+
 def test_to_arrow_user_ids_length_mismatch(device, make_ties):
     users, items = make_ties(3, 4, 3, seed=40)
     _, _, res = _search(Engine(items, device=device), users, 2)

@@ -292,6 +292,17 @@ def test_score_files(tmp_path, layout, aggregate):
     np.testing.assert_array_equal(np.array(table.column("scores").to_pylist()), want_val.astype(np.float32))
 
 
+def test_score_files_compression(tmp_path):
+    rng = np.random.default_rng(11)
+    per_user = _ragged(rng, 9, 3)
+    users_path = _nested(tmp_path / "u.parquet", list(range(9)), per_user, 3)
+    items_path = write_embeddings(tmp_path / "i.parquet", np.arange(20), _ints(rng, (20, 3)))
+    score_files(users_path, items_path, tmp_path / "o.parquet", 3, device="cpu", compression="zstd")
+    assert pq.ParquetFile(tmp_path / "o.parquet").metadata.row_group(0).column(1).compression == "ZSTD"
+    with pytest.raises(InputError, match="unknown compression 'gzip'"):
+        score_files(users_path, items_path, tmp_path / "o2.parquet", 3, device="cpu", compression="gzip")
+
+
 def test_cli_score_interests(tmp_path):
     from typer.testing import CliRunner
 

@@ -12,6 +12,7 @@ import pytest
 from parquet_data import LAYOUTS, vector_array, write_embeddings
 from recall import Engine, InputError
 from recall.io import (
+    COMPRESSIONS,
     CandidateWriter,
     Embeddings,
     candidates_schema,
@@ -22,6 +23,7 @@ from recall.io import (
     read_exclusions,
     read_ids,
 )
+from recall.io import parquet_footer, writer as writer_module
 
 
 def _vecs(n: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -394,6 +396,132 @@ def test_writer_rejects_table_of_wrong_type(tmp_path: Path) -> None:
             writer.write(pa.table({"user_id": ["a"], "item_ids": [["b"]], "scores": pa.array([[1.0]],
                                                                                              pa.list_(pa.float32()))}))
     assert _leftovers(tmp_path) == []
+
+
+def _candidates(n: int, k: int, start: int, seed: int) -> pa.Table:
+    """A candidates table of n users with k pairs each (some rows shorter, as after padding is dropped)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.where(rng.random(n) < 0.2, rng.integers(0, k + 1, n), k)
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    items = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.integers(0, 10**6, offsets[-1])))
+    scores = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.standard_normal(offsets[-1]), pa.float32()))
+    return pa.table({"user_id": np.arange(start, start + n), "item_ids": items, "scores": scores})
+
+
+def _batches() -> list[pa.Table]:
+    sizes = [300, 1, 0, 2500, 40, 700, 5]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return [_candidates(n, 9, int(s), seed=i) for i, (n, s) in enumerate(zip(sizes, starts))]
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_writer_file_is_what_one_pyarrow_writer_writes(tmp_path: Path, compression: str) -> None:
+    """Row groups encoded on three threads and laid end to end: the same bytes as one encoder, in order."""
+    tables = _batches()
+    with CandidateWriter(tmp_path / "out.parquet", compression=compression, threads=3) as writer:
+        for table in tables:
+            writer.write(table)
+    assert writer.rows_written == sum(t.num_rows for t in tables)
+    # The options the writer promises: no dictionary, statistics for user_id only, zstd at level 1.
+    with pq.ParquetWriter(tmp_path / "one.parquet", candidates_schema(), compression=compression,
+                          compression_level=1 if compression == "zstd" else None, use_dictionary=False,
+                          write_statistics=["user_id"]) as one:
+        for table in tables:
+            if table.num_rows:  # an empty table adds no row group
+                one.write_table(table)
+    assert (tmp_path / "out.parquet").read_bytes() == (tmp_path / "one.parquet").read_bytes()
+    meta = pq.ParquetFile(tmp_path / "out.parquet").metadata
+    assert meta.num_row_groups == 6 and meta.num_rows == 3546
+    assert meta.row_group(0).column(1).compression == ("UNCOMPRESSED" if compression == "none" else
+                                                       compression.upper())
+    assert meta.row_group(1).column(0).statistics.min == 300 and meta.row_group(1).column(1).statistics is None
+    assert pq.read_table(tmp_path / "out.parquet").equals(pa.concat_tables(tables))
+
+
+def test_writer_search_results_read_back(tmp_path: Path) -> None:
+    """Engine results, padded rows included (k > items, exclusions), written in batches: read back as they went in."""
+    engine = Engine(_vecs(12, 3, seed=5), ids=np.arange(12) * 7 + 500, device="cpu")
+    users = _vecs(50, 3, seed=6)
+    exclude = {3: range(12), 4: [0, 1, 2]}
+    result = engine.search(users, 15, exclude=exclude)
+    with CandidateWriter(tmp_path / "out.parquet", threads=2) as writer:
+        for start in range(0, 50, 8):
+            sel = slice(start, start + 8)
+            writer.write(type(result)(result.indices[sel], result.scores[sel], result.ids[sel])
+                         .to_arrow(np.arange(50)[sel] + 1000))
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.equals(result.to_arrow(np.arange(50) + 1000))
+    lengths = [len(x) for x in table.column("item_ids").to_pylist()]
+    assert lengths[3] == 0 and lengths[4] == 9 and set(lengths[5:]) == {12}
+
+
+def test_footer_decodes_and_encodes_to_the_same_bytes(tmp_path: Path) -> None:
+    """The compact-protocol codec on footers with statistics, dictionaries, string ids and page indexes."""
+    tables = [_candidates(500, 4, 0, seed=1),
+              pa.table({"user_id": [f"u{i}" for i in range(200)], "x": np.arange(200.0)})]
+    for table in tables:
+        for options in ({}, {"write_page_index": True}, {"use_dictionary": False, "write_statistics": False}):
+            path = tmp_path / "f.parquet"
+            pq.write_table(table, path, row_group_size=120, **options)
+            raw = path.read_bytes()
+            data, meta = parquet_footer.split_file(raw)
+            assert len(data) > 0 and parquet_footer.num_rows(meta) == table.num_rows
+            assert len(parquet_footer.row_groups(meta)) == -(-table.num_rows // 120)
+            assert parquet_footer.footer(meta, parquet_footer.row_groups(meta), table.num_rows) == \
+                raw[4 + len(data):]
+    with pytest.raises(ValueError, match="not a Parquet file"):
+        parquet_footer.split_file(b"PAR1 nope")
+    pq.write_table(tables[0], path, write_page_index=True)
+    _, meta = parquet_footer.split_file(path.read_bytes())
+    with pytest.raises(ValueError, match="page index"):  # its page positions would need moving too
+        parquet_footer.move_row_group(parquet_footer.row_groups(meta)[0], 100, 0)
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    ({"compression": "gzip"}, r"unknown compression 'gzip': expected one of none, snappy, lz4, zstd"),
+    ({"threads": 0}, r"threads must be an integer >= 1, got 0"),
+    ({"threads": True}, r"threads must be an integer >= 1, got True"),
+])
+def test_writer_bad_options(tmp_path: Path, kwargs: dict, pattern: str) -> None:
+    with pytest.raises(InputError, match=pattern):
+        CandidateWriter(tmp_path / "out.parquet", **kwargs)
+    assert _leftovers(tmp_path) == []
+
+
+def test_writer_encoding_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error on an encoding thread reaches the caller (from a later write or the commit); nothing is published
+    and the threads are gone."""
+    import threading
+
+    calls = []
+    original = writer_module._encode
+
+    def failing_encode(table, schema, options):
+        calls.append(1)
+        if len(calls) == 3:  # the empty file of open(), then the first table, then this one
+            raise OSError("disk full")
+        return original(table, schema, options)
+
+    monkeypatch.setattr(writer_module, "_encode", failing_encode)
+    out = tmp_path / "out.parquet"
+    with pytest.raises(OSError, match="disk full"):
+        with CandidateWriter(out, threads=2) as writer:
+            for start in range(0, 40, 5):
+                writer.write(_result_table(5, start))
+    assert _leftovers(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("recall-parquet")]
+
+
+def test_writer_flushes_to_disk_as_it_grows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced = []
+    monkeypatch.setattr(writer_module, "_SYNC_BYTES", 1000)
+    monkeypatch.setattr(writer_module.os, "fdatasync", lambda fd: synced.append(fd))
+    with CandidateWriter(tmp_path / "out.parquet", threads=2) as writer:
+        for start in range(0, 400, 100):
+            writer.write(_candidates(100, 9, start, seed=start))
+    assert len(synced) == 4
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == 400
 
 
 def test_writer_bad_paths(tmp_path: Path) -> None:

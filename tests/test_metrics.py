@@ -64,6 +64,17 @@ def test_cosine_power_of_two_scalings_tie_exactly():
     assert np.all(out == out[0])
 
 
+def test_row_norms_in_blocks_equal_the_whole_computation(monkeypatch):
+    """Blocks of rows (bounded transient memory) give the same bits as one float64 pass over every row."""
+    vecs = np.random.default_rng(3).standard_normal((103, 9)).astype(np.float32)
+    monkeypatch.setattr(metrics, "_NORM_BLOCK_ROWS", 10)
+    whole = np.sqrt(np.einsum("ij,ij->i", vecs.astype(np.float64), vecs.astype(np.float64)))
+    got = metrics.row_norms(np, vecs)
+    assert got.dtype == np.float64 and got.shape == (103,)
+    np.testing.assert_array_equal(got, whole)
+    assert metrics.row_norms(np, vecs[:0]).shape == (0,)
+
+
 @pytest.mark.parametrize("which", ["users", "items"])
 def test_cosine_zero_vector_names_the_row(which):
     vecs = np.ones((5, 3), np.float32)

@@ -145,6 +145,16 @@ def test_progress_reports_every_user(tmp_path: Path) -> None:
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
 
 
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_compression(tmp_path: Path, compression: str) -> None:
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    score_files(up, ip, tmp_path / "out.parquet", 4, device="cpu", batch_size=6, compression=compression)
+    _check_against_oracle(tmp_path / "out.parquet", users, items, user_ids, item_ids, 4)
+    meta = pq.ParquetFile(tmp_path / "out.parquet").metadata
+    assert meta.num_row_groups == 7  # one per batch
+    assert meta.row_group(0).column(1).compression == {"none": "UNCOMPRESSED", "zstd": "ZSTD"}[compression]
+
+
 def test_auto_batch_size_shrinks_with_k() -> None:
     assert auto_batch_size(10, 64) == 65_536
     assert auto_batch_size(1000, 64) < auto_batch_size(100, 64) <= 65_536
@@ -165,6 +175,7 @@ def _assert_nothing_written(directory: Path, out: Path, keep: set[str]) -> None:
     ({"metric": "dot"}, r"unknown metric 'dot'"),
     ({"device": "tpu"}, r"unknown device 'tpu'"),
     ({"batch_size": 0}, r"batch_size must be an integer >= 1"),
+    ({"compression": "gzip"}, r"unknown compression 'gzip': expected one of none, snappy, lz4, zstd"),
     ({"id_col": "uid"}, r"users\.parquet: no id column 'uid'; the columns are 'id', 'embedding'"),
 ])
 def test_bad_arguments(tmp_path: Path, kwargs: dict, pattern: str) -> None:

@@ -14,14 +14,24 @@ from .parquet import (
     read_exclusions,
     read_ids,
 )
-from .writer import CandidateWriter, candidates_schema, check_output_path
+from .writer import (
+    COMPRESSIONS,
+    DEFAULT_COMPRESSION,
+    CandidateWriter,
+    candidates_schema,
+    check_compression,
+    check_output_path,
+)
 
 __all__ = [
+    "COMPRESSIONS",
+    "DEFAULT_COMPRESSION",
     "CandidateWriter",
     "EmbeddingFileInfo",
     "Embeddings",
     "ExclusionPairs",
     "candidates_schema",
+    "check_compression",
     "check_output_path",
     "inspect_embeddings",
     "inspect_exclusions",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -434,28 +435,33 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
     out: np.ndarray | None = None
     id_parts: list[np.ndarray] = []
     row, dim = 0, fixed_dim
-    for batch in _iter_batches(pf, path, [id_col, vec_col], READ_BATCH_ROWS):
-        ids = _ids_from_arrow(path, batch.column(0), row)
-        vecs = _vectors_from_arrow(path, batch.column(1), ids, row, dim, None if row == 0 else
-                                   f"the dimension of row 0 of {path}")
-        if out is None and len(ids):
-            dim = vecs.shape[1]
-            # One float32 buffer for the whole file, filled batch by batch: peak memory is the result plus one batch.
-            out = np.empty((n_rows, dim), np.float32)
-        if len(ids):
-            if row + len(ids) > n_rows:
-                raise InputError(f"{path}: holds more rows than its footer declares ({n_rows}); corrupt file")
-            _to_float32(path, vecs, ids, row, out[row:row + len(ids)])
-        id_parts.append(ids)
-        row += batch.num_rows
-    if row != n_rows:
-        raise InputError(f"{path}: read {row} rows but the footer declares {n_rows}; corrupt or truncated file")
-    if row == 0 and not allow_empty:
-        raise InputError(f"{path}: the file has no rows, at least one is required")
+    # The duplicate check (a sort of every id) runs on the id column alone while the vectors are decoded: both
+    # release the GIL, and the vectors are most of the time. An error in a row still comes first.
+    with ThreadPoolExecutor(1, thread_name_prefix="recall-unique") as pool:
+        unique = pool.submit(read_ids, path, id_col, vec_col)
+        for batch in _iter_batches(pf, path, [id_col, vec_col], READ_BATCH_ROWS):
+            ids = _ids_from_arrow(path, batch.column(0), row)
+            vecs = _vectors_from_arrow(path, batch.column(1), ids, row, dim, None if row == 0 else
+                                       f"the dimension of row 0 of {path}")
+            if out is None and len(ids):
+                dim = vecs.shape[1]
+                # One float32 buffer for the whole file, filled batch by batch: peak memory is the result plus one
+                # batch.
+                out = np.empty((n_rows, dim), np.float32)
+            if len(ids):
+                if row + len(ids) > n_rows:
+                    raise InputError(f"{path}: holds more rows than its footer declares ({n_rows}); corrupt file")
+                _to_float32(path, vecs, ids, row, out[row:row + len(ids)])
+            id_parts.append(ids)
+            row += batch.num_rows
+        if row != n_rows:
+            raise InputError(f"{path}: read {row} rows but the footer declares {n_rows}; corrupt or truncated file")
+        if row == 0 and not allow_empty:
+            raise InputError(f"{path}: the file has no rows, at least one is required")
+        unique.result()
     ids = np.concatenate(id_parts) if id_parts else np.zeros(0, np.int64 if id_type == pa.int64() else object)
     if ids.size == 0:
         ids = ids.astype(np.int64 if id_type == pa.int64() else object)
-    _duplicate(path, ids)
     if out is None:
         out = np.zeros((0, dim or 0), np.float32)
     return Embeddings(ids, out)
