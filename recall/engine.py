@@ -190,12 +190,48 @@ class Engine:
         if aggregate is not None:
             interests.check_aggregate(aggregate)
         k = check_k(k)
+        xp, users, excl = self._check_users(user_vecs, exclude)
+        vals, rows = self._search(metrics.prepare_users(self.metric, xp, users), k, excl)
+        return self._result(xp, users, vals, rows)
+
+    def search_async(self, user_vecs: Any, k: int, exclude: Any = None) -> "PendingSearch":
+        """Start :meth:`search` and return once the users are handed over, before the results are back.
+
+        On a GPU, in exact precision, with host (NumPy) users, the search runs on the device while the caller goes
+        on (reads the next batch, starts the next search: the device then runs one search after the other without
+        a gap); ``result()`` waits for it. ``user_vecs`` and ``exclude`` are copied before this returns, so the
+        caller may reuse them. Everywhere else (CPU, fast precision, device users) the search runs here and
+        ``result()`` returns at once. Parameters and errors as for :meth:`search` (errors in the input are raised
+        here; a device failure is raised by ``result()``).
+        """
+        k = check_k(k)
+        if self.backend.name != "gpu" or self.precision != "exact" or _is_device_array(user_vecs):
+            done = self.search(user_vecs, k, exclude)
+            return PendingSearch(lambda: done)
+        xp, users, excl = self._check_users(user_vecs, exclude)
+        k_sel = min(k, self.n_items)
+        if users.shape[0] == 0:
+            done = self.search(users, k, exclude)
+            return PendingSearch(lambda: done)
+        vals, rows, wait = self._run(metrics.prepare_users(self.metric, xp, users), self._items, k_sel, excl,
+                                     host_out=True, wait=False)
+
+        def finish() -> SearchResult:
+            self.stats = wait()
+            padded_vals, padded_rows = self._pad(vals, rows, k, np)
+            return self._result(xp, users, padded_vals, padded_rows)
+
+        return PendingSearch(finish)
+
+    def _check_users(self, user_vecs: Any, exclude: Any) -> tuple[Any, Any, Exclusions]:
+        """(array module, validated users, normalised exclusions) of a single-vector search."""
         xp = self._xp_for(user_vecs)
         users = _check_matrix(xp, user_vecs, "user_vecs", self.dim)
-        n_users = int(users.shape[0])
         self._check_overflow(xp, users)
-        excl = normalise(exclude, n_users, self.n_items)
-        vals, rows = self._search(metrics.prepare_users(self.metric, xp, users), k, excl)
+        return xp, users, normalise(exclude, int(users.shape[0]), self.n_items)
+
+    def _result(self, xp: Any, users: Any, vals: Any, rows: Any) -> SearchResult:
+        """The SearchResult of inner-product (vals, rows): on the host for host users, in the engine's metric."""
         if xp is np:
             vals, rows = self.backend.to_host(vals), self.backend.to_host(rows)
         vals = metrics.finish_scores(self.metric, xp, vals, users)
@@ -258,6 +294,12 @@ class Engine:
         else:
             found_vals, found_rows = self._run(users, self._items, k_sel, excl, host_out=host)
             self.stats = dict(self.backend.stats)
+        return self._pad(found_vals, found_rows, k, out_xp)
+
+    @staticmethod
+    def _pad(found_vals: Any, found_rows: Any, k: int, out_xp: Any) -> tuple[Any, Any]:
+        """(n, k) results from (n, k_sel) ones, k_sel <= k: padded with -inf scores and -1 rows."""
+        n_users, k_sel = found_vals.shape
         if k_sel == k:
             return found_vals, found_rows
         vals = out_xp.full((n_users, k), -np.inf, dtype=np.float32)
@@ -265,15 +307,19 @@ class Engine:
         vals[:, :k_sel], rows[:, :k_sel] = found_vals, found_rows
         return vals, rows
 
-    def _run(self, users: Any, items: Any, k: int, excl: Exclusions, host_out: bool = False) -> tuple[Any, Any]:
+    def _run(self, users: Any, items: Any, k: int, excl: Exclusions, host_out: bool = False,
+             wait: bool = True) -> Any:
         """One tiled pass of ``users`` against ``items`` (k <= n_items): (scores, rows) (n, k), in host memory
-        (page-locked on a GPU) when ``host_out``, else on the backend."""
+        (page-locked on a GPU) when ``host_out``, else on the backend. With ``wait`` False (GPU backend only), also
+        a callable that waits for the pass and returns its stats: the arrays are filled by then."""
         backend = self.backend
         n_users, dim = users.shape
         vals = backend.empty_out((n_users, k), np.float32, host_out)
         rows = backend.empty_out((n_users, k), np.int64, host_out)
         plan = scoring.plan_tiles(n_users, self.n_items, dim, k, self.memory_budget,
                                   tuning.preferred_tiles(self, users, k), backend.state_bytes(k), backend.workers)
+        if not wait:
+            return vals, rows, backend.run_blocks(plan, users, items, self.n_items, k, excl, vals, rows, wait=False)
         backend.run_blocks(plan, users, items, self.n_items, k, excl, vals, rows)
         return vals, rows
 
@@ -337,3 +383,17 @@ class Engine:
         if host_rows is rows:
             return out
         return self.backend.xp.asarray(out)
+
+
+class PendingSearch:
+    """A search started by :meth:`Engine.search_async`; :meth:`result` waits for it (once) and returns it."""
+
+    def __init__(self, finish: Any) -> None:
+        self._finish = finish
+        self._result: SearchResult | None = None
+
+    def result(self) -> SearchResult:
+        if self._result is None:
+            self._result = self._finish()
+            self._finish = None
+        return self._result

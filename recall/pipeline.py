@@ -300,9 +300,11 @@ def stream_search(engine: Engine, users_path: str, k: int, write: Callable[[tupl
     """Search a user Parquet file batch by batch with a resident engine, reading ahead and writing behind.
 
     A reader thread decodes and validates the next batch while the engine searches this one, and ``write`` (called
-    on a writer thread, in input order, with ``(batch, SearchResult)``) handles the previous one. The first error of
-    any stage stops the others and is raised here. ``exclusions``: an object whose ``block(start, stop)`` gives the
-    CSR of user rows ``start:stop`` (see ``recall.io.load_exclusions``).
+    on a writer thread, in input order, with ``(batch, SearchResult)``) handles the previous one. Searches are
+    started with :meth:`Engine.search_async`: on a GPU the search thread queues the next batch while the writer
+    waits for the previous one's results, so the device goes from batch to batch without an idle gap. The first
+    error of any stage stops the others and is raised here. ``exclusions``: an object whose ``block(start, stop)``
+    gives the CSR of user rows ``start:stop`` (see ``recall.io.load_exclusions``).
     """
     def batches() -> Iterable[Embeddings]:
         for batch in iter_embedding_batches(users_path, batch_size, id_col, vec_col, dim=engine.dim,
@@ -311,18 +313,26 @@ def stream_search(engine: Engine, users_path: str, k: int, write: Callable[[tupl
                 _check_nonzero(batch, users_path)
             yield batch
 
-    busy = 0.0
+    busy = waited = 0.0
 
     def search(batch: Embeddings) -> Any:
-        nonlocal busy
         exclude = exclusions.block(batch.row_start, batch.row_start + len(batch)) if exclusions is not None else None
-        result = engine.search(batch.vectors, k, exclude=exclude)
+        return engine.search_async(batch.vectors, k, exclude=exclude)
+
+    def finish_and_write(item: tuple[Embeddings, Any]) -> None:
+        nonlocal busy, waited
+        batch, pending = item
+        t0 = time.perf_counter()
+        result = pending.result()
+        waited += time.perf_counter() - t0
         busy += engine.stats.get("gpu_busy_s", 0.0)
-        return result
+        write((batch, result))
 
     overlap = _Overlap()
-    overlap.run(batches(), search, write)
-    return StreamStats(overlap.seconds["read"], overlap.seconds["search"], overlap.seconds["write"], busy)
+    overlap.run(batches(), search, finish_and_write)
+    # The writer's wait for results is search time, not writing.
+    return StreamStats(overlap.seconds["read"], overlap.seconds["search"] + waited, overlap.seconds["write"] - waited,
+                       busy)
 
 
 def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, out_path: str | os.PathLike, k: int,

@@ -8,7 +8,7 @@
 # Then, with two GPUs, the nightly batch job on one GPU and on both (scripts/gpu_batch.sh).
 # Each step has its own time limit, so a slow step cannot eat the others; at most 8 files come back under $OUT.
 # Knobs: LANE_A_STEPS (default "tests main e2e"), LANE_B_STEPS (default "doctor rescore s5s7 s4 adversarial tune"),
-# RUN_BATCH=1.
+# any step in either lane (see run_step), RUN_BATCH=1.
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
 export PYTHONUNBUFFERED=1
@@ -24,40 +24,34 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; echo "== $name"; ti
 bench() { local dir=$1 limit=$2; shift 2; step "bench $dir: $*" "$limit" python3 -m recall bench --device gpu --out "/tmp/$dir" "$@" \
     >"/tmp/$dir.log" 2>&1; grep -E "^\| |^- " "/tmp/$dir/results.md" 2>/dev/null || tail -n 20 "/tmp/$dir.log"; }
 
-lane_a() {
-    for s in ${LANE_A_STEPS:-tests main e2e}; do
-        case $s in
-            tests) step "gpu tests" "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-                       --continue-on-collection-errors >"$OUT/tests.log" 2>&1
-                   tail -n 1 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20 ;;
-            main) bench main "${MAIN_TIMEOUT:-260}" -w S1 -w S2 -w S3 --ceilings --repeat 3
-                  mkdir -p "$OUT/main"; cp /tmp/main/results.json "$OUT/main/" 2>/dev/null ;;  # the table is in the log
-            e2e) bench e2e 120 -w S1 --e2e --contenders recall --repeat 2 ;;
-            e2e4) bench e2e4 300 -w S4 --e2e --contenders recall --repeat 1 ;;
-            s5s7) bench s5s7 150 -w S5 -w S7 --repeat 3 ;;
-            profile) for kind in clustered adversarial; do
-                         step "fused profile $kind" 120 env PROFILE_KIND=$kind python3 scripts/gpu_fused_profile.py
-                     done ;;
-        esac
-    done
+# Any step may go in either lane.
+run_step() {
+    case $1 in
+        tests) step "gpu tests" "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+                   --continue-on-collection-errors >"$OUT/tests.log" 2>&1
+               tail -n 1 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20 ;;
+        main) bench main "${MAIN_TIMEOUT:-260}" -w S1 -w S2 -w S3 --ceilings --repeat 3
+              mkdir -p "$OUT/main"; cp /tmp/main/results.json "$OUT/main/" 2>/dev/null ;;  # the table is in the log
+        e2e) bench e2e 120 -w S1 --e2e --contenders recall --repeat 2 ;;
+        e2e4) bench e2e4 300 -w S4 --e2e --contenders recall --repeat 1 ;;
+        s5s7) bench s5s7 150 -w S5 -w S7 --repeat 3 ;;
+        profile) for kind in clustered adversarial; do
+                     step "fused profile $kind" 120 env PROFILE_KIND=$kind python3 scripts/gpu_fused_profile.py
+                 done ;;
+        doctor) step doctor 90 python3 -m recall doctor ;;
+        rescore) step "rescore sweep" 150 env -u OUT python3 scripts/gpu_rescore_sweep.py ;;
+        sweep) step "selection overhead" 150 env SMOKE_SKIP_CHECKS=1 SMOKE_KIND=clustered SMOKE_TILES=2048,8192,4 \
+                   SMOKE_GRAPHS=1 SMOKE_PRECISIONS=exact,fast python3 scripts/gpu_smoke.py ;;
+        s4) bench s4 240 -w S4 --repeat 1 ;;
+        adversarial) bench adv 150 -w S1 --kind adversarial --repeat 1 ;;
+        tune) for shape in "128 100" "64 1000"; do set -- $shape
+                  step "tune d=$1 k=$2" 150 python3 -m recall tune --device gpu --users 100000 --items 1000000 \
+                      --dim "$1" --k "$2" --repeat 1; done ;;
+        *) echo "unknown step $1" ;;
+    esac
 }
-
-lane_b() {
-    for s in $LANE_B_STEPS; do
-        case $s in
-            doctor) step doctor 90 python3 -m recall doctor ;;
-            rescore) step "rescore sweep" 150 env -u OUT python3 scripts/gpu_rescore_sweep.py ;;
-            sweep) step "selection overhead" 150 env SMOKE_SKIP_CHECKS=1 SMOKE_KIND=clustered SMOKE_TILES=2048,8192,4 \
-                       SMOKE_GRAPHS=1 SMOKE_PRECISIONS=exact,fast python3 scripts/gpu_smoke.py ;;
-            s5s7) bench s5s7 150 -w S5 -w S7 --repeat 3 ;;
-            s4) bench s4 240 -w S4 --repeat 1 ;;
-            adversarial) bench adv 150 -w S1 --kind adversarial --repeat 1 ;;
-            tune) for shape in "128 100" "64 1000"; do set -- $shape
-                      step "tune d=$1 k=$2" 150 python3 -m recall tune --device gpu --users 100000 --items 1000000 \
-                          --dim "$1" --k "$2" --repeat 1; done ;;
-        esac
-    done
-}
+lane_a() { for s in ${LANE_A_STEPS:-tests main e2e}; do run_step "$s"; done; }
+lane_b() { for s in $LANE_B_STEPS; do run_step "$s"; done; }
 
 if [ "$GPUS" -ge 2 ]; then
     (CUDA_VISIBLE_DEVICES=0 lane_a) >"$OUT/lane_a.log" 2>&1 &

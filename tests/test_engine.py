@@ -753,3 +753,20 @@ def test_property_float_data_matches_oracle(device, problem):
     if users.shape[0]:
         scale = oracle.score_scale(users, items, metric).max()
         assert oracle.recall_at_k(idx, users, items, k, metric, exclude, atol=4e-4 * scale) == 1.0
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_search_async_equals_search_with_several_queued(device, metric, make_normal):
+    # Several searches started before any result is asked for, in another order than they were started; padding
+    # (k beyond the catalogue for the last one), exclusions and every metric's score conversion.
+    users, items = make_normal(300, 500, 16)
+    engine = Engine(items, metric=metric, device=device)
+    parts = [(users[:120], 30, {0: [1, 2, 3]}), (users[120:121], 7, None), (users[121:], 600, {5: list(range(400))})]
+    pending = [engine.search_async(u, k, exclude=ex) for u, k, ex in parts]
+    for (u, k, ex), p in reversed(list(zip(parts, pending))):
+        got, want = p.result(), engine.search(u, k, exclude=ex)
+        np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
+        np.testing.assert_array_equal(as_numpy(got.scores), as_numpy(want.scores))
+        assert p.result() is p.result()
+    with pytest.raises(InputError, match="k must be"):
+        engine.search_async(users, 0)

@@ -208,3 +208,20 @@ def test_seeded_equals_unseeded_on_rising_order(small_tiles, monkeypatch):
     assert plain.stats["seed_sample"] == 0
     _same(got, want)
     assert_topk_close(got.indices, got.scores, users, items, 50, exclude={5: list(range(29000, 30000))})
+
+
+def test_queued_async_searches_equal_cpu(small_tiles):
+    # Batches queued on the device one after the other before any result is collected (the Parquet pipeline's
+    # pattern), with a batch of another shape in between (a second workspace) and exclusions; seeded and fused.
+    rng = np.random.default_rng(9)
+    items = _ints(rng, 20000, 16)
+    sizes = [500, 500, 10, 500, 333]
+    batches = [_ints(rng, n, 16) for n in sizes]
+    excl = [{u: rng.choice(20000, 30, replace=False).tolist() for u in range(0, n, 4)} for n in sizes]
+    engine = Engine(items, device="gpu")
+    pending = [engine.search_async(b, 40, exclude=e) for b, e in zip(batches, excl)]
+    cpu = Engine(items, device="cpu")
+    for b, e, p in zip(batches, excl, pending):
+        _same(p.result(), cpu.search(b, 40, exclude=e))
+        assert engine.stats["fused"] and engine.stats["gpu_busy_s"] > 0
+    assert engine.stats["blocks"] == 6  # the last batch: 333 users in blocks of 64

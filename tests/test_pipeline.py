@@ -296,3 +296,20 @@ def test_search_failure_propagates(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         score_files(up, ip, tmp_path / "out.parquet", 3, device="cpu", batch_size=3)
     _assert_nothing_written(tmp_path, tmp_path / "out.parquet", {"users.parquet", "items.parquet"})
     assert not [t for t in threading.enumerate() if t.name.startswith("recall-")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_gpu_matches_oracle_exactly_with_queued_batches(tmp_path: Path, metric: str, monkeypatch) -> None:
+    """On a GPU the batches are queued on the device while earlier results are written (Engine.search_async)."""
+    monkeypatch.setenv("RECALL_GPU_TILES", "16,8,2")  # several blocks per batch
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path, n_users=301, n_items=90, dim=6)
+    excl = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array(user_ids[:50], pa.int64()),
+                             "item_id": pa.array(item_ids[:50], pa.int64())}), excl)
+    summary = score_files(up, ip, tmp_path / "out.parquet", 9, metric=metric, device="gpu", batch_size=37,
+                          exclude_path=excl)
+    banned = np.zeros((301, 90), bool)
+    banned[np.arange(50), np.arange(50)] = True
+    _check_against_oracle(tmp_path / "out.parquet", users, items, user_ids, item_ids, 9, metric, banned)
+    assert summary.device == "gpu" and summary.device_busy_s > 0

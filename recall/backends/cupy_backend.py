@@ -179,6 +179,7 @@ class _Workspace:
     slots: list
     sample: Any = None  # (size, dim): the threshold sample's item rows, refreshed by every search
     users_t: Any = None  # fused path: (padded dim, padded capacity) the block's users transposed, zero-padded
+    fetched: Any = None  # event: the last search's last results have left state.out_vals (None: nothing pending)
 
 
 class CupyBackend:
@@ -436,6 +437,7 @@ class CupyBackend:
         shape = (dp, -(-n_items // _FUSED_TILE) * _FUSED_TILE)
         with self.compute_stream:
             if self._items_t is None or self._items_t[0] != (shape, dim):
+                self.compute_stream.synchronize()  # no queued search reads the old one any more
                 self._items_t = None  # let the old one go first
                 self._items_t = ((shape, dim), self.xp.zeros(shape, np.float32))
             items_t = self._items_t[1]
@@ -483,7 +485,10 @@ class CupyBackend:
 
     # -- the block pipeline -----------------------------------------------------------------------------------
     def run_blocks(self, plan: scoring.TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Any,
-                   out_vals: Any, out_rows: Any) -> None:
+                   out_vals: Any, out_rows: Any, wait: bool = True) -> Any:
+        """Search every block (see the base protocol). With ``wait`` False, return once every block is queued (the
+        users and exclusions copied into staging buffers) with a callable that waits for this search alone and
+        returns its stats: the next search may be queued before then, and the device runs both without a gap."""
         import cupy
 
         wall = time.perf_counter()
@@ -510,7 +515,9 @@ class CupyBackend:
         stats["seed_sample"] = 0 if seed is None else seed[0].shape[0]
         items_t = self._transpose_items(items, n_items, dim) if fused else None
         stats["fused"] = fused
-        fetched = None  # event: the previous block's results have left state.out_vals for the host
+        # Event: the previous block's results have left state.out_vals for the host (of the previous search, for the
+        # first block: it may still be fetching).
+        fetched = ws.fetched
         timing = []  # (h2d start, h2d end, compute start, compute end[, d2h end]) events per block
 
         for i, (start, stop) in enumerate(blocks):
@@ -557,16 +564,27 @@ class CupyBackend:
                     fetched = fetch.record()
                     ev.append(fetched)
             timing.append(ev)
-        compute.synchronize()
-        fetch.synchronize()
-        wall = time.perf_counter() - wall
-        busy = sum(cupy.cuda.get_elapsed_time(e[2], e[3]) for e in timing) / 1e3
-        h2d = sum(cupy.cuda.get_elapsed_time(e[0], e[1]) for e in timing) / 1e3
-        d2h = sum(cupy.cuda.get_elapsed_time(e[3], e[4]) for e in timing if len(e) > 4) / 1e3
-        stats.update(wall_s=wall, gpu_busy_s=busy, h2d_s=h2d, d2h_s=d2h,
-                     busy_fraction=busy / wall if wall > 0 else 0.0,
-                     tiles=(plan.user_block, plan.item_tile, plan.tiles_per_call))
-        self.stats = stats
+        ws.fetched = fetched
+        done = (compute.record(), fetch.record())
+
+        def finish() -> dict:
+            with self.device:
+                for event in done:
+                    event.synchronize()
+                elapsed = time.perf_counter() - wall
+                busy = sum(cupy.cuda.get_elapsed_time(e[2], e[3]) for e in timing) / 1e3
+                h2d = sum(cupy.cuda.get_elapsed_time(e[0], e[1]) for e in timing) / 1e3
+                d2h = sum(cupy.cuda.get_elapsed_time(e[3], e[4]) for e in timing if len(e) > 4) / 1e3
+            stats.update(wall_s=elapsed, gpu_busy_s=busy, h2d_s=h2d, d2h_s=d2h,
+                         busy_fraction=busy / elapsed if elapsed > 0 else 0.0,
+                         tiles=(plan.user_block, plan.item_tile, plan.tiles_per_call))
+            self.stats = stats
+            return stats
+
+        if not wait:
+            return finish
+        finish()
+        return None
 
     def _workspace(self, plan: scoring.TilePlan, k: int, dim: int, max_excl: int, dtype: Any,
                    fused: bool = False, score_width: int | None = None) -> "_Workspace":
@@ -578,10 +596,13 @@ class CupyBackend:
         key = (plan, k, dim, np.dtype(dtype), fused, score_width)
         ws = self._ws.get(key)
         if ws is not None and ws.max_excl >= max_excl:
-            ws.state.clear()  # the last final merge emptied it, unless that search was interrupted
+            with self.compute_stream:  # after a search still running on it (run_blocks(wait=False))
+                ws.state.clear()  # the last final merge emptied it, unless that search was interrupted
             return ws
         # Keep at most two shapes (fast mode alternates its wide half-precision pass and the exact fallback);
-        # let the others go before taking new buffers.
+        # let the others go before taking new buffers, once no queued search still uses them.
+        self.synchronize()
+        self.fetch_stream.synchronize()
         self._ws.pop(key, None)
         while len(self._ws) >= 2:
             self._ws.pop(next(iter(self._ws)))
