@@ -107,7 +107,10 @@ class Engine:
         self.precision = precision
         self._fast_items: fast.FastItems | None = None
         self.backend = backends.resolve(device)
-        xp = self._xp_for(item_vecs)
+        # A GPU engine checks and prepares its items on the device, after one upload (a host array's checks, norms
+        # included, cost a million-item job a fraction of a second of CPU before its first search).
+        on_gpu = self.backend.name == "gpu"
+        xp = self.backend.xp if on_gpu else np
         items = _check_matrix(xp, item_vecs, "item_vecs")
         if items.shape[0] < 1:
             raise InputError("item_vecs: there are no items")
@@ -122,7 +125,9 @@ class Engine:
         # Uploaded (or, on the CPU, copied) once and resident for every search: a caller refilling its buffer
         # afterwards must not change the engine's items.
         self._items = self.backend.asarray(prepared)
-        if self._items is item_vecs or self._items is items or self._items is prepared:
+        # Host items on a GPU were copied by the upload; a caller's own array (host, or device) must not be shared.
+        uploaded = on_gpu and not _is_device_array(item_vecs)
+        if not uploaded and (self._items is item_vecs or self._items is items or self._items is prepared):
             self._items = self._items.copy()
         self.stats: dict = {}  # what the last search did: blocks, tiling, wall and (GPU) busy seconds
 

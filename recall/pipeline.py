@@ -98,6 +98,7 @@ class ScoreSummary:
     unknown_exclusions: int
     out_path: str
     device_busy_s: float = 0.0  # GPU time spent computing (CUDA events); 0 on the CPU
+    start_s: float = 0.0  # from the call until users could be searched: items read, engine built, user ids read
 
     @property
     def users_per_s(self) -> float:
@@ -115,6 +116,7 @@ class ScoreSummary:
         busy = (f"; GPU busy {self.device_busy_s:.2f} s ({self.device_busy_s / self.seconds:.0%} of wall)"
                 if self.device_busy_s and self.seconds > 0 else "")
         return (
+            f"start-up {self.start_s:.2f} s (items, engine, user ids); "
             f"stages (overlapping): read {self.read_s:.2f} s, search {self.search_s:.2f} s, "
             f"write {self.write_s:.2f} s; batch {self.batch_size:,} users; device {self.device_detail}{busy}"
         )
@@ -410,6 +412,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
                                                  precision)
         t0 = time.perf_counter()
         user_ids = ids_read.result()
+    start_s = time.perf_counter() - t_start
     dim = engine.dim
     excl = load_exclusions(exclude_path, user_ids, items.ids) if exclude_path is not None else None
     n_users = int(user_ids.size)
@@ -444,5 +447,5 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
         read_s=item_read_s + stream.read_s, search_s=stream.search_s, write_s=stream.write_s, batch_size=batch_size,
         exclusion_pairs=excl.n_pairs if excl is not None else 0,
         unknown_exclusions=excl.n_unknown if excl is not None else 0, out_path=str(out_path),
-        device_busy_s=stream.device_busy_s,
+        device_busy_s=stream.device_busy_s, start_s=start_s,
     )

@@ -79,7 +79,7 @@ def test_cli_tiny_cpu_writes_every_field(tmp_path):
     assert e2e["vs_resident"] == pytest.approx(e2e["median_s"] / kernel["recall"]["median_s"])
     assert e2e["stages"]["search_s"] > 0 and e2e["stages"]["batch_size"] > 0
     md = (out / "results.md").read_text()
-    assert "x the resident search; stages (overlapping) read" in md
+    assert "x the resident search; start-up " in md and "; stages (overlapping) read " in md
     assert "| tiny |" in md and "recall@k" in md
     assert doc["plot"].startswith("wrote") or doc["plot"].startswith("skipped")
 

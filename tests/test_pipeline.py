@@ -54,6 +54,7 @@ def test_matches_oracle_exactly(tmp_path: Path, metric: str, batch_size: int) ->
     assert isinstance(summary, ScoreSummary)
     assert (summary.users, summary.items, summary.dim, summary.k, summary.device) == (37, 23, 5, 4, "cpu")
     assert summary.batch_size == batch_size and summary.seconds > 0 and summary.users_per_s > 0
+    assert 0 < summary.start_s < summary.seconds and "start-up " in summary.stages_line()
 
 
 def test_cosine_close_to_oracle(tmp_path: Path) -> None:

@@ -32,6 +32,9 @@ _CUBLAS_GEMM_DEFAULT = -1
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
 _MERGE_THREADS = 256
+#: Staging slots of the block pipeline: the host stages (and queues) up to this many blocks ahead of the device, so
+#: that the device has that much work queued while the host prepares the next search (Engine.search_async).
+_SLOTS = 4
 _FILTER_THREADS = 256
 
 _module_lock = threading.Lock()
@@ -156,7 +159,7 @@ class GpuTopK:
 
 @dataclass
 class _Slot:
-    """One of the two staging slots of the block pipeline."""
+    """One of the :data:`_SLOTS` staging slots of the block pipeline."""
 
     users: Any  # device (capacity, dim) float32
     ex_ptr: Any  # device (capacity + 1,) int64
@@ -195,7 +198,7 @@ class CupyBackend:
         self.device = cupy.cuda.Device()
         self.compute_stream = cupy.cuda.Stream(non_blocking=True)
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
-        # Results go back on a stream of their own, so that fetching block i never delays staging block i + 2.
+        # Results go back on a stream of their own, so that fetching block i never delays staging block i + _SLOTS.
         self.fetch_stream = cupy.cuda.Stream(non_blocking=True)
         self.use_graphs = os.environ.get("RECALL_CUDA_GRAPHS", "1") != "0"
         # Fast mode's GEMM writes float16 scores (scaled by fast.output_scale): half the bytes written and read back.
@@ -249,7 +252,7 @@ class CupyBackend:
 
     def state_bytes(self, k: int) -> int:
         # top keys + candidates (the fused path's larger buffer) + results + per-user scalars, plus the pinned/device
-        # staging of users (counted by the plan) twice over for the two pipeline slots.
+        # staging of users (counted by the plan) for the pipeline slots.
         return 8 * k + 8 * _fused_capacity(k) + 12 * k + 32
 
     def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
@@ -521,10 +524,10 @@ class CupyBackend:
         timing = []  # (h2d start, h2d end, compute start, compute end[, d2h end]) events per block
 
         for i, (start, stop) in enumerate(blocks):
-            slot = slots[i % 2]
+            slot = slots[i % len(slots)]
             n = stop - start
             ev = [cupy.cuda.Event() for _ in range(4)]
-            # Stage: wait until the compute stream is done with this slot (block i - 2), then upload.
+            # Stage: wait until the compute stream is done with this slot (block i - _SLOTS), then upload.
             slot.consumed.synchronize()  # the pinned buffers are rewritten by the host below
             ptr, ex_items = excl.block(start, stop)
             slot.host_ptr[: n + 1] = ptr
@@ -611,7 +614,7 @@ class CupyBackend:
         try:
             state = GpuTopK.allocate(plan.user_block, k, _fused_capacity(k) if fused else 0)
             scores = cupy.empty(plan.user_block * width, self.score_dtype(dtype))
-            slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(2)]
+            slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(_SLOTS)]
         except cupy.cuda.memory.OutOfMemoryError as exc:
             raise ResourceError(
                 f"GPU out of memory allocating a {need:,}-byte search workspace ({plan.user_block} users x "

@@ -44,7 +44,8 @@ def _note(row: dict[str, Any], repeats: bool) -> str:
             notes.append(f"{row['vs_resident']:.2f}x the resident search")
         st = row.get("stages")
         if st:
-            notes.append(f"stages (overlapping) read {st['read_s']:.2f}, search {st['search_s']:.2f}, write "
+            notes.append(f"start-up {st.get('start_s', 0.0):.2f} s; stages (overlapping) read {st['read_s']:.2f}, "
+                         f"search {st['search_s']:.2f}, write "
                          f"{st['write_s']:.2f} s, GPU busy {st['device_busy_s']:.2f} s")
     if not row["claims_exact"]:
         notes.append("not exact by design")
