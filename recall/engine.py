@@ -53,9 +53,9 @@ def _check_matrix(xp: Any, arr: Any, what: str, dim: int | None = None) -> Any:
             arr = arr.get()
         out = np.ascontiguousarray(arr, dtype=np.float32)
     else:
-        if not hasattr(arr, "__cuda_array_interface__") and hasattr(arr, "__dlpack__"):
-            arr = xp.from_dlpack(arr)
-        out = xp.ascontiguousarray(xp.asarray(arr), dtype=xp.float32)
+        if _is_device_array(arr) and not hasattr(arr, "__cuda_array_interface__"):
+            arr = xp.from_dlpack(arr)  # e.g. a torch CUDA tensor, read in place
+        out = xp.ascontiguousarray(xp.asarray(arr), dtype=xp.float32)  # host arrays: one upload
     finite = xp.isfinite(out).all(axis=1)
     if not bool(finite.all()):
         row = int(xp.argmax(~finite))

@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from . import metrics
 from .backends import DEVICES
+from .backends.probe import cuda_status
 from .engine import Engine, check_k
 from .errors import InputError
 from .io import (
@@ -160,7 +161,7 @@ def _check_nonzero(emb: Embeddings, path: str) -> None:
     """Cosine has no direction for a zero vector: name the file, row and id here, where they are known."""
     zero = ~emb.vectors.any(axis=1)
     if zero.any():
-        pos = int(np.argmax(zero))
+        pos = int(zero.argmax())  # host or device vectors
         rid = emb.ids[pos]
         rid = int(rid) if isinstance(rid, (int, np.integer)) else repr(str(rid))
         raise InputError(f"{path}: row {emb.row_start + pos} (id {rid}) is a zero vector, which has no direction "
@@ -266,6 +267,12 @@ class _Overlap:
             raise self.errors[0]
 
 
+def _device_matrix(n: int, dim: int) -> Any:
+    import cupy
+
+    return cupy.empty((n, dim), cupy.float32)
+
+
 def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, device: str,
                 memory_budget: int | None, precision: str = "exact") -> tuple[Embeddings, Engine, float]:
     """Read and validate an item file and build the resident engine on it: the start of every Parquet job.
@@ -278,7 +285,10 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, device:
     Returns (items, engine, seconds spent reading). Raises InputError naming the file, row and id of a bad item.
     """
     t0 = time.perf_counter()
-    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False)
+    # For a GPU engine the vectors go to the device batch by batch as they are decoded (see read_embeddings).
+    on_gpu = device in ("gpu", "auto") and cuda_status()[0]  # without a GPU, the engine says why
+    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False,
+                            device_out=_device_matrix if on_gpu else None)
     if metric == "cosine":
         _check_nonzero(items, items_path)
     read_s = time.perf_counter() - t0

@@ -43,6 +43,40 @@ def test_read_embeddings_every_layout(tmp_path: Path, layout: str) -> None:
     np.testing.assert_array_equal(emb.vectors, vecs)  # float64 columns hold float32 values exactly here
 
 
+class _DeviceLike:
+    """A stand-in for a device matrix: rows are written only through ``rows.set(host_array)``, as on CuPy."""
+
+    def __init__(self, n: int, dim: int) -> None:
+        self.host = np.full((n, dim), np.nan, np.float32)
+        self.shape = self.host.shape
+        self.uploads = 0
+
+    def __getitem__(self, rows: slice) -> "_DeviceLike":
+        view = _DeviceLike.__new__(_DeviceLike)
+        view.host, view.shape, view.parent = self.host[rows], self.host[rows].shape, self
+        return view
+
+    def set(self, arr: np.ndarray) -> None:
+        assert arr.dtype == np.float32 and arr.flags.c_contiguous and arr.shape == self.host.shape
+        self.host[...] = arr
+        self.parent.uploads += 1
+
+
+@pytest.mark.parametrize("layout", ["fixed32", "list64"])
+def test_read_embeddings_into_a_device_matrix_batch_by_batch(tmp_path: Path, layout: str, monkeypatch) -> None:
+    monkeypatch.setattr("recall.io.parquet.READ_BATCH_ROWS", 16)
+    vecs = _vecs(53, 6)
+    path = write_embeddings(tmp_path / "e.parquet", np.arange(53), vecs, layout, row_group_size=10)
+    emb = read_embeddings(path, device_out=_DeviceLike)
+    assert isinstance(emb.vectors, _DeviceLike) and emb.vectors.uploads >= 4
+    np.testing.assert_array_equal(emb.vectors.host, read_embeddings(path).vectors)
+    bad = vecs.copy()
+    bad[37, 2] = np.nan
+    write_embeddings(tmp_path / "bad.parquet", np.arange(53), bad, layout, row_group_size=10)
+    with pytest.raises(InputError, match="row 37"):
+        read_embeddings(tmp_path / "bad.parquet", device_out=_DeviceLike)
+
+
 @pytest.mark.parametrize("id_type", [pa.int32(), pa.uint16(), pa.int64(), pa.uint64()])
 def test_integer_ids_become_int64(tmp_path: Path, id_type: pa.DataType) -> None:
     path = write_embeddings(tmp_path / "e.parquet", None, _vecs(4, 3), id_array=pa.array([5, 1, 9, 2], id_type))

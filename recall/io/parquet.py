@@ -7,7 +7,8 @@ names the file, the row (counted from 0 over the whole file, whatever the row gr
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,20 @@ def _iter_batches(pf: pq.ParquetFile, path: str, columns: list[str], batch_size:
             raise InputError(f"{path}: unreadable data after row {row} (corrupt or truncated file): {exc}") from exc
         row += batch.num_rows
         yield batch
+
+
+def _prefetched(batches: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa.RecordBatch]:
+    """``batches``, the next ``depth`` decoded on a thread while the caller converts this one (pyarrow and NumPy
+    both release the GIL): a whole-file read then takes about the longer of the two instead of their sum."""
+    with ThreadPoolExecutor(1, thread_name_prefix="recall-decode") as pool:
+        it = iter(batches)
+        ahead = deque(pool.submit(next, it, None) for _ in range(depth))
+        while True:
+            batch = ahead.popleft().result()
+            if batch is None:
+                return
+            ahead.append(pool.submit(next, it, None))
+            yield batch
 
 
 def _column_names(schema: pa.Schema) -> str:
@@ -400,7 +415,7 @@ def _stream(pf: pq.ParquetFile, path: str, batch_size: int, id_col: str, vec_col
 
 
 def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = "embedding", *,
-                    allow_empty: bool = True) -> Embeddings:
+                    allow_empty: bool = True, device_out: Callable[[int, int], Any] | None = None) -> Embeddings:
     """Read a whole embedding Parquet file into host arrays, row group by row group.
 
     Parameters
@@ -412,12 +427,15 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
         Column names.
     allow_empty : bool
         When False, a file without rows is an error (items are required; users may be none).
+    device_out : callable ``(n_rows, dim) -> device array``, optional
+        Where the vectors go instead of a host array (e.g. ``cupy.empty`` with float32): each decoded batch is
+        uploaded into its rows as it comes, so a GPU job never assembles (nor pages in) the whole matrix on the host.
 
     Returns
     -------
     Embeddings
-        ``ids`` (n,) int64 or object (str); ``vectors`` (n, dim) float32, C-contiguous. An empty file gives
-        ``vectors`` of shape (0, dim) (dim 0 for a variable-size list column).
+        ``ids`` (n,) int64 or object (str); ``vectors`` (n, dim) float32, C-contiguous (on the device with
+        ``device_out``). An empty file gives ``vectors`` of shape (0, dim) (dim 0 for a variable-size list column).
 
     Raises
     ------
@@ -439,7 +457,7 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
     # release the GIL, and the vectors are most of the time. An error in a row still comes first.
     with ThreadPoolExecutor(1, thread_name_prefix="recall-unique") as pool:
         unique = pool.submit(read_ids, path, id_col, vec_col)
-        for batch in _iter_batches(pf, path, [id_col, vec_col], READ_BATCH_ROWS):
+        for batch in _prefetched(_iter_batches(pf, path, [id_col, vec_col], READ_BATCH_ROWS)):
             ids = _ids_from_arrow(path, batch.column(0), row)
             vecs = _vectors_from_arrow(path, batch.column(1), ids, row, dim, None if row == 0 else
                                        f"the dimension of row 0 of {path}")
@@ -447,11 +465,14 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
                 dim = vecs.shape[1]
                 # One float32 buffer for the whole file, filled batch by batch: peak memory is the result plus one
                 # batch.
-                out = np.empty((n_rows, dim), np.float32)
+                out = np.empty((n_rows, dim), np.float32) if device_out is None else device_out(n_rows, dim)
             if len(ids):
                 if row + len(ids) > n_rows:
                     raise InputError(f"{path}: holds more rows than its footer declares ({n_rows}); corrupt file")
-                _to_float32(path, vecs, ids, row, out[row:row + len(ids)])
+                if device_out is None:
+                    _to_float32(path, vecs, ids, row, out[row:row + len(ids)])
+                else:
+                    out[row:row + len(ids)].set(_to_float32(path, vecs, ids, row))
             id_parts.append(ids)
             row += batch.num_rows
         if row != n_rows:
@@ -463,7 +484,7 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
     if ids.size == 0:
         ids = ids.astype(np.int64 if id_type == pa.int64() else object)
     if out is None:
-        out = np.zeros((0, dim or 0), np.float32)
+        out = np.zeros((0, dim or 0), np.float32) if device_out is None else device_out(0, dim or 0)
     return Embeddings(ids, out)
 
 
