@@ -32,9 +32,10 @@ _CUBLAS_GEMM_DEFAULT = -1
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
 _MERGE_THREADS = 256
-#: Staging slots of the block pipeline: the host stages (and queues) up to this many blocks ahead of the device, so
-#: that the device has that much work queued while the host prepares the next search (Engine.search_async).
-_SLOTS = 4
+#: Staging slots of the block pipeline (``RECALL_SLOTS``): the host stages (and queues) up to this many blocks ahead
+#: of the device, so that the device has that much work queued while the host prepares the next search
+#: (Engine.search_async) or another thread holds the GIL.
+_SLOTS = max(2, int(os.environ.get("RECALL_SLOTS", "4")))
 _FILTER_THREADS = 256
 
 _module_lock = threading.Lock()
