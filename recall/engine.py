@@ -81,7 +81,8 @@ class Engine:
         Bytes of working memory a search may use beyond the item matrix and its results; the search is tiled to fit.
         Default: a quarter of the free memory of the device, at most 1 GiB on the CPU and 8 GiB on a GPU.
     precision : {"exact", "fast"}
-        "exact" scores in float32 (``cublasSgemmStridedBatched``). "fast" scores float16 inputs on tensor cores,
+        "exact" scores in float32 (on a GPU: the fused scoring-and-filtering kernel of recall/kernels/fused.cu up to
+        256 dimensions, else ``cublasSgemmStridedBatched``). "fast" scores float16 inputs on tensor cores,
         re-ranks k + max(16, k/4) candidates in float32 and proves from an error bound that the answer equals exact mode's,
         falling back to exact mode for the users where the proof fails (``stats["fallback_users"]``); on the CPU it
         emulates the same arithmetic and is for testing only (no faster).
