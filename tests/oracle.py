@@ -195,3 +195,14 @@ def as_numpy(arr: Any) -> np.ndarray:
     """A host NumPy copy of a NumPy or CuPy array (results are CuPy only when the users were device arrays)."""
     get = getattr(arr, "get", None)
     return get() if callable(get) and not isinstance(arr, np.ndarray) else np.asarray(arr)
+
+
+def int_matrix(rng: np.random.Generator, n: int, dim: int, lo: int = -3, hi: int = 4) -> np.ndarray:
+    """Small-integer float32 vectors: their float32 scores are exact in any summation order, and tie often."""
+    return rng.integers(lo, hi, size=(n, dim)).astype(np.float32)
+
+
+def assert_same_result(a: Any, b: Any) -> None:
+    """Two search results with bit-for-bit equal rows and scores (host or device arrays)."""
+    np.testing.assert_array_equal(as_numpy(a.indices), as_numpy(b.indices))
+    np.testing.assert_array_equal(as_numpy(a.scores), as_numpy(b.scores))

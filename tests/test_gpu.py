@@ -12,19 +12,10 @@ from recall import Engine
 from recall.backends.probe import cuda_status
 from recall.errors import ResourceError
 
-from oracle import as_numpy, assert_topk_close
+from oracle import as_numpy, assert_same_result as _same, assert_topk_close, int_matrix as _ints
 
 usable, reason = cuda_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not usable, reason=f"no usable GPU: {reason}")]
-
-
-def _ints(rng, n, dim, lo=-3, hi=4):
-    return rng.integers(lo, hi, size=(n, dim)).astype(np.float32)
-
-
-def _same(a, b):
-    np.testing.assert_array_equal(as_numpy(a.indices), as_numpy(b.indices))
-    np.testing.assert_array_equal(as_numpy(a.scores), as_numpy(b.scores))
 
 
 @pytest.fixture

@@ -1,11 +1,15 @@
-"""The GPU backend: cuBLAS ``SgemmStridedBatched`` through CuPy, exact top-k kernels, pinned staging and streams.
+"""The GPU backend: a fused float32 scoring-and-filtering kernel, cuBLAS through CuPy, exact top-k kernels, pinned
+staging and streams.
 
-Per search block of users, every item segment is one strided-batched GEMM (the user block shared by all tiles of
-the batch: stride 0) writing a score tile that is small enough to stay in L2, followed at once by the selection
-kernels of ``recall/kernels/topk.cu`` reading it back. Blocks are pipelined on two streams: the copy stream stages
-the next block's users (and exclusions) from pinned host memory while the compute stream searches the current one.
-After the first block, a block's whole sequence of launches is replayed as a CUDA graph, so that a search of many
-small tiles is not bound by Python's launch overhead.
+Exact mode (float32 vectors of at most 256 dimensions, seeded searches) scores each user block against each item
+segment with ``recall_fused_filter`` (``recall/kernels/fused.cu``), which keeps only the scores above each user's
+threshold and never writes a score tile. Elsewhere (fast mode's float16 inputs, wider vectors, multi-interest users,
+small catalogues), every item segment is one strided-batched GEMM (the user block shared by all tiles of the batch:
+stride 0) writing a score tile, followed at once by the selection kernels of ``recall/kernels/topk.cu`` reading it
+back. Blocks are pipelined on streams: the copy stream stages the next blocks' users (and exclusions) from pinned
+host memory while the compute stream searches the current one. After the first block, a block's whole sequence of
+launches is replayed as a CUDA graph, so that a search of many small tiles is not bound by Python's launch overhead.
+``run_blocks(wait=False)`` returns once every block is queued (``Engine.search_async``).
 """
 from __future__ import annotations
 
