@@ -26,9 +26,8 @@ def fused(monkeypatch):
     monkeypatch.setenv("RECALL_GPU_TILES", "200,300,3")
 
 
-def _gpu(items, **kw):
-    engine = Engine(items, device="gpu", **kw)
-    return engine
+def _gpu(items):
+    return Engine(items, device="gpu")
 
 
 @pytest.mark.parametrize("n_users,n_items,dim,k", [
