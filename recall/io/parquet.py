@@ -37,7 +37,7 @@ class Embeddings:
     ids : np.ndarray, shape (n,)
         int64 for integer id columns; object (Python ``str``) for string id columns.
     vectors : np.ndarray of float32, shape (n, dim)
-        C-contiguous, on the host.
+        C-contiguous, on the host (on the device for :func:`read_embeddings` given ``device_out``).
     row_start : int
         Row number, in the file, of the first row here: 0 for a whole file, the batch's offset for the batches of
         :func:`iter_embedding_batches`.
