@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from . import metrics
+from . import early, metrics
 from .backends import DEVICES
 from .backends.probe import cuda_status
 from .engine import Engine, check_k
@@ -100,6 +100,7 @@ class ScoreSummary:
     out_path: str
     device_busy_s: float = 0.0  # GPU time spent computing (CUDA events); 0 on the CPU
     start_s: float = 0.0  # from the call until users could be searched: items read, engine built, user ids read
+    early_users: int = 0  # users searched while the items were still being read (recall/early.py)
 
     @property
     def users_per_s(self) -> float:
@@ -117,7 +118,8 @@ class ScoreSummary:
         busy = (f"; GPU busy {self.device_busy_s:.2f} s ({self.device_busy_s / self.seconds:.0%} of wall)"
                 if self.device_busy_s and self.seconds > 0 else "")
         return (
-            f"start-up {self.start_s:.2f} s (items, engine, user ids); "
+            f"start-up {self.start_s:.2f} s (items, engine, user ids"
+            + (f"; {self.early_users:,} users searched meanwhile" if self.early_users else "") + "); "
             f"stages (overlapping): read {self.read_s:.2f} s, search {self.search_s:.2f} s, "
             f"write {self.write_s:.2f} s; batch {self.batch_size:,} users; device {self.device_detail}{busy}"
         )
@@ -183,6 +185,7 @@ class _Overlap:
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.seconds = {"read": 0.0, "search": 0.0, "write": 0.0}
+        self._reader: threading.Thread | None = None
 
     def fail(self, exc: BaseException) -> None:
         self.errors.append(exc)
@@ -235,16 +238,32 @@ class _Overlap:
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
 
-    def run(self, batches: Iterable[Any], search: Callable[[Any], Any], write: Callable[[Any], None]) -> None:
-        """Run the three stages to the end; re-raise the first error of any of them."""
-        threads = [
-            threading.Thread(target=self.reader, args=(batches,), name="recall-reader", daemon=True),
-            threading.Thread(target=self.writer, args=(write,), name="recall-writer", daemon=True),
-        ]
-        for t in threads:
-            t.start()
+    def start_reader(self, batches: Iterable[Any]) -> None:
+        """Start reading ahead now, before :meth:`run` (e.g. while the items load)."""
+        self._reader = threading.Thread(target=self.reader, args=(batches,), name="recall-reader", daemon=True)
+        self._reader.start()
+
+    def take(self) -> Any:
+        """The next batch read, or None if none is ready yet (without waiting); ``_DONE`` after the last."""
         try:
-            while True:
+            return self.read_q.get_nowait()
+        except queue.Empty:
+            return None
+
+    def run(self, batches: Iterable[Any] | None, search: Callable[[Any], Any], write: Callable[[Any], None],
+            first: Iterable[tuple[Any, Any]] = (), read_all: bool = False) -> None:
+        """Run the stages to the end; re-raise the first error of any of them. ``batches`` may be None when
+        :meth:`start_reader` started the reader; ``first``: (batch, search) pairs already started, written before
+        the rest; ``read_all``: the reader's end marker was already taken (by whoever started those)."""
+        if batches is not None:
+            self.start_reader(batches)
+        threads = [self._reader,
+                   threading.Thread(target=self.writer, args=(write,), name="recall-writer", daemon=True)]
+        threads[1].start()
+        try:
+            for item in first:
+                self.put(self.write_q, item)
+            while not read_all:
                 batch = self.get(self.read_q)
                 if batch is self._DONE:
                     break
@@ -266,6 +285,12 @@ class _Overlap:
         if self.errors:
             raise self.errors[0]
 
+    def cancel(self) -> None:
+        """Stop a reader started by :meth:`start_reader` (the job failed before :meth:`run`)."""
+        self.stop.set()
+        if self._reader is not None:
+            self._reader.join()
+
 
 def _device_matrix(n: int, dim: int) -> Any:
     import cupy
@@ -274,7 +299,8 @@ def _device_matrix(n: int, dim: int) -> Any:
 
 
 def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, device: str,
-                memory_budget: int | None, precision: str = "exact") -> tuple[Embeddings, Engine, float]:
+                memory_budget: int | None, precision: str = "exact",
+                on_rows: Callable[[Any, int], None] | None = None) -> tuple[Embeddings, Engine, float]:
     """Read and validate an item file and build the resident engine on it: the start of every Parquet job.
 
     The engine gets no ids: its results hold item rows, which the job maps to ids as it writes them
@@ -282,13 +308,15 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, device:
     rather than between two searches, and the ids, already checked by the reader (naming the file and rows), are not
     sorted a second time by the engine.
 
+    ``on_rows(vectors, rows)`` is called as the rows arrive (see ``read_embeddings``).
+
     Returns (items, engine, seconds spent reading). Raises InputError naming the file, row and id of a bad item.
     """
     t0 = time.perf_counter()
     # For a GPU engine the vectors go to the device batch by batch as they are decoded (see read_embeddings).
     on_gpu = device in ("gpu", "auto") and cuda_status()[0]  # without a GPU, the engine says why
     items = read_embeddings(items_path, id_col, vec_col, allow_empty=False,
-                            device_out=_device_matrix if on_gpu else None)
+                            device_out=_device_matrix if on_gpu else None, on_rows=on_rows)
     if metric == "cosine":
         _check_nonzero(items, items_path)
     read_s = time.perf_counter() - t0
@@ -306,9 +334,20 @@ class StreamStats:
     device_busy_s: float
 
 
+def user_batches(users_path: str, batch_size: int, id_col: str, vec_col: str, dim: int, metric: str,
+                 dim_source: str) -> Iterable[Embeddings]:
+    """The user file's batches, validated (a dimension other than ``dim``, a zero vector for cosine: InputError)."""
+    for batch in iter_embedding_batches(users_path, batch_size, id_col, vec_col, dim=dim, dim_source=dim_source,
+                                        check_unique=False):
+        if metric == "cosine":
+            _check_nonzero(batch, users_path)
+        yield batch
+
+
 def stream_search(engine: Engine, users_path: str, k: int, write: Callable[[tuple[Embeddings, Any]], None], *,
                   exclusions: Any = None, id_col: str = "id", vec_col: str = "embedding", batch_size: int,
-                  dim_source: str) -> StreamStats:
+                  dim_source: str, overlap: _Overlap | None = None, first: Iterable[tuple[Embeddings, Any]] = (),
+                  read_all: bool = False) -> StreamStats:
     """Search a user Parquet file batch by batch with a resident engine, reading ahead and writing behind.
 
     A reader thread decodes and validates the next batch while the engine searches this one, and ``write`` (called
@@ -316,15 +355,10 @@ def stream_search(engine: Engine, users_path: str, k: int, write: Callable[[tupl
     started with :meth:`Engine.search_async`: on a GPU the search thread queues the next batch while the writer
     waits for the previous one's results, so the device goes from batch to batch without an idle gap. The first
     error of any stage stops the others and is raised here. ``exclusions``: an object whose ``block(start, stop)``
-    gives the CSR of user rows ``start:stop`` (see ``recall.io.load_exclusions``).
+    gives the CSR of user rows ``start:stop`` (see ``recall.io.load_exclusions``). ``overlap``: one whose reader
+    was started already, ``first`` the (batch, pending search) pairs it started early (:mod:`recall.early`), and
+    ``read_all`` whether they took the reader's end marker.
     """
-    def batches() -> Iterable[Embeddings]:
-        for batch in iter_embedding_batches(users_path, batch_size, id_col, vec_col, dim=engine.dim,
-                                            dim_source=dim_source, check_unique=False):
-            if engine.metric == "cosine":
-                _check_nonzero(batch, users_path)
-            yield batch
-
     busy = waited = 0.0
 
     def search(batch: Embeddings) -> Any:
@@ -337,11 +371,14 @@ def stream_search(engine: Engine, users_path: str, k: int, write: Callable[[tupl
         t0 = time.perf_counter()
         result = pending.result()
         waited += time.perf_counter() - t0
-        busy += engine.stats.get("gpu_busy_s", 0.0)
+        busy += pending.gpu_busy_s if isinstance(pending, early.MergedSearch) else engine.stats.get("gpu_busy_s", 0.0)
         write((batch, result))
 
-    overlap = _Overlap()
-    overlap.run(batches(), search, finish_and_write)
+    batches = None
+    if overlap is None:
+        overlap = _Overlap()
+        batches = user_batches(users_path, batch_size, id_col, vec_col, engine.dim, engine.metric, dim_source)
+    overlap.run(batches, search, finish_and_write, first, read_all)
     # The writer's wait for results is search time, not writing.
     return StreamStats(overlap.seconds["read"], overlap.seconds["search"] + waited, overlap.seconds["write"] - waited,
                        busy)
@@ -414,15 +451,38 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     if exclude_path is not None:
         inspect_exclusions(exclude_path)
 
-    # The users' ids are read and checked for duplicates while the items load: both spend their time in pyarrow and
-    # NumPy with the GIL released, and nothing can be searched before both are done.
-    with ThreadPoolExecutor(1, thread_name_prefix="recall-ids") as pool:
-        ids_read = pool.submit(read_ids, users_path, id_col, vec_col)
-        items, engine, item_read_s = load_engine(items_path, id_col, vec_col, metric, device, memory_budget,
-                                                 precision)
-        t0 = time.perf_counter()
-        user_ids = ids_read.result()
+    # On a GPU the first user batches are searched against the items already uploaded while the rest decode
+    # (recall/early.py): the reader starts now, and the device long before the last item row is read.
+    overlap = started = None
+    dim_source = f"the items' dimension, {items_path}"
+    if early.applies(device in ("gpu", "auto") and cuda_status()[0], precision, exclude_path is not None,
+                     items_info.dim):
+        batch_size = int(batch_size) if batch_size is not None else auto_batch_size(k, items_info.dim)
+        overlap = _Overlap()
+        overlap.start_reader(user_batches(users_path, batch_size, id_col, vec_col, items_info.dim, metric,
+                                          dim_source))
+        started = early.EarlyStart(items_info.n_rows, k, overlap.take, _Overlap._DONE, overlap.fail, overlap.stop,
+                                   metric=metric, device=device, memory_budget=memory_budget).start()
+    first: list = []
+    try:
+        # The users' ids are read and checked for duplicates while the items load: both spend their time in pyarrow
+        # and NumPy with the GIL released, and nothing can be searched before both are done.
+        with ThreadPoolExecutor(1, thread_name_prefix="recall-ids") as pool:
+            ids_read = pool.submit(read_ids, users_path, id_col, vec_col)
+            items, engine, item_read_s = load_engine(items_path, id_col, vec_col, metric, device, memory_budget,
+                                                     precision, on_rows=started.on_rows if started else None)
+            t0 = time.perf_counter()
+            user_ids = ids_read.result()
+        if started is not None:
+            first = started.finish(items.vectors, engine)
+    except BaseException:
+        if started is not None:
+            started.cancel()
+        if overlap is not None:
+            overlap.cancel()
+        raise
     start_s = time.perf_counter() - t_start
+    early_users = sum(len(batch) for batch, _ in first)
     dim = engine.dim
     excl = load_exclusions(exclude_path, user_ids, items.ids) if exclude_path is not None else None
     n_users = int(user_ids.size)
@@ -441,15 +501,21 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
             progress(done, n_users)
 
     id_type = {True: pa.string(), False: pa.int64()}
-    with CandidateWriter(out, id_type[user_ids.dtype == object], id_type[items.ids.dtype == object],
-                         compression) as writer:
-        if progress is not None:
-            progress(0, n_users)
-        stream = stream_search(engine, users_path, k, write, exclusions=excl, id_col=id_col, vec_col=vec_col,
-                               batch_size=batch_size, dim_source=f"the items' dimension, {items_path}")
-        if writer.rows_written != n_users:
-            # Cannot happen unless a stage dropped a batch; refuse to publish a file missing users.
-            raise RuntimeError(f"wrote {writer.rows_written} rows for {n_users} users")
+    try:
+        with CandidateWriter(out, id_type[user_ids.dtype == object], id_type[items.ids.dtype == object],
+                             compression) as writer:
+            if progress is not None:
+                progress(0, n_users)
+            stream = stream_search(engine, users_path, k, write, exclusions=excl, id_col=id_col, vec_col=vec_col,
+                                   batch_size=batch_size, dim_source=dim_source, overlap=overlap, first=first,
+                                   read_all=started is not None and started.users_done)
+            if writer.rows_written != n_users:
+                # Cannot happen unless a stage dropped a batch; refuse to publish a file missing users.
+                raise RuntimeError(f"wrote {writer.rows_written} rows for {n_users} users")
+    except BaseException:
+        if overlap is not None:
+            overlap.cancel()  # the reader started early may still be running
+        raise
 
     return ScoreSummary(
         users=n_users, items=engine.n_items, dim=dim, k=k, metric=metric, device=engine.device,
@@ -457,5 +523,5 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
         read_s=item_read_s + stream.read_s, search_s=stream.search_s, write_s=stream.write_s, batch_size=batch_size,
         exclusion_pairs=excl.n_pairs if excl is not None else 0,
         unknown_exclusions=excl.n_unknown if excl is not None else 0, out_path=str(out_path),
-        device_busy_s=stream.device_busy_s, start_s=start_s,
+        device_busy_s=stream.device_busy_s, start_s=start_s, early_users=early_users,
     )

@@ -130,3 +130,23 @@ def test_wide_vectors_take_the_cublas_path(fused):
     gpu = _gpu(items)
     _same(gpu.search(users, 10), Engine(items, device="cpu").search(users, 10))
     assert not gpu.stats["fused"]
+
+
+def test_transposed_items_kept_per_array(fused):
+    # The fused operand is built once per item array: a second search of the same engine reuses it; another array of
+    # the same shape, or fewer columns, rebuilds it (in the same room) and is never served the first one's numbers.
+    import cupy
+
+    rng = np.random.default_rng(5)
+    a, b = cupy.asarray(_ints(rng, 1000, 40)), cupy.asarray(_ints(rng, 1000, 40))
+    backend = _gpu(as_numpy(a)).backend
+    first = backend._transpose_items(a, 1000, 40)
+    assert backend._transpose_items(a, 1000, 40) is first
+    for arr, n, dim in ((b, 1000, 40), (a, 1000, 40), (b[:, :33], 997, 33), (a, 1000, 40)):
+        t = as_numpy(backend._transpose_items(cupy.ascontiguousarray(arr) if dim == 33 else arr, n, dim))
+        np.testing.assert_array_equal(t[:dim, :n], as_numpy(arr)[:n].T)
+        assert not t[dim:].any() and not t[:, n:].any()
+    users = _ints(rng, 300, 40)
+    engine = _gpu(as_numpy(b))
+    _same(engine.search(users, 20), Engine(as_numpy(b), device="cpu").search(users, 20))
+    _same(engine.search(users[:120], 7), Engine(as_numpy(b), device="cpu").search(users[:120], 7))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -556,6 +557,21 @@ def test_writer_flushes_to_disk_as_it_grows(tmp_path: Path, monkeypatch: pytest.
             writer.write(_candidates(100, 9, start, seed=start))
     assert len(synced) == 4
     assert pq.read_table(tmp_path / "out.parquet").num_rows == 400
+
+
+def test_writer_appends_encoded_tables_before_commit(tmp_path: Path) -> None:
+    # A table whose encoding is done goes into the file at the next write, not when every thread is busy: otherwise
+    # the last tables of a job (and their flush to disk) would all wait for commit().
+    out = tmp_path / "out.parquet"
+    with CandidateWriter(out, threads=8) as writer:
+        for start in range(0, 500, 100):
+            writer.write(_candidates(100, 9, start, seed=start))
+            if writer.tmp_path.stat().st_size > len(parquet_footer.MAGIC):
+                break
+            time.sleep(0.2)
+        assert writer.tmp_path.stat().st_size > len(parquet_footer.MAGIC), "nothing appended before commit"
+        assert start < 400  # long before 8 tables are pending
+    assert pq.read_table(out).num_rows == start + 100
 
 
 def test_writer_bad_paths(tmp_path: Path) -> None:

@@ -231,7 +231,7 @@ class CupyBackend:
         # overall, while after one merge the threshold is the k-th best of a whole segment, so later segments pass
         # (and append with a global atomic) a fraction of the scores.
         self.fused_merge_at = int(os.environ.get("RECALL_FUSED_MERGE_AT", "0"))
-        self._items_t: Any = None  # fused path: the items transposed, (padded dim, padded rows), rebuilt per search
+        self._items_t: Any = None  # fused path: (items, key, items transposed (padded dim, padded rows))
         self._fused_smem_limit = 0
         self._merge_smem_limit = 0
         self._capturing = False
@@ -440,16 +440,26 @@ class CupyBackend:
 
     def _transpose_items(self, items: Any, n_items: int, dim: int) -> Any:
         """The items transposed into (dim rounded up to 32, rows rounded up to 128), zero-padded, on the compute
-        stream: the fused kernel's operand, rebuilt by every search (the engine's items may have changed)."""
+        stream: the fused kernel's operand. Kept for the next search of the same array (an engine's items never
+        change, and the array is held, so its memory cannot be reused by another meanwhile); rebuilt for another."""
         dp = -(-dim // _FUSED_CHUNK) * _FUSED_CHUNK
         shape = (dp, -(-n_items // _FUSED_TILE) * _FUSED_TILE)
+        cached = self._items_t
+        if cached is not None and cached[0] is items and cached[1] == (shape, n_items, dim):
+            return cached[2]
         with self.compute_stream:
-            if self._items_t is None or self._items_t[0] != (shape, dim):
+            if cached is None or cached[2].shape != shape:
                 self.compute_stream.synchronize()  # no queued search reads the old one any more
-                self._items_t = None  # let the old one go first
-                self._items_t = ((shape, dim), self.xp.zeros(shape, np.float32))
-            items_t = self._items_t[1]
+                self._items_t = cached = None  # let the old one go first
+                items_t = self.xp.zeros(shape, np.float32)
+            else:
+                # The same room, refilled after the searches queued before it on this stream; zero the padding
+                # an earlier array of more columns may have left.
+                items_t = cached[2]
+                items_t[dim:, :] = 0
+                items_t[:, n_items:] = 0
             items_t[:dim, :n_items] = items[:n_items].T
+        self._items_t = (items, (shape, n_items, dim), items_t)
         return items_t
 
     def _fused_search(self, ws: "_Workspace", users: Any, items_t: Any, n_items: int, state: GpuTopK,

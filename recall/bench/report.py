@@ -44,8 +44,9 @@ def _note(row: dict[str, Any], repeats: bool) -> str:
             notes.append(f"{row['vs_resident']:.2f}x the resident search")
         st = row.get("stages")
         if st:
-            notes.append(f"start-up {st.get('start_s', 0.0):.2f} s; stages (overlapping) read {st['read_s']:.2f}, "
-                         f"search {st['search_s']:.2f}, write "
+            early = f" ({st['early_users']:,} users searched meanwhile)" if st.get("early_users") else ""
+            notes.append(f"start-up {st.get('start_s', 0.0):.2f} s{early}; stages (overlapping) read "
+                         f"{st['read_s']:.2f}, search {st['search_s']:.2f}, write "
                          f"{st['write_s']:.2f} s, GPU busy {st['device_busy_s']:.2f} s")
     if not row["claims_exact"]:
         notes.append("not exact by design")

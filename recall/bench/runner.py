@@ -201,7 +201,8 @@ def _e2e(w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings,
                                       device=s.device, memory_budget=s.memory_budget)
                 wall = time.perf_counter() - t0
                 # The job's own stage times (they overlap) and the device's busy time, of the last run.
-                row["stages"] = {"wall_s": wall, "start_s": summary.start_s, "read_s": summary.read_s,
+                row["stages"] = {"wall_s": wall, "start_s": summary.start_s, "early_users": summary.early_users,
+                                 "read_s": summary.read_s,
                                  "search_s": summary.search_s,
                                  "write_s": summary.write_s, "device_busy_s": summary.device_busy_s,
                                  "batch_size": summary.batch_size}

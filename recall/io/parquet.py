@@ -419,7 +419,8 @@ def _stream(pf: pq.ParquetFile, path: str, batch_size: int, id_col: str, vec_col
 
 
 def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = "embedding", *,
-                    allow_empty: bool = True, device_out: Callable[[int, int], Any] | None = None) -> Embeddings:
+                    allow_empty: bool = True, device_out: Callable[[int, int], Any] | None = None,
+                    on_rows: Callable[[Any, int], None] | None = None) -> Embeddings:
     """Read a whole embedding Parquet file into host arrays, row group by row group.
 
     Parameters
@@ -434,6 +435,9 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
     device_out : callable ``(n_rows, dim) -> device array``, optional
         Where the vectors go instead of a host array (e.g. ``cupy.empty`` with float32): each decoded batch is
         uploaded into its rows as it comes, so a GPU job never assembles (nor pages in) the whole matrix on the host.
+    on_rows : callable ``(vectors, rows) -> None``, optional
+        Called after each batch with the vectors' array and the number of rows filled so far (and converted: a
+        later batch may still turn out bad), e.g. to start work on the first rows while the rest are decoded.
 
     Returns
     -------
@@ -477,6 +481,8 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
                     _to_float32(path, vecs, ids, row, out[row:row + len(ids)])
                 else:
                     out[row:row + len(ids)].set(_to_float32(path, vecs, ids, row))
+                if on_rows is not None:
+                    on_rows(out, row + len(ids))
             id_parts.append(ids)
             row += batch.num_rows
         if row != n_rows:

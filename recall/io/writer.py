@@ -22,9 +22,9 @@ DEFAULT_COMPRESSION = "snappy"
 #: Tables encoded at once by default (at most the number of CPUs). One thread encodes ~5·10^7 pairs/s with snappy
 #: (~10^8 uncompressed); four keep ahead of a GPU at k = 1000 and leave cores to the reader and the searcher.
 ENCODE_THREADS = 4
-#: Bytes appended between two flushes to disk (fdatasync), so that the fsync at the end has little left to do (at
-#: 2 GB/s, 64 MiB is 30 ms) and the rest of the file went out while the search ran.
-_SYNC_BYTES = 64 << 20
+#: Bytes appended between two flushes to disk (fdatasync), so that the fsync at the end has little left to do (16 MiB
+#: at 1 GB/s is 16 ms) and the rest of the file went out while the search ran.
+_SYNC_BYTES = 16 << 20
 
 
 def candidates_schema(user_id_type: pa.DataType = pa.int64(), item_id_type: pa.DataType = pa.int64()) -> pa.Schema:
@@ -168,7 +168,9 @@ class CandidateWriter:
             return  # no row group: pyarrow would write an empty one, whose positions do not survive the move
         self._pending.append(self._pool.submit(_encode, table, self.schema, self._options))
         self.rows_written += table.num_rows
-        while len(self._pending) > self.threads:
+        # Append every table already encoded (in order), and wait only when all threads are busy: what reaches the
+        # file (and the disk) early is not left for commit() to do after the last search.
+        while self._pending and (len(self._pending) > self.threads or self._pending[0].done()):
             self._append(self._pending.popleft().result())
 
     def _append(self, encoded: pa.Buffer) -> None:

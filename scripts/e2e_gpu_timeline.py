@@ -1,0 +1,222 @@
+"""Where the time of a GPU ``recall score`` job goes: a timeline of the start-up and of every batch.
+
+``score_files`` on the GPU runs a reader thread (decoding user batches), the calling thread (queuing each batch's
+search with ``Engine.search_async``) and a writer thread (waiting for each result, converting it to Arrow, writing
+it). The bench's end-to-end row says how far its wall time is from the resident search; this says why:
+
+* the start-up, stage by stage (file inspection, the items' decode and upload, engine construction, the user ids);
+* per batch, on the host: when the reader handed it over, when its search was queued (and how long queuing took),
+  when the writer began waiting for it, when it had its results, when its write ended;
+* per batch, on the device (events on the compute stream before and after each batch is queued, timed against one
+  reference event): when the device reached the batch, when it finished it, its busy time from the engine's stats.
+  "late" is the device idle between the previous batch's end and this one's start because the host had not queued
+  it yet; "inside" is idle within the batch's span that its blocks' busy time does not cover (staging waits, the
+  item transpose and threshold sample before the blocks).
+
+The inputs are the bench's S4 (``clustered``, seeded) written with pyarrow's defaults, as ``recall bench --e2e`` does.
+
+Usage, from the project root on a GPU machine::
+
+    PYTHONPATH=. python scripts/e2e_gpu_timeline.py [--workload S4] [--repeat 2] [--json PATH]
+
+Prints the last run's table; the JSON (default ``$OUT/e2e_timeline.json``) holds every run.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import cupy
+
+from recall import pipeline
+from recall.bench import workloads
+from recall.bench.runner import _write_parquet
+from recall.engine import Engine, PendingSearch
+from recall.io import CandidateWriter
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+        self.batches: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.ref: Any = None  # (cupy event, host time it completed)
+        self.engine: Engine | None = None
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def span(self, name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            a = self.now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.spans.setdefault(name, []).append((a, self.now()))
+        return timed
+
+    def gpu_mark(self) -> Any:
+        stream = self.engine.backend.compute_stream
+        ev = cupy.cuda.Event()
+        ev.record(stream)
+        if self.ref is None:
+            ev.synchronize()
+            self.ref = (ev, self.now())
+        return ev
+
+    def gpu_time(self, ev: Any) -> float:
+        ev.synchronize()
+        return self.ref[1] + cupy.cuda.get_elapsed_time(self.ref[0], ev) / 1e3
+
+
+def run(users_path: Path, items_path: Path, out: Path, k: int) -> dict[str, Any]:
+    tl = Timeline()
+    init = Engine.__init__
+    search_async = Engine.search_async
+    result = PendingSearch.result
+
+    def engine_init(self: Engine, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        tl.engine = self
+
+    def queued(self: Engine, users: Any, kk: int, exclude: Any = None) -> PendingSearch:
+        before = tl.gpu_mark()
+        a = tl.now()
+        pending = search_async(self, users, kk, exclude)
+        b = tl.now()
+        after = tl.gpu_mark()
+        rec = {"users": len(users), "queue": (a, b), "gpu": (before, after)}
+        tl.batches.append(rec)
+        pending._timeline = rec  # noqa: SLF001 - the script's own bookkeeping
+        return pending
+
+    def waited(self: PendingSearch) -> Any:
+        rec = getattr(self, "_timeline", None)
+        a = tl.now()
+        r = result(self)
+        if rec is not None and "wait" not in rec:
+            rec["wait"] = (a, tl.now())
+            rec["busy"] = tl.engine.stats.get("gpu_busy_s", 0.0)
+        return r
+
+    with ExitStack() as stack:
+        patch = mock.patch.object
+        stack.enter_context(patch(pipeline, "inspect_embeddings", tl.span("inspect", pipeline.inspect_embeddings)))
+        stack.enter_context(patch(pipeline, "read_embeddings", tl.span("items read + upload",
+                                                                       pipeline.read_embeddings)))
+        stack.enter_context(patch(pipeline, "read_ids", tl.span("user ids (thread)", pipeline.read_ids)))
+        stack.enter_context(patch(Engine, "__init__", tl.span("engine construction", engine_init)))
+        stack.enter_context(patch(Engine, "search_async", queued))
+        stack.enter_context(patch(PendingSearch, "result", waited))
+        stack.enter_context(patch(CandidateWriter, "write", tl.span("write", CandidateWriter.write)))
+        stack.enter_context(patch(CandidateWriter, "commit", tl.span("commit", CandidateWriter.commit)))
+        summary = pipeline.score_files(str(users_path), str(items_path), str(out), k, device="gpu")
+    wall = tl.now()
+
+    rows = []
+    prev_end = None
+    for i, rec in enumerate(tl.batches):
+        g0, g1 = tl.gpu_time(rec["gpu"][0]), tl.gpu_time(rec["gpu"][1])
+        late = max(0.0, g0 - prev_end) if prev_end is not None else 0.0
+        writes = tl.spans.get("write", [])
+        rows.append({"batch": i, "users": rec["users"], "queue_start": rec["queue"][0],
+                     "queue_s": rec["queue"][1] - rec["queue"][0], "gpu_start": g0, "gpu_end": g1,
+                     "busy_s": rec.get("busy", 0.0), "late_s": late,
+                     "inside_idle_s": max(0.0, (g1 - g0) - rec.get("busy", 0.0)),
+                     "wait_start": rec.get("wait", (0, 0))[0], "result_at": rec.get("wait", (0, 0))[1],
+                     "write_end": writes[i][1] if i < len(writes) else None})
+        prev_end = g1
+    first_gpu = rows[0]["gpu_start"] if rows else wall
+    last_gpu = rows[-1]["gpu_end"] if rows else wall
+    return {
+        "wall_s": wall, "start_s": summary.start_s, "batch_size": summary.batch_size,
+        "spans": {k_: v for k_, v in tl.spans.items()}, "batches": rows,
+        "before_first_gpu_s": first_gpu, "after_last_gpu_s": wall - last_gpu,
+        "gpu_span_s": last_gpu - first_gpu, "busy_s": sum(r["busy_s"] for r in rows),
+        "late_s": sum(r["late_s"] for r in rows), "inside_idle_s": sum(r["inside_idle_s"] for r in rows),
+    }
+
+
+def report(r: dict[str, Any]) -> str:
+    lines = [f"wall {r['wall_s']:.3f} s; start-up {r['start_s']:.3f} s; batch {r['batch_size']:,} users; "
+             f"{len(r['batches'])} batches",
+             f"before the first batch reaches the device {r['before_first_gpu_s']:.3f} s; device span "
+             f"{r['gpu_span_s']:.3f} s (busy {r['busy_s']:.3f}, idle waiting for the host {r['late_s']:.3f}, idle "
+             f"inside batches {r['inside_idle_s']:.3f}); after the last batch {r['after_last_gpu_s']:.3f} s",
+             "", "| stage | start s | end s | busy s |", "| --- | ---: | ---: | ---: |"]
+    for name, spans in r["spans"].items():
+        lines.append(f"| {name} ({len(spans)}) | {spans[0][0]:.3f} | {spans[-1][1]:.3f} | "
+                     f"{sum(b - a for a, b in spans):.3f} |")
+    lines += ["", "| batch | queued at | queue s | device start | device end | busy s | late s | inside idle s | "
+              "writer waits from | result at | written at |", "| " + " | ".join(["---:"] * 11) + " |"]
+    for b in r["batches"]:
+        lines.append(f"| {b['batch']} | {b['queue_start']:.3f} | {b['queue_s']:.4f} | {b['gpu_start']:.3f} | "
+                     f"{b['gpu_end']:.3f} | {b['busy_s']:.4f} | {b['late_s']:.4f} | {b['inside_idle_s']:.4f} | "
+                     f"{b['wait_start']:.3f} | {b['result_at']:.3f} | "
+                     f"{b['write_end'] if b['write_end'] is None else round(b['write_end'], 3)} |")
+    return "\n".join(lines)
+
+
+def decode_times(path: Path) -> dict[str, float]:
+    """Seconds to decode the file with pyarrow alone, no conversion: whole, and in the reader's batches."""
+    import pyarrow.parquet as pq
+
+    def whole() -> None:
+        pq.ParquetFile(path, pre_buffer=True).read(columns=["id", "embedding"])
+
+    def batched() -> None:
+        for _ in pq.ParquetFile(path, pre_buffer=True).iter_batches(65_536, columns=["id", "embedding"]):
+            pass
+
+    def vectors_only() -> None:
+        pq.ParquetFile(path, pre_buffer=True).read(columns=["embedding"])
+
+    out = {}
+    for name, fn in (("read", whole), ("iter_batches", batched), ("read embedding only", vectors_only)):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = best
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="S4")
+    parser.add_argument("--repeat", type=int, default=2, help="runs; the first warms up, the last is printed")
+    parser.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "e2e_timeline.json")
+    args = parser.parse_args()
+    w = workloads.get(args.workload)
+    users, items = w.generate(seed=0, device="cpu")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="recall-timeline-") as tmp:
+        users_path, items_path = Path(tmp) / "users.parquet", Path(tmp) / "items.parquet"
+        _write_parquet(users, users_path)
+        _write_parquet(items, items_path)
+        del users, items
+        decode = decode_times(items_path)
+        print("decoding the item file alone (best of 3): " + ", ".join(f"{n} {t:.3f} s" for n, t in decode.items()))
+        for _ in range(args.repeat):
+            out = Path(tmp) / "out.parquet"
+            runs.append(run(users_path, items_path, out, w.k))
+            out.unlink()
+    print(report(runs[-1]))
+    args.json.write_text(json.dumps({"workload": args.workload, "decode_s": decode, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
