@@ -51,7 +51,7 @@ class Timeline:
         self.batches: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.ref: Any = None  # (cupy event, host time it completed)
-        self.engine: Engine | None = None
+        self.engines: list[Engine] = []  # in construction order: the full engine, and any part engines (early.py)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -67,8 +67,8 @@ class Timeline:
                     self.spans.setdefault(name, []).append((a, self.now()))
         return timed
 
-    def gpu_mark(self) -> Any:
-        stream = self.engine.backend.compute_stream
+    def gpu_mark(self, engine: Engine) -> Any:
+        stream = engine.backend.compute_stream
         ev = cupy.cuda.Event()
         ev.record(stream)
         if self.ref is None:
@@ -89,16 +89,18 @@ def run(users_path: Path, items_path: Path, out: Path, k: int) -> dict[str, Any]
 
     def engine_init(self: Engine, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        tl.engine = self
+        with tl.lock:
+            tl.engines.append(self)
 
     def queued(self: Engine, users: Any, kk: int, exclude: Any = None) -> PendingSearch:
-        before = tl.gpu_mark()
+        before = tl.gpu_mark(self)
         a = tl.now()
         pending = search_async(self, users, kk, exclude)
         b = tl.now()
-        after = tl.gpu_mark()
-        rec = {"users": len(users), "queue": (a, b), "gpu": (before, after)}
-        tl.batches.append(rec)
+        after = tl.gpu_mark(self)
+        rec = {"users": len(users), "queue": (a, b), "gpu": (before, after), "engine": self}
+        with tl.lock:
+            tl.batches.append(rec)
         pending._timeline = rec  # noqa: SLF001 - the script's own bookkeeping
         return pending
 
@@ -108,7 +110,7 @@ def run(users_path: Path, items_path: Path, out: Path, k: int) -> dict[str, Any]
         r = result(self)
         if rec is not None and "wait" not in rec:
             rec["wait"] = (a, tl.now())
-            rec["busy"] = tl.engine.stats.get("gpu_busy_s", 0.0)
+            rec["busy"] = rec["engine"].stats.get("gpu_busy_s", 0.0)
         return r
 
     with ExitStack() as stack:
@@ -127,45 +129,48 @@ def run(users_path: Path, items_path: Path, out: Path, k: int) -> dict[str, Any]
 
     rows = []
     prev_end = None
-    for i, rec in enumerate(tl.batches):
+    for i, rec in enumerate(sorted(tl.batches, key=lambda r: r["queue"][0])):
         g0, g1 = tl.gpu_time(rec["gpu"][0]), tl.gpu_time(rec["gpu"][1])
         late = max(0.0, g0 - prev_end) if prev_end is not None else 0.0
-        writes = tl.spans.get("write", [])
-        rows.append({"batch": i, "users": rec["users"], "queue_start": rec["queue"][0],
-                     "queue_s": rec["queue"][1] - rec["queue"][0], "gpu_start": g0, "gpu_end": g1,
-                     "busy_s": rec.get("busy", 0.0), "late_s": late,
+        rows.append({"search": i, "engine": tl.engines.index(rec["engine"]), "users": rec["users"],
+                     "queue_start": rec["queue"][0], "queue_s": rec["queue"][1] - rec["queue"][0], "gpu_start": g0,
+                     "gpu_end": g1, "busy_s": rec.get("busy", 0.0), "late_s": late,
                      "inside_idle_s": max(0.0, (g1 - g0) - rec.get("busy", 0.0)),
-                     "wait_start": rec.get("wait", (0, 0))[0], "result_at": rec.get("wait", (0, 0))[1],
-                     "write_end": writes[i][1] if i < len(writes) else None})
-        prev_end = g1
-    first_gpu = rows[0]["gpu_start"] if rows else wall
-    last_gpu = rows[-1]["gpu_end"] if rows else wall
+                     "wait_start": rec.get("wait", (0, 0))[0], "result_at": rec.get("wait", (0, 0))[1]})
+        prev_end = max(prev_end or g1, g1)
+    first_gpu = min((r["gpu_start"] for r in rows), default=wall)
+    last_gpu = max((r["gpu_end"] for r in rows), default=wall)
+    covered, end = 0.0, first_gpu  # union of the searches' device spans
+    for r in sorted(rows, key=lambda r: r["gpu_start"]):
+        covered += max(0.0, r["gpu_end"] - max(end, r["gpu_start"]))
+        end = max(end, r["gpu_end"])
     return {
-        "wall_s": wall, "start_s": summary.start_s, "batch_size": summary.batch_size,
-        "spans": {k_: v for k_, v in tl.spans.items()}, "batches": rows,
+        "wall_s": wall, "start_s": summary.start_s, "early_users": summary.early_users,
+        "batch_size": summary.batch_size, "engines": len(tl.engines),
+        "spans": {k_: v for k_, v in tl.spans.items()}, "searches": rows,
         "before_first_gpu_s": first_gpu, "after_last_gpu_s": wall - last_gpu,
-        "gpu_span_s": last_gpu - first_gpu, "busy_s": sum(r["busy_s"] for r in rows),
+        "gpu_span_s": last_gpu - first_gpu, "covered_s": covered, "busy_s": sum(r["busy_s"] for r in rows),
         "late_s": sum(r["late_s"] for r in rows), "inside_idle_s": sum(r["inside_idle_s"] for r in rows),
     }
 
 
 def report(r: dict[str, Any]) -> str:
-    lines = [f"wall {r['wall_s']:.3f} s; start-up {r['start_s']:.3f} s; batch {r['batch_size']:,} users; "
-             f"{len(r['batches'])} batches",
-             f"before the first batch reaches the device {r['before_first_gpu_s']:.3f} s; device span "
-             f"{r['gpu_span_s']:.3f} s (busy {r['busy_s']:.3f}, idle waiting for the host {r['late_s']:.3f}, idle "
-             f"inside batches {r['inside_idle_s']:.3f}); after the last batch {r['after_last_gpu_s']:.3f} s",
+    lines = [f"wall {r['wall_s']:.3f} s; start-up {r['start_s']:.3f} s ({r['early_users']:,} users searched "
+             f"meanwhile, {r['engines']} engines); batch {r['batch_size']:,} users; {len(r['searches'])} searches",
+             f"before the first search reaches the device {r['before_first_gpu_s']:.3f} s; device span "
+             f"{r['gpu_span_s']:.3f} s (covered by searches {r['covered_s']:.3f}, blocks busy {r['busy_s']:.3f}, "
+             f"idle waiting for the host {r['late_s']:.3f}, idle inside searches {r['inside_idle_s']:.3f}); after "
+             f"the last search {r['after_last_gpu_s']:.3f} s",
              "", "| stage | start s | end s | busy s |", "| --- | ---: | ---: | ---: |"]
     for name, spans in r["spans"].items():
         lines.append(f"| {name} ({len(spans)}) | {spans[0][0]:.3f} | {spans[-1][1]:.3f} | "
                      f"{sum(b - a for a, b in spans):.3f} |")
-    lines += ["", "| batch | queued at | queue s | device start | device end | busy s | late s | inside idle s | "
-              "writer waits from | result at | written at |", "| " + " | ".join(["---:"] * 11) + " |"]
-    for b in r["batches"]:
-        lines.append(f"| {b['batch']} | {b['queue_start']:.3f} | {b['queue_s']:.4f} | {b['gpu_start']:.3f} | "
-                     f"{b['gpu_end']:.3f} | {b['busy_s']:.4f} | {b['late_s']:.4f} | {b['inside_idle_s']:.4f} | "
-                     f"{b['wait_start']:.3f} | {b['result_at']:.3f} | "
-                     f"{b['write_end'] if b['write_end'] is None else round(b['write_end'], 3)} |")
+    lines += ["", "| search | engine | users | queued at | queue s | device start | device end | busy s | late s | "
+              "inside idle s | writer waits from | result at |", "| " + " | ".join(["---:"] * 12) + " |"]
+    for b in r["searches"]:
+        lines.append(f"| {b['search']} | {b['engine']} | {b['users']} | {b['queue_start']:.3f} | {b['queue_s']:.4f} | "
+                     f"{b['gpu_start']:.3f} | {b['gpu_end']:.3f} | {b['busy_s']:.4f} | {b['late_s']:.4f} | "
+                     f"{b['inside_idle_s']:.4f} | {b['wait_start']:.3f} | {b['result_at']:.3f} |")
     return "\n".join(lines)
 
 
