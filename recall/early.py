@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .engine import Engine, PendingSearch
+from . import metrics
+from .engine import Engine
 from .errors import InputError
 from .io import Embeddings
 from .result import SearchResult
@@ -46,33 +47,38 @@ def applies(on_gpu: bool, precision: str, exclusions: bool, dim: int | None) -> 
         and (on_gpu or mode == "force")
 
 
-def merge(parts: list[tuple[int, SearchResult]], k: int) -> SearchResult:
-    """The best ``k`` of each user over several parts' results, given as (first item row of the part, result).
+def merge(backend: Any, parts: list[tuple[int, Any, Any]], k: int) -> tuple[Any, Any]:
+    """The best ``k`` (score desc, lower row first) of each user over several parts' results, on ``backend``.
 
-    Parts must be in ascending row order and each result best first with ties to the lower row, as a search gives
-    them: a stable sort on the score then orders ties by row. Padding (row -1, score -inf) stays at the end."""
-    scores = np.concatenate([np.asarray(r.scores, np.float32) for _, r in parts], axis=1)
-    rows = np.concatenate([np.where(r.indices >= 0, r.indices + lo, -1) for lo, r in parts], axis=1)
-    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    best_rows = np.take_along_axis(rows, order, axis=1)
-    return SearchResult(indices=best_rows, scores=np.take_along_axis(scores, order, axis=1), ids=best_rows)
+    ``parts``: (first item row of the part, scores, part rows) per part, each (n, width) as a search leaves them
+    (padding: row -1, score -inf). Returns (scores, item rows), each (n, k), padded the same way."""
+    xp = backend.xp
+    scores = xp.concatenate([vals for _, vals, _ in parts], axis=1)
+    rows = xp.concatenate([xp.where(r >= 0, r + lo, -1) for lo, _, r in parts], axis=1)
+    return backend.rescore_select(scores, rows, k)
 
 
 class MergedSearch:
-    """The pending parts of one user batch; :meth:`result` waits for them and merges (on the caller's thread)."""
+    """The queued parts of one user batch; :meth:`result` waits for them and merges (on the caller's thread)."""
 
-    def __init__(self, parts: list[tuple[int, Engine, PendingSearch]], k: int) -> None:
+    def __init__(self, users: np.ndarray, parts: list[tuple[int, Engine, Callable[[], Any]]], k: int) -> None:
+        self._users = users
         self._parts = parts
         self._k = k
         self.gpu_busy_s = 0.0
 
     def result(self) -> SearchResult:
         done = []
-        for lo, engine, pending in self._parts:
-            done.append((lo, pending.result()))
+        for lo, engine, wait in self._parts:
+            vals, rows = wait()
             self.gpu_busy_s += engine.stats.get("gpu_busy_s", 0.0)
+            done.append((lo, vals, rows))
+        backend, metric = engine.backend, engine.metric
+        vals, rows = merge(backend, done, self._k)
+        vals, rows = backend.to_host(vals), backend.to_host(rows)
         self._parts = []  # let the part engines go once every batch is merged
-        return merge(done, self._k)
+        scores = metrics.finish_scores(metric, np, vals, self._users)
+        return SearchResult(indices=rows, scores=scores, ids=rows)
 
 
 class EarlyStart:
@@ -97,7 +103,7 @@ class EarlyStart:
         self._loaded = False
         self._lo = 0  # first row of the next part
         self._parts: list[tuple[int, Engine]] = []
-        self.batches: list[tuple[Embeddings, list[tuple[int, Engine, PendingSearch]]]] = []
+        self.batches: list[tuple[Embeddings, list[tuple[int, Engine, Callable[[], Any]]]]] = []
         self.users_done = False  # the reader's end marker was taken here
         self.abandoned = False
         self._thread = threading.Thread(target=self._run, name="recall-early", daemon=True)
@@ -127,7 +133,7 @@ class EarlyStart:
                         self.users_done = True
                         continue
                     if batch is not None:
-                        self.batches.append((batch, [(lo, e, e.search_async(batch.vectors, self.k))
+                        self.batches.append((batch, [(lo, e, e._queue_on_device(batch.vectors, self.k))
                                                      for lo, e in self._parts]))
                         continue
                 with self._cond:
@@ -142,7 +148,7 @@ class EarlyStart:
         self._parts.append((lo, engine))
         self._lo = hi
         for batch, pending in self.batches:
-            pending.append((lo, engine, engine.search_async(batch.vectors, self.k)))
+            pending.append((lo, engine, engine._queue_on_device(batch.vectors, self.k)))
 
     def finish(self, matrix: Any, engine: Engine) -> list[tuple[Embeddings, MergedSearch]]:
         """Every item is on the device (``matrix``) and ``engine`` holds them all: stop the thread, search each early
@@ -163,8 +169,8 @@ class EarlyStart:
         for batch, pending in taken:
             engine._check_users(batch.vectors, None)  # scores within float32 against every item, not just a part's
             if rest is not None:
-                pending.append((self._lo, rest, rest.search_async(batch.vectors, self.k)))
-            out.append((batch, MergedSearch(pending, self.k)))
+                pending.append((self._lo, rest, rest._queue_on_device(batch.vectors, self.k)))
+            out.append((batch, MergedSearch(batch.vectors, pending, self.k)))
         return out
 
     def cancel(self) -> None:

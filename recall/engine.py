@@ -229,6 +229,24 @@ class Engine:
 
         return PendingSearch(finish)
 
+    def _queue_on_device(self, user_vecs: np.ndarray, k: int) -> Any:
+        """Queue an exact search of host users whose results stay on the backend (recall/early.py merges several):
+        a callable that waits for it and returns (scores, item rows), (n, min(k, n_items)), in inner-product space
+        (the metric's order, per user). On the CPU the search runs here."""
+        xp, users, excl = self._check_users(user_vecs, None)
+        prepared = metrics.prepare_users(self.metric, xp, users)
+        k_sel = min(k, self.n_items)
+        if self.backend.name != "gpu":
+            vals, rows = self._run(prepared, self._items, k_sel, excl)
+            return lambda: (vals, rows)
+        vals, rows, wait = self._run(prepared, self._items, k_sel, excl, wait=False)
+
+        def done() -> tuple[Any, Any]:
+            self.stats = wait()
+            return vals, rows
+
+        return done
+
     def _check_users(self, user_vecs: Any, exclude: Any) -> tuple[Any, Any, Exclusions]:
         """(array module, validated users, normalised exclusions) of a single-vector search."""
         xp = self._xp_for(user_vecs)

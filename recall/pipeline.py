@@ -224,10 +224,13 @@ class _Overlap:
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
             self.fail(exc)
 
-    def writer(self, write: Callable[[Any], None]) -> None:
+    def writer(self, write: Callable[[Any], None], first: Iterable[Any] = ()) -> None:
         try:
+            pending = iter(first)  # written before anything queued: the searcher does not wait for these to go
             while True:
-                item = self.get(self.write_q)
+                item = next(pending, None)
+                if item is None:
+                    item = self.get(self.write_q)
                 if item is self._DONE:
                     return
                 t0 = time.perf_counter()
@@ -258,11 +261,9 @@ class _Overlap:
         if batches is not None:
             self.start_reader(batches)
         threads = [self._reader,
-                   threading.Thread(target=self.writer, args=(write,), name="recall-writer", daemon=True)]
+                   threading.Thread(target=self.writer, args=(write, list(first)), name="recall-writer", daemon=True)]
         threads[1].start()
         try:
-            for item in first:
-                self.put(self.write_q, item)
             while not read_all:
                 batch = self.get(self.read_q)
                 if batch is self._DONE:

@@ -18,7 +18,6 @@ from parquet_data import int_data, oracle_topk, write_embeddings
 from recall import Engine, InputError, early
 from recall.io import parquet as parquet_io
 from recall.pipeline import score_files
-from recall.result import SearchResult
 
 
 @pytest.fixture
@@ -133,16 +132,16 @@ def test_part_refusing_its_input_falls_back(forced, tmp_path: Path, monkeypatch:
 
 def test_merge_ties_and_padding() -> None:
     # Two parts (rows 0-2 and 3-5) with equal scores across them: the lower row first; padding stays last.
-    a = SearchResult(indices=np.array([[1, 0, -1]]), scores=np.array([[5.0, 2.0, -np.inf]], np.float32),
-                     ids=np.array([[1, 0, -1]]))
-    b = SearchResult(indices=np.array([[0, 2, 1]]), scores=np.array([[5.0, 2.0, 1.0]], np.float32),
-                     ids=np.array([[0, 2, 1]]))
-    got = early.merge([(0, a), (3, b)], 4)
-    np.testing.assert_array_equal(got.indices, [[1, 3, 0, 5]])
-    np.testing.assert_array_equal(got.scores, [[5.0, 5.0, 2.0, 2.0]])
-    got = early.merge([(0, a), (3, b)], 6)
-    np.testing.assert_array_equal(got.indices, [[1, 3, 0, 5, 4, -1]])
-    assert got.scores[0, -1] == -np.inf
+    from recall.backends.numpy_backend import NumpyBackend
+
+    a = (np.array([[5.0, 2.0, -np.inf]], np.float32), np.array([[1, 0, -1]]))
+    b = (np.array([[5.0, 2.0, 1.0]], np.float32), np.array([[0, 2, 1]]))
+    vals, rows = early.merge(NumpyBackend(), [(0, *a), (3, *b)], 4)
+    np.testing.assert_array_equal(rows, [[1, 3, 0, 5]])
+    np.testing.assert_array_equal(vals, [[5.0, 5.0, 2.0, 2.0]])
+    vals, rows = early.merge(NumpyBackend(), [(0, *a), (3, *b)], 7)
+    np.testing.assert_array_equal(rows, [[1, 3, 0, 5, 4, -1, -1]])
+    assert (vals[0, -2:] == -np.inf).all()
 
 
 @pytest.mark.gpu
