@@ -559,6 +559,18 @@ def test_writer_flushes_to_disk_as_it_grows(tmp_path: Path, monkeypatch: pytest.
     assert pq.read_table(tmp_path / "out.parquet").num_rows == 400
 
 
+def test_writer_splits_large_tables_over_its_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer_module, "_SPLIT_ROWS", 10)
+    tables = [_candidates(103, 9, 0, seed=1), _candidates(25, 9, 103, seed=2), _candidates(9, 9, 128, seed=3)]
+    with CandidateWriter(tmp_path / "out.parquet", threads=4) as writer:
+        for table in tables:
+            writer.write(table)
+    meta = pq.ParquetFile(tmp_path / "out.parquet").metadata
+    # 103 rows in 4 row groups of 26, 26, 26, 25; 25 rows in 2 of 13 and 12; 9 rows whole.
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [26, 26, 26, 25, 13, 12, 9]
+    assert pq.read_table(tmp_path / "out.parquet").equals(pa.concat_tables(tables))
+
+
 def test_writer_appends_encoded_tables_before_commit(tmp_path: Path) -> None:
     # A table whose encoding is done goes into the file at the next write, not when every thread is busy: otherwise
     # the last tables of a job (and their flush to disk) would all wait for commit().

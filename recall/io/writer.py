@@ -22,6 +22,8 @@ DEFAULT_COMPRESSION = "snappy"
 #: Tables encoded at once by default (at most the number of CPUs). One thread encodes ~5·10^7 pairs/s with snappy
 #: (~10^8 uncompressed); four keep ahead of a GPU at k = 1000 and leave cores to the reader and the searcher.
 ENCODE_THREADS = 4
+#: Rows of a table below which it is encoded whole; above, in up to ``threads`` row groups of at least this many.
+_SPLIT_ROWS = 4096
 #: Bytes appended between two flushes to disk (fdatasync), so that the fsync at the end has little left to do (16 MiB
 #: at 1 GB/s is 16 ms) and the rest of the file went out while the search ran.
 _SYNC_BYTES = 16 << 20
@@ -166,7 +168,12 @@ class CandidateWriter:
                     from exc
         if table.num_rows == 0:
             return  # no row group: pyarrow would write an empty one, whose positions do not survive the move
-        self._pending.append(self._pool.submit(_encode, table, self.schema, self._options))
+        # A large table is encoded in slices (row groups) on all threads at once: the last table of a job then takes
+        # a fraction of the time to reach the file after the last search.
+        pieces = max(1, min(self.threads, table.num_rows // _SPLIT_ROWS))
+        step = -(-table.num_rows // pieces)
+        for start in range(0, table.num_rows, step):
+            self._pending.append(self._pool.submit(_encode, table.slice(start, step), self.schema, self._options))
         self.rows_written += table.num_rows
         # Append every table already encoded (in order), and wait only when all threads are busy: what reaches the
         # file (and the disk) early is not left for commit() to do after the last search.
