@@ -5,10 +5,11 @@ search with ``Engine.search_async``) and a writer thread (waiting for each resul
 it). The bench's end-to-end row says how far its wall time is from the resident search; this says why:
 
 * the start-up, stage by stage (file inspection, the items' decode and upload, engine construction, the user ids);
-* per batch, on the host: when the reader handed it over, when its search was queued (and how long queuing took),
-  when the writer began waiting for it, when it had its results, when its write ended;
-* per batch, on the device (events on the compute stream before and after each batch is queued, timed against one
-  reference event): when the device reached the batch, when it finished it, its busy time from the engine's stats.
+* per search (a batch against all the items, or against one part of them while they load: recall/early.py), on the
+  host: when it was queued (and how long queuing took), when the writer began waiting for it, when it had its
+  results;
+* per search, on the device (events on the engine's compute stream before and after it is queued, timed against
+  one reference event): when the device reached it, when it finished it, its busy time from the engine's stats.
   "late" is the device idle between the previous batch's end and this one's start because the host had not queued
   it yet; "inside" is idle within the batch's span that its blocks' busy time does not cover (staging waits, the
   item transpose and threshold sample before the blocks).
@@ -104,6 +105,27 @@ def run(users_path: Path, items_path: Path, out: Path, k: int) -> dict[str, Any]
         pending._timeline = rec  # noqa: SLF001 - the script's own bookkeeping
         return pending
 
+    queue_on_device = Engine._queue_on_device
+
+    def queued_part(self: Engine, users: Any, kk: int) -> Any:
+        before = tl.gpu_mark(self)
+        a = tl.now()
+        wait = queue_on_device(self, users, kk)
+        b = tl.now()
+        after = tl.gpu_mark(self)
+        rec = {"users": len(users), "queue": (a, b), "gpu": (before, after), "engine": self}
+        with tl.lock:
+            tl.batches.append(rec)
+
+        def done() -> Any:
+            t0 = tl.now()
+            out = wait()
+            rec["wait"] = (t0, tl.now())
+            rec["busy"] = self.stats.get("gpu_busy_s", 0.0)
+            return out
+
+        return done
+
     def waited(self: PendingSearch) -> Any:
         rec = getattr(self, "_timeline", None)
         a = tl.now()
@@ -122,6 +144,7 @@ def run(users_path: Path, items_path: Path, out: Path, k: int) -> dict[str, Any]
         stack.enter_context(patch(Engine, "__init__", tl.span("engine construction", engine_init)))
         stack.enter_context(patch(Engine, "search_async", queued))
         stack.enter_context(patch(PendingSearch, "result", waited))
+        stack.enter_context(patch(Engine, "_queue_on_device", queued_part))
         stack.enter_context(patch(CandidateWriter, "write", tl.span("write", CandidateWriter.write)))
         stack.enter_context(patch(CandidateWriter, "commit", tl.span("commit", CandidateWriter.commit)))
         summary = pipeline.score_files(str(users_path), str(items_path), str(out), k, device="gpu")
