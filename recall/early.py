@@ -48,37 +48,44 @@ def applies(on_gpu: bool, precision: str, exclusions: bool, dim: int | None) -> 
         and (on_gpu or mode == "force")
 
 
-def merge(backend: Any, parts: list[tuple[int, Any, Any]], k: int) -> tuple[Any, Any]:
-    """The best ``k`` (score desc, lower row first) of each user over several parts' results, on ``backend``.
-
-    ``parts``: (first item row of the part, scores, part rows) per part, each (n, width) as a search leaves them
-    (padding: row -1, score -inf). Returns (scores, item rows), each (n, k), padded the same way."""
+def merge(backend: Any, best: tuple[Any, Any] | None, lo: int, vals: Any, rows: Any, k: int) -> tuple[Any, Any]:
+    """The best ``k`` (score desc, lower row first) of each user over ``best`` (the merge so far, item rows) and a
+    part's result (``vals``, part ``rows``, whose first item row is ``lo``), on ``backend``. Padding (row -1, score
+    -inf) comes last. The part holds rows above every row merged before it."""
     xp = backend.xp
-    scores = xp.concatenate([vals for _, vals, _ in parts], axis=1)
-    rows = xp.concatenate([xp.where(r >= 0, r + lo, -1) for lo, _, r in parts], axis=1)
-    return backend.rescore_select(scores, rows, k)
+    rows = xp.where(rows >= 0, rows + lo, -1)
+    if best is not None:
+        vals, rows = xp.concatenate([best[0], vals], axis=1), xp.concatenate([best[1], rows], axis=1)
+    return backend.rescore_select(vals, rows, k)
+
+
+class _Early:
+    """One user batch searched part by part: the running merge of its parts' results, on the device."""
+
+    def __init__(self, batch: Embeddings) -> None:
+        self.batch = batch
+        self.best: tuple[Any, Any] | None = None  # (scores, item rows) (n, k), inner-product space
+        self.waits: list[tuple[Engine, Callable[[], Any]]] = []
 
 
 class MergedSearch:
-    """The queued parts of one user batch; :meth:`result` waits for them and merges (on the caller's thread)."""
+    """The parts of one user batch, queued; :meth:`result` waits for them and returns their merge."""
 
-    def __init__(self, users: np.ndarray, parts: list[tuple[int, Engine, Callable[[], Any]]], k: int) -> None:
-        self._users = users
-        self._parts = parts
-        self._k = k
+    def __init__(self, early: _Early, k: int, metric: str, stream: Any) -> None:
+        self._early, self._k, self._metric, self._stream = early, k, metric, stream
         self.gpu_busy_s = 0.0
 
     def result(self) -> SearchResult:
-        done = []
-        for lo, engine, wait in self._parts:
-            vals, rows = wait()
+        early = self._early
+        for engine, wait in early.waits:
+            wait()
             self.gpu_busy_s += engine.stats.get("gpu_busy_s", 0.0)
-            done.append((lo, vals, rows))
-        backend, metric = engine.backend, engine.metric
-        vals, rows = merge(backend, done, self._k)
-        vals, rows = backend.to_host(vals), backend.to_host(rows)
-        self._parts = []  # let the part engines go once every batch is merged
-        scores = metrics.finish_scores(metric, np, vals, self._users)
+        backend = early.waits[-1][0].backend
+        if self._stream is not None:
+            self._stream.synchronize()  # the last merge
+        vals, rows = backend.to_host(early.best[0]), backend.to_host(early.best[1])
+        self._early = None  # let the device arrays go
+        scores = metrics.finish_scores(self._metric, np, vals, early.batch.vectors)
         return SearchResult(indices=rows, scores=scores, ids=rows)
 
 
@@ -104,7 +111,11 @@ class EarlyStart:
         self._loaded = False
         self._lo = 0  # first row of the next part
         self._parts: list[tuple[int, Engine]] = []
-        self.batches: list[tuple[Embeddings, list[tuple[int, Engine, Callable[[], Any]]]]] = []
+        self.batches: list[_Early] = []
+        # Each batch's parts are merged as they finish, on a stream of its own (never the default stream, which the
+        # item upload uses), and the k-th best so far is the floor of the batch's next part: a part then returns only
+        # what can enter the top k, and costs about what the same rows cost at the end of one search.
+        self._stream: Any = None
         self.users_done = False  # the reader's end marker was taken here
         self.abandoned = False
         self._thread = threading.Thread(target=self._run, name="recall-early", daemon=True)
@@ -134,8 +145,9 @@ class EarlyStart:
                         self.users_done = True
                         continue
                     if batch is not None:
-                        self.batches.append((batch, [(lo, e, e._queue_on_device(batch.vectors, self.k))
-                                                     for lo, e in self._parts]))
+                        self.batches.append(_Early(batch))
+                        for lo, engine in self._parts:
+                            self._queue(self.batches[-1], lo, engine)
                         continue
                 with self._cond:
                     self._cond.wait(_WAIT_S)
@@ -149,8 +161,28 @@ class EarlyStart:
         self._parts.append((lo, engine))
         self._lo = hi
         self._part_rows = -(-self.n_items // PARTS)
-        for batch, pending in self.batches:
-            pending.append((lo, engine, engine._queue_on_device(batch.vectors, self.k)))
+        for early in self.batches:
+            self._queue(early, lo, engine)
+
+    def _queue(self, early: _Early, lo: int, engine: Engine) -> None:
+        """Search ``early``'s batch against the part of ``engine`` (first row ``lo``) and merge it into its best."""
+        backend = engine.backend
+        if backend.name != "gpu":
+            wait = engine._queue_on_device(early.batch.vectors, self.k)
+            early.waits.append((engine, wait))
+            early.best = merge(backend, early.best, lo, *wait(), self.k)
+            return
+        if self._stream is None:
+            self._stream = backend.xp.cuda.Stream(non_blocking=True)
+        with self._stream:
+            # The search starts after this stream's work so far (run_blocks orders itself after the caller's
+            # stream): the merge that gives its floor.
+            best = early.best
+            floor = best[0][:, self.k - 1] if best is not None and best[0].shape[1] >= self.k else None
+            wait = engine._queue_on_device(early.batch.vectors, self.k, floor=floor)
+            early.waits.append((engine, wait))
+            self._stream.wait_event(backend.compute_stream.record())
+            early.best = merge(backend, best, lo, wait.vals, wait.rows, self.k)
 
     def finish(self, matrix: Any, engine: Engine) -> list[tuple[Embeddings, MergedSearch]]:
         """Every item is on the device (``matrix``) and ``engine`` holds them all: stop the thread, search each early
@@ -165,14 +197,14 @@ class EarlyStart:
             return []  # another stage failed: the job is over
         if self.abandoned:
             # A part refused its input: the full engine searches the batches taken (and raises what is wrong).
-            return [(batch, engine.search_async(batch.vectors, self.k)) for batch, _ in taken]
+            return [(early.batch, engine.search_async(early.batch.vectors, self.k)) for early in taken]
         rest = Engine(matrix[self._lo:], **self._engine_args) if self._lo < self.n_items else None
         out = []
-        for batch, pending in taken:
-            engine._check_users(batch.vectors, None)  # scores within float32 against every item, not just a part's
+        for early in taken:
+            engine._check_users(early.batch.vectors, None)  # scores within float32 against all items, not a part's
             if rest is not None:
-                pending.append((self._lo, rest, rest._queue_on_device(batch.vectors, self.k)))
-            out.append((batch, MergedSearch(batch.vectors, pending, self.k)))
+                self._queue(early, self._lo, rest)
+            out.append((early.batch, MergedSearch(early, self.k, engine.metric, self._stream)))
         return out
 
     def cancel(self) -> None:

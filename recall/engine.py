@@ -229,23 +229,19 @@ class Engine:
 
         return PendingSearch(finish)
 
-    def _queue_on_device(self, user_vecs: np.ndarray, k: int) -> Any:
-        """Queue an exact search of host users whose results stay on the backend (recall/early.py merges several):
-        a callable that waits for it and returns (scores, item rows), (n, min(k, n_items)), in inner-product space
-        (the metric's order, per user). On the CPU the search runs here."""
+    def _queue_on_device(self, user_vecs: np.ndarray, k: int, floor: Any = None) -> "QueuedSearch":
+        """Queue an exact search of host users whose results stay on the backend (recall/early.py merges several),
+        in inner-product space (the metric's order, per user), (n, min(k, n_items)). On the CPU it runs here.
+        ``floor`` (GPU only: device float32, one per user, inner-product space): return only items scoring above it
+        (see ``CupyBackend.run_blocks``)."""
         xp, users, excl = self._check_users(user_vecs, None)
         prepared = metrics.prepare_users(self.metric, xp, users)
         k_sel = min(k, self.n_items)
         if self.backend.name != "gpu":
             vals, rows = self._run(prepared, self._items, k_sel, excl)
-            return lambda: (vals, rows)
-        vals, rows, wait = self._run(prepared, self._items, k_sel, excl, wait=False)
-
-        def done() -> tuple[Any, Any]:
-            self.stats = wait()
-            return vals, rows
-
-        return done
+            return QueuedSearch(self, vals, rows, None)
+        vals, rows, wait = self._run(prepared, self._items, k_sel, excl, wait=False, floor=floor)
+        return QueuedSearch(self, vals, rows, wait)
 
     def _check_users(self, user_vecs: Any, exclude: Any) -> tuple[Any, Any, Exclusions]:
         """(array module, validated users, normalised exclusions) of a single-vector search."""
@@ -332,7 +328,7 @@ class Engine:
         return vals, rows
 
     def _run(self, users: Any, items: Any, k: int, excl: Exclusions, host_out: bool = False,
-             wait: bool = True) -> Any:
+             wait: bool = True, floor: Any = None) -> Any:
         """One tiled pass of ``users`` against ``items`` (k <= n_items): (scores, rows) (n, k), in host memory
         (page-locked on a GPU) when ``host_out``, else on the backend. With ``wait`` False (GPU backend only), also
         a callable that waits for the pass and returns its stats: the arrays are filled by then."""
@@ -343,7 +339,9 @@ class Engine:
         plan = scoring.plan_tiles(n_users, self.n_items, dim, k, self.memory_budget,
                                   tuning.preferred_tiles(self, users, k), backend.state_bytes(k), backend.workers)
         if not wait:
-            return vals, rows, backend.run_blocks(plan, users, items, self.n_items, k, excl, vals, rows, wait=False)
+            extra = {} if floor is None else {"floor": floor}
+            return vals, rows, backend.run_blocks(plan, users, items, self.n_items, k, excl, vals, rows, wait=False,
+                                                  **extra)
         backend.run_blocks(plan, users, items, self.n_items, k, excl, vals, rows)
         return vals, rows
 
@@ -407,6 +405,21 @@ class Engine:
         if host_rows is rows:
             return out
         return self.backend.xp.asarray(out)
+
+
+class QueuedSearch:
+    """A search queued by ``Engine._queue_on_device``: ``vals`` and ``rows`` (backend arrays) are being filled, on the
+    engine's compute stream; calling it waits for them, sets the engine's stats and returns (vals, rows)."""
+
+    def __init__(self, engine: Engine, vals: Any, rows: Any, wait: Any) -> None:
+        self.vals, self.rows = vals, rows
+        self._engine, self._wait = engine, wait
+
+    def __call__(self) -> tuple[Any, Any]:
+        if self._wait is not None:
+            self._engine.stats = self._wait()
+            self._wait = None
+        return self.vals, self.rows
 
 
 class PendingSearch:

@@ -136,10 +136,12 @@ def test_merge_ties_and_padding() -> None:
 
     a = (np.array([[5.0, 2.0, -np.inf]], np.float32), np.array([[1, 0, -1]]))
     b = (np.array([[5.0, 2.0, 1.0]], np.float32), np.array([[0, 2, 1]]))
-    vals, rows = early.merge(NumpyBackend(), [(0, *a), (3, *b)], 4)
+    best = early.merge(NumpyBackend(), None, 0, *a, 4)
+    np.testing.assert_array_equal(best[1], [[1, 0, -1, -1]])
+    vals, rows = early.merge(NumpyBackend(), best, 3, *b, 4)
     np.testing.assert_array_equal(rows, [[1, 3, 0, 5]])
     np.testing.assert_array_equal(vals, [[5.0, 5.0, 2.0, 2.0]])
-    vals, rows = early.merge(NumpyBackend(), [(0, *a), (3, *b)], 7)
+    vals, rows = early.merge(NumpyBackend(), early.merge(NumpyBackend(), None, 0, *a, 7), 3, *b, 7)
     np.testing.assert_array_equal(rows, [[1, 3, 0, 5, 4, -1, -1]])
     assert (vals[0, -2:] == -np.inf).all()
 

@@ -150,3 +150,27 @@ def test_transposed_items_kept_per_array(fused):
     engine = _gpu(as_numpy(b))
     _same(engine.search(users, 20), Engine(as_numpy(b), device="cpu").search(users, 20))
     _same(engine.search(users[:120], 7), Engine(as_numpy(b), device="cpu").search(users[:120], 7))
+
+
+@pytest.mark.parametrize("mode", ["force", "off"])
+def test_floor_returns_only_items_above_it(fused, monkeypatch, mode):
+    # A search with per-user floors (recall/early.py: the k-th best of the rows searched before) returns exactly
+    # the items scoring above the floor, best first, then padding; equal to the floor is out (ties go to the lower
+    # rows, searched before). Five blocks: the slots' graphs replay with the floors of other blocks.
+    import cupy
+
+    monkeypatch.setenv("RECALL_FUSED", mode)
+    rng = np.random.default_rng(8)
+    items, users = _ints(rng, 3000, 16), _ints(rng, 1000, 16)
+    cpu = Engine(items, device="cpu").search(users, 40)
+    floor = cpu.scores[:, 19].copy()
+    floor[::7] = -np.inf  # no floor for some users
+    gpu = _gpu(items)
+    vals, rows = (as_numpy(x) for x in gpu._queue_on_device(users, 40, floor=cupy.asarray(floor))())
+    assert gpu.stats["fused"] == (mode == "force")
+    for u in range(len(users)):
+        keep = cpu.scores[u] > floor[u]
+        n = int(keep.sum())
+        np.testing.assert_array_equal(rows[u, :n], cpu.indices[u, keep], err_msg=f"user {u}")
+        np.testing.assert_array_equal(vals[u, :n], cpu.scores[u, keep])
+        assert (rows[u, n:] == -1).all() and (vals[u, n:] == -np.inf).all()

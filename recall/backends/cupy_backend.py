@@ -167,6 +167,7 @@ class _Slot:
     """One of the :data:`_SLOTS` staging slots of the block pipeline."""
 
     users: Any  # device (capacity, dim) float32
+    floor: Any  # device (capacity,) float32: the block's score floors, when the search has them
     ex_ptr: Any  # device (capacity + 1,) int64
     ex_items: Any  # device (max exclusions per block,) int64
     host_users: Any  # pinned (capacity, dim) float32
@@ -503,10 +504,14 @@ class CupyBackend:
 
     # -- the block pipeline -----------------------------------------------------------------------------------
     def run_blocks(self, plan: scoring.TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Any,
-                   out_vals: Any, out_rows: Any, wait: bool = True) -> Any:
+                   out_vals: Any, out_rows: Any, wait: bool = True, floor: Any = None) -> Any:
         """Search every block (see the base protocol). With ``wait`` False, return once every block is queued (the
         users and exclusions copied into staging buffers) with a callable that waits for this search alone and
-        returns its stats: the next search may be queued before then, and the device runs both without a gap."""
+        returns its stats: the next search may be queued before then, and the device runs both without a gap.
+
+        ``floor``: a device float32 (n_users,) of inner-product scores, or None. A user's threshold starts at least
+        there, so that only items scoring above it are returned (fewer than k where fewer do): for a search of the
+        rows after others whose k-th best is known (recall/early.py), items at or below it cannot enter the top k."""
         import cupy
 
         wall = time.perf_counter()
@@ -560,6 +565,8 @@ class CupyBackend:
                 slot.ex_ptr.set(slot.host_ptr, stream=copy)
                 if has_excl:
                     slot.ex_items.set(slot.host_items, stream=copy)
+                if floor is not None:
+                    slot.floor[:n] = floor[start:stop]
                 ev[1].record(copy)
                 slot.staged.record(copy)
             with compute:
@@ -568,7 +575,7 @@ class CupyBackend:
                     compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
                 self._search_slot(slot, i, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
-                                  ws if fused else None, items_t)
+                                  ws if fused else None, items_t, floor is not None)
                 if not host_out:
                     out_vals[start:stop, :k] = state.out_vals[:n]
                     out_rows[start:stop, :k] = state.out_rows[:n]
@@ -646,7 +653,8 @@ class CupyBackend:
         import cupy
         import cupyx
 
-        return _Slot(users=cupy.zeros((cap, dim), dtype), ex_ptr=cupy.zeros(cap + 1, cupy.int64),
+        return _Slot(users=cupy.zeros((cap, dim), dtype), floor=cupy.full(cap, -np.inf, np.float32),
+                     ex_ptr=cupy.zeros(cap + 1, cupy.int64),
                      ex_items=cupy.zeros(max_excl, cupy.int64),
                      host_users=cupyx.zeros_pinned((cap, dim), dtype),
                      host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
@@ -669,7 +677,7 @@ class CupyBackend:
 
     def _search_slot(self, slot: _Slot, i: int, plan: scoring.TilePlan, items: Any, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any,
-                     items_t: Any) -> None:
+                     items_t: Any, has_floor: bool = False) -> None:
         """One block of n users. The cuBLAS path always runs over the slot's full capacity of rows (rows past the
         real users are ignored), so that every block runs the same launches and the graph captured for a slot
         replays for each of its blocks; the fused path (``fused_ws`` set) scores the real rows only, and runs a
@@ -683,6 +691,8 @@ class CupyBackend:
             self.topk_reset(state, rows)
             if seed is not None:
                 self.topk_seed(state, users, *seed, scores_buf, slot.ex_ptr, ex_items)
+            if has_floor:
+                self.xp.maximum(state.thr[:rows], slot.floor[:rows], out=state.thr[:rows])
             if fused_ws is None:
                 scoring.search_block(self, plan, users, items, n_items, state, scores_buf, slot.ex_ptr, ex_items)
                 self.topk_result(state)
@@ -694,7 +704,8 @@ class CupyBackend:
             launches()
             return
         # The workspace (and so every other pointer, the sample buffer included) is fixed per slot.
-        key = (id(items), n_items, has_excl, seed is not None, None if items_t is None else items_t.data.ptr)
+        key = (id(items), n_items, has_excl, seed is not None, None if items_t is None else items_t.data.ptr,
+               has_floor)
         if slot.graph is None or slot.graph_key != key:
             slot.graph = self._capture(launches)
             slot.graph_key = key
