@@ -31,7 +31,7 @@ from .result import SearchResult
 
 #: A part closes each time another 1/PARTS of the rows has arrived (the first at 1/(2 PARTS)); the rows left when
 #: the file is read are searched last. More parts hide more of the decoding, at the cost of one more threshold seed
-#: and merge per block and part.
+#: and merge per block and part. ``RECALL_EARLY_PARTS`` overrides it.
 PARTS = 4
 #: User batches searched early at most: each holds one host result per part until it is merged.
 MAX_BATCHES = 8
@@ -104,7 +104,8 @@ class EarlyStart:
         self.n_items, self.k = n_items, k
         self._take, self._end, self._fail, self._stop = take, end, fail, stop
         self._engine_args = engine_args
-        self._part_rows = -(-n_items // (2 * PARTS))  # the first part is half as long: the device starts sooner
+        self._n_parts = max(1, int(os.environ.get("RECALL_EARLY_PARTS", PARTS)))
+        self._part_rows = -(-n_items // (2 * self._n_parts))  # the first part is half as long: the device starts sooner
         self._cond = threading.Condition()
         self._matrix: Any = None
         self._rows = 0
@@ -160,7 +161,7 @@ class EarlyStart:
         engine = Engine(matrix[lo:hi], **self._engine_args)
         self._parts.append((lo, engine))
         self._lo = hi
-        self._part_rows = -(-self.n_items // PARTS)
+        self._part_rows = -(-self.n_items // self._n_parts)
         for early in self.batches:
             self._queue(early, lo, engine)
 

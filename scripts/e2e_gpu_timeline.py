@@ -18,9 +18,11 @@ The inputs are the bench's S4 (``clustered``, seeded) written with pyarrow's def
 
 Usage, from the project root on a GPU machine::
 
-    PYTHONPATH=. python scripts/e2e_gpu_timeline.py [--workload S4] [--repeat 2] [--json PATH]
+    PYTHONPATH=. python scripts/e2e_gpu_timeline.py [--workload S4] [--repeat 2] [--json PATH] \
+        [--env RECALL_EARLY=off --env RECALL_EARLY_PARTS=8 ...]
 
-Prints the last run's table; the JSON (default ``$OUT/e2e_timeline.json``) holds every run.
+Prints each set's walls and summary, then the last run's table; the JSON (default ``$OUT/e2e_timeline.json``) holds
+every run.
 """
 from __future__ import annotations
 
@@ -82,6 +84,21 @@ class Timeline:
         return self.ref[1] + cupy.cuda.get_elapsed_time(self.ref[0], ev) / 1e3
 
 
+class _Timed:
+    """A queued part search (``Engine._queue_on_device``) whose wait is recorded."""
+
+    def __init__(self, queued: Any, rec: dict, engine: Engine, tl: Timeline) -> None:
+        self.vals, self.rows = queued.vals, queued.rows
+        self._queued, self._rec, self._engine, self._tl = queued, rec, engine, tl
+
+    def __call__(self) -> Any:
+        t0 = self._tl.now()
+        out = self._queued()
+        self._rec.setdefault("wait", (t0, self._tl.now()))
+        self._rec["busy"] = self._engine.stats.get("gpu_busy_s", 0.0)
+        return out
+
+
 def run(users_path: Path, items_path: Path, out: Path, k: int) -> dict[str, Any]:
     tl = Timeline()
     init = Engine.__init__
@@ -107,24 +124,16 @@ def run(users_path: Path, items_path: Path, out: Path, k: int) -> dict[str, Any]
 
     queue_on_device = Engine._queue_on_device
 
-    def queued_part(self: Engine, users: Any, kk: int) -> Any:
+    def queued_part(self: Engine, users: Any, kk: int, floor: Any = None) -> Any:
         before = tl.gpu_mark(self)
         a = tl.now()
-        wait = queue_on_device(self, users, kk)
+        queued = queue_on_device(self, users, kk, floor)
         b = tl.now()
         after = tl.gpu_mark(self)
         rec = {"users": len(users), "queue": (a, b), "gpu": (before, after), "engine": self}
         with tl.lock:
             tl.batches.append(rec)
-
-        def done() -> Any:
-            t0 = tl.now()
-            out = wait()
-            rec["wait"] = (t0, tl.now())
-            rec["busy"] = self.stats.get("gpu_busy_s", 0.0)
-            return out
-
-        return done
+        return _Timed(queued, rec, self, tl)
 
     def waited(self: PendingSearch) -> Any:
         rec = getattr(self, "_timeline", None)
@@ -226,6 +235,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="S4")
     parser.add_argument("--repeat", type=int, default=2, help="runs; the first warms up, the last is printed")
+    parser.add_argument("--env", action="append", help="KEY=VALUE[,KEY=VALUE]: environment of a set of runs "
+                        "(repeatable: one set each, on the same files)")
     parser.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "e2e_timeline.json")
     args = parser.parse_args()
     w = workloads.get(args.workload)
@@ -238,10 +249,21 @@ def main() -> None:
         del users, items
         decode = decode_times(items_path)
         print("decoding the item file alone (best of 3): " + ", ".join(f"{n} {t:.3f} s" for n, t in decode.items()))
-        for _ in range(args.repeat):
-            out = Path(tmp) / "out.parquet"
-            runs.append(run(users_path, items_path, out, w.k))
-            out.unlink()
+        for config in args.env or [""]:
+            env = dict(kv.split("=", 1) for kv in config.split(",") if kv)
+            saved = {key: os.environ.get(key) for key in env}
+            os.environ.update(env)
+            for _ in range(args.repeat):
+                out = Path(tmp) / "out.parquet"
+                runs.append(run(users_path, items_path, out, w.k) | {"env": env})
+                out.unlink()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
+            print(f"== {config or 'default'}: walls " + ", ".join(f"{r['wall_s']:.3f}" for r in runs[-args.repeat:]))
+            print("\n".join(report(runs[-1]).splitlines()[:2]))
     print(report(runs[-1]))
     args.json.write_text(json.dumps({"workload": args.workload, "decode_s": decode, "runs": runs}, indent=1))
 
