@@ -4,7 +4,7 @@ A Parquet job cannot search a user against its items before every item is on the
 file takes a fraction of a second that, done first, the device spends idle: 0.6-0.8 s of a 4.6-4.8 s S4 job on the
 H200 (a million items in one row group, which pyarrow decodes on one thread). But the exact top-k of a user over all
 items is the best k of its exact top-k over each part of the items. So while the items arrive, :class:`EarlyStart`
-closes a *part* once an eighth of the rows is on the device, then each time another quarter is, and searches the
+closes a *part* once 1/16 of the rows is on the device, then each time another eighth is, and searches the
 first user batches against every closed part (an :class:`recall.Engine` over those rows, results left on the
 device), taking another batch from the reader whenever no part is waiting: the device works while the items decode.
 Once the last row is up, :meth:`EarlyStart.finish` searches those batches against the rows no part covered yet, and
@@ -32,7 +32,7 @@ from .result import SearchResult
 #: A part closes each time another 1/PARTS of the rows has arrived (the first at 1/(2 PARTS)); the rows left when
 #: the file is read are searched last. More parts hide more of the decoding, at the cost of one more threshold seed
 #: and merge per block and part. ``RECALL_EARLY_PARTS`` overrides it.
-PARTS = 4
+PARTS = 8
 #: User batches searched early at most: each holds one host result per part until it is merged.
 MAX_BATCHES = 8
 _WAIT_S = 0.005
