@@ -509,9 +509,10 @@ class CupyBackend:
         users and exclusions copied into staging buffers) with a callable that waits for this search alone and
         returns its stats: the next search may be queued before then, and the device runs both without a gap.
 
-        ``floor``: a device float32 (n_users,) of inner-product scores, or None. A user's threshold starts at least
-        there, so that only items scoring above it are returned (fewer than k where fewer do): for a search of the
-        rows after others whose k-th best is known (recall/early.py), items at or below it cannot enter the top k."""
+        ``floor``: a device float32 (n_users,) of inner-product scores, or None. A user's threshold starts there
+        (instead of at the seed of the threshold sample), so that only items scoring above it are returned (fewer
+        than k where fewer do): for a search of the rows after others whose k-th best is known (recall/early.py),
+        items at or below it cannot enter the top k."""
         import cupy
 
         wall = time.perf_counter()
@@ -689,10 +690,11 @@ class CupyBackend:
         def launches() -> None:
             users = slot.users[:rows]
             self.topk_reset(state, rows)
-            if seed is not None:
-                self.topk_seed(state, users, *seed, scores_buf, slot.ex_ptr, ex_items)
             if has_floor:
-                self.xp.maximum(state.thr[:rows], slot.floor[:rows], out=state.thr[:rows])
+                # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed.
+                state.thr[:rows] = slot.floor[:rows]
+            elif seed is not None:
+                self.topk_seed(state, users, *seed, scores_buf, slot.ex_ptr, ex_items)
             if fused_ws is None:
                 scoring.search_block(self, plan, users, items, n_items, state, scores_buf, slot.ex_ptr, ex_items)
                 self.topk_result(state)
