@@ -4,7 +4,7 @@ A Parquet job cannot search a user against its items before every item is on the
 file takes a fraction of a second that, done first, the device spends idle: 0.6-0.8 s of a 4.6-4.8 s S4 job on the
 H200 (a million items in one row group, which pyarrow decodes on one thread). But the exact top-k of a user over all
 items is the best k of its exact top-k over each part of the items. So while the items arrive, :class:`EarlyStart`
-closes a *part* once 1/16 of the rows is on the device, then each time another eighth is, and searches the
+closes a *part* once 1/32 of the rows is on the device, then each time another 1/16 is, and searches the
 first user batches against every closed part (an :class:`recall.Engine` over those rows, results left on the
 device), taking another batch from the reader whenever no part is waiting: the device works while the items decode.
 Once the last row is up, :meth:`EarlyStart.finish` searches those batches against the rows no part covered yet, and
@@ -32,10 +32,11 @@ from .result import SearchResult
 #: A part closes each time another 1/PARTS of the rows has arrived (the first at 1/(2 PARTS)); the rows left when
 #: the file is read are searched last. More parts hide more of the decoding, at the cost of one more threshold seed
 #: and merge per block and part. ``RECALL_EARLY_PARTS`` overrides it.
-PARTS = 8
+PARTS = 16
 #: User batches searched early at most: each holds one host result per part until it is merged.
 MAX_BATCHES = 8
 _WAIT_S = 0.005
+_PART_USER_BLOCK = 8192
 
 
 def applies(on_gpu: bool, precision: str, exclusions: bool, dim: int | None) -> bool:
@@ -157,8 +158,17 @@ class EarlyStart:
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
             self._fail(exc)
 
+    def _engine(self, rows: Any) -> Engine:
+        # A part's blocks take a fraction of a whole search's time each: blocks of 4x the users, so that the device,
+        # not the launching of blocks, sets the pace (the memory budget still caps them). Not tuned: the tune
+        # cache's tilings are for whole searches.
+        engine = Engine(rows, tune="off", **self._engine_args)
+        if engine.backend.name == "gpu":
+            engine.backend.min_user_block = _PART_USER_BLOCK
+        return engine
+
     def _search_part(self, matrix: Any, lo: int, hi: int) -> None:
-        engine = Engine(matrix[lo:hi], **self._engine_args)
+        engine = self._engine(matrix[lo:hi])
         self._parts.append((lo, engine))
         self._lo = hi
         self._part_rows = -(-self.n_items // self._n_parts)
@@ -199,7 +209,7 @@ class EarlyStart:
         if self.abandoned:
             # A part refused its input: the full engine searches the batches taken (and raises what is wrong).
             return [(early.batch, engine.search_async(early.batch.vectors, self.k)) for early in taken]
-        rest = Engine(matrix[self._lo:], **self._engine_args) if self._lo < self.n_items else None
+        rest = self._engine(matrix[self._lo:]) if self._lo < self.n_items else None
         out = []
         for early in taken:
             engine._check_users(early.batch.vectors, None)  # scores within float32 against all items, not a part's

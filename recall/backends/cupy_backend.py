@@ -232,6 +232,9 @@ class CupyBackend:
         # overall, while after one merge the threshold is the k-th best of a whole segment, so later segments pass
         # (and append with a global atomic) a fraction of the scores.
         self.fused_merge_at = int(os.environ.get("RECALL_FUSED_MERGE_AT", "0"))
+        # Users per block at least (recall/early.py raises it for its searches of a part of the items, which are short
+        # enough per block that the host's launching would otherwise hold the device back).
+        self.min_user_block = 0
         self._items_t: Any = None  # fused path: (items, key, items transposed (padded dim, padded rows))
         self._fused_smem_limit = 0
         self._merge_smem_limit = 0
@@ -273,7 +276,7 @@ class CupyBackend:
         # 2048 x 16384 x 4, 1.04x) and larger user blocks for large k (d=64, k=1000: 4096 x 8192 x 4, 1.07x).
         users = 4096 if k >= 512 else 2048
         width = 16384 if dim >= 128 else 8192
-        return users, width, 4
+        return max(users, self.min_user_block), width, 4
 
     def compute_context(self) -> Any:
         return self.compute_stream
