@@ -4,15 +4,20 @@ A Parquet job cannot search a user against its items before every item is on the
 file takes a fraction of a second that, done first, the device spends idle: 0.6-0.8 s of a 4.6-4.8 s S4 job on the
 H200 (a million items in one row group, which pyarrow decodes on one thread). But the exact top-k of a user over all
 items is the best k of its exact top-k over each part of the items. So while the items arrive, :class:`EarlyStart`
-closes a *part* once 1/32 of the rows is on the device, then each time another 1/16 is, and searches the
-first user batches against every closed part (an :class:`recall.Engine` over those rows, results left on the
-device), taking another batch from the reader whenever no part is waiting: the device works while the items decode.
-Once the last row is up, :meth:`EarlyStart.finish` searches those batches against the rows no part covered yet, and
-each batch's result is the merge of its parts (``rescore_select``: score desc, ties to the lower item row), exactly
-what one search over all the items returns.
+closes a *part* once 1/16 of the rows is on the device, then each time another eighth is, and searches the first
+user batches against every closed part (an :class:`recall.Engine` over those rows, results left on the device),
+taking another batch from the reader whenever no part is waiting: the device works while the items decode. Once the
+last row is up, :meth:`EarlyStart.finish` searches those batches against the rows no part covered yet.
+
+Each batch's parts are merged on the device as they finish (``rescore_select``: score desc, ties to the lower item
+row), which is exactly what one search over all the items returns. The k-th best score merged so far is the *floor*
+of the batch's next part (``CupyBackend.run_blocks(floor=)``): its thresholds start there instead of at a sample's
+seed, so a part passes only what can still enter the top k (an item scoring the floor loses the tie to the lower
+rows already held) and costs about what the same rows cost late in one whole search. A part's blocks hold 8192
+users, so that launching them on the host does not hold back the device.
 
 It runs on a GPU engine of exact precision without exclusions (an exclusion file is mapped to item rows with every
-item id, known only at the end); ``RECALL_EARLY=off`` turns it off.
+item id, known only at the end); ``RECALL_EARLY=off`` turns it off, ``RECALL_EARLY_PARTS`` sets the parts.
 """
 from __future__ import annotations
 
@@ -32,8 +37,8 @@ from .result import SearchResult
 #: A part closes each time another 1/PARTS of the rows has arrived (the first at 1/(2 PARTS)); the rows left when
 #: the file is read are searched last. More parts hide more of the decoding, at the cost of one more threshold seed
 #: and merge per block and part. ``RECALL_EARLY_PARTS`` overrides it.
-PARTS = 16
-#: User batches searched early at most: each holds one host result per part until it is merged.
+PARTS = 8
+#: User batches searched early at most: each holds its merge so far (k per user) on the device until it is written.
 MAX_BATCHES = 8
 _WAIT_S = 0.005
 _PART_USER_BLOCK = 8192
