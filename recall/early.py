@@ -30,7 +30,7 @@ import numpy as np
 
 from . import metrics
 from .engine import Engine
-from .errors import InputError
+from .errors import InputError, ResourceError
 from .io import Embeddings
 from .result import SearchResult
 
@@ -123,6 +123,7 @@ class EarlyStart:
         # item upload uses), and the k-th best so far is the floor of the batch's next part: a part then returns only
         # what can enter the top k, and costs about what the same rows cost at the end of one search.
         self._stream: Any = None
+        self._part_budget: int | None = None
         self.users_done = False  # the reader's end marker was taken here
         self.abandoned = False
         self._thread = threading.Thread(target=self._run, name="recall-early", daemon=True)
@@ -158,17 +159,24 @@ class EarlyStart:
                         continue
                 with self._cond:
                     self._cond.wait(_WAIT_S)
-        except InputError:
-            self.abandoned = True  # bad rows in a part: the full engine reports them, naming the file
+        except (InputError, ResourceError, MemoryError):
+            # Bad rows in a part (the full engine reports them, naming the file), or no room for another part's
+            # engine: the full engine searches the batches taken. An optimisation never fails a job.
+            self.abandoned = True
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
             self._fail(exc)
 
     def _engine(self, rows: Any) -> Engine:
         # A part's blocks take a fraction of a whole search's time each: blocks of 4x the users, so that the device,
-        # not the launching of blocks, sets the pace (the memory budget still caps them). Not tuned: the tune
-        # cache's tilings are for whole searches.
+        # not the launching of blocks, sets the pace. The parts' engines live together until the items are loaded:
+        # each gets 1/(parts + 1) of the memory budget (the job's, or half the device's free memory), which caps
+        # its blocks. Not tuned: the tune cache's tilings are for whole searches.
         engine = Engine(rows, tune="off", **self._engine_args)
         if engine.backend.name == "gpu":
+            if self._part_budget is None:
+                total = self._engine_args.get("memory_budget") or engine.backend.free_memory() // 2
+                self._part_budget = max(1, total // (self._n_parts + 1))
+            engine.memory_budget = self._part_budget
             engine.backend.min_user_block = _PART_USER_BLOCK
         return engine
 
@@ -211,17 +219,33 @@ class EarlyStart:
         taken, self.batches = self.batches, []
         if self._stop.is_set():
             return []  # another stage failed: the job is over
-        if self.abandoned:
-            # A part refused its input: the full engine searches the batches taken (and raises what is wrong).
-            return [(early.batch, engine.search_async(early.batch.vectors, self.k)) for early in taken]
-        rest = self._engine(matrix[self._lo:]) if self._lo < self.n_items else None
-        out = []
-        for early in taken:
-            engine._check_users(early.batch.vectors, None)  # scores within float32 against all items, not a part's
-            if rest is not None:
-                self._queue(early, self._lo, rest)
-            out.append((early.batch, MergedSearch(early, self.k, engine.metric, self._stream)))
-        return out
+        if not self.abandoned:
+            try:
+                rest = self._engine(matrix[self._lo:]) if self._lo < self.n_items else None
+                if rest is not None:
+                    self._parts.append((self._lo, rest))
+                out = []
+                for early in taken:
+                    engine._check_users(early.batch.vectors, None)  # within float32 against all items, not a part's
+                    if rest is not None:
+                        self._queue(early, self._lo, rest)
+                    out.append((early.batch, MergedSearch(early, self.k, engine.metric, self._stream)))
+                self._parts = []
+                return out
+            except (ResourceError, MemoryError):
+                pass  # no room for the last part: as below
+        # A part refused its input or had no room: the full engine searches the batches taken (and raises what is
+        # wrong with them).
+        self._drop()
+        return [(early.batch, engine.search_async(early.batch.vectors, self.k)) for early in taken]
+
+    def _drop(self) -> None:
+        """Let the parts' engines go, once nothing queued on them still runs (their memory is reused at once)."""
+        for _, part in self._parts:
+            part.backend.synchronize()
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._parts = []
 
     def cancel(self) -> None:
         """Stop the thread (an error elsewhere); queued searches finish on the device and are dropped."""
@@ -230,3 +254,4 @@ class EarlyStart:
             self._cond.notify()
         self._thread.join()
         self.batches = []
+        self._drop()

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from parquet_data import int_data, oracle_topk, write_embeddings
-from recall import Engine, InputError, early
+from recall import Engine, InputError, ResourceError, early
 from recall.io import parquet as parquet_io
 from recall.pipeline import score_files
 
@@ -113,15 +113,18 @@ def test_bad_user_row_read_early(forced, tmp_path: Path) -> None:
     assert _no_threads_left()
 
 
-def test_part_refusing_its_input_falls_back(forced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A part engine's input error abandons the early searches: the batches taken are searched by the full engine.
+@pytest.mark.parametrize("error", [InputError("item_vecs: refused"), ResourceError("GPU out of memory"),
+                                   MemoryError("out of memory")])
+def test_part_failing_falls_back(forced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error) -> None:
+    # A part engine's input error, or no room for it, abandons the early searches: the batches taken are searched by
+    # the full engine, and the job's answer is the same.
     up, ip, users, items, user_ids, item_ids = _files(tmp_path)
     calls = []
 
     def refusing(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            raise InputError("item_vecs: refused")
+            raise error
         return Engine(*args, **kwargs)
 
     monkeypatch.setattr(early, "Engine", refusing)
