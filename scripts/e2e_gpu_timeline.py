@@ -79,6 +79,17 @@ class Timeline:
             self.ref = (ev, self.now())
         return ev
 
+    def queue(self, engine: Engine, n_users: int, start: Any) -> tuple[Any, dict]:
+        """Run ``start()`` (which queues a search on ``engine``) between two marks; (its result, the record)."""
+        before = self.gpu_mark(engine)
+        a = self.now()
+        out = start()
+        b = self.now()
+        rec = {"users": n_users, "queue": (a, b), "gpu": (before, self.gpu_mark(engine)), "engine": engine}
+        with self.lock:
+            self.batches.append(rec)
+        return out, rec
+
     def gpu_time(self, ev: Any) -> float:
         ev.synchronize()
         return self.ref[1] + cupy.cuda.get_elapsed_time(self.ref[0], ev) / 1e3
@@ -111,28 +122,14 @@ def run(users_path: Path, items_path: Path, out: Path, k: int) -> dict[str, Any]
             tl.engines.append(self)
 
     def queued(self: Engine, users: Any, kk: int, exclude: Any = None) -> PendingSearch:
-        before = tl.gpu_mark(self)
-        a = tl.now()
-        pending = search_async(self, users, kk, exclude)
-        b = tl.now()
-        after = tl.gpu_mark(self)
-        rec = {"users": len(users), "queue": (a, b), "gpu": (before, after), "engine": self}
-        with tl.lock:
-            tl.batches.append(rec)
+        pending, rec = tl.queue(self, len(users), lambda: search_async(self, users, kk, exclude))
         pending._timeline = rec  # noqa: SLF001 - the script's own bookkeeping
         return pending
 
     queue_on_device = Engine._queue_on_device
 
     def queued_part(self: Engine, users: Any, kk: int, floor: Any = None) -> Any:
-        before = tl.gpu_mark(self)
-        a = tl.now()
-        queued = queue_on_device(self, users, kk, floor)
-        b = tl.now()
-        after = tl.gpu_mark(self)
-        rec = {"users": len(users), "queue": (a, b), "gpu": (before, after), "engine": self}
-        with tl.lock:
-            tl.batches.append(rec)
+        queued, rec = tl.queue(self, len(users), lambda: queue_on_device(self, users, kk, floor))
         return _Timed(queued, rec, self, tl)
 
     def waited(self: PendingSearch) -> Any:

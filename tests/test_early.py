@@ -89,27 +89,20 @@ def test_off_and_with_exclusions_not_early(forced, tmp_path: Path, monkeypatch: 
         score_files(up, ip, tmp_path / "c.parquet", 3, device="cpu")
 
 
-def test_bad_item_row_after_early_searches(forced, tmp_path: Path) -> None:
-    up, _, users, items, _, item_ids = _files(tmp_path)
-    items = items.copy()
-    items[80, 1] = np.nan
-    ip = write_embeddings(tmp_path / "items.parquet", item_ids, items, "fixed32", row_group_size=30)
+@pytest.mark.parametrize("which,row,value,rows_per_group", [("items", 80, np.nan, 30), ("users", 12, np.inf, 8)])
+def test_bad_row_with_early_searches(forced, tmp_path: Path, which: str, row: int, value: float,
+                                     rows_per_group: int) -> None:
+    # A bad item row after parts were searched, or a bad user row read early: the error names the file and row,
+    # nothing is written, no thread is left.
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    vecs, ids = (items, item_ids) if which == "items" else (users, user_ids)
+    vecs = vecs.copy()
+    vecs[row, 1] = value
+    write_embeddings(tmp_path / f"{which}.parquet", ids, vecs, "fixed32", row_group_size=rows_per_group)
     out = tmp_path / "out.parquet"
-    with pytest.raises(InputError, match=rf"items\.parquet: row 80 \(id {item_ids[80]}\) has a NaN"):
+    with pytest.raises(InputError, match=rf"{which}\.parquet: row {row} \(id {ids[row]}\) has a NaN"):
         score_files(up, ip, out, 3, device="cpu", batch_size=5)
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["items.parquet", "users.parquet"]
-    assert _no_threads_left()
-
-
-def test_bad_user_row_read_early(forced, tmp_path: Path) -> None:
-    _, ip, users, _, user_ids, _ = _files(tmp_path)
-    users = users.copy()
-    users[12, 0] = np.inf
-    up = write_embeddings(tmp_path / "users.parquet", user_ids, users, "fixed32", row_group_size=8)
-    out = tmp_path / "out.parquet"
-    with pytest.raises(InputError, match=rf"users\.parquet: row 12 \(id {user_ids[12]}\) has a NaN"):
-        score_files(up, ip, out, 3, device="cpu", batch_size=5)
-    assert not out.exists()
     assert _no_threads_left()
 
 
