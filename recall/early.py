@@ -54,6 +54,17 @@ def applies(on_gpu: bool, precision: str, exclusions: bool, dim: int | None) -> 
         and (on_gpu or mode == "force")
 
 
+def _parts() -> int:
+    value = os.environ.get("RECALL_EARLY_PARTS", str(PARTS))
+    try:
+        parts = int(value)
+    except ValueError:
+        parts = 0
+    if parts < 1:
+        raise InputError(f"RECALL_EARLY_PARTS must be an integer >= 1, got {value!r}")
+    return parts
+
+
 def merge(backend: Any, best: tuple[Any, Any] | None, lo: int, vals: Any, rows: Any, k: int) -> tuple[Any, Any]:
     """The best ``k`` (score desc, lower row first) of each user over ``best`` (the merge so far, item rows) and a
     part's result (``vals``, part ``rows``, whose first item row is ``lo``), on ``backend``. Padding (row -1, score
@@ -100,9 +111,9 @@ class EarlyStart:
 
     ``take()`` gives the reader's next batch without waiting: an :class:`Embeddings`, None when none is ready, or
     ``end`` (the reader's end marker). :meth:`on_rows` is called (by ``read_embeddings``) each time more rows are on
-    the device. ``engine_args`` are passed to every part's :class:`Engine` (metric, device, memory budget). Errors of
-    the thread other than an input error in a part (which the full engine will report with its file and row) go to
-    ``fail``.
+    the device. ``engine_args`` are passed to every part's :class:`Engine` (metric, device, memory budget). A part
+    refusing its input (the full engine reports it, with its file and row) or without room ends the early searches
+    (:meth:`finish` hands their batches to the full engine); any other error of the thread goes to ``fail``.
     """
 
     def __init__(self, n_items: int, k: int, take: Callable[[], Any], end: Any, fail: Callable[[BaseException], None],
@@ -110,7 +121,7 @@ class EarlyStart:
         self.n_items, self.k = n_items, k
         self._take, self._end, self._fail, self._stop = take, end, fail, stop
         self._engine_args = engine_args
-        self._n_parts = max(1, int(os.environ.get("RECALL_EARLY_PARTS", PARTS)))
+        self._n_parts = _parts()
         self._part_rows = -(-n_items // (2 * self._n_parts))  # the first part is half as long: the device starts sooner
         self._cond = threading.Condition()
         self._matrix: Any = None
@@ -252,6 +263,7 @@ class EarlyStart:
         with self._cond:
             self._loaded = True
             self._cond.notify()
-        self._thread.join()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
         self.batches = []
         self._drop()

@@ -460,10 +460,11 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
                      items_info.dim):
         batch_size = int(batch_size) if batch_size is not None else auto_batch_size(k, items_info.dim)
         overlap = _Overlap()
+        started = early.EarlyStart(items_info.n_rows, k, overlap.take, _Overlap._DONE, overlap.fail, overlap.stop,
+                                   metric=metric, device=device, memory_budget=memory_budget)
         overlap.start_reader(user_batches(users_path, batch_size, id_col, vec_col, items_info.dim, metric,
                                           dim_source))
-        started = early.EarlyStart(items_info.n_rows, k, overlap.take, _Overlap._DONE, overlap.fail, overlap.stop,
-                                   metric=metric, device=device, memory_budget=memory_budget).start()
+        started.start()
     first: list = []
     try:
         # The users' ids are read and checked for duplicates while the items load: both spend their time in pyarrow

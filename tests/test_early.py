@@ -87,6 +87,12 @@ def test_off_and_with_exclusions_not_early(forced, tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("RECALL_EARLY", "sometimes")
     with pytest.raises(InputError, match="RECALL_EARLY must be"):
         score_files(up, ip, tmp_path / "c.parquet", 3, device="cpu")
+    monkeypatch.setenv("RECALL_EARLY", "force")
+    for bad in ("0", "many"):
+        monkeypatch.setenv("RECALL_EARLY_PARTS", bad)
+        with pytest.raises(InputError, match="RECALL_EARLY_PARTS must be an integer >= 1"):
+            score_files(up, ip, tmp_path / "c.parquet", 3, device="cpu")
+    assert not (tmp_path / "c.parquet").exists() and _no_threads_left()
 
 
 @pytest.mark.parametrize("which,row,value,rows_per_group", [("items", 80, np.nan, 30), ("users", 12, np.inf, 8)])
