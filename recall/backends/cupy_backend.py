@@ -312,8 +312,10 @@ class CupyBackend:
         return arr.get()
 
     def synchronize(self) -> None:
+        """Wait for everything queued on the backend's streams: compute, staging and result fetches."""
         self.compute_stream.synchronize()
         self.copy_stream.synchronize()
+        self.fetch_stream.synchronize()
 
     # -- primitives (run on the current stream: the compute stream inside run_blocks) -------------------------
     def gemm_strided_batched(self, users: Any, items: Any, out: Any) -> None:
@@ -631,7 +633,6 @@ class CupyBackend:
         # Keep at most two shapes (fast mode alternates its wide half-precision pass and the exact fallback);
         # let the others go before taking new buffers, once no queued search still uses them.
         self.synchronize()
-        self.fetch_stream.synchronize()
         self._ws.pop(key, None)
         while len(self._ws) >= 2:
             self._ws.pop(next(iter(self._ws)))
