@@ -1,15 +1,16 @@
 """recall: exact batch top-k recommendation candidates, every user against every item, on the GPU or the CPU."""
-from .errors import BackendUnavailable, InputError, RecallError, ResourceError
-from .result import SearchResult
+from .core.errors import BackendUnavailable, InputError, RecallError, ResourceError
+from .core.options import EngineOptions
+from .core.results import SearchResult
+from .core.version import __version__
 from .engine import Engine
 from .io import Embeddings, read_embeddings
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable",
     "Embeddings",
     "Engine",
+    "EngineOptions",
     "InputError",
     "RecallError",
     "ResourceError",

@@ -1,3 +1,3 @@
-from .cli import main
+from recall.cli.app import main
 
 main()

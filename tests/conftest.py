@@ -32,7 +32,7 @@ settings.load_profile("recall")
 
 
 def _gpu_status() -> tuple[bool, str]:
-    from recall.backends.probe import cuda_status
+    from recall.backends import cuda_status
 
     return cuda_status()
 

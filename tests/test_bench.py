@@ -10,14 +10,14 @@ import typer
 from typer.testing import CliRunner
 
 from recall.bench import ceilings, contenders, oracle, report, runner, workloads
-from recall.bench.cli import register
+from recall.bench.cli import bench
 from recall.bench.workloads import Kind
 
 
 def _app() -> typer.Typer:
     """The main CLI when it imports, else a local app with only ``bench`` (the harness must not need the rest)."""
     try:
-        from recall.cli import app
+        from recall.cli.app import app
 
         return app
     except Exception:
@@ -319,7 +319,7 @@ def test_named_workloads_match_the_design():
         w = workloads.get(name)
         assert (w.n_users, w.n_items, w.dim, w.k) == shape
     assert workloads.get("S4").flops == pytest.approx(128e12, rel=0.01)
-    from recall.engine import Engine
+    from recall import Engine
 
     if not hasattr(Engine, "rescore"):
         assert workloads.get("S5").unsupported.startswith("not yet supported")
@@ -334,7 +334,7 @@ def test_unsupported_workload_is_skipped_with_reason():
 
 
 def test_bad_generator_arguments():
-    from recall.errors import InputError
+    from recall.core.errors import InputError
 
     with pytest.raises(InputError):
         workloads.generate("zipf", 10, 10, 4)

@@ -1,36 +1,39 @@
-"""Backend resolution: the one place that decides between the CPU and the GPU."""
+"""Backend resolution: the one place that decides between the CPU and the GPU (see :mod:`.protocol`)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from ..errors import BackendUnavailable, InputError
-from .base import Backend
-from .numpy_backend import NumpyBackend
-from .probe import cuda_status
+from ..core.checks import DEVICES, check_choice
+from ..core.errors import BackendUnavailable
+from .cupy.probe import cuda_status
+from .numpy import NumpyBackend
+from .protocol import Backend
 
-DEVICES = ("auto", "cpu", "gpu")
 log = logging.getLogger("recall")
 _warned_fallback = False
 
 
-def resolve(device: str) -> Backend:
-    """The backend for ``device``: "cpu", "gpu" or "auto" (the GPU when usable, else the CPU, said once).
+def resolve(device: Any) -> Backend:
+    """The backend for ``device``: "cpu", "gpu" or "auto" (the GPU when usable, else the CPU, said once); a backend
+    object (from an earlier call) is returned as it is, so that several engines can share one device's streams.
 
     Raises
     ------
     InputError
-        If ``device`` is not one of "auto", "cpu", "gpu".
+        If ``device`` is not one of "auto", "cpu", "gpu" nor a backend.
     BackendUnavailable
         If ``device="gpu"`` and no GPU is usable; the message says why.
     """
     global _warned_fallback
-    if device not in DEVICES:
-        raise InputError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
+    if hasattr(device, "run_blocks"):
+        return device
+    check_choice(device, DEVICES, "device")
     if device == "cpu":
         return NumpyBackend()
     usable, reason = cuda_status()
     if usable:
-        from .cupy_backend import CupyBackend
+        from .cupy import CupyBackend
 
         return CupyBackend()
     if device == "gpu":
@@ -41,4 +44,10 @@ def resolve(device: str) -> Backend:
     return NumpyBackend()
 
 
-__all__ = ["Backend", "DEVICES", "resolve"]
+def gpu_usable() -> bool:
+    """Whether ``resolve("auto")`` would pick the GPU (for choices made before an engine exists, e.g. how many
+    worker processes to start)."""
+    return cuda_status()[0]
+
+
+__all__ = ["Backend", "DEVICES", "cuda_status", "gpu_usable", "resolve"]

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import BackendUnavailable, InputError
+from ..core.errors import BackendUnavailable, InputError
 from . import workloads as wl
 
 WorkloadName = enum.Enum("WorkloadName", {name: name for name in wl.WORKLOADS}, type=str)
@@ -103,7 +103,7 @@ def bench(
         if k is not None and k < 1:
             raise InputError(f"--k must be >= 1, got {k}")
         if device is None:
-            from ..backends.probe import cuda_status
+            from ..backends import cuda_status
 
             dev = "gpu" if cuda_status()[0] else "cpu"
         else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ..errors import InputError
+from ..core.errors import InputError
 
 FAMILIES = ("recall", "faiss", "torch")
 """The contender families ``--contenders`` takes."""
@@ -123,13 +123,13 @@ class RecallContender(Contender):
 
     def unavailable(self) -> str | None:
         if self.device == "gpu":
-            from ..backends.probe import cuda_status
+            from ..backends import cuda_status
 
             usable, reason = cuda_status()
             if not usable:
                 return reason
             try:
-                import recall.backends.cupy_backend  # noqa: F401
+                import recall.backends.cupy  # noqa: F401
             except ImportError as exc:
                 return f"the engine has no GPU backend yet ({exc})"
         return None

@@ -45,7 +45,7 @@ def _cuda_version(v: int) -> str:
 
 
 def _gpu(info: dict[str, Any]) -> None:
-    from ..backends.probe import cuda_status
+    from ..backends import cuda_status
 
     usable, reason = cuda_status()
     info["gpu_usable"] = usable

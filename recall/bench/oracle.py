@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..core.errors import InputError
 
 DEFAULT_RTOL = 1e-4
 """Default tolerance of recall@k, relative to each user's score scale (see the module docstring)."""

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import BackendUnavailable, InputError
+from ..core.errors import BackendUnavailable, InputError
 from . import ceilings as ceil
 from . import contenders as cont
 from . import env, oracle
@@ -181,7 +181,7 @@ def _e2e(w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings,
     """Parquet to Parquet through ``recall.pipeline.score_files``: the whole job, with files in the page cache."""
     row = _row(w, "recall", "recall", s.device, True, mode="e2e")
     try:
-        from ..pipeline import score_files
+        from ..jobs import score_files
     except ImportError as exc:
         row.update(status="skipped", reason=f"recall.pipeline.score_files is not available ({exc})")
         log(f"  e2e: skipped ({row['reason']})")
@@ -264,7 +264,7 @@ def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[s
     """
     s.validate()
     if s.device == "gpu":
-        from ..backends.probe import cuda_status
+        from ..backends import cuda_status
 
         usable, reason = cuda_status()
         if not usable:

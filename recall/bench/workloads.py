@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..core.errors import InputError
 
 N_CENTRES = 256
 """Number of cluster centres of the ``clustered`` kind."""

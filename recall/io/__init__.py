@@ -1,19 +1,20 @@
-"""Parquet in and out: validated embedding and exclusion readers, and the atomic candidates writer."""
+"""Parquet in and out: one embeddings reader (one or several vectors per user), one id-pairs reader (exclusions,
+candidates), one atomic, checksummed candidates writer; the durable-file helpers every writer uses."""
 from __future__ import annotations
 
-from .parquet import (
+from .embeddings import (
     EmbeddingFileInfo,
     Embeddings,
-    ExclusionPairs,
+    InterestUsers,
     inspect_embeddings,
-    inspect_exclusions,
+    inspect_interest_users,
     iter_embedding_batches,
-    load_exclusions,
-    open_parquet,
     read_embeddings,
-    read_exclusions,
     read_ids,
+    read_interest_users,
 )
+from .pairs import IdPairs, inspect_pairs, read_pairs
+from .parquet import open_parquet
 from .writer import (
     COMPRESSIONS,
     DEFAULT_COMPRESSION,
@@ -29,16 +30,18 @@ __all__ = [
     "CandidateWriter",
     "EmbeddingFileInfo",
     "Embeddings",
-    "ExclusionPairs",
+    "IdPairs",
+    "InterestUsers",
     "candidates_schema",
     "check_compression",
     "check_output_path",
     "inspect_embeddings",
-    "inspect_exclusions",
+    "inspect_interest_users",
+    "inspect_pairs",
     "iter_embedding_batches",
-    "load_exclusions",
     "open_parquet",
     "read_embeddings",
-    "read_exclusions",
     "read_ids",
+    "read_interest_users",
+    "read_pairs",
 ]

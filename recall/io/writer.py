@@ -11,8 +11,8 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import InputError
-from . import parquet_footer
+from ..core.errors import InputError
+from . import atomic, parquet_footer
 
 #: Parquet codecs a candidates file may be compressed with. The pairs are mostly random bits (ids spread over the
 #: catalogue, float32 scores), so codecs gain little: on 10^7 pairs, snappy and lz4 save ~27% of the bytes at half the
@@ -123,7 +123,7 @@ class CandidateWriter:
         self.threads = threads
         self.out_path = Path(out_path).absolute()
         self.schema = candidates_schema(user_id_type, item_id_type)
-        self.tmp_path = self.out_path.with_name(f".{self.out_path.name}.tmp-{os.getpid()}")
+        self.tmp_path = atomic.temporary_path(self.out_path)
         self.rows_written = 0
         self._options: dict[str, Any] = {
             "compression": compression, "compression_level": 1 if compression == "zstd" else None,
@@ -207,11 +207,10 @@ class CandidateWriter:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._close()
-            os.replace(self.tmp_path, self.out_path)
+            atomic.replace(self.tmp_path, self.out_path)
         except BaseException:
             self.abort()
             raise
-        self._fsync_dir()
 
     def abort(self) -> None:
         """Drop everything written so far; ``out_path`` is left as it was."""
@@ -220,7 +219,7 @@ class CandidateWriter:
             self._close()
         except OSError:  # closing a half-written file can fail (disk full); removing it is what matters
             pass
-        self._remove_tmp()
+        atomic.remove(self.tmp_path)
 
     def _close(self) -> None:
         if self._pool is not None:
@@ -230,16 +229,6 @@ class CandidateWriter:
         file, self._file = self._file, None
         if file is not None:
             file.close()
-
-    def _remove_tmp(self) -> None:
-        try:
-            self.tmp_path.unlink()
-        except FileNotFoundError:
-            pass
-
-    def _fsync_dir(self) -> None:
-        # The rename is only durable once the directory entry is on disk.
-        fsync_dir(self.out_path.parent)
 
     def __enter__(self) -> "CandidateWriter":
         return self.open()
@@ -276,17 +265,3 @@ def _encode(table: pa.Table | None, schema: pa.Schema, options: dict[str, Any]) 
         if table is not None:
             writer.write_table(table)
     return sink.getvalue()
-
-
-def fsync_dir(path: os.PathLike | str) -> None:
-    """Flush a directory's entries (a rename into it) to disk; a no-op where the platform cannot."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -1,0 +1,232 @@
+"""The GPU backend: a fused float32 scoring-and-filtering kernel, cuBLAS through CuPy, exact top-k kernels, pinned
+staging and streams.
+
+Exact mode (float32 vectors of at most 256 dimensions, seeded searches) scores each user block against each item
+segment with ``recall_fused_filter`` (``kernels/fused.cu``; :mod:`.fused`), which keeps only the scores above each
+user's threshold and never writes a score tile. Elsewhere (fast mode's float16 inputs, wider vectors, multi-interest
+users, small catalogues), every item segment is one strided-batched GEMM (the user block shared by all tiles of the
+batch: stride 0; :mod:`.blas`) writing a score tile, followed at once by the selection kernels of
+``kernels/topk.cu`` (:mod:`.selection`) reading it back. Blocks are pipelined on streams (:mod:`.pipeline`).
+Per-user candidates are re-scored by one fused kernel (:mod:`.rescore`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...core import keys
+from ...core.certificate import output_scale
+from ...core.errors import ResourceError
+from ...core.exclusions import Exclusions
+from ...core.options import EngineOptions
+from ...core.tiling import TilePlan
+from .. import candidates
+from ..numpy.backend import tune_band
+from . import blas, rescore
+from .items import DeviceItems
+from .pipeline import BlockPipeline
+from .selection import GpuTopK, Selection, fused_capacity
+
+# Tilings `recall tune` tries on the GPU: score tiles of 32-512 MiB, from tiles that stay in the 50 MiB L2 of an
+# H100/H200 (the selection kernels then read the GEMM's output from L2) to few, large calls (fewer launches; measured
+# faster on the H200 for S1).
+_TUNE_USERS = (1024, 2048, 4096)
+_TUNE_ITEMS = ((4096, 2), (8192, 1), (8192, 2), (8192, 4), (16384, 4))
+_TUNE_BAND = (32 << 20, 512 << 20)
+
+
+def tune_candidates(heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+    """The tilings ``recall tune`` tries on the GPU, the heuristic first."""
+    return tune_band(_TUNE_USERS, _TUNE_ITEMS, _TUNE_BAND, heuristic)
+
+
+def is_device_array(arr: Any) -> bool:
+    """True for CuPy arrays and anything else that lives in device memory (``__dlpack__`` off the host)."""
+    return hasattr(arr, "__cuda_array_interface__") or (
+        hasattr(arr, "__dlpack_device__") and not isinstance(arr, np.ndarray) and arr.__dlpack_device__()[0] != 1
+    )
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def nvml_driver_version() -> str | None:
+    """The NVIDIA driver's version (e.g. "580.65.06") through NVML, or None where NVML cannot be loaded."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        buf = ctypes.create_string_buffer(96)
+        ok = nvml.nvmlSystemGetDriverVersion(buf, ctypes.c_uint(len(buf))) == 0
+        nvml.nvmlShutdown()
+        return buf.value.decode() if ok else None
+    except (OSError, AttributeError):
+        return None
+
+
+class CupyBackend:
+    """CuPy backend. Arrays are CuPy arrays on the current device; searches are queued on the backend's streams."""
+
+    name = "gpu"
+    asynchronous = True
+    workers = 1  # blocks overlap on streams, not threads
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.xp = cupy
+        self.device = cupy.cuda.Device()
+        self.selection = Selection()
+        self.pipeline = BlockPipeline(self)
+        self._alphas: dict[int, np.ndarray] = {}  # the fp16 GEMM's output scale per dimension (host scalars)
+        self._identity: dict[str, str] | None = None
+
+    @property
+    def compute_stream(self) -> Any:
+        return self.pipeline.compute_stream
+
+    # -- arrays ----------------------------------------------------------------------------------------------------
+    def module_of(self, arr: Any) -> Any:
+        return self.xp if is_device_array(arr) else np
+
+    def ingest(self, arr: Any) -> Any:
+        cupy = self.xp
+        if not hasattr(arr, "__cuda_array_interface__") and hasattr(arr, "__dlpack__") \
+                and not isinstance(arr, np.ndarray):
+            arr = cupy.from_dlpack(arr)  # e.g. a torch CUDA tensor, read in place
+        try:
+            return cupy.ascontiguousarray(cupy.asarray(arr), dtype=cupy.float32)  # host arrays: one upload
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            nbytes = int(np.prod(arr.shape)) * 4
+            raise ResourceError(f"GPU out of memory: an array of shape {tuple(arr.shape)} (about {nbytes:,} bytes) "
+                                f"does not fit; {self.free_memory():,} bytes free") from exc
+
+    def asarray(self, arr: Any) -> Any:
+        """``arr`` on the device, as C-contiguous int64 (integers) or float32."""
+        cupy = self.xp
+        arr = cupy.asarray(arr)
+        return cupy.ascontiguousarray(arr, dtype=cupy.int64 if arr.dtype.kind in "iu" else cupy.float32)
+
+    def to_host(self, arr: Any) -> np.ndarray:
+        if isinstance(arr, np.ndarray):
+            return arr
+        self.compute_stream.synchronize()
+        return arr.get()
+
+    def empty_out(self, shape: tuple, dtype: Any, host: bool) -> Any:
+        import cupyx
+
+        # Page-locked, so that each block's results can be copied back asynchronously while the next is searched.
+        return cupyx.empty_pinned(shape, dtype) if host else self.xp.empty(shape, dtype)
+
+    def store_rows(self, dest: Any, start: int, rows: np.ndarray) -> None:
+        dest[start:start + rows.shape[0]].set(rows)
+
+    # -- the device ------------------------------------------------------------------------------------------------
+    def _name(self) -> str:
+        props = self.xp.cuda.runtime.getDeviceProperties(self.device.id)
+        return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+    def describe(self) -> str:
+        cupy = self.xp
+        return (f"gpu {self.device.id}: {self._name()}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, "
+                f"cupy {cupy.__version__}")
+
+    def identity(self) -> dict[str, str]:
+        if self._identity is None:
+            try:
+                runtime = self.xp.cuda.runtime
+                driver = nvml_driver_version() or f"cuda {_cuda_version(runtime.driverGetVersion())}"
+                self._identity = {"backend": self.name, "device": self._name(), "driver": driver,
+                                  "runtime": f"cuda {_cuda_version(runtime.runtimeGetVersion())}"}
+            except Exception as exc:  # a CUDA error here must not fail a search: key on what is known
+                self._identity = {"backend": self.name, "device": f"unknown gpu ({type(exc).__name__})",
+                                  "driver": "", "runtime": ""}
+        return self._identity
+
+    def free_memory(self) -> int:
+        cupy = self.xp
+        free, _total = cupy.cuda.runtime.memGetInfo()
+        return int(free + cupy.get_default_memory_pool().free_bytes())
+
+    def default_budget(self) -> int:
+        return min(8 << 30, self.free_memory() // 4)
+
+    def state_bytes(self, k: int) -> int:
+        # top keys + candidates (the fused path's larger buffer) + results + per-user scalars, plus the pinned/device
+        # staging of users (counted by the plan) for the pipeline slots.
+        return 8 * k + 8 * fused_capacity(k) + 12 * k + 32
+
+    def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
+        # 2048 users x (4 x 8192) items per strided-batched call. A tile sized to stay in L2 (1024 x 8192, 32 MiB)
+        # needs 8x more calls, and on the H200 the launches cost more than the HBM round trip they save: measured
+        # on S1 (100k x 1M x 64, graphs on), 0.633 s at 1024 x (2 x 4096) against 0.589 s at this tiling.
+        # `recall tune` on the H200 (docs/benchmarks.md) found wider tiles better for long vectors (d=128, k=100:
+        # 2048 x 16384 x 4, 1.04x) and larger user blocks for large k (d=64, k=1000: 4096 x 8192 x 4, 1.07x).
+        users = 4096 if k >= 512 else 2048
+        width = 16384 if dim >= 128 else 8192
+        return users, width, 4
+
+    def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+        return tune_candidates(heuristic)
+
+    def score_dtype(self, input_dtype: Any) -> Any:
+        # Fast mode's GEMM writes float16 scores (scaled by certificate.output_scale): half the bytes written and
+        # read back.
+        return np.dtype(np.float16) if np.dtype(input_dtype) == np.float16 else np.dtype(np.float32)
+
+    # -- the work --------------------------------------------------------------------------------------------------
+    def load_items(self, prepared: Any) -> DeviceItems:
+        return DeviceItems(prepared)
+
+    def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
+                   out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Any:
+        return self.pipeline.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor)
+
+    def rescore(self, users: Any, items: DeviceItems, indptr: np.ndarray, rows: Any, k: int, budget: int,
+                options: EngineOptions) -> tuple[Any, Any, str]:
+        cupy = self.xp
+        n = int(indptr.size) - 1
+        vals = cupy.full((n, k), -cupy.inf, dtype=cupy.float32)
+        out = cupy.full((n, k), -1, dtype=cupy.int64)
+        users_d = self.asarray(users)
+        rows = rows if isinstance(rows, np.ndarray) else cupy.ascontiguousarray(rows, dtype=cupy.int64)
+        if options.rescore == "fused" and rescore.rescore_fused(users_d, items.vecs, indptr, rows, k, vals, out,
+                                                                budget):
+            return vals, out, "fused"
+        candidates.rescore_gemm(self, users_d, items.vecs, indptr, rows, k, budget, vals, out)
+        return vals, out, "gemm"
+
+    def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
+        return rescore.select(scores, rows, k)
+
+    def merge(self, parts: list[tuple[Any, Any, int]], k: int) -> tuple[Any, Any]:
+        # On the compute stream: after the searches that fill the parts, before the searches queued next (whose
+        # floors may come from this merge), and off the default stream, where a job uploads the items meanwhile.
+        with self.compute_stream:
+            return rescore.select(*keys.concat(self.xp, parts), k)
+
+    def synchronize(self) -> None:
+        self.pipeline.synchronize()
+        self.device.synchronize()
+
+    # -- primitives of the shared tiled loop (recall.backends.tiled) and candidate scoring -------------------------
+    def gemm_strided_batched(self, users: Any, items: Any, out: Any) -> None:
+        """``out[b] = users[b or 0] @ items[b].T`` on the current stream (see :func:`.blas.gemm_strided_batched`)."""
+        capture = self.pipeline.compute_stream.ptr if self.pipeline.capturing else None
+        blas.gemm_strided_batched(self.device.cublas_handle, users, items, out, self._half_alpha(items.shape[2]),
+                                  capture)
+
+    def _half_alpha(self, dim: int) -> np.ndarray:
+        # One host scalar per dimension, kept alive: a captured graph holds the GEMM's pointer to it.
+        if dim not in self._alphas:
+            self._alphas[dim] = np.full(1, output_scale(dim), np.float32)
+        return self._alphas[dim]
+
+    def topk_update(self, state: GpuTopK, scores: Any, item_start: int, n_items: int, excl_indptr: Any,
+                    excl_items: Any) -> None:
+        self.selection.update(state, scores, item_start, n_items, excl_indptr, excl_items)

@@ -1,0 +1,439 @@
+// Per-user candidate re-scoring on the GPU (compiled at run time by NVRTC through CuPy).
+//
+// One thread block per user. The block scores the user's own candidate rows (CSR: rows[indptr[u] .. indptr[u+1]))
+// and keeps the best K, best first, under the tie rule (score descending, lower item row first).
+//
+// A (score, item row) pair is packed into one 64-bit key that orders exactly like the tie rule, as in topk.cu:
+//   high 32 bits: the float score mapped to an unsigned integer that sorts like the float (-0.0 folded into +0.0);
+//   low 32 bits:  ~item_row, so that a lower row (the winner of a tie) gives a larger key.
+// Real keys are never 0, so 0 marks an empty slot.
+//
+// Shared memory holds SZ keys (SZ a power of two >= 2 * K_pad). The first chunk of a user's list fills slots
+// [0, SZ); every later chunk fills [K_pad, SZ) while slots [0, K_pad) hold the best keys so far (distinct, best
+// first, zero-padded). After each chunk a radix select finds the K-th largest key counted with multiplicity, the K
+// keys at or above it are compacted into a K_pad buffer and only those are sorted (a full bitonic sort of 1,024 keys
+// is 55 phases and ~12,000 shared-memory wavefronts per user, during which the block issues no loads; the select
+// reads the keys about 4 times and sorts K_pad = 128). If the K compacted keys are distinct they are the answer (any
+// distinct key above the K-th is among them); a duplicate among them sends the chunk down the exact long way: a
+// bitonic sort of the buffer, equal adjacent keys dropped, sorted again (rare: only duplicate candidate rows make
+// equal keys). De-duplication by key is exact because a duplicate row gets the same score from the same arithmetic
+// (the dot product below is computed the same way for every position within one kernel), so its key is identical.
+//
+// recall_rescore_t computes the scores itself (gather fused with the dot product: every candidate vector is read
+// once from the item matrix, nothing is written but the K results) when `scores` is null; otherwise it takes the
+// score of CSR position p from scores[p] (precomputed scores of a padded block: the backend's select).
+//
+// Each chunk's item rows are first copied into shared memory as int32 (one coalesced read, one memory latency), so
+// that the gather loop does not wait for an index load before each round of vector loads. Template parameters:
+//   U, C   each lane of a G-lane group keeps U rows x C float4 (or float) chunks of loads in flight before any
+//          arithmetic: U * C is the memory-level parallelism per thread (U = C = 2 measured best on the H200,
+//          docs/benchmarks.md; with --maxrregcount=40, six blocks of 128 threads share an SM).
+//   VEC    rows are read as float4 (dim % 4 == 0).
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+#define RS_NEG_INF __int_as_float(0xff800000)
+#define RS_FULL 0xffffffffu
+
+__device__ __forceinline__ u32 rs_f2ord(float f) {
+    u32 b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float rs_ord2f(u32 o) {
+    u32 b = (o & 0x80000000u) ? (o & 0x7fffffffu) : ~o;
+    return __uint_as_float(b);
+}
+
+__device__ __forceinline__ u64 rs_key(float s, long long row) {
+    if (s == 0.0f) s = 0.0f;  // -0.0 and +0.0 tie: only the item row may decide between them
+    return ((u64)rs_f2ord(s) << 32) | (u64)(~(u32)row);
+}
+
+__device__ __forceinline__ u64 rs_shr(u64 x, int s) { return s >= 64 ? 0ull : x >> s; }
+
+// Bitonic sort of keys[0, n), descending; n is a power of two. Every thread of the block calls it.
+//
+// Pair i of a phase is handled by thread i mod blockDim.x and touches keys in [64 * (i / 32), 64 * (i / 32) + 64)
+// whenever the compare distance (stride) is <= 32; that block of 64 keys therefore belongs to one warp in every such
+// phase (blockDim.x is a multiple of 32). Between two such phases the warp's own barrier orders its reads after its
+// writes; the whole block meets only around a phase of stride > 32 (before it and after it) and at the end: 15 block
+// barriers instead of 55 for 1,024 keys.
+__device__ void rs_sort_desc(u64* keys, int n) {
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < (n >> 1); i += blockDim.x) {
+                const int lo = 2 * i - (i & (stride - 1));
+                const int hi = lo + stride;
+                const bool desc = (lo & size) == 0;
+                const u64 a = keys[lo], b = keys[hi];
+                if ((a < b) == desc) { keys[lo] = b; keys[hi] = a; }
+            }
+            const int next = stride > 1 ? stride >> 1 : size;  // the next phase's stride (size: the next size's first)
+            if (stride > 32 || next > 32 || (stride == 1 && size == n)) {
+                __syncthreads();
+            } else {
+                __syncwarp();
+            }
+        }
+    }
+}
+
+// In sorted keys[0, n): empty every key equal to its predecessor. Returns whether any was (then the caller sorts
+// again so that the empties sink to the end). Flags first, writes after, so that runs of 3+ equal keys are safe.
+__device__ bool rs_drop_duplicates(u64* keys, unsigned char* dup, int n) {
+    int any = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const bool d = i > 0 && keys[i] != 0ull && keys[i] == keys[i - 1];
+        dup[i] = d ? 1 : 0;
+        any |= d ? 1 : 0;
+    }
+    if (!__syncthreads_or(any)) return false;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        if (dup[i]) keys[i] = 0ull;
+    }
+    __syncthreads();
+    return true;
+}
+
+__device__ __forceinline__ int rs_pow2(int n) {
+    return n <= 1 ? 1 : 1 << (32 - __clz(n - 1));
+}
+
+// The long way: sort keys[0, pow2(n)) (zeros past n), drop duplicates, sort again. Every thread calls it.
+__device__ void rs_sort_dedup(u64* keys, unsigned char* dup, int n) {
+    const int n_sort = rs_pow2(n);
+    rs_sort_desc(keys, n_sort);
+    if (rs_drop_duplicates(keys, dup, n_sort)) rs_sort_desc(keys, n_sort);
+}
+
+// Control words of the select, in shared memory: ctrl[0] the largest key, ctrl[1] the smallest non-empty key, then
+// 32-bit words c32 = ctrl + 2: [0] non-empty keys, [1] chosen digit, [2] keys above its bin, [3] keys in its bin,
+// [4] and [5] the compaction's counters. rs_select_init runs (one thread) before the barrier that ends each gather.
+#define RS_CTRL_WORDS 6
+
+__device__ __forceinline__ void rs_select_init(u64* ctrl) {
+    if (threadIdx.x == 0) {
+        ctrl[0] = 0ull;
+        ctrl[1] = ~0ull;
+        u32* c32 = reinterpret_cast<u32*>(ctrl + 2);
+        c32[0] = 0u;
+        c32[4] = 0u;
+        c32[5] = 0u;
+    }
+}
+
+__device__ __forceinline__ u64 rs_warp_max(u64 v) {
+    for (int off = 16; off > 0; off >>= 1) {
+        const u64 o = __shfl_xor_sync(RS_FULL, v, off);
+        v = o > v ? o : v;
+    }
+    return v;
+}
+
+__device__ __forceinline__ u64 rs_warp_min(u64 v) {
+    for (int off = 16; off > 0; off >>= 1) {
+        const u64 o = __shfl_xor_sync(RS_FULL, v, off);
+        v = o < v ? o : v;
+    }
+    return v;
+}
+
+// The best K distinct keys of keys[0, n) (zeros past n up to pow2(n)), best first, zero-padded to K_pad: returns
+// `sel` or `keys` (the long way), whichever holds them in [0, K_pad). Every thread calls it; hist (256 words) is
+// zero on entry and on return; rs_select_init ran before the last barrier.
+__device__ u64* rs_select(u64* keys, int n, int K, int K_pad, u64* ctrl, u64* sel, u32* hist, unsigned char* dup) {
+    u32* c32 = reinterpret_cast<u32*>(ctrl + 2);
+    const int lane = threadIdx.x & 31;
+    const u32 lanes_below = (1u << lane) - 1u;
+
+    // 1. How many non-empty keys, and their range (whose highest differing bit starts the radix digits).
+    {
+        u32 cnt = 0;
+        u64 mx = 0ull, mn = ~0ull;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const u64 key = keys[i];
+            if (key != 0ull) {
+                ++cnt;
+                mx = key > mx ? key : mx;
+                mn = key < mn ? key : mn;
+            }
+        }
+        for (int off = 16; off > 0; off >>= 1) cnt += __shfl_xor_sync(RS_FULL, cnt, off);
+        mx = rs_warp_max(mx);
+        mn = rs_warp_min(mn);
+        if (lane == 0 && cnt > 0) {
+            atomicAdd(&c32[0], cnt);
+            atomicMax(&ctrl[0], mx);
+            atomicMin(&ctrl[1], mn);
+        }
+    }
+    __syncthreads();
+    const u32 n_valid = c32[0];
+    const u64 key_max = ctrl[0], key_min = ctrl[1];
+
+    if (n_valid <= (u32)K) {
+        // Every key is in: compact them, sort, drop duplicates (all candidates are here, so this is exact).
+        for (int base = threadIdx.x - lane; base < n; base += blockDim.x) {  // warp-uniform trip count
+            const int i = base + lane;
+            const u64 key = i < n ? keys[i] : 0ull;
+            const u32 m = __ballot_sync(RS_FULL, key != 0ull);
+            u32 at = 0;
+            if (lane == 0 && m) at = atomicAdd(&c32[4], (u32)__popc(m));
+            at = __shfl_sync(RS_FULL, at, 0);
+            if (key != 0ull) sel[at + __popc(m & lanes_below)] = key;
+        }
+        for (int i = (int)n_valid + threadIdx.x; i < K_pad; i += blockDim.x) sel[i] = 0ull;
+        __syncthreads();
+        rs_sort_dedup(sel, dup, K_pad);
+        return sel;
+    }
+    if (key_max == key_min) {
+        // More than K copies of one key: that key, once.
+        for (int i = threadIdx.x; i < K_pad; i += blockDim.x) sel[i] = i == 0 ? key_max : 0ull;
+        __syncthreads();
+        return sel;
+    }
+
+    // 2. Radix select, most significant digit first, over the bits below the common prefix of all keys: the region
+    // is the keys with rs_shr(key, s) == P; `need` of the K are still to be found in it.
+    int s = 64 - __clzll((long long)(key_max ^ key_min));
+    u64 P = rs_shr(key_max, s);
+    u32 need = (u32)K;
+    for (;;) {
+        const int w = s < 8 ? s : 8;
+        const int s2 = s - w;
+        const u32 mask = (1u << w) - 1u;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const u64 key = keys[i];
+            if (key != 0ull && rs_shr(key, s) == P) atomicAdd(&hist[(u32)(key >> s2) & mask], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // Warp 0: lane l owns bins [8l, 8l + 8); a suffix sum over lanes finds the bin holding the need-th key
+            // from the top. The bins are zeroed for the next pass (and the next chunk) on the way.
+            u32 h[8];
+            u32 tot = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                h[j] = hist[lane * 8 + j];
+                hist[lane * 8 + j] = 0u;
+                tot += h[j];
+            }
+            u32 suf = tot;
+            for (int off = 1; off < 32; off <<= 1) {
+                const u32 v = __shfl_down_sync(RS_FULL, suf, off);
+                if (lane + off < 32) suf += v;
+            }
+            u32 above = suf - tot;
+#pragma unroll
+            for (int j = 7; j >= 0; --j) {
+                if (above < need && need <= above + h[j]) {
+                    c32[1] = (u32)(lane * 8 + j);
+                    c32[2] = above;
+                    c32[3] = h[j];
+                }
+                above += h[j];
+            }
+        }
+        __syncthreads();
+        const u32 digit = c32[1], above = c32[2], in_bin = c32[3];
+        P = (P << w) | digit;
+        s = s2;
+        need -= above;
+        if (in_bin == need || s == 0) break;  // the whole bin is in, or the bin is one key value (its copies)
+    }
+
+    // 3. Compact: every key above the bin, then `need` keys of the bin (all of it unless they are copies of one key).
+    const u32 n_above = (u32)K - need;
+    for (int base = threadIdx.x - lane; base < n; base += blockDim.x) {  // warp-uniform trip count
+        const int i = base + lane;
+        const u64 key = i < n ? keys[i] : 0ull;
+        const u64 v = rs_shr(key, s);
+        const bool hi = key != 0ull && v > P, eq = key != 0ull && v == P;
+        const u32 mh = __ballot_sync(RS_FULL, hi), me = __ballot_sync(RS_FULL, eq);
+        u32 at_h = 0, at_e = 0;
+        if (lane == 0) {
+            if (mh) at_h = atomicAdd(&c32[4], (u32)__popc(mh));
+            if (me) at_e = atomicAdd(&c32[5], (u32)__popc(me));
+        }
+        at_h = __shfl_sync(RS_FULL, at_h, 0);
+        at_e = __shfl_sync(RS_FULL, at_e, 0);
+        if (hi) sel[at_h + __popc(mh & lanes_below)] = key;
+        if (eq) {
+            const u32 slot = at_e + __popc(me & lanes_below);
+            if (slot < need) sel[n_above + slot] = key;
+        }
+    }
+    for (int i = K + threadIdx.x; i < K_pad; i += blockDim.x) sel[i] = 0ull;
+    __syncthreads();
+    rs_sort_desc(sel, K_pad);
+
+    // 4. Distinct K best-with-multiplicity keys are the answer; a duplicate among them: the long way, exactly.
+    int any = 0;
+    for (int i = threadIdx.x + 1; i < K; i += blockDim.x) any |= (sel[i] != 0ull && sel[i] == sel[i - 1]) ? 1 : 0;
+    if (!__syncthreads_or(any)) return sel;
+    rs_sort_dedup(keys, dup, n);
+    return keys;
+}
+
+// Scores of cnt candidates (item rows from rows32, staged), written as keys to out_keys[0, cnt).
+// G lanes share one candidate; each lane loads U rows x C chunks before any arithmetic.
+template <int U, int C, int VEC>
+__device__ __forceinline__ void rs_gather(const float* __restrict__ items, int dim, const float* uvec,
+                                          const int* rows32, int cnt, int G, u64* out_keys) {
+    const int lane = threadIdx.x & (G - 1);
+    const int group = threadIdx.x / G;
+    const int n_groups = blockDim.x / G;
+    const int n_chunks = VEC ? dim >> 2 : dim;
+    // The loop bound is the same for every thread, so whole warps reach the shuffles together.
+    for (int j0 = 0; j0 < cnt; j0 += n_groups * U) {
+        int r[U];  // item rows fit in 32 bits (the launcher checks n_items < 2**31); -1: nothing to load
+        float acc[U];
+#pragma unroll
+        for (int q = 0; q < U; ++q) {
+            const int j = j0 + q * n_groups + group;
+            r[q] = j < cnt ? rows32[j] : -1;
+            acc[q] = 0.0f;
+        }
+        for (int c0 = 0; c0 < n_chunks; c0 += C * G) {
+            if (VEC) {
+                const float4* u4 = reinterpret_cast<const float4*>(uvec);
+                float4 b[U][C];
+#pragma unroll
+                for (int t = 0; t < C; ++t) {
+                    const int c = c0 + t * G + lane;
+#pragma unroll
+                    for (int q = 0; q < U; ++q) {
+                        // All loads first, then the arithmetic: U * C chunks in flight per lane.
+                        b[q][t] = (r[q] >= 0 && c < n_chunks)
+                                      ? __ldg(reinterpret_cast<const float4*>(items + (long long)r[q] * dim) + c)
+                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    }
+                }
+#pragma unroll
+                for (int t = 0; t < C; ++t) {
+                    const int c = c0 + t * G + lane;
+                    const float4 a = c < n_chunks ? u4[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                    for (int q = 0; q < U; ++q) {
+                        acc[q] += a.x * b[q][t].x + a.y * b[q][t].y + a.z * b[q][t].z + a.w * b[q][t].w;
+                    }
+                }
+            } else {
+                float b[U][C];
+#pragma unroll
+                for (int t = 0; t < C; ++t) {
+                    const int c = c0 + t * G + lane;
+#pragma unroll
+                    for (int q = 0; q < U; ++q) b[q][t] = (r[q] >= 0 && c < n_chunks) ? __ldg(items + (long long)r[q] * dim + c) : 0.0f;
+                }
+#pragma unroll
+                for (int t = 0; t < C; ++t) {
+                    const int c = c0 + t * G + lane;
+                    const float a = c < n_chunks ? uvec[c] : 0.0f;
+#pragma unroll
+                    for (int q = 0; q < U; ++q) acc[q] += a * b[q][t];
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < U; ++q) {
+            for (int off = G >> 1; off > 0; off >>= 1) acc[q] += __shfl_xor_sync(RS_FULL, acc[q], off, G);
+            const int j = j0 + q * n_groups + group;
+            if (lane == 0 && j < cnt) out_keys[j] = r[q] >= 0 ? rs_key(acc[q], r[q]) : 0ull;
+        }
+    }
+}
+
+// Bytes of dynamic shared memory (recall/backends/cupy/rescore.py's smem_bytes mirrors this):
+//   keys: SZ u64 | ctrl: RS_CTRL_WORDS u64 | uvec: dim_pad floats (16-byte aligned: SZ is even) |
+//   scratch: 4 * SZ bytes (the chunk's rows as int32 during the gather, then the select's K_pad u64: SZ >= 2 K_pad) |
+//   hist: 256 u32 | dup: SZ bytes.
+//
+// Grid: one block per user (blockIdx.x = user of this launch). users: (n_users, dim) float32; items: (n_items, dim)
+// float32; indptr: (n_users + 1,) int64 positions into rows (and scores); rows: int64 item rows (a negative row is an
+// empty slot; every row < 2**31); G: lanes that share one candidate's dot product (a power of two <= 32 dividing
+// blockDim.x); out_vals / out_rows: (n_users, K).
+template <int U, int C, int VEC>
+__global__ void
+recall_rescore_t(const float* __restrict__ users, const float* __restrict__ items, int dim,
+                 const float* __restrict__ scores, const long long* __restrict__ indptr,
+                 const long long* __restrict__ rows, int K, int K_pad, int SZ, int G, float* __restrict__ out_vals,
+                 long long* __restrict__ out_rows) {
+    extern __shared__ u64 rs_smem[];
+    u64* keys = rs_smem;
+    u64* ctrl = rs_smem + SZ;
+    float* uvec = reinterpret_cast<float*>(ctrl + RS_CTRL_WORDS);
+    const int dim_pad = (dim + 3) & ~3;
+    unsigned char* scratch = reinterpret_cast<unsigned char*>(uvec + dim_pad);
+    int* rows32 = reinterpret_cast<int*>(scratch);
+    u64* sel = reinterpret_cast<u64*>(scratch);
+    u32* hist = reinterpret_cast<u32*>(scratch + 4 * SZ);
+    unsigned char* dup = reinterpret_cast<unsigned char*>(hist + 256);
+
+    const int u = blockIdx.x;
+    const long long lo = indptr[u], hi = indptr[u + 1];
+    const bool fused = scores == nullptr;
+    if (fused) {
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) uvec[c] = users[(long long)u * dim + c];
+    }
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0u;
+
+    long long pos = lo;
+    int start = 0;  // first slot this chunk fills
+    u64* best = keys;
+    do {
+        const long long left = hi - pos;
+        const int cnt = left < (long long)(SZ - start) ? (int)left : SZ - start;
+        for (int j = cnt + threadIdx.x; j < SZ - start; j += blockDim.x) keys[start + j] = 0ull;
+        rs_select_init(ctrl);
+        if (!fused) {
+            for (int j = threadIdx.x; j < cnt; j += blockDim.x) {
+                const long long r = rows[pos + j];
+                keys[start + j] = r >= 0 ? rs_key(scores[pos + j], r) : 0ull;
+            }
+        } else {
+            // Four streaming index loads in flight per thread, then the int32 copies: one memory latency.
+            for (int j = threadIdx.x; j < cnt; j += 4 * blockDim.x) {
+                long long v[4];
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    const int jj = j + t * blockDim.x;
+                    v[t] = jj < cnt ? __ldcs(rows + pos + jj) : -1;
+                }
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    const int jj = j + t * blockDim.x;
+                    if (jj < cnt) rows32[jj] = v[t] >= 0 ? (int)v[t] : -1;
+                }
+            }
+            __syncthreads();  // the user's vector (first chunk) and the staged rows
+            rs_gather<U, C, VEC>(items, dim, uvec, rows32, cnt, G, keys + start);
+        }
+        __syncthreads();
+        best = keys;
+        if (cnt > 0) best = rs_select(keys, start + cnt, K, K_pad, ctrl, sel, hist, dup);
+        pos += cnt;
+        start = K_pad;
+        if (pos < hi && best != keys) {
+            // The next chunk's rows are staged where `sel` lives: the best so far move to the front of keys first.
+            for (int i = threadIdx.x; i < K_pad; i += blockDim.x) keys[i] = best[i];
+            __syncthreads();
+            best = keys;
+        }
+    } while (pos < hi);
+
+    for (int r = threadIdx.x; r < K; r += blockDim.x) {
+        const u64 key = best[r];
+        const long long o = (long long)u * K + r;
+        if (key == 0ull) {
+            out_vals[o] = RS_NEG_INF;
+            out_rows[o] = -1;
+        } else {
+            out_vals[o] = rs_ord2f((u32)(key >> 32));
+            out_rows[o] = (long long)(~(u32)(key & 0xffffffffull));
+        }
+    }
+}

@@ -1,0 +1,324 @@
+"""The GPU's block pipeline: user blocks staged from pinned host memory on a copy stream while the compute stream
+searches the previous ones, results fetched on a stream of their own, and each block's launches replayed as a CUDA
+graph from the second block on (a search of many small tiles is then not bound by Python's launch overhead).
+
+Workspaces (top-k state, score buffer, staging slots, graphs) are kept for the next search of the same shape, so an
+embedded engine answering many calls allocates, and captures its graphs, once; ``run_blocks`` returns once every
+block is queued, with a callable that waits for that search alone (``Engine.search_async``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...core.errors import ResourceError
+from ...core.exclusions import Exclusions
+from ...core.options import EngineOptions
+from ...core.tiling import TilePlan
+from .. import tiled
+from . import fused as fused_path
+from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
+from .selection import GpuTopK, fused_capacity, seed_size
+
+log = logging.getLogger("recall")
+
+#: Staging slots: the host stages (and queues) up to this many blocks ahead of the device, so that the device has
+#: that much work queued while the host prepares the next search or another thread holds the GIL (4 and 8 measured
+#: alike on the S4 job, docs/benchmarks.md).
+SLOTS = 4
+#: Graphs kept per slot: one per engine sharing the backend (item parts) and kind of search.
+_GRAPHS_PER_SLOT = 16
+
+
+@dataclass
+class _Slot:
+    """One of the :data:`SLOTS` staging slots of the block pipeline."""
+
+    users: Any  # device (capacity, dim)
+    floor: Any  # device (capacity,) float32: the block's score floors, when the search has them
+    ex_ptr: Any  # device (capacity + 1,) int64
+    ex_items: Any  # device (max exclusions per block,) int64
+    host_users: Any  # pinned (capacity, dim)
+    host_ptr: Any  # pinned (capacity + 1,) int64
+    host_items: Any  # pinned, like ex_items
+    staged: Any  # event: this slot's uploads are done
+    consumed: Any  # event: the compute stream no longer reads this slot
+    graphs: dict = field(default_factory=dict)  # captured graphs by what they baked in (items, options...)
+
+
+@dataclass
+class _Workspace:
+    key: tuple
+    max_excl: int
+    state: GpuTopK
+    scores: Any
+    slots: list
+    sample: Any = None  # (size, dim): the threshold sample's item rows, refreshed by every search
+    users_t: Any = None  # fused path: (padded dim, padded capacity) the block's users transposed, zero-padded
+    fetched: Any = None  # event: the last search's last results have left state.out_vals (None: nothing pending)
+
+
+class BlockPipeline:
+    """Streams, workspaces and graphs of one backend; ``backend`` provides the primitives of the tiled loop."""
+
+    def __init__(self, backend: Any) -> None:
+        import cupy
+
+        self.backend = backend
+        self.compute_stream = cupy.cuda.Stream(non_blocking=True)
+        self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+        # Results go back on a stream of their own, so that fetching block i never delays staging block i + SLOTS.
+        self.fetch_stream = cupy.cuda.Stream(non_blocking=True)
+        self.fused = fused_path.FusedSearch(backend.selection)
+        self.graphs_ok = True  # False after a capture failed: launch eagerly from then on
+        self.capturing = False
+        self._ws: dict[tuple, _Workspace] = {}
+
+    def synchronize(self) -> None:
+        """Wait for everything queued on the pipeline's streams: compute, staging and result fetches."""
+        self.compute_stream.synchronize()
+        self.copy_stream.synchronize()
+        self.fetch_stream.synchronize()
+
+    def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
+                   out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Any:
+        """Queue every block of the search and return a callable that waits for it and returns its stats (see
+        ``Backend.run_blocks``).
+
+        ``floor``: a device float32 (n_users,) of inner-product scores, or None. A user's threshold starts there
+        (instead of at the seed of the threshold sample), so that only items scoring above it are returned (fewer
+        than k where fewer do): for a search of the rows after others whose k-th best is known, items at or below it
+        cannot enter the top k."""
+        import cupy
+
+        wall = time.perf_counter()
+        n_users, dim = users.shape
+        cap = plan.user_block
+        blocks = [(s, min(s + cap, n_users)) for s in range(0, n_users, cap)]
+        max_excl = max(1, max(int(excl.indptr[e] - excl.indptr[s]) for s, e in blocks))
+        has_excl = excl.items.size > 0
+        host_users = isinstance(users, np.ndarray)
+        fused = fused_path.applies(plan, n_items, k, dim, users.dtype, options)
+        # The fused path keeps score room for the threshold sample only.
+        sample = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds) \
+            if plan.interests is None else 0
+        ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused, max(1, sample) if fused else None)
+        state, scores_buf, slots = ws.state, ws.scores, ws.slots
+        stats = {"blocks": len(blocks), "graph_blocks": 0}
+        compute, copy, fetch = self.compute_stream, self.copy_stream, self.fetch_stream
+        host_out = isinstance(out_vals, np.ndarray)  # page-locked host results (empty_out), filled block by block
+        # Our streams do not synchronise with the caller's: order them after whatever produced the inputs and
+        # the output arrays (the item upload, the caller's device users, the allocation of out_vals).
+        ready = cupy.cuda.get_current_stream().record()
+        compute.wait_event(ready)
+        copy.wait_event(ready)
+        if floor is not None:
+            copy.wait_event(compute.record())  # floors come from merges queued on the compute stream
+        seed = self._refresh_sample(ws, plan, items.vecs, n_items, k, dim, options) if sample else None
+        stats["seed_sample"] = 0 if seed is None else seed[0].shape[0]
+        items_t = items.transposed(compute) if fused else None
+        stats["fused"] = fused
+        # Event: the previous block's results have left state.out_vals for the host (of the previous search, for the
+        # first block: it may still be fetching).
+        fetched = ws.fetched
+        timing = []  # (h2d start, h2d end, compute start, compute end[, d2h end]) events per block
+
+        for i, (start, stop) in enumerate(blocks):
+            slot = slots[i % len(slots)]
+            n = stop - start
+            ev = [cupy.cuda.Event() for _ in range(4)]
+            # Stage: wait until the compute stream is done with this slot (block i - SLOTS), then upload.
+            slot.consumed.synchronize()  # the pinned buffers are rewritten by the host below
+            ptr, ex_items = excl.block(start, stop)
+            slot.host_ptr[: n + 1] = ptr
+            slot.host_ptr[n + 1:] = ptr[-1]  # rows past the block's end are empty
+            slot.host_items[: ex_items.size] = ex_items
+            with copy:
+                if host_users:
+                    ev[0].record(copy)
+                    slot.host_users[:n] = users[start:stop]
+                    slot.users.set(slot.host_users, stream=copy)
+                else:
+                    copy.wait_event(compute.record())  # device users may come from work queued on compute
+                    ev[0].record(copy)  # after the wait: h2d_s times the copies, not the wait
+                    slot.users[:n] = users[start:stop]
+                slot.ex_ptr.set(slot.host_ptr, stream=copy)
+                if has_excl:
+                    slot.ex_items.set(slot.host_items, stream=copy)
+                if floor is not None:
+                    slot.floor[:n] = floor[start:stop]
+                ev[1].record(copy)
+                slot.staged.record(copy)
+            with compute:
+                compute.wait_event(slot.staged)
+                if fetched is not None:
+                    compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
+                ev[2].record(compute)
+                self._search_slot(slot, i, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
+                                  ws if fused else None, items_t, floor is not None, options)
+                if not host_out:
+                    out_vals[start:stop, :k] = state.out_vals[:n]
+                    out_rows[start:stop, :k] = state.out_rows[:n]
+                ev[3].record(compute)
+                slot.consumed.record(compute)
+            if host_out:
+                with fetch:
+                    fetch.wait_event(ev[3])
+                    state.out_vals[:n].get(stream=fetch, out=out_vals[start:stop], blocking=False)
+                    state.out_rows[:n].get(stream=fetch, out=out_rows[start:stop], blocking=False)
+                    fetched = fetch.record()
+                    ev.append(fetched)
+            timing.append(ev)
+        ws.fetched = fetched
+        done = (compute.record(), fetch.record())
+        device = self.backend.device
+
+        def finish() -> dict:
+            with device:
+                for event in done:
+                    event.synchronize()
+                elapsed = time.perf_counter() - wall
+                busy = sum(cupy.cuda.get_elapsed_time(e[2], e[3]) for e in timing) / 1e3
+                h2d = sum(cupy.cuda.get_elapsed_time(e[0], e[1]) for e in timing) / 1e3
+                d2h = sum(cupy.cuda.get_elapsed_time(e[3], e[4]) for e in timing if len(e) > 4) / 1e3
+            stats.update(wall_s=elapsed, gpu_busy_s=busy, h2d_s=h2d, d2h_s=d2h,
+                         busy_fraction=busy / elapsed if elapsed > 0 else 0.0,
+                         tiles=(plan.user_block, plan.item_tile, plan.tiles_per_call))
+            return stats
+
+        return finish
+
+    def _workspace(self, plan: TilePlan, k: int, dim: int, max_excl: int, dtype: Any, fused: bool = False,
+                   score_width: int | None = None) -> _Workspace:
+        """The device and pinned buffers of a search, kept for the next search of the same shape. The fused path
+        needs score room for the threshold sample only, and a larger candidate buffer."""
+        import cupy
+
+        key = (plan, k, dim, np.dtype(dtype), fused, score_width)
+        ws = self._ws.get(key)
+        if ws is not None and ws.max_excl >= max_excl:
+            with self.compute_stream:  # after a search still running on it (run_blocks returns before it is done)
+                ws.state.clear()  # the last final merge emptied it, unless that search was interrupted
+            return ws
+        # Keep at most two shapes (fast mode alternates its wide half-precision pass and the exact fallback);
+        # let the others go before taking new buffers, once no queued search still uses them.
+        self.synchronize()
+        self._ws.pop(key, None)
+        while len(self._ws) >= 2:
+            self._ws.pop(next(iter(self._ws)))
+        width = plan.item_tile * plan.tiles_per_call if score_width is None else score_width
+        need = (4 * plan.user_block * width + plan.user_block * self.backend.state_bytes(k)
+                + 2 * 4 * plan.user_block * dim)
+        try:
+            state = GpuTopK.allocate(plan.user_block, k, fused_capacity(k) if fused else 0)
+            scores = cupy.empty(plan.user_block * width, self.backend.score_dtype(dtype))
+            slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(SLOTS)]
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            raise ResourceError(
+                f"GPU out of memory allocating a {need:,}-byte search workspace ({plan.user_block} users x "
+                f"{plan.item_tile * plan.tiles_per_call} items per tile, k={k}); {self.backend.free_memory():,} "
+                f"bytes free: lower memory_budget"
+            ) from exc
+        ws = _Workspace(key, max_excl, state, scores, slots)
+        if fused:
+            ws.users_t = cupy.zeros((-(-dim // FUSED_CHUNK) * FUSED_CHUNK,
+                                     -(-plan.user_block // FUSED_TILE) * FUSED_TILE), np.float32)
+        self._ws[key] = ws
+        return ws
+
+    @staticmethod
+    def _slot(cap: int, dim: int, max_excl: int, dtype: Any) -> _Slot:
+        import cupy
+        import cupyx
+
+        return _Slot(users=cupy.zeros((cap, dim), dtype), floor=cupy.full(cap, -np.inf, np.float32),
+                     ex_ptr=cupy.zeros(cap + 1, cupy.int64),
+                     ex_items=cupy.zeros(max_excl, cupy.int64),
+                     host_users=cupyx.zeros_pinned((cap, dim), dtype),
+                     host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
+                     staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
+
+    def _refresh_sample(self, ws: _Workspace, plan: TilePlan, items: Any, n_items: int, k: int, dim: int,
+                        options: EngineOptions) -> tuple[Any, int, int]:
+        """Copy this search's threshold sample (every stride-th item row from first) into the workspace's buffer, on
+        the compute stream."""
+        size = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds)
+        if ws.sample is None or ws.sample.shape != (size, dim):
+            ws.sample = self.backend.xp.empty((size, dim), items.dtype)
+        stride = n_items // size
+        first = stride // 2
+        with self.compute_stream:
+            ws.sample[...] = items[first: first + stride * size: stride]
+        return ws.sample, first, stride
+
+    def _search_slot(self, slot: _Slot, i: int, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
+                     scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
+                     has_floor: bool, options: EngineOptions) -> None:
+        """One block of n users. The cuBLAS path always runs over the slot's full capacity of rows (rows past the
+        real users are ignored), so that every block runs the same launches and the graph captured for a slot
+        replays for each of its blocks; the fused path (``fused_ws`` set) scores the real rows only, and runs a
+        short last block eagerly."""
+        backend, sel = self.backend, self.backend.selection
+        ex_items = slot.ex_items if has_excl else slot.ex_items[:0]
+        cap = slot.users.shape[0]
+        rows = n if fused_ws is not None else cap
+
+        def launches() -> None:
+            users = slot.users[:rows]
+            state.n_users = rows  # the final merge of the previous block left every row empty
+            if has_floor:
+                # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed.
+                state.thr[:rows] = slot.floor[:rows]
+            elif seed is not None:
+                sample, first, stride = seed
+                size = sample.shape[0]
+                scores = scores_buf[: rows * size].reshape(1, rows, size)
+                backend.gemm_strided_batched(users.reshape(1, rows, users.shape[1]), sample.reshape(1, size, -1),
+                                             scores)
+                sel.seed(state, scores, first, stride, slot.ex_ptr, ex_items)
+            if fused_ws is None:
+                tiled.search_block(backend, plan, users, items.vecs, n_items, state, scores_buf, slot.ex_ptr,
+                                   ex_items)
+                sel.result(state)
+            else:
+                self.fused.search(fused_ws.users_t, users, items_t, n_items, state, slot.ex_ptr, slot.ex_items,
+                                  has_excl, options)
+
+        # The workspace (and so every other pointer, the sample buffer included) is fixed per slot; engines sharing
+        # the backend (parts of a catalogue searched while it loads) each get their own graphs.
+        key = (id(items), n_items, has_excl, seed is not None, None if items_t is None else items_t.data.ptr,
+               has_floor, options)
+        graph = slot.graphs.get(key)
+        # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
+        if not (options.cuda_graphs and self.graphs_ok) or rows != cap or (graph is None and i == 0):
+            launches()
+            return
+        if graph is None:
+            if len(slot.graphs) >= _GRAPHS_PER_SLOT:
+                slot.graphs.pop(next(iter(slot.graphs)))
+            graph = slot.graphs[key] = self._capture(launches)
+        if graph is None:
+            launches()
+        else:
+            graph.launch(self.compute_stream)
+            stats["graph_blocks"] += 1
+
+    def _capture(self, launches: Any) -> Any:
+        stream = self.compute_stream
+        try:
+            stream.begin_capture()
+            self.capturing = True
+            try:
+                launches()
+            finally:
+                self.capturing = False
+                graph = stream.end_capture()
+            return graph
+        except Exception as exc:  # capture is an optimisation: never fail a search for it
+            log.warning("recall: CUDA graph capture failed (%s: %s); launching eagerly", type(exc).__name__, exc)
+            self.graphs_ok = False
+            return None

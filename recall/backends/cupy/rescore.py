@@ -1,0 +1,135 @@
+"""Per-user candidate re-scoring in one kernel (``kernels/rescore.cu``): a thread block per user stages its candidate
+rows, reads each candidate vector once from the resident item matrix, computes its dot product and keeps the best k
+in shared memory with a radix select. The job is memory-bound; this path reads the candidate vectors once and writes
+nothing but the results, where gather + GEMM writes and re-reads the gathered copy.
+
+Launch shape, measured on the H200 on S5 (100k users x 1,000 own candidates x 64; docs/benchmarks.md): 128 threads
+per user, each lane keeping 2 rows x 2 float4 loads in flight, registers capped at 40 (six blocks share an SM):
+5.99 ms for the kernel, against 7.36 ms for 4 x 2 loads at 256 threads and 10.14 ms for the first kernel (index
+loads in the gather loop, a full bitonic sort of each chunk).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...core import keys
+from . import kernels
+
+THREADS = 128
+_UNROLL, _CHUNKS, _MAX_REGISTERS = 2, 2, 40
+_SZ_TARGET = 4096  # keys held at once per user: candidates per chunk, up to this
+_DEFAULT_SMEM = 48 * 1024
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _kernel(vec: bool) -> Any:
+    """The compiled ``recall_rescore_t`` for the current device; ``vec``: rows read as float4 (dim % 4 == 0)."""
+    expr = f"recall_rescore_t<{_UNROLL}, {_CHUNKS}, {int(vec)}>"
+    mod = kernels.module(("rescore.cu",), (f"--maxrregcount={_MAX_REGISTERS}",), (expr,))
+    return mod.get_function(expr)
+
+
+def lanes(dim: int) -> int:
+    """Lanes per candidate: the fewest (a power of two <= 32) that cover the row in one round of ``_CHUNKS`` loads
+    per lane, so that every load is issued before the first use. dim 64: 8 lanes x 2 float4; each warp load then
+    reads four rows' 128-byte halves, whole cache lines."""
+    chunks = dim // 4 if dim % 4 == 0 else dim
+    return min(32, _pow2(-(-max(chunks, 1) // _CHUNKS)))
+
+
+def smem_bytes(sz: int, dim: int) -> int:
+    """Dynamic shared memory of one block (the layout in rescore.cu): SZ keys and 6 control words (8 bytes each),
+    the user's vector, a 4 * SZ byte scratch (staged rows, then the selected keys), a 256-bin histogram, SZ duplicate
+    flags."""
+    return 8 * (sz + 6) + 4 * ((dim + 3) // 4 * 4) + 4 * sz + 4 * 256 + sz
+
+
+def _max_smem() -> int:
+    import cupy
+
+    try:
+        return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                        cupy.cuda.Device().id))
+    except Exception:  # an older runtime without the attribute: the default every device has
+        return _DEFAULT_SMEM
+
+
+def launch_config(k: int, dim: int, longest: int) -> tuple[int, int, int] | None:
+    """(K_pad, SZ, shared bytes) for a launch, or None when k needs more shared memory than the device has."""
+    k_pad = _pow2(k)
+    sz = max(2 * k_pad, min(_pow2(max(longest, 1)), _SZ_TARGET))
+    smem = smem_bytes(sz, dim)
+    if smem > _DEFAULT_SMEM and smem > _max_smem():
+        return None
+    return k_pad, sz, smem
+
+
+def _launch(users: Any, items: Any, dim: int, scores: Any, indptr: Any, rows: Any, k: int,
+            cfg: tuple[int, int, int], out_vals: Any, out_rows: Any) -> None:
+    """One ``recall_rescore_t`` launch over the users of ``indptr`` (``dim`` 0 when ``scores`` are given: no user
+    vector in shared memory, which is how ``cfg`` was sized)."""
+    n = int(indptr.size) - 1
+    if n <= 0:
+        return
+    k_pad, sz, smem = cfg
+    kern = _kernel(dim % 4 == 0)
+    threads = min(THREADS, int(kern.max_threads_per_block) // 32 * 32)
+    if smem > _DEFAULT_SMEM:
+        kern.max_dynamic_shared_size_bytes = smem
+    scores_arg = scores if scores is not None else np.uint64(0)  # a null pointer: compute the dot products
+    kern((n,), (threads,), (users, items, np.int32(dim), scores_arg, indptr, rows, np.int32(k), np.int32(k_pad),
+                            np.int32(sz), np.int32(lanes(dim) if dim > 0 else 1), out_vals, out_rows),
+         shared_mem=smem)
+
+
+def rescore_fused(users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int, out_vals: Any, out_rows: Any,
+                  budget: int) -> bool:
+    """Score and select on the GPU in one kernel per block of users; False when k or n_items is beyond the kernel.
+
+    users : (n, dim) float32 device; items : (n_items, dim) float32 device; indptr : host int64 (n + 1,); rows :
+    int64 item rows, host or device; out_vals / out_rows : (n, k) device arrays, C-contiguous. Device rows are read
+    in place; host rows are uploaded in blocks of users whose rows fit in ``budget``.
+    """
+    import cupy
+
+    n_items, dim = int(items.shape[0]), int(items.shape[1])
+    lengths = np.diff(indptr)
+    cfg = launch_config(k, dim, int(lengths.max()) if lengths.size else 1)
+    if cfg is None or n_items >= 2 ** 31:
+        return False
+    if not isinstance(rows, np.ndarray):
+        _launch(users, items, dim, None, cupy.asarray(indptr), rows, k, cfg, out_vals, out_rows)
+        return True
+    per_block = max(1, budget // 8)
+    start = 0
+    n = lengths.size
+    while start < n:
+        # The most users from `start` whose candidate rows fit in the budget (at least one user).
+        stop = int(np.searchsorted(indptr, indptr[start] + per_block, side="right")) - 1
+        stop = min(n, max(stop, start + 1))
+        lo, hi = int(indptr[start]), int(indptr[stop])
+        _launch(users[start:stop], items, dim, None, cupy.asarray(indptr[start:stop + 1] - lo),
+                cupy.asarray(rows[lo:hi]), k, cfg, out_vals[start:stop], out_rows[start:stop])
+        start = stop
+    return True
+
+
+def select(scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
+    """``keys.select`` on the GPU: the rescore kernel fed with precomputed scores of a padded (n, width) block."""
+    import cupy
+
+    n, width = rows.shape
+    cfg = launch_config(k, 0, width)
+    if cfg is None:
+        return keys.select(cupy, scores, rows, k)
+    vals = cupy.empty((n, k), cupy.float32)
+    out = cupy.empty((n, k), cupy.int64)
+    indptr = cupy.arange(n + 1, dtype=cupy.int64) * width
+    scores = cupy.ascontiguousarray(scores)
+    _launch(scores, scores, 0, scores, indptr, cupy.ascontiguousarray(rows), k, cfg, vals, out)
+    return vals, out

@@ -1,0 +1,152 @@
+"""Exact running top-k on the device (``kernels/topk.cu``): the per-block state and the launches that filter score
+tiles into candidate buffers, merge candidates into the state by radix select, and seed thresholds from a sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import kernels
+
+MERGE_THREADS = 256
+FILTER_THREADS = 256
+
+
+def candidate_capacity(k: int) -> int:
+    """Candidates a user holds between merges on the cuBLAS path: room for several tiles' survivors (a merge runs
+    once a user's buffer is half full)."""
+    return max(4096, 4 * k)
+
+
+def fused_capacity(k: int) -> int:
+    """Candidates a user holds on the fused path: it cannot rescan a score tile when a user's buffer overflows (it
+    recomputes the segment's scores, slowly), so its buffer holds about all the survivors a seeded search passes:
+    k * n_items / sample size."""
+    return pow2(max(16384, 32 * k))
+
+
+def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True) -> int:
+    """Items in a block's threshold sample (see ``recall_seed_done``), or 0 where seeding does not pay (or is off):
+    the sample costs ``size / n_items`` of the search's GEMM work and leaves about ``k * n_items / size`` scores per
+    user to pass the filter over the whole search."""
+    size = min(capacity, max(8192, 32 * k))
+    if not seeded or size < 4 * k or n_items < 8 * size:
+        return 0
+    return size
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclass
+class GpuTopK:
+    """Running top-k of one block of users on the device (see topk.cu for the meaning of each array)."""
+
+    k: int
+    n_users: int  # rows of this block that are real users (the arrays hold capacity rows)
+    capacity: int
+    cand_capacity: int
+    top: Any
+    n_valid: Any
+    thr: Any
+    cand: Any
+    cnt: Any
+    base: Any
+    out_vals: Any
+    out_rows: Any
+
+    @classmethod
+    def allocate(cls, capacity: int, k: int, cand_capacity: int = 0) -> "GpuTopK":
+        import cupy
+
+        c = cand_capacity or candidate_capacity(k)
+        return cls(k, capacity, capacity, c,
+                   top=cupy.zeros((capacity, k), cupy.uint64), n_valid=cupy.zeros(capacity, cupy.int32),
+                   thr=cupy.full(capacity, -cupy.inf, cupy.float32), cand=cupy.zeros((capacity, c), cupy.uint64),
+                   cnt=cupy.zeros(capacity, cupy.int32), base=cupy.zeros(capacity, cupy.int32),
+                   out_vals=cupy.empty((capacity, k), cupy.float32), out_rows=cupy.empty((capacity, k), cupy.int64))
+
+    def clear(self) -> None:
+        """Empty every row (the final merge also leaves its rows empty; this recovers from an interrupted search)."""
+        self.n_valid.fill(0)
+        self.thr.fill(-np.inf)
+        self.cnt.fill(0)
+        self.base.fill(0)
+
+
+class Selection:
+    """The selection kernels of one device, launched on the current stream."""
+
+    def __init__(self) -> None:
+        mod = kernels.selection_module()
+        # By score type: float32 tiles, or float16 tiles of fast mode.
+        self.mask = {np.dtype(np.float32): mod.get_function("recall_mask_excluded"),
+                     np.dtype(np.float16): mod.get_function("recall_mask_excluded_h")}
+        self.filter = {np.dtype(np.float32): mod.get_function("recall_filter"),
+                       np.dtype(np.float16): mod.get_function("recall_filter_h")}
+        self.merge = {np.dtype(np.float32): mod.get_function("recall_merge"),
+                      np.dtype(np.float16): mod.get_function("recall_merge_h")}
+        self.seed_done = mod.get_function("recall_seed_done")
+        self.fused = mod.get_function("recall_fused_filter")
+        self.merge_fused = mod.get_function("recall_merge_fused")
+        self._merge_smem_limit = 0
+
+    def update(self, state: GpuTopK, scores: Any, item_start: int, n_items: int, excl_indptr: Any,
+               excl_items: Any) -> None:
+        """Fold a score tile (tiles, n, width) into the running top-k, skipping excluded items and rows >= n_items."""
+        tiles, n, width = scores.shape
+        if excl_items.size:
+            self.mask[scores.dtype](((n + 127) // 128,), (128,),
+                                    (scores, np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start),
+                                     np.int32(1), excl_indptr, excl_items))
+        self.filter[scores.dtype]((n, tiles), (FILTER_THREADS,),
+                                  (scores, np.int32(n), np.int32(width), np.int32(item_start), np.int32(n_items),
+                                   state.thr, state.cand, np.int32(state.cand_capacity), state.cnt))
+        self._merge(state, scores, n, width, tiles, item_start, n_items, final=False)
+
+    def seed(self, state: GpuTopK, scores: Any, first: int, stride: int, excl_indptr: Any, excl_items: Any) -> None:
+        """Start every user's threshold at its k-th best score over the sample whose scores are ``scores``
+        (1, n, size) (item rows first + j * stride): a lower bound of the final k-th best, so that later tiles pass
+        few scores to the merge whatever the item order. The sample tile goes through the filter and a forced merge
+        like a segment; the state is left empty."""
+        _, n, size = scores.shape
+        grid = ((n + 127) // 128,)
+        if excl_items.size:
+            self.mask[scores.dtype](grid, (128,), (scores, np.int32(n), np.int32(size), np.int32(1), np.int32(first),
+                                                   np.int32(stride), excl_indptr, excl_items))
+        self.filter[scores.dtype]((n, 1), (FILTER_THREADS,),
+                                  (scores, np.int32(n), np.int32(size), np.int32(0), np.int32(size), state.thr,
+                                   state.cand, np.int32(state.cand_capacity), state.cnt))
+        self._merge(state, scores, n, size, 1, 0, size, final=False, force=True)
+        self.seed_done(grid, (128,), (np.int32(n), np.int32(state.k), state.n_valid, state.thr, state.cnt,
+                                      state.base))
+
+    def result(self, state: GpuTopK) -> tuple[Any, Any]:
+        """The final merge: sorted results of the block's users in ``state.out_vals`` / ``out_rows``."""
+        n = state.n_users
+        self._merge(state, state.out_vals, n, 1, 1, 0, 0, final=True)
+        return state.out_vals[:n], state.out_rows[:n]
+
+    def merge_smem(self, k: int) -> tuple[int, int]:
+        """(K_pad, dynamic shared memory bytes) of a merge for k, the merge kernels allowed that much."""
+        k_pad = pow2(k)
+        smem = 8 * k_pad
+        if smem > 48 * 1024 and smem > self._merge_smem_limit:
+            for fn in (*self.merge.values(), self.merge_fused):
+                fn.max_dynamic_shared_size_bytes = smem
+            self._merge_smem_limit = smem
+        return k_pad, smem
+
+    def _merge(self, state: GpuTopK, scores: Any, n: int, width: int, tiles: int, item_start: int, n_items: int,
+               final: bool, force: bool = False) -> None:
+        k_pad, smem = self.merge_smem(state.k)
+        self.merge[scores.dtype]((n,), (MERGE_THREADS,),
+                                 (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, scores,
+                                  np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start),
+                                  np.int32(n_items), np.int32(state.k), np.int32(k_pad),
+                                  np.int32(state.cand_capacity),
+                                  np.int32(-1 if force else state.cand_capacity // 2),
+                                  np.int32(1 if final else 0), state.out_vals, state.out_rows),
+                                 shared_mem=smem)

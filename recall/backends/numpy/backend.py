@@ -1,0 +1,208 @@
+"""The CPU backend: GEMM through NumPy's BLAS over small tiles, selection through the compiled heap kernels of
+:mod:`recall.backends.numpy.heap`, one user block per core."""
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...core import keys
+from ...core.exclusions import Exclusions
+from ...core.options import EngineOptions
+from ...core.tiling import TilePlan
+from .. import candidates, tiled
+from . import heap
+
+# Tilings `recall tune` tries on the CPU: score tiles (4 bytes a score) of 256 KiB - 4 MiB bracket a core's L2.
+_TUNE_USERS = (64, 128, 256, 512)
+_TUNE_ITEMS = ((1024, 1), (2048, 1), (4096, 1))
+_TUNE_BAND = (256 << 10, 4 << 20)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def blas_name() -> str:
+    """NumPy's BLAS, e.g. "scipy-openblas 0.3.29" ("blas" where NumPy cannot say)."""
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{blas.get('name')} {blas.get('version', '')}".strip()
+    except Exception:  # older NumPy has no mode="dicts": the BLAS is then named by NumPy's version alone
+        return "blas"
+
+
+def tune_band(users: tuple[int, ...], items: tuple[tuple[int, int], ...], band: tuple[int, int],
+              heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+    """The heuristic first, then every (users, width, tiles) of the grid whose score tile lies inside ``band``."""
+    low, high = band
+    out = [tuple(heuristic)]
+    for ub in users:
+        for width, tiles in items:
+            if low <= 4 * ub * width * tiles <= high and (ub, width, tiles) not in out:
+                out.append((ub, width, tiles))
+    return out  # type: ignore[return-value]
+
+
+@dataclass
+class _HeapState:
+    vals: np.ndarray  # (capacity, k) float32 min-heaps, root = worst kept
+    idx: np.ndarray  # (capacity, k) int64
+    n_users: int
+    k: int
+
+
+def _done(stats: dict) -> Any:
+    return lambda: stats
+
+
+class NumpyBackend:
+    """NumPy/BLAS backend. Arrays are NumPy arrays; nothing is copied to a device; searches run when called."""
+
+    name = "cpu"
+    xp = np
+    asynchronous = False
+
+    def __init__(self) -> None:
+        # One user block per core; each block's GEMM runs on one BLAS thread (see compute_context).
+        self.workers = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+    # -- arrays ----------------------------------------------------------------------------------------------------
+    def module_of(self, arr: Any) -> Any:
+        return np
+
+    def ingest(self, arr: Any) -> np.ndarray:
+        if hasattr(arr, "get") and not isinstance(arr, np.ndarray):
+            arr = arr.get()
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+    def asarray(self, arr: Any) -> np.ndarray:
+        """``arr`` as a C-contiguous int64 (integers) or float32 NumPy array."""
+        if hasattr(arr, "get") and not isinstance(arr, np.ndarray):
+            arr = arr.get()
+        arr = np.asarray(arr)
+        return np.ascontiguousarray(arr, dtype=np.int64 if arr.dtype.kind in "iu" else np.float32)
+
+    def to_host(self, arr: Any) -> np.ndarray:
+        return np.asarray(arr.get() if hasattr(arr, "get") and not isinstance(arr, np.ndarray) else arr)
+
+    def empty_out(self, shape: tuple, dtype: Any, host: bool) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def store_rows(self, dest: np.ndarray, start: int, rows: np.ndarray) -> None:
+        dest[start:start + rows.shape[0]] = rows
+
+    # -- the device ----------------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        return f"cpu ({os.cpu_count()} cores, numpy {np.__version__})"
+
+    def identity(self) -> dict[str, str]:
+        return {"backend": self.name, "device": f"{cpu_model()} x{self.workers}", "driver": f"numpy {np.__version__}",
+                "runtime": blas_name()}
+
+    def free_memory(self) -> int:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 8 << 30
+
+    def default_budget(self) -> int:
+        return min(1 << 30, self.free_memory() // 4)
+
+    def state_bytes(self, k: int) -> int:
+        return 12 * k
+
+    def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
+        # A (128 x 2048) float32 tile is 1 MiB: it stays in one core's L2 between the GEMM that writes it and the
+        # scan that reads it, and is still large enough for BLAS to run near its peak.
+        return 128, 2048, 1
+
+    def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+        return tune_band(_TUNE_USERS, _TUNE_ITEMS, _TUNE_BAND, heuristic)
+
+    def score_dtype(self, input_dtype: Any) -> Any:
+        return np.dtype(np.float32)  # float16 inputs (fast mode) are scored in float32 on the CPU
+
+    def compute_context(self) -> contextlib.AbstractContextManager:
+        """Limit BLAS to one thread while a search runs: parallelism comes from one block per core, and BLAS
+        threads spinning beside the selection kernels would fight them for the same cores."""
+        from threadpoolctl import threadpool_limits
+
+        return threadpool_limits(limits=1, user_api="blas")
+
+    # -- the work ------------------------------------------------------------------------------------------------
+    def load_items(self, prepared: Any) -> np.ndarray:
+        return prepared
+
+    def run_blocks(self, plan: TilePlan, users: np.ndarray, items: np.ndarray, n_items: int, k: int,
+                   excl: Exclusions, out_vals: np.ndarray, out_rows: np.ndarray, options: EngineOptions,
+                   floor: Any = None) -> Any:
+        # ``floor`` is an optimisation the heap search does without: every item above it is found either way.
+        wall = time.perf_counter()
+        tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows)
+        return _done({"blocks": -(-users.shape[0] // plan.user_block), "workers": plan.workers,
+                      "wall_s": time.perf_counter() - wall,
+                      "tiles": (plan.user_block, plan.item_tile, plan.tiles_per_call)})
+
+    def rescore(self, users: Any, items: np.ndarray, indptr: np.ndarray, rows: Any, k: int, budget: int,
+                options: EngineOptions) -> tuple[np.ndarray, np.ndarray, str]:
+        n = int(indptr.size) - 1
+        vals = np.full((n, k), -np.inf, dtype=np.float32)
+        out = np.full((n, k), -1, dtype=np.int64)
+        candidates.rescore_gemm(self, users, items, indptr, self.asarray(rows), k, budget, vals, out)
+        return vals, out, "gemm"
+
+    def select(self, scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return keys.select(np, scores, rows, k)
+
+    def merge(self, parts: list[tuple[Any, Any, int]], k: int) -> tuple[np.ndarray, np.ndarray]:
+        return keys.select(np, *keys.concat(np, parts), k)
+
+    def synchronize(self) -> None:
+        pass
+
+    # -- primitives of the shared tiled loop (recall.backends.tiled) and candidate scoring -------------------------
+    def gemm_strided_batched(self, users: np.ndarray, items: np.ndarray, out: np.ndarray) -> None:
+        if users.dtype == np.float16:
+            # Fast mode's arithmetic, emulated: float16 inputs, exact products, float32 accumulation.
+            users, items = users.astype(np.float32), items.astype(np.float32)
+        np.matmul(users, items.transpose(0, 2, 1), out=out)
+
+    def topk_new(self, n_users: int, k: int) -> _HeapState:
+        state = _HeapState(np.empty((n_users, k), np.float32), np.empty((n_users, k), np.int64), n_users, k)
+        self.topk_reset(state, n_users)
+        return state
+
+    def topk_reset(self, state: _HeapState, n_users: int) -> None:
+        state.n_users = n_users
+        state.vals[:n_users] = -np.inf
+        state.idx[:n_users] = -1
+
+    def topk_update(self, state: _HeapState, scores: np.ndarray, item_start: int, n_items: int,
+                    excl_indptr: np.ndarray, excl_items: np.ndarray) -> None:
+        n = state.n_users
+        heap.heap_update(scores, item_start, n_items, state.vals[:n], state.idx[:n], excl_indptr, excl_items)
+
+    def topk_result(self, state: _HeapState) -> tuple[np.ndarray, np.ndarray]:
+        n = state.n_users
+        vals = np.empty((n, state.k), np.float32)
+        idx = np.empty((n, state.k), np.int64)
+        heap.heap_sort_rows(state.vals[:n], state.idx[:n], vals, idx)
+        return vals, idx

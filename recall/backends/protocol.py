@@ -1,0 +1,122 @@
+"""The backend protocol: the one seam between the CPU and the GPU.
+
+Everything above it (the engine's query pipeline, metrics, exclusions, padding, ids, the jobs, I/O) is shared and
+runs in CI on the CPU; nothing above it asks which device it is on. A backend implements the operations below over
+its own array type (``xp`` is ``numpy`` or ``cupy``); ``recall.backends.resolve`` picks one, once, per engine.
+
+Layout conventions shared by both backends:
+
+- vectors are row-major float32 ``(n, dim)`` (float16 for fast mode's approximate pass);
+- a score tile is ``(n_tiles, n_users_block, tile_width)``: ``scores[b, u, t]`` is the score of user ``u`` against
+  item row ``item_start + b * tile_width + t``;
+- a running top-k holds, per user, the k best ``(score, item_row)`` seen so far; item rows are visited in increasing
+  order, which lets a strict ``score > k-th best`` test implement the tie rule (equal scores: lower item row first);
+- exclusions are CSR over the users of a search (``recall.core.exclusions.Exclusions``): item rows sorted and
+  unique within each user;
+- results are ``(scores (n, k) float32, item rows (n, k) int64)`` in inner-product space, best first, padded with
+  ``(-inf, -1)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..core.exclusions import Exclusions
+from ..core.options import EngineOptions
+from ..core.tiling import TilePlan
+
+#: What ``run_blocks`` returns: a callable that waits for the search and returns its stats (a dict).
+Wait = Callable[[], dict]
+
+
+class Backend(Protocol):
+    """The operations an engine needs from a device."""
+
+    name: str
+    """"cpu" or "gpu": for summaries, stats and the tune cache's keys (never to branch on above the seam)."""
+    xp: Any
+    """The array module of this backend's arrays: numpy or cupy."""
+    asynchronous: bool
+    """Whether ``run_blocks`` returns before the work is done (the device searches while the host goes on), so that
+    a caller gains by queueing work ahead (the job runner's searches while the items load)."""
+
+    # -- where arrays live ----------------------------------------------------------------------------------------
+    def module_of(self, arr: Any) -> Any:
+        """The array module an input is validated and prepared with: this backend's for its own (device) arrays,
+        NumPy for host arrays (a GPU backend stages host users block by block) and for anything a CPU backend is
+        given (device arrays are copied to the host)."""
+
+    def ingest(self, arr: Any) -> Any:
+        """``arr`` (any real dtype; host, CuPy or ``__dlpack__``) as a C-contiguous float32 array on this backend,
+        without a copy where it already is one."""
+
+    def to_host(self, arr: Any) -> Any:
+        """A NumPy copy of a backend array (NumPy arrays are returned as they are)."""
+
+    def empty_out(self, shape: tuple, dtype: Any, host: bool) -> Any:
+        """An uninitialised result array: in host memory (page-locked where that speeds copies) when ``host``, else
+        on this backend. ``run_blocks`` fills either kind."""
+
+    def store_rows(self, dest: Any, start: int, rows: Any) -> None:
+        """Copy host rows (n, dim) into rows ``start:start + n`` of a backend array (from ``empty_out``)."""
+
+    # -- the device and its sizes ---------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """One line naming the device, for summaries and logs."""
+
+    def identity(self) -> dict[str, str]:
+        """What a tuned tiling depends on besides the shape: {"backend", "device", "driver", "runtime"}."""
+
+    def default_budget(self) -> int:
+        """Working-memory bytes a search may use when the caller sets no budget."""
+
+    def free_memory(self) -> int:
+        """Bytes of memory available now."""
+
+    def state_bytes(self, k: int) -> int:
+        """Bytes of running top-k state per user."""
+
+    def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
+        """(user block, item tile width, item tiles per GEMM call) this backend runs best with."""
+
+    def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+        """The tilings ``recall tune`` tries, the heuristic first."""
+
+    def score_dtype(self, input_dtype: Any) -> Any:
+        """The dtype of the score tiles a GEMM of ``input_dtype`` vectors writes (fast mode's float16 inputs:
+        float16 scores on the GPU, scaled by ``certificate.output_scale``; float32 on the CPU)."""
+
+    # -- the work -------------------------------------------------------------------------------------------------
+    def load_items(self, prepared: Any) -> Any:
+        """The resident form of prepared items ((n_items, dim) float32, or float16 for fast mode, on this
+        backend): what ``run_blocks`` and ``rescore`` take as ``items``. Keeps whatever the backend derives from
+        the items (the GPU's transposed copy for its fused kernel) for as long as the engine holds it."""
+
+    def run_blocks(self, plan: TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Exclusions,
+                   out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Wait:
+        """Search every user block of ``plan`` and write each user's top-k (inner-product space, k <= n_items) into
+        its row of ``out_vals`` / ``out_rows`` (arrays from ``empty_out``, on the host or the backend). ``users``:
+        (n, dim) host or backend array. ``floor``: optional backend float32 (n,) scores; a user then gets only items
+        scoring above it (an optimisation: a backend may return more). Returns a callable that waits for this search
+        (the arrays are filled by then) and returns its stats; asynchronous backends return once the work is queued.
+        """
+
+    def rescore(self, users: Any, items: Any, indptr: Any, rows: Any, k: int, budget: int,
+                options: EngineOptions) -> tuple[Any, Any, str]:
+        """Each user's best ``k`` among its own candidate item rows (CSR: ``rows[indptr[u]:indptr[u+1]]``, host
+        int64 ``indptr``; ``rows`` host or backend int64, duplicates allowed and counted once): (scores, rows)
+        (n, k) backend arrays, inner-product space, ready when this returns, and the path taken ("fused" or
+        "gemm"). ``budget`` bounds the working memory."""
+
+    def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
+        """The best k (score desc, lower row first) of each row of a padded candidate block: scores (n, width)
+        float32, rows (n, width) int64, -1 for an empty slot, no row twice in a row. Backend arrays."""
+
+    def merge(self, parts: list[tuple[Any, Any, int]], k: int) -> tuple[Any, Any]:
+        """The best ``k`` per user over ``parts``, each (scores (n, w) float32, item rows (n, w) int64 with -1 for
+        padding, row offset added to its rows), queued after the backend's earlier work (searches whose results
+        these are), on the backend: its outputs are ready for the backend's later work at once, and for the caller
+        after ``to_host`` or ``synchronize``. Parts must hold no row twice for a user."""
+
+    def synchronize(self) -> None:
+        """Wait for all work queued on this backend."""

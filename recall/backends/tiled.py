@@ -1,0 +1,106 @@
+"""The tiled search loop both backends share: a user block against every item segment, one strided-batched GEMM per
+segment, each segment's scores folded into the running top-k (the GPU's cuBLAS path and the whole CPU backend).
+
+A backend that calls these provides ``xp``, ``gemm_strided_batched(users, items, out)``,
+``topk_update(state, scores, item_start, n_items, excl_indptr, excl_items)`` and, for :func:`run_blocks_threaded`,
+``topk_new`` / ``topk_reset`` / ``topk_result``, ``asarray`` and ``compute_context``.
+
+Users with several vectors (``TilePlan.interests``) are scored the same way: the block holds every interest row of
+its users (``n_users_block * rows`` GEMM rows), and a reduce step folds each user's interest rows into one row
+(``xp.maximum`` / ``xp.add`` into a preallocated part of the score buffer) before the top-k update. On the GPU the
+reduce launches are captured in the same CUDA graph as the rest of the block.
+"""
+from __future__ import annotations
+
+import queue
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from ..core.tiling import InterestPlan, TilePlan, item_segments
+
+
+def search_block(backend: Any, plan: TilePlan, users: Any, items: Any, n_items: int, state: Any, scores_buf: Any,
+                 excl_indptr: Any, excl_items: Any) -> None:
+    """Score one user block (n, dim) against every item and fold the scores into ``state`` (already reset)."""
+    if plan.interests is not None:
+        _search_block_interests(backend, plan, plan.interests, users, items, n_items, state, scores_buf,
+                                excl_indptr, excl_items)
+        return
+    n, dim = users.shape
+    users_batch = users.reshape(1, n, dim)
+    for start, width, tiles in item_segments(n_items, plan):
+        segment = items[start:start + width * tiles].reshape(tiles, width, dim)
+        scores = scores_buf[: tiles * n * width].reshape(tiles, n, width)
+        backend.gemm_strided_batched(users_batch, segment, scores)
+        backend.topk_update(state, scores, start, n_items, excl_indptr, excl_items)
+
+
+def _search_block_interests(backend: Any, plan: TilePlan, ip: InterestPlan, users: Any, items: Any, n_items: int,
+                            state: Any, scores_buf: Any, excl_indptr: Any, excl_items: Any) -> None:
+    """:func:`search_block` for a block of ``n`` users given as ``(n, rows * dim)``: every interest row scored,
+    then reduced to one row per user (max or sum; for l2 + max each interest's bias taken off first)."""
+    xp = backend.xp
+    n = int(users.shape[0])
+    dim = int(items.shape[1])
+    m, rows = ip.m, ip.rows
+    users_batch = users.reshape(1, n * rows, dim)
+    bias = users.reshape(n, rows * dim)[:, m * dim:m * dim + m] if ip.bias else None  # (n, m) view
+    op = xp.maximum if ip.aggregate == "max" else xp.add
+    for start, width, tiles in item_segments(n_items, replace(plan, item_tile=ip.width, interests=None)):
+        segment = items[start:start + width * tiles].reshape(tiles, width, dim)
+        n_raw = tiles * n * rows * width
+        raw = scores_buf[:n_raw].reshape(tiles, n * rows, width)
+        backend.gemm_strided_batched(users_batch, segment, raw)
+        per_user = raw.reshape(tiles, n, rows, width)
+        if bias is not None:
+            # One view object for input and output: an in-place ufunc then neither copies nor allocates (CuPy
+            # copies an input that overlaps the output unless it is the output), which CUDA graph capture needs.
+            real = per_user[:, :, :m]
+            xp.subtract(real, bias[None, :, :, None], out=real)
+        out = scores_buf[n_raw:n_raw + tiles * n * width].reshape(tiles, n, width)
+        # Interest by interest, in a fixed order: float32 sums come out the same on every backend.
+        op(per_user[:, :, 0], per_user[:, :, 1], out=out)
+        for j in range(2, m):
+            op(out, per_user[:, :, j], out=out)
+        backend.topk_update(state, out, start, n_items, excl_indptr, excl_items)
+
+
+def run_blocks_threaded(backend: Any, plan: TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Any,
+                        out_vals: Any, out_rows: Any) -> None:
+    """Search every user block, writing each block's top-k into rows of ``out_vals`` / ``out_rows``.
+
+    ``plan.workers`` blocks run at once (one per CPU core), each with its own top-k state and score buffer, taken
+    from a pool so that nothing is allocated per block.
+    """
+    n_users = users.shape[0]
+    blocks = [(start, min(start + plan.user_block, n_users)) for start in range(0, n_users, plan.user_block)]
+    workers = max(1, min(plan.workers, len(blocks)))
+    workspaces: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(workers):
+        workspaces.put((backend.topk_new(plan.user_block, k),
+                        backend.xp.empty(plan.user_block * plan.item_tile * plan.tiles_per_call,
+                                         dtype=backend.xp.float32)))
+
+    def one(block: tuple[int, int]) -> None:
+        start, stop = block
+        state, scores_buf = workspaces.get()
+        try:
+            ptr, excluded = excl.block(start, stop)
+            backend.topk_reset(state, stop - start)
+            search_block(backend, plan, users[start:stop], items, n_items, state, scores_buf,
+                         backend.asarray(ptr), backend.asarray(excluded))
+            vals, rows = backend.topk_result(state)
+            out_vals[start:stop, :k] = vals
+            out_rows[start:stop, :k] = rows
+        finally:
+            workspaces.put((state, scores_buf))
+
+    with backend.compute_context():
+        if workers == 1:
+            for block in blocks:
+                one(block)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="recall") as pool:
+                for _ in pool.map(one, blocks):
+                    pass

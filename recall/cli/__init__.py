@@ -1,0 +1,1 @@
+"""The ``recall`` command line (``recall.cli.app``): one module per command group."""

@@ -1,0 +1,178 @@
+"""``recall batch``: the nightly job from the shell (see :mod:`recall.jobs.batch`).
+
+Exit codes: 0 done (or nothing left to do); 2 bad input or arguments, or an output directory holding another job
+(one ``error:`` line naming the file or directory); 1 a worker or the operating system failed (the job resumes
+when the same command is run again).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ..core.errors import InputError
+from ..jobs.batch import BatchError, BatchProgress, run_batch
+from .common import (EXIT_OS_ERROR, BatchSizeOption, Device, IdColOption, MemoryBudgetOption, Metric, MetricOption,
+                     QuietOption, VecColOption, errors_to_exit, log, logging_to_stderr, parse_bytes, show_progress)
+
+
+class Terminated(SystemExit):
+    """SIGTERM (a scheduler's timeout, ``kill``) turned into an exception, so that the job records its failure in
+    ``_metrics.json``, stops its workers and removes its temporary file before exiting with 128 + 15."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+    def __str__(self) -> str:
+        return "terminated by SIGTERM"
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+class EngineName(str, Enum):
+    local = "local"
+    ray = "ray"
+
+
+class _RichProgress(BatchProgress):
+    """Shards done / total, users written, users/s and ETA on stderr (rich; only when stderr is a terminal)."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
+            TimeElapsedColumn, TimeRemainingColumn
+
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),
+                            MofNCompleteColumn(), TextColumn("users, {task.fields[rate]}/s,"), TimeElapsedColumn(),
+                            TextColumn("ETA"), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        self.task: Any = None
+        self.workers = 0
+        self.lock = threading.Lock()
+        self.done_users = 0
+        self.shards = (0, 0)
+        self.t0 = 0.0
+
+    def begin(self, shards: int, users: int) -> None:
+        self.bar.start()
+        self.shards = (0, shards)
+        self.t0 = time.perf_counter()
+        self.task = self.bar.add_task(f"loading items, shards 0/{shards}", total=users, rate="-")
+
+    def workers_ready(self, n: int) -> None:
+        if n == 1:
+            self.t0 = time.perf_counter()  # users/s from the first ready worker: loading items is not scoring
+        self.workers = n
+        self._describe()
+
+    def _describe(self) -> None:
+        n = self.workers
+        self.bar.update(self.task, description=f"shards {self.shards[0]}/{self.shards[1]} "
+                                               f"({n} worker{'s' if n != 1 else ''})")
+
+    def users(self, n: int) -> None:
+        with self.lock:
+            self.done_users += n
+            rate = self.done_users / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.update(self.task, advance=n, rate=f"{rate:,.0f}")
+
+    def shard_done(self, done: int, total: int) -> None:
+        self.shards = (done, total)
+        self._describe()
+
+    def end(self) -> None:
+        self.bar.stop()
+
+
+def batch(
+    users: Annotated[str, typer.Option(
+        "--users", help="Directory of user embedding Parquet shards (*.parquet), a glob ('data/users/part-*.parquet', "
+                        "quoted), or one file.", show_default=False)],
+    items: Annotated[Path, typer.Option("--items", help="Item embeddings Parquet (id + vector columns).",
+                                        show_default=False)],
+    k: Annotated[int, typer.Option("--k", help="Items per user (>= 1).", show_default=False)],
+    out: Annotated[Path, typer.Option(
+        "--out", help="Output directory: one candidates Parquet per shard (same name), _manifest.json, "
+                      "_metrics.json, _SUCCESS. Created if missing.", show_default=False)],
+    exclude: Annotated[Path | None, typer.Option(
+        "--exclude", help="Parquet of user_id, item_id pairs (or user_id, item_ids lists) never to return.")] = None,
+    metric: MetricOption = Metric.ip,
+    device: Annotated[Device, typer.Option("--device", help="auto: the GPU(s) when usable, else the CPU.")]
+    = Device.auto,
+    gpus: Annotated[str | None, typer.Option(
+        "--gpus", metavar="N|all", help="GPU workers, one process (or Ray actor) per GPU, items resident on each "
+                                        "(default 1). Ignored on the CPU.", show_default=False)] = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", metavar="N", help="CPU workers: processes pinned to disjoint cores (or Ray actors) "
+                                       "(default 1). Ignored on GPUs.", show_default=False)] = None,
+    engine: Annotated[EngineName, typer.Option(
+        "--engine", help="local: this host; ray: a Ray cluster (needs the ray extra).")] = EngineName.local,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", metavar="ADDR", help="With --engine ray: the cluster, e.g. auto or ray://head:10001 "
+                                              "(default: $RAY_ADDRESS, else a local Ray).", show_default=False)] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Discard what --out holds (another job's output) and score every shard again.")] = False,
+    id_col: IdColOption = "id",
+    vec_col: VecColOption = "embedding",
+    batch_size: BatchSizeOption = None,
+    memory_budget: MemoryBudgetOption = None,
+    quiet: QuietOption = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print each worker's device and load time.")]
+    = False,
+) -> None:
+    """Score a directory of user shards against the items: one output per shard, resumable, idempotent.
+
+    Run the same command again after a crash or kill to resume: finished shards (checked against the manifest's
+    sha256) are kept, the others are scored again.
+    """
+    with logging_to_stderr(quiet, verbose), errors_to_exit():
+        if batch_size is not None and batch_size < 1:
+            raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+        progress = _RichProgress() if show_progress(quiet) else None
+        try:
+            with _sigterm_raises():
+                summary = run_batch(
+                    users, items, out, k, metric=metric.value, exclude=exclude, id_col=id_col, vec_col=vec_col,
+                    device=device.value, gpus=gpus, workers=workers, engine=engine.value, ray_address=ray_address,
+                    overwrite=overwrite, batch_size=batch_size, memory_budget=parse_bytes(memory_budget),
+                    progress=progress, notice=lambda msg: log.warning("notice: %s", msg),
+                )
+        except Terminated as exc:
+            typer.echo(f"error: {exc}; rerun the same command to resume", err=True)
+            raise
+        except BatchError as exc:
+            first, _, rest = str(exc).partition("\n")
+            if rest:
+                typer.echo(rest, err=True)
+            typer.echo(f"error: {first}", err=True)
+            raise typer.Exit(EXIT_OS_ERROR) from None
+    if summary.unknown_exclusions:
+        typer.echo(f"warning: {summary.unknown_exclusions:,} of {summary.exclusion_pairs:,} exclusion pairs name an "
+                   f"item id that is not in the items file; they were ignored", err=True)
+    typer.echo(summary.line())
+    if verbose:
+        for w in summary.worker_infos:
+            typer.echo(f"worker {w.worker}: {w.device_detail} on {w.host} (pid {w.pid}), items loaded and prepared "
+                       f"in {w.items_load_s:.2f} s")
+        typer.echo(f"metrics: {Path(summary.out_dir) / '_metrics.json'}")
+

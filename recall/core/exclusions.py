@@ -1,0 +1,195 @@
+"""Per-user exclusions ("never return this item to this user") as CSR over user rows, and the grouping of
+(user, item) pairs into CSR that every pair source shares (exclusion files, candidate files, API mappings).
+
+Grouping is a counting sort (linear in the pairs, compiled with numba, no per-pair Python), and the item rows of
+each user are sorted and de-duplicated in parallel where the consumer needs them so (the selection kernels walk a
+user's exclusions in row order); input that is already sorted and unique is recognised and kept as it is.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from .errors import InputError
+
+
+@njit(cache=True)
+def _group(users: np.ndarray, items: np.ndarray, n_users: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs -> CSR (indptr (n_users + 1,), items grouped by user, each user's items in input order)."""
+    indptr = np.zeros(n_users + 1, np.int64)
+    for u in users:
+        indptr[u + 1] += 1
+    for u in range(n_users):
+        indptr[u + 1] += indptr[u]
+    pos = indptr[:-1].copy()
+    out = np.empty(users.size, np.int64)
+    for i in range(users.size):
+        u = users[i]
+        out[pos[u]] = items[i]
+        pos[u] += 1
+    return indptr, out
+
+
+@njit(parallel=True, cache=True)
+def _sort_unique(indptr: np.ndarray, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each user's item rows sorted and de-duplicated: a new (indptr, items)."""
+    n_users = indptr.size - 1
+    keep = np.zeros(n_users + 1, np.int64)
+    for u in prange(n_users):
+        lo, hi = indptr[u], indptr[u + 1]
+        if hi - lo > 1:
+            items[lo:hi] = np.sort(items[lo:hi])
+        n = 0
+        for j in range(lo, hi):
+            if j == lo or items[j] != items[j - 1]:
+                n += 1
+        keep[u + 1] = n
+    for u in range(n_users):
+        keep[u + 1] += keep[u]
+    out = np.empty(keep[n_users], np.int64)
+    for u in prange(n_users):
+        w = keep[u]
+        for j in range(indptr[u], indptr[u + 1]):
+            if j == indptr[u] or items[j] != items[j - 1]:
+                out[w] = items[j]
+                w += 1
+    return keep, out
+
+
+def _is_sorted_unique(indptr: np.ndarray, items: np.ndarray) -> bool:
+    """Whether every user's item rows are strictly increasing (vectorised: one pass)."""
+    if items.size < 2:
+        return True
+    rising = items[1:] > items[:-1]
+    starts = indptr[1:-1]
+    starts = starts[(starts > 0) & (starts < items.size)]
+    rising[starts - 1] = True  # a user's first row need not exceed the previous user's last
+    return bool(rising.all())
+
+
+def group(users: np.ndarray, items: np.ndarray, n_users: int, sort_unique: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(indptr (n_users + 1,), item rows) of pairs ``users[i], items[i]`` (int64 rows, users in [0, n_users)):
+    each user's items in input order, or sorted and unique."""
+    indptr, grouped = _group(np.ascontiguousarray(users, np.int64), np.ascontiguousarray(items, np.int64),
+                             int(n_users))
+    if sort_unique and not _is_sorted_unique(indptr, grouped):
+        indptr, grouped = _sort_unique(indptr, grouped)
+    return indptr, grouped
+
+
+@dataclass(frozen=True)
+class Exclusions:
+    """CSR of excluded item rows: user ``u`` excludes ``items[indptr[u]:indptr[u+1]]``, sorted and unique."""
+
+    indptr: np.ndarray  # (n_users + 1,) int64
+    items: np.ndarray  # (nnz,) int64
+
+    @classmethod
+    def empty(cls, n_users: int) -> "Exclusions":
+        return cls(np.zeros(n_users + 1, np.int64), np.zeros(0, np.int64))
+
+    def block(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """The CSR of users ``start:stop``, re-based to start at 0."""
+        ptr = self.indptr[start:stop + 1]
+        return ptr - ptr[0], self.items[ptr[0]:ptr[-1]]
+
+    def subset(self, users: np.ndarray) -> "Exclusions":
+        """The exclusions of the given user rows, in that order, as CSR over them."""
+        indptr, items = take(self.indptr, self.items, users)
+        return Exclusions(indptr, items)
+
+    def count(self, user: int) -> int:
+        return int(self.indptr[user + 1] - self.indptr[user])
+
+
+def take(indptr: np.ndarray, items: np.ndarray, users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The CSR rows ``users`` (int64, any order, -1 for "none") of a CSR, as a CSR over them (vectorised)."""
+    users = np.asarray(users, np.int64)
+    has = users >= 0
+    if indptr.size < 2:  # a CSR of no rows: nobody has anything
+        return np.zeros(users.size + 1, np.int64), items[:0]
+    safe = np.where(has, users, 0)
+    starts = np.where(has, indptr[safe], 0)
+    counts = np.where(has, indptr[safe + 1] - starts, 0)
+    out_ptr = np.zeros(users.size + 1, np.int64)
+    np.cumsum(counts, out=out_ptr[1:])
+    total = int(out_ptr[-1])
+    if total == 0:
+        return out_ptr, items[:0]
+    # Position j of the output takes items[starts[u] + (j - first output position of u)].
+    return out_ptr, items[np.repeat(starts - out_ptr[:-1], counts) + np.arange(total, dtype=np.int64)]
+
+
+def _int_array(values: Any, what: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.dtype.kind not in "iu":
+        raise InputError(f"exclude: {what} must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False).ravel()
+
+
+def normalise(exclude: Any, n_users: int, n_items: int) -> Exclusions:
+    """Turn ``exclude`` into sorted, de-duplicated CSR.
+
+    Parameters
+    ----------
+    exclude : None, Exclusions, mapping {user_row: iterable of item rows}, or (indptr, item_rows)
+        ``indptr`` has shape (n_users + 1,); both are integer arrays on the host. Within a user, rows may come in
+        any order and repeat.
+
+    Raises
+    ------
+    InputError
+        On a user or item row out of range, or a malformed CSR pair.
+    """
+    if exclude is None:
+        return Exclusions.empty(n_users)
+    if isinstance(exclude, Exclusions):
+        if exclude.indptr.shape != (n_users + 1,):
+            raise InputError(f"exclude: covers {exclude.indptr.size - 1} users, expected {n_users}")
+        return exclude
+    if isinstance(exclude, Mapping):
+        users, items = [], []
+        for user, rows in exclude.items():
+            if isinstance(user, (bool, np.bool_)) or not isinstance(user, (int, np.integer)):
+                raise InputError(f"exclude: user key {user!r} is not an integer row position")
+            if not 0 <= user < n_users:
+                raise InputError(f"exclude: user row {user} is out of range for {n_users} users")
+            rows = _int_array(list(rows) if not isinstance(rows, np.ndarray) else rows, f"items of user row {user}")
+            users.append(np.full(rows.size, user, np.int64))
+            items.append(rows)
+        user_of = np.concatenate(users) if users else np.zeros(0, np.int64)
+        item_rows = np.concatenate(items) if items else np.zeros(0, np.int64)
+        _check_items(item_rows, n_items, lambda pos: int(user_of[pos]))
+        return Exclusions(*group(user_of, item_rows, n_users, sort_unique=True))
+    if isinstance(exclude, tuple) and len(exclude) == 2:
+        indptr = _int_array(exclude[0], "indptr")
+        item_rows = _int_array(exclude[1], "item rows")
+        if indptr.shape != (n_users + 1,):
+            raise InputError(f"exclude: indptr has {indptr.size} entries, expected n_users + 1 = {n_users + 1}")
+        if indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] != item_rows.size:
+            raise InputError("exclude: indptr must start at 0, never decrease and end at len(item_rows)")
+        _check_items(item_rows, n_items, lambda pos: int(np.searchsorted(indptr, pos, side="right") - 1))
+        if _is_sorted_unique(indptr, item_rows):
+            return Exclusions(indptr, item_rows)
+        return Exclusions(*_sort_unique(indptr, item_rows.copy()))
+    raise InputError(
+        f"exclude must be None, a mapping {{user_row: item rows}} or a CSR pair (indptr, item_rows); "
+        f"got {type(exclude).__name__}"
+    )
+
+
+def _check_items(item_rows: np.ndarray, n_items: int, user_at: Any) -> None:
+    """InputError naming the first item row out of range and its user."""
+    if not item_rows.size:
+        return
+    bad = (item_rows < 0) | (item_rows >= n_items)
+    if bad.any():
+        pos = int(np.argmax(bad))
+        raise InputError(f"exclude: item row {int(item_rows[pos])} (user row {user_at(pos)}) is out of range for "
+                         f"{n_items} items")

@@ -1,0 +1,71 @@
+"""Tuning options of an engine: one typed object instead of settings read from the environment.
+
+Every field has the default the measurements in ``docs/benchmarks.md`` chose; a caller changes one to compare
+(``scripts/lab/``), to test a code path on small data (the tests), or to pin a tiling. ``Engine(options=...)`` takes
+it; the backend reads the fields that concern it from the engine's calls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .checks import check_choice, check_int, is_int
+from .errors import InputError
+
+FUSED_MODES = ("auto", "force", "off")
+RESCORE_PATHS = ("fused", "gemm")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How an engine searches; none of these change an answer.
+
+    Attributes
+    ----------
+    tiles : (int, int, int), optional
+        (users per block, items per tile, item tiles per strided-batched GEMM call) every search starts from before
+        the memory budget caps it; None: the ``recall tune`` cache, else the backend's heuristic.
+    min_user_block : int
+        Users per block at least (0: no minimum). Searches of a part of the items (the job runner's search while
+        the items load) are short per block: larger blocks keep the host's launching from holding the device back.
+    cuda_graphs : bool
+        GPU: replay each block's launches as a CUDA graph from the second block on (False: launch eagerly).
+    seed_thresholds : bool
+        GPU: start each user block's thresholds at its k-th best score over a sample of the items (False: at -inf).
+    fused : {"auto", "force", "off"}
+        GPU, exact precision: score and filter in one kernel (``fused.cu``) where it applies ("auto": seeded
+        searches of float32 vectors of at most 256 dimensions; "force": also unseeded; "off": cuBLAS + filter).
+    fused_segment : int
+        GPU fused path: items per launch (each followed by a merge of the candidates).
+    fused_tiles_per_block : int
+        GPU fused path: item tiles of 128 rows each thread block walks.
+    rescore : {"fused", "gemm"}
+        GPU re-scoring: one fused gather + dot + select kernel, or gather + strided-batched GEMM + select (the
+        CPU's path).
+    """
+
+    tiles: tuple[int, int, int] | None = None
+    min_user_block: int = 0
+    cuda_graphs: bool = True
+    seed_thresholds: bool = True
+    fused: str = "auto"
+    fused_segment: int = 65_536
+    fused_tiles_per_block: int = 8
+    rescore: str = "fused"
+
+    def __post_init__(self) -> None:
+        if self.tiles is not None:
+            if not (isinstance(self.tiles, tuple) and len(self.tiles) == 3 and all(is_int(t) and t >= 1
+                                                                                   for t in self.tiles)):
+                raise InputError(f"options.tiles must be three integers >= 1 (users, items per tile, tiles per "
+                                 f"call), got {self.tiles!r}")
+        check_int(self.min_user_block, "options.min_user_block", 0)
+        check_choice(self.fused, FUSED_MODES, "options.fused mode")
+        check_int(self.fused_segment, "options.fused_segment")
+        check_int(self.fused_tiles_per_block, "options.fused_tiles_per_block")
+        check_choice(self.rescore, RESCORE_PATHS, "options.rescore path")
+        for name in ("cuda_graphs", "seed_thresholds"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"options.{name} must be True or False, got {getattr(self, name)!r}")
+
+
+DEFAULT_OPTIONS = EngineOptions()

@@ -1,0 +1,126 @@
+"""The result of a search: per-user top-k item rows, ids and scores, best first."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import InputError
+
+_MAX_LIST_VALUES = 1 << 30
+
+
+def _to_numpy(arr: Any) -> np.ndarray:
+    """A host copy of a NumPy or device (CuPy) array."""
+    get = getattr(arr, "get", None)
+    return get() if callable(get) and not isinstance(arr, np.ndarray) else np.asarray(arr)
+
+
+def pad(xp: Any, found_vals: Any, found_rows: Any, k: int) -> tuple[Any, Any]:
+    """(n, k) results from (n, k_sel) ones, k_sel <= k, arrays of module ``xp``: padded with -inf scores and -1 rows."""
+    n_users, k_sel = found_vals.shape
+    if k_sel == k:
+        return found_vals, found_rows
+    vals = xp.full((n_users, k), -np.inf, dtype=np.float32)
+    rows = xp.full((n_users, k), -1, dtype=np.int64)
+    vals[:, :k_sel], rows[:, :k_sel] = found_vals, found_rows
+    return vals, rows
+
+
+def id_lookup(ids: np.ndarray) -> np.ndarray | pa.Array:
+    """Item ids, shape (n_items,), int64 or object (str), in the form :meth:`SearchResult.to_arrow` maps rows through
+    fastest: integers as they are (a NumPy gather), strings as one Arrow array (Arrow's take copies the bytes without
+    the GIL, 3x faster than gathering Python strings and converting them)."""
+    return pa.array(ids, type=pa.string()) if ids.dtype == object else ids
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Exact top-k per user.
+
+    Attributes
+    ----------
+    indices : array of int64, shape (n_users, k)
+        Item row positions, best first; -1 where fewer than k items qualify (padding is always at the end of a row).
+    scores : array of float32, shape (n_users, k)
+        Scores in the engine's metric, best first; -inf where padded.
+    ids : array, shape (n_users, k)
+        ``item_ids[indices]``; the row positions themselves when the engine has no ids. Padded slots hold -1 for
+        signed integer ids, the dtype's maximum for unsigned ones and ``None`` for string ids: test ``indices < 0``
+        to find them.
+
+    ``indices`` and ``scores`` are CuPy arrays when the users were given as device arrays, NumPy arrays otherwise.
+    """
+
+    indices: Any
+    scores: Any
+    ids: Any
+
+    @property
+    def n_users(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.indices.shape[1])
+
+    def to_arrow(self, user_ids: Any = None, item_ids: Any = None) -> pa.Table:
+        """The result as a table ``(user_id, item_ids: list, scores: list<float32>)``, one row per user, padding dropped.
+
+        Parameters
+        ----------
+        user_ids : array-like, shape (n_users,), optional
+            The users' ids, in the order of the searched rows; row positions when omitted.
+        item_ids : np.ndarray or pa.Array, shape (n_items,), optional
+            The items' ids, for a result of an engine built without them (whose ``ids`` are rows): the item column
+            then maps ``indices`` through these, on the host (see :func:`id_lookup` for the fastest form). The
+            Parquet jobs work this way, so that the gather runs on their writer thread, not the searching one.
+
+        Raises
+        ------
+        InputError
+            If ``user_ids`` does not have one entry per user.
+        """
+        n = self.n_users
+        if user_ids is None:
+            user_col = pa.array(np.arange(n, dtype=np.int64))
+        else:
+            user_col = user_ids if isinstance(user_ids, (pa.Array, pa.ChunkedArray)) else pa.array(_to_numpy(user_ids))
+            if len(user_col) != n:
+                raise InputError(f"to_arrow: got {len(user_col)} user ids for {n} result rows")
+        indices = _to_numpy(self.indices)
+        # The item lists' values: the result's ids, or its rows when they are mapped through item_ids below.
+        if item_ids is not None:
+            values = indices
+        else:
+            values = self.ids if isinstance(self.ids, np.ndarray) else _to_numpy(self.ids)
+        scores = _to_numpy(self.scores)
+        rows_per_chunk = max(1, _MAX_LIST_VALUES // max(1, self.k))
+        if n > rows_per_chunk:
+            # Arrow list offsets are 32-bit: build the table in row ranges that each stay under 2^31 values.
+            parts = [SearchResult(indices[s:s + rows_per_chunk], scores[s:s + rows_per_chunk],
+                                  values[s:s + rows_per_chunk]).to_arrow(user_col.slice(s, rows_per_chunk), item_ids)
+                     for s in range(0, n, rows_per_chunk)]
+            return pa.concat_tables(parts)
+        keep = indices >= 0
+        if keep.all():
+            # The common case (no padding): the row-major arrays are the list values as they are, no masking copy.
+            offsets = np.arange(0, n * self.k + 1, self.k, dtype=np.int32) if n else np.zeros(1, np.int32)
+            flat_values, flat_scores = values.reshape(-1), scores.reshape(-1).astype(np.float32, copy=False)
+        else:
+            offsets = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(keep.sum(axis=1), out=offsets[1:])
+            flat_values, flat_scores = values[keep], scores[keep].astype(np.float32, copy=False)
+        if isinstance(item_ids, pa.Array):
+            flat_ids = item_ids.take(pa.array(flat_values))
+        elif item_ids is not None:
+            flat_ids = np.asarray(item_ids)[flat_values]
+        else:
+            flat_ids = flat_values
+        if isinstance(flat_ids, np.ndarray) and flat_ids.dtype == object:
+            flat_ids = pa.array(flat_ids, type=pa.string())
+        item_col = pa.ListArray.from_arrays(pa.array(offsets), flat_ids)
+        score_col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_scores, type=pa.float32()))
+        return pa.table({"user_id": user_col, "item_ids": item_col, "scores": score_col})

@@ -1,0 +1,107 @@
+"""Tiling plans: how a search is cut into user blocks and item segments that fit the memory budget.
+
+A search visits users in blocks and, for each block, the items in segments of ``tiles_per_call`` tiles of
+``item_tile`` rows; one strided-batched GEMM scores a whole segment (the user block is shared by every tile of the
+batch: stride 0), and the segment's scores go straight into the running top-k. This module only plans; the loops
+that run a plan are the backends' (``recall.backends.tiled``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from .errors import ResourceError
+
+
+@dataclass(frozen=True)
+class InterestPlan:
+    """How a block's user rows fold into users, for users with several vectors (``TilePlan.interests``).
+
+    Attributes
+    ----------
+    m : int
+        Interest rows per user (ragged users padded to it).
+    rows : int
+        User rows per user in the block: ``m``, plus the bias rows of l2 + max.
+    aggregate : {"max", "sum"}
+    bias : bool
+        Whether row ``m`` holds each interest's ``||u_i||²/2``, subtracted before the maximum (l2 + max).
+    width : int
+        Items per score tile. The plan's score buffer holds ``item_tile`` floats per user and tile; ``rows`` of
+        them hold the GEMM output and one the reduced scores, so ``width = item_tile // (rows + 1)``.
+    """
+
+    m: int
+    rows: int
+    aggregate: str
+    bias: bool
+    width: int
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    user_block: int
+    item_tile: int
+    tiles_per_call: int
+    workers: int = 1  # blocks searched at once, each holding its own workspace
+    interests: "InterestPlan | None" = None  # several rows per user, reduced to one before the top-k
+
+    def workspace_bytes(self, dim: int, k: int, state_bytes_per_user: int) -> int:
+        """Bytes of working memory the search holds: per worker, the score tiles, the user block and the top-k."""
+        scores = 4 * self.user_block * self.item_tile * self.tiles_per_call
+        users = 4 * self.user_block * dim
+        return self.workers * (scores + users + self.user_block * state_bytes_per_user)
+
+
+def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, preferred: tuple[int, int, int],
+               state_bytes_per_user: int, workers: int = 1) -> TilePlan:
+    """The largest tiling at most ``preferred`` whose workspace fits in ``budget`` bytes.
+
+    Shrinks the number of tiles per call first, then the item tile (to 256), then the user block, then the number
+    of concurrent workers, then the item tile to 1, halving each.
+
+    Raises
+    ------
+    ResourceError
+        If even one user against one item does not fit.
+    """
+    pref_users, pref_tile, pref_tiles = preferred
+    user_block = max(1, min(pref_users, n_users))
+    item_tile = max(1, min(pref_tile, n_items))
+    tiles = max(1, min(pref_tiles, -(-n_items // item_tile)))
+    workers = max(1, min(workers, -(-n_users // user_block)))
+    plan = TilePlan(user_block, item_tile, tiles, workers)
+    while plan.workspace_bytes(dim, k, state_bytes_per_user) > budget:
+        if plan.tiles_per_call > 1:
+            plan = replace(plan, tiles_per_call=plan.tiles_per_call // 2)
+        elif plan.item_tile > 256:
+            plan = replace(plan, item_tile=plan.item_tile // 2)
+        elif plan.user_block > 1:
+            plan = replace(plan, user_block=plan.user_block // 2)
+        elif plan.workers > 1:
+            plan = replace(plan, workers=plan.workers // 2)
+        elif plan.item_tile > 1:
+            plan = replace(plan, item_tile=plan.item_tile // 2)
+        else:
+            need = plan.workspace_bytes(dim, k, state_bytes_per_user)
+            raise ResourceError(
+                f"memory budget of {budget:,} bytes is too small: one user against one item with k={k} and "
+                f"dim={dim} needs {need:,} bytes of workspace"
+            )
+    return plan
+
+
+def item_segments(n_items: int, plan: TilePlan) -> Iterator[tuple[int, int, int]]:
+    """(first item row, tile width, number of tiles) for each GEMM call that covers ``n_items`` rows in order."""
+    start = 0
+    full = plan.item_tile * plan.tiles_per_call
+    while start < n_items:
+        rest = n_items - start
+        if rest >= full:
+            width, tiles = plan.item_tile, plan.tiles_per_call
+        elif rest >= plan.item_tile:
+            width, tiles = plan.item_tile, rest // plan.item_tile
+        else:
+            width, tiles = rest, 1
+        yield start, width, tiles
+        start += width * tiles

@@ -1,0 +1,328 @@
+"""The public, embeddable API: an item matrix prepared once, searched many times.
+
+One query pipeline over the backend protocol (``recall.backends.protocol``): validate the users (once, here),
+transform them for the metric, plan the tiling, let the backend search, pad, finish the scores, map the ids. The
+same code runs on the CPU and the GPU; nothing here asks which one it is.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import backends
+from ..core import metrics
+from ..core.checks import PRECISIONS, check_budget, check_choice, check_k
+from ..core.errors import InputError
+from ..core.exclusions import Exclusions, normalise
+from ..core.options import DEFAULT_OPTIONS, EngineOptions
+from ..core.results import SearchResult, pad
+from ..core.tiling import plan_tiles
+from . import fast, inputs, interests, tuning
+from .candidates import normalise_candidates
+
+log = logging.getLogger("recall")
+
+
+class Engine:
+    """Exact top-k search of users against a resident item matrix.
+
+    Parameters
+    ----------
+    item_vecs : array, shape (n_items, dim)
+        Item embeddings, any real dtype (converted to float32); NumPy, or a device array (CuPy, anything with
+        ``__dlpack__``) for the GPU backend. Uploaded once and kept on the device.
+    ids : array, shape (n_items,), optional
+        Item ids (integers or strings), unique. ``SearchResult.ids`` maps rows to these; row positions when omitted.
+    metric : {"ip", "cosine", "l2"}
+        Inner product, cosine similarity, or negative squared Euclidean distance.
+    device : {"auto", "cpu", "gpu"} or a backend
+        "auto" takes the GPU when one is usable and otherwise falls back to the CPU, saying so once. A backend from
+        ``recall.backends.resolve`` (or another engine's ``backend``) is shared: its streams and workspaces serve
+        both engines, and their results can be merged on the device.
+    memory_budget : int, optional
+        Bytes of working memory a search may use beyond the item matrix and its results; the search is tiled to fit.
+        Default: a quarter of the free memory of the device, at most 1 GiB on the CPU and 8 GiB on a GPU.
+    precision : {"exact", "fast"}
+        "exact" scores in float32 (on a GPU: the fused scoring-and-filtering kernel up to 256 dimensions, else
+        ``cublasSgemmStridedBatched``). "fast" scores float16 inputs on tensor cores, re-ranks k + max(16, k/4)
+        candidates in float32 and proves from an error bound that the answer equals exact mode's, falling back to
+        exact mode for the users where the proof fails (``stats["fallback_users"]``); on the CPU it emulates the
+        same arithmetic and is for testing only (no faster).
+    tune : {"auto", "force", "off"}
+        Tiling: "auto" takes a matching entry of the ``recall tune`` cache, else the backend's heuristic; "force"
+        tunes each new shape on its first search (and caches it); "off" always uses the heuristic.
+    options : EngineOptions, optional
+        Tuning knobs (tiling, CUDA graphs, the fused kernel's geometry...); none changes an answer.
+
+    Raises
+    ------
+    InputError
+        Bad vectors (not 2-d, empty, NaN/Inf), duplicate ids, wrong-length ids, unknown metric, device, precision or
+        tune mode, bad options.
+    BackendUnavailable
+        ``device="gpu"`` and no usable GPU.
+    """
+
+    def __init__(self, item_vecs: Any, ids: Any = None, metric: str = "ip", device: Any = "auto",
+                 memory_budget: int | None = None, precision: str = "exact", tune: str = "auto",
+                 options: EngineOptions | None = None) -> None:
+        self.metric = metrics.check_metric(metric)
+        self.tune_mode = tuning.check_mode(tune)
+        self.precision = check_choice(precision, PRECISIONS, "precision")
+        if options is not None and not isinstance(options, EngineOptions):
+            raise InputError(f"options must be a recall.EngineOptions, got {type(options).__name__}")
+        self.options = options or DEFAULT_OPTIONS
+        budget = check_budget(memory_budget)
+        self.backend = backends.resolve(device)
+        xp = self.backend.xp
+        # Checked and prepared where the engine keeps them: on a GPU after one upload (a host array's checks, norms
+        # included, cost a million-item job a fraction of a second of CPU before its first search).
+        items = inputs.matrix(self.backend, xp, item_vecs, "item_vecs", own=self.metric == "ip")
+        if items.shape[0] < 1:
+            raise InputError("item_vecs: there are no items")
+        self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
+        self.ids = inputs.item_ids(ids, self.n_items)
+        self.memory_budget = budget if budget is not None else self.backend.default_budget()
+        self.item_norm = float(metrics.row_norms(xp, items).max()) if self.metric != "cosine" else 1.0
+        self.prepared_items = metrics.prepare_items(self.metric, xp, items)  # (n_items, scored dim) on the backend
+        self._items = self.backend.load_items(self.prepared_items)
+        self._fast: fast.FastState | None = None
+        self.stats: dict = {}  # what the last search did: blocks, tiling, wall and (GPU) busy seconds
+
+    @property
+    def device(self) -> str:
+        """"cpu" or "gpu": where this engine runs."""
+        return self.backend.name
+
+    @property
+    def resident_items(self) -> Any:
+        """The backend's resident form of the prepared items (what ``Backend.run_blocks`` and ``rescore`` take)."""
+        return self._items
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether :meth:`search_async` returns before the search is done (the device works meanwhile)."""
+        return self.backend.asynchronous
+
+    # -- the query pipeline ---------------------------------------------------------------------------------------
+    def search(self, user_vecs: Any, k: int, exclude: Any = None, aggregate: str | None = None) -> SearchResult:
+        """The exact top-k items for every user, best first; ties go to the lower item row.
+
+        Parameters
+        ----------
+        user_vecs : array, shape (n_users, dim)
+            NumPy, or a device array (CuPy, torch CUDA tensor via ``__dlpack__``) used in place on the GPU. Users
+            with several vectors: an (n_users, n_interests, dim) array, or a list of (n_i, dim) arrays.
+        k : int
+            Items per user, >= 1. Where fewer than k items qualify (k > n_items, exclusions), rows are padded
+            with index -1 and score -inf.
+        exclude : mapping {user_row: iterable of item rows} or (indptr, item_rows) CSR, optional
+            Items never to return to a user; removed before selection, so a user still gets k items if k remain.
+        aggregate : {"max", "sum"}, optional
+            For users with several vectors: an item's score is the max (default) or the sum over the user's
+            interests.
+
+        Returns
+        -------
+        SearchResult
+            CuPy arrays when ``user_vecs`` lived on the GPU, NumPy arrays otherwise.
+
+        Raises
+        ------
+        InputError
+            k < 1, wrong dimension, NaN/Inf, zero vector under cosine, exclusions out of range.
+        ResourceError
+            The memory budget cannot hold even the smallest tile.
+        """
+        if interests.is_multi(user_vecs):
+            return interests.search(self, user_vecs, check_k(k), exclude,
+                                    interests.check_aggregate(aggregate or "max"))
+        if aggregate is not None:
+            interests.check_aggregate(aggregate)
+        return self.search_async(user_vecs, k, exclude).result()
+
+    def search_async(self, user_vecs: Any, k: int, exclude: Any = None) -> "PendingSearch":
+        """Start :meth:`search` and return once the users are handed over, before the results are back.
+
+        Where the engine is :attr:`asynchronous` (a GPU) and the precision exact, the search runs on the device
+        while the caller goes on (reads the next batch, starts the next search: the device then runs one search
+        after the other without a gap); ``result()`` waits for it. ``user_vecs`` and ``exclude`` are copied before
+        this returns, so the caller may reuse them. Elsewhere the search runs here and ``result()`` returns at once.
+        Parameters and errors as for :meth:`search` (errors in the input are raised here; a device failure is raised
+        by ``result()``).
+        """
+        k = check_k(k)
+        xp, users, excl = self._check_users(user_vecs, exclude)
+        prepared = metrics.prepare_users(self.metric, xp, users)
+        k_sel = min(k, self.n_items)
+        host = xp is np
+        if users.shape[0] == 0:
+            vals, rows = xp.full((0, k), -np.inf, dtype=np.float32), xp.full((0, k), -1, dtype=np.int64)
+            return PendingSearch(lambda: self._result(xp, users, vals, rows))
+        if self.precision == "fast":
+            vals, rows = fast.search(self, prepared, k_sel, excl)
+            done = self._result(xp, users, *pad(self.backend.xp, vals, rows, k))
+            return PendingSearch(lambda: done, self.stats)
+        vals = self.backend.empty_out((users.shape[0], k_sel), np.float32, host)
+        rows = self.backend.empty_out((users.shape[0], k_sel), np.int64, host)
+        wait = self.run(prepared, k_sel, excl, vals, rows)
+
+        pending = PendingSearch(None)
+
+        def finish() -> SearchResult:
+            pending.stats = self.stats = wait()
+            return self._result(xp, users, *pad(np if host else self.backend.xp, vals, rows, k))
+
+        pending._finish = finish
+        return pending
+
+    def run(self, users: Any, k: int, excl: Exclusions, out_vals: Any, out_rows: Any, items: Any = None,
+            floor: Any = None, plan: Any = None) -> Callable[[], dict]:
+        """One tiled pass of prepared ``users`` (``metrics.prepare_users``) against resident items (default: the
+        engine's; fast mode passes its float16 copy) into the (n, k) arrays ``out_vals`` / ``out_rows`` (from
+        ``backend.empty_out``; k <= the items' rows); returns the backend's wait (see ``Backend.run_blocks``). The
+        building block of every search mode; ``plan`` replaces the tiling the engine would choose."""
+        items = self._items if items is None else items
+        n_users, dim = users.shape
+        n_items = int(items.shape[0])
+        if plan is not None:
+            return self.backend.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, self.options,
+                                           floor)
+        preferred = self.options.tiles or tuning.preferred_tiles(self, users, k)
+        preferred = (max(preferred[0], self.options.min_user_block), preferred[1], preferred[2])
+        plan = plan_tiles(n_users, n_items, dim, k, self.memory_budget, preferred, self.backend.state_bytes(k),
+                          self.backend.workers)
+        return self.backend.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, self.options,
+                                       floor)
+
+    def _check_users(self, user_vecs: Any, exclude: Any) -> tuple[Any, Any, Exclusions]:
+        """(array module, validated users, normalised exclusions) of a single-vector search."""
+        xp = self.backend.module_of(user_vecs)
+        users = inputs.matrix(self.backend, xp, user_vecs, "user_vecs", self.dim)
+        inputs.check_overflow(xp, metrics.row_norms(xp, users), self.item_norm, self.metric, lambda r: f"row {r}")
+        return xp, users, normalise(exclude, int(users.shape[0]), self.n_items)
+
+    def check_users(self, user_vecs: Any) -> None:
+        """Raise what :meth:`search` would raise for these users (dimension, NaN/Inf, float32 overflow)."""
+        self._check_users(user_vecs, None)
+
+    def _result(self, xp: Any, users: Any, vals: Any, rows: Any) -> SearchResult:
+        """The SearchResult of inner-product (vals, rows): on the host for host users, in the engine's metric."""
+        if xp is np:
+            vals, rows = self.backend.to_host(vals), self.backend.to_host(rows)
+        vals = metrics.finish_scores(self.metric, xp, vals, users)
+        return SearchResult(indices=rows, scores=vals, ids=self.map_ids(rows))
+
+    def map_ids(self, rows: Any) -> Any:
+        """Item ids of item rows (n, k) (-1, or the largest unsigned id, where padded); the rows themselves when the
+        engine has no ids. Host rows give host ids; device rows give device ids (integers) or host ids (strings)."""
+        if self.ids is None:
+            return rows
+        host_rows = self.backend.to_host(rows)
+        if self.ids.dtype == object:
+            out = np.empty(host_rows.shape, dtype=object)
+            valid = host_rows >= 0
+            out[valid] = self.ids[host_rows[valid]]
+            return out
+        out = self.ids[np.maximum(host_rows, 0)]
+        out[host_rows < 0] = np.iinfo(out.dtype).max if out.dtype.kind == "u" else -1
+        return out if host_rows is rows else self.backend.xp.asarray(out)
+
+    # -- re-scoring -----------------------------------------------------------------------------------------------
+    def rescore(self, user_vecs: Any, candidates: Any, k: int) -> SearchResult:
+        """Each user's exact top-k among its own candidate items, best first; ties go to the lower item row.
+
+        Parameters
+        ----------
+        user_vecs : array, shape (n_users, dim)
+            As for :meth:`search` (NumPy, or a device array used in place on the GPU).
+        candidates : (indptr, item_rows) CSR, a list of n_users integer arrays, or an (n_users, width) matrix
+            Item rows per user: ``item_rows[indptr[u]:indptr[u+1]]``, ``candidates[u]`` or row ``u``; any length,
+            any order, duplicates count once. Host arrays, or device arrays on a GPU engine (read in place).
+        k : int
+            Items per user, >= 1; rows are padded with (-1, -inf) where a user has fewer than k distinct candidates.
+
+        Returns
+        -------
+        SearchResult
+            As :meth:`search` returns it, in the engine's metric.
+
+        Raises
+        ------
+        InputError
+            k < 1, bad vectors, a malformed candidate structure, or an item row out of range (naming user and row).
+        """
+        import time
+
+        k = check_k(k)
+        xp, users, _ = self._check_users(user_vecs, None)
+        cands = normalise_candidates(candidates, int(users.shape[0]), self.n_items, self.backend)
+        wall = time.perf_counter()
+        path = "none"
+        if users.shape[0] and cands.nnz:
+            vals, rows, path = self.backend.rescore(metrics.prepare_users(self.metric, xp, users), self._items,
+                                                    cands.indptr, cands.rows, k, self.memory_budget, self.options)
+        else:
+            vals = xp.full((users.shape[0], k), -np.inf, dtype=np.float32)
+            rows = xp.full((users.shape[0], k), -1, dtype=np.int64)
+        self.stats = {"rescore_path": path, "users": int(users.shape[0]), "candidates": cands.nnz,
+                      "wall_s": time.perf_counter() - wall}
+        return self._result(xp, users, vals, rows)
+
+    # -- searches of a part of the items, merged on the backend (the job runner's search while items load) ---------
+    def search_topk(self, user_vecs: Any, k: int, floor: Any = None) -> "TopK":
+        """Queue an exact search of host users whose results stay on the backend, in inner-product space (the
+        metric's order, per user): (n, min(k, n_items)) arrays being filled. ``floor``: backend float32 (n,), a
+        score per user at or below which no item need be returned (the k-th best of items searched before)."""
+        k = check_k(k)
+        xp, users, excl = self._check_users(user_vecs, None)
+        prepared = metrics.prepare_users(self.metric, xp, users)
+        k_sel = min(k, self.n_items)
+        vals = self.backend.empty_out((users.shape[0], k_sel), np.float32, False)
+        rows = self.backend.empty_out((users.shape[0], k_sel), np.int64, False)
+        return TopK(vals, rows, self.run(prepared, k_sel, excl, vals, rows, floor=floor))
+
+    def merge_topk(self, best: "TopK | None", part: "TopK", row_offset: int, k: int) -> "TopK":
+        """The best ``k`` per user of ``best`` (item rows of this engine's numbering) and ``part`` (whose rows start at
+        ``row_offset``), on the backend, queued after both; ``part`` must come from an engine sharing this backend."""
+        parts = [(part.vals, part.rows, row_offset)]
+        if best is not None:
+            parts.insert(0, (best.vals, best.rows, 0))
+        vals, rows = self.backend.merge(parts, k)
+        return TopK(vals, rows, part.wait)
+
+    def finish_topk(self, best: "TopK", users: Any) -> SearchResult:
+        """The SearchResult of merged (inner-product) results of host ``users``: host arrays, the metric's scores,
+        item rows as ids (the engine's ids are not applied: the caller maps rows)."""
+        vals, rows = self.backend.to_host(best.vals), self.backend.to_host(best.rows)
+        return SearchResult(indices=rows, scores=metrics.finish_scores(self.metric, np, vals, users), ids=rows)
+
+
+@dataclass
+class TopK:
+    """Results on the backend in inner-product space, best first: ``vals`` (n, k) float32 and ``rows`` (n, k) int64,
+    being filled until ``wait()`` (the backend's wait of the search that fills them) returns."""
+
+    vals: Any
+    rows: Any
+    wait: Callable[[], dict]
+
+
+class PendingSearch:
+    """A search started by :meth:`Engine.search_async`; :meth:`result` waits for it (once) and returns it.
+    ``stats`` holds what the search did (as ``Engine.stats``) once it is done."""
+
+    def __init__(self, finish: Callable[[], SearchResult] | None, stats: dict | None = None) -> None:
+        self._finish = finish
+        self._result: SearchResult | None = None
+        self.stats: dict = stats or {}
+
+    def result(self) -> SearchResult:
+        if self._result is None:
+            self._result = self._finish()
+            self._finish = None
+        return self._result

@@ -1,0 +1,100 @@
+"""Validation of the engine's array inputs, once, at the boundary: shapes, dtypes, finiteness, ids, overflow."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import InputError
+
+#: Largest score magnitude we let the float32 arithmetic reach: a margin under float32's 3.4e38 keeps every partial
+#: sum of the GEMM (bounded by |u|·|v|, Cauchy-Schwarz) and the l2 expansion finite.
+SCORE_LIMIT = 1e37
+
+
+def _host(arr: Any) -> np.ndarray:
+    """A NumPy view or copy of ``arr`` (device arrays are copied to the host)."""
+    return np.asarray(arr.get() if hasattr(arr, "get") and not isinstance(arr, np.ndarray) else arr)
+
+
+def check_kind(arr: Any, what: str) -> None:
+    """InputError unless ``arr`` holds real numbers."""
+    kind = getattr(getattr(arr, "dtype", None), "kind", "f")
+    if kind not in "fiu":
+        raise InputError(f"{what}: expected real numbers, got dtype {arr.dtype}")
+
+
+def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, own: bool = False) -> Any:
+    """``arr`` as a C-contiguous float32 (n, dim) array of module ``xp`` (the backend's own, or NumPy), checked:
+    2-d, real, the expected dimension, finite (the first bad row named). ``own``: never the caller's memory."""
+    shape = getattr(arr, "shape", None)
+    if shape is None:
+        arr = np.asarray(arr)
+        shape = arr.shape
+    if len(shape) != 2:
+        raise InputError(f"{what}: expected a 2-d (n, dim) array, got shape {tuple(shape)}")
+    check_kind(arr, what)
+    if dim is not None and shape[1] != dim:
+        raise InputError(f"{what}: dimension {shape[1]} does not match the items' dimension {dim}")
+    if shape[1] < 1:
+        raise InputError(f"{what}: vectors have dimension 0")
+    if xp is np:
+        host = _host(arr)
+        out = np.array(host, dtype=np.float32, order="C", copy=True) if own else \
+            np.ascontiguousarray(host, dtype=np.float32)
+    else:
+        out = backend.ingest(arr)
+        if own and getattr(out, "data", None) is not None and _same_memory(out, arr):
+            out = out.copy()
+    finite = xp.isfinite(out).all(axis=1)
+    if not bool(finite.all()):
+        row = int(xp.argmax(~finite))
+        raise InputError(f"{what}: row {row} has a NaN or infinite value")
+    return out
+
+
+def _same_memory(out: Any, arr: Any) -> bool:
+    """Whether a backend array ``out`` starts where the caller's device array ``arr`` does (both device arrays)."""
+    try:
+        src = arr.__cuda_array_interface__["data"][0] if hasattr(arr, "__cuda_array_interface__") else None
+    except (AttributeError, KeyError, TypeError):
+        src = None
+    if src is None and hasattr(arr, "data_ptr"):  # torch tensors
+        src = arr.data_ptr()
+    return src is not None and int(out.data.ptr) == int(src)
+
+
+def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
+    """Item ids (n_items,) as a host array (object for strings), checked: one per row, unique."""
+    if ids is None:
+        return None
+    ids = np.array(_host(ids), copy=True)
+    if ids.shape != (n_items,):
+        raise InputError(f"ids: expected {n_items} ids (one per item row), got shape {ids.shape}")
+    if ids.dtype.kind in "US":
+        ids = ids.astype(object)
+    order = np.argsort(ids, kind="stable")
+    ranked = ids[order]
+    repeat = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1
+    if repeat.size:
+        # Name the first row (in file order) that repeats an earlier id, and that id's first row.
+        second = int(order[repeat].min())
+        first = int(np.flatnonzero(ids == ids[second])[0])
+        dup = ids[second].item() if hasattr(ids[second], "item") else ids[second]
+        raise InputError(f"ids: duplicate item id {dup!r} at rows {first} and {second}")
+    return ids
+
+
+def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: Any) -> None:
+    """Refuse user vectors whose scores could overflow float32 (they would come out as +-inf or NaN and be lost).
+
+    norms : (n,) float64 bound on each user's |u| (times its interest count for a sum); ``where(row)`` names a
+    row in the message."""
+    if metric == "cosine" or norms.shape[0] == 0:
+        return
+    per = (norms + item_norm) ** 2 if metric == "l2" else norms * item_norm
+    row = int(xp.argmax(per))
+    if float(per[row]) > SCORE_LIMIT:
+        raise InputError(f"user_vecs: {where(row)} has norm {float(norms[row]):.3g} and the largest item norm is "
+                         f"{item_norm:.3g}: metric {metric!r} scores could overflow float32; rescale the vectors")
+

@@ -1,0 +1,184 @@
+"""Parquet files of (user id, item id) pairs -> CSR over user rows: exclusions and re-scoring candidates, one reader.
+
+A pairs file has a ``user_id`` column and either an ``item_id`` column (one pair per row) or an ``item_ids`` list
+column (a user's items on one row; a user may have several rows). Other columns are ignored. Id types must match the
+embeddings' (integers with integers, strings with strings). Ids are checked batch by batch and looked up once per
+column (one hash table of the embeddings' ids, in Arrow, no per-row Python); pairs naming an id that is not in the
+embedding files are skipped and counted. The pairs are then grouped by user with a linear counting sort
+(:func:`recall.core.exclusions.group`): for exclusions each user's rows sorted and unique, for candidates in file
+order (the engine counts a duplicate once).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..core import exclusions
+from ..core.errors import InputError
+from .parquet import (INT64_MAX, READ_BATCH_ROWS, column_names, first_true, flatten_id_lists, iter_batches, lookup,
+                      match_type, open_parquet)
+
+
+@dataclass(frozen=True)
+class IdPairs:
+    """Pairs mapped to rows, as CSR over the users' rows.
+
+    Attributes
+    ----------
+    indptr : np.ndarray of int64, shape (n_users + 1,)
+    item_rows : np.ndarray of int64, shape (nnz,)
+        User ``u``'s items are ``item_rows[indptr[u]:indptr[u + 1]]`` (sorted and unique for exclusions, file order
+        for candidates).
+    named : np.ndarray of bool, shape (n_users,)
+        Users the file names with a known user id (a candidates file gives each of them an output row, even when
+        none of its item ids is known).
+    n_pairs : int
+        Pairs in the file (list form: list elements).
+    n_unknown : int
+        Of those, pairs skipped because their user id or item id is not in the embedding files.
+    """
+
+    indptr: np.ndarray
+    item_rows: np.ndarray
+    named: np.ndarray
+    n_pairs: int
+    n_unknown: int
+
+    @property
+    def n_users(self) -> int:
+        return int(self.indptr.size - 1)
+
+    def block(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """The CSR ``(indptr, item_rows)`` of users ``start:stop``, re-based so user ``start`` is row 0: the form
+        ``Engine.search(exclude=...)`` and ``Engine.rescore`` take."""
+        ptr = self.indptr[start:stop + 1]
+        return ptr - ptr[0], self.item_rows[ptr[0]:ptr[-1]]
+
+    def csr(self) -> tuple[np.ndarray, np.ndarray]:
+        """The CSR pair over all users (see :meth:`block`)."""
+        return self.indptr, self.item_rows
+
+    def take(self, rows: np.ndarray) -> "IdPairs":
+        """The pairs of user rows ``rows`` (-1: a user with none), as CSR over them, in that order."""
+        indptr, items = exclusions.take(self.indptr, self.item_rows, rows)
+        named = np.where(rows >= 0, self.named[np.maximum(rows, 0)], False) if self.named.size else \
+            np.zeros(rows.size, bool)
+        return IdPairs(indptr, items, named, int(items.size), 0)
+
+
+def pairs_column(pf: pq.ParquetFile, path: str, what: str) -> str:
+    """"item_id" (one pair per row) or "item_ids" (a list per row): which form a pairs file has. InputError naming
+    the columns found and expected."""
+    schema = pf.schema_arrow
+    names = set(schema.names)
+    has_pair, has_list = "item_id" in names, "item_ids" in names
+    if "user_id" not in names or has_pair == has_list:
+        raise InputError(
+            f"{path}: {what} columns are {column_names(schema)}; expected 'user_id' with 'item_id' "
+            f"(one pair per row) or 'user_id' with 'item_ids' (a list of item ids per row)"
+        )
+    if has_list:
+        t = schema.field("item_ids").type
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+            raise InputError(f"{path}: column 'item_ids' has type {t}, expected a list of item ids")
+    return "item_id" if has_pair else "item_ids"
+
+
+def inspect_pairs(path: str | os.PathLike, what: str = "exclusion") -> str:
+    """Open a pairs file and check its columns without reading rows; returns "item_id" or "item_ids".
+
+    Raises
+    ------
+    InputError
+        Unreadable or not Parquet; columns other than the two accepted forms.
+    """
+    path = os.fspath(path)
+    return pairs_column(open_parquet(path, f"{what}s"), path, what)
+
+
+def read_pairs(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.ndarray, *, what: str = "exclusion",
+               sort_unique: bool = True) -> IdPairs:
+    """Read a pairs Parquet file and map its ids to user and item rows, as CSR over the users.
+
+    Parameters
+    ----------
+    path : str or PathLike
+    user_ids : np.ndarray, shape (n_users,)
+        The users' ids in file order (int64 or object/str), as ``read_ids`` returns them.
+    item_ids : np.ndarray, shape (n_items,)
+        The items' ids in file order.
+    what : str
+        "exclusion" or "candidate": how messages name the file's rows.
+    sort_unique : bool
+        Sort each user's item rows and drop repeats (exclusions); False keeps file order (candidates).
+
+    Raises
+    ------
+    InputError
+        Bad file; neither or both of ``item_id`` / ``item_ids``, or no ``user_id`` (the message names the columns
+        found and expected); a null id, list or list element (naming the row); id types that do not match the
+        embeddings'.
+    """
+    path = os.fspath(path)
+    user_ids, item_ids = np.asarray(user_ids), np.asarray(item_ids)
+    pf = open_parquet(path, f"{what}s")
+    col = pairs_column(pf, path, what)
+    has_list = col == "item_ids"
+    user_parts, item_parts, length_parts = [], [], []
+    row = 0
+    for batch in iter_batches(pf, path, ["user_id", col], READ_BATCH_ROWS):
+        users, items = batch.column(0), batch.column(1)
+        for c, name in ((users, "user_id"), (items, col)):
+            if c.null_count:
+                raise InputError(f"{path}: row {row + first_true(c.is_null().to_numpy(zero_copy_only=False))} "
+                                 f"has a null {name}")
+        user_parts.append(match_type(path, "user_id", users, user_ids, "users'", row))
+        if has_list:
+            items, lengths = flatten_id_lists(path, items, row)
+            length_parts.append(lengths)
+        item_parts.append(match_type(path, col, items, item_ids, "items'", row))
+        row += batch.num_rows
+    empty = np.zeros(0, np.int64)
+    row_users = lookup(pa.chunked_array(user_parts), user_ids) if user_parts else empty
+    pair_users = np.repeat(row_users, np.concatenate(length_parts)) if length_parts else row_users
+    pair_items = lookup(pa.chunked_array(item_parts), item_ids) if item_parts else empty
+    known = (pair_users >= 0) & (pair_items >= 0)
+    n_pairs = int(pair_users.size)
+    named = np.zeros(user_ids.size, bool)
+    named[row_users[row_users >= 0]] = True
+    indptr, rows = exclusions.group(pair_users[known], pair_items[known], int(user_ids.size), sort_unique)
+    return IdPairs(indptr, rows, named, n_pairs, n_pairs - int(known.sum()))
+
+
+def distinct_users(path: str | os.PathLike, want_strings: bool) -> np.ndarray:
+    """The distinct user ids a pairs file names, as int64 or object (str): the keys of a pairs index that needs no
+    users file (the batch job's exclusions, cut per shard). An unreadable file or a type mismatch gives no keys:
+    :func:`read_pairs` then reads the file again and names the problem (file, row, column)."""
+    empty = np.zeros(0, object if want_strings else np.int64)
+    try:
+        col = pq.read_table(os.fspath(path), columns=["user_id"]).column("user_id").combine_chunks()
+    except (pa.ArrowException, OSError, KeyError):
+        return empty
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    col = pc.unique(col.drop_null())
+    t = col.type
+    if want_strings and (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)):
+        return col.cast(pa.string()).to_numpy(zero_copy_only=False).astype(object)
+    if not want_strings and pa.types.is_integer(t):
+        if pa.types.is_uint64(t):
+            col = col.filter(pc.less_equal(col, pa.scalar(INT64_MAX, pa.uint64())))
+        return col.cast(pa.int64()).to_numpy(zero_copy_only=False)
+    return empty
+
+
+def rows_of(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The position of each of ``ids`` in ``keys`` (-1 where absent): a hash lookup in Arrow."""
+    if keys.size == 0 or ids.size == 0:
+        return np.full(ids.size, -1, np.int64)
+    return lookup(pa.array(ids, type=pa.string() if keys.dtype == object else pa.int64()), keys)

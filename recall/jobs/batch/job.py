@@ -1,0 +1,484 @@
+"""``recall batch``: the nightly job. A directory (or glob) of user Parquet shards in, one candidates file per shard out.
+
+Sharded, resumable, idempotent:
+
+- every output is written under a temporary name and renamed into place when complete (``CandidateWriter``);
+- ``OUT_DIR/_manifest.json`` records the job and every finished shard (:mod:`.outdir`), rewritten atomically after
+  every finished shard, by the parent process only;
+- a rerun of the same command skips the shards whose output exists and matches the manifest's size and sha256, and
+  redoes the others; a different job (other parameters, item file, exclusions or users) into the same directory is
+  refused unless ``overwrite``;
+- ``_SUCCESS`` is written last, and removed first whenever anything has to be (re)done;
+- Parquet bytes are deterministic (fixed row groups, no timestamps): a run killed at any moment and run again gives
+  the same bytes as an uninterrupted run, with the same code, device and tiling (see :func:`run_batch`).
+
+Each worker (this process, a process per GPU, or a Ray actor; :mod:`recall.jobs.executors`) loads and prepares the
+items once in a :class:`~.worker.ShardScorer` and streams shards through it. The parent owns the manifest, the
+metrics file (``_metrics.json``), the progress display and ``_SUCCESS``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...core import metrics as _metrics
+from ...core.checks import DEVICES, check_budget, check_choice, check_int, check_k
+from ...core.errors import InputError
+from ...io import atomic, inspect_embeddings, inspect_pairs
+from .. import executors
+from ..options import DEFAULT_JOB_OPTIONS, JobOptions
+from . import outdir
+from .outdir import MANIFEST, METRICS, SUCCESS
+from .shards import Shard, discover_shards, fingerprint_full, inspect_shards
+from .worker import JobSpec, ShardResult, ShardTask, WorkerInfo
+
+log = logging.getLogger("recall")
+
+ENGINES = ("local", "ray")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class BatchProgress:
+    """What :func:`run_batch` reports while it runs; the CLI draws it. Methods may be called from worker threads."""
+
+    def begin(self, shards: int, users: int) -> None:
+        """Work is about to start: ``shards`` shards holding ``users`` users to score."""
+
+    def workers_ready(self, n: int) -> None:
+        """``n`` workers have loaded the items."""
+
+    def users(self, n: int) -> None:
+        """``n`` more users were written."""
+
+    def shard_done(self, done: int, total: int) -> None:
+        """A shard finished: ``done`` of ``total`` in this run."""
+
+    def end(self) -> None:
+        """The run is over (success or failure)."""
+
+
+@dataclass
+class BatchSummary:
+    """What :func:`run_batch` did.
+
+    Attributes
+    ----------
+    shards_total : int
+        Shards in the input.
+    shards_skipped : int
+        Already done (verified against the manifest), not recomputed.
+    shards_scored : int
+        Scored in this run.
+    users_scored : int
+        Users in the shards scored in this run.
+    users_total : int
+        Users in all shards.
+    seconds : float
+        Wall time of this run, from the call to the end.
+    engine, device : str
+        "local" or "ray"; "cpu" or "gpu" ("" when nothing had to be done).
+    workers : int
+    out_dir : str
+    exclusion_pairs, unknown_exclusions : int
+        Pairs in the exclusions file; of those, pairs naming an item id the items file does not have (ignored).
+    """
+
+    shards_total: int
+    shards_skipped: int
+    shards_scored: int
+    users_scored: int
+    users_total: int
+    seconds: float
+    engine: str
+    device: str
+    workers: int
+    out_dir: str
+    n_items: int = 0
+    k: int = 0
+    metric: str = ""
+    exclusion_pairs: int = 0
+    unknown_exclusions: int = 0
+    notices: list[str] = field(default_factory=list)
+    worker_infos: list[WorkerInfo] = field(default_factory=list)
+
+    @property
+    def users_per_s(self) -> float:
+        return self.users_scored / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        """The one-line summary the CLI prints."""
+        if self.shards_scored == 0:
+            return (f"batch: all {self.shards_total:,} shard{'s' if self.shards_total != 1 else ''} "
+                    f"({self.users_total:,} users) already done and verified, nothing to do -> {self.out_dir}")
+        skipped = f", {self.shards_skipped:,} already done" if self.shards_skipped else ""
+        return (f"batch: {self.shards_scored:,} of {self.shards_total:,} shards scored{skipped}; "
+                f"{self.users_scored:,} users x {self.n_items:,} items, k {self.k}, metric {self.metric}, "
+                f"{self.workers} {self.device} worker{'s' if self.workers != 1 else ''} ({self.engine}) in "
+                f"{self.seconds:.2f} s ({self.users_per_s:,.0f} users/s) -> {self.out_dir}")
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """Everything :func:`run_batch` was asked, validated (see its parameters)."""
+
+    users: str
+    items_path: str
+    exclude_path: str | None
+    out: Path
+    out_label: str
+    k: int
+    metric: str
+    id_col: str
+    vec_col: str
+    device: str
+    gpus: int | str | None
+    workers: int | None
+    engine: str
+    ray_address: str | None
+    overwrite: bool
+    batch_size: int | None
+    memory_budget: int | None
+    options: JobOptions
+    after_batch: Callable[[], None] | None = None
+
+    def job(self, shards: list[Shard]) -> dict:
+        """The manifest's description of the job: what decides every output row."""
+        return {
+            "k": self.k, "metric": self.metric, "id_col": self.id_col, "vec_col": self.vec_col,
+            "items": fingerprint_full(self.items_path),
+            "exclude": fingerprint_full(self.exclude_path) if self.exclude_path is not None else None,
+            "shards": {s.name: s.fingerprint() for s in shards},
+        }
+
+    def spec(self, user_id_type: str) -> JobSpec:
+        return JobSpec(items_path=self.items_path, exclude_path=self.exclude_path, k=self.k, metric=self.metric,
+                       id_col=self.id_col, vec_col=self.vec_col, user_id_type=user_id_type,
+                       batch_size=self.batch_size, memory_budget=self.memory_budget, options=self.options,
+                       after_batch=self.after_batch)
+
+
+class _Job:
+    """The parent's bookkeeping while workers run: the manifest, ``_metrics.json`` and progress, all under one lock
+    (the in-process executor reports from the runner's writer thread)."""
+
+    def __init__(self, out_dir: Path, manifest: dict, metrics: dict, progress: BatchProgress, n_todo: int,
+                 say: Callable[[str], None], t_start: float) -> None:
+        self.out_dir, self.manifest, self.metrics, self.progress = out_dir, manifest, metrics, progress
+        self.n_todo, self.say, self.t_start = n_todo, say, t_start
+        # How the outputs kept from earlier runs were computed: a resume that computes differently is said once.
+        self.earlier = {outdir.numerics(e) for e in manifest["outputs"].values()}
+        self.warned_numerics = False
+        self.done = 0
+        self.users_done = 0
+        self.lock = threading.Lock()
+        self.t0 = time.perf_counter()
+        self.workers: list[WorkerInfo] = []
+
+    def worker_ready(self, info: WorkerInfo) -> None:
+        with self.lock:
+            self.workers.append(info)
+            self.metrics["workers"] = [{key: round(v, 4) if isinstance(v, float) else v
+                                        for key, v in asdict(w).items()} for w in self.workers]
+            atomic.write_json(self.out_dir / METRICS, self.metrics)
+            n = len(self.workers)
+        self.progress.workers_ready(n)
+
+    def users(self, n: int) -> None:
+        self.progress.users(n)
+
+    def shard_done(self, result: ShardResult) -> None:
+        now = outdir.numerics(asdict(result))
+        if self.earlier and not self.warned_numerics and self.earlier != {now}:
+            self.warned_numerics = True
+            self.say(f"shards kept from earlier runs were computed with {outdir.describe_numerics(self.earlier)}, "
+                     f"this run uses {outdir.describe_numerics({now})}: every list is still the exact top-k, but "
+                     f"scores may differ in the last bits from a single uninterrupted run")
+        with self.lock:
+            self.manifest["outputs"][result.name] = {
+                "rows": result.rows, "bytes": result.bytes, "sha256": result.sha256, "device": result.device,
+                "batch_size": result.batch_size, "memory_budget": result.memory_budget,
+                "exclusions_applied": result.exclusions_applied,
+            }
+            self.manifest["shards_done"] = len(self.manifest["outputs"])
+            atomic.write_json(self.out_dir / MANIFEST, self.manifest)
+            self.done += 1
+            self.users_done += result.rows
+            entry = {key: round(v, 4) if isinstance(v, float) else v for key, v in asdict(result).items()
+                     if key != "name"}
+            entry["users_per_s"] = round(result.users_per_s, 1)
+            self.metrics["shards"][result.name] = entry
+            self._update_totals()
+            atomic.write_json(self.out_dir / METRICS, self.metrics)
+            done = self.done
+        self.progress.shard_done(done, self.n_todo)
+
+    def _update_totals(self) -> None:
+        seconds = time.perf_counter() - self.t0
+        job = self.metrics["job"]
+        job.update(seconds=round(seconds, 3), wall_s=round(time.perf_counter() - self.t_start, 3),
+                   shards_scored=self.done, users_scored=self.users_done,
+                   users_per_s=round(self.users_done / seconds, 1) if seconds > 0 else 0.0,
+                   items_load_s_max=max((w.items_load_s for w in self.workers), default=0.0))
+
+    def finish(self, status: str, notices: list[str], error: str | None = None) -> None:
+        with self.lock:
+            self._update_totals()
+            self.metrics["job"].update(status=status, finished_at=_now(), notices=list(notices))
+            if error is not None:
+                self.metrics["job"]["error"] = error
+            atomic.write_json(self.out_dir / METRICS, self.metrics)
+
+
+def parse_gpus(value: Any) -> int | str | None:
+    """``--gpus``: None, "all", or an integer >= 1 (also given as text).
+
+    Raises
+    ------
+    InputError
+        Anything else.
+    """
+    if value is None or value == "all":
+        return value
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if isinstance(value, bool) or n < 1 or (isinstance(value, str) and not value.strip().isdigit()):
+        raise InputError(f"--gpus must be 'all' or an integer >= 1, got {value!r}")
+    return n
+
+
+def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str | os.PathLike, k: int, *,
+              metric: str = "ip", exclude: str | os.PathLike | None = None, id_col: str = "id",
+              vec_col: str = "embedding", device: str = "auto", gpus: int | str | None = None,
+              workers: int | None = None, engine: str = "local", ray_address: str | None = None,
+              overwrite: bool = False, batch_size: int | None = None, memory_budget: int | None = None,
+              progress: BatchProgress | None = None, notice: Callable[[str], None] | None = None,
+              options: JobOptions | None = None, after_batch: Callable[[], None] | None = None) -> BatchSummary:
+    """Score every user shard of ``users`` against ``items`` into ``out_dir``: one candidates file per shard,
+    resumable, idempotent (see the module docstring).
+
+    Parameters
+    ----------
+    users : str or PathLike
+        A directory of user embedding Parquet files (``*.parquet``, not recursive), a glob pattern, or one file.
+    items : str or PathLike
+        The item embedding Parquet file.
+    out_dir : str or PathLike
+        Created if missing. Holds ``<shard name>`` per input shard, ``_manifest.json``, ``_metrics.json``,
+        ``_SUCCESS``.
+    k : int
+    metric : {"ip", "cosine", "l2"}
+    exclude : str or PathLike, optional
+        Exclusion pairs (as for ``recall score``), applied to every shard.
+    id_col, vec_col : str
+    device : {"auto", "cpu", "gpu"}
+    gpus : int, "all" or None
+        GPU workers (one process, or Ray actor, per GPU). Ignored, with a notice, on the CPU.
+    workers : int, optional
+        CPU workers (processes pinned to disjoint cores, or Ray actors); default 1. Ignored on GPUs.
+    engine : {"local", "ray"}
+    ray_address : str, optional
+        ``ray.init(address=...)``: "auto", "ray://head:10001", ...; default: a local Ray (or ``RAY_ADDRESS``).
+    overwrite : bool
+        Discard what ``out_dir`` holds (the outputs its manifest lists, and files named like this job's outputs)
+        and compute every shard again. Without it, a directory holding another job's output, or files recall batch
+        did not write, is refused.
+    batch_size : int, optional
+    memory_budget : int, optional
+    progress : BatchProgress, optional
+    notice : callable ``(message) -> None``, optional
+        Receives notices (ignored options, redone shards); default: the ``recall`` logger at WARNING.
+    options : JobOptions, optional
+    after_batch : callable, optional
+        Run in each worker after every batch it writes (a module-level function, so that it reaches worker
+        processes and Ray actors): to pace a job, or observe it.
+
+    Returns
+    -------
+    BatchSummary
+
+    Raises
+    ------
+    InputError
+        Bad arguments, inputs (named), or an ``out_dir`` that holds something else (use ``overwrite``).
+    ResourceError, BackendUnavailable
+        As :class:`recall.Engine`.
+    BatchError
+        A worker failed for a reason that is not the input's; rerun to resume.
+
+    Notes
+    -----
+    Byte-for-byte equal outputs between a resumed and an uninterrupted run need the same recall and pyarrow
+    versions, the same device model, and the same tiling: the same ``batch_size`` and ``memory_budget`` (the default
+    budget is a share of free memory, capped; it only varies when memory is short). The manifest records, per output,
+    the device, batch size and budget it was computed with.
+    """
+    t_start = time.perf_counter()
+    notices: list[str] = []
+
+    def say(msg: str) -> None:
+        notices.append(msg)
+        (notice or log.warning)(msg)
+
+    req = _request(users, items, out_dir, k, metric, exclude, id_col, vec_col, device, gpus, workers, engine,
+                   ray_address, overwrite, batch_size, memory_budget, options, after_batch)
+    files = discover_shards(users)
+    # Cheap checks first (footers only), so that a typo costs no item read and touches no output.
+    items_info = inspect_embeddings(req.items_path, id_col, vec_col)
+    if items_info.n_rows == 0:
+        raise InputError(f"{req.items_path}: the file has no rows, at least one is required")
+    if req.exclude_path is not None:
+        inspect_pairs(req.exclude_path, "exclusion")
+    shards = inspect_shards(files, id_col, vec_col, items_info.dim, req.items_path)
+    _prepare_out_dir(req, shards)
+    with outdir.lock(req.out):
+        return _run_locked(req, shards, progress or BatchProgress(), say, notices, t_start)
+
+
+def _request(users: Any, items: Any, out_dir: Any, k: Any, metric: str, exclude: Any, id_col: str, vec_col: str,
+             device: str, gpus: Any, workers: Any, engine: str, ray_address: str | None, overwrite: bool,
+             batch_size: Any, memory_budget: Any, options: JobOptions | None,
+             after_batch: Callable[[], None] | None) -> BatchRequest:
+    """The arguments of :func:`run_batch`, validated."""
+    k = check_k(k)
+    _metrics.check_metric(metric)
+    check_choice(device, DEVICES, "device")
+    check_choice(engine, ENGINES, "engine")
+    if workers is not None:
+        check_int(workers, "--workers")
+    if batch_size is not None:
+        check_int(batch_size, "--batch-size")
+    if ray_address is not None and engine != "ray":
+        raise InputError("--ray-address needs --engine ray")
+    return BatchRequest(
+        users=os.fspath(users), items_path=os.fspath(items),
+        exclude_path=os.fspath(exclude) if exclude is not None else None, out=Path(out_dir).absolute(),
+        out_label=os.fspath(out_dir), k=k, metric=metric, id_col=id_col, vec_col=vec_col, device=device,
+        gpus=parse_gpus(gpus), workers=workers, engine=engine, ray_address=ray_address, overwrite=overwrite,
+        batch_size=batch_size, memory_budget=check_budget(memory_budget, "--memory-budget"),
+        options=options or DEFAULT_JOB_OPTIONS, after_batch=after_batch)
+
+
+def _prepare_out_dir(req: BatchRequest, shards: list[Shard]) -> None:
+    """Create ``--out`` (refusing one that holds an input or cannot be written)."""
+    out = req.out
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{req.out_label}: exists and is not a directory")
+    for p in [req.items_path, req.exclude_path, *(s.path for s in shards)]:
+        if p is not None and Path(p).absolute().parent == out:
+            raise InputError(f"{p}: is inside the output directory {req.out_label}; outputs are named after the "
+                             f"user shards and would overwrite or mix with inputs; choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{req.out_label}: cannot create the output directory: {exc.strerror or exc}") from exc
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise InputError(f"{req.out_label}: the output directory is not writable")
+
+
+def _resume(req: BatchRequest, shards: list[Shard], job: dict, say: Callable[[str], None]) -> dict[str, dict]:
+    """What the directory already holds of this job (verified outputs, by shard name); refuses another job's
+    directory, and starts over with ``overwrite``."""
+    out, names = req.out, {s.name for s in shards}
+    old = outdir.read_manifest(out / MANIFEST, req.overwrite)
+    foreign = outdir.foreign_files(out, old, names)
+    if req.overwrite:
+        outdir.start_over(out, old, names, foreign, req.out_label, say)
+        old = None
+    elif old is None:
+        stray = [p.name for p in out.iterdir() if p.name not in outdir.OWN_NAMES and not atomic.TMP_NAME.match(p.name)]
+        if stray:
+            raise InputError(f"{req.out_label}: is not empty and has no {MANIFEST} (it holds "
+                             f"{', '.join(sorted(stray)[:3])}{' ...' if len(stray) > 3 else ''}), so it is not the "
+                             f"output of this job; choose an empty or new directory, or pass --overwrite")
+    elif old["job"] != job:
+        raise InputError(f"{req.out_label}: holds the output of a different job "
+                         f"({outdir.describe_difference(old['job'], job)}); rerun with the same parameters and "
+                         f"inputs to resume it, pass --overwrite to replace it, or choose another --out")
+    outdir.remove_leftovers(out)
+    if old is None:
+        return {}
+    outputs = outdir.kept_outputs(out, old, names, say)
+    prev, now = old.get("versions", {}), outdir.versions()
+    if outputs and prev and prev != now:
+        say(f"{req.out_label}: earlier outputs were written with {prev}, this run uses {now}; outputs stay exact, "
+            f"but may differ in bytes from a run with one version")
+    return outputs
+
+
+def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress, say: Callable[[str], None],
+                notices: list[str], t_start: float) -> BatchSummary:
+    t0 = time.perf_counter()
+    job = req.job(shards)
+    fingerprint_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outputs = _resume(req, shards, job, say)
+    verify_s = time.perf_counter() - t0
+
+    todo = [s for s in shards if s.name not in outputs]
+    manifest = {
+        "format": outdir.FORMAT, "job": job, "versions": outdir.versions(),
+        "inputs": {"users": req.users, "items": os.path.abspath(req.items_path),
+                   "exclude": os.path.abspath(req.exclude_path) if req.exclude_path else None},
+        "shards_total": len(shards), "shards_done": len(outputs), "outputs": outputs,
+    }
+    users_total = sum(s.rows for s in shards)
+    base = dict(shards_total=len(shards), shards_skipped=len(outputs), users_total=users_total,
+                out_dir=req.out_label, k=req.k, metric=req.metric, notices=notices, engine=req.engine)
+    out = req.out
+    if not todo:
+        # Idempotent: nothing is rewritten, unless a kill landed between the last manifest update and _SUCCESS.
+        if not (out / SUCCESS).exists():
+            atomic.write_json(out / MANIFEST, manifest)
+            atomic.write_bytes(out / SUCCESS, b"")
+        return BatchSummary(shards_scored=0, users_scored=0, seconds=time.perf_counter() - t_start, device="",
+                            workers=0, **base)
+
+    # Placement errors (more GPUs than there are, Ray missing) before anything in OUT_DIR changes.
+    executor = executors.make_executor(req.engine, device=req.device, gpus=req.gpus, workers=req.workers,
+                                       ray_address=req.ray_address, say=say)
+    atomic.remove(out / SUCCESS)
+    atomic.write_json(out / MANIFEST, manifest)
+    metrics = {
+        "job": {"status": "running", "started_at": _now(), "engine": req.engine, "device_requested": req.device,
+                "shards_total": len(shards), "shards_skipped": len(outputs), "shards_todo": len(todo),
+                "users_total": users_total, "users_todo": sum(s.rows for s in todo), "k": req.k,
+                "metric": req.metric, "fingerprint_s": round(fingerprint_s, 3), "verify_s": round(verify_s, 3),
+                "host": socket.gethostname()},
+        "workers": [], "shards": outdir.earlier_shard_metrics(out / METRICS, outputs),
+    }
+    atomic.write_json(out / METRICS, metrics)
+    state = _Job(out, manifest, metrics, progress, len(todo), say, t_start)
+    # Largest shards first: with several workers the last one to finish is then a small one.
+    tasks = [ShardTask(s.name, s.path, str(out / s.name), s.rows)
+             for s in sorted(todo, key=lambda s: (-s.rows, s.name))]
+
+    progress.begin(len(tasks), sum(t.rows for t in tasks))
+    try:
+        executor.run(req.spec(shards[0].id_type), tasks, state)
+    except BaseException as exc:
+        state.finish("failed", notices, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+        raise
+    finally:
+        progress.end()
+    state.finish("succeeded", notices)
+    atomic.write_bytes(out / SUCCESS, b"")
+    info = state.workers[0] if state.workers else None
+    return BatchSummary(
+        shards_scored=state.done, users_scored=state.users_done, seconds=time.perf_counter() - t_start,
+        device=info.device if info else "", workers=executor.n_workers, n_items=info.n_items if info else 0,
+        exclusion_pairs=info.exclusion_pairs if info else 0, unknown_exclusions=info.unknown_exclusions if info else 0,
+        worker_infos=list(state.workers), **base,
+    )

@@ -1,0 +1,172 @@
+"""The batch job's output directory: its lock, its manifest, and what an earlier run left there.
+
+``OUT_DIR/_manifest.json`` records the job (parameters, a fingerprint of every input) and, per finished shard, its
+rows, size and the sha256 of its output file; it is rewritten atomically after every finished shard, by the parent
+process only. A rerun keeps a shard whose output matches the manifest's size and sha256 and redoes the others; a
+different job into the same directory is refused unless the caller overwrites.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ...core.errors import InputError
+from ...core.version import __version__
+from ...io import atomic
+
+MANIFEST = "_manifest.json"
+METRICS = "_metrics.json"
+SUCCESS = "_SUCCESS"
+LOCK = ".recall-batch.lock"
+FORMAT = "recall-batch/1"
+OWN_NAMES = {MANIFEST, METRICS, SUCCESS, LOCK}
+
+
+def lock(out_dir: Path) -> atomic.FileLock:
+    """An exclusive lock on ``OUT_DIR/.recall-batch.lock`` for the length of the job: two jobs writing the same
+    directory would corrupt each other's manifest. Entering raises InputError naming the holder when it is taken."""
+    return _DirLock(out_dir / LOCK, blocking=False)
+
+
+class _DirLock(atomic.FileLock):
+    def __enter__(self) -> "_DirLock":
+        try:
+            super().__enter__()
+        except BlockingIOError:
+            raise InputError(f"{self.path.parent}: another recall batch (pid {self.holder()}) is writing to this "
+                             f"directory; wait for it to finish or stop it") from None
+        return self
+
+
+def versions() -> dict:
+    """The library versions an output's bytes depend on."""
+    return {"recall": __version__, "pyarrow": pa.__version__, "numpy": np.__version__}
+
+
+def read_manifest(path: Path, overwrite: bool) -> dict | None:
+    """The manifest at ``path`` (None when there is none). An unreadable one is an InputError, unless the caller
+    overwrites (then an empty manifest)."""
+    if not path.exists():
+        return None
+    try:
+        old = json.loads(path.read_text())
+        if old.get("format") != FORMAT or not isinstance(old.get("job"), dict):
+            raise ValueError(f"format {old.get('format')!r}")
+        return old
+    except (ValueError, OSError) as exc:
+        if not overwrite:
+            raise InputError(f"{path}: cannot be read as a recall batch manifest ({exc}); pass --overwrite to start "
+                             f"this directory over") from None
+        return {"job": {}, "outputs": {}}
+
+
+def describe_difference(old: dict, new: dict) -> str:
+    """What differs between two manifests' ``job`` sections, in a few words."""
+    diffs = []
+    for key in ("k", "metric", "id_col", "vec_col"):
+        if old.get(key) != new.get(key):
+            diffs.append(f"{key} {old.get(key)!r} -> {new.get(key)!r}")
+    for key, what in (("items", "item file"), ("exclude", "exclusions file")):
+        a, b = old.get(key), new.get(key)
+        if a != b:
+            if a is None or b is None:
+                diffs.append(f"{what} {'added' if a is None else 'removed'}")
+            else:
+                diffs.append(f"{what} content changed (sha256 {a.get('sha256', '?')[:12]} -> {b['sha256'][:12]}, "
+                             f"size {a.get('size')} -> {b['size']})")
+    a, b = old.get("shards") or {}, new.get("shards") or {}
+    added = sorted(set(b) - set(a))
+    removed = sorted(set(a) - set(b))
+    changed = sorted(n for n in set(a) & set(b) if a[n] != b[n])
+    for label, names in (("added", added), ("removed", removed), ("changed", changed)):
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            diffs.append(f"user shards {label}: {shown}")
+    extra = sorted(set(old) ^ set(new))
+    if extra and not diffs:
+        diffs.append(f"manifest fields differ: {', '.join(extra)}")
+    return "; ".join(diffs) or "the job description differs"
+
+
+def verify(out_dir: Path, name: str, entry: dict) -> str | None:
+    """None when ``OUT_DIR/name`` matches the manifest entry (size, then sha256), else what is wrong."""
+    path = out_dir / name
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "the output file is missing"
+    if size != entry.get("bytes"):
+        return f"the output has {size:,} bytes, the manifest says {entry.get('bytes'):,}"
+    if atomic.sha256_file(path) != entry.get("sha256"):
+        return "the output's sha256 differs from the manifest's"
+    return None
+
+
+def kept_outputs(out_dir: Path, old: dict, names: set[str], say: Callable[[str], None]) -> dict[str, dict]:
+    """The earlier run's outputs that are still good (verified against the manifest, in parallel); each one that is
+    not is named once, and will be scored again."""
+    listed = [(n, e) for n, e in sorted(old.get("outputs", {}).items()) if n in names]
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(listed)))) as pool:
+        problems = list(pool.map(lambda ne: verify(out_dir, ne[0], ne[1]), listed))
+    outputs = {}
+    for (name, entry), problem in zip(listed, problems):
+        if problem is None:
+            outputs[name] = entry
+        else:
+            say(f"{out_dir / name}: {problem}; scoring this shard again")
+    return outputs
+
+
+def foreign_files(out_dir: Path, old: dict | None, names: set[str]) -> list[str]:
+    """Files in the directory that neither this job nor the manifest's job would write."""
+    return sorted(p.name for p in out_dir.iterdir()
+                  if p.name not in OWN_NAMES and not atomic.TMP_NAME.match(p.name)
+                  and (old is None or p.name not in old.get("outputs", {})) and p.name not in names)
+
+
+def start_over(out_dir: Path, old: dict | None, names: set[str], foreign: list[str], label: str,
+               say: Callable[[str], None]) -> None:
+    """``--overwrite``: remove the previous job's outputs, manifest, metrics and ``_SUCCESS``; name the files left."""
+    # _SUCCESS goes first: from here on the directory is not a finished dataset. The old manifest goes last, so a
+    # kill in between leaves a directory that the same --overwrite command starts over again.
+    atomic.remove(out_dir / SUCCESS)
+    for name in sorted(set(names) | set((old or {}).get("outputs", {}))):
+        atomic.remove(out_dir / name)
+    atomic.remove(out_dir / METRICS)
+    atomic.remove(out_dir / MANIFEST)
+    if foreign:
+        say(f"{label}: --overwrite left {len(foreign)} file(s) recall batch did not write: "
+            f"{', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}")
+
+
+def remove_leftovers(out_dir: Path) -> None:
+    """Temporary files of a killed run (ours, by name): we hold the lock, so nobody writes them."""
+    for p in out_dir.iterdir():
+        if atomic.TMP_NAME.match(p.name) and p.is_file():
+            atomic.remove(p)
+
+
+def earlier_shard_metrics(path: Path, kept: dict[str, dict]) -> dict[str, dict]:
+    """The previous ``_metrics.json`` entries of the shards a resumed run keeps, marked ``"earlier_run": true``, so
+    the file still describes every shard of the job."""
+    try:
+        shards = json.loads(path.read_text()).get("shards", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {name: {**entry, "earlier_run": True} for name, entry in shards.items()
+            if name in kept and isinstance(entry, dict)}
+
+
+def numerics(entry: dict[str, Any]) -> tuple:
+    """What decides an output's last bits besides its inputs: the device and the tiling (batch size, budget)."""
+    return entry.get("device"), entry.get("batch_size"), entry.get("memory_budget")
+
+
+def describe_numerics(values: set[tuple]) -> str:
+    return " / ".join(f"device {d}, batch size {b}, memory budget {m}" for d, b, m in sorted(values, key=str))

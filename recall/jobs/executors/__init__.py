@@ -1,0 +1,40 @@
+"""Where the batch job's workers run: in this process, one process per GPU (or per share of the CPU cores) of this
+host, or Ray actors on a cluster. Each worker holds one :class:`recall.jobs.batch.worker.ShardScorer` (items
+resident, one ``Engine``) and takes shards until none is left; the parent (:func:`recall.jobs.batch.run_batch`) owns
+the manifest.
+
+An executor has one method, ``run(spec, tasks, job)``, and one attribute, ``n_workers`` (the workers it started, set
+by the end of ``run``): ``run`` starts its workers, reports each one to
+``job.worker_ready(WorkerInfo)``, feeds ``tasks`` to them dynamically, reports written users to ``job.users(n)`` and
+finished shards to ``job.shard_done(ShardResult)`` (in the calling thread, or the in-process pipeline's writer
+thread), and re-raises the first worker failure: ``InputError`` / ``ResourceError`` / ``BackendUnavailable`` as
+themselves, anything else as :class:`recall.jobs.batch.BatchError`. Workers never outlive it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def make_executor(engine: str, *, device: str, gpus: int | str | None, workers: int | None,
+                  ray_address: str | None, say: Callable[[str], None]) -> Any:
+    """The executor for ``--engine local|ray`` and the device / worker options (see
+    :func:`recall.jobs.batch.run_batch`).
+
+    Raises
+    ------
+    InputError
+        More GPUs or CPU workers asked for than there are; Ray not installed.
+    BackendUnavailable
+        ``device="gpu"`` and no GPU.
+    """
+    if engine == "ray":
+        from .ray import RayExecutor
+
+        return RayExecutor(device=device, gpus=gpus, workers=workers, address=ray_address, say=say)
+    from .local import local_executor
+
+    return local_executor(device=device, gpus=gpus, workers=workers, say=say)
+
+
+__all__ = ["make_executor"]

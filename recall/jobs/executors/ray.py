@@ -1,0 +1,166 @@
+"""The batch job on Ray: one actor per worker, each holding one ``recall.Engine``; shards dispatched to free actors.
+
+Why actors over shards, not Ray Data (``read_parquet`` -> ``map_batches`` -> ``write_parquet``): the job's contract is
+one output file per input shard, same name, written atomically and checksummed, so that a rerun can tell finished
+shards from unfinished ones. Ray Data re-partitions files into blocks (a batch may span shards, a shard may be split
+across actors), names its output files itself and writes them in place, so a per-shard rename, checksum and manifest
+would need a shuffle back into shards. Dispatching whole shards to actors keeps every guarantee of the local engine
+(it is the same :class:`recall.jobs.batch.worker.ShardScorer` code, so the bytes are the same) while Ray does the scheduling,
+placement (``num_gpus=1`` per actor, actors spread over nodes) and failure detection.
+
+On a cluster, every node needs recall installed (``pip install 'recall[ray]'``, with the ``gpu`` extra on GPU nodes)
+and must see the input files and the output directory at the same paths as the driver (a shared file system): actors
+read their shard and write its output themselves, and the driver verifies outputs and writes the manifest.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ...core.errors import BackendUnavailable, InputError
+from ..batch.worker import BatchError, JobSpec, ShardResult, ShardScorer, ShardTask
+from .local import describe_error, rebuild_error
+
+
+class ShardActor:
+    """The actor: items loaded and prepared once, in ``__init__``; :meth:`score` streams one shard.
+
+    Failures are returned, not raised, as ``("error", class name, message, traceback)``: the driver rebuilds the
+    user-facing error types (exit code 2) without depending on Ray's exception wrapping.
+    """
+
+    def __init__(self, spec: JobSpec, device: str, name: str) -> None:
+        self.name = name
+        try:
+            self.scorer: ShardScorer | None = ShardScorer(spec, device, worker=name)
+            self.error = None
+        except Exception as exc:  # noqa: BLE001 - reported by info()
+            self.scorer = None
+            self.error = describe_error(exc)
+
+    def info(self) -> tuple:
+        if self.scorer is None:
+            return ("error", *self.error)
+        return ("ok", self.scorer.info)
+
+    def score(self, task: ShardTask) -> tuple:
+        try:
+            return ("ok", self.scorer.score(task))
+        except Exception as exc:  # noqa: BLE001
+            return ("error", *describe_error(exc))
+
+
+class RayExecutor:
+    """Run the job on Ray: ``ray.init(address)`` (a local instance when ``address`` is None and ``RAY_ADDRESS`` is
+    unset), one :class:`ShardActor` per worker, dynamic dispatch, actors and (if started here) Ray shut down at the
+    end.
+
+    Parameters
+    ----------
+    device : {"auto", "cpu", "gpu"}
+        "auto": GPU actors when the cluster has GPUs, else CPU actors.
+    gpus : int, "all" or None
+        GPU actors (``num_gpus=1`` each); "all": one per GPU of the cluster; default 1.
+    workers : int, optional
+        CPU actors (default 1), spread over the nodes; each uses every core its node gives it.
+    address : str, optional
+    say : callable
+        Notices.
+    """
+
+    def __init__(self, *, device: str, gpus: int | str | None, workers: int | None, address: str | None,
+                 say: Callable[[str], None]) -> None:
+        try:
+            import ray  # noqa: F401
+        except ImportError as exc:
+            raise InputError(f"--engine ray needs Ray: pip install 'recall[ray]' ({exc})") from None
+        self.device, self.gpus, self.workers, self.address, self.say = device, gpus, workers, address, say
+        self.n_workers = 0
+
+    def _plan(self, ray: Any) -> tuple[str, int]:
+        cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
+        use_gpu = self.device == "gpu" or (self.device == "auto" and cluster_gpus > 0)
+        if not use_gpu:
+            if self.gpus is not None:
+                self.say("--gpus is ignored on CPU actors (the cluster has no GPU, or --device cpu); "
+                         "use --workers N for several CPU actors")
+            return "cpu", int(self.workers or 1)
+        if cluster_gpus == 0:
+            raise BackendUnavailable("--device gpu but the Ray cluster has no GPU")
+        if self.workers is not None:
+            self.say("--workers counts CPU actors and is ignored on GPUs; use --gpus N|all")
+        n = cluster_gpus if self.gpus == "all" else int(self.gpus or 1)
+        if n > cluster_gpus:
+            raise InputError(f"--gpus {n}: the Ray cluster has {cluster_gpus} GPU(s)")
+        return "gpu", n
+
+    def run(self, spec: JobSpec, tasks: list[ShardTask], job: Any) -> None:
+        import ray
+
+        started = False
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
+            if self.address is None and not os.environ.get("RAY_ADDRESS"):
+                kwargs["include_dashboard"] = False
+            try:
+                ray.init(address=self.address, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - connection refused, version mismatch, bad address...
+                where = self.address or os.environ.get("RAY_ADDRESS") or "a local Ray instance"
+                raise BatchError(f"cannot start or reach Ray ({where}): {type(exc).__name__}: "
+                                 f"{' '.join(str(exc).split())}") from None
+            started = True
+        actors: list[Any] = []
+        try:
+            kind, n = self._plan(ray)
+            self.n_workers = n
+            options: dict[str, Any] = {"num_gpus": 1 if kind == "gpu" else 0, "num_cpus": 1,
+                                       "scheduling_strategy": "SPREAD", "max_restarts": 0}
+            actor_cls = ray.remote(ShardActor).options(**options)
+            names = [f"ray-{kind}{i}" for i in range(n)]
+            actors = [actor_cls.remote(spec, kind, name) for name in names]
+            infos = ray.get([a.info.remote() for a in actors])
+            for name, info in zip(names, infos):
+                if info[0] == "error":
+                    raise rebuild_error(name, None, *info[1:])
+                job.worker_ready(info[1])
+            self._dispatch(ray, actors, names, tasks, job)
+        except ray.exceptions.RayError as exc:  # an actor died, a node was lost, the object store ran out...
+            raise BatchError(f"Ray failed: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}; rerun the same "
+                             f"command to resume") from None
+        finally:
+            for actor in actors:
+                try:
+                    ray.kill(actor)
+                except Exception:  # already dead
+                    pass
+            if started:
+                ray.shutdown()
+
+    @staticmethod
+    def _dispatch(ray: Any, actors: list[Any], names: list[str], tasks: list[ShardTask], job: Any) -> None:
+        todo = list(reversed(tasks))  # pop() from the end keeps the largest-first order
+        running: dict[Any, tuple[int, ShardTask]] = {}
+
+        def submit(i: int) -> None:
+            if todo:
+                task = todo.pop()
+                running[actors[i].score.remote(task)] = (i, task)
+
+        for i in range(len(actors)):
+            submit(i)
+        while running:
+            ready, _ = ray.wait(list(running), num_returns=1)
+            ref = ready[0]
+            i, task = running.pop(ref)
+            status, *payload = ray.get(ref)
+            if status == "error":
+                raise rebuild_error(names[i], task.name, *payload)
+            result: ShardResult = payload[0]
+            job.users(result.rows)
+            job.shard_done(result)
+            submit(i)
+
+
+__all__ = ["RayExecutor", "ShardActor"]

@@ -1,0 +1,45 @@
+"""The start of every Parquet job: the item file read (on a GPU straight to the device) and its resident engine."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import InputError
+from ..engine import Engine
+from ..io import Embeddings, read_embeddings
+from ..io.parquet import fmt_id
+
+
+def check_nonzero(vectors: Any, ids: np.ndarray, path: str, row_start: int = 0) -> None:
+    """Cosine has no direction for a zero vector: name the file, row and id here, where they are known."""
+    zero = ~vectors.any(axis=1)
+    if bool(zero.any()):
+        pos = int(zero.argmax())  # host or device vectors
+        raise InputError(f"{path}: row {row_start + pos} (id {fmt_id(ids[pos])}) is a zero vector, which has no "
+                         f"direction for metric 'cosine'")
+
+
+def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, backend: Any, memory_budget: int | None,
+                precision: str = "exact", options: Any = None,
+                on_rows: Callable[[Any, int], None] | None = None) -> tuple[Embeddings, Engine, float]:
+    """Read and validate an item file into ``backend``'s memory and build the resident engine on it.
+
+    The engine gets no ids: its results hold item rows, which the job maps to ids as it writes them
+    (``result.to_arrow(user_ids, id_lookup(items.ids))``). So the gather of 10^8 ids runs on the writer thread
+    rather than between two searches, and the ids, already checked by the reader (naming the file and rows), are not
+    sorted a second time by the engine. ``on_rows(vectors, rows)`` is called as the rows arrive (see
+    ``read_embeddings``).
+
+    Returns (items, engine, seconds spent reading). Raises InputError naming the file, row and id of a bad item.
+    """
+    t0 = time.perf_counter()
+    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False, target=backend, on_rows=on_rows)
+    if metric == "cosine":
+        check_nonzero(items.vectors, items.ids, items_path)
+    read_s = time.perf_counter() - t0
+    engine = Engine(items.vectors, metric=metric, device=backend, memory_budget=memory_budget, precision=precision,
+                    options=options)
+    return items, engine, read_s

@@ -1,0 +1,185 @@
+"""The backend seam: ``resolve`` and the CUDA probe, and the protocol primitives every backend implements (checked
+through the ``device`` fixture, so a new backend inherits these tests)."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import oracle
+from oracle import as_numpy
+from recall import BackendUnavailable, InputError, backends
+from recall.backends.numpy import NumpyBackend
+from recall.backends import cuda_status
+
+
+@pytest.fixture
+def backend(device):
+    return backends.resolve(device)
+
+
+# ---- resolution and the probe ------------------------------------------------------------------------------------
+
+def test_cuda_status_is_a_reason_and_cached():
+    usable, reason = cuda_status()
+    assert isinstance(usable, bool)
+    assert isinstance(reason, str) and reason and "\n" not in reason
+    assert cuda_status() is cuda_status()
+
+
+def test_resolve_cpu():
+    b = backends.resolve("cpu")
+    assert isinstance(b, NumpyBackend)
+    assert b.name == "cpu" and b.xp is np
+
+
+@pytest.mark.parametrize("bad", ["GPU", "cuda", "", None, "cpu:0"])
+def test_resolve_unknown_device(bad):
+    with pytest.raises(InputError, match="expected one of auto, cpu, gpu"):
+        backends.resolve(bad)
+
+
+def test_resolve_gpu_without_gpu(gpu_available):
+    if gpu_available:
+        pytest.skip("a usable GPU is present")
+    with pytest.raises(BackendUnavailable, match="no GPU is usable") as info:
+        backends.resolve("gpu")
+    assert cuda_status()[1] in str(info.value)
+
+
+def test_auto_falls_back_and_says_so_once(gpu_available, monkeypatch, caplog):
+    if gpu_available:
+        pytest.skip("a usable GPU is present: auto picks it")
+    monkeypatch.setattr(backends, "_warned_fallback", False)
+    with caplog.at_level(logging.WARNING, logger="recall"):
+        first = backends.resolve("auto")
+        second = backends.resolve("auto")
+    assert first.name == second.name == "cpu"
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "CPU" in r.getMessage()]
+    assert len(warnings) == 1
+    assert cuda_status()[1] in warnings[0].getMessage()
+
+
+def test_auto_picks_the_gpu_when_usable(gpu_available):
+    if not gpu_available:
+        pytest.skip(f"no usable GPU: {cuda_status()[1]}")
+    assert backends.resolve("auto").name == "gpu"
+
+
+# ---- protocol primitives, on every backend ------------------------------------------------------------------------
+
+def test_describe_and_budgets(backend):
+    assert isinstance(backend.describe(), str) and backend.describe()
+    assert backend.free_memory() > 0
+    budget = backend.default_budget()
+    assert 0 < budget <= max(backend.free_memory(), 1)
+    assert backend.state_bytes(1) > 0
+    assert backend.state_bytes(100) > backend.state_bytes(10)
+    tiles = backend.preferred_tiles(64, 100)
+    assert len(tiles) == 3 and all(isinstance(t, int) and t >= 1 for t in tiles)
+
+
+def test_asarray_dtypes_and_host_round_trip(backend):
+    f = backend.asarray(np.arange(6, dtype=np.float64).reshape(2, 3))
+    i = backend.asarray(np.arange(4, dtype=np.int32))
+    assert f.dtype == backend.xp.float32 and i.dtype == backend.xp.int64
+    assert f.flags.c_contiguous
+    host = backend.to_host(f)
+    assert isinstance(host, np.ndarray)
+    np.testing.assert_array_equal(host, np.arange(6).reshape(2, 3))
+    np.testing.assert_array_equal(backend.to_host(backend.asarray(np.asfortranarray(np.eye(3)))), np.eye(3))
+
+
+@pytest.mark.parametrize("n_users, width, n_tiles, dim", [(1, 1, 1, 1), (5, 7, 3, 4), (33, 17, 2, 9), (2, 64, 5, 1)])
+def test_gemm_strided_batched_shared_users(backend, n_users, width, n_tiles, dim):
+    # One user block against a batch of item tiles (users stride 0), non-square, non-multiple-of-anything shapes.
+    rng = np.random.default_rng(n_users * 100 + width)
+    users = rng.integers(-4, 5, (1, n_users, dim)).astype(np.float32)
+    items = rng.integers(-4, 5, (n_tiles, width, dim)).astype(np.float32)
+    out = backend.asarray(np.full((n_tiles, n_users, width), np.nan, np.float32))
+    backend.gemm_strided_batched(backend.asarray(users), backend.asarray(items), out)
+    backend.synchronize()
+    want = np.einsum("ud,bwd->buw", users[0].astype(np.float64), items.astype(np.float64))
+    np.testing.assert_array_equal(as_numpy(out), want.astype(np.float32))
+
+
+def test_gemm_strided_batched_per_tile_users(backend):
+    rng = np.random.default_rng(7)
+    users = rng.integers(-4, 5, (3, 6, 5)).astype(np.float32)
+    items = rng.integers(-4, 5, (3, 11, 5)).astype(np.float32)
+    out = backend.asarray(np.zeros((3, 6, 11), np.float32))
+    backend.gemm_strided_batched(backend.asarray(users), backend.asarray(items), out)
+    backend.synchronize()
+    want = np.einsum("bud,bwd->buw", users.astype(np.float64), items.astype(np.float64))
+    np.testing.assert_array_equal(as_numpy(out), want.astype(np.float32))
+
+
+def test_gemm_into_a_prefix_view_of_a_workspace(backend):
+    # The engine scores into a prefix of one flat buffer, reshaped per call: the GEMM must write exactly there.
+    rng = np.random.default_rng(8)
+    users = rng.integers(-3, 4, (1, 4, 3)).astype(np.float32)
+    items = rng.integers(-3, 4, (2, 5, 3)).astype(np.float32)
+    buf = backend.asarray(np.full(100, 123.0, np.float32))
+    out = buf[: 2 * 4 * 5].reshape(2, 4, 5)
+    backend.gemm_strided_batched(backend.asarray(users), backend.asarray(items), out)
+    backend.synchronize()
+    host = as_numpy(buf)
+    want = np.einsum("ud,bwd->buw", users[0], items).astype(np.float32)
+    np.testing.assert_array_equal(host[:40].reshape(2, 4, 5), want)
+    np.testing.assert_array_equal(host[40:], 123.0)
+
+
+def _feed(backend, state, full, width, n_items, excl=None):
+    """Feed (n_users, n_cols) scores to topk_update one tile of ``width`` per call, in item order."""
+    n_users, n_cols = full.shape
+    indptr, rows = excl if excl is not None else (np.zeros(n_users + 1, np.int64), np.zeros(0, np.int64))
+    for start in range(0, n_cols, width):
+        tile = np.full((1, n_users, width), 1e30, np.float32)
+        chunk = full[:, start:start + width]
+        tile[0, :, : chunk.shape[1]] = chunk
+        backend.topk_update(state, backend.asarray(tile), start, n_items, backend.asarray(indptr),
+                            backend.asarray(rows))
+
+
+def test_topk_state_life_cycle(backend):
+    rng = np.random.default_rng(9)
+    k = 6
+    state = backend.topk_new(8, k)
+    # A fresh state is empty: all padding.
+    vals, rows = backend.topk_result(state)
+    assert as_numpy(rows).shape == (8, k)
+    np.testing.assert_array_equal(as_numpy(rows), -1)
+    assert np.all(np.isneginf(as_numpy(vals)))
+    # Block 1: 8 users, ties, an exclusion, and a cutoff inside the last tile (rows >= 45 hold 1e30).
+    full = rng.integers(-2, 3, (8, 50)).astype(np.float32)
+    excl = (np.array([0, 3, 3, 3, 3, 3, 3, 3, 48]), np.concatenate([[0, 1, 2], np.arange(45)]))
+    _feed(backend, state, full, 16, 45, excl)
+    vals, rows = backend.topk_result(state)
+    want_idx, want_val = oracle.topk_from_scores(full[:, :45], k, excl)
+    np.testing.assert_array_equal(as_numpy(rows), want_idx)
+    np.testing.assert_array_equal(as_numpy(vals), want_val.astype(np.float32))
+    assert as_numpy(vals).dtype == np.float32 and as_numpy(rows).dtype == np.int64
+    # Block 2 reuses the state for fewer users: nothing of block 1 may survive the reset.
+    backend.topk_reset(state, 3)
+    full2 = np.full((3, 4), -1.0, np.float32)
+    _feed(backend, state, full2, 3, 4)
+    vals, rows = backend.topk_result(state)
+    assert as_numpy(rows).shape == (3, k)
+    np.testing.assert_array_equal(as_numpy(rows), [[0, 1, 2, 3, -1, -1]] * 3)
+    np.testing.assert_array_equal(as_numpy(vals)[:, :4], -1.0)
+
+
+def test_topk_update_multi_tile_batch(backend):
+    rng = np.random.default_rng(10)
+    n_users, width, n_tiles, k, n_items = 4, 8, 3, 5, 21
+    full = rng.standard_normal((n_users, width * n_tiles)).astype(np.float32)
+    full[:, n_items:] = 1e30
+    batch = np.ascontiguousarray(full.reshape(n_users, n_tiles, width).transpose(1, 0, 2))
+    state = backend.topk_new(n_users, k)
+    empty = (np.zeros(n_users + 1, np.int64), np.zeros(0, np.int64))
+    backend.topk_update(state, backend.asarray(batch), 0, n_items, *(backend.asarray(a) for a in empty))
+    vals, rows = backend.topk_result(state)
+    want_idx, want_val = oracle.topk_from_scores(full[:, :n_items], k)
+    np.testing.assert_array_equal(as_numpy(rows), want_idx)
+    np.testing.assert_array_equal(as_numpy(vals), want_val.astype(np.float32))

@@ -1,0 +1,171 @@
+"""Exact mode's fused path on the GPU (recall/backends/cupy/kernels/fused.cu): scores filtered in the GEMM's registers.
+
+Integer-valued data makes every float32 score exact whatever the summation order, so the fused path must equal the
+CPU backend bit for bit there; on real-valued data it is checked against the float64 oracle (tie-aware).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dataclasses import replace
+
+from recall import Engine, EngineOptions
+from recall.backends import cuda_status
+
+from oracle import as_numpy, assert_same_result as _same, assert_topk_close, int_matrix as _ints
+
+usable, reason = cuda_status()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not usable, reason=f"no usable GPU: {reason}")]
+
+
+@pytest.fixture
+def fused():
+    """The fused path on small problems: also unseeded, many blocks, segments of 3 tiles, 2 tiles per kernel block."""
+    return EngineOptions(fused="force", fused_segment=384, fused_tiles_per_block=2, tiles=(200, 300, 3))
+
+
+def _gpu(items, options=None):
+    return Engine(items, device="gpu", options=options)
+
+
+@pytest.mark.parametrize("n_users,n_items,dim,k", [
+    (1, 1, 1, 1), (1, 300, 5, 300), (3, 129, 31, 7), (700, 2500, 12, 37), (130, 1000, 33, 10), (257, 3001, 256, 64),
+    (50, 5000, 64, 1000),
+])
+def test_equals_cpu_exactly(fused, n_users, n_items, dim, k):
+    rng = np.random.default_rng(n_users + n_items + dim)
+    items, users = _ints(rng, n_items, dim), _ints(rng, n_users, dim)
+    gpu = _gpu(items, fused)
+    got = gpu.search(users, k)
+    assert gpu.stats["fused"]
+    _same(got, Engine(items, device="cpu").search(users, k))
+
+
+def test_exclusions_all_excluded_and_empty(fused):
+    rng = np.random.default_rng(1)
+    items, users = _ints(rng, 3000, 16), _ints(rng, 450, 16)
+    excl = {u: rng.choice(3000, 200, replace=False).tolist() for u in range(0, 450, 3)}
+    excl[1] = list(range(3000))  # every item excluded: nothing to return
+    excl[2] = []
+    excl[4] = list(range(0, 3000, 2))  # half of them, among them every seed-sample row
+    gpu = _gpu(items, fused)
+    got = gpu.search(users, 50, exclude=excl)
+    assert gpu.stats["fused"]
+    _same(got, Engine(items, device="cpu").search(users, 50, exclude=excl))
+    assert (as_numpy(got.indices)[1] == -1).all()
+
+
+def test_ties_everywhere(fused):
+    rng = np.random.default_rng(2)
+    items, users = _ints(rng, 6000, 12, -1, 2), _ints(rng, 300, 12, -1, 2)
+    _same(_gpu(items, fused).search(users, 77), Engine(items, device="cpu").search(users, 77))
+
+
+def test_seeded_auto_on_rising_order_against_oracle():
+    # The default mode on a seeded search (tiles of 2,000 items: a sample of 2,000); items sorted by rising score,
+    # the order that fills candidate buffers.
+    options = EngineOptions(fused_segment=2048, tiles=(256, 1000, 2))
+    rng = np.random.default_rng(3)
+    items = rng.standard_normal((40000, 24), dtype=np.float32)
+    users = rng.standard_normal((600, 24), dtype=np.float32) + 1.5
+    items = items[np.argsort(items @ users.mean(axis=0), kind="stable")]
+    excl = {5: list(range(39000, 40000)), 6: list(range(0, 40000, 7))}
+    gpu = _gpu(items, options)
+    got = gpu.search(users, 100, exclude=excl)
+    assert gpu.stats["fused"] and gpu.stats["seed_sample"] > 0
+    assert_topk_close(got.indices, got.scores, users, items, 100, exclude=excl)
+
+
+def test_overflow_recompute_equals_cpu(fused):
+    # Unseeded, one segment of 128-item tiles per merge and k close to the item count: every user's buffer overflows
+    # (a buffer holds 16384 candidates; a segment passes all of its 20480 scores), so each merge recomputes.
+    rng = np.random.default_rng(4)
+    items, users = _ints(rng, 41000, 8), _ints(rng, 70, 8)
+    excl = {3: list(range(0, 41000, 3))}
+    gpu = _gpu(items, replace(fused, fused_segment=20480))
+    got = gpu.search(users, 500, exclude=excl)
+    assert gpu.stats["fused"] and gpu.stats["seed_sample"] == 0
+    _same(got, Engine(items, device="cpu").search(users, 500, exclude=excl))
+
+
+def test_k_8192(fused):
+    rng = np.random.default_rng(5)
+    items, users = _ints(rng, 30000, 8), _ints(rng, 40, 8)
+    _same(_gpu(items, fused).search(users, 8192), Engine(items, device="cpu").search(users, 8192))
+
+
+def test_device_users_and_graph_replay_equal_eager(fused):
+    import cupy
+
+    rng = np.random.default_rng(6)
+    items, users = rng.standard_normal((5000, 40), dtype=np.float32), rng.standard_normal((900, 40), dtype=np.float32)
+    graphs = _gpu(items, fused)
+    on_device = graphs.search(cupy.asarray(users), 30)
+    assert graphs.stats["graph_blocks"] > 0
+    _same(on_device, _gpu(items, replace(fused, cuda_graphs=False)).search(users, 30))
+    assert_topk_close(as_numpy(on_device.indices), as_numpy(on_device.scores), users, items, 30)
+
+
+def test_fused_equals_cublas_path_on_integer_data():
+    rng = np.random.default_rng(7)
+    items, users = _ints(rng, 80000, 64), _ints(rng, 500, 64)
+    fused_engine = _gpu(items)
+    got = fused_engine.search(users, 100, exclude={0: [1, 2, 3]})
+    assert fused_engine.stats["fused"]
+    plain = _gpu(items, EngineOptions(fused="off"))
+    want = plain.search(users, 100, exclude={0: [1, 2, 3]})
+    assert not plain.stats["fused"]
+    _same(got, want)
+
+
+def test_wide_vectors_take_the_cublas_path(fused):
+    rng = np.random.default_rng(8)
+    items, users = _ints(rng, 2000, 260), _ints(rng, 50, 260)
+    gpu = _gpu(items, fused)
+    _same(gpu.search(users, 10), Engine(items, device="cpu").search(users, 10))
+    assert not gpu.stats["fused"]
+
+
+def test_transposed_items_kept_per_engine(fused):
+    # The fused operand is built once per engine (its resident items): a second search reuses it, and an engine of
+    # other items of the same shape, or of fewer columns, has its own, never the first one's numbers.
+    rng = np.random.default_rng(5)
+    a, b = _ints(rng, 1000, 40), _ints(rng, 1000, 40)
+    first = _gpu(a, fused)
+    items_t = first.resident_items.transposed(first.backend.compute_stream)
+    assert first.resident_items.transposed(first.backend.compute_stream) is items_t
+    for arr in (b, a, b[:997, :33]):
+        engine = _gpu(np.ascontiguousarray(arr), fused)
+        t = as_numpy(engine.resident_items.transposed(engine.backend.compute_stream))
+        n, dim = arr.shape
+        np.testing.assert_array_equal(t[:dim, :n], arr.T)
+        assert not t[dim:].any() and not t[:, n:].any()
+    users = _ints(rng, 300, 40)
+    engine = _gpu(b, fused)
+    _same(engine.search(users, 20), Engine(b, device="cpu").search(users, 20))
+    _same(engine.search(users[:120], 7), Engine(b, device="cpu").search(users[:120], 7))
+
+
+@pytest.mark.parametrize("mode", ["force", "off"])
+def test_floor_returns_only_items_above_it(fused, mode):
+    # A search with per-user floors (recall/jobs/early.py: the k-th best of the rows searched before) returns exactly
+    # the items scoring above the floor, best first, then padding; equal to the floor is out (ties go to the lower
+    # rows, searched before). Five blocks: the slots' graphs replay with the floors of other blocks.
+    import cupy
+
+    rng = np.random.default_rng(8)
+    items, users = _ints(rng, 3000, 16), _ints(rng, 1000, 16)
+    cpu = Engine(items, device="cpu").search(users, 40)
+    floor = cpu.scores[:, 19].copy()
+    floor[::7] = -np.inf  # no floor for some users
+    gpu = _gpu(items, replace(fused, fused=mode))
+    topk = gpu.search_topk(users, 40, floor=cupy.asarray(floor))
+    assert topk.wait()["fused"] == (mode == "force")
+    vals, rows = as_numpy(topk.vals), as_numpy(topk.rows)
+    for u in range(len(users)):
+        keep = cpu.scores[u] > floor[u]
+        n = int(keep.sum())
+        np.testing.assert_array_equal(rows[u, :n], cpu.indices[u, keep], err_msg=f"user {u}")
+        np.testing.assert_array_equal(vals[u, :n], cpu.scores[u, keep])
+        assert (rows[u, n:] == -1).all() and (vals[u, n:] == -np.inf).all()

@@ -1,0 +1,218 @@
+"""GPU-only behaviour of the CuPy backend: streams, pinned staging, graph replay, workspaces, device arrays.
+
+The shared engine tests run on the GPU through the ``device`` fixture; these cover what only the GPU path has.
+Integer-valued data makes float32 scores exact, so GPU results must equal the CPU backend's bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dataclasses import replace
+
+from recall import Engine, EngineOptions
+from recall.backends import cuda_status
+from recall.core.errors import ResourceError
+
+from oracle import as_numpy, assert_same_result as _same, assert_topk_close, int_matrix as _ints
+
+usable, reason = cuda_status()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not usable, reason=f"no usable GPU: {reason}")]
+
+
+@pytest.fixture
+def small_tiles():
+    """Many blocks and segments on a small problem: both pipeline slots, graph capture and replay all run."""
+    return EngineOptions(tiles=(64, 300, 3))
+
+
+def test_many_blocks_equal_cpu_exactly(small_tiles):
+    rng = np.random.default_rng(0)
+    items, users = _ints(rng, 2500, 12), _ints(rng, 700, 12)
+    excl = {u: rng.choice(2500, 40, replace=False).tolist() for u in range(0, 700, 3)}
+    gpu = Engine(items, device="gpu", options=small_tiles)
+    got = gpu.search(users, 37, exclude=excl)
+    want = Engine(items, device="cpu").search(users, 37, exclude=excl)
+    _same(got, want)
+    assert gpu.stats["blocks"] == 11 and gpu.stats["graph_blocks"] >= 9
+
+
+def test_graph_replay_equals_eager_launches(small_tiles):
+    rng = np.random.default_rng(1)
+    items, users = rng.standard_normal((3000, 16), dtype=np.float32), rng.standard_normal((500, 16), dtype=np.float32)
+    graphs = Engine(items, device="gpu", options=small_tiles)
+    with_graphs = graphs.search(users, 50, exclude={4: [1, 2, 3]})
+    assert graphs.stats["graph_blocks"] > 0
+    eager = Engine(items, device="gpu", options=replace(small_tiles, cuda_graphs=False))
+    without = eager.search(users, 50, exclude={4: [1, 2, 3]})
+    assert eager.stats["graph_blocks"] == 0
+    _same(with_graphs, without)
+
+
+def test_workspace_and_graphs_reused_across_searches(small_tiles):
+    rng = np.random.default_rng(2)
+    items = _ints(rng, 2000, 8)
+    engine = Engine(items, device="gpu", options=small_tiles)
+    cpu = Engine(items, device="cpu")
+    for seed in range(3):
+        users = _ints(np.random.default_rng(10 + seed), 300 + 50 * seed, 8)
+        excl = {0: [5, 6]} if seed == 1 else None
+        _same(engine.search(users, 20, exclude=excl), cpu.search(users, 20, exclude=excl))
+
+
+def test_pinned_staging_does_not_alias_between_blocks(small_tiles):
+    # Each block's users go through one of two pinned buffers: a result computed from a buffer the host had
+    # already overwritten with a later block would show up as rows equal to another block's rows.
+    rng = np.random.default_rng(3)
+    items = _ints(rng, 1200, 6)
+    users = np.repeat(_ints(rng, 10, 6), 64, axis=0)  # block b holds 64 copies of user b
+    res = Engine(items, device="gpu", options=small_tiles).search(users, 10)
+    rows = as_numpy(res.indices).reshape(10, 64, 10)
+    want = as_numpy(Engine(items, device="cpu").search(users[::64], 10).indices)
+    for b in range(10):
+        assert (rows[b] == want[b]).all()
+
+
+def test_tiny_budget_on_gpu_equals_default():
+    rng = np.random.default_rng(4)
+    items, users = _ints(rng, 20000, 16), _ints(rng, 1500, 16)
+    small = Engine(items, device="gpu", memory_budget=300_000)
+    _same(small.search(users, 25), Engine(items, device="gpu").search(users, 25))
+    assert small.stats["blocks"] > 1
+
+
+def test_k_8192_exact_against_cpu():
+    rng = np.random.default_rng(5)
+    items, users = _ints(rng, 30000, 8), _ints(rng, 40, 8)
+    _same(Engine(items, device="gpu").search(users, 8192), Engine(items, device="cpu").search(users, 8192))
+
+
+def test_adversarial_rising_order_exact(small_tiles):
+    rng = np.random.default_rng(6)
+    users = _ints(rng, 300, 10)
+    items = _ints(rng, 4000, 10)
+    items = items[np.argsort(items @ users.mean(0), kind="stable")]  # every tile beats the last
+    _same(Engine(items, device="gpu", options=small_tiles).search(users, 64), Engine(items, device="cpu").search(users, 64))
+
+
+def test_device_users_give_device_results():
+    import cupy
+
+    rng = np.random.default_rng(7)
+    items, users = _ints(rng, 3000, 8), _ints(rng, 200, 8)
+    engine = Engine(cupy.asarray(items), device="gpu")
+    res = engine.search(cupy.asarray(users), 15)
+    assert isinstance(res.indices, cupy.ndarray) and isinstance(res.scores, cupy.ndarray)
+    host = engine.search(users, 15)
+    assert isinstance(host.indices, np.ndarray)
+    _same(res, host)
+
+
+def test_torch_cuda_tensor_users_used_in_place():
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    rng = np.random.default_rng(8)
+    items, users = _ints(rng, 3000, 8), _ints(rng, 100, 8)
+    res = Engine(items, device="gpu").search(torch.from_numpy(users).cuda(), 12)
+    assert isinstance(res.indices, cupy.ndarray)
+    _same(res, Engine(items, device="cpu").search(users, 12))
+
+
+def test_stats_report_gpu_busy_time(small_tiles):
+    rng = np.random.default_rng(9)
+    engine = Engine(_ints(rng, 2000, 8), device="gpu", options=small_tiles)
+    engine.search(_ints(rng, 400, 8), 10)
+    st = engine.stats
+    assert st["wall_s"] > 0 and 0 < st["gpu_busy_s"] <= st["wall_s"] * 1.05
+    assert 0 < st["busy_fraction"] <= 1.05 and st["h2d_s"] >= 0
+    assert st["d2h_s"] > 0  # host users: each block's results were fetched into page-locked host memory
+
+
+def test_host_results_fetched_per_block_match_device_results(small_tiles):
+    # Host users: results travel back block by block on the fetch stream while later blocks are searched; device
+    # users: results stay on the device. Both must be the same answer, with k < n_items and k > n_items (padding).
+    import cupy
+
+    rng = np.random.default_rng(11)
+    items = _ints(rng, 700, 8)
+    users = _ints(rng, 900, 8)
+    engine = Engine(items, device="gpu", options=small_tiles)
+    for k in (33, 800):
+        host = engine.search(users, k, exclude={3: [1, 2], 899: list(range(700))})
+        dev = engine.search(cupy.asarray(users), k, exclude={3: [1, 2], 899: list(range(700))})
+        assert isinstance(host.indices, np.ndarray) and isinstance(dev.indices, cupy.ndarray)
+        _same(host, dev)
+        _same(host, Engine(items, device="cpu").search(users, k, exclude={3: [1, 2], 899: list(range(700))}))
+
+
+def test_out_of_memory_is_a_resource_error(monkeypatch):
+    import cupy
+
+    from recall.backends.cupy import selection as cupy_backend
+
+    def refuse(*args, **kwargs):
+        raise cupy.cuda.memory.OutOfMemoryError(1 << 40, 0)
+
+    monkeypatch.setattr(cupy_backend.GpuTopK, "allocate", classmethod(lambda cls, *a: refuse()))
+    rng = np.random.default_rng(10)
+    with pytest.raises(ResourceError, match="GPU out of memory"):
+        Engine(_ints(rng, 100, 4), device="gpu").search(_ints(rng, 10, 4), 5)
+
+
+def _sample_rows(n_items, k, capacity):
+    from recall.backends.cupy.selection import seed_size
+
+    size = seed_size(n_items, k, capacity)
+    stride = n_items // size
+    return np.arange(size) * stride + stride // 2
+
+
+def test_seeded_threshold_exact_with_ties_and_excluded_sample(small_tiles):
+    # Integer scores from {-1, 0, 1} components tie everywhere, also at the sampled k-th best. Some users have every
+    # sampled row excluded (no seed), some the sample's best rows, some the rows just above and below the seed.
+    rng = np.random.default_rng(7)
+    n_items, k = 20000, 37
+    items, users = _ints(rng, n_items, 12, -1, 2), _ints(rng, 300, 12, -1, 2)
+    sample = _sample_rows(n_items, k, 300 * 3)
+    assert sample.size > 0
+    excl = {0: sample.tolist(), 1: sample[:400].tolist(), 2: []}
+    for u in range(3, 300, 4):
+        excl[u] = rng.choice(n_items, 500, replace=False).tolist()
+    gpu = Engine(items, device="gpu", options=small_tiles)
+    got = gpu.search(users, k, exclude=excl)
+    assert gpu.stats["seed_sample"] == sample.size
+    _same(got, Engine(items, device="cpu").search(users, k, exclude=excl))
+
+
+def test_seeded_equals_unseeded_on_rising_order(small_tiles):
+    # Items sorted by rising score against the mean user: every tile beats the last, the case the seed is for.
+    rng = np.random.default_rng(8)
+    items, users = rng.standard_normal((30000, 16), dtype=np.float32), rng.standard_normal((400, 16), dtype=np.float32)
+    users += 2.0
+    items = items[np.argsort(items @ users.mean(axis=0), kind="stable")]
+    seeded = Engine(items, device="gpu", options=small_tiles)
+    got = seeded.search(users, 50, exclude={5: list(range(29000, 30000))})
+    assert seeded.stats["seed_sample"] > 0
+    plain = Engine(items, device="gpu", options=replace(small_tiles, seed_thresholds=False))
+    want = plain.search(users, 50, exclude={5: list(range(29000, 30000))})
+    assert plain.stats["seed_sample"] == 0
+    _same(got, want)
+    assert_topk_close(got.indices, got.scores, users, items, 50, exclude={5: list(range(29000, 30000))})
+
+
+def test_queued_async_searches_equal_cpu(small_tiles):
+    # Batches queued on the device one after the other before any result is collected (the Parquet pipeline's
+    # pattern), with a batch of another shape in between (a second workspace) and exclusions; seeded and fused.
+    rng = np.random.default_rng(9)
+    items = _ints(rng, 20000, 16)
+    sizes = [500, 500, 10, 500, 333]
+    batches = [_ints(rng, n, 16) for n in sizes]
+    excl = [{u: rng.choice(20000, 30, replace=False).tolist() for u in range(0, n, 4)} for n in sizes]
+    engine = Engine(items, device="gpu", options=small_tiles)
+    pending = [engine.search_async(b, 40, exclude=e) for b, e in zip(batches, excl)]
+    cpu = Engine(items, device="cpu")
+    for b, e, p in zip(batches, excl, pending):
+        _same(p.result(), cpu.search(b, 40, exclude=e))
+        assert engine.stats["fused"] and engine.stats["gpu_busy_s"] > 0
+    assert engine.stats["blocks"] == 6  # the last batch: 333 users in blocks of 64

@@ -1,0 +1,145 @@
+"""``recall.metrics``: every metric as a vector transform, so that an inner product of the prepared vectors ranks
+items as the metric does, and ``finish_scores`` reports the metric's own score."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oracle
+from recall import InputError
+from recall.core import metrics
+
+
+def _prepared_scores(metric, users, items):
+    pu = metrics.prepare_users(metric, np, users)
+    pi = metrics.prepare_items(metric, np, items)
+    assert pu.dtype == np.float32 and pi.dtype == np.float32
+    assert pu.shape[1] == pi.shape[1]
+    return pu.astype(np.float64) @ pi.astype(np.float64).T
+
+
+def test_check_metric():
+    for m in ("ip", "cosine", "l2"):
+        assert metrics.check_metric(m) == m
+    for bad in ("IP", "dot", "", "euclidean", None):
+        with pytest.raises(InputError, match="expected one of ip, cosine, l2"):
+            metrics.check_metric(bad)
+
+
+def test_ip_is_the_identity(make_normal):
+    users, items = make_normal(5, 7, 3, seed=0)
+    np.testing.assert_array_equal(metrics.prepare_users("ip", np, users), users)
+    np.testing.assert_array_equal(metrics.prepare_items("ip", np, items), items)
+    s = (users @ items.T).astype(np.float32)
+    np.testing.assert_array_equal(metrics.finish_scores("ip", np, s.copy(), users), s)
+
+
+def test_cosine_unit_rows_same_direction(make_clustered):
+    users, items = make_clustered(20, 50, 16, seed=1)
+    for prep, vecs in ((metrics.prepare_users, users), (metrics.prepare_items, items)):
+        out = prep("cosine", np, vecs)
+        norms = np.linalg.norm(out.astype(np.float64), axis=1)
+        np.testing.assert_allclose(norms, 1.0, atol=1e-6)
+        # Same direction: parallel to the input, positive factor.
+        ratio = vecs.astype(np.float64) / out.astype(np.float64)
+        want = np.broadcast_to(np.linalg.norm(vecs.astype(np.float64), axis=1)[:, None], ratio.shape)
+        np.testing.assert_allclose(ratio, want, rtol=1e-5)
+    np.testing.assert_allclose(_prepared_scores("cosine", users, items),
+                               oracle.score_matrix(users, items, "cosine"), atol=1e-6)
+
+
+def test_cosine_norm_is_accurate_for_long_small_vectors():
+    # 100k entries of 1e-3: a float32 running sum of squares drifts; the norm must still come out right.
+    vec = np.full((1, 100_000), 1e-3, np.float32)
+    out = metrics.prepare_items("cosine", np, vec)
+    np.testing.assert_allclose(np.linalg.norm(out.astype(np.float64)), 1.0, atol=1e-6)
+    np.testing.assert_allclose(out, 1.0 / np.sqrt(100_000), rtol=1e-6)
+
+
+def test_cosine_power_of_two_scalings_tie_exactly():
+    v = np.array([[3.0, -1.0, 2.0, 0.5]], np.float32)
+    out = metrics.prepare_items("cosine", np, np.concatenate([v, 2 * v, 0.25 * v, 1024 * v]))
+    assert np.all(out == out[0])
+
+
+def test_row_norms_in_blocks_equal_the_whole_computation(monkeypatch):
+    """Blocks of rows (bounded transient memory) give the same bits as one float64 pass over every row."""
+    vecs = np.random.default_rng(3).standard_normal((103, 9)).astype(np.float32)
+    monkeypatch.setattr(metrics, "_NORM_BLOCK_ROWS", 10)
+    whole = np.sqrt(np.einsum("ij,ij->i", vecs.astype(np.float64), vecs.astype(np.float64)))
+    got = metrics.row_norms(np, vecs)
+    assert got.dtype == np.float64 and got.shape == (103,)
+    np.testing.assert_array_equal(got, whole)
+    assert metrics.row_norms(np, vecs[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("which", ["users", "items"])
+def test_cosine_zero_vector_names_the_row(which):
+    vecs = np.ones((5, 3), np.float32)
+    vecs[2] = 0.0
+    prep = metrics.prepare_users if which == "users" else metrics.prepare_items
+    with pytest.raises(InputError, match=rf"{which[:-1]}_vecs: row 2 is a zero vector"):
+        prep("cosine", np, vecs)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3, 4, 5, 7, 8, 64])
+def test_l2_augmentation_width_and_layout(dim):
+    rng = np.random.default_rng(dim)
+    users = rng.integers(-3, 4, (4, dim)).astype(np.float32)
+    items = rng.integers(-3, 4, (6, dim)).astype(np.float32)
+    pu = metrics.prepare_users("l2", np, users)
+    pi = metrics.prepare_items("l2", np, items)
+    width = pu.shape[1]
+    assert width == pi.shape[1] and width % 4 == 0 and dim + 1 <= width < dim + 5
+    np.testing.assert_array_equal(pu[:, :dim], users)
+    np.testing.assert_array_equal(pi[:, :dim], items)
+    np.testing.assert_array_equal(pu[:, dim], 1.0)
+    np.testing.assert_array_equal(pi[:, dim], -0.5 * (items.astype(np.float64) ** 2).sum(axis=1))
+    assert not pu[:, dim + 1:].any() and not pi[:, dim + 1:].any()
+    assert pu.flags.c_contiguous and pi.flags.c_contiguous
+
+
+def test_l2_prepared_scores_rank_like_distance_and_finish_exactly(make_ties):
+    users, items = make_ties(12, 40, 6, seed=2)
+    inner = _prepared_scores("l2", users, items)
+    want = oracle.score_matrix(users, items, "l2")
+    # u·v - ||v||²/2 differs from -||u-v||²/2 by a per-user constant: same ranking, ties included.
+    np.testing.assert_array_equal(2 * inner - (users.astype(np.float64) ** 2).sum(axis=1)[:, None], want)
+    got = metrics.finish_scores("l2", np, inner.astype(np.float32), users)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+def test_finish_scores_keeps_padding():
+    users = np.array([[1.0, 2.0], [0.0, 0.0]], np.float32)
+    s = np.array([[3.0, -np.inf], [-np.inf, -np.inf]], np.float32)
+    for metric in metrics.METRICS:
+        out = metrics.finish_scores(metric, np, s.copy(), users)
+        assert out.dtype == np.float32
+        np.testing.assert_array_equal(np.isneginf(out), np.isneginf(s))
+    np.testing.assert_array_equal(metrics.finish_scores("l2", np, s.copy(), users)[0, 0], 2 * 3.0 - 5.0)
+
+
+def test_finish_scores_for_zero_users():
+    users = np.zeros((0, 3), np.float32)
+    for metric in metrics.METRICS:
+        assert metrics.finish_scores(metric, np, np.zeros((0, 4), np.float32), users).shape == (0, 4)
+
+
+@given(dim=st.integers(1, 9), seed=st.integers(0, 2**32 - 1), metric=st.sampled_from(metrics.METRICS))
+@settings(max_examples=60)
+def test_property_prepared_inner_product_ranks_like_the_metric(dim, seed, metric):
+    rng = np.random.default_rng(seed)
+    users = rng.integers(-3, 4, (5, dim)).astype(np.float32)
+    items = rng.integers(-3, 4, (30, dim)).astype(np.float32)
+    users[~users.any(axis=1), 0] = 1
+    items[~items.any(axis=1), 0] = 1
+    got = _prepared_scores(metric, users, items)
+    want = oracle.score_matrix(users, items, metric)
+    if metric == "cosine":
+        np.testing.assert_allclose(got, want, atol=1e-6)
+        return
+    # ip and l2 on small integers are exact: the stable orders agree, ties included.
+    np.testing.assert_array_equal(np.argsort(-got, axis=1, kind="stable"), np.argsort(-want, axis=1, kind="stable"))

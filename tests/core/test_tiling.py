@@ -1,0 +1,174 @@
+"""Tiling: ``plan_tiles`` (fit the budget, shrink in the documented order), ``item_segments`` (cover every item once,
+in order) and block search over multi-tile strided-batched GEMMs (the path the GPU takes: several item tiles per
+call), run here through the CPU backend."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oracle
+from recall import Engine, ResourceError
+from recall.backends.numpy import NumpyBackend
+from recall.core.tiling import TilePlan, item_segments, plan_tiles
+
+
+def _shrink_sequence(start: TilePlan) -> list[TilePlan]:
+    """The documented order, written out independently: tiles per call halve to 1, then the item tile halves down
+    to 256, then the user block halves to 1, then the concurrent workers halve to 1, then the item tile halves to 1."""
+    seq = [start]
+    u, t, c, w = start.user_block, start.item_tile, start.tiles_per_call, start.workers
+    while True:
+        if c > 1:
+            c //= 2
+        elif t > 256:
+            t //= 2
+        elif u > 1:
+            u //= 2
+        elif w > 1:
+            w //= 2
+        elif t > 1:
+            t //= 2
+        else:
+            return seq
+        seq.append(TilePlan(u, t, c, w))
+
+
+def test_plan_is_preferred_when_it_fits():
+    plan = plan_tiles(10_000, 100_000, 64, 100, 1 << 40, (256, 4096, 4), 1200)
+    assert plan == TilePlan(256, 4096, 4)
+
+
+def test_plan_clips_to_the_problem():
+    plan = plan_tiles(3, 1000, 8, 10, 1 << 40, (256, 4096, 4), 120)
+    assert plan == TilePlan(3, 1000, 1)
+    plan = plan_tiles(500, 9000, 8, 10, 1 << 40, (256, 4096, 8), 120)
+    assert plan == TilePlan(256, 4096, 3)  # ceil(9000 / 4096) tiles cover the items
+
+
+@pytest.mark.parametrize("preferred, workers", [((256, 4096, 8), 1), ((64, 1024, 3), 4), ((5, 300, 1), 3),
+                                                 ((1, 1, 1), 2)])
+def test_shrink_order(preferred, workers):
+    n_users, n_items, dim, k, state = 100_000, 1_000_000, 32, 50, 600
+    seq = _shrink_sequence(TilePlan(*preferred, workers))
+    sizes = [p.workspace_bytes(dim, k, state) for p in seq]
+    assert all(a > b for a, b in zip(sizes, sizes[1:])), "each step must shrink the workspace"
+    for i, (plan, size) in enumerate(zip(seq, sizes)):
+        # A budget of exactly this plan's workspace gives this plan: the first in the order that fits ...
+        assert plan_tiles(n_users, n_items, dim, k, size, preferred, state, workers) == plan
+        # ... and one byte less the next one.
+        if i + 1 < len(seq):
+            assert plan_tiles(n_users, n_items, dim, k, size - 1, preferred, state, workers) == seq[i + 1]
+    with pytest.raises(ResourceError):
+        plan_tiles(n_users, n_items, dim, k, sizes[-1] - 1, preferred, state, workers)
+
+
+def test_shrinks_tiles_first_then_item_tile_then_users():
+    preferred = (128, 2048, 4)
+    dim, k, state = 16, 10, 120
+    full = TilePlan(*preferred).workspace_bytes(dim, k, state)
+    p = plan_tiles(10**6, 10**6, dim, k, full - 1, preferred, state)
+    assert (p.user_block, p.item_tile) == (128, 2048) and p.tiles_per_call < 4
+    p = plan_tiles(10**6, 10**6, dim, k, TilePlan(128, 2048, 1).workspace_bytes(dim, k, state) - 1, preferred, state)
+    assert p.user_block == 128 and p.tiles_per_call == 1 and p.item_tile < 2048
+    p = plan_tiles(10**6, 10**6, dim, k, TilePlan(128, 256, 1).workspace_bytes(dim, k, state) - 1, preferred, state)
+    assert p.item_tile == 256 and p.user_block < 128
+    p = plan_tiles(10**6, 10**6, dim, k, TilePlan(1, 256, 1).workspace_bytes(dim, k, state) - 1, preferred, state)
+    assert p.user_block == 1 and p.item_tile < 256
+
+
+def test_workers_each_hold_a_workspace_and_never_outnumber_blocks():
+    dim, k, state = 8, 10, 120
+    one = TilePlan(4, 100, 1).workspace_bytes(dim, k, state)
+    assert TilePlan(4, 100, 1, 3).workspace_bytes(dim, k, state) == 3 * one
+    # 10 users in blocks of 4: three blocks, so at most three workers however many cores.
+    assert plan_tiles(10, 100, dim, k, 1 << 30, (4, 4096, 1), state, 16).workers == 3
+    assert plan_tiles(1, 100, dim, k, 1 << 30, (4, 4096, 1), state, 16).workers == 1
+    # A budget for two workers' workspaces keeps two, a byte less halves them before touching the item tile.
+    two = TilePlan(1, 100, 1, 2).workspace_bytes(dim, k, state)
+    assert plan_tiles(10, 100, dim, k, two, (1, 4096, 1), state, 2) == TilePlan(1, 100, 1, 2)
+    assert plan_tiles(10, 100, dim, k, two - 1, (1, 4096, 1), state, 2) == TilePlan(1, 100, 1, 1)
+
+
+def test_smallest_tile_and_resource_error_numbers():
+    dim, k, state = 16, 10, 120
+    need = TilePlan(1, 1, 1).workspace_bytes(dim, k, state)
+    assert need == 4 + 4 * dim + state
+    assert plan_tiles(1000, 1000, dim, k, need, (256, 4096, 1), state) == TilePlan(1, 1, 1)
+    with pytest.raises(ResourceError) as info:
+        plan_tiles(1000, 1000, dim, k, need - 1, (256, 4096, 1), state)
+    msg = str(info.value)
+    assert f"{need - 1:,} bytes" in msg and f"{need:,} bytes" in msg
+    assert "k=10" in msg and "dim=16" in msg
+    with pytest.raises(ResourceError, match=r"budget of 0 bytes"):
+        plan_tiles(1, 1, 1, 1, 0, (1, 1, 1), 12)
+
+
+@given(n_users=st.integers(1, 5000), n_items=st.integers(1, 50_000), dim=st.integers(1, 300),
+       k=st.integers(1, 500), budget=st.integers(1, 1 << 26),
+       preferred=st.tuples(st.integers(1, 512), st.integers(1, 8192), st.integers(1, 16)), workers=st.integers(1, 64))
+@settings(max_examples=200)
+def test_property_plan_fits_or_raises(n_users, n_items, dim, k, budget, preferred, workers):
+    state = 12 * k
+    try:
+        plan = plan_tiles(n_users, n_items, dim, k, budget, preferred, state, workers)
+    except ResourceError as exc:
+        assert budget < TilePlan(1, 1, 1).workspace_bytes(dim, k, state)
+        assert re.search(rf"{budget:,} bytes", str(exc))
+        return
+    assert plan.workspace_bytes(dim, k, state) <= budget
+    assert 1 <= plan.user_block <= min(preferred[0], n_users)
+    assert 1 <= plan.item_tile <= min(preferred[1], n_items)
+    assert 1 <= plan.tiles_per_call <= preferred[2]
+    assert 1 <= plan.workers <= workers
+    assert plan.workers <= -(-n_users // plan.user_block), "a worker with no block to search"
+    assert (plan.tiles_per_call - 1) * plan.item_tile < n_items, "no GEMM call needs a whole tile past the end"
+
+
+@given(n_items=st.integers(1, 3000), item_tile=st.integers(1, 300), tiles=st.integers(1, 9))
+@settings(max_examples=300)
+def test_item_segments_cover_every_item_once_in_order(n_items, item_tile, tiles):
+    plan = TilePlan(1, item_tile, tiles)
+    covered = []
+    for start, width, n_tiles in item_segments(n_items, plan):
+        assert start == len(covered), "segments must be contiguous and in order"
+        assert 1 <= width <= item_tile and 1 <= n_tiles <= tiles
+        assert start + width * n_tiles <= n_items, "a segment must not run past the last item"
+        covered.extend(range(start, start + width * n_tiles))
+    assert covered == list(range(n_items))
+
+
+@pytest.mark.parametrize("n_items, item_tile, tiles, want", [
+    (10, 4, 2, [(0, 4, 2), (8, 2, 1)]),
+    (8, 4, 2, [(0, 4, 2)]),
+    (13, 4, 3, [(0, 4, 3), (12, 1, 1)]),
+    (3, 4, 3, [(0, 3, 1)]),
+    (9, 2, 8, [(0, 2, 4), (8, 1, 1)]),
+])
+def test_item_segments_examples(n_items, item_tile, tiles, want):
+    assert list(item_segments(n_items, TilePlan(1, item_tile, tiles))) == want
+
+
+@pytest.mark.parametrize("preferred", [(5, 7, 3), (1, 1, 1), (3, 16, 8), (64, 33, 2)])
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_multi_tile_gemm_calls_are_exact(monkeypatch, preferred, metric, make_ties):
+    # The CPU backend prefers one tile per call; force several (the GPU's shape of work: one user block against a
+    # batch of item tiles, stride 0 on the users) and odd sizes that leave partial blocks and tiles everywhere.
+    monkeypatch.setattr(NumpyBackend, "preferred_tiles", lambda self, dim, k: preferred)
+    users, items = make_ties(23, 101, 5, seed=sum(preferred))
+    exclude = {0: [0, 1, 2], 7: list(range(50, 101)), 22: list(range(101))}
+    engine = Engine(items, metric=metric, device="cpu")
+    res = engine.search(users, 12, exclude=exclude)
+    want_idx, want_val = oracle.topk(users, items, 12, metric, exclude)
+    np.testing.assert_array_equal(res.indices, want_idx)
+    np.testing.assert_array_equal(res.scores, want_val.astype(np.float32))
+
+
+def test_multi_tile_gemm_calls_float(monkeypatch, make_clustered):
+    monkeypatch.setattr(NumpyBackend, "preferred_tiles", lambda self, dim, k: (17, 64, 5))
+    users, items = make_clustered(60, 1000, 24, seed=3)
+    res = Engine(items, device="cpu").search(users, 20)
+    oracle.assert_topk_close(res.indices, res.scores, users, items, 20)

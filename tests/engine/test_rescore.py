@@ -1,0 +1,458 @@
+"""Per-user candidate re-scoring (``Engine.rescore``, ``recall rescore``) against a float64 oracle.
+
+Every Engine test takes ``device``: the same bodies run on the CPU backend here and on the GPU backend on a GPU machine
+(``-m gpu``), where ``path`` also runs each body through both GPU paths (the fused kernel and gather + GEMM).
+Integer-valued data makes float32 scores exact, so ip and l2 results (tie order included) must equal the oracle's.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+import oracle
+from oracle import as_numpy
+from parquet_data import write_embeddings
+from recall import Engine, InputError, SearchResult, EngineOptions
+from recall.cli.app import app
+from recall.backends.cupy.rescore import lanes
+from recall.io import read_pairs
+
+METRICS = ["ip", "cosine", "l2"]
+
+
+@pytest.fixture(params=["fused", "gemm"])
+def path(request: pytest.FixtureRequest) -> EngineOptions:
+    """The GPU path to take (``EngineOptions.rescore``); the CPU backend always gathers and runs the GEMM."""
+    return EngineOptions(rescore=request.param)
+
+
+def _ints(rng: np.random.Generator, n: int, dim: int, lo: int = -2, hi: int = 2) -> np.ndarray:
+    vecs = rng.integers(lo, hi + 1, (n, dim)).astype(np.float32)
+    vecs[~vecs.any(axis=1), 0] = 1.0  # no zero rows: cosine needs a direction
+    return vecs
+
+
+def _lists(rng: np.random.Generator, n_users: int, n_items: int, longest: int) -> list[np.ndarray]:
+    """Lists of varied length (some empty), with duplicates, in no particular order."""
+    out = []
+    for u in range(n_users):
+        n = int(rng.integers(0, longest + 1)) if u % 7 else 0
+        lst = rng.integers(0, n_items, n)
+        if n > 2:
+            lst[-1] = lst[0]  # a duplicate
+        out.append(lst)
+    return out
+
+
+def _want(users, items, lists, k, metric="ip"):
+    """float64 oracle: per user, the best k distinct candidates by (score desc, row asc), padded (-1, -inf)."""
+    full = oracle.score_matrix(users, items, metric)
+    idx = np.full((len(lists), k), -1, np.int64)
+    val = np.full((len(lists), k), -np.inf)
+    for u, lst in enumerate(lists):
+        c = np.unique(np.asarray(lst, dtype=np.int64))
+        top = c[np.lexsort((c, -full[u, c]))][:k]
+        idx[u, :top.size] = top
+        val[u, :top.size] = full[u, top]
+    return idx, val
+
+
+def _csr(lists):
+    indptr = np.zeros(len(lists) + 1, np.int64)
+    np.cumsum([len(x) for x in lists], out=indptr[1:])
+    rows = np.concatenate([np.asarray(x, np.int64) for x in lists]) if lists else np.zeros(0, np.int64)
+    return indptr, rows
+
+
+def _check(res: SearchResult, users, items, lists, k, metric):
+    idx, val = as_numpy(res.indices), as_numpy(res.scores)
+    want_idx, want_val = _want(users, items, lists, k, metric)
+    assert idx.shape == (len(lists), k) and idx.dtype == np.int64 and val.dtype == np.float32
+    if metric == "cosine":
+        np.testing.assert_array_equal(idx < 0, want_idx < 0)
+        real = want_idx >= 0
+        np.testing.assert_allclose(val[real], want_val[real], rtol=1e-5, atol=1e-6)
+        assert np.all(np.isneginf(val[~real]))
+        # every returned item is one of the user's candidates and appears once
+        for u, lst in enumerate(lists):
+            got = idx[u][idx[u] >= 0]
+            assert set(got) <= set(np.asarray(lst).tolist()) and len(set(got)) == got.size
+    else:
+        np.testing.assert_array_equal(idx, want_idx)
+        np.testing.assert_array_equal(val, want_val.astype(np.float32))
+
+
+# ---- correctness against the oracle ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_every_metric_matches_oracle(device, path, metric):
+    rng = np.random.default_rng(1)
+    items, users = _ints(rng, 400, 12), _ints(rng, 60, 12)
+    lists = _lists(rng, 60, 400, 40)
+    engine = Engine(items, metric=metric, device=device, options=path)
+    for k in (1, 7, 50):  # 50: more than most lists hold
+        _check(engine.rescore(users, lists, k), users, items, lists, k, metric)
+
+
+def test_normal_data_matches_oracle(device, path, make_clustered):
+    users, items = make_clustered(50, 3000, 32, seed=3)
+    rng = np.random.default_rng(3)
+    lists = [rng.choice(3000, int(rng.integers(100, 700)), replace=False) for _ in range(50)]
+    for metric in METRICS:
+        res = Engine(items, metric=metric, device=device, options=path).rescore(users, lists, 20)
+        idx, val = as_numpy(res.indices), as_numpy(res.scores)
+        # Each user's candidates are a sub-catalogue: the oracle helper applies with the others excluded.
+        banned = np.ones((50, 3000), bool)
+        for u, lst in enumerate(lists):
+            banned[u, lst] = False
+        exclude = {u: np.flatnonzero(banned[u]).tolist() for u in range(50)}
+        oracle.assert_topk_close(idx, val, users, items, 20, metric, exclude=exclude)
+
+
+def test_ties_go_to_the_lower_item_row(device, path):
+    items = np.ones((30, 4), np.float32)  # every candidate scores the same
+    items[7] = 2.0
+    users = np.ones((3, 4), np.float32)
+    lists = [[29, 3, 17, 7, 3, 0], [5, 4], list(range(29, -1, -1))]
+    res = Engine(items, device=device, options=path).rescore(users, lists, 4)
+    np.testing.assert_array_equal(as_numpy(res.indices), [[7, 0, 3, 17], [4, 5, -1, -1], [7, 0, 1, 2]])
+    np.testing.assert_array_equal(as_numpy(res.scores)[0], [8, 4, 4, 4])
+
+
+def test_duplicates_count_once(device, path):
+    rng = np.random.default_rng(2)
+    items, users = _ints(rng, 50, 8), _ints(rng, 4, 8)
+    lists = [[5, 5, 5, 5], [9, 3, 9, 3, 9], [1] * 300 + [2] * 300, []]
+    res = Engine(items, device=device, options=path).rescore(users, lists, 3)
+    idx = as_numpy(res.indices)
+    assert (idx[0] >= 0).sum() == 1 and idx[0, 0] == 5
+    assert sorted(idx[1][:2].tolist()) == [3, 9] and idx[1, 2] == -1
+    assert sorted(idx[2][:2].tolist()) == [1, 2] and idx[2, 2] == -1
+    assert (idx[3] == -1).all() and np.isneginf(as_numpy(res.scores)[3]).all()
+
+
+def test_empty_lists_and_no_users(device, path):
+    rng = np.random.default_rng(3)
+    items, users = _ints(rng, 20, 4), _ints(rng, 5, 4)
+    engine = Engine(items, device=device, options=path)
+    res = engine.rescore(users, [[] for _ in range(5)], 3)
+    assert (as_numpy(res.indices) == -1).all() and np.isneginf(as_numpy(res.scores)).all()
+    res = engine.rescore(np.zeros((0, 4), np.float32), (np.zeros(1, np.int64), np.zeros(0, np.int64)), 3)
+    assert as_numpy(res.indices).shape == (0, 3)
+
+
+def test_csr_lists_and_matrix_agree(device, path):
+    rng = np.random.default_rng(4)
+    items, users = _ints(rng, 100, 8), _ints(rng, 9, 8)
+    matrix = rng.integers(0, 100, (9, 25))
+    engine = Engine(items, device=device, options=path)
+    a = engine.rescore(users, list(matrix), 6)
+    b = engine.rescore(users, _csr(list(matrix)), 6)
+    c = engine.rescore(users, matrix, 6)
+    d = engine.rescore(users, [row.tolist() for row in matrix], 6)
+    for other in (b, c, d):
+        np.testing.assert_array_equal(as_numpy(a.indices), as_numpy(other.indices))
+        np.testing.assert_array_equal(as_numpy(a.scores), as_numpy(other.scores))
+    _check(a, users, items, list(matrix), 6, "ip")
+
+
+def test_long_lists_and_tiny_budget_agree(device, path):
+    """Lists longer than one sort chunk of the GPU kernel (4,096) and than a whole CPU block under a tiny budget."""
+    rng = np.random.default_rng(5)
+    items, users = _ints(rng, 6000, 8, -3, 3), _ints(rng, 6, 8, -3, 3)
+    lists = [rng.integers(0, 6000, 9000), rng.integers(0, 6000, 5), np.arange(6000)[::-1], [], [17] * 5000,
+             rng.integers(0, 6000, 4097)]
+    want = Engine(items, device=device, options=path).rescore(users, lists, 40)
+    _check(want, users, items, lists, 40, "ip")
+    tiny = Engine(items, device=device, memory_budget=20_000, options=path).rescore(users, lists, 40)
+    np.testing.assert_array_equal(as_numpy(tiny.indices), as_numpy(want.indices))
+    np.testing.assert_array_equal(as_numpy(tiny.scores), as_numpy(want.scores))
+
+
+def test_large_k_beyond_the_kernel_falls_back(device, path):
+    rng = np.random.default_rng(6)
+    items, users = _ints(rng, 3000, 4), _ints(rng, 3, 4)
+    lists = [rng.integers(0, 3000, 2500), np.arange(3000), [1, 2]]
+    k = 40_000  # more keys than a GPU thread block's shared memory holds: the GEMM path selects instead
+    res = Engine(items, device=device, options=path).rescore(users, lists, k)
+    _check(res, users, items, lists, k, "ip")
+
+
+@pytest.mark.parametrize("dim", [1, 3, 5, 64, 68, 130])
+def test_dimensions(device, dim):
+    """The GPU kernel reads rows as float4 when dim % 4 == 0, else as floats, with a lane count per dim."""
+    rng = np.random.default_rng(dim)
+    items, users = _ints(rng, 200, dim), _ints(rng, 10, dim)
+    lists = _lists(rng, 10, 200, 60)
+    _check(Engine(items, device=device).rescore(users, lists, 9), users, items, lists, 9, "ip")
+
+
+def test_ids_and_arrow(device):
+    rng = np.random.default_rng(7)
+    items, users = _ints(rng, 10, 4), _ints(rng, 2, 4)
+    ids = np.array([f"item{i}" for i in range(10)], dtype=object)
+    res = Engine(items, ids=ids, device=device).rescore(users, [[3, 4], []], 3)
+    rows = as_numpy(res.indices)
+    assert res.ids[0, 0] == f"item{rows[0, 0]}" and res.ids[1, 0] is None
+    table = res.to_arrow(np.array([10, 11]))
+    assert table.column("item_ids").to_pylist()[1] == [] and len(table.column("item_ids").to_pylist()[0]) == 2
+
+
+@settings(max_examples=25)
+@given(data=st.data())
+def test_property_equals_oracle(device, data):
+    n_items = data.draw(st.integers(1, 40))
+    n_users = data.draw(st.integers(0, 6))
+    dim = data.draw(st.integers(1, 6))
+    k = data.draw(st.integers(1, 12))
+    seed = data.draw(st.integers(0, 10_000))
+    rng = np.random.default_rng(seed)
+    items, users = _ints(rng, n_items, dim, -1, 1), _ints(rng, n_users, dim, -1, 1)
+    lists = [rng.integers(0, n_items, int(rng.integers(0, 30))) for _ in range(n_users)]
+    res = Engine(items, metric=data.draw(st.sampled_from(["ip", "l2"])), device=device)
+    _check(res.rescore(users, lists, k), users, items, lists, k, res.metric)
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------
+
+def test_bad_candidates_name_user_and_row(device):
+    rng = np.random.default_rng(8)
+    items, users = _ints(rng, 10, 4), _ints(rng, 3, 4)
+    engine = Engine(items, device=device)
+    with pytest.raises(InputError, match=r"user row 1 has item row 10 at position 2 of its list, out of range for "
+                                         r"10 items"):
+        engine.rescore(users, [[1], [0, 1, 10], []], 2)
+    with pytest.raises(InputError, match="user row 2 has item row -1"):
+        engine.rescore(users, _csr([[1], [2], [-1]]), 2)
+    with pytest.raises(InputError, match="got 2 lists for 3 users"):
+        engine.rescore(users, [[1], [2]], 2)
+    with pytest.raises(InputError, match="indptr has 3 entries, expected n_users \\+ 1 = 4"):
+        engine.rescore(users, (np.array([0, 1, 2]), np.array([1, 2])), 2)
+    with pytest.raises(InputError, match="indptr must start at 0"):
+        engine.rescore(users, (np.array([0, 2, 1, 3]), np.array([1, 2, 3])), 2)
+    with pytest.raises(InputError, match="must be integer item rows"):
+        engine.rescore(users, [[1.5], [], []], 2)
+    with pytest.raises(InputError, match="matrix of 2 rows for 3 users"):
+        engine.rescore(users, np.zeros((2, 4), np.int64), 2)
+    with pytest.raises(InputError, match="CSR pair"):
+        engine.rescore(users, 7, 2)
+    for k in (0, -1, 2.5, True):
+        with pytest.raises(InputError, match="k must be an integer"):
+            engine.rescore(users, [[1], [], []], k)
+    with pytest.raises(InputError, match="dimension 5 does not match"):
+        engine.rescore(np.ones((3, 5), np.float32), [[1], [], []], 2)
+    bad = users.copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(InputError, match="row 1 has a NaN"):
+        engine.rescore(bad, [[1], [], []], 2)
+
+
+def test_bad_path_is_refused():
+    with pytest.raises(InputError, match="rescore path 'fast'"):
+        EngineOptions(rescore="fast")
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+def test_lanes_cover_a_row_in_one_round():
+    # Each lane loads two 16-byte pieces of the row: dim 64 (16 float4) takes 8 lanes, and every load is in flight
+    # before the first use wherever 32 lanes suffice.
+    assert lanes(64) == 8 and lanes(128) == 16 and lanes(256) == 32 and lanes(68) == 16
+    for dim in range(1, 300):
+        g = lanes(dim)
+        chunks = dim // 4 if dim % 4 == 0 else dim
+        assert g in (1, 2, 4, 8, 16, 32) and (2 * g >= chunks or g == 32)
+
+
+# ---- files and the CLI -------------------------------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict:
+    rng = np.random.default_rng(9)
+    items, users = _ints(rng, 30, 4), _ints(rng, 12, 4)
+    user_ids, item_ids = 100 + np.arange(12), 7000 + np.arange(30)[::-1]
+    cands = pa.table({
+        "user_id": pa.array([105, 101, 999, 105, 103, 110], pa.int64()),
+        "item_ids": pa.array([[7000, 7001, 7001, 12], [7029, 7028, 7027], [7000], [7003], [], [7010]],
+                             pa.list_(pa.int64())),
+    })
+    pq.write_table(cands, tmp_path / "c.parquet")
+    return {
+        "users": write_embeddings(tmp_path / "users.parquet", user_ids, users, "list32", row_group_size=5),
+        "items": write_embeddings(tmp_path / "items.parquet", item_ids, items, row_group_size=7),
+        "cands": tmp_path / "c.parquet", "out": tmp_path / "out.parquet", "dir": tmp_path,
+        "user_vecs": users, "item_vecs": items, "user_ids": user_ids, "item_ids": item_ids,
+    }
+
+
+def _args(f: dict, *extra: str, k: str = "2") -> list[str]:
+    return ["rescore", "--users", str(f["users"]), "--items", str(f["items"]), "--candidates", str(f["cands"]),
+            "--k", k, "--out", str(f["out"]), "--device", "cpu", *extra]
+
+
+def _candidates(files: dict) -> tuple[np.ndarray, "object"]:
+    pairs = read_pairs(files["cands"], files["user_ids"], files["item_ids"], what="candidate", sort_unique=False)
+    present = np.flatnonzero(pairs.named)
+    return present, pairs, pairs.take(present)
+
+
+def test_read_candidates_maps_ids_and_counts_unknown(files):
+    present, pairs, c = _candidates(files)
+    row = {int(i): r for r, i in enumerate(files["item_ids"])}
+    assert present.tolist() == [1, 3, 5, 10]  # users-file order; user 103 named with an empty list
+    assert c.indptr.tolist() == [0, 3, 3, 7, 8]
+    assert c.item_rows.tolist() == [row[7029], row[7028], row[7027], row[7000], row[7001], row[7001], row[7003],
+                                    row[7010]]
+    assert (pairs.n_pairs, pairs.n_unknown) == (10, 2)  # item 12 and user 999
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_cli_rescore(files, metric):
+    result = runner.invoke(app, _args(files, "--metric", metric, k="3"))
+    assert result.exit_code == 0, result.output
+    assert "warning: 2 of 10 candidates name a user or item id that is not in the input files" in result.stderr
+    line = result.stdout.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith("rescored 4 users x 8 own candidates (of 30 items), dim 4, k 3")
+    table = pq.read_table(files["out"])
+    assert table.column("user_id").to_pylist() == [101, 103, 105, 110]
+    present, _, c = _candidates(files)
+    lists = [c.item_rows[c.indptr[i]:c.indptr[i + 1]] for i in range(4)]
+    want_idx, want_val = _want(files["user_vecs"][present], files["item_vecs"], lists, 3, metric)
+    got = table.column("item_ids").to_pylist()
+    scores = table.column("scores").to_pylist()
+    for i in range(4):
+        keep = want_idx[i] >= 0
+        if metric != "cosine":
+            assert got[i] == files["item_ids"][want_idx[i][keep]].tolist()
+        np.testing.assert_allclose(scores[i], want_val[i][keep], rtol=1e-5, atol=1e-6)
+    assert got[1] == []  # a user named with an empty list keeps its row
+
+
+def test_cli_pairs_form_and_string_ids(tmp_path):
+    rng = np.random.default_rng(10)
+    items, users = _ints(rng, 6, 3), _ints(rng, 2, 3)
+    write_embeddings(tmp_path / "u.parquet", ["a", "b"], users)
+    write_embeddings(tmp_path / "i.parquet", [f"i{j}" for j in range(6)], items)
+    pq.write_table(pa.table({"user_id": ["b", "b", "a", "b"], "item_id": ["i1", "i2", "i5", "i1"]}),
+                   tmp_path / "c.parquet")
+    result = runner.invoke(app, ["rescore", "--users", str(tmp_path / "u.parquet"), "--items",
+                                 str(tmp_path / "i.parquet"), "--candidates", str(tmp_path / "c.parquet"), "--k",
+                                 "5", "--out", str(tmp_path / "o.parquet"), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    table = pq.read_table(tmp_path / "o.parquet").to_pylist()
+    assert [r["user_id"] for r in table] == ["a", "b"]
+    assert table[0]["item_ids"] == ["i5"] and sorted(table[1]["item_ids"]) == ["i1", "i2"]
+
+
+def test_cli_bad_inputs_exit_2_with_one_line(files):
+    cases = [
+        (["--k", "0"], "k must be an integer >= 1"),
+        (["--candidates", str(files["dir"] / "nope.parquet")], "no such file"),
+        (["--candidates", str(files["users"])], "candidate columns are"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--memory-budget", "lots"], "--memory-budget must be a positive number"),
+    ]
+    for extra, message in cases:
+        args = _args(files)
+        for opt, value in zip(extra[::2], extra[1::2]):
+            if opt in args:
+                args[args.index(opt) + 1] = value
+            else:
+                args += [opt, value]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (extra, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (extra, lines)
+        assert "Traceback" not in result.output
+        assert not files["out"].exists()
+
+
+def test_cli_mismatched_id_types_and_nulls(files):
+    pq.write_table(pa.table({"user_id": ["x"], "item_ids": [["7000"]]}), files["cands"])
+    result = runner.invoke(app, _args(files))
+    assert result.exit_code == 2 and "column 'user_id' has type string, but the users' ids are integers" in \
+        result.stderr
+    pq.write_table(pa.table({"user_id": pa.array([101, None], pa.int64()),
+                             "item_ids": pa.array([[7000], [7001]], pa.list_(pa.int64()))}), files["cands"])
+    result = runner.invoke(app, _args(files))
+    assert result.exit_code == 2 and "row 1 has a null user_id" in result.stderr
+    pq.write_table(pa.table({"user_id": pa.array([101, 102], pa.int64()),
+                             "item_ids": pa.array([[7000], [7001, None]], pa.list_(pa.int64()))}), files["cands"])
+    result = runner.invoke(app, _args(files))
+    assert result.exit_code == 2 and "row 1 has a null inside its item_ids list" in result.stderr
+    assert not files["out"].exists()
+
+
+def test_cli_failure_keeps_previous_output(files):
+    files["out"].write_bytes(b"previous")
+    pq.write_table(pa.table({"user_id": ["x"], "item_ids": [["7000"]]}), files["cands"])
+    assert runner.invoke(app, _args(files)).exit_code == 2
+    assert files["out"].read_bytes() == b"previous"
+    assert [p.name for p in files["dir"].iterdir() if p.name.startswith(".out")] == []
+
+
+# ---- the S5 bench workload -------------------------------------------------------------------------------------
+
+def test_bench_candidate_workload_truth_and_check():
+    import dataclasses
+
+    from recall.bench import contenders, oracle as bench_oracle, workloads
+
+    w = dataclasses.replace(workloads.get("S5-small"), n_users=150, n_items=2000, candidates=120, k=10)
+    rows = workloads.candidate_rows(150, 2000, 120, seed=1)
+    assert rows.shape == (150, 120) and rows.dtype == np.int64 and rows.min() >= 0 and rows.max() < 2000
+    assert all(np.unique(r).size == 120 for r in rows)  # distinct within a user
+    users, items = w.generate(seed=2)
+    assert isinstance(users, workloads.CandidateUsers) and users.shape == (150, 32)
+    sample = bench_oracle.sample_rows(150, 60, 0)
+    for metric in METRICS:
+        truth = w.truth(users, items, sample, metric)
+        c = contenders.RecallContender("cpu", metric)
+        assert c.unsupported_workload(w) is None
+        c.prepare(items)
+        idx, sc = c.search(users, w.k)
+        check = w.check(truth, users, items, idx, sc, rtol=1e-4)
+        assert check.exact and check.invalid == 0 and check.max_score_error < 1e-5
+        # An item outside a user's candidates never counts, even if it would score well.
+        bad = np.array(idx, copy=True)
+        outside = np.setdiff1d(np.arange(2000), users.candidates[sample[0]])[0]
+        bad[sample[0], 0] = outside
+        assert w.check(truth, users, items, bad, None, rtol=1e-4).users_short == 1
+    assert contenders.FaissContender("cpu").unsupported_workload(w)
+    assert contenders.RecallContender("cpu", "ip", "fast").unsupported_workload(w)
+    assert w.bytes_moved == 150 * (120 * 32 * 4 + 10 * 12)
+
+
+# ---- GPU only: device arrays in place, both paths, equal to the CPU bit for bit ---------------------------------
+
+@pytest.mark.gpu
+def test_gpu_device_arrays_in_place_equal_cpu(path):
+    import cupy
+
+    rng = np.random.default_rng(11)
+    items, users = _ints(rng, 5000, 20, -3, 3), _ints(rng, 300, 20, -3, 3)
+    lists = _lists(rng, 300, 5000, 900)
+    indptr, rows = _csr(lists)
+    want = Engine(items, device="cpu", options=path).rescore(users, lists, 50)
+    gpu = Engine(cupy.asarray(items), device="gpu", options=path)
+    got = gpu.rescore(cupy.asarray(users), (indptr, cupy.asarray(rows)), 50)
+    assert isinstance(got.indices, cupy.ndarray) and isinstance(got.scores, cupy.ndarray)
+    assert gpu.stats["rescore_path"] == path.rescore
+    np.testing.assert_array_equal(as_numpy(got.indices), want.indices)
+    np.testing.assert_array_equal(as_numpy(got.scores), want.scores)
+    matrix = rng.integers(0, 5000, (300, 64))
+    got = gpu.rescore(cupy.asarray(users), cupy.asarray(matrix), 7)
+    want = Engine(items, device="cpu", options=path).rescore(users, matrix, 7)
+    np.testing.assert_array_equal(as_numpy(got.indices), want.indices)
+    np.testing.assert_array_equal(as_numpy(got.scores), want.scores)

@@ -1,0 +1,570 @@
+"""``recall batch`` (recall/jobs/batch, recall/cli/batch.py): outputs, manifest, resume after kill -9, idempotence,
+refusals, verification of outputs, uneven and empty shards, globs, exclusions, bad inputs, the nightly script.
+
+Small-integer vectors make every score exact in float32 whatever the summation order, so outputs can be compared
+byte for byte across batch sizes and with ``recall score``, and against a float64 oracle exactly.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from parquet_data import int_data, oracle_topk, write_embeddings
+from recall.io.atomic import sha256_file
+from recall.jobs.batch import LOCK, MANIFEST, METRICS, SUCCESS, BatchProgress, row_group_rows, run_batch
+from recall.jobs.batch.shards import discover_shards
+from recall.cli.app import app
+from recall.core.errors import InputError
+from recall.jobs import score_files
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
+SIZES = (130, 7, 0, 260, 45)  # uneven, one empty
+DIM, N_ITEMS, K = 6, 90, 5
+runner = CliRunner()
+
+
+def _write_job(root: Path, sizes: tuple[int, ...] = SIZES, seed: int = 0, string_ids: bool = False) -> dict:
+    users, items = int_data(sum(sizes), N_ITEMS, DIM, seed=seed)
+    user_ids = np.arange(sum(sizes)) * 3 + 11
+    item_ids = 5000 + np.arange(N_ITEMS)[::-1]
+    if string_ids:
+        user_ids = np.array([f"u{i}" for i in user_ids], dtype=object)
+        item_ids = np.array([f"i{i}" for i in item_ids], dtype=object)
+    (root / "users").mkdir(parents=True)
+    start, shards = 0, []
+    for i, n in enumerate(sizes):
+        path = root / "users" / f"part-{i:03d}.parquet"
+        ids = user_ids[start:start + n]
+        write_embeddings(path, ids.tolist() if string_ids else ids, users[start:start + n].reshape(n, DIM),
+                         row_group_size=40, id_array=pa.array(ids.tolist(), pa.string()) if string_ids else None)
+        shards.append((path, start, n))
+        start += n
+    write_embeddings(root / "items.parquet", item_ids.tolist() if string_ids else item_ids, items,
+                     id_array=pa.array(item_ids.tolist(), pa.string()) if string_ids else None)
+    return {"root": root, "users": root / "users", "items": root / "items.parquet", "user_vecs": users,
+            "item_vecs": items, "user_ids": user_ids, "item_ids": item_ids, "shards": shards}
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> dict:
+    return _write_job(tmp_path)
+
+
+def _run(job: dict, out: Path, **kw) -> object:
+    kw.setdefault("device", "cpu")
+    kw.setdefault("batch_size", 32)
+    return run_batch(job["users"], job["items"], out, kw.pop("k", K), **kw)
+
+
+def _snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file of an output directory but the lock (which holds the pid of the last run): (bytes, mtime_ns)."""
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.iterdir()) if p.name != LOCK}
+
+
+def _outputs(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.parquet"))}
+
+
+def _cli(job: dict, out: Path, *extra: str, k: int = K) -> list[str]:
+    return ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k", str(k), "--out", str(out),
+            "--device", "cpu", "--batch-size", "32", *extra]
+
+
+# ---- outputs, manifest, metrics ------------------------------------------------------------------------------------
+
+def test_outputs_are_exact_and_match_recall_score(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    summary = _run(job, out)
+    assert summary.shards_total == summary.shards_scored == len(SIZES) and summary.shards_skipped == 0
+    assert summary.users_scored == sum(SIZES) and summary.workers == 1
+    for path, start, n in job["shards"]:
+        table = pq.read_table(out / path.name)
+        assert table.schema.names == ["user_id", "item_ids", "scores"] and table.num_rows == n
+        rows, scores = oracle_topk(job["user_vecs"][start:start + n], job["item_vecs"], K)
+        assert table.column("user_id").to_pylist() == job["user_ids"][start:start + n].tolist()
+        assert table.column("item_ids").to_pylist() == [job["item_ids"][r].tolist() for r in rows]
+        assert table.column("scores").to_pylist() == [s.astype(np.float32).tolist() for s in scores]
+        # Same schema and content as `recall score` on that shard.
+        single = tmp_path / f"single-{path.name}"
+        score_files(path, job["items"], single, K, device="cpu")
+        assert pq.read_table(single).equals(table)
+    assert (out / SUCCESS).exists() and (out / SUCCESS).stat().st_size == 0
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+    # The directory reads as one dataset: bookkeeping files start with "_" or ".", which readers skip.
+    assert pq.read_table(out).num_rows == sum(SIZES)
+
+
+def test_manifest_and_metrics(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["format"] == "recall-batch/1"
+    assert manifest["job"]["k"] == K and manifest["job"]["metric"] == "ip"
+    assert manifest["job"]["items"]["sha256"] == sha256_file(job["items"])
+    assert manifest["job"]["items"]["size"] == job["items"].stat().st_size
+    assert manifest["shards_total"] == manifest["shards_done"] == len(SIZES)
+    for path, _, n in job["shards"]:
+        entry = manifest["outputs"][path.name]
+        assert entry["rows"] == n and manifest["job"]["shards"][path.name]["rows"] == n
+        assert entry["sha256"] == sha256_file(out / path.name) and entry["bytes"] == (out / path.name).stat().st_size
+        assert entry["device"] == "cpu" and entry["batch_size"] == 32
+    metrics = json.loads((out / METRICS).read_text())
+    assert metrics["job"]["status"] == "succeeded" and metrics["job"]["users_scored"] == sum(SIZES)
+    assert metrics["job"]["shards_scored"] == len(SIZES) and metrics["job"]["users_per_s"] > 0
+    assert len(metrics["workers"]) == 1 and metrics["workers"][0]["items_load_s"] >= 0
+    for path, _, n in job["shards"]:
+        shard = metrics["shards"][path.name]
+        assert shard["rows"] == n and shard["seconds"] > 0 and "users_per_s" in shard and "search_s" in shard
+
+
+def test_bytes_do_not_depend_on_batch_size(job: dict, tmp_path: Path) -> None:
+    _run(job, tmp_path / "a", batch_size=7)
+    _run(job, tmp_path / "b", batch_size=1000)
+    assert _outputs(tmp_path / "a") == _outputs(tmp_path / "b")
+
+
+def test_row_groups_are_fixed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert row_group_rows(K) == 65_536 and row_group_rows(100_000) == 1024 and row_group_rows(1000) == 5584
+    monkeypatch.setattr("recall.jobs.batch.worker.row_group_rows", lambda k: 1000)
+    job = _write_job(tmp_path, sizes=(2500,))
+    for batch_size in (333, 4096):
+        _run(job, tmp_path / f"out{batch_size}", batch_size=batch_size)
+    meta = pq.ParquetFile(tmp_path / "out333" / "part-000.parquet").metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [1000, 1000, 500]
+    assert set(meta.metadata) == {b"ARROW:schema"}  # nothing run-dependent (no timestamps) in the footer
+    assert _outputs(tmp_path / "out333") == _outputs(tmp_path / "out4096")
+
+
+# ---- resume and idempotence ----------------------------------------------------------------------------------------
+
+def test_second_run_does_nothing(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    before = _snapshot(out)
+    summary = _run(job, out, batch_size=50)  # another batch size: still the same job
+    assert summary.shards_scored == 0 and summary.shards_skipped == len(SIZES)
+    assert "nothing to do" in summary.line()
+    assert _snapshot(out) == before  # not one byte or mtime changed
+
+
+def test_corrupted_and_truncated_outputs_are_redone(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    reference = _outputs(out)
+    first, second, third = (job["shards"][i][0].name for i in (0, 3, 4))
+    data = bytearray((out / first).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different content: only the sha256 can tell
+    (out / first).write_bytes(bytes(data))
+    (out / second).write_bytes(reference[second][:100])  # truncated
+    (out / third).unlink()
+    notices: list[str] = []
+    summary = _run(job, out, notice=notices.append)
+    assert summary.shards_scored == 3 and summary.shards_skipped == len(SIZES) - 3
+    assert any(first in n and "sha256" in n for n in notices)
+    assert any(second in n and "bytes" in n for n in notices)
+    assert any(third in n and "missing" in n for n in notices)
+    assert _outputs(out) == reference and (out / SUCCESS).exists()
+
+
+def test_interrupted_run_resumes(job: dict, tmp_path: Path) -> None:
+    """A run that fails half-way (here: a progress callback raising) leaves a resumable directory: no _SUCCESS,
+    the finished shards in the manifest, no temporary file at an output path; the rerun does only the rest."""
+    ref = tmp_path / "ref"
+    _run(job, ref)
+
+    class Boom(BatchProgress):
+        def shard_done(self, done: int, total: int) -> None:
+            if done == 2:
+                raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        _run(job, out, progress=Boom())
+    assert not (out / SUCCESS).exists()
+    assert json.loads((out / MANIFEST).read_text())["shards_done"] == 2
+    assert json.loads((out / METRICS).read_text())["job"]["status"] == "failed"
+    notices: list[str] = []
+    summary = _run(job, out, batch_size=64, notice=notices.append)
+    assert summary.shards_skipped == 2 and summary.shards_scored == len(SIZES) - 2
+    assert _outputs(out) == _outputs(ref) and (out / SUCCESS).exists()  # exact integer scores: same bytes anyway
+    assert len(notices) == 1 and "computed with device cpu, batch size 32" in notices[0] and "batch size 64" in \
+        notices[0]
+    metrics = json.loads((out / METRICS).read_text())
+    assert metrics["job"]["notices"] == notices
+    assert len(metrics["shards"]) == len(SIZES)  # the two kept shards' metrics come from the first run
+    assert sum(bool(e.get("earlier_run")) for e in metrics["shards"].values()) == 2
+
+
+def _wait_for(predicate, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _manifest_done(out: Path) -> int:
+    try:
+        return json.loads((out / MANIFEST).read_text())["shards_done"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _kill_mid_run(args: list[str], out: Path, env: dict) -> None:
+    """Start ``python -m recall batch ...`` and SIGKILL it once a shard is recorded and the next one's temporary file
+    is open (``python -m pacing``: the worker sleeps after each batch it writes)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pacing", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        ok = _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir())
+                       or proc.poll() is not None)
+        assert ok and proc.poll() is None, f"the run ended before the kill: {proc.communicate()}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_kill_9_then_rerun_gives_identical_bytes(job: dict, tmp_path: Path) -> None:
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    args = [*_cli(job, out), "--quiet"]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
+    _kill_mid_run(args, out, env)
+    assert not (out / SUCCESS).exists()
+    done = _manifest_done(out)
+    assert 1 <= done < len(SIZES)
+    assert any(".tmp-" in p.name for p in out.iterdir())  # the kill landed while a shard was being written
+
+    proc = subprocess.run([sys.executable, "-m", "recall", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{len(SIZES) - done} of {len(SIZES)} shards scored, {done} already done" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "recall", *_cli(job, ref), "--quiet"], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert _outputs(out) == _outputs(ref)
+    assert json.loads((out / MANIFEST).read_text())["outputs"] == json.loads((ref / MANIFEST).read_text())["outputs"]
+    assert (out / SUCCESS).exists() and not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
+def test_sigterm_records_the_failure_and_the_rerun_resumes(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
+    proc = subprocess.Popen([sys.executable, "-m", "pacing", *_cli(job, out)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir()))
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
+    metrics = json.loads((out / METRICS).read_text())
+    assert metrics["job"]["status"] == "failed" and "SIGTERM" in metrics["job"]["error"]
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]  # the shard being written was aborted cleanly
+    summary = _run(job, out)
+    assert summary.shards_skipped >= 1 and (out / SUCCESS).exists()
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------------
+
+def test_different_parameters_are_refused_unless_overwrite(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    before = _snapshot(out)
+    result = runner.invoke(app, _cli(job, out, k=K + 1))
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {out}: holds the output of a different job")
+    assert f"k {K} -> {K + 1}" in lines[0] and "--overwrite" in lines[0]
+    result = runner.invoke(app, _cli(job, out, "--metric", "l2"))
+    assert result.exit_code == 2 and "metric 'ip' -> 'l2'" in result.stderr
+    assert _snapshot(out) == before  # a refusal touches nothing
+
+    result = runner.invoke(app, _cli(job, out, "--overwrite", k=K + 1))
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["job"]["k"] == K + 1 and manifest["shards_done"] == len(SIZES)
+    first = job["shards"][0][0].name
+    assert all(len(ids) == K + 1 for ids in pq.read_table(out / first).column("item_ids").to_pylist())
+
+
+def test_different_item_file_is_refused(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    items = pq.read_table(job["items"])
+    vecs = items.column("embedding").combine_chunks()
+    flat = vecs.values.to_numpy().copy()
+    flat[0] += 1  # one value: same size, same row count
+    pq.write_table(items.set_column(1, "embedding", pa.FixedSizeListArray.from_arrays(pa.array(flat), DIM)),
+                   job["items"])
+    with pytest.raises(InputError, match="item file content changed"):
+        _run(job, out)
+
+
+def test_changed_added_and_removed_shards_are_refused(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    path, start, n = job["shards"][1]
+    write_embeddings(path, job["user_ids"][start:start + n], job["user_vecs"][start:start + n] + 1)
+    with pytest.raises(InputError, match=r"user shards changed: part-001\.parquet"):
+        _run(job, out)
+    path.unlink()
+    with pytest.raises(InputError, match=r"user shards removed: part-001\.parquet"):
+        _run(job, out)
+
+
+def test_foreign_directory_is_refused(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match="is not empty and has no _manifest.json"):
+        _run(job, out)
+    notices: list[str] = []
+    summary = _run(job, out, overwrite=True, notice=notices.append)
+    assert summary.shards_scored == len(SIZES)
+    assert (out / "notes.txt").read_text() == "mine" and any("notes.txt" in n for n in notices)
+
+
+def test_overwrite_removes_the_previous_jobs_outputs(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(job["shards"][0][0], other / "only.parquet")
+    run_batch(other, job["items"], out, K, device="cpu", overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted(["only.parquet", MANIFEST, METRICS, SUCCESS, LOCK])
+
+
+def test_concurrent_run_is_refused(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / LOCK, "w") as f:
+        f.write("4242\n")
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_EX)
+        with pytest.raises(InputError, match=r"another recall batch \(pid 4242\) is writing to this directory"):
+            _run(job, out)
+
+
+def test_output_directory_holding_inputs_is_refused(job: dict) -> None:
+    with pytest.raises(InputError, match="is inside the output directory"):
+        _run(job, job["users"])
+
+
+# ---- inputs --------------------------------------------------------------------------------------------------------
+
+def test_glob_and_single_file(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    summary = run_batch(str(job["users"] / "part-00[13].parquet"), job["items"], out, K, device="cpu")
+    assert summary.shards_total == 2 and sorted(_outputs(out)) == ["part-001.parquet", "part-003.parquet"]
+    out1 = tmp_path / "out1"
+    run_batch(job["shards"][0][0], job["items"], out1, K, device="cpu")
+    assert list(_outputs(out1)) == ["part-000.parquet"]
+
+
+def test_discovery_skips_hidden_and_refuses_duplicate_names(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    (d / "a").mkdir(parents=True)
+    (d / "b").mkdir()
+    for name in ("a/x.parquet", "b/x.parquet", "a/_SUCCESS", "a/.x.parquet.crc", "a/y.txt"):
+        (d / name).write_bytes(b"")
+    assert [p.name for p in discover_shards(d / "a")] == ["x.parquet"]
+    with pytest.raises(InputError, match="has the same file name as"):
+        discover_shards(str(d / "*" / "x.parquet"))
+    with pytest.raises(InputError, match="no files match"):
+        discover_shards(str(d / "*.nothing"))
+    with pytest.raises(InputError, match="no such file or directory"):
+        discover_shards(d / "missing")
+    with pytest.raises(InputError, match=r"no \*\.parquet files"):
+        discover_shards(d)
+
+
+def test_exclusions_string_ids(tmp_path: Path) -> None:
+    job = _write_job(tmp_path, string_ids=True)
+    pairs = {"user_id": [], "item_id": []}
+    rng = np.random.default_rng(3)
+    for u in rng.choice(job["user_ids"], 60, replace=False):
+        for i in rng.choice(job["item_ids"], 4, replace=False):
+            pairs["user_id"].append(u)
+            pairs["item_id"].append(i)
+    pairs["user_id"] += ["nobody", job["user_ids"][0]]
+    pairs["item_id"] += [job["item_ids"][0], "no-such-item"]
+    excl = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array(pairs["user_id"], pa.string()),
+                             "item_id": pa.array(pairs["item_id"], pa.string())}), excl)
+    out = tmp_path / "out"
+    summary = run_batch(job["users"], job["items"], out, K, device="cpu", exclude=excl, batch_size=16)
+    assert summary.exclusion_pairs == len(pairs["user_id"]) and summary.unknown_exclusions == 1
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["job"]["exclude"]["sha256"] == sha256_file(excl)
+    for path, _, _ in job["shards"]:
+        single = tmp_path / f"single-{path.name}"
+        score_files(path, job["items"], single, K, device="cpu", exclude_path=excl)
+        assert pq.read_table(single).equals(pq.read_table(out / path.name)), path.name
+    applied = sum(e["exclusions_applied"] for e in manifest["outputs"].values())
+    assert applied == 60 * 4  # the unknown user's and the unknown item's pairs are not applied
+
+
+def test_exclusions_list_form_and_empty_file(job: dict, tmp_path: Path) -> None:
+    ids = job["user_ids"]
+    lists = pq.read_table(job["items"]).column("id").to_pylist()
+    excl = tmp_path / "lists.parquet"
+    pq.write_table(pa.table({"user_id": pa.array(ids[::7].astype(np.uint64)),  # another integer type
+                             "item_ids": [lists[i % 9:i % 9 + 3] for i in range(len(ids[::7]))]}), excl)
+    out = tmp_path / "out"
+    run_batch(job["users"], job["items"], out, K, device="cpu", exclude=excl)
+    for path, _, _ in job["shards"]:
+        single = tmp_path / f"single-{path.name}"
+        score_files(path, job["items"], single, K, device="cpu", exclude_path=excl)
+        assert pq.read_table(single).equals(pq.read_table(out / path.name)), path.name
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"user_id": pa.array([], pa.int64()), "item_id": pa.array([], pa.int64())}), empty)
+    out2 = tmp_path / "out2"
+    run_batch(job["users"], job["items"], out2, K, device="cpu", exclude=empty)
+    run_batch(job["users"], job["items"], tmp_path / "plain", K, device="cpu")
+    assert _outputs(out2) == _outputs(tmp_path / "plain")
+
+
+# ---- the CLI -------------------------------------------------------------------------------------------------------
+
+def test_cli_summary_line(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = runner.invoke(app, _cli(job, out, "-v"))
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith(f"batch: {len(SIZES)} of {len(SIZES)} shards scored; {sum(SIZES):,} users x "
+                               f"{N_ITEMS} items, k {K}, metric ip, 1 cpu worker (local)")
+    assert lines[-1] == f"metrics: {out / METRICS}"
+    result = runner.invoke(app, _cli(job, out, "--quiet"))
+    assert result.exit_code == 0 and "nothing to do" in result.stdout and result.stderr == ""
+
+
+def _nan_shard(job: dict) -> Path:
+    path, start, n = job["shards"][3]
+    vecs = job["user_vecs"][start:start + n].copy()
+    vecs[17, 2] = np.nan
+    write_embeddings(path, job["user_ids"][start:start + n], vecs)
+    return path
+
+
+@pytest.mark.parametrize("case", ["nan", "missing-items", "no-shards", "dim", "not-parquet", "gpus", "ray-address",
+                                  "out-is-file", "bad-exclusions", "mixed-id-types"])
+def test_bad_inputs_exit_2_with_one_line(job: dict, tmp_path: Path, case: str) -> None:
+    out = tmp_path / "out"
+    args = _cli(job, out)
+    expect = ""
+    if case == "nan":
+        path = _nan_shard(job)
+        expect = f"{path}: row 17 (id {job['user_ids'][job['shards'][3][1] + 17]}) has a NaN"
+    elif case == "missing-items":
+        args[args.index("--items") + 1] = str(tmp_path / "nope.parquet")
+        expect = f"{tmp_path / 'nope.parquet'}: no such file"
+    elif case == "no-shards":
+        (tmp_path / "empty").mkdir()
+        args[args.index("--users") + 1] = str(tmp_path / "empty")
+        expect = "no *.parquet files"
+    elif case == "dim":
+        path = job["shards"][1][0]
+        write_embeddings(path, [1, 2], np.ones((2, DIM + 1), np.float32))
+        expect = f"{path}: vectors have dimension {DIM + 1}"
+    elif case == "not-parquet":
+        path = job["users"] / "zz.parquet"
+        path.write_bytes(b"not parquet at all")
+        expect = f"{path}: not a Parquet file"
+    elif case == "gpus":
+        args += ["--gpus", "two"]
+        expect = "--gpus must be 'all' or an integer >= 1"
+    elif case == "ray-address":
+        args += ["--ray-address", "auto"]
+        expect = "--ray-address needs --engine ray"
+    elif case == "out-is-file":
+        out.write_text("x")
+        expect = "exists and is not a directory"
+    elif case == "bad-exclusions":
+        bad = tmp_path / "excl.parquet"
+        pq.write_table(pa.table({"user": [1], "item": [2]}), bad)
+        args += ["--exclude", str(bad)]
+        expect = f"{bad}: exclusion columns are"
+    elif case == "mixed-id-types":
+        path = job["shards"][2][0]
+        write_embeddings(path, None, np.ones((1, DIM), np.float32), id_array=pa.array(["a"]))
+        expect = "every shard must use the same id type"
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], result.stderr
+    assert "Traceback" not in result.output
+    if case == "nan":
+        # The bad shard stops the job; the shards finished before it stay recorded, nothing is marked done.
+        assert not (out / SUCCESS).exists()
+        assert json.loads((out / METRICS).read_text())["job"]["status"] == "failed"
+        assert not (out / job["shards"][3][0].name).exists()
+    elif case != "out-is-file" and out.exists():
+        assert not list(out.glob("*.parquet"))
+
+
+def test_python_m_recall_batch_is_one_line_on_bad_input(job: dict, tmp_path: Path) -> None:
+    path = _nan_shard(job)
+    proc = subprocess.run([sys.executable, "-m", "recall", *_cli(job, tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: {path}: row 17") and \
+        "Traceback" not in proc.stderr
+
+
+# ---- the nightly script --------------------------------------------------------------------------------------------
+
+def test_nightly_script(job: dict, tmp_path: Path) -> None:
+    script = REPO / "scripts" / "nightly_recall.sh"
+    env = {**os.environ, "RECALL": f"{sys.executable} -m recall", "USERS": str(job["users"]),
+           "ITEMS": str(job["items"]), "OUT_ROOT": str(tmp_path / "recall"), "RUN_DATE": "2026-11-30",
+           "LOG_DIR": str(tmp_path / "logs"), "K": str(K), "EXTRA_ARGS": "--device cpu", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "recall" / "2026-11-30"
+    assert (out / SUCCESS).exists() and len(_outputs(out)) == len(SIZES)
+    log = (tmp_path / "logs" / "nightly_recall-2026-11-30.log").read_text()
+    assert f"{len(SIZES)} of {len(SIZES)} shards scored" in log and "exit 0" in log
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)  # a rerun: nothing to do
+    assert proc.returncode == 0 and "nothing to do" in (tmp_path / "logs" / "nightly_recall-2026-11-30.log").read_text()
+    env["ITEMS"] = str(tmp_path / "missing.parquet")
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "missing.parquet" in proc.stderr
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_batch_equals_cpu_bytes(job: dict, tmp_path: Path) -> None:
+    """Small-integer data: every score is exact, so the GPU's outputs are byte-equal to the CPU's."""
+    _run(job, tmp_path / "cpu", device="cpu")
+    summary = _run(job, tmp_path / "gpu", device="gpu")
+    assert summary.device == "gpu"
+    assert _outputs(tmp_path / "gpu") == _outputs(tmp_path / "cpu")
+
+
+def test_no_gpu_is_refused_before_anything_is_written(job: dict, tmp_path: Path, gpu_available: bool) -> None:
+    if gpu_available:
+        pytest.skip("a GPU is usable here")
+    out = tmp_path / "out"
+    args = _cli(job, out)
+    args[args.index("--device") + 1] = "gpu"
+    result = runner.invoke(app, [*args, "--gpus", "2"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: --device gpu but no GPU is usable")
+    assert sorted(p.name for p in out.iterdir()) == [LOCK]  # no manifest: the directory still counts as empty
+    assert _run(job, out).shards_scored == len(SIZES)

@@ -1,0 +1,174 @@
+"""Searching the first user batches while the items are read (recall/jobs/early.py), on the CPU with
+``JobOptions(early="on")``.
+
+Items are decoded in batches of a few rows here and each batch's arrival is slowed, so that parts close and user
+batches are taken before the last item row: the answers must still be exactly the oracle's, ties included.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from parquet_data import int_data, oracle_topk, write_embeddings
+from recall import Engine, EngineOptions, InputError, ResourceError
+from recall.backends.numpy import NumpyBackend
+from recall.io import embeddings as embeddings_io
+from recall.jobs import JobOptions, early, score_files
+
+ON = JobOptions(early="on")
+
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(embeddings_io, "READ_BATCH_ROWS", 7)
+    on_rows = early.EarlyStart.on_rows
+
+    def slow(self, matrix, rows):  # give the searching thread time between two item batches
+        on_rows(self, matrix, rows)
+        time.sleep(0.03)
+
+    monkeypatch.setattr(early.EarlyStart, "on_rows", slow)
+
+
+def _files(tmp_path: Path, n_users: int = 61, n_items: int = 90, dim: int = 5, seed: int = 0):
+    users, items = int_data(n_users, n_items, dim, seed)
+    user_ids = 10_000 + np.random.default_rng(seed).permutation(n_users)
+    item_ids = 500 + 3 * np.arange(n_items)[::-1]
+    up = write_embeddings(tmp_path / "users.parquet", user_ids, users, "fixed32", row_group_size=8)
+    ip = write_embeddings(tmp_path / "items.parquet", item_ids, items, "fixed32", row_group_size=30)
+    return up, ip, users, items, user_ids, item_ids
+
+
+def _check(out: Path, users, items, user_ids, item_ids, k, metric="ip") -> None:
+    table = pq.read_table(out)
+    assert table.column("user_id").to_pylist() == list(user_ids)
+    rows, scores = oracle_topk(users, items, k, metric)
+    got_items, got_scores = table.column("item_ids").to_pylist(), table.column("scores").to_pylist()
+    for u in range(len(users)):
+        assert got_items[u] == [item_ids[r] for r in rows[u]], f"user row {u}"
+        np.testing.assert_array_equal(np.asarray(got_scores[u], np.float64), scores[u])
+
+
+def _no_threads_left() -> bool:
+    return not [t for t in threading.enumerate() if t.name.startswith("recall-")]
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("k", [1, 4, 30, 200])
+def test_matches_oracle_exactly(forced, tmp_path: Path, metric: str, k: int) -> None:
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    summary = score_files(up, ip, tmp_path / "out.parquet", k, metric=metric, device="cpu", batch_size=5,
+                          options=ON)
+    assert summary.early_users > 0 and "searched meanwhile" in summary.stages_line()
+    _check(tmp_path / "out.parquet", users, items, user_ids, item_ids, k, metric)
+    assert _no_threads_left()
+
+
+def test_every_user_taken_early(forced, tmp_path: Path) -> None:
+    # Few users: the searching thread takes the reader's end marker too; nothing is read twice or lost.
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path, n_users=6)
+    summary = score_files(up, ip, tmp_path / "out.parquet", 3, device="cpu", batch_size=2, options=ON)
+    assert summary.early_users == 6 and summary.users == 6
+    _check(tmp_path / "out.parquet", users, items, user_ids, item_ids, 3)
+
+
+def test_off_auto_and_with_exclusions_not_early(forced, tmp_path: Path) -> None:
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    excl = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array(user_ids[:3], pa.int64()),
+                             "item_id": pa.array(item_ids[:3], pa.int64())}), excl)
+    assert score_files(up, ip, tmp_path / "a.parquet", 3, device="cpu", batch_size=5, exclude_path=excl,
+                       options=ON).early_users == 0
+    for mode in ("off", "auto"):  # "auto": not on a backend whose searches run on the spot (the CPU)
+        assert score_files(up, ip, tmp_path / "b.parquet", 3, device="cpu", batch_size=5,
+                           options=JobOptions(early=mode)).early_users == 0
+        _check(tmp_path / "b.parquet", users, items, user_ids, item_ids, 3)
+    with pytest.raises(InputError, match="unknown early-search mode 'sometimes'"):
+        JobOptions(early="sometimes")
+    for bad in (0, "many"):
+        with pytest.raises(InputError, match="early_parts must be an integer >= 1"):
+            JobOptions(early_parts=bad)
+    assert _no_threads_left()
+
+
+@pytest.mark.parametrize("which,row,value,rows_per_group", [("items", 80, np.nan, 30), ("users", 12, np.inf, 8)])
+def test_bad_row_with_early_searches(forced, tmp_path: Path, which: str, row: int, value: float,
+                                     rows_per_group: int) -> None:
+    # A bad item row after parts were searched, or a bad user row read early: the error names the file and row,
+    # nothing is written, no thread is left.
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    vecs, ids = (items, item_ids) if which == "items" else (users, user_ids)
+    vecs = vecs.copy()
+    vecs[row, 1] = value
+    write_embeddings(tmp_path / f"{which}.parquet", ids, vecs, "fixed32", row_group_size=rows_per_group)
+    out = tmp_path / "out.parquet"
+    with pytest.raises(InputError, match=rf"{which}\.parquet: row {row} \(id {ids[row]}\) has a NaN"):
+        score_files(up, ip, out, 3, device="cpu", batch_size=5, options=ON)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["items.parquet", "users.parquet"]
+    assert _no_threads_left()
+
+
+@pytest.mark.parametrize("error", [InputError("item_vecs: refused"), ResourceError("GPU out of memory"),
+                                   MemoryError("out of memory")])
+def test_part_failing_falls_back(forced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error) -> None:
+    # A part engine's input error, or no room for it, abandons the early searches: the batches taken are searched by
+    # the full engine, and the job's answer is the same.
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    calls = []
+
+    def refusing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error
+        return Engine(*args, **kwargs)
+
+    monkeypatch.setattr(early, "Engine", refusing)
+    summary = score_files(up, ip, tmp_path / "out.parquet", 4, device="cpu", batch_size=5, options=ON)
+    assert len(calls) == 2 and summary.early_users > 0
+    _check(tmp_path / "out.parquet", users, items, user_ids, item_ids, 4)
+
+
+def test_merge_ties_and_padding() -> None:
+    # Two parts (rows 0-2 and 3-5) with equal scores across them: the lower row first; padding stays last.
+    backend = NumpyBackend()
+    a = (np.array([[5.0, 2.0, -np.inf]], np.float32), np.array([[1, 0, -1]]), 0)
+    b = (np.array([[5.0, 2.0, 1.0]], np.float32), np.array([[0, 2, 1]]), 3)
+    best = backend.merge([a], 4)
+    np.testing.assert_array_equal(best[1], [[1, 0, -1, -1]])
+    vals, rows = backend.merge([(*best, 0), b], 4)
+    np.testing.assert_array_equal(rows, [[1, 3, 0, 5]])
+    np.testing.assert_array_equal(vals, [[5.0, 5.0, 2.0, 2.0]])
+    vals, rows = backend.merge([(*backend.merge([a], 7), 0), b], 7)
+    np.testing.assert_array_equal(rows, [[1, 3, 0, 5, 4, -1, -1]])
+    assert (vals[0, -2:] == -np.inf).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric", ["ip", "cosine"])
+def test_gpu_matches_oracle(forced, tmp_path: Path, metric: str) -> None:
+    # On the device (the default there, early="auto"): parts are device views of the rows uploaded so far.
+    from recall.backends import cuda_status
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    options = JobOptions(engine=EngineOptions(tiles=(16, 8, 2)))  # several blocks per batch
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path, n_users=301, n_items=200, dim=6)
+    summary = score_files(up, ip, tmp_path / "out.parquet", 9, metric=metric, device="gpu", batch_size=37,
+                          options=options)
+    assert summary.device == "gpu" and summary.early_users > 0 and summary.device_busy_s > 0
+    if metric == "ip":
+        _check(tmp_path / "out.parquet", users, items, user_ids, item_ids, 9)
+    else:
+        table = pq.read_table(tmp_path / "out.parquet")
+        rows, scores = oracle_topk(users, items, 9, metric)
+        got = table.column("scores").to_pylist()
+        for u in range(len(users)):
+            np.testing.assert_allclose(got[u], scores[u], rtol=1e-5, atol=1e-5)
+    assert _no_threads_left()

@@ -1,0 +1,238 @@
+"""recall/distributed/: worker placement, the process-per-worker executor (CPU shares here, GPUs on the GPU machine),
+worker failures, kill -9 of the parent (no orphan workers), and the Ray executor in local mode.
+
+Every multi-worker output is compared byte for byte with the one-worker output of recall/batch.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from recall.jobs.batch import MANIFEST, METRICS, SUCCESS, BatchError, run_batch
+from recall.cli.app import app
+from recall.core.errors import InputError
+from recall.jobs.executors.local import InProcessExecutor, ProcessExecutor, local_executor
+from pacing import pace
+from test_batch import K, REPO, SIZES, TESTS, _kill_mid_run, _manifest_done, _nan_shard, _outputs, _run, _wait_for, \
+    _write_job
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> dict:
+    return _write_job(tmp_path)
+
+
+@pytest.fixture
+def reference(job: dict, tmp_path: Path) -> dict[str, bytes]:
+    """The one-worker, in-process outputs of the job."""
+    _run(job, tmp_path / "ref")
+    return _outputs(tmp_path / "ref")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _metrics(out: Path) -> dict:
+    try:
+        return json.loads((out / METRICS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# ---- several worker processes --------------------------------------------------------------------------------------
+
+needs_2_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores")
+
+
+@needs_2_cores
+def test_cpu_worker_processes_equal_one_worker(job: dict, tmp_path: Path, reference: dict) -> None:
+    out = tmp_path / "out"
+    summary = _run(job, out, workers=2)
+    assert summary.workers == 2 and summary.shards_scored == len(SIZES)
+    assert _outputs(out) == reference
+    # A worker still loading the items when the other has finished every shard is stopped without reporting.
+    workers = _metrics(out)["workers"]
+    assert {w["worker"] for w in workers} <= {"cpu0", "cpu1"} and len({w["pid"] for w in workers}) == len(workers)
+    assert os.getpid() not in {w["pid"] for w in workers}
+    assert {s["worker"] for s in _metrics(out)["shards"].values()} <= {w["worker"] for w in workers}
+    if len(workers) == 2:
+        assert not set(workers[0]["cpu_affinity"]) & set(workers[1]["cpu_affinity"])
+    assert all(not _alive(w["pid"]) for w in workers)
+
+
+@needs_2_cores
+def test_worker_input_errors_reach_the_parent(job: dict, tmp_path: Path) -> None:
+    path = _nan_shard(job)
+    with pytest.raises(InputError, match=f"^{path}: row 17 "):
+        _run(job, tmp_path / "out", workers=2)
+    # Items that pass the parent's footer checks but not a worker's read: every worker fails while loading them.
+    from parquet_data import write_embeddings
+
+    items = job["item_vecs"].copy()
+    items[5, 1] = np.inf
+    write_embeddings(job["items"], job["item_ids"], items)
+    with pytest.raises(InputError, match=f"^{job['items']}: row 5 "):
+        _run(job, tmp_path / "out2", workers=2)
+
+
+@needs_2_cores
+def test_a_dead_worker_fails_the_job_and_the_rerun_resumes(job: dict, tmp_path: Path, reference: dict,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            _run(job, out, workers=2, after_batch=pace)  # the spawned workers sleep after each batch
+        except BaseException as exc:  # noqa: BLE001
+            failure.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    try:
+        assert _wait_for(lambda: len(_metrics(out).get("workers", [])) == 2 and _manifest_done(out) >= 1)
+        victim = _metrics(out)["workers"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+    finally:
+        thread.join(60)
+    assert len(failure) == 1 and isinstance(failure[0], BatchError), failure
+    assert f"worker {victim['worker']} (pid {victim['pid']}) was killed by signal SIGKILL" in str(failure[0])
+    assert "rerun the same command to resume" in str(failure[0])
+    assert not any(_alive(w["pid"]) for w in _metrics(out)["workers"])  # the survivor was stopped too
+    assert not (out / SUCCESS).exists() and _metrics(out)["job"]["status"] == "failed"
+
+    summary = _run(job, out, workers=2)
+    assert summary.shards_skipped >= 1 and _outputs(out) == reference and (out / SUCCESS).exists()
+
+
+@needs_2_cores
+def test_kill_9_of_the_parent_kills_its_workers(job: dict, tmp_path: Path, reference: dict) -> None:
+    out = tmp_path / "out"
+    args = ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k", str(K), "--out", str(out),
+            "--device", "cpu", "--batch-size", "32", "--workers", "2", "--quiet"]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
+    _kill_mid_run(args, out, env)
+    pids = [w["pid"] for w in _metrics(out)["workers"]]
+    assert len(pids) == 2
+    assert _wait_for(lambda: not any(_alive(pid) for pid in pids), timeout=10), "orphan workers outlived the job"
+    proc = subprocess.run([sys.executable, "-m", "recall", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "already done" in proc.stdout and _outputs(out) == reference
+
+
+# ---- Ray (local mode) ----------------------------------------------------------------------------------------------
+
+def test_ray_local_equals_local_engine(job: dict, tmp_path: Path, reference: dict) -> None:
+    """``--engine ray`` from the CLI, a local Ray started and stopped by the job: the same bytes, the same manifest
+    outputs as the local engine; then resume (a corrupted and a missing output redone on Ray) and a bad shard."""
+    ray = pytest.importorskip("ray")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k", str(K),
+                                 "--out", str(out), "--device", "cpu", "--batch-size", "32", "--engine", "ray",
+                                 "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    assert "2 cpu workers (ray)" in result.stdout
+    assert not ray.is_initialized()
+    assert _outputs(out) == reference
+    ref_manifest = json.loads((tmp_path / "ref" / MANIFEST).read_text())
+    assert json.loads((out / MANIFEST).read_text())["outputs"] == ref_manifest["outputs"]
+    workers = _metrics(out)["workers"]
+    assert sorted(w["worker"] for w in workers) == ["ray-cpu0", "ray-cpu1"]
+    assert os.getpid() not in {w["pid"] for w in workers}
+
+    names = sorted(reference)
+    (out / names[0]).write_bytes(b"garbage")
+    (out / names[3]).unlink()
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        summary = run_batch(job["users"], job["items"], out, K, device="cpu", batch_size=32, engine="ray")
+        assert summary.shards_scored == 2 and summary.shards_skipped == len(SIZES) - 2
+        assert _outputs(out) == reference and (out / SUCCESS).exists()
+        assert ray.is_initialized()  # a Ray the job did not start is left running
+
+        path = _nan_shard(job)
+        bad = tmp_path / "bad"
+        with pytest.raises(InputError, match=f"^{path}: row 17 "):
+            run_batch(job["users"], job["items"], bad, K, device="cpu", batch_size=32, engine="ray")
+        assert not (bad / SUCCESS).exists() and _metrics(bad)["job"]["status"] == "failed"
+    finally:
+        ray.shutdown()
+
+
+# ---- GPUs (run on the GPU machine) ---------------------------------------------------------------------------------
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def _float_job(root: Path, n_shards: int = 8, users_per_shard: int = 4000, n_items: int = 20_000, dim: int = 64
+               ) -> dict:
+    """Standard-normal float vectors: scores are not exact small integers, so equality is a real determinism test."""
+    from parquet_data import write_embeddings
+
+    rng = np.random.default_rng(7)
+    (root / "users").mkdir(parents=True)
+    for i in range(n_shards):
+        n = users_per_shard + 97 * i  # uneven
+        write_embeddings(root / "users" / f"part-{i:03d}.parquet", np.arange(n) + 10**6 * i,
+                         rng.standard_normal((n, dim)).astype(np.float32))
+    write_embeddings(root / "items.parquet", np.arange(n_items), rng.standard_normal((n_items, dim)).astype(np.float32))
+    return {"users": root / "users", "items": root / "items.parquet"}
+
+
+@pytest.mark.gpu
+def test_all_gpus_equal_one_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process per GPU: every GPU takes shards, the bytes equal the one-GPU run's."""
+    n = _gpu_count()
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, {n} visible")
+    job = _float_job(tmp_path)
+    one = run_batch(job["users"], job["items"], tmp_path / "one", 50, device="gpu", gpus=1)
+    # Each shard lasts long enough for every worker to take one.
+    every = run_batch(job["users"], job["items"], tmp_path / "all", 50, device="gpu", gpus="all", after_batch=pace)
+    assert one.workers == 1 and every.workers == n and every.device == "gpu"
+    assert _outputs(tmp_path / "all") == _outputs(tmp_path / "one")
+    metrics = _metrics(tmp_path / "all")
+    assert len({w["cuda_visible_devices"] for w in metrics["workers"]}) == n
+    assert {s["worker"] for s in metrics["shards"].values()} == {w["worker"] for w in metrics["workers"]}
+    assert all(s["device"] == "gpu" and s["device_busy_s"] > 0 for s in metrics["shards"].values())
+
+
+@pytest.mark.gpu
+def test_ray_gpu_actors_equal_local_gpu(tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+    n = _gpu_count()
+    job = _float_job(tmp_path, n_shards=4, users_per_shard=2000)
+    run_batch(job["users"], job["items"], tmp_path / "local", 50, device="gpu")
+    ray.init(num_gpus=n, include_dashboard=False)
+    try:
+        summary = run_batch(job["users"], job["items"], tmp_path / "ray", 50, device="auto", gpus="all",
+                            engine="ray")
+    finally:
+        ray.shutdown()
+    assert summary.device == "gpu" and summary.workers == n
+    assert _outputs(tmp_path / "ray") == _outputs(tmp_path / "local")
+    assert pq.read_table(tmp_path / "ray" / "part-000.parquet").num_rows == 2000
