@@ -92,3 +92,31 @@ def plan_workers(device: str, gpus: int | str | None, workers: int | None,
     if n == 1:
         return [WorkerSlot("0", device)]
     return [WorkerSlot(f"gpu{ids[i]}", "gpu", {"CUDA_VISIBLE_DEVICES": ids[i]}) for i in range(n)]
+
+
+def plan_actors(device: str, gpus: int | str | None, workers: int | None, cluster_gpus: int,
+                say: Callable[[str], None]) -> tuple[str, int]:
+    """(device, count) of a Ray job's actors on a cluster of ``cluster_gpus`` GPUs: GPU actors (one GPU each) when
+    asked for or, with ``device="auto"``, when the cluster has GPUs; else CPU actors.
+
+    Raises
+    ------
+    InputError
+        More GPUs asked for than the cluster has.
+    BackendUnavailable
+        ``device="gpu"`` and the cluster has no GPU.
+    """
+    use_gpu = device == "gpu" or (device == "auto" and cluster_gpus > 0)
+    if not use_gpu:
+        if gpus is not None:
+            say("--gpus is ignored on CPU actors (the cluster has no GPU, or --device cpu); use --workers N for "
+                "several CPU actors")
+        return "cpu", int(workers or 1)
+    if cluster_gpus == 0:
+        raise BackendUnavailable("--device gpu but the Ray cluster has no GPU")
+    if workers is not None:
+        say("--workers counts CPU actors and is ignored on GPUs; use --gpus N|all")
+    n = cluster_gpus if gpus == "all" else int(gpus or 1)
+    if n > cluster_gpus:
+        raise InputError(f"--gpus {n}: the Ray cluster has {cluster_gpus} GPU(s)")
+    return "gpu", n

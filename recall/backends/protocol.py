@@ -46,9 +46,9 @@ class Backend(Protocol):
         NumPy for host arrays (a GPU backend stages host users block by block) and for anything a CPU backend is
         given (device arrays are copied to the host)."""
 
-    def ingest(self, arr: Any) -> Any:
+    def ingest(self, arr: Any, own: bool = False) -> Any:
         """``arr`` (any real dtype; host, CuPy or ``__dlpack__``) as a C-contiguous float32 array on this backend,
-        without a copy where it already is one."""
+        without a copy where it already is one, unless ``own``: then never the caller's memory."""
 
     def to_host(self, arr: Any) -> Any:
         """A NumPy copy of a backend array (NumPy arrays are returned as they are)."""

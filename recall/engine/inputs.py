@@ -43,25 +43,12 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
         out = np.array(host, dtype=np.float32, order="C", copy=True) if own else \
             np.ascontiguousarray(host, dtype=np.float32)
     else:
-        out = backend.ingest(arr)
-        if own and getattr(out, "data", None) is not None and _same_memory(out, arr):
-            out = out.copy()
+        out = backend.ingest(arr, own=own)
     finite = xp.isfinite(out).all(axis=1)
     if not bool(finite.all()):
         row = int(xp.argmax(~finite))
         raise InputError(f"{what}: row {row} has a NaN or infinite value")
     return out
-
-
-def _same_memory(out: Any, arr: Any) -> bool:
-    """Whether a backend array ``out`` starts where the caller's device array ``arr`` does (both device arrays)."""
-    try:
-        src = arr.__cuda_array_interface__["data"][0] if hasattr(arr, "__cuda_array_interface__") else None
-    except (AttributeError, KeyError, TypeError):
-        src = None
-    if src is None and hasattr(arr, "data_ptr"):  # torch tensors
-        src = arr.data_ptr()
-    return src is not None and int(out.data.ptr) == int(src)
 
 
 def item_ids(ids: Any, n_items: int) -> np.ndarray | None:

@@ -48,6 +48,14 @@ def is_device_array(arr: Any) -> bool:
     )
 
 
+def _shares(out: Any, arr: Any) -> bool:
+    """Whether the device array ``out`` starts where the caller's device array ``arr`` does."""
+    try:
+        return int(out.data.ptr) == int(arr.__cuda_array_interface__["data"][0])
+    except (AttributeError, KeyError, TypeError):
+        return True  # cannot tell: assume it does (a copy is only slower)
+
+
 def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
@@ -93,13 +101,15 @@ class CupyBackend:
     def module_of(self, arr: Any) -> Any:
         return self.xp if is_device_array(arr) else np
 
-    def ingest(self, arr: Any) -> Any:
+    def ingest(self, arr: Any, own: bool = False) -> Any:
         cupy = self.xp
-        if not hasattr(arr, "__cuda_array_interface__") and hasattr(arr, "__dlpack__") \
-                and not isinstance(arr, np.ndarray):
+        device = is_device_array(arr)
+        if device and not hasattr(arr, "__cuda_array_interface__"):
             arr = cupy.from_dlpack(arr)  # e.g. a torch CUDA tensor, read in place
         try:
-            return cupy.ascontiguousarray(cupy.asarray(arr), dtype=cupy.float32)  # host arrays: one upload
+            out = cupy.ascontiguousarray(cupy.asarray(arr), dtype=cupy.float32)  # host arrays: one upload
+            # A device input may come back as itself (or a view of the caller's memory): copy it when asked to own.
+            return out.copy() if own and device and _shares(out, arr) else out
         except cupy.cuda.memory.OutOfMemoryError as exc:
             nbytes = int(np.prod(arr.shape)) * 4
             raise ResourceError(f"GPU out of memory: an array of shape {tuple(arr.shape)} (about {nbytes:,} bytes) "

@@ -84,9 +84,11 @@ class NumpyBackend:
     def module_of(self, arr: Any) -> Any:
         return np
 
-    def ingest(self, arr: Any) -> np.ndarray:
+    def ingest(self, arr: Any, own: bool = False) -> np.ndarray:
         if hasattr(arr, "get") and not isinstance(arr, np.ndarray):
-            arr = arr.get()
+            return np.ascontiguousarray(arr.get(), dtype=np.float32)  # a device array: the copy is ours
+        if own:
+            return np.array(arr, dtype=np.float32, order="C", copy=True)
         return np.ascontiguousarray(arr, dtype=np.float32)
 
     def asarray(self, arr: Any) -> np.ndarray:

@@ -19,7 +19,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ...core.errors import BackendUnavailable, InputError
+from ...backends.placement import plan_actors
+from ...core.errors import InputError
 from ..batch.worker import BatchError, JobSpec, ShardResult, ShardScorer, ShardTask
 from .local import describe_error, rebuild_error
 
@@ -79,23 +80,6 @@ class RayExecutor:
         self.device, self.gpus, self.workers, self.address, self.say = device, gpus, workers, address, say
         self.n_workers = 0
 
-    def _plan(self, ray: Any) -> tuple[str, int]:
-        cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
-        use_gpu = self.device == "gpu" or (self.device == "auto" and cluster_gpus > 0)
-        if not use_gpu:
-            if self.gpus is not None:
-                self.say("--gpus is ignored on CPU actors (the cluster has no GPU, or --device cpu); "
-                         "use --workers N for several CPU actors")
-            return "cpu", int(self.workers or 1)
-        if cluster_gpus == 0:
-            raise BackendUnavailable("--device gpu but the Ray cluster has no GPU")
-        if self.workers is not None:
-            self.say("--workers counts CPU actors and is ignored on GPUs; use --gpus N|all")
-        n = cluster_gpus if self.gpus == "all" else int(self.gpus or 1)
-        if n > cluster_gpus:
-            raise InputError(f"--gpus {n}: the Ray cluster has {cluster_gpus} GPU(s)")
-        return "gpu", n
-
     def run(self, spec: JobSpec, tasks: list[ShardTask], job: Any) -> None:
         import ray
 
@@ -113,7 +97,8 @@ class RayExecutor:
             started = True
         actors: list[Any] = []
         try:
-            kind, n = self._plan(ray)
+            kind, n = plan_actors(self.device, self.gpus, self.workers,
+                                  int(ray.cluster_resources().get("GPU", 0)), self.say)
             self.n_workers = n
             options: dict[str, Any] = {"num_gpus": 1 if kind == "gpu" else 0, "num_cpus": 1,
                                        "scheduling_strategy": "SPREAD", "max_restarts": 0}
