@@ -45,7 +45,7 @@ def _cuda_version(v: int) -> str:
 
 
 def _gpu(info: dict[str, Any]) -> None:
-    from ..backends.probe import cuda_status
+    from recall.backends import cuda_status
 
     usable, reason = cuda_status()
     info["gpu_usable"] = usable
@@ -88,7 +88,7 @@ def collect(device: str) -> dict[str, Any]:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     try:
-        from .. import __version__
+        from recall import __version__
         info["recall"] = __version__
     except ImportError:
         info["recall"] = None
