@@ -331,10 +331,11 @@ class FaissContender(Contender):
 
 def _faiss_finish(metric: str, device: str, D: Any, I: Any, k: int, exclude: Any) -> tuple[Any, Any]:
     """FAISS output (distances D, labels I) to (indices, scores): post-filtered (exclusions), higher is better."""
+    if device == "gpu" and (exclude is not None or metric == "l2"):
+        synchronize(device)  # FAISS writes D and I on its own stream; what follows runs on CuPy's
     if exclude is not None:
         from .exclusions import post_filter
 
-        synchronize(device)  # FAISS wrote D and I on its own stream; the post-filter runs on CuPy's
         I, D = post_filter(exclude, 0, I, D, k)
     if metric == "l2":
         D = -D
@@ -460,27 +461,20 @@ def _import_cuvs() -> tuple[Any, str | None]:
 
 
 _CUVS_METRIC = {"ip": "inner_product", "l2": "sqeuclidean", "cosine": "cosine"}
-# Per metric: how a cuVS distance becomes this engine's score, and the value cuVS leaves in a slot it could not fill
-# from allowed items (FLT_MAX's negative for inner product, which it ranks descending; +inf for the distances).
-_CUVS_FINISH_SRC = """
-    const bool masked = (mode == 0) ? (d <= -3.0e38f) : (d >= 3.0e38f);
-    if (masked) { d = __int_as_float((int)0xff800000u); i = -1; }
-    else if (mode == 1) { d = -d; }
-    else if (mode == 2) { d = 1.0f - d; }
-"""
-_CUVS_FINISH = None
 
 
-def _cuvs_finish_kernel() -> Any:
-    """In-place (distances, neighbors) -> (scores, item rows): ip as is, l2 -||u - v||^2, cosine 1 - distance;
-    slots without an allowed item -> (-inf, -1)."""
-    global _CUVS_FINISH
-    if _CUVS_FINISH is None:
-        import cupy
-
-        _CUVS_FINISH = cupy.ElementwiseKernel("int32 mode", "float32 d, int64 i", _CUVS_FINISH_SRC,
-                                              "recall_bench_cuvs_finish")
-    return _CUVS_FINISH
+def _cuvs_finish(metric: str, D: Any, I: Any) -> None:
+    """In place, cuVS (distances, neighbors) -> (scores, item rows): inner products as they are, l2 -||u - v||^2,
+    cosine 1 - distance; a slot cuVS could not fill from allowed items (it leaves the worst value there: -FLT_MAX
+    for inner product, which it ranks descending, +inf or FLT_MAX for the distances) -> (-inf, -1)."""
+    xp = _array_module(D)
+    masked = (D <= -3.0e38) if metric == "ip" else (D >= 3.0e38)
+    if metric == "l2":
+        xp.negative(D, out=D)
+    elif metric == "cosine":
+        xp.subtract(1.0, D, out=D)
+    D[masked] = -xp.inf
+    I[masked] = -1
 
 
 class CuvsContender(Contender):
@@ -574,7 +568,7 @@ class CuvsContender(Contender):
                     prefilter = filters.from_bitmap(bitmap_into(self._bits, exclude, a, b))
                 brute_force.search(self._index, xq[a:b], k_sel, neighbors=I[a:b], distances=D[a:b],
                                    resources=self._res, prefilter=prefilter)
-            _cuvs_finish_kernel()({"ip": 0, "l2": 1, "cosine": 2}[self.metric], D, I)
+            _cuvs_finish(self.metric, D, I)
             if k > k_sel:
                 D = cupy.concatenate([D, cupy.full((n, k - k_sel), -cupy.inf, dtype=cupy.float32)], axis=1)
                 I = cupy.concatenate([I, cupy.full((n, k - k_sel), -1, dtype=cupy.int64)], axis=1)

@@ -3,8 +3,8 @@
 Exclusions live as CSR over user rows (:class:`Exclusions`), on the device of the data (NumPy, or CuPy for GPU runs,
 generated there). Every user gets ``per_user`` excluded items, chosen to matter for correctness, not only for cost:
 
-- a quarter of them (``HOT_FRACTION``) are the user's best items on a strided sample of the catalogue (the sample's
-  top items are near the top of the full catalogue, so many are among the user's true top-k);
+- a quarter of them (``HOT_FRACTION``, at most k / 2) are the user's best items on a strided sample of the catalogue
+  (the sample's top items are near the top of the full catalogue, so many are among the user's true top-k);
 - the rest are uniformly random items, distinct per user;
 - and, once the oracle has the users it checks (:func:`plant`), a share of each checked user's list is replaced by
   items of its TRUE top-k, the best and the k-th among them: a contender that ignores or misapplies exclusions then
@@ -228,7 +228,8 @@ def generate(users: Any, items: Any, per_user: int, k: int = 100, seed: int = 0,
     if not 0.0 <= hot_fraction <= 1.0:
         raise InputError(f"hot_fraction must be in [0, 1], got {hot_fraction!r}")
     device = "cpu" if xp is np else "gpu"
-    hot = min(per_user, int(round(per_user * hot_fraction)))
+    # At most half of k: exclusions should take some of a user's top-k away, not (on a small catalogue) all of it.
+    hot = min(per_user, int(round(per_user * hot_fraction)), max(1, k // 2))
     parts = []
     if hot:
         # A strided sample covers the whole catalogue evenly, ordered kinds (adversarial) included; at n_items / k
@@ -265,6 +266,7 @@ def plant(excl: Exclusions, rows: np.ndarray, top_items: np.ndarray, seed: int =
         The checked users.
     top_items : array of int64, shape (n_sample, k_eff)
         Their true top items without exclusions, best first (``oracle.Truth.top_items``); -1 entries are ignored.
+        Up to a quarter of them (at most ``PLANT_MAX``, at least the best and the k-th) are planted.
     seed : int
         Which of the old entries make room.
 
@@ -278,7 +280,8 @@ def plant(excl: Exclusions, rows: np.ndarray, top_items: np.ndarray, seed: int =
     rows = np.asarray(rows, dtype=np.int64)
     old_ptr, old_items = excl.for_rows(rows)
     k_eff = top_items.shape[1]
-    m = min(max(1, excl.per_user // 2), k_eff, PLANT_MAX)
+    # A quarter of the top-k at most (the best and the k-th always): the rest of it stays to be found.
+    m = min(max(1, excl.per_user // 2), max(2, k_eff // 4), PLANT_MAX)
     positions = np.unique(np.round(np.linspace(0, k_eff - 1, m)).astype(np.int64))
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x91A7]))
     new_users, new_items = [], []
@@ -350,24 +353,6 @@ def post_filter(excl: Exclusions, start: int, indices: Any, scores: Any, k: int)
     return out_i, out_s
 
 
-_CLEAR_BITS = None
-
-
-def _clear_bits_kernel() -> Any:
-    """An elementwise kernel clearing bit ``row * n_items + item`` of a uint32 bitmap (atomically: two exclusions
-    of one user, or of neighbouring users, may share a word)."""
-    global _CLEAR_BITS
-    if _CLEAR_BITS is None:
-        import cupy
-
-        _CLEAR_BITS = cupy.ElementwiseKernel(
-            "int64 row, int64 item, int64 n_items", "raw uint32 bits",
-            "long long pos = row * n_items + item;"
-            "atomicAnd(&bits[pos >> 5], ~(1u << (unsigned int)(pos & 31)));",
-            "recall_bench_clear_exclusion_bits")
-    return _CLEAR_BITS
-
-
 def bitmap_words(n_users: int, n_items: int) -> int:
     """uint32 words of a per-query bitmap of ``n_users`` x ``n_items`` bits."""
     return -(-(int(n_users) * int(n_items)) // 32)
@@ -379,25 +364,37 @@ def bitmap_into(buf: Any, excl: Exclusions, start: int, stop: int) -> Any:
 
     Parameters
     ----------
-    buf : cupy array of uint32, shape (>= bitmap_words(stop - start, n_items),)
-        Reused scratch; the bitmap is its leading words. Works on the current CuPy stream.
+    buf : array of uint32, shape (>= bitmap_words(stop - start, n_items),)
+        Reused scratch on ``excl``'s device (CuPy for cuVS; NumPy works too, for tests); the bitmap is its leading
+        words. On the GPU it works on the current CuPy stream.
     excl : Exclusions
-        On the device.
     start, stop : int
         The users of the batch.
 
     Returns
     -------
-    cupy array of uint32, shape (bitmap_words(stop - start, n_items),)
+    array of uint32, shape (bitmap_words(stop - start, n_items),)
         A view of ``buf``.
     """
+    xp = excl.xp
     n_bits = (stop - start) * excl.n_items
     words = buf[:bitmap_words(stop - start, excl.n_items)]
     words.fill(0xFFFFFFFF)
     tail = n_bits % 32
     if tail:  # bits past the last query are no pairs: keep them 0 so they are not counted as allowed
         words[-1:] = (1 << tail) - 1
-    rows, items = excl.entries(start, stop)
-    if items.shape[0]:
-        _clear_bits_kernel()(rows, items, excl.n_items, words)
+    pos = excl.keys(start, stop)  # strictly increasing: users in order, each user's items sorted and unique
+    if pos.shape[0]:
+        word = pos >> 5
+        bit = xp.left_shift(xp.uint64(1), (pos & 31).astype(xp.uint64))
+        # Several exclusions may share a word. Their bits are distinct, so within a run of equal words their sum is
+        # their OR: a running sum, read at the end of each run, combines them without atomics or a custom kernel.
+        last = xp.ones(word.shape[0], dtype=bool)
+        last[:-1] = word[1:] != word[:-1]
+        total = xp.cumsum(bit)
+        ends = total[last]
+        combined = ends.copy()
+        combined[1:] -= ends[:-1]
+        at = word[last]
+        words[at] &= ~combined.astype(xp.uint32)
     return words

@@ -373,8 +373,9 @@ def _topk_device(u: np.ndarray, item_vecs: Any, k_eff: int, metric: str, ex_rows
 
     After the first chunk, only the items scoring at least the user's running k-th score can still enter its top-k:
     those are compacted into a narrow (n, survivors) block and merged (a sort of k + survivors per user), instead of
-    sorting k + chunk entries per user. Where most of a chunk survives (scores rising along the items: adversarial
-    data), the chunk is merged whole."""
+    sorting k + chunk entries per user. Where most of a chunk survives, the chunk is merged whole. Chunks go from the
+    last items to the first: the order does not change the answer, and on data whose scores rise along the items
+    (adversarial) the best items come first, so the threshold is high from the start."""
     import cupy as cp
 
     n, dim = u.shape
@@ -385,9 +386,9 @@ def _topk_device(u: np.ndarray, item_vecs: Any, k_eff: int, metric: str, ex_rows
     er, ei = cp.asarray(ex_rows), cp.asarray(ex_items)
     best_s = cp.full((n, 0), -cp.inf)
     best_i = cp.zeros((n, 0), dtype=cp.int64)
-    start = 0
-    while start < n_items:
-        stop = min(start + (first if start == 0 else chunk), n_items)
+    bounds = [(max(0, n_items - first), n_items)]
+    bounds += [(max(0, b - chunk), b) for b in range(bounds[0][0], 0, -chunk)]
+    for start, stop in bounds:
         s = _metric_scores(metric, uu, item_vecs[start:stop].astype(cp.float64), cp)
         if ei.size:
             here = (ei >= start) & (ei < stop)
@@ -399,7 +400,6 @@ def _topk_device(u: np.ndarray, item_vecs: Any, k_eff: int, metric: str, ex_rows
             counts = surv.sum(axis=1)
             m = int(counts.max())
             if m == 0:
-                start = stop
                 continue
             if 4 * m <= width:
                 r, c = cp.nonzero(surv)  # row-major: each row's survivors are contiguous
@@ -422,7 +422,6 @@ def _topk_device(u: np.ndarray, item_vecs: Any, k_eff: int, metric: str, ex_rows
         best_s = cp.take_along_axis(all_s, order, axis=1)
         best_i = cp.take_along_axis(all_i, order, axis=1)
         del all_s, all_i, order
-        start = stop
     return cp.asnumpy(best_s), cp.asnumpy(best_i)
 
 
@@ -550,8 +549,8 @@ def check_from_true_scores(truth: Truth, valid: np.ndarray, true_s: np.ndarray, 
     if sc is not None:
         good = ok & np.isfinite(sc)
         if good.any():
-            max_err = float(np.max(np.abs(sc - true_s)[good] / np.broadcast_to(truth.scale[:, None],
-                                                                              valid.shape)[good]))
+            scale = np.broadcast_to(truth.scale[:, None], valid.shape)
+            max_err = float(np.max(np.abs(sc[good] - true_s[good]) / scale[good]))
         elif ok.any():
             max_err = float("inf")
     return Check(recall=float(per_user.mean()), min_recall=float(per_user.min()),

@@ -273,7 +273,7 @@ def _entry_text(e: dict[str, Any], extra: str = "") -> str:
         return text
     if e.get("status") == "absent":
         return "-"
-    return f"{e.get('status')}: {_short_reason(e.get('reason'))}"
+    return "skip" if e.get("status") == "skipped" else str(e.get("status"))
 
 
 def matrix_rows_as_text(doc: dict[str, Any]) -> list[list[str]]:
@@ -295,6 +295,23 @@ def matrix_rows_as_text(doc: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+def matrix_reasons(doc: dict[str, Any]) -> list[str]:
+    """One line per (contender, reason) of the matrix's "skip" and "error" cells, with the cells it applies to."""
+    seen: dict[tuple[str, str, str], list[int]] = {}
+    for i, m in enumerate(doc["matrix"]["summary"]):
+        for key in ("recall", "recall_fast", "faiss", "cuvs", "torch"):
+            e = m[key]
+            if e.get("status") in ("skipped", "error") and e.get("reason"):
+                name = e.get("contender") or key.replace("_", "-")
+                seen.setdefault((e["status"], name, e["reason"]), []).append(i)
+    return [f"{status} {name} in cells {_cell_list(cells)}: {reason}"
+            for (status, name, reason), cells in seen.items()]
+
+
+def _cell_list(cells: list[int]) -> str:
+    return ", ".join(map(str, cells)) if len(cells) <= 8 else f"{', '.join(map(str, cells[:8]))}, ... ({len(cells)})"
+
+
 def print_matrix(doc: dict[str, Any], console: Any) -> None:
     """The matrix summary as a rich table."""
     from rich.table import Table
@@ -306,6 +323,8 @@ def print_matrix(doc: dict[str, Any], console: Any) -> None:
     for cells in matrix_rows_as_text(doc):
         table.add_row(*cells)
     console.print(table)
+    for line in matrix_reasons(doc):
+        console.print(line, highlight=False)
 
 
 def matrix_markdown(doc: dict[str, Any]) -> list[str]:
@@ -316,6 +335,8 @@ def matrix_markdown(doc: dict[str, Any]) -> list[str]:
     lines.append("| " + " | ".join("---" if c in _MATRIX_TEXT else "---:" for c in MATRIX_COLUMNS) + " |")
     for cells in matrix_rows_as_text(doc):
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines.append("")
+    lines += [f"- {line}" for line in matrix_reasons(doc)]
     lines.append("")
     lines.append("Median seconds of the timed searches. FAISS: the faster of GpuIndexFlat and knn_gpu (\"knn\"). "
                  "Best anchor: the fastest of FAISS, cuVS and torch fp32 whose answer was exact; recall / anchor "
@@ -352,8 +373,16 @@ def heatmap(doc: dict[str, Any], path: Path) -> str:
     logs = np.log10(vals)
     span = max(float(np.nanmax(np.abs(logs))), 0.05)
     fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.32 * len(summary)))
-    cmap = plt.get_cmap("RdYlGn_r").copy()
-    cmap.set_bad("#d0d0d0")
+    # Greens where recall is faster (darker: faster), reds where it is slower, starting at a clear red so that even a
+    # ratio of 1.01 does not read as "about even" the way a yellow middle would.
+    from matplotlib.colors import ListedColormap
+
+    greens = plt.get_cmap("Greens_r")(np.linspace(0.0, 0.85, 128))
+    reds = plt.get_cmap("Reds")(np.linspace(0.35, 1.0, 128))
+    cmap = ListedColormap(np.vstack([greens, reds]), name="recall_vs_anchor")
+    cmap = cmap.with_extremes(bad="#d0d0d0") if hasattr(cmap, "with_extremes") else cmap
+    if not hasattr(cmap, "with_extremes"):
+        cmap.set_bad("#d0d0d0")
     ax.imshow(np.ma.masked_invalid(logs), cmap=cmap, norm=TwoSlopeNorm(vcenter=0.0, vmin=-span, vmax=span),
               aspect="auto")
     for i in range(vals.shape[0]):
@@ -363,8 +392,9 @@ def heatmap(doc: dict[str, Any], path: Path) -> str:
                 ax.text(j, i, "-", ha="center", va="center", fontsize=7, color="#555555")
                 continue
             slower = v > 1.0
+            dark = abs(logs[i, j]) > 0.6 * span
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
-                    fontweight="bold" if slower else "normal")
+                    fontweight="bold" if slower else "normal", color="white" if dark else "black")
             if slower:  # recall slower than this anchor: framed, beside the red, so it reads in grey print too
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#8b0000", linewidth=1.5))
     ax.set_xticks(range(len(cols)))
