@@ -142,6 +142,12 @@ def test_grids_are_documented_and_gpu_quick_fits_its_budget():
     assert any(c.shape == "S1" and c.excl == 200 for c in g.cells)
     full = matrix.get("gpu-full")
     assert len(full.cells) > len(g.cells) and len(set(full.cells)) == len(full.cells)
+    runs = matrix.split(full, names)
+    covered = [i for r in runs for i in matrix.parse_cells(r, len(full.cells))]
+    assert covered == list(range(len(full.cells))) and len(runs) > 1
+    for r in runs:
+        idx = matrix.parse_cells(r, len(full.cells))
+        assert len(idx) == 1 or matrix.estimate(full, idx, names)[0] <= 480
     with pytest.raises(InputError):
         matrix.get("huge")
 

@@ -64,6 +64,9 @@ def _print_list(grid: str | None = None) -> None:
         console.print(table)
         console.print(f"estimated {total / 60:.1f} min with {', '.join(names)}"
                       + (" on an H200" if g.device == "gpu" else " (rough)"))
+        runs = mx.split(g, names)
+        if len(runs) > 1:
+            console.print("runs of about 8 minutes each: " + " ".join(f"--cells {r}" for r in runs))
         return
     table = Table(title="recall bench workloads")
     for col in ("name", "users x items x dim", "k", "kind", "where", "fp32 TFLOP", "why / status"):

@@ -425,6 +425,21 @@ def estimate(grid: Grid, indices: list[int], contenders: list[str], repeat: int 
     return (STARTUP_S if grid.device == "gpu" else 1.0) + sum(per), per
 
 
+def split(grid: Grid, contenders: list[str], budget_s: float = 480.0) -> list[str]:
+    """``--cells`` slices of consecutive cells whose estimated run (startup included) stays within ``budget_s`` each
+    (a cell over the budget alone gets a run of its own)."""
+    _, per = estimate(grid, list(range(len(grid.cells))), contenders)
+    start0 = STARTUP_S if grid.device == "gpu" else 1.0
+    out, start, used = [], 0, start0
+    for i, t in enumerate(per):
+        if i > start and used + t > budget_s:
+            out.append(f"{start}:{i}")
+            start, used = i, start0
+        used += t
+    out.append(f"{start}:{len(per)}")
+    return out
+
+
 # --- summary -----------------------------------------------------------------------------------------------------
 
 ANCHOR_FAMILIES = ("faiss", "cuvs", "torch")
