@@ -31,15 +31,17 @@ def _app() -> typer.Typer:
         return app
 
 
-TOP_KEYS = {"schema", "command", "environment", "settings", "ceilings", "workloads", "results", "plot"}
+TOP_KEYS = {"schema", "command", "environment", "settings", "ceilings", "workloads", "results", "plot", "elapsed_s"}
 ENV_KEYS = {"date", "python", "platform", "cpu", "cpu_count", "loadavg", "numpy", "blas", "openblas_env", "faiss",
             "torch", "cupy", "numba", "git_commit"}
 WORKLOAD_KEYS = {"name", "kind", "n_users", "n_items", "dim", "k", "flops", "status", "reason", "floors",
-                 "generate_s", "oracle_s", "n_sample"}
+                 "generate_s", "oracle_s", "n_sample", "metric", "kind_params", "excl_per_user", "excl_nnz",
+                 "exclusions_s", "cell"}
 ROW_KEYS = {"workload", "kind", "device", "contender", "family", "mode", "claims_exact", "status", "reason", "n_users",
             "n_items", "dim", "k", "prepare_s", "warmup_s", "times_s", "median_s", "users_per_s", "tflops", "check",
-            "vs_faiss"}
-CHECK_KEYS = {"recall", "min_recall", "users_short", "invalid", "max_score_error", "rtol", "n_sample", "exact"}
+            "vs_faiss", "metric", "excl_per_user", "cell"}  # the last three: schema 2
+CHECK_KEYS = {"recall", "min_recall", "users_short", "invalid", "max_score_error", "rtol", "n_sample", "exact",
+              "excluded_returned"}
 
 
 # --- the harness end to end ---------------------------------------------------------------------------------------
