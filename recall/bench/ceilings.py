@@ -72,8 +72,8 @@ def measure(repeat: int = 5, n: int = MATMUL_N, copy_bytes: int = COPY_BYTES) ->
     BackendUnavailable
         Without a usable GPU.
     """
-    from ..backends import cuda_status
-    from ..core.errors import BackendUnavailable
+    from recall.backends import cuda_status
+    from recall import BackendUnavailable
 
     usable, reason = cuda_status()
     if not usable:

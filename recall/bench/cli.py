@@ -1,4 +1,5 @@
-"""`recall bench`: run named workloads (or your own Parquet files) against this engine, FAISS and torch.
+"""`recall bench`: run named workloads, a matrix of cells, or your own Parquet files against this engine, FAISS, cuVS
+and torch.
 
 Exit codes: 0 when every contender ran and every exact contender was exact; 1 when a contender failed, an exact
 contender missed items, or the GPU asked for is not usable; 2 for bad arguments.
@@ -13,11 +14,18 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..core.errors import BackendUnavailable, InputError
+from recall import BackendUnavailable, InputError
+
+from . import layouts as lay
+from . import matrix as mx
 from . import workloads as wl
 
 WorkloadName = enum.Enum("WorkloadName", {name: name for name in wl.WORKLOADS}, type=str)
 WorkloadName.__doc__ = "Named workloads (see `recall bench --list`)."
+GridName = enum.Enum("GridName", {name: name for name in mx.GRIDS}, type=str)
+GridName.__doc__ = "Named matrix grids (see `recall bench --list --matrix NAME`)."
+LayoutName = enum.Enum("LayoutName", {name: name for name in lay.LAYOUTS}, type=str)
+LayoutName.__doc__ = "File layouts of the end-to-end rows."
 
 
 class Device(str, enum.Enum):
@@ -31,10 +39,35 @@ class Metric(str, enum.Enum):
     l2 = "l2"
 
 
-def _print_list() -> None:
+def _list_console() -> "object":
     from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal and console.width < 160:
+        console = Console(width=160)  # pipes and tests: wide enough that names are not folded
+    return console
+
+
+def _print_list(grid: str | None = None) -> None:
     from rich.table import Table
 
+    console = _list_console()
+    if grid is not None:
+        g = mx.get(grid)
+        names = mx.contender_names(["recall", "faiss", "cuvs", "torch"], g.device)
+        total, per = mx.estimate(g, list(range(len(g.cells))), names)
+        table = Table(title=f"recall bench --matrix {g.name}: {g.why} ({g.device}, repeat {g.repeat})")
+        for col in ("#", "cell", "est. s"):
+            table.add_column(col)
+        for i, (c, t) in enumerate(zip(g.cells, per)):
+            table.add_row(str(i), c.text, f"{t:.0f}")
+        console.print(table)
+        console.print(f"estimated {total / 60:.1f} min with {', '.join(names)}"
+                      + (" on an H200" if g.device == "gpu" else " (rough)"))
+        runs = mx.split(g, names)
+        if len(runs) > 1:
+            console.print("runs of about 8 minutes each: " + " ".join(f"--cells {r}" for r in runs))
+        return
     table = Table(title="recall bench workloads")
     for col in ("name", "users x items x dim", "k", "kind", "where", "fp32 TFLOP", "why / status"):
         table.add_column(col)
@@ -44,10 +77,12 @@ def _print_list() -> None:
             shape = f"{w.n_users:,} x own {w.candidates:,} of {w.n_items:,} x {w.dim}"
         table.add_row(w.name, shape, f"{w.k:,}", w.kind_label, w.device, f"{w.flops / 1e12:.3g}",
                       w.why + (f" [{w.unsupported}]" if w.unsupported else ""))
-    console = Console()
     console.print(table)
-    console.print("data kinds: " + ", ".join(k.value for k in wl.Kind) + " (--kind overrides a workload's default); "
-                  "end to end from Parquet: --e2e")
+    console.print("data kinds: " + ", ".join(k.value for k in wl.Kind) + " (--kind overrides a workload's default; "
+                  "parameters as --kind 'skewed:user_sigma=0.8,centres=1024'); end to end from Parquet: --e2e with "
+                  "--layout " + "/".join(lay.LAYOUTS))
+    console.print("matrix grids (--matrix NAME, --list --matrix NAME for the cells): "
+                  + "; ".join(f"{g.name} ({len(g.cells)} cells, {g.device}: {g.why})" for g in mx.GRIDS.values()))
 
 
 def _command_line() -> list[str] | None:
@@ -65,73 +100,110 @@ def _fail(message: str, code: int) -> None:
 def bench(
     workload: Annotated[Optional[list[WorkloadName]], typer.Option(
         "--workload", "-w", case_sensitive=False, help="Named workload; repeat for several (see --list).")] = None,
-    kind: Annotated[Optional[wl.Kind], typer.Option(
-        help="Data kind, overriding each workload's default.")] = None,
+    kind: Annotated[Optional[str], typer.Option(
+        help="Data kind, overriding each workload's default: " + ", ".join(k.value for k in wl.Kind)
+        + "; with parameters as 'skewed:user_sigma=0.8,centres=1024'.")] = None,
     device: Annotated[Optional[Device], typer.Option(
-        help="Where to run; default: the GPU when one is usable, else the CPU.")] = None,
+        help="Where to run; default: the GPU when one is usable, else the CPU (a matrix: its grid's device).")] = None,
     contenders: Annotated[str, typer.Option(
-        help="Comma-separated contender families: recall, faiss, torch.")] = "recall,faiss,torch",
-    repeat: Annotated[int, typer.Option(min=1, help="Timed runs per contender (median reported), after a warm-up.")] = 3,
-    out: Annotated[Path, typer.Option(file_okay=False, help="Folder for results.json, results.md, throughput.png.")]
+        help="Comma-separated contender families: recall, faiss, cuvs, torch.")] = "recall,faiss,cuvs,torch",
+    repeat: Annotated[Optional[int], typer.Option(
+        min=1, help="Timed runs per contender (median reported), after a warm-up; default 3 (a matrix: its "
+        "grid's).")] = None,
+    out: Annotated[Path, typer.Option(file_okay=False, help="Folder for results.json, results.md and the PNGs.")]
     = Path("bench-out"),
-    sample_users: Annotated[int, typer.Option(
-        min=1, help="Users checked against the float64 oracle (>= 1,000 recommended).")] = 1000,
+    sample_users: Annotated[Optional[int], typer.Option(
+        min=1, help="Users checked against the float64 oracle (default 1,000; >= 1,000 recommended).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the generated data and of the user sample.")] = 0,
-    metric: Annotated[Metric, typer.Option(help="Score metric for every contender.")] = Metric.ip,
+    metric: Annotated[Metric, typer.Option(help="Score metric for every contender (a matrix cell has its own).")]
+    = Metric.ip,
     ceilings: Annotated[bool, typer.Option(
         "--ceilings", help="Measure the GPU's FP32/TF32/BF16 matmul rates and copy bandwidth first.")] = False,
     e2e: Annotated[bool, typer.Option(
-        "--e2e", help="Also time recall.pipeline.score_files from Parquet to Parquet.")] = False,
+        "--e2e", help="Also time the end-to-end job (recall.jobs.score_files) from Parquet to Parquet.")] = False,
+    layout: Annotated[Optional[list[LayoutName]], typer.Option(
+        "--layout", case_sensitive=False, help="File layout of the --e2e rows, repeat for several: "
+        + ", ".join(f"{x.name} ({x.why})" for x in lay.LAYOUTS.values()) + ".")] = None,
+    matrix: Annotated[Optional[GridName], typer.Option(
+        "--matrix", case_sensitive=False, help="Run a named grid of cells: " + ", ".join(mx.GRIDS)
+        + " (see --list --matrix NAME).")] = None,
+    cells: Annotated[Optional[str], typer.Option(
+        help="With --matrix: which cells, e.g. '0:20', '20:', '3,5,7:9'.")] = None,
+    max_minutes: Annotated[Optional[float], typer.Option(
+        help="Start no further workload or cell once the run has taken this long (the rest: skipped).")] = None,
     users: Annotated[Optional[Path], typer.Option(
         dir_okay=False, help="Your own users Parquet (id, embedding); needs --items and --k.")] = None,
     items: Annotated[Optional[Path], typer.Option(dir_okay=False, help="Your own items Parquet.")] = None,
     k: Annotated[Optional[int], typer.Option(help="k for --users/--items, or to override the workloads' k.")] = None,
-    list_: Annotated[bool, typer.Option("--list", help="Print the workload table and exit.")] = False,
+    list_: Annotated[bool, typer.Option(
+        "--list", help="Print the workload table (with --matrix: that grid's cells) and exit.")] = False,
 ) -> None:
-    """Benchmark exact top-k: this engine against FAISS and torch, with recall@k checked against float64."""
+    """Benchmark exact top-k: this engine against FAISS, cuVS and torch, with recall@k checked against float64."""
     from . import report, runner
 
-    if list_:
-        _print_list()
-        return
     console = report.make_console()
     try:
+        if list_:
+            _print_list(matrix.value if matrix is not None else None)
+            return
         if (users is None) != (items is None):
             raise InputError("--users and --items go together")
         if users is not None and (workload or kind is not None):
             raise InputError("--users/--items bring their own data: --workload and --kind do not apply")
+        if matrix is not None and (workload or users is not None or kind is not None or k is not None):
+            raise InputError("--matrix runs its own cells: --workload, --users/--items, --kind and --k do not apply")
+        if cells is not None and matrix is None:
+            raise InputError("--cells selects cells of a --matrix")
         if k is not None and k < 1:
             raise InputError(f"--k must be >= 1, got {k}")
-        if device is None:
-            from ..backends import cuda_status
+        if max_minutes is not None and not max_minutes > 0:
+            raise InputError(f"--max-minutes must be > 0, got {max_minutes}")
+        grid = mx.get(matrix.value) if matrix is not None else None
+        if device is not None:
+            dev = device.value
+        elif grid is not None:
+            dev = grid.device
+        else:
+            from recall.backends import cuda_status
 
             dev = "gpu" if cuda_status()[0] else "cpu"
-        else:
-            dev = device.value
         from .contenders import parse_families
 
         families = parse_families(contenders)
         data = {}
+        chosen = []
         if users is not None:
             if k is None:
                 raise InputError("--users/--items need --k")
             w, arrays = runner.load_parquet_workload(users, items, k, dev)
             chosen = [w]
             data[w.name] = arrays
-        else:
+        elif grid is None:
             if not workload and not ceilings:
-                raise InputError("nothing to run: give --workload NAME (see --list), --users/--items, or --ceilings")
-            chosen = []
+                raise InputError("nothing to run: give --workload NAME (see --list), --matrix NAME, --users/--items, "
+                                 "or --ceilings")
             for name in workload or []:
                 w = wl.get(name.value).with_kind(kind)
                 if k is not None:
                     w = dataclasses.replace(w, k=k)
                 chosen.append(w)
-        settings = runner.Settings(workloads=chosen, device=dev, families=families, repeat=repeat, seed=seed,
-                                   sample_users=sample_users, metric=metric.value, measure_ceilings=ceilings,
-                                   e2e=e2e, data=data)
-        doc = runner.run(settings, log=lambda msg: console.print(msg, style="dim", highlight=False),
-                         argv=_command_line())
+        default_repeat = grid.repeat if grid is not None else 3
+        default_sample = grid.sample_users if grid is not None else 1000
+        settings = runner.Settings(workloads=chosen, device=dev, families=families,
+                                   repeat=repeat or default_repeat, seed=seed,
+                                   sample_users=sample_users or default_sample, metric=metric.value,
+                                   measure_ceilings=ceilings, e2e=e2e, data=data,
+                                   layouts=[x.value for x in layout] if layout else [lay.DEFAULT],
+                                   max_seconds=None if max_minutes is None else 60.0 * max_minutes)
+
+        def log(msg: str) -> None:
+            console.print(msg, style="dim", highlight=False)
+
+        if grid is not None:
+            indices = mx.parse_cells(cells, len(grid.cells))
+            doc = mx.run(grid, indices, settings, log=log, argv=_command_line())
+        else:
+            doc = runner.run(settings, log=log, argv=_command_line())
     except InputError as exc:
         _fail(str(exc), 2)
     except BackendUnavailable as exc:
@@ -145,7 +217,3 @@ def bench(
     if bad:
         raise typer.Exit(1)
 
-
-def register(app: typer.Typer) -> None:
-    """Add the ``bench`` command to the main ``recall`` CLI app."""
-    app.command("bench")(bench)

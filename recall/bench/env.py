@@ -11,25 +11,7 @@ from typing import Any
 
 import numpy as np
 
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _blas() -> str | None:
-    try:
-        cfg = np.show_config(mode="dicts")
-        blas = cfg["Build Dependencies"]["blas"]
-        return f"{blas.get('name')} {blas.get('version', '')}".strip()
-    except Exception:  # older NumPy has no mode="dicts"; the BLAS name is a nicety, not a requirement
-        return None
+from ..backends.numpy import blas_name, cpu_model
 
 
 def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
@@ -45,7 +27,7 @@ def _cuda_version(v: int) -> str:
 
 
 def _gpu(info: dict[str, Any]) -> None:
-    from ..backends import cuda_status
+    from recall.backends import cuda_status
 
     usable, reason = cuda_status()
     info["gpu_usable"] = usable
@@ -78,17 +60,17 @@ def collect(device: str) -> dict[str, Any]:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         # Load before the run: on a shared machine, other work on the same cores makes every CPU time slower.
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "numpy": np.__version__,
-        "blas": _blas(),
+        "blas": blas_name(),
         "openblas_env": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS")},
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     try:
-        from .. import __version__
+        from recall import __version__
         info["recall"] = __version__
     except ImportError:
         info["recall"] = None

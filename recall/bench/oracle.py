@@ -1,8 +1,9 @@
 """The exact float64 oracle and tie-aware recall@k: correctness beside every time.
 
-The oracle scores a sample of users against every item in float64 on the host, item chunk by item chunk, keeping a
-running top-k, so its memory stays under a budget whatever the workload's size. A contender's answer for those users
-is then judged item by item against the true scores:
+The oracle scores a sample of users against every item in float64, item chunk by item chunk, keeping a running
+top-k, so its memory stays under a budget whatever the workload's size: on the host for host data, on the GPU (CuPy
+float64 matmuls, with only the items that can still enter a user's top-k carried from chunk to chunk) when the items
+live there. A contender's answer for those users is then judged item by item against the true scores:
 
     an item counts when its true score >= (true k-th best score) - tol,    tol = rtol * scale
 
@@ -15,6 +16,11 @@ any of several items with the k-th score counts.
 
 Each returned item is counted once (duplicates do not count twice), padding (-1) and out-of-range rows count as
 misses, and recall is hits / min(k, n_items).
+
+Exclusions: the oracle never ranks a user's excluded items (their true score is -inf), so a user with fewer than k
+allowed items has a shorter true list (``Truth.k_user``) and recall is hits / that. A returned excluded item is never
+a hit and counts against the user (``Check.excluded_returned``): such an answer is not exact even where its other
+items are right, and a user all of whose items are excluded is exact only with an answer of padding.
 """
 from __future__ import annotations
 
@@ -25,12 +31,17 @@ from typing import Any
 
 import numpy as np
 
-from ..core.errors import InputError
+from recall import InputError
 
 DEFAULT_RTOL = 1e-4
 """Default tolerance of recall@k, relative to each user's score scale (see the module docstring)."""
 DEFAULT_BUDGET = 256 << 20
-"""Default bytes of float64 scratch the oracle may hold at once."""
+"""Default bytes of float64 scratch the oracle may hold at once (on the host)."""
+DEVICE_BUDGET = 2 << 30
+"""Bytes of float64 scores per item chunk when the oracle runs on the GPU (it holds about three times that)."""
+DEVICE_FIRST_CHUNK = 65_536
+"""Items of the first chunk on the GPU: everything in it is a candidate, so it is sorted whole; later chunks only
+contribute the items that beat the running k-th score."""
 
 
 def to_host(arr: Any) -> np.ndarray:
@@ -64,31 +75,35 @@ def _slice_f64(vecs: Any, start: int, stop: int) -> np.ndarray:
     return to_host(vecs[start:stop]).astype(np.float64)
 
 
+def _is_cupy(arr: Any) -> bool:
+    return type(arr).__module__.split(".")[0] == "cupy"
+
+
 def _metric_users(metric: str, u: np.ndarray) -> np.ndarray:
     if metric == "cosine":
         return u / np.linalg.norm(u, axis=1, keepdims=True)
     return u
 
 
-def _metric_scores(metric: str, u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """True scores (n_u, n_v) in float64 of prepared users ``u`` against raw item rows ``v``."""
+def _metric_scores(metric: str, u: Any, v: Any, xp: Any = np) -> Any:
+    """True scores (n_u, n_v) in float64 of prepared users ``u`` against raw item rows ``v`` (both on ``xp``)."""
     if metric == "cosine":
-        return u @ (v / np.linalg.norm(v, axis=1, keepdims=True)).T
+        return u @ (v / xp.linalg.norm(v, axis=1, keepdims=True)).T
     s = u @ v.T
     if metric == "l2":
         s *= 2.0
-        s -= np.einsum("ij,ij->i", u, u)[:, None]
-        s -= np.einsum("ij,ij->i", v, v)[None, :]
+        s -= xp.einsum("ij,ij->i", u, u)[:, None]
+        s -= xp.einsum("ij,ij->i", v, v)[None, :]
     return s
 
 
-def _pair_scores(metric: str, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+def _pair_scores(metric: str, u: Any, v: Any, xp: Any = np) -> Any:
     """True scores (b, k) in float64 of prepared users ``u`` (b, dim) against their own items ``v`` (b, k, dim)."""
     if metric == "cosine":
-        v = v / np.maximum(np.linalg.norm(v, axis=2, keepdims=True), 1e-300)
-    s = np.einsum("bkd,bd->bk", v, u)
+        v = v / xp.maximum(xp.linalg.norm(v, axis=2, keepdims=True), 1e-300)
+    s = xp.einsum("bkd,bd->bk", v, u)
     if metric == "l2":
-        s = 2.0 * s - np.einsum("bd,bd->b", u, u)[:, None] - np.einsum("bkd,bkd->bk", v, v)
+        s = 2.0 * s - xp.einsum("bd,bd->b", u, u)[:, None] - xp.einsum("bkd,bkd->bk", v, v)
     return s
 
 
@@ -105,16 +120,20 @@ class Truth:
     k : int
         Requested k; the oracle keeps ``k_eff = min(k, n_items)``.
     top_scores : array of float64, shape (n_sample, k_eff)
-        True best scores, descending.
+        True best scores, descending; -inf past a user's ``k_user``.
     top_items : array of int64, shape (n_sample, k_eff)
         One valid exact answer, best first, equal scores by item row (among items tied at the k-th score, not
-        necessarily the lowest rows).
+        necessarily the lowest rows); -1 past a user's ``k_user``.
     kth : array of float64, shape (n_sample,)
-        True k-th best score.
+        True k-th best score (the ``k_user``-th; -inf for a user with no allowed item).
     scale : array of float64, shape (n_sample,)
         Per-user score scale: max |true top-k score| (1 where that is 0).
     metric : str
     n_items : int
+    k_user : array of int64, shape (n_sample,), optional
+        Items each user can get: min(k, allowed items). None: ``k_eff`` for every user (no exclusions).
+    excl_indptr, excl_items : arrays of int64, optional
+        The sampled users' exclusions as host CSR over ``rows`` (None without exclusions).
     """
 
     rows: np.ndarray
@@ -126,10 +145,19 @@ class Truth:
     scale: np.ndarray
     metric: str
     n_items: int
+    k_user: np.ndarray | None = None
+    excl_indptr: np.ndarray | None = None
+    excl_items: np.ndarray | None = None
 
     @property
     def k_eff(self) -> int:
         return self.top_scores.shape[1]
+
+    def wanted(self) -> np.ndarray:
+        """(n_sample,) int64: how many items each sampled user's full answer has (``k_user`` or ``k_eff``)."""
+        if self.k_user is not None:
+            return self.k_user
+        return np.full(self.rows.size, self.k_eff, dtype=np.int64)
 
 
 @dataclass
@@ -145,13 +173,15 @@ class Check:
     users_short : int
         Sampled users with recall < 1.
     invalid : int
-        Returned slots that are padding, out of range or duplicates (among the sampled users).
+        Returned slots that are padding, out of range, duplicates or excluded items (among the sampled users).
     max_score_error : float or None
         Largest |returned score - true score| / scale over valid returned items; None without scores.
     rtol : float
         The tolerance used, relative to each user's scale.
     n_sample : int
     per_user : array of float64, shape (n_sample,)
+    excluded_returned : int
+        Returned slots holding an item excluded for that user (0 without exclusions).
     """
 
     recall: float
@@ -162,16 +192,17 @@ class Check:
     rtol: float
     n_sample: int
     per_user: np.ndarray = field(repr=False)
+    excluded_returned: int = 0
 
     @property
     def exact(self) -> bool:
-        """True when every sampled user got a full, correct top-k (within the tolerance)."""
-        return self.users_short == 0
+        """True when every sampled user got a full, correct top-k (within the tolerance) and no excluded item."""
+        return self.users_short == 0 and self.excluded_returned == 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"recall": self.recall, "min_recall": self.min_recall, "users_short": self.users_short,
                 "invalid": self.invalid, "max_score_error": self.max_score_error, "rtol": self.rtol,
-                "n_sample": self.n_sample, "exact": self.exact}
+                "n_sample": self.n_sample, "exact": self.exact, "excluded_returned": self.excluded_returned}
 
 
 def sample_rows(n_users: int, n_sample: int, seed: int = 0) -> np.ndarray:
@@ -207,8 +238,42 @@ def _merge(best_s: np.ndarray, best_i: np.ndarray, s: np.ndarray, start: int,
     return np.take_along_axis(cand, part, axis=1), rows.astype(np.int64)
 
 
+def _sampled_exclusions(exclude: Any, rows: np.ndarray, n_users: int,
+                        n_items: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The sampled users' exclusions as host CSR over ``rows``: sorted, unique, in range; None for no exclusions.
+
+    ``exclude``: None, an object with ``for_rows(rows)`` (``recall.bench.exclusions.Exclusions``), or a host CSR
+    pair (indptr (n_users + 1,), item rows) over every user."""
+    if exclude is None:
+        return None
+    if hasattr(exclude, "for_rows"):
+        indptr, items = exclude.for_rows(rows)
+    else:
+        try:
+            full_ptr, full_items = (np.asarray(a, dtype=np.int64) for a in exclude)
+        except (TypeError, ValueError):
+            raise InputError("exclude must be None, an Exclusions or a CSR pair (indptr, item rows)") from None
+        if full_ptr.shape != (n_users + 1,) or full_ptr[0] != 0 or np.any(np.diff(full_ptr) < 0) \
+                or full_ptr[-1] != full_items.size:
+            raise InputError(f"exclude: indptr must have n_users + 1 = {n_users + 1} entries, start at 0, never "
+                             "decrease and end at len(item rows)")
+        lists = [full_items[full_ptr[r]:full_ptr[r + 1]] for r in rows]
+        indptr = np.zeros(rows.size + 1, dtype=np.int64)
+        np.cumsum([x.size for x in lists], out=indptr[1:])
+        items = np.concatenate(lists) if lists else np.zeros(0, np.int64)
+    if items.size and (items.min() < 0 or items.max() >= n_items):
+        raise InputError(f"exclude: item rows must be in [0, {n_items})")
+    # Sorted and unique within each user, whatever the source: the allowed count is then n_items - list length.
+    owner = np.repeat(np.arange(rows.size), np.diff(indptr))
+    keys = np.unique(owner * np.int64(n_items) + items)
+    owner = keys // n_items
+    indptr = np.zeros(rows.size + 1, dtype=np.int64)
+    np.cumsum(np.bincount(owner, minlength=rows.size), out=indptr[1:])
+    return indptr, keys - owner * n_items
+
+
 def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric: str = "ip",
-               memory_budget: int = DEFAULT_BUDGET) -> Truth:
+               memory_budget: int = DEFAULT_BUDGET, exclude: Any = None) -> Truth:
     """Exact float64 top-k of the users ``rows`` against every item, chunked over items.
 
     Parameters
@@ -216,14 +281,17 @@ def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric:
     user_vecs : array, shape (n_users, dim)
         Users; NumPy, or CuPy/torch on the device (only the sampled rows are copied to the host).
     item_vecs : array, shape (n_items, dim)
-        Items; NumPy or device array (copied to the host one chunk at a time).
+        Items; NumPy (scored on the host), or CuPy (scored on the GPU in float64, chunk by chunk).
     k : int
         Items per user, >= 1.
     rows : array of int, shape (n_sample,)
         Which users to answer for (see :func:`sample_rows`).
     metric : {"ip", "cosine", "l2"}
     memory_budget : int
-        Bytes of float64 scratch (scores and item chunk) held at once.
+        Bytes of float64 scratch (scores and item chunk) held at once on the host.
+    exclude : Exclusions or (indptr, item rows), optional
+        Items never to rank for a user (``recall.bench.exclusions.Exclusions``, or a host CSR pair over every
+        user, indptr of shape (n_users + 1,)).
 
     Returns
     -------
@@ -232,7 +300,7 @@ def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric:
     Raises
     ------
     InputError
-        k < 1, unknown metric, or mismatched dimensions.
+        k < 1, unknown metric, mismatched dimensions, or malformed exclusions.
     """
     if metric not in ("ip", "cosine", "l2"):
         raise InputError(f"unknown metric {metric!r}: expected ip, cosine or l2")
@@ -242,13 +310,44 @@ def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric:
     if int(user_vecs.shape[1]) != dim:
         raise InputError(f"users have dimension {user_vecs.shape[1]}, items {dim}")
     rows = np.asarray(rows, dtype=np.int64)
+    excl = _sampled_exclusions(exclude, rows, int(user_vecs.shape[0]), n_items)
     u = _metric_users(metric, _rows_f64(user_vecs, rows))
-    n = u.shape[0]
     k_eff = min(int(k), n_items)
+    # (row in the sample, item) of every exclusion: the entries a chunk's scores are set to -inf at.
+    ex_rows = np.repeat(np.arange(rows.size), np.diff(excl[0])) if excl else np.zeros(0, np.int64)
+    ex_items = excl[1] if excl else np.zeros(0, np.int64)
+    if _is_cupy(item_vecs):
+        best_s, best_i = _topk_device(u, item_vecs, k_eff, metric, ex_rows, ex_items)
+    else:
+        best_s, best_i = _topk_host(u, item_vecs, k_eff, metric, ex_rows, ex_items, memory_budget)
+    order = np.lexsort((best_i, -best_s), axis=1)
+    best_s = np.take_along_axis(best_s, order, axis=1)
+    best_i = np.take_along_axis(best_i, order, axis=1)
+    k_user = None
+    if excl is not None:
+        k_user = np.minimum(k_eff, n_items - np.diff(excl[0])).astype(np.int64)
+        past = np.arange(k_eff)[None, :] >= k_user[:, None]
+        best_s[past] = -np.inf  # only excluded items (-inf) can sit there; they are no answer
+        best_i[past] = -1
+        kth = np.where(k_user > 0, best_s[np.arange(rows.size), np.maximum(k_user - 1, 0)], -np.inf)
+    else:
+        kth = best_s[:, -1].copy()
+    with np.errstate(invalid="ignore"):
+        scale = np.maximum(np.abs(best_s[:, 0]), np.where(np.isfinite(kth), np.abs(kth), 0.0))
+    scale[~(np.isfinite(scale) & (scale > 0))] = 1.0
+    return Truth(rows=rows, user_vecs=u, k=int(k), top_scores=best_s, top_items=best_i, kth=kth, scale=scale,
+                 metric=metric, n_items=n_items, k_user=k_user,
+                 excl_indptr=None if excl is None else excl[0], excl_items=None if excl is None else excl[1])
+
+
+def _topk_host(u: np.ndarray, item_vecs: Any, k_eff: int, metric: str, ex_rows: np.ndarray, ex_items: np.ndarray,
+               memory_budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, item rows) (n, k_eff) of the k_eff best items per user, in no particular order, on the host."""
+    n, dim = u.shape
+    n_items = int(item_vecs.shape[0])
     # Scratch per item row: one float64 score per sampled user plus the row itself in float64 (and its float32 copy).
     per_item = 8 * n + 12 * dim
     chunk = int(max(k_eff, min(n_items, memory_budget // max(per_item, 1))))
-
     best_s = np.full((n, 0), -np.inf)
     best_i = np.zeros((n, 0), dtype=np.int64)
     # Selection (argpartition) is single-threaded in NumPy but releases the GIL: split the users over threads. The
@@ -259,18 +358,71 @@ def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric:
         for start in range(0, n_items, chunk):
             stop = min(start + chunk, n_items)
             s = _metric_scores(metric, u, _slice_f64(item_vecs, start, stop))
+            here = (ex_items >= start) & (ex_items < stop)
+            s[ex_rows[here], ex_items[here] - start] = -np.inf
             parts = list(pool.map(lambda ab: _merge(best_s[ab[0]:ab[1]], best_i[ab[0]:ab[1]], s[ab[0]:ab[1]],
                                                     start, k_eff), blocks))
             best_s = np.concatenate([p[0] for p in parts])
             best_i = np.concatenate([p[1] for p in parts])
-    order = np.lexsort((best_i, -best_s), axis=1)
-    best_s = np.take_along_axis(best_s, order, axis=1)
-    best_i = np.take_along_axis(best_i, order, axis=1)
-    kth = best_s[:, -1].copy()
-    scale = np.maximum(np.abs(best_s[:, 0]), np.abs(kth))
-    scale[~(scale > 0)] = 1.0
-    return Truth(rows=rows, user_vecs=u, k=int(k), top_scores=best_s, top_items=best_i, kth=kth, scale=scale,
-                 metric=metric, n_items=n_items)
+    return best_s, best_i
+
+
+def _topk_device(u: np.ndarray, item_vecs: Any, k_eff: int, metric: str, ex_rows: np.ndarray,
+                 ex_items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """As :func:`_topk_host`, on the GPU: CuPy float64 matmuls over item chunks, a running top-k per user.
+
+    After the first chunk, only the items scoring at least the user's running k-th score can still enter its top-k:
+    those are compacted into a narrow (n, survivors) block and merged (a sort of k + survivors per user), instead of
+    sorting k + chunk entries per user. Where most of a chunk survives, the chunk is merged whole. Chunks go from the
+    last items to the first: the order does not change the answer, and on data whose scores rise along the items
+    (adversarial) the best items come first, so the threshold is high from the start."""
+    import cupy as cp
+
+    n, dim = u.shape
+    n_items = int(item_vecs.shape[0])
+    uu = cp.asarray(u)
+    chunk = int(max(k_eff, min(n_items, DEVICE_BUDGET // max(1, 8 * n))))
+    first = int(min(n_items, max(2 * k_eff, DEVICE_FIRST_CHUNK), chunk))
+    er, ei = cp.asarray(ex_rows), cp.asarray(ex_items)
+    best_s = cp.full((n, 0), -cp.inf)
+    best_i = cp.zeros((n, 0), dtype=cp.int64)
+    bounds = [(max(0, n_items - first), n_items)]
+    bounds += [(max(0, b - chunk), b) for b in range(bounds[0][0], 0, -chunk)]
+    for start, stop in bounds:
+        s = _metric_scores(metric, uu, item_vecs[start:stop].astype(cp.float64), cp)
+        if ei.size:
+            here = (ei >= start) & (ei < stop)
+            s[er[here], ei[here] - start] = -cp.inf
+        width = stop - start
+        if best_s.shape[1] == k_eff:
+            thr = best_s[:, -1]
+            surv = (s >= thr[:, None]) & (s > -cp.inf)
+            counts = surv.sum(axis=1)
+            m = int(counts.max())
+            if m == 0:
+                continue
+            if 4 * m <= width:
+                r, c = cp.nonzero(surv)  # row-major: each row's survivors are contiguous
+                pos = cp.arange(r.size) - (cp.cumsum(counts) - counts)[r]
+                cand_s = cp.full((n, m), -cp.inf)
+                cand_i = cp.full((n, m), -1, dtype=cp.int64)
+                cand_s[r, pos] = s[r, c]
+                cand_i[r, pos] = c + start
+                s = None
+            else:
+                cand_s, cand_i = s, cp.broadcast_to(cp.arange(start, stop, dtype=cp.int64), s.shape)
+        else:
+            cand_s, cand_i = s, cp.broadcast_to(cp.arange(start, stop, dtype=cp.int64), s.shape)
+        all_s = cp.concatenate([best_s, cand_s], axis=1)
+        all_i = cp.concatenate([best_i, cand_i], axis=1)
+        del s, cand_s, cand_i
+        # Kept sorted best first, so the running k-th score is the last column. Ties at the k-th may keep any of
+        # the tied items, which the tie-aware check does not mind.
+        order = cp.argsort(-all_s, axis=1)[:, :k_eff]
+        best_s = cp.take_along_axis(all_s, order, axis=1)
+        best_i = cp.take_along_axis(all_i, order, axis=1)
+        del all_s, all_i, order
+    return cp.asnumpy(best_s), cp.asnumpy(best_i)
 
 
 def check(truth: Truth, item_vecs: Any, indices: Any, scores: Any = None, rtol: float = DEFAULT_RTOL,
@@ -282,7 +434,7 @@ def check(truth: Truth, item_vecs: Any, indices: Any, scores: Any = None, rtol: 
     truth : Truth
         From :func:`exact_topk`.
     item_vecs : array, shape (n_items, dim)
-        The items (NumPy or device); only the returned rows are gathered.
+        The items (NumPy, or CuPy: the returned items are then scored on the GPU); only the returned rows are read.
     indices : array of int, shape (n_users, >= 1) or (n_sample, >= 1)
         The answer's item rows, best first; -1 = padding. Host or device.
     scores : array of float, same shape as ``indices``, optional
@@ -295,6 +447,11 @@ def check(truth: Truth, item_vecs: Any, indices: Any, scores: Any = None, rtol: 
     Returns
     -------
     Check
+
+    Raises
+    ------
+    InputError
+        If the answer has another number of rows than expected.
     """
     idx = to_host(indices if rows_are_sampled else indices[_index_rows(indices, truth.rows)])
     idx = np.asarray(idx).astype(np.int64, copy=False)
@@ -305,18 +462,48 @@ def check(truth: Truth, item_vecs: Any, indices: Any, scores: Any = None, rtol: 
     if n != truth.rows.size:
         raise InputError(f"answer has {n} rows, expected {truth.rows.size}")
     valid = answer_validity(idx, truth.n_items)
-
-    # Gather and score the returned rows a block of users at a time, so (block, k, dim) float64 stays bounded.
-    true_s = np.full(idx.shape, -np.inf)
+    excluded = excluded_slots(truth, idx, valid)
     safe = np.where(valid, idx, 0)
+    true_s = _returned_scores(truth, item_vecs, safe)
+    return check_from_true_scores(truth, valid, true_s, sc, rtol, excluded=excluded)
+
+
+def _returned_scores(truth: Truth, item_vecs: Any, safe: np.ndarray) -> np.ndarray:
+    """(n, k_returned) true float64 scores of the returned item rows ``safe`` (all in range), scored where the
+    items live, a block of users at a time so (block, k, dim) float64 stays bounded."""
+    n, k_ret = safe.shape
     dim = truth.user_vecs.shape[1]
+    if _is_cupy(item_vecs):
+        import cupy as cp
+
+        out = cp.empty((n, k_ret))
+        uu, ii = cp.asarray(truth.user_vecs), cp.asarray(safe)
+        block = max(1, int(DEVICE_BUDGET // 4 // max(1, 8 * k_ret * dim)))
+        for a in range(0, n, block):
+            b = min(a + block, n)
+            v = item_vecs[ii[a:b]].astype(cp.float64)
+            out[a:b] = _pair_scores(truth.metric, uu[a:b], v, cp)
+        return cp.asnumpy(out)
+    true_s = np.empty((n, k_ret))
     block = max(1, int(DEFAULT_BUDGET // max(1, 8 * k_ret * dim)))
     for a in range(0, n, block):
         b = min(a + block, n)
         uniq, inv = np.unique(safe[a:b].ravel(), return_inverse=True)
         v = _rows_f64(item_vecs, uniq)[inv.ravel()].reshape(b - a, k_ret, dim)
         true_s[a:b] = _pair_scores(truth.metric, truth.user_vecs[a:b], v)
-    return check_from_true_scores(truth, valid, true_s, sc, rtol)
+    return true_s
+
+
+def excluded_slots(truth: Truth, idx: np.ndarray, valid: np.ndarray) -> np.ndarray | None:
+    """(n, k_returned) bool: the slot holds an item excluded for that user; None when the truth has no exclusions."""
+    if truth.excl_items is None:
+        return None
+    n = idx.shape[0]
+    stride = np.int64(truth.n_items) + 1
+    owner = np.repeat(np.arange(n, dtype=np.int64), np.diff(truth.excl_indptr))
+    banned = owner * stride + truth.excl_items
+    asked = np.arange(n, dtype=np.int64)[:, None] * stride + np.where(valid, idx, 0)
+    return valid & np.isin(asked, banned)
 
 
 def answer_validity(idx: np.ndarray, n_items: int) -> np.ndarray:
@@ -333,28 +520,42 @@ def answer_validity(idx: np.ndarray, n_items: int) -> np.ndarray:
 
 
 def check_from_true_scores(truth: Truth, valid: np.ndarray, true_s: np.ndarray, sc: np.ndarray | None,
-                           rtol: float) -> Check:
+                           rtol: float, excluded: np.ndarray | None = None) -> Check:
     """Tie-aware recall@k of an answer from the true (float64) scores of its slots; see :func:`check`.
 
     valid: (n, k_returned) bool from :func:`answer_validity`; true_s: (n, k_returned) true scores; sc: the scores
-    the contender reported (float64), or None."""
+    the contender reported (float64), or None; excluded: (n, k_returned) bool from :func:`excluded_slots`, or None."""
     n, k_ret = valid.shape
-    true_s = np.where(valid, true_s, -np.inf)
+    ok = valid if excluded is None else valid & ~excluded
+    true_s = np.where(ok, true_s, -np.inf)
     tol = rtol * truth.scale
-    hits = (valid & (true_s >= (truth.kth - tol)[:, None])).sum(axis=1)
-    per_user = np.minimum(hits, truth.k_eff) / truth.k_eff
-    # Slots past k_eff (k > n_items) are padding by contract; only the first k_eff slots can be wrong.
-    invalid = int((~valid[:, :truth.k_eff]).sum()) + n * max(0, truth.k_eff - k_ret)
+    wanted = truth.wanted()
+    with np.errstate(invalid="ignore"):  # kth - tol is -inf - tol for a user with nothing allowed
+        hits = (ok & (true_s >= (truth.kth - tol)[:, None])).sum(axis=1)
+    per_user = np.where(wanted > 0, np.minimum(hits, wanted) / np.maximum(wanted, 1), 1.0)
+    n_excl = np.zeros(n, dtype=np.int64) if excluded is None else excluded.sum(axis=1)
+    if n_excl.any():
+        # A returned excluded item is a wrong answer even when the rest is right (a user with fewer allowed items
+        # than k would otherwise pass with excluded items in its padding slots).
+        per_user = np.where(n_excl > 0, np.minimum(per_user, np.maximum(wanted - n_excl, 0) / np.maximum(wanted, 1)),
+                            per_user)
+    # Slots past a user's wanted count are padding by contract; only the first ``wanted`` can be wrong (and any
+    # excluded item, wherever it is).
+    first = np.arange(k_ret)[None, :] < wanted[:, None]
+    invalid = int((~ok & first).sum()) + int(np.maximum(0, wanted - k_ret).sum())
+    if excluded is not None:
+        invalid += int((excluded & ~first).sum())
     max_err = None
     if sc is not None:
-        ok = valid & np.isfinite(sc)
-        if ok.any():
-            max_err = float(np.max(np.abs(sc - true_s)[ok] / np.broadcast_to(truth.scale[:, None], valid.shape)[ok]))
-        else:
+        good = ok & np.isfinite(sc)
+        if good.any():
+            scale = np.broadcast_to(truth.scale[:, None], valid.shape)
+            max_err = float(np.max(np.abs(sc[good] - true_s[good]) / scale[good]))
+        elif ok.any():
             max_err = float("inf")
     return Check(recall=float(per_user.mean()), min_recall=float(per_user.min()),
                  users_short=int((per_user < 1).sum()), invalid=invalid, max_score_error=max_err, rtol=rtol,
-                 n_sample=n, per_user=per_user)
+                 n_sample=n, per_user=per_user, excluded_returned=int(n_excl.sum()))
 
 
 def _index_rows(arr: Any, rows: np.ndarray) -> Any:

@@ -4,6 +4,12 @@ Timing protocol, the same for every contender: ``prepare`` (index build, uploads
 warm-up search (JIT compilation, cuBLAS heuristics, allocator pools); then ``repeat`` timed searches, each between two
 device-wide synchronisations on the GPU, timed with ``time.perf_counter``. The median is the headline, every repeat
 is kept. The answer of the last repeat is checked against the float64 oracle on a sample of users.
+
+Workloads with exclusions: the exclusions are generated after the data (on its device), the oracle first answers the
+sampled users without them, part of each sampled user's exclusions is replaced by items of that true top-k
+(``exclusions.plant``), and the oracle then answers with them; that is the truth every contender is checked against.
+Neither step is timed. End-to-end rows (``--e2e``) write the data once per file layout (``--layout``, see
+``layouts.py``), with the exclusions as a Parquet of (user_id, item_ids), and time the job from those files.
 """
 from __future__ import annotations
 
@@ -18,14 +24,22 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..core.errors import BackendUnavailable, InputError
+from recall import BackendUnavailable, InputError
+
 from . import ceilings as ceil
 from . import contenders as cont
 from . import env, oracle
+from . import exclusions as excl_mod
+from . import layouts as lay
 from .workloads import Workload
 
-SCHEMA = 1
-"""Version of the results.json layout."""
+SCHEMA = 2
+"""Version of the results.json layout.
+
+2: every result row gains ``metric``, ``excl_per_user`` and ``cell``; end-to-end rows gain ``layout`` (one row per
+``--layout``, each with its own ``vs_resident``); workloads gain ``metric``, ``kind_params``, ``excl_per_user``,
+``excl_nnz``, ``exclusions_s`` and ``cell``; checks gain ``excluded_returned``; a matrix run adds ``matrix`` (the grid,
+its cells and one summary row per cell). Every key of schema 1 is still there with the same meaning."""
 
 
 @dataclass
@@ -45,6 +59,12 @@ class Settings:
     memory_budget: int | None = None
     data: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     """Users' own (users, items) per workload name (``--users/--items``), used instead of generating."""
+    layouts: list[str] = field(default_factory=lambda: [lay.DEFAULT])
+    """File layouts of the end-to-end rows (``--layout``), one row each."""
+    inexact: bool = True
+    """Also run contenders that are not exact by design (torch-bf16); matrix runs leave them out."""
+    max_seconds: float | None = None
+    """Start no further workload once the run has taken this long (the rest are reported as skipped)."""
 
     def validate(self) -> None:
         """Raise InputError on values no run can use."""
@@ -59,6 +79,12 @@ class Settings:
         if self.metric not in ("ip", "cosine", "l2"):
             raise InputError(f"unknown metric {self.metric!r}: expected ip, cosine or l2")
         cont.parse_families(self.families)
+        if not self.layouts:
+            raise InputError("--layout: give at least one layout")
+        for name in self.layouts:
+            lay.get(name)
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise InputError(f"the time budget must be > 0 seconds, got {self.max_seconds!r}")
 
 
 def _free_device_memory(device: str) -> None:
@@ -76,11 +102,13 @@ def _free_device_memory(device: str) -> None:
         pass
 
 
-def _row(w: Workload, c_name: str, family: str, device: str, exact: bool, mode: str = "kernel") -> dict[str, Any]:
+def _row(w: Workload, c_name: str, family: str, device: str, exact: bool, mode: str = "kernel",
+         metric: str = "ip") -> dict[str, Any]:
     return {"workload": w.name, "kind": w.kind_label, "device": device, "contender": c_name, "family": family,
             "mode": mode, "claims_exact": exact, "status": "ok", "reason": None, "n_users": w.n_users,
             "n_items": w.n_items, "dim": w.dim, "k": w.k, "prepare_s": None, "warmup_s": None, "times_s": [],
-            "median_s": None, "users_per_s": None, "tflops": None, "check": None, "vs_faiss": None}
+            "median_s": None, "users_per_s": None, "tflops": None, "check": None, "vs_faiss": None,
+            "metric": metric, "excl_per_user": w.excl_per_user, "cell": w.cell}
 
 
 def _finish_times(row: dict[str, Any], w: Workload) -> None:
@@ -92,8 +120,10 @@ def _finish_times(row: dict[str, Any], w: Workload) -> None:
 
 
 def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings,
-                    log: Callable[[str], None]) -> dict[str, Any]:
-    row = _row(w, c.name, c.family, s.device, c.exact)
+                    log: Callable[[str], None], excl: Any = None, metric: str = "ip") -> dict[str, Any]:
+    row = _row(w, c.name, c.family, s.device, c.exact, metric=metric)
+    # Only workloads with exclusions pass ``exclude``: a contender written for plain searches still runs the rest.
+    search = (lambda: c.search(users, w.k)) if excl is None else (lambda: c.search(users, w.k, exclude=excl))
     reason = c.unavailable() or c.unsupported(w.k, w.n_items) or c.unsupported_workload(w)
     if reason:
         row.update(status="skipped", reason=reason)
@@ -105,7 +135,7 @@ def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, trut
         c.sync()
         row["prepare_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        c.search(users, w.k)
+        search()
         c.sync()
         row["warmup_s"] = time.perf_counter() - t0
         answer = None
@@ -113,7 +143,7 @@ def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, trut
             answer = None  # let the previous answer's memory go before the next search allocates its own
             c.sync()
             t0 = time.perf_counter()
-            answer = c.search(users, w.k)
+            answer = search()
             c.sync()
             row["times_s"].append(time.perf_counter() - t0)
         _finish_times(row, w)
@@ -134,14 +164,9 @@ def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, trut
     return row
 
 
-def _write_parquet(vecs: np.ndarray, path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    n, dim = vecs.shape
-    flat = pa.array(np.ascontiguousarray(vecs, dtype=np.float32).ravel(), type=pa.float32())
-    emb = pa.FixedSizeListArray.from_arrays(flat, dim)
-    pq.write_table(pa.table({"id": pa.array(np.arange(n, dtype=np.int64)), "embedding": emb}), path)
+def _write_parquet(vecs: np.ndarray, path: Path, layout: str = lay.DEFAULT) -> None:
+    """Embeddings Parquet (``id`` = row number, ``embedding``) in one of ``layouts.LAYOUTS``."""
+    lay.write(vecs, path, layout)
 
 
 def _read_candidates(path: Path, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -176,72 +201,133 @@ def _read_candidates(path: Path, rows: np.ndarray, k: int) -> tuple[np.ndarray, 
     return idx, sc
 
 
-def _e2e(w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings,
-         log: Callable[[str], None]) -> dict[str, Any]:
-    """Parquet to Parquet through ``recall.pipeline.score_files``: the whole job, with files in the page cache."""
-    row = _row(w, "recall", "recall", s.device, True, mode="e2e")
-    try:
-        from ..jobs import score_files
-    except ImportError as exc:
-        row.update(status="skipped", reason=f"recall.pipeline.score_files is not available ({exc})")
-        log(f"  e2e: skipped ({row['reason']})")
-        return row
-    try:
-        with tempfile.TemporaryDirectory(prefix="recall-bench-e2e-") as tmp:
-            tmp_path = Path(tmp)
-            users_path, items_path = tmp_path / "users.parquet", tmp_path / "items.parquet"
-            # Ids are row numbers, so the candidates file maps straight back onto the oracle's rows.
-            _write_parquet(oracle.to_host(users), users_path)
-            _write_parquet(oracle.to_host(items), items_path)
-            row["input_bytes"] = users_path.stat().st_size + items_path.stat().st_size
+def _e2e(w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings, log: Callable[[str], None],
+         metric: str = "ip", excl: Any = None) -> list[dict[str, Any]]:
+    """Parquet to Parquet through ``recall.jobs.score_files``, once per layout of ``s.layouts``, with the files in
+    the page cache; the exclusions (if any) go in as a Parquet of (user_id, item_ids)."""
+    from recall.jobs import score_files
 
-            def once(out: Path) -> float:
-                t0 = time.perf_counter()
-                summary = score_files(str(users_path), str(items_path), str(out), w.k, metric=s.metric,
-                                      device=s.device, memory_budget=s.memory_budget)
-                wall = time.perf_counter() - t0
-                # The job's own stage times (they overlap) and the device's busy time, of the last run.
-                row["stages"] = {"wall_s": wall, "start_s": summary.start_s, "early_users": summary.early_users,
-                                 "read_s": summary.read_s,
-                                 "search_s": summary.search_s,
-                                 "write_s": summary.write_s, "device_busy_s": summary.device_busy_s,
-                                 "batch_size": summary.batch_size}
-                return wall
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="recall-bench-e2e-") as tmp:
+        tmp_path = Path(tmp)
+        host_users, host_items = oracle.to_host(users), oracle.to_host(items)
+        excl_path = None
+        if excl is not None:
+            excl_path = tmp_path / "exclusions.parquet"
+            lay.write_exclusions(*excl.host(), excl_path)
+        for layout in s.layouts:
+            rows.append(_e2e_layout(w, host_users, host_items, items, truth, s, log, metric, layout, tmp_path,
+                                    excl_path, score_files))
+    return rows
 
-            row["warmup_s"] = once(tmp_path / "warmup.parquet")
-            os.remove(tmp_path / "warmup.parquet")
-            out = tmp_path / "out.parquet"
-            for _ in range(s.repeat):
-                if out.exists():
-                    os.remove(out)
-                row["times_s"].append(once(out))
-            _finish_times(row, w)
-            row["output_bytes"] = out.stat().st_size
-            idx, sc = _read_candidates(out, truth.rows, w.k)
-            row["check"] = oracle.check(truth, items, idx, sc, rtol=s.rtol, rows_are_sampled=True).as_dict()
-        log(f"  e2e: median {row['median_s']:.4g} s, recall@{w.k} {row['check']['recall']:.4f}")
+
+def _e2e_layout(w: Workload, host_users: np.ndarray, host_items: np.ndarray, items: Any, truth: oracle.Truth,
+                s: Settings, log: Callable[[str], None], metric: str, layout: str, tmp_path: Path,
+                excl_path: Path | None, score_files: Callable[..., Any]) -> dict[str, Any]:
+    row = _row(w, "recall", "recall", s.device, True, mode="e2e", metric=metric)
+    row["layout"] = layout
+    try:
+        users_path, items_path = tmp_path / f"users-{layout}.parquet", tmp_path / f"items-{layout}.parquet"
+        _write_parquet(host_users, users_path, layout)
+        _write_parquet(host_items, items_path, layout)
+        row["input_bytes"] = users_path.stat().st_size + items_path.stat().st_size
+
+        def once(out: Path) -> float:
+            kwargs: dict[str, Any] = {"metric": metric, "device": s.device, "memory_budget": s.memory_budget}
+            if excl_path is not None:
+                kwargs["exclude_path"] = str(excl_path)
+            t0 = time.perf_counter()
+            summary = score_files(str(users_path), str(items_path), str(out), w.k, **kwargs)
+            wall = time.perf_counter() - t0
+            # The job's own stage times (they overlap) and the device's busy time, of the last run.
+            row["stages"] = {"wall_s": wall, "start_s": summary.start_s, "early_users": summary.early_users,
+                             "read_s": summary.read_s,
+                             "search_s": summary.search_s,
+                             "write_s": summary.write_s, "device_busy_s": summary.device_busy_s,
+                             "batch_size": summary.batch_size}
+            return wall
+
+        row["warmup_s"] = once(tmp_path / "warmup.parquet")
+        os.remove(tmp_path / "warmup.parquet")
+        out = tmp_path / "out.parquet"
+        for _ in range(s.repeat):
+            if out.exists():
+                os.remove(out)
+            row["times_s"].append(once(out))
+        _finish_times(row, w)
+        row["output_bytes"] = out.stat().st_size
+        idx, sc = _read_candidates(out, truth.rows, w.k)
+        row["check"] = oracle.check(truth, items, idx, sc, rtol=s.rtol, rows_are_sampled=True).as_dict()
+        for p in (users_path, items_path, out):
+            os.remove(p)
+        log(f"  e2e ({layout}): median {row['median_s']:.4g} s, recall@{w.k} {row['check']['recall']:.4f}")
     except Exception as exc:
         row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
-        log(f"  e2e: ERROR {row['reason']}")
+        log(f"  e2e ({layout}): ERROR {row['reason']}")
     return row
 
 
+def _same_cell(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["workload"] == b["workload"] and a["kind"] == b["kind"] and a.get("metric") == b.get("metric")
+
+
 def _ratios(rows: list[dict[str, Any]]) -> None:
-    """vs_faiss = FAISS median time / contender median time, within the same workload, device and mode; for an
-    end-to-end row, vs_resident = its median / the median of the engine's own search of resident data (the
-    "recall" row of the same workload), the cost of the files around the search."""
+    """vs_faiss = FAISS median time / contender median time, within the same workload, device and mode (the
+    GpuIndexFlat row, else knn_gpu); for an end-to-end row (one per file layout), vs_resident = its median / the
+    median of the engine's own search of resident data (the "recall" row of the same workload), the cost of the
+    files around the search."""
     for r in rows:
         if r["mode"] != "kernel":
             # An end-to-end job and a resident-data kernel are different things to compare with FAISS.
-            own = next((b for b in rows if b["contender"] == "recall" and b["mode"] == "kernel"
-                        and b["workload"] == r["workload"] and b["kind"] == r["kind"] and b["median_s"]), None)
+            own = next((b for b in rows if b["contender"] == "recall" and b["mode"] == "kernel" and _same_cell(r, b)
+                        and b["median_s"]), None)
             if own is not None and r["median_s"]:
                 r["vs_resident"] = r["median_s"] / own["median_s"]
             continue
-        base = next((b for b in rows if b["family"] == "faiss" and b["mode"] == "kernel"
-                     and b["workload"] == r["workload"] and b["kind"] == r["kind"] and b["median_s"]), None)
+        faiss_rows = [b for b in rows if b["family"] == "faiss" and b["mode"] == "kernel" and _same_cell(r, b)
+                      and b["median_s"]]
+        base = next((b for b in faiss_rows if b["contender"] == "faiss"), faiss_rows[0] if faiss_rows else None)
         if base is not None and r["median_s"]:
             r["vs_faiss"] = base["median_s"] / r["median_s"]
+
+
+def _skip_all(w: Workload, built: list[cont.Contender], s: Settings, reason: str, metric: str) -> list[dict[str, Any]]:
+    rows = []
+    for c in built:
+        row = _row(w, c.name, c.family, s.device, c.exact, metric=metric)
+        row.update(status="skipped", reason=reason)
+        rows.append(row)
+    return rows
+
+
+def _workload_info(w: Workload, s: Settings, metric: str, ceilings: dict[str, Any] | None) -> dict[str, Any]:
+    params = w.kind_params
+    return {"name": w.name, "kind": w.kind_label, "n_users": w.n_users, "n_items": w.n_items, "dim": w.dim,
+            "k": w.k, "flops": w.flops, "status": "ok", "reason": None,
+            "floors": ceil.floors(w.n_users, w.n_items, w.dim, ceilings) if s.device == "gpu" else None,
+            "metric": metric, "kind_params": None if params is None else dict(vars(params)),
+            "excl_per_user": w.excl_per_user, "excl_nnz": None, "exclusions_s": None, "cell": w.cell}
+
+
+def _truth_and_exclusions(w: Workload, users: Any, items: Any, s: Settings, metric: str,
+                          winfo: dict[str, Any]) -> tuple[oracle.Truth, Any]:
+    """The oracle's answer for the sampled users and the workload's exclusions (None without), timed into winfo."""
+    t0 = time.perf_counter()
+    rows = oracle.sample_rows(w.n_users, s.sample_users, s.seed)
+    winfo["n_sample"] = int(rows.size)
+    excl = None
+    if w.excl_per_user:
+        excl = w.exclusions(users, items, s.seed, metric)
+        # The sampled users' true top-k without exclusions, so that their exclusions can include some of it.
+        plain = w.truth(users, items, rows, metric=metric)
+        excl = excl_mod.plant(excl, rows, plain.top_items, s.seed)
+        cont.synchronize(s.device)
+        winfo["excl_nnz"] = excl.nnz
+        winfo["exclusions_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+    truth = w.truth(users, items, rows, metric=metric, exclude=excl)
+    winfo["oracle_s"] = time.perf_counter() - t0
+    return truth, excl
 
 
 def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[str] | None = None) -> dict[str, Any]:
@@ -263,11 +349,10 @@ def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[s
         ``device="gpu"`` (or ``measure_ceilings``) without a usable GPU.
     """
     s.validate()
+    started = time.perf_counter()
     if s.device == "gpu":
-        from ..backends import cuda_status
-
-        usable, reason = cuda_status()
-        if not usable:
+        reason = cont._gpu_reason()
+        if reason:
             raise BackendUnavailable(f"--device gpu: no usable GPU: {reason}")
     environment = env.collect(s.device)
     ceilings = None
@@ -280,25 +365,28 @@ def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[s
         "schema": SCHEMA, "command": argv, "environment": environment,
         "settings": {"device": s.device, "families": list(s.families), "repeat": s.repeat, "seed": s.seed,
                      "sample_users": s.sample_users, "metric": s.metric, "rtol": s.rtol, "e2e": s.e2e,
-                     "memory_budget": s.memory_budget, "timing": "perf_counter between device-wide synchronisations; "
+                     "layouts": list(s.layouts), "memory_budget": s.memory_budget, "max_seconds": s.max_seconds,
+                     "timing": "perf_counter between device-wide synchronisations; "
                      "median of repeats after one warm-up; prepare (index build, upload) not timed"},
         "ceilings": ceilings, "workloads": [], "results": [],
     }
-    built = cont.build(s.families, s.device, s.metric, s.memory_budget)
+    built_for: dict[str, list[cont.Contender]] = {}
     for w in s.workloads:
-        winfo: dict[str, Any] = {"name": w.name, "kind": w.kind_label, "n_users": w.n_users, "n_items": w.n_items,
-                                 "dim": w.dim, "k": w.k, "flops": w.flops, "status": "ok", "reason": None,
-                                 "floors": ceil.floors(w.n_users, w.n_items, w.dim, ceilings) if s.device == "gpu"
-                                 else None}
+        metric = w.metric or s.metric
+        if metric not in built_for:
+            built_for[metric] = cont.build(s.families, s.device, metric, s.memory_budget, inexact=s.inexact)
+        built = built_for[metric]
+        winfo = _workload_info(w, s, metric, ceilings)
         doc["workloads"].append(winfo)
-        log(f"{w.name}: {w.n_users:,} users x {w.n_items:,} items x {w.dim}, k={w.k}, {w.kind_label}, {s.device}")
-        if w.unsupported:
-            winfo.update(status="skipped", reason=w.unsupported)
-            log(f"  skipped: {w.unsupported}")
-            for c in built:
-                row = _row(w, c.name, c.family, s.device, c.exact)
-                row.update(status="skipped", reason=w.unsupported)
-                doc["results"].append(row)
+        log(f"{w.name}: {w.n_users:,} users x {w.n_items:,} items x {w.dim}, k={w.k}, {w.kind_label}, {metric}"
+            + (f", {w.excl_per_user} exclusions per user" if w.excl_per_user else "") + f", {s.device}")
+        reason = w.unsupported
+        if not reason and s.max_seconds is not None and time.perf_counter() - started > s.max_seconds:
+            reason = f"time budget of {s.max_seconds:g} s spent before this workload"
+        if reason:
+            winfo.update(status="skipped", reason=reason)
+            log(f"  skipped: {reason}")
+            doc["results"].extend(_skip_all(w, built, s, reason, metric))
             continue
         t0 = time.perf_counter()
         if w.name in s.data:
@@ -307,18 +395,15 @@ def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[s
             users, items = w.generate(s.seed, s.device)
         cont.synchronize(s.device)
         winfo["generate_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        rows = oracle.sample_rows(w.n_users, s.sample_users, s.seed)
-        truth = w.truth(users, items, rows, metric=s.metric)
-        winfo["oracle_s"] = time.perf_counter() - t0
-        winfo["n_sample"] = int(rows.size)
-        results = [_time_contender(c, w, users, items, truth, s, log) for c in built]
+        truth, excl = _truth_and_exclusions(w, users, items, s, metric, winfo)
+        results = [_time_contender(c, w, users, items, truth, s, log, excl, metric) for c in built]
         if s.e2e and not (w.candidates or w.interests):  # score_files runs full single-vector searches
-            results.append(_e2e(w, users, items, truth, s, log))
+            results.extend(_e2e(w, users, items, truth, s, log, metric, excl))
         _ratios(results)
         doc["results"].extend(results)
-        del users, items, truth
+        del users, items, truth, excl
         _free_device_memory(s.device)
+    doc["elapsed_s"] = time.perf_counter() - started
     return doc
 
 

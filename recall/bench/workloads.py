@@ -1,32 +1,59 @@
 """Named benchmark workloads and the seeded generators of their data.
 
-Every workload is generated from a seed, so a run can be repeated. Vectors are float32. The data kinds
-(``../shared/design/WORKLOADS.md``):
+Every workload is generated from a seed, so a run can be repeated. Vectors are float32. The data kinds vary what
+real embeddings vary (``../shared/design/WORKLOADS.md``): direction structure (clusters), user norms, item norms
+(log-normal or heavy-tailed), and integer quantisation (ties). Each kind has default parameters
+(:data:`KIND_DEFAULTS`); a kind *spec* overrides some, e.g. ``"skewed:user_sigma=0.8,centres=1024"``.
 
-- ``normal``: i.i.d. N(0, 1) users and items;
-- ``clustered``: 256 shared centres, every vector = its centre + noise, item norms log-normal (sigma 0.5), as
-  recommender embeddings are (popular items have large norms). This changes how fast a running top-k threshold
-  settles, which is what threshold filtering lives on;
-- ``adversarial``: users share a common direction and items are sorted by rising score against the mean user, so
-  each item tile beats the previous one for most users: the worst case for threshold filtering;
-- ``ties``: small-integer vectors, so many scores are exactly equal and the tie rule is exercised.
+=============  ======================================================================================================
+kind           what it stands for
+=============  ======================================================================================================
+``normal``     i.i.d. N(0, 1) users and items: no structure, the textbook case.
+``clustered``  ``centres`` (256) shared N(0, 1) centres, every vector = its centre + ``noise`` (0.35) x N(0, 1); item
+               norms log-normal (``item_sigma`` 0.5), as recommender embeddings are (popular items have large
+               norms). This changes how fast a running top-k threshold settles, which threshold filtering lives on.
+``skewed``     ``clustered`` with log-normal USER norms too (``user_sigma`` 0.5, ``item_sigma`` 0.5): real user towers
+               do not emit unit vectors, so one user's scores are on another scale than the next user's.
+``popular``    ``clustered`` directions with heavy-tailed item norms, ``sqrt(dim) * Pareto(pareto_alpha)`` (alpha 2.0,
+               scaled to median sqrt(dim)): a few "popular" items have norms 10-1000x the median and sit in almost
+               every user's top-k.
+``adversarial``  users share a common direction and items are ordered by rising score against the mean user, so
+               each item tile beats the previous one for most users: the worst case for threshold filtering.
+``ties``       small-integer vectors in [-``tie_range``, ``tie_range``] (2): many scores are exactly equal, which
+               exercises the tie rule (equal scores go to the lower item row).
+``int8``       ``clustered`` (with its norms) quantised to integers in [-127, 127] with one scale per matrix, as int8
+               embedding exports are: scores are exact integers in float32 (for dim <= 1,040) and ties are common.
+=============  ======================================================================================================
 
-Data can be generated on the host (NumPy) or directly on the GPU (CuPy, ``device="gpu"``), so that a 1M x 256
-matrix never crosses PCIe. The two random streams differ: the same seed gives the same data on every run of the same
-device, but NumPy data and CuPy data for one seed are different (and equally distributed).
+Parameters (:class:`KindParams`): ``user_sigma`` and ``item_sigma`` (log-normal sigma of user / item norms, 0 = as
+drawn; norms become ``sqrt(dim) * LogNormal(0, sigma)``), ``centres`` and ``noise`` (the clusters), ``pareto_alpha``
+(> 0: heavy-tailed item norms instead of ``item_sigma``), ``tie_range``. Not every parameter applies to every kind:
+integer kinds take no norm spread, ``adversarial`` no item norm spread (it would undo the ordering); asking for one
+raises :class:`~recall.InputError`.
+
+Data can be generated on the host (NumPy) or directly on the GPU (CuPy, ``device="gpu"``), so that a 10M x 64 matrix
+never crosses PCIe. Generation works in row chunks where it transforms a matrix (centres, norms, quantisation,
+ordering), so a matrix needs about one chunk of scratch beside itself, never a full extra copy. The two random
+streams differ: the same seed gives the same data on every run of the same device, but NumPy data and CuPy data for
+one seed are different (and equally distributed).
+
+A workload may carry per-user exclusions (``excl_per_user``, see :mod:`recall.bench.exclusions`) and its own metric
+(matrix cells do; otherwise ``--metric`` decides).
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
-from ..core.errors import InputError
+from recall import InputError
+
+from .rng import Rng, candidate_rows, module_for
 
 N_CENTRES = 256
-"""Number of cluster centres of the ``clustered`` kind."""
+"""Number of cluster centres of the ``clustered`` kind (default of ``KindParams.centres``)."""
 NOISE = 0.35
 """Per-coordinate noise around a centre (centres are N(0, 1)): clusters are tight but overlap a little."""
 NORM_SIGMA = 0.5
@@ -35,18 +62,146 @@ ADVERSARIAL_BIAS = 2.0
 """Strength of the ``adversarial`` users' shared direction, relative to their N(0, 1) noise (cosine to it ~0.9)."""
 TIE_RANGE = 2
 """``ties`` vectors have integer coordinates in [-TIE_RANGE, TIE_RANGE]: scores are small integers, exact in float32."""
+PARETO_ALPHA = 2.0
+"""Tail index of the ``popular`` item norms: the largest of 1M items is ~1,000x the median."""
+INT8_MAX = 127
+"""``int8`` coordinates are integers in [-INT8_MAX, INT8_MAX]."""
 
-# Generation works in row chunks so that a 1M x 256 matrix needs about one extra chunk of scratch, not a full copy.
+# Generation works in row chunks so that a 10M x 256 matrix needs about one extra chunk of scratch, not a full copy.
 _CHUNK_ROWS = 1 << 16
 
 
 class Kind(str, enum.Enum):
-    """The data kinds a workload can be generated with."""
+    """The data kinds a workload can be generated with (see the module docstring)."""
 
     normal = "normal"
     clustered = "clustered"
     adversarial = "adversarial"
     ties = "ties"
+    skewed = "skewed"
+    popular = "popular"
+    int8 = "int8"
+
+
+@dataclass(frozen=True)
+class KindParams:
+    """Parameters of a data kind (see the module docstring); :data:`KIND_DEFAULTS` has each kind's.
+
+    Attributes
+    ----------
+    user_sigma, item_sigma : float
+        Sigma of the log-normal user / item norms (norms ``sqrt(dim) * LogNormal(0, sigma)``); 0 keeps the norms the
+        vectors were drawn with.
+    centres : int
+        Cluster centres of the clustered kinds (``clustered``, ``skewed``, ``popular``, ``int8``).
+    noise : float
+        Per-coordinate noise around a centre, relative to the N(0, 1) centres.
+    pareto_alpha : float
+        > 0: item norms ``sqrt(dim) * Pareto(alpha) / 2**(1/alpha)`` (median sqrt(dim)), replacing ``item_sigma``.
+    tie_range : int
+        ``ties`` coordinates are integers in [-tie_range, tie_range].
+    """
+
+    user_sigma: float = 0.0
+    item_sigma: float = 0.0
+    centres: int = N_CENTRES
+    noise: float = NOISE
+    pareto_alpha: float = 0.0
+    tie_range: int = TIE_RANGE
+
+    def diff(self, other: "KindParams") -> dict[str, Any]:
+        """The fields whose value differs from ``other``'s, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)}
+
+
+KIND_DEFAULTS: dict[Kind, KindParams] = {
+    Kind.normal: KindParams(),
+    Kind.clustered: KindParams(item_sigma=NORM_SIGMA),
+    Kind.adversarial: KindParams(),
+    Kind.ties: KindParams(),
+    Kind.skewed: KindParams(user_sigma=0.5, item_sigma=0.5),
+    Kind.popular: KindParams(pareto_alpha=PARETO_ALPHA),
+    Kind.int8: KindParams(item_sigma=NORM_SIGMA),
+}
+"""Default parameters of each kind."""
+
+_CLUSTERED = (Kind.clustered, Kind.skewed, Kind.popular, Kind.int8)
+# Which parameters each kind reads; a spec that sets another one is an error, not silently ignored.
+_APPLIES: dict[Kind, tuple[str, ...]] = {
+    Kind.normal: ("user_sigma", "item_sigma", "pareto_alpha"),
+    Kind.adversarial: ("user_sigma",),
+    Kind.ties: ("tie_range",),
+    **{k: ("user_sigma", "item_sigma", "centres", "noise", "pareto_alpha") for k in _CLUSTERED},
+}
+
+
+def _kind(kind: Kind | str) -> Kind:
+    try:
+        return Kind(kind)
+    except ValueError:
+        raise InputError(f"unknown data kind {kind!r}: expected one of {', '.join(k.value for k in Kind)}") from None
+
+
+def parse_kind(spec: "Kind | str", params: KindParams | None = None) -> tuple[Kind, KindParams]:
+    """``"skewed:user_sigma=0.8,centres=1024"`` -> (Kind.skewed, its defaults with those two replaced).
+
+    Parameters
+    ----------
+    spec : Kind or str
+        A kind name, optionally followed by ``:name=value,...`` overrides of :class:`KindParams` fields.
+    params : KindParams, optional
+        Explicit parameters (then ``spec`` must be a bare kind name).
+
+    Raises
+    ------
+    InputError
+        Unknown kind or parameter, a value that does not parse or is out of range, or a parameter the kind does
+        not read.
+    """
+    text = spec.value if isinstance(spec, Kind) else str(spec)
+    name, _, rest = text.partition(":")
+    kind = _kind(name.strip())
+    if params is not None:
+        if rest:
+            raise InputError(f"kind {text!r}: give parameters either in the spec or as KindParams, not both")
+        out = params
+    else:
+        out = KIND_DEFAULTS[kind]
+        types = {f.name: f.type for f in fields(KindParams)}
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or key not in types:
+                raise InputError(f"kind {text!r}: expected name=value with a name among {', '.join(types)}, "
+                                 f"got {item!r}")
+            try:
+                val: Any = int(value) if types[key] in (int, "int") else float(value)
+            except ValueError:
+                raise InputError(f"kind {text!r}: {key}={value!r} is not a number") from None
+            out = replace(out, **{key: val})
+    _check_params(kind, out, text)
+    return kind, out
+
+
+def _check_params(kind: Kind, p: KindParams, text: str) -> None:
+    for name, value in p.diff(KindParams()).items():
+        if name not in _APPLIES[kind]:
+            raise InputError(f"kind {text!r}: {name} does not apply to {kind.value} data")
+    if p.user_sigma < 0 or p.item_sigma < 0 or p.noise < 0 or p.pareto_alpha < 0:
+        raise InputError(f"kind {text!r}: sigmas, noise and pareto_alpha must be >= 0, got {p}")
+    if p.centres < 1 or p.tie_range < 1:
+        raise InputError(f"kind {text!r}: centres and tie_range must be >= 1, got {p}")
+
+
+def kind_label(kind: Kind, params: KindParams) -> str:
+    """``"skewed"``, or ``"skewed(user_sigma=0.8)"`` where the parameters differ from the kind's defaults."""
+    extra = params.diff(KIND_DEFAULTS[kind])
+    if not extra:
+        return kind.value
+    return kind.value + "(" + ",".join(f"{k}={v:g}" for k, v in extra.items()) + ")"
+
+
+METRICS = ("ip", "cosine", "l2")
 
 
 @dataclass(frozen=True)
@@ -73,6 +228,14 @@ class Workload:
         Vectors per user for multi-interest workloads (S7); 0 for one vector per user.
     aggregate : {"max", "sum"}
         How a multi-interest user's scores combine.
+    params : KindParams, optional
+        The data kind's parameters; None: the kind's defaults.
+    excl_per_user : int
+        Items excluded per user ("already seen"), generated from the seed (:mod:`recall.bench.exclusions`); 0: none.
+    metric : {"ip", "cosine", "l2"}, optional
+        The metric of this workload (matrix cells); None: the run's ``--metric``.
+    cell : str
+        The matrix cell this workload stands for ("" outside a matrix run).
     """
 
     name: str
@@ -87,6 +250,28 @@ class Workload:
     unsupported: str = ""
     interests: int = 0
     aggregate: str = "max"
+    params: KindParams | None = None
+    excl_per_user: int = 0
+    metric: str | None = None
+    cell: str = ""
+
+    def __post_init__(self) -> None:
+        for what in ("n_users", "n_items", "dim", "k"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InputError(f"workload {self.name!r}: {what} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.excl_per_user, (int, np.integer)) or self.excl_per_user < 0:
+            raise InputError(f"workload {self.name!r}: excl_per_user must be an integer >= 0, "
+                             f"got {self.excl_per_user!r}")
+        if self.excl_per_user and self.excl_per_user >= self.n_items:
+            raise InputError(f"workload {self.name!r}: {self.excl_per_user} exclusions per user need more than "
+                             f"{self.n_items} items")
+        if self.excl_per_user and (self.candidates or self.interests):
+            raise InputError(f"workload {self.name!r}: exclusions apply to single-vector full searches only")
+        if self.metric is not None and self.metric not in METRICS:
+            raise InputError(f"workload {self.name!r}: unknown metric {self.metric!r}: expected ip, cosine or l2")
+        if self.params is not None and isinstance(self.kind, Kind):
+            _check_params(self.kind, self.params, self.kind.value)
 
     @property
     def flops(self) -> float:
@@ -104,35 +289,59 @@ class Workload:
         return float(self.n_users) * (self.candidates * self.dim * 4 + self.k * 12)
 
     @property
+    def kind_params(self) -> KindParams | None:
+        """The parameters the data is generated with (None for users' own files)."""
+        if not isinstance(self.kind, Kind):
+            return None
+        return self.params if self.params is not None else KIND_DEFAULTS[self.kind]
+
+    @property
     def kind_label(self) -> str:
-        """The data kind as text ("normal", ..., or "file")."""
-        return self.kind.value if isinstance(self.kind, Kind) else str(self.kind)
+        """The data kind as text ("normal", "skewed(user_sigma=0.8)", ..., or "file")."""
+        if not isinstance(self.kind, Kind):
+            return str(self.kind)
+        return kind_label(self.kind, self.kind_params)
 
     def with_kind(self, kind: Kind | str | None) -> "Workload":
-        """This workload with its data kind replaced (unchanged when ``kind`` is None)."""
-        return self if kind is None else replace(self, kind=Kind(kind))
+        """This workload with its data kind replaced (unchanged when ``kind`` is None); ``kind`` may be a spec with
+        parameters, e.g. ``"skewed:user_sigma=0.8"``."""
+        if kind is None:
+            return self
+        k, p = parse_kind(kind)
+        return replace(self, kind=k, params=p)
 
     def generate(self, seed: int = 0, device: str = "cpu") -> tuple[Any, Any]:
         """The (users, items) of this workload; see :func:`generate`. Re-scoring workloads give
         :class:`CandidateUsers` as users, multi-interest ones :class:`MultiInterestUsers`."""
         n_vecs = self.n_users * max(1, self.interests)
-        users, items = generate(self.kind, n_vecs, self.n_items, self.dim, seed=seed, device=device)
+        users, items = generate(self.kind, n_vecs, self.n_items, self.dim, seed=seed, device=device,
+                                params=self.params)
         if self.interests:
             users = MultiInterestUsers(users.reshape(self.n_users, self.interests, self.dim), self.aggregate)
         if self.candidates:
             users = CandidateUsers(users, candidate_rows(self.n_users, self.n_items, self.candidates, seed, device))
         return users, items
 
-    def truth(self, users: Any, items: Any, rows: Any, metric: str = "ip") -> Any:
+    def exclusions(self, users: Any, items: Any, seed: int = 0, metric: str = "ip") -> Any:
+        """This workload's per-user exclusions (:class:`recall.bench.exclusions.Exclusions`, on the users' device),
+        or None when it has none; see :func:`recall.bench.exclusions.generate`."""
+        if not self.excl_per_user:
+            return None
+        from . import exclusions
+
+        return exclusions.generate(users, items, self.excl_per_user, k=self.k, seed=seed, metric=metric)
+
+    def truth(self, users: Any, items: Any, rows: Any, metric: str = "ip", exclude: Any = None) -> Any:
         """The exact float64 answer for the sampled user ``rows`` (``oracle.Truth``): over each user's own candidates
-        for re-scoring, over the aggregate of its interests for multi-interest users, else ``oracle.exact_topk``."""
+        for re-scoring, over the aggregate of its interests for multi-interest users, else ``oracle.exact_topk``
+        (honouring ``exclude``)."""
         from . import oracle
 
         if isinstance(users, CandidateUsers):
             return _candidate_truth(users, items, self.k, rows, metric)
         if isinstance(users, MultiInterestUsers):
             return _interest_truth(users, items, self.k, rows, metric)
-        return oracle.exact_topk(users, items, self.k, rows, metric=metric)
+        return oracle.exact_topk(users, items, self.k, rows, metric=metric, exclude=exclude)
 
     def check(self, truth: Any, users: Any, items: Any, indices: Any, scores: Any = None,
               rtol: float | None = None) -> Any:
@@ -150,7 +359,7 @@ class Workload:
 def _rescore_reason(what: str = "Engine.rescore()") -> str:
     """Why S5 (or S7) cannot run, or "" when it can: the engine needs a per-user re-scoring entry point. (The
     runner judges these workloads with ``Workload.truth`` / ``Workload.check``, not the full-search oracle.)"""
-    from ..engine import Engine
+    from recall import Engine
 
     if not hasattr(Engine, "rescore"):
         return "not yet supported: recall.Engine has no rescore() for per-user candidate re-scoring"
@@ -177,12 +386,20 @@ def _workloads() -> dict[str, Workload]:
         Workload("S7-small", 2_000, 20_000, 32, 10, Kind.clustered, "cpu",
                  "S7 in small: 4 vectors per user, max", interests=4,
                  unsupported=_rescore_reason("multi-interest search")),
+        Workload("tiny-x50", 2_000, 5_000, 32, 10, Kind.clustered, "cpu",
+                 "tiny, clustered, 50 exclusions per user: smoke of the exclusion path", excl_per_user=50),
+        Workload("cpu-small-x50", 20_000, 100_000, 64, 100, Kind.normal, "cpu",
+                 "cpu-small + 50 exclusions per user", excl_per_user=50),
+        Workload("S1-x200", 100_000, 1_000_000, 64, 100, Kind.clustered, "gpu",
+                 "S1 + 200 exclusions per user (already seen): FAISS over-fetches k + 200", excl_per_user=200),
+        Workload("S4-x20", 1_000_000, 1_000_000, 64, 100, Kind.clustered, "gpu",
+                 "S4 + 20 exclusions per user", excl_per_user=20),
     ]
     return {x.name: x for x in w}
 
 
 WORKLOADS: dict[str, Workload] = _workloads()
-"""Every named workload, by name, in the order of WORKLOADS.md."""
+"""Every named workload, by name, in the order of WORKLOADS.md (exclusion variants last)."""
 
 
 def get(name: str) -> Workload:
@@ -202,44 +419,6 @@ def get(name: str) -> Workload:
 # --- generators ---------------------------------------------------------------------------------------------------
 
 
-class _Rng:
-    """One seeded float32 random stream over NumPy or CuPy, with the few draws the generators need."""
-
-    def __init__(self, xp: Any, seed: int) -> None:
-        self.xp = xp
-        if xp is np:
-            self._rng = np.random.default_rng(seed)
-        else:
-            # CuPy's legacy RandomState draws float32 normals natively (no float64 detour) on every CuPy version.
-            self._rng = xp.random.RandomState(seed)
-
-    def normal(self, shape: tuple[int, ...]) -> Any:
-        return self._rng.standard_normal(shape, dtype=self.xp.float32)
-
-    def integers(self, low: int, high: int, shape: tuple[int, ...], dtype: Any = np.int64) -> Any:
-        """Integers in [low, high)."""
-        if self.xp is np:
-            return self._rng.integers(low, high, size=shape, dtype=dtype)
-        return self._rng.randint(low, high, size=shape, dtype=dtype)
-
-    def lognormal(self, sigma: float, n: int) -> Any:
-        if self.xp is np:
-            return self._rng.lognormal(0.0, sigma, size=n).astype(np.float32)
-        return self._rng.lognormal(0.0, sigma, size=n, dtype=self.xp.float32)
-
-
-def _xp(device: str) -> Any:
-    if device == "cpu":
-        return np
-    if device == "gpu":
-        try:
-            import cupy
-        except ImportError as exc:
-            raise InputError(f"device='gpu' needs CuPy to generate data on the GPU: {exc}") from None
-        return cupy
-    raise InputError(f"unknown device {device!r}: expected 'cpu' or 'gpu'")
-
-
 def _streams(seed: int) -> tuple[int, int, int]:
     """Independent seeds for (shared parameters, users, items), derived from one seed."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -248,20 +427,18 @@ def _streams(seed: int) -> tuple[int, int, int]:
     return int(children[0]), int(children[1]), int(children[2])
 
 
-def _clustered(rng: _Rng, centres: Any, n: int) -> Any:
+def _clustered(rng: Rng, centres: Any, n: int, noise: float = NOISE) -> Any:
     out = rng.normal((n, centres.shape[1]))
-    out *= NOISE
+    out *= noise
     for start in range(0, n, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, n)
         out[start:stop] += centres[rng.integers(0, centres.shape[0], (stop - start,))]
     return out
 
 
-def _set_norms(rng: _Rng, vecs: Any) -> None:
-    """Rescale rows in place to norms sqrt(dim) * LogNormal(0, NORM_SIGMA): skewed popularity, same typical scale."""
-    xp = rng.xp
-    n, dim = vecs.shape
-    target = rng.lognormal(NORM_SIGMA, n) * np.float32(np.sqrt(dim))
+def _rescale_rows(xp: Any, vecs: Any, target: Any) -> None:
+    """Rescale rows in place to the norms ``target`` (n,), one chunk of rows at a time."""
+    n = vecs.shape[0]
     for start in range(0, n, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, n)
         block = vecs[start:stop]
@@ -269,14 +446,61 @@ def _set_norms(rng: _Rng, vecs: Any) -> None:
         block *= (target[start:stop] / xp.maximum(norms, xp.float32(1e-12)))[:, None]
 
 
+def _set_norms(rng: Rng, vecs: Any, sigma: float = NORM_SIGMA) -> None:
+    """Rescale rows in place to norms sqrt(dim) * LogNormal(0, sigma): skewed popularity, same typical scale."""
+    n, dim = vecs.shape
+    _rescale_rows(rng.xp, vecs, rng.lognormal(sigma, n) * np.float32(np.sqrt(dim)))
+
+
+def _set_pareto_norms(rng: Rng, vecs: Any, alpha: float) -> None:
+    """Rescale rows in place to norms sqrt(dim) * Pareto(alpha) / median: a heavy tail of "popular" items."""
+    xp = rng.xp
+    n, dim = vecs.shape
+    u = rng.uniform(n)
+    # Inverse CDF of the Pareto distribution with scale 1: (1 - u)^(-1/alpha) >= 1, median 2^(1/alpha).
+    target = (xp.float32(1.0) - u) ** xp.float32(-1.0 / alpha)
+    target *= xp.float32(np.sqrt(dim) / 2.0 ** (1.0 / alpha))
+    _rescale_rows(xp, vecs, target)
+
+
+def _quantise_int8(xp: Any, vecs: Any) -> None:
+    """Round rows in place to integers in [-INT8_MAX, INT8_MAX] with one symmetric scale for the whole matrix."""
+    n = vecs.shape[0]
+    peak = 0.0
+    for start in range(0, n, _CHUNK_ROWS):  # max |x| a chunk at a time: xp.abs(vecs) would be a full copy
+        peak = max(peak, float(xp.abs(vecs[start:start + _CHUNK_ROWS]).max()))
+    scale = xp.float32(INT8_MAX / peak) if peak > 0 else xp.float32(1.0)
+    for start in range(0, n, _CHUNK_ROWS):
+        block = vecs[start:start + _CHUNK_ROWS]
+        block *= scale
+        xp.rint(block, out=block)
+
+
+def _ordered_items(ri: Rng, direction: Any, n: int, dim: int) -> Any:
+    """i.i.d. N(0, 1) items, ordered by rising projection on the unit vector ``direction`` (dim,) float32.
+
+    Sorting the rows of a normal matrix by their projection is the same, in distribution, as drawing the orthogonal
+    part and the projections independently and sorting only the projections: an (n,) sort instead of a permuted
+    full copy of the matrix."""
+    xp = ri.xp
+    items = ri.normal((n, dim))
+    proj = xp.sort(ri.normal((n,)))
+    for start in range(0, n, _CHUNK_ROWS):
+        stop = min(start + _CHUNK_ROWS, n)
+        block = items[start:stop]
+        block -= (block @ direction)[:, None] * direction[None, :]
+        block += proj[start:stop, None] * direction[None, :]
+    return items
+
+
 def generate(kind: Kind | str, n_users: int, n_items: int, dim: int, seed: int = 0,
-             device: str = "cpu") -> tuple[Any, Any]:
+             device: str = "cpu", params: KindParams | None = None) -> tuple[Any, Any]:
     """Seeded users and items of one data kind.
 
     Parameters
     ----------
-    kind : {"normal", "clustered", "adversarial", "ties"}
-        The data kind (see the module docstring).
+    kind : Kind or str
+        The data kind, or a spec with parameters such as ``"skewed:user_sigma=0.8"`` (see the module docstring).
     n_users, n_items, dim : int
         Shapes, all >= 1.
     seed : int
@@ -284,6 +508,8 @@ def generate(kind: Kind | str, n_users: int, n_items: int, dim: int, seed: int =
         "cpu" and "gpu".
     device : {"cpu", "gpu"}
         "gpu" generates with CuPy directly in device memory (nothing crosses PCIe).
+    params : KindParams, optional
+        The kind's parameters (default :data:`KIND_DEFAULTS`); not together with a spec that has parameters.
 
     Returns
     -------
@@ -294,48 +520,54 @@ def generate(kind: Kind | str, n_users: int, n_items: int, dim: int, seed: int =
     Raises
     ------
     InputError
-        Unknown kind or device, non-positive shapes, negative seed, or "gpu" without CuPy.
+        Unknown kind, parameter or device, non-positive shapes, negative seed, or "gpu" without CuPy.
     """
-    try:
-        kind = Kind(kind)
-    except ValueError:
-        raise InputError(f"unknown data kind {kind!r}: expected one of {', '.join(k.value for k in Kind)}") from None
+    kind, p = parse_kind(kind, params)
     for what, value in (("n_users", n_users), ("n_items", n_items), ("dim", dim)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise InputError(f"{what} must be an integer >= 1, got {value!r}")
-    xp = _xp(device)
+    xp = module_for(device)
     s_shared, s_users, s_items = _streams(seed)
-    shared, ru, ri = _Rng(xp, s_shared), _Rng(xp, s_users), _Rng(xp, s_items)
+    shared, ru, ri = Rng(xp, s_shared), Rng(xp, s_users), Rng(xp, s_items)
 
-    if kind is Kind.normal:
-        return ru.normal((n_users, dim)), ri.normal((n_items, dim))
-
-    if kind is Kind.clustered:
-        centres = shared.normal((N_CENTRES, dim))
-        users = _clustered(ru, centres, n_users)
-        items = _clustered(ri, centres, n_items)
-        _set_norms(ri, items)
+    if kind is Kind.ties:
+        # Integer coordinates; every score is an integer well below 2**24, so float32 scores are exact and the
+        # scores of distinct items collide often.
+        r = p.tie_range
+        users = ru.integers(-r, r + 1, (n_users, dim), np.int8 if r < 128 else np.int32).astype(xp.float32)
+        items = ri.integers(-r, r + 1, (n_items, dim), np.int8 if r < 128 else np.int32).astype(xp.float32)
         return users, items
 
     if kind is Kind.adversarial:
         # Users lean one common way (a shared preference direction twice as strong as the noise), so "the mean
-        # user" is a meaningful direction and sorting items by their score against it makes scores rise along the
+        # user" is a meaningful direction and ordering items by their score against it makes scores rise along the
         # item rows for most users, not just on average: with a weaker lean, a third of users see tiles that don't.
         bias = shared.normal((1, dim))
         bias *= ADVERSARIAL_BIAS
         users = ru.normal((n_users, dim))
         users += bias
-        items = ri.normal((n_items, dim))
-        mean_user = users.mean(axis=0, dtype=xp.float64).astype(xp.float32)
-        order = xp.argsort(items @ mean_user, kind="stable") if xp is np else xp.argsort(items @ mean_user)
-        return users, xp.ascontiguousarray(items[order])
+        if p.user_sigma:
+            _set_norms(ru, users, p.user_sigma)  # a positive factor per user keeps each user's order of items
+        mean_user = users.mean(axis=0, dtype=xp.float64)
+        direction = (mean_user / xp.linalg.norm(mean_user)).astype(xp.float32)
+        return users, _ordered_items(ri, direction, n_items, dim)
 
-    # ties: integer coordinates; every score is an integer well below 2**24, so float32 scores are exact and the
-    # scores of distinct items collide often.
-    users = ru.integers(-TIE_RANGE, TIE_RANGE + 1, (n_users, dim), np.int8).astype(xp.float32)
-    items = ri.integers(-TIE_RANGE, TIE_RANGE + 1, (n_items, dim), np.int8).astype(xp.float32)
+    if kind is Kind.normal:
+        users, items = ru.normal((n_users, dim)), ri.normal((n_items, dim))
+    else:
+        centres = shared.normal((p.centres, dim))
+        users = _clustered(ru, centres, n_users, p.noise)
+        items = _clustered(ri, centres, n_items, p.noise)
+    if p.pareto_alpha:
+        _set_pareto_norms(ri, items, p.pareto_alpha)
+    elif p.item_sigma:
+        _set_norms(ri, items, p.item_sigma)
+    if p.user_sigma:
+        _set_norms(ru, users, p.user_sigma)
+    if kind is Kind.int8:
+        _quantise_int8(xp, users)
+        _quantise_int8(xp, items)
     return users, items
-
 
 
 # --- re-scoring (S5) and multi-interest (S7) workloads -----------------------------------------------------------
@@ -366,29 +598,6 @@ class MultiInterestUsers:
     @property
     def shape(self) -> tuple[int, int]:
         return (int(self.vecs.shape[0]), int(self.vecs.shape[2]))
-
-
-def candidate_rows(n_users: int, n_items: int, per_user: int, seed: int = 0, device: str = "cpu") -> Any:
-    """(n_users, per_user) int64 item rows, distinct within each row, spread over the catalogue, in random order.
-
-    Distinct (like the output of a retriever stage) so that baselines without de-duplication stay comparable: a
-    random start plus increasing gaps of at most ``n_items // per_user`` never wraps onto itself.
-
-    Raises
-    ------
-    InputError
-        If ``per_user`` > ``n_items``.
-    """
-    if per_user > n_items:
-        raise InputError(f"{per_user} candidates per user need at least as many items, got {n_items}")
-    xp = _xp(device)
-    rng = _Rng(xp, int(np.random.SeedSequence([int(seed), 0x5C0E]).generate_state(1)[0]))
-    gap = max(1, n_items // per_user)
-    steps = rng.integers(1, gap + 1, (n_users, per_user))
-    offsets = xp.cumsum(steps, axis=1) - steps[:, :1]  # 0, then strictly increasing, below n_items
-    rows = (rng.integers(0, n_items, (n_users, 1)) + offsets) % n_items
-    order = xp.argsort(rng.normal((n_users, per_user)), axis=1)
-    return xp.ascontiguousarray(xp.take_along_axis(rows, order, axis=1).astype(xp.int64))
 
 
 def _host(arr: Any) -> np.ndarray:

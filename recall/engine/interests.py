@@ -212,8 +212,8 @@ def search(engine: Any, user_vecs: Any, k: int, exclude: Any = None, aggregate: 
         if aggregate == "max":
             vals = (2.0 * vals).astype(xp.float32)
         else:
-            sq_sum = np.add.reduceat(sq if xp is np else sq.get(), indptr[:-1]).astype(np.float32)
-            vals = (2.0 * vals - (sq_sum if xp is np else xp.asarray(sq_sum))[:, None]).astype(xp.float32)
+            sq_sum = np.add.reduceat(engine.backend.to_host(sq), indptr[:-1]).astype(np.float32)
+            vals = (2.0 * vals - xp.asarray(sq_sum)[:, None]).astype(xp.float32)
     return SearchResult(indices=rows, scores=vals, ids=engine.map_ids(rows))
 
 

@@ -6,40 +6,24 @@ import sys
 
 import numpy as np
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from recall.bench import ceilings, contenders, oracle, report, runner, workloads
-from recall.bench.cli import bench
+from recall.cli.app import app
 from recall.bench.workloads import Kind
 
 
-def _app() -> typer.Typer:
-    """The main CLI when it imports, else a local app with only ``bench`` (the harness must not need the rest)."""
-    try:
-        from recall.cli.app import app
-
-        return app
-    except Exception:
-        app = typer.Typer()
-
-        @app.callback()
-        def _main() -> None:
-            """Local stand-in for the recall CLI."""
-
-        register(app)
-        return app
-
-
-TOP_KEYS = {"schema", "command", "environment", "settings", "ceilings", "workloads", "results", "plot"}
+TOP_KEYS = {"schema", "command", "environment", "settings", "ceilings", "workloads", "results", "plot", "elapsed_s"}
 ENV_KEYS = {"date", "python", "platform", "cpu", "cpu_count", "loadavg", "numpy", "blas", "openblas_env", "faiss",
             "torch", "cupy", "numba", "git_commit"}
 WORKLOAD_KEYS = {"name", "kind", "n_users", "n_items", "dim", "k", "flops", "status", "reason", "floors",
-                 "generate_s", "oracle_s", "n_sample"}
+                 "generate_s", "oracle_s", "n_sample", "metric", "kind_params", "excl_per_user", "excl_nnz",
+                 "exclusions_s", "cell"}
 ROW_KEYS = {"workload", "kind", "device", "contender", "family", "mode", "claims_exact", "status", "reason", "n_users",
             "n_items", "dim", "k", "prepare_s", "warmup_s", "times_s", "median_s", "users_per_s", "tflops", "check",
-            "vs_faiss"}
-CHECK_KEYS = {"recall", "min_recall", "users_short", "invalid", "max_score_error", "rtol", "n_sample", "exact"}
+            "vs_faiss", "metric", "excl_per_user", "cell"}  # the last three: schema 2
+CHECK_KEYS = {"recall", "min_recall", "users_short", "invalid", "max_score_error", "rtol", "n_sample", "exact",
+              "excluded_returned"}
 
 
 # --- the harness end to end ---------------------------------------------------------------------------------------
@@ -47,7 +31,7 @@ CHECK_KEYS = {"recall", "min_recall", "users_short", "invalid", "max_score_error
 
 def test_cli_tiny_cpu_writes_every_field(tmp_path):
     out = tmp_path / "bench"
-    result = CliRunner().invoke(_app(), ["bench", "--workload", "tiny", "--device", "cpu", "--contenders",
+    result = CliRunner().invoke(app, ["bench", "--workload", "tiny", "--device", "cpu", "--contenders",
                                          "recall,faiss", "--repeat", "2", "--out", str(out), "--e2e"])
     assert result.exit_code == 0, result.output
     doc = json.loads((out / "results.json").read_text())
@@ -87,7 +71,7 @@ def test_cli_tiny_cpu_writes_every_field(tmp_path):
 def test_missing_contender_is_reported_as_skipped_with_reason(monkeypatch, tmp_path):
     monkeypatch.setattr(contenders, "_import_torch", lambda: (None, "torch is not installed (test)"))
     out = tmp_path / "bench"
-    result = CliRunner().invoke(_app(), ["bench", "-w", "tiny", "--device", "cpu", "--contenders", "faiss,torch",
+    result = CliRunner().invoke(app, ["bench", "-w", "tiny", "--device", "cpu", "--contenders", "faiss,torch",
                                          "--repeat", "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
     rows = {r["contender"]: r for r in json.loads((out / "results.json").read_text())["results"]}
@@ -103,7 +87,7 @@ def test_failing_contender_is_an_error_row_and_exit_1(monkeypatch, tmp_path):
 
     monkeypatch.setattr(contenders.FaissContender, "search", boom)
     out = tmp_path / "bench"
-    result = CliRunner().invoke(_app(), ["bench", "-w", "tiny", "--device", "cpu", "--contenders", "faiss",
+    result = CliRunner().invoke(app, ["bench", "-w", "tiny", "--device", "cpu", "--contenders", "faiss",
                                          "--repeat", "1", "--out", str(out)])
     assert result.exit_code == 1
     (row,) = json.loads((out / "results.json").read_text())["results"]
@@ -119,13 +103,13 @@ def test_bad_arguments_are_one_line_and_exit_2(args, tmp_path):
     base = ["bench", "--device", "cpu", "--out", str(tmp_path)]
     if args and args[0] == "--contenders":
         base += ["-w", "tiny"]
-    result = CliRunner().invoke(_app(), base + args)
+    result = CliRunner().invoke(app, base + args)
     assert result.exit_code == 2
     assert "error:" in result.output and len(result.output.strip().splitlines()) == 1
 
 
 def test_list_prints_every_workload():
-    result = CliRunner().invoke(_app(), ["bench", "--list"])
+    result = CliRunner().invoke(app, ["bench", "--list"])
     assert result.exit_code == 0
     for name in workloads.WORKLOADS:
         assert name in result.output
@@ -136,7 +120,7 @@ def test_users_own_parquet_files(tmp_path):
     runner._write_parquet(users, tmp_path / "u.parquet")
     runner._write_parquet(items, tmp_path / "i.parquet")
     out = tmp_path / "bench"
-    result = CliRunner().invoke(_app(), ["bench", "--users", str(tmp_path / "u.parquet"), "--items",
+    result = CliRunner().invoke(app, ["bench", "--users", str(tmp_path / "u.parquet"), "--items",
                                          str(tmp_path / "i.parquet"), "--k", "5", "--device", "cpu", "--contenders",
                                          "recall", "--repeat", "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
