@@ -372,7 +372,7 @@ def tune_engine(engine: Any, users: Any, k: int, *, repeat: int = 3, n_users: in
     key = make_key(backend, engine.metric, dim, pass_k, key_users, engine.n_items, dtype)
 
     plans: dict[tuple[int, ...], Tiles] = {}
-    todo: list[tuple[Tiles, scoring.TilePlan]] = []
+    todo: list[tuple[Tiles, TilePlan]] = []
     for tiles in backend.tune_candidates(heuristic):
         plan = _plan(engine, pass_users, dim, pass_k, tiles)
         sig = (plan.user_block, plan.item_tile, plan.tiles_per_call, plan.workers)

@@ -21,7 +21,6 @@ from typer.testing import CliRunner
 from recall.jobs.batch import MANIFEST, METRICS, SUCCESS, BatchError, run_batch
 from recall.cli.app import app
 from recall.core.errors import InputError
-from recall.jobs.executors.local import InProcessExecutor, ProcessExecutor, local_executor
 from pacing import pace
 from test_batch import K, REPO, SIZES, TESTS, _kill_mid_run, _manifest_done, _nan_shard, _outputs, _run, _wait_for, \
     _write_job

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from recall.bench import report, runner, workloads
-    from recall.errors import InputError
+    from recall import InputError
 
     console = report.make_console()
     set_vars = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ]

@@ -51,10 +51,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import recall
-from recall import pipeline
-from recall.engine import Engine
+from recall import Engine, SearchResult
 from recall.io import CandidateWriter, read_embeddings
-from recall.result import SearchResult
+from recall.jobs import files as pipeline, items as item_loading
+from recall.jobs.runner import Done
 
 
 def write_inputs(directory: Path, n_users: int, n_items: int, dim: int, seed: int,
@@ -111,14 +111,13 @@ class _Timers:
         return timed
 
 
-def _fake_search(timers: _Timers, seconds_per_user: float) -> Callable[..., SearchResult]:
-    """An ``Engine.search`` that returns slices of one precomputed result: item rows drawn at random (valid), their
+def _fake_search(timers: _Timers, seconds_per_user: float) -> Callable[..., Done]:
+    """An ``Engine.search_async`` that returns slices of one precomputed result: item rows drawn at random (valid), their
     ids as the engine would map them, scores sorted best first. With ``seconds_per_user`` > 0 it first sleeps that
     long per user, as a thread waiting for a GPU would (without the GIL, without a core)."""
     cache: dict[int, SearchResult] = {}
 
-    def search(engine: Engine, user_vecs: np.ndarray, k: int, exclude: Any = None,
-               aggregate: str | None = None) -> SearchResult:
+    def search(engine: Engine, user_vecs: np.ndarray, k: int, exclude: Any = None) -> Done:
         t0 = time.perf_counter()
         n = len(user_vecs)
         pre = cache.get(k)
@@ -132,22 +131,23 @@ def _fake_search(timers: _Timers, seconds_per_user: float) -> Callable[..., Sear
             timers.first_search = t0
         time.sleep(seconds_per_user * n)
         timers.last_search = time.perf_counter()
-        return SearchResult(pre.indices[:n], pre.scores[:n], pre.ids[:n])
+        return Done(SearchResult(pre.indices[:n], pre.scores[:n], pre.ids[:n]))
 
     return search
 
 
 @contextmanager
-def _instrumented(timers: _Timers, search: Callable[..., SearchResult]) -> Iterator[None]:
-    """Patch the pipeline's stages with timing wrappers, and ``Engine.search`` with ``search``."""
+def _instrumented(timers: _Timers, search: Callable[..., Done]) -> Iterator[None]:
+    """Patch the job's stages with timing wrappers, and ``Engine.search_async`` with ``search``."""
     with ExitStack() as stack:
         patch = functools.partial(mock.patch.object, autospec=False)
-        stack.enter_context(patch(pipeline, "read_embeddings", timers.wrap("item load", read_embeddings)))
+        stack.enter_context(patch(item_loading, "read_embeddings", timers.wrap("item load",
+                                                                                 item_loading.read_embeddings)))
         stack.enter_context(patch(pipeline, "read_ids", timers.wrap("user ids", pipeline.read_ids)))
         stack.enter_context(patch(Engine, "__init__", timers.wrap("engine construction", Engine.__init__)))
         stack.enter_context(patch(pipeline, "iter_embedding_batches",
                                   timers.wrap_iter("read users", pipeline.iter_embedding_batches)))
-        stack.enter_context(patch(Engine, "search", timers.wrap("search", search)))
+        stack.enter_context(patch(Engine, "search_async", timers.wrap("search", search)))
         stack.enter_context(patch(SearchResult, "to_arrow", timers.wrap("result -> Arrow", SearchResult.to_arrow)))
         stack.enter_context(patch(CandidateWriter, "write", timers.wrap("Parquet write", CandidateWriter.write)))
         stack.enter_context(patch(CandidateWriter, "commit", timers.wrap("close + rename", CandidateWriter.commit)))

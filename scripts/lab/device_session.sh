@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One call on the GPU machine, from the project root, with $OUT set: the steps named in STEPS, each under its own
+# time limit, logs under $OUT (at most 8 files come back, 2 folders deep).
+#
+#   setup     FAISS (.device/) and cuVS (.device-cuvs/) staged by ../shared/device (skipped where absent)
+#   tests     the GPU tests of this tree (pytest -m gpu)                                   -> $OUT/gpu-tests.log
+#   compare   `recall bench -w S1..S4 --contenders recall` of the previous commit (.oldtree/, carried) and of this
+#             tree, alternating, in one run                                                 -> $OUT/compare.log
+#   early     scripts/lab/e2e_layouts.py: the S4 job with early searches on and off, two layouts -> $OUT/early.log
+#   quick     `recall bench --matrix gpu-quick` with every contender                        -> $OUT/quick/results.*
+#   filters   the exclusion and item-filter workloads with their anchors                    -> $OUT/filters.log
+#
+# Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
+# FILTERS_TIMEOUT (seconds), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
+set -u -o pipefail
+: "${OUT:?set OUT to the output folder}"
+STEPS=${STEPS:-"setup tests compare"}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+
+has() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+if has setup; then
+    if [ -f .device/faiss-gpu-setup.sh ]; then
+        bash .device/faiss-gpu-setup.sh >"$OUT/setup.log" 2>&1 && source /tmp/faiss_env.sh \
+            || echo "FAISS setup failed: $(tail -n 3 "$OUT/setup.log")"
+    fi
+    if [ -f .device-cuvs/cuvs-setup.sh ]; then
+        bash .device-cuvs/cuvs-setup.sh >>"$OUT/setup.log" 2>&1 && source /tmp/cuvs_env.sh \
+            || echo "cuVS setup failed: $(tail -n 3 "$OUT/setup.log")"
+    fi
+fi
+NEW_PATH=".${PYTHONPATH:+:$PYTHONPATH}"
+OLD_PATH=".oldtree${PYTHONPATH:+:$PYTHONPATH}"
+
+if has tests; then
+    # shellcheck disable=SC2086
+    PYTHONPATH=$NEW_PATH timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+        ${TEST_ARGS:-} >"$OUT/gpu-tests.log" 2>&1
+    echo "== gpu tests (rc $?): $(tail -n 1 "$OUT/gpu-tests.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 20
+fi
+
+if has compare; then
+    (
+        for round in $(seq 1 "${ROUNDS:-2}"); do
+            for tree in old new; do
+                path=$NEW_PATH; [ "$tree" = old ] && path=$OLD_PATH
+                echo "### round $round, $tree tree"
+                PYTHONPATH=$path python3 -m recall bench --device gpu --contenders recall --repeat 3 \
+                    -w S1 -w S2 -w S3 -w S4 --sample-users 1000 --out "/tmp/compare-$tree-$round" \
+                    >"/tmp/compare-$tree-$round.log" 2>&1
+                echo "rc $?"
+                grep -E "^\| S[1-4]" "/tmp/compare-$tree-$round/results.md" || tail -n 5 "/tmp/compare-$tree-$round.log"
+                grep -E "^(problem|error)" "/tmp/compare-$tree-$round.log"
+            done
+        done
+    ) >"$OUT/compare.log" 2>&1 &
+    pid=$!
+    ( sleep "${COMPARE_TIMEOUT:-330}"; kill -- -$pid 2>/dev/null; pkill -f "recall bench" ) &
+    wait $pid
+    echo "== compare (old vs new, recall only)"; cat "$OUT/compare.log"
+fi
+
+if has early; then
+    PYTHONPATH=$NEW_PATH timeout "${EARLY_TIMEOUT:-240}" python3 scripts/lab/e2e_layouts.py --users 1000000 \
+        --items 1000000 --dim 64 --k 100 --layout pyarrow --layout warehouse --repeat 2 \
+        --json "$OUT/early.json" >"$OUT/early.log" 2>&1
+    echo "== early searches on / off (rc $?)"; tail -n 8 "$OUT/early.log"
+fi
+
+if has quick; then
+    PYTHONPATH=$NEW_PATH timeout "${QUICK_TIMEOUT:-560}" python3 -m recall bench --device gpu --matrix gpu-quick \
+        --max-minutes 8.5 --out "$OUT/quick" >"$OUT/quick.log" 2>&1
+    echo "== matrix gpu-quick (rc $?)"; cat "$OUT/quick/results.md" 2>/dev/null | head -n 60 || tail -n 30 "$OUT/quick.log"
+fi
+
+if has filters; then
+    PYTHONPATH=$NEW_PATH timeout "${FILTERS_TIMEOUT:-300}" python3 -m recall bench --device gpu \
+        -w S1-x200 -w S1-allow10 --contenders recall,faiss,cuvs,torch --repeat 3 --out "$OUT/filters" \
+        >"$OUT/filters.log" 2>&1
+    echo "== filters (rc $?)"; grep -E "^\|" "$OUT/filters/results.md" 2>/dev/null | head -n 30 || tail -n 30 "$OUT/filters.log"
+fi

@@ -1,0 +1,81 @@
+"""Does searching while the items load pay, and on which file layouts? ``recall score`` Parquet to Parquet with
+``JobOptions(early=...)`` on and off, over the file layouts of ``recall.bench.layouts``, beside the resident search.
+
+Run on a GPU machine, from the project root::
+
+    PYTHONPATH=. python3 scripts/lab/e2e_layouts.py --users 1000000 --items 1000000 --dim 64 --k 100 \
+        --layout pyarrow --layout warehouse [--repeat 3] [--json $OUT/e2e_layouts.json]
+
+Data: the bench's ``clustered`` kind, generated on the host from the seed (so every layout holds the same rows).
+Prints one table (median seconds of each mode and layout, the early users, the ratio to the resident search) and
+writes every run to JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from recall import Engine
+from recall.bench import layouts
+from recall.bench.workloads import generate
+from recall.jobs import JobOptions, score_files
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=int, default=1_000_000)
+    parser.add_argument("--items", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--k", type=int, default=100)
+    parser.add_argument("--layout", action="append", default=None, choices=list(layouts.LAYOUTS))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--device", default="gpu")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    users, items = generate("clustered", args.users, args.items, args.dim, seed=0, device="cpu")
+    engine = Engine(items, device=args.device)
+    engine.search(users[:10_000], args.k)
+    resident = []
+    for _ in range(args.repeat):
+        engine.backend.synchronize()
+        t0 = time.perf_counter()
+        engine.search(users, args.k)
+        resident.append(time.perf_counter() - t0)
+    del engine
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="recall-e2e-layouts-") as tmp:
+        for layout in args.layout or ["pyarrow", "warehouse"]:
+            up, ip = Path(tmp) / f"users-{layout}.parquet", Path(tmp) / f"items-{layout}.parquet"
+            layouts.write(users, up, layout)
+            layouts.write(items, ip, layout)
+            for mode in ("auto", "off"):
+                times, early_users = [], 0
+                for i in range(args.repeat + 1):  # the first run warms the page cache and the kernels
+                    out = Path(tmp) / "out.parquet"
+                    t0 = time.perf_counter()
+                    summary = score_files(up, ip, out, args.k, device=args.device,
+                                          options=JobOptions(early=mode))
+                    if i:
+                        times.append(time.perf_counter() - t0)
+                    early_users = summary.early_users
+                    out.unlink()
+                runs.append({"layout": layout, "early": mode, "times_s": times, "median_s": statistics.median(times),
+                             "early_users": early_users})
+    base = statistics.median(resident)
+    print(f"resident search: {base:.3f} s (median of {args.repeat}); {args.users:,} users x {args.items:,} items x "
+          f"{args.dim}, k={args.k}")
+    print(f"{'layout':<16}{'early':<8}{'median s':>10}{'x resident':>12}{'early users':>14}")
+    for r in runs:
+        print(f"{r['layout']:<16}{r['early']:<8}{r['median_s']:>10.3f}{r['median_s'] / base:>12.2f}"
+              f"{r['early_users']:>14,}")
+    if args.json:
+        args.json.write_text(json.dumps({"resident_s": resident, "runs": runs, "args": vars(args)}, default=str,
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    main()
