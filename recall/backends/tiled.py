@@ -1,9 +1,10 @@
 """The tiled search loop both backends share: a user block against every item segment, one strided-batched GEMM per
 segment, each segment's scores folded into the running top-k (the GPU's cuBLAS path and the whole CPU backend).
 
-A backend that calls these provides ``xp``, ``gemm_strided_batched(users, items, out)``,
-``topk_update(state, scores, item_start, n_items, excl_indptr, excl_items)`` and, for :func:`run_blocks_threaded`,
-``topk_new`` / ``topk_reset`` / ``topk_result``, ``asarray`` and ``compute_context``.
+A backend that calls these provides ``xp``, ``gemm_strided_batched(users, items, out)`` and a running top-k
+(``topk_new(n_users, k)``, ``topk_reset(state, n_users)``, ``topk_update(state, scores, item_start, n_items,
+excl_indptr, excl_items)``, ``topk_result(state)``), and for :func:`run_blocks_threaded` ``asarray`` and
+``compute_context``.
 
 Users with several vectors (``TilePlan.interests``) are scored the same way: the block holds every interest row of
 its users (``n_users_block * rows`` GEMM rows), and a reduce step folds each user's interest rows into one row

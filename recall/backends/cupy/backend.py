@@ -237,6 +237,16 @@ class CupyBackend:
             self._alphas[dim] = np.full(1, output_scale(dim), np.float32)
         return self._alphas[dim]
 
+    def topk_new(self, n_users: int, k: int) -> GpuTopK:
+        return GpuTopK.allocate(n_users, k)
+
+    def topk_reset(self, state: GpuTopK, n_users: int) -> None:
+        # The final merge of the previous block left every row empty; only the row count changes.
+        state.n_users = n_users
+
     def topk_update(self, state: GpuTopK, scores: Any, item_start: int, n_items: int, excl_indptr: Any,
                     excl_items: Any) -> None:
         self.selection.update(state, scores, item_start, n_items, excl_indptr, excl_items)
+
+    def topk_result(self, state: GpuTopK) -> tuple[Any, Any]:
+        return self.selection.result(state)

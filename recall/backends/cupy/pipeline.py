@@ -269,7 +269,7 @@ class BlockPipeline:
 
         def launches() -> None:
             users = slot.users[:rows]
-            state.n_users = rows  # the final merge of the previous block left every row empty
+            backend.topk_reset(state, rows)
             if has_floor:
                 # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed.
                 state.thr[:rows] = slot.floor[:rows]
@@ -283,7 +283,7 @@ class BlockPipeline:
             if fused_ws is None:
                 tiled.search_block(backend, plan, users, items.vecs, n_items, state, scores_buf, slot.ex_ptr,
                                    ex_items)
-                sel.result(state)
+                backend.topk_result(state)
             else:
                 self.fused.search(fused_ws.users_t, users, items_t, n_items, state, slot.ex_ptr, slot.ex_items,
                                   has_excl, options)
