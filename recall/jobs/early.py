@@ -17,7 +17,8 @@ about what the same rows cost late in one whole search. A part's blocks hold 819
 the host does not hold back the device.
 
 It runs for jobs in exact precision without exclusions (an exclusion file is mapped to item rows with every item
-id, known only at the end), on a backend whose searches run while the host goes on (``JobOptions.early``).
+id, known only at the end), on a backend whose searches run while the host goes on (``JobOptions.early``), whatever
+the file layout (a ``list<float>`` column gives its dimension with the first decoded rows).
 """
 from __future__ import annotations
 
@@ -67,16 +68,18 @@ class EarlyStart:
 
     ``take()`` gives the reader's next batch without waiting: an :class:`Embeddings`, None when none is ready, or
     ``end`` (the reader's end marker). :meth:`on_rows` is called (by ``read_embeddings``) each time more rows are on
-    the device. ``engine_args`` are passed to every part's :class:`Engine` (metric, device: the job's backend, memory
+    the device; the first time, it calls ``on_dim(dim)`` (the job starts its user reader there). ``engine_args`` are passed to every part's :class:`Engine` (metric, device: the job's backend, memory
     budget, options). A part refusing its input (the full engine reports it, with its file and row) or without room
     ends the early searches (:meth:`finish` hands their batches to the full engine); any other error of the thread
     goes to ``fail``.
     """
 
     def __init__(self, n_items: int, k: int, parts: int, take: Callable[[], Any], end: Any,
-                 fail: Callable[[BaseException], None], stop: threading.Event, **engine_args: Any) -> None:
+                 fail: Callable[[BaseException], None], stop: threading.Event,
+                 on_dim: Callable[[int], None] | None = None, **engine_args: Any) -> None:
         self.n_items, self.k = n_items, k
         self._take, self._end, self._fail, self._stop = take, end, fail, stop
+        self._on_dim = on_dim  # called once, with the items' dimension, when the first rows arrive
         self._n_parts = parts
         backend = engine_args["device"]
         total = engine_args.pop("memory_budget", None) or backend.free_memory() // 2
@@ -105,6 +108,11 @@ class EarlyStart:
         return self
 
     def on_rows(self, matrix: Any, rows: int) -> None:
+        if self._on_dim is not None:
+            # The dimension is known once the first rows are decoded (a list<float> column declares none): the user
+            # reader can start, checking every user against it.
+            on_dim, self._on_dim = self._on_dim, None
+            on_dim(int(matrix.shape[1]))
         with self._cond:
             self._matrix, self._rows = matrix, rows
             self._cond.notify()

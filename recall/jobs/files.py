@@ -220,14 +220,17 @@ def _score_single(users_path: str, items_path: str, out: Any, out_label: str, k:
     """One vector per user: users streamed through the runner; the first batches searched while the items load."""
     dim_source = f"the items' dimension, {items_path}"
     overlap = started = None
-    if _searches_early(options, backend, precision, exclude_path, items_info.dim):
-        batch_size = batch_size or auto_batch_size(k, items_info.dim)
+    if _searches_early(options, backend, precision, exclude_path):
         overlap = Overlap()
+
+        def start_reader(dim: int) -> None:
+            nonlocal batch_size
+            batch_size = batch_size or auto_batch_size(k, dim)
+            overlap.start_reader(user_batches(users_path, batch_size, id_col, vec_col, dim, metric, dim_source))
+
         started = early.EarlyStart(items_info.n_rows, k, options.early_parts, overlap.take, Overlap.DONE,
-                                   overlap.fail, overlap.stop, metric=metric, device=backend,
+                                   overlap.fail, overlap.stop, on_dim=start_reader, metric=metric, device=backend,
                                    memory_budget=memory_budget, options=options.engine)
-        overlap.start_reader(user_batches(users_path, batch_size, id_col, vec_col, items_info.dim, metric,
-                                          dim_source))
         started.start()
     first: list = []
     try:
@@ -279,10 +282,9 @@ def _score_single(users_path: str, items_path: str, out: Any, out_label: str, k:
         early_users=sum(len(batch) for batch, _ in first))
 
 
-def _searches_early(options: JobOptions, backend: Any, precision: str, exclude_path: str | None,
-                    dim: int | None) -> bool:
+def _searches_early(options: JobOptions, backend: Any, precision: str, exclude_path: str | None) -> bool:
     """Whether a job searches its first batches while the items load (see :class:`JobOptions`)."""
-    if options.early == "off" or precision != "exact" or exclude_path is not None or dim is None:
+    if options.early == "off" or precision != "exact" or exclude_path is not None:
         return False
     return options.early == "on" or backend.asynchronous
 

@@ -36,12 +36,13 @@ def forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(early.EarlyStart, "on_rows", slow)
 
 
-def _files(tmp_path: Path, n_users: int = 61, n_items: int = 90, dim: int = 5, seed: int = 0):
+def _files(tmp_path: Path, n_users: int = 61, n_items: int = 90, dim: int = 5, seed: int = 0,
+           layout: str = "fixed32"):
     users, items = int_data(n_users, n_items, dim, seed)
     user_ids = 10_000 + np.random.default_rng(seed).permutation(n_users)
     item_ids = 500 + 3 * np.arange(n_items)[::-1]
-    up = write_embeddings(tmp_path / "users.parquet", user_ids, users, "fixed32", row_group_size=8)
-    ip = write_embeddings(tmp_path / "items.parquet", item_ids, items, "fixed32", row_group_size=30)
+    up = write_embeddings(tmp_path / "users.parquet", user_ids, users, layout, row_group_size=8)
+    ip = write_embeddings(tmp_path / "items.parquet", item_ids, items, layout, row_group_size=30)
     return up, ip, users, items, user_ids, item_ids
 
 
@@ -67,6 +68,18 @@ def test_matches_oracle_exactly(forced, tmp_path: Path, metric: str, k: int) -> 
                           options=ON)
     assert summary.early_users > 0 and "searched meanwhile" in summary.stages_line()
     _check(tmp_path / "out.parquet", users, items, user_ids, item_ids, k, metric)
+    assert _no_threads_left()
+
+
+def test_list_columns_declare_no_dimension_and_still_search_early(forced, tmp_path: Path) -> None:
+    # list<float> columns (as Spark and DuckDB write them): the dimension comes with the first decoded item rows.
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path, layout="list32")
+    summary = score_files(up, ip, tmp_path / "out.parquet", 4, device="cpu", batch_size=5, options=ON)
+    assert summary.early_users > 0
+    _check(tmp_path / "out.parquet", users, items, user_ids, item_ids, 4)
+    other = write_embeddings(tmp_path / "users6.parquet", user_ids, np.ones((61, 6), np.float32), "list32")
+    with pytest.raises(InputError, match=r"users6\.parquet: row 0 \(id \d+\) has dimension 6, expected 5"):
+        score_files(other, ip, tmp_path / "out2.parquet", 4, device="cpu", batch_size=5, options=ON)
     assert _no_threads_left()
 
 
