@@ -19,8 +19,9 @@ import typer
 
 from ..core.errors import InputError
 from ..jobs.batch import BatchError, BatchProgress, run_batch
-from .common import (EXIT_OS_ERROR, BatchSizeOption, Device, IdColOption, MemoryBudgetOption, Metric, MetricOption,
-                     QuietOption, VecColOption, errors_to_exit, log, logging_to_stderr, parse_bytes, show_progress)
+from .common import (EXIT_OS_ERROR, AllowOption, BatchSizeOption, DenyOption, Device, ExcludeOption, IdColOption,
+                     MemoryBudgetOption, Metric, MetricOption, QuietOption, VecColOption, errors_to_exit, log,
+                     logging_to_stderr, parse_bytes, show_progress)
 
 
 class Terminated(SystemExit):
@@ -114,8 +115,9 @@ def batch(
     out: Annotated[Path, typer.Option(
         "--out", help="Output directory: one candidates Parquet per shard (same name), _manifest.json, "
                       "_metrics.json, _SUCCESS. Created if missing.", show_default=False)],
-    exclude: Annotated[Path | None, typer.Option(
-        "--exclude", help="Parquet of user_id, item_id pairs (or user_id, item_ids lists) never to return.")] = None,
+    exclude: ExcludeOption = None,
+    allow: AllowOption = None,
+    deny: DenyOption = None,
     metric: MetricOption = Metric.ip,
     device: Annotated[Device, typer.Option("--device", help="auto: the GPU(s) when usable, else the CPU.")]
     = Device.auto,
@@ -152,7 +154,8 @@ def batch(
         try:
             with _sigterm_raises():
                 summary = run_batch(
-                    users, items, out, k, metric=metric.value, exclude=exclude, id_col=id_col, vec_col=vec_col,
+                    users, items, out, k, metric=metric.value, exclude=exclude, allow=allow, deny=deny,
+                    id_col=id_col, vec_col=vec_col,
                     device=device.value, gpus=gpus, workers=workers, engine=engine.value, ray_address=ray_address,
                     overwrite=overwrite, batch_size=batch_size, memory_budget=parse_bytes(memory_budget),
                     progress=progress, notice=lambda msg: log.warning("notice: %s", msg),

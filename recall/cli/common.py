@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -120,6 +121,12 @@ MemoryBudgetOption = Annotated[str | None, typer.Option(
     help="Working memory of a search, e.g. 1073741824, 512MiB, 2G (default: a share of free memory).",
     show_default=False)]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notices.")]
+ExcludeOption = Annotated[Path | None, typer.Option(
+    "--exclude", help="Parquet of user_id, item_id pairs (or user_id, item_ids lists) never to return.")]
+AllowOption = Annotated[Path | None, typer.Option(
+    "--allow", help="Parquet with an item_id column: only these items may be returned (to every user).")]
+DenyOption = Annotated[Path | None, typer.Option(
+    "--deny", help="Parquet with an item_id column: these items are never returned (to any user).")]
 
 
 def parse_bytes(text: str | None) -> int | None:

@@ -13,8 +13,8 @@ import typer
 
 from ..core.errors import InputError
 from ..jobs import rescore_files
-from .common import (BatchSizeOption, Device, DeviceOption, IdColOption, MemoryBudgetOption, Metric, MetricOption,
-                     VecColOption, errors_to_exit, logging_to_stderr, parse_bytes)
+from .common import (AllowOption, BatchSizeOption, DenyOption, Device, DeviceOption, IdColOption, MemoryBudgetOption,
+                     Metric, MetricOption, VecColOption, errors_to_exit, logging_to_stderr, parse_bytes)
 
 
 def rescore(
@@ -34,6 +34,8 @@ def rescore(
     device: DeviceOption = Device.auto,
     batch_size: BatchSizeOption = None,
     memory_budget: MemoryBudgetOption = None,
+    allow: AllowOption = None,
+    deny: DenyOption = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices.")] = False,
 ) -> None:
     """Score each user against its own candidate items only and write its top-k to Parquet.
@@ -46,9 +48,8 @@ def rescore(
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         summary = rescore_files(users, items, candidates, out, k, metric=metric.value, id_col=id_col,
                                 vec_col=vec_col, device=device.value, memory_budget=parse_bytes(memory_budget),
-                                batch_size=batch_size)
-        warning = summary.unknown_line()
-        if warning:
+                                batch_size=batch_size, allow_path=allow, deny_path=deny)
+        for warning in summary.warnings():
             typer.echo(warning, err=True)
         typer.echo(summary.line())
 

@@ -9,24 +9,25 @@ import typer
 
 from ..core.errors import InputError
 from ..jobs import score_files
-from .common import (Aggregate, BatchSizeOption, Compression, Device, DeviceOption, IdColOption, MemoryBudgetOption,
-                     Metric, MetricOption, Precision, QuietOption, VecColOption, errors_to_exit, logging_to_stderr,
-                     parse_bytes, progress_bar, show_progress)
+from .common import (Aggregate, AllowOption, BatchSizeOption, Compression, DenyOption, Device, DeviceOption,
+                     ExcludeOption, IdColOption, MemoryBudgetOption, Metric, MetricOption, Precision, QuietOption,
+                     VecColOption, errors_to_exit, logging_to_stderr, parse_bytes, progress_bar, show_progress)
 
 
 def _run_score(users: Path, items: Path, out: Path, k: int, metric: Metric, exclude: Path | None, id_col: str,
                vec_col: str, device: Device, batch_size: int | None, memory_budget: int | None, quiet: bool,
                verbose: bool, interests: Aggregate | None = None, precision: Precision = Precision.exact,
-               compression: Compression = Compression.snappy) -> Any:
+               compression: Compression = Compression.snappy, allow: Path | None = None,
+               deny: Path | None = None) -> Any:
     if interests is not None and precision is not Precision.exact:
         raise InputError("--precision fast applies to single-vector users; with --interests use --precision exact")
     with progress_bar(show_progress(quiet)) as progress:
         summary = score_files(users, items, out, k, metric=metric.value, exclude_path=exclude, id_col=id_col,
                               vec_col=vec_col, device=device.value, batch_size=batch_size,
                               memory_budget=memory_budget, progress=progress, precision=precision.value,
-                              compression=compression.value, aggregate=interests.value if interests else None)
-    warning = summary.unknown_line()
-    if warning:
+                              compression=compression.value, aggregate=interests.value if interests else None,
+                              allow_path=allow, deny_path=deny)
+    for warning in summary.warnings():
         typer.echo(warning, err=True)
     typer.echo(summary.line())
     if verbose:
@@ -43,8 +44,9 @@ def score(
     out: Annotated[Path, typer.Option("--out", help="Candidates Parquet to write (atomically).",
                                       show_default=False)],
     metric: MetricOption = Metric.ip,
-    exclude: Annotated[Path | None, typer.Option(
-        "--exclude", help="Parquet of user_id, item_id pairs (or user_id, item_ids lists) never to return.")] = None,
+    exclude: ExcludeOption = None,
+    allow: AllowOption = None,
+    deny: DenyOption = None,
     id_col: IdColOption = "id",
     vec_col: VecColOption = "embedding",
     device: DeviceOption = Device.auto,
@@ -68,7 +70,7 @@ def score(
         if batch_size is not None and batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         _run_score(users, items, out, k, metric, exclude, id_col, vec_col, device, batch_size,
-                   parse_bytes(memory_budget), quiet, verbose, interests, precision, compression)
+                   parse_bytes(memory_budget), quiet, verbose, interests, precision, compression, allow, deny)
 
 
 def sample_dir() -> Path:

@@ -28,6 +28,15 @@ class Candidates:
     def nnz(self) -> int:
         return int(self.indptr[-1])
 
+    def filtered(self, passing: np.ndarray, xp: Any) -> "Candidates":
+        """The candidates whose item passes (``passing``: host bool (n_items,)), per user in the same order;
+        ``xp``: the array module of ``rows``."""
+        if not self.nnz:
+            return self
+        keep = xp.asarray(passing)[self.rows]
+        kept_before = np.concatenate([[0], np.cumsum(_host(keep))]).astype(np.int64)
+        return Candidates(kept_before[self.indptr], self.rows[keep])
+
 
 def _host(arr: Any) -> np.ndarray:
     get = getattr(arr, "get", None)

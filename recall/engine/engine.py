@@ -18,6 +18,7 @@ from ..core import metrics
 from ..core.checks import PRECISIONS, check_budget, check_choice, check_k
 from ..core.errors import InputError
 from ..core.exclusions import Exclusions, normalise
+from ..core.filters import ItemFilter
 from ..core.options import DEFAULT_OPTIONS, EngineOptions
 from ..core.results import SearchResult, pad
 from ..core.tiling import plan_tiles
@@ -91,6 +92,8 @@ class Engine:
         self.prepared_items = metrics.prepare_items(self.metric, xp, items)  # (n_items, scored dim) on the backend
         self._items = self.backend.load_items(self.prepared_items)
         self._fast: fast.FastState | None = None
+        self._filter: ItemFilter | None = None  # set_item_filter's: applies to every search
+        self._views: dict[str, Engine] = {}  # filtered catalogues by filter key (the last few)
         self.stats: dict = {}  # what the last search did: blocks, tiling, wall and (GPU) busy seconds
 
     @property
@@ -109,7 +112,8 @@ class Engine:
         return self.backend.asynchronous
 
     # -- the query pipeline ---------------------------------------------------------------------------------------
-    def search(self, user_vecs: Any, k: int, exclude: Any = None, aggregate: str | None = None) -> SearchResult:
+    def search(self, user_vecs: Any, k: int, exclude: Any = None, aggregate: str | None = None, *,
+               allow: Any = None, deny: Any = None) -> SearchResult:
         """The exact top-k items for every user, best first; ties go to the lower item row.
 
         Parameters
@@ -125,6 +129,10 @@ class Engine:
         aggregate : {"max", "sum"}, optional
             For users with several vectors: an item's score is the max (default) or the sum over the user's
             interests.
+        allow, deny : array of item rows, or boolean mask of shape (n_items,), optional
+            A shared item filter for this search: only allowed items (all when ``allow`` is None) that are not
+            denied can be returned, to every user; applied before selection (k results whenever k items pass),
+            together with the engine's own filter (:meth:`set_item_filter`) and each user's exclusions.
 
         Returns
         -------
@@ -134,18 +142,86 @@ class Engine:
         Raises
         ------
         InputError
-            k < 1, wrong dimension, NaN/Inf, zero vector under cosine, exclusions out of range.
+            k < 1, wrong dimension, NaN/Inf, zero vector under cosine, exclusions or filter rows out of range.
         ResourceError
             The memory budget cannot hold even the smallest tile.
         """
         if interests.is_multi(user_vecs):
-            return interests.search(self, user_vecs, check_k(k), exclude,
-                                    interests.check_aggregate(aggregate or "max"))
+            k = check_k(k)
+            aggregate = interests.check_aggregate(aggregate or "max")
+            flt = self._effective_filter(allow, deny)
+            if flt is None:
+                return interests.search(self, user_vecs, k, exclude, aggregate)
+            n_users = interests.count_users(user_vecs)
+            return self._filtered(flt, n_users, k, normalise(exclude, n_users, self.n_items),
+                                  lambda view, ex: interests.search(view, user_vecs, k, ex, aggregate))
         if aggregate is not None:
             interests.check_aggregate(aggregate)
-        return self.search_async(user_vecs, k, exclude).result()
+        return self.search_async(user_vecs, k, exclude, allow=allow, deny=deny).result()
 
-    def search_async(self, user_vecs: Any, k: int, exclude: Any = None) -> "PendingSearch":
+    def set_item_filter(self, allow: Any = None, deny: Any = None) -> None:
+        """Keep a shared item filter for every later search (the catalogue of the day): only allowed items (all when
+        ``allow`` is None) that are not denied are returned. The filtered catalogue is gathered once, on the device
+        for a GPU engine, and kept until the filter changes; ``set_item_filter()`` removes it.
+
+        Parameters
+        ----------
+        allow, deny : array of item rows (int, any order, repeats allowed), or boolean mask (n_items,), optional
+            Host or device arrays.
+
+        Raises
+        ------
+        InputError
+            A row out of range, a mask of the wrong length.
+        """
+        self._filter = ItemFilter.build(self.n_items, allow, deny)
+
+    @property
+    def item_filter(self) -> ItemFilter | None:
+        """The filter :meth:`set_item_filter` set (None: every item)."""
+        return self._filter
+
+    def _effective_filter(self, allow: Any, deny: Any) -> ItemFilter | None:
+        """The engine's filter combined with a search's own (an item must pass both)."""
+        call = ItemFilter.build(self.n_items, allow, deny)
+        if call is None or self._filter is None:
+            return call or self._filter
+        return ItemFilter.build(self.n_items, allow=np.intersect1d(call.rows, self._filter.rows, assume_unique=True))
+
+    def _view(self, flt: ItemFilter) -> "Engine":
+        """An engine over the rows ``flt`` passes (the prepared items gathered once, on this backend), kept for the
+        next searches with the same filter."""
+        view = self._views.get(flt.key)
+        if view is None:
+            while len(self._views) >= 2:
+                self._views.pop(next(iter(self._views)))
+            view = Engine.__new__(Engine)
+            view.__dict__.update(metric=self.metric, tune_mode=self.tune_mode, precision=self.precision,
+                                 options=self.options, backend=self.backend, n_items=flt.n_passing, dim=self.dim,
+                                 ids=None, memory_budget=self.memory_budget, item_norm=self.item_norm, _fast=None,
+                                 _filter=None, _views={}, stats={})
+            view.prepared_items = self.prepared_items[self.backend.xp.asarray(flt.rows)]
+            view._items = self.backend.load_items(view.prepared_items)
+            self._views[flt.key] = view
+        return view
+
+    def _filtered(self, flt: ItemFilter, n_users: int, k: int, excl: Exclusions,
+                  search: Callable[["Engine", Exclusions], SearchResult]) -> SearchResult:
+        """``search(view, exclusions)`` on the filtered catalogue, its rows mapped back to this engine's, or host
+        padding everywhere when nothing passes."""
+        if flt.n_passing == 0:
+            rows = np.full((n_users, k), -1, dtype=np.int64)
+            self.stats = {"filtered_items": 0}
+            return SearchResult(indices=rows, scores=np.full((n_users, k), -np.inf, np.float32),
+                                ids=self.map_ids(rows))
+        view = self._view(flt)
+        res = search(view, flt.exclusions(excl))
+        self.stats = {**view.stats, "filtered_items": flt.n_passing}
+        rows = flt.to_catalogue(np if isinstance(res.indices, np.ndarray) else self.backend.xp, res.indices)
+        return SearchResult(indices=rows, scores=res.scores, ids=self.map_ids(rows))
+
+    def search_async(self, user_vecs: Any, k: int, exclude: Any = None, *, allow: Any = None,
+                     deny: Any = None) -> "PendingSearch":
         """Start :meth:`search` and return once the users are handed over, before the results are back.
 
         Where the engine is :attr:`asynchronous` (a GPU) and the precision exact, the search runs on the device
@@ -156,6 +232,9 @@ class Engine:
         by ``result()``).
         """
         k = check_k(k)
+        flt = self._effective_filter(allow, deny)
+        if flt is not None:
+            return self._search_filtered_async(flt, user_vecs, k, exclude)
         xp, users, excl = self._check_users(user_vecs, exclude)
         prepared = metrics.prepare_users(self.metric, xp, users)
         k_sel = min(k, self.n_items)
@@ -176,6 +255,27 @@ class Engine:
         def finish() -> SearchResult:
             pending.stats = self.stats = wait()
             return self._result(xp, users, *pad(np if host else self.backend.xp, vals, rows, k))
+
+        pending._finish = finish
+        return pending
+
+    def _search_filtered_async(self, flt: ItemFilter, user_vecs: Any, k: int, exclude: Any) -> "PendingSearch":
+        """:meth:`search_async` against the catalogue ``flt`` passes, rows mapped back when the result is taken."""
+        xp, users, excl = self._check_users(user_vecs, exclude)
+        n_users = int(users.shape[0])
+        if flt.n_passing == 0 or n_users == 0:
+            vals, rows = xp.full((n_users, k), -np.inf, dtype=np.float32), xp.full((n_users, k), -1, dtype=np.int64)
+            self.stats = {"filtered_items": flt.n_passing}
+            return PendingSearch(lambda: SearchResult(indices=rows, scores=vals, ids=self.map_ids(rows)), self.stats)
+        view = self._view(flt)
+        inner = view.search_async(users, k, exclude=flt.exclusions(excl))
+        pending = PendingSearch(None)
+
+        def finish() -> SearchResult:
+            res = inner.result()
+            pending.stats = self.stats = {**inner.stats, "filtered_items": flt.n_passing}
+            rows = flt.to_catalogue(np if isinstance(res.indices, np.ndarray) else self.backend.xp, res.indices)
+            return SearchResult(indices=rows, scores=res.scores, ids=self.map_ids(rows))
 
         pending._finish = finish
         return pending
@@ -233,7 +333,8 @@ class Engine:
         return out if host_rows is rows else self.backend.xp.asarray(out)
 
     # -- re-scoring -----------------------------------------------------------------------------------------------
-    def rescore(self, user_vecs: Any, candidates: Any, k: int) -> SearchResult:
+    def rescore(self, user_vecs: Any, candidates: Any, k: int, *, allow: Any = None,
+                deny: Any = None) -> SearchResult:
         """Each user's exact top-k among its own candidate items, best first; ties go to the lower item row.
 
         Parameters
@@ -245,6 +346,9 @@ class Engine:
             any order, duplicates count once. Host arrays, or device arrays on a GPU engine (read in place).
         k : int
             Items per user, >= 1; rows are padded with (-1, -inf) where a user has fewer than k distinct candidates.
+        allow, deny : array of item rows, or boolean mask (n_items,), optional
+            A shared item filter, with the engine's own (:meth:`set_item_filter`): candidates it removes are never
+            returned.
 
         Returns
         -------
@@ -261,6 +365,9 @@ class Engine:
         k = check_k(k)
         xp, users, _ = self._check_users(user_vecs, None)
         cands = normalise_candidates(candidates, int(users.shape[0]), self.n_items, self.backend)
+        flt = self._effective_filter(allow, deny)
+        if flt is not None:
+            cands = cands.filtered(flt.inverse() >= 0, np if isinstance(cands.rows, np.ndarray) else self.backend.xp)
         wall = time.perf_counter()
         path = "none"
         if users.shape[0] and cands.nnz:

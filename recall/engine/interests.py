@@ -58,6 +58,12 @@ def is_multi(user_vecs: Any) -> bool:
     return False
 
 
+def count_users(user_vecs: Any) -> int:
+    """Users in a 3-d array or a list of 2-d arrays (what :func:`is_multi` accepts)."""
+    shape = getattr(user_vecs, "shape", None)
+    return int(shape[0]) if shape is not None else len(user_vecs)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Engine.search with several vectors per user
 

@@ -1,5 +1,5 @@
-"""Parquet in and out: one embeddings reader (one or several vectors per user), one id-pairs reader (exclusions,
-candidates), one atomic, checksummed candidates writer; the durable-file helpers every writer uses."""
+"""Parquet in and out: one embeddings reader (one or several vectors per user), one id reader (exclusion and
+candidate pairs, item filters), one atomic candidates writer; the durable-file helpers every writer uses."""
 from __future__ import annotations
 
 from .embeddings import (
@@ -13,7 +13,7 @@ from .embeddings import (
     read_ids,
     read_interest_users,
 )
-from .pairs import IdPairs, inspect_pairs, read_pairs
+from .pairs import IdPairs, ItemSet, inspect_item_set, inspect_pairs, read_item_set, read_pairs
 from .parquet import open_parquet
 from .writer import (
     COMPRESSIONS,
@@ -31,17 +31,20 @@ __all__ = [
     "EmbeddingFileInfo",
     "Embeddings",
     "IdPairs",
+    "ItemSet",
     "InterestUsers",
     "candidates_schema",
     "check_compression",
     "check_output_path",
     "inspect_embeddings",
     "inspect_interest_users",
+    "inspect_item_set",
     "inspect_pairs",
     "iter_embedding_batches",
     "open_parquet",
     "read_embeddings",
     "read_ids",
     "read_interest_users",
+    "read_item_set",
     "read_pairs",
 ]

@@ -182,3 +182,69 @@ def rows_of(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
     if keys.size == 0 or ids.size == 0:
         return np.full(ids.size, -1, np.int64)
     return lookup(pa.array(ids, type=pa.string() if keys.dtype == object else pa.int64()), keys)
+
+
+@dataclass(frozen=True)
+class ItemSet:
+    """An item filter file (``--allow`` / ``--deny``) mapped to item rows.
+
+    Attributes
+    ----------
+    rows : np.ndarray of int64
+        The rows of the known item ids, increasing, each once.
+    n_ids : int
+        Ids in the file.
+    n_unknown : int
+        Of those, ids the items file does not have (ignored).
+    """
+
+    rows: np.ndarray
+    n_ids: int
+    n_unknown: int
+
+
+def inspect_item_set(path: str | os.PathLike, what: str = "allow") -> None:
+    """Check an item filter file's columns without reading rows: an ``item_id`` column.
+
+    Raises
+    ------
+    InputError
+        Unreadable or not Parquet; no ``item_id`` column (naming the columns there are).
+    """
+    path = os.fspath(path)
+    schema = open_parquet(path, f"{what} items").schema_arrow
+    if "item_id" not in schema.names:
+        raise InputError(f"{path}: {what} file columns are {column_names(schema)}; expected an 'item_id' column")
+
+
+def read_item_set(path: str | os.PathLike, item_ids: np.ndarray, what: str = "allow") -> ItemSet:
+    """Read an item filter Parquet file (an ``item_id`` column; other columns ignored) and map its ids to rows.
+
+    Parameters
+    ----------
+    path : str or PathLike
+    item_ids : np.ndarray, shape (n_items,)
+        The items' ids in file order.
+    what : {"allow", "deny"}
+        For messages.
+
+    Raises
+    ------
+    InputError
+        Bad file or columns; a null id (naming the row); ids of another type than the items'.
+    """
+    path = os.fspath(path)
+    item_ids = np.asarray(item_ids)
+    inspect_item_set(path, what)
+    pf = open_parquet(path, f"{what} items")
+    parts, row = [], 0
+    for batch in iter_batches(pf, path, ["item_id"], READ_BATCH_ROWS):
+        col = batch.column(0)
+        if col.null_count:
+            raise InputError(f"{path}: row {row + first_true(col.is_null().to_numpy(zero_copy_only=False))} has a "
+                             f"null item_id")
+        parts.append(match_type(path, "item_id", col, item_ids, "items'", row))
+        row += batch.num_rows
+    found = lookup(pa.chunked_array(parts), item_ids) if parts else np.zeros(0, np.int64)
+    known = found[found >= 0]
+    return ItemSet(np.unique(known), int(found.size), int(found.size - known.size))

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -34,11 +35,13 @@ from ..io import (
     check_output_path,
     inspect_embeddings,
     inspect_interest_users,
+    inspect_item_set,
     inspect_pairs,
     iter_embedding_batches,
     read_embeddings,
     read_ids,
     read_interest_users,
+    read_item_set,
     read_pairs,
 )
 from ..io.parquet import fmt_id
@@ -133,12 +136,95 @@ def _check_dims(users_info: Any, items_info: Any, users_path: str, items_path: s
                          f"dimension {items_info.dim}")
 
 
+@dataclass(frozen=True)
+class _Spec:
+    """What every Parquet job shares, validated: the files, the search and the output."""
+
+    users_path: str
+    items_path: str
+    out: Any
+    out_label: str
+    k: int
+    metric: str
+    id_col: str
+    vec_col: str
+    backend: Any
+    batch_size: int | None
+    memory_budget: int | None
+    progress: Progress | None
+    compression: str
+    options: JobOptions
+    t_start: float
+    exclude_path: str | None = None
+    allow_path: str | None = None
+    deny_path: str | None = None
+
+    @property
+    def dim_source(self) -> str:
+        return f"the items' dimension, {self.items_path}"
+
+
+def _spec(users_path: Any, items_path: Any, out_path: Any, k: Any, metric: str, id_col: str, vec_col: str,
+          device: Any, batch_size: Any, memory_budget: Any, progress: Any, compression: str,
+          options: JobOptions | None, exclude_path: Any = None, allow_path: Any = None, deny_path: Any = None,
+          extra_inputs: tuple = ()) -> _Spec:
+    """The arguments every job shares, checked before anything is read (a typo in the last argument must not cost a
+    full read of the items), and the backend resolved once."""
+    t_start = time.perf_counter()
+    k = check_job_args(k, metric, device, batch_size)
+    check_compression(compression)
+    paths = [os.fspath(p) if p is not None else None for p in (users_path, items_path, exclude_path, allow_path,
+                                                                 deny_path)]
+    out = check_output_path(out_path, (*paths, *extra_inputs))
+    for path, what in zip(paths[2:], ("exclusion", "allow", "deny")):
+        if path is not None:
+            inspect_pairs(path, what) if what == "exclusion" else inspect_item_set(path, what)
+    return _Spec(paths[0], paths[1], out, str(out_path), k, metric, id_col, vec_col, None, batch_size,
+                 memory_budget, progress, compression, options or DEFAULT_JOB_OPTIONS, t_start, *paths[2:])
+
+
+@dataclass
+class _Side:
+    """What a job reads beside the items and users, mapped to rows: exclusions and the item filter's files."""
+
+    excl: Any = None
+    allow: Any = None
+    deny: Any = None
+
+    def apply(self, engine: Any) -> None:
+        """Keep the item filter on the engine (the filtered catalogue is gathered once)."""
+        if self.allow is not None or self.deny is not None:
+            engine.set_item_filter(allow=None if self.allow is None else self.allow.rows,
+                                   deny=None if self.deny is None else self.deny.rows)
+
+    def summary(self) -> dict:
+        unknown = sum(s.n_unknown for s in (self.allow, self.deny) if s is not None)
+        return {"pairs": self.excl.n_pairs if self.excl is not None else 0,
+                "unknown_pairs": self.excl.n_unknown if self.excl is not None else 0,
+                "filter_ids": sum(s.n_ids for s in (self.allow, self.deny) if s is not None),
+                "unknown_filter_ids": unknown}
+
+
+def _read_side(spec: _Spec, user_ids: Any, item_ids: Any) -> _Side:
+    """The exclusions (``user_ids`` may be a future: the exclusions wait for them) and item filter files."""
+    side = _Side()
+    if spec.allow_path is not None:
+        side.allow = read_item_set(spec.allow_path, item_ids, "allow")
+    if spec.deny_path is not None:
+        side.deny = read_item_set(spec.deny_path, item_ids, "deny")
+    if spec.exclude_path is not None:
+        users = user_ids.result() if hasattr(user_ids, "result") else user_ids
+        side.excl = read_pairs(spec.exclude_path, users, item_ids, what="exclusion")
+    return side
+
+
 def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, out_path: str | os.PathLike, k: int,
                 metric: str = "ip", exclude_path: str | os.PathLike | None = None, id_col: str = "id",
                 vec_col: str = "embedding", device: str = "auto", batch_size: int | None = None,
                 memory_budget: int | None = None, progress: Progress | None = None, precision: str = "exact",
                 compression: str = DEFAULT_COMPRESSION, aggregate: str | None = None,
-                options: JobOptions | None = None) -> JobSummary:
+                options: JobOptions | None = None, allow_path: str | os.PathLike | None = None,
+                deny_path: str | os.PathLike | None = None) -> JobSummary:
     """Score every user of a Parquet file against every item of another and write the top-k candidates to Parquet.
 
     Parameters
@@ -173,6 +259,9 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     aggregate : {"max", "sum"}, optional
         Users with several vectors each: an item's score is the max or the sum over them.
     options : JobOptions, optional
+    allow_path, deny_path : str or PathLike, optional
+        Item filter files (an ``item_id`` column): only allowed items that are not denied are returned, to every
+        user. Unknown ids are ignored and counted (``JobSummary.unknown_filter_ids``).
 
     Returns
     -------
@@ -187,62 +276,71 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     BackendUnavailable
         ``device="gpu"`` without a usable GPU.
     """
-    t_start = time.perf_counter()
-    k = check_job_args(k, metric, device, batch_size)
-    check_compression(compression)
-    options = options or DEFAULT_JOB_OPTIONS
+    spec = _spec(users_path, items_path, out_path, k, metric, id_col, vec_col, device, batch_size, memory_budget,
+                 progress, compression, options, exclude_path, allow_path, deny_path)
     if aggregate is not None:
         check_choice(aggregate, ("max", "sum"), "aggregate")
         if precision != "exact":
             raise InputError("precision 'fast' applies to single-vector users; with several vectors per user use "
                              "precision 'exact'")
-    users_path, items_path = os.fspath(users_path), os.fspath(items_path)
-    exclude_path = os.fspath(exclude_path) if exclude_path is not None else None
-    # Cheap checks first, so that a typo in the last argument does not cost a full read of the items.
-    out = check_output_path(out_path, (users_path, items_path, exclude_path))
-    users_info = inspect_embeddings(users_path, id_col, vec_col) if aggregate is None else \
-        inspect_interest_users(users_path, id_col, vec_col)
-    items_info = inspect_embeddings(items_path, id_col, vec_col)
+        inspect_interest_users(spec.users_path, id_col, vec_col)
+        items_info = inspect_embeddings(spec.items_path, id_col, vec_col)
+    else:
+        users_info = inspect_embeddings(spec.users_path, id_col, vec_col)
+        items_info = inspect_embeddings(spec.items_path, id_col, vec_col)
+        _check_dims(users_info, items_info, spec.users_path, spec.items_path)
+    spec = replace(spec, backend=backends.resolve(device))
     if aggregate is None:
-        _check_dims(users_info, items_info, users_path, items_path)
-    if exclude_path is not None:
-        inspect_pairs(exclude_path, "exclusion")
-    backend = backends.resolve(device)
-    run = _score_single if aggregate is None else _score_interests
-    return run(users_path, items_path, out, str(out_path), k, metric, exclude_path, id_col, vec_col, backend,
-               batch_size, memory_budget, progress, precision, compression, aggregate, options, items_info, t_start)
+        return _score_single(spec, precision, items_info)
+    return _score_interests(spec, aggregate)
 
 
-def _score_single(users_path: str, items_path: str, out: Any, out_label: str, k: int, metric: str,
-                  exclude_path: str | None, id_col: str, vec_col: str, backend: Any, batch_size: int | None,
-                  memory_budget: int | None, progress: Progress | None, precision: str, compression: str,
-                  aggregate: Any, options: JobOptions, items_info: Any, t_start: float) -> JobSummary:
-    """One vector per user: users streamed through the runner; the first batches searched while the items load."""
-    dim_source = f"the items' dimension, {items_path}"
+def _summary(spec: _Spec, kind: str, engine: Any, users: int, stream: Any, read_s: float, start_s: float,
+             batch_size: int, side: _Side, **extra: Any) -> JobSummary:
+    return JobSummary(
+        kind=kind, users=users, items=engine.n_items, dim=engine.dim, k=spec.k, metric=spec.metric,
+        device=engine.device, device_detail=engine.backend.describe(), seconds=time.perf_counter() - spec.t_start,
+        read_s=read_s + stream.read_s, search_s=stream.search_s, write_s=stream.write_s, batch_size=batch_size,
+        out_path=spec.out_label, device_busy_s=stream.device_busy_s, start_s=start_s, **side.summary(), **extra)
+
+
+def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
+    """One vector per user: users streamed through the runner; the first batches searched while the items load;
+    the exclusions and filters read and mapped meanwhile too."""
+    k, metric, backend = spec.k, spec.metric, spec.backend
+    batch_size = spec.batch_size
     overlap = started = None
-    if _searches_early(options, backend, precision, exclude_path):
+    if _searches_early(spec, precision):
         overlap = Overlap()
 
         def start_reader(dim: int) -> None:
             nonlocal batch_size
             batch_size = batch_size or auto_batch_size(k, dim)
-            overlap.start_reader(user_batches(users_path, batch_size, id_col, vec_col, dim, metric, dim_source))
+            overlap.start_reader(user_batches(spec.users_path, batch_size, spec.id_col, spec.vec_col, dim, metric,
+                                              spec.dim_source))
 
-        started = early.EarlyStart(items_info.n_rows, k, options.early_parts, overlap.take, Overlap.DONE,
+        started = early.EarlyStart(items_info.n_rows, k, spec.options.early_parts, overlap.take, Overlap.DONE,
                                    overlap.fail, overlap.stop, on_dim=start_reader, metric=metric, device=backend,
-                                   memory_budget=memory_budget, options=options.engine)
+                                   memory_budget=spec.memory_budget, options=spec.options.engine)
         started.start()
     first: list = []
     try:
-        # The users' ids are read and checked for duplicates while the items load: both spend their time in pyarrow
-        # and NumPy with the GIL released, and nothing can be searched before both are done.
-        with ThreadPoolExecutor(1, thread_name_prefix="recall-ids") as pool:
-            ids_read = pool.submit(read_ids, users_path, id_col, vec_col)
-            items, engine, item_read_s = load_engine(items_path, id_col, vec_col, metric, backend, memory_budget,
-                                                     precision, options.engine,
+        # The users' ids (checked for duplicates), and the exclusions and filters mapped to rows (with the items' ids
+        # read on their own), while the items load: all spend their time in pyarrow, NumPy and numba with the GIL
+        # released, and nothing can be searched before they are done.
+        with ThreadPoolExecutor(2, thread_name_prefix="recall-ids") as pool:
+            ids_read = pool.submit(read_ids, spec.users_path, spec.id_col, spec.vec_col)
+            side_read = None
+            if spec.exclude_path or spec.allow_path or spec.deny_path:
+                side_read = pool.submit(lambda: _read_side(spec, ids_read, read_ids(
+                    spec.items_path, spec.id_col, spec.vec_col, check_unique=False)))
+            items, engine, item_read_s = load_engine(spec.items_path, spec.id_col, spec.vec_col, metric, backend,
+                                                     spec.memory_budget, precision, spec.options.engine,
                                                      on_rows=started.on_rows if started else None)
             t0 = time.perf_counter()
             user_ids = ids_read.result()
+            side = side_read.result() if side_read is not None else _Side()
+        side.apply(engine)
         if started is not None:
             first = started.finish(items.vectors, engine)
     except BaseException:
@@ -251,10 +349,10 @@ def _score_single(users_path: str, items_path: str, out: Any, out_label: str, k:
         if overlap is not None:
             overlap.cancel()
         raise
-    start_s = time.perf_counter() - t_start
-    excl = read_pairs(exclude_path, user_ids, items.ids, what="exclusion") if exclude_path is not None else None
+    start_s = time.perf_counter() - spec.t_start
     item_read_s += time.perf_counter() - t0
     batch_size = batch_size or auto_batch_size(k, engine.dim)
+    excl = side.excl
 
     def query(batch: Embeddings) -> Any:
         exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
@@ -262,10 +360,11 @@ def _score_single(users_path: str, items_path: str, out: Any, out_label: str, k:
 
     batches = None
     if overlap is None:
-        batches = user_batches(users_path, batch_size, id_col, vec_col, engine.dim, metric, dim_source)
+        batches = user_batches(spec.users_path, batch_size, spec.id_col, spec.vec_col, engine.dim, metric,
+                               spec.dim_source)
     try:
-        with CandidateWriter(out, _id_type(user_ids), _id_type(items.ids), compression) as writer:
-            output = _Output(writer, items.ids, int(user_ids.size), progress)
+        with CandidateWriter(spec.out, _id_type(user_ids), _id_type(items.ids), spec.compression) as writer:
+            output = _Output(writer, items.ids, int(user_ids.size), spec.progress)
             stream = run_stream(batches, query, lambda batch, res: output.write(batch.ids, res), overlap=overlap,
                                 first=first, read_all=started is not None and started.users_done)
             output.check_complete()
@@ -273,49 +372,45 @@ def _score_single(users_path: str, items_path: str, out: Any, out_label: str, k:
         if overlap is not None:
             overlap.cancel()  # the reader started early may still be running
         raise
-    return JobSummary(
-        kind="score", users=int(user_ids.size), items=engine.n_items, dim=engine.dim, k=k, metric=metric,
-        device=engine.device, device_detail=engine.backend.describe(), seconds=time.perf_counter() - t_start,
-        read_s=item_read_s + stream.read_s, search_s=stream.search_s, write_s=stream.write_s, batch_size=batch_size,
-        pairs=excl.n_pairs if excl is not None else 0, unknown_pairs=excl.n_unknown if excl is not None else 0,
-        out_path=out_label, device_busy_s=stream.device_busy_s, start_s=start_s,
-        early_users=sum(len(batch) for batch, _ in first))
+    return _summary(spec, "score", engine, int(user_ids.size), stream, item_read_s, start_s, batch_size, side,
+                    early_users=sum(len(batch) for batch, _ in first))
 
 
-def _searches_early(options: JobOptions, backend: Any, precision: str, exclude_path: str | None) -> bool:
-    """Whether a job searches its first batches while the items load (see :class:`JobOptions`)."""
-    if options.early == "off" or precision != "exact" or exclude_path is not None:
+def _searches_early(spec: _Spec, precision: str) -> bool:
+    """Whether a job searches its first batches while the items load (see :class:`JobOptions`): in exact
+    precision, without exclusions or filters (they are mapped to the items' rows meanwhile)."""
+    if spec.options.early == "off" or precision != "exact" or spec.exclude_path or spec.allow_path or spec.deny_path:
         return False
-    return options.early == "on" or backend.asynchronous
+    return spec.options.early == "on" or spec.backend.asynchronous
 
 
 def _slices(n: int, batch: int) -> Iterable[tuple[int, int]]:
     return ((start, min(start + batch, n)) for start in range(0, n, batch))
 
 
-def _score_interests(users_path: str, items_path: str, out: Any, out_label: str, k: int, metric: str,
-                     exclude_path: str | None, id_col: str, vec_col: str, backend: Any, batch_size: int | None,
-                     memory_budget: int | None, progress: Progress | None, precision: str, compression: str,
-                     aggregate: str, options: JobOptions, items_info: Any, t_start: float) -> JobSummary:
+def _score_interests(spec: _Spec, aggregate: str) -> JobSummary:
     """Several vectors per user: the users file read whole (a user's rows need not be adjacent), then searched in
     batches through the runner."""
     t0 = time.perf_counter()
-    items, engine, _ = load_engine(items_path, id_col, vec_col, metric, backend, memory_budget, precision,
-                                   options.engine)
-    users = read_interest_users(users_path, id_col, vec_col, dim=engine.dim,
-                                dim_source=f"the items' dimension, {items_path}")
-    if metric == "cosine" and users.vectors.shape[0]:
+    k = spec.k
+    items, engine, _ = load_engine(spec.items_path, spec.id_col, spec.vec_col, spec.metric, spec.backend,
+                                   spec.memory_budget, "exact", spec.options.engine)
+    users = read_interest_users(spec.users_path, spec.id_col, spec.vec_col, dim=engine.dim,
+                                dim_source=spec.dim_source)
+    if spec.metric == "cosine" and users.vectors.shape[0]:
         zero = ~users.vectors.any(axis=1)
         if zero.any():
             pos = int(np.argmax(zero))
             user = int(np.searchsorted(users.indptr, pos, side="right") - 1)
-            raise InputError(f"{users_path}: row {int(users.file_rows[pos])} (id {fmt_id(users.ids[user])}) has a "
-                             f"zero vector, which has no direction for metric 'cosine'")
-    excl = read_pairs(exclude_path, users.ids, items.ids, what="exclusion") if exclude_path is not None else None
+            raise InputError(f"{spec.users_path}: row {int(users.file_rows[pos])} (id {fmt_id(users.ids[user])}) has "
+                             f"a zero vector, which has no direction for metric 'cosine'")
+    side = _read_side(spec, users.ids, items.ids)
+    side.apply(engine)
+    excl = side.excl
     read_s = time.perf_counter() - t0
-    start_s = time.perf_counter() - t_start
+    start_s = time.perf_counter() - spec.t_start
     n = len(users)
-    batch = batch_size or auto_batch_size(k, engine.dim * max(1, users.max_interests))
+    batch = spec.batch_size or auto_batch_size(k, engine.dim * max(1, users.max_interests))
 
     def query(span: tuple[int, int]) -> Done:
         start, stop = span
@@ -323,24 +418,21 @@ def _score_interests(users_path: str, items_path: str, out: Any, out_label: str,
                             exclude=excl.block(start, stop) if excl is not None else None)
         return Done(res, engine.stats)
 
-    with CandidateWriter(out, _id_type(users.ids), _id_type(items.ids), compression) as writer:
-        output = _Output(writer, items.ids, n, progress)
+    with CandidateWriter(spec.out, _id_type(users.ids), _id_type(items.ids), spec.compression) as writer:
+        output = _Output(writer, items.ids, n, spec.progress)
         stream = run_stream(_slices(n, batch), query, lambda span, res: output.write(users.ids[span[0]:span[1]], res))
         output.check_complete()
-    return JobSummary(
-        kind="interests", users=n, items=engine.n_items, dim=engine.dim, k=k, metric=metric, device=engine.device,
-        device_detail=engine.backend.describe(), seconds=time.perf_counter() - t_start, read_s=read_s + stream.read_s,
-        search_s=stream.search_s, write_s=stream.write_s, batch_size=batch,
-        pairs=excl.n_pairs if excl is not None else 0, unknown_pairs=excl.n_unknown if excl is not None else 0,
-        out_path=out_label, device_busy_s=stream.device_busy_s, start_s=start_s,
-        vectors=int(users.vectors.shape[0]), aggregate=aggregate)
+    return _summary(spec, "interests", engine, n, stream, read_s, start_s, batch, side,
+                    vectors=int(users.vectors.shape[0]), aggregate=aggregate)
 
 
 def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
                   candidates_path: str | os.PathLike, out_path: str | os.PathLike, k: int, metric: str = "ip",
                   id_col: str = "id", vec_col: str = "embedding", device: str = "auto",
                   memory_budget: int | None = None, batch_size: int | None = None, progress: Progress | None = None,
-                  compression: str = DEFAULT_COMPRESSION, options: JobOptions | None = None) -> JobSummary:
+                  compression: str = DEFAULT_COMPRESSION, options: JobOptions | None = None,
+                  allow_path: str | os.PathLike | None = None,
+                  deny_path: str | os.PathLike | None = None) -> JobSummary:
     """Re-score each user's candidates from Parquet files and write its top-k to a candidates Parquet file.
 
     Parameters
@@ -354,8 +446,8 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
         ``user_id``, ``item_ids``, ``scores``: one row per user named in the candidates file, in the users file's
         order, best first; written to a temporary file and renamed into place when complete.
     k : int
-    metric, id_col, vec_col, device, memory_budget, batch_size, progress, compression, options
-        As for :func:`score_files`.
+    metric, id_col, vec_col, device, memory_budget, batch_size, progress, compression, options, allow_path, deny_path
+        As for :func:`score_files` (a filtered-out candidate is never returned).
 
     Raises
     ------
@@ -364,47 +456,43 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     ResourceError, BackendUnavailable
         As for ``recall score``.
     """
-    t_start = time.perf_counter()
-    k = check_job_args(k, metric, device, batch_size)
-    check_compression(compression)
-    options = options or DEFAULT_JOB_OPTIONS
-    users_path, items_path, candidates_path = (os.fspath(p) for p in (users_path, items_path, candidates_path))
-    out = check_output_path(out_path, (users_path, items_path, candidates_path))
-    users_info = inspect_embeddings(users_path, id_col, vec_col)
-    _check_dims(users_info, inspect_embeddings(items_path, id_col, vec_col), users_path, items_path)
+    candidates_path = os.fspath(candidates_path)
+    spec = _spec(users_path, items_path, out_path, k, metric, id_col, vec_col, device, batch_size, memory_budget,
+                 progress, compression, options, None, allow_path, deny_path, extra_inputs=(candidates_path,))
+    users_info = inspect_embeddings(spec.users_path, id_col, vec_col)
+    _check_dims(users_info, inspect_embeddings(spec.items_path, id_col, vec_col), spec.users_path, spec.items_path)
     inspect_pairs(candidates_path, "candidate")
-    backend = backends.resolve(device)
+    spec = replace(spec, backend=backends.resolve(device))
 
     t0 = time.perf_counter()
-    items, engine, _ = load_engine(items_path, id_col, vec_col, metric, backend, memory_budget,
-                                   options=options.engine)
-    users = read_embeddings(users_path, id_col, vec_col)
+    items, engine, _ = load_engine(spec.items_path, id_col, vec_col, metric, spec.backend, spec.memory_budget,
+                                   options=spec.options.engine)
+    users = read_embeddings(spec.users_path, id_col, vec_col)
     if len(users) and users.dim != engine.dim:
-        raise InputError(f"{users_path}: row 0 (id {fmt_id(users.ids[0])}) has dimension {users.dim}, expected "
-                         f"{engine.dim} (the items' dimension, {items_path})")
+        raise InputError(f"{spec.users_path}: row 0 (id {fmt_id(users.ids[0])}) has dimension {users.dim}, expected "
+                         f"{engine.dim} ({spec.dim_source})")
     cands = read_pairs(candidates_path, users.ids, items.ids, what="candidate", sort_unique=False)
+    side = _read_side(spec, users.ids, items.ids)
+    side.apply(engine)
     present = np.flatnonzero(cands.named)  # a named user gets a (maybe empty) row of output
     if metric == "cosine" and present.size:
-        check_nonzero(users.vectors[present], users.ids[present], users_path)
+        check_nonzero(users.vectors[present], users.ids[present], spec.users_path)
     mine = cands.take(present)
     read_s = time.perf_counter() - t0
-    start_s = time.perf_counter() - t_start
+    start_s = time.perf_counter() - spec.t_start
     n = int(present.size)
-    batch = batch_size or auto_batch_size(k, engine.dim)
+    batch = spec.batch_size or auto_batch_size(spec.k, engine.dim)
 
     def query(span: tuple[int, int]) -> Done:
         start, stop = span
-        res = engine.rescore(users.vectors[present[start:stop]], mine.block(start, stop), k)
+        res = engine.rescore(users.vectors[present[start:stop]], mine.block(start, stop), spec.k)
         return Done(res, engine.stats)
 
-    with CandidateWriter(out, _id_type(users.ids), _id_type(items.ids), compression) as writer:
-        output = _Output(writer, items.ids, n, progress)
+    with CandidateWriter(spec.out, _id_type(users.ids), _id_type(items.ids), spec.compression) as writer:
+        output = _Output(writer, items.ids, n, spec.progress)
         stream = run_stream(_slices(n, batch), query,
                             lambda span, res: output.write(users.ids[present[span[0]:span[1]]], res))
         output.check_complete()
-    return JobSummary(
-        kind="rescore", users=n, items=engine.n_items, dim=engine.dim, k=k, metric=metric, device=engine.device,
-        device_detail=engine.backend.describe(), seconds=time.perf_counter() - t_start, read_s=read_s + stream.read_s,
-        search_s=stream.search_s, write_s=stream.write_s, batch_size=batch, pairs=cands.n_pairs,
-        unknown_pairs=cands.n_unknown, out_path=str(out_path), device_busy_s=stream.device_busy_s, start_s=start_s,
-        candidates=int(mine.item_rows.size))
+    side.excl = cands  # the candidates' pair counts stand where a search's exclusions would
+    return _summary(spec, "rescore", engine, n, stream, read_s, start_s, batch, side,
+                    candidates=int(mine.item_rows.size))

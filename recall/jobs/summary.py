@@ -41,6 +41,8 @@ class JobSummary:
         "max" or "sum" (kind "interests").
     candidates : int
         Candidate pairs scored (kind "rescore").
+    filter_ids, unknown_filter_ids : int
+        Ids in the item filter files (``--allow``, ``--deny``), and of those the ids the items file does not have.
     """
 
     kind: str
@@ -65,6 +67,8 @@ class JobSummary:
     vectors: int = 0
     aggregate: str = ""
     candidates: int = 0
+    filter_ids: int = 0
+    unknown_filter_ids: int = 0
 
     @property
     def users_per_s(self) -> float:
@@ -94,12 +98,16 @@ class JobSummary:
             f"write {self.write_s:.2f} s; batch {self.batch_size:,} users; device {self.device_detail}{busy}"
         )
 
-    def unknown_line(self) -> str | None:
-        """The warning for pairs naming ids that are not in the input files, or None."""
-        if not self.unknown_pairs:
-            return None
-        if self.kind == "rescore":
-            return (f"warning: {self.unknown_pairs:,} of {self.pairs:,} candidates name a user or item id that is not "
-                    f"in the input files; they were skipped")
-        return (f"warning: {self.unknown_pairs:,} of {self.pairs:,} exclusion pairs name a user or item id that is "
-                f"not in the input files; they were ignored")
+    def warnings(self) -> list[str]:
+        """The warnings for ids that are not in the input files (pairs, filter ids), one line each."""
+        out = []
+        if self.unknown_pairs and self.kind == "rescore":
+            out.append(f"warning: {self.unknown_pairs:,} of {self.pairs:,} candidates name a user or item id that is "
+                       f"not in the input files; they were skipped")
+        elif self.unknown_pairs:
+            out.append(f"warning: {self.unknown_pairs:,} of {self.pairs:,} exclusion pairs name a user or item id "
+                       f"that is not in the input files; they were ignored")
+        if self.unknown_filter_ids:
+            out.append(f"warning: {self.unknown_filter_ids:,} of {self.filter_ids:,} item filter ids are not in the "
+                       f"items file; they were ignored")
+        return out

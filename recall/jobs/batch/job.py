@@ -32,7 +32,7 @@ from typing import Any
 from ...core import metrics as _metrics
 from ...core.checks import DEVICES, check_budget, check_choice, check_int, check_k
 from ...core.errors import InputError
-from ...io import atomic, inspect_embeddings, inspect_pairs
+from ...io import atomic, inspect_embeddings, inspect_item_set, inspect_pairs
 from .. import executors
 from ..options import DEFAULT_JOB_OPTIONS, JobOptions
 from . import outdir
@@ -151,21 +151,27 @@ class BatchRequest:
     memory_budget: int | None
     options: JobOptions
     after_batch: Callable[[], None] | None = None
+    allow_path: str | None = None
+    deny_path: str | None = None
 
     def job(self, shards: list[Shard]) -> dict:
         """The manifest's description of the job: what decides every output row."""
-        return {
+        job = {
             "k": self.k, "metric": self.metric, "id_col": self.id_col, "vec_col": self.vec_col,
             "items": fingerprint_full(self.items_path),
             "exclude": fingerprint_full(self.exclude_path) if self.exclude_path is not None else None,
             "shards": {s.name: s.fingerprint() for s in shards},
         }
+        for key, path in (("allow", self.allow_path), ("deny", self.deny_path)):
+            if path is not None:  # absent keys keep the manifests of unfiltered jobs as they were
+                job[key] = fingerprint_full(path)
+        return job
 
     def spec(self, user_id_type: str) -> JobSpec:
         return JobSpec(items_path=self.items_path, exclude_path=self.exclude_path, k=self.k, metric=self.metric,
                        id_col=self.id_col, vec_col=self.vec_col, user_id_type=user_id_type,
                        batch_size=self.batch_size, memory_budget=self.memory_budget, options=self.options,
-                       after_batch=self.after_batch)
+                       after_batch=self.after_batch, allow_path=self.allow_path, deny_path=self.deny_path)
 
 
 class _Job:
@@ -260,7 +266,8 @@ def parse_gpus(value: Any) -> int | str | None:
 
 
 def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str | os.PathLike, k: int, *,
-              metric: str = "ip", exclude: str | os.PathLike | None = None, id_col: str = "id",
+              metric: str = "ip", exclude: str | os.PathLike | None = None,
+              allow: str | os.PathLike | None = None, deny: str | os.PathLike | None = None, id_col: str = "id",
               vec_col: str = "embedding", device: str = "auto", gpus: int | str | None = None,
               workers: int | None = None, engine: str = "local", ray_address: str | None = None,
               overwrite: bool = False, batch_size: int | None = None, memory_budget: int | None = None,
@@ -282,6 +289,8 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
     metric : {"ip", "cosine", "l2"}
     exclude : str or PathLike, optional
         Exclusion pairs (as for ``recall score``), applied to every shard.
+    allow, deny : str or PathLike, optional
+        Item filter files (an ``item_id`` column), applied to every shard.
     id_col, vec_col : str
     device : {"auto", "cpu", "gpu"}
     gpus : int, "all" or None
@@ -333,7 +342,7 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
         (notice or log.warning)(msg)
 
     req = _request(users, items, out_dir, k, metric, exclude, id_col, vec_col, device, gpus, workers, engine,
-                   ray_address, overwrite, batch_size, memory_budget, options, after_batch)
+                   ray_address, overwrite, batch_size, memory_budget, options, after_batch, allow, deny)
     files = discover_shards(users)
     # Cheap checks first (footers only), so that a typo costs no item read and touches no output.
     items_info = inspect_embeddings(req.items_path, id_col, vec_col)
@@ -341,6 +350,9 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
         raise InputError(f"{req.items_path}: the file has no rows, at least one is required")
     if req.exclude_path is not None:
         inspect_pairs(req.exclude_path, "exclusion")
+    for path, what in ((req.allow_path, "allow"), (req.deny_path, "deny")):
+        if path is not None:
+            inspect_item_set(path, what)
     shards = inspect_shards(files, id_col, vec_col, items_info.dim, req.items_path)
     _prepare_out_dir(req, shards)
     with outdir.lock(req.out):
@@ -350,7 +362,7 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
 def _request(users: Any, items: Any, out_dir: Any, k: Any, metric: str, exclude: Any, id_col: str, vec_col: str,
              device: str, gpus: Any, workers: Any, engine: str, ray_address: str | None, overwrite: bool,
              batch_size: Any, memory_budget: Any, options: JobOptions | None,
-             after_batch: Callable[[], None] | None) -> BatchRequest:
+             after_batch: Callable[[], None] | None, allow: Any = None, deny: Any = None) -> BatchRequest:
     """The arguments of :func:`run_batch`, validated."""
     k = check_k(k)
     _metrics.check_metric(metric)
@@ -368,7 +380,9 @@ def _request(users: Any, items: Any, out_dir: Any, k: Any, metric: str, exclude:
         out_label=os.fspath(out_dir), k=k, metric=metric, id_col=id_col, vec_col=vec_col, device=device,
         gpus=parse_gpus(gpus), workers=workers, engine=engine, ray_address=ray_address, overwrite=overwrite,
         batch_size=batch_size, memory_budget=check_budget(memory_budget, "--memory-budget"),
-        options=options or DEFAULT_JOB_OPTIONS, after_batch=after_batch)
+        options=options or DEFAULT_JOB_OPTIONS, after_batch=after_batch,
+        allow_path=os.fspath(allow) if allow is not None else None,
+        deny_path=os.fspath(deny) if deny is not None else None)
 
 
 def _prepare_out_dir(req: BatchRequest, shards: list[Shard]) -> None:
@@ -376,7 +390,7 @@ def _prepare_out_dir(req: BatchRequest, shards: list[Shard]) -> None:
     out = req.out
     if out.exists() and not out.is_dir():
         raise InputError(f"{req.out_label}: exists and is not a directory")
-    for p in [req.items_path, req.exclude_path, *(s.path for s in shards)]:
+    for p in [req.items_path, req.exclude_path, req.allow_path, req.deny_path, *(s.path for s in shards)]:
         if p is not None and Path(p).absolute().parent == out:
             raise InputError(f"{p}: is inside the output directory {req.out_label}; outputs are named after the "
                              f"user shards and would overwrite or mix with inputs; choose another --out")

@@ -72,7 +72,8 @@ def describe_difference(old: dict, new: dict) -> str:
     for key in ("k", "metric", "id_col", "vec_col"):
         if old.get(key) != new.get(key):
             diffs.append(f"{key} {old.get(key)!r} -> {new.get(key)!r}")
-    for key, what in (("items", "item file"), ("exclude", "exclusions file")):
+    for key, what in (("items", "item file"), ("exclude", "exclusions file"), ("allow", "allow file"),
+                      ("deny", "deny file")):
         a, b = old.get(key), new.get(key)
         if a != b:
             if a is None or b is None:

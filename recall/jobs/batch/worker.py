@@ -19,7 +19,7 @@ import pyarrow as pa
 from ... import backends
 from ...core.errors import RecallError
 from ...core.results import id_lookup
-from ...io import CandidateWriter, IdPairs, read_ids, read_pairs
+from ...io import CandidateWriter, IdPairs, read_ids, read_item_set, read_pairs
 from ...io.atomic import sha256_file
 from ...io.pairs import distinct_users, rows_of
 from ..files import auto_batch_size, user_batches
@@ -50,6 +50,8 @@ class JobSpec:
     memory_budget : int or None
         The engine's search working memory in bytes; None: the engine's default.
     options : JobOptions
+    allow_path, deny_path : str or None
+        Item filter files (an ``item_id`` column).
     after_batch : callable, optional
         Called in the worker after each batch is written (a module-level function, so that it crosses process
         boundaries): to pace or observe a job from outside.
@@ -66,6 +68,8 @@ class JobSpec:
     memory_budget: int | None = None
     options: JobOptions = DEFAULT_JOB_OPTIONS
     after_batch: Callable[[], None] | None = None
+    allow_path: str | None = None
+    deny_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,11 @@ class ShardScorer:
         self.item_ids = id_lookup(items.ids)
         self.exclusions = (_ExclusionIndex(spec.exclude_path, spec.user_id_type == "string", items.ids)
                            if spec.exclude_path is not None else None)
+        allow = read_item_set(spec.allow_path, items.ids, "allow") if spec.allow_path is not None else None
+        deny = read_item_set(spec.deny_path, items.ids, "deny") if spec.deny_path is not None else None
+        if allow is not None or deny is not None:
+            self.engine.set_item_filter(allow=None if allow is None else allow.rows,
+                                        deny=None if deny is None else deny.rows)
         self.batch_size = spec.batch_size or auto_batch_size(spec.k, self.engine.dim)
         self.group_rows = row_group_rows(spec.k)
         self.info = WorkerInfo(
