@@ -101,11 +101,20 @@ class Contender:
         """None when this contender can answer a top-``k`` query, else why not (e.g. FAISS GPU k > 2048)."""
         return None
 
+    supports_allow = False
+    """Whether ``search`` takes ``allow`` (a shared allow-set of item rows, host int64)."""
+
     def unsupported_workload(self, w: Any) -> str | None:
         """None when this contender can run workload ``w`` (re-scoring and multi-interest ones included: ``search``
         then gets :class:`~recall.bench.workloads.CandidateUsers` / ``MultiInterestUsers``; exclusions: ``search``
-        gets ``exclude``), else why not."""
+        gets ``exclude``; a shared filter: ``allow``), else why not."""
         return None
+
+    def check_workload(self, w: Any) -> str | None:
+        """:meth:`unsupported_workload`, and the shared filter the contender may not take."""
+        if getattr(w, "allow_fraction", 0) and not self.supports_allow:
+            return "not benchmarked with a shared item filter yet"
+        return self.unsupported_workload(w)
 
     def prepare(self, item_vecs: Any) -> None:
         """Build whatever the search needs from the items (not timed). ``item_vecs``: (n_items, dim) float32."""
@@ -179,7 +188,9 @@ class RecallContender(Contender):
             return f"precision {self.precision!r} applies to single-vector full searches"
         return None
 
-    def search(self, user_vecs: Any, k: int, exclude: Any = None) -> tuple[Any, Any]:
+    supports_allow = True
+
+    def search(self, user_vecs: Any, k: int, exclude: Any = None, allow: Any = None) -> tuple[Any, Any]:
         from .workloads import CandidateUsers, MultiInterestUsers
 
         if isinstance(user_vecs, CandidateUsers):
@@ -189,7 +200,7 @@ class RecallContender(Contender):
         elif exclude is not None:
             res = self._engine.search(user_vecs, k, exclude=exclude.host())
         else:
-            res = self._engine.search(user_vecs, k)
+            res = self._engine.search(user_vecs, k, allow=allow)
         return res.indices, res.scores
 
     def stats(self) -> dict[str, Any]:
@@ -667,7 +678,9 @@ class TorchContender(Contender):
             return f"{self.dtype_name} is benchmarked on single-vector full searches only"
         return None
 
-    def search(self, user_vecs: Any, k: int, exclude: Any = None) -> tuple[Any, Any]:
+    supports_allow = True
+
+    def search(self, user_vecs: Any, k: int, exclude: Any = None, allow: Any = None) -> tuple[Any, Any]:
         from .workloads import CandidateUsers, MultiInterestUsers
 
         if isinstance(user_vecs, CandidateUsers):
@@ -683,12 +696,19 @@ class TorchContender(Contender):
         chunk = max(1, min(n_users, TORCH_SCORE_BYTES // ((elem + (exclude is not None)) * n_items)))
         D = torch.empty((n_users, k_sel), dtype=torch.float32, device=users.device)
         I = torch.empty((n_users, k_sel), dtype=torch.int64, device=users.device)
+        denied = None
+        if allow is not None:
+            # What a torch user writes for a shared filter: a column mask, built on the device, timed.
+            denied = torch.ones(n_items, dtype=torch.bool, device=users.device)
+            denied[self._tensor(allow)] = False
         for start in range(0, n_users, chunk):
             stop = min(start + chunk, n_users)
             xq = self._prepare_metric(users[start:stop], items=False)
             if self.dtype_name == "bf16":
                 xq = xq.to(torch.bfloat16)
             s = torch.matmul(xq, self._items_t)
+            if denied is not None:
+                s.masked_fill_(denied[None, :], float("-inf"))
             if exclude is not None:
                 # What a torch user writes: a dense mask of the block from the CSR, built on the device.
                 rows, cols = (self._tensor(a) for a in exclude.entries(start, stop))
@@ -697,7 +717,7 @@ class TorchContender(Contender):
                 s.masked_fill_(mask, float("-inf"))
                 del mask
             vals, idx = torch.topk(s, k_sel, dim=1)
-            if exclude is not None:
+            if exclude is not None or denied is not None:
                 idx[torch.isneginf(vals)] = -1  # fewer than k allowed items: the rest is padding
             D[start:stop] = vals
             I[start:stop] = idx

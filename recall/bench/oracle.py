@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace, field
 from typing import Any
 
 import numpy as np
@@ -134,6 +134,8 @@ class Truth:
         Items each user can get: min(k, allowed items). None: ``k_eff`` for every user (no exclusions).
     excl_indptr, excl_items : arrays of int64, optional
         The sampled users' exclusions as host CSR over ``rows`` (None without exclusions).
+    allowed : array of int64, optional
+        The rows of a shared allow-set (increasing): an item outside it is no answer (None: every item).
     """
 
     rows: np.ndarray
@@ -148,6 +150,7 @@ class Truth:
     k_user: np.ndarray | None = None
     excl_indptr: np.ndarray | None = None
     excl_items: np.ndarray | None = None
+    allowed: np.ndarray | None = None
 
     @property
     def k_eff(self) -> int:
@@ -272,8 +275,17 @@ def _sampled_exclusions(exclude: Any, rows: np.ndarray, n_users: int,
     return indptr, keys - owner * n_items
 
 
+def _module_of(arr: Any) -> Any:
+    """NumPy, or CuPy for a CuPy array."""
+    if _is_cupy(arr):
+        import cupy
+
+        return cupy
+    return np
+
+
 def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric: str = "ip",
-               memory_budget: int = DEFAULT_BUDGET, exclude: Any = None) -> Truth:
+               memory_budget: int = DEFAULT_BUDGET, exclude: Any = None, allowed: np.ndarray | None = None) -> Truth:
     """Exact float64 top-k of the users ``rows`` against every item, chunked over items.
 
     Parameters
@@ -292,6 +304,8 @@ def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric:
     exclude : Exclusions or (indptr, item rows), optional
         Items never to rank for a user (``recall.bench.exclusions.Exclusions``, or a host CSR pair over every
         user, indptr of shape (n_users + 1,)).
+    allowed : array of int64, optional
+        A shared allow-set (item rows, increasing): the answer over those items only (without exclusions).
 
     Returns
     -------
@@ -304,6 +318,16 @@ def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric:
     """
     if metric not in ("ip", "cosine", "l2"):
         raise InputError(f"unknown metric {metric!r}: expected ip, cosine or l2")
+    if allowed is not None:
+        if exclude is not None:
+            raise InputError("the oracle takes a shared allow-set or per-user exclusions, not both")
+        # The answer over the allowed items is the answer of their own catalogue, its rows mapped back (increasing,
+        # so ties still go to the lower row).
+        xp = _module_of(item_vecs)
+        sub = exact_topk(user_vecs, item_vecs[xp.asarray(allowed)], k, rows, metric, memory_budget)
+        table = np.asarray(allowed, np.int64)
+        top = np.where(sub.top_items >= 0, table[np.maximum(sub.top_items, 0)], -1)
+        return replace(sub, top_items=top, n_items=int(item_vecs.shape[0]), allowed=table)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise InputError(f"k must be an integer >= 1, got {k!r}")
     n_items, dim = int(item_vecs.shape[0]), int(item_vecs.shape[1])
@@ -495,7 +519,10 @@ def _returned_scores(truth: Truth, item_vecs: Any, safe: np.ndarray) -> np.ndarr
 
 
 def excluded_slots(truth: Truth, idx: np.ndarray, valid: np.ndarray) -> np.ndarray | None:
-    """(n, k_returned) bool: the slot holds an item excluded for that user; None when the truth has no exclusions."""
+    """(n, k_returned) bool: the slot holds an item excluded for that user (or outside the allow-set); None when the
+    truth has neither."""
+    if truth.allowed is not None:
+        return valid & ~np.isin(np.where(valid, idx, -1), truth.allowed)
     if truth.excl_items is None:
         return None
     n = idx.shape[0]

@@ -122,9 +122,18 @@ def _finish_times(row: dict[str, Any], w: Workload) -> None:
 def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings,
                     log: Callable[[str], None], excl: Any = None, metric: str = "ip") -> dict[str, Any]:
     row = _row(w, c.name, c.family, s.device, c.exact, metric=metric)
-    # Only workloads with exclusions pass ``exclude``: a contender written for plain searches still runs the rest.
-    search = (lambda: c.search(users, w.k)) if excl is None else (lambda: c.search(users, w.k, exclude=excl))
-    reason = c.unavailable() or c.unsupported(w.k, w.n_items) or c.unsupported_workload(w)
+    # Only workloads with exclusions (or a shared filter) pass them: a contender written for plain searches still
+    # runs the rest.
+    if truth.allowed is not None:
+        def search() -> Any:
+            return c.search(users, w.k, allow=truth.allowed)
+    elif excl is not None:
+        def search() -> Any:
+            return c.search(users, w.k, exclude=excl)
+    else:
+        def search() -> Any:
+            return c.search(users, w.k)
+    reason = c.unavailable() or c.unsupported(w.k, w.n_items) or c.check_workload(w)
     if reason:
         row.update(status="skipped", reason=reason)
         log(f"  {c.name}: skipped ({reason})")
@@ -325,7 +334,7 @@ def _truth_and_exclusions(w: Workload, users: Any, items: Any, s: Settings, metr
         winfo["excl_nnz"] = excl.nnz
         winfo["exclusions_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-    truth = w.truth(users, items, rows, metric=metric, exclude=excl)
+    truth = w.truth(users, items, rows, metric=metric, exclude=excl, allowed=w.allowed(s.seed))
     winfo["oracle_s"] = time.perf_counter() - t0
     return truth, excl
 

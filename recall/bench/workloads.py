@@ -236,6 +236,9 @@ class Workload:
         The metric of this workload (matrix cells); None: the run's ``--metric``.
     cell : str
         The matrix cell this workload stands for ("" outside a matrix run).
+    allow_fraction : float
+        A shared item filter (an allow-set of this fraction of the catalogue, drawn from the seed; 0: none): every
+        user may get only those items.
     """
 
     name: str
@@ -254,6 +257,7 @@ class Workload:
     excl_per_user: int = 0
     metric: str | None = None
     cell: str = ""
+    allow_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for what in ("n_users", "n_items", "dim", "k"):
@@ -268,6 +272,10 @@ class Workload:
                              f"{self.n_items} items")
         if self.excl_per_user and (self.candidates or self.interests):
             raise InputError(f"workload {self.name!r}: exclusions apply to single-vector full searches only")
+        if not 0.0 <= self.allow_fraction < 1.0:
+            raise InputError(f"workload {self.name!r}: allow_fraction must be in [0, 1), got {self.allow_fraction!r}")
+        if self.allow_fraction and (self.candidates or self.interests):
+            raise InputError(f"workload {self.name!r}: item filters apply to single-vector full searches here")
         if self.metric is not None and self.metric not in METRICS:
             raise InputError(f"workload {self.name!r}: unknown metric {self.metric!r}: expected ip, cosine or l2")
         if self.params is not None and isinstance(self.kind, Kind):
@@ -331,7 +339,16 @@ class Workload:
 
         return exclusions.generate(users, items, self.excl_per_user, k=self.k, seed=seed, metric=metric)
 
-    def truth(self, users: Any, items: Any, rows: Any, metric: str = "ip", exclude: Any = None) -> Any:
+    def allowed(self, seed: int = 0) -> np.ndarray | None:
+        """The rows of the shared allow-set (host int64, increasing), or None without one."""
+        if not self.allow_fraction:
+            return None
+        rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0xA110]))
+        n = max(1, int(round(self.allow_fraction * self.n_items)))
+        return np.sort(rng.choice(self.n_items, n, replace=False)).astype(np.int64)
+
+    def truth(self, users: Any, items: Any, rows: Any, metric: str = "ip", exclude: Any = None,
+              allowed: np.ndarray | None = None) -> Any:
         """The exact float64 answer for the sampled user ``rows`` (``oracle.Truth``): over each user's own candidates
         for re-scoring, over the aggregate of its interests for multi-interest users, else ``oracle.exact_topk``
         (honouring ``exclude``)."""
@@ -341,7 +358,7 @@ class Workload:
             return _candidate_truth(users, items, self.k, rows, metric)
         if isinstance(users, MultiInterestUsers):
             return _interest_truth(users, items, self.k, rows, metric)
-        return oracle.exact_topk(users, items, self.k, rows, metric=metric, exclude=exclude)
+        return oracle.exact_topk(users, items, self.k, rows, metric=metric, exclude=exclude, allowed=allowed)
 
     def check(self, truth: Any, users: Any, items: Any, indices: Any, scores: Any = None,
               rtol: float | None = None) -> Any:
@@ -394,6 +411,10 @@ def _workloads() -> dict[str, Workload]:
                  "S1 + 200 exclusions per user (already seen): FAISS over-fetches k + 200", excl_per_user=200),
         Workload("S4-x20", 1_000_000, 1_000_000, 64, 100, Kind.clustered, "gpu",
                  "S4 + 20 exclusions per user", excl_per_user=20),
+        Workload("S1-allow10", 100_000, 1_000_000, 64, 100, Kind.clustered, "gpu",
+                 "S1 with a shared allow-set of 10% of the catalogue (the items of the day)", allow_fraction=0.1),
+        Workload("tiny-allow10", 2_000, 5_000, 32, 10, Kind.clustered, "cpu",
+                 "tiny with a shared allow-set of 10%", allow_fraction=0.1),
     ]
     return {x.name: x for x in w}
 

@@ -356,3 +356,22 @@ def test_e2e_candidates_reader_pads_missing_users(tmp_path):
     idx, sc = runner._read_candidates(tmp_path / "c.parquet", np.array([2, 3, 5]), 2)
     np.testing.assert_array_equal(idx, [[1, -1], [-1, -1], [9, 8]])
     assert sc[2, 1] == 2.0 and np.isneginf(sc[1]).all()
+
+
+def test_allow_set_workload_checks_the_filter() -> None:
+    # A shared allow-set: recall takes it and is exact; an answer with an item outside it is not exact.
+    w = workloads.get("tiny-allow10")
+    users, items = w.generate(0, "cpu")
+    allowed = w.allowed(0)
+    assert allowed.size == 500 and (np.diff(allowed) > 0).all()
+    rows = oracle.sample_rows(w.n_users, 200, 0)
+    truth = w.truth(users, items, rows, allowed=allowed)
+    assert np.isin(truth.top_items[truth.top_items >= 0], allowed).all()
+    c = contenders.RecallContender("cpu")
+    c.prepare(items)
+    idx, sc = c.search(users, w.k, allow=allowed)
+    assert w.check(truth, users, items, idx, sc).exact
+    bad = np.array(idx)
+    outside = np.setdiff1d(np.arange(w.n_items), allowed)
+    bad[rows[0], 0] = outside[0]
+    assert not w.check(truth, users, items, bad, None).exact
