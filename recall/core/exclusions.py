@@ -125,7 +125,8 @@ def take(indptr: np.ndarray, items: np.ndarray, users: np.ndarray) -> tuple[np.n
 
 
 def _int_array(values: Any, what: str) -> np.ndarray:
-    arr = np.asarray(values)
+    # Device arrays (CuPy) come to the host once: the blocks are staged from there.
+    arr = np.asarray(values.get() if hasattr(values, "get") and not isinstance(values, np.ndarray) else values)
     if arr.size == 0:
         return np.zeros(0, np.int64)
     if arr.dtype.kind not in "iu":
@@ -139,8 +140,9 @@ def normalise(exclude: Any, n_users: int, n_items: int) -> Exclusions:
     Parameters
     ----------
     exclude : None, Exclusions, mapping {user_row: iterable of item rows}, or (indptr, item_rows)
-        ``indptr`` has shape (n_users + 1,); both are integer arrays on the host. Within a user, rows may come in
-        any order and repeat.
+        ``indptr`` has shape (n_users + 1,); both are integer arrays, on the host or the device (copied to the
+        host once). Within a user, rows may come in any order and repeat; already sorted and unique rows are kept
+        as they are (checked in one vectorised pass).
 
     Raises
     ------
