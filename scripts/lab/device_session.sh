@@ -11,7 +11,7 @@
 #   filters   the exclusion and item-filter workloads with their anchors                    -> $OUT/filters.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT (seconds), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
+# FILTERS_TIMEOUT (seconds), EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
 STEPS=${STEPS:-"setup tests compare"}
@@ -64,7 +64,7 @@ fi
 
 if has early; then
     PYTHONPATH=$NEW_PATH timeout "${EARLY_TIMEOUT:-240}" python3 scripts/lab/e2e_layouts.py --users 1000000 \
-        --items 1000000 --dim 64 --k 100 --layout pyarrow --layout warehouse --repeat 2 \
+        --items 1000000 --dim 64 --k 100 $(for l in ${EARLY_LAYOUTS:-pyarrow warehouse}; do printf -- '--layout %s ' "$l"; done) --repeat 2 \
         --json "$OUT/early.json" >"$OUT/early.log" 2>&1
     echo "== early searches on / off (rc $?)"; tail -n 8 "$OUT/early.log"
 fi
@@ -80,4 +80,10 @@ if has filters; then
         -w S1-x200 -w S1-allow10 --contenders recall,faiss,cuvs,torch --repeat 3 --out "$OUT/filters" \
         >"$OUT/filters.log" 2>&1
     echo "== filters (rc $?)"; grep -E "^\|" "$OUT/filters/results.md" 2>/dev/null | head -n 30 || tail -n 30 "$OUT/filters.log"
+    # The job-sized case: 1M users with 20 exclusions each against the same search without them.
+    PYTHONPATH=$NEW_PATH timeout "${FILTERS_TIMEOUT:-300}" python3 -m recall bench --device gpu \
+        -w S4 -w S4-x20 --contenders recall --repeat 2 --sample-users 1000 --out "$OUT/filters-s4" \
+        >>"$OUT/filters.log" 2>&1
+    echo "== S4 with and without exclusions (rc $?)"; grep -E "^\|" "$OUT/filters-s4/results.md" 2>/dev/null \
+        || tail -n 20 "$OUT/filters.log"
 fi
