@@ -199,16 +199,22 @@ def bench(
         def log(msg: str) -> None:
             console.print(msg, style="dim", highlight=False)
 
+        partial = Path(out) / report.PARTIAL_NAME
+
+        def checkpoint(doc: dict) -> None:
+            report.write_partial(doc, partial)
+
         if grid is not None:
             indices = mx.parse_cells(cells, len(grid.cells))
-            doc = mx.run(grid, indices, settings, log=log, argv=_command_line())
+            doc = mx.run(grid, indices, settings, log=log, argv=_command_line(), checkpoint=checkpoint)
         else:
-            doc = runner.run(settings, log=log, argv=_command_line())
+            doc = runner.run(settings, log=log, argv=_command_line(), checkpoint=checkpoint)
     except InputError as exc:
         _fail(str(exc), 2)
     except BackendUnavailable as exc:
         _fail(str(exc), 1)
     report.print_table(doc, console)
+    partial.unlink(missing_ok=True)
     for name, what in report.write(doc, out).items():
         console.print(f"{name}: {what}", style="dim", highlight=False)
     bad = runner.problems(doc)

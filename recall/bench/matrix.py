@@ -526,7 +526,7 @@ def contender_names(families: list[str], device: str) -> list[str]:
 
 
 def run(grid: Grid, indices: list[int], settings: Any, log: Any = lambda msg: None,
-        argv: list[str] | None = None) -> dict[str, Any]:
+        argv: list[str] | None = None, checkpoint: Any = None) -> dict[str, Any]:
     """Run the cells ``indices`` of ``grid`` with ``settings`` (a ``runner.Settings`` whose workloads are replaced)
     and return the results document with its ``matrix`` section (grid, cells, estimate, :func:`summarise`).
 
@@ -544,7 +544,7 @@ def run(grid: Grid, indices: list[int], settings: Any, log: Any = lambda msg: No
     total, per = estimate(grid, indices, names, s.repeat, s.sample_users)
     log(f"matrix {grid.name}: {len(indices)} cells, contenders {', '.join(names)}, repeat {s.repeat}; "
         f"estimated {total / 60:.1f} min" + (" (H200)" if s.device == "gpu" else " (rough, CPU)"))
-    doc = runner.run(s, log=log, argv=argv)
+    doc = runner.run(s, log=log, argv=argv, checkpoint=checkpoint)
     doc["matrix"] = {"grid": grid.name, "why": grid.why, "indices": list(indices),
                      "cells": [grid.cells[i].text for i in indices], "estimate_s": total,
                      "estimate_per_cell_s": per, "summary": summarise(doc)}

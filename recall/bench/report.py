@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 JSON_NAME = "results.json"
+PARTIAL_NAME = "results.partial.json"
 MD_NAME = "results.md"
 PNG_NAME = "throughput.png"
 HEATMAP_NAME = "matrix.png"
@@ -237,6 +238,14 @@ def _jsonable(x: Any) -> Any:
     if hasattr(x, "item") and callable(x.item):  # NumPy scalars
         return _jsonable(x.item())
     return x
+
+
+def write_partial(doc: dict[str, Any], path: Path) -> None:
+    """The results so far, as results.json would hold them, written atomically (replaced after each workload)."""
+    from recall.io.atomic import write_bytes
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes(path, (json.dumps(_jsonable(doc), indent=2) + "\n").encode())
 
 
 def write(doc: dict[str, Any], out_dir: Path) -> dict[str, str]:

@@ -339,7 +339,8 @@ def _truth_and_exclusions(w: Workload, users: Any, items: Any, s: Settings, metr
     return truth, excl
 
 
-def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[str] | None = None) -> dict[str, Any]:
+def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[str] | None = None,
+        checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run every workload of ``s`` against every contender and return the results document (see results.json).
 
     Parameters
@@ -349,6 +350,9 @@ def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[s
         Receives one-line progress messages.
     argv : list of str, optional
         The command line, recorded in the results.
+    checkpoint : callable, optional
+        Receives the results document after every workload, so that a contender that kills the process (a native
+        crash in a baseline library) leaves the finished workloads behind.
 
     Raises
     ------
@@ -412,6 +416,8 @@ def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[s
         doc["results"].extend(results)
         del users, items, truth, excl
         _free_device_memory(s.device)
+        if checkpoint is not None:
+            checkpoint(doc)
     doc["elapsed_s"] = time.perf_counter() - started
     return doc
 

@@ -11,7 +11,7 @@
 #   filters   the exclusion and item-filter workloads with their anchors                    -> $OUT/filters.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT (seconds), EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
+# FILTERS_TIMEOUT (seconds), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
 STEPS=${STEPS:-"setup tests compare"}
@@ -70,8 +70,17 @@ if has early; then
 fi
 
 if has quick; then
+    # cuVS alone first, plain and with a per-user bitmap, each in its own process: a native crash there must not
+    # take the matrix with it.
+    families=recall,faiss,cuvs,torch
+    for w in S1 S1-x200; do
+        PYTHONPATH=$NEW_PATH timeout 90 python3 -m recall bench --device gpu -w "$w" --contenders cuvs --repeat 1 \
+            --sample-users 200 --out "/tmp/cuvs-$w" >"/tmp/cuvs-$w.log" 2>&1
+        rc=$?; echo "== cuVS alone on $w (rc $rc): $(grep -E "cuvs: " "/tmp/cuvs-$w.log" | head -n 1)"
+        if [ "$w" = S1 ] && [ $rc -ne 0 ]; then families=recall,faiss,torch; tail -n 5 "/tmp/cuvs-$w.log"; fi
+    done
     PYTHONPATH=$NEW_PATH timeout "${QUICK_TIMEOUT:-560}" python3 -m recall bench --device gpu --matrix gpu-quick \
-        --max-minutes 8.5 --out "$OUT/quick" >"$OUT/quick.log" 2>&1
+        --contenders "$families" --max-minutes "${QUICK_MINUTES:-8.5}" --out "$OUT/quick" >"$OUT/quick.log" 2>&1
     echo "== matrix gpu-quick (rc $?)"; cat "$OUT/quick/results.md" 2>/dev/null | head -n 60 || tail -n 30 "$OUT/quick.log"
 fi
 

@@ -163,6 +163,19 @@ def test_time_budget_skips_the_rest():
     assert doc["workloads"][1]["status"] == "skipped" and "time budget" in doc["workloads"][1]["reason"]
 
 
+def test_checkpoint_after_every_workload_and_partial_file_removed_at_the_end(tmp_path):
+    ws = [workloads.get("tiny"), workloads.get("tiny").with_kind("ties")]
+    ws[1] = type(ws[1])(**{**ws[1].__dict__, "name": "tiny-2"})
+    seen = []
+    runner.run(runner.Settings(ws, device="cpu", families=["recall"], repeat=1, sample_users=50),
+               checkpoint=lambda doc: seen.append([w["name"] for w in doc["workloads"]]))
+    assert seen == [["tiny"], ["tiny", "tiny-2"]]
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "-w", "tiny", "--contenders", "recall",
+                                      "--repeat", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "results.json").exists() and not (tmp_path / "results.partial.json").exists()
+
+
 # --- the oracle with exclusions ------------------------------------------------------------------------------------
 
 
