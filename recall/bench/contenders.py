@@ -493,9 +493,9 @@ class CuvsContender(Contender):
 
     Metrics: ip -> "inner_product" (cuVS returns the inner products, best first), l2 -> "sqeuclidean" (reported as
     -||u - v||^2 like the engine), cosine -> "cosine" (distance 1 - cos, reported as cos). Inputs are CuPy device
-    arrays; outputs are preallocated CuPy arrays, reused between searches, written batch by batch. Everything runs on
-    one CuPy stream that the cuVS ``Resources`` also use, so the per-batch bitmap (exclusions, built by CuPy kernels)
-    is ordered before the search that reads it.
+    arrays; each batch's answer is copied into CuPy arrays reused between searches. cuVS runs on its own
+    ``Resources`` stream: CuPy's stream is synchronised before each batch's search (queries, bitmap written) and cuVS's
+    after it (the bitmap is rewritten for the next batch), and those waits are timed, as a cuVS user would pay them.
     """
 
     family = "cuvs"
@@ -508,7 +508,6 @@ class CuvsContender(Contender):
         self.batch_users = batch_users
         self._index = None
         self._res = None
-        self._stream = None
         self._keep = None
         self._out: tuple[Any, Any] | None = None
         self._bits = None
@@ -532,10 +531,11 @@ class CuvsContender(Contender):
         from cuvs.common import Resources
         from cuvs.neighbors import brute_force
 
-        self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._res = Resources(stream=self._stream.ptr)
+        # cuVS's own stream: handing it a CuPy stream (Resources(stream=ptr)) crashes cuVS 26.10 in build on this
+        # image (scripts/lab/cuvs_probe.py), so the two meet at synchronisations instead.
+        self._res = Resources()
         xb = cupy.ascontiguousarray(item_vecs, dtype=cupy.float32)
-        synchronize("gpu")  # the items were written on the legacy stream; cuVS reads them on its own
+        synchronize("gpu")  # the items were written on CuPy's stream; cuVS reads them on its own
         self._index = brute_force.build(xb, metric=_CUVS_METRIC[self.metric], resources=self._res)
         self._res.sync()
         self._keep = xb  # the index refers to the device dataset, it does not copy it
@@ -565,24 +565,27 @@ class CuvsContender(Contender):
         k_sel = min(k, self._n_items)
         D, I = self._outputs(n, k_sel)
         batch = self._batch(exclude)
-        with self._stream:
-            xq = cupy.ascontiguousarray(user_vecs, dtype=cupy.float32)
+        stream = cupy.cuda.get_current_stream()
+        xq = cupy.ascontiguousarray(user_vecs, dtype=cupy.float32)
+        if exclude is not None:
+            words = bitmap_words(min(batch, n), self._n_items)
+            if self._bits is None or self._bits.shape[0] < words:
+                self._bits = None
+                self._bits = cupy.empty(words, dtype=cupy.uint32)
+        for a in range(0, n, batch):
+            b = min(a + batch, n)
+            prefilter = None
             if exclude is not None:
-                words = bitmap_words(min(batch, n), self._n_items)
-                if self._bits is None or self._bits.shape[0] < words:
-                    self._bits = None
-                    self._bits = cupy.empty(words, dtype=cupy.uint32)
-            for a in range(0, n, batch):
-                b = min(a + batch, n)
-                prefilter = None
-                if exclude is not None:
-                    prefilter = filters.from_bitmap(bitmap_into(self._bits, exclude, a, b))
-                brute_force.search(self._index, xq[a:b], k_sel, neighbors=I[a:b], distances=D[a:b],
-                                   resources=self._res, prefilter=prefilter)
-            _cuvs_finish(self.metric, D, I)
-            if k > k_sel:
-                D = cupy.concatenate([D, cupy.full((n, k - k_sel), -cupy.inf, dtype=cupy.float32)], axis=1)
-                I = cupy.concatenate([I, cupy.full((n, k - k_sel), -1, dtype=cupy.int64)], axis=1)
+                prefilter = filters.from_bitmap(bitmap_into(self._bits, exclude, a, b))
+            stream.synchronize()  # what CuPy wrote (queries, bitmap) is there before cuVS's stream reads it
+            d, i = brute_force.search(self._index, xq[a:b], k_sel, resources=self._res, prefilter=prefilter)
+            self._res.sync()
+            D[a:b] = cupy.asarray(d)
+            I[a:b] = cupy.asarray(i)
+        _cuvs_finish(self.metric, D, I)
+        if k > k_sel:
+            D = cupy.concatenate([D, cupy.full((n, k - k_sel), -cupy.inf, dtype=cupy.float32)], axis=1)
+            I = cupy.concatenate([I, cupy.full((n, k - k_sel), -1, dtype=cupy.int64)], axis=1)
         return I, D
 
     def sync(self) -> None:
@@ -596,7 +599,6 @@ class CuvsContender(Contender):
         self._out = None
         self._bits = None
         self._keep = None
-        self._stream = None
 
 
 # --- torch ----------------------------------------------------------------------------------------------------------

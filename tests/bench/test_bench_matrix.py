@@ -438,14 +438,18 @@ def _numpy_cupy() -> types.ModuleType:
         def __exit__(self, *exc: object) -> None:
             return None
 
-    cp.cuda = types.SimpleNamespace(Stream=Stream, runtime=types.SimpleNamespace(deviceSynchronize=lambda: None),
+        def synchronize(self) -> None:
+            return None
+
+    cp.cuda = types.SimpleNamespace(Stream=Stream, get_current_stream=Stream, runtime=types.SimpleNamespace(deviceSynchronize=lambda: None),
                                     Device=lambda: types.SimpleNamespace(id=0))
     return cp
 
 
 def _fake_cuvs() -> dict[str, types.ModuleType]:
     """cuVS brute force as documented: inner products best first (masked: -FLT_MAX), sqeuclidean and cosine
-    distances ascending (masked: +inf), a row-major per-query bitmap with 1 = allowed, outputs written in place."""
+    distances ascending (masked: +inf), a row-major per-query bitmap with 1 = allowed, outputs written in place or
+    allocated."""
     lowest = np.float32(-np.finfo(np.float32).max)
 
     def build(dataset, metric="sqeuclidean", metric_arg=2.0, resources=None):
@@ -469,6 +473,8 @@ def _fake_cuvs() -> dict[str, types.ModuleType]:
             key = np.where(allowed, key, np.inf)
             value = np.where(allowed, value, fill)
         order = np.argsort(key, axis=1, kind="stable")[:, :k]
+        if neighbors is None:
+            neighbors, distances = np.empty(order.shape, np.int64), np.empty(order.shape, np.float32)
         neighbors[...] = order
         distances[...] = np.take_along_axis(value, order, axis=1).astype(np.float32)
         return distances, neighbors
