@@ -19,18 +19,21 @@ from .errors import InputError
 
 @njit(cache=True)
 def _group(users: np.ndarray, items: np.ndarray, n_users: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pairs -> CSR (indptr (n_users + 1,), items grouped by user, each user's items in input order)."""
+    """Pairs -> CSR (indptr (n_users + 1,), items grouped by user, each user's items in input order); a pair with a
+    negative user or item row (an unknown id) is skipped."""
     indptr = np.zeros(n_users + 1, np.int64)
-    for u in users:
-        indptr[u + 1] += 1
+    for i in range(users.size):
+        if users[i] >= 0 and items[i] >= 0:
+            indptr[users[i] + 1] += 1
     for u in range(n_users):
         indptr[u + 1] += indptr[u]
     pos = indptr[:-1].copy()
-    out = np.empty(users.size, np.int64)
+    out = np.empty(indptr[n_users], np.int64)
     for i in range(users.size):
         u = users[i]
-        out[pos[u]] = items[i]
-        pos[u] += 1
+        if u >= 0 and items[i] >= 0:
+            out[pos[u]] = items[i]
+            pos[u] += 1
     return indptr, out
 
 
@@ -72,10 +75,13 @@ def _is_sorted_unique(indptr: np.ndarray, items: np.ndarray) -> bool:
 
 
 def group(users: np.ndarray, items: np.ndarray, n_users: int, sort_unique: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(indptr (n_users + 1,), item rows) of pairs ``users[i], items[i]`` (int64 rows, users in [0, n_users)):
-    each user's items in input order, or sorted and unique."""
-    indptr, grouped = _group(np.ascontiguousarray(users, np.int64), np.ascontiguousarray(items, np.int64),
-                             int(n_users))
+    """(indptr (n_users + 1,), int64 item rows) of pairs ``users[i], items[i]`` (integer rows of any width, users
+    below ``n_users``; a pair with a negative row on either side is skipped, without a filtered copy): each user's
+    items in input order, or sorted and unique."""
+    users, items = np.ascontiguousarray(users), np.ascontiguousarray(items)
+    if users.dtype != items.dtype or users.dtype not in (np.int32, np.int64):
+        users, items = users.astype(np.int64), items.astype(np.int64)
+    indptr, grouped = _group(users, items, int(n_users))
     if sort_unique and not _is_sorted_unique(indptr, grouped):
         indptr, grouped = _sort_unique(indptr, grouped)
     return indptr, grouped

@@ -24,6 +24,10 @@ from .parquet import (INT64_MAX, READ_BATCH_ROWS, column_names, first_true, flat
                       match_type, open_parquet)
 
 
+LOOKUP_GROUP_VALUES = 1 << 22
+"""Least number of id values mapped to rows in one lookup (see :func:`read_pairs`)."""
+
+
 @dataclass(frozen=True)
 class IdPairs:
     """Pairs mapped to rows, as CSR over the users' rows.
@@ -129,7 +133,26 @@ def read_pairs(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.ndarr
     pf = open_parquet(path, f"{what}s")
     col = pairs_column(pf, path, what)
     has_list = col == "item_ids"
-    user_parts, item_parts, length_parts = [], [], []
+    # Ids are mapped to rows a group of batches at a time, so the file's id columns are never all held at once: a
+    # group holds at least four times as many values as the larger id table, which bounds the cost of building the
+    # lookup's hash table once per group to a quarter of the lookups themselves. Rows are kept as int32 when they fit.
+    row_type = np.int32 if max(user_ids.size, item_ids.size) < 2 ** 31 - 1 else np.int64
+    group_values = max(4 * max(user_ids.size, item_ids.size), LOOKUP_GROUP_VALUES)
+    user_rows, item_rows, pending_users, pending_items, pending_lengths = [], [], [], [], []
+    named = np.zeros(user_ids.size, bool)
+    pending = 0
+
+    def flush() -> None:
+        nonlocal pending
+        if pending_users:
+            rows = lookup(pa.chunked_array(pending_users), user_ids).astype(row_type)
+            named[rows[rows >= 0]] = True  # a user named with an empty list still counts as named
+            user_rows.append(np.repeat(rows, np.concatenate(pending_lengths)) if has_list else rows)
+            item_rows.append(lookup(pa.chunked_array(pending_items), item_ids).astype(row_type))
+        for part in (pending_users, pending_items, pending_lengths):
+            part.clear()
+        pending = 0
+
     row = 0
     for batch in iter_batches(pf, path, ["user_id", col], READ_BATCH_ROWS):
         users, items = batch.column(0), batch.column(1)
@@ -137,22 +160,24 @@ def read_pairs(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.ndarr
             if c.null_count:
                 raise InputError(f"{path}: row {row + first_true(c.is_null().to_numpy(zero_copy_only=False))} "
                                  f"has a null {name}")
-        user_parts.append(match_type(path, "user_id", users, user_ids, "users'", row))
+        pending_users.append(match_type(path, "user_id", users, user_ids, "users'", row))
         if has_list:
             items, lengths = flatten_id_lists(path, items, row)
-            length_parts.append(lengths)
-        item_parts.append(match_type(path, col, items, item_ids, "items'", row))
+            pending_lengths.append(lengths)
+        pending_items.append(match_type(path, col, items, item_ids, "items'", row))
+        pending += len(items)
         row += batch.num_rows
-    empty = np.zeros(0, np.int64)
-    row_users = lookup(pa.chunked_array(user_parts), user_ids) if user_parts else empty
-    pair_users = np.repeat(row_users, np.concatenate(length_parts)) if length_parts else row_users
-    pair_items = lookup(pa.chunked_array(item_parts), item_ids) if item_parts else empty
-    known = (pair_users >= 0) & (pair_items >= 0)
+        if pending >= group_values:
+            flush()
+    flush()
+    empty = np.zeros(0, row_type)
+    pair_users = np.concatenate(user_rows) if user_rows else empty
+    pair_items = np.concatenate(item_rows) if item_rows else empty
+    del user_rows, item_rows
     n_pairs = int(pair_users.size)
-    named = np.zeros(user_ids.size, bool)
-    named[row_users[row_users >= 0]] = True
-    indptr, rows = exclusions.group(pair_users[known], pair_items[known], int(user_ids.size), sort_unique)
-    return IdPairs(indptr, rows, named, n_pairs, n_pairs - int(known.sum()))
+    n_known = int(np.count_nonzero((pair_users >= 0) & (pair_items >= 0)))
+    indptr, rows = exclusions.group(pair_users, pair_items, int(user_ids.size), sort_unique)
+    return IdPairs(indptr, rows, named, n_pairs, n_pairs - n_known)
 
 
 def distinct_users(path: str | os.PathLike, want_strings: bool) -> np.ndarray:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recall import InputError
+from recall.core import exclusions
 from recall.core.exclusions import Exclusions, normalise
 
 
@@ -134,3 +135,18 @@ def test_property_csr_is_sorted_unique_and_complete(n_users, n_items, data):
     ex2 = normalise((indptr, np.array([i for _, i in shuffled], dtype=np.int64)), n_users, n_items)
     np.testing.assert_array_equal(ex2.indptr, ex.indptr)
     np.testing.assert_array_equal(ex2.items, ex.items)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.int16])
+def test_group_skips_negative_rows_and_takes_any_integer_width(dtype):
+    rng = np.random.default_rng(3)
+    users = rng.integers(-1, 50, 2_000).astype(dtype)
+    items = rng.integers(-1, 300, 2_000).astype(dtype)
+    indptr, rows = exclusions.group(users, items, 50, sort_unique=True)
+    assert rows.dtype == np.int64 and indptr[-1] == rows.size
+    for u in range(50):
+        want = np.unique(items[(users == u) & (items >= 0)]).astype(np.int64)
+        np.testing.assert_array_equal(rows[indptr[u]:indptr[u + 1]], want)
+    indptr, rows = exclusions.group(users, items, 50, sort_unique=False)  # file order kept
+    for u in range(50):
+        np.testing.assert_array_equal(rows[indptr[u]:indptr[u + 1]], items[(users == u) & (items >= 0)])

@@ -319,6 +319,28 @@ def test_exclusion_list_form_string_ids(tmp_path: Path) -> None:
     assert indptr.tolist() == [0, 1, 1, 3] and rows.tolist() == [1, 0, 2]
 
 
+@pytest.mark.parametrize("form", ["pairs", "lists"])
+def test_pairs_mapped_a_group_of_batches_at_a_time_equal_one_lookup(tmp_path: Path, monkeypatch, form) -> None:
+    import recall.io.pairs as pairs_mod
+
+    rng = np.random.default_rng(8)
+    user_ids, item_ids = np.arange(60) * 3 + 7, np.arange(90) * 5 + 1
+    users = rng.integers(0, 200, 700)  # some unknown (not a multiple of 3 plus 7)
+    if form == "pairs":
+        path = _write(tmp_path / "x.parquet", user_id=users, item_id=rng.integers(0, 500, 700))
+    else:
+        lists = [rng.integers(0, 500, rng.integers(0, 4)).tolist() for _ in users]  # some empty lists
+        path = _write(tmp_path / "x.parquet", user_id=users, item_ids=pa.array(lists, pa.list_(pa.int64())))
+    whole = read_pairs(path, user_ids, item_ids)
+    monkeypatch.setattr(pairs_mod, "READ_BATCH_ROWS", 16)
+    monkeypatch.setattr(pairs_mod, "LOOKUP_GROUP_VALUES", 1)  # a lookup every 4 x 90 values: several groups
+    grouped = read_pairs(path, user_ids, item_ids)
+    for a, b in zip(whole.csr(), grouped.csr()):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(whole.named, grouped.named)
+    assert (whole.n_pairs, whole.n_unknown) == (grouped.n_pairs, grouped.n_unknown) and whole.n_unknown > 0
+
+
 def test_exclusion_blocks_match_full_csr(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     user_ids, item_ids = np.arange(50) + 1000, np.arange(40) + 5000
