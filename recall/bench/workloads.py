@@ -415,6 +415,8 @@ def _workloads() -> dict[str, Workload]:
                  "S1 with a shared allow-set of 10% of the catalogue (the items of the day)", allow_fraction=0.1),
         Workload("tiny-allow10", 2_000, 5_000, 32, 10, Kind.clustered, "cpu",
                  "tiny with a shared allow-set of 10%", allow_fraction=0.1),
+        Workload("cpu-small-allow10", 20_000, 100_000, 64, 100, Kind.normal, "cpu",
+                 "cpu-small with a shared allow-set of 10% of the catalogue", allow_fraction=0.1),
     ]
     return {x.name: x for x in w}
 
