@@ -172,6 +172,9 @@ def batch(
     if summary.unknown_exclusions:
         typer.echo(f"warning: {summary.unknown_exclusions:,} of {summary.exclusion_pairs:,} exclusion pairs name an "
                    f"item id that is not in the items file; they were ignored", err=True)
+    if summary.unknown_filter_ids:
+        typer.echo(f"warning: {summary.unknown_filter_ids:,} of {summary.filter_ids:,} item filter ids are not in "
+                   f"the items file; they were ignored", err=True)
     typer.echo(summary.line())
     if verbose:
         for w in summary.worker_infos:

@@ -256,7 +256,8 @@ def read_item_set(path: str | os.PathLike, item_ids: np.ndarray, what: str = "al
     Raises
     ------
     InputError
-        Bad file or columns; a null id (naming the row); ids of another type than the items'.
+        Bad file or columns; a null id (naming the row); ids of another type than the items'; an allow file with no
+        id of the items file (empty, or every id unknown).
     """
     path = os.fspath(path)
     item_ids = np.asarray(item_ids)
@@ -272,4 +273,9 @@ def read_item_set(path: str | os.PathLike, item_ids: np.ndarray, what: str = "al
         row += batch.num_rows
     found = lookup(pa.chunked_array(parts), item_ids) if parts else np.zeros(0, np.int64)
     known = found[found >= 0]
+    if what == "allow" and known.size == 0:
+        # Every user would get an empty list: a filter of the day that does not match the catalogue is a mistake
+        # to stop on, not candidates to serve.
+        raise InputError(f"{path}: the allow file names no item of the items file ({found.size:,} ids, "
+                         f"{found.size:,} unknown): every user would get no candidates")
     return ItemSet(np.unique(known), int(found.size), int(found.size - known.size))

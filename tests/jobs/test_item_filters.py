@@ -127,3 +127,35 @@ def test_bad_filter_files_name_file_and_row(tmp_path: Path, table: dict, pattern
     result = runner.invoke(app, ["score", "--users", str(up), "--items", str(ip), "--k", "3", "--out",
                                  str(tmp_path / "o.parquet"), "--device", "cpu", "--allow", str(path)])
     assert result.exit_code == 2 and not (tmp_path / "o.parquet").exists()
+
+
+def test_batch_warns_about_unknown_filter_ids(tmp_path: Path) -> None:
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.parquet").write_bytes(up.read_bytes())
+    allow = _ids_file(tmp_path / "allow.parquet", [*item_ids[10:], 555555, 666666])
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["batch", "--users", str(tmp_path / "shards"), "--items", str(ip), "--k", "4",
+                                 "--out", str(out), "--device", "cpu", "--allow", str(allow), "-q"])
+    assert result.exit_code == 0, result.output
+    assert "warning: 2 of 32 item filter ids are not in the items file; they were ignored" in result.stderr
+    _check(out / "a.parquet", users, items, user_ids, item_ids, 4, np.arange(10))
+
+
+@pytest.mark.parametrize("ids", [[], [555555, 666666]], ids=["empty", "all-unknown"])
+@pytest.mark.parametrize("command", ["score", "batch"])
+def test_an_allow_file_that_matches_no_item_is_refused(tmp_path: Path, ids, command) -> None:
+    """Every user would get no candidates: exit 2, the file named, nothing written."""
+    up, ip, *_ = _files(tmp_path)
+    allow = _ids_file(tmp_path / "allow.parquet", ids)
+    if command == "batch":
+        (tmp_path / "shards").mkdir()
+        (tmp_path / "shards" / "a.parquet").write_bytes(up.read_bytes())
+        users, out = tmp_path / "shards", tmp_path / "out"
+    else:
+        users, out = up, tmp_path / "o.parquet"
+    result = runner.invoke(app, [command, "--users", str(users), "--items", str(ip), "--k", "3", "--out", str(out),
+                                 "--device", "cpu", "--allow", str(allow)])
+    assert result.exit_code == 2, result.output
+    assert f"{allow}: the allow file names no item of the items file" in result.stderr
+    assert not out.exists() or not any(p.suffix == ".parquet" or p.name == "_SUCCESS" for p in out.iterdir())

@@ -92,6 +92,8 @@ class BatchSummary:
     out_dir : str
     exclusion_pairs, unknown_exclusions : int
         Pairs in the exclusions file; of those, pairs naming an item id the items file does not have (ignored).
+    filter_ids, unknown_filter_ids : int
+        Ids in the ``--allow`` and ``--deny`` files; of those, ids the items file does not have (ignored).
     """
 
     shards_total: int
@@ -109,6 +111,8 @@ class BatchSummary:
     metric: str = ""
     exclusion_pairs: int = 0
     unknown_exclusions: int = 0
+    filter_ids: int = 0
+    unknown_filter_ids: int = 0
     notices: list[str] = field(default_factory=list)
     worker_infos: list[WorkerInfo] = field(default_factory=list)
 
@@ -494,5 +498,6 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
         shards_scored=state.done, users_scored=state.users_done, seconds=time.perf_counter() - t_start,
         device=info.device if info else "", workers=executor.n_workers, n_items=info.n_items if info else 0,
         exclusion_pairs=info.exclusion_pairs if info else 0, unknown_exclusions=info.unknown_exclusions if info else 0,
+        filter_ids=info.filter_ids if info else 0, unknown_filter_ids=info.unknown_filter_ids if info else 0,
         worker_infos=list(state.workers), **base,
     )

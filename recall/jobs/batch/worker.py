@@ -125,6 +125,8 @@ class WorkerInfo:
     dim: int
     exclusion_pairs: int = 0
     unknown_exclusions: int = 0
+    filter_ids: int = 0
+    unknown_filter_ids: int = 0
     cuda_visible_devices: str | None = None
     cpu_affinity: list[int] | None = None
 
@@ -227,6 +229,8 @@ class ShardScorer:
             n_items=self.engine.n_items, dim=self.engine.dim,
             exclusion_pairs=self.exclusions.pairs.n_pairs if self.exclusions else 0,
             unknown_exclusions=self.exclusions.pairs.n_unknown if self.exclusions else 0,
+            filter_ids=sum(f.n_ids for f in (allow, deny) if f is not None),
+            unknown_filter_ids=sum(f.n_unknown for f in (allow, deny) if f is not None),
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         )
