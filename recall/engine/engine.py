@@ -19,7 +19,7 @@ from ..core.checks import PRECISIONS, check_budget, check_choice, check_k
 from ..core.errors import InputError
 from ..core.exclusions import Exclusions, normalise
 from ..core.options import DEFAULT_OPTIONS, EngineOptions
-from ..core.results import SearchResult, pad
+from ..core.results import SearchResult
 from ..core.tiling import plan_tiles
 from . import fast, inputs, interests, tuning
 from .candidates import normalise_candidates
@@ -118,8 +118,9 @@ class Engine:
             NumPy, or a device array (CuPy, torch CUDA tensor via ``__dlpack__``) used in place on the GPU. Users
             with several vectors: an (n_users, n_interests, dim) array, or a list of (n_i, dim) arrays.
         k : int
-            Items per user, >= 1. Where fewer than k items qualify (k > n_items, exclusions), rows are padded
-            with index -1 and score -inf.
+            Items per user, >= 1 and below 2^31. The result has ``min(k, n_items)`` columns: a k beyond the
+            catalogue returns the whole catalogue and costs no more memory than ``k = n_items``. Where fewer items
+            qualify (exclusions), rows are padded with index -1 and score -inf.
         exclude : mapping {user_row: iterable of item rows} or (indptr, item_rows) CSR, optional
             Items never to return to a user; removed before selection, so a user still gets k items if k remain.
         aggregate : {"max", "sum"}, optional
@@ -129,12 +130,13 @@ class Engine:
         Returns
         -------
         SearchResult
-            CuPy arrays when ``user_vecs`` lived on the GPU, NumPy arrays otherwise.
+            (n_users, min(k, n_items)) arrays: CuPy arrays when ``user_vecs`` lived on the GPU, NumPy arrays
+            otherwise.
 
         Raises
         ------
         InputError
-            k < 1, wrong dimension, NaN/Inf, zero vector under cosine, exclusions out of range.
+            k < 1 or >= 2^31, wrong dimension, NaN/Inf, zero vector under cosine, exclusions out of range.
         ResourceError
             The memory budget cannot hold even the smallest tile.
         """
@@ -161,11 +163,11 @@ class Engine:
         k_sel = min(k, self.n_items)
         host = xp is np
         if users.shape[0] == 0:
-            vals, rows = xp.full((0, k), -np.inf, dtype=np.float32), xp.full((0, k), -1, dtype=np.int64)
+            vals, rows = xp.full((0, k_sel), -np.inf, dtype=np.float32), xp.full((0, k_sel), -1, dtype=np.int64)
             return PendingSearch(lambda: self._result(xp, users, vals, rows))
         if self.precision == "fast":
             vals, rows = fast.search(self, prepared, k_sel, excl)
-            done = self._result(xp, users, *pad(self.backend.xp, vals, rows, k))
+            done = self._result(xp, users, vals, rows)
             return PendingSearch(lambda: done, self.stats)
         vals = self.backend.empty_out((users.shape[0], k_sel), np.float32, host)
         rows = self.backend.empty_out((users.shape[0], k_sel), np.int64, host)
@@ -175,7 +177,7 @@ class Engine:
 
         def finish() -> SearchResult:
             pending.stats = self.stats = wait()
-            return self._result(xp, users, *pad(np if host else self.backend.xp, vals, rows, k))
+            return self._result(xp, users, vals, rows)
 
         pending._finish = finish
         return pending
@@ -244,7 +246,8 @@ class Engine:
             Item rows per user: ``item_rows[indptr[u]:indptr[u+1]]``, ``candidates[u]`` or row ``u``; any length,
             any order, duplicates count once. Host arrays, or device arrays on a GPU engine (read in place).
         k : int
-            Items per user, >= 1; rows are padded with (-1, -inf) where a user has fewer than k distinct candidates.
+            Items per user, >= 1; the result has ``min(k, n_items)`` columns, padded with (-1, -inf) where a user has
+            fewer distinct candidates.
 
         Returns
         -------
@@ -258,7 +261,7 @@ class Engine:
         """
         import time
 
-        k = check_k(k)
+        k = min(check_k(k), self.n_items)  # no user has more distinct candidates than there are items
         xp, users, _ = self._check_users(user_vecs, None)
         cands = normalise_candidates(candidates, int(users.shape[0]), self.n_items, self.backend)
         wall = time.perf_counter()

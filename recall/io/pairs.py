@@ -161,7 +161,8 @@ def distinct_users(path: str | os.PathLike, want_strings: bool) -> np.ndarray:
     :func:`read_pairs` then reads the file again and names the problem (file, row, column)."""
     empty = np.zeros(0, object if want_strings else np.int64)
     try:
-        col = pq.read_table(os.fspath(path), columns=["user_id"]).column("user_id").combine_chunks()
+        col = pq.read_table(os.fspath(path), columns=["user_id"], page_checksum_verification=True) \
+            .column("user_id").combine_chunks()
     except (pa.ArrowException, OSError, KeyError):
         return empty
     if pa.types.is_dictionary(col.type):

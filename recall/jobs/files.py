@@ -12,10 +12,13 @@ leaves no partial file, and the previous file at the path as it was).
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +29,7 @@ from ..core import metrics
 from ..core.checks import DEVICES, check_choice, check_int, check_k
 from ..core.errors import InputError
 from ..core.results import id_lookup
+from ..engine.inputs import check_overflow
 from ..io import (
     DEFAULT_COMPRESSION,
     CandidateWriter,
@@ -41,7 +45,8 @@ from ..io import (
     read_interest_users,
     read_pairs,
 )
-from ..io.parquet import fmt_id
+from ..io import atomic
+from ..io.parquet import at, fmt_id, open_parquet
 from . import early
 from .items import check_nonzero, load_engine
 from .options import DEFAULT_JOB_OPTIONS, JobOptions
@@ -57,6 +62,47 @@ _MIN_BATCH = 256
 #: ``progress(done_users, total_users)``; called from the writer thread after each batch is handed to the Parquet
 #: writer (whose encoding threads may still hold the last few).
 Progress = Callable[[int, int], None]
+
+log = logging.getLogger("recall")
+
+
+def check_not_empty(path: str, n_rows: int, out: Path, allow_empty: bool, what: str = "users") -> None:
+    """An input without rows would replace ``out`` with an empty candidates file: InputError unless
+    ``allow_empty`` (an upstream job that failed quietly must not empty yesterday's candidates)."""
+    if n_rows or allow_empty:
+        return
+    if out.exists():
+        effect = f"replace {out} ({out.stat().st_size:,} bytes) with an empty candidates file"
+    else:
+        effect = f"write an empty candidates file to {out}"
+    raise InputError(f"{path}: the {what} file has no rows, so this would {effect}; pass --allow-empty "
+                     f"(allow_empty=True) if that is what you want")
+
+
+def remove_leftovers(out: Path) -> None:
+    """Remove the temporary files that killed runs left beside ``out`` (their process is dead, no lock is held on
+    them), and say so once."""
+    removed = atomic.remove_stale_temporaries(out.parent)
+    if removed:
+        log.warning("notice: %s", atomic.describe_removed(removed, out.parent))
+
+
+def check_scores_fit(engine: Any, vectors: np.ndarray, ids: np.ndarray, path: str, row_start: int = 0,
+                     file_rows: np.ndarray | None = None, owner: np.ndarray | None = None,
+                     scale: np.ndarray | None = None) -> None:
+    """The engine's float32 overflow check, in terms of the file: InputError naming ``path``, the row and the id
+    (the engine itself can only name the row of its argument).
+
+    ``vectors`` (n, dim) host float32; ``file_rows`` the file row of each vector (default ``row_start + i``);
+    ``owner`` the position in ``ids`` of each vector's user (default ``i``); ``scale`` (n,) multiplies each norm (a
+    sum over a user's interests is bounded by their count times the largest).
+    """
+    def where(i: int) -> str:
+        row = int(file_rows[i]) if file_rows is not None else row_start + i
+        return at(path, row, ids, int(owner[i]) if owner is not None else i)
+
+    norms = metrics.row_norms(np, vectors)
+    check_overflow(np, norms if scale is None else norms * scale, engine.item_norm, engine.metric, where, what=None)
 
 
 def auto_batch_size(k: int, dim: int) -> int:
@@ -138,7 +184,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
                 vec_col: str = "embedding", device: str = "auto", batch_size: int | None = None,
                 memory_budget: int | None = None, progress: Progress | None = None, precision: str = "exact",
                 compression: str = DEFAULT_COMPRESSION, aggregate: str | None = None,
-                options: JobOptions | None = None) -> JobSummary:
+                options: JobOptions | None = None, allow_empty: bool = False) -> JobSummary:
     """Score every user of a Parquet file against every item of another and write the top-k candidates to Parquet.
 
     Parameters
@@ -152,7 +198,8 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
         per user in input order (of first appearance, with ``aggregate``), best first. Written to a temporary file
         and renamed into place when complete.
     k : int
-        Items per user, >= 1. Users with fewer than k qualifying items get shorter lists.
+        Items per user, >= 1 and below 2^31. Users with fewer than k qualifying items get shorter lists; a k beyond
+        the number of items gives every user the whole catalogue, at the cost of ``k = n_items``.
     metric : {"ip", "cosine", "l2"}
     exclude_path : str or PathLike, optional
         Parquet of ``user_id``, ``item_id`` pairs (or ``user_id``, ``item_ids`` lists) never to return. Pairs with an
@@ -173,6 +220,9 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     aggregate : {"max", "sum"}, optional
         Users with several vectors each: an item's score is the max or the sum over them.
     options : JobOptions, optional
+    allow_empty : bool
+        Write an empty candidates file when the users file has no rows; by default that is an InputError, so that
+        an upstream failure does not replace the previous output with an empty one.
 
     Returns
     -------
@@ -181,7 +231,10 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     Raises
     ------
     InputError
-        Any bad file, row or argument (the message names the file, row and id); nothing is written.
+        Any bad file, row or argument (the message names the file, row and id), an empty users file without
+        ``allow_empty``; nothing is written.
+    OSError
+        The output cannot be written (disk full, I/O error): the message names the path; nothing is left behind.
     ResourceError
         The memory budget cannot hold the smallest tile.
     BackendUnavailable
@@ -207,10 +260,17 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
         _check_dims(users_info, items_info, users_path, items_path)
     if exclude_path is not None:
         inspect_pairs(exclude_path, "exclusion")
+    n_users = users_info.n_rows if aggregate is None else open_parquet(users_path, "embeddings").metadata.num_rows
+    check_not_empty(users_path, n_users, out, allow_empty)
     backend = backends.resolve(device)
+    remove_leftovers(out)
     run = _score_single if aggregate is None else _score_interests
-    return run(users_path, items_path, out, str(out_path), k, metric, exclude_path, id_col, vec_col, backend,
-               batch_size, memory_budget, progress, precision, compression, aggregate, options, items_info, t_start)
+    # Never wider than the catalogue: a k beyond it returns every item, at the cost (and with the bytes) of k = n.
+    k_run = min(k, max(1, items_info.n_rows))
+    summary = run(users_path, items_path, out, str(out_path), k_run, metric, exclude_path, id_col, vec_col, backend,
+                  batch_size, memory_budget, progress, precision, compression, aggregate, options, items_info,
+                  t_start)
+    return dataclasses.replace(summary, k=k)
 
 
 def _score_single(users_path: str, items_path: str, out: Any, out_label: str, k: int, metric: str,
@@ -257,6 +317,7 @@ def _score_single(users_path: str, items_path: str, out: Any, out_label: str, k:
     batch_size = batch_size or auto_batch_size(k, engine.dim)
 
     def query(batch: Embeddings) -> Any:
+        check_scores_fit(engine, batch.vectors, batch.ids, users_path, batch.row_start)
         exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
         return engine.search_async(batch.vectors, k, exclude=exclude)
 
@@ -311,6 +372,11 @@ def _score_interests(users_path: str, items_path: str, out: Any, out_label: str,
             user = int(np.searchsorted(users.indptr, pos, side="right") - 1)
             raise InputError(f"{users_path}: row {int(users.file_rows[pos])} (id {fmt_id(users.ids[user])}) has a "
                              f"zero vector, which has no direction for metric 'cosine'")
+    if users.vectors.shape[0]:
+        counts = np.diff(users.indptr)
+        owner = np.repeat(np.arange(len(users)), counts)
+        check_scores_fit(engine, users.vectors, users.ids, users_path, file_rows=users.file_rows, owner=owner,
+                         scale=counts[owner].astype(np.float64) if aggregate == "sum" else None)
     excl = read_pairs(exclude_path, users.ids, items.ids, what="exclusion") if exclude_path is not None else None
     read_s = time.perf_counter() - t0
     start_s = time.perf_counter() - t_start
@@ -340,7 +406,8 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
                   candidates_path: str | os.PathLike, out_path: str | os.PathLike, k: int, metric: str = "ip",
                   id_col: str = "id", vec_col: str = "embedding", device: str = "auto",
                   memory_budget: int | None = None, batch_size: int | None = None, progress: Progress | None = None,
-                  compression: str = DEFAULT_COMPRESSION, options: JobOptions | None = None) -> JobSummary:
+                  compression: str = DEFAULT_COMPRESSION, options: JobOptions | None = None,
+                  allow_empty: bool = False) -> JobSummary:
     """Re-score each user's candidates from Parquet files and write its top-k to a candidates Parquet file.
 
     Parameters
@@ -356,11 +423,16 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     k : int
     metric, id_col, vec_col, device, memory_budget, batch_size, progress, compression, options
         As for :func:`score_files`.
+    allow_empty : bool
+        Write an empty candidates file when the users or the candidates file has no rows (default: InputError).
 
     Raises
     ------
     InputError
-        Any bad file, row, id type or argument (naming file, row and id); nothing is written.
+        Any bad file, row, id type or argument (naming file, row and id), an empty input without ``allow_empty``;
+        nothing is written.
+    OSError
+        As for :func:`score_files`.
     ResourceError, BackendUnavailable
         As for ``recall score``.
     """
@@ -371,9 +443,15 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     users_path, items_path, candidates_path = (os.fspath(p) for p in (users_path, items_path, candidates_path))
     out = check_output_path(out_path, (users_path, items_path, candidates_path))
     users_info = inspect_embeddings(users_path, id_col, vec_col)
-    _check_dims(users_info, inspect_embeddings(items_path, id_col, vec_col), users_path, items_path)
+    items_info = inspect_embeddings(items_path, id_col, vec_col)
+    _check_dims(users_info, items_info, users_path, items_path)
     inspect_pairs(candidates_path, "candidate")
+    check_not_empty(users_path, users_info.n_rows, out, allow_empty)
+    check_not_empty(candidates_path, open_parquet(candidates_path, "candidates").metadata.num_rows, out, allow_empty,
+                    "candidates")
     backend = backends.resolve(device)
+    remove_leftovers(out)
+    k_run = min(k, max(1, items_info.n_rows))  # no user has more distinct candidates than there are items
 
     t0 = time.perf_counter()
     items, engine, _ = load_engine(items_path, id_col, vec_col, metric, backend, memory_budget,
@@ -390,11 +468,13 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     read_s = time.perf_counter() - t0
     start_s = time.perf_counter() - t_start
     n = int(present.size)
-    batch = batch_size or auto_batch_size(k, engine.dim)
+    batch = batch_size or auto_batch_size(k_run, engine.dim)
 
     def query(span: tuple[int, int]) -> Done:
         start, stop = span
-        res = engine.rescore(users.vectors[present[start:stop]], mine.block(start, stop), k)
+        rows = present[start:stop]
+        check_scores_fit(engine, users.vectors[rows], users.ids, users_path, file_rows=rows, owner=rows)
+        res = engine.rescore(users.vectors[rows], mine.block(start, stop), k_run)
         return Done(res, engine.stats)
 
     with CandidateWriter(out, _id_type(users.ids), _id_type(items.ids), compression) as writer:

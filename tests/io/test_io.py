@@ -244,7 +244,8 @@ def test_corrupt_data_pages(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[100:2000] = bytes(b ^ 0xFF for b in data[100:2000])
     path.write_bytes(bytes(data))
-    with pytest.raises(InputError, match=r"corrupt\.parquet: (unreadable data after row \d+|not a Parquet file)"):
+    with pytest.raises(InputError, match=r"corrupt\.parquet: (row group 0 \(rows 0-999\) is damaged|not a Parquet "
+                                         r"file)"):
         read_embeddings(path)
 
 
@@ -457,10 +458,10 @@ def test_writer_file_is_what_one_pyarrow_writer_writes(tmp_path: Path, compressi
         for table in tables:
             writer.write(table)
     assert writer.rows_written == sum(t.num_rows for t in tables)
-    # The options the writer promises: no dictionary, statistics for user_id only, zstd at level 1.
+    # The options the writer promises: no dictionary, statistics for user_id only, zstd at level 1, page checksums.
     with pq.ParquetWriter(tmp_path / "one.parquet", candidates_schema(), compression=compression,
                           compression_level=1 if compression == "zstd" else None, use_dictionary=False,
-                          write_statistics=["user_id"]) as one:
+                          write_statistics=["user_id"], write_page_checksum=True) as one:
         for table in tables:
             if table.num_rows:  # an empty table adds no row group
                 one.write_table(table)

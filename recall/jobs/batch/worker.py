@@ -22,7 +22,7 @@ from ...core.results import id_lookup
 from ...io import CandidateWriter, IdPairs, read_ids, read_pairs
 from ...io.atomic import sha256_file
 from ...io.pairs import distinct_users, rows_of
-from ..files import auto_batch_size, user_batches
+from ..files import auto_batch_size, check_scores_fit, user_batches
 from ..items import load_engine
 from ..options import DEFAULT_JOB_OPTIONS, JobOptions
 from ..runner import run_stream
@@ -210,8 +210,10 @@ class ShardScorer:
         self.item_ids = id_lookup(items.ids)
         self.exclusions = (_ExclusionIndex(spec.exclude_path, spec.user_id_type == "string", items.ids)
                            if spec.exclude_path is not None else None)
-        self.batch_size = spec.batch_size or auto_batch_size(spec.k, self.engine.dim)
-        self.group_rows = row_group_rows(spec.k)
+        # Never wider than the catalogue: a k beyond it gives the bytes (and costs the memory) of k = n_items.
+        self.k = min(spec.k, self.engine.n_items)
+        self.batch_size = spec.batch_size or auto_batch_size(self.k, self.engine.dim)
+        self.group_rows = row_group_rows(self.k)
         self.info = WorkerInfo(
             worker=worker, device=self.engine.device, device_detail=self.engine.backend.describe(),
             host=socket.gethostname(), pid=os.getpid(), items_load_s=time.perf_counter() - t0,
@@ -244,8 +246,9 @@ class ShardScorer:
         n_users = int(user_ids.size)
 
         def query(batch: Any) -> Any:
+            check_scores_fit(engine, batch.vectors, batch.ids, task.path, batch.row_start)
             exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
-            return engine.search_async(batch.vectors, spec.k, exclude=exclude)
+            return engine.search_async(batch.vectors, self.k, exclude=exclude)
 
         def write(batch: Any, result: Any) -> None:
             groups.add(result.to_arrow(batch.ids, self.item_ids))
