@@ -705,3 +705,16 @@ def test_no_gpu_is_refused_before_anything_is_written(job: dict, tmp_path: Path,
     assert result.exit_code == 2 and result.stderr.startswith("error: --device gpu but no GPU is usable")
     assert sorted(p.name for p in out.iterdir()) == [LOCK]  # no manifest: the directory still counts as empty
     assert _run(job, out).shards_scored == len(SIZES)
+
+
+def test_leftovers_of_a_killed_run_are_removed_and_said_once(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    (out / SUCCESS).unlink()
+    (out / ".part-000.parquet.tmp-999999").write_bytes(b"x" * 2_000_000)
+    notices: list[str] = []
+    _run(job, out, notice=notices.append)
+    assert [n for n in notices if "temporary file" in n] == [
+        f"{out}: removed 1 temporary file left by earlier runs that were killed (.part-000.parquet.tmp-999999; "
+        f"2.0 MB)"]
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
