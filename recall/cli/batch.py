@@ -19,7 +19,7 @@ from ..core.errors import InputError
 from ..jobs.batch import BatchError, BatchProgress, run_batch
 from .common import (EXIT_OS_ERROR, BatchSizeOption, Device, IdColOption, Interrupted, MemoryBudgetOption, Metric,
                      MetricOption, QuietOption, VecColOption, errors_to_exit, interruptible, log, logging_to_stderr,
-                     parse_bytes, show_progress)
+                     parse_bytes, say_first_run, show_progress)
 
 
 def _resume_line(exc: Interrupted) -> str:
@@ -121,13 +121,16 @@ def batch(
 ) -> None:
     """Score a directory of user shards against the items: one output per shard, resumable, idempotent.
 
-    Run the same command again after a crash or kill to resume: finished shards (checked against the manifest's
-    sha256) are kept, the others are scored again.
+    Run the same command again after a crash or kill to resume: finished shards are kept (their output checked
+    against the manifest's sha256, their input against its content hash), the others are scored again, and so is a
+    shard regenerated since its output was written. A bad shard does not stop the others: the job exits 2 naming
+    every bad shard, without _SUCCESS.
     """
     with logging_to_stderr(quiet, verbose), errors_to_exit(), interruptible(_resume_line):
         if batch_size is not None and batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         progress = _RichProgress() if show_progress(quiet) else None
+        say_first_run(quiet, device.value)
         try:
             summary = run_batch(
                 users, items, out, k, metric=metric.value, exclude=exclude, id_col=id_col, vec_col=vec_col,

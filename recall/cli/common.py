@@ -240,6 +240,17 @@ def show_progress(quiet: bool) -> bool:
     return not quiet and sys.stderr.isatty()
 
 
+def say_first_run(quiet: bool, device: str) -> None:
+    """On a terminal, say why the first run after an install pauses for seconds before anything moves (the CPU
+    kernels compile); nothing in scripts and pipes, whose output stays as documented."""
+    if show_progress(quiet):
+        from .. import backends
+
+        line = backends.first_run_notice(device)
+        if line:
+            typer.echo(line, err=True)
+
+
 def print_version(value: bool) -> None:
     if value:
         typer.echo(f"recall {__version__}")

@@ -11,7 +11,8 @@ from ..core.errors import InputError
 from ..jobs import score_files
 from .common import (Aggregate, AllowEmptyOption, BatchSizeOption, Compression, Device, DeviceOption, IdColOption,
                      MemoryBudgetOption, Metric, MetricOption, Precision, QuietOption, VecColOption, errors_to_exit,
-                     interruptible, logging_to_stderr, nothing_written, parse_bytes, progress_bar, show_progress)
+                     interruptible, logging_to_stderr, nothing_written, parse_bytes, progress_bar, say_first_run,
+                     show_progress)
 
 
 def _run_score(users: Path, items: Path, out: str, k: int, metric: Metric, exclude: Path | None, id_col: str,
@@ -20,6 +21,7 @@ def _run_score(users: Path, items: Path, out: str, k: int, metric: Metric, exclu
                compression: Compression = Compression.snappy, allow_empty: bool = False) -> Any:
     if interests is not None and precision is not Precision.exact:
         raise InputError("--precision fast applies to single-vector users; with --interests use --precision exact")
+    say_first_run(quiet, device.value)
     with progress_bar(show_progress(quiet)) as progress:
         summary = score_files(users, items, out, k, metric=metric.value, exclude_path=exclude, id_col=id_col,
                               vec_col=vec_col, device=device.value, batch_size=batch_size,

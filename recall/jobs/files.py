@@ -91,7 +91,8 @@ def check_scores_fit(engine: Any, vectors: np.ndarray, ids: np.ndarray, path: st
                      file_rows: np.ndarray | None = None, owner: np.ndarray | None = None,
                      scale: np.ndarray | None = None) -> None:
     """The engine's float32 overflow check, in terms of the file: InputError naming ``path``, the row and the id
-    (the engine itself can only name the row of its argument).
+    (the engine itself can only name the row of its argument). The jobs call it only once the engine has refused a
+    batch, so the common case pays for the check once, in the engine.
 
     ``vectors`` (n, dim) host float32; ``file_rows`` the file row of each vector (default ``row_start + i``);
     ``owner`` the position in ``ids`` of each vector's user (default ``i``); ``scale`` (n,) multiplies each norm (a
@@ -317,9 +318,12 @@ def _score_single(users_path: str, items_path: str, out: Any, out_label: str, k:
     batch_size = batch_size or auto_batch_size(k, engine.dim)
 
     def query(batch: Embeddings) -> Any:
-        check_scores_fit(engine, batch.vectors, batch.ids, users_path, batch.row_start)
         exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
-        return engine.search_async(batch.vectors, k, exclude=exclude)
+        try:
+            return engine.search_async(batch.vectors, k, exclude=exclude)
+        except InputError:
+            check_scores_fit(engine, batch.vectors, batch.ids, users_path, batch.row_start)
+            raise
 
     batches = None
     if overlap is None:
@@ -350,6 +354,16 @@ def _searches_early(options: JobOptions, backend: Any, precision: str, exclude_p
     return options.early == "on" or backend.asynchronous
 
 
+def _check_interests_fit(engine: Any, users: Any, path: str, start: int, stop: int, aggregate: str) -> None:
+    """:func:`check_scores_fit` for users ``start:stop`` of a multi-interest file (a sum is bounded by the user's
+    interest count times its largest score)."""
+    lo, hi = int(users.indptr[start]), int(users.indptr[stop])
+    counts = np.diff(users.indptr[start:stop + 1])
+    owner = start + np.repeat(np.arange(stop - start), counts)
+    check_scores_fit(engine, users.vectors[lo:hi], users.ids, path, file_rows=users.file_rows[lo:hi], owner=owner,
+                     scale=np.repeat(counts, counts).astype(np.float64) if aggregate == "sum" else None)
+
+
 def _slices(n: int, batch: int) -> Iterable[tuple[int, int]]:
     return ((start, min(start + batch, n)) for start in range(0, n, batch))
 
@@ -372,11 +386,6 @@ def _score_interests(users_path: str, items_path: str, out: Any, out_label: str,
             user = int(np.searchsorted(users.indptr, pos, side="right") - 1)
             raise InputError(f"{users_path}: row {int(users.file_rows[pos])} (id {fmt_id(users.ids[user])}) has a "
                              f"zero vector, which has no direction for metric 'cosine'")
-    if users.vectors.shape[0]:
-        counts = np.diff(users.indptr)
-        owner = np.repeat(np.arange(len(users)), counts)
-        check_scores_fit(engine, users.vectors, users.ids, users_path, file_rows=users.file_rows, owner=owner,
-                         scale=counts[owner].astype(np.float64) if aggregate == "sum" else None)
     excl = read_pairs(exclude_path, users.ids, items.ids, what="exclusion") if exclude_path is not None else None
     read_s = time.perf_counter() - t0
     start_s = time.perf_counter() - t_start
@@ -385,8 +394,12 @@ def _score_interests(users_path: str, items_path: str, out: Any, out_label: str,
 
     def query(span: tuple[int, int]) -> Done:
         start, stop = span
-        res = engine.search(users.batch(start, stop), k, aggregate=aggregate,
-                            exclude=excl.block(start, stop) if excl is not None else None)
+        try:
+            res = engine.search(users.batch(start, stop), k, aggregate=aggregate,
+                                exclude=excl.block(start, stop) if excl is not None else None)
+        except InputError:
+            _check_interests_fit(engine, users, users_path, start, stop, aggregate)
+            raise
         return Done(res, engine.stats)
 
     with CandidateWriter(out, _id_type(users.ids), _id_type(items.ids), compression) as writer:
@@ -473,8 +486,11 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     def query(span: tuple[int, int]) -> Done:
         start, stop = span
         rows = present[start:stop]
-        check_scores_fit(engine, users.vectors[rows], users.ids, users_path, file_rows=rows, owner=rows)
-        res = engine.rescore(users.vectors[rows], mine.block(start, stop), k_run)
+        try:
+            res = engine.rescore(users.vectors[rows], mine.block(start, stop), k_run)
+        except InputError:
+            check_scores_fit(engine, users.vectors[rows], users.ids, users_path, file_rows=rows, owner=rows)
+            raise
         return Done(res, engine.stats)
 
     with CandidateWriter(out, _id_type(users.ids), _id_type(items.ids), compression) as writer:

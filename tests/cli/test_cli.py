@@ -456,3 +456,34 @@ def test_rescore_empty_candidates_keep_the_previous_output(files: dict) -> None:
     assert files["out"].read_bytes() == before
     assert runner.invoke(app, [*args, "--allow-empty"]).exit_code == 0
     assert pq.read_table(files["out"]).num_rows == 0
+
+
+def test_first_run_compilation_is_said_on_a_terminal(files: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19.9: the first run after an install spends seconds compiling, which nothing said."""
+    import recall.backends as backends
+    import recall.cli.common as common
+
+    assert backends.cpu_kernels_cache() is not None  # numba's cache can be inspected
+    monkeypatch.setattr(backends, "cpu_kernels_cache", lambda: (False, "/some/where"))
+    assert runner.invoke(app, _score_args(files)).stderr == ""  # not a terminal: nothing
+    monkeypatch.setattr(common, "show_progress", lambda quiet: not quiet)
+    monkeypatch.setattr("recall.cli.score.progress_bar", lambda enabled: common.progress_bar(False))
+    result = runner.invoke(app, _score_args(files))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == ["compiling the CPU kernels: the first run after an install takes a few "
+                                          "seconds more (numba caches them under /some/where)"]
+    assert runner.invoke(app, _score_args(files, "--quiet")).stderr == ""
+
+
+@pytest.mark.parametrize("aggregate", ["max", "sum"])
+def test_overflow_with_interests_names_the_file_row_and_id(tmp_path: Path, aggregate: str) -> None:
+    users, items = int_data(12, 17, 4, seed=3)
+    users[7] = 1e37 if aggregate == "max" else 4e36  # a sum of 3 interests: 3 x 4e36 x |v| overflows
+    ids = np.repeat(200 + np.arange(4), 3)
+    write_embeddings(tmp_path / "u.parquet", ids, users)
+    write_embeddings(tmp_path / "i.parquet", np.arange(17), items)
+    result = runner.invoke(app, ["score", "--users", str(tmp_path / "u.parquet"), "--items", str(tmp_path / "i.parquet"),
+                                 "--k", "3", "--out", str(tmp_path / "o.parquet"), "--device", "cpu", "--interests",
+                                 aggregate])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: {tmp_path / 'u.parquet'}: row 7 (id 202) has norm "), result.stderr

@@ -23,7 +23,8 @@ import pytest
 from typer.testing import CliRunner
 
 from parquet_data import int_data, oracle_topk, write_embeddings
-from recall.io.atomic import content_hash, sha256_file
+from recall.io import atomic
+from recall.io.atomic import sha256_file
 from recall.jobs.batch import LOCK, MANIFEST, METRICS, SUCCESS, BatchProgress, row_group_rows, run_batch
 from recall.jobs.batch.shards import discover_shards
 from recall.cli.app import app
@@ -109,6 +110,7 @@ def test_outputs_are_exact_and_match_recall_score(job: dict, tmp_path: Path) -> 
 
 
 def test_manifest_and_metrics(job: dict, tmp_path: Path) -> None:
+    content_hash = atomic.content_hash
     out = tmp_path / "out"
     _run(job, out)
     manifest = json.loads((out / MANIFEST).read_text())
@@ -327,6 +329,8 @@ def _write_bare(path: Path, ids: np.ndarray, vecs: np.ndarray) -> None:
 def test_shard_regenerated_in_place_is_scored_again(job: dict, tmp_path: Path) -> None:
     """Issue 19.1: a finished shard rewritten with one other vector value, same size and same footer bytes, must not
     keep its stale output: the content hash sees it, the stale output goes, the shard is scored again."""
+    content_hash = atomic.content_hash
+
     path, start, n = job["shards"][0]
     ids, vecs = job["user_ids"][start:start + n], job["user_vecs"][start:start + n].copy()
     _write_bare(path, ids, vecs)
@@ -546,7 +550,7 @@ def test_exclusions_string_ids(tmp_path: Path) -> None:
     summary = run_batch(job["users"], job["items"], out, K, device="cpu", exclude=excl, batch_size=16)
     assert summary.exclusion_pairs == len(pairs["user_id"]) and summary.unknown_exclusions == 1
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["job"]["exclude"]["xxh3_128"] == content_hash(excl)
+    assert manifest["job"]["exclude"]["xxh3_128"] == atomic.content_hash(excl)
     for path, _, _ in job["shards"]:
         single = tmp_path / f"single-{path.name}"
         score_files(path, job["items"], single, K, device="cpu", exclude_path=excl, allow_empty=True)
@@ -718,3 +722,10 @@ def test_leftovers_of_a_killed_run_are_removed_and_said_once(job: dict, tmp_path
         f"{out}: removed 1 temporary file left by earlier runs that were killed (.part-000.parquet.tmp-999999; "
         f"2.0 MB)"]
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
+def test_k_beyond_the_catalogue_gives_the_bytes_of_k_n_items(job: dict, tmp_path: Path) -> None:
+    """Issue 19.4 in the batch job: neither the results nor the row groups are sized by a k beyond the items."""
+    _run(job, tmp_path / "n", k=N_ITEMS)
+    summary = _run(job, tmp_path / "huge", k=2 ** 31 - 1)
+    assert summary.k == 2 ** 31 - 1 and _outputs(tmp_path / "huge") == _outputs(tmp_path / "n")

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from ... import backends
-from ...core.errors import RecallError
+from ...core.errors import InputError, RecallError
 from ...core.results import id_lookup
 from ...io import CandidateWriter, IdPairs, read_ids, read_pairs
 from ...io.atomic import sha256_file
@@ -246,9 +246,12 @@ class ShardScorer:
         n_users = int(user_ids.size)
 
         def query(batch: Any) -> Any:
-            check_scores_fit(engine, batch.vectors, batch.ids, task.path, batch.row_start)
             exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
-            return engine.search_async(batch.vectors, self.k, exclude=exclude)
+            try:
+                return engine.search_async(batch.vectors, self.k, exclude=exclude)
+            except InputError:
+                check_scores_fit(engine, batch.vectors, batch.ids, task.path, batch.row_start)  # file, row, id
+                raise
 
         def write(batch: Any, result: Any) -> None:
             groups.add(result.to_arrow(batch.ids, self.item_ids))
