@@ -1,8 +1,8 @@
 """``recall rescore``: each user's own candidate list, re-scored, top k kept (``Engine.rescore``).
 
 Exit codes as for ``recall score``: 0 done; 2 bad input or arguments (one ``error:`` line naming the file, row and
-id); 1 an operating-system failure (naming the path); 143 / 130 on SIGTERM / SIGINT (nothing written). Unknown user or item ids in the candidates file are skipped and counted in one
-``warning:`` line on stderr.
+id); 1 an operating-system failure (naming the path); 143 / 130 on SIGTERM / SIGINT (nothing written). Unknown user
+or item ids in the candidates file are skipped and counted in one ``warning:`` line on stderr.
 """
 from __future__ import annotations
 

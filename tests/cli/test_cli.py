@@ -482,8 +482,8 @@ def test_overflow_with_interests_names_the_file_row_and_id(tmp_path: Path, aggre
     ids = np.repeat(200 + np.arange(4), 3)
     write_embeddings(tmp_path / "u.parquet", ids, users)
     write_embeddings(tmp_path / "i.parquet", np.arange(17), items)
-    result = runner.invoke(app, ["score", "--users", str(tmp_path / "u.parquet"), "--items", str(tmp_path / "i.parquet"),
-                                 "--k", "3", "--out", str(tmp_path / "o.parquet"), "--device", "cpu", "--interests",
-                                 aggregate])
+    result = runner.invoke(app, ["score", "--users", str(tmp_path / "u.parquet"), "--items",
+                                 str(tmp_path / "i.parquet"), "--k", "3", "--out", str(tmp_path / "o.parquet"),
+                                 "--device", "cpu", "--interests", aggregate])
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"error: {tmp_path / 'u.parquet'}: row 7 (id 202) has norm "), result.stderr

@@ -729,3 +729,18 @@ def test_k_beyond_the_catalogue_gives_the_bytes_of_k_n_items(job: dict, tmp_path
     _run(job, tmp_path / "n", k=N_ITEMS)
     summary = _run(job, tmp_path / "huge", k=2 ** 31 - 1)
     assert summary.k == 2 ** 31 - 1 and _outputs(tmp_path / "huge") == _outputs(tmp_path / "n")
+
+
+def test_unreadable_shards_are_bad_shards_too(job: dict, tmp_path: Path) -> None:
+    """A dangling link and a loop of links among the shards: reported with the others, not silently left out and
+    not stopping the job."""
+    (job["users"] / "zz-gone.parquet").symlink_to(tmp_path / "nowhere.parquet")
+    (job["users"] / "zz-a.parquet").symlink_to(job["users"] / "zz-b.parquet")
+    (job["users"] / "zz-b.parquet").symlink_to(job["users"] / "zz-a.parquet")
+    with pytest.raises(InputError) as err:
+        _run(job, tmp_path / "out")
+    message = str(err.value)
+    assert "zz-gone.parquet: is a symbolic link to" in message and "which does not exist" in message
+    assert "zz-a.parquet: cannot open the embeddings file: Too many levels of symbolic links" in message
+    assert f"(3 of {len(SIZES) + 3} shards are bad" in message
+    assert len(_outputs(tmp_path / "out")) == len(SIZES)

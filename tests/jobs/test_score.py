@@ -139,7 +139,8 @@ def test_empty_users_file_is_refused_unless_allowed(tmp_path: Path) -> None:
     before = out.read_bytes()
     up = write_embeddings(tmp_path / "none.parquet", pa.array([], pa.int64()), np.zeros((0, 5), np.float32))
     with pytest.raises(InputError, match=rf"{up}: the users file has no rows, so this would replace {out} "
-                                         rf"\({len(before):,} bytes\) with an empty candidates file; pass --allow-empty"):
+                                         rf"\({len(before):,} bytes\) with an empty candidates file; pass "
+                                         rf"--allow-empty"):
         score_files(up, ip, out, 3, device="cpu")
     assert out.read_bytes() == before
     summary = score_files(up, ip, out, 3, device="cpu", allow_empty=True)

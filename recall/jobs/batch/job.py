@@ -162,9 +162,10 @@ class BatchRequest:
     def job(self, shards: list[Shard]) -> dict:
         """The manifest's description of the job: what decides every output row, every input by size and content
         hash (each file read once, on a few threads)."""
-        paths = [self.items_path, *([self.exclude_path] if self.exclude_path is not None else []),
-                 *(s.path for s in shards)]
-        prints = fingerprint_all(paths)
+        heads = [self.items_path, *([self.exclude_path] if self.exclude_path is not None else [])]
+        # A bad shard's file may not even be readable: it is reported with the others, not here.
+        prints = fingerprint_all([*heads, *(s.path for s in shards)],
+                                 [True] * len(heads) + [s.error is None for s in shards])
         items, rest = prints[0], prints[1:]
         exclude = rest.pop(0) if self.exclude_path is not None else None
         return {
@@ -530,7 +531,7 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
                 "shards_total": len(shards), "shards_skipped": len(outputs), "shards_todo": len(todo),
                 "users_total": users_total, "users_todo": sum(s.rows for s in todo), "k": req.k,
                 "metric": req.metric, "fingerprint_s": round(fingerprint_s, 3), "verify_s": round(verify_s, 3),
-                "fingerprint_bytes": sum(int(e.get("size", 0)) for e in
+                "fingerprint_bytes": sum(int(e.get("size") or 0) for e in
                                          [job["items"], job["exclude"] or {}, *job["shards"].values()]),
                 "host": socket.gethostname(), "bad_shards": []},
         "workers": [], "shards": outdir.earlier_shard_metrics(out / METRICS, outputs),

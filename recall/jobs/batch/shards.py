@@ -96,29 +96,31 @@ def discover_shards(users: str | os.PathLike) -> list[Path]:
     return files
 
 
-def fingerprint(path: str) -> dict:
-    """Size and content hash of a whole file: ``{"size": ..., "xxh3_128": ...}``."""
+def fingerprint(path: str, strict: bool = True) -> dict:
+    """Size and content hash of a whole file: ``{"size": ..., "xxh3_128": ...}``.
+
+    An unreadable file is an InputError when ``strict``; otherwise (a shard, already reported bad by
+    :func:`inspect_shards`) its fingerprint says why instead.
+    """
     try:
-        size = os.stat(path).st_size
+        return {"size": os.stat(path).st_size, CONTENT_HASH: content_hash(path)}
     except OSError as exc:
-        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    try:
-        digest = content_hash(path)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    return {"size": size, CONTENT_HASH: digest}
+        if strict:
+            raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+        return {"size": None, CONTENT_HASH: None, "unreadable": exc.strerror or str(exc)}
 
 
 #: The fingerprint of a file, as :func:`fingerprint` (kept under its old name).
 fingerprint_full = fingerprint
 
 
-def fingerprint_all(paths: list[str]) -> list[dict]:
-    """:func:`fingerprint` of each path, on :data:`HASH_THREADS` threads, in order."""
+def fingerprint_all(paths: list[str], strict: list[bool] | None = None) -> list[dict]:
+    """:func:`fingerprint` of each path (``strict[i]``: default True), on :data:`HASH_THREADS` threads, in order."""
+    flags = strict if strict is not None else [True] * len(paths)
     if len(paths) <= 1:
-        return [fingerprint(p) for p in paths]
+        return [fingerprint(p, f) for p, f in zip(paths, flags)]
     with ThreadPoolExecutor(min(HASH_THREADS, len(paths)), thread_name_prefix="recall-hash") as pool:
-        return list(pool.map(fingerprint, paths))
+        return list(pool.map(fingerprint, paths, flags))
 
 
 def inspect_shards(files: list[Path], id_col: str, vec_col: str, dim: int | None, items_path: str) -> list[Shard]:
