@@ -168,17 +168,18 @@ def _locked(path: str) -> bool:
     return False
 
 
-def stale_temporaries(directory: str | os.PathLike) -> Iterator[Path]:
+def stale_temporaries(directory: str | os.PathLike, names: Any = None) -> Iterator[Path]:
     """The ``.{name}.tmp-{pid}`` files in ``directory`` left by processes that died (kill -9, OOM, a reboot): their
     pid is not alive on this host and nobody holds a lock on them. Files of live processes are never listed, so
-    two runs writing into one directory leave each other alone."""
+    two runs writing into one directory leave each other alone. ``names(name) -> bool``, optional: which ``{name}``
+    parts to consider (default: all)."""
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return
     for entry in entries:
         m = TMP_NAME.match(entry.name)
-        if m is None or int(m["pid"]) == os.getpid():
+        if m is None or int(m["pid"]) == os.getpid() or (names is not None and not names(m["name"])):
             continue
         try:
             if not entry.is_file(follow_symlinks=False):
@@ -189,10 +190,10 @@ def stale_temporaries(directory: str | os.PathLike) -> Iterator[Path]:
             yield Path(entry.path)
 
 
-def remove_stale_temporaries(directory: str | os.PathLike) -> list[tuple[str, int]]:
+def remove_stale_temporaries(directory: str | os.PathLike, names: Any = None) -> list[tuple[str, int]]:
     """Remove :func:`stale_temporaries` from ``directory``; returns (name, bytes) of each file removed."""
     removed = []
-    for path in stale_temporaries(directory):
+    for path in stale_temporaries(directory, names):
         try:
             size = path.stat().st_size
             path.unlink()

@@ -81,8 +81,9 @@ def check_not_empty(path: str, n_rows: int, out: Path, allow_empty: bool, what: 
 
 def remove_leftovers(out: Path) -> None:
     """Remove the temporary files that killed runs left beside ``out`` (their process is dead, no lock is held on
-    them), and say so once."""
-    removed = atomic.remove_stale_temporaries(out.parent)
+    them), and say so once: those of ``out`` itself and of other Parquet files (a candidates file of another job
+    into the same directory), never other programs' temporaries of other kinds of files."""
+    removed = atomic.remove_stale_temporaries(out.parent, lambda name: name == out.name or name.endswith(".parquet"))
     if removed:
         log.warning("notice: %s", atomic.describe_removed(removed, out.parent))
 

@@ -393,6 +393,8 @@ def test_leftovers_of_killed_runs_are_removed_and_said_once(files: dict) -> None
     dead = _dead_pid()
     leftover = files["dir"] / f".out.parquet.tmp-{dead}"
     leftover.write_bytes(b"x" * 76_500)
+    other = files["dir"] / f".notes.txt.tmp-{dead}"  # another program's: not a Parquet file, left alone
+    other.write_bytes(b"z")
     live = subprocess.Popen(["sleep", "30"])
     try:
         busy = files["dir"] / f".other.parquet.tmp-{live.pid}"
@@ -402,7 +404,7 @@ def test_leftovers_of_killed_runs_are_removed_and_said_once(files: dict) -> None
         notices = [line for line in result.stderr.splitlines() if "temporary file" in line]
         assert notices == [f"notice: {files['dir']}: removed 1 temporary file left by earlier runs that were killed "
                            f"(.out.parquet.tmp-{dead}; 0.1 MB)"]
-        assert not leftover.exists() and busy.exists()
+        assert not leftover.exists() and busy.exists() and other.exists()
         result = runner.invoke(app, _score_args(files))
         assert result.exit_code == 0 and "temporary file" not in result.stderr
     finally:
