@@ -67,7 +67,8 @@ def ranked(scores: np.ndarray, exclude: Any = None) -> tuple[np.ndarray, np.ndar
 def topk_from_scores(scores: np.ndarray, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k of each row of ``scores`` (n_users, n_items) by (score desc, row asc), exclusions removed.
 
-    Returns (indices int64 (n_users, k), scores float64 (n_users, k)), padded with (-1, -inf).
+    Returns (indices int64 (n_users, k), scores float64 (n_users, k)), padded with (-1, -inf): the shape of a
+    backend's running top-k (``Engine.search`` returns min(k, n_items) columns: see :func:`topk`).
     """
     order, vals, n_allowed = ranked(scores, exclude)
     n_users, n_items = order.shape
@@ -84,8 +85,9 @@ def topk_from_scores(scores: np.ndarray, k: int, exclude: Any = None) -> tuple[n
 
 def topk(user_vecs: Any, item_vecs: Any, k: int, metric: str = "ip", exclude: Any = None
          ) -> tuple[np.ndarray, np.ndarray]:
-    """Exact float64 top-k: (indices (n_users, k) int64, scores (n_users, k) float64), padded with (-1, -inf)."""
+    """Exact float64 top-k: (indices (n_users, min(k, n_items)) int64, scores float64), padded with (-1, -inf)."""
     users = np.asarray(user_vecs, dtype=np.float64)
+    k = min(k, np.asarray(item_vecs).shape[0])  # as Engine.search: never wider than the catalogue
     if users.shape[0] == 0:
         return np.full((0, k), -1, np.int64), np.full((0, k), -np.inf)
     return topk_from_scores(score_matrix(users, item_vecs, metric), k, exclude)
@@ -122,6 +124,7 @@ def assert_topk_close(got_idx: Any, got_val: Any, user_vecs: Any, item_vecs: Any
     got_val = as_numpy(got_val).astype(np.float64)
     users = np.asarray(user_vecs, dtype=np.float64)
     n_items = np.asarray(item_vecs).shape[0]
+    k = min(k, n_items)  # the engine's results have min(k, n_items) columns
     want_shape = (users.shape[0], k)
     assert got_idx.shape == want_shape, f"indices have shape {got_idx.shape}, expected {want_shape}"
     assert got_val.shape == want_shape, f"scores have shape {got_val.shape}, expected {want_shape}"

@@ -13,6 +13,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
+    # Plain click help: typer's rich panels print "<bool>" after every flag, as if it took a value.
+    rich_markup_mode=None,
     help="Exact top-k recommendation candidates: every user against every item, on the GPU or the CPU.",
 )
 

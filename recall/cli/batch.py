@@ -1,16 +1,14 @@
 """``recall batch``: the nightly job from the shell (see :mod:`recall.jobs.batch`).
 
-Exit codes: 0 done (or nothing left to do); 2 bad input or arguments, or an output directory holding another job
-(one ``error:`` line naming the file or directory); 1 a worker or the operating system failed (the job resumes
-when the same command is run again).
+Exit codes: 0 done (or nothing left to do); 2 bad input or arguments, an output directory holding another job (one
+``error:`` line naming the file or directory), or bad shards (every good shard is scored first; the line lists every
+bad one); 1 a worker or the operating system failed; 143 / 130 on SIGTERM / SIGINT. The job resumes when the same
+command is run again.
 """
 from __future__ import annotations
 
-import signal
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,35 +18,13 @@ import typer
 from ..core.errors import InputError
 from ..jobs.batch import BatchError, BatchProgress, run_batch
 from .common import (EXIT_OS_ERROR, AllowOption, BatchSizeOption, DenyOption, Device, ExcludeOption, IdColOption,
-                     MemoryBudgetOption, Metric, MetricOption, QuietOption, VecColOption, errors_to_exit, log,
-                     logging_to_stderr, parse_bytes, show_progress)
+                     Interrupted, MemoryBudgetOption, Metric, MetricOption, QuietOption, VecColOption, errors_to_exit,
+                     interruptible, log, logging_to_stderr, parse_bytes, say_first_run, show_progress)
 
 
-class Terminated(SystemExit):
-    """SIGTERM (a scheduler's timeout, ``kill``) turned into an exception, so that the job records its failure in
-    ``_metrics.json``, stops its workers and removes its temporary file before exiting with 128 + 15."""
-
-    def __init__(self) -> None:
-        super().__init__(128 + signal.SIGTERM)
-
-    def __str__(self) -> str:
-        return "terminated by SIGTERM"
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise Terminated()
-
-
-@contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+def _resume_line(exc: Interrupted) -> str:
+    """SIGTERM / SIGINT: the job recorded its failure, stopped its workers and removed its temporary files."""
+    return f"error: {exc}; rerun the same command to resume"
 
 
 class EngineName(str, Enum):
@@ -134,6 +110,8 @@ def batch(
                                               "(default: $RAY_ADDRESS, else a local Ray).", show_default=False)] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Discard what --out holds (another job's output) and score every shard again.")] = False,
+    allow_empty: Annotated[bool, typer.Option(
+        "--allow-empty", help="Accept a job whose shards hold no users at all (default: refuse, exit 2).")] = False,
     id_col: IdColOption = "id",
     vec_col: VecColOption = "embedding",
     batch_size: BatchSizeOption = None,
@@ -144,25 +122,24 @@ def batch(
 ) -> None:
     """Score a directory of user shards against the items: one output per shard, resumable, idempotent.
 
-    Run the same command again after a crash or kill to resume: finished shards (checked against the manifest's
-    sha256) are kept, the others are scored again.
+    Run the same command again after a crash or kill to resume: finished shards are kept (their output checked
+    against the manifest's sha256, their input against its content hash), the others are scored again, and so is a
+    shard regenerated since its output was written. A bad shard does not stop the others: the job exits 2 naming
+    every bad shard, without _SUCCESS.
     """
-    with logging_to_stderr(quiet, verbose), errors_to_exit():
+    with logging_to_stderr(quiet, verbose), errors_to_exit(), interruptible(_resume_line):
         if batch_size is not None and batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         progress = _RichProgress() if show_progress(quiet) else None
+        say_first_run(quiet, device.value)
         try:
-            with _sigterm_raises():
-                summary = run_batch(
-                    users, items, out, k, metric=metric.value, exclude=exclude, allow=allow, deny=deny,
-                    id_col=id_col, vec_col=vec_col,
-                    device=device.value, gpus=gpus, workers=workers, engine=engine.value, ray_address=ray_address,
-                    overwrite=overwrite, batch_size=batch_size, memory_budget=parse_bytes(memory_budget),
-                    progress=progress, notice=lambda msg: log.warning("notice: %s", msg),
-                )
-        except Terminated as exc:
-            typer.echo(f"error: {exc}; rerun the same command to resume", err=True)
-            raise
+            summary = run_batch(
+                users, items, out, k, metric=metric.value, exclude=exclude, allow=allow, deny=deny, id_col=id_col,
+                vec_col=vec_col, device=device.value, gpus=gpus, workers=workers, engine=engine.value,
+                ray_address=ray_address, overwrite=overwrite, batch_size=batch_size,
+                memory_budget=parse_bytes(memory_budget), progress=progress,
+                notice=lambda msg: log.warning("notice: %s", msg), allow_empty=allow_empty,
+            )
         except BatchError as exc:
             first, _, rest = str(exc).partition("\n")
             if rest:

@@ -1,14 +1,19 @@
 """What every ``recall`` command shares: the choices, the options defined once, the error and logging policy.
 
 Errors the user can fix (bad files, rows, arguments; an unmet memory budget; no GPU) print one line,
-``error: ...``, on stderr and exit with code 2, without a traceback. Progress goes to stderr, and only when stderr is a
-terminal; the final summary goes to stdout.
+``error: ...``, on stderr and exit with code 2, without a traceback; operating-system failures print one line naming
+the path and exit with 1. SIGTERM and SIGINT (Ctrl-C) stop a command the same way everywhere (:func:`interruptible`):
+its temporary files are removed, one line says what was left, and the exit code is 143 or 130. Progress goes to
+stderr, and only when stderr is a terminal; the final summary goes to stdout.
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -93,6 +98,13 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def os_error_line(exc: OSError) -> str:
+    """An OSError as ``{path}: {reason}`` (every OSError recall raises names its path; others are shown whole)."""
+    if exc.filename is not None and exc.strerror:
+        return one_line(f"{os.fsdecode(exc.filename)}: {exc.strerror}")
+    return one_line(exc)
+
+
 @contextmanager
 def errors_to_exit() -> Iterator[None]:
     """Turn the errors a user can act on into ``error: ...`` on stderr and an exit code, never a traceback."""
@@ -102,8 +114,65 @@ def errors_to_exit() -> Iterator[None]:
         typer.echo(f"error: {one_line(exc)}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except OSError as exc:
-        typer.echo(f"error: {one_line(exc)}", err=True)
+        typer.echo(f"error: {os_error_line(exc)}", err=True)
         raise typer.Exit(EXIT_OS_ERROR) from None
+    except MemoryError as exc:
+        typer.echo(f"error: out of host memory ({one_line(exc)}); pass a smaller --batch-size or --memory-budget",
+                   err=True)
+        raise typer.Exit(EXIT_OS_ERROR) from None
+
+
+class Interrupted(SystemExit):
+    """SIGTERM (a scheduler's timeout, ``kill``, ``timeout``) or SIGINT (Ctrl-C) turned into an exception, raised in
+    the main thread, so that the command unwinds: writers remove their temporary files, the batch job records its
+    failure in ``_metrics.json`` and stops its workers. The exit status is 128 + the signal: 143 or 130."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return "terminated by SIGTERM" if self.signum == signal.SIGTERM else "interrupted by SIGINT (Ctrl-C)"
+
+
+@contextmanager
+def interruptible(message: Callable[[Interrupted], str]) -> Iterator[None]:
+    """Every command's signal policy: SIGTERM and SIGINT raise :class:`Interrupted` in the main thread; once the
+    command has unwound, ``message(exc)`` is printed as one line on stderr and the command exits with 143 / 130.
+
+    A second signal while the first unwinds exits at once (the temporary file may then stay: the next run into the
+    directory removes it). Outside the main thread (an embedding that runs commands on a thread) signals are left
+    alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if pending:
+            os._exit(128 + signum)
+        pending.append(signum)
+        raise Interrupted(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    except Interrupted as exc:
+        typer.echo(message(exc), err=True)
+        raise typer.Exit(exc.code) from None
+    except KeyboardInterrupt:  # Ctrl-C that reached Python before the handler was in place
+        exc = Interrupted(signal.SIGINT)
+        typer.echo(message(exc), err=True)
+        raise typer.Exit(exc.code) from None
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def nothing_written(out: object) -> Callable[[Interrupted], str]:
+    """The interruption line of a command that writes one file atomically."""
+    return lambda exc: f"interrupted: nothing written to {out}; rerun to start again"
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -127,6 +196,9 @@ AllowOption = Annotated[Path | None, typer.Option(
     "--allow", help="Parquet with an item_id column: only these items may be returned (to every user).")]
 DenyOption = Annotated[Path | None, typer.Option(
     "--deny", help="Parquet with an item_id column: these items are never returned (to any user).")]
+AllowEmptyOption = Annotated[bool, typer.Option(
+    "--allow-empty", help="Write an empty output when the users file has no rows (default: refuse, exit 2, and "
+                          "leave the previous output as it was).")]
 
 
 def parse_bytes(text: str | None) -> int | None:
@@ -144,7 +216,10 @@ def parse_bytes(text: str | None) -> int | None:
         raise InputError(f"--memory-budget must be a positive number of bytes (e.g. 1073741824, 512MiB, 2G), "
                          f"got {text!r}")
     scale = 1024 ** " kmgt".index((m.group(2) or " ").lower())
-    return int(float(m.group(1)) * scale)
+    value = int(float(m.group(1)) * scale)
+    if value < 1:
+        raise InputError(f"--memory-budget must be at least 1 byte (e.g. 1073741824, 512MiB, 2G), got {text!r}")
+    return value
 
 
 @contextmanager
@@ -170,6 +245,17 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
 
 def show_progress(quiet: bool) -> bool:
     return not quiet and sys.stderr.isatty()
+
+
+def say_first_run(quiet: bool, device: str) -> None:
+    """On a terminal, say why the first run after an install pauses for seconds before anything moves (the CPU
+    kernels compile); nothing in scripts and pipes, whose output stays as documented."""
+    if show_progress(quiet):
+        from .. import backends
+
+        line = backends.first_run_notice(device)
+        if line:
+            typer.echo(line, err=True)
 
 
 def print_version(value: bool) -> None:

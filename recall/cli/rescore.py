@@ -1,8 +1,8 @@
 """``recall rescore``: each user's own candidate list, re-scored, top k kept (``Engine.rescore``).
 
 Exit codes as for ``recall score``: 0 done; 2 bad input or arguments (one ``error:`` line naming the file, row and
-id); 1 an operating-system failure. Unknown user or item ids in the candidates file are skipped and counted in one
-``warning:`` line on stderr.
+id); 1 an operating-system failure (naming the path); 143 / 130 on SIGTERM / SIGINT (nothing written). Unknown user
+or item ids in the candidates file are skipped and counted in one ``warning:`` line on stderr.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import typer
 from ..core.errors import InputError
 from ..jobs import rescore_files
 from .common import (AllowOption, BatchSizeOption, DenyOption, Device, DeviceOption, IdColOption, MemoryBudgetOption,
-                     Metric, MetricOption, VecColOption, errors_to_exit, logging_to_stderr, parse_bytes)
+                     Metric, MetricOption, VecColOption, errors_to_exit, interruptible, logging_to_stderr,
+                     nothing_written, parse_bytes)
 
 
 def rescore(
@@ -26,9 +27,12 @@ def rescore(
         "--candidates", help="Parquet of user_id, item_ids (a list per row; or user_id, item_id pairs).",
         show_default=False)],
     k: Annotated[int, typer.Option("--k", help="Items kept per user (>= 1).", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", help="Candidates Parquet to write (atomically).",
-                                      show_default=False)],
+    out: Annotated[str, typer.Option("--out", metavar="<path>", help="Candidates Parquet file to write (atomically).",
+                                     show_default=False)],
     metric: MetricOption = Metric.ip,
+    allow_empty: Annotated[bool, typer.Option(
+        "--allow-empty", help="Write an empty output when the users or the candidates file has no rows (default: "
+                              "refuse, exit 2, and leave the previous output as it was).")] = False,
     id_col: IdColOption = "id",
     vec_col: VecColOption = "embedding",
     device: DeviceOption = Device.auto,
@@ -43,12 +47,12 @@ def rescore(
     One output row per user named in the candidates file, in the users file's order; a user's duplicates count once;
     unknown user or item ids are skipped with a warning that counts them.
     """
-    with logging_to_stderr(quiet, False), errors_to_exit():
+    with logging_to_stderr(quiet, False), errors_to_exit(), interruptible(nothing_written(out)):
         if batch_size is not None and batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         summary = rescore_files(users, items, candidates, out, k, metric=metric.value, id_col=id_col,
                                 vec_col=vec_col, device=device.value, memory_budget=parse_bytes(memory_budget),
-                                batch_size=batch_size, allow_path=allow, deny_path=deny)
+                                batch_size=batch_size, allow_path=allow, deny_path=deny, allow_empty=allow_empty)
         for warning in summary.warnings():
             typer.echo(warning, err=True)
         typer.echo(summary.line())

@@ -9,24 +9,26 @@ import typer
 
 from ..core.errors import InputError
 from ..jobs import score_files
-from .common import (Aggregate, AllowOption, BatchSizeOption, Compression, DenyOption, Device, DeviceOption,
-                     ExcludeOption, IdColOption, MemoryBudgetOption, Metric, MetricOption, Precision, QuietOption,
-                     VecColOption, errors_to_exit, logging_to_stderr, parse_bytes, progress_bar, show_progress)
+from .common import (Aggregate, AllowEmptyOption, AllowOption, BatchSizeOption, Compression, DenyOption, Device,
+                     DeviceOption, ExcludeOption, IdColOption, MemoryBudgetOption, Metric, MetricOption, Precision,
+                     QuietOption, VecColOption, errors_to_exit, interruptible, logging_to_stderr, nothing_written,
+                     parse_bytes, progress_bar, say_first_run, show_progress)
 
 
-def _run_score(users: Path, items: Path, out: Path, k: int, metric: Metric, exclude: Path | None, id_col: str,
+def _run_score(users: Path, items: Path, out: str, k: int, metric: Metric, exclude: Path | None, id_col: str,
                vec_col: str, device: Device, batch_size: int | None, memory_budget: int | None, quiet: bool,
                verbose: bool, interests: Aggregate | None = None, precision: Precision = Precision.exact,
                compression: Compression = Compression.snappy, allow: Path | None = None,
-               deny: Path | None = None) -> Any:
+               deny: Path | None = None, allow_empty: bool = False) -> Any:
     if interests is not None and precision is not Precision.exact:
         raise InputError("--precision fast applies to single-vector users; with --interests use --precision exact")
+    say_first_run(quiet, device.value)
     with progress_bar(show_progress(quiet)) as progress:
         summary = score_files(users, items, out, k, metric=metric.value, exclude_path=exclude, id_col=id_col,
                               vec_col=vec_col, device=device.value, batch_size=batch_size,
                               memory_budget=memory_budget, progress=progress, precision=precision.value,
                               compression=compression.value, aggregate=interests.value if interests else None,
-                              allow_path=allow, deny_path=deny)
+                              allow_path=allow, deny_path=deny, allow_empty=allow_empty)
     for warning in summary.warnings():
         typer.echo(warning, err=True)
     typer.echo(summary.line())
@@ -41,12 +43,13 @@ def score(
     items: Annotated[Path, typer.Option("--items", help="Item embeddings Parquet (id + vector columns).",
                                         show_default=False)],
     k: Annotated[int, typer.Option("--k", help="Items per user (>= 1).", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", help="Candidates Parquet to write (atomically).",
-                                      show_default=False)],
+    out: Annotated[str, typer.Option("--out", metavar="<path>", help="Candidates Parquet file to write (atomically).",
+                                     show_default=False)],
     metric: MetricOption = Metric.ip,
     exclude: ExcludeOption = None,
     allow: AllowOption = None,
     deny: DenyOption = None,
+    allow_empty: AllowEmptyOption = False,
     id_col: IdColOption = "id",
     vec_col: VecColOption = "embedding",
     device: DeviceOption = Device.auto,
@@ -66,11 +69,12 @@ def score(
     )] = Compression.snappy,
 ) -> None:
     """Score every user against every item and write each user's top-k items to Parquet."""
-    with logging_to_stderr(quiet, verbose), errors_to_exit():
+    with logging_to_stderr(quiet, verbose), errors_to_exit(), interruptible(nothing_written(out)):
         if batch_size is not None and batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         _run_score(users, items, out, k, metric, exclude, id_col, vec_col, device, batch_size,
-                   parse_bytes(memory_budget), quiet, verbose, interests, precision, compression, allow, deny)
+                   parse_bytes(memory_budget), quiet, verbose, interests, precision, compression, allow, deny,
+                   allow_empty)
 
 
 def sample_dir() -> Path:
@@ -83,8 +87,8 @@ def _format_top(item_ids: list[Any], scores: list[float], n: int) -> str:
 
 
 def demo(
-    out: Annotated[Path, typer.Option("--out", help="Where to write the candidates Parquet.")]
-    = Path("demo-candidates.parquet"),
+    out: Annotated[str, typer.Option("--out", metavar="<path>", help="Where to write the candidates Parquet.")]
+    = "demo-candidates.parquet",
     k: Annotated[int, typer.Option("--k", help="Items per user.")] = 10,
     device: Annotated[Device, typer.Option("--device", help="auto: the GPU when usable, else the CPU.")]
     = Device.auto,
@@ -97,7 +101,7 @@ def demo(
     """Score the bundled sample (3,000 users x 5,000 items, with exclusions) and show a few users' top items."""
     import pyarrow.parquet as pq
 
-    with logging_to_stderr(quiet, False), errors_to_exit():
+    with logging_to_stderr(quiet, False), errors_to_exit(), interruptible(nothing_written(out)):
         data_dir = data if data is not None else sample_dir()
         names = ("users.parquet", "items.parquet", "exclusions.parquet")
         missing = [n for n in names if not (data_dir / n).is_file()]

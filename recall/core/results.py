@@ -44,6 +44,7 @@ class SearchResult:
     ----------
     indices : array of int64, shape (n_users, k)
         Item row positions, best first; -1 where fewer than k items qualify (padding is always at the end of a row).
+        ``Engine`` results have ``k = min(k asked, n_items)`` columns: a k beyond the catalogue is never allocated.
     scores : array of float32, shape (n_users, k)
         Scores in the engine's metric, best first; -inf where padded.
     ids : array, shape (n_users, k)

@@ -122,8 +122,9 @@ class Engine:
             NumPy, or a device array (CuPy, torch CUDA tensor via ``__dlpack__``) used in place on the GPU. Users
             with several vectors: an (n_users, n_interests, dim) array, or a list of (n_i, dim) arrays.
         k : int
-            Items per user, >= 1. Where fewer than k items qualify (k > n_items, exclusions), rows are padded
-            with index -1 and score -inf.
+            Items per user, >= 1 and below 2^31. The result has ``min(k, n_items)`` columns: a k beyond the
+            catalogue returns the whole catalogue and costs no more memory than ``k = n_items``. Where fewer items
+            qualify (exclusions), rows are padded with index -1 and score -inf.
         exclude : mapping {user_row: iterable of item rows} or (indptr, item_rows) CSR, optional
             Items never to return to a user; removed before selection, so a user still gets k items if k remain.
         aggregate : {"max", "sum"}, optional
@@ -137,12 +138,14 @@ class Engine:
         Returns
         -------
         SearchResult
-            CuPy arrays when ``user_vecs`` lived on the GPU, NumPy arrays otherwise.
+            (n_users, min(k, n_items)) arrays: CuPy arrays when ``user_vecs`` lived on the GPU, NumPy arrays
+            otherwise.
 
         Raises
         ------
         InputError
-            k < 1, wrong dimension, NaN/Inf, zero vector under cosine, exclusions or filter rows out of range.
+            k < 1 or >= 2^31, wrong dimension, NaN/Inf, zero vector under cosine, exclusions or filter rows out of
+            range.
         ResourceError
             The memory budget cannot hold even the smallest tile.
         """
@@ -209,16 +212,22 @@ class Engine:
                   search: Callable[["Engine", Exclusions], SearchResult]) -> SearchResult:
         """``search(view, exclusions)`` on the filtered catalogue, its rows mapped back to this engine's, or host
         padding everywhere when nothing passes."""
+        width = min(k, self.n_items)  # as wide as an unfiltered search: padded where fewer items pass
         if flt.n_passing == 0:
-            rows = np.full((n_users, k), -1, dtype=np.int64)
+            rows = np.full((n_users, width), -1, dtype=np.int64)
             self.stats = {"filtered_items": 0}
-            return SearchResult(indices=rows, scores=np.full((n_users, k), -np.inf, np.float32),
+            return SearchResult(indices=rows, scores=np.full((n_users, width), -np.inf, np.float32),
                                 ids=self.map_ids(rows))
         view = self._view(flt)
         res = search(view, flt.exclusions(excl))
         self.stats = {**view.stats, "filtered_items": flt.n_passing}
-        rows = flt.to_catalogue(np if isinstance(res.indices, np.ndarray) else self.backend.xp, res.indices)
-        return SearchResult(indices=rows, scores=res.scores, ids=self.map_ids(rows))
+        return self._from_view(flt, res, width)
+
+    def _from_view(self, flt: ItemFilter, res: SearchResult, width: int) -> SearchResult:
+        """A filtered catalogue's answer in this engine's rows, padded to ``width`` columns."""
+        xp = np if isinstance(res.indices, np.ndarray) else self.backend.xp
+        scores, rows = pad(xp, res.scores, flt.to_catalogue(xp, res.indices), width)
+        return SearchResult(indices=rows, scores=scores, ids=self.map_ids(rows))
 
     def search_async(self, user_vecs: Any, k: int, exclude: Any = None, *, allow: Any = None,
                      deny: Any = None) -> "PendingSearch":
@@ -240,11 +249,11 @@ class Engine:
         k_sel = min(k, self.n_items)
         host = xp is np
         if users.shape[0] == 0:
-            vals, rows = xp.full((0, k), -np.inf, dtype=np.float32), xp.full((0, k), -1, dtype=np.int64)
+            vals, rows = xp.full((0, k_sel), -np.inf, dtype=np.float32), xp.full((0, k_sel), -1, dtype=np.int64)
             return PendingSearch(lambda: self._result(xp, users, vals, rows))
         if self.precision == "fast":
             vals, rows = fast.search(self, prepared, k_sel, excl)
-            done = self._result(xp, users, *pad(self.backend.xp, vals, rows, k))
+            done = self._result(xp, users, vals, rows)
             return PendingSearch(lambda: done, self.stats)
         vals = self.backend.empty_out((users.shape[0], k_sel), np.float32, host)
         rows = self.backend.empty_out((users.shape[0], k_sel), np.int64, host)
@@ -254,7 +263,7 @@ class Engine:
 
         def finish() -> SearchResult:
             pending.stats = self.stats = wait()
-            return self._result(xp, users, *pad(np if host else self.backend.xp, vals, rows, k))
+            return self._result(xp, users, vals, rows)
 
         pending._finish = finish
         return pending
@@ -263,8 +272,10 @@ class Engine:
         """:meth:`search_async` against the catalogue ``flt`` passes, rows mapped back when the result is taken."""
         xp, users, excl = self._check_users(user_vecs, exclude)
         n_users = int(users.shape[0])
+        width = min(k, self.n_items)  # as wide as an unfiltered search: padded where fewer items pass
         if flt.n_passing == 0 or n_users == 0:
-            vals, rows = xp.full((n_users, k), -np.inf, dtype=np.float32), xp.full((n_users, k), -1, dtype=np.int64)
+            vals = xp.full((n_users, width), -np.inf, dtype=np.float32)
+            rows = xp.full((n_users, width), -1, dtype=np.int64)
             self.stats = {"filtered_items": flt.n_passing}
             return PendingSearch(lambda: SearchResult(indices=rows, scores=vals, ids=self.map_ids(rows)), self.stats)
         view = self._view(flt)
@@ -274,8 +285,7 @@ class Engine:
         def finish() -> SearchResult:
             res = inner.result()
             pending.stats = self.stats = {**inner.stats, "filtered_items": flt.n_passing}
-            rows = flt.to_catalogue(np if isinstance(res.indices, np.ndarray) else self.backend.xp, res.indices)
-            return SearchResult(indices=rows, scores=res.scores, ids=self.map_ids(rows))
+            return self._from_view(flt, res, width)
 
         pending._finish = finish
         return pending
@@ -345,7 +355,8 @@ class Engine:
             Item rows per user: ``item_rows[indptr[u]:indptr[u+1]]``, ``candidates[u]`` or row ``u``; any length,
             any order, duplicates count once. Host arrays, or device arrays on a GPU engine (read in place).
         k : int
-            Items per user, >= 1; rows are padded with (-1, -inf) where a user has fewer than k distinct candidates.
+            Items per user, >= 1; the result has ``min(k, n_items)`` columns, padded with (-1, -inf) where a user has
+            fewer distinct candidates.
         allow, deny : array of item rows, or boolean mask (n_items,), optional
             A shared item filter, with the engine's own (:meth:`set_item_filter`): candidates it removes are never
             returned.
@@ -362,7 +373,7 @@ class Engine:
         """
         import time
 
-        k = check_k(k)
+        k = min(check_k(k), self.n_items)  # no user has more distinct candidates than there are items
         xp, users, _ = self._check_users(user_vecs, None)
         cands = normalise_candidates(candidates, int(users.shape[0]), self.n_items, self.backend)
         flt = self._effective_filter(allow, deny)

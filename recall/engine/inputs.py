@@ -72,16 +72,19 @@ def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
     return ids
 
 
-def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: Any) -> None:
+def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: Any,
+                   what: str | None = "user_vecs") -> None:
     """Refuse user vectors whose scores could overflow float32 (they would come out as +-inf or NaN and be lost).
 
     norms : (n,) float64 bound on each user's |u| (times its interest count for a sum); ``where(row)`` names a
-    row in the message."""
+    row in the message, after ``what`` (the argument's name; None when ``where`` names the file, the row and the
+    id, as the Parquet jobs do)."""
     if metric == "cosine" or norms.shape[0] == 0:
         return
     per = (norms + item_norm) ** 2 if metric == "l2" else norms * item_norm
     row = int(xp.argmax(per))
     if float(per[row]) > SCORE_LIMIT:
-        raise InputError(f"user_vecs: {where(row)} has norm {float(norms[row]):.3g} and the largest item norm is "
+        prefix = f"{what}: " if what else ""
+        raise InputError(f"{prefix}{where(row)} has norm {float(norms[row]):.3g} and the largest item norm is "
                          f"{item_norm:.3g}: metric {metric!r} scores could overflow float32; rescale the vectors")
 

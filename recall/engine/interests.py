@@ -225,13 +225,14 @@ def search(engine: Any, user_vecs: Any, k: int, exclude: Any = None, aggregate: 
 
 def _run(engine: Any, users: Any, m: int, rows: int, aggregate: str, bias: bool, k: int,
          excl: Any) -> tuple[Any, Any]:
-    """(scores, item rows), each (n_users, k), padded; the tiled search with the interest reduce hooked in."""
+    """(scores, item rows), each (n_users, min(k, n_items)), padded; the tiled search with the interest reduce
+    hooked in."""
     backend, xp = engine.backend, engine.backend.xp
     n_users = int(users.shape[0])
     n_items = engine.n_items
     k_sel = min(k, n_items)
-    vals = xp.full((n_users, k), -xp.inf, dtype=xp.float32)
-    out_rows = xp.full((n_users, k), -1, dtype=xp.int64)
+    vals = xp.full((n_users, k_sel), -xp.inf, dtype=xp.float32)
+    out_rows = xp.full((n_users, k_sel), -1, dtype=xp.int64)
     width = int(engine.prepared_items.shape[1])
     parts = rows + 1  # per user and tile: `rows` rows of GEMM output, one row of reduced scores
     # Planned as a search whose user rows are `rows` vectors wide and whose items are `parts` times as many: the

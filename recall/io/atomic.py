@@ -2,7 +2,11 @@
 
 Every file recall writes (candidates, the batch manifest and metrics, the tune cache) goes through
 :func:`temporary_path` and :func:`replace`, so a reader never sees a torn file and a kill leaves either the old file
-or the new one at the path (plus, after kill -9, a ``.{name}.tmp-{pid}`` file that the next run removes).
+or the new one at the path (plus, after kill -9, a ``.{name}.tmp-{pid}`` file that the next run into that directory
+removes: :func:`stale_temporaries`).
+
+Every ``OSError`` raised from here names the path it is about (``exc.filename``), so that a message such as "No space
+left on device" always says where.
 """
 from __future__ import annotations
 
@@ -10,10 +14,16 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 _HASH_CHUNK = 8 << 20
+#: Reads of :func:`content_hash`: small enough to stay in the CPU's caches between the read and the hash (measured:
+#: 19 GB/s at 1 MiB, 13 GB/s at 16 MiB, from the page cache).
+_CONTENT_CHUNK = 1 << 20
+#: The content hash of input files (:func:`content_hash`), as named in manifests.
+CONTENT_HASH = "xxh3_128"
 #: The temporary files of :func:`temporary_path`: ``.{name}.tmp-{pid}``.
 TMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 
@@ -38,9 +48,28 @@ def fsync_dir(path: os.PathLike | str) -> None:
         os.close(fd)
 
 
+def with_path(exc: OSError, path: os.PathLike | str, doing: str | None = None, note: str | None = None) -> OSError:
+    """``exc`` as an OSError of the same type and errno that names ``path`` (its ``filename``), what was being done
+    and, optionally, a note on what it left.
+
+    ``str()`` of the result reads ``[Errno 28] cannot write: No space left on device: '/out/x.parquet'``; the CLI
+    prints ``{filename}: {strerror}``.
+    """
+    if exc.filename is not None and doing is None and note is None:
+        return exc
+    reason = exc.strerror or str(exc)
+    text = f"{doing}: {reason}" if doing else reason
+    new = type(exc)(exc.errno, f"{text}; {note}" if note else text, os.fspath(path))
+    new.__cause__ = exc
+    return new
+
+
 def replace(tmp: Path, path: Path) -> None:
     """Rename the finished ``tmp`` onto ``path`` and make the rename durable."""
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise with_path(exc, path, f"cannot rename {Path(tmp).name} into place") from exc
     fsync_dir(path.parent)
 
 
@@ -57,10 +86,13 @@ def write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = temporary_path(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise with_path(exc, path, "cannot write") from exc
         replace(tmp, path)
     except BaseException:
         remove(tmp)
@@ -75,10 +107,108 @@ def write_json(path: Path, obj: Any) -> None:
 def sha256_file(path: str | os.PathLike) -> str:
     """Hex sha256 of a whole file, read in 8 MiB chunks (hashlib releases the GIL, so threads hash in parallel)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                h.update(chunk)
+    except OSError as exc:
+        raise with_path(exc, path, "cannot read") from exc
     return h.hexdigest()
+
+
+def content_hash(path: str | os.PathLike) -> str:
+    """Hex xxh3-128 of a whole file's bytes (:data:`CONTENT_HASH`): what an input's fingerprint is made of.
+
+    Not cryptographic: it tells a regenerated file from the one an output was computed from (any changed byte changes
+    it, with a 2^-128 chance of a miss), at ~17 GB/s from the page cache on one core, 8x sha256's speed, so every
+    shard of a job can be hashed at every start. xxhash releases the GIL, so threads hash files in parallel.
+    """
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    buf = bytearray(_CONTENT_CHUNK)
+    view = memoryview(buf)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+    except OSError as exc:
+        raise with_path(exc, path, "cannot read") from exc
+    return h.hexdigest()
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (another user's counts: it cannot be signalled)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _locked(path: str) -> bool:
+    """Whether a process holds an ``flock`` on ``path`` (a :class:`recall.io.CandidateWriter` holds one on its
+    temporary file while it writes, on any host that shares the file system)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True  # vanished or unreadable: not ours to remove
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # a file system without flock: the pid alone decides
+    finally:
+        os.close(fd)
+    return False
+
+
+def stale_temporaries(directory: str | os.PathLike, names: Any = None) -> Iterator[Path]:
+    """The ``.{name}.tmp-{pid}`` files in ``directory`` left by processes that died (kill -9, OOM, a reboot): their
+    pid is not alive on this host and nobody holds a lock on them. Files of live processes are never listed, so
+    two runs writing into one directory leave each other alone. ``names(name) -> bool``, optional: which ``{name}``
+    parts to consider (default: all)."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        m = TMP_NAME.match(entry.name)
+        if m is None or int(m["pid"]) == os.getpid() or (names is not None and not names(m["name"])):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+        except OSError:
+            continue
+        if not _alive(int(m["pid"])) and not _locked(entry.path):
+            yield Path(entry.path)
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, names: Any = None) -> list[tuple[str, int]]:
+    """Remove :func:`stale_temporaries` from ``directory``; returns (name, bytes) of each file removed."""
+    removed = []
+    for path in stale_temporaries(directory, names):
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except OSError:
+            continue
+        removed.append((path.name, size))
+    return removed
+
+
+def describe_removed(removed: list[tuple[str, int]], directory: str | os.PathLike) -> str:
+    """One notice for the files :func:`remove_stale_temporaries` removed."""
+    total = sum(size for _, size in removed)
+    names = ", ".join(name for name, _ in removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
+    return (f"{directory}: removed {len(removed)} temporary file{'s' if len(removed) != 1 else ''} left by "
+            f"earlier runs that were killed ({names}; {total / 1e6:,.1f} MB)")
 
 
 class FileLock:
@@ -106,7 +236,10 @@ class FileLock:
     def __enter__(self) -> "FileLock":
         import fcntl
 
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise with_path(exc, self.path, "cannot create the lock file") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.blocking else fcntl.LOCK_NB))
         except BaseException:

@@ -173,7 +173,8 @@ def read_pairs(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.ndarr
     empty = np.zeros(0, row_type)
     pair_users = np.concatenate(user_rows) if user_rows else empty
     pair_items = np.concatenate(item_rows) if item_rows else empty
-    del user_rows, item_rows
+    user_rows.clear()  # the parts go before the grouping allocates its output
+    item_rows.clear()
     n_pairs = int(pair_users.size)
     n_known = int(np.count_nonzero((pair_users >= 0) & (pair_items >= 0)))
     indptr, rows = exclusions.group(pair_users, pair_items, int(user_ids.size), sort_unique)
@@ -186,7 +187,8 @@ def distinct_users(path: str | os.PathLike, want_strings: bool) -> np.ndarray:
     :func:`read_pairs` then reads the file again and names the problem (file, row, column)."""
     empty = np.zeros(0, object if want_strings else np.int64)
     try:
-        col = pq.read_table(os.fspath(path), columns=["user_id"]).column("user_id").combine_chunks()
+        col = pq.read_table(os.fspath(path), columns=["user_id"], page_checksum_verification=True) \
+            .column("user_id").combine_chunks()
     except (pa.ArrowException, OSError, KeyError):
         return empty
     if pa.types.is_dictionary(col.type):

@@ -7,6 +7,7 @@ names the file, the row (counted from 0 over the whole file, whatever the row gr
 from __future__ import annotations
 
 import os
+import stat
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,11 @@ def at(path: str, row: int, ids: Any = None, pos: int | None = None) -> str:
 def open_parquet(path: str | os.PathLike, what: str = "data", whole: bool = False) -> pq.ParquetFile:
     """Open a Parquet file for reading, turning every way that can fail into one clear ``InputError``.
 
+    Every page that carries a checksum (CRC-32 in its header, as written with pyarrow's ``write_page_checksum=True``,
+    parquet-mr's ``parquet.page.write-checksum.enabled``, and by every recall output) is verified as it is read:
+    a page damaged on disk or in transit is then an error (see :func:`iter_batches`), not wrong vectors. Pages
+    without a checksum cannot be verified; damage to their values goes unnoticed unless it breaks their decoding.
+
     Parameters
     ----------
     path : str or PathLike
@@ -55,12 +61,19 @@ def open_parquet(path: str | os.PathLike, what: str = "data", whole: bool = Fals
     Raises
     ------
     InputError
-        The path does not exist, is a directory, cannot be read, or is not a (complete) Parquet file.
+        The path does not exist (or is a dangling symbolic link), is a directory, cannot be resolved (a loop of
+        symbolic links, a name too long) or read, or is not a (complete) Parquet file.
     """
     p = Path(path)
-    if not p.exists():
-        raise InputError(f"{path}: no such file")
-    if p.is_dir():
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        if p.is_symlink():
+            raise InputError(f"{path}: is a symbolic link to {os.readlink(p)}, which does not exist") from None
+        raise InputError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot open the {what} file: {exc.strerror or exc}") from exc
+    if stat.S_ISDIR(st.st_mode):
         raise InputError(f"{path}: is a directory, expected a Parquet file of {what}")
     try:
         with open(p, "rb"):
@@ -68,12 +81,14 @@ def open_parquet(path: str | os.PathLike, what: str = "data", whole: bool = Fals
     except OSError as exc:
         raise InputError(f"{path}: cannot read the {what} file: {exc.strerror or exc}") from exc
     try:
-        return pq.ParquetFile(str(p), pre_buffer=whole)
+        return pq.ParquetFile(str(p), pre_buffer=whole, page_checksum_verification=True)
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise InputError(f"{path}: not a Parquet file, or truncated: {exc}") from exc
 
 def iter_batches(pf: pq.ParquetFile, path: str, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
-    """``pf.iter_batches`` with corrupt or truncated data pages reported as ``InputError`` naming the file."""
+    """``pf.iter_batches`` with damaged data reported as ``InputError`` naming the file and the row group: a page
+    whose checksum does not match, or that does not decode (corrupt compressed bytes, truncated pages, wrong
+    lengths)."""
     it = pf.iter_batches(batch_size=batch_size, columns=columns, use_threads=True)
     row = 0
     while True:
@@ -82,9 +97,29 @@ def iter_batches(pf: pq.ParquetFile, path: str, columns: list[str], batch_size: 
         except StopIteration:
             return
         except (pa.ArrowException, OSError, ValueError) as exc:
-            raise InputError(f"{path}: unreadable data after row {row} (corrupt or truncated file): {exc}") from exc
+            raise InputError(damaged(pf, path, columns, row, exc)) from exc
         row += batch.num_rows
         yield batch
+
+def damaged(pf: pq.ParquetFile, path: str, columns: list[str], row: int, exc: BaseException) -> str:
+    """The message for a read that failed after ``row`` good rows: which row group is damaged (found by reading
+    the row groups from the one holding ``row`` on, one at a time, until one fails) and how."""
+    md = pf.metadata
+    starts = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)])
+    first = max(0, int(np.searchsorted(starts, row, side="right")) - 1)
+    group, reason = None, " ".join(str(exc).split())
+    for i in range(first, md.num_row_groups):
+        try:
+            pf.read_row_group(i, columns=columns, use_threads=False)
+        except (pa.ArrowException, OSError, ValueError) as err:
+            group, reason = i, " ".join(str(err).split())
+            break
+    kind = "a page checksum does not match" if "checksum" in reason.lower() or "crc" in reason.lower() else \
+        "its data does not decode"
+    if group is None:
+        return f"{path}: unreadable data after row {row} (corrupt or truncated file): {reason}"
+    return (f"{path}: row group {group} (rows {int(starts[group])}-{int(starts[group + 1]) - 1}) is damaged: {kind} "
+            f"({reason})")
 
 def prefetched(batches: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa.RecordBatch]:
     """``batches``, the next ``depth`` decoded on a thread while the caller converts this one (pyarrow and NumPy

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -56,10 +57,26 @@ def check_output_path(out_path: str | os.PathLike, inputs: tuple[Any, ...] = ())
     Raises
     ------
     InputError
-        The directory does not exist or is not writable, the path is a directory, or it names an input.
+        The path is empty, ``-``, ends with ``/``, is a directory, an unresolvable link (a loop, a dangling link) or an
+        input; the directory does not exist or is not writable.
     """
+    text = os.fspath(out_path)
+    if text in ("", "-"):
+        raise InputError(f"{text!r}: expected the path of the output Parquet file (writing to stdout is not "
+                         f"supported)")
+    if text.endswith(("/", os.sep)):
+        raise InputError(f"{text}: names a directory (it ends with '/'), expected the path of the output Parquet "
+                         f"file, e.g. {text}candidates.parquet")
     out = Path(out_path).absolute()
-    if out.is_dir():
+    try:
+        st = out.stat()
+    except FileNotFoundError:
+        st = None
+        if out.is_symlink():
+            raise InputError(f"{out_path}: is a symbolic link to {os.readlink(out)}, which does not exist") from None
+    except OSError as exc:
+        raise InputError(f"{out_path}: cannot be used as the output: {exc.strerror or exc}") from exc
+    if st is not None and stat.S_ISDIR(st.st_mode):
         raise InputError(f"{out_path}: is a directory, expected the path of the output Parquet file")
     if not out.parent.is_dir():
         raise InputError(f"{out_path}: the directory {out.parent} does not exist")
@@ -82,7 +99,10 @@ class CandidateWriter:
     The bytes go to ``.{name}.tmp-{pid}`` in the same directory (so the final ``os.replace`` is a rename within one
     file system, atomic on POSIX), flushed to disk as they grow; on a clean exit the footer is written, the file
     fsynced, renamed into place and the directory entry fsynced. On an exception the temporary file is removed; after a
-    kill it may remain, but the output path never holds a partial file.
+    kill it may remain, but the output path never holds a partial file; the writer holds an ``flock`` on it while it
+    writes, so that :func:`recall.io.atomic.stale_temporaries` can tell it from the leftover of a dead process.
+    Every page carries a CRC-32 checksum (``write_page_checksum``), so a reader that verifies them (recall does) finds
+    a page damaged on disk or in transit.
 
     Item ids and scores are written without dictionary encoding or statistics: they hardly repeat, and hashing or
     scanning 10^8 values to find that out cost more than the rest of the encoding. ``user_id`` keeps its min/max
@@ -128,6 +148,7 @@ class CandidateWriter:
         self._options: dict[str, Any] = {
             "compression": compression, "compression_level": 1 if compression == "zstd" else None,
             "use_dictionary": False, "write_statistics": ["user_id"], "memory_pool": _encoding_pool(),
+            "write_page_checksum": True,
         }
         self._file: BinaryIO | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -145,8 +166,12 @@ class CandidateWriter:
         try:
             self._file = open(self.tmp_path, "wb")
         except OSError as exc:
-            raise InputError(f"{self.out_path}: cannot create {self.tmp_path.name}: {exc}") from exc
-        self._file.write(parquet_footer.MAGIC)
+            raise InputError(f"{self.out_path}: cannot create {self.tmp_path.name}: {exc.strerror or exc}") from exc
+        import fcntl
+
+        # Blocking: a process looking for leftovers may hold it for a moment (it then sees our pid alive).
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+        self._write(parquet_footer.MAGIC)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="recall-parquet")
         return self
 
@@ -188,13 +213,26 @@ class CandidateWriter:
         for group in parquet_footer.row_groups(meta):
             self._groups.append(parquet_footer.move_row_group(group, delta, len(self._groups)))
         self._file_rows += parquet_footer.num_rows(meta)
-        self._file.write(data)
+        self._write(data)
         self._unsynced += len(data)
         if self._unsynced >= _SYNC_BYTES:
             # Flush as we go: the fsync of commit() then waits for the last few batches, not the whole file.
-            self._file.flush()
-            os.fdatasync(self._file.fileno())
+            try:
+                self._file.flush()
+                os.fdatasync(self._file.fileno())
+            except OSError as exc:
+                raise self._os_error(exc) from exc
             self._unsynced = 0
+
+    def _write(self, data: bytes | pa.Buffer) -> None:
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            raise self._os_error(exc) from exc
+
+    def _os_error(self, exc: OSError) -> OSError:
+        """A failed write, flush or fsync (disk full, quota, I/O error) as an OSError naming the output."""
+        return atomic.with_path(exc, self.out_path, "cannot write", "the file at this path, if any, is as it was")
 
     def commit(self) -> None:
         """Append what is still being encoded, write the footer, fsync and rename the temporary file to ``out_path``."""
@@ -203,10 +241,13 @@ class CandidateWriter:
         try:
             while self._pending:
                 self._append(self._pending.popleft().result())
-            self._file.write(parquet_footer.footer(self._template, self._groups, self._file_rows))
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._close()
+            self._write(parquet_footer.footer(self._template, self._groups, self._file_rows))
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._close()
+            except OSError as exc:
+                raise self._os_error(exc) from exc
             atomic.replace(self.tmp_path, self.out_path)
         except BaseException:
             self.abort()

@@ -12,11 +12,13 @@ leaves no partial file, and the previous file at the path as it was).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from ..core import metrics
 from ..core.checks import DEVICES, check_choice, check_int, check_k
 from ..core.errors import InputError
 from ..core.results import id_lookup
+from ..engine.inputs import check_overflow
 from ..io import (
     DEFAULT_COMPRESSION,
     CandidateWriter,
@@ -44,7 +47,8 @@ from ..io import (
     read_item_set,
     read_pairs,
 )
-from ..io.parquet import fmt_id
+from ..io import atomic
+from ..io.parquet import at, fmt_id, open_parquet
 from . import early
 from .items import check_nonzero, load_engine
 from .options import DEFAULT_JOB_OPTIONS, JobOptions
@@ -60,6 +64,49 @@ _MIN_BATCH = 256
 #: ``progress(done_users, total_users)``; called from the writer thread after each batch is handed to the Parquet
 #: writer (whose encoding threads may still hold the last few).
 Progress = Callable[[int, int], None]
+
+log = logging.getLogger("recall")
+
+
+def check_not_empty(path: str, n_rows: int, out: Path, allow_empty: bool, what: str = "users") -> None:
+    """An input without rows would replace ``out`` with an empty candidates file: InputError unless
+    ``allow_empty`` (an upstream job that failed quietly must not empty yesterday's candidates)."""
+    if n_rows or allow_empty:
+        return
+    if out.exists():
+        effect = f"replace {out} ({out.stat().st_size:,} bytes) with an empty candidates file"
+    else:
+        effect = f"write an empty candidates file to {out}"
+    raise InputError(f"{path}: the {what} file has no rows, so this would {effect}; pass --allow-empty "
+                     f"(allow_empty=True) if that is what you want")
+
+
+def remove_leftovers(out: Path) -> None:
+    """Remove the temporary files that killed runs left beside ``out`` (their process is dead, no lock is held on
+    them), and say so once: those of ``out`` itself and of other Parquet files (a candidates file of another job
+    into the same directory), never other programs' temporaries of other kinds of files."""
+    removed = atomic.remove_stale_temporaries(out.parent, lambda name: name == out.name or name.endswith(".parquet"))
+    if removed:
+        log.warning("notice: %s", atomic.describe_removed(removed, out.parent))
+
+
+def check_scores_fit(engine: Any, vectors: np.ndarray, ids: np.ndarray, path: str, row_start: int = 0,
+                     file_rows: np.ndarray | None = None, owner: np.ndarray | None = None,
+                     scale: np.ndarray | None = None) -> None:
+    """The engine's float32 overflow check, in terms of the file: InputError naming ``path``, the row and the id
+    (the engine itself can only name the row of its argument). The jobs call it only once the engine has refused a
+    batch, so the common case pays for the check once, in the engine.
+
+    ``vectors`` (n, dim) host float32; ``file_rows`` the file row of each vector (default ``row_start + i``);
+    ``owner`` the position in ``ids`` of each vector's user (default ``i``); ``scale`` (n,) multiplies each norm (a
+    sum over a user's interests is bounded by their count times the largest).
+    """
+    def where(i: int) -> str:
+        row = int(file_rows[i]) if file_rows is not None else row_start + i
+        return at(path, row, ids, int(owner[i]) if owner is not None else i)
+
+    norms = metrics.row_norms(np, vectors)
+    check_overflow(np, norms if scale is None else norms * scale, engine.item_norm, engine.metric, where, what=None)
 
 
 def auto_batch_size(k: int, dim: int) -> int:
@@ -224,7 +271,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
                 memory_budget: int | None = None, progress: Progress | None = None, precision: str = "exact",
                 compression: str = DEFAULT_COMPRESSION, aggregate: str | None = None,
                 options: JobOptions | None = None, allow_path: str | os.PathLike | None = None,
-                deny_path: str | os.PathLike | None = None) -> JobSummary:
+                deny_path: str | os.PathLike | None = None, allow_empty: bool = False) -> JobSummary:
     """Score every user of a Parquet file against every item of another and write the top-k candidates to Parquet.
 
     Parameters
@@ -238,7 +285,8 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
         per user in input order (of first appearance, with ``aggregate``), best first. Written to a temporary file
         and renamed into place when complete.
     k : int
-        Items per user, >= 1. Users with fewer than k qualifying items get shorter lists.
+        Items per user, >= 1 and below 2^31. Users with fewer than k qualifying items get shorter lists; a k beyond
+        the number of items gives every user the whole catalogue, at the cost of ``k = n_items``.
     metric : {"ip", "cosine", "l2"}
     exclude_path : str or PathLike, optional
         Parquet of ``user_id``, ``item_id`` pairs (or ``user_id``, ``item_ids`` lists) never to return. Pairs with an
@@ -261,7 +309,11 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     options : JobOptions, optional
     allow_path, deny_path : str or PathLike, optional
         Item filter files (an ``item_id`` column): only allowed items that are not denied are returned, to every
-        user. Unknown ids are ignored and counted (``JobSummary.unknown_filter_ids``).
+        user. Unknown ids are ignored and counted (``JobSummary.unknown_filter_ids``); an allow file that names no
+        item is an InputError.
+    allow_empty : bool
+        Write an empty candidates file when the users file has no rows; by default that is an InputError, so that
+        an upstream failure does not replace the previous output with an empty one.
 
     Returns
     -------
@@ -270,7 +322,10 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     Raises
     ------
     InputError
-        Any bad file, row or argument (the message names the file, row and id); nothing is written.
+        Any bad file, row or argument (the message names the file, row and id), an empty users file without
+        ``allow_empty``; nothing is written.
+    OSError
+        The output cannot be written (disk full, I/O error): the message names the path; nothing is left behind.
     ResourceError
         The memory budget cannot hold the smallest tile.
     BackendUnavailable
@@ -289,10 +344,14 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
         users_info = inspect_embeddings(spec.users_path, id_col, vec_col)
         items_info = inspect_embeddings(spec.items_path, id_col, vec_col)
         _check_dims(users_info, items_info, spec.users_path, spec.items_path)
-    spec = replace(spec, backend=backends.resolve(device))
-    if aggregate is None:
-        return _score_single(spec, precision, items_info)
-    return _score_interests(spec, aggregate)
+    n_users = (users_info.n_rows if aggregate is None
+               else open_parquet(spec.users_path, "embeddings").metadata.num_rows)
+    check_not_empty(spec.users_path, n_users, spec.out, allow_empty)
+    # Never wider than the catalogue: a k beyond it returns every item, at the cost (and with the bytes) of k = n.
+    spec = replace(spec, backend=backends.resolve(device), k=min(spec.k, max(1, items_info.n_rows)))
+    remove_leftovers(spec.out)
+    summary = _score_single(spec, precision, items_info) if aggregate is None else _score_interests(spec, aggregate)
+    return replace(summary, k=k)
 
 
 def _summary(spec: _Spec, kind: str, engine: Any, users: int, stream: Any, read_s: float, start_s: float,
@@ -356,7 +415,11 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
 
     def query(batch: Embeddings) -> Any:
         exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
-        return engine.search_async(batch.vectors, k, exclude=exclude)
+        try:
+            return engine.search_async(batch.vectors, k, exclude=exclude)
+        except InputError:
+            check_scores_fit(engine, batch.vectors, batch.ids, spec.users_path, batch.row_start)
+            raise
 
     batches = None
     if overlap is None:
@@ -382,6 +445,16 @@ def _searches_early(spec: _Spec, precision: str) -> bool:
     if spec.options.early == "off" or precision != "exact" or spec.exclude_path or spec.allow_path or spec.deny_path:
         return False
     return spec.options.early == "on" or spec.backend.asynchronous
+
+
+def _check_interests_fit(engine: Any, users: Any, path: str, start: int, stop: int, aggregate: str) -> None:
+    """:func:`check_scores_fit` for users ``start:stop`` of a multi-interest file (a sum is bounded by the user's
+    interest count times its largest score)."""
+    lo, hi = int(users.indptr[start]), int(users.indptr[stop])
+    counts = np.diff(users.indptr[start:stop + 1])
+    owner = start + np.repeat(np.arange(stop - start), counts)
+    check_scores_fit(engine, users.vectors[lo:hi], users.ids, path, file_rows=users.file_rows[lo:hi], owner=owner,
+                     scale=np.repeat(counts, counts).astype(np.float64) if aggregate == "sum" else None)
 
 
 def _slices(n: int, batch: int) -> Iterable[tuple[int, int]]:
@@ -414,8 +487,12 @@ def _score_interests(spec: _Spec, aggregate: str) -> JobSummary:
 
     def query(span: tuple[int, int]) -> Done:
         start, stop = span
-        res = engine.search(users.batch(start, stop), k, aggregate=aggregate,
-                            exclude=excl.block(start, stop) if excl is not None else None)
+        try:
+            res = engine.search(users.batch(start, stop), k, aggregate=aggregate,
+                                exclude=excl.block(start, stop) if excl is not None else None)
+        except InputError:
+            _check_interests_fit(engine, users, spec.users_path, start, stop, aggregate)
+            raise
         return Done(res, engine.stats)
 
     with CandidateWriter(spec.out, _id_type(users.ids), _id_type(items.ids), spec.compression) as writer:
@@ -431,8 +508,8 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
                   id_col: str = "id", vec_col: str = "embedding", device: str = "auto",
                   memory_budget: int | None = None, batch_size: int | None = None, progress: Progress | None = None,
                   compression: str = DEFAULT_COMPRESSION, options: JobOptions | None = None,
-                  allow_path: str | os.PathLike | None = None,
-                  deny_path: str | os.PathLike | None = None) -> JobSummary:
+                  allow_path: str | os.PathLike | None = None, deny_path: str | os.PathLike | None = None,
+                  allow_empty: bool = False) -> JobSummary:
     """Re-score each user's candidates from Parquet files and write its top-k to a candidates Parquet file.
 
     Parameters
@@ -448,11 +525,16 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     k : int
     metric, id_col, vec_col, device, memory_budget, batch_size, progress, compression, options, allow_path, deny_path
         As for :func:`score_files` (a filtered-out candidate is never returned).
+    allow_empty : bool
+        Write an empty candidates file when the users or the candidates file has no rows (default: InputError).
 
     Raises
     ------
     InputError
-        Any bad file, row, id type or argument (naming file, row and id); nothing is written.
+        Any bad file, row, id type or argument (naming file, row and id), an empty input without ``allow_empty``;
+        nothing is written.
+    OSError
+        As for :func:`score_files`.
     ResourceError, BackendUnavailable
         As for ``recall score``.
     """
@@ -460,9 +542,15 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     spec = _spec(users_path, items_path, out_path, k, metric, id_col, vec_col, device, batch_size, memory_budget,
                  progress, compression, options, None, allow_path, deny_path, extra_inputs=(candidates_path,))
     users_info = inspect_embeddings(spec.users_path, id_col, vec_col)
-    _check_dims(users_info, inspect_embeddings(spec.items_path, id_col, vec_col), spec.users_path, spec.items_path)
+    items_info = inspect_embeddings(spec.items_path, id_col, vec_col)
+    _check_dims(users_info, items_info, spec.users_path, spec.items_path)
     inspect_pairs(candidates_path, "candidate")
-    spec = replace(spec, backend=backends.resolve(device))
+    check_not_empty(spec.users_path, users_info.n_rows, spec.out, allow_empty)
+    check_not_empty(candidates_path, open_parquet(candidates_path, "candidates").metadata.num_rows, spec.out,
+                    allow_empty, "candidates")
+    # No user has more distinct candidates than there are items.
+    spec = replace(spec, backend=backends.resolve(device), k=min(spec.k, max(1, items_info.n_rows)))
+    remove_leftovers(spec.out)
 
     t0 = time.perf_counter()
     items, engine, _ = load_engine(spec.items_path, id_col, vec_col, metric, spec.backend, spec.memory_budget,
@@ -485,7 +573,12 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
 
     def query(span: tuple[int, int]) -> Done:
         start, stop = span
-        res = engine.rescore(users.vectors[present[start:stop]], mine.block(start, stop), spec.k)
+        rows = present[start:stop]
+        try:
+            res = engine.rescore(users.vectors[rows], mine.block(start, stop), spec.k)
+        except InputError:
+            check_scores_fit(engine, users.vectors[rows], users.ids, spec.users_path, file_rows=rows, owner=rows)
+            raise
         return Done(res, engine.stats)
 
     with CandidateWriter(spec.out, _id_type(users.ids), _id_type(items.ids), spec.compression) as writer:
@@ -494,5 +587,5 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
                             lambda span, res: output.write(users.ids[present[span[0]:span[1]]], res))
         output.check_complete()
     side.excl = cands  # the candidates' pair counts stand where a search's exclusions would
-    return _summary(spec, "rescore", engine, n, stream, read_s, start_s, batch, side,
-                    candidates=int(mine.item_rows.size))
+    return replace(_summary(spec, "rescore", engine, n, stream, read_s, start_s, batch, side,
+                            candidates=int(mine.item_rows.size)), k=k)

@@ -6,8 +6,10 @@ there is one, no traceback, and no output file.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,8 @@ from recall.cli.common import parse_bytes
 from recall.core.errors import InputError
 
 runner = CliRunner()
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -192,12 +196,38 @@ def _break(f: dict, case: str) -> tuple[list[str], str]:
         return _score_args(f, "--memory-budget", "a lot"), r"--memory-budget must be a positive number of bytes"
     if case == "batch_size_zero":
         return _score_args(f, "--batch-size", "0"), r"--batch-size must be >= 1"
+    # Issue 19.
+    if case == "empty_users":
+        write_embeddings(f["users"], pa.array([], pa.int64()), np.zeros((0, 4), np.float32))
+        return _score_args(f), r"users\.parquet: the users file has no rows, so this would write an empty candidates " \
+                               r"file to .*out\.parquet; pass --allow-empty"
+    if case == "out_trailing_slash":
+        return _score_args({**f, "out": f"{d}/newdir/"}), r"newdir/: names a directory \(it ends with '/'\)"
+    if case == "out_dash":
+        return _score_args({**f, "out": "-"}), r"'-': expected the path of the output Parquet file"
+    if case == "memory_budget_fraction":
+        return _score_args(f, "--memory-budget", "0.5"), r"--memory-budget must be at least 1 byte.*got '0\.5'"
+    if case == "users_symlink_loop":
+        (d / "loop1.parquet").symlink_to(d / "loop2.parquet")
+        (d / "loop2.parquet").symlink_to(d / "loop1.parquet")
+        return _score_args({**f, "users": d / "loop1.parquet"}), \
+            r"loop1\.parquet: cannot open the embeddings file: Too many levels of symbolic links"
+    if case == "k_unrepresentable":
+        return _score_args(f, k="1000000000000"), r"k must be below 2\^31 .*got 1,000,000,000,000"
+    if case == "overflow_users":
+        bad = users.copy()
+        bad[11] = 1e37
+        write_embeddings(f["users"], f["user_ids"], bad, row_group_size=8)
+        return _score_args(f, "--batch-size", "4"), \
+            r"^error: .*users\.parquet: row 11 \(id 111\) has norm 2e\+37 and the largest item norm is .*overflow"
     raise AssertionError(case)
 
 
 CASES = ["missing_users", "unreadable_items_dir", "not_parquet", "truncated_items", "missing_column", "null_vector",
          "ragged", "nan_items", "inf_users", "dimension_mismatch", "duplicate_item_ids", "empty_items", "k_zero",
-         "k_negative", "exclusion_columns", "missing_exclusions", "bad_memory_budget", "batch_size_zero"]
+         "k_negative", "exclusion_columns", "missing_exclusions", "bad_memory_budget", "batch_size_zero",
+         "empty_users", "out_trailing_slash", "out_dash", "memory_budget_fraction", "users_symlink_loop",
+         "k_unrepresentable", "overflow_users"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -212,6 +242,7 @@ def test_bad_input(files: dict, case: str) -> None:
     assert "Traceback" not in result.output
     assert not files["out"].exists()
     assert not [p for p in files["dir"].iterdir() if ".tmp-" in p.name]
+    assert not (files["dir"] / "newdir").exists() and not (files["dir"] / "-").exists()
 
 
 def test_unknown_metric(files: dict) -> None:
@@ -304,3 +335,157 @@ def test_score_precision_fast_with_interests_is_refused(tmp_path):
     assert result.exit_code == 2
     assert "--precision fast applies to single-vector users" in result.output
     assert not (tmp_path / "o.parquet").exists()
+
+
+# ---- issue 19: what a failed, killed or odd run leaves -------------------------------------------------------------
+
+def test_empty_users_keep_the_previous_output_unless_allowed(files: dict) -> None:
+    assert runner.invoke(app, _score_args(files)).exit_code == 0
+    before = files["out"].read_bytes()
+    write_embeddings(files["users"], pa.array([], pa.int64()), np.zeros((0, 4), np.float32))
+    result = runner.invoke(app, _score_args(files))
+    assert result.exit_code == 2 and f"so this would replace {files['out']} ({len(before):,} bytes)" in result.stderr
+    assert files["out"].read_bytes() == before
+    result = runner.invoke(app, _score_args(files, "--allow-empty"))
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(files["out"]).num_rows == 0
+
+
+def test_k_beyond_the_catalogue_costs_what_k_n_items_costs(files: dict, tmp_path: Path) -> None:
+    """Issue 19.4: the result was allocated at n_users x k (1.48 GB for k = 10^6 on 100 x 200; k = 2^31 - 1 would be
+    terabytes): it is the whole catalogue, the same file as k = n_items."""
+    assert runner.invoke(app, _score_args(files, k="17")).exit_code == 0
+    want = files["out"].read_bytes()
+    result = runner.invoke(app, _score_args(files, k=str(2 ** 31 - 1)))
+    assert result.exit_code == 0, result.output
+    assert files["out"].read_bytes() == want and f"k {2 ** 31 - 1:,}".replace(",", "") in result.stdout
+
+
+def test_disk_full_is_one_line_naming_the_output(files: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    result = runner.invoke(app, _score_args(files))
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: {files['out']}: cannot write: No space left on device; the file at this path, if any, is as it was"]
+    assert not files["out"].exists() and not [p for p in files["dir"].iterdir() if ".tmp-" in p.name]
+
+
+def test_help_shows_no_value_after_plain_flags() -> None:
+    for command in ("score", "rescore", "batch", "demo"):
+        result = runner.invoke(app, [command, "--help"])
+        assert result.exit_code == 0 and "<bool>" not in result.output and "--quiet" in result.output
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leftovers_of_killed_runs_are_removed_and_said_once(files: dict) -> None:
+    """Issue 19.3: kill -9 leftovers were never removed nor mentioned by later runs into the same directory. Only
+    those of dead processes go; a live writer's file stays."""
+    dead = _dead_pid()
+    leftover = files["dir"] / f".out.parquet.tmp-{dead}"
+    leftover.write_bytes(b"x" * 76_500)
+    other = files["dir"] / f".notes.txt.tmp-{dead}"  # another program's: not a Parquet file, left alone
+    other.write_bytes(b"z")
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        busy = files["dir"] / f".other.parquet.tmp-{live.pid}"
+        busy.write_bytes(b"y")
+        result = runner.invoke(app, _score_args(files))
+        assert result.exit_code == 0, result.output
+        notices = [line for line in result.stderr.splitlines() if "temporary file" in line]
+        assert notices == [f"notice: {files['dir']}: removed 1 temporary file left by earlier runs that were killed "
+                           f"(.out.parquet.tmp-{dead}; 0.1 MB)"]
+        assert not leftover.exists() and busy.exists() and other.exists()
+        result = runner.invoke(app, _score_args(files))
+        assert result.exit_code == 0 and "temporary file" not in result.stderr
+    finally:
+        live.kill()
+        live.wait()
+
+
+def _slow_score(files: dict, tmp: Path) -> subprocess.Popen:
+    """``recall score`` writing slowly (``python -m pacing``): 400 users in batches of 8, 50 ms each."""
+    users, items = int_data(400, 17, 4, seed=2)
+    write_embeddings(files["users"], 1000 + np.arange(400), users, row_group_size=64)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}", "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen([sys.executable, "-m", "pacing", *_score_args(files, "--batch-size", "8")], cwd=tmp,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("sig,code,how", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")])
+def test_a_signal_removes_the_temporary_file_and_says_so(files: dict, sig: int, code: int, how: str) -> None:
+    """Issue 19.3: kill -TERM (and timeout) left a 76.5 MB .{name}.tmp-{pid}; Ctrl-C exited 130 without a word."""
+    files["out"].write_bytes(b"yesterday")
+    proc = _slow_score(files, files["dir"])
+    try:
+        deadline = time.monotonic() + 60
+        while not any(".tmp-" in p.name and p.stat().st_size > 4 for p in files["dir"].iterdir()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, stderr
+    assert stderr.strip().splitlines() == [f"interrupted: nothing written to {files['out']}; rerun to start again"]
+    assert files["out"].read_bytes() == b"yesterday"
+    assert not [p for p in files["dir"].iterdir() if ".tmp-" in p.name]
+
+
+def test_rescore_empty_candidates_keep_the_previous_output(files: dict) -> None:
+    cands = files["dir"] / "cands.parquet"
+    pq.write_table(pa.table({"user_id": [100, 101], "item_ids": [[7000, 7001], [7002]]}), cands)
+    args = ["rescore", "--users", str(files["users"]), "--items", str(files["items"]), "--candidates", str(cands),
+            "--k", "2", "--out", str(files["out"]), "--device", "cpu"]
+    assert runner.invoke(app, args).exit_code == 0
+    before = files["out"].read_bytes()
+    pq.write_table(pa.table({"user_id": pa.array([], pa.int64()), "item_ids": pa.array([], pa.list_(pa.int64()))}),
+                   cands)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {cands}: the candidates file has no rows")
+    assert files["out"].read_bytes() == before
+    assert runner.invoke(app, [*args, "--allow-empty"]).exit_code == 0
+    assert pq.read_table(files["out"]).num_rows == 0
+
+
+def test_first_run_compilation_is_said_on_a_terminal(files: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19.9: the first run after an install spends seconds compiling, which nothing said."""
+    import recall.backends as backends
+    import recall.cli.common as common
+
+    assert backends.cpu_kernels_cache() is not None  # numba's cache can be inspected
+    monkeypatch.setattr(backends, "cpu_kernels_cache", lambda: (False, "/some/where"))
+    assert runner.invoke(app, _score_args(files)).stderr == ""  # not a terminal: nothing
+    monkeypatch.setattr(common, "show_progress", lambda quiet: not quiet)
+    monkeypatch.setattr("recall.cli.score.progress_bar", lambda enabled: common.progress_bar(False))
+    result = runner.invoke(app, _score_args(files))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == ["compiling the CPU kernels: the first run after an install takes a few "
+                                          "seconds more (numba caches them under /some/where)"]
+    assert runner.invoke(app, _score_args(files, "--quiet")).stderr == ""
+
+
+@pytest.mark.parametrize("aggregate", ["max", "sum"])
+def test_overflow_with_interests_names_the_file_row_and_id(tmp_path: Path, aggregate: str) -> None:
+    users, items = int_data(12, 17, 4, seed=3)
+    users[7] = 1e37 if aggregate == "max" else 4e36  # a sum of 3 interests: 3 x 4e36 x |v| overflows
+    ids = np.repeat(200 + np.arange(4), 3)
+    write_embeddings(tmp_path / "u.parquet", ids, users)
+    write_embeddings(tmp_path / "i.parquet", np.arange(17), items)
+    result = runner.invoke(app, ["score", "--users", str(tmp_path / "u.parquet"), "--items",
+                                 str(tmp_path / "i.parquet"), "--k", "3", "--out", str(tmp_path / "o.parquet"),
+                                 "--device", "cpu", "--interests", aggregate])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: {tmp_path / 'u.parquet'}: row 7 (id 202) has norm "), result.stderr

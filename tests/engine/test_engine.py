@@ -113,30 +113,45 @@ def test_k_equal_n_items_is_a_full_ranking(device, metric, make_normal):
     oracle.assert_topk_close(idx, val, users, items, 131, metric)
 
 
-def test_k_larger_than_catalog_pads(device, make_ties):
+def test_k_larger_than_catalog_is_clamped(device, make_ties):
+    """k beyond the catalogue returns the whole catalogue, (n, n_items): the result is never allocated at k columns
+    (k = 2^31 - 1 would be 150 GB here)."""
     users, items = make_ties(6, 5, 3, seed=6)
-    idx, val, res = _search(Engine(items, device=device), users, 9)
-    assert idx.shape == val.shape == (6, 9)
-    np.testing.assert_array_equal(idx[:, 5:], -1)
-    assert np.all(np.isneginf(val[:, 5:]))
-    _assert_exact(idx, val, users, items, 9)
-    # Without ids, ids are the row positions, padding included.
+    ref_idx, ref_val, _ = _search(Engine(items, device=device), users, 5)
+    for k in (9, 2 ** 31 - 1):
+        idx, val, res = _search(Engine(items, device=device), users, k)
+        assert idx.shape == val.shape == (6, 5) and res.k == 5
+        np.testing.assert_array_equal(idx, ref_idx)
+        np.testing.assert_array_equal(val, ref_val)
+        np.testing.assert_array_equal(as_numpy(res.ids), idx)  # without ids, ids are the row positions
+    with pytest.raises(InputError, match="below 2"):
+        Engine(items, device=device).search(users, 2 ** 31)
+
+
+def test_padding_where_exclusions_leave_fewer_than_k(device, make_ties):
+    users, items = make_ties(6, 5, 3, seed=6)
+    idx, val, res = _search(Engine(items, device=device), users, 9, exclude={0: [0, 1, 2]})
+    assert idx.shape == val.shape == (6, 5)
+    np.testing.assert_array_equal(idx[0, 2:], -1)
+    assert np.all(np.isneginf(val[0, 2:])) and np.all(idx[1:] >= 0)
     np.testing.assert_array_equal(as_numpy(res.ids), idx)
 
 
 def test_padding_in_ids_int_and_string(device, make_ties):
     users, items = make_ties(4, 3, 3, seed=7)
     int_ids = np.array([100, 200, 300], dtype=np.int64)
-    idx, _, res = _search(Engine(items, ids=int_ids, device=device), users, 5)
+    exclude = {u: [0] for u in range(4)}  # every user gets two of the three items: one padded slot
+    idx, _, res = _search(Engine(items, ids=int_ids, device=device), users, 5, exclude)
     ids = as_numpy(res.ids)
-    np.testing.assert_array_equal(ids[:, :3], int_ids[idx[:, :3]])
-    np.testing.assert_array_equal(ids[:, 3:], -1)
+    assert ids.shape == (4, 3)
+    np.testing.assert_array_equal(ids[:, :2], int_ids[idx[:, :2]])
+    np.testing.assert_array_equal(ids[:, 2:], -1)
     str_ids = np.array(["a", "b", "c"])
-    _, _, res = _search(Engine(items, ids=str_ids, device=device), users, 5)
+    _, _, res = _search(Engine(items, ids=str_ids, device=device), users, 5, exclude)
     ids = as_numpy(res.ids)
     assert ids.dtype == object
-    assert ids[:, 3:].tolist() == [[None, None]] * 4
-    assert ids[:, :3].tolist() == str_ids[idx[:, :3]].tolist()
+    assert ids[:, 2:].tolist() == [[None]] * 4
+    assert ids[:, :2].tolist() == str_ids[idx[:, :2]].tolist()
 
 
 def test_padding_with_unsigned_int_ids(device, make_ties):
@@ -147,7 +162,7 @@ def test_padding_with_unsigned_int_ids(device, make_ties):
     exclude = {1: [0, 1]}
     idx, _, res = _search(Engine(items, ids=ids, device=device), users, 6, exclude)
     got = as_numpy(res.ids)
-    assert got.shape == (3, 6)
+    assert got.shape == (3, 4)
     real = idx >= 0
     assert [int(x) for x in got[real]] == [int(x) for x in ids[idx[real]]]
 
@@ -163,10 +178,9 @@ def test_one_user(device, make_normal):
 def test_one_item(device, metric, make_normal):
     users, items = make_normal(7, 1, 4, seed=9)
     idx, val, _ = _search(Engine(items, metric=metric, device=device), users, 3)
-    np.testing.assert_array_equal(idx, np.tile([0, -1, -1], (7, 1)))
+    np.testing.assert_array_equal(idx, np.zeros((7, 1)))  # k > n_items: the whole catalogue, one column
     want = oracle.score_matrix(users, items, metric)[:, 0]
     np.testing.assert_allclose(val[:, 0], want, rtol=1e-5, atol=1e-5)
-    assert np.all(np.isneginf(val[:, 1:]))
 
 
 def test_zero_users(device, make_normal):

@@ -12,7 +12,9 @@ from oracle import as_numpy, exclusion_mask, int_matrix, score_matrix
 
 
 def _want(users, items, k, metric="ip", passing=None, exclude=None):
-    """(rows (n, k), scores) of the oracle with a shared mask ``passing`` (n_items,) and exclusions."""
+    """(rows (n, min(k, n_items)), scores) of the oracle with a shared mask ``passing`` (n_items,) and exclusions:
+    as wide as an unfiltered search, padded where fewer items pass."""
+    k = min(k, len(items))
     scores = score_matrix(users, items, metric)
     banned = exclusion_mask(exclude, len(users), len(items))
     if passing is not None:

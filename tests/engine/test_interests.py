@@ -43,13 +43,13 @@ def _want(users, items, k, metric, aggregate, exclude=None):
     per_user = [oracle.score_matrix(u, items, metric) for u in users]
     agg = np.stack([s.max(axis=0) if aggregate == "max" else s.sum(axis=0) for s in per_user]) if per_user else \
         np.zeros((0, len(items)))
-    return oracle.topk_from_scores(agg, k, exclude)
+    return oracle.topk_from_scores(agg, min(k, len(items)), exclude)
 
 
 def _check(res, users, items, k, metric, aggregate, exclude=None):
     idx, val = as_numpy(res.indices), as_numpy(res.scores)
     want_idx, want_val = _want(users, items, k, metric, aggregate, exclude)
-    assert idx.shape == (len(users), k) and idx.dtype == np.int64 and val.dtype == np.float32
+    assert idx.shape == (len(users), min(k, len(items))) and idx.dtype == np.int64 and val.dtype == np.float32
     if metric == "cosine":
         np.testing.assert_array_equal(idx < 0, want_idx < 0)
         real = want_idx >= 0
@@ -91,8 +91,8 @@ def test_k_beyond_items_pads(device):
     rng = np.random.default_rng(3)
     items, users = _ints(rng, (9, 5)), _ragged(rng, 6, 5)
     res = Engine(items, metric="l2", device=device).search(users, 15, exclude={2: [0, 1]}, aggregate="sum")
-    _check(res, users, items, 15, "l2", "sum", {2: [0, 1]})
-    assert (as_numpy(res.indices)[:, 9:] == -1).all() and (as_numpy(res.indices)[2, 7:] == -1).all()
+    _check(res, users, items, 15, "l2", "sum", {2: [0, 1]})  # k > n_items: as wide as the catalogue
+    assert as_numpy(res.indices).shape == (6, 9) and (as_numpy(res.indices)[2, 7:] == -1).all()
 
 
 def test_ties_go_to_the_lower_item_row(device):

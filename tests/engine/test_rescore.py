@@ -52,8 +52,10 @@ def _lists(rng: np.random.Generator, n_users: int, n_items: int, longest: int) -
 
 
 def _want(users, items, lists, k, metric="ip"):
-    """float64 oracle: per user, the best k distinct candidates by (score desc, row asc), padded (-1, -inf)."""
+    """float64 oracle: per user, the best k distinct candidates by (score desc, row asc), padded (-1, -inf), as
+    wide as min(k, n_items)."""
     full = oracle.score_matrix(users, items, metric)
+    k = min(k, len(items))
     idx = np.full((len(lists), k), -1, np.int64)
     val = np.full((len(lists), k), -np.inf)
     for u, lst in enumerate(lists):
@@ -74,7 +76,7 @@ def _csr(lists):
 def _check(res: SearchResult, users, items, lists, k, metric):
     idx, val = as_numpy(res.indices), as_numpy(res.scores)
     want_idx, want_val = _want(users, items, lists, k, metric)
-    assert idx.shape == (len(lists), k) and idx.dtype == np.int64 and val.dtype == np.float32
+    assert idx.shape == (len(lists), min(k, len(items))) and idx.dtype == np.int64 and val.dtype == np.float32
     if metric == "cosine":
         np.testing.assert_array_equal(idx < 0, want_idx < 0)
         real = want_idx >= 0
@@ -178,8 +180,8 @@ def test_long_lists_and_tiny_budget_agree(device, path):
 
 def test_large_k_beyond_the_kernel_falls_back(device, path):
     rng = np.random.default_rng(6)
-    items, users = _ints(rng, 3000, 4), _ints(rng, 3, 4)
-    lists = [rng.integers(0, 3000, 2500), np.arange(3000), [1, 2]]
+    items, users = _ints(rng, 45_000, 4), _ints(rng, 3, 4)
+    lists = [rng.integers(0, 45_000, 2500), np.arange(45_000), [1, 2]]
     k = 40_000  # more keys than a GPU thread block's shared memory holds: the GEMM path selects instead
     res = Engine(items, device=device, options=path).rescore(users, lists, k)
     _check(res, users, items, lists, k, "ip")

@@ -244,7 +244,8 @@ def test_corrupt_data_pages(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[100:2000] = bytes(b ^ 0xFF for b in data[100:2000])
     path.write_bytes(bytes(data))
-    with pytest.raises(InputError, match=r"corrupt\.parquet: (unreadable data after row \d+|not a Parquet file)"):
+    with pytest.raises(InputError, match=r"corrupt\.parquet: (row group 0 \(rows 0-999\) is damaged|not a Parquet "
+                                         r"file)"):
         read_embeddings(path)
 
 
@@ -479,10 +480,10 @@ def test_writer_file_is_what_one_pyarrow_writer_writes(tmp_path: Path, compressi
         for table in tables:
             writer.write(table)
     assert writer.rows_written == sum(t.num_rows for t in tables)
-    # The options the writer promises: no dictionary, statistics for user_id only, zstd at level 1.
+    # The options the writer promises: no dictionary, statistics for user_id only, zstd at level 1, page checksums.
     with pq.ParquetWriter(tmp_path / "one.parquet", candidates_schema(), compression=compression,
                           compression_level=1 if compression == "zstd" else None, use_dictionary=False,
-                          write_statistics=["user_id"]) as one:
+                          write_statistics=["user_id"], write_page_checksum=True) as one:
         for table in tables:
             if table.num_rows:  # an empty table adds no row group
                 one.write_table(table)
@@ -627,3 +628,189 @@ def test_writer_unwritable_directory(tmp_path: Path) -> None:
                 pass
     finally:
         ro.chmod(0o700)
+
+
+# ---- damaged pages, content hashes, leftovers of dead processes, output paths (issue 19) ---------------------------
+
+def _flip_inside_a_data_page(path: Path, row_group: int, column: int = 1, n: int = 16) -> None:
+    """Flip ``n`` bytes in the middle of the first data page of a column chunk (past its header: the values)."""
+    chunk = pq.ParquetFile(path).metadata.row_group(row_group).column(column)
+    start = chunk.data_page_offset
+    end = start + chunk.total_compressed_size - (chunk.data_page_offset - (chunk.dictionary_page_offset or start))
+    pos = (start + end) // 2
+    data = bytearray(path.read_bytes())
+    data[pos:pos + n] = bytes(b ^ 0xFF for b in data[pos:pos + n])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("layout", ["fixed32", "list32", "list64"])
+def test_a_page_failing_its_checksum_is_an_error_naming_the_row_group(tmp_path: Path, layout: str) -> None:
+    """Issue 19.2: 16 flipped bytes inside a data page of the second row group of a file written with page checksums
+    decode into other (finite) vectors; the checksum is verified, so they are refused, naming the row group."""
+    path = tmp_path / "u.parquet"
+    pq.write_table(pa.table({"id": np.arange(300), "embedding": vector_array(_vecs(300, 8), layout)}), path,
+                   row_group_size=100, compression="none", use_dictionary=False, write_page_checksum=True)
+    _flip_inside_a_data_page(path, 1)
+    assert pq.ParquetFile(path).read().num_rows == 300  # unverified, the damage goes unnoticed
+    pattern = rf"{path}: row group 1 \(rows 100-199\) is damaged: a page checksum does not match"
+    with pytest.raises(InputError, match=pattern):
+        read_embeddings(path)
+    with pytest.raises(InputError, match=pattern):
+        list(iter_embedding_batches(path, 64))
+    assert read_ids(path).size == 300  # the id column is intact
+
+
+def test_outputs_carry_page_checksums(tmp_path: Path) -> None:
+    """Every candidates file is written with page checksums, so a reader can tell a damaged one (recall's own pairs
+    reader does: a damaged candidates file given to ``recall rescore`` is refused)."""
+    out = tmp_path / "c.parquet"
+    with CandidateWriter(out, compression="none") as writer:
+        writer.write(_candidates(100, 9, 0, seed=1))
+        writer.write(_candidates(100, 9, 100, seed=2))
+    _flip_inside_a_data_page(out, 1, column=1)
+    assert pq.read_table(out).num_rows == 200
+    with pytest.raises(OSError, match="CRC checksum verification failed"):
+        pq.read_table(out, page_checksum_verification=True)
+    with pytest.raises(InputError, match=rf"{out}: row group 1 \(rows 100-199\) is damaged"):
+        read_pairs(out, np.arange(200), np.arange(10_000), what="candidate")
+
+
+def test_a_page_that_does_not_decode_names_the_row_group(tmp_path: Path) -> None:
+    path = tmp_path / "u.parquet"
+    pq.write_table(pa.table({"id": np.arange(300), "embedding": vector_array(_vecs(300, 8))}), path,
+                   row_group_size=100, compression="snappy")
+    chunk = pq.ParquetFile(path).metadata.row_group(2).column(1)
+    data = bytearray(path.read_bytes())
+    lo = chunk.data_page_offset + 20
+    data[lo:lo + 400] = bytes(b ^ 0xFF for b in data[lo:lo + 400])
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=rf"{path}: row group 2 \(rows 200-299\) is damaged"):
+        read_embeddings(path)
+
+
+def test_content_hash_sees_one_changed_byte(tmp_path: Path) -> None:
+    import xxhash
+
+    from recall.io.atomic import content_hash
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    blob = np.random.default_rng(0).bytes(3 << 20)  # several read chunks
+    a.write_bytes(blob)
+    b.write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
+    assert content_hash(a) == xxhash.xxh3_128(blob).hexdigest() != content_hash(b)
+    with pytest.raises(OSError) as err:
+        content_hash(tmp_path / "missing")
+    assert err.value.filename == str(tmp_path / "missing")
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temporaries_are_only_those_of_dead_unlocked_writers(tmp_path: Path) -> None:
+    import fcntl
+    import subprocess
+
+    from recall.io.atomic import remove_stale_temporaries, stale_temporaries
+
+    dead = _dead_pid()
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        names = {"dead": f".out.parquet.tmp-{dead}", "other": f".x.json.tmp-{dead}",
+                 "live": f".out.parquet.tmp-{live.pid}", "mine": f".out.parquet.tmp-{os.getpid()}",
+                 "locked": f".y.parquet.tmp-{dead + 1 if dead + 1 != live.pid else dead + 2}",
+                 "unrelated": "out.parquet.tmp-1"}
+        for name in names.values():
+            (tmp_path / name).write_bytes(b"x" * 10)
+        # A writer on another host: its pid means nothing here, but it holds the flock.
+        fd = os.open(tmp_path / names["locked"], os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            assert {p.name for p in stale_temporaries(tmp_path)} == {names["dead"], names["other"]}
+            assert sorted(remove_stale_temporaries(tmp_path)) == sorted([(names["dead"], 10), (names["other"], 10)])
+        finally:
+            os.close(fd)
+        assert {p.name for p in tmp_path.iterdir()} == {names[k] for k in ("live", "mine", "locked", "unrelated")}
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_writer_locks_its_temporary_file(tmp_path: Path) -> None:
+    from recall.io.atomic import _locked
+
+    with CandidateWriter(tmp_path / "out.parquet") as writer:
+        writer.write(_candidates(10, 3, 0, seed=0))
+        assert _locked(str(writer.tmp_path))
+    assert _leftovers(tmp_path) == ["out.parquet"]
+
+
+@pytest.mark.parametrize("case", ["trailing_slash", "dash", "empty", "symlink_loop", "dangling_link"])
+def test_output_paths_that_name_no_file_are_refused(tmp_path: Path, case: str) -> None:
+    """Issue 19.8: ``--out newdir/`` created a file named newdir, ``--out -`` a file named -."""
+    from recall.io import check_output_path
+
+    if case == "trailing_slash":
+        path, pattern = f"{tmp_path}/newdir/", r"newdir/: names a directory \(it ends with '/'\)"
+    elif case == "dash":
+        path, pattern = "-", r"'-': expected the path of the output Parquet file \(writing to stdout is not"
+    elif case == "empty":
+        path, pattern = "", r"'': expected the path of the output Parquet file"
+    elif case == "symlink_loop":
+        (tmp_path / "a").symlink_to(tmp_path / "b")
+        (tmp_path / "b").symlink_to(tmp_path / "a")
+        path, pattern = str(tmp_path / "a"), r"a: cannot be used as the output: Too many levels of symbolic links"
+    else:
+        (tmp_path / "a").symlink_to(tmp_path / "nowhere" / "x.parquet")
+        path, pattern = str(tmp_path / "a"), r"a: is a symbolic link to .*nowhere/x\.parquet, which does not exist"
+    with pytest.raises(InputError, match=pattern):
+        check_output_path(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in tmp_path.iterdir()
+                                                               if p.is_symlink())
+
+
+@pytest.mark.parametrize("case", ["loop", "dangling"])
+def test_inputs_behind_bad_symbolic_links(tmp_path: Path, case: str) -> None:
+    """Issue 19.7: a loop of links read as "no such file"."""
+    if case == "loop":
+        (tmp_path / "a.parquet").symlink_to(tmp_path / "b.parquet")
+        (tmp_path / "b.parquet").symlink_to(tmp_path / "a.parquet")
+        pattern = r"a\.parquet: cannot open the embeddings file: Too many levels of symbolic links"
+    else:
+        (tmp_path / "a.parquet").symlink_to(tmp_path / "gone.parquet")
+        pattern = r"a\.parquet: is a symbolic link to .*gone\.parquet, which does not exist"
+    with pytest.raises(InputError, match=pattern):
+        read_embeddings(tmp_path / "a.parquet")
+
+
+def test_disk_full_names_the_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19.7: ``[Errno 28] No space left on device`` without a path. The error keeps its errno and type and
+    names the output; nothing is left behind and the previous file stays."""
+    import errno
+
+    out = tmp_path / "out.parquet"
+    out.write_bytes(b"yesterday")
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(writer_module.os, "fsync", full)
+    with pytest.raises(OSError) as err:
+        with CandidateWriter(out) as writer:
+            writer.write(_candidates(10, 3, 0, seed=0))
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(out)
+    assert err.value.strerror.startswith("cannot write: No space left on device")
+    assert out.read_bytes() == b"yesterday" and _leftovers(tmp_path) == ["out.parquet"]
+
+
+def test_write_bytes_names_the_path_of_an_os_error(tmp_path: Path) -> None:
+    from recall.io.atomic import write_bytes
+
+    (tmp_path / "d").mkdir()
+    with pytest.raises(OSError) as err:
+        write_bytes(tmp_path / "d", b"x")  # a directory: the rename fails
+    assert err.value.filename == str(tmp_path / "d") and _leftovers(tmp_path) == ["d"]

@@ -23,6 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from parquet_data import int_data, oracle_topk, write_embeddings
+from recall.io import atomic
 from recall.io.atomic import sha256_file
 from recall.jobs.batch import LOCK, MANIFEST, METRICS, SUCCESS, BatchProgress, row_group_rows, run_batch
 from recall.jobs.batch.shards import discover_shards
@@ -100,7 +101,7 @@ def test_outputs_are_exact_and_match_recall_score(job: dict, tmp_path: Path) -> 
         assert table.column("scores").to_pylist() == [s.astype(np.float32).tolist() for s in scores]
         # Same schema and content as `recall score` on that shard.
         single = tmp_path / f"single-{path.name}"
-        score_files(path, job["items"], single, K, device="cpu")
+        score_files(path, job["items"], single, K, device="cpu", allow_empty=True)
         assert pq.read_table(single).equals(table)
     assert (out / SUCCESS).exists() and (out / SUCCESS).stat().st_size == 0
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
@@ -109,17 +110,19 @@ def test_outputs_are_exact_and_match_recall_score(job: dict, tmp_path: Path) -> 
 
 
 def test_manifest_and_metrics(job: dict, tmp_path: Path) -> None:
+    content_hash = atomic.content_hash
     out = tmp_path / "out"
     _run(job, out)
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["format"] == "recall-batch/1"
+    assert manifest["format"] == "recall-batch/2"
     assert manifest["job"]["k"] == K and manifest["job"]["metric"] == "ip"
-    assert manifest["job"]["items"]["sha256"] == sha256_file(job["items"])
+    assert manifest["job"]["items"]["xxh3_128"] == content_hash(job["items"])
     assert manifest["job"]["items"]["size"] == job["items"].stat().st_size
     assert manifest["shards_total"] == manifest["shards_done"] == len(SIZES)
     for path, _, n in job["shards"]:
         entry = manifest["outputs"][path.name]
         assert entry["rows"] == n and manifest["job"]["shards"][path.name]["rows"] == n
+        assert manifest["job"]["shards"][path.name]["xxh3_128"] == content_hash(path)
         assert entry["sha256"] == sha256_file(out / path.name) and entry["bytes"] == (out / path.name).stat().st_size
         assert entry["device"] == "cpu" and entry["batch_size"] == 32
     metrics = json.loads((out / METRICS).read_text())
@@ -316,16 +319,152 @@ def test_different_item_file_is_refused(job: dict, tmp_path: Path) -> None:
         _run(job, out)
 
 
-def test_changed_added_and_removed_shards_are_refused(job: dict, tmp_path: Path) -> None:
+def _write_bare(path: Path, ids: np.ndarray, vecs: np.ndarray) -> None:
+    """A shard whose footer says nothing about its values: uncompressed, no dictionary, no statistics."""
+    pq.write_table(pa.table({"id": pa.array(ids), "embedding": pa.FixedSizeListArray.from_arrays(
+        pa.array(vecs.ravel().astype(np.float32)), vecs.shape[1])}), path, compression="none", use_dictionary=False,
+        write_statistics=False)
+
+
+def test_shard_regenerated_in_place_is_scored_again(job: dict, tmp_path: Path) -> None:
+    """Issue 19.1: a finished shard rewritten with one other vector value, same size and same footer bytes, must not
+    keep its stale output: the content hash sees it, the stale output goes, the shard is scored again."""
+    content_hash = atomic.content_hash
+
+    path, start, n = job["shards"][0]
+    ids, vecs = job["user_ids"][start:start + n], job["user_vecs"][start:start + n].copy()
+    _write_bare(path, ids, vecs)
+    out = tmp_path / "out"
+    _run(job, out)
+    footer = path.read_bytes()[-200:]
+    vecs[3, 1] += 1  # one value: same size, same footer
+    _write_bare(path, ids, vecs)
+    assert path.stat().st_size == job["shards"][0][0].stat().st_size and path.read_bytes()[-200:] == footer
+    notices: list[str] = []
+    summary = _run(job, out, notice=notices.append)
+    assert summary.shards_scored == 1 and summary.shards_skipped == len(SIZES) - 1
+    assert [n_ for n_ in notices if "changed" in n_] == [
+        next(n_ for n_ in notices if n_.startswith(f"{path}: the shard changed since its output was computed "
+                                                   f"(xxh3_128 "))]
+    fresh = tmp_path / "fresh.parquet"
+    score_files(path, job["items"], fresh, K, device="cpu")
+    assert pq.read_table(out / path.name).equals(pq.read_table(fresh))
+    assert (out / SUCCESS).exists()
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["job"]["shards"][path.name]["xxh3_128"] == content_hash(path)
+
+
+def test_regenerated_shard_through_the_cli(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    path, start, n = job["shards"][3]
+    ids, vecs = job["user_ids"][start:start + n], job["user_vecs"][start:start + n].copy()
+    _write_bare(path, ids, vecs)
+    assert runner.invoke(app, _cli(job, out)).exit_code == 0
+    vecs[0, 0] -= 2
+    _write_bare(path, ids, vecs)
+    result = runner.invoke(app, _cli(job, out))
+    assert result.exit_code == 0, result.output
+    assert "nothing to do" not in result.stdout and f"1 of {len(SIZES)} shards scored" in result.stdout
+    assert f"notice: {path}: the shard changed since its output was computed" in result.stderr
+
+
+def test_added_and_removed_shards_are_refused(job: dict, tmp_path: Path) -> None:
     out = tmp_path / "out"
     _run(job, out)
     path, start, n = job["shards"][1]
-    write_embeddings(path, job["user_ids"][start:start + n], job["user_vecs"][start:start + n] + 1)
-    with pytest.raises(InputError, match=r"user shards changed: part-001\.parquet"):
-        _run(job, out)
     path.unlink()
     with pytest.raises(InputError, match=r"user shards removed: part-001\.parquet"):
         _run(job, out)
+    write_embeddings(path, job["user_ids"][start:start + n], job["user_vecs"][start:start + n])
+    write_embeddings(job["users"] / "part-009.parquet", [1], np.ones((1, DIM), np.float32))
+    with pytest.raises(InputError, match=r"user shards added: part-009\.parquet"):
+        _run(job, out)
+
+
+def test_manifest_of_an_earlier_format_redoes_every_shard(job: dict, tmp_path: Path) -> None:
+    """A recall-batch/1 manifest fingerprinted shards by their footer: its outputs cannot be trusted against today's
+    inputs, so they are scored again (with a notice), not kept and not refused."""
+    out = tmp_path / "out"
+    _run(job, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["format"] = "recall-batch/1"
+    manifest["job"]["items"] = {"size": 1, "sha256": "0" * 64}
+    for entry in manifest["job"]["shards"].values():
+        entry.pop("xxh3_128")
+        entry["footer_sha256"] = "0" * 64
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    notices: list[str] = []
+    summary = _run(job, out, notice=notices.append)
+    assert summary.shards_scored == len(SIZES)
+    assert any("format 'recall-batch/1'" in n and "every shard is scored again" in n for n in notices)
+    assert json.loads((out / MANIFEST).read_text())["format"] == "recall-batch/2" and (out / SUCCESS).exists()
+    manifest["job"]["k"] = K + 1
+    manifest["format"] = "recall-batch/1"
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match=f"holds the output of a different job \\(k {K + 1} -> {K}"):
+        _run(job, out)
+
+
+def test_hashing_every_input_is_recorded(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    metrics = json.loads((out / METRICS).read_text())["job"]
+    total = sum(p.stat().st_size for p, _, _ in job["shards"]) + job["items"].stat().st_size
+    assert metrics["fingerprint_bytes"] == total and metrics["fingerprint_s"] >= 0
+
+
+# ---- bad shards ----------------------------------------------------------------------------------------------------
+
+def test_every_good_shard_is_scored_and_every_bad_one_named(job: dict, tmp_path: Path) -> None:
+    """Issue 19.6: two bad shards (a NaN at row 17, a file that is not Parquet) among good ones: the good ones are
+    scored and kept, the job exits 2 naming both (file, row, reason) in one line and in _metrics.json, no _SUCCESS;
+    once they are fixed the same command scores only them."""
+    ref = tmp_path / "ref"
+    _run(job, ref)
+    nan = _nan_shard(job)
+    broken = job["shards"][1][0]
+    good_bytes = broken.read_bytes()
+    broken.write_bytes(b"not parquet at all")
+    out = tmp_path / "out"
+    result = runner.invoke(app, _cli(job, out))
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {broken}: not a Parquet file"), result.stderr
+    assert f"{nan}: row 17 (id {job['user_ids'][job['shards'][3][1] + 17]}) has a NaN" in lines[0]
+    assert f"2 of {len(SIZES)} shards are bad: the {len(SIZES) - 2} others are done and kept" in lines[0]
+    assert not (out / SUCCESS).exists()
+    good = sorted(p.name for p, _, _ in job["shards"] if p not in (nan, broken))
+    assert sorted(_outputs(out)) == good and all(_outputs(out)[n] == _outputs(ref)[n] for n in good)
+    metrics = json.loads((out / METRICS).read_text())
+    assert metrics["job"]["status"] == "failed"
+    bad = {e["shard"]: e for e in metrics["job"]["bad_shards"]}
+    assert bad[nan.name]["row"] == 17 and "NaN" in bad[nan.name]["error"] and bad[nan.name]["path"] == str(nan)
+    assert bad[broken.name]["row"] is None and "not a Parquet file" in bad[broken.name]["error"]
+    assert metrics["shards"][nan.name]["status"] == "bad"
+    assert json.loads((out / MANIFEST).read_text())["shards_done"] == len(good)
+
+    broken.write_bytes(good_bytes)
+    path, start, n = job["shards"][3]
+    write_embeddings(path, job["user_ids"][start:start + n], job["user_vecs"][start:start + n].reshape(n, DIM))
+    result = runner.invoke(app, _cli(job, out))
+    assert result.exit_code == 0, result.output
+    assert f"2 of {len(SIZES)} shards scored, {len(SIZES) - 2} already done" in result.stdout
+    assert _outputs(out) == _outputs(ref) and (out / SUCCESS).exists()
+
+
+def test_bad_shards_in_worker_processes(job: dict, tmp_path: Path) -> None:
+    nan = _nan_shard(job)
+    with pytest.raises(InputError, match=rf"^{nan}: row 17 .* \(1 of {len(SIZES)} shards is bad"):
+        _run(job, tmp_path / "out", workers=2)
+    assert len(_outputs(tmp_path / "out")) == len(SIZES) - 1
+
+
+def test_a_job_of_empty_shards_is_refused_unless_allowed(tmp_path: Path) -> None:
+    job = _write_job(tmp_path, sizes=(0, 0))
+    with pytest.raises(InputError, match=r"every shard is empty \(2 shards, 0 users\).*--allow-empty"):
+        _run(job, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert _run(job, tmp_path / "out", allow_empty=True).shards_scored == 2
 
 
 def test_foreign_directory_is_refused(job: dict, tmp_path: Path) -> None:
@@ -411,10 +550,10 @@ def test_exclusions_string_ids(tmp_path: Path) -> None:
     summary = run_batch(job["users"], job["items"], out, K, device="cpu", exclude=excl, batch_size=16)
     assert summary.exclusion_pairs == len(pairs["user_id"]) and summary.unknown_exclusions == 1
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["job"]["exclude"]["sha256"] == sha256_file(excl)
+    assert manifest["job"]["exclude"]["xxh3_128"] == atomic.content_hash(excl)
     for path, _, _ in job["shards"]:
         single = tmp_path / f"single-{path.name}"
-        score_files(path, job["items"], single, K, device="cpu", exclude_path=excl)
+        score_files(path, job["items"], single, K, device="cpu", exclude_path=excl, allow_empty=True)
         assert pq.read_table(single).equals(pq.read_table(out / path.name)), path.name
     applied = sum(e["exclusions_applied"] for e in manifest["outputs"].values())
     assert applied == 60 * 4  # the unknown user's and the unknown item's pairs are not applied
@@ -430,7 +569,7 @@ def test_exclusions_list_form_and_empty_file(job: dict, tmp_path: Path) -> None:
     run_batch(job["users"], job["items"], out, K, device="cpu", exclude=excl)
     for path, _, _ in job["shards"]:
         single = tmp_path / f"single-{path.name}"
-        score_files(path, job["items"], single, K, device="cpu", exclude_path=excl)
+        score_files(path, job["items"], single, K, device="cpu", exclude_path=excl, allow_empty=True)
         assert pq.read_table(single).equals(pq.read_table(out / path.name)), path.name
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"user_id": pa.array([], pa.int64()), "item_id": pa.array([], pa.int64())}), empty)
@@ -509,11 +648,13 @@ def test_bad_inputs_exit_2_with_one_line(job: dict, tmp_path: Path, case: str) -
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], result.stderr
     assert "Traceback" not in result.output
-    if case == "nan":
-        # The bad shard stops the job; the shards finished before it stay recorded, nothing is marked done.
+    if case in ("nan", "dim", "not-parquet"):
+        # A bad shard does not stop the job: the others are scored and recorded, nothing is marked done.
+        bad = {"nan": job["shards"][3][0], "dim": job["shards"][1][0], "not-parquet": job["users"] / "zz.parquet"}
         assert not (out / SUCCESS).exists()
         assert json.loads((out / METRICS).read_text())["job"]["status"] == "failed"
-        assert not (out / job["shards"][3][0].name).exists()
+        assert not (out / bad[case].name).exists()
+        assert len(list(out.glob("*.parquet"))) == len(SIZES) - (case != "not-parquet")
     elif case != "out-is-file" and out.exists():
         assert not list(out.glob("*.parquet"))
 
@@ -568,3 +709,38 @@ def test_no_gpu_is_refused_before_anything_is_written(job: dict, tmp_path: Path,
     assert result.exit_code == 2 and result.stderr.startswith("error: --device gpu but no GPU is usable")
     assert sorted(p.name for p in out.iterdir()) == [LOCK]  # no manifest: the directory still counts as empty
     assert _run(job, out).shards_scored == len(SIZES)
+
+
+def test_leftovers_of_a_killed_run_are_removed_and_said_once(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    (out / SUCCESS).unlink()
+    (out / ".part-000.parquet.tmp-999999").write_bytes(b"x" * 2_000_000)
+    notices: list[str] = []
+    _run(job, out, notice=notices.append)
+    assert [n for n in notices if "temporary file" in n] == [
+        f"{out}: removed 1 temporary file left by earlier runs that were killed (.part-000.parquet.tmp-999999; "
+        f"2.0 MB)"]
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
+def test_k_beyond_the_catalogue_gives_the_bytes_of_k_n_items(job: dict, tmp_path: Path) -> None:
+    """Issue 19.4 in the batch job: neither the results nor the row groups are sized by a k beyond the items."""
+    _run(job, tmp_path / "n", k=N_ITEMS)
+    summary = _run(job, tmp_path / "huge", k=2 ** 31 - 1)
+    assert summary.k == 2 ** 31 - 1 and _outputs(tmp_path / "huge") == _outputs(tmp_path / "n")
+
+
+def test_unreadable_shards_are_bad_shards_too(job: dict, tmp_path: Path) -> None:
+    """A dangling link and a loop of links among the shards: reported with the others, not silently left out and
+    not stopping the job."""
+    (job["users"] / "zz-gone.parquet").symlink_to(tmp_path / "nowhere.parquet")
+    (job["users"] / "zz-a.parquet").symlink_to(job["users"] / "zz-b.parquet")
+    (job["users"] / "zz-b.parquet").symlink_to(job["users"] / "zz-a.parquet")
+    with pytest.raises(InputError) as err:
+        _run(job, tmp_path / "out")
+    message = str(err.value)
+    assert "zz-gone.parquet: is a symbolic link to" in message and "which does not exist" in message
+    assert "zz-a.parquet: cannot open the embeddings file: Too many levels of symbolic links" in message
+    assert f"(3 of {len(SIZES) + 3} shards are bad" in message
+    assert len(_outputs(tmp_path / "out")) == len(SIZES)

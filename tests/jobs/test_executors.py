@@ -137,6 +137,32 @@ def test_kill_9_of_the_parent_kills_its_workers(job: dict, tmp_path: Path, refer
     assert "already done" in proc.stdout and _outputs(out) == reference
 
 
+@needs_2_cores
+def test_sigterm_of_the_parent_stops_its_workers_cleanly(job: dict, tmp_path: Path, reference: dict) -> None:
+    """Issue 19.3 with worker processes: the parent stops them with SIGTERM, which unwinds each one, so the shard it
+    was writing leaves no temporary file; the rerun resumes."""
+    out = tmp_path / "out"
+    args = ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k", str(K), "--out", str(out),
+            "--device", "cpu", "--batch-size", "32", "--workers", "2"]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
+    proc = subprocess.Popen([sys.executable, "-m", "pacing", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir()))
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+    assert not any(_alive(w["pid"]) for w in _metrics(out)["workers"])
+    summary = _run(job, out)
+    assert summary.shards_skipped >= 1 and _outputs(out) == reference and (out / SUCCESS).exists()
+
+
 # ---- Ray (local mode) ----------------------------------------------------------------------------------------------
 
 def test_ray_local_equals_local_engine(job: dict, tmp_path: Path, reference: dict) -> None:

@@ -131,11 +131,20 @@ def test_tiny_memory_budget_same_answer(tmp_path: Path) -> None:
     _check_against_oracle(tmp_path / "out.parquet", users, items, user_ids, item_ids, 4)
 
 
-def test_empty_users_file(tmp_path: Path) -> None:
-    _, ip, *_ = _files(tmp_path)
+def test_empty_users_file_is_refused_unless_allowed(tmp_path: Path) -> None:
+    """An empty users file (an upstream job that failed quietly) must not replace yesterday's candidates."""
+    full, ip, *_ = _files(tmp_path)
+    out = tmp_path / "out.parquet"
+    score_files(full, ip, out, 3, device="cpu")
+    before = out.read_bytes()
     up = write_embeddings(tmp_path / "none.parquet", pa.array([], pa.int64()), np.zeros((0, 5), np.float32))
-    summary = score_files(up, ip, tmp_path / "out.parquet", 3, device="cpu")
-    assert summary.users == 0 and pq.read_table(tmp_path / "out.parquet").num_rows == 0
+    with pytest.raises(InputError, match=rf"{up}: the users file has no rows, so this would replace {out} "
+                                         rf"\({len(before):,} bytes\) with an empty candidates file; pass "
+                                         rf"--allow-empty"):
+        score_files(up, ip, out, 3, device="cpu")
+    assert out.read_bytes() == before
+    summary = score_files(up, ip, out, 3, device="cpu", allow_empty=True)
+    assert summary.users == 0 and pq.read_table(out).num_rows == 0
 
 
 def test_progress_reports_every_user(tmp_path: Path) -> None:

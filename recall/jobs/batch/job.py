@@ -3,12 +3,16 @@
 Sharded, resumable, idempotent:
 
 - every output is written under a temporary name and renamed into place when complete (``CandidateWriter``);
-- ``OUT_DIR/_manifest.json`` records the job and every finished shard (:mod:`.outdir`), rewritten atomically after
-  every finished shard, by the parent process only;
-- a rerun of the same command skips the shards whose output exists and matches the manifest's size and sha256, and
-  redoes the others; a different job (other parameters, item file, exclusions or users) into the same directory is
-  refused unless ``overwrite``;
-- ``_SUCCESS`` is written last, and removed first whenever anything has to be (re)done;
+- ``OUT_DIR/_manifest.json`` records the job (with a content hash of every input) and every finished shard
+  (:mod:`.outdir`), rewritten atomically after every finished shard, by the parent process only;
+- a rerun of the same command skips the shards whose output exists and matches the manifest's size and sha256 and
+  whose input is unchanged, and redoes the others (a shard regenerated in place is scored again, its stale output
+  removed first); a different job (other parameters, item file, exclusions, shards added or removed) into the same
+  directory is refused unless ``overwrite``;
+- a bad shard (bad rows, not Parquet, wrong columns) does not stop the job: every good shard is scored, then the job
+  fails with an ``InputError`` listing every bad shard (also in ``_metrics.json``);
+- ``_SUCCESS`` is written last, when every shard is good and done, and removed first whenever anything has to be
+  (re)done;
 - Parquet bytes are deterministic (fixed row groups, no timestamps): a run killed at any moment and run again gives
   the same bytes as an uninterrupted run, with the same code, device and tiling (see :func:`run_batch`).
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -37,12 +42,14 @@ from .. import executors
 from ..options import DEFAULT_JOB_OPTIONS, JobOptions
 from . import outdir
 from .outdir import MANIFEST, METRICS, SUCCESS
-from .shards import Shard, discover_shards, fingerprint_full, inspect_shards
+from .shards import Shard, discover_shards, fingerprint_all, inspect_shards
 from .worker import JobSpec, ShardResult, ShardTask, WorkerInfo
 
 log = logging.getLogger("recall")
 
 ENGINES = ("local", "ray")
+#: Bad shards named in full in the error line (all of them are in ``_metrics.json``).
+_SHOWN_BAD = 20
 
 
 def _now() -> str:
@@ -159,16 +166,22 @@ class BatchRequest:
     deny_path: str | None = None
 
     def job(self, shards: list[Shard]) -> dict:
-        """The manifest's description of the job: what decides every output row."""
+        """The manifest's description of the job: what decides every output row, every input by size and content
+        hash (each file read once, on a few threads). The filter files' keys are absent when there is no filter, so
+        the manifests of unfiltered jobs are as they were."""
+        named = [(key, path) for key, path in (("exclude", self.exclude_path), ("allow", self.allow_path),
+                                               ("deny", self.deny_path)) if path is not None]
+        heads = [self.items_path, *(path for _, path in named)]
+        # A bad shard's file may not even be readable: it is reported with the others, not here.
+        prints = fingerprint_all([*heads, *(s.path for s in shards)],
+                                 [True] * len(heads) + [s.error is None for s in shards])
+        items, side, rest = prints[0], dict(zip((key for key, _ in named), prints[1:len(heads)])), prints[len(heads):]
         job = {
             "k": self.k, "metric": self.metric, "id_col": self.id_col, "vec_col": self.vec_col,
-            "items": fingerprint_full(self.items_path),
-            "exclude": fingerprint_full(self.exclude_path) if self.exclude_path is not None else None,
-            "shards": {s.name: s.fingerprint() for s in shards},
+            "items": items, "exclude": side.get("exclude"),
+            "shards": {s.name: {"rows": s.rows, **fp} for s, fp in zip(shards, rest)},
         }
-        for key, path in (("allow", self.allow_path), ("deny", self.deny_path)):
-            if path is not None:  # absent keys keep the manifests of unfiltered jobs as they were
-                job[key] = fingerprint_full(path)
+        job.update({key: side[key] for key in ("allow", "deny") if key in side})
         return job
 
     def spec(self, user_id_type: str) -> JobSpec:
@@ -191,6 +204,7 @@ class _Job:
         self.warned_numerics = False
         self.done = 0
         self.users_done = 0
+        self.bad: dict[str, dict] = {}  # shard name -> {"path", "row", "error"}
         self.lock = threading.Lock()
         self.t0 = time.perf_counter()
         self.workers: list[WorkerInfo] = []
@@ -232,6 +246,31 @@ class _Job:
             atomic.write_json(self.out_dir / METRICS, self.metrics)
             done = self.done
         self.progress.shard_done(done, self.n_todo)
+
+    def shard_failed(self, name: str, path: str, message: str) -> None:
+        """A bad shard (InputError): recorded in ``_metrics.json``; the job goes on with the others."""
+        m = re.search(r": row (\d+)", message)
+        entry = {"path": path, "row": int(m.group(1)) if m else None, "error": " ".join(message.split())}
+        with self.lock:
+            self.bad[name] = entry
+            self.metrics["shards"][name] = {"status": "bad", **entry}
+            self.metrics["job"]["bad_shards"] = [{"shard": n, **e} for n, e in sorted(self.bad.items())]
+            self._update_totals()
+            atomic.write_json(self.out_dir / METRICS, self.metrics)
+            done = self.done + len(self.bad)
+        self.progress.shard_done(done, self.n_todo)
+
+    def bad_shards_error(self, total: int) -> InputError:
+        """The job's failure when shards were bad: each one's own message (file, row, id, reason), then what that
+        means for the directory."""
+        n, good = len(self.bad), total - len(self.bad)
+        shown = [e["error"] for _, e in sorted(self.bad.items())][:_SHOWN_BAD]
+        more = f"; and {n - _SHOWN_BAD} more" if n > _SHOWN_BAD else ""
+        others = f"the {good} other{'s are' if good != 1 else ' is'} done and kept" if good else "no shard is good"
+        return InputError(f"{'; '.join(shown)}{more} ({n} of {total} shard{'s' if total != 1 else ''} "
+                          f"{'are' if n != 1 else 'is'} bad: {others}, and {self.out_dir.name}/ gets no {SUCCESS} "
+                          f"until every shard is good; fix {'them' if n != 1 else 'it'} and rerun the same command; "
+                          f"every bad shard is listed in {METRICS})")
 
     def _update_totals(self) -> None:
         seconds = time.perf_counter() - self.t0
@@ -276,7 +315,8 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
               workers: int | None = None, engine: str = "local", ray_address: str | None = None,
               overwrite: bool = False, batch_size: int | None = None, memory_budget: int | None = None,
               progress: BatchProgress | None = None, notice: Callable[[str], None] | None = None,
-              options: JobOptions | None = None, after_batch: Callable[[], None] | None = None) -> BatchSummary:
+              options: JobOptions | None = None, after_batch: Callable[[], None] | None = None,
+              allow_empty: bool = False) -> BatchSummary:
     """Score every user shard of ``users`` against ``items`` into ``out_dir``: one candidates file per shard,
     resumable, idempotent (see the module docstring).
 
@@ -317,6 +357,9 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
     after_batch : callable, optional
         Run in each worker after every batch it writes (a module-level function, so that it reaches worker
         processes and Ray actors): to pace a job, or observe it.
+    allow_empty : bool
+        Accept shards that hold no users at all (by default a job of empty shards, an upstream failure, is refused:
+        it would publish only empty candidate files). A few empty shards among others are always fine.
 
     Returns
     -------
@@ -325,7 +368,9 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
     Raises
     ------
     InputError
-        Bad arguments, inputs (named), or an ``out_dir`` that holds something else (use ``overwrite``).
+        Bad arguments or job-wide inputs (named), an ``out_dir`` that holds something else (use ``overwrite``), or
+        bad shards: those are raised after every good shard is scored, one message naming each (file, row, reason),
+        also listed in ``_metrics.json`` (``job.bad_shards``).
     ResourceError, BackendUnavailable
         As :class:`recall.Engine`.
     BatchError
@@ -358,6 +403,10 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
         if path is not None:
             inspect_item_set(path, what)
     shards = inspect_shards(files, id_col, vec_col, items_info.dim, req.items_path)
+    if not allow_empty and all(s.error is None for s in shards) and sum(s.rows for s in shards) == 0:
+        raise InputError(f"{req.users}: every shard is empty ({len(shards)} shard{'s' if len(shards) != 1 else ''}, "
+                         f"0 users), so the job would publish only empty candidate files; pass --allow-empty "
+                         f"(allow_empty=True) if that is what you want")
     _prepare_out_dir(req, shards)
     with outdir.lock(req.out):
         return _run_locked(req, shards, progress or BatchProgress(), say, notices, t_start)
@@ -421,19 +470,44 @@ def _resume(req: BatchRequest, shards: list[Shard], job: dict, say: Callable[[st
             raise InputError(f"{req.out_label}: is not empty and has no {MANIFEST} (it holds "
                              f"{', '.join(sorted(stray)[:3])}{' ...' if len(stray) > 3 else ''}), so it is not the "
                              f"output of this job; choose an empty or new directory, or pass --overwrite")
-    elif old["job"] != job:
-        raise InputError(f"{req.out_label}: holds the output of a different job "
-                         f"({outdir.describe_difference(old['job'], job)}); rerun with the same parameters and "
-                         f"inputs to resume it, pass --overwrite to replace it, or choose another --out")
-    outdir.remove_leftovers(out)
+    elif old.get("format") in outdir.OLD_FORMATS:
+        if any(old["job"].get(key) != job[key] for key in outdir.PARAMETERS) or \
+                set(old["job"].get("shards") or {}) != set(job["shards"]):
+            raise _different_job(req, old["job"], job)
+        say(f"{req.out_label}: {MANIFEST} was written by an earlier recall (format {old['format']!r}, whose "
+            f"fingerprints of the shards miss some in-place rewrites), so its outputs cannot be checked against "
+            f"today's inputs; every shard is scored again")
+        outdir.start_over(out, old, names, [], req.out_label, say)
+        old = None
+    elif old["job"] != job and not outdir.same_job(old["job"], job):
+        raise _different_job(req, old["job"], job)
+    removed = outdir.remove_leftovers(out)
+    if removed:
+        say(atomic.describe_removed(removed, req.out_label))
     if old is None:
         return {}
-    outputs = outdir.kept_outputs(out, old, names, say)
+    changed = outdir.changed_shards(old["job"], job)
+    paths = {s.name: s.path for s in shards}
+    for name, what in changed.items():
+        if (out / name).exists():
+            # Its output was computed from other vectors: it goes now, so that the directory never serves it.
+            atomic.remove(out / name)
+            say(f"{paths[name]}: the shard changed since its output was computed ({what}); its output is removed "
+                f"and the shard is scored again")
+        else:
+            say(f"{paths[name]}: the shard changed since the last run ({what}); scoring it")
+    outputs = outdir.kept_outputs(out, old, names - set(changed), say)
     prev, now = old.get("versions", {}), outdir.versions()
     if outputs and prev and prev != now:
         say(f"{req.out_label}: earlier outputs were written with {prev}, this run uses {now}; outputs stay exact, "
             f"but may differ in bytes from a run with one version")
     return outputs
+
+
+def _different_job(req: BatchRequest, old: dict, new: dict) -> InputError:
+    return InputError(f"{req.out_label}: holds the output of a different job ({outdir.describe_difference(old, new)}); "
+                      f"rerun with the same parameters and inputs to resume it, pass --overwrite to replace it, or "
+                      f"choose another --out")
 
 
 def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress, say: Callable[[str], None],
@@ -464,9 +538,10 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
         return BatchSummary(shards_scored=0, users_scored=0, seconds=time.perf_counter() - t_start, device="",
                             workers=0, **base)
 
+    good = [s for s in todo if s.error is None]
     # Placement errors (more GPUs than there are, Ray missing) before anything in OUT_DIR changes.
     executor = executors.make_executor(req.engine, device=req.device, gpus=req.gpus, workers=req.workers,
-                                       ray_address=req.ray_address, say=say)
+                                       ray_address=req.ray_address, say=say) if good else None
     atomic.remove(out / SUCCESS)
     atomic.write_json(out / MANIFEST, manifest)
     metrics = {
@@ -474,29 +549,40 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
                 "shards_total": len(shards), "shards_skipped": len(outputs), "shards_todo": len(todo),
                 "users_total": users_total, "users_todo": sum(s.rows for s in todo), "k": req.k,
                 "metric": req.metric, "fingerprint_s": round(fingerprint_s, 3), "verify_s": round(verify_s, 3),
-                "host": socket.gethostname()},
+                "fingerprint_bytes": sum(int(e.get("size") or 0) for e in
+                                         [job["items"], job["exclude"] or {}, *job["shards"].values()]),
+                "host": socket.gethostname(), "bad_shards": []},
         "workers": [], "shards": outdir.earlier_shard_metrics(out / METRICS, outputs),
     }
     atomic.write_json(out / METRICS, metrics)
     state = _Job(out, manifest, metrics, progress, len(todo), say, t_start)
     # Largest shards first: with several workers the last one to finish is then a small one.
     tasks = [ShardTask(s.name, s.path, str(out / s.name), s.rows)
-             for s in sorted(todo, key=lambda s: (-s.rows, s.name))]
+             for s in sorted(good, key=lambda s: (-s.rows, s.name))]
 
-    progress.begin(len(tasks), sum(t.rows for t in tasks))
+    progress.begin(len(todo), sum(t.rows for t in tasks))
     try:
-        executor.run(req.spec(shards[0].id_type), tasks, state)
+        for s in todo:
+            if s.error is not None:
+                state.shard_failed(s.name, s.path, s.error)
+        if executor is not None:
+            executor.run(req.spec(good[0].id_type), tasks, state)
     except BaseException as exc:
         state.finish("failed", notices, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         raise
     finally:
         progress.end()
+    if state.bad:
+        error = state.bad_shards_error(len(shards))
+        state.finish("failed", notices, f"InputError: {error}")
+        raise error
     state.finish("succeeded", notices)
     atomic.write_bytes(out / SUCCESS, b"")
     info = state.workers[0] if state.workers else None
     return BatchSummary(
         shards_scored=state.done, users_scored=state.users_done, seconds=time.perf_counter() - t_start,
-        device=info.device if info else "", workers=executor.n_workers, n_items=info.n_items if info else 0,
+        device=info.device if info else "", workers=executor.n_workers if executor else 0,
+        n_items=info.n_items if info else 0,
         exclusion_pairs=info.exclusion_pairs if info else 0, unknown_exclusions=info.unknown_exclusions if info else 0,
         filter_ids=info.filter_ids if info else 0, unknown_filter_ids=info.unknown_filter_ids if info else 0,
         worker_infos=list(state.workers), **base,

@@ -1,9 +1,14 @@
 """The batch job's output directory: its lock, its manifest, and what an earlier run left there.
 
-``OUT_DIR/_manifest.json`` records the job (parameters, a fingerprint of every input) and, per finished shard, its
-rows, size and the sha256 of its output file; it is rewritten atomically after every finished shard, by the parent
-process only. A rerun keeps a shard whose output matches the manifest's size and sha256 and redoes the others; a
-different job into the same directory is refused unless the caller overwrites.
+``OUT_DIR/_manifest.json`` records the job (parameters, the size and content hash of every input) and, per finished
+shard, its rows, size and the sha256 of its output file; it is rewritten atomically after every finished shard, by
+the parent process only. A rerun keeps a shard whose output matches the manifest's size and sha256 and whose input
+is unchanged, and redoes the others; a different job (parameters, item or exclusion file, the set of shards) into the
+same directory is refused unless the caller overwrites.
+
+Manifest formats: ``recall-batch/2`` (content hashes of every input, xxh3-128) is written; ``recall-batch/1`` (an
+earlier recall's: shards fingerprinted by their footer, which misses some in-place rewrites) is read, and its
+outputs are scored again, since nothing says they were computed from today's shards.
 """
 from __future__ import annotations
 
@@ -24,8 +29,12 @@ MANIFEST = "_manifest.json"
 METRICS = "_metrics.json"
 SUCCESS = "_SUCCESS"
 LOCK = ".recall-batch.lock"
-FORMAT = "recall-batch/1"
+FORMAT = "recall-batch/2"
+#: Manifests of earlier versions that are understood (their outputs are redone: see the module docstring).
+OLD_FORMATS = ("recall-batch/1",)
 OWN_NAMES = {MANIFEST, METRICS, SUCCESS, LOCK}
+#: The job parameters that must match for a directory to be resumed (the inputs' fingerprints are compared apart).
+PARAMETERS = ("k", "metric", "id_col", "vec_col")
 
 
 def lock(out_dir: Path) -> atomic.FileLock:
@@ -56,8 +65,8 @@ def read_manifest(path: Path, overwrite: bool) -> dict | None:
         return None
     try:
         old = json.loads(path.read_text())
-        if old.get("format") != FORMAT or not isinstance(old.get("job"), dict):
-            raise ValueError(f"format {old.get('format')!r}")
+        if old.get("format") not in (FORMAT, *OLD_FORMATS) or not isinstance(old.get("job"), dict):
+            raise ValueError(f"format {old.get('format')!r}, expected {FORMAT!r}")
         return old
     except (ValueError, OSError) as exc:
         if not overwrite:
@@ -69,7 +78,7 @@ def read_manifest(path: Path, overwrite: bool) -> dict | None:
 def describe_difference(old: dict, new: dict) -> str:
     """What differs between two manifests' ``job`` sections, in a few words."""
     diffs = []
-    for key in ("k", "metric", "id_col", "vec_col"):
+    for key in PARAMETERS:
         if old.get(key) != new.get(key):
             diffs.append(f"{key} {old.get(key)!r} -> {new.get(key)!r}")
     for key, what in (("items", "item file"), ("exclude", "exclusions file"), ("allow", "allow file"),
@@ -79,13 +88,11 @@ def describe_difference(old: dict, new: dict) -> str:
             if a is None or b is None:
                 diffs.append(f"{what} {'added' if a is None else 'removed'}")
             else:
-                diffs.append(f"{what} content changed (sha256 {a.get('sha256', '?')[:12]} -> {b['sha256'][:12]}, "
-                             f"size {a.get('size')} -> {b['size']})")
+                diffs.append(f"{what} content changed ({describe_change(a, b)})")
     a, b = old.get("shards") or {}, new.get("shards") or {}
     added = sorted(set(b) - set(a))
     removed = sorted(set(a) - set(b))
-    changed = sorted(n for n in set(a) & set(b) if a[n] != b[n])
-    for label, names in (("added", added), ("removed", removed), ("changed", changed)):
+    for label, names in (("added", added), ("removed", removed)):
         if names:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             diffs.append(f"user shards {label}: {shown}")
@@ -93,6 +100,31 @@ def describe_difference(old: dict, new: dict) -> str:
     if extra and not diffs:
         diffs.append(f"manifest fields differ: {', '.join(extra)}")
     return "; ".join(diffs) or "the job description differs"
+
+
+def same_job(old: dict, new: dict) -> bool:
+    """Whether a manifest's job is this one: the same parameters, item, exclusion and filter files and shard names
+    (a shard whose content changed is the same job: that shard is scored again, see :func:`changed_shards`)."""
+    return (all(old.get(key) == new.get(key) for key in PARAMETERS) and old.get("items") == new.get("items")
+            and all(old.get(key) == new.get(key) for key in ("exclude", "allow", "deny"))
+            and set(old.get("shards") or {}) == set(new.get("shards") or {}))
+
+
+def changed_shards(old: dict, new: dict) -> dict[str, str]:
+    """The shards (by name) whose fingerprint differs between two manifests' jobs, each with what changed."""
+    a, b = old.get("shards") or {}, new.get("shards") or {}
+    return {name: describe_change(a[name], b[name]) for name in sorted(set(a) & set(b)) if a[name] != b[name]}
+
+
+def describe_change(a: dict, b: dict) -> str:
+    """How two fingerprints differ: ``xxh3_128 3f2a9c01d4e7 -> 9b1c...; size 1,024 -> 1,024``."""
+    key = atomic.CONTENT_HASH
+    parts = [f"{key} {str(a.get(key, '?'))[:12]} -> {str(b.get(key, '?'))[:12]}"]
+    for field in ("size", "rows"):
+        if field in a or field in b:
+            parts.append(f"{field} {a.get(field, '?'):,} -> {b.get(field, '?'):,}" if isinstance(a.get(field), int)
+                         and isinstance(b.get(field), int) else f"{field} {a.get(field)} -> {b.get(field)}")
+    return ", ".join(parts)
 
 
 def verify(out_dir: Path, name: str, entry: dict) -> str | None:
@@ -146,11 +178,19 @@ def start_over(out_dir: Path, old: dict | None, names: set[str], foreign: list[s
             f"{', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}")
 
 
-def remove_leftovers(out_dir: Path) -> None:
-    """Temporary files of a killed run (ours, by name): we hold the lock, so nobody writes them."""
+def remove_leftovers(out_dir: Path) -> list[tuple[str, int]]:
+    """Temporary files of a killed run (ours, by name): we hold the lock, so nobody writes them. Returns (name,
+    bytes) of each file removed."""
+    removed = []
     for p in out_dir.iterdir():
         if atomic.TMP_NAME.match(p.name) and p.is_file():
+            try:
+                size = p.stat().st_size
+            except OSError:
+                size = 0
             atomic.remove(p)
+            removed.append((p.name, size))
+    return removed
 
 
 def earlier_shard_metrics(path: Path, kept: dict[str, dict]) -> dict[str, dict]:

@@ -1,9 +1,15 @@
-"""The batch job's inputs: user shards found, inspected and fingerprinted before any work starts."""
+"""The batch job's inputs: user shards found, inspected and fingerprinted before any work starts.
+
+Fingerprints are content hashes (xxh3-128 of every byte, :func:`recall.io.atomic.content_hash`): a shard regenerated
+in place with the same size and the same footer (an uncompressed file without statistics, one changed value) still
+changes its fingerprint. Every input is hashed at every start, the shards on a few threads: ~17 GB/s from the page
+cache, and the read warms the cache for the workers (measured in docs/reliability-notes.md).
+"""
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,27 +17,38 @@ import pyarrow as pa
 
 from ...core.errors import InputError
 from ...io import inspect_embeddings
-from ...io.atomic import sha256_file
+from ...io.atomic import CONTENT_HASH, content_hash
+
+#: Threads hashing inputs at start-up (xxhash releases the GIL; beyond a few, the disk is the limit).
+HASH_THREADS = 4
 
 
 @dataclass(frozen=True)
 class Shard:
-    """An input shard as found by :func:`discover_shards` and inspected by the parent."""
+    """An input shard as found by :func:`discover_shards` and inspected by the parent.
+
+    ``error`` is set (and ``rows`` 0) for a shard whose footer or schema is bad: the job scores the others, then
+    fails naming it.
+    """
 
     name: str
     path: str
     rows: int
     size: int
-    footer_sha256: str
     id_type: str
-
-    def fingerprint(self) -> dict:
-        return {"rows": self.rows, "size": self.size, "footer_sha256": self.footer_sha256}
+    error: str | None = None
 
 
 def _hidden(name: str) -> bool:
     # Hadoop/Spark convention: _SUCCESS, _metadata, _common_metadata, .crc files are not data.
     return name.startswith((".", "_"))
+
+
+def _is_dir(p: Path) -> bool:
+    try:
+        return p.is_dir()
+    except OSError:
+        return False
 
 
 def discover_shards(users: str | os.PathLike) -> list[Path]:
@@ -45,17 +62,29 @@ def discover_shards(users: str | os.PathLike) -> list[Path]:
     """
     spec = os.fspath(users)
     p = Path(spec)
-    if p.is_dir():
-        files = sorted(q for q in p.iterdir() if q.is_file() and q.suffix == ".parquet" and not _hidden(q.name))
+    try:
+        is_dir = p.is_dir()
+    except OSError as exc:  # a loop of symbolic links, a name too long
+        raise InputError(f"{spec}: cannot open: {exc.strerror or exc}") from exc
+    if is_dir:
+        # A *.parquet entry that is not a directory is a shard, even a dangling or looping link: it is reported as a
+        # bad shard rather than silently left out.
+        files = sorted(q for q in p.iterdir() if q.suffix == ".parquet" and not _hidden(q.name) and not _is_dir(q))
         if not files:
             raise InputError(f"{spec}: no *.parquet files in this directory")
     elif any(c in spec for c in "*?["):
         files = sorted(Path(m) for m in glob.glob(spec, recursive=True)
-                       if Path(m).is_file() and not _hidden(Path(m).name))
+                       if not _is_dir(Path(m)) and not _hidden(Path(m).name))
         if not files:
             raise InputError(f"{spec}: no files match this pattern")
     elif p.is_file():
         files = [p]
+    elif p.is_symlink():
+        try:
+            p.stat()
+        except OSError as exc:
+            raise InputError(f"{spec}: is a symbolic link that cannot be followed: {exc.strerror or exc}") from None
+        raise InputError(f"{spec}: is neither a file nor a directory")
     else:
         raise InputError(f"{spec}: no such file or directory")
     seen: dict[str, Path] = {}
@@ -67,43 +96,60 @@ def discover_shards(users: str | os.PathLike) -> list[Path]:
     return files
 
 
-def footer_sha256(path: str, size: int) -> str:
-    """sha256 of a Parquet file's footer (metadata + length + magic): row counts, row-group offsets, sizes and
-    statistics. Reading it costs two small reads, not the file."""
-    with open(path, "rb") as f:
-        if size < 12:
-            raise InputError(f"{path}: not a Parquet file, or truncated ({size} bytes)")
-        f.seek(size - 8)
-        tail = f.read(8)
-        n = int.from_bytes(tail[:4], "little")
-        if tail[4:] != b"PAR1" or n > size - 12:
-            raise InputError(f"{path}: not a Parquet file, or truncated (no footer)")
-        f.seek(size - 8 - n)
-        return hashlib.sha256(f.read(n) + tail).hexdigest()
+def fingerprint(path: str, strict: bool = True) -> dict:
+    """Size and content hash of a whole file: ``{"size": ..., "xxh3_128": ...}``.
+
+    An unreadable file is an InputError when ``strict``; otherwise (a shard, already reported bad by
+    :func:`inspect_shards`) its fingerprint says why instead.
+    """
+    try:
+        return {"size": os.stat(path).st_size, CONTENT_HASH: content_hash(path)}
+    except OSError as exc:
+        if strict:
+            raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+        return {"size": None, CONTENT_HASH: None, "unreadable": exc.strerror or str(exc)}
 
 
-def fingerprint_full(path: str) -> dict:
-    """Size and sha256 of a whole file."""
-    st = os.stat(path)
-    return {"size": st.st_size, "sha256": sha256_file(path)}
+def fingerprint_all(paths: list[str], strict: list[bool] | None = None) -> list[dict]:
+    """:func:`fingerprint` of each path (``strict[i]``: default True), on :data:`HASH_THREADS` threads, in order."""
+    flags = strict if strict is not None else [True] * len(paths)
+    if len(paths) <= 1:
+        return [fingerprint(p, f) for p, f in zip(paths, flags)]
+    with ThreadPoolExecutor(min(HASH_THREADS, len(paths)), thread_name_prefix="recall-hash") as pool:
+        return list(pool.map(fingerprint, paths, flags))
 
 
 def inspect_shards(files: list[Path], id_col: str, vec_col: str, dim: int | None, items_path: str) -> list[Shard]:
-    """Every shard's schema checked (dimension against the items', one id type for all) and fingerprinted."""
+    """Every shard's schema checked (dimension against the items', one id type for all).
+
+    A shard that cannot be opened, is not Parquet, lacks a column or has another dimension is returned with its
+    ``error`` set (the job scores the others, then reports it); shards of two id types are an InputError at once.
+    """
     shards = []
     for f in files:
         path = str(f)
-        info = inspect_embeddings(path, id_col, vec_col)
-        if dim is not None and info.dim is not None and info.dim != dim:
-            raise InputError(f"{path}: vectors have dimension {info.dim}, but the items ({items_path}) have "
-                             f"dimension {dim}")
-        size = os.path.getsize(path)
+        try:
+            info = inspect_embeddings(path, id_col, vec_col)
+            if dim is not None and info.dim is not None and info.dim != dim:
+                raise InputError(f"{path}: vectors have dimension {info.dim}, but the items ({items_path}) have "
+                                 f"dimension {dim}")
+        except InputError as exc:
+            shards.append(Shard(f.name, path, 0, _size(path), "", str(exc)))
+            continue
         id_type = "string" if info.id_type == pa.string() else "int64"
-        shards.append(Shard(f.name, path, info.n_rows, size, footer_sha256(path, size), id_type))
-    kinds = {s.id_type for s in shards}
+        shards.append(Shard(f.name, path, info.n_rows, _size(path), id_type))
+    good = [s for s in shards if s.error is None]
+    kinds = {s.id_type for s in good}
     if len(kinds) > 1:
-        first = shards[0]
-        odd = next(s for s in shards if s.id_type != first.id_type)
+        first = good[0]
+        odd = next(s for s in good if s.id_type != first.id_type)
         raise InputError(f"{odd.path}: user ids are {odd.id_type}, but in {first.path} they are {first.id_type}; "
                          f"every shard must use the same id type")
     return shards
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0

@@ -17,12 +17,12 @@ import numpy as np
 import pyarrow as pa
 
 from ... import backends
-from ...core.errors import RecallError
+from ...core.errors import InputError, RecallError
 from ...core.results import id_lookup
 from ...io import CandidateWriter, IdPairs, read_ids, read_item_set, read_pairs
 from ...io.atomic import sha256_file
 from ...io.pairs import distinct_users, rows_of
-from ..files import auto_batch_size, user_batches
+from ..files import auto_batch_size, check_scores_fit, user_batches
 from ..items import load_engine
 from ..options import DEFAULT_JOB_OPTIONS, JobOptions
 from ..runner import run_stream
@@ -221,8 +221,10 @@ class ShardScorer:
         if allow is not None or deny is not None:
             self.engine.set_item_filter(allow=None if allow is None else allow.rows,
                                         deny=None if deny is None else deny.rows)
-        self.batch_size = spec.batch_size or auto_batch_size(spec.k, self.engine.dim)
-        self.group_rows = row_group_rows(spec.k)
+        # Never wider than the catalogue: a k beyond it gives the bytes (and costs the memory) of k = n_items.
+        self.k = min(spec.k, self.engine.n_items)
+        self.batch_size = spec.batch_size or auto_batch_size(self.k, self.engine.dim)
+        self.group_rows = row_group_rows(self.k)
         self.info = WorkerInfo(
             worker=worker, device=self.engine.device, device_detail=self.engine.backend.describe(),
             host=socket.gethostname(), pid=os.getpid(), items_load_s=time.perf_counter() - t0,
@@ -258,7 +260,11 @@ class ShardScorer:
 
         def query(batch: Any) -> Any:
             exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
-            return engine.search_async(batch.vectors, spec.k, exclude=exclude)
+            try:
+                return engine.search_async(batch.vectors, self.k, exclude=exclude)
+            except InputError:
+                check_scores_fit(engine, batch.vectors, batch.ids, task.path, batch.row_start)  # file, row, id
+                raise
 
         def write(batch: Any, result: Any) -> None:
             groups.add(result.to_arrow(batch.ids, self.item_ids))

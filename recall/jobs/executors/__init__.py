@@ -7,8 +7,10 @@ An executor has one method, ``run(spec, tasks, job)``, and one attribute, ``n_wo
 by the end of ``run``): ``run`` starts its workers, reports each one to
 ``job.worker_ready(WorkerInfo)``, feeds ``tasks`` to them dynamically, reports written users to ``job.users(n)`` and
 finished shards to ``job.shard_done(ShardResult)`` (in the calling thread, or the in-process pipeline's writer
-thread), and re-raises the first worker failure: ``InputError`` / ``ResourceError`` / ``BackendUnavailable`` as
-themselves, anything else as :class:`recall.jobs.batch.BatchError`. Workers never outlive it.
+thread), bad shards (an ``InputError`` while scoring one) to ``job.shard_failed(name, path, message)`` and goes on
+with the others, and re-raises the first other worker failure: ``InputError`` / ``ResourceError`` /
+``BackendUnavailable`` as themselves, anything else as :class:`recall.jobs.batch.BatchError`. Workers never outlive
+it.
 """
 from __future__ import annotations
 

@@ -57,7 +57,12 @@ class InProcessExecutor:
         scorer = ShardScorer(spec, self.device, worker="0")
         job.worker_ready(scorer.info)
         for task in tasks:
-            job.shard_done(scorer.score(task, progress=job.users))
+            try:
+                result = scorer.score(task, progress=job.users)
+            except InputError as exc:  # a bad shard: the others are still scored
+                job.shard_failed(task.name, task.path, str(exc))
+                continue
+            job.shard_done(result)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -68,9 +73,21 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _worker_signals() -> None:
+    """SIGTERM (the parent stopping its workers) unwinds the worker, so that the shard being written leaves no
+    temporary file; SIGINT (Ctrl-C reaches the whole process group) is the parent's to handle."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None, tasks: Any, results: Any,
                  parent_pid: int) -> None:
     """A worker process: load the items once, then score shards from ``tasks`` until a None arrives."""
+    _worker_signals()
     _die_with_parent(parent_pid)
     if cores:
         os.sched_setaffinity(0, cores)
@@ -87,6 +104,9 @@ def _worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None,
         results.put(("start", name, task.name))
         try:
             result = scorer.score(task, progress=lambda n: results.put(("users", name, n)))
+        except InputError as exc:  # a bad shard: reported, and the worker takes the next one
+            results.put(("bad", name, task.name, task.path, str(exc)))
+            continue
         except BaseException as exc:  # noqa: BLE001
             results.put(("error", name, task.name, *describe_error(exc)))
             return
@@ -190,6 +210,10 @@ class ProcessExecutor:
             elif kind == "done":
                 current.pop(name, None)
                 job.shard_done(msg[2])
+                pending -= 1
+            elif kind == "bad":
+                current.pop(name, None)
+                job.shard_failed(*msg[2:])
                 pending -= 1
             elif kind == "error":
                 raise rebuild_error(name, *msg[2:])

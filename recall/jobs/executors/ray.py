@@ -49,6 +49,8 @@ class ShardActor:
     def score(self, task: ShardTask) -> tuple:
         try:
             return ("ok", self.scorer.score(task))
+        except InputError as exc:  # a bad shard: the driver records it and the job goes on
+            return ("bad", str(exc))
         except Exception as exc:  # noqa: BLE001
             return ("error", *describe_error(exc))
 
@@ -142,6 +144,10 @@ class RayExecutor:
             status, *payload = ray.get(ref)
             if status == "error":
                 raise rebuild_error(names[i], task.name, *payload)
+            if status == "bad":
+                job.shard_failed(task.name, task.path, payload[0])
+                submit(i)
+                continue
             result: ShardResult = payload[0]
             job.users(result.rows)
             job.shard_done(result)
