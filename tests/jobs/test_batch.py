@@ -28,7 +28,7 @@ from recall.io.atomic import sha256_file
 from recall.jobs.batch import LOCK, MANIFEST, METRICS, SUCCESS, BatchProgress, row_group_rows, run_batch
 from recall.jobs.batch.shards import discover_shards
 from recall.cli.app import app
-from recall.core.errors import InputError
+from recall.core.errors import BackendUnavailable, InputError
 from recall.jobs import score_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -352,6 +352,21 @@ def test_shard_regenerated_in_place_is_scored_again(job: dict, tmp_path: Path) -
     assert (out / SUCCESS).exists()
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["job"]["shards"][path.name]["xxh3_128"] == content_hash(path)
+
+
+def test_success_goes_before_a_stale_output_even_when_the_run_then_fails(job: dict, tmp_path: Path) -> None:
+    """A regenerated shard's output is removed at once; if the run fails before scoring (here: no GPU for
+    device="gpu"), the directory must not keep _SUCCESS beside a manifest that lists the removed file."""
+    out = tmp_path / "out"
+    _run(job, out)
+    path, start, n = job["shards"][1]
+    vecs = job["user_vecs"][start:start + n].copy()
+    vecs[0, 0] += 3
+    _write_bare(path, job["user_ids"][start:start + n], vecs)
+    with pytest.raises(BackendUnavailable):
+        _run(job, out, device="gpu")
+    assert not (out / path.name).exists() and not (out / SUCCESS).exists()
+    assert _run(job, out).shards_scored == 1 and (out / SUCCESS).exists()
 
 
 def test_regenerated_shard_through_the_cli(job: dict, tmp_path: Path) -> None:

@@ -488,6 +488,10 @@ def _resume(req: BatchRequest, shards: list[Shard], job: dict, say: Callable[[st
         return {}
     changed = outdir.changed_shards(old["job"], job)
     paths = {s.name: s.path for s in shards}
+    if changed:
+        # The directory stops being a finished dataset before any of its outputs goes (a failure between here and
+        # the scoring must not leave _SUCCESS beside a manifest that lists a removed file).
+        atomic.remove(out / SUCCESS)
     for name, what in changed.items():
         if (out / name).exists():
             # Its output was computed from other vectors: it goes now, so that the directory never serves it.
@@ -523,7 +527,9 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
     manifest = {
         "format": outdir.FORMAT, "job": job, "versions": outdir.versions(),
         "inputs": {"users": req.users, "items": os.path.abspath(req.items_path),
-                   "exclude": os.path.abspath(req.exclude_path) if req.exclude_path else None},
+                   **{key: os.path.abspath(path) if path else None
+                      for key, path in (("exclude", req.exclude_path), ("allow", req.allow_path),
+                                        ("deny", req.deny_path))}},
         "shards_total": len(shards), "shards_done": len(outputs), "outputs": outputs,
     }
     users_total = sum(s.rows for s in shards)
@@ -550,7 +556,8 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
                 "users_total": users_total, "users_todo": sum(s.rows for s in todo), "k": req.k,
                 "metric": req.metric, "fingerprint_s": round(fingerprint_s, 3), "verify_s": round(verify_s, 3),
                 "fingerprint_bytes": sum(int(e.get("size") or 0) for e in
-                                         [job["items"], job["exclude"] or {}, *job["shards"].values()]),
+                                         [job["items"], *(job.get(key) or {} for key in ("exclude", "allow", "deny")),
+                                          *job["shards"].values()]),
                 "host": socket.gethostname(), "bad_shards": []},
         "workers": [], "shards": outdir.earlier_shard_metrics(out / METRICS, outputs),
     }

@@ -3,7 +3,7 @@
 Fingerprints are content hashes (xxh3-128 of every byte, :func:`recall.io.atomic.content_hash`): a shard regenerated
 in place with the same size and the same footer (an uncompressed file without statistics, one changed value) still
 changes its fingerprint. Every input is hashed at every start, the shards on a few threads: ~17 GB/s from the page
-cache, and the read warms the cache for the workers (measured in docs/reliability-notes.md).
+cache, and the read warms the cache for the workers (measured in docs/batch.md, "The manifest and its fingerprints").
 """
 from __future__ import annotations
 
