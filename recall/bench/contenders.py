@@ -40,6 +40,7 @@ import inspect
 from typing import Any
 
 from recall import InputError
+from recall.core.results import pad
 
 FAMILIES = ("recall", "faiss", "cuvs", "torch")
 """The contender families ``--contenders`` takes."""
@@ -445,8 +446,7 @@ class FaissKnnContender(Contender):
         f.bfKnn(self._res, args)
         if k > k_fetch and exclude is None:  # k > n_items: pad as FAISS's index does
             synchronize("gpu")
-            D = cupy.concatenate([D, cupy.full((n, k - k_fetch), -cupy.inf, dtype=cupy.float32)], axis=1)
-            I = cupy.concatenate([I, cupy.full((n, k - k_fetch), -1, dtype=cupy.int64)], axis=1)
+            D, I = pad(cupy, D, I, k)
         return _faiss_finish(self.metric, "gpu", D, I, k, exclude)
 
     def release(self) -> None:
@@ -583,9 +583,7 @@ class CuvsContender(Contender):
             D[a:b] = cupy.asarray(d)
             I[a:b] = cupy.asarray(i)
         _cuvs_finish(self.metric, D, I)
-        if k > k_sel:
-            D = cupy.concatenate([D, cupy.full((n, k - k_sel), -cupy.inf, dtype=cupy.float32)], axis=1)
-            I = cupy.concatenate([I, cupy.full((n, k - k_sel), -1, dtype=cupy.int64)], axis=1)
+        D, I = pad(cupy, D, I, k)
         return I, D
 
     def sync(self) -> None:

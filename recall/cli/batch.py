@@ -146,12 +146,8 @@ def batch(
                 typer.echo(rest, err=True)
             typer.echo(f"error: {first}", err=True)
             raise typer.Exit(EXIT_OS_ERROR) from None
-    if summary.unknown_exclusions:
-        typer.echo(f"warning: {summary.unknown_exclusions:,} of {summary.exclusion_pairs:,} exclusion pairs name an "
-                   f"item id that is not in the items file; they were ignored", err=True)
-    if summary.unknown_filter_ids:
-        typer.echo(f"warning: {summary.unknown_filter_ids:,} of {summary.filter_ids:,} item filter ids are not in "
-                   f"the items file; they were ignored", err=True)
+    for warning in summary.warnings():
+        typer.echo(warning, err=True)
     typer.echo(summary.line())
     if verbose:
         for w in summary.worker_infos:

@@ -100,14 +100,20 @@ class JobSummary:
 
     def warnings(self) -> list[str]:
         """The warnings for ids that are not in the input files (pairs, filter ids), one line each."""
-        out = []
-        if self.unknown_pairs and self.kind == "rescore":
-            out.append(f"warning: {self.unknown_pairs:,} of {self.pairs:,} candidates name a user or item id that is "
-                       f"not in the input files; they were skipped")
-        elif self.unknown_pairs:
-            out.append(f"warning: {self.unknown_pairs:,} of {self.pairs:,} exclusion pairs name a user or item id "
-                       f"that is not in the input files; they were ignored")
-        if self.unknown_filter_ids:
-            out.append(f"warning: {self.unknown_filter_ids:,} of {self.filter_ids:,} item filter ids are not in the "
-                       f"items file; they were ignored")
-        return out
+        if self.kind == "rescore":
+            pairs = "candidates name a user or item id that is not in the input files; they were skipped"
+        else:
+            pairs = "exclusion pairs name a user or item id that is not in the input files; they were ignored"
+        return unknown_id_warnings(self.pairs, self.unknown_pairs, pairs, self.filter_ids, self.unknown_filter_ids)
+
+
+def unknown_id_warnings(pairs: int, unknown_pairs: int, pairs_text: str, filter_ids: int,
+                        unknown_filter_ids: int) -> list[str]:
+    """The warning lines of a job whose pair or filter files name ids the input files do not have (every job's)."""
+    out = []
+    if unknown_pairs:
+        out.append(f"warning: {unknown_pairs:,} of {pairs:,} {pairs_text}")
+    if unknown_filter_ids:
+        out.append(f"warning: {unknown_filter_ids:,} of {filter_ids:,} item filter ids are not in the items file; "
+                   f"they were ignored")
+    return out

@@ -40,6 +40,7 @@ from ...core.errors import InputError
 from ...io import atomic, inspect_embeddings, inspect_item_set, inspect_pairs
 from .. import executors
 from ..options import DEFAULT_JOB_OPTIONS, JobOptions
+from ..summary import unknown_id_warnings
 from . import outdir
 from .outdir import MANIFEST, METRICS, SUCCESS
 from .shards import Shard, discover_shards, fingerprint_all, inspect_shards
@@ -126,6 +127,12 @@ class BatchSummary:
     @property
     def users_per_s(self) -> float:
         return self.users_scored / self.seconds if self.seconds > 0 else 0.0
+
+    def warnings(self) -> list[str]:
+        """The warnings for ids that are not in the items file (exclusion pairs, filter ids), one line each."""
+        return unknown_id_warnings(self.exclusion_pairs, self.unknown_exclusions,
+                                   "exclusion pairs name an item id that is not in the items file; they were ignored",
+                                   self.filter_ids, self.unknown_filter_ids)
 
     def line(self) -> str:
         """The one-line summary the CLI prints."""
