@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from .errors import InputError
+from .results import to_numpy
 
 
 @njit(cache=True)
@@ -131,8 +132,7 @@ def take(indptr: np.ndarray, items: np.ndarray, users: np.ndarray) -> tuple[np.n
 
 
 def _int_array(values: Any, what: str) -> np.ndarray:
-    # Device arrays (CuPy) come to the host once: the blocks are staged from there.
-    arr = np.asarray(values.get() if hasattr(values, "get") and not isinstance(values, np.ndarray) else values)
+    arr = to_numpy(values)  # device arrays (CuPy) come to the host once: the blocks are staged from there
     if arr.size == 0:
         return np.zeros(0, np.int64)
     if arr.dtype.kind not in "iu":

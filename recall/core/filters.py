@@ -17,11 +17,12 @@ import numpy as np
 
 from .errors import InputError
 from .exclusions import Exclusions
+from .results import to_numpy
 
 
 def _mask(spec: Any, n_items: int, what: str) -> np.ndarray:
     """A boolean (n_items,) mask of ``spec``: item rows (any integer array, repeats allowed) or a boolean mask."""
-    arr = np.asarray(spec.get() if hasattr(spec, "get") and not isinstance(spec, np.ndarray) else spec)
+    arr = to_numpy(spec)
     if arr.dtype == bool:
         if arr.shape != (n_items,):
             raise InputError(f"{what}: a boolean mask must have one entry per item ({n_items}), got shape "

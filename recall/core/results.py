@@ -12,8 +12,9 @@ from .errors import InputError
 _MAX_LIST_VALUES = 1 << 30
 
 
-def _to_numpy(arr: Any) -> np.ndarray:
-    """A host copy of a NumPy or device (CuPy) array."""
+def to_numpy(arr: Any) -> np.ndarray:
+    """``arr`` on the host: a NumPy array as it is, a device (CuPy) array copied, anything else through
+    ``np.asarray``."""
     get = getattr(arr, "get", None)
     return get() if callable(get) and not isinstance(arr, np.ndarray) else np.asarray(arr)
 
@@ -88,16 +89,16 @@ class SearchResult:
         if user_ids is None:
             user_col = pa.array(np.arange(n, dtype=np.int64))
         else:
-            user_col = user_ids if isinstance(user_ids, (pa.Array, pa.ChunkedArray)) else pa.array(_to_numpy(user_ids))
+            user_col = user_ids if isinstance(user_ids, (pa.Array, pa.ChunkedArray)) else pa.array(to_numpy(user_ids))
             if len(user_col) != n:
                 raise InputError(f"to_arrow: got {len(user_col)} user ids for {n} result rows")
-        indices = _to_numpy(self.indices)
+        indices = to_numpy(self.indices)
         # The item lists' values: the result's ids, or its rows when they are mapped through item_ids below.
         if item_ids is not None:
             values = indices
         else:
-            values = self.ids if isinstance(self.ids, np.ndarray) else _to_numpy(self.ids)
-        scores = _to_numpy(self.scores)
+            values = self.ids if isinstance(self.ids, np.ndarray) else to_numpy(self.ids)
+        scores = to_numpy(self.scores)
         rows_per_chunk = max(1, _MAX_LIST_VALUES // max(1, self.k))
         if n > rows_per_chunk:
             # Arrow list offsets are 32-bit: build the table in row ranges that each stay under 2^31 values.

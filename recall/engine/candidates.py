@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import InputError
+from ..core.results import to_numpy
 
 
 @dataclass(frozen=True)
@@ -34,18 +35,13 @@ class Candidates:
         if not self.nnz:
             return self
         keep = xp.asarray(passing)[self.rows]
-        kept_before = np.concatenate([[0], np.cumsum(_host(keep))]).astype(np.int64)
+        kept_before = np.concatenate([[0], np.cumsum(to_numpy(keep))]).astype(np.int64)
         return Candidates(kept_before[self.indptr], self.rows[keep])
-
-
-def _host(arr: Any) -> np.ndarray:
-    get = getattr(arr, "get", None)
-    return get() if callable(get) and not isinstance(arr, np.ndarray) else np.asarray(arr)
 
 
 def _int_rows(xp: Any, arr: Any, what: str) -> Any:
     """``arr`` as a 1-d int64 array of module ``xp``; InputError for anything but integers (empty is fine)."""
-    arr = xp.asarray(arr) if xp is not np else np.asarray(_host(arr))
+    arr = xp.asarray(arr) if xp is not np else np.asarray(to_numpy(arr))
     if arr.size == 0:
         return xp.zeros(0, xp.int64)
     if arr.dtype.kind not in "iu":
@@ -79,7 +75,7 @@ def normalise_candidates(candidates: Any, n_users: int, n_items: int, backend: A
     if isinstance(candidates, tuple) and len(candidates) == 2:
         indptr_in, rows_in = candidates
         xp = backend.module_of(rows_in)
-        indptr = np.asarray(_host(indptr_in))
+        indptr = np.asarray(to_numpy(indptr_in))
         if indptr.dtype.kind not in "iu" or indptr.ndim != 1:
             raise InputError(f"candidates: indptr must be a 1-d integer array, got dtype {indptr.dtype} and shape "
                              f"{indptr.shape}")
@@ -92,7 +88,7 @@ def normalise_candidates(candidates: Any, n_users: int, n_items: int, backend: A
     elif getattr(candidates, "ndim", None) == 2:
         # A (n_users, width) matrix: every user has ``width`` candidates (a retriever's fixed-size output).
         xp = backend.module_of(candidates)
-        arr = candidates if xp is not np else np.asarray(_host(candidates))
+        arr = candidates if xp is not np else np.asarray(to_numpy(candidates))
         if arr.shape[0] != n_users:
             raise InputError(f"candidates: a matrix of {arr.shape[0]} rows for {n_users} users (one row per user)")
         rows = _int_rows(xp, xp.ascontiguousarray(arr).reshape(-1), "item_rows")

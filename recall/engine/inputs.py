@@ -6,15 +6,11 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import InputError
+from ..core.results import to_numpy
 
 #: Largest score magnitude we let the float32 arithmetic reach: a margin under float32's 3.4e38 keeps every partial
 #: sum of the GEMM (bounded by |u|·|v|, Cauchy-Schwarz) and the l2 expansion finite.
 SCORE_LIMIT = 1e37
-
-
-def _host(arr: Any) -> np.ndarray:
-    """A NumPy view or copy of ``arr`` (device arrays are copied to the host)."""
-    return np.asarray(arr.get() if hasattr(arr, "get") and not isinstance(arr, np.ndarray) else arr)
 
 
 def check_kind(arr: Any, what: str) -> None:
@@ -39,7 +35,7 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
     if shape[1] < 1:
         raise InputError(f"{what}: vectors have dimension 0")
     if xp is np:
-        host = _host(arr)
+        host = to_numpy(arr)
         out = np.array(host, dtype=np.float32, order="C", copy=True) if own else \
             np.ascontiguousarray(host, dtype=np.float32)
     else:
@@ -55,7 +51,7 @@ def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
     """Item ids (n_items,) as a host array (object for strings), checked: one per row, unique."""
     if ids is None:
         return None
-    ids = np.array(_host(ids), copy=True)
+    ids = np.array(to_numpy(ids), copy=True)
     if ids.shape != (n_items,):
         raise InputError(f"ids: expected {n_items} ids (one per item row), got shape {ids.shape}")
     if ids.dtype.kind in "US":

@@ -30,7 +30,7 @@ import numpy as np
 from ..core import metrics
 from ..core.errors import InputError, ResourceError
 from ..core.exclusions import normalise
-from ..core.results import SearchResult
+from ..core.results import SearchResult, to_numpy
 from ..core.tiling import InterestPlan, plan_tiles
 from .inputs import check_kind, check_overflow
 
@@ -76,7 +76,7 @@ def _flatten(engine: Any, user_vecs: Any) -> tuple[Any, Any, np.ndarray]:
         xp = engine.backend.module_of(user_vecs)
         arr = user_vecs
         if xp is np:
-            arr = np.asarray(arr.get() if hasattr(arr, "get") and not isinstance(arr, np.ndarray) else arr)
+            arr = to_numpy(arr)
         n, m, d = (int(x) for x in arr.shape)
         check_kind(arr, "user_vecs")
         if d != dim:
@@ -94,7 +94,7 @@ def _flatten(engine: Any, user_vecs: Any) -> tuple[Any, Any, np.ndarray]:
         arrays = []
         for u, p in enumerate(parts):
             if xp is np:
-                p = np.asarray(p.get() if hasattr(p, "get") and not isinstance(p, np.ndarray) else p)
+                p = to_numpy(p)
             if getattr(p, "ndim", 2) != 2:
                 raise InputError(f"user_vecs: user {u} must be an (n_interests, dim) array, got shape "
                                  f"{tuple(p.shape)}")

@@ -238,10 +238,15 @@ def inspect_item_set(path: str | os.PathLike, what: str = "allow") -> None:
     InputError
         Unreadable or not Parquet; no ``item_id`` column (naming the columns there are).
     """
-    path = os.fspath(path)
-    schema = open_parquet(path, f"{what} items").schema_arrow
-    if "item_id" not in schema.names:
-        raise InputError(f"{path}: {what} file columns are {column_names(schema)}; expected an 'item_id' column")
+    _open_item_set(os.fspath(path), what)
+
+
+def _open_item_set(path: str, what: str) -> pq.ParquetFile:
+    pf = open_parquet(path, f"{what} items")
+    if "item_id" not in pf.schema_arrow.names:
+        raise InputError(f"{path}: {what} file columns are {column_names(pf.schema_arrow)}; expected an 'item_id' "
+                         f"column")
+    return pf
 
 
 def read_item_set(path: str | os.PathLike, item_ids: np.ndarray, what: str = "allow") -> ItemSet:
@@ -263,8 +268,7 @@ def read_item_set(path: str | os.PathLike, item_ids: np.ndarray, what: str = "al
     """
     path = os.fspath(path)
     item_ids = np.asarray(item_ids)
-    inspect_item_set(path, what)
-    pf = open_parquet(path, f"{what} items")
+    pf = _open_item_set(path, what)
     parts, row = [], 0
     for batch in iter_batches(pf, path, ["item_id"], READ_BATCH_ROWS):
         col = batch.column(0)

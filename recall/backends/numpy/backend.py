@@ -14,6 +14,7 @@ import numpy as np
 from ...core import keys
 from ...core.exclusions import Exclusions
 from ...core.options import EngineOptions
+from ...core.results import to_numpy
 from ...core.tiling import TilePlan
 from .. import candidates, tiled
 from . import heap
@@ -93,13 +94,11 @@ class NumpyBackend:
 
     def asarray(self, arr: Any) -> np.ndarray:
         """``arr`` as a C-contiguous int64 (integers) or float32 NumPy array."""
-        if hasattr(arr, "get") and not isinstance(arr, np.ndarray):
-            arr = arr.get()
-        arr = np.asarray(arr)
+        arr = to_numpy(arr)
         return np.ascontiguousarray(arr, dtype=np.int64 if arr.dtype.kind in "iu" else np.float32)
 
     def to_host(self, arr: Any) -> np.ndarray:
-        return np.asarray(arr.get() if hasattr(arr, "get") and not isinstance(arr, np.ndarray) else arr)
+        return to_numpy(arr)
 
     def empty_out(self, shape: tuple, dtype: Any, host: bool) -> np.ndarray:
         return np.empty(shape, dtype)
