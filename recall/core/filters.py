@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -80,8 +81,10 @@ class ItemFilter:
     def n_passing(self) -> int:
         return int(self.rows.size)
 
+    @cached_property
     def inverse(self) -> np.ndarray:
-        """(n_items,) int64: the filtered row of each item row, -1 for items the filter removes."""
+        """(n_items,) int64: the filtered row of each item row, -1 for items the filter removes (built once per
+        filter, on first use)."""
         inv = np.full(self.n_items, -1, np.int64)
         inv[self.rows] = np.arange(self.rows.size, dtype=np.int64)
         return inv
@@ -91,12 +94,13 @@ class ItemFilter:
         sorted and unique per user)."""
         if not excl.items.size:
             return Exclusions.empty(excl.indptr.size - 1)
-        moved = self.inverse()[excl.items]
+        moved = self.inverse[excl.items]
         keep = moved >= 0
         kept_before = np.concatenate([[0], np.cumsum(keep)])
         return Exclusions(kept_before[excl.indptr], moved[keep])
 
-    def to_catalogue(self, xp: Any, rows: Any) -> Any:
-        """Filtered rows (any shape, -1 for padding) back to the catalogue's rows, on the array module ``xp``."""
-        table = xp.asarray(self.rows)
+    def to_catalogue(self, xp: Any, rows: Any, table: Any = None) -> Any:
+        """Filtered rows (any shape, -1 for padding) back to the catalogue's rows, on the array module ``xp``;
+        ``table`` is :attr:`rows` already on that module (a device copy kept by the caller), else it is copied."""
+        table = xp.asarray(self.rows) if table is None else table
         return xp.where(rows >= 0, table[xp.maximum(rows, 0)], -1)

@@ -203,7 +203,8 @@ class Engine:
                                  options=self.options, backend=self.backend, n_items=flt.n_passing, dim=self.dim,
                                  ids=None, memory_budget=self.memory_budget, item_norm=self.item_norm, _fast=None,
                                  _filter=None, _views={}, stats={})
-            view.prepared_items = self.prepared_items[self.backend.xp.asarray(flt.rows)]
+            view._catalogue_rows = self.backend.xp.asarray(flt.rows)  # on the device: rows mapped back there
+            view.prepared_items = self.prepared_items[view._catalogue_rows]
             view._items = self.backend.load_items(view.prepared_items)
             self._views[flt.key] = view
         return view
@@ -221,12 +222,13 @@ class Engine:
         view = self._view(flt)
         res = search(view, flt.exclusions(excl))
         self.stats = {**view.stats, "filtered_items": flt.n_passing}
-        return self._from_view(flt, res, width)
+        return self._from_view(view, flt, res, width)
 
-    def _from_view(self, flt: ItemFilter, res: SearchResult, width: int) -> SearchResult:
+    def _from_view(self, view: "Engine", flt: ItemFilter, res: SearchResult, width: int) -> SearchResult:
         """A filtered catalogue's answer in this engine's rows, padded to ``width`` columns."""
         xp = np if isinstance(res.indices, np.ndarray) else self.backend.xp
-        scores, rows = pad(xp, res.scores, flt.to_catalogue(xp, res.indices), width)
+        table = flt.rows if xp is np else view._catalogue_rows
+        scores, rows = pad(xp, res.scores, flt.to_catalogue(xp, res.indices, table), width)
         return SearchResult(indices=rows, scores=scores, ids=self.map_ids(rows))
 
     def search_async(self, user_vecs: Any, k: int, exclude: Any = None, *, allow: Any = None,
@@ -285,7 +287,7 @@ class Engine:
         def finish() -> SearchResult:
             res = inner.result()
             pending.stats = self.stats = {**inner.stats, "filtered_items": flt.n_passing}
-            return self._from_view(flt, res, width)
+            return self._from_view(view, flt, res, width)
 
         pending._finish = finish
         return pending
@@ -378,7 +380,7 @@ class Engine:
         cands = normalise_candidates(candidates, int(users.shape[0]), self.n_items, self.backend)
         flt = self._effective_filter(allow, deny)
         if flt is not None:
-            cands = cands.filtered(flt.inverse() >= 0, np if isinstance(cands.rows, np.ndarray) else self.backend.xp)
+            cands = cands.filtered(flt.inverse >= 0, np if isinstance(cands.rows, np.ndarray) else self.backend.xp)
         wall = time.perf_counter()
         path = "none"
         if users.shape[0] and cands.nnz:
