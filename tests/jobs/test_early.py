@@ -185,3 +185,29 @@ def test_gpu_matches_oracle(forced, tmp_path: Path, metric: str) -> None:
         for u in range(len(users)):
             np.testing.assert_allclose(got[u], scores[u], rtol=1e-5, atol=1e-5)
     assert _no_threads_left()
+
+
+@pytest.mark.gpu
+def test_gpu_job_sized_early_searches_write_what_one_search_writes(tmp_path: Path) -> None:
+    # A job big enough that the items are still loading (and the full engine being built, allocating on the
+    # uploading thread's stream) while merges of the early parts are queued: the file with early searches equals
+    # the file without them, byte for byte in every column (the device's scores do not depend on the part).
+    from recall.backends import cuda_status
+    from recall.bench import layouts
+    from recall.bench.workloads import generate
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    users, items = generate("clustered", 200_000, 600_000, 32, seed=3, device="cpu")
+    up, ip = tmp_path / "users.parquet", tmp_path / "items.parquet"
+    layouts.write(users, up)
+    layouts.write(items, ip)
+    tables = {}
+    for mode in ("on", "off"):
+        summary = score_files(up, ip, tmp_path / f"{mode}.parquet", 100, device="gpu", options=JobOptions(early=mode))
+        assert (summary.early_users > 0) == (mode == "on")
+        tables[mode] = pq.read_table(tmp_path / f"{mode}.parquet")
+    ids = np.asarray(tables["on"].column("item_ids").combine_chunks().flatten())
+    assert ids.min() >= 0 and ids.max() < items.shape[0]
+    assert tables["on"].equals(tables["off"])

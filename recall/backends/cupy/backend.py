@@ -131,7 +131,14 @@ class CupyBackend:
         import cupyx
 
         # Page-locked, so that each block's results can be copied back asynchronously while the next is searched.
-        return cupyx.empty_pinned(shape, dtype) if host else self.xp.empty(shape, dtype)
+        if host:
+            return cupyx.empty_pinned(shape, dtype)
+        # Device results are written (and merged, and read by later searches' floors) on the compute stream: taken
+        # from its pool, so that once the caller lets them go their memory is reused only by work queued after
+        # everything that still reads them. From the caller's stream's pool, a thread allocating there (the job's
+        # item upload beside its early searches) could overwrite a part's results before the merge has read them.
+        with self.pipeline.compute_stream:
+            return self.xp.empty(shape, dtype)
 
     def store_rows(self, dest: Any, start: int, rows: np.ndarray) -> None:
         dest[start:start + rows.shape[0]].set(rows)
