@@ -76,6 +76,14 @@ class Backend(Protocol):
     def state_bytes(self, k: int) -> int:
         """Bytes of running top-k state per user."""
 
+    def resident_bytes(self, n_items: int, dim: int) -> int:
+        """Bytes that ``load_items`` of (n_items, dim) float32 prepared items takes on this backend, with what it
+        derives from them (the GPU's transposed copy)."""
+
+    def item_memory(self, budget: int) -> int | None:
+        """Bytes resident items may take when the caller sets no ``item_memory``, beside a search's ``budget``: what
+        the device can hold; None where the items are in this backend's memory already (the CPU)."""
+
     def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
         """(user block, item tile width, item tiles per GEMM call) this backend runs best with."""
 

@@ -112,6 +112,16 @@ class Exclusions:
     def count(self, user: int) -> int:
         return int(self.indptr[user + 1] - self.indptr[user])
 
+    def window(self, lo: int, hi: int) -> "Exclusions":
+        """The exclusions of item rows ``lo:hi``, as rows of that range (``row - lo``): for a search of a segment of
+        the items."""
+        if self.items.size == 0:
+            return self
+        keep = (self.items >= lo) & (self.items < hi)
+        kept = np.zeros(keep.size + 1, np.int64)  # kept[j]: how many of the first j pairs are in the range
+        np.cumsum(keep, out=kept[1:])
+        return Exclusions(kept[self.indptr], self.items[keep] - lo)
+
 
 def take(indptr: np.ndarray, items: np.ndarray, users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The CSR rows ``users`` (int64, any order, -1 for "none") of a CSR, as a CSR over them (vectorised)."""

@@ -39,11 +39,11 @@ def row_norms(xp: Any, vecs: Any) -> Any:
     return xp.sqrt(out, out=out)
 
 
-def _normalise(xp: Any, vecs: Any, what: str) -> Any:
+def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0) -> Any:
     norms = row_norms(xp, vecs)
     zero = norms == 0
     if bool(zero.any()):
-        row = int(xp.argmax(zero))
+        row = first_row + int(xp.argmax(zero))
         raise InputError(f"{what}: row {row} is a zero vector, which has no direction for metric 'cosine'")
     return (vecs / norms[:, None]).astype(xp.float32)
 
@@ -52,10 +52,16 @@ def _augmented_width(dim: int) -> int:
     return (dim + 1 + 3) // 4 * 4
 
 
-def prepare_items(metric: str, xp: Any, item_vecs: Any) -> Any:
-    """Item vectors (n_items, dim) float32 -> the float32 matrix the backend scores against."""
+def scored_width(metric: str, dim: int) -> int:
+    """The width of the prepared vectors of ``dim``-dimensional inputs (l2 adds its norm column and padding)."""
+    return _augmented_width(dim) if metric == "l2" else dim
+
+
+def prepare_items(metric: str, xp: Any, item_vecs: Any, first_row: int = 0) -> Any:
+    """Item vectors (n_items, dim) float32 -> the float32 matrix the backend scores against (a zero vector under
+    cosine is named by its row, counted from ``first_row``)."""
     if metric == "cosine":
-        return _normalise(xp, item_vecs, "item_vecs")
+        return _normalise(xp, item_vecs, "item_vecs", first_row)
     if metric == "l2":
         n, dim = item_vecs.shape
         out = xp.zeros((n, _augmented_width(dim)), dtype=xp.float32)

@@ -22,7 +22,7 @@ from ..core.filters import ItemFilter
 from ..core.options import DEFAULT_OPTIONS, EngineOptions
 from ..core.results import SearchResult, pad
 from ..core.tiling import plan_tiles
-from . import fast, inputs, interests, tuning
+from . import fast, inputs, interests, streamed, tuning
 from .candidates import normalise_candidates
 
 log = logging.getLogger("recall")
@@ -58,6 +58,15 @@ class Engine:
         tunes each new shape on its first search (and caches it); "off" always uses the heuristic.
     options : EngineOptions, optional
         Tuning knobs (tiling, CUDA graphs, the fused kernel's geometry...); none changes an answer.
+    item_memory : int, optional
+        Bytes the resident items (with what the backend derives from them: the GPU's transposed copy, about twice
+        the float32 matrix) may take on the device. Items that need more are kept, checked and prepared, in
+        page-locked host memory and streamed to the device in segments of half this size at every search
+        (``recall.engine.streamed``): the same answer, for about the cost of the copies where the search is
+        compute-bound. Default: what the device can hold beside the memory budget (on the CPU: no limit, the
+        items are resident there; set it to exercise the streamed path). ``stats["streamed"]`` says when a search
+        streamed. Fast precision needs resident items: a streamed engine searches in exact precision and says so
+        (``stats["fast_declined"]``).
 
     Raises
     ------
@@ -70,7 +79,7 @@ class Engine:
 
     def __init__(self, item_vecs: Any, ids: Any = None, metric: str = "ip", device: Any = "auto",
                  memory_budget: int | None = None, precision: str = "exact", tune: str = "auto",
-                 options: EngineOptions | None = None) -> None:
+                 options: EngineOptions | None = None, item_memory: int | None = None) -> None:
         self.metric = metrics.check_metric(metric)
         self.tune_mode = tuning.check_mode(tune)
         self.precision = check_choice(precision, PRECISIONS, "precision")
@@ -78,19 +87,31 @@ class Engine:
             raise InputError(f"options must be a recall.EngineOptions, got {type(options).__name__}")
         self.options = options or DEFAULT_OPTIONS
         budget = check_budget(memory_budget)
+        self.item_memory = check_budget(item_memory, "item_memory")
         self.backend = backends.resolve(device)
         xp = self.backend.xp
-        # Checked and prepared where the engine keeps them: on a GPU after one upload (a host array's checks, norms
-        # included, cost a million-item job a fraction of a second of CPU before its first search).
-        items = inputs.matrix(self.backend, xp, item_vecs, "item_vecs", own=self.metric == "ip")
-        if items.shape[0] < 1:
-            raise InputError("item_vecs: there are no items")
-        self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
-        self.ids = inputs.item_ids(ids, self.n_items)
         self.memory_budget = budget if budget is not None else self.backend.default_budget()
-        self.item_norm = float(metrics.row_norms(xp, items).max()) if self.metric != "cosine" else 1.0
-        self.prepared_items = metrics.prepare_items(self.metric, xp, items)  # (n_items, scored dim) on the backend
-        self._items = self.backend.load_items(self.prepared_items)
+        shape = tuple(getattr(item_vecs, "shape", ()))
+        cap = None
+        if len(shape) == 2 and shape[0] >= 1:
+            cap = streamed.needs_streaming(self.backend, shape[0], metrics.scored_width(self.metric, shape[1]),
+                                           self.item_memory, self.memory_budget)
+        if cap is not None:
+            # Beyond the device: checked and prepared a chunk at a time, kept in host memory, streamed per search.
+            self._items, self.item_norm = streamed.prepare(self.backend, self.metric, item_vecs, cap)
+            self.prepared_items = self._items.host
+            self.n_items, self.dim = int(shape[0]), int(shape[1])
+        else:
+            # Checked and prepared where the engine keeps them: on a GPU after one upload (a host array's checks,
+            # norms included, cost a million-item job a fraction of a second of CPU before its first search).
+            items = inputs.matrix(self.backend, xp, item_vecs, "item_vecs", own=self.metric == "ip")
+            if items.shape[0] < 1:
+                raise InputError("item_vecs: there are no items")
+            self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
+            self.item_norm = float(metrics.row_norms(xp, items).max()) if self.metric != "cosine" else 1.0
+            self.prepared_items = metrics.prepare_items(self.metric, xp, items)  # (n_items, scored dim), backend
+            self._items = self.backend.load_items(self.prepared_items)
+        self.ids = inputs.item_ids(ids, self.n_items)
         self._fast: fast.FastState | None = None
         self._filter: ItemFilter | None = None  # set_item_filter's: applies to every search
         self._views: dict[str, Engine] = {}  # filtered catalogues by filter key (the last few)
@@ -100,6 +121,11 @@ class Engine:
     def device(self) -> str:
         """"cpu" or "gpu": where this engine runs."""
         return self.backend.name
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the items live in host memory and are streamed to the device at every search (``item_memory``)."""
+        return isinstance(self._items, streamed.StreamedItems)
 
     @property
     def resident_items(self) -> Any:
@@ -201,11 +227,16 @@ class Engine:
             view = Engine.__new__(Engine)
             view.__dict__.update(metric=self.metric, tune_mode=self.tune_mode, precision=self.precision,
                                  options=self.options, backend=self.backend, n_items=flt.n_passing, dim=self.dim,
-                                 ids=None, memory_budget=self.memory_budget, item_norm=self.item_norm, _fast=None,
-                                 _filter=None, _views={}, stats={})
+                                 ids=None, memory_budget=self.memory_budget, item_memory=self.item_memory,
+                                 item_norm=self.item_norm, _fast=None, _filter=None, _views={}, stats={})
             view._catalogue_rows = self.backend.xp.asarray(flt.rows)  # on the device: rows mapped back there
-            view.prepared_items = self.prepared_items[view._catalogue_rows]
-            view._items = self.backend.load_items(view.prepared_items)
+            if self.streamed:  # gathered in host memory: resident when the passing rows fit on the device
+                view._items = streamed.gather(self.backend, self._items, flt.rows, self.item_memory,
+                                              self.memory_budget)
+                view.prepared_items = view._items.host if view.streamed else None
+            else:
+                view.prepared_items = self.prepared_items[view._catalogue_rows]
+                view._items = self.backend.load_items(view.prepared_items)
             self._views[flt.key] = view
         return view
 
@@ -253,7 +284,7 @@ class Engine:
         if users.shape[0] == 0:
             vals, rows = xp.full((0, k_sel), -np.inf, dtype=np.float32), xp.full((0, k_sel), -1, dtype=np.int64)
             return PendingSearch(lambda: self._result(xp, users, vals, rows))
-        if self.precision == "fast":
+        if self.precision == "fast" and not self.streamed:
             vals, rows = fast.search(self, prepared, k_sel, excl)
             done = self._result(xp, users, vals, rows)
             return PendingSearch(lambda: done, self.stats)
@@ -264,7 +295,10 @@ class Engine:
         pending = PendingSearch(None)
 
         def finish() -> SearchResult:
-            pending.stats = self.stats = wait()
+            stats = wait()
+            if self.precision == "fast":
+                stats = {**stats, "precision": "exact", "fast_declined": "items streamed from host memory"}
+            pending.stats = self.stats = stats
             return self._result(xp, users, vals, rows)
 
         pending._finish = finish
@@ -297,7 +331,10 @@ class Engine:
         """One tiled pass of prepared ``users`` (``metrics.prepare_users``) against resident items (default: the
         engine's; fast mode passes its float16 copy) into the (n, k) arrays ``out_vals`` / ``out_rows`` (from
         ``backend.empty_out``; k <= the items' rows); returns the backend's wait (see ``Backend.run_blocks``). The
-        building block of every search mode; ``plan`` replaces the tiling the engine would choose."""
+        building block of every search mode; ``plan`` replaces the tiling the engine would choose. Over streamed
+        items (``item_memory``) the search is done when this returns."""
+        if items is None and self.streamed:
+            return streamed.run(self, self._items, users, k, excl, out_vals, out_rows, plan)
         items = self._items if items is None else items
         n_users, dim = users.shape
         n_items = int(items.shape[0])
@@ -383,7 +420,10 @@ class Engine:
             cands = cands.filtered(flt.inverse >= 0, np if isinstance(cands.rows, np.ndarray) else self.backend.xp)
         wall = time.perf_counter()
         path = "none"
-        if users.shape[0] and cands.nnz:
+        if users.shape[0] and cands.nnz and self.streamed:
+            vals, rows, path = streamed.rescore(self, self._items, metrics.prepare_users(self.metric, xp, users),
+                                                cands.indptr, cands.rows, k)
+        elif users.shape[0] and cands.nnz:
             vals, rows, path = self.backend.rescore(metrics.prepare_users(self.metric, xp, users), self._items,
                                                     cands.indptr, cands.rows, k, self.memory_budget, self.options)
         else:

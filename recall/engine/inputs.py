@@ -20,9 +20,11 @@ def check_kind(arr: Any, what: str) -> None:
         raise InputError(f"{what}: expected real numbers, got dtype {arr.dtype}")
 
 
-def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, own: bool = False) -> Any:
+def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, own: bool = False,
+           first_row: int = 0) -> Any:
     """``arr`` as a C-contiguous float32 (n, dim) array of module ``xp`` (the backend's own, or NumPy), checked:
-    2-d, real, the expected dimension, finite (the first bad row named). ``own``: never the caller's memory."""
+    2-d, real, the expected dimension, finite (the first bad row named, counted from ``first_row``: ``arr`` may be
+    a slice of the caller's array). ``own``: never the caller's memory."""
     shape = getattr(arr, "shape", None)
     if shape is None:
         arr = np.asarray(arr)
@@ -43,7 +45,7 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
     finite = xp.isfinite(out).all(axis=1)
     if not bool(finite.all()):
         row = int(xp.argmax(~finite))
-        raise InputError(f"{what}: row {row} has a NaN or infinite value")
+        raise InputError(f"{what}: row {first_row + row} has a NaN or infinite value")
     return out
 
 

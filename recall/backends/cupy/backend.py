@@ -24,7 +24,7 @@ from ...core.tiling import TilePlan
 from .. import candidates
 from ..numpy.backend import tune_band
 from . import blas, rescore
-from .items import DeviceItems
+from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
 from .pipeline import BlockPipeline
 from .selection import GpuTopK, Selection, fused_capacity
 
@@ -172,6 +172,15 @@ class CupyBackend:
 
     def default_budget(self) -> int:
         return min(8 << 30, self.free_memory() // 4)
+
+    def resident_bytes(self, n_items: int, dim: int) -> int:
+        # The items and the fused kernel's transposed copy (rows rounded up to its tile, dims to its chunk).
+        padded = -(-n_items // FUSED_TILE) * FUSED_TILE * (-(-dim // FUSED_CHUNK) * FUSED_CHUNK)
+        return 4 * (n_items * dim + padded)
+
+    def item_memory(self, budget: int) -> int | None:
+        # What is free now, less the search's own budget and a tenth for the allocator and the other buffers.
+        return max(0, int(0.9 * self.free_memory()) - budget)
 
     def state_bytes(self, k: int) -> int:
         # top keys + candidates (the fused path's larger buffer) + results + per-user scalars, plus the pinned/device

@@ -130,6 +130,12 @@ class NumpyBackend:
     def state_bytes(self, k: int) -> int:
         return 12 * k
 
+    def resident_bytes(self, n_items: int, dim: int) -> int:
+        return 4 * n_items * dim
+
+    def item_memory(self, budget: int) -> int | None:
+        return None  # the items are searched where they are
+
     def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
         # A (128 x 2048) float32 tile is 1 MiB: it stays in one core's L2 between the GEMM that writes it and the
         # scan that reads it, and is still large enough for BLAS to run near its peak.

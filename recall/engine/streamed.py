@@ -1,0 +1,203 @@
+"""Catalogues beyond the device's memory: the prepared items kept in host memory, streamed to the device in segments.
+
+An engine whose items do not fit in ``item_memory`` (default: what the device holds beside the search's budget)
+keeps them, checked and prepared for the metric, in page-locked host memory. A search then takes the users in the
+largest groups whose running results fit in half the memory budget (users outer: each item byte crosses the bus
+once per group) and, for each group, the items segment by segment (items inner): each segment is uploaded while the
+previous one is searched (two segments on the device at once, so a segment is half of ``item_memory``), searched
+with the floor of the group's results so far (a user's threshold starts at its k-th best over the segments before,
+as in one whole search), and merged into them on the device (``Backend.merge``: score desc, ties to the lower item
+row). The best k of each segment's exact top k is the exact top k over all items, so the answer is the resident
+answer, ties, exclusions (each moved into the segment's rows) and item filters included.
+
+Nothing here asks which device it runs on: the CPU backend streams the same way when ``item_memory`` is set (its
+segments are views of the host matrix), which is how CI exercises it.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..core import metrics
+from ..core.errors import InputError
+from ..core.exclusions import Exclusions
+from ..core.results import to_numpy
+from . import inputs
+
+#: Rows checked and prepared at a time while an engine is built (on the device, a chunk at a time).
+PREPARE_ROWS = 1 << 20
+#: Running results per user in a group: the group's merge so far, a segment's part, and the merge's temporaries.
+_GROUP_COPIES = 5
+#: Segments and user groups start at multiples of this many rows where they are longer: a multiple of every tile
+#: the backends search in (the CPU's 128 users x 2048 items, the GPU's), so that each GEMM of a streamed search has
+#: the shape of the resident search's GEMM over the same rows and every score comes out bit for bit the same.
+ALIGN = 8192
+
+
+def _aligned(rows: int) -> int:
+    return rows // ALIGN * ALIGN if rows >= ALIGN else rows
+
+
+@dataclass
+class StreamedItems:
+    """Prepared items (n_items, width) float32 in host memory (page-locked where the backend has such memory),
+    searched in segments of ``segment_rows``."""
+
+    host: np.ndarray
+    segment_rows: int
+    item_memory: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.host.shape)
+
+    def segments(self) -> list[tuple[int, int]]:
+        n = self.host.shape[0]
+        return [(lo, min(lo + self.segment_rows, n)) for lo in range(0, n, self.segment_rows)]
+
+
+def needs_streaming(backend: Any, n_items: int, width: int, item_memory: int | None, budget: int) -> int | None:
+    """The ``item_memory`` an engine of (n_items, width) prepared items streams under, or None where they fit."""
+    cap = item_memory if item_memory is not None else backend.item_memory(budget)
+    if cap is None or backend.resident_bytes(n_items, width) <= cap:
+        return None
+    return cap
+
+
+def prepare(backend: Any, metric: str, item_vecs: Any, cap: int) -> tuple[StreamedItems, float]:
+    """Check and prepare ``item_vecs`` chunk by chunk (on the backend: a chunk is uploaded, checked, prepared and
+    brought back) into host memory: (the streamed items, the largest item norm).
+
+    Raises
+    ------
+    InputError
+        As :class:`recall.Engine` (the bad row named in the caller's numbering); ``item_memory`` too small for one
+        row of each of two segments.
+    """
+    shape = getattr(item_vecs, "shape", None)
+    if shape is None or len(shape) != 2:
+        item_vecs = np.asarray(item_vecs)
+    inputs.check_kind(item_vecs, "item_vecs")
+    if len(item_vecs.shape) != 2:
+        raise InputError(f"item_vecs: expected a 2-d (n, dim) array, got shape {tuple(item_vecs.shape)}")
+    n, dim = int(item_vecs.shape[0]), int(item_vecs.shape[1])
+    width = metrics.scored_width(metric, dim)
+    per_row = backend.resident_bytes(1, width)
+    segment_rows = cap // (2 * per_row)  # two on the device at once: one searched, the next arriving
+    if segment_rows < 1:
+        raise InputError(f"item_memory {cap:,} bytes cannot hold two item rows of dimension {dim} "
+                         f"({2 * per_row:,} bytes): raise it")
+    host = backend.empty_out((n, width), np.float32, True)
+    item_norm = 0.0
+    xp = backend.xp
+    for lo in range(0, n, PREPARE_ROWS):
+        hi = min(n, lo + PREPARE_ROWS)
+        chunk = inputs.matrix(backend, xp, item_vecs[lo:hi], "item_vecs", first_row=lo)
+        if metric != "cosine":
+            item_norm = max(item_norm, float(metrics.row_norms(xp, chunk).max()))
+        host[lo:hi] = backend.to_host(metrics.prepare_items(metric, xp, chunk, first_row=lo))
+    return StreamedItems(host, min(n, _aligned(segment_rows)), cap), (item_norm if metric != "cosine" else 1.0)
+
+
+def group_users(budget: int, k: int, n_users: int) -> int:
+    """Users searched together against every segment: their running results (a few copies of (n, k) scores and
+    rows) take at most half the memory budget; the tiled search of each segment gets the other half."""
+    return max(1, min(n_users, _aligned(budget // 2 // (_GROUP_COPIES * 12 * max(1, k)))))
+
+
+def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions, out_vals: Any, out_rows: Any,
+        plan: Any = None) -> Any:
+    """``Engine.run`` over streamed items: fills ``out_vals`` / ``out_rows`` (n, k) before it returns, and returns
+    a wait that returns the stats."""
+    from .engine import TopK
+
+    backend = engine.backend
+    wall = time.perf_counter()
+    n_users = int(users.shape[0])
+    group = group_users(engine.memory_budget, k, n_users)
+    segments = items.segments()
+    busy = 0.0
+    blocks = 0
+    uploaded = 0
+    host_out = isinstance(out_vals, np.ndarray)
+    for g0 in range(0, n_users, group):
+        g1 = min(n_users, g0 + group)
+        gu = users[g0:g1]
+        gx = Exclusions(*excl.block(g0, g1))
+        best = None
+        inflight: deque = deque()  # (resident segment, its search's wait): kept until the search is done
+        for lo, hi in segments:
+            resident = backend.load_items(backend.ingest(items.host[lo:hi]))
+            uploaded += (hi - lo) * items.host.shape[1] * 4
+            kseg = min(k, hi - lo)
+            floor = best.vals[:, k - 1] if best is not None and best.vals.shape[1] >= k else None
+            vals = backend.empty_out((g1 - g0, kseg), np.float32, False)
+            rows = backend.empty_out((g1 - g0, kseg), np.int64, False)
+            wait = engine.run(gu, kseg, gx.window(lo, hi), vals, rows, items=resident, floor=floor, plan=plan)
+            best = engine.merge_topk(best, TopK(vals, rows, wait), lo, k)
+            inflight.append((resident, wait))
+            while len(inflight) > 1:  # the segment before is searched: its memory may go to the next upload
+                stats = inflight.popleft()[1]()
+                busy += stats.get("gpu_busy_s", 0.0)
+                blocks += stats.get("blocks", 0)
+        for _, wait in inflight:
+            stats = wait()
+            busy += stats.get("gpu_busy_s", 0.0)
+            blocks += stats.get("blocks", 0)
+        if host_out:
+            out_vals[g0:g1] = backend.to_host(best.vals)  # waits for the last merge
+            out_rows[g0:g1] = backend.to_host(best.rows)
+        else:
+            backend.synchronize()  # the last merge, queued on the backend's own stream, is done
+            out_vals[g0:g1], out_rows[g0:g1] = best.vals, best.rows
+    elapsed = time.perf_counter() - wall
+    stats = {"streamed": True, "item_segments": len(segments), "segment_rows": items.segment_rows,
+             "user_groups": -(-n_users // group), "item_bytes_uploaded": uploaded, "blocks": blocks,
+             "wall_s": elapsed, "gpu_busy_s": busy, "busy_fraction": busy / elapsed if elapsed > 0 else 0.0}
+    return lambda: stats
+
+
+def gather(backend: Any, items: StreamedItems, rows: Any, item_memory: int | None, budget: int) -> Any:
+    """The prepared rows ``rows`` (host or device int64, increasing) of streamed items as a catalogue of their own:
+    resident where they fit, else streamed again."""
+    picked = items.host[to_numpy(rows)]
+    cap = needs_streaming(backend, picked.shape[0], picked.shape[1], item_memory, budget)
+    if cap is None:
+        return backend.load_items(backend.ingest(picked))
+    segment_rows = max(1, cap // (2 * backend.resident_bytes(1, picked.shape[1])))
+    pinned = backend.empty_out(picked.shape, np.float32, True)
+    pinned[...] = picked
+    return StreamedItems(pinned, min(picked.shape[0], _aligned(segment_rows)), cap)
+
+
+def rescore(engine: Any, items: StreamedItems, users: Any, indptr: np.ndarray, rows: Any, k: int) -> tuple[Any, Any,
+                                                                                                          str]:
+    """``Backend.rescore`` against streamed items: the users in groups whose candidate rows fit in ``item_memory``,
+    each group's distinct candidate rows gathered from host memory, uploaded and re-scored, rows mapped back."""
+    backend, xp = engine.backend, engine.backend.xp
+    host_rows = to_numpy(rows).astype(np.int64, copy=False)
+    n = int(indptr.size) - 1
+    per_row = backend.resident_bytes(1, items.host.shape[1])
+    most = max(1, items.item_memory // per_row)  # candidate rows per group (distinct or not: an upper bound)
+    vals_out = xp.full((n, k), -np.inf, dtype=np.float32)
+    rows_out = xp.full((n, k), -1, dtype=np.int64)
+    path = "none"
+    start = 0
+    while start < n:
+        stop = int(np.searchsorted(indptr, indptr[start] + most, side="right")) - 1
+        stop = min(n, max(stop, start + 1))
+        lo, hi = int(indptr[start]), int(indptr[stop])
+        if hi > lo:
+            distinct, local = np.unique(host_rows[lo:hi], return_inverse=True)
+            resident = backend.load_items(backend.ingest(items.host[distinct]))
+            vals, got, path = backend.rescore(users[start:stop], resident, indptr[start:stop + 1] - lo,
+                                              local.astype(np.int64), k, engine.memory_budget, engine.options)
+            table = xp.asarray(distinct)
+            vals_out[start:stop] = vals
+            rows_out[start:stop] = xp.where(got >= 0, table[xp.maximum(got, 0)], -1)
+        start = stop
+    return vals_out, rows_out, path
