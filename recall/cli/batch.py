@@ -16,9 +16,10 @@ from typing import Annotated, Any
 import typer
 
 from ..core.errors import InputError
+from ..jobs import JobOptions
 from ..jobs.batch import BatchError, BatchProgress, run_batch
 from .common import (EXIT_OS_ERROR, AllowOption, BatchSizeOption, DenyOption, Device, ExcludeOption, IdColOption,
-                     Interrupted, MemoryBudgetOption, Metric, MetricOption, QuietOption, VecColOption, errors_to_exit,
+                     Interrupted, ItemMemoryOption, MemoryBudgetOption, Metric, MetricOption, QuietOption, VecColOption, errors_to_exit,
                      interruptible, log, logging_to_stderr, parse_bytes, say_first_run, show_progress)
 
 
@@ -116,6 +117,7 @@ def batch(
     vec_col: VecColOption = "embedding",
     batch_size: BatchSizeOption = None,
     memory_budget: MemoryBudgetOption = None,
+    item_memory: ItemMemoryOption = None,
     quiet: QuietOption = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print each worker's device and load time.")]
     = False,
@@ -139,6 +141,7 @@ def batch(
                 ray_address=ray_address, overwrite=overwrite, batch_size=batch_size,
                 memory_budget=parse_bytes(memory_budget), progress=progress,
                 notice=lambda msg: log.warning("notice: %s", msg), allow_empty=allow_empty,
+                options=JobOptions(item_memory=parse_bytes(item_memory)),
             )
         except BatchError as exc:
             first, _, rest = str(exc).partition("\n")

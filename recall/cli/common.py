@@ -189,6 +189,11 @@ MemoryBudgetOption = Annotated[str | None, typer.Option(
     "--memory-budget", metavar="BYTES",
     help="Working memory of a search, e.g. 1073741824, 512MiB, 2G (default: a share of free memory).",
     show_default=False)]
+ItemMemoryOption = Annotated[str | None, typer.Option(
+    "--item-memory", metavar="BYTES",
+    help="Device memory the items may take, e.g. 20G; a larger catalogue stays in host memory and is streamed to "
+         "the device in segments at every batch (same output). Default: what the device holds.",
+    show_default=False)]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notices.")]
 ExcludeOption = Annotated[Path | None, typer.Option(
     "--exclude", help="Parquet of user_id, item_id pairs (or user_id, item_ids lists) never to return.")]

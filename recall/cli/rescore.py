@@ -12,8 +12,8 @@ from typing import Annotated
 import typer
 
 from ..core.errors import InputError
-from ..jobs import rescore_files
-from .common import (AllowOption, BatchSizeOption, DenyOption, Device, DeviceOption, IdColOption, MemoryBudgetOption,
+from ..jobs import JobOptions, rescore_files
+from .common import (AllowOption, BatchSizeOption, DenyOption, Device, DeviceOption, IdColOption, ItemMemoryOption, MemoryBudgetOption,
                      Metric, MetricOption, VecColOption, errors_to_exit, interruptible, logging_to_stderr,
                      nothing_written, parse_bytes)
 
@@ -38,6 +38,7 @@ def rescore(
     device: DeviceOption = Device.auto,
     batch_size: BatchSizeOption = None,
     memory_budget: MemoryBudgetOption = None,
+    item_memory: ItemMemoryOption = None,
     allow: AllowOption = None,
     deny: DenyOption = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices.")] = False,
@@ -52,7 +53,8 @@ def rescore(
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         summary = rescore_files(users, items, candidates, out, k, metric=metric.value, id_col=id_col,
                                 vec_col=vec_col, device=device.value, memory_budget=parse_bytes(memory_budget),
-                                batch_size=batch_size, allow_path=allow, deny_path=deny, allow_empty=allow_empty)
+                                batch_size=batch_size, allow_path=allow, deny_path=deny, allow_empty=allow_empty,
+                                options=JobOptions(item_memory=parse_bytes(item_memory)))
         for warning in summary.warnings():
             typer.echo(warning, err=True)
         typer.echo(summary.line())

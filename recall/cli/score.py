@@ -8,9 +8,9 @@ import numpy as np
 import typer
 
 from ..core.errors import InputError
-from ..jobs import score_files
+from ..jobs import JobOptions, score_files
 from .common import (Aggregate, AllowEmptyOption, AllowOption, BatchSizeOption, Compression, DenyOption, Device,
-                     DeviceOption, ExcludeOption, IdColOption, MemoryBudgetOption, Metric, MetricOption, Precision,
+                     DeviceOption, ExcludeOption, IdColOption, ItemMemoryOption, MemoryBudgetOption, Metric, MetricOption, Precision,
                      QuietOption, VecColOption, errors_to_exit, interruptible, logging_to_stderr, nothing_written,
                      parse_bytes, progress_bar, say_first_run, show_progress)
 
@@ -19,7 +19,7 @@ def _run_score(users: Path, items: Path, out: str, k: int, metric: Metric, exclu
                vec_col: str, device: Device, batch_size: int | None, memory_budget: int | None, quiet: bool,
                verbose: bool, interests: Aggregate | None = None, precision: Precision = Precision.exact,
                compression: Compression = Compression.snappy, allow: Path | None = None,
-               deny: Path | None = None, allow_empty: bool = False) -> Any:
+               deny: Path | None = None, allow_empty: bool = False, item_memory: int | None = None) -> Any:
     if interests is not None and precision is not Precision.exact:
         raise InputError("--precision fast applies to single-vector users; with --interests use --precision exact")
     say_first_run(quiet, device.value)
@@ -28,7 +28,8 @@ def _run_score(users: Path, items: Path, out: str, k: int, metric: Metric, exclu
                               vec_col=vec_col, device=device.value, batch_size=batch_size,
                               memory_budget=memory_budget, progress=progress, precision=precision.value,
                               compression=compression.value, aggregate=interests.value if interests else None,
-                              allow_path=allow, deny_path=deny, allow_empty=allow_empty)
+                              allow_path=allow, deny_path=deny, allow_empty=allow_empty,
+                              options=JobOptions(item_memory=item_memory))
     for warning in summary.warnings():
         typer.echo(warning, err=True)
     typer.echo(summary.line())
@@ -55,6 +56,7 @@ def score(
     device: DeviceOption = Device.auto,
     batch_size: BatchSizeOption = None,
     memory_budget: MemoryBudgetOption = None,
+    item_memory: ItemMemoryOption = None,
     quiet: QuietOption = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-stage times.")] = False,
     precision: Annotated[Precision, typer.Option(
@@ -74,7 +76,7 @@ def score(
             raise InputError(f"--batch-size must be >= 1, got {batch_size}")
         _run_score(users, items, out, k, metric, exclude, id_col, vec_col, device, batch_size,
                    parse_bytes(memory_budget), quiet, verbose, interests, precision, compression, allow, deny,
-                   allow_empty)
+                   allow_empty, parse_bytes(item_memory))
 
 
 def sample_dir() -> Path:

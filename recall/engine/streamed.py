@@ -60,6 +60,11 @@ class StreamedItems:
         return [(lo, min(lo + self.segment_rows, n)) for lo in range(0, n, self.segment_rows)]
 
 
+def row_bytes(backend: Any, width: int) -> int:
+    """Device bytes per resident item row of ``width`` (the backend's derived copies and their padding included)."""
+    return -(-backend.resident_bytes(ALIGN, width) // ALIGN)
+
+
 def needs_streaming(backend: Any, n_items: int, width: int, item_memory: int | None, budget: int) -> int | None:
     """The ``item_memory`` an engine of (n_items, width) prepared items streams under, or None where they fit."""
     cap = item_memory if item_memory is not None else backend.item_memory(budget)
@@ -86,7 +91,7 @@ def prepare(backend: Any, metric: str, item_vecs: Any, cap: int) -> tuple[Stream
         raise InputError(f"item_vecs: expected a 2-d (n, dim) array, got shape {tuple(item_vecs.shape)}")
     n, dim = int(item_vecs.shape[0]), int(item_vecs.shape[1])
     width = metrics.scored_width(metric, dim)
-    per_row = backend.resident_bytes(1, width)
+    per_row = row_bytes(backend, width)
     segment_rows = cap // (2 * per_row)  # two on the device at once: one searched, the next arriving
     if segment_rows < 1:
         raise InputError(f"item_memory {cap:,} bytes cannot hold two item rows of dimension {dim} "
@@ -168,7 +173,7 @@ def gather(backend: Any, items: StreamedItems, rows: Any, item_memory: int | Non
     cap = needs_streaming(backend, picked.shape[0], picked.shape[1], item_memory, budget)
     if cap is None:
         return backend.load_items(backend.ingest(picked))
-    segment_rows = max(1, cap // (2 * backend.resident_bytes(1, picked.shape[1])))
+    segment_rows = max(1, cap // (2 * row_bytes(backend, picked.shape[1])))
     pinned = backend.empty_out(picked.shape, np.float32, True)
     pinned[...] = picked
     return StreamedItems(pinned, min(picked.shape[0], _aligned(segment_rows)), cap)
@@ -181,8 +186,7 @@ def rescore(engine: Any, items: StreamedItems, users: Any, indptr: np.ndarray, r
     backend, xp = engine.backend, engine.backend.xp
     host_rows = to_numpy(rows).astype(np.int64, copy=False)
     n = int(indptr.size) - 1
-    per_row = backend.resident_bytes(1, items.host.shape[1])
-    most = max(1, items.item_memory // per_row)  # candidate rows per group (distinct or not: an upper bound)
+    most = max(1, items.item_memory // row_bytes(backend, items.host.shape[1]))  # candidate rows per group (distinct or not: an upper bound)
     vals_out = xp.full((n, k), -np.inf, dtype=np.float32)
     rows_out = xp.full((n, k), -1, dtype=np.int64)
     path = "none"

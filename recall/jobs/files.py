@@ -50,7 +50,7 @@ from ..io import (
 from ..io import atomic
 from ..io.parquet import at, fmt_id, open_parquet
 from . import early
-from .items import check_nonzero, load_engine
+from .items import check_nonzero, load_engine, streams
 from .options import DEFAULT_JOB_OPTIONS, JobOptions
 from .runner import Done, Overlap, run_stream
 from .summary import JobSummary
@@ -369,7 +369,7 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
     k, metric, backend = spec.k, spec.metric, spec.backend
     batch_size = spec.batch_size
     overlap = started = None
-    if _searches_early(spec, precision):
+    if _searches_early(spec, precision, items_info):
         overlap = Overlap()
 
         def start_reader(dim: int) -> None:
@@ -395,7 +395,8 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
                     spec.items_path, spec.id_col, spec.vec_col, check_unique=False)))
             items, engine, item_read_s = load_engine(spec.items_path, spec.id_col, spec.vec_col, metric, backend,
                                                      spec.memory_budget, precision, spec.options.engine,
-                                                     on_rows=started.on_rows if started else None)
+                                                     on_rows=started.on_rows if started else None,
+                                                     item_memory=spec.options.item_memory)
             t0 = time.perf_counter()
             user_ids = ids_read.result()
             side = side_read.result() if side_read is not None else _Side()
@@ -439,10 +440,15 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
                     early_users=sum(len(batch) for batch, _ in first))
 
 
-def _searches_early(spec: _Spec, precision: str) -> bool:
+def _searches_early(spec: _Spec, precision: str, items_info: Any) -> bool:
     """Whether a job searches its first batches while the items load (see :class:`JobOptions`): in exact
-    precision, without exclusions or filters (they are mapped to the items' rows meanwhile)."""
+    precision, without exclusions or filters (they are mapped to the items' rows meanwhile), with items resident
+    on the device (streamed items are read into host memory)."""
     if spec.options.early == "off" or precision != "exact" or spec.exclude_path or spec.allow_path or spec.deny_path:
+        return False
+    item_memory = spec.options.item_memory
+    if (item_memory is not None) if items_info.dim is None else streams(
+            spec.backend, items_info.n_rows, items_info.dim, spec.metric, spec.memory_budget, item_memory):
         return False
     return spec.options.early == "on" or spec.backend.asynchronous
 
@@ -467,7 +473,8 @@ def _score_interests(spec: _Spec, aggregate: str) -> JobSummary:
     t0 = time.perf_counter()
     k = spec.k
     items, engine, _ = load_engine(spec.items_path, spec.id_col, spec.vec_col, spec.metric, spec.backend,
-                                   spec.memory_budget, "exact", spec.options.engine)
+                                   spec.memory_budget, "exact", spec.options.engine,
+                                   item_memory=spec.options.item_memory)
     users = read_interest_users(spec.users_path, spec.id_col, spec.vec_col, dim=engine.dim,
                                 dim_source=spec.dim_source)
     if spec.metric == "cosine" and users.vectors.shape[0]:
@@ -554,7 +561,7 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
 
     t0 = time.perf_counter()
     items, engine, _ = load_engine(spec.items_path, id_col, vec_col, metric, spec.backend, spec.memory_budget,
-                                   options=spec.options.engine)
+                                   options=spec.options.engine, item_memory=spec.options.item_memory)
     users = read_embeddings(spec.users_path, id_col, vec_col)
     if len(users) and users.dim != engine.dim:
         raise InputError(f"{spec.users_path}: row 0 (id {fmt_id(users.ids[0])}) has dimension {users.dim}, expected "

@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from ..core import metrics
 from ..core.errors import InputError
-from ..engine import Engine
-from ..io import Embeddings, read_embeddings
+from ..engine import Engine, streamed
+from ..io import Embeddings, inspect_embeddings, read_embeddings
 from ..io.parquet import fmt_id
 
 
@@ -22,24 +23,39 @@ def check_nonzero(vectors: Any, ids: np.ndarray, path: str, row_start: int = 0) 
                          f"direction for metric 'cosine'")
 
 
+def streams(backend: Any, n_items: int, dim: int, metric: str, memory_budget: int | None,
+            item_memory: int | None) -> bool:
+    """Whether an engine of these items would keep them in host memory (``recall.engine.streamed``): then the job
+    reads the file into host memory rather than onto the device, and searches no batch while it loads."""
+    budget = memory_budget if memory_budget is not None else backend.default_budget()
+    return streamed.needs_streaming(backend, n_items, metrics.scored_width(metric, dim), item_memory,
+                                    budget) is not None
+
+
 def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, backend: Any, memory_budget: int | None,
                 precision: str = "exact", options: Any = None,
-                on_rows: Callable[[Any, int], None] | None = None) -> tuple[Embeddings, Engine, float]:
+                on_rows: Callable[[Any, int], None] | None = None,
+                item_memory: int | None = None) -> tuple[Embeddings, Engine, float]:
     """Read and validate an item file into ``backend``'s memory and build the resident engine on it.
 
     The engine gets no ids: its results hold item rows, which the job maps to ids as it writes them
     (``result.to_arrow(user_ids, id_lookup(items.ids))``). So the gather of 10^8 ids runs on the writer thread
     rather than between two searches, and the ids, already checked by the reader (naming the file and rows), are not
     sorted a second time by the engine. ``on_rows(vectors, rows)`` is called as the rows arrive (see
-    ``read_embeddings``).
+    ``read_embeddings``). Items beyond ``item_memory`` (see :func:`streams`) are read into host memory and streamed.
 
     Returns (items, engine, seconds spent reading). Raises InputError naming the file, row and id of a bad item.
     """
     t0 = time.perf_counter()
-    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False, target=backend, on_rows=on_rows)
+    info = inspect_embeddings(items_path, id_col, vec_col)
+    # A list<float> column declares no dimension: its items go to the host when the caller set item_memory.
+    host = streams(backend, info.n_rows, info.dim, metric, memory_budget, item_memory) if info.dim is not None \
+        else item_memory is not None
+    items = read_embeddings(items_path, id_col, vec_col, allow_empty=False, target=None if host else backend,
+                            on_rows=None if host else on_rows)
     if metric == "cosine":
         check_nonzero(items.vectors, items.ids, items_path)
     read_s = time.perf_counter() - t0
     engine = Engine(items.vectors, metric=metric, device=backend, memory_budget=memory_budget, precision=precision,
-                    options=options)
+                    options=options, item_memory=item_memory)
     return items, engine, read_s

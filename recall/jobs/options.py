@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.checks import check_choice, check_int
+from ..core.checks import check_budget, check_choice, check_int
 from ..core.options import EngineOptions
 
 EARLY_MODES = ("auto", "on", "off")
@@ -26,15 +26,21 @@ class JobOptions:
         per block and part (8 measured best on the S4 job, docs/benchmarks.md).
     engine : EngineOptions
         The engine's options.
+    item_memory : int, optional
+        Bytes the resident items may take on the device (``recall.Engine``'s ``item_memory``; ``--item-memory``):
+        a catalogue that needs more is read into host memory and streamed to the device at every batch. Default:
+        what the device holds beside the search's memory budget.
     """
 
     early: str = "auto"
     early_parts: int = 8
     engine: EngineOptions = field(default_factory=EngineOptions)
+    item_memory: int | None = None
 
     def __post_init__(self) -> None:
         check_choice(self.early, EARLY_MODES, "early-search mode")
         check_int(self.early_parts, "early_parts")
+        check_budget(self.item_memory, "item_memory")
 
 
 DEFAULT_JOB_OPTIONS = JobOptions()

@@ -211,7 +211,7 @@ class ShardScorer:
         self.spec, self.worker = spec, worker
         items, self.engine, _ = load_engine(spec.items_path, spec.id_col, spec.vec_col, spec.metric,
                                             backends.resolve(device), spec.memory_budget,
-                                            options=spec.options.engine)
+                                            options=spec.options.engine, item_memory=spec.options.item_memory)
         self.item_id_type = pa.string() if items.ids.dtype == object else pa.int64()
         self.item_ids = id_lookup(items.ids)
         self.exclusions = (_ExclusionIndex(spec.exclude_path, spec.user_id_type == "string", items.ids)
