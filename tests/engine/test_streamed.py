@@ -12,7 +12,7 @@ from recall.backends import resolve
 from recall.core import metrics
 from recall.engine import streamed
 
-from oracle import as_numpy, assert_same_result, int_matrix, topk
+from oracle import as_numpy, assert_same_result, assert_topk_close, int_matrix, topk
 
 
 def _memory(device: str, dim: int, metric: str, rows: int) -> int:
@@ -38,7 +38,12 @@ def test_same_answer_as_resident(device: str, metric: str, k: int) -> None:
     users[:, 0] += 1
     resident, streaming = _pair(device, items, metric)
     got = streaming.search(users, k)
-    assert_same_result(resident.search(users, k), got)
+    if metric == "cosine":
+        # Normalised vectors are not exact in float32, and a 37-row segment is not searched by the GEMM shapes of
+        # the whole catalogue (aligned segments are: the test below), so scores may differ in the last bit.
+        assert_topk_close(got.indices, got.scores, users, items, k, metric)
+    else:
+        assert_same_result(resident.search(users, k), got)
     assert streaming.stats["streamed"] and streaming.stats["item_segments"] == -(-300 // 37)
     want_rows, _ = topk(users, items, min(k, 300), metric)
     if metric == "ip":  # exact in float32 on small integers: the oracle's order, ties to the lower row
@@ -62,13 +67,13 @@ def test_exclusions_filters_and_all_excluded_users(device: str) -> None:
 
 def test_filtered_catalogue_that_fits_becomes_resident(device: str) -> None:
     rng = np.random.default_rng(3)
-    items, users = int_matrix(rng, 400, 4), int_matrix(rng, 25, 4)
-    resident, streaming = _pair(device, items, rows=50)  # item_memory: two segments of 50 rows
-    allow = np.arange(10, 60)  # 50 rows: fit in item_memory
+    items, users = int_matrix(rng, 1000, 4), int_matrix(rng, 25, 4)
+    resident, streaming = _pair(device, items, rows=200)  # item_memory: two segments of 200 rows
+    allow = np.arange(10, 60)  # 50 rows: fit in item_memory (the GPU's padding of its transposed copy included)
     assert_same_result(resident.search(users, 7, allow=allow), streaming.search(users, 7, allow=allow))
     view = next(iter(streaming._views.values()))
     assert not view.streamed
-    wide = np.arange(0, 400, 2)  # 200 rows: still streamed
+    wide = np.arange(0, 1000, 2)  # 500 rows: still streamed
     assert_same_result(resident.search(users, 7, allow=wide), streaming.search(users, 7, allow=wide))
 
 
