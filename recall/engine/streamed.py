@@ -118,8 +118,6 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
         plan: Any = None) -> Any:
     """``Engine.run`` over streamed items: fills ``out_vals`` / ``out_rows`` (n, k) before it returns, and returns
     a wait that returns the stats."""
-    from .engine import TopK
-
     backend = engine.backend
     wall = time.perf_counter()
     n_users = int(users.shape[0])
@@ -139,11 +137,12 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
             resident = backend.load_items(backend.ingest(items.host[lo:hi]))
             uploaded += (hi - lo) * items.host.shape[1] * 4
             kseg = min(k, hi - lo)
-            floor = best.vals[:, k - 1] if best is not None and best.vals.shape[1] >= k else None
+            floor = best[0][:, k - 1] if best is not None and best[0].shape[1] >= k else None
             vals = backend.empty_out((g1 - g0, kseg), np.float32, False)
             rows = backend.empty_out((g1 - g0, kseg), np.int64, False)
             wait = engine.run(gu, kseg, gx.window(lo, hi), vals, rows, items=resident, floor=floor, plan=plan)
-            best = engine.merge_topk(best, TopK(vals, rows, wait), lo, k)
+            parts = [(vals, rows, lo)] if best is None else [(*best, 0), (vals, rows, lo)]
+            best = backend.merge(parts, k)  # queued after the segment's search, on the backend
             inflight.append((resident, wait))
             while len(inflight) > 1:  # the segment before is searched: its memory may go to the next upload
                 stats = inflight.popleft()[1]()
@@ -154,11 +153,11 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
             busy += stats.get("gpu_busy_s", 0.0)
             blocks += stats.get("blocks", 0)
         if host_out:
-            out_vals[g0:g1] = backend.to_host(best.vals)  # waits for the last merge
-            out_rows[g0:g1] = backend.to_host(best.rows)
+            out_vals[g0:g1] = backend.to_host(best[0])  # waits for the last merge
+            out_rows[g0:g1] = backend.to_host(best[1])
         else:
             backend.synchronize()  # the last merge, queued on the backend's own stream, is done
-            out_vals[g0:g1], out_rows[g0:g1] = best.vals, best.rows
+            out_vals[g0:g1], out_rows[g0:g1] = best
     elapsed = time.perf_counter() - wall
     stats = {"streamed": True, "item_segments": len(segments), "segment_rows": items.segment_rows,
              "user_groups": -(-n_users // group), "item_bytes_uploaded": uploaded, "blocks": blocks,
