@@ -45,8 +45,16 @@ def _sort_unique(indptr: np.ndarray, items: np.ndarray) -> tuple[np.ndarray, np.
     keep = np.zeros(n_users + 1, np.int64)
     for u in prange(n_users):
         lo, hi = indptr[u], indptr[u + 1]
-        if hi - lo > 1:
+        if hi - lo > 32:
             items[lo:hi] = np.sort(items[lo:hi])
+        else:  # a user's few rows (the common case): insertion sort, no call or copy
+            for j in range(lo + 1, hi):
+                v = items[j]
+                i = j - 1
+                while i >= lo and items[i] > v:
+                    items[i + 1] = items[i]
+                    i -= 1
+                items[i + 1] = v
         n = 0
         for j in range(lo, hi):
             if j == lo or items[j] != items[j - 1]:

@@ -177,8 +177,25 @@ def flatten_id_lists(path: str, lists: pa.Array, row0: int) -> tuple[pa.Array, n
         raise InputError(f"{path}: row {row0 + list_row} has a null inside its item_ids list")
     return flat, lengths
 
+#: Integer ids spanning at most this many times their count (plus a little) are looked up in a table indexed by the
+#: id itself: one gather per value, several times faster than hashing (warehouse ids are often such ranges).
+DENSE_SPAN = 8
+
+
 def lookup(values: pa.Array | pa.ChunkedArray, ids: np.ndarray) -> np.ndarray:
-    """Row position of each value in ``ids``, -1 where absent (a hash lookup in Arrow, no Python loop)."""
+    """Row position of each value in ``ids``, -1 where absent: a table indexed by the id where integer ids are
+    dense, else a hash lookup in Arrow (no Python loop either way)."""
+    if ids.dtype != object and ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        span = hi - lo + 1
+        if span <= DENSE_SPAN * ids.size + 1024:
+            table = np.full(span, -1, np.int64)
+            table[ids - lo] = np.arange(ids.size, dtype=np.int64)
+            if isinstance(values, pa.ChunkedArray):
+                values = values.combine_chunks() if values.num_chunks else pa.array([], pa.int64())
+            offset = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False) - lo
+            inside = (offset >= 0) & (offset < span)  # ids outside the span are absent (their difference may wrap)
+            return np.where(inside, table[np.where(inside, offset, 0)], -1)
     value_set = pa.array(ids, type=pa.string() if ids.dtype == object else pa.int64())
     pos = pc.index_in(values, value_set=value_set).fill_null(-1)
     if isinstance(pos, pa.ChunkedArray):

@@ -814,3 +814,23 @@ def test_write_bytes_names_the_path_of_an_os_error(tmp_path: Path) -> None:
     with pytest.raises(OSError) as err:
         write_bytes(tmp_path / "d", b"x")  # a directory: the rename fails
     assert err.value.filename == str(tmp_path / "d") and _leftovers(tmp_path) == ["d"]
+
+
+@pytest.mark.parametrize("ids", [
+    np.arange(1000, 1400)[::-1],                                  # dense: looked up in a table by id
+    np.array([-7, -3, 0, 5, 9, 2 ** 40]),                         # sparse: Arrow's hash
+    np.array([np.iinfo(np.int64).min + 3, np.iinfo(np.int64).max - 1, 0]),
+    np.arange(-50, 50, 3),
+])
+def test_lookup_dense_and_hashed_agree(ids: np.ndarray) -> None:
+    from recall.io.parquet import lookup
+
+    ids = ids.astype(np.int64)
+    rng = np.random.default_rng(0)
+    probe = np.concatenate([rng.choice(ids, 50), [np.iinfo(np.int64).max, np.iinfo(np.int64).min, -1, 10 ** 6],
+                            ids.min() - np.arange(1, 4), ids.max() + np.arange(1, 4)]).astype(np.int64)
+    want = np.array([int(np.flatnonzero(ids == v)[0]) if (ids == v).any() else -1 for v in probe])
+    chunked = pa.chunked_array([pa.array(probe[:20]), pa.array(probe[20:])])
+    np.testing.assert_array_equal(lookup(chunked, ids), want)
+    np.testing.assert_array_equal(lookup(pa.array(probe), ids), want)
+    assert lookup(pa.chunked_array([], pa.int64()), ids).size == 0
