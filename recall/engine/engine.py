@@ -434,12 +434,13 @@ class Engine:
         return self._result(xp, users, vals, rows)
 
     # -- searches of a part of the items, merged on the backend (the job runner's search while items load) ---------
-    def search_topk(self, user_vecs: Any, k: int, floor: Any = None) -> "TopK":
+    def search_topk(self, user_vecs: Any, k: int, floor: Any = None, exclude: Any = None) -> "TopK":
         """Queue an exact search of host users whose results stay on the backend, in inner-product space (the
         metric's order, per user): (n, min(k, n_items)) arrays being filled. ``floor``: backend float32 (n,), a
-        score per user at or below which no item need be returned (the k-th best of items searched before)."""
+        score per user at or below which no item need be returned (the k-th best of items searched before).
+        ``exclude``: as for :meth:`search`, in this engine's rows."""
         k = check_k(k)
-        xp, users, excl = self._check_users(user_vecs, None)
+        xp, users, excl = self._check_users(user_vecs, exclude)
         prepared = metrics.prepare_users(self.metric, xp, users)
         k_sel = min(k, self.n_items)
         vals = self.backend.empty_out((users.shape[0], k_sel), np.float32, False)

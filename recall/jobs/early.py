@@ -16,9 +16,11 @@ what can still enter the top k (an item scoring the floor loses the tie to the l
 about what the same rows cost late in one whole search. A part's blocks hold 8192 users, so that launching them on
 the host does not hold back the device.
 
-It runs for jobs in exact precision without exclusions (an exclusion file is mapped to item rows with every item
-id, known only at the end), on a backend whose searches run while the host goes on (``JobOptions.early``), whatever
-the file layout (a ``list<float>`` column gives its dimension with the first decoded rows).
+It runs for jobs in exact precision without an item filter, on a backend whose searches run while the host goes on
+(``JobOptions.early``), whatever the file layout (a ``list<float>`` column gives its dimension with the first decoded
+rows). A job's exclusions are mapped to item rows with the item file's id column, read on its own beside the vectors:
+the first batch taken waits for them (``exclusions``), and each part searches a batch with the exclusions that fall
+in its rows (``Exclusions.window``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.errors import InputError, ResourceError
+from ..core.exclusions import Exclusions
 from ..core.results import SearchResult
 from ..engine import Engine, TopK
 from ..io import Embeddings
@@ -41,8 +44,9 @@ _PART_USER_BLOCK = 8192
 class _Early:
     """One user batch searched part by part: the running merge of its parts' results, on the backend."""
 
-    def __init__(self, batch: Embeddings) -> None:
+    def __init__(self, batch: Embeddings, excl: Exclusions | None = None) -> None:
         self.batch = batch
+        self.excl = excl  # the batch's exclusions, in the rows of all the items
         self.best: TopK | None = None  # (scores, item rows) (n, k), inner-product space
         self.waits: list[Callable[[], dict]] = []
 
@@ -68,7 +72,9 @@ class EarlyStart:
 
     ``take()`` gives the reader's next batch without waiting: an :class:`Embeddings`, None when none is ready, or
     ``end`` (the reader's end marker). :meth:`on_rows` is called (by ``read_embeddings``) each time more rows are on
-    the device; the first time, it calls ``on_dim(dim)`` (the job starts its user reader there). ``engine_args`` are passed to every part's :class:`Engine` (metric, device: the job's backend, memory
+    the device; the first time, it calls ``on_dim(dim)`` (the job starts its user reader there). ``exclusions(batch)``
+    (optional) returns a batch's exclusions as CSR ``(indptr, item rows)`` over its users, waiting until they are
+    mapped. ``engine_args`` are passed to every part's :class:`Engine` (metric, device: the job's backend, memory
     budget, options). A part refusing its input (the full engine reports it, with its file and row) or without room
     ends the early searches (:meth:`finish` hands their batches to the full engine); any other error of the thread
     goes to ``fail``.
@@ -76,8 +82,10 @@ class EarlyStart:
 
     def __init__(self, n_items: int, k: int, parts: int, take: Callable[[], Any], end: Any,
                  fail: Callable[[BaseException], None], stop: threading.Event,
-                 on_dim: Callable[[int], None] | None = None, **engine_args: Any) -> None:
+                 on_dim: Callable[[int], None] | None = None,
+                 exclusions: Callable[[Embeddings], tuple[Any, Any]] | None = None, **engine_args: Any) -> None:
         self.n_items, self.k = n_items, k
+        self._exclusions = exclusions
         self._take, self._end, self._fail, self._stop = take, end, fail, stop
         self._on_dim = on_dim  # called once, with the items' dimension, when the first rows arrive
         self._n_parts = parts
@@ -133,7 +141,9 @@ class EarlyStart:
                         self.users_done = True
                         continue
                     if batch is not None:
-                        self.batches.append(_Early(batch))
+                        early = _Early(batch)
+                        self.batches.append(early)  # taken from the reader: kept, whatever happens next
+                        early.excl = self._excl(batch)
                         for lo, engine in self._parts:
                             self._queue(self.batches[-1], lo, engine)
                         continue
@@ -154,12 +164,19 @@ class EarlyStart:
         for early in self.batches:
             self._queue(early, lo, engine)
 
+    def _excl(self, batch: Embeddings) -> Exclusions | None:
+        return Exclusions(*self._exclusions(batch)) if self._exclusions is not None else None
+
     def _queue(self, early: _Early, lo: int, engine: Engine) -> None:
         """Search ``early``'s batch against the part of ``engine`` (first row ``lo``) and merge it into its best;
         the merge so far gives the part's floor."""
         best = early.best
         floor = best.vals[:, self.k - 1] if best is not None and best.vals.shape[1] >= self.k else None
-        part = engine.search_topk(early.batch.vectors, self.k, floor=floor)
+        excl = None
+        if early.excl is not None:
+            window = early.excl.window(lo, lo + engine.n_items)
+            excl = (window.indptr, window.items)
+        part = engine.search_topk(early.batch.vectors, self.k, floor=floor, exclude=excl)
         early.waits.append(part.wait)
         early.best = engine.merge_topk(best, part, lo, self.k)
 
@@ -192,7 +209,10 @@ class EarlyStart:
         # A part refused its input or had no room: the full engine searches the batches taken (and raises what is
         # wrong with them).
         self._drop(engine)
-        return [(early.batch, engine.search_async(early.batch.vectors, self.k)) for early in taken]
+        return [(early.batch, engine.search_async(early.batch.vectors, self.k,
+                                                  exclude=None if early.excl is None else
+                                                  (early.excl.indptr, early.excl.items)))
+                for early in taken]
 
     def _drop(self, engine: Engine) -> None:
         """Let the parts' engines go, once nothing queued on them still runs (their memory is reused at once)."""

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -369,6 +369,7 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
     k, metric, backend = spec.k, spec.metric, spec.backend
     batch_size = spec.batch_size
     overlap = started = None
+    side_box: Future = Future()  # the side files, once read: the early searches' exclusions wait for them
     if _searches_early(spec, precision, items_info):
         overlap = Overlap()
 
@@ -378,9 +379,13 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
             overlap.start_reader(user_batches(spec.users_path, batch_size, spec.id_col, spec.vec_col, dim, metric,
                                               spec.dim_source))
 
+        def exclusions(batch: Embeddings) -> tuple[Any, Any]:
+            return side_box.result().excl.block(batch.row_start, batch.row_start + len(batch))
+
         started = early.EarlyStart(items_info.n_rows, k, spec.options.early_parts, overlap.take, Overlap.DONE,
-                                   overlap.fail, overlap.stop, on_dim=start_reader, metric=metric, device=backend,
-                                   memory_budget=spec.memory_budget, options=spec.options.engine)
+                                   overlap.fail, overlap.stop, on_dim=start_reader,
+                                   exclusions=exclusions if spec.exclude_path else None, metric=metric,
+                                   device=backend, memory_budget=spec.memory_budget, options=spec.options.engine)
         started.start()
     first: list = []
     try:
@@ -393,6 +398,7 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
             if spec.exclude_path or spec.allow_path or spec.deny_path:
                 side_read = pool.submit(lambda: _read_side(spec, ids_read, read_ids(
                     spec.items_path, spec.id_col, spec.vec_col, check_unique=False)))
+                side_read.add_done_callback(lambda f: _settle(side_box, f.exception(), f))
             items, engine, item_read_s = load_engine(spec.items_path, spec.id_col, spec.vec_col, metric, backend,
                                                      spec.memory_budget, precision, spec.options.engine,
                                                      on_rows=started.on_rows if started else None,
@@ -403,7 +409,8 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
         side.apply(engine)
         if started is not None:
             first = started.finish(items.vectors, engine)
-    except BaseException:
+    except BaseException as exc:
+        _settle(side_box, exc)  # an early search waiting for the exclusions gives up
         if started is not None:
             started.cancel()
         if overlap is not None:
@@ -440,11 +447,23 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
                     early_users=sum(len(batch) for batch, _ in first))
 
 
+def _settle(box: Future, exc: BaseException | None, done: Future | None = None) -> None:
+    """Set ``box`` from a finished future ``done`` (its exception, or its result), or fail it with ``exc``; once."""
+    try:
+        if exc is not None:
+            box.set_exception(exc)
+        elif done is not None:
+            box.set_result(done.result())
+    except InvalidStateError:
+        pass  # set already (the reading thread and a failing job may both try)
+
+
 def _searches_early(spec: _Spec, precision: str, items_info: Any) -> bool:
     """Whether a job searches its first batches while the items load (see :class:`JobOptions`): in exact
-    precision, without exclusions or filters (they are mapped to the items' rows meanwhile), with items resident
-    on the device (streamed items are read into host memory)."""
-    if spec.options.early == "off" or precision != "exact" or spec.exclude_path or spec.allow_path or spec.deny_path:
+    precision, without an item filter (the filtered catalogue is gathered once every item is loaded), with items
+    resident on the device (streamed items are read into host memory). Exclusions are mapped meanwhile, from the
+    items' id column: the first early batch waits for them."""
+    if spec.options.early == "off" or precision != "exact" or spec.allow_path or spec.deny_path:
         return False
     item_memory = spec.options.item_memory
     if (item_memory is not None) if items_info.dim is None else streams(

@@ -91,13 +91,43 @@ def test_every_user_taken_early(forced, tmp_path: Path) -> None:
     _check(tmp_path / "out.parquet", users, items, user_ids, item_ids, 3)
 
 
-def test_off_auto_and_with_exclusions_not_early(forced, tmp_path: Path) -> None:
+def test_exclusions_searched_early(forced, tmp_path: Path) -> None:
+    # Each part searches a batch with the exclusions in its rows; the answer is the oracle's with the exclusions.
     up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    rng = np.random.default_rng(3)
+    pairs = [(u, int(r)) for u in range(0, 61, 2) for r in rng.choice(90, size=int(rng.integers(0, 40)), replace=False)]
+    pairs += [(1, r) for r in range(90)]  # user row 1: every item excluded
     excl = tmp_path / "excl.parquet"
-    pq.write_table(pa.table({"user_id": pa.array(user_ids[:3], pa.int64()),
-                             "item_id": pa.array(item_ids[:3], pa.int64())}), excl)
-    assert score_files(up, ip, tmp_path / "a.parquet", 3, device="cpu", batch_size=5, exclude_path=excl,
-                       options=ON).early_users == 0
+    pq.write_table(pa.table({"user_id": pa.array([int(user_ids[u]) for u, _ in pairs], pa.int64()),
+                             "item_id": pa.array([int(item_ids[r]) for _, r in pairs], pa.int64())}), excl)
+    banned = np.zeros((61, 90), bool)
+    for u, r in pairs:
+        banned[u, r] = True
+    for k in (3, 60):
+        summary = score_files(up, ip, tmp_path / "a.parquet", k, device="cpu", batch_size=5, exclude_path=excl,
+                              options=ON)
+        assert summary.early_users > 0
+        table = pq.read_table(tmp_path / "a.parquet")
+        rows, scores = oracle_topk(users, items, k, banned=banned)
+        got = table.column("item_ids").to_pylist()
+        for u in range(len(users)):
+            assert got[u] == [item_ids[r] for r in rows[u] if r >= 0], f"user row {u}"
+        assert got[1] == []
+    assert _no_threads_left()
+
+
+def test_bad_exclusion_file_with_early_searches(forced, tmp_path: Path) -> None:
+    up, ip, *_ = _files(tmp_path)
+    bad = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array([1.5]), "item_id": pa.array([2.5])}), bad)
+    with pytest.raises(InputError):
+        score_files(up, ip, tmp_path / "a.parquet", 3, device="cpu", batch_size=5, exclude_path=bad, options=ON)
+    assert not (tmp_path / "a.parquet").exists()
+    assert _no_threads_left()
+
+
+def test_off_and_auto_not_early(forced, tmp_path: Path) -> None:
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
     for mode in ("off", "auto"):  # "auto": not on a backend whose searches run on the spot (the CPU)
         assert score_files(up, ip, tmp_path / "b.parquet", 3, device="cpu", batch_size=5,
                            options=JobOptions(early=mode)).early_users == 0
@@ -203,11 +233,17 @@ def test_gpu_job_sized_early_searches_write_what_one_search_writes(tmp_path: Pat
     up, ip = tmp_path / "users.parquet", tmp_path / "items.parquet"
     layouts.write(users, up)
     layouts.write(items, ip)
-    tables = {}
-    for mode in ("on", "off"):
-        summary = score_files(up, ip, tmp_path / f"{mode}.parquet", 100, device="gpu", options=JobOptions(early=mode))
-        assert (summary.early_users > 0) == (mode == "on")
-        tables[mode] = pq.read_table(tmp_path / f"{mode}.parquet")
-    ids = np.asarray(tables["on"].column("item_ids").combine_chunks().flatten())
-    assert ids.min() >= 0 and ids.max() < items.shape[0]
-    assert tables["on"].equals(tables["off"])
+    rng = np.random.default_rng(3)
+    excl = tmp_path / "excl.parquet"
+    layouts.write_exclusions(np.arange(200_001, dtype=np.int64) * 20,
+                             rng.integers(0, 600_000, size=4_000_000).astype(np.int64), excl)
+    for exclude in (None, excl):
+        tables = {}
+        for mode in ("on", "off"):
+            summary = score_files(up, ip, tmp_path / f"{mode}.parquet", 100, device="gpu", exclude_path=exclude,
+                                  options=JobOptions(early=mode))
+            assert (summary.early_users > 0) == (mode == "on")
+            tables[mode] = pq.read_table(tmp_path / f"{mode}.parquet")
+        ids = np.asarray(tables["on"].column("item_ids").combine_chunks().flatten())
+        assert ids.min() >= 0 and ids.max() < items.shape[0]
+        assert tables["on"].equals(tables["off"])
