@@ -19,7 +19,7 @@ class JobOptions:
     early : {"auto", "on", "off"}
         Search the first user batches while the item file is still being read (``recall.jobs.early``): "auto" where
         the backend searches while the host goes on (a GPU) and the job qualifies (``score_files`` in exact
-        precision, one vector per user, no exclusions, no item filter); "on" also on the CPU (tests); "off" never.
+        precision, one vector per user, no item filter, items resident); "on" also on the CPU (tests); "off" never.
     early_parts : int
         Item parts searched while they load: a part closes each time another 1/parts of the rows has arrived (the
         first at 1/(2 parts)). More parts hide more of the decoding, at the cost of one more threshold seed and merge
