@@ -103,6 +103,12 @@ def batch(
     workers: Annotated[int | None, typer.Option(
         "--workers", metavar="N", help="CPU workers: processes pinned to disjoint cores (or Ray actors) "
                                        "(default 1). Ignored on GPUs.", show_default=False)] = None,
+    item_shards: Annotated[int, typer.Option(
+        "--item-shards", metavar="N", help="Split the items into N row ranges, one worker each (a process per GPU "
+                                           "or share of the cores, or a Ray actor) holding only its range; every "
+                                           "user batch is scored against all of them and the lists merged exactly. "
+                                           "For a catalogue larger than one host or GPU. Same output as 1 "
+                                           "(default: every worker holds every item).")] = 1,
     engine: Annotated[EngineName, typer.Option(
         "--engine", help="local: this host; ray: a Ray cluster (needs the ray extra).")] = EngineName.local,
     ray_address: Annotated[str | None, typer.Option(
@@ -138,7 +144,7 @@ def batch(
                 vec_col=vec_col, device=device.value, gpus=gpus, workers=workers, engine=engine.value,
                 ray_address=ray_address, overwrite=overwrite, batch_size=batch_size,
                 memory_budget=parse_bytes(memory_budget), progress=progress,
-                notice=lambda msg: log.warning("notice: %s", msg), allow_empty=allow_empty,
+                notice=lambda msg: log.warning("notice: %s", msg), allow_empty=allow_empty, item_shards=item_shards,
             )
         except BatchError as exc:
             first, _, rest = str(exc).partition("\n")
