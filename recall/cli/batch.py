@@ -157,7 +157,8 @@ def batch(
     typer.echo(summary.line())
     if verbose:
         for w in summary.worker_infos:
-            typer.echo(f"worker {w.worker}: {w.device_detail} on {w.host} (pid {w.pid}), items loaded and prepared "
-                       f"in {w.items_load_s:.2f} s")
+            rows = f" (item rows {w.item_rows[0]:,}-{w.item_rows[1]:,}, {w.n_items:,} searched)" if w.item_rows else ""
+            typer.echo(f"worker {w.worker}: {w.device_detail} on {w.host} (pid {w.pid}), items{rows} loaded and "
+                       f"prepared in {w.items_load_s:.2f} s")
         typer.echo(f"metrics: {Path(summary.out_dir) / '_metrics.json'}")
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +38,10 @@ SMALL_TILES = JobOptions(engine=EngineOptions(tiles=(32, 16, 1)))
 
 @pytest.fixture
 def inline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Item shards run in this process."""
+    """Item shards run in this process, merged a few users at a time (several merge blocks per batch)."""
     monkeypatch.setattr(item_shard_executors, "local_item_shard_executor",
                         item_shard_executors.inline_item_shard_executor)
+    monkeypatch.setattr("recall.jobs.batch.item_shards._MERGE_ROWS", 5)
 
 
 def _alive(pid: int) -> bool:
@@ -297,6 +302,35 @@ def test_kill_9_of_a_sharded_job_then_rerun_gives_the_same_bytes(inline: None, t
     assert len(said) == 1 and "item shards 3, this run uses" in said[0] and "item shards 2" in said[0], notices
     outputs = json.loads((out / MANIFEST).read_text())["outputs"]
     assert sorted(e["item_shards"] for e in outputs.values()) == sorted([3] * done + [2] * (6 - done))
+
+
+def test_sigterm_of_a_sharded_job_stops_its_workers_cleanly(tmp_path: Path) -> None:
+    """SIGTERM mid-shard: the parent stops at once (its workers' unread lists do not hold them up), records the
+    failure, leaves no temporary file and no worker; the rerun resumes."""
+    job = _several_tiles_job(tmp_path / "job")
+    out = tmp_path / "out"
+    args = ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k", str(K), "--out", str(out),
+            "--device", "cpu", "--batch-size", "32", "--item-shards", "2"]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
+    proc = subprocess.Popen([sys.executable, "-m", "pacing", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir()))
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, stderr = proc.communicate(timeout=30)
+        stopped_in = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
+    assert stopped_in < 8, stopped_in  # not a 10 s join timeout per worker
+    assert _metrics(out)["job"]["status"] == "failed" and not [p for p in out.iterdir() if ".tmp-" in p.name]
+    assert not any(_alive(w["pid"]) for w in _metrics(out)["workers"])
+    summary = _batch(job, out)
+    assert summary.shards_skipped >= 1 and (out / SUCCESS).exists()
 
 
 def test_ray_item_shards_equal_the_unsharded_job(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ import pyarrow as pa
 from ... import backends
 from ...core import metrics
 from ...core.checks import check_budget
+from ...core.errors import InputError
 from ...core.exclusions import normalise
 from ...core.filters import ItemFilter
 from ...core.results import SearchResult, id_lookup, merge_topk
@@ -49,6 +50,12 @@ from ...io import embedding_dim, read_embedding_rows, read_ids, read_item_set
 from ..files import auto_batch_size, check_scores_fit
 from ..items import check_nonzero
 from .worker import (JobSpec, OutputLayout, ShardResult, ShardTask, WorkerInfo, _ExclusionIndex, stream_shard)
+
+
+#: Users merged at a time: a block's keys (shards x k per user) stay in cache. One merge of a whole batch spends more
+#: time in fresh pages than in selecting: 0.37 s against 0.15 s for 65,536 users, k 100, 3 shards, on one core of the
+#: development machine.
+_MERGE_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -366,7 +373,12 @@ class _Merged:
 
     def result(self) -> SearchResult:
         parts = [reply.result() for reply in self.replies]
-        vals, rows = merge_topk(np, [(p[0], p[1]) for p in parts], self.k)
+        n = int(self.user_vecs.shape[0])
+        vals, rows = np.empty((n, self.k), np.float32), np.empty((n, self.k), np.int64)
+        for start in range(0, n, _MERGE_ROWS):
+            stop = min(n, start + _MERGE_ROWS)
+            vals[start:stop], rows[start:stop] = merge_topk(np, [(p[0][start:stop], p[1][start:stop]) for p in parts],
+                                                            self.k)
         self.stats = {"gpu_busy_s": sum(p[2] for p in parts)}
         # In the space the lists were selected in until here: l2's finish rounds, and could make two different
         # inner products equal (and order them by row, where the unsharded job orders them by score).
@@ -445,7 +457,7 @@ class ItemShardScorer:
         return (f"--item-shards {self.n_shards}: the {self.n_searched:,} items searched make {tiles} item tile"
                 f"{'s' if tiles != 1 else ''} of {self.grain:,} (the search's tile on this device), and a tile is "
                 f"never cut, so that scores stay those of the unsharded job: {empty} of the {self.n_shards} item "
-                f"shards hold no item")
+                f"shards {'hold' if empty != 1 else 'holds'} no item")
 
     def score(self, task: ShardTask, progress: Callable[[int], None] | None = None) -> ShardResult:
         """Score one user shard into ``task.out_path`` (atomically): every batch against every range, merged.
@@ -473,9 +485,10 @@ class ItemShardScorer:
         layout = OutputLayout(self.k, self.batch_size, self.dim, self.item_ids, self.item_id_type)
         try:
             written = stream_shard(task, spec, layout, user_ids, query, progress)
-        except BaseException:
-            # A shard that stopped half-way (a bad row) leaves replies of batches sent ahead: none may answer the
-            # next shard's calls. The first failure is the one to report.
+        except InputError:
+            # A bad shard stopped half-way: the job goes on, and the replies of the batches sent ahead must not
+            # answer the next shard's calls. (Any other failure ends the job: its workers are stopped, not waited
+            # for.) The shard's own error is the one to report.
             for h in self.handles:
                 with contextlib.suppress(Exception):
                     h.drain()

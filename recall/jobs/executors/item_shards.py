@@ -83,17 +83,25 @@ def _range_worker_main(name: str, spec: JobSpec, device: str, cores: list[int] |
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         replies.put(("error", *describe_error(exc)))
         return
-    while True:
-        msg = requests.get()
-        if msg is None:
-            return
-        method, args = msg
-        try:
-            value = getattr(scorer, method)(*args)
-        except BaseException as exc:  # noqa: BLE001
-            replies.put(("error", *describe_error(exc)))
-            return
-        replies.put(("ok", value))
+    try:
+        while True:
+            msg = requests.get()
+            if msg is None:
+                return
+            method, args = msg
+            try:
+                value = getattr(scorer, method)(*args)
+            except SystemExit:
+                raise
+            except BaseException as exc:  # noqa: BLE001
+                replies.put(("error", *describe_error(exc)))
+                return
+            replies.put(("ok", value))
+    except SystemExit:
+        # Stopped by the parent (SIGTERM): lists it will never read must not hold up the exit (a process waits, as
+        # it ends, until its queue's feeder thread has written everything put, and a pipe holds 64 KiB).
+        replies.cancel_join_thread()
+        raise
 
 
 class _Reply:
@@ -128,9 +136,9 @@ class ProcessHandle:
 
     def submit(self, method: str, *args: Any) -> _Reply:
         with self._send:
-            seq = self._sent
-            self._sent += 1
             self.requests.put((method, args))
+            seq = self._sent  # counted once sent: a drain waits only for answers that can come
+            self._sent += 1
         return _Reply(self, seq)
 
     def share(self, value: Any) -> Any:
