@@ -17,8 +17,10 @@ Sharded, resumable, idempotent:
   the same bytes as an uninterrupted run, with the same code, device and tiling (see :func:`run_batch`).
 
 Each worker (this process, a process per GPU, or a Ray actor; :mod:`recall.jobs.executors`) loads and prepares the
-items once in a :class:`~.worker.ShardScorer` and streams shards through it. The parent owns the manifest, the
-metrics file (``_metrics.json``), the progress display and ``_SUCCESS``.
+items once in a :class:`~.worker.ShardScorer` and streams shards through it; with ``item_shards`` each worker holds
+one row range of the items, and the parent streams every shard through all of them, merging exactly
+(:mod:`.item_shards`). The parent owns the manifest, the metrics file (``_metrics.json``), the progress display and
+``_SUCCESS``.
 """
 from __future__ import annotations
 
@@ -370,7 +372,7 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
     options : JobOptions, optional
     after_batch : callable, optional
         Run in each worker after every batch it writes (a module-level function, so that it reaches worker
-        processes and Ray actors): to pace a job, or observe it.
+        processes and Ray actors; with item shards the parent writes, and runs it): to pace a job, or observe it.
     allow_empty : bool
         Accept shards that hold no users at all (by default a job of empty shards, an upstream failure, is refused:
         it would publish only empty candidate files). A few empty shards among others are always fine.

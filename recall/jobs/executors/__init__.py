@@ -1,7 +1,9 @@
 """Where the batch job's workers run: in this process, one process per GPU (or per share of the CPU cores) of this
 host, or Ray actors on a cluster. Each worker holds one :class:`recall.jobs.batch.worker.ShardScorer` (items
 resident, one ``Engine``) and takes shards until none is left; the parent (:func:`recall.jobs.batch.run_batch`) owns
-the manifest.
+the manifest. With item shards (``--item-shards N``) each worker holds one row range of the items instead
+(:class:`recall.jobs.batch.item_shards.RangeScorer`: :mod:`.item_shards` for processes, :mod:`.ray` for actors), and
+the parent scores every shard through all of them, merging and writing.
 
 An executor has one method, ``run(spec, tasks, job)``, and one attribute, ``n_workers`` (the workers it started, set
 by the end of ``run``; item-shard executors also set ``totals``, the job as one worker over the whole catalogue would

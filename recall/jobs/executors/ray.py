@@ -270,8 +270,12 @@ class RayItemShardExecutor:
         def actors(spec: JobSpec) -> Iterator[list[ActorHandle]]:
             started: list[Any] = []
             try:
-                kind, _ = plan_actors(self.device, n, n, int(ray.cluster_resources().get("GPU", 0)),
-                                      lambda msg: None)
+                try:
+                    # Its notices are about --gpus and --workers, which item shards set themselves.
+                    kind, _ = plan_actors(self.device, n, n, int(ray.cluster_resources().get("GPU", 0)),
+                                          lambda msg: None)
+                except InputError as exc:
+                    raise InputError(f"--item-shards {n} needs one GPU per item range: {exc}") from None
                 cpus = int(ray.cluster_resources().get("CPU", 0))
                 if kind == "cpu" and cpus < n:
                     raise InputError(f"--item-shards {n} needs {n} CPU actors at once (one CPU each), and the Ray "
@@ -289,11 +293,8 @@ class RayItemShardExecutor:
         with ray_session(self.address, min_cpus=n):
             try:
                 inner.run(spec, tasks, job)
-            except InputError as exc:
-                if "--gpus" in str(exc):  # plan_actors speaks of --gpus, which item shards set
-                    raise InputError(f"--item-shards {n} needs one GPU per item range: {exc}") from None
-                raise
             finally:
                 self.totals = inner.totals
+
 
 __all__ = ["ActorHandle", "RangeActor", "RayExecutor", "RayItemShardExecutor", "ShardActor", "ray_session"]
