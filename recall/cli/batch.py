@@ -104,6 +104,12 @@ def batch(
     workers: Annotated[int | None, typer.Option(
         "--workers", metavar="N", help="CPU workers: processes pinned to disjoint cores (or Ray actors) "
                                        "(default 1). Ignored on GPUs.", show_default=False)] = None,
+    item_shards: Annotated[int, typer.Option(
+        "--item-shards", metavar="N", help="Split the items into N row ranges, one worker each (a process per GPU "
+                                           "or share of the cores, or a Ray actor) holding only its range; every "
+                                           "user batch is scored against all of them and the lists merged exactly. "
+                                           "For a catalogue larger than one host or GPU. Same output as 1 "
+                                           "(default: every worker holds every item).")] = 1,
     engine: Annotated[EngineName, typer.Option(
         "--engine", help="local: this host; ray: a Ray cluster (needs the ray extra).")] = EngineName.local,
     ray_address: Annotated[str | None, typer.Option(
@@ -140,7 +146,7 @@ def batch(
                 vec_col=vec_col, device=device.value, gpus=gpus, workers=workers, engine=engine.value,
                 ray_address=ray_address, overwrite=overwrite, batch_size=batch_size,
                 memory_budget=parse_bytes(memory_budget), progress=progress,
-                notice=lambda msg: log.warning("notice: %s", msg), allow_empty=allow_empty,
+                notice=lambda msg: log.warning("notice: %s", msg), allow_empty=allow_empty, item_shards=item_shards,
                 options=JobOptions(item_memory=parse_bytes(item_memory)),
             )
         except BatchError as exc:
@@ -154,7 +160,8 @@ def batch(
     typer.echo(summary.line())
     if verbose:
         for w in summary.worker_infos:
-            typer.echo(f"worker {w.worker}: {w.device_detail} on {w.host} (pid {w.pid}), items loaded and prepared "
-                       f"in {w.items_load_s:.2f} s")
+            rows = f" (item rows {w.item_rows[0]:,}-{w.item_rows[1]:,}, {w.n_items:,} searched)" if w.item_rows else ""
+            typer.echo(f"worker {w.worker}: {w.device_detail} on {w.host} (pid {w.pid}), items{rows} loaded and "
+                       f"prepared in {w.items_load_s:.2f} s")
         typer.echo(f"metrics: {Path(summary.out_dir) / '_metrics.json'}")
 

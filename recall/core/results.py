@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from . import keys
 from .errors import InputError
 
 _MAX_LIST_VALUES = 1 << 30
@@ -28,6 +29,45 @@ def pad(xp: Any, found_vals: Any, found_rows: Any, k: int) -> tuple[Any, Any]:
     rows = xp.full((n_users, k), -1, dtype=np.int64)
     vals[:, :k_sel], rows[:, :k_sel] = found_vals, found_rows
     return vals, rows
+
+
+def merge_topk(xp: Any, parts: list[tuple[Any, Any]], k: int) -> tuple[Any, Any]:
+    """The exact top-k per user of top-k lists computed over consecutive item ranges (the item shards of
+    ``recall batch --item-shards``): the best ``k`` by score, equal scores to the lower item row, padding (-inf, -1)
+    last; arrays of module ``xp``.
+
+    Parameters
+    ----------
+    xp : module
+        numpy or cupy, the module of the arrays.
+    parts : list of (scores (n, w_i) float32, rows (n, w_i) int64)
+        One part per item range, in increasing row order: every row of a part lies above every row of the parts
+        before it. Each part's lists are best first (score descending, equal scores lower row first), in the space
+        the selection ranks in (inner-product space, before ``metrics.finish_scores``), with global item rows and
+        padding (-inf, -1) at the end. Widths may differ (a range smaller than k).
+    k : int
+        Columns of the result (padded where the parts hold fewer items).
+
+    Returns
+    -------
+    (scores (n, k) float32, rows (n, k) int64)
+        Each score keeps the bits it had in its part (-0.0 stays -0.0, which a key folds into +0.0), so the merged
+        lists are the ones a search of the whole catalogue returns, bit for bit, when each part's scores are.
+    """
+    scores = xp.concatenate([p[0] for p in parts], axis=1) if len(parts) > 1 else parts[0][0]
+    rows = xp.concatenate([p[1] for p in parts], axis=1) if len(parts) > 1 else parts[0][1]
+    if rows.shape[1] == 0:  # no part holds an item (a filter that passes none)
+        return pad(xp, scores.astype(xp.float32), rows.astype(xp.int64), k)
+    # Within a part equal scores come by increasing row, and each part's rows lie above the previous part's: the
+    # position in the concatenation orders ties exactly as the rows do. Selecting on (score, position) with the one
+    # select-k (recall.core.keys) and gathering the parts' own values keeps every score's bits.
+    positions = xp.where(rows >= 0, xp.arange(rows.shape[1], dtype=xp.int64)[None, :], -1)
+    _, best = keys.select(xp, scores, positions, k)
+    found = best >= 0
+    safe = xp.maximum(best, 0)
+    out_scores = xp.where(found, xp.take_along_axis(scores, safe, axis=1), xp.float32(-np.inf)).astype(xp.float32)
+    out_rows = xp.where(found, xp.take_along_axis(rows, safe, axis=1), -1).astype(xp.int64)
+    return out_scores, out_rows
 
 
 def id_lookup(ids: np.ndarray) -> np.ndarray | pa.Array:

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from ..core.errors import InputError
 from .parquet import (READ_BATCH_ROWS, at, column_names, first_true, fmt_id, id_type_of, ids_from_arrow,
-                      iter_batches, open_parquet, prefetched)
+                      iter_batches, open_parquet, prefetched, row_group_starts)
 
 
 @dataclass(frozen=True)
@@ -366,6 +366,117 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
         out = np.zeros((0, dim or 0), np.float32) if target is None else target.empty_out((0, dim or 0), np.float32,
                                                                                            False)
     return Embeddings(ids, out)
+
+
+def embedding_dim(path: str | os.PathLike, id_col: str = "id", vec_col: str = "embedding") -> int | None:
+    """The dimension of an embedding file's vectors: the schema's for a fixed-size list column, else the length of
+    row 0's vector (one row read). None when the file has no rows or row 0 has no usable vector (a reader of row 0
+    reports that).
+
+    Raises
+    ------
+    InputError
+        As :func:`inspect_embeddings`.
+    """
+    path = os.fspath(path)
+    pf = open_parquet(path, "embeddings")
+    _, dim = check_columns(pf, path, id_col, vec_col)
+    if dim is not None or pf.metadata.num_rows == 0:
+        return dim
+    for batch in iter_batches(pf, path, [vec_col], 1, [0]):
+        col = batch.column(0)
+        if len(col) and col.null_count == 0:
+            got = len(col[0].as_py())
+            return got or None
+        return None
+    return None
+
+
+def read_embedding_rows(path: str | os.PathLike, start: int, stop: int, id_col: str = "id",
+                        vec_col: str = "embedding", *, dim: int | None = None, keep: np.ndarray | None = None,
+                        on_batch: Callable[[np.ndarray, np.ndarray, int], None] | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Read and validate rows ``start:stop`` of an embedding file, decoding only the row groups that hold them: the
+    reader of one item shard (``recall batch --item-shards``), which never holds the rest of the file.
+
+    Every row of the range is validated as :func:`read_embeddings` validates it, with the same messages (rows
+    counted over the whole file); ids are not checked for duplicates (the caller checks the whole id column once,
+    with :func:`read_ids`).
+
+    Parameters
+    ----------
+    path : str or PathLike
+    start, stop : int
+        The row range, ``0 <= start <= stop <= n_rows``.
+    id_col, vec_col : str
+    dim : int, optional
+        The file's dimension (:func:`embedding_dim`), so that a range not starting at row 0 checks its rows against
+        row 0's; default: the range's first row sets it.
+    keep : np.ndarray of int64, optional
+        Increasing positions in ``[0, stop - start)``: only these rows' vectors are returned (e.g. the items an
+        item filter passes); every row is still read and validated.
+    on_batch : callable ``(ids, vectors, row) -> None``, optional
+        Called with each validated part of the range (float32 vectors, before ``keep``) and the file row of its
+        first row: e.g. the largest item norm over every row.
+
+    Returns
+    -------
+    ids : np.ndarray, shape (stop - start,)
+        The ids of every row of the range (int64, or object for strings).
+    vectors : np.ndarray of float32, shape (len(keep) or stop - start, dim)
+        C-contiguous, on the host.
+
+    Raises
+    ------
+    InputError
+        As :func:`read_embeddings`, naming the file, row and id; a range outside the file.
+    """
+    path = os.fspath(path)
+    pf = open_parquet(path, "embeddings", whole=True)
+    id_type, fixed_dim = check_columns(pf, path, id_col, vec_col)
+    n_rows = pf.metadata.num_rows
+    if not 0 <= start <= stop <= n_rows:
+        raise InputError(f"{path}: rows {start}:{stop} are not within its {n_rows:,} rows")
+    dim = fixed_dim if fixed_dim is not None else dim
+    keep = None if keep is None else np.asarray(keep, np.int64)
+    n_out = stop - start if keep is None else int(keep.size)
+    starts = row_group_starts(pf)
+    groups = [g for g in range(pf.metadata.num_row_groups) if starts[g] < stop and starts[g + 1] > start]
+    out: np.ndarray | None = None
+    id_parts: list[np.ndarray] = []
+    row, taken = (int(starts[groups[0]]) if groups else start), 0
+    batches = iter_batches(pf, path, [id_col, vec_col], READ_BATCH_ROWS, groups) if groups else iter(())
+    for batch in prefetched(batches):
+        lo, hi = max(start, row), min(stop, row + batch.num_rows)
+        if hi > lo:
+            part = batch.slice(lo - row, hi - lo)
+            ids = ids_from_arrow(path, part.column(0), lo)
+            # Row 0 sets the dimension, as in read_embeddings; later rows are held to it.
+            vecs = vectors_from_arrow(path, part.column(1), ids, lo, dim if lo else None,
+                                       f"the dimension of row 0 of {path}" if lo else None)
+            vecs = to_float32(path, vecs, ids, lo)
+            dim = dim or vecs.shape[1]
+            if on_batch is not None:
+                on_batch(ids, vecs, lo)
+            if keep is not None:
+                a, b = np.searchsorted(keep, [lo - start, hi - start])
+                vecs = vecs[keep[a:b] - (lo - start)]
+            if out is None:
+                out = np.empty((n_out, dim), np.float32)
+            out[taken:taken + vecs.shape[0]] = vecs
+            taken += vecs.shape[0]
+            id_parts.append(ids)
+        row += batch.num_rows
+        if row >= stop:
+            break
+    read = sum(p.size for p in id_parts)
+    if read != stop - start:
+        raise InputError(f"{path}: read {read} of rows {start}:{stop} but the footer declares {n_rows}; corrupt or "
+                         f"truncated file")
+    ids = np.concatenate(id_parts) if id_parts else np.zeros(0, np.int64 if id_type == pa.int64() else object)
+    if out is None:
+        out = np.zeros((0, dim or 0), np.float32)
+    return ids, out
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -85,12 +85,13 @@ def open_parquet(path: str | os.PathLike, what: str = "data", whole: bool = Fals
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise InputError(f"{path}: not a Parquet file, or truncated: {exc}") from exc
 
-def iter_batches(pf: pq.ParquetFile, path: str, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
+def iter_batches(pf: pq.ParquetFile, path: str, columns: list[str], batch_size: int,
+                 row_groups: list[int] | None = None) -> Iterator[pa.RecordBatch]:
     """``pf.iter_batches`` with damaged data reported as ``InputError`` naming the file and the row group: a page
     whose checksum does not match, or that does not decode (corrupt compressed bytes, truncated pages, wrong
-    lengths)."""
-    it = pf.iter_batches(batch_size=batch_size, columns=columns, use_threads=True)
-    row = 0
+    lengths). ``row_groups``: only these consecutive row groups (default: all)."""
+    it = pf.iter_batches(batch_size=batch_size, columns=columns, use_threads=True, row_groups=row_groups)
+    row = int(row_group_starts(pf)[row_groups[0]]) if row_groups else 0
     while True:
         try:
             batch = next(it)
@@ -101,11 +102,17 @@ def iter_batches(pf: pq.ParquetFile, path: str, columns: list[str], batch_size: 
         row += batch.num_rows
         yield batch
 
+def row_group_starts(pf: pq.ParquetFile) -> np.ndarray:
+    """(n_row_groups + 1,) int64: the first row of each row group, then the number of rows."""
+    md = pf.metadata
+    return np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)], dtype=np.int64)
+
+
 def damaged(pf: pq.ParquetFile, path: str, columns: list[str], row: int, exc: BaseException) -> str:
     """The message for a read that failed after ``row`` good rows: which row group is damaged (found by reading
     the row groups from the one holding ``row`` on, one at a time, until one fails) and how."""
     md = pf.metadata
-    starts = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)])
+    starts = row_group_starts(pf)
     first = max(0, int(np.searchsorted(starts, row, side="right")) - 1)
     group, reason = None, " ".join(str(exc).split())
     for i in range(first, md.num_row_groups):

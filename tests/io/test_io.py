@@ -17,8 +17,10 @@ from recall.io import (
     CandidateWriter,
     Embeddings,
     candidates_schema,
+    embedding_dim,
     inspect_embeddings,
     iter_embedding_batches,
+    read_embedding_rows,
     read_embeddings,
     read_ids,
     read_pairs,
@@ -270,6 +272,44 @@ def test_later_batch_with_other_dimension(tmp_path: Path) -> None:
         list(iter_embedding_batches(path, 10))
     with pytest.raises(InputError, match=r"row 10 \(id 10\) has (dimension 5|5 values), expected 4"):
         read_embeddings(path)
+
+
+@pytest.mark.parametrize("layout", ["fixed32", "list64"])
+def test_read_embedding_rows_is_a_slice_of_the_whole_read(tmp_path: Path, layout: str) -> None:
+    """One item shard's read (``recall batch --item-shards``): any row range, across and inside row groups, equal to
+    the rows of a whole read; ``keep`` returns only some rows' vectors but every id; ``on_batch`` sees every row."""
+    vecs = _vecs(230, 5)
+    path = write_embeddings(tmp_path / "e.parquet", np.arange(230) * 2, vecs, layout, row_group_size=37)
+    whole = read_embeddings(path)
+    assert embedding_dim(path) == 5
+    for start, stop in [(0, 230), (0, 0), (37, 74), (36, 38), (100, 101), (229, 230), (5, 200)]:
+        ids, got = read_embedding_rows(path, start, stop, dim=5)
+        np.testing.assert_array_equal(ids, whole.ids[start:stop])
+        np.testing.assert_array_equal(got, whole.vectors[start:stop])
+        keep = np.arange(0, stop - start, 4)
+        seen: list[int] = []
+        ids, got = read_embedding_rows(path, start, stop, dim=5, keep=keep,
+                                       on_batch=lambda i, v, row: seen.extend(range(row, row + len(i))))
+        np.testing.assert_array_equal(ids, whole.ids[start:stop])
+        np.testing.assert_array_equal(got, whole.vectors[start:stop][keep])
+        assert seen == list(range(start, stop))
+    with pytest.raises(InputError, match=r"rows 200:231 are not within its 230 rows"):
+        read_embedding_rows(path, 200, 231)
+
+
+def test_read_embedding_rows_names_rows_of_the_whole_file(tmp_path: Path) -> None:
+    arr = _vecs(60, 4).tolist()
+    arr[47] = arr[47] + [0.5]  # one vector longer than row 0's
+    arr[52][1] = float("nan")
+    path = write_embeddings(tmp_path / "r.parquet", np.arange(60) + 100, None,
+                            vec_array=pa.array(arr, pa.list_(pa.float32())), row_group_size=16)
+    assert embedding_dim(path) == 4
+    with pytest.raises(InputError, match=r"row 47 \(id 147\) has dimension 5, expected 4 \(the dimension of row 0"):
+        read_embedding_rows(path, 47, 60, dim=4)
+    with pytest.raises(InputError, match=r"row 52 \(id 152\) has a NaN or infinite value"):
+        read_embedding_rows(path, 48, 60, dim=4)
+    ids, got = read_embedding_rows(path, 10, 40, dim=4)  # a good range of a bad file
+    assert ids.tolist() == list(range(110, 140)) and got.shape == (30, 4)
 
 
 def test_stream_expected_dimension(tmp_path: Path) -> None:

@@ -17,8 +17,10 @@ Sharded, resumable, idempotent:
   the same bytes as an uninterrupted run, with the same code, device and tiling (see :func:`run_batch`).
 
 Each worker (this process, a process per GPU, or a Ray actor; :mod:`recall.jobs.executors`) loads and prepares the
-items once in a :class:`~.worker.ShardScorer` and streams shards through it. The parent owns the manifest, the
-metrics file (``_metrics.json``), the progress display and ``_SUCCESS``.
+items once in a :class:`~.worker.ShardScorer` and streams shards through it; with ``item_shards`` each worker holds
+one row range of the items, and the parent streams every shard through all of them, merging exactly
+(:mod:`.item_shards`). The parent owns the manifest, the metrics file (``_metrics.json``), the progress display and
+``_SUCCESS``.
 """
 from __future__ import annotations
 
@@ -102,6 +104,8 @@ class BatchSummary:
         Pairs in the exclusions file; of those, pairs naming an item id the items file does not have (ignored).
     filter_ids, unknown_filter_ids : int
         Ids in the ``--allow`` and ``--deny`` files; of those, ids the items file does not have (ignored).
+    item_shards : int
+        Item ranges the catalogue was split into (1: every worker holds every item).
     """
 
     shards_total: int
@@ -123,6 +127,7 @@ class BatchSummary:
     unknown_filter_ids: int = 0
     notices: list[str] = field(default_factory=list)
     worker_infos: list[WorkerInfo] = field(default_factory=list)
+    item_shards: int = 1
 
     @property
     def users_per_s(self) -> float:
@@ -140,9 +145,10 @@ class BatchSummary:
             return (f"batch: all {self.shards_total:,} shard{'s' if self.shards_total != 1 else ''} "
                     f"({self.users_total:,} users) already done and verified, nothing to do -> {self.out_dir}")
         skipped = f", {self.shards_skipped:,} already done" if self.shards_skipped else ""
+        engine = f"{self.engine}, items in {self.item_shards} shards" if self.item_shards > 1 else self.engine
         return (f"batch: {self.shards_scored:,} of {self.shards_total:,} shards scored{skipped}; "
                 f"{self.users_scored:,} users x {self.n_items:,} items, k {self.k}, metric {self.metric}, "
-                f"{self.workers} {self.device} worker{'s' if self.workers != 1 else ''} ({self.engine}) in "
+                f"{self.workers} {self.device} worker{'s' if self.workers != 1 else ''} ({engine}) in "
                 f"{self.seconds:.2f} s ({self.users_per_s:,.0f} users/s) -> {self.out_dir}")
 
 
@@ -171,6 +177,7 @@ class BatchRequest:
     after_batch: Callable[[], None] | None = None
     allow_path: str | None = None
     deny_path: str | None = None
+    item_shards: int = 1
 
     def job(self, shards: list[Shard]) -> dict:
         """The manifest's description of the job: what decides every output row, every input by size and content
@@ -241,6 +248,8 @@ class _Job:
                 "batch_size": result.batch_size, "memory_budget": result.memory_budget,
                 "exclusions_applied": result.exclusions_applied,
             }
+            if result.item_shards > 1:  # unsharded outputs' entries stay as they were
+                self.manifest["outputs"][result.name]["item_shards"] = result.item_shards
             self.manifest["shards_done"] = len(self.manifest["outputs"])
             atomic.write_json(self.out_dir / MANIFEST, self.manifest)
             self.done += 1
@@ -323,7 +332,7 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
               overwrite: bool = False, batch_size: int | None = None, memory_budget: int | None = None,
               progress: BatchProgress | None = None, notice: Callable[[str], None] | None = None,
               options: JobOptions | None = None, after_batch: Callable[[], None] | None = None,
-              allow_empty: bool = False) -> BatchSummary:
+              allow_empty: bool = False, item_shards: int = 1) -> BatchSummary:
     """Score every user shard of ``users`` against ``items`` into ``out_dir``: one candidates file per shard,
     resumable, idempotent (see the module docstring).
 
@@ -363,10 +372,16 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
     options : JobOptions, optional
     after_batch : callable, optional
         Run in each worker after every batch it writes (a module-level function, so that it reaches worker
-        processes and Ray actors): to pace a job, or observe it.
+        processes and Ray actors; with item shards the parent writes, and runs it): to pace a job, or observe it.
     allow_empty : bool
         Accept shards that hold no users at all (by default a job of empty shards, an upstream failure, is refused:
         it would publish only empty candidate files). A few empty shards among others are always fine.
+    item_shards : int
+        Split the catalogue into this many row ranges, one worker each (a process per GPU or share of the CPU
+        cores, or a Ray actor) holding only its range; every user batch is scored by every worker and the lists
+        merged exactly before writing (:mod:`recall.jobs.batch.item_shards`). Outputs are those of the unsharded
+        job. Default 1: every worker holds every item. ``gpus`` and ``workers``, if given, must agree (``gpus``
+        may be "all").
 
     Returns
     -------
@@ -398,12 +413,16 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
         (notice or log.warning)(msg)
 
     req = _request(users, items, out_dir, k, metric, exclude, id_col, vec_col, device, gpus, workers, engine,
-                   ray_address, overwrite, batch_size, memory_budget, options, after_batch, allow, deny)
+                   ray_address, overwrite, batch_size, memory_budget, options, after_batch, allow, deny,
+                   item_shards)
     files = discover_shards(users)
     # Cheap checks first (footers only), so that a typo costs no item read and touches no output.
     items_info = inspect_embeddings(req.items_path, id_col, vec_col)
     if items_info.n_rows == 0:
         raise InputError(f"{req.items_path}: the file has no rows, at least one is required")
+    if req.item_shards > items_info.n_rows:
+        raise InputError(f"--item-shards {req.item_shards}: {req.items_path} has {items_info.n_rows:,} item"
+                         f"{'s' if items_info.n_rows != 1 else ''}, and an item shard holds at least one")
     if req.exclude_path is not None:
         inspect_pairs(req.exclude_path, "exclusion")
     for path, what in ((req.allow_path, "allow"), (req.deny_path, "deny")):
@@ -422,7 +441,8 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
 def _request(users: Any, items: Any, out_dir: Any, k: Any, metric: str, exclude: Any, id_col: str, vec_col: str,
              device: str, gpus: Any, workers: Any, engine: str, ray_address: str | None, overwrite: bool,
              batch_size: Any, memory_budget: Any, options: JobOptions | None,
-             after_batch: Callable[[], None] | None, allow: Any = None, deny: Any = None) -> BatchRequest:
+             after_batch: Callable[[], None] | None, allow: Any = None, deny: Any = None,
+             item_shards: Any = 1) -> BatchRequest:
     """The arguments of :func:`run_batch`, validated."""
     k = check_k(k)
     _metrics.check_metric(metric)
@@ -434,15 +454,26 @@ def _request(users: Any, items: Any, out_dir: Any, k: Any, metric: str, exclude:
         check_int(batch_size, "--batch-size")
     if ray_address is not None and engine != "ray":
         raise InputError("--ray-address needs --engine ray")
+    item_shards = check_int(item_shards, "--item-shards")
+    gpus = parse_gpus(gpus)
+    if item_shards > 1:
+        # One worker per item range: the count of workers follows from it ("--gpus all", the nightly script's
+        # default, means "the GPUs it needs").
+        for option, value, fits in (("--workers", workers, (None, item_shards)),
+                                    ("--gpus", gpus, (None, item_shards, "all"))):
+            if value not in fits:
+                raise InputError(f"{option} {value} does not go with --item-shards {item_shards}: an item-sharded "
+                                 f"job runs one worker per item range ({item_shards}, one GPU each on GPUs); leave "
+                                 f"{option} out")
     return BatchRequest(
         users=os.fspath(users), items_path=os.fspath(items),
         exclude_path=os.fspath(exclude) if exclude is not None else None, out=Path(out_dir).absolute(),
         out_label=os.fspath(out_dir), k=k, metric=metric, id_col=id_col, vec_col=vec_col, device=device,
-        gpus=parse_gpus(gpus), workers=workers, engine=engine, ray_address=ray_address, overwrite=overwrite,
+        gpus=gpus, workers=workers, engine=engine, ray_address=ray_address, overwrite=overwrite,
         batch_size=batch_size, memory_budget=check_budget(memory_budget, "--memory-budget"),
         options=options or DEFAULT_JOB_OPTIONS, after_batch=after_batch,
         allow_path=os.fspath(allow) if allow is not None else None,
-        deny_path=os.fspath(deny) if deny is not None else None)
+        deny_path=os.fspath(deny) if deny is not None else None, item_shards=item_shards)
 
 
 def _prepare_out_dir(req: BatchRequest, shards: list[Shard]) -> None:
@@ -554,7 +585,8 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
     good = [s for s in todo if s.error is None]
     # Placement errors (more GPUs than there are, Ray missing) before anything in OUT_DIR changes.
     executor = executors.make_executor(req.engine, device=req.device, gpus=req.gpus, workers=req.workers,
-                                       ray_address=req.ray_address, say=say) if good else None
+                                       ray_address=req.ray_address, say=say,
+                                       item_shards=req.item_shards) if good else None
     atomic.remove(out / SUCCESS)
     atomic.write_json(out / MANIFEST, manifest)
     metrics = {
@@ -565,7 +597,7 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
                 "fingerprint_bytes": sum(int(e.get("size") or 0) for e in
                                          [job["items"], *(job.get(key) or {} for key in ("exclude", "allow", "deny")),
                                           *job["shards"].values()]),
-                "host": socket.gethostname(), "bad_shards": []},
+                "host": socket.gethostname(), "bad_shards": [], "item_shards": req.item_shards},
         "workers": [], "shards": outdir.earlier_shard_metrics(out / METRICS, outputs),
     }
     atomic.write_json(out / METRICS, metrics)
@@ -592,12 +624,13 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
         raise error
     state.finish("succeeded", notices)
     atomic.write_bytes(out / SUCCESS, b"")
-    info = state.workers[0] if state.workers else None
+    # Item shards: the whole catalogue's figures (each worker saw its range).
+    info = getattr(executor, "totals", None) or (state.workers[0] if state.workers else None)
     return BatchSummary(
         shards_scored=state.done, users_scored=state.users_done, seconds=time.perf_counter() - t_start,
         device=info.device if info else "", workers=executor.n_workers if executor else 0,
         n_items=info.n_items if info else 0,
         exclusion_pairs=info.exclusion_pairs if info else 0, unknown_exclusions=info.unknown_exclusions if info else 0,
         filter_ids=info.filter_ids if info else 0, unknown_filter_ids=info.unknown_filter_ids if info else 0,
-        worker_infos=list(state.workers), **base,
+        worker_infos=list(state.workers), item_shards=req.item_shards, **base,
     )

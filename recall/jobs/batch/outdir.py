@@ -205,9 +205,11 @@ def earlier_shard_metrics(path: Path, kept: dict[str, dict]) -> dict[str, dict]:
 
 
 def numerics(entry: dict[str, Any]) -> tuple:
-    """What decides an output's last bits besides its inputs: the device and the tiling (batch size, budget)."""
-    return entry.get("device"), entry.get("batch_size"), entry.get("memory_budget")
+    """What decides an output's last bits besides its inputs: the device, the tiling (batch size, budget) and the
+    item shards it was merged from (1 when the entry does not say: an unsharded output)."""
+    return entry.get("device"), entry.get("batch_size"), entry.get("memory_budget"), entry.get("item_shards") or 1
 
 
 def describe_numerics(values: set[tuple]) -> str:
-    return " / ".join(f"device {d}, batch size {b}, memory budget {m}" for d, b, m in sorted(values, key=str))
+    return " / ".join(f"device {d}, batch size {b}, memory budget {m}" + (f", item shards {n}" if n != 1 else "")
+                      for d, b, m, n in sorted(values, key=str))

@@ -25,7 +25,7 @@ from ...io.pairs import distinct_users, rows_of
 from ..files import auto_batch_size, check_scores_fit, user_batches
 from ..items import load_engine
 from ..options import DEFAULT_JOB_OPTIONS, JobOptions
-from ..runner import run_stream
+from ..runner import StreamStats, run_stream
 
 
 class BatchError(RecallError, RuntimeError):
@@ -84,7 +84,8 @@ class ShardTask:
 
 @dataclass(frozen=True)
 class ShardResult:
-    """What a worker reports for a finished shard; ``sha256`` and ``bytes`` describe the output as renamed in place.
+    """What a worker reports for a finished shard; ``sha256`` and ``bytes`` describe the output as renamed in place;
+    ``item_shards``: the item ranges it was scored against and merged from (1: the whole catalogue in one engine).
 
     Stage times (``read_s``, ``search_s``, ``write_s``) overlap, so they may add up to more than ``seconds``;
     ``device_busy_s`` is the GPU's compute time (0 on the CPU).
@@ -105,6 +106,7 @@ class ShardResult:
     device: str
     worker: str
     exclusions_applied: int
+    item_shards: int = 1
 
     @property
     def users_per_s(self) -> float:
@@ -113,7 +115,8 @@ class ShardResult:
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """A worker after loading the items: where it runs and what that cost."""
+    """A worker after loading the items: where it runs and what that cost. ``item_rows``: ``[start, stop)``, the
+    item file rows an item-shard worker holds (None: every row)."""
 
     worker: str
     device: str
@@ -129,6 +132,7 @@ class WorkerInfo:
     unknown_filter_ids: int = 0
     cuda_visible_devices: str | None = None
     cpu_affinity: list[int] | None = None
+    item_rows: list[int] | None = None
 
 
 def row_group_rows(k: int) -> int:
@@ -224,7 +228,6 @@ class ShardScorer:
         # Never wider than the catalogue: a k beyond it gives the bytes (and costs the memory) of k = n_items.
         self.k = min(spec.k, self.engine.n_items)
         self.batch_size = spec.batch_size or auto_batch_size(self.k, self.engine.dim)
-        self.group_rows = row_group_rows(self.k)
         self.info = WorkerInfo(
             worker=worker, device=self.engine.device, device_detail=self.engine.backend.describe(),
             host=socket.gethostname(), pid=os.getpid(), items_load_s=time.perf_counter() - t0,
@@ -256,7 +259,6 @@ class ShardScorer:
         user_ids = read_ids(task.path, spec.id_col, spec.vec_col)
         excl = self.exclusions.for_shard(user_ids) if self.exclusions is not None else None
         t_ids = time.perf_counter() - t0
-        n_users = int(user_ids.size)
 
         def query(batch: Any) -> Any:
             exclude = excl.block(batch.row_start, batch.row_start + len(batch)) if excl is not None else None
@@ -266,29 +268,84 @@ class ShardScorer:
                 check_scores_fit(engine, batch.vectors, batch.ids, task.path, batch.row_start)  # file, row, id
                 raise
 
-        def write(batch: Any, result: Any) -> None:
-            groups.add(result.to_arrow(batch.ids, self.item_ids))
-            if progress is not None:
-                progress(len(batch))
-            if spec.after_batch is not None:
-                spec.after_batch()
-
-        user_type = pa.string() if user_ids.dtype == object else pa.int64()
-        with CandidateWriter(task.out_path, user_type, self.item_id_type) as writer:
-            groups = _RowGroups(writer, self.group_rows)
-            batches = user_batches(task.path, self.batch_size, spec.id_col, spec.vec_col, engine.dim, spec.metric,
-                                   f"the items' dimension, {spec.items_path}")
-            stream = run_stream(batches, query, write)
-            groups.close()
-            if writer.rows_written != n_users:
-                raise BatchError(f"{task.path}: wrote {writer.rows_written} rows for {n_users} users")
-        t_hash = time.perf_counter()
-        digest = sha256_file(task.out_path)
-        t_end = time.perf_counter()
+        layout = OutputLayout(self.k, self.batch_size, engine.dim, self.item_ids, self.item_id_type)
+        written = stream_shard(task, spec, layout, user_ids, query, progress)
         return ShardResult(
-            name=task.name, rows=n_users, bytes=os.path.getsize(task.out_path), sha256=digest,
-            seconds=t_end - t0, read_s=t_ids + stream.read_s, search_s=stream.search_s, write_s=stream.write_s,
-            hash_s=t_end - t_hash, device_busy_s=stream.device_busy_s, batch_size=self.batch_size,
+            name=task.name, rows=written.rows, bytes=written.bytes, sha256=written.sha256,
+            seconds=time.perf_counter() - t0, read_s=t_ids + written.stream.read_s,
+            search_s=written.stream.search_s, write_s=written.stream.write_s, hash_s=written.hash_s,
+            device_busy_s=written.stream.device_busy_s, batch_size=self.batch_size,
             memory_budget=engine.memory_budget, device=engine.device, worker=self.worker,
             exclusions_applied=int(excl.item_rows.size) if excl is not None else 0,
         )
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """What decides an output's bytes besides the results: k (the row groups), the users per batch, the items'
+    dimension (checked against every user) and ids. The same for one worker and for the item shards' merge.
+
+    Attributes
+    ----------
+    k : int
+        Result width: the k asked, never wider than the catalogue.
+    batch_size : int
+    dim : int
+    item_ids : np.ndarray or pa.Array, shape (n_items,)
+        As :func:`recall.core.results.id_lookup` returns them.
+    item_id_type : pa.DataType
+    """
+
+    k: int
+    batch_size: int
+    dim: int
+    item_ids: Any
+    item_id_type: pa.DataType
+
+
+@dataclass(frozen=True)
+class WrittenShard:
+    """An output written by :func:`stream_shard`: its rows, size and sha256, and the runner's stage times."""
+
+    rows: int
+    bytes: int
+    sha256: str
+    hash_s: float
+    stream: StreamStats
+
+
+def stream_shard(task: ShardTask, spec: JobSpec, layout: OutputLayout, user_ids: np.ndarray,
+                 query: Callable[[Any], Any], progress: Callable[[int], None] | None) -> WrittenShard:
+    """Stream a shard's users, batch by batch, through ``query`` into ``task.out_path`` (atomically, in row groups
+    of :func:`row_group_rows` rows) through the job runner, and hash the output.
+
+    ``query(batch)`` starts a batch's search and returns a pending search whose ``result()`` is the batch's
+    :class:`recall.SearchResult` (item rows as ``ids``, mapped to ``layout.item_ids`` here, on the writer thread).
+    ``progress(n)`` and ``spec.after_batch()`` run after each batch is written.
+
+    Raises
+    ------
+    InputError
+        A bad shard (the reader names the file, the row and the id), or what ``query`` raises.
+    """
+
+    def write(batch: Any, result: Any) -> None:
+        groups.add(result.to_arrow(batch.ids, layout.item_ids))
+        if progress is not None:
+            progress(len(batch))
+        if spec.after_batch is not None:
+            spec.after_batch()
+
+    n_users = int(user_ids.size)
+    user_type = pa.string() if user_ids.dtype == object else pa.int64()
+    with CandidateWriter(task.out_path, user_type, layout.item_id_type) as writer:
+        groups = _RowGroups(writer, row_group_rows(layout.k))
+        batches = user_batches(task.path, layout.batch_size, spec.id_col, spec.vec_col, layout.dim, spec.metric,
+                               f"the items' dimension, {spec.items_path}")
+        stream = run_stream(batches, query, write)
+        groups.close()
+        if writer.rows_written != n_users:
+            raise BatchError(f"{task.path}: wrote {writer.rows_written} rows for {n_users} users")
+    t_hash = time.perf_counter()
+    digest = sha256_file(task.out_path)
+    return WrittenShard(n_users, os.path.getsize(task.out_path), digest, time.perf_counter() - t_hash, stream)

@@ -14,14 +14,17 @@ read their shard and write its output themselves, and the driver verifies output
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...backends.placement import plan_actors
 from ...core.errors import InputError
+from ..batch.item_shards import RangeScorer
 from ..batch.worker import BatchError, JobSpec, ShardResult, ShardScorer, ShardTask
+from .item_shards import ItemShardExecutor
 from .local import describe_error, rebuild_error
 
 
@@ -85,45 +88,25 @@ class RayExecutor:
     def run(self, spec: JobSpec, tasks: list[ShardTask], job: Any) -> None:
         import ray
 
-        started = False
-        if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
-            if self.address is None and not os.environ.get("RAY_ADDRESS"):
-                kwargs["include_dashboard"] = False
-            try:
-                ray.init(address=self.address, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - connection refused, version mismatch, bad address...
-                where = self.address or os.environ.get("RAY_ADDRESS") or "a local Ray instance"
-                raise BatchError(f"cannot start or reach Ray ({where}): {type(exc).__name__}: "
-                                 f"{' '.join(str(exc).split())}") from None
-            started = True
         actors: list[Any] = []
-        try:
-            kind, n = plan_actors(self.device, self.gpus, self.workers,
-                                  int(ray.cluster_resources().get("GPU", 0)), self.say)
-            self.n_workers = n
-            options: dict[str, Any] = {"num_gpus": 1 if kind == "gpu" else 0, "num_cpus": 1,
-                                       "scheduling_strategy": "SPREAD", "max_restarts": 0}
-            actor_cls = ray.remote(ShardActor).options(**options)
-            names = [f"ray-{kind}{i}" for i in range(n)]
-            actors = [actor_cls.remote(spec, kind, name) for name in names]
-            infos = ray.get([a.info.remote() for a in actors])
-            for name, info in zip(names, infos):
-                if info[0] == "error":
-                    raise rebuild_error(name, None, *info[1:])
-                job.worker_ready(info[1])
-            self._dispatch(ray, actors, names, tasks, job)
-        except ray.exceptions.RayError as exc:  # an actor died, a node was lost, the object store ran out...
-            raise BatchError(f"Ray failed: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}; rerun the same "
-                             f"command to resume") from None
-        finally:
-            for actor in actors:
-                try:
-                    ray.kill(actor)
-                except Exception:  # already dead
-                    pass
-            if started:
-                ray.shutdown()
+        with ray_session(self.address):
+            try:
+                kind, n = plan_actors(self.device, self.gpus, self.workers,
+                                      int(ray.cluster_resources().get("GPU", 0)), self.say)
+                self.n_workers = n
+                actor_cls = ray.remote(ShardActor).options(**actor_options(kind))
+                names = [f"ray-{kind}{i}" for i in range(n)]
+                actors = [actor_cls.remote(spec, kind, name) for name in names]
+                infos = ray.get([a.info.remote() for a in actors])
+                for name, info in zip(names, infos):
+                    if info[0] == "error":
+                        raise rebuild_error(name, None, *info[1:])
+                    job.worker_ready(info[1])
+                self._dispatch(ray, actors, names, tasks, job)
+            except ray.exceptions.RayError as exc:  # an actor died, a node was lost, the object store ran out...
+                raise ray_failed(exc) from None
+            finally:
+                kill_actors(ray, actors)
 
     @staticmethod
     def _dispatch(ray: Any, actors: list[Any], names: list[str], tasks: list[ShardTask], job: Any) -> None:
@@ -154,4 +137,164 @@ class RayExecutor:
             submit(i)
 
 
-__all__ = ["RayExecutor", "ShardActor"]
+def actor_options(kind: str) -> dict[str, Any]:
+    """Ray options of a batch actor: one GPU for a GPU actor, spread over the nodes, never restarted (a lost actor
+    fails the job, which resumes)."""
+    return {"num_gpus": 1 if kind == "gpu" else 0, "num_cpus": 1, "scheduling_strategy": "SPREAD",
+            "max_restarts": 0}
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, min_cpus: int = 0) -> Iterator[None]:
+    """Ray for the length of a job: the running one when this process is connected already, else ``ray.init``
+    of ``address`` (a local instance when it is None and ``RAY_ADDRESS`` is unset: with at least ``min_cpus``
+    logical CPUs, so that that many one-CPU actors can run at once), shut down at the end if started here."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        kwargs["include_dashboard"] = False
+        if min_cpus > (os.cpu_count() or 1):
+            kwargs["num_cpus"] = min_cpus
+    try:
+        ray.init(address=address, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - connection refused, version mismatch, bad address...
+        where = address or os.environ.get("RAY_ADDRESS") or "a local Ray instance"
+        raise BatchError(f"cannot start or reach Ray ({where}): {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())}") from None
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def ray_failed(exc: BaseException) -> BatchError:
+    return BatchError(f"Ray failed: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}; rerun the same "
+                      f"command to resume")
+
+
+def kill_actors(ray: Any, actors: list[Any]) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # already dead
+            pass
+
+
+# -- item shards (``--item-shards N``) -------------------------------------------------------------------------------
+
+class RangeActor:
+    """An item-shard actor: one :class:`recall.jobs.batch.item_shards.RangeScorer`; :meth:`call` runs one of its
+    methods and returns ``("ok", value)`` or ``("error", class name, message, traceback)``."""
+
+    def __init__(self, spec: JobSpec, device: str, name: str) -> None:
+        try:
+            self.scorer: RangeScorer | None = RangeScorer(spec, device, worker=name)
+            self.error = None
+        except Exception as exc:  # noqa: BLE001 - reported by the first call
+            self.scorer = None
+            self.error = describe_error(exc)
+
+    def call(self, method: str, *args: Any) -> tuple:
+        if self.scorer is None:
+            return ("error", *self.error)
+        try:
+            return ("ok", getattr(self.scorer, method)(*args))
+        except Exception as exc:  # noqa: BLE001
+            return ("error", *describe_error(exc))
+
+
+class _ActorReply:
+    def __init__(self, handle: "ActorHandle", ref: Any) -> None:
+        self.handle, self.ref = handle, ref
+
+    def result(self) -> Any:
+        h = self.handle
+        try:
+            status, *payload = h.ray.get(self.ref)
+        except h.ray.exceptions.RayError as exc:
+            raise ray_failed(exc) from None
+        if status == "error":
+            raise rebuild_error(h.name, h.shard, *payload)
+        return payload[0]
+
+
+class ActorHandle:
+    """The driver's end of one :class:`RangeActor` (the actor runs its calls in the order they are sent)."""
+
+    def __init__(self, ray: Any, actor: Any, name: str) -> None:
+        self.ray, self.actor, self.name = ray, actor, name
+        self.shard: str | None = None
+
+    def submit(self, method: str, *args: Any) -> _ActorReply:
+        return _ActorReply(self, self.actor.call.remote(method, *args))
+
+    def share(self, value: Any) -> Any:
+        return self.ray.put(value)  # one copy in the object store for every actor of the batch
+
+    def drain(self) -> None:
+        pass  # unclaimed answers are dropped with their references; the actor's later calls run after them
+
+
+class RayItemShardExecutor:
+    """``--engine ray --item-shards N``: one :class:`RangeActor` per item range (one GPU each, or one CPU, spread
+    over the nodes), driven by the driver, which merges their lists and writes every output.
+
+    Parameters
+    ----------
+    device : {"auto", "cpu", "gpu"}
+    n_shards : int
+    address : str, optional
+    say : callable
+        Notices.
+    """
+
+    def __init__(self, *, device: str, n_shards: int, address: str | None,
+                 say: Callable[[str], None] = lambda msg: None) -> None:
+        try:
+            import ray  # noqa: F401
+        except ImportError as exc:
+            raise InputError(f"--engine ray needs Ray: pip install 'recall[ray]' ({exc})") from None
+        self.device, self.n_workers, self.address, self.say = device, n_shards, address, say
+        self.totals = None
+
+    def run(self, spec: JobSpec, tasks: list[ShardTask], job: Any) -> None:
+        import ray
+
+        n = self.n_workers
+
+        @contextlib.contextmanager
+        def actors(spec: JobSpec) -> Iterator[list[ActorHandle]]:
+            started: list[Any] = []
+            try:
+                try:
+                    # Its notices are about --gpus and --workers, which item shards set themselves.
+                    kind, _ = plan_actors(self.device, n, n, int(ray.cluster_resources().get("GPU", 0)),
+                                          lambda msg: None)
+                except InputError as exc:
+                    raise InputError(f"--item-shards {n} needs one GPU per item range: {exc}") from None
+                cpus = int(ray.cluster_resources().get("CPU", 0))
+                if kind == "cpu" and cpus < n:
+                    raise InputError(f"--item-shards {n} needs {n} CPU actors at once (one CPU each), and the Ray "
+                                     f"cluster has {cpus} CPU(s)")
+                actor_cls = ray.remote(RangeActor).options(**actor_options(kind))
+                names = [f"ray-{kind}{i}" for i in range(n)]
+                started = [actor_cls.remote(spec, kind, name) for name in names]
+                yield [ActorHandle(ray, a, name) for a, name in zip(started, names)]
+            except ray.exceptions.RayError as exc:
+                raise ray_failed(exc) from None
+            finally:
+                kill_actors(ray, started)
+
+        inner = ItemShardExecutor(n, actors, self.say)
+        with ray_session(self.address, min_cpus=n):
+            try:
+                inner.run(spec, tasks, job)
+            finally:
+                self.totals = inner.totals
+
+
+__all__ = ["ActorHandle", "RangeActor", "RayExecutor", "RayItemShardExecutor", "ShardActor", "ray_session"]
