@@ -327,12 +327,12 @@ class Engine:
         return pending
 
     def run(self, users: Any, k: int, excl: Exclusions, out_vals: Any, out_rows: Any, items: Any = None,
-            floor: Any = None, plan: Any = None) -> Callable[[], dict]:
+            floor: Any = None, plan: Any = None, budget: int | None = None) -> Callable[[], dict]:
         """One tiled pass of prepared ``users`` (``metrics.prepare_users``) against resident items (default: the
         engine's; fast mode passes its float16 copy) into the (n, k) arrays ``out_vals`` / ``out_rows`` (from
         ``backend.empty_out``; k <= the items' rows); returns the backend's wait (see ``Backend.run_blocks``). The
-        building block of every search mode; ``plan`` replaces the tiling the engine would choose. Over streamed
-        items (``item_memory``) the search is done when this returns."""
+        building block of every search mode; ``plan`` replaces the tiling the engine would choose, ``budget`` the
+        memory budget it plans under. Over streamed items (``item_memory``) the search is done when this returns."""
         if items is None and self.streamed:
             return streamed.run(self, self._items, users, k, excl, out_vals, out_rows, plan)
         items = self._items if items is None else items
@@ -343,8 +343,8 @@ class Engine:
                                            floor)
         preferred = self.options.tiles or tuning.preferred_tiles(self, users, k)
         preferred = (max(preferred[0], self.options.min_user_block), preferred[1], preferred[2])
-        plan = plan_tiles(n_users, n_items, dim, k, self.memory_budget, preferred, self.backend.state_bytes(k),
-                          self.backend.workers)
+        plan = plan_tiles(n_users, n_items, dim, k, budget or self.memory_budget, preferred,
+                          self.backend.state_bytes(k), self.backend.workers)
         return self.backend.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, self.options,
                                        floor)
 

@@ -140,7 +140,8 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
             floor = best[0][:, k - 1] if best is not None and best[0].shape[1] >= k else None
             vals = backend.empty_out((g1 - g0, kseg), np.float32, False)
             rows = backend.empty_out((g1 - g0, kseg), np.int64, False)
-            wait = engine.run(gu, kseg, gx.window(lo, hi), vals, rows, items=resident, floor=floor, plan=plan)
+            wait = engine.run(gu, kseg, gx.window(lo, hi), vals, rows, items=resident, floor=floor, plan=plan,
+                              budget=max(1, engine.memory_budget // 2))  # the group's results hold the other half
             parts = [(vals, rows, lo)] if best is None else [(*best, 0), (vals, rows, lo)]
             best = backend.merge(parts, k)  # queued after the segment's search, on the backend
             inflight.append((resident, wait))
