@@ -16,14 +16,26 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from pacing import pace
+from processes import alive, metrics
+from test_batch import (
+    REPO,
+    SIZES,
+    TESTS,
+    K,
+    _kill_mid_run,
+    _manifest_done,
+    _nan_shard,
+    _outputs,
+    _run,
+    _wait_for,
+    _write_job,
+)
 from typer.testing import CliRunner
 
-from recall.jobs.batch import MANIFEST, METRICS, SUCCESS, BatchError, run_batch
 from recall.cli.app import app
 from recall.core.errors import InputError
-from pacing import pace
-from test_batch import K, REPO, SIZES, TESTS, _kill_mid_run, _manifest_done, _nan_shard, _outputs, _run, _wait_for, \
-    _write_job
+from recall.jobs.batch import MANIFEST, SUCCESS, BatchError, run_batch
 
 runner = CliRunner()
 
@@ -40,20 +52,8 @@ def reference(job: dict, tmp_path: Path) -> dict[str, bytes]:
     return _outputs(tmp_path / "ref")
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper counts as dead)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
-def _metrics(out: Path) -> dict:
-    try:
-        return json.loads((out / METRICS).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 # ---- several worker processes --------------------------------------------------------------------------------------
@@ -68,13 +68,13 @@ def test_cpu_worker_processes_equal_one_worker(job: dict, tmp_path: Path, refere
     assert summary.workers == 2 and summary.shards_scored == len(SIZES)
     assert _outputs(out) == reference
     # A worker still loading the items when the other has finished every shard is stopped without reporting.
-    workers = _metrics(out)["workers"]
+    workers = metrics(out)["workers"]
     assert {w["worker"] for w in workers} <= {"cpu0", "cpu1"} and len({w["pid"] for w in workers}) == len(workers)
     assert os.getpid() not in {w["pid"] for w in workers}
-    assert {s["worker"] for s in _metrics(out)["shards"].values()} <= {w["worker"] for w in workers}
+    assert {s["worker"] for s in metrics(out)["shards"].values()} <= {w["worker"] for w in workers}
     if len(workers) == 2:
         assert not set(workers[0]["cpu_affinity"]) & set(workers[1]["cpu_affinity"])
-    assert all(not _alive(w["pid"]) for w in workers)
+    assert all(not alive(w["pid"]) for w in workers)
 
 
 @needs_2_cores
@@ -107,16 +107,16 @@ def test_a_dead_worker_fails_the_job_and_the_rerun_resumes(job: dict, tmp_path: 
     thread = threading.Thread(target=target)
     thread.start()
     try:
-        assert _wait_for(lambda: len(_metrics(out).get("workers", [])) == 2 and _manifest_done(out) >= 1)
-        victim = _metrics(out)["workers"][0]
+        assert _wait_for(lambda: len(metrics(out).get("workers", [])) == 2 and _manifest_done(out) >= 1)
+        victim = metrics(out)["workers"][0]
         os.kill(victim["pid"], signal.SIGKILL)
     finally:
         thread.join(60)
     assert len(failure) == 1 and isinstance(failure[0], BatchError), failure
     assert f"worker {victim['worker']} (pid {victim['pid']}) was killed by signal SIGKILL" in str(failure[0])
     assert "rerun the same command to resume" in str(failure[0])
-    assert not any(_alive(w["pid"]) for w in _metrics(out)["workers"])  # the survivor was stopped too
-    assert not (out / SUCCESS).exists() and _metrics(out)["job"]["status"] == "failed"
+    assert not any(alive(w["pid"]) for w in metrics(out)["workers"])  # the survivor was stopped too
+    assert not (out / SUCCESS).exists() and metrics(out)["job"]["status"] == "failed"
 
     summary = _run(job, out, workers=2)
     assert summary.shards_skipped >= 1 and _outputs(out) == reference and (out / SUCCESS).exists()
@@ -129,9 +129,9 @@ def test_kill_9_of_the_parent_kills_its_workers(job: dict, tmp_path: Path, refer
             "--device", "cpu", "--batch-size", "32", "--workers", "2", "--quiet"]
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
     _kill_mid_run(args, out, env)
-    pids = [w["pid"] for w in _metrics(out)["workers"]]
+    pids = [w["pid"] for w in metrics(out)["workers"]]
     assert len(pids) == 2
-    assert _wait_for(lambda: not any(_alive(pid) for pid in pids), timeout=10), "orphan workers outlived the job"
+    assert _wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10), "orphan workers outlived the job"
     proc = subprocess.run([sys.executable, "-m", "recall", *args], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "already done" in proc.stdout and _outputs(out) == reference
@@ -158,7 +158,7 @@ def test_sigterm_of_the_parent_stops_its_workers_cleanly(job: dict, tmp_path: Pa
     assert proc.returncode == 143, stderr
     assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
-    assert not any(_alive(w["pid"]) for w in _metrics(out)["workers"])
+    assert not any(alive(w["pid"]) for w in metrics(out)["workers"])
     summary = _run(job, out)
     assert summary.shards_skipped >= 1 and _outputs(out) == reference and (out / SUCCESS).exists()
 
@@ -179,7 +179,7 @@ def test_ray_local_equals_local_engine(job: dict, tmp_path: Path, reference: dic
     assert _outputs(out) == reference
     ref_manifest = json.loads((tmp_path / "ref" / MANIFEST).read_text())
     assert json.loads((out / MANIFEST).read_text())["outputs"] == ref_manifest["outputs"]
-    workers = _metrics(out)["workers"]
+    workers = metrics(out)["workers"]
     assert sorted(w["worker"] for w in workers) == ["ray-cpu0", "ray-cpu1"]
     assert os.getpid() not in {w["pid"] for w in workers}
 
@@ -197,7 +197,7 @@ def test_ray_local_equals_local_engine(job: dict, tmp_path: Path, reference: dic
         bad = tmp_path / "bad"
         with pytest.raises(InputError, match=f"^{path}: row 17 "):
             run_batch(job["users"], job["items"], bad, K, device="cpu", batch_size=32, engine="ray")
-        assert not (bad / SUCCESS).exists() and _metrics(bad)["job"]["status"] == "failed"
+        assert not (bad / SUCCESS).exists() and metrics(bad)["job"]["status"] == "failed"
     finally:
         ray.shutdown()
 
@@ -240,10 +240,10 @@ def test_all_gpus_equal_one_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     every = run_batch(job["users"], job["items"], tmp_path / "all", 50, device="gpu", gpus="all", after_batch=pace)
     assert one.workers == 1 and every.workers == n and every.device == "gpu"
     assert _outputs(tmp_path / "all") == _outputs(tmp_path / "one")
-    metrics = _metrics(tmp_path / "all")
-    assert len({w["cuda_visible_devices"] for w in metrics["workers"]}) == n
-    assert {s["worker"] for s in metrics["shards"].values()} == {w["worker"] for w in metrics["workers"]}
-    assert all(s["device"] == "gpu" and s["device_busy_s"] > 0 for s in metrics["shards"].values())
+    done = metrics(tmp_path / "all")
+    assert len({w["cuda_visible_devices"] for w in done["workers"]}) == n
+    assert {s["worker"] for s in done["shards"].values()} == {w["worker"] for w in done["workers"]}
+    assert all(s["device"] == "gpu" and s["device_busy_s"] > 0 for s in done["shards"].values())
 
 
 @pytest.mark.gpu

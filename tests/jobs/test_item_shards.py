@@ -19,17 +19,28 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from parquet_data import write_embeddings
+from processes import alive, metrics
+from test_batch import (
+    REPO,
+    SIZES,
+    TESTS,
+    K,
+    _kill_mid_run,
+    _manifest_done,
+    _outputs,
+    _wait_for,
+    _write_job,
+)
 from typer.testing import CliRunner
 
-from parquet_data import write_embeddings
 from recall.cli.app import app
 from recall.core.errors import InputError
 from recall.core.options import EngineOptions
-from recall.jobs.batch import MANIFEST, METRICS, SUCCESS, run_batch
+from recall.jobs.batch import MANIFEST, SUCCESS, run_batch
 from recall.jobs.batch.item_shards import split_catalogue
 from recall.jobs.executors import item_shards as item_shard_executors
 from recall.jobs.options import JobOptions
-from test_batch import K, REPO, SIZES, TESTS, _kill_mid_run, _manifest_done, _outputs, _wait_for, _write_job
 
 runner = CliRunner()
 #: A 16-item tile (the CPU's own is 2048): the tiny catalogues here then split into real ranges, some smaller than k.
@@ -44,16 +55,8 @@ def inline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("recall.jobs.batch.item_shards._MERGE_ROWS", 5)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
-def _metrics(out: Path) -> dict:
-    return json.loads((out / METRICS).read_text())
 
 
 def _float_job(root: Path, n_items: int = 203, dim: int = 7, string_ids: bool = False, zero_user: bool = True
@@ -158,7 +161,7 @@ def test_outputs_equal_the_unsharded_jobs(inline: None, tmp_path: Path, metric: 
         outputs = json.loads((out / MANIFEST).read_text())["outputs"]
         want = json.loads((tmp_path / "ref" / MANIFEST).read_text())["outputs"]
         assert {name: {**e, "item_shards": n} for name, e in want.items()} == outputs
-        workers = _metrics(out)["workers"]
+        workers = metrics(out)["workers"]
         rows = sorted(tuple(w["item_rows"]) for w in workers)
         assert rows[0][0] == 0 and rows[-1][1] == 203 and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
         assert all(w["n_items"] < 203 for w in workers)  # no worker holds the catalogue
@@ -176,7 +179,7 @@ def test_a_shard_without_a_passing_item_returns_nothing_and_the_rest_is_exact(in
         _batch(job, tmp_path / name, options=SMALL_TILES, exclude=job["exclude"], item_shards=3,
                notice=notices.append, **kw)
         _same(tmp_path / name, tmp_path / f"ref-{name}")
-        sizes = [w["n_items"] for w in _metrics(tmp_path / name)["workers"]]
+        sizes = [w["n_items"] for w in metrics(tmp_path / name)["workers"]]
         assert sizes == ([3, 0, 0] if name == "three" else [0, 0, 0])
         if name == "three":
             assert any("2 of the 3 item shards hold no item" in n for n in notices), notices
@@ -191,7 +194,7 @@ def test_default_tiling_on_a_catalogue_of_several_tiles(inline: None, tmp_path: 
         _batch(job, tmp_path / f"ref-{metric}", metric=metric, k=20)
         _batch(job, tmp_path / metric, metric=metric, k=20, item_shards=3)
         _same(tmp_path / metric, tmp_path / f"ref-{metric}")
-        assert [w["n_items"] for w in _metrics(tmp_path / metric)["workers"]] == [2048, 2048, 904]
+        assert [w["n_items"] for w in metrics(tmp_path / metric)["workers"]] == [2048, 2048, 904]
 
 
 def test_bad_inputs_are_named_as_unsharded(inline: None, tmp_path: Path) -> None:
@@ -258,11 +261,11 @@ def test_worker_processes_equal_the_unsharded_job(tmp_path: Path) -> None:
     _batch(job, tmp_path / "ref", **kw)
     summary = _batch(job, tmp_path / "out", item_shards=3, **kw)
     _same(tmp_path / "out", tmp_path / "ref")
-    workers = _metrics(tmp_path / "out")["workers"]
+    workers = metrics(tmp_path / "out")["workers"]
     assert summary.workers == 3 and len({w["pid"] for w in workers}) == 3 and os.getpid() not in {
         w["pid"] for w in workers}
     assert sum(w["n_items"] for w in workers) == 150 and all(w["n_items"] < 150 for w in workers)
-    assert not any(_alive(w["pid"]) for w in workers)
+    assert not any(alive(w["pid"]) for w in workers)
 
 
 def _several_tiles_job(root: Path, sizes: tuple[int, ...] = (130, 7, 0, 260, 45, 90)) -> dict:
@@ -287,9 +290,9 @@ def test_kill_9_of_a_sharded_job_then_rerun_gives_the_same_bytes(inline: None, t
             "--device", "cpu", "--batch-size", "32", "--item-shards", "3", "--quiet"]
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
     _kill_mid_run(args, out, env)  # python -m pacing: the parent sleeps after each batch it writes
-    workers = _metrics(out)["workers"]
+    workers = metrics(out)["workers"]
     assert [w["n_items"] for w in workers] == [2048, 2048, 404] and not (out / SUCCESS).exists()
-    assert _wait_for(lambda: not any(_alive(w["pid"]) for w in workers), timeout=10), "orphan workers outlived the job"
+    assert _wait_for(lambda: not any(alive(w["pid"]) for w in workers), timeout=10), "orphan workers outlived the job"
     done = _manifest_done(out)
     assert 1 <= done < 6
 
@@ -327,8 +330,8 @@ def test_sigterm_of_a_sharded_job_stops_its_workers_cleanly(tmp_path: Path) -> N
     assert proc.returncode == 143, stderr
     assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
     assert stopped_in < 8, stopped_in  # not a 10 s join timeout per worker
-    assert _metrics(out)["job"]["status"] == "failed" and not [p for p in out.iterdir() if ".tmp-" in p.name]
-    assert not any(_alive(w["pid"]) for w in _metrics(out)["workers"])
+    assert metrics(out)["job"]["status"] == "failed" and not [p for p in out.iterdir() if ".tmp-" in p.name]
+    assert not any(alive(w["pid"]) for w in metrics(out)["workers"])
     summary = _batch(job, out)
     assert summary.shards_skipped >= 1 and (out / SUCCESS).exists()
 
@@ -344,6 +347,6 @@ def test_ray_item_shards_equal_the_unsharded_job(tmp_path: Path) -> None:
     assert not ray.is_initialized()
     assert "3 cpu workers (ray, items in 3 shards)" in summary.line()
     _same(tmp_path / "out", tmp_path / "ref")
-    workers = _metrics(tmp_path / "out")["workers"]
+    workers = metrics(tmp_path / "out")["workers"]
     assert sorted(w["worker"] for w in workers) == ["ray-cpu0", "ray-cpu1", "ray-cpu2"]
     assert all(0 < w["n_items"] < 150 for w in workers)

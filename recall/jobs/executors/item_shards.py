@@ -24,7 +24,7 @@ from ...backends.placement import WorkerSlot, plan_workers
 from ...core.errors import InputError
 from ..batch.item_shards import InlineHandle, ItemShardScorer, RangeScorer
 from ..batch.worker import BatchError, JobSpec, ShardTask
-from .local import _die_with_parent, _environ, _worker_signals, describe_error, rebuild_error
+from .local import _die_with_parent, _environ, _worker_signals, describe_error, rebuild_error, score_in_turn
 
 _POLL_S = 0.2
 _JOIN_S = 10.0
@@ -61,13 +61,7 @@ class ItemShardExecutor:
             notice = scorer.empty_notice()
             if notice:
                 self._say(notice)
-            for task in tasks:
-                try:
-                    result = scorer.score(task, progress=job.users)
-                except InputError as exc:  # a bad shard: the others are still scored
-                    job.shard_failed(task.name, task.path, str(exc))
-                    continue
-                job.shard_done(result)
+            score_in_turn(scorer, tasks, job)
 
 
 def _range_worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None, requests: Any,

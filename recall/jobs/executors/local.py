@@ -56,13 +56,19 @@ class InProcessExecutor:
     def run(self, spec: JobSpec, tasks: list[ShardTask], job: Any) -> None:
         scorer = ShardScorer(spec, self.device, worker="0")
         job.worker_ready(scorer.info)
-        for task in tasks:
-            try:
-                result = scorer.score(task, progress=job.users)
-            except InputError as exc:  # a bad shard: the others are still scored
-                job.shard_failed(task.name, task.path, str(exc))
-                continue
-            job.shard_done(result)
+        score_in_turn(scorer, tasks, job)
+
+
+def score_in_turn(scorer: Any, tasks: list[ShardTask], job: Any) -> None:
+    """Score ``tasks`` one after the other with ``scorer`` (its ``score(task, progress)``), reporting each to
+    ``job``; a bad shard is reported and the others are still scored."""
+    for task in tasks:
+        try:
+            result = scorer.score(task, progress=job.users)
+        except InputError as exc:
+            job.shard_failed(task.name, task.path, str(exc))
+            continue
+        job.shard_done(result)
 
 
 def _die_with_parent(parent_pid: int) -> None:
