@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from recall.jobs.batch.outdir import METRICS
@@ -22,3 +25,10 @@ def metrics(out: Path) -> dict:
         return json.loads((out / METRICS).read_text())
     except (OSError, ValueError):
         return {}
+
+
+def paced(args: list[str], repo: Path, tests: Path) -> subprocess.Popen:
+    """``recall ARGS`` in a child process, slowed between batches (``tests/pacing.py``), its output captured."""
+    env = {**os.environ, "PYTHONPATH": f"{repo}:{tests}"}
+    return subprocess.Popen([sys.executable, "-m", "pacing", *args], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from pacing import pace
-from processes import alive, metrics
+from processes import alive, metrics, paced
 from test_batch import (
     REPO,
     SIZES,
@@ -144,9 +144,7 @@ def test_sigterm_of_the_parent_stops_its_workers_cleanly(job: dict, tmp_path: Pa
     out = tmp_path / "out"
     args = ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k", str(K), "--out", str(out),
             "--device", "cpu", "--batch-size", "32", "--workers", "2"]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
-    proc = subprocess.Popen([sys.executable, "-m", "pacing", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = paced(args, REPO, TESTS)
     try:
         assert _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir()))
         proc.send_signal(signal.SIGTERM)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from parquet_data import write_embeddings
-from processes import alive, metrics
+from processes import alive, metrics, paced
 from test_batch import (
     REPO,
     SIZES,
@@ -314,9 +312,7 @@ def test_sigterm_of_a_sharded_job_stops_its_workers_cleanly(tmp_path: Path) -> N
     out = tmp_path / "out"
     args = ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k", str(K), "--out", str(out),
             "--device", "cpu", "--batch-size", "32", "--item-shards", "2"]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
-    proc = subprocess.Popen([sys.executable, "-m", "pacing", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = paced(args, REPO, TESTS)
     try:
         assert _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir()))
         proc.send_signal(signal.SIGTERM)
