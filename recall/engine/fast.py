@@ -2,9 +2,11 @@
 
 For every user the engine keeps the ``k + m + 1`` best *approximate* scores (m = ``certificate.margin(k)``),
 re-scores the first ``k + m`` candidates in float32 (``Backend.rescore``) and takes their exact top k. The answer is
-certified when the exact k-th score beats an upper bound of every score left out (``recall.core.certificate``);
-users whose certificate fails are searched again in exact mode, so the result is always the exact answer.
-``engine.stats["fallback_users"]`` counts them.
+certified when the exact k-th score beats an upper bound of every score left out (``recall.core.certificate``).
+A user whose certificate fails is tried once more with ``k + 4m`` candidates and its scores shifted by its exact
+k-th score (the *widened* pass, over those users only), and searched again in exact mode if that fails too, so the
+result is always the exact answer. ``engine.stats["widened_users"]`` counts the second tries,
+``["fallback_users"]`` the exact searches.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import numpy as np
 from ..core import certificate, metrics
 from ..core.exclusions import Exclusions
 
+#: The widened pass keeps WIDEN times the margin.
+WIDEN = 4
 #: Where score tiles are float16, each user's scores are shifted by its best float32 score over this many evenly
 #: spaced items (certificate.prepare_users' ``shift``): the scores the certificate compares then lie near 0, where
 #: float16 tiles round them least (on clustered data at d = 256, 3% of first certificates fail instead of 80%). The
@@ -63,17 +67,31 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any
     half = backend.score_dtype(np.float16) == np.float16
     shift = _sampled_best(engine, users, uxp) if half else None
     fast_users = certificate.prepare_users(uxp, users, state.items, half_scores=half, shift=shift)
-    n_users = int(users.shape[0])
-    vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k,
-                                                            k + certificate.margin(k), excl)
+    n_users, n_items = int(users.shape[0]), engine.n_items
+    m = certificate.margin(k)
+    vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl)
+    widened = failed
+    if failed.size and k + m < n_items:
+        # Once more with WIDEN times the margin, each score shifted by the user's exact k-th of the first pass: the
+        # scores that decide the certificate then lie near 0, where float16 score tiles round them least.
+        sel = xp.asarray(failed)
+        sub = _take(xp, users, failed)
+        kth = vals[sel, k - 1]
+        kth = backend.to_host(kth) if uxp is np else kth
+        shift = uxp.where(uxp.isfinite(kth), kth, 0).astype(uxp.float64)
+        retry = certificate.prepare_users(uxp, sub, state.items, half_scores=half, shift=shift)
+        w_vals, w_rows, w_failed, _, _ = _certified_pass(engine, state, sub, retry, k, k + WIDEN * m,
+                                                         excl.subset(failed))
+        vals[sel], rows[sel] = w_vals, w_rows
+        failed = failed[w_failed]
     if failed.size:
         fv = backend.empty_out((failed.size, k), np.float32, False)
         fr = backend.empty_out((failed.size, k), np.int64, False)
         engine.run(_take(xp, users, failed), k, excl.subset(failed), fv, fr)()
         sel = xp.asarray(failed)
         vals[sel], rows[sel] = fv, fr
-    stats = {**run_stats, "precision": "fast", "candidates": n_cand, "fallback_users": int(failed.size),
-             "fallback_fraction": failed.size / max(n_users, 1)}
+    stats = {**run_stats, "precision": "fast", "candidates": n_cand, "widened_users": int(widened.size),
+             "fallback_users": int(failed.size), "fallback_fraction": failed.size / max(n_users, 1)}
     return vals, rows, stats
 
 

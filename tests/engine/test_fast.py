@@ -63,8 +63,28 @@ def test_failed_certificates_fall_back_to_exact(device, monkeypatch):
     engine = Engine(items, device=device, precision="fast")
     got = engine.search(users, 10)
     assert engine.stats["fallback_users"] > 100
+    assert engine.stats["widened_users"] >= engine.stats["fallback_users"]
     want = Engine(items, device=device).search(users, 10)
     np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
+
+
+def test_failed_certificates_are_widened_before_falling_back(device, monkeypatch):
+    # Items in groups of 7 near-duplicates (closer than float16 can tell apart): with k = 10 and a margin of 2, the
+    # item left out is a near-twin of candidates inside the top k, so the first certificate fails; the widened pass
+    # (40 x 2 extra candidates, scores shifted by each user's k-th) holds whole groups and certifies, with no exact
+    # search.
+    from recall.engine import fast as fast_search
+
+    monkeypatch.setattr(fast, "margin", lambda k: 2)
+    monkeypatch.setattr(fast_search, "WIDEN", 40)
+    users, base = normal_data(200, 700, 32, seed=4)
+    rng = np.random.default_rng(5)
+    items = (np.repeat(base, 7, axis=0) * (1 + 1e-6 * rng.standard_normal((4900, 32)))).astype(np.float32)
+    engine = Engine(items, device=device, precision="fast")
+    res = engine.search(users, 10)
+    oracle.assert_topk_close(as_numpy(res.indices), as_numpy(res.scores), users, items, 10)
+    assert engine.stats["widened_users"] > 20
+    assert engine.stats["fallback_users"] < engine.stats["widened_users"] / 4
 
 
 def test_unknown_precision_is_an_input_error():
