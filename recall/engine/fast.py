@@ -7,6 +7,11 @@ A user whose certificate fails is tried once more with ``k + 4m`` candidates and
 k-th score (the *widened* pass, over those users only), and searched again in exact mode if that fails too, so the
 result is always the exact answer. ``engine.stats["widened_users"]`` counts the second tries,
 ``["fallback_users"]`` the exact searches.
+
+A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the certificate does not
+pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), the other users are searched in exact mode,
+and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``. The sampled users' answers
+are kept either way.
 """
 from __future__ import annotations
 
@@ -18,6 +23,18 @@ import numpy as np
 from ..core import certificate, metrics
 from ..core.exclusions import Exclusions
 
+#: Fraction of a sample's users falling back (widened users count half) above which fast mode declines. Why: on the
+#: H200 matrix (docs/benchmarks.md, 2026-12-01, the 12 cells without fallbacks and k <= 2,048) the fast pass costs
+#: 0.18-0.97 of an exact search, 0.58 at the median; every user that falls back costs one exact search more (a widened
+#: user about half of one: another float16 pass over it, no float32 search). With a fast pass of c, fast mode loses
+#: once c + fallbacks > 1: declining above 0.25 keeps it from losing wherever c <= 0.75 (9 of those 12 cells), and
+#: where fallbacks run above 0.25 the most fast mode could still have gained is small (under 25% where c >= 0.5).
+DECLINE_FALLBACK = 0.25
+#: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
+#: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
+#: search that small gains or loses little either way.
+SAMPLE_DIVISOR = 50
+SAMPLE_MIN = 128
 #: The widened pass keeps WIDEN times the margin.
 WIDEN = 4
 #: Where score tiles are float16, each user's scores are shifted by its best float32 score over this many evenly
@@ -49,8 +66,47 @@ def _state(engine: Any) -> FastState:
 def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
     """Fast mode's search of prepared ``users`` (n, dim) float32 (host or backend): (scores, rows) (n, k) backend
     arrays, inner-product space, exactly exact mode's answer; sets ``engine.stats``."""
-    vals, rows, engine.stats = _search_fast(engine, users, k, excl)
+    n_users = int(users.shape[0])
+    sample = _sample_rows(n_users, engine.options.fast_sample)
+    if sample is None:
+        vals, rows, engine.stats = _search_fast(engine, users, k, excl)
+        return vals, rows
+    backend = engine.backend
+    xp = backend.xp
+    rest = np.setdiff1d(np.arange(n_users, dtype=np.int64), sample, assume_unique=True)
+    s_vals, s_rows, s_stats = _search_fast(engine, _take(xp, users, sample), k, excl.subset(sample))
+    cost = (s_stats["fallback_users"] + s_stats["widened_users"] / 2) / sample.size
+    if cost > DECLINE_FALLBACK:
+        r_vals = backend.empty_out((rest.size, k), np.float32, False)
+        r_rows = backend.empty_out((rest.size, k), np.int64, False)
+        run_stats = engine.run(_take(xp, users, rest), k, excl.subset(rest), r_vals, r_rows)()
+        stats = {**run_stats, "precision": "exact",
+                 "fast_declined": f"{cost:.1%} of a sample of {sample.size:,} users fell back (widened users "
+                                  f"counted half): above {DECLINE_FALLBACK:.0%}, where fast mode stops paying",
+                 "fallback_users": s_stats["fallback_users"], "widened_users": s_stats["widened_users"],
+                 "fallback_fraction": s_stats["fallback_users"] / n_users}
+    else:
+        r_vals, r_rows, r_stats = _search_fast(engine, _take(xp, users, rest), k, excl.subset(rest))
+        stats = {**r_stats}
+        for key in ("fallback_users", "widened_users"):
+            stats[key] = r_stats[key] + s_stats[key]
+        stats["fallback_fraction"] = stats["fallback_users"] / n_users
+    stats.update(fast_sample=int(sample.size), sample_fallback_fraction=s_stats["fallback_fraction"])
+    vals = backend.empty_out((n_users, k), np.float32, False)
+    rows = backend.empty_out((n_users, k), np.int64, False)
+    for part, part_vals, part_rows in ((sample, s_vals, s_rows), (rest, r_vals, r_rows)):
+        sel = xp.asarray(part)
+        vals[sel], rows[sel] = part_vals, part_rows
+    engine.stats = stats
     return vals, rows
+
+
+def _sample_rows(n_users: int, most: int) -> np.ndarray | None:
+    """Evenly spaced user rows to try fast mode on first, or None where the search is too small to sample."""
+    size = min(most, n_users // SAMPLE_DIVISOR)
+    if size < SAMPLE_MIN:
+        return None
+    return np.arange(size, dtype=np.int64) * n_users // size
 
 
 def _take(xp: Any, users: Any, rows: np.ndarray) -> Any:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import oracle
 from conftest import clustered_data, normal_data, ties_data
 from oracle import as_numpy
-from recall import Engine, InputError
+from recall import Engine, EngineOptions, InputError
 from recall.core import certificate as fast
 
 
@@ -185,3 +185,60 @@ def test_fast_equals_exact_and_the_oracle(seed, n_items, n_users, dim, k, metric
     idx, val = oracle.topk(users, items, k, metric, exclude)
     np.testing.assert_array_equal(got.indices, idx)
     np.testing.assert_array_equal(got.scores.astype(np.float64), val)
+
+
+def _spy_fast_searches(monkeypatch):
+    """Record the number of users of every fast-mode search of a set of users (sample, rest)."""
+    from recall.engine import fast as fast_search
+
+    calls = []
+    real = fast_search._search_fast
+
+    def spy(engine, users, k, excl):
+        calls.append(int(users.shape[0]))
+        return real(engine, users, k, excl)
+
+    monkeypatch.setattr(fast_search, "_search_fast", spy)
+    return calls
+
+
+def test_fast_declines_where_the_certificate_cannot_pay(device, monkeypatch):
+    # Vectors of -1, 0, 1 in 6 dimensions: scores are integers in [-6, 6], so the k-th score ties with hundreds of
+    # items left out and no certificate can hold. The sample (1/50 of the users) finds that out; the other users
+    # are searched in exact mode, the sample's answers kept.
+    calls = _spy_fast_searches(monkeypatch)
+    users, items = ties_data(6400, 3000, 6, low=-1, high=1, seed=13)
+    engine = Engine(items, device=device, precision="fast")
+    got = engine.search(users, 50)
+    oracle.assert_same_result(got, Engine(items, device=device).search(users, 50))
+    stats = engine.stats
+    assert stats["precision"] == "exact" and "fast_declined" in stats, stats
+    assert stats["fast_sample"] == 128 and stats["sample_fallback_fraction"] > 0.25
+    assert calls == [128]  # fast mode ran on the sample only
+
+
+def test_fast_keeps_going_where_the_certificate_pays(device, monkeypatch):
+    calls = _spy_fast_searches(monkeypatch)
+    users, items = normal_data(6400, 2000, 16, seed=14)
+    exclude = {u: list(range(u % 7)) for u in range(0, 6400, 3)}
+    engine = Engine(items, device=device, precision="fast")
+    got = engine.search(users, 20, exclude=exclude)
+    oracle.assert_topk_close(as_numpy(got.indices), as_numpy(got.scores), users, items, 20, exclude=exclude)
+    want = Engine(items, device=device).search(users, 20, exclude=exclude)
+    np.testing.assert_allclose(as_numpy(got.scores), as_numpy(want.scores), rtol=1e-5, atol=1e-5)
+    stats = engine.stats
+    assert stats["precision"] == "fast" and "fast_declined" not in stats, stats
+    assert stats["fast_sample"] == 128 and stats["fallback_fraction"] < 0.01
+    assert calls == [128, 6400 - 128]  # the sample's answers are kept, not searched again
+
+
+def test_fast_sample_option(monkeypatch):
+    calls = _spy_fast_searches(monkeypatch)
+    users, items = ties_data(6400, 500, 6, low=-1, high=1, seed=15)
+    engine = Engine(items, device="cpu", precision="fast", options=EngineOptions(fast_sample=0))
+    got = engine.search(users, 10)
+    oracle.assert_same_result(got, Engine(items, device="cpu").search(users, 10))
+    assert engine.stats["precision"] == "fast" and "fast_sample" not in engine.stats
+    assert calls == [6400]
+    with pytest.raises(InputError, match="fast_sample"):
+        EngineOptions(fast_sample=-1)
