@@ -282,8 +282,10 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         alpha = xp.minimum(alpha, _BIAS_USER_MAX * items.bias_scale / items.scale)
     if shift is not None:
         # σ_u = -S_u·αβ/_SHIFT_ITEM must fit float16: lower α (a power of two, like the cap) where it would not.
-        room = _SHIFT_USER_MAX * _SHIFT_ITEM / (xp.maximum(xp.abs(shift.astype(xp.float64)), 1e-300) * items.scale)
-        alpha = xp.minimum(alpha, xp.exp2(xp.floor(xp.log2(room))))
+        # (In logarithms, so that a shift of 0 sets no cap; the clip below keeps σ_u in range whatever the cap.)
+        room = (np.log2(_SHIFT_USER_MAX * _SHIFT_ITEM) - np.log2(items.scale)
+                - xp.log2(xp.maximum(xp.abs(shift.astype(xp.float64)), 2.0 ** -900)))
+        alpha = xp.minimum(alpha, xp.exp2(xp.floor(xp.minimum(room, 1000.0))))
     ab = alpha * items.scale
     norm, resid, norm16 = _round16(xp, dot, alpha[:, None], out16[:, :items.dot_dim])
     p = resid + gamma16 * norm16 + gamma32 * norm  # the factor of n_v

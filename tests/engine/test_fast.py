@@ -128,6 +128,59 @@ def test_fast_on_each_data_kind(device, kind):
     assert engine.stats["fallback_fraction"] < 0.01, engine.stats
 
 
+@pytest.fixture
+def float16_tiles(monkeypatch):
+    """The CPU backend with the GPU's float16 score tiles: fast mode's GEMM result scaled by output_scale and
+    rounded to float16 (kept in the float32 buffer the CPU selects from), so fast mode runs its GPU arithmetic."""
+    from recall.backends.numpy.backend import NumpyBackend
+
+    real = NumpyBackend.gemm_strided_batched
+
+    def gemm(self, users, items, out):
+        real(self, users, items, out)
+        if users.dtype == np.float16:
+            g = np.float32(fast.output_scale(items.shape[2]))
+            out[...] = (out * g).astype(np.float16).astype(np.float32)
+
+    monkeypatch.setattr(NumpyBackend, "gemm_strided_batched", gemm)
+    monkeypatch.setattr(NumpyBackend, "score_dtype",
+                        lambda self, dtype: np.dtype(np.float16 if np.dtype(dtype) == np.float16 else np.float32))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_fast_on_each_data_kind_with_float16_tiles(float16_tiles, kind):
+    # The same, on the CPU emulating the GPU's float16 score tiles (and so its shifted scores).
+    make, metric = KINDS[kind]
+    users, items = make()
+    engine = Engine(items, metric=metric, device="cpu", precision="fast")
+    got = engine.search(users, 50)
+    want = Engine(items, metric=metric, device="cpu").search(users, 50)
+    if kind == "ties":
+        oracle.assert_same_result(got, want)
+        return
+    oracle.assert_topk_close(got.indices, got.scores, users, items, 50, metric)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5, atol=1e-5)
+    assert engine.stats["fallback_fraction"] < 0.01, engine.stats
+
+
+@pytest.mark.gpu
+def test_fast_with_device_users(device):
+    # GPU: users already on the device are prepared there (no host copy), sampled, shifted and answered there.
+    if device != "gpu":
+        pytest.skip("device arrays are the GPU's")
+    import cupy
+
+    users, items = clustered_data(6400, 20000, 64, seed=16)
+    engine = Engine(items, device="gpu", precision="fast")
+    got = engine.search(cupy.asarray(users), 50)
+    assert isinstance(got.indices, cupy.ndarray)
+    want = Engine(items, device="gpu").search(cupy.asarray(users), 50)
+    np.testing.assert_allclose(as_numpy(got.scores), as_numpy(want.scores), rtol=1e-5, atol=1e-5)
+    oracle.assert_topk_close(as_numpy(got.indices)[:300], as_numpy(got.scores)[:300], users[:300], items, 50)
+    assert engine.stats["precision"] == "fast" and engine.stats["fast_sample"] == 128
+    assert engine.stats["fallback_fraction"] < 0.01, engine.stats
+
+
 def _planted(similar_norms: bool):
     # One user direction (all ones, exact in float16). The planted item's components sit just below a float16
     # rounding midpoint: it rounds down by almost the whole error bound and its approximate score (8) falls below
