@@ -81,8 +81,10 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
         r_rows = backend.empty_out((rest.size, k), np.int64, False)
         run_stats = engine.run(_take(xp, users, rest), k, excl.subset(rest), r_vals, r_rows)()
         stats = {**run_stats, "precision": "exact",
-                 "fast_declined": f"{cost:.1%} of a sample of {sample.size:,} users fell back (widened users "
-                                  f"counted half): above {DECLINE_FALLBACK:.0%}, where fast mode stops paying",
+                 "fast_declined": (f"a sample of {sample.size:,} users: {s_stats['fallback_fraction']:.0%} fell "
+                                   f"back to exact search, {s_stats['widened_users'] / sample.size:.0%} were "
+                                   f"widened; at {cost:.2f} fallbacks per user (widened counted half), above "
+                                   f"{DECLINE_FALLBACK}, fast mode would not pay"),
                  "fallback_users": s_stats["fallback_users"], "widened_users": s_stats["widened_users"],
                  "fallback_fraction": s_stats["fallback_users"] / n_users}
     else:

@@ -11,6 +11,8 @@ Usage, from the project root::
     PYTHONPATH=. python scripts/lab/fast_fallbacks.py --users 20000 --items 200000 --out bench-out/fast-fallbacks.json
     PYTHONPATH=. python scripts/lab/fast_fallbacks.py --cases l2:normal:64 l2:lognormal:64 ip:lognormal:256
 
+``--no-per-item`` and ``--no-shift`` take those parts of the certificate out, to measure what each does.
+
 A case is ``metric:kind:dim``; kinds are ``recall.bench.workloads`` kinds or specs (``normal:item_sigma=0.5``), plus
 ``lognormal`` (normal directions, log-normal item norms, sigma 0.5: ``normal:item_sigma=0.5``).
 """
@@ -30,7 +32,7 @@ DEFAULT_CASES = ("ip:normal:64", "ip:lognormal:64", "ip:clustered:64", "ip:skewe
 ALIASES = {"lognormal": "normal:item_sigma=0.5"}
 
 
-def emulate(users: np.ndarray, items: np.ndarray, metric: str, k: int, block: int = 256) -> dict:
+def emulate(users: np.ndarray, items: np.ndarray, metric: str, k: int, block: int = 256, shifts: bool = True) -> dict:
     """Fallback counts of fast mode's certificate for prepared users against prepared items, CPU and GPU scores:
     after the first pass, and (new interface) after the widened retry of the users whose first certificate failed."""
     from recall.core import certificate, metrics
@@ -69,11 +71,11 @@ def emulate(users: np.ndarray, items: np.ndarray, metric: str, k: int, block: in
         for half in (False, True):
             # Float16 tiles: the engine shifts each user's scores by its best over a sample of items (fast.py).
             kth, ok = one_pass(u, k + m, half, (u @ sample.T).max(axis=1).astype(np.float64)
-                               if half and sample is not None else None)
+                               if half and sample is not None and shifts else None)
             first[half] += int((~ok).sum())
             failed = np.flatnonzero(~ok)
             if failed.size and fast.new and k + 4 * m < n_items:
-                _, ok2 = one_pass(u[failed], k + 4 * m, half, kth[failed].astype(np.float64))
+                _, ok2 = one_pass(u[failed], k + 4 * m, half, kth[failed].astype(np.float64) if shifts else None)
                 failed = failed[~ok2]
             final[half] += failed.size
     return {"users": n_users, "items": n_items, "k": k, "width": width,
@@ -118,7 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), help="metric:kind:dim")
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    parser.add_argument("--no-per-item", action="store_true",
+                        help="ablation: per-item bound columns only where a bias forces them (l2)")
+    parser.add_argument("--no-shift", action="store_true", help="ablation: no shifted scores")
     args = parser.parse_args(argv)
+    if args.no_per_item:
+        from recall.core import certificate
+
+        certificate._NORM_SPREAD = float("inf")
 
     from recall.bench import workloads
 
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         kind, dim = rest.rsplit(":", 1)
         wall = time.perf_counter()
         users, items = workloads.generate(ALIASES.get(kind, kind), args.users, args.items, int(dim), seed=args.seed)
-        res = {"case": case, **emulate(users, items, metric, args.k)}
+        res = {"case": case, **emulate(users, items, metric, args.k, shifts=not args.no_shift)}
         res["wall_s"] = round(time.perf_counter() - wall, 1)
         results.append(res)
         print(f"{case:20s} fallback cpu {res['fallback_cpu']:8.3%} (first pass {res['first_fallback_cpu']:8.3%})  "
