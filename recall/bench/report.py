@@ -68,8 +68,12 @@ def _note(row: dict[str, Any], repeats: bool) -> str:
     stats = row.get("engine_stats") or {}
     if "busy_fraction" in stats:
         notes.append(f"GPU busy {stats['busy_fraction']:.0%}")
+    if stats.get("widened_users"):
+        notes.append(f"widened certificate for {stats['widened_users']:,} users")
     if stats.get("fallback_users"):
         notes.append(f"exact fallback for {stats['fallback_users']:,} users")
+    if stats.get("fast_declined"):
+        notes.append(f"fast mode declined after a sample of {stats.get('fast_sample', 0):,} users: ran exact")
     if repeats and len(row["times_s"]) > 1:
         notes.append("runs " + ", ".join(f"{t:.3g}" for t in row["times_s"]) + " s")
     return "; ".join(notes)

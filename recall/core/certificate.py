@@ -3,25 +3,90 @@
 Vectors are scaled by powers of two (exact) and rounded to float16; the GEMM multiplies them with float32
 accumulation (tensor cores on a GPU; on the CPU the same arithmetic is emulated, for testing). For every user the
 engine keeps the ``k + m + 1`` best *approximate* scores, re-scores the first ``k + m`` candidates in float32, and
-takes their exact top k. The answer is certified when the exact k-th score beats the best approximate score left
-out plus the error bound ``E_u``: no item outside the candidates can then reach the top k. Users whose certificate
-fails are searched again in exact mode (the fallback), so the result is always the exact-mode answer.
+takes their exact top k. The answer is certified when the exact k-th score beats an upper bound of the float32
+score of every item left out: no item outside the candidates can then reach the top k. Users whose certificate
+fails are searched again (``recall.engine.fast``), so the result is always the exact-mode answer.
 
-The bound, for user u against any item v, with float16 unit roundoff r = 2^-11, half the float16 subnormal spacing
-η = 2^-25 (absolute rounding error of tiny components), float32 accumulation error γ = d·2^-23 (twice the rounding
-unit, so it also covers accumulators that truncate), user scale α and item scale β (powers of two)::
+The float16 form
+----------------
+A prepared vector (``recall.core.metrics``) has *dot* columns and, for augmented metrics (``l2``), one *bias*
+column (``metrics.bias_column``) where every user holds exactly 1 and item v holds a constant c_v (l2: -|v|²/2),
+zeros after it. The score is ``s = y·x + c`` with y, x the dot parts (c = 0 without a bias). Each part is scaled
+and rounded on its own, so that the bias, which under l2 is far larger than the components, never costs the dot
+part its precision (issue 18: one scale for the augmented vectors did, and the bound r·|u|·|v| of the augmented
+vectors was dominated by |v|²/2). The float16 columns, W of them, are:
 
-    |s̃ - s| <= (2r + r² + γ(1 + r)²)·|u|·|v| + η(1 + r)(1 + γ)(|u|₁/β + |v|₁/α) + dη²(1 + γ)/(αβ)
+- dot: ``ỹ = fl16(α·y)`` with a power of two α per user, ``x̃ = fl16(β·x)`` with a power of two β for the item
+  matrix, each from the dot part's own largest |component| (which lands in [2^13, 2^14));
+- shift: items hold 2^15, users ``σ_u = fl16(-S_u·αβ/2^15)`` for a score S_u of their choice (``prepare_users``'
+  ``shift``, 0 by default): every score of the user moves by the same, exactly known, amount, so the order of its
+  items is unchanged (α is lowered where σ_u would not fit float16);
+- bias: items hold two float16 parts ``h₁ = fl16(β_b·c)``, ``h₂ = fl16(β_b·c - h₁)`` (β_b a power of two), so that
+  c̃ = (h₁ + h₂)/β_b is within about 2^-22·|c| of c; users hold ``e_u = α·β/β_b`` in both, an exact power of two
+  (α is lowered where e_u would exceed 2^13; where e_u would be below float16's smallest subnormal 2^-24 the bias
+  is dropped for that user, e_u = 0);
+- per-item bound columns (with a bias, and wherever the largest item norm is over ``_NORM_SPREAD`` times the
+  median, so that a bound through the largest item would be loose for the items that matter): items hold, rounded
+  up, n_v = |x_v|, r_v = |δx_v| (below) and, with a bias, κ_v (below), each scaled by its own power of two; users
+  hold the matching factors P_u, Q_u (and 1), rounded up, so that the GEMM adds to each score the item's *own*
+  error bound, ``L_uv >= P_u·n_v + Q_u·r_v (+ κ_v)``;
+- zeros, up to a multiple of 8 columns (rows of 16 bytes, as tensor-core GEMMs prefer).
 
-(each rounded input is x(1 + δ) + a with |δ| <= r, |a| <= η; products of float16 values are exact in float32; the
-sum of |u_i v_i| is at most |u|·|v| by Cauchy-Schwarz). The float32 re-scoring itself may differ from the real
-score by γ·|u|·|v|; that term is added too, and the whole bound is taken 1% larger. |v| and |v|₁ are bounded by the
-item matrix's largest norms, so ``E_u`` is one number per user.
+The GEMM's float32 result for user u and item v is t; in the users' units ``t/(αβ) ≈ a·b + A_u + c̃_v + L_uv``, with
+``A_u = σ_u·2^15/(αβ) ≈ -S_u`` the applied shift (``FastUsers.offset``, exact in float64).
 
+The bound
+---------
+Write a = ỹ/α, b = x̃/β (the float16 values, unscaled), δy = a - y and δx = b - x (the rounding *residuals*,
+computed exactly in float64 when the vectors are prepared: float16 subnormals included). Then, exactly,
+``a·b - y·x = δy·x + y·δx + δy·δx``, and by Cauchy-Schwarz on the residual vectors::
+
+    |a·b - y·x| <= |δy|·n_v + |y|·r_v + |δy|·r_v                                     (input rounding)
+
+Products of float16 values are exact in float32 (11 + 11 significant bits; every factor is 0 or at least 2^-24),
+so the GEMM's only other error is its float32 accumulation of W terms::
+
+    |t/(αβ) - (a·b + A_u + c̃_v + L_uv)| <= γ₁₆·(|a|·|b_v| + |A_u| + H_v + L_uv),   γ₁₆ = W·2^-22   (accumulation)
+
+with |b_v| <= n_v + r_v and H_v = (|h₁| + |h₂|)/β_b. γ₁₆ is twice the classical W·2^-23 of round-to-nearest
+accumulation, so that accumulators that truncate, and multi-term adders that align their addends to the largest
+one without guard bits (tensor cores: each block of n terms then loses less than n + 1 units of 2^-23 of its
+largest magnitude), are covered too. The float32 score f_v that exact mode computes (and the re-scoring, for the
+candidates) differs from s_v by at most ``γ₃₂·(|y|·n_v + |c_v|) + D·2^-149``, γ₃₂ = D·2^-23 for the prepared width
+D (the last term: float32 underflow, half a subnormal spacing per step). Collecting the terms::
+
+    f_v <= t/(αβ) - A_u - L_uv + P_u·n_v + Q_u·r_v + κ_v + γ₁₆·(|A_u| + L_uv) + D·2^-149
+      P_u = |δy| + γ₁₆·|a| + γ₃₂·|y|,   Q_u = |y| + |δy| + γ₁₆·|a|,
+      κ_v = |c̃_v - c_v| + γ₁₆·H_v + γ₃₂·|c_v|                            (0 without a bias)
+
+(where the bias is dropped for a user, κ_v becomes max |c|·(1 + γ₃₂)). With the per-item columns, L_uv covers
+P_u·n_v + Q_u·r_v + κ_v, and
+
+    f_v <= t/(αβ) - A_u + R_u,   R_u = γ₁₆·(|A_u| + max_v L_uv) + D·2^-149
+
+so every item's score carries its own bound and what is left, R_u, is tiny. Without them (or for a user whose
+factors would not fit float16's range, or whose bias is dropped), L = 0 and n_v, r_v, κ_v are replaced by their
+maxima X, ΔX, K over the items: ``E_u = P_u·X + Q_u·ΔX + K + γ₁₆·|A_u| + D·2^-149``. ``FastUsers.bound`` holds R_u
+or E_u, taken 1% larger (the factors P_u, Q_u too, before rounding up), which covers the float64 arithmetic of the
+bound and of the test below (relative errors near 2^-50, against terms never below 2^-30 of the magnitudes
+involved).
+
+The float16 score tiles
+-----------------------
 Where the backend keeps its score tiles in float16 (the GPU: half the bytes written by the GEMM and read by the
-selection), the GEMM multiplies its float32 result by ``g = output_scale(dim)`` (a power of two that keeps every score
-inside float16's range) before rounding it to float16, which adds at most ``2^-10·|s̃| + 2^-24/(g·α·β)`` (a full
-float16 ulp, and the subnormal spacing, so rounding that truncates is covered too) with ``|s̃| <= |u|·|v| + E``.
+selection), the GEMM multiplies its float32 result by ``g = output_scale(W)`` (a power of two that keeps every score
+inside float16's range) and stores ``z = fl16(g·t)``, with |z - g·t| <= 2^-10·|g·t| + 2^-24 (a full float16 ulp and
+the subnormal spacing, so rounding that truncates is covered too). Selection runs on z: every item left out has
+``z_v <= z_out``, the best stored score left out. Solving the rounding bound for the largest g·t that can store at
+or below z_out gives ``g·t_v <= q(z_out) = (z_out + 2^-24)/(1 ∓ 2^-10)`` (minus where z_out + 2^-24 >= 0, else plus),
+so the stored scores' rounding costs a relative 2^-10 of the score *left out*: the shift, S_u near the user's k-th
+score, brings that near 0. On the CPU, tiles are float32 and t_v <= t_out directly.
+
+The certificate
+---------------
+With T_out that bound on t of every item left out, the user is certified when the exact (float32) k-th score of the
+candidates satisfies ``f_k > T_out/(αβ) - A_u + bound_u``, strictly (an item left out that tied f_k with a lower
+row would win the tie), or when no item is left out (z_out = -inf: every item that qualifies is a candidate).
 """
 from __future__ import annotations
 
@@ -30,18 +95,33 @@ from typing import Any
 
 import numpy as np
 
-_R16 = 2.0 ** -11
-_ETA16 = 2.0 ** -25
 _TOP_EXP = 13  # scale so the largest |component| lies in [2^13, 2^14): far below float16's 65504
 _SAFETY = 1.01
+_BIAS_PARTS = 2  # float16 columns that carry the bias (c to about 2^-22 relative: below float32's own error)
+_BIAS_USER_MAX = 2.0 ** _TOP_EXP  # e_u at most this: a bias product then stays within the scaled components' range
+_AUX_USER_MAX = 2.0 ** (_TOP_EXP + 1)  # bound factors at most this (else that user takes the bound through maxima)
+_SHIFT_ITEM = 2.0 ** 15  # what every item holds in the shift column
+_SHIFT_USER_MAX = 2.0 ** 15  # |σ_u| at most this (α is lowered so that it fits): the shift product is at most 2^30
+_NORM_SPREAD = 2.0  # per-item bound columns where max |x| > this x median |x| (and always for augmented metrics)
+_F16_TINY = 2.0 ** -24  # float16's smallest subnormal (and subnormal spacing)
+_F16_MAX = 65504.0
+_F32_TINY = 2.0 ** -149  # float32's smallest subnormal (and subnormal spacing)
+_OUT_ULP = 2.0 ** -10  # a full float16 ulp, relative
+_ACC16 = 2.0 ** -22  # γ₁₆ per float16 column
+_ACC32 = 2.0 ** -23  # γ₃₂ per prepared column
+_BLOCK_ROWS = 65_536  # rows per float64 block: transient copies stay at a few tens of MiB however many rows
+_MEDIAN_SAMPLE = 65_536  # item norms the median of the spread test is taken over (evenly spaced)
 
 
-def output_scale(dim: int) -> float:
-    """g: the power of two that scales float32 GEMM results of scaled float16 inputs into float16's range.
+def output_scale(width: int) -> float:
+    """g: the power of two that scales float32 GEMM results of scaled float16 inputs (``width`` columns) into
+    float16's range.
 
-    Scaled components are below 2^(_TOP_EXP + 1), so |s̃| <= dim·2^(2·_TOP_EXP + 2)(1 + γ); g brings that under
-    2^15·(1 + γ) < 65504."""
-    return 2.0 ** (15 - 2 * (_TOP_EXP + 1) - max(0, int(dim - 1).bit_length()))
+    Every product of scaled components is at most 2^(2·_TOP_EXP + 2)·(1 + 2^-8) (bound columns are rounded up by at
+    most 2^-9), and the shift column's at most 2^30, so, as widths are multiples of 8,
+    |t| <= (width + 3)·2^28·(1 + 2^-8)(1 + γ) <= 1.375·width·2^28·(1 + 2^-7); g brings that under
+    1.375·2^15·(1 + 2^-7) < 45,400, inside float16's 65,504."""
+    return 2.0 ** (15 - 2 * (_TOP_EXP + 1) - max(0, int(width - 1).bit_length()))
 
 
 def margin(k: int) -> int:
@@ -50,54 +130,222 @@ def margin(k: int) -> int:
 
 
 def _pow2_scale(xp: Any, maxabs: Any) -> Any:
-    """2^(13 - floor(log2(maxabs))) elementwise, 1 where maxabs is 0."""
+    """2^(13 - floor(log2(maxabs))) elementwise (float64), 1 where maxabs is 0."""
     safe = xp.where(maxabs > 0, maxabs, 1.0)
     return xp.where(maxabs > 0, xp.exp2(_TOP_EXP - xp.floor(xp.log2(safe))), 1.0)
 
 
+def _up16(xp: Any, vals: Any) -> Any:
+    """float16 values >= ``vals`` (float64, >= 0; 0 stays 0; beyond float16's range 65504, which callers refuse):
+    round to nearest after lifting by more than the rounding can take off (2^-11 relative in float16's normal range,
+    2^-25 below it)."""
+    lifted = xp.minimum(vals * (1 + 2.0 ** -10) + _F16_TINY, _F16_MAX)  # past float16's range: its largest
+    return xp.where(vals > 0, lifted, 0.0).astype(xp.float16)
+
+
+def _blocks(n: int) -> list[tuple[int, int]]:
+    return [(start, min(start + _BLOCK_ROWS, n)) for start in range(0, n, _BLOCK_ROWS)]
+
+
+def _norms(xp: Any, vecs: Any) -> Any:
+    return xp.sqrt(xp.einsum("ij,ij->i", vecs, vecs))
+
+
+def _round16(xp: Any, vecs32: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
+    """Write fl16(scale·vecs) into ``out16`` and return per row (|v|, |δv|, |a|) in float64, a = fl16(scale·v)/scale,
+    δv = a - v (exact in float64: both are floats on nearby grids)."""
+    v64 = vecs32.astype(xp.float64)
+    rounded = (v64 * scale).astype(xp.float16)
+    out16[...] = rounded
+    a = rounded.astype(xp.float64) / scale
+    return _norms(xp, v64), _norms(xp, a - v64), _norms(xp, a)
+
+
+def _width(dot_dim: int, aux: int) -> int:
+    return dot_dim if aux == 0 else (dot_dim + aux + 7) // 8 * 8
+
+
 @dataclass(frozen=True)
 class FastItems:
-    """The item matrix in float16, scaled by ``scale``, and the norms the error bound needs."""
+    """The item matrix in float16 and what the error bound needs of it (symbols of the module docstring)."""
 
-    vecs16: Any  # (n_items, dim) float16, on the backend
+    vecs16: Any  # (n_items, W) float16, on the backend
+    dot_dim: int  # columns of the dot part
+    prepared_width: int  # D: columns of the prepared float32 vectors
     scale: float  # β
-    max_norm: float  # max |v|
-    max_l1: float  # max |v|₁
+    max_norm: float  # X = max n_v
+    max_resid: float  # ΔX = max r_v
+    shift_at: int | None = None  # float16 column of the shift (items hold _SHIFT_ITEM); None: no shift column
+    bias_at: int | None = None  # float16 column of h₁ (h₂ next to it); None: no bias
+    bias_scale: float = 1.0  # β_b
+    bias_max: float = 0.0  # max |c|
+    bias_err_max: float = 0.0  # K = max κ_v
+    norms_at: int | None = None  # float16 column of n_v (then r_v, then κ_v with a bias); None: no bound columns
+    aux_scales: tuple[float, ...] = ()  # β_n, β_r (, β_κ): the bound columns' scales
+    aux_max: tuple[float, ...] = ()  # the bound columns' largest values, unscaled (as rounded up)
+
+    @property
+    def width(self) -> int:
+        return int(self.vecs16.shape[1])
 
 
-def prepare_items(xp: Any, items: Any) -> FastItems:
-    """items: (n_items, dim) float32 -> FastItems (arrays of module ``xp``)."""
-    items64 = items.astype(xp.float64)
-    scale = float(_pow2_scale(xp, xp.abs(items64).max()))
-    vecs16 = (items * np.float32(scale)).astype(xp.float16)
-    norms = xp.sqrt((items64 * items64).sum(axis=1))
-    return FastItems(vecs16, scale, float(norms.max()), float(xp.abs(items64).sum(axis=1).max()))
+def prepare_items(xp: Any, items: Any, bias_col: int | None = None) -> FastItems:
+    """items: (n_items, D) float32 prepared vectors (arrays of module ``xp``) -> FastItems.
+
+    bias_col: the column where items hold a bias c_v and users 1 (``metrics.bias_column``), every column after it
+    zero; None: every column is a dot column."""
+    n, width = int(items.shape[0]), int(items.shape[1])
+    dot_dim = width if bias_col is None else int(bias_col)
+    dot = items[:, :dot_dim]
+    norms = xp.empty(n, dtype=xp.float64)
+    maxabs = 0.0
+    for a, b in _blocks(n):
+        norms[a:b] = _norms(xp, dot[a:b].astype(xp.float64))
+        maxabs = max(maxabs, float(xp.abs(dot[a:b]).max()))
+    max_norm = float(norms.max())
+    median = float(xp.median(norms[::max(1, n // _MEDIAN_SAMPLE)]))
+    biased = bias_col is not None
+    per_item = biased or max_norm > _NORM_SPREAD * median
+    n_aux = (2 + biased) if per_item else 0
+    aux = 1 + (_BIAS_PARTS if biased else 0) + n_aux
+    scale = float(_pow2_scale(xp, xp.asarray(maxabs)))
+    vecs16 = xp.zeros((n, _width(dot_dim, aux)), dtype=xp.float16)
+    resids = xp.empty(n, dtype=xp.float64)
+    for a, b in _blocks(n):
+        _, resids[a:b], _ = _round16(xp, dot[a:b], scale, vecs16[a:b, :dot_dim])
+    max_resid = float(resids.max())
+    fields: dict[str, Any] = {"vecs16": vecs16, "dot_dim": dot_dim, "prepared_width": width, "scale": scale,
+                              "max_norm": max_norm, "max_resid": max_resid, "shift_at": dot_dim}
+    vecs16[:, dot_dim] = _SHIFT_ITEM
+    col = dot_dim + 1
+    aux_vals = [norms, resids]
+    if biased:
+        bias = items[:, bias_col].astype(xp.float64)
+        bias_max = float(xp.abs(bias).max())
+        bias_scale = float(_pow2_scale(xp, xp.asarray(bias_max)))
+        h1 = (bias * bias_scale).astype(xp.float16)
+        h2 = (bias * bias_scale - h1.astype(xp.float64)).astype(xp.float16)
+        vecs16[:, col], vecs16[:, col + 1] = h1, h2
+        h1, h2 = h1.astype(xp.float64), h2.astype(xp.float64)
+        # κ_v: the bias's own rounding, its share of the float16 accumulation, and of the float32 scores' error.
+        gamma16, gamma32 = _width(dot_dim, aux) * _ACC16, width * _ACC32
+        kappa = (xp.abs((h1 + h2) / bias_scale - bias) + gamma16 * (xp.abs(h1) + xp.abs(h2)) / bias_scale
+                 + gamma32 * xp.abs(bias))
+        fields.update(bias_at=col, bias_scale=bias_scale, bias_max=bias_max, bias_err_max=float(kappa.max()))
+        aux_vals.append(kappa)
+        col += _BIAS_PARTS
+    if per_item:
+        scales, maxima = [], []
+        for j, vals in enumerate(aux_vals):
+            sc = float(_pow2_scale(xp, xp.asarray(float(vals.max()))))
+            col16 = _up16(xp, vals * sc)
+            vecs16[:, col + j] = col16
+            scales.append(sc)
+            maxima.append(float(col16.max()) / sc)
+        fields.update(norms_at=col, aux_scales=tuple(scales), aux_max=tuple(maxima))
+    return FastItems(**fields)
 
 
-def prepare_users(xp: Any, users: Any, items: FastItems, half_scores: bool = False) -> tuple[Any, Any, Any]:
-    """users: (n, dim) float32 -> (float16 scaled users, per-user scale α (n,), per-user error bound E_u (n,)).
+@dataclass(frozen=True)
+class FastUsers:
+    """Users in float16 and what the certificate needs of each (symbols of the module docstring): the scale α, the
+    applied shift A_u, the bound, and whether the scores are stored in float16 (``half_scores``)."""
 
-    ``half_scores``: the GEMM's scores are rounded to float16 after scaling by ``output_scale(dim)``."""
-    users64 = users.astype(xp.float64)
-    alpha = _pow2_scale(xp, xp.abs(users64).max(axis=1))
-    users16 = (users * alpha[:, None].astype(xp.float32)).astype(xp.float16)
-    dim = users.shape[1]
-    gamma = dim * 2.0 ** -23
-    norm = xp.sqrt((users64 * users64).sum(axis=1))
-    l1 = xp.abs(users64).sum(axis=1)
-    bound = ((2 * _R16 + _R16 ** 2 + gamma * (1 + _R16) ** 2 + gamma) * norm * items.max_norm
-             + _ETA16 * (1 + _R16) * (1 + gamma) * (l1 / items.scale + items.max_l1 / alpha)
-             + dim * _ETA16 ** 2 * (1 + gamma) / (alpha * items.scale))
-    if half_scores:
-        bound = bound + 2.0 ** -10 * (norm * items.max_norm + bound) \
-            + 2.0 ** -24 / (output_scale(dim) * alpha * items.scale)
-    return users16, alpha, _SAFETY * bound
+    vecs16: Any  # (n, W) float16
+    alpha: Any  # (n,) float64 powers of two
+    offset: Any  # (n,) float64: A_u, what the shift column adds to t/(αβ)
+    bound: Any  # (n,) float64: R_u where the user's scores carry their per-item bounds, else E_u
+    half_scores: bool
 
 
-def certified(xp: Any, exact_kth: Any, outside_scaled: Any, alpha: Any, item_scale: float, bound: Any) -> Any:
+def prepare_users(xp: Any, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
+    """users: (n, D) float32 prepared vectors (module ``xp``) -> FastUsers (arrays of module ``xp``).
+
+    ``half_scores``: the GEMM's scores are rounded to float16 after scaling by ``output_scale(W)``. ``shift``: (n,)
+    a score per user (module ``xp``) to take off every score in the GEMM (about; the certificate knows exactly what
+    was taken): near the scores the certificate compares, it keeps the float16 score tiles' rounding small."""
+    n = int(users.shape[0])
+    vecs16 = xp.zeros((n, items.width), dtype=xp.float16)
+    alpha, offset, bound = (xp.empty(n, dtype=xp.float64) for _ in range(3))
+    for a, b in _blocks(n):
+        sh = None if shift is None else shift[a:b]
+        alpha[a:b], offset[a:b], bound[a:b] = _prepare_block(xp, users[a:b], items, vecs16[a:b], sh)
+    return FastUsers(vecs16, alpha, offset, bound, half_scores)
+
+
+def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any) -> tuple[Any, Any, Any]:
+    """Fill ``out16`` (n, W) with a block of users in float16; return their (α, A_u, bound)."""
+    gamma16, gamma32 = items.width * _ACC16, items.prepared_width * _ACC32
+    dot = users[:, :items.dot_dim]
+    alpha = _pow2_scale(xp, xp.abs(dot).max(axis=1).astype(xp.float64))
+    if items.bias_at is not None:
+        alpha = xp.minimum(alpha, _BIAS_USER_MAX * items.bias_scale / items.scale)
+    if shift is not None:
+        # σ_u = -S_u·αβ/_SHIFT_ITEM must fit float16: lower α (a power of two, like the cap) where it would not.
+        # (In logarithms, so that a shift of 0 sets no cap; the clip below keeps σ_u in range whatever the cap.)
+        room = (np.log2(_SHIFT_USER_MAX * _SHIFT_ITEM) - np.log2(items.scale)
+                - xp.log2(xp.maximum(xp.abs(shift.astype(xp.float64)), 2.0 ** -900)))
+        alpha = xp.minimum(alpha, xp.exp2(xp.floor(xp.minimum(room, 1000.0))))
+    ab = alpha * items.scale
+    norm, resid, norm16 = _round16(xp, dot, alpha[:, None], out16[:, :items.dot_dim])
+    p = resid + gamma16 * norm16 + gamma32 * norm  # the factor of n_v
+    q = norm + resid + gamma16 * norm16  # the factor of r_v
+    # Float32 scores of tiny vectors underflow: each of the D steps may also lose half of float32's smallest
+    # subnormal spacing, 2^-149, absolutely.
+    rest = xp.full(norm.shape, items.prepared_width * _F32_TINY)
+    offset = xp.zeros_like(norm)
+    if items.shift_at is not None and shift is not None:
+        sigma = xp.clip(-shift.astype(xp.float64) * ab / _SHIFT_ITEM, -_SHIFT_USER_MAX, _SHIFT_USER_MAX)
+        sigma = sigma.astype(xp.float16)
+        out16[:, items.shift_at] = sigma
+        offset = sigma.astype(xp.float64) * _SHIFT_ITEM / ab
+        rest = rest + gamma16 * xp.abs(offset)
+    kept = xp.ones(norm.shape, dtype=bool)
+    if items.bias_at is not None:
+        e_u = ab / items.bias_scale
+        kept = e_u >= _F16_TINY
+        e16 = xp.where(kept, e_u, 0.0).astype(xp.float16)
+        out16[:, items.bias_at], out16[:, items.bias_at + 1] = e16, e16
+        # Where the bias is dropped, the whole of it is error: c_v + γ₃₂|c_v| <= max |c|·(1 + γ₃₂).
+        through_bias = xp.where(kept, items.bias_err_max, items.bias_max * (1 + gamma32))
+    else:
+        through_bias = gamma32 * items.bias_max  # 0: no bias
+    through_max = _SAFETY * (p * items.max_norm + q * items.max_resid + through_bias + rest)
+    if items.norms_at is None:
+        return alpha, offset, through_max
+    factors = [p, q] + ([xp.ones_like(p)] if items.bias_at is not None else [])
+    cols = [_up16(xp, _SAFETY * f * ab / sc) for f, sc in zip(factors, items.aux_scales)]
+    fits = kept
+    for c in cols:
+        fits = fits & (c <= _AUX_USER_MAX)  # False for inf too
+    largest = xp.zeros_like(p)
+    for j, (c, sc, top) in enumerate(zip(cols, items.aux_scales, items.aux_max)):
+        c = xp.where(fits, c, 0).astype(xp.float16)
+        out16[:, items.norms_at + j] = c
+        largest = largest + c.astype(xp.float64) * sc * top / ab
+    return alpha, offset, xp.where(fits, _SAFETY * (rest + gamma16 * largest), through_max)
+
+
+def _stored_upper(xp: Any, stored: Any) -> Any:
+    """q(z): the largest g·t whose float16 rounding can be at most ``stored`` (float64)."""
+    lifted = stored + _F16_TINY
+    return xp.where(lifted >= 0, lifted / (1 - _OUT_ULP), lifted / (1 + _OUT_ULP))
+
+
+def outside_bound(xp: Any, outside: Any, users: FastUsers, items: FastItems) -> Any:
+    """Per user: an upper bound of the exact-mode float32 score of every item left out.
+
+    outside: (n,) the best approximate score left out, as the GEMM's score tiles hold it (scaled by
+    ``output_scale`` where ``users.half_scores``); -inf gives -inf."""
+    z = outside.astype(xp.float64)
+    t = _stored_upper(xp, z) / output_scale(items.width) if users.half_scores else z
+    return t / (xp.asarray(users.alpha) * items.scale) - xp.asarray(users.offset) + xp.asarray(users.bound)
+
+
+def certified(xp: Any, exact_kth: Any, outside: Any, users: FastUsers, items: FastItems) -> Any:
     """Per user: True when no item outside the candidates can enter the exact top k.
 
-    exact_kth: the exact k-th score among the candidates; outside_scaled: the best approximate score left out, in
-    the scaled space of the GEMM (-inf when every qualifying item is a candidate)."""
-    outside = outside_scaled.astype(xp.float64) / (alpha * item_scale)
-    return xp.isneginf(outside_scaled) | (exact_kth.astype(xp.float64) > outside + bound)
+    exact_kth: (n,) the exact float32 k-th score among the candidates; outside: (n,) the best approximate score
+    left out, as the score tiles hold it (-inf when every qualifying item is a candidate)."""
+    upper = outside_bound(xp, outside, users, items)
+    return xp.isneginf(outside) | (exact_kth.astype(xp.float64) > upper)

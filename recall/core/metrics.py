@@ -48,6 +48,13 @@ def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0) -> Any:
     return (vecs / norms[:, None]).astype(xp.float32)
 
 
+def bias_column(metric: str, dim: int) -> int | None:
+    """The column of prepared vectors (of ``dim`` input dimensions) where every item holds a constant of its own and
+    every user holds exactly 1, all later columns zero: ``dim`` for ``l2`` (-||v||²/2), None where there is none.
+    Fast mode rounds that column apart from the others (``recall.core.certificate``)."""
+    return dim if metric == "l2" else None
+
+
 def _augmented_width(dim: int) -> int:
     return (dim + 1 + 3) // 4 * 4
 

@@ -41,6 +41,10 @@ class EngineOptions:
     rescore : {"fused", "gemm"}
         GPU re-scoring: one fused gather + dot + select kernel, or gather + strided-batched GEMM + select (the
         CPU's path).
+    fast_sample : int
+        Fast precision: the most users a large search scores first, to find out whether the certificate pays (1/50
+        of the users, at most this many, when that is at least 128); where too many of them fall back, the other
+        users are searched in exact mode (``stats["fast_declined"]``). 0: never sample.
     """
 
     tiles: tuple[int, int, int] | None = None
@@ -51,6 +55,7 @@ class EngineOptions:
     fused_segment: int = 65_536
     fused_tiles_per_block: int = 8
     rescore: str = "fused"
+    fast_sample: int = 2048
 
     def __post_init__(self) -> None:
         if self.tiles is not None:
@@ -63,6 +68,7 @@ class EngineOptions:
         check_int(self.fused_segment, "options.fused_segment")
         check_int(self.fused_tiles_per_block, "options.fused_tiles_per_block")
         check_choice(self.rescore, RESCORE_PATHS, "options.rescore path")
+        check_int(self.fast_sample, "options.fast_sample", 0)
         for name in ("cuda_graphs", "seed_thresholds"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"options.{name} must be True or False, got {getattr(self, name)!r}")

@@ -2,9 +2,16 @@
 
 For every user the engine keeps the ``k + m + 1`` best *approximate* scores (m = ``certificate.margin(k)``),
 re-scores the first ``k + m`` candidates in float32 (``Backend.rescore``) and takes their exact top k. The answer is
-certified when the exact k-th score beats the best approximate score left out by more than the user's error bound
-(``recall.core.certificate``); users whose certificate fails are searched again in exact mode, so the result is
-always the exact answer. ``engine.stats["fallback_users"]`` counts them.
+certified when the exact k-th score beats an upper bound of every score left out (``recall.core.certificate``).
+A user whose certificate fails is tried once more with ``k + 4m`` candidates and its scores shifted by its exact
+k-th score (the *widened* pass, over those users only), and searched again in exact mode if that fails too, so the
+result is always the exact answer. ``engine.stats["widened_users"]`` counts the second tries,
+``["fallback_users"]`` the exact searches.
+
+A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the certificate does not
+pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), the other users are searched in exact mode,
+and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``. The sampled users' answers
+are kept either way.
 """
 from __future__ import annotations
 
@@ -13,22 +20,45 @@ from typing import Any
 
 import numpy as np
 
-from ..core import certificate
+from ..core import certificate, metrics
 from ..core.exclusions import Exclusions
+
+#: Fraction of a sample's users falling back (widened users count half) above which fast mode declines. Why: on the
+#: H200 matrix (docs/benchmarks.md, 2026-12-01, the 12 cells without fallbacks and k <= 2,048) the fast pass costs
+#: 0.18-0.97 of an exact search, 0.58 at the median; every user that falls back costs one exact search more (a widened
+#: user about half of one: another float16 pass over it, no float32 search). With a fast pass of c, fast mode loses
+#: once c + fallbacks > 1: declining above 0.25 keeps it from losing wherever c <= 0.75 (9 of those 12 cells), and
+#: where fallbacks run above 0.25 the most fast mode could still have gained is small (under 25% where c >= 0.5).
+DECLINE_FALLBACK = 0.25
+#: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
+#: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
+#: search that small gains or loses little either way.
+SAMPLE_DIVISOR = 50
+SAMPLE_MIN = 128
+#: The widened pass keeps WIDEN times the margin.
+WIDEN = 4
+#: Where score tiles are float16, each user's scores are shifted by its best float32 score over this many evenly
+#: spaced items (certificate.prepare_users' ``shift``): the scores the certificate compares then lie near 0, where
+#: float16 tiles round them least (on clustered data at d = 256, 3% of first certificates fail instead of 80%). The
+#: cost: a float32 GEMM of the users against 1,024 items, about 0.1% of a search of a million items.
+SHIFT_ITEMS = 1024
+#: Users per block of that GEMM: (16,384 x 1,024) float32 scores are 64 MiB.
+_SHIFT_BLOCK = 16_384
 
 
 @dataclass
 class FastState:
-    """What a fast engine prepares once: the float16 items (resident) and the norms the bound needs."""
+    """What a fast engine prepares once: the float16 items (resident) and the maxima the bound needs."""
 
     items: certificate.FastItems
     resident: Any  # the backend's resident form of items.vecs16
 
 
-def _state(engine: Any, items: Any) -> FastState:
+def _state(engine: Any) -> FastState:
     if engine._fast is None:
         backend = engine.backend
-        fast_items = certificate.prepare_items(backend.xp, items)
+        fast_items = certificate.prepare_items(backend.xp, engine.prepared_items,
+                                               metrics.bias_column(engine.metric, engine.dim))
         engine._fast = FastState(fast_items, backend.load_items(fast_items.vecs16))
     return engine._fast
 
@@ -36,38 +66,127 @@ def _state(engine: Any, items: Any) -> FastState:
 def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
     """Fast mode's search of prepared ``users`` (n, dim) float32 (host or backend): (scores, rows) (n, k) backend
     arrays, inner-product space, exactly exact mode's answer; sets ``engine.stats``."""
+    n_users = int(users.shape[0])
+    sample = _sample_rows(n_users, engine.options.fast_sample)
+    if sample is None:
+        vals, rows, engine.stats = _search_fast(engine, users, k, excl)
+        return vals, rows
     backend = engine.backend
     xp = backend.xp
-    state = _state(engine, engine.prepared_items)
-    items16 = state.items
+    rest = np.setdiff1d(np.arange(n_users, dtype=np.int64), sample, assume_unique=True)
+    s_vals, s_rows, s_stats = _search_fast(engine, _take(xp, users, sample), k, excl.subset(sample))
+    cost = (s_stats["fallback_users"] + s_stats["widened_users"] / 2) / sample.size
+    if cost > DECLINE_FALLBACK:
+        r_vals = backend.empty_out((rest.size, k), np.float32, False)
+        r_rows = backend.empty_out((rest.size, k), np.int64, False)
+        run_stats = engine.run(_take(xp, users, rest), k, excl.subset(rest), r_vals, r_rows)()
+        stats = {**run_stats, "precision": "exact",
+                 "fast_declined": (f"a sample of {sample.size:,} users: {s_stats['fallback_fraction']:.0%} fell "
+                                   f"back to exact search, {s_stats['widened_users'] / sample.size:.0%} were "
+                                   f"widened; at {cost:.2f} fallbacks per user (widened counted half), above "
+                                   f"{DECLINE_FALLBACK}, fast mode would not pay"),
+                 "fallback_users": s_stats["fallback_users"], "widened_users": s_stats["widened_users"],
+                 "fallback_fraction": s_stats["fallback_users"] / n_users}
+    else:
+        r_vals, r_rows, r_stats = _search_fast(engine, _take(xp, users, rest), k, excl.subset(rest))
+        stats = {**r_stats}
+        for key in ("fallback_users", "widened_users"):
+            stats[key] = r_stats[key] + s_stats[key]
+        stats["fallback_fraction"] = stats["fallback_users"] / n_users
+    stats.update(fast_sample=int(sample.size), sample_fallback_fraction=s_stats["fallback_fraction"])
+    vals = backend.empty_out((n_users, k), np.float32, False)
+    rows = backend.empty_out((n_users, k), np.int64, False)
+    for part, part_vals, part_rows in ((sample, s_vals, s_rows), (rest, r_vals, r_rows)):
+        sel = xp.asarray(part)
+        vals[sel], rows[sel] = part_vals, part_rows
+    engine.stats = stats
+    return vals, rows
+
+
+def _sample_rows(n_users: int, most: int) -> np.ndarray | None:
+    """Evenly spaced user rows to try fast mode on first, or None where the search is too small to sample."""
+    size = min(most, n_users // SAMPLE_DIVISOR)
+    if size < SAMPLE_MIN:
+        return None
+    return np.arange(size, dtype=np.int64) * n_users // size
+
+
+def _take(xp: Any, users: Any, rows: np.ndarray) -> Any:
+    """Rows ``rows`` (host int64) of host or backend ``users``."""
+    return users[rows] if isinstance(users, np.ndarray) else users[xp.asarray(rows)]
+
+
+def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any, dict]:
+    """Fast mode on every one of ``users``: (scores, rows, stats), exactly exact mode's answer."""
+    backend = engine.backend
+    xp = backend.xp
+    state = _state(engine)
     uxp = np if isinstance(users, np.ndarray) else xp
     half = backend.score_dtype(np.float16) == np.float16
-    users16, alpha, bound = certificate.prepare_users(uxp, users, items16, half_scores=half)
+    shift = _sampled_best(engine, users, uxp) if half else None
+    fast_users = certificate.prepare_users(uxp, users, state.items, half_scores=half, shift=shift)
     n_users, n_items = int(users.shape[0]), engine.n_items
-    wide = min(k + certificate.margin(k) + 1, n_items)
+    m = certificate.margin(k)
+    vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl)
+    widened = failed
+    if failed.size and k + m < n_items:
+        # Once more with WIDEN times the margin, each score shifted by the user's exact k-th of the first pass: the
+        # scores that decide the certificate then lie near 0, where float16 score tiles round them least.
+        sel = xp.asarray(failed)
+        sub = _take(xp, users, failed)
+        kth = vals[sel, k - 1]
+        kth = backend.to_host(kth) if uxp is np else kth
+        shift = uxp.where(uxp.isfinite(kth), kth, 0).astype(uxp.float64)
+        retry = certificate.prepare_users(uxp, sub, state.items, half_scores=half, shift=shift)
+        w_vals, w_rows, w_failed, _, _ = _certified_pass(engine, state, sub, retry, k, k + WIDEN * m,
+                                                         excl.subset(failed))
+        vals[sel], rows[sel] = w_vals, w_rows
+        failed = failed[w_failed]
+    if failed.size:
+        fv = backend.empty_out((failed.size, k), np.float32, False)
+        fr = backend.empty_out((failed.size, k), np.int64, False)
+        engine.run(_take(xp, users, failed), k, excl.subset(failed), fv, fr)()
+        sel = xp.asarray(failed)
+        vals[sel], rows[sel] = fv, fr
+    stats = {**run_stats, "precision": "fast", "candidates": n_cand, "widened_users": int(widened.size),
+             "fallback_users": int(failed.size), "fallback_fraction": failed.size / max(n_users, 1)}
+    return vals, rows, stats
+
+
+def _sampled_best(engine: Any, users: Any, uxp: Any) -> Any:
+    """Per user (n,) float64 of module ``uxp``: the best float32 score over SHIFT_ITEMS evenly spaced items,
+    computed on the backend."""
+    backend = engine.backend
+    xp = backend.xp
+    n_items = engine.n_items
+    size = min(SHIFT_ITEMS, n_items)
+    sample = engine.prepared_items[xp.asarray(np.arange(size, dtype=np.int64) * n_items // size)]
+    n_users = int(users.shape[0])
+    best = xp.empty(n_users, dtype=xp.float64)
+    for start in range(0, n_users, _SHIFT_BLOCK):
+        block = xp.asarray(users[start:start + _SHIFT_BLOCK])
+        best[start:start + block.shape[0]] = (block @ sample.T).max(axis=1)
+    return best if uxp is xp else backend.to_host(best)
+
+
+def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certificate.FastUsers, k: int,
+                    n_keep: int, excl: Exclusions) -> tuple[Any, Any, np.ndarray, dict, int]:
+    """One float16 pass keeping ``n_keep`` candidates per user, their float32 re-scoring and the certificate:
+    (scores, rows, host rows of the users whose certificate failed, the pass's stats, candidates per user)."""
+    backend = engine.backend
+    xp = backend.xp
+    n_users, n_items = int(users.shape[0]), engine.n_items
+    wide = min(n_keep + 1, n_items)
     approx_vals = backend.empty_out((n_users, wide), np.float32, False)
     approx_rows = backend.empty_out((n_users, wide), np.int64, False)
-    run_stats = engine.run(users16, wide, excl, approx_vals, approx_rows, items=state.resident)()
-    if half:
-        # The GEMM scaled the scores by the output scale of the scored width (l2's augmented vectors included).
-        approx_vals /= np.float32(certificate.output_scale(int(users16.shape[1])))
+    run_stats = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident)()
     n_cand = wide - 1 if wide < n_items else wide
     cand_rows = xp.ascontiguousarray(approx_rows[:, :n_cand]).reshape(-1)
     vals, rows, _ = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * n_cand,
                                     cand_rows, k, engine.memory_budget, engine.options)
     if wide < n_items:
-        ok = certificate.certified(xp, vals[:, k - 1], approx_vals[:, wide - 1], xp.asarray(alpha), items16.scale,
-                                   xp.asarray(bound))
+        ok = certificate.certified(xp, vals[:, k - 1], approx_vals[:, wide - 1], fast_users, state.items)
         failed = np.flatnonzero(backend.to_host(~ok))
     else:
         failed = np.zeros(0, np.int64)  # every item was a candidate: nothing left out to certify against
-    if failed.size:
-        users_failed = users[failed] if uxp is np else users[xp.asarray(failed)]
-        fv = backend.empty_out((failed.size, k), np.float32, False)
-        fr = backend.empty_out((failed.size, k), np.int64, False)
-        engine.run(users_failed, k, excl.subset(failed), fv, fr)()
-        sel = xp.asarray(failed)
-        vals[sel], rows[sel] = fv, fr
-    engine.stats = {**run_stats, "precision": "fast", "candidates": n_cand, "fallback_users": int(failed.size),
-                    "fallback_fraction": failed.size / n_users}
-    return vals, rows
+    return vals, rows, failed, run_stats, n_cand

@@ -1,0 +1,152 @@
+"""Fast mode's error bound (recall.core.certificate): it must hold for every (user, item) pair, and be tight.
+
+The GEMM is emulated as the CPU backend runs it (float16 inputs, exact products, float32 accumulation); with
+``half_scores`` its result is also scaled by ``output_scale`` and rounded to float16, as the GPU's score tiles are.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from recall.core import certificate, metrics
+
+
+def _gemm(fu: certificate.FastUsers, fi: certificate.FastItems) -> np.ndarray:
+    """The score tiles the backend would select from: (n_users, n_items) float32."""
+    raw = fu.vecs16.astype(np.float32) @ fi.vecs16.astype(np.float32).T
+    if not fu.half_scores:
+        return raw
+    stored = (raw * np.float32(certificate.output_scale(fi.width))).astype(np.float16)
+    assert np.isfinite(stored).all(), "a score left float16's range"
+    return stored.astype(np.float32)
+
+
+def _upper(fu: certificate.FastUsers, fi: certificate.FastItems, tiles: np.ndarray) -> np.ndarray:
+    """For every pair: the bound the certificate would put on the exact score of an item whose tile score this is."""
+    return np.stack([certificate.outside_bound(np, tiles[:, j], fu, fi) for j in range(tiles.shape[1])], axis=1)
+
+
+def _prepare(metric: str, users: np.ndarray, items: np.ndarray, half: bool, shift: np.ndarray | None = None):
+    pi, pu = metrics.prepare_items(metric, np, items), metrics.prepare_users(metric, np, users)
+    fi = certificate.prepare_items(np, pi, metrics.bias_column(metric, items.shape[1]))
+    fu = certificate.prepare_users(np, pu, fi, half_scores=half, shift=shift)
+    return pu, pi, fu, fi
+
+
+@pytest.mark.parametrize("half_scores", [False, True])
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e3, 1e6, 1e18]),
+       dim=st.integers(1, 70), spread=st.sampled_from([0.0, 1.0, 3.0]), shifted=st.booleans(),
+       user_ratio=st.sampled_from([1.0, 1e-8, 1e12]))
+def test_bound_holds_for_every_pair(metric, half_scores, seed, scale, dim, spread, shifted, user_ratio):
+    # The certificate is only as good as the bound: for every (user, item), the exact score (float64) and the
+    # float32 score exact mode computes must lie at or below the bound derived from that item's tile score, across
+    # magnitudes (float16 subnormals after scaling, float32 underflow), dimensions, item norm spreads (which switch
+    # the per-item bound columns on), l2's bias columns (dropped for users far larger than the items), and shifted
+    # scores.
+    if metric == "l2" and scale > 1e6:
+        scale = 1e6  # |v|²/2 must stay inside float32, as the engine's input checks require
+    rng = np.random.default_rng(seed)
+    items = (rng.standard_normal((200, dim)) * scale * np.exp(spread * rng.standard_normal((200, 1))))
+    users = rng.standard_normal((30, dim)) * scale * user_ratio
+    items[rng.random(items.shape) < 0.1] *= 1e-4  # tiny components next to large ones
+    items[0] = np.abs(items).max()  # one item at the top of the range in every component: the largest score
+    users[0] = np.abs(users).max()
+    items, users = items.astype(np.float32), users.astype(np.float32)
+    # Scores must fit float32, as the engine's input checks require.
+    assume(np.linalg.norm(users.astype(np.float64), axis=1).max()
+           * np.linalg.norm(items.astype(np.float64), axis=1).max() < 1e36)
+    pu, pi, fu0, fi = _prepare(metric, users, items, half_scores)
+    shift = None
+    if shifted:  # as the engine shifts: by a real score of each user (here one of a random item's)
+        shift = (pu.astype(np.float64) @ pi[rng.integers(0, 200, 30)].astype(np.float64).T).diagonal().copy()
+    fu = certificate.prepare_users(np, pu, fi, half_scores=half_scores, shift=shift) if shifted else fu0
+    upper = _upper(fu, fi, _gemm(fu, fi))
+    exact64 = pu.astype(np.float64) @ pi.astype(np.float64).T
+    exact32 = (pu @ pi.T).astype(np.float64)
+    assert np.all(exact64 <= upper)
+    assert np.all(exact32 <= upper)
+
+
+def test_l2_bias_does_not_crush_the_dot_part():
+    # Issue 18: l2's -|v|²/2 column used to set the one item scale, so the vectors' own components were rounded on
+    # a coarse grid and the bound was r·|u|·|v| of the augmented vectors. Now the bias has its own scale and two
+    # float16 parts: the dot part keeps full float16 precision and the bias is nearly exact.
+    rng = np.random.default_rng(0)
+    items = (rng.standard_normal((500, 16)) * 30).astype(np.float32)  # |v|²/2 ~ 7,000 against components ~ 30
+    pi = metrics.prepare_items("l2", np, items)
+    fi = certificate.prepare_items(np, pi, metrics.bias_column("l2", 16))
+    dot = fi.vecs16[:, :16].astype(np.float64) / fi.scale
+    assert np.abs(dot - items).max() <= 2.0 ** -11 * np.abs(items).max()
+    c = fi.vecs16[:, fi.bias_at:fi.bias_at + 2].astype(np.float64).sum(axis=1) / fi.bias_scale
+    bias = pi[:, 16].astype(np.float64)
+    assert np.abs(c - bias).max() <= 2.0 ** -21 * np.abs(bias).max()
+
+
+def test_bound_is_tight_at_rounding_midpoints():
+    # Scores planted at the bound's edge: every item component sits just below a float16 rounding midpoint, so each
+    # rounds down by almost half an ulp, and the residual vector is parallel to the user, where Cauchy-Schwarz is an
+    # equality. The approximate score then falls short of the exact one by nearly the whole bound (the dangerous
+    # direction: an item left out that is better than it looks), and never by more. With float16 tiles the bound
+    # adds the stored score's rounding, a full float16 ulp of it, whatever the rounding actually was.
+    dim = 7
+    users = np.ones((1, dim), np.float32)  # exact in float16: the user side has no residual
+    planted = np.float32(1 + 2.0 ** -11 - 2.0 ** -20)  # rounds down to 1 at the item scale 2^13
+    items = np.vstack([np.full((1, dim), planted), np.ones((5, dim)), -np.ones((5, dim))]).astype(np.float32)
+    pu, pi, fu, fi = _prepare("ip", users, items, False)
+    assert fi.norms_at is None  # every norm alike: the bound goes through the maxima, E_u
+    tiles = _gemm(fu, fi)
+    upper = _upper(fu, fi, tiles)[0, 0]
+    exact = float(pu[0].astype(np.float64) @ pi[0].astype(np.float64))
+    approx = float(tiles[0, 0]) / (fu.alpha[0] * fi.scale)
+    assert approx < exact <= upper
+    assert exact - approx >= 0.97 * (upper - approx)
+    fu_half = certificate.prepare_users(np, pu, fi, half_scores=True)
+    upper_half = _upper(fu_half, fi, _gemm(fu_half, fi))[0, 0]
+    assert exact <= upper <= upper_half <= upper + 1.01 * 2.0 ** -10 * exact
+
+
+def test_certificate_is_strict_at_the_edge():
+    # Equal to the bound is not enough: an item left out that scores exactly the k-th with a lower row would win.
+    rng = np.random.default_rng(3)
+    users, items = rng.standard_normal((8, 12)).astype(np.float32), rng.standard_normal((50, 12)).astype(np.float32)
+    _, _, fu, fi = _prepare("ip", users, items, True)
+    outside = _gemm(fu, fi)[:, 7]
+    upper = certificate.outside_bound(np, outside, fu, fi)
+    at = upper.astype(np.float32)
+    at = np.where(at.astype(np.float64) > upper, np.nextafter(at, np.float32(-np.inf)), at)  # largest <= upper
+    above = np.nextafter(at, np.float32(np.inf))
+    assert not certificate.certified(np, at, outside, fu, fi).any()
+    assert certificate.certified(np, above, outside, fu, fi).all()
+    none_left = np.full(8, -np.inf, np.float32)
+    assert certificate.certified(np, at, none_left, fu, fi).all()  # nothing left out: nothing to prove
+
+
+def test_shift_keeps_float16_tiles_fine_near_the_kth_score():
+    # With float16 score tiles the rounding costs 2^-10 of the score left out; shifted by about the k-th score,
+    # the scores the certificate compares are near 0 and the bound over the tile score shrinks accordingly.
+    rng = np.random.default_rng(4)
+    centre = rng.standard_normal(64)
+    items = (centre + 0.2 * rng.standard_normal((2000, 64))).astype(np.float32)
+    users = (centre + 0.2 * rng.standard_normal((20, 64))).astype(np.float32)
+    pu, pi, fu, fi = _prepare("cosine", users, items, True)
+    exact = pu.astype(np.float64) @ pi.astype(np.float64).T
+    kth = np.sort(exact, axis=1)[:, -10]
+    fu_shift = certificate.prepare_users(np, pu, fi, half_scores=True, shift=kth)
+    loose = _upper(fu, fi, _gemm(fu, fi)) - exact
+    tight = _upper(fu_shift, fi, _gemm(fu_shift, fi)) - exact
+    near = np.abs(exact - kth[:, None]) < 0.02
+    assert np.all(tight >= 0) and np.all(loose >= 0)
+    assert np.median(tight[near]) < 0.5 * np.median(loose[near])
+
+
+def test_output_scale_keeps_every_tile_score_finite():
+    # The widest products: every component at the top of its range, the bound columns rounded up, the shift column
+    # at its largest.
+    for width in (8, 16, 72, 264, 1024):
+        g = certificate.output_scale(width)
+        worst = (width - 1) * (2.0 ** 14 * (1 + 2.0 ** -9)) ** 2 + 2.0 ** 30
+        assert np.isfinite(np.float16(worst * g)) and worst * g * (1 + width * 2.0 ** -22) < 65504
