@@ -9,6 +9,9 @@
 #   early     scripts/lab/e2e_layouts.py: the S4 job with early searches on and off, two layouts -> $OUT/early.log
 #   quick     `recall bench --matrix gpu-quick` with every contender                        -> $OUT/quick/results.*
 #   filters   the exclusion and item-filter workloads with their anchors                    -> $OUT/filters.log
+#   fastcells the gpu-quick cells where fast mode fell back, recall alone                    -> $OUT/fast/results.*
+#   jobx      the S4-x20 job Parquet to Parquet (early searches with exclusions), once       -> $OUT/jobx.log
+#   shards    scripts/lab/item_shards_gpu.py: item shards on one GPU against the unsharded job -> $OUT/shards.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
 # FILTERS_TIMEOUT (seconds), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
@@ -96,4 +99,21 @@ if has filters; then
         >>"$OUT/filters.log" 2>&1
     echo "== S4 with and without exclusions (rc $?)"; grep -E "^\|" "$OUT/filters-s4/results.md" 2>/dev/null \
         || tail -n 20 "$OUT/filters.log"
+fi
+
+if has fastcells; then
+    PYTHONPATH=$NEW_PATH timeout "${FAST_TIMEOUT:-120}" python3 -m recall bench --device gpu --matrix gpu-quick \
+        --cells "${FAST_CELLS:-0,6,8,10,12,13,15,18,19,23}" --contenders recall --out "$OUT/fast" >"$OUT/fast.log" 2>&1
+    echo "== fast-mode cells (rc $?)"; grep -E "^\| [0-9]" "$OUT/fast/results.md" 2>/dev/null || tail -n 20 "$OUT/fast.log"
+fi
+
+if has jobx; then
+    PYTHONPATH=$NEW_PATH timeout "${JOBX_TIMEOUT:-90}" python3 -m recall bench --device gpu -w S4-x20 \
+        --contenders recall --repeat 1 --sample-users 1000 --e2e --out "$OUT/jobx" >"$OUT/jobx.log" 2>&1
+    echo "== S4-x20 job (rc $?)"; grep -E "^\| S4" "$OUT/jobx/results.md" 2>/dev/null || tail -n 20 "$OUT/jobx.log"
+fi
+
+if has shards; then
+    PYTHONPATH=$NEW_PATH timeout "${SHARDS_TIMEOUT:-60}" python3 scripts/lab/item_shards_gpu.py >"$OUT/shards.log" 2>&1
+    echo "== item shards on one GPU (rc $?)"; tail -n 12 "$OUT/shards.log"
 fi
