@@ -8,7 +8,9 @@ k-th score (the *widened* pass, over those users only), and searched again in ex
 result is always the exact answer. ``engine.stats["widened_users"]`` counts the second tries,
 ``["fallback_users"]`` the exact searches.
 
-A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the certificate does not
+Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`):
+it then costs more than exact mode's whole search, whatever the certificate does. A large search first runs on a
+sample of its users (``EngineOptions.fast_sample``): where the certificate does not
 pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), the other users are searched in exact mode,
 and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``. The sampled users' answers
 are kept either way.
@@ -30,6 +32,14 @@ from ..core.exclusions import Exclusions
 #: once c + fallbacks > 1: declining above 0.25 keeps it from losing wherever c <= 0.75 (9 of those 12 cells), and
 #: where fallbacks run above 0.25 the most fast mode could still have gained is small (under 25% where c >= 0.5).
 DECLINE_FALLBACK = 0.25
+#: Candidates re-scored per user (k + m + 1) above this share of the items make fast mode slower than exact mode, even
+#: with every certificate holding: the re-scoring gathers each candidate's row, and an exact search streams the
+#: items. From the H200 cells without fallbacks (docs/benchmarks.md, 2026-12-01 12:15 UTC): 0.125% of the items -> fast
+#: 0.46x exact's time (10k x 1M x 256, k=1,000), 0.26% -> 0.86x (20k x 1M x 64, k=2,048), 1.25% -> 1.38x (200k x 100k
+#: x 32, k=1,000); a line through the last two crosses 1.0 near 0.5%. A rough model (dims and shapes differ), so it
+#: acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells are.
+MAX_CANDIDATE_SHARE = 0.005
+SHARE_MIN_ITEMS = 65_536
 #: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
 #: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
 #: search that small gains or loses little either way.
@@ -67,6 +77,15 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
     """Fast mode's search of prepared ``users`` (n, dim) float32 (host or backend): (scores, rows) (n, k) backend
     arrays, inner-product space, exactly exact mode's answer; sets ``engine.stats``."""
     n_users = int(users.shape[0])
+    wide = k + certificate.margin(k) + 1
+    if engine.n_items >= SHARE_MIN_ITEMS and wide > MAX_CANDIDATE_SHARE * engine.n_items:
+        vals, rows, run_stats = _search_exact(engine, users, k, excl)
+        engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
+                        "fallback_fraction": 0.0,
+                        "fast_declined": (f"{wide:,} candidates per user would be re-scored, "
+                                          f"{wide / engine.n_items:.2%} of the {engine.n_items:,} items (above "
+                                          f"{MAX_CANDIDATE_SHARE:.1%}): exact mode is faster")}
+        return vals, rows
     sample = _sample_rows(n_users, engine.options.fast_sample)
     if sample is None:
         vals, rows, engine.stats = _search_fast(engine, users, k, excl)
@@ -77,9 +96,7 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
     s_vals, s_rows, s_stats = _search_fast(engine, _take(xp, users, sample), k, excl.subset(sample))
     cost = (s_stats["fallback_users"] + s_stats["widened_users"] / 2) / sample.size
     if cost > DECLINE_FALLBACK:
-        r_vals = backend.empty_out((rest.size, k), np.float32, False)
-        r_rows = backend.empty_out((rest.size, k), np.int64, False)
-        run_stats = engine.run(_take(xp, users, rest), k, excl.subset(rest), r_vals, r_rows)()
+        r_vals, r_rows, run_stats = _search_exact(engine, _take(xp, users, rest), k, excl.subset(rest))
         stats = {**run_stats, "precision": "exact",
                  "fast_declined": (f"a sample of {sample.size:,} users: {s_stats['fallback_fraction']:.0%} fell "
                                    f"back to exact search, {s_stats['widened_users'] / sample.size:.0%} were "
@@ -101,6 +118,13 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
         vals[sel], rows[sel] = part_vals, part_rows
     engine.stats = stats
     return vals, rows
+
+
+def _search_exact(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any, dict]:
+    """Exact mode's search of prepared ``users``: (scores, rows) backend arrays and the search's stats."""
+    vals = engine.backend.empty_out((users.shape[0], k), np.float32, False)
+    rows = engine.backend.empty_out((users.shape[0], k), np.int64, False)
+    return vals, rows, engine.run(users, k, excl, vals, rows)()
 
 
 def _sample_rows(n_users: int, most: int) -> np.ndarray | None:
@@ -143,9 +167,7 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any
         vals[sel], rows[sel] = w_vals, w_rows
         failed = failed[w_failed]
     if failed.size:
-        fv = backend.empty_out((failed.size, k), np.float32, False)
-        fr = backend.empty_out((failed.size, k), np.int64, False)
-        engine.run(_take(xp, users, failed), k, excl.subset(failed), fv, fr)()
+        fv, fr, _ = _search_exact(engine, _take(xp, users, failed), k, excl.subset(failed))
         sel = xp.asarray(failed)
         vals[sel], rows[sel] = fv, fr
     stats = {**run_stats, "precision": "fast", "candidates": n_cand, "widened_users": int(widened.size),

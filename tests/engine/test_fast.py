@@ -295,3 +295,22 @@ def test_fast_sample_option(monkeypatch):
     assert calls == [6400]
     with pytest.raises(InputError, match="fast_sample"):
         EngineOptions(fast_sample=-1)
+
+
+def test_declines_where_it_would_rescore_too_large_a_share_of_the_items(device: str) -> None:
+    # k + m + 1 candidates per user above MAX_CANDIDATE_SHARE of a large catalogue: exact mode for everyone, said so.
+    from recall.engine import fast as fast_mode
+
+    rng = np.random.default_rng(11)
+    n_items = fast_mode.SHARE_MIN_ITEMS + 1000
+    items = rng.standard_normal((n_items, 4)).astype(np.float32)
+    users = rng.standard_normal((40, 4)).astype(np.float32)
+    exact = Engine(items, device=device)
+    engine = Engine(items, device=device, precision="fast")
+    share = fast_mode.MAX_CANDIDATE_SHARE * n_items
+    big = next(k for k in range(1, 10_000) if k + fast.margin(k) + 1 > share)
+    res = engine.search(users, big)
+    assert engine.stats["precision"] == "exact" and "re-scored" in engine.stats["fast_declined"]
+    oracle.assert_same_result(exact.search(users, big), res)
+    engine.search(users, 10)
+    assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats
