@@ -53,12 +53,17 @@ class TilePlan:
         return self.workers * (scores + users + self.user_block * state_bytes_per_user)
 
 
+#: Users per block below which a search's blocks are not split further to give every worker one.
+_MIN_SPLIT_BLOCK = 128
+
+
 def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, preferred: tuple[int, int, int],
                state_bytes_per_user: int, workers: int = 1) -> TilePlan:
     """The largest tiling at most ``preferred`` whose workspace fits in ``budget`` bytes.
 
     Shrinks the number of tiles per call first, then the item tile (to 256), then the user block, then the number
-    of concurrent workers, then the item tile to 1, halving each.
+    of concurrent workers, then the item tile to 1, halving each. Before that, with several workers, the user block
+    is halved (down to 128 users) until every worker has a block: a few hundred users still use every core.
 
     Raises
     ------
@@ -67,6 +72,8 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
     """
     pref_users, pref_tile, pref_tiles = preferred
     user_block = max(1, min(pref_users, n_users))
+    while workers > 1 and user_block > _MIN_SPLIT_BLOCK and -(-n_users // user_block) < workers:
+        user_block //= 2
     item_tile = max(1, min(pref_tile, n_items))
     tiles = max(1, min(pref_tiles, -(-n_items // item_tile)))
     workers = max(1, min(workers, -(-n_users // user_block)))

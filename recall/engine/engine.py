@@ -336,17 +336,18 @@ class Engine:
         if items is None and self.streamed:
             return streamed.run(self, self._items, users, k, excl, out_vals, out_rows, plan)
         items = self._items if items is None else items
-        n_users, dim = users.shape
         n_items = int(items.shape[0])
-        if plan is not None:
-            return self.backend.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, self.options,
-                                           floor)
-        preferred = self.options.tiles or tuning.preferred_tiles(self, users, k)
-        preferred = (max(preferred[0], self.options.min_user_block), preferred[1], preferred[2])
-        plan = plan_tiles(n_users, n_items, dim, k, budget or self.memory_budget, preferred,
-                          self.backend.state_bytes(k), self.backend.workers)
+        plan = plan or self.plan(users, n_items, k, budget)
         return self.backend.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, self.options,
                                        floor)
+
+    def plan(self, users: Any, n_items: int, k: int, budget: int | None = None) -> Any:
+        """The tiling of a pass of prepared ``users`` against ``n_items`` items keeping ``k``: the options' tiles, a
+        tuned entry or the backend's heuristic, fitted to ``budget`` (default: the engine's memory budget)."""
+        preferred = self.options.tiles or tuning.preferred_tiles(self, users, k)
+        preferred = (max(preferred[0], self.options.min_user_block), preferred[1], preferred[2])
+        return plan_tiles(int(users.shape[0]), n_items, int(users.shape[1]), k, budget or self.memory_budget,
+                          preferred, self.backend.state_bytes(k), self.backend.workers)
 
     def _check_users(self, user_vecs: Any, exclude: Any) -> tuple[Any, Any, Exclusions]:
         """(array module, validated users, normalised exclusions) of a single-vector search."""

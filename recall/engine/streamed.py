@@ -110,7 +110,8 @@ def prepare(backend: Any, metric: str, item_vecs: Any, cap: int) -> tuple[Stream
 
 def group_users(budget: int, k: int, n_users: int) -> int:
     """Users searched together against every segment: their running results (a few copies of (n, k) scores and
-    rows) take at most half the memory budget; the tiled search of each segment gets the other half."""
+    rows) take at most half the memory budget, beside the tiled search of each segment (which plans under the whole
+    budget, as the resident search does: a streamed search may use up to 1.5 times it)."""
     return max(1, min(n_users, _aligned(budget // 2 // (_GROUP_COPIES * 12 * max(1, k)))))
 
 
@@ -122,6 +123,9 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
     wall = time.perf_counter()
     n_users = int(users.shape[0])
     group = group_users(engine.memory_budget, k, n_users)
+    # The tiling the resident search of all these users against all the items would take, for every segment: the
+    # same GEMM calls over the same rows, so the same score bits (groups and segments start on its blocks).
+    plan = plan or engine.plan(users, items.shape[0], k)
     segments = items.segments()
     busy = 0.0
     blocks = 0
@@ -140,8 +144,7 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
             floor = best[0][:, k - 1] if best is not None and best[0].shape[1] >= k else None
             vals = backend.empty_out((g1 - g0, kseg), np.float32, False)
             rows = backend.empty_out((g1 - g0, kseg), np.int64, False)
-            wait = engine.run(gu, kseg, gx.window(lo, hi), vals, rows, items=resident, floor=floor, plan=plan,
-                              budget=max(1, engine.memory_budget // 2))  # the group's results hold the other half
+            wait = engine.run(gu, kseg, gx.window(lo, hi), vals, rows, items=resident, floor=floor, plan=plan)
             parts = [(vals, rows, lo)] if best is None else [(*best, 0), (vals, rows, lo)]
             best = backend.merge(parts, k)  # queued after the segment's search, on the backend
             inflight.append((resident, wait))

@@ -41,7 +41,7 @@ from recall.jobs.executors import item_shards as item_shard_executors
 from recall.jobs.options import JobOptions
 
 runner = CliRunner()
-#: A 16-item tile (the CPU's own is 2048): the tiny catalogues here then split into real ranges, some smaller than k.
+#: A 16-item tile (the CPU's own is 512): the tiny catalogues here then split into real ranges, some smaller than k.
 SMALL_TILES = JobOptions(engine=EngineOptions(tiles=(32, 16, 1)))
 
 
@@ -186,13 +186,13 @@ def test_a_shard_without_a_passing_item_returns_nothing_and_the_rest_is_exact(in
 
 
 def test_default_tiling_on_a_catalogue_of_several_tiles(inline: None, tmp_path: Path) -> None:
-    """The CPU's own tile (2048 items): 5,000 float items make 3 tiles, one per shard, bytes as unsharded."""
+    """The CPU's own tile (512 items): 5,000 float items make 10 tiles, cut 4 / 3 / 3, bytes as unsharded."""
     job = _float_job(tmp_path / "job", n_items=5000, dim=8, zero_user=False)
     for metric in ("cosine", "l2"):
         _batch(job, tmp_path / f"ref-{metric}", metric=metric, k=20)
         _batch(job, tmp_path / metric, metric=metric, k=20, item_shards=3)
         _same(tmp_path / metric, tmp_path / f"ref-{metric}")
-        assert [w["n_items"] for w in metrics(tmp_path / metric)["workers"]] == [2048, 2048, 904]
+        assert [w["n_items"] for w in metrics(tmp_path / metric)["workers"]] == [2048, 1536, 1416]
 
 
 def test_bad_inputs_are_named_as_unsharded(inline: None, tmp_path: Path) -> None:
@@ -267,7 +267,7 @@ def test_worker_processes_equal_the_unsharded_job(tmp_path: Path) -> None:
 
 
 def _several_tiles_job(root: Path, sizes: tuple[int, ...] = (130, 7, 0, 260, 45, 90)) -> dict:
-    """Small-integer vectors and 4,500 items: three of the CPU's own item tiles (2048), one per shard of three."""
+    """Small-integer vectors and 4,500 items: nine of the CPU's own item tiles (512), three per shard of three."""
     rng = np.random.default_rng(2)
     (root / "users").mkdir(parents=True)
     for i, n in enumerate(sizes):
@@ -289,7 +289,7 @@ def test_kill_9_of_a_sharded_job_then_rerun_gives_the_same_bytes(inline: None, t
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
     _kill_mid_run(args, out, env)  # python -m pacing: the parent sleeps after each batch it writes
     workers = metrics(out)["workers"]
-    assert [w["n_items"] for w in workers] == [2048, 2048, 404] and not (out / SUCCESS).exists()
+    assert [w["n_items"] for w in workers] == [1536, 1536, 1428] and not (out / SUCCESS).exists()
     assert _wait_for(lambda: not any(alive(w["pid"]) for w in workers), timeout=10), "orphan workers outlived the job"
     done = _manifest_done(out)
     assert 1 <= done < 6
