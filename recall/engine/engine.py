@@ -231,9 +231,8 @@ class Engine:
                                  item_norm=self.item_norm, _fast=None, _filter=None, _views={}, stats={})
             view._catalogue_rows = self.backend.xp.asarray(flt.rows)  # on the device: rows mapped back there
             if self.streamed:  # gathered in host memory: resident when the passing rows fit on the device
-                view._items = streamed.gather(self.backend, self._items, flt.rows, self.item_memory,
-                                              self.memory_budget)
-                view.prepared_items = view._items.host if view.streamed else None
+                view._items, view.prepared_items = streamed.gather(self.backend, self._items, flt.rows,
+                                                                   self.item_memory, self.memory_budget)
             else:
                 view.prepared_items = self.prepared_items[view._catalogue_rows]
                 view._items = self.backend.load_items(view.prepared_items)

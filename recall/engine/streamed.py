@@ -169,17 +169,18 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
     return lambda: stats
 
 
-def gather(backend: Any, items: StreamedItems, rows: Any, item_memory: int | None, budget: int) -> Any:
+def gather(backend: Any, items: StreamedItems, rows: Any, item_memory: int | None, budget: int) -> tuple[Any, Any]:
     """The prepared rows ``rows`` (host or device int64, increasing) of streamed items as a catalogue of their own:
-    resident where they fit, else streamed again."""
+    (its items, its prepared matrix): resident on the backend where they fit, else streamed again."""
     picked = items.host[to_numpy(rows)]
     cap = needs_streaming(backend, picked.shape[0], picked.shape[1], item_memory, budget)
     if cap is None:
-        return backend.load_items(backend.ingest(picked))
+        prepared = backend.ingest(picked)
+        return backend.load_items(prepared), prepared
     segment_rows = max(1, cap // (2 * row_bytes(backend, picked.shape[1])))
     pinned = backend.empty_out(picked.shape, np.float32, True)
     pinned[...] = picked
-    return StreamedItems(pinned, min(picked.shape[0], _aligned(segment_rows)), cap)
+    return StreamedItems(pinned, min(picked.shape[0], _aligned(segment_rows)), cap), pinned
 
 
 def rescore(engine: Any, items: StreamedItems, users: Any, indptr: np.ndarray, rows: Any, k: int) -> tuple[Any, Any,

@@ -92,6 +92,13 @@ def test_interests_rescore_fast_and_async(device: str) -> None:
     fast = Engine(items, device=device, precision="fast", item_memory=_memory(device, 6, "ip", 31))
     assert_same_result(resident.search(users, 9), fast.search(users, 9))
     assert fast.stats["precision"] == "exact" and "streamed" in fast.stats["fast_declined"]
+    # A filter whose rows fit makes a resident catalogue (on the CPU; the GPU's padded copy keeps this one
+    # streamed): fast mode runs there, with the same answer.
+    fast_resident = Engine(items, device=device, precision="fast")
+    allow = np.arange(0, 250, 5)
+    got = fast.search(users, 9, allow=allow)
+    assert next(iter(fast._views.values())).streamed == (device == "gpu")
+    assert_same_result(fast_resident.search(users, 9, allow=allow), got)
 
 
 def test_one_item_one_user_no_users(device: str) -> None:
