@@ -215,14 +215,25 @@ class RecallContender(Contender):
 # --- FAISS ----------------------------------------------------------------------------------------------------------
 
 
-def _import_faiss() -> tuple[Any, str | None]:
+def _optional(module: str, label: str, hint: str = "", probe: tuple[str, ...] = ()) -> tuple[Any, str | None]:
+    """(the module, None), or (None, why not): not installed (with ``hint``), or failing at import (a broken
+    shared-library setup or a wheel built for another CUDA fails with assorted errors). ``probe``: submodules that
+    must import too."""
+    import importlib
+
     try:
-        import faiss
+        mod = importlib.import_module(module)
+        for sub in probe:
+            importlib.import_module(f"{module}.{sub}")
     except ImportError as exc:
-        return None, f"faiss is not installed ({exc}); install the 'bench' extra (faiss-cpu) or 'bench-gpu' (faiss-gpu)"
-    except Exception as exc:  # a broken shared-library setup fails at import with assorted errors
-        return None, f"faiss failed to import: {type(exc).__name__}: {exc}"
-    return faiss, None
+        return None, f"{label} is not installed ({exc}){'; ' + hint if hint else ''}"
+    except Exception as exc:  # noqa: BLE001 - every import failure is a skip reason, never a bench crash
+        return None, f"{label} failed to import: {type(exc).__name__}: {exc}"
+    return mod, None
+
+
+def _import_faiss() -> tuple[Any, str | None]:
+    return _optional("faiss", "faiss", "install the 'bench' extra (faiss-cpu) or 'bench-gpu' (faiss-gpu)")
 
 
 def _faiss_gpu_reason(faiss: Any) -> str | None:
@@ -459,16 +470,8 @@ class FaissKnnContender(Contender):
 
 
 def _import_cuvs() -> tuple[Any, str | None]:
-    try:
-        from cuvs.neighbors import brute_force, filters  # noqa: F401
-    except ImportError as exc:
-        return None, (f"cuVS is not installed ({exc}); install cuvs-cu12 (or cuvs-cu13) from the RAPIDS index, or "
-                      "stage it as shared/device/README.md says")
-    except Exception as exc:  # a wheel built for another CUDA fails at import with assorted errors
-        return None, f"cuVS failed to import: {type(exc).__name__}: {exc}"
-    import cuvs
-
-    return cuvs, None
+    return _optional("cuvs", "cuVS", "install cuvs-cu12 (or cuvs-cu13) from the RAPIDS index, or stage it as "
+                     "shared/device/README.md says", probe=("neighbors.brute_force", "neighbors.filters"))
 
 
 _CUVS_METRIC = {"ip": "inner_product", "l2": "sqeuclidean", "cosine": "cosine"}
@@ -603,13 +606,7 @@ class CuvsContender(Contender):
 
 
 def _import_torch() -> tuple[Any, str | None]:
-    try:
-        import torch
-    except ImportError as exc:
-        return None, f"torch is not installed ({exc})"
-    except Exception as exc:
-        return None, f"torch failed to import: {type(exc).__name__}: {exc}"
-    return torch, None
+    return _optional("torch", "torch")
 
 
 class TorchContender(Contender):
