@@ -326,27 +326,27 @@ class Engine:
         return pending
 
     def run(self, users: Any, k: int, excl: Exclusions, out_vals: Any, out_rows: Any, items: Any = None,
-            floor: Any = None, plan: Any = None, budget: int | None = None) -> Callable[[], dict]:
+            floor: Any = None, plan: Any = None) -> Callable[[], dict]:
         """One tiled pass of prepared ``users`` (``metrics.prepare_users``) against resident items (default: the
         engine's; fast mode passes its float16 copy) into the (n, k) arrays ``out_vals`` / ``out_rows`` (from
         ``backend.empty_out``; k <= the items' rows); returns the backend's wait (see ``Backend.run_blocks``). The
-        building block of every search mode; ``plan`` replaces the tiling the engine would choose, ``budget`` the
-        memory budget it plans under. Over streamed items (``item_memory``) the search is done when this returns."""
+        building block of every search mode; ``plan`` replaces the tiling the engine would choose. Over streamed
+        items (``item_memory``) the search is done when this returns."""
         if items is None and self.streamed:
             return streamed.run(self, self._items, users, k, excl, out_vals, out_rows, plan)
         items = self._items if items is None else items
         n_items = int(items.shape[0])
-        plan = plan or self.plan(users, n_items, k, budget)
+        plan = plan or self.plan(users, n_items, k)
         return self.backend.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, self.options,
                                        floor)
 
-    def plan(self, users: Any, n_items: int, k: int, budget: int | None = None) -> Any:
+    def plan(self, users: Any, n_items: int, k: int) -> Any:
         """The tiling of a pass of prepared ``users`` against ``n_items`` items keeping ``k``: the options' tiles, a
-        tuned entry or the backend's heuristic, fitted to ``budget`` (default: the engine's memory budget)."""
+        tuned entry or the backend's heuristic, fitted to the engine's memory budget."""
         preferred = self.options.tiles or tuning.preferred_tiles(self, users, k)
         preferred = (max(preferred[0], self.options.min_user_block), preferred[1], preferred[2])
-        return plan_tiles(int(users.shape[0]), n_items, int(users.shape[1]), k, budget or self.memory_budget,
-                          preferred, self.backend.state_bytes(k), self.backend.workers)
+        return plan_tiles(int(users.shape[0]), n_items, int(users.shape[1]), k, self.memory_budget, preferred,
+                          self.backend.state_bytes(k), self.backend.workers)
 
     def _check_users(self, user_vecs: Any, exclude: Any) -> tuple[Any, Any, Exclusions]:
         """(array module, validated users, normalised exclusions) of a single-vector search."""

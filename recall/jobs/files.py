@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -369,53 +369,53 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
     k, metric, backend = spec.k, spec.metric, spec.backend
     batch_size = spec.batch_size
     overlap = started = None
-    side_box: Future = Future()  # the side files, once read: the early searches' exclusions wait for them
-    if _searches_early(spec, precision, items_info):
-        overlap = Overlap()
-
-        def start_reader(dim: int) -> None:
-            nonlocal batch_size
-            batch_size = batch_size or auto_batch_size(k, dim)
-            overlap.start_reader(user_batches(spec.users_path, batch_size, spec.id_col, spec.vec_col, dim, metric,
-                                              spec.dim_source))
-
-        def exclusions(batch: Embeddings) -> tuple[Any, Any]:
-            return side_box.result().excl.block(batch.row_start, batch.row_start + len(batch))
-
-        started = early.EarlyStart(items_info.n_rows, k, spec.options.early_parts, overlap.take, Overlap.DONE,
-                                   overlap.fail, overlap.stop, on_dim=start_reader,
-                                   exclusions=exclusions if spec.exclude_path else None, metric=metric,
-                                   device=backend, memory_budget=spec.memory_budget, options=spec.options.engine)
-        started.start()
+    # The users' ids (checked for duplicates), and the exclusions and filters mapped to rows (with the items' ids
+    # read on their own), while the items load: all spend their time in pyarrow, NumPy and numba with the GIL
+    # released, and nothing can be searched before they are done (the early searches' exclusions wait for them).
+    pool = ThreadPoolExecutor(2, thread_name_prefix="recall-ids")
+    ids_read = pool.submit(read_ids, spec.users_path, spec.id_col, spec.vec_col)
+    side_read = None
+    if spec.exclude_path or spec.allow_path or spec.deny_path:
+        side_read = pool.submit(lambda: _read_side(spec, ids_read, read_ids(
+            spec.items_path, spec.id_col, spec.vec_col, check_unique=False)))
     first: list = []
     try:
-        # The users' ids (checked for duplicates), and the exclusions and filters mapped to rows (with the items' ids
-        # read on their own), while the items load: all spend their time in pyarrow, NumPy and numba with the GIL
-        # released, and nothing can be searched before they are done.
-        with ThreadPoolExecutor(2, thread_name_prefix="recall-ids") as pool:
-            ids_read = pool.submit(read_ids, spec.users_path, spec.id_col, spec.vec_col)
-            side_read = None
-            if spec.exclude_path or spec.allow_path or spec.deny_path:
-                side_read = pool.submit(lambda: _read_side(spec, ids_read, read_ids(
-                    spec.items_path, spec.id_col, spec.vec_col, check_unique=False)))
-                side_read.add_done_callback(lambda f: _settle(side_box, f.exception(), f))
-            items, engine, item_read_s = load_engine(spec.items_path, spec.id_col, spec.vec_col, metric, backend,
-                                                     spec.memory_budget, precision, spec.options.engine,
-                                                     on_rows=started.on_rows if started else None,
-                                                     item_memory=spec.options.item_memory)
-            t0 = time.perf_counter()
-            user_ids = ids_read.result()
-            side = side_read.result() if side_read is not None else _Side()
+        if _searches_early(spec, precision, items_info):
+            overlap = Overlap()
+
+            def start_reader(dim: int) -> None:
+                nonlocal batch_size
+                batch_size = batch_size or auto_batch_size(k, dim)
+                overlap.start_reader(user_batches(spec.users_path, batch_size, spec.id_col, spec.vec_col, dim,
+                                                  metric, spec.dim_source))
+
+            def exclusions(batch: Embeddings) -> tuple[Any, Any]:
+                return side_read.result().excl.block(batch.row_start, batch.row_start + len(batch))
+
+            started = early.EarlyStart(items_info.n_rows, k, spec.options.early_parts, overlap.take, Overlap.DONE,
+                                       overlap.fail, overlap.stop, on_dim=start_reader,
+                                       exclusions=exclusions if spec.exclude_path else None, metric=metric,
+                                       device=backend, memory_budget=spec.memory_budget,
+                                       options=spec.options.engine)
+            started.start()
+        items, engine, item_read_s = load_engine(spec.items_path, spec.id_col, spec.vec_col, metric, backend,
+                                                 spec.memory_budget, precision, spec.options.engine,
+                                                 on_rows=started.on_rows if started else None,
+                                                 item_memory=spec.options.item_memory)
+        t0 = time.perf_counter()
+        user_ids = ids_read.result()
+        side = side_read.result() if side_read is not None else _Side()
         side.apply(engine)
         if started is not None:
             first = started.finish(items.vectors, engine)
-    except BaseException as exc:
-        _settle(side_box, exc)  # an early search waiting for the exclusions gives up
+    except BaseException:
         if started is not None:
-            started.cancel()
+            started.cancel()  # a search waiting for the exclusions gets them, or their error, from the pool
         if overlap is not None:
             overlap.cancel()
         raise
+    finally:
+        pool.shutdown(wait=True)
     start_s = time.perf_counter() - spec.t_start
     item_read_s += time.perf_counter() - t0
     batch_size = batch_size or auto_batch_size(k, engine.dim)
@@ -445,17 +445,6 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
         raise
     return _summary(spec, "score", engine, int(user_ids.size), stream, item_read_s, start_s, batch_size, side,
                     early_users=sum(len(batch) for batch, _ in first))
-
-
-def _settle(box: Future, exc: BaseException | None, done: Future | None = None) -> None:
-    """Set ``box`` from a finished future ``done`` (its exception, or its result), or fail it with ``exc``; once."""
-    try:
-        if exc is not None:
-            box.set_exception(exc)
-        elif done is not None:
-            box.set_result(done.result())
-    except InvalidStateError:
-        pass  # set already (the reading thread and a failing job may both try)
 
 
 def _searches_early(spec: _Spec, precision: str, items_info: Any) -> bool:
