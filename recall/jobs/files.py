@@ -401,7 +401,7 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
         items, engine, item_read_s = load_engine(spec.items_path, spec.id_col, spec.vec_col, metric, backend,
                                                  spec.memory_budget, precision, spec.options.engine,
                                                  on_rows=started.on_rows if started else None,
-                                                 item_memory=spec.options.item_memory)
+                                                 item_memory=spec.options.item_memory, info=items_info)
         t0 = time.perf_counter()
         user_ids = ids_read.result()
         side = side_read.result() if side_read is not None else _Side()

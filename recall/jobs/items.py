@@ -35,7 +35,7 @@ def streams(backend: Any, n_items: int, dim: int, metric: str, memory_budget: in
 def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, backend: Any, memory_budget: int | None,
                 precision: str = "exact", options: Any = None,
                 on_rows: Callable[[Any, int], None] | None = None,
-                item_memory: int | None = None) -> tuple[Embeddings, Engine, float]:
+                item_memory: int | None = None, info: Any = None) -> tuple[Embeddings, Engine, float]:
     """Read and validate an item file into ``backend``'s memory and build the resident engine on it.
 
     The engine gets no ids: its results hold item rows, which the job maps to ids as it writes them
@@ -43,11 +43,12 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, backend
     rather than between two searches, and the ids, already checked by the reader (naming the file and rows), are not
     sorted a second time by the engine. ``on_rows(vectors, rows)`` is called as the rows arrive (see
     ``read_embeddings``). Items beyond ``item_memory`` (see :func:`streams`) are read into host memory and streamed.
+    ``info``: the item file's ``inspect_embeddings``, where the caller has it already.
 
     Returns (items, engine, seconds spent reading). Raises InputError naming the file, row and id of a bad item.
     """
     t0 = time.perf_counter()
-    info = inspect_embeddings(items_path, id_col, vec_col)
+    info = info or inspect_embeddings(items_path, id_col, vec_col)
     # A list<float> column declares no dimension: its items go to the host when the caller set item_memory.
     host = streams(backend, info.n_rows, info.dim, metric, memory_budget, item_memory) if info.dim is not None \
         else item_memory is not None
