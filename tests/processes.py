@@ -32,3 +32,20 @@ def paced(args: list[str], repo: Path, tests: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{repo}:{tests}"}
     return subprocess.Popen([sys.executable, "-m", "pacing", *args], cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def tracker_registrations(monkeypatch) -> list[tuple[str, str]]:
+    """What this process registers with multiprocessing's resource tracker from now on (named semaphores, shared
+    memory): each one a job stopped by a signal has not given back is reported on stderr by the tracker, after the
+    job's own last line."""
+    import multiprocessing.resource_tracker as tracker
+
+    seen: list[tuple[str, str]] = []
+    register = tracker.register
+
+    def spy(name: str, rtype: str) -> None:
+        seen.append((name, rtype))
+        register(name, rtype)
+
+    monkeypatch.setattr(tracker, "register", spy)
+    return seen

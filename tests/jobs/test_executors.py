@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from pacing import pace
-from processes import alive, metrics, paced
+from processes import alive, metrics, paced, tracker_registrations
 from test_batch import (
     REPO,
     SIZES,
@@ -62,9 +62,14 @@ needs_2_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="nee
 
 
 @needs_2_cores
-def test_cpu_worker_processes_equal_one_worker(job: dict, tmp_path: Path, reference: dict) -> None:
+def test_cpu_worker_processes_equal_one_worker(job: dict, tmp_path: Path, reference: dict,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
+    tracked = tracker_registrations(monkeypatch)
     summary = _run(job, out, workers=2)
+    # No named semaphores (a multiprocessing queue's): a job stopped by a signal would leave them to the resource
+    # tracker, which reports them on stderr after the job's last line.
+    assert tracked == []
     assert summary.workers == 2 and summary.shards_scored == len(SIZES)
     assert _outputs(out) == reference
     # A worker still loading the items when the other has finished every shard is stopped without reporting.
@@ -155,6 +160,7 @@ def test_sigterm_of_the_parent_stops_its_workers_cleanly(job: dict, tmp_path: Pa
             proc.wait()
     assert proc.returncode == 143, stderr
     assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
+    assert "resource_tracker" not in stderr, stderr
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
     assert not any(alive(w["pid"]) for w in metrics(out)["workers"])
     summary = _run(job, out)

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from parquet_data import write_embeddings
-from processes import alive, metrics, paced
+from processes import alive, metrics, paced, tracker_registrations
 from test_batch import (
     REPO,
     SIZES,
@@ -251,13 +251,16 @@ def test_gpus_all_goes_with_item_shards(inline: None, tmp_path: Path) -> None:
 
 # ---- worker processes, a kill -9 and its resume, Ray --------------------------------------------------------------
 
-def test_worker_processes_equal_the_unsharded_job(tmp_path: Path) -> None:
+def test_worker_processes_equal_the_unsharded_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three spawned workers (this host has two cores: two share one), exclusions and a filter: the bytes of the
-    unsharded job; each worker held only its rows, in a process of its own, gone at the end."""
+    unsharded job; each worker held only its rows, in a process of its own, gone at the end; the parent left nothing
+    for the resource tracker to report."""
     job = _float_job(tmp_path / "job")
     kw = dict(metric="l2", options=SMALL_TILES, exclude=job["exclude"], allow=job["allow"], k=12)
     _batch(job, tmp_path / "ref", **kw)
+    tracked = tracker_registrations(monkeypatch)
     summary = _batch(job, tmp_path / "out", item_shards=3, **kw)
+    assert tracked == []
     _same(tmp_path / "out", tmp_path / "ref")
     workers = metrics(tmp_path / "out")["workers"]
     assert summary.workers == 3 and len({w["pid"] for w in workers}) == 3 and os.getpid() not in {
@@ -325,6 +328,7 @@ def test_sigterm_of_a_sharded_job_stops_its_workers_cleanly(tmp_path: Path) -> N
             proc.wait()
     assert proc.returncode == 143, stderr
     assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
+    assert "resource_tracker" not in stderr, stderr
     assert stopped_in < 8, stopped_in  # not a 10 s join timeout per worker
     assert metrics(out)["job"]["status"] == "failed" and not [p for p in out.iterdir() if ".tmp-" in p.name]
     assert not any(alive(w["pid"]) for w in metrics(out)["workers"])

@@ -2,8 +2,8 @@
 each (or a share of the CPU cores), driven by :class:`recall.jobs.batch.item_shards.ItemShardScorer` in the parent,
 which merges their lists and writes every output.
 
-Each worker is reached through a :class:`ProcessHandle`: a request queue and a reply queue of its own, so replies come
-back in request order, and the parent's searching thread can send the next batches while its writer thread waits for
+Each worker is reached through a :class:`ProcessHandle`: a pipe of its own (:mod:`.channel`), so replies come back in
+request order, and the parent's searching thread can send the next batches while its writer thread waits for
 the lists of the previous one. The workers are born and die as those of :mod:`.local` (``spawn``, the slot's
 environment from birth, killed with the parent), and a worker that dies fails the job with its name and the shard it
 was scoring.
@@ -18,12 +18,14 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from multiprocessing.connection import Connection
 from typing import Any
 
 from ...backends.placement import WorkerSlot, plan_workers
 from ...core.errors import InputError
 from ..batch.item_shards import InlineHandle, ItemShardScorer, RangeScorer
 from ..batch.worker import BatchError, JobSpec, ShardTask
+from .channel import Channel
 from .local import _die_with_parent, _environ, _worker_signals, describe_error, rebuild_error, score_in_turn
 
 _POLL_S = 0.2
@@ -64,38 +66,40 @@ class ItemShardExecutor:
             score_in_turn(scorer, tasks, job)
 
 
-def _range_worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None, requests: Any,
-                       replies: Any, parent_pid: int) -> None:
+def _range_worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None, conn: Connection,
+                       parent_pid: int) -> None:
     """A worker process: a :class:`RangeScorer`, then each request ``(method, args)`` answered in order until a
     None arrives. A failure is answered as ``("error", class, message, traceback)`` and ends the worker."""
     _worker_signals()
     _die_with_parent(parent_pid)
     if cores:
         os.sched_setaffinity(0, cores)
+    chan = Channel(conn)
+    flush: float | None = None  # every answer reaches a parent that is still reading
     try:
-        scorer = RangeScorer(spec, device, worker=name)
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        replies.put(("error", *describe_error(exc)))
-        return
-    try:
-        while True:
-            msg = requests.get()
-            if msg is None:
-                return
+        try:
+            scorer = RangeScorer(spec, device, worker=name)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+            chan.send(("error", *describe_error(exc)))
+            return
+        while (msg := chan.recv()) is not None:
             method, args = msg
             try:
                 value = getattr(scorer, method)(*args)
             except SystemExit:
                 raise
             except BaseException as exc:  # noqa: BLE001
-                replies.put(("error", *describe_error(exc)))
+                chan.send(("error", *describe_error(exc)))
                 return
-            replies.put(("ok", value))
+            chan.send(("ok", value))
+    except (EOFError, OSError):
+        flush = 0  # the parent is gone: nobody reads
     except SystemExit:
-        # Stopped by the parent (SIGTERM): lists it will never read must not hold up the exit (a process waits, as
-        # it ends, until its queue's feeder thread has written everything put, and a pipe holds 64 KiB).
-        replies.cancel_join_thread()
+        # Stopped by the parent (SIGTERM): lists it will never read must not hold up the exit.
+        flush = 0
         raise
+    finally:
+        chan.close(flush)
 
 
 class _Reply:
@@ -118,11 +122,11 @@ class ProcessHandle:
         The worker failed otherwise, or died (naming it, its pid and the shard).
     """
 
-    def __init__(self, name: str, proc: Any, requests: Any, replies: Any) -> None:
-        self.name, self.proc, self.requests, self.replies = name, proc, requests, replies
+    def __init__(self, name: str, proc: Any, chan: Channel) -> None:
+        self.name, self.proc, self.chan = name, proc, chan
         self.shard: str | None = None
         self._send = threading.Lock()
-        self._read = threading.Lock()  # one reader of the reply queue at a time; answers kept by sequence number
+        self._read = threading.Lock()  # one reader of the replies at a time; answers kept by sequence number
         self._sent = 0
         self._received = 0
         self._answers: dict[int, tuple] = {}
@@ -130,13 +134,13 @@ class ProcessHandle:
 
     def submit(self, method: str, *args: Any) -> _Reply:
         with self._send:
-            self.requests.put((method, args))
+            self.chan.send((method, args))
             seq = self._sent  # counted once sent: a drain waits only for answers that can come
             self._sent += 1
         return _Reply(self, seq)
 
     def share(self, value: Any) -> Any:
-        return value  # each request carries its own copy through the queue
+        return value  # each request carries its own copy through the pipe
 
     def take(self, seq: int) -> Any:
         with self._read:
@@ -160,12 +164,13 @@ class ProcessHandle:
             if self._failure is not None:
                 raise self._failure
             try:
-                msg = self.replies.get(timeout=_POLL_S)
+                msg = self.chan.recv(_POLL_S)
             except queue.Empty:
-                if self.proc.exitcode is not None:
-                    self._failure = self._died()
-                    raise self._failure
                 continue
+            except EOFError:  # the worker exited before answering
+                self.proc.join(_JOIN_S)
+                self._failure = self._died()
+                raise self._failure
             self._answers[self._received] = msg
             self._received += 1
             if msg[0] == "error":  # the worker exits after it: later requests get no answer
@@ -176,7 +181,8 @@ class ProcessHandle:
 
     def _died(self) -> BatchError:
         code = self.proc.exitcode
-        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        how = f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else \
+            f"exited with code {code}"
         where = f"while scoring {self.shard}" if self.shard else "while loading its item range"
         return BatchError(f"worker {self.name} (pid {self.proc.pid}) {how} {where}; rerun the same command to "
                           f"resume")
@@ -212,15 +218,16 @@ def _processes(slots: list[WorkerSlot], spec: JobSpec) -> Iterator[list[ProcessH
     handles: list[ProcessHandle] = []
     try:
         for slot in slots:
-            requests, replies = ctx.Queue(), ctx.Queue()
+            parent_end, child_end = ctx.Pipe(duplex=True)
             with _environ(slot.env):
                 proc = ctx.Process(target=_range_worker_main, name=f"recall-items-{slot.name}", daemon=True,
-                                   args=(slot.name, spec, slot.device, slot.cores, requests, replies, os.getpid()))
+                                   args=(slot.name, spec, slot.device, slot.cores, child_end, os.getpid()))
                 proc.start()
-            handles.append(ProcessHandle(slot.name, proc, requests, replies))
+            child_end.close()  # the worker holds the only other end: its exit is this end's end-of-file
+            handles.append(ProcessHandle(slot.name, proc, Channel(parent_end)))
         yield handles
         for h in handles:
-            h.requests.put(None)
+            h.chan.send(None)
         for h in handles:
             h.proc.join(_JOIN_S)
     finally:
@@ -232,8 +239,7 @@ def _processes(slots: list[WorkerSlot], spec: JobSpec) -> Iterator[list[ProcessH
             if h.proc.is_alive():
                 h.proc.kill()
                 h.proc.join()
-            h.requests.cancel_join_thread()
-            h.replies.cancel_join_thread()
+            h.chan.close(0)
 
 
 def local_item_shard_executor(*, device: str, n_shards: int, say: Callable[[str], None]) -> ItemShardExecutor:

@@ -4,8 +4,9 @@
 Processes, not threads: each GPU worker must see exactly one device, and ``CUDA_VISIBLE_DEVICES`` is read once, when
 CUDA initialises in a process. Each worker process is started with the ``spawn`` method (a fresh interpreter: no
 CUDA state, no locks or threads inherited from the parent) with ``CUDA_VISIBLE_DEVICES`` already set in its
-environment, so whatever imports CuPy there sees only its GPU. Shards go through one queue that every worker reads
-when it is free: a slow shard does not hold the others back. Workers are killed with the parent (Linux
+environment, so whatever imports CuPy there sees only its GPU. Each worker has a pipe of its own to the parent
+(:mod:`.channel`), which hands the next shard to whichever worker is free: a slow shard does not hold the others
+back, and a worker that dies, however it dies, is seen at once as its pipe's end-of-file. Workers are killed with the parent (Linux
 ``PR_SET_PDEATHSIG``): after a kill -9 of the job, no orphan keeps writing into the output directory.
 
 On the CPU one worker uses every core (the CPU backend runs one user block per core), so ``--workers N`` is only
@@ -13,22 +14,26 @@ worth it on large hosts (several NUMA nodes): each of the N processes is pinned 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import multiprocessing as mp
 import os
-import queue
 import signal
 import traceback
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ...backends.placement import WorkerSlot, plan_workers
 from ...core.errors import BackendUnavailable, InputError, ResourceError
 from ..batch.worker import BatchError, JobSpec, ShardScorer, ShardTask
+from .channel import Channel
 
 _POLL_S = 0.2
 _JOIN_S = 10.0
+#: How long a worker stopped by SIGTERM waits for its last message (the error it reports) to be written.
+_STOPPED_FLUSH_S = 2.0
 #: Errors a worker re-raises in the parent as themselves (the CLI turns them into exit code 2).
 _USER_ERRORS = {cls.__name__: cls for cls in (InputError, ResourceError, BackendUnavailable)}
 
@@ -90,33 +95,42 @@ def _worker_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None, tasks: Any, results: Any,
+def _worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None, conn: Connection,
                  parent_pid: int) -> None:
-    """A worker process: load the items once, then score shards from ``tasks`` until a None arrives."""
+    """A worker process: load the items once, say it is ready, then score each shard the parent sends until a None
+    arrives."""
     _worker_signals()
     _die_with_parent(parent_pid)
     if cores:
         os.sched_setaffinity(0, cores)
+    chan = Channel(conn)
+    flush: float | None = None  # every message reaches a parent that is still reading
     try:
-        scorer = ShardScorer(spec, device, worker=name)
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        results.put(("error", name, None, *describe_error(exc)))
-        return
-    results.put(("ready", name, scorer.info))
-    while True:
-        task = tasks.get()
-        if task is None:
-            return
-        results.put(("start", name, task.name))
         try:
-            result = scorer.score(task, progress=lambda n: results.put(("users", name, n)))
-        except InputError as exc:  # a bad shard: reported, and the worker takes the next one
-            results.put(("bad", name, task.name, task.path, str(exc)))
-            continue
-        except BaseException as exc:  # noqa: BLE001
-            results.put(("error", name, task.name, *describe_error(exc)))
+            scorer = ShardScorer(spec, device, worker=name)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+            chan.send(("error", name, None, *describe_error(exc)))
             return
-        results.put(("done", name, result))
+        chan.send(("ready", name, scorer.info))
+        while (task := chan.recv()) is not None:
+            try:
+                result = scorer.score(task, progress=lambda n: chan.send(("users", name, n)))
+            except InputError as exc:  # a bad shard: reported, and the worker takes the next one
+                chan.send(("bad", name, task.name, task.path, str(exc)))
+                continue
+            except BaseException as exc:  # noqa: BLE001
+                chan.send(("error", name, task.name, *describe_error(exc)))
+                if isinstance(exc, SystemExit):
+                    flush = _STOPPED_FLUSH_S
+                return
+            chan.send(("done", name, result))
+    except (EOFError, OSError):
+        flush = 0  # the parent is gone: nobody reads
+    except SystemExit:
+        flush = _STOPPED_FLUSH_S
+        raise
+    finally:
+        chan.close(flush)
 
 
 @contextlib.contextmanager
@@ -135,7 +149,7 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
 
 
 class ProcessExecutor:
-    """One spawned process per worker slot, shards handed out through a shared queue.
+    """One spawned process per worker slot, each shard handed to the next worker that is free.
 
     Parameters
     ----------
@@ -151,26 +165,22 @@ class ProcessExecutor:
 
     def run(self, spec: JobSpec, tasks: list[ShardTask], job: Any) -> None:
         ctx = mp.get_context("spawn")
-        task_q, result_q = ctx.Queue(), ctx.Queue()
-        for task in tasks:
-            task_q.put(task)
-        for _ in self.names:
-            task_q.put(None)
         procs: dict[str, Any] = {}
+        chans: dict[str, Channel] = {}
         try:
             for slot in self.slots:
+                parent_end, child_end = ctx.Pipe(duplex=True)
                 with _environ(slot.env):
                     proc = ctx.Process(target=_worker_main, name=f"recall-batch-{slot.name}", daemon=True,
-                                       args=(slot.name, spec, slot.device, slot.cores, task_q, result_q,
-                                             os.getpid()))
+                                       args=(slot.name, spec, slot.device, slot.cores, child_end, os.getpid()))
                     proc.start()
-                procs[slot.name] = proc
-            ready = self._collect(tasks, job, procs, result_q)
-            # Workers that were ready take their None and exit; one still loading the items when the last shard
+                child_end.close()  # the worker holds the only other end: its exit is this end's end-of-file
+                procs[slot.name], chans[slot.name] = proc, Channel(parent_end)
+            finished = _Dispatch(tasks, job, procs, chans).run()
+            # Workers that had finished took their None and exit; one still loading the items when the last shard
             # finished has nothing left to do and is stopped below.
-            for name, proc in procs.items():
-                if name in ready:
-                    proc.join(_JOIN_S)
+            for name in finished:
+                procs[name].join(_JOIN_S)
         finally:
             for proc in procs.values():
                 if proc.is_alive():
@@ -180,50 +190,80 @@ class ProcessExecutor:
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
-            task_q.cancel_join_thread()
-            result_q.cancel_join_thread()
+            for chan in chans.values():
+                chan.close(0)
 
-    @staticmethod
-    def _collect(tasks: list[ShardTask], job: Any, procs: dict[str, Any], result_q: Any) -> set[str]:
-        """Handle the workers' messages until every task is done; returns the names of the workers that were ready."""
-        pending = len(tasks)
-        current: dict[str, str] = {}
-        ready: set[str] = set()
-        while pending:
-            try:
-                msg = result_q.get(timeout=_POLL_S)
-            except queue.Empty:
-                # Only once the queue is drained: a worker's last messages may arrive after it has exited.
-                for name, proc in procs.items():
-                    if proc.exitcode is not None and proc.exitcode != 0:
-                        code = proc.exitcode
-                        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else \
-                            f"exited with code {code}"
-                        where = f"while scoring {current[name]}" if name in current else "before taking a shard"
-                        raise BatchError(f"worker {name} (pid {proc.pid}) {how} {where}; rerun the same command to "
-                                         f"resume")
-                if all(p.exitcode is not None for p in procs.values()):
-                    raise BatchError(f"every worker exited with {pending} shard(s) left")
-                continue
-            kind, name = msg[0], msg[1]
-            if kind == "ready":
-                ready.add(name)
-                job.worker_ready(msg[2])
-            elif kind == "start":
-                current[name] = msg[2]
-            elif kind == "users":
-                job.users(msg[2])
-            elif kind == "done":
-                current.pop(name, None)
-                job.shard_done(msg[2])
-                pending -= 1
-            elif kind == "bad":
-                current.pop(name, None)
-                job.shard_failed(*msg[2:])
-                pending -= 1
-            elif kind == "error":
-                raise rebuild_error(name, *msg[2:])
-        return ready
+
+class _Dispatch:
+    """The parent's side of a multi-process job: each worker that is ready, or has just finished a shard, gets the
+    next one (a slow shard holds no one else back), then a None once none are left."""
+
+    def __init__(self, tasks: list[ShardTask], job: Any, procs: dict[str, Any], chans: dict[str, Channel]) -> None:
+        self.todo = collections.deque(tasks)
+        self.pending = len(tasks)
+        self.job, self.procs, self.chans = job, procs, chans
+        self.current: dict[str, str] = {}
+        self.finished: set[str] = set()
+        self._name = {chan.conn: name for name, chan in chans.items()}
+
+    def run(self) -> set[str]:
+        """Handle the workers' messages until every shard is done; returns the workers that were sent their None."""
+        open_ = set(self._name)
+        while self.pending:
+            if not open_:
+                raise BatchError(f"every worker exited with {self.pending} shard(s) left")
+            for conn in wait(list(open_), timeout=_POLL_S):
+                name = self._name[conn]
+                try:
+                    msg = self.chans[name].recv()
+                except EOFError:
+                    open_.discard(conn)
+                    self._ended(name)
+                    continue
+                self._handle(name, msg)
+        return self.finished
+
+    def _handle(self, name: str, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            self.job.worker_ready(msg[2])
+            self._next(name)
+        elif kind == "users":
+            self.job.users(msg[2])
+        elif kind == "done":
+            self.current.pop(name, None)
+            self.job.shard_done(msg[2])
+            self.pending -= 1
+            self._next(name)
+        elif kind == "bad":
+            self.current.pop(name, None)
+            self.job.shard_failed(*msg[2:])
+            self.pending -= 1
+            self._next(name)
+        elif kind == "error":
+            raise rebuild_error(name, *msg[2:])
+
+    def _next(self, name: str) -> None:
+        if self.todo:
+            task = self.todo.popleft()
+            self.current[name] = task.name
+            self.chans[name].send(task)
+        else:
+            self.finished.add(name)
+            self.chans[name].send(None)
+
+    def _ended(self, name: str) -> None:
+        """A worker's pipe closed: the worker exited. Fine once it was sent its None; otherwise the job fails,
+        naming it and what it was doing."""
+        proc = self.procs[name]
+        proc.join(_JOIN_S)
+        if name in self.finished and proc.exitcode == 0:
+            return
+        code = proc.exitcode
+        how = f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else \
+            f"exited with code {code}"
+        where = f"while scoring {self.current[name]}" if name in self.current else "before taking a shard"
+        raise BatchError(f"worker {name} (pid {proc.pid}) {how} {where}; rerun the same command to resume")
 
 
 def local_executor(*, device: str, gpus: int | str | None, workers: int | None,
