@@ -13,13 +13,13 @@ from recall.backends.numpy import heap as topk
 
 
 def _empty_heaps(n_users: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.full((n_users, k), -np.inf, np.float32), np.full((n_users, k), -1, np.int64)
+    return topk.new_heaps(n_users, k)
 
 
-def _sorted(heap_vals: np.ndarray, heap_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    out_vals = np.empty_like(heap_vals)
-    out_idx = np.empty_like(heap_idx)
-    topk.heap_sort_rows(heap_vals, heap_idx, out_vals, out_idx)
+def _sorted(heap_keys: np.ndarray, heap_thr: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    out_vals = np.empty(heap_keys.shape, np.float32)
+    out_idx = np.empty(heap_keys.shape, np.int64)
+    topk.heap_sort_rows(heap_keys, out_vals, out_idx)
     return out_vals, out_idx
 
 
@@ -39,7 +39,7 @@ def _run(full: np.ndarray, k: int, width: int, tiles_per_call: int, n_items: int
     """Feed ``full`` (n_users, n_cols >= n_items) to heap_update in calls of ``tiles_per_call`` tiles of ``width``
     columns, in item order, with item rows >= n_items present in the last tile but to be ignored."""
     n_users, n_cols = full.shape
-    heap_vals, heap_idx = _empty_heaps(n_users, k)
+    heap_keys, heap_thr = _empty_heaps(n_users, k)
     indptr, rows = excl if excl is not None else _csr([[] for _ in range(n_users)])
     span = width * tiles_per_call
     for start in range(0, n_cols, span):
@@ -48,8 +48,11 @@ def _run(full: np.ndarray, k: int, width: int, tiles_per_call: int, n_items: int
         padded = np.full((n_users, tiles * width), np.float32(1e30), np.float32)  # would win if not cut off
         padded[:, : chunk.shape[1]] = chunk
         batch = np.ascontiguousarray(padded.reshape(n_users, tiles, width).transpose(1, 0, 2))
-        topk.heap_update(batch, start, n_items, heap_vals, heap_idx, indptr, rows)
-    return _sorted(heap_vals, heap_idx)
+        topk.heap_update(batch, start, n_items, heap_keys, heap_thr, indptr, rows)
+    vals, idx = _sorted(heap_keys)
+    # Each threshold is the user's k-th best score so far (-inf while it holds fewer than k).
+    np.testing.assert_array_equal(heap_thr, vals[:, -1])
+    return vals, idx
 
 
 def _assert_matches(vals, idx, full, k, n_items, exclude=None):
@@ -65,10 +68,10 @@ def test_multi_tile_batch_with_cutoff_inside_last_tile():
     full = rng.standard_normal((n_users, n_tiles * width)).astype(np.float32)
     full[:, n_items:] = 1e30  # rows past n_items must never be taken, however good
     batch = np.ascontiguousarray(full.reshape(n_users, n_tiles, width).transpose(1, 0, 2))
-    heap_vals, heap_idx = _empty_heaps(n_users, k)
+    heap_keys, heap_thr = _empty_heaps(n_users, k)
     indptr, rows = _csr([[] for _ in range(n_users)])
-    topk.heap_update(batch, 0, n_items, heap_vals, heap_idx, indptr, rows)
-    vals, idx = _sorted(heap_vals, heap_idx)
+    topk.heap_update(batch, 0, n_items, heap_keys, heap_thr, indptr, rows)
+    vals, idx = _sorted(heap_keys)
     assert idx.max() < n_items
     _assert_matches(vals, idx, full, k, n_items)
 
@@ -80,10 +83,10 @@ def test_tile_layout_is_tiles_users_width():
     batch[2, 0, 1] = 5.0  # user 0 -> item 9
     batch[0, 1, 3] = 5.0  # user 1 -> item 3
     batch[1, 2, 0] = 5.0  # user 2 -> item 4
-    heap_vals, heap_idx = _empty_heaps(n_users, 1)
+    heap_keys, heap_thr = _empty_heaps(n_users, 1)
     indptr, rows = _csr([[], [], []])
-    topk.heap_update(batch, 100, 10_000, heap_vals, heap_idx, indptr, rows)
-    vals, idx = _sorted(heap_vals, heap_idx)
+    topk.heap_update(batch, 100, 10_000, heap_keys, heap_thr, indptr, rows)
+    vals, idx = _sorted(heap_keys)
     np.testing.assert_array_equal(idx[:, 0], [109, 103, 104])
     np.testing.assert_array_equal(vals[:, 0], 5.0)
 
@@ -146,10 +149,36 @@ def test_heap_sort_rows_orders_any_arrangement():
     idx = np.array([[9, -1, 4, 2, 7, -1],
                     [5, 3, 8, 0, 1, 2],
                     [-1] * 6], np.int64)
-    out_vals, out_idx = _sorted(vals, idx)
+    out_vals, out_idx = _sorted(topk.keys_of(vals, idx))
     np.testing.assert_array_equal(out_idx, [[4, 7, 2, 9, -1, -1], [0, 1, 2, 3, 5, 8], [-1] * 6])
     np.testing.assert_array_equal(out_vals[0], [3.0, 2.0, 1.0, 1.0, -np.inf, -np.inf])
     assert np.all(np.isneginf(out_vals[2]))
+
+
+def test_signed_zeros_are_one_score_and_rows_order_them():
+    # -0.0 == +0.0: row order decides between them, as for any equal scores (the key of -0.0 is that of +0.0).
+    full = np.array([[-0.0, 0.0, -0.0, -1.0, 0.0]], np.float32)
+    vals, idx = _run(full, 4, 2, 1, 5)
+    np.testing.assert_array_equal(idx, [[0, 1, 2, 4]])
+    np.testing.assert_array_equal(vals, [[0.0, 0.0, 0.0, 0.0]])
+
+
+def test_keys_order_as_score_desc_row_asc():
+    # One integer comparison of keys is the (score, row) order, across signs, magnitudes, infinities and rows
+    # up to the largest a key holds.
+    vals = np.array([np.inf, 3e38, 1.0, 1.0, 1e-45, 0.0, -1e-45, -1.0, -3e38, -np.inf, -np.inf], np.float32)
+    rows = np.array([0, 5, 2, topk.MAX_ROWS, 7, 1, 9, 0, 4, 3, -1])
+    keys = topk.keys_of(vals, rows)
+    assert np.all(keys[:-1] > keys[1:])  # best first, the empty slot last
+    assert keys[-1] == topk.EMPTY_KEY
+
+
+def test_cpu_backend_refuses_rows_a_key_cannot_hold():
+    from recall.backends.numpy.backend import NumpyBackend
+    from recall.core.errors import ResourceError
+
+    with pytest.raises(ResourceError, match="at most 4,294,967,295 items"):
+        NumpyBackend().run_blocks(None, None, None, topk.MAX_ROWS + 2, 10, None, None, None, None)
 
 
 def test_topk_rows_reference():

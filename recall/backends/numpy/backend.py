@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ...core import keys
+from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
 from ...core.options import EngineOptions
 from ...core.results import to_numpy
@@ -60,8 +61,8 @@ def tune_band(users: tuple[int, ...], items: tuple[tuple[int, int], ...], band: 
 
 @dataclass
 class _HeapState:
-    vals: np.ndarray  # (capacity, k) float32 min-heaps, root = worst kept
-    idx: np.ndarray  # (capacity, k) int64
+    keys: np.ndarray  # (capacity, k) uint64 min-heaps of packed (score, row) keys, root = worst kept
+    thr: np.ndarray  # (capacity,) float32: each root's score
     n_users: int
     k: int
 
@@ -128,7 +129,7 @@ class NumpyBackend:
         return min(1 << 30, self.free_memory() // 4)
 
     def state_bytes(self, k: int) -> int:
-        return 12 * k
+        return 8 * k + 4
 
     def resident_bytes(self, n_items: int, dim: int) -> int:
         return 4 * n_items * dim
@@ -137,10 +138,15 @@ class NumpyBackend:
         return None  # the items are searched where they are
 
     def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
-        # A (512 x 512) float32 tile is 1 MiB: it stays in one core's L2 between the GEMM that writes it and the
-        # scan that reads it, and 512 users amortise the BLAS's packing of each item tile four times better than
-        # 128 (cpu-small, 2 cores, 2026-12-01: 1.61 s against 1.87 s for 128 x 2,048; docs/benchmarks.md).
-        return 512, 512, 1
+        # The more users a block holds, the better the BLAS amortises its packing of each item tile, until the
+        # block's heaps (8 bytes a kept pair) crowd its score tile out of the core's cache: up to 1,024 users while
+        # their heaps fit in 1 MiB, and a score tile of at least 1 MiB (cpu-small, 2 cores, 2026-12-01: k=100
+        # 1,024 x 512 1.10 s against 1.19 s for 512 x 512; k=1,000 128 x 2,048 2.05 s against 2.40 s, 7.4 s for
+        # 2,048 x 256; docs/benchmarks.md).
+        user_block = 1024
+        while user_block > 128 and user_block * 8 * k > 1 << 20:
+            user_block //= 2
+        return user_block, max(512, (1 << 18) // user_block), 1
 
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         return tune_band(_TUNE_USERS, _TUNE_ITEMS, _TUNE_BAND, heuristic)
@@ -163,6 +169,9 @@ class NumpyBackend:
                    excl: Exclusions, out_vals: np.ndarray, out_rows: np.ndarray, options: EngineOptions,
                    floor: Any = None) -> Any:
         # ``floor`` is an optimisation the heap search does without: every item above it is found either way.
+        if n_items > heap.MAX_ROWS + 1:
+            raise ResourceError(f"the CPU backend searches at most {heap.MAX_ROWS + 1:,} items at once, got "
+                                f"{n_items:,}; split the catalogue (recall batch --item-shards)")
         wall = time.perf_counter()
         tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows)
         return _done({"blocks": -(-users.shape[0] // plan.user_block), "workers": plan.workers,
@@ -194,23 +203,20 @@ class NumpyBackend:
         np.matmul(users, items.transpose(0, 2, 1), out=out)
 
     def topk_new(self, n_users: int, k: int) -> _HeapState:
-        state = _HeapState(np.empty((n_users, k), np.float32), np.empty((n_users, k), np.int64), n_users, k)
-        self.topk_reset(state, n_users)
-        return state
+        return _HeapState(*heap.new_heaps(n_users, k), n_users, k)
 
     def topk_reset(self, state: _HeapState, n_users: int) -> None:
         state.n_users = n_users
-        state.vals[:n_users] = -np.inf
-        state.idx[:n_users] = -1
+        heap.reset_heaps(state.keys[:n_users], state.thr[:n_users])
 
     def topk_update(self, state: _HeapState, scores: np.ndarray, item_start: int, n_items: int,
                     excl_indptr: np.ndarray, excl_items: np.ndarray) -> None:
         n = state.n_users
-        heap.heap_update(scores, item_start, n_items, state.vals[:n], state.idx[:n], excl_indptr, excl_items)
+        heap.heap_update(scores, item_start, n_items, state.keys[:n], state.thr[:n], excl_indptr, excl_items)
 
     def topk_result(self, state: _HeapState) -> tuple[np.ndarray, np.ndarray]:
         n = state.n_users
         vals = np.empty((n, state.k), np.float32)
         idx = np.empty((n, state.k), np.int64)
-        heap.heap_sort_rows(state.vals[:n], state.idx[:n], vals, idx)
+        heap.heap_sort_rows(state.keys[:n], vals, idx)
         return vals, idx
