@@ -145,10 +145,10 @@ def read_pairs(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.ndarr
     def flush() -> None:
         nonlocal pending
         if pending_users:
-            rows = lookup(pa.chunked_array(pending_users), user_ids).astype(row_type)
+            rows = lookup(pa.chunked_array(pending_users), user_ids, row_type)
             named[rows[rows >= 0]] = True  # a user named with an empty list still counts as named
             user_rows.append(np.repeat(rows, np.concatenate(pending_lengths)) if has_list else rows)
-            item_rows.append(lookup(pa.chunked_array(pending_items), item_ids).astype(row_type))
+            item_rows.append(lookup(pa.chunked_array(pending_items), item_ids, row_type))
         for part in (pending_users, pending_items, pending_lengths):
             part.clear()
         pending = 0

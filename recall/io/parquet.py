@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from numba import njit
 
 from ..core.errors import InputError
 
@@ -189,25 +190,41 @@ def flatten_id_lists(path: str, lists: pa.Array, row0: int) -> tuple[pa.Array, n
 DENSE_SPAN = 8
 
 
-def lookup(values: pa.Array | pa.ChunkedArray, ids: np.ndarray) -> np.ndarray:
-    """Row position of each value in ``ids``, -1 where absent: a table indexed by the id where integer ids are
-    dense, else a hash lookup in Arrow (no Python loop either way)."""
+def lookup(values: pa.Array | pa.ChunkedArray, ids: np.ndarray, dtype: Any = np.int64) -> np.ndarray:
+    """Row position of each value in ``ids``, -1 where absent, as ``dtype``: a table indexed by the id where integer
+    ids are dense (one compiled pass over the values, chunk by chunk, no temporaries), else a hash lookup in Arrow
+    (no Python loop either way)."""
     if ids.dtype != object and ids.size:
         lo, hi = int(ids.min()), int(ids.max())
         span = hi - lo + 1
         if span <= DENSE_SPAN * ids.size + 1024:
-            table = np.full(span, -1, np.int64)
-            table[ids - lo] = np.arange(ids.size, dtype=np.int64)
-            if isinstance(values, pa.ChunkedArray):
-                values = values.combine_chunks() if values.num_chunks else pa.array([], pa.int64())
-            offset = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False) - lo
-            inside = (offset >= 0) & (offset < span)  # ids outside the span are absent (their difference may wrap)
-            return np.where(inside, table[np.where(inside, offset, 0)], -1)
+            table = np.full(span, -1, dtype)
+            table[ids - lo] = np.arange(ids.size, dtype=dtype)
+            chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+            out = np.empty(len(values), dtype)
+            at = 0
+            for chunk in chunks:
+                n = len(chunk)
+                _table_lookup(chunk.to_numpy(zero_copy_only=False).astype(np.int64, copy=False), lo, table,
+                              out[at:at + n])
+                at += n
+            return out
     value_set = pa.array(ids, type=pa.string() if ids.dtype == object else pa.int64())
     pos = pc.index_in(values, value_set=value_set).fill_null(-1)
     if isinstance(pos, pa.ChunkedArray):
-        return np.asarray(pos.to_numpy(), dtype=np.int64) if pos.num_chunks else np.zeros(0, np.int64)
-    return pos.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        return np.asarray(pos.to_numpy(), dtype=dtype) if pos.num_chunks else np.zeros(0, dtype)
+    return pos.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+
+@njit(nogil=True, cache=True)
+def _table_lookup(values, lo, table, out):
+    """``out[i] = table[values[i] - lo]``, -1 outside the table. A difference that wraps cannot land inside it: the
+    table spans ids from ``lo`` to at most int64's largest."""
+    span = table.size
+    for i in range(values.size):
+        off = values[i] - lo
+        out[i] = table[off] if 0 <= off < span else -1
+
 
 def match_type(path: str, col: str, values: pa.Array, ids: np.ndarray, whose: str, row0: int = 0) -> pa.Array:
     """``values`` cast to the type of ``ids`` (int64 or string); InputError when integer meets string."""
