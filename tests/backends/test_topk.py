@@ -282,3 +282,16 @@ def test_oracle_recall_is_tie_aware():
     # assert_topk_close (for float data) accepts any order among tied scores; the exact tie order is what the
     # integer-data tests check, comparing indices exactly.
     oracle.assert_topk_close(np.array([[1, 0]]), np.array([[1.0, 1.0]]), users, items, 2)
+
+
+def test_lowest_bit_of_every_mask_position():
+    from numba import njit
+
+    @njit
+    def lowest(m):
+        return topk.lowest_bit(m)
+
+    for bit in range(64):
+        for above in (0, (1 << 64) - (1 << bit)):  # the bit alone, and with every bit above it set
+            mask = np.uint64((1 << bit) | (above & ((1 << 64) - 1)))
+            assert lowest(mask) == bit
