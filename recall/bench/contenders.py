@@ -258,7 +258,8 @@ class FaissContender(Contender):
 
     For ``l2`` FAISS returns squared distances; they are negated so that, like the engine's, higher is better.
     ``cosine`` normalises users and items first, as the engine does. With exclusions it searches
-    ``k + max exclusions per user`` and post-filters (:func:`recall.bench.exclusions.post_filter`), timed.
+    ``k + max exclusions per user`` and post-filters (:func:`recall.bench.exclusions.post_filter`), timed. A shared
+    filter searches a flat index of the allowed items (built in the timed search).
     """
 
     family = "faiss"
@@ -269,7 +270,7 @@ class FaissContender(Contender):
         self._index = None
         self._res = None
         self._faiss = None
-        self._keep = None
+        self._xb = None
 
     def unavailable(self) -> str | None:
         faiss, reason = _import_faiss()
@@ -306,29 +307,34 @@ class FaissContender(Contender):
     def prepare(self, item_vecs: Any) -> None:
         faiss, _ = _import_faiss()
         self._faiss = faiss
-        xb = self._normalised(item_vecs)
-        dim = int(xb.shape[1])
         if self.device == "gpu":
             self._res = faiss.StandardGpuResources()
+        self._xb = self._normalised(item_vecs)
+        self._index = self._build(self._xb)
+
+    def _build(self, xb: Any) -> Any:
+        """A flat index over ``xb`` (n, dim) float32, on this contender's device."""
+        faiss = self._faiss
+        dim = int(xb.shape[1])
+        if self.device == "gpu":
+            import cupy
+
+            xb = cupy.ascontiguousarray(xb, dtype=cupy.float32)
             cfg = faiss.GpuIndexFlatConfig()
             cfg.device = _current_gpu()
             index = (faiss.GpuIndexFlatL2 if self.metric == "l2" else faiss.GpuIndexFlatIP)(self._res, dim, cfg)
             # add_c with a device pointer: FAISS copies device-to-device, the items never visit the host.
             synchronize("gpu")
             index.add_c(int(xb.shape[0]), faiss.cast_integer_to_float_ptr(int(xb.data.ptr)))
-            synchronize("gpu")
-            self._keep = xb  # keep the source alive until the copy is surely done
-        else:
-            import numpy as np
+            synchronize("gpu")  # the copy is done: the source may go
+            return index
+        import numpy as np
 
-            index = faiss.IndexFlatL2(dim) if self.metric == "l2" else faiss.IndexFlatIP(dim)
-            index.add(np.ascontiguousarray(xb, dtype=np.float32))
-        self._index = index
+        index = faiss.IndexFlatL2(dim) if self.metric == "l2" else faiss.IndexFlatIP(dim)
+        index.add(np.ascontiguousarray(xb, dtype=np.float32))
+        return index
 
-    def search(self, user_vecs: Any, k: int, exclude: Any = None) -> tuple[Any, Any]:
-        xq = self._normalised(user_vecs)
-        n_items = int(self._index.ntotal)
-        k_fetch = min(k + exclude.max_per_user, n_items) if exclude is not None else k
+    def _query(self, index: Any, xq: Any, k_fetch: int) -> tuple[Any, Any]:
         if self.device == "gpu":
             import cupy
 
@@ -339,17 +345,39 @@ class FaissContender(Contender):
             f = self._faiss
             # Device pointers in, device pointers out: GpuIndex runs on resident data (what faiss.contrib.torch_utils
             # does for torch tensors). FAISS works on its own stream; the runner synchronises the whole device.
-            self._index.search_c(n, f.cast_integer_to_float_ptr(int(xq.data.ptr)), k_fetch,
-                                 f.cast_integer_to_float_ptr(int(D.data.ptr)),
-                                 f.cast_integer_to_idx_t_ptr(int(I.data.ptr)))
-        else:
-            D, I = self._index.search(xq, k_fetch)
+            index.search_c(n, f.cast_integer_to_float_ptr(int(xq.data.ptr)), k_fetch,
+                           f.cast_integer_to_float_ptr(int(D.data.ptr)), f.cast_integer_to_idx_t_ptr(int(I.data.ptr)))
+            return D, I
+        return index.search(xq, k_fetch)
+
+    supports_allow = True
+
+    def search(self, user_vecs: Any, k: int, exclude: Any = None, allow: Any = None) -> tuple[Any, Any]:
+        xq = self._normalised(user_vecs)
+        if allow is not None:
+            return self._search_allowed(xq, k, allow)
+        n_items = int(self._index.ntotal)
+        k_fetch = min(k + exclude.max_per_user, n_items) if exclude is not None else k
+        D, I = self._query(self._index, xq, k_fetch)
         return _faiss_finish(self.metric, self.device, D, I, k, exclude)
+
+    def _search_allowed(self, xq: Any, k: int, allow: Any) -> tuple[Any, Any]:
+        """A shared filter as a FAISS user applies one to a flat index whatever the device (``GpuIndexFlat`` takes no
+        ``IDSelector``): a flat index of the allowed items only, built here and timed, its labels mapped back to
+        item rows."""
+        xp = _array_module(self._xb)
+        rows = xp.asarray(allow, dtype=xp.int64)
+        index = self._build(self._xb[rows])
+        D, I = self._query(index, xq, min(k, int(rows.shape[0])))
+        synchronize(self.device)  # FAISS writes D and I on its own stream
+        I, D = _faiss_finish(self.metric, self.device, D, rows[I], k, None)
+        D, I = pad(_array_module(D), D, I, k)
+        return I, D
 
     def release(self) -> None:
         self._index = None
         self._res = None
-        self._keep = None
+        self._xb = None
 
 
 def _faiss_finish(metric: str, device: str, D: Any, I: Any, k: int, exclude: Any) -> tuple[Any, Any]:
@@ -499,6 +527,7 @@ class CuvsContender(Contender):
     arrays; each batch's answer is copied into CuPy arrays reused between searches. cuVS runs on its own
     ``Resources`` stream: CuPy's stream is synchronised before each batch's search (queries, bitmap written) and cuVS's
     after it (the bitmap is rewritten for the next batch), and those waits are timed, as a cuVS user would pay them.
+    Exclusions go in as a per-query bitmap, a shared filter as one bitset (``filters.from_bitset``).
     """
 
     family = "cuvs"
@@ -558,12 +587,18 @@ class CuvsContender(Contender):
             self._out = (cupy.empty((n, k), dtype=cupy.float32), cupy.empty((n, k), dtype=cupy.int64))
         return self._out
 
-    def search(self, user_vecs: Any, k: int, exclude: Any = None) -> tuple[Any, Any]:
+    supports_allow = True
+
+    def search(self, user_vecs: Any, k: int, exclude: Any = None, allow: Any = None) -> tuple[Any, Any]:
         import cupy
         from cuvs.neighbors import brute_force, filters
 
-        from .exclusions import bitmap_into, bitmap_words
+        from .exclusions import allow_bitset, bitmap_into, bitmap_words
 
+        shared = None
+        if allow is not None:
+            # A shared filter the cuVS way: one bitset over the items for every query (built here, timed).
+            shared = filters.from_bitset(cupy.asarray(allow_bitset(allow, self._n_items)))
         n = int(user_vecs.shape[0])
         k_sel = min(k, self._n_items)
         D, I = self._outputs(n, k_sel)
@@ -577,7 +612,7 @@ class CuvsContender(Contender):
                 self._bits = cupy.empty(words, dtype=cupy.uint32)
         for a in range(0, n, batch):
             b = min(a + batch, n)
-            prefilter = None
+            prefilter = shared
             if exclude is not None:
                 prefilter = filters.from_bitmap(bitmap_into(self._bits, exclude, a, b))
             stream.synchronize()  # what CuPy wrote (queries, bitmap) is there before cuVS's stream reads it

@@ -358,6 +358,15 @@ def bitmap_words(n_users: int, n_items: int) -> int:
     return -(-(int(n_users) * int(n_items)) // 32)
 
 
+def allow_bitset(allow: np.ndarray, n_items: int) -> np.ndarray:
+    """cuVS's shared filter (``filters.from_bitset``) of an allow-set of item rows: bit ``j`` (least significant
+    first within each uint32 word) 1 where row ``j`` is allowed. Built on the host (``n_items / 8`` bytes)."""
+    rows = np.asarray(allow, dtype=np.int64)
+    bits = np.zeros(-(-int(n_items) // 32), dtype=np.uint32)
+    np.bitwise_or.at(bits, rows >> 5, (np.uint32(1) << (rows & 31).astype(np.uint32)))
+    return bits
+
+
 def bitmap_into(buf: Any, excl: Exclusions, start: int, stop: int) -> Any:
     """The cuVS per-query bitmap of users ``start:stop``, built on the device in ``buf``: bit ``j`` of query ``i`` at
     position ``i * n_items + j``, least significant bit first within each uint32 word, 1 = allowed.

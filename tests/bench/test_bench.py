@@ -358,16 +358,21 @@ def test_e2e_candidates_reader_pads_missing_users(tmp_path):
     assert sc[2, 1] == 2.0 and np.isneginf(sc[1]).all()
 
 
-def test_allow_set_workload_checks_the_filter() -> None:
-    # A shared allow-set: recall takes it and is exact; an answer with an item outside it is not exact.
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+@pytest.mark.parametrize("make", [contenders.RecallContender, contenders.FaissContender], ids=["recall", "faiss"])
+def test_allow_set_workload_checks_the_filter(make, metric: str) -> None:
+    # A shared allow-set: each contender takes it and is exact; an answer with an item outside it is not exact.
     w = workloads.get("tiny-allow10")
     users, items = w.generate(0, "cpu")
     allowed = w.allowed(0)
     assert allowed.size == 500 and (np.diff(allowed) > 0).all()
     rows = oracle.sample_rows(w.n_users, 200, 0)
-    truth = w.truth(users, items, rows, allowed=allowed)
+    truth = w.truth(users, items, rows, metric=metric, allowed=allowed)
     assert np.isin(truth.top_items[truth.top_items >= 0], allowed).all()
-    c = contenders.RecallContender("cpu")
+    c = make("cpu", metric=metric)
+    if c.unavailable():
+        pytest.skip(c.unavailable())
+    assert c.check_workload(w) is None
     c.prepare(items)
     idx, sc = c.search(users, w.k, allow=allowed)
     assert w.check(truth, users, items, idx, sc).exact
@@ -375,3 +380,26 @@ def test_allow_set_workload_checks_the_filter() -> None:
     outside = np.setdiff1d(np.arange(w.n_items), allowed)
     bad[rows[0], 0] = outside[0]
     assert not w.check(truth, users, items, bad, None).exact
+
+
+def test_faiss_with_fewer_allowed_items_than_k_pads() -> None:
+    c = contenders.FaissContender("cpu")
+    if c.unavailable():
+        pytest.skip(c.unavailable())
+    items = np.array([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0], [0.0, 3.0], [1.0, 1.0]], np.float32)
+    c.prepare(items)
+    idx, sc = c.search(np.array([[1.0, 0.0], [0.0, 1.0]], np.float32), 4, allow=np.array([1, 2, 4]))
+    np.testing.assert_array_equal(idx, [[2, 4, 1, -1], [4, 1, 2, -1]])
+    np.testing.assert_array_equal(sc[:, :3], [[2.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    assert np.isneginf(sc[:, 3]).all()
+
+
+def test_allow_bitset_sets_exactly_the_allowed_bits() -> None:
+    from recall.bench.exclusions import allow_bitset
+
+    allow = np.array([0, 1, 31, 32, 63, 64, 99])
+    bits = allow_bitset(allow, 100)
+    assert bits.dtype == np.uint32 and bits.shape == (4,)
+    unpacked = np.unpackbits(bits.view(np.uint8), bitorder="little")[:100]
+    np.testing.assert_array_equal(np.flatnonzero(unpacked), allow)
+    assert not np.unpackbits(bits.view(np.uint8), bitorder="little")[100:].any()
