@@ -110,6 +110,8 @@ def _worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None,
             scorer = ShardScorer(spec, device, worker=name)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
             chan.send(("error", name, None, *describe_error(exc)))
+            if isinstance(exc, SystemExit):
+                flush = _STOPPED_FLUSH_S
             return
         chan.send(("ready", name, scorer.info))
         while (task := chan.recv()) is not None:
