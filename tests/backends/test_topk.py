@@ -34,12 +34,16 @@ def _csr(sets: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return indptr, np.array(rows, dtype=np.int64)
 
 
-def _run(full: np.ndarray, k: int, width: int, tiles_per_call: int, n_items: int, excl=None
+def _run(full: np.ndarray, k: int, width: int, tiles_per_call: int, n_items: int, excl=None, kind: str = "heap"
          ) -> tuple[np.ndarray, np.ndarray]:
-    """Feed ``full`` (n_users, n_cols >= n_items) to heap_update in calls of ``tiles_per_call`` tiles of ``width``
-    columns, in item order, with item rows >= n_items present in the last tile but to be ignored."""
+    """Feed ``full`` (n_users, n_cols >= n_items) to the selection kernel of ``kind`` ("heap": heap_update,
+    "buffer": buffer_update, cut back to k whenever 2k keys are held) in calls of ``tiles_per_call`` tiles of
+    ``width`` columns, in item order, with item rows >= n_items present in the last tile but to be ignored."""
     n_users, n_cols = full.shape
-    heap_keys, heap_thr = _empty_heaps(n_users, k)
+    if kind == "heap":
+        heap_keys, heap_thr = _empty_heaps(n_users, k)
+    else:
+        heap_keys, heap_thr, counts = topk.new_buffers(n_users, k)
     indptr, rows = excl if excl is not None else _csr([[] for _ in range(n_users)])
     span = width * tiles_per_call
     for start in range(0, n_cols, span):
@@ -48,11 +52,24 @@ def _run(full: np.ndarray, k: int, width: int, tiles_per_call: int, n_items: int
         padded = np.full((n_users, tiles * width), np.float32(1e30), np.float32)  # would win if not cut off
         padded[:, : chunk.shape[1]] = chunk
         batch = np.ascontiguousarray(padded.reshape(n_users, tiles, width).transpose(1, 0, 2))
-        topk.heap_update(batch, start, n_items, heap_keys, heap_thr, indptr, rows)
-    vals, idx = _sorted(heap_keys)
-    # Each threshold is the user's k-th best score so far (-inf while it holds fewer than k).
-    np.testing.assert_array_equal(heap_thr, vals[:, -1])
+        if kind == "heap":
+            topk.heap_update(batch, start, n_items, heap_keys, heap_thr, indptr, rows)
+        else:
+            topk.buffer_update(batch, start, n_items, heap_keys, counts, heap_thr, k, indptr, rows)
+    if kind == "heap":
+        vals, idx = _sorted(heap_keys)
+        # Each threshold is the user's k-th best score so far (-inf while it holds fewer than k).
+        np.testing.assert_array_equal(heap_thr, vals[:, -1])
+        return vals, idx
+    vals = np.empty((n_users, k), np.float32)
+    idx = np.empty((n_users, k), np.int64)
+    topk.buffer_sort_rows(heap_keys, counts, vals, idx)
+    # A buffer's threshold trails: at most the k-th best score so far, and exactly it after a cut.
+    assert np.all(heap_thr <= vals[:, -1]) and np.all(counts < 2 * k)
     return vals, idx
+
+
+KINDS = pytest.mark.parametrize("kind", ["heap", "buffer"])
 
 
 def _assert_matches(vals, idx, full, k, n_items, exclude=None):
@@ -92,7 +109,8 @@ def test_tile_layout_is_tiles_users_width():
 
 
 @pytest.mark.parametrize("width, tiles_per_call", [(1, 1), (3, 2), (64, 1), (65, 3), (200, 1)])
-def test_successive_calls_ties_and_exclusions(width, tiles_per_call):
+@KINDS
+def test_successive_calls_ties_and_exclusions(width, tiles_per_call, kind):
     # Integer scores with many ties across call and tile boundaries, some exclusions before, inside and after
     # each call's range, and a cutoff in the last tile.
     rng = np.random.default_rng(width)
@@ -103,40 +121,44 @@ def test_successive_calls_ties_and_exclusions(width, tiles_per_call):
     sets[0] = list(range(0, n_items, 2))
     sets[3] = list(range(n_items - 1))  # only the last item remains for user 3
     excl = _csr(sets)
-    vals, idx = _run(full, k, width, tiles_per_call, n_items, excl)
+    vals, idx = _run(full, k, width, tiles_per_call, n_items, excl, kind=kind)
     _assert_matches(vals, idx, full, k, n_items, excl)
     assert (idx[3] >= 0).sum() == 1 and idx[3, 0] == n_items - 1
 
 
-def test_equal_score_never_displaces_lower_row():
+@KINDS
+def test_equal_score_never_displaces_lower_row(kind):
     # All scores equal: the first k rows must be kept, in row order, whatever the tiling.
     full = np.zeros((2, 300), np.float32)
     for width in (1, 7, 64, 300):
-        vals, idx = _run(full, 10, width, 2, 300)
+        vals, idx = _run(full, 10, width, 2, 300, kind=kind)
         np.testing.assert_array_equal(idx, np.tile(np.arange(10), (2, 1)))
         np.testing.assert_array_equal(vals, 0.0)
 
 
-def test_rising_scores_every_tile_beats_the_last():
+@KINDS
+def test_rising_scores_every_tile_beats_the_last(kind):
     # The threshold filter's worst case: every item beats all earlier ones.
     full = np.tile(np.arange(1000, dtype=np.float32), (3, 1))
     full[1] = -full[1]  # and a falling user for contrast
-    vals, idx = _run(full, 25, 64, 1, 1000)
+    vals, idx = _run(full, 25, 64, 1, 1000, kind=kind)
     np.testing.assert_array_equal(idx[0], np.arange(999, 974, -1))
     np.testing.assert_array_equal(idx[1], np.arange(25))
     _assert_matches(vals, idx, full, 25, 1000)
 
 
-def test_k_larger_than_items_pads_at_the_end():
+@KINDS
+def test_k_larger_than_items_pads_at_the_end(kind):
     full = np.array([[1.0, 3.0, 2.0], [0.0, 0.0, -1.0]], np.float32)
-    vals, idx = _run(full, 5, 2, 1, 3)
+    vals, idx = _run(full, 5, 2, 1, 3, kind=kind)
     np.testing.assert_array_equal(idx, [[1, 2, 0, -1, -1], [0, 1, 2, -1, -1]])
     np.testing.assert_array_equal(vals[:, 3:], -np.inf)
 
 
-def test_negative_and_huge_scores():
+@KINDS
+def test_negative_and_huge_scores(kind):
     full = np.array([[-1e30, -3e38, 3e38, -5.0, np.float32(-1e-45)]], np.float32)
-    vals, idx = _run(full, 5, 2, 2, 5)
+    vals, idx = _run(full, 5, 2, 2, 5, kind=kind)
     np.testing.assert_array_equal(idx, [[2, 4, 3, 0, 1]])
 
 
@@ -155,10 +177,11 @@ def test_heap_sort_rows_orders_any_arrangement():
     assert np.all(np.isneginf(out_vals[2]))
 
 
-def test_signed_zeros_are_one_score_and_rows_order_them():
+@KINDS
+def test_signed_zeros_are_one_score_and_rows_order_them(kind):
     # -0.0 == +0.0: row order decides between them, as for any equal scores (the key of -0.0 is that of +0.0).
     full = np.array([[-0.0, 0.0, -0.0, -1.0, 0.0]], np.float32)
-    vals, idx = _run(full, 4, 2, 1, 5)
+    vals, idx = _run(full, 4, 2, 1, 5, kind=kind)
     np.testing.assert_array_equal(idx, [[0, 1, 2, 4]])
     np.testing.assert_array_equal(vals, [[0.0, 0.0, 0.0, 0.0]])
 
@@ -211,9 +234,10 @@ def _heap_problems(draw):
 
 @given(problem=_heap_problems())
 @settings(max_examples=150)
-def test_property_heap_matches_stable_argsort(problem):
+@KINDS
+def test_property_heap_matches_stable_argsort(problem, kind):
     full, k, width, tiles_per_call, n_items, excl = problem
-    vals, idx = _run(full, k, width, tiles_per_call, n_items, excl)
+    vals, idx = _run(full, k, width, tiles_per_call, n_items, excl, kind=kind)
     # float32 scores compared in float32: the kernel sees exactly these values, so even float data is exact.
     _assert_matches(vals, idx, full, k, n_items, excl)
     real = idx >= 0

@@ -58,6 +58,19 @@ def test_every_metric_matches_oracle(device, metric, kind, make_normal, make_clu
     assert oracle.recall_at_k(idx, users, items, 10, metric, atol=atol) == 1.0
 
 
+@pytest.mark.parametrize("k", [700, 2500])
+def test_large_k_with_ties_and_exclusions_is_exact(device, k, make_ties):
+    # Large k (the CPU keeps buffers cut back to k, not heaps, from heap.BUFFER_MIN_K on): tied integer scores
+    # across many cuts, exclusions, and a user left with fewer than k items.
+    users, items = make_ties(9, 6000, 4, seed=3)
+    exclude = {u: list(range(u * 7, 6000, 3)) for u in range(9)}
+    exclude[4] = list(range(6000 - k // 2))  # k // 2 items remain: padding
+    engine = Engine(items, device=device)
+    idx, val, _ = _search(engine, users, k, exclude=exclude)
+    _assert_exact(idx, val, users, items, k, exclude=exclude)
+    assert (idx[4] >= 0).sum() == k // 2
+
+
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_ties_on_integer_data_are_exact(device, metric, make_ties):
     # Scores are small integers, exact in float32: every tie must be broken by the lower item row, and every score

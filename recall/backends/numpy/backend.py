@@ -61,10 +61,12 @@ def tune_band(users: tuple[int, ...], items: tuple[tuple[int, int], ...], band: 
 
 @dataclass
 class _HeapState:
-    keys: np.ndarray  # (capacity, k) uint64 min-heaps of packed (score, row) keys, root = worst kept
-    thr: np.ndarray  # (capacity,) float32: each root's score
+    keys: np.ndarray  # (capacity, k) uint64 min-heaps of packed (score, row) keys, root = worst kept; or, for
+    #                   k >= heap.BUFFER_MIN_K, (capacity, 2k) buffers of keys, counts[u] of them in use
+    thr: np.ndarray  # (capacity,) float32: each user's threshold
     n_users: int
     k: int
+    counts: np.ndarray | None = None
 
 
 def _done(stats: dict) -> Any:
@@ -129,7 +131,7 @@ class NumpyBackend:
         return min(1 << 30, self.free_memory() // 4)
 
     def state_bytes(self, k: int) -> int:
-        return 8 * k + 4
+        return 16 * k + 12 if k >= heap.BUFFER_MIN_K else 8 * k + 4
 
     def resident_bytes(self, n_items: int, dim: int) -> int:
         return 4 * n_items * dim
@@ -141,8 +143,11 @@ class NumpyBackend:
         # The more users a block holds, the better the BLAS amortises its packing of each item tile, until the
         # block's heaps (8 bytes a kept pair) crowd its score tile out of the core's cache: up to 1,024 users while
         # their heaps fit in 1 MiB, and a score tile of at least 1 MiB (cpu-small, 2 cores, 2026-12-01: k=100
-        # 1,024 x 512 1.10 s against 1.19 s for 512 x 512; k=1,000 128 x 2,048 2.05 s against 2.40 s, 7.4 s for
-        # 2,048 x 256; docs/benchmarks.md).
+        # 1,024 x 512 1.10 s against 1.19 s for 512 x 512). From heap.BUFFER_MIN_K on, the users' buffers are
+        # written in order rather than sifted, and 128 x 2,048 was the best tiling measured for k = 1,000 to 8,192
+        # (k=8,192 on 2,000 users: 1.24 s against 1.32 s for 32 x 8,192; docs/benchmarks.md).
+        if k >= heap.BUFFER_MIN_K:
+            return 128, 2048, 1
         user_block = 1024
         while user_block > 128 and user_block * 8 * k > 1 << 20:
             user_block //= 2
@@ -203,20 +208,35 @@ class NumpyBackend:
         np.matmul(users, items.transpose(0, 2, 1), out=out)
 
     def topk_new(self, n_users: int, k: int) -> _HeapState:
-        return _HeapState(*heap.new_heaps(n_users, k), n_users, k)
+        if k >= heap.BUFFER_MIN_K:
+            keys, thr, counts = heap.new_buffers(n_users, k)
+            state = _HeapState(keys, thr, n_users, k, counts)
+        else:
+            state = _HeapState(*heap.new_heaps(n_users, k), n_users, k)
+        return state
 
     def topk_reset(self, state: _HeapState, n_users: int) -> None:
         state.n_users = n_users
-        heap.reset_heaps(state.keys[:n_users], state.thr[:n_users])
+        if state.counts is None:
+            heap.reset_heaps(state.keys[:n_users], state.thr[:n_users])
+        else:
+            heap.reset_buffers(state.counts[:n_users], state.thr[:n_users])
 
     def topk_update(self, state: _HeapState, scores: np.ndarray, item_start: int, n_items: int,
                     excl_indptr: np.ndarray, excl_items: np.ndarray) -> None:
         n = state.n_users
-        heap.heap_update(scores, item_start, n_items, state.keys[:n], state.thr[:n], excl_indptr, excl_items)
+        if state.counts is None:
+            heap.heap_update(scores, item_start, n_items, state.keys[:n], state.thr[:n], excl_indptr, excl_items)
+        else:
+            heap.buffer_update(scores, item_start, n_items, state.keys[:n], state.counts[:n], state.thr[:n],
+                               state.k, excl_indptr, excl_items)
 
     def topk_result(self, state: _HeapState) -> tuple[np.ndarray, np.ndarray]:
         n = state.n_users
         vals = np.empty((n, state.k), np.float32)
         idx = np.empty((n, state.k), np.int64)
-        heap.heap_sort_rows(state.keys[:n], vals, idx)
+        if state.counts is None:
+            heap.heap_sort_rows(state.keys[:n], vals, idx)
+        else:
+            heap.buffer_sort_rows(state.keys[:n], state.counts[:n], vals, idx)
         return vals, idx

@@ -56,6 +56,23 @@ def reset_heaps(keys: np.ndarray, thr: np.ndarray) -> None:
     thr[...] = -np.inf
 
 
+#: From this k on, users keep buffers of 2k keys cut back to k when full, not heaps (:func:`buffer_update`).
+BUFFER_MIN_K = 640
+
+
+def new_buffers(n_users: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Empty buffers for ``n_users`` users: keys (n_users, 2k) uint64, thresholds (n_users,) float32, counts."""
+    keys, thr, counts = np.empty((n_users, 2 * k), np.uint64), np.empty(n_users, np.float32), np.empty(n_users,
+                                                                                                     np.int64)
+    reset_buffers(counts, thr)
+    return keys, thr, counts
+
+
+def reset_buffers(counts: np.ndarray, thr: np.ndarray) -> None:
+    counts[...] = 0
+    thr[...] = -np.inf
+
+
 def keys_of(vals: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The keys of (score, row) pairs, as the kernels make them; a row of -1 is an empty slot (for tests)."""
     bits = np.asarray(vals, np.float32).view(np.uint32).astype(np.uint64)
@@ -163,6 +180,78 @@ def heap_update(scores, item_start, n_items, heap_keys, heap_thr, excl_indptr, e
                         scratch[0] = _score_bits(hk[0])
                         thr = as_float[0]
         heap_thr[u] = thr
+
+
+@njit(nogil=True, cache=True)
+def buffer_update(scores, item_start, n_items, bufs, counts, thrs, k, excl_indptr, excl_items):
+    """:func:`heap_update` for large k: each user's pairs above the threshold are appended to a buffer of keys
+    (n_users, capacity > k) holding ``counts[u]``; a full buffer is cut back to its k best (``np.partition``),
+    whose worst score becomes the threshold. An append costs a store where a heap insertion sifts through
+    log4(k) levels of a heap too large for L1 (k=8,192 on cpu-small's items: 1.24 s against 2.11 s)."""
+    n_tiles, n_users, width = scores.shape
+    cap = bufs.shape[1]
+    bits = scores.view(np.uint32)
+    scratch = np.empty(1, np.uint32)
+    as_float = scratch.view(np.float32)
+    for u in range(n_users):
+        buf = bufs[u]
+        n = counts[u]
+        thr = thrs[u]
+        e = excl_indptr[u]
+        e_end = excl_indptr[u + 1]
+        while e < e_end and excl_items[e] < item_start:
+            e += 1
+        for b in range(n_tiles):
+            base = item_start + b * width
+            stop = min(width, n_items - base)
+            row = scores[b, u]
+            row_bits = bits[b, u]
+            n_chunks = (stop + _CHUNK - 1) // _CHUNK
+            for c in range(n_chunks):
+                c0 = c * _CHUNK
+                if c0 + _CHUNK <= stop:
+                    m = _above(row, c0, _CHUNK, thr)
+                else:
+                    m = _above(row, c0, stop - c0, thr)
+                while m:
+                    t = c0 + lowest_bit(m)
+                    m &= m - np.uint64(1)
+                    if row[t] > thr:
+                        j = base + t
+                        while e < e_end and excl_items[e] < j:
+                            e += 1
+                        if e < e_end and excl_items[e] == j:
+                            continue
+                        buf[n] = _key(row_bits[t], j)
+                        n += 1
+                        if n == cap:
+                            best = np.partition(buf[:n], n - k)
+                            scratch[0] = _score_bits(best[n - k])  # the k-th best: the new threshold
+                            thr = as_float[0]
+                            buf[:k] = best[n - k:]
+                            n = k
+        counts[u] = n
+        thrs[u] = thr
+
+
+@njit(nogil=True, cache=True)
+def buffer_sort_rows(bufs, counts, out_vals, out_idx):
+    """Buffers -> their k best pairs as rows sorted best first; padding (-inf, -1) ends each row."""
+    n_users, k = out_vals.shape
+    scratch = np.empty(1, np.uint32)
+    as_float = scratch.view(np.float32)
+    for u in range(n_users):
+        n = counts[u]
+        order = np.sort(bufs[u, :n])
+        for r in range(k):
+            if r < n:
+                key = order[n - 1 - r]
+                scratch[0] = _score_bits(key)
+                out_vals[u, r] = as_float[0]
+                out_idx[u, r] = np.int64(_LOW - (key & _LOW))
+            else:
+                out_vals[u, r] = -np.inf
+                out_idx[u, r] = -1
 
 
 @njit(nogil=True, cache=True)
