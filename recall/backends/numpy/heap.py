@@ -19,6 +19,10 @@ same as the 4-ary). The root is the worst kept pair; each user's threshold is th
 the heap.
 Items arrive in increasing row order, so a new item with a score equal to the root's never displaces it; a strict
 ``>`` is the tie rule.
+
+From ``BUFFER_MIN_K`` on, a user keeps a buffer of 2k keys instead (:func:`buffer_update`): pairs above its
+threshold are appended, and a full buffer is cut back to its k best, whose worst score becomes the threshold. The
+same keys, so the same pairs and tie rule; cheaper than sifting once a heap outgrows L1.
 """
 from __future__ import annotations
 
