@@ -144,13 +144,30 @@ def _above(row, c0, n, thr):
 @njit(nogil=True, cache=True)
 def heap_update(scores, item_start, n_items, heap_keys, heap_thr, excl_indptr, excl_items):
     """Merge a score tile (n_tiles, n_users, width) into per-user heaps: keys (n_users, k), thresholds (n_users,)."""
+    _update(scores, item_start, n_items, heap_keys, np.zeros(0, np.int64), heap_thr, heap_keys.shape[1],
+            excl_indptr, excl_items, False)
+
+
+@njit(nogil=True, cache=True)
+def buffer_update(scores, item_start, n_items, bufs, counts, thrs, k, excl_indptr, excl_items):
+    """:func:`heap_update` for large k: each user's pairs above the threshold are appended to a buffer of keys
+    (n_users, capacity > k) holding ``counts[u]``; a full buffer is cut back to its k best (``np.partition``),
+    whose worst score becomes the threshold. An append costs a store where a heap insertion sifts through
+    log4(k) levels of a heap too large for L1 (k=8,192 on cpu-small's items: 1.24 s against 2.11 s)."""
+    _update(scores, item_start, n_items, bufs, counts, thrs, k, excl_indptr, excl_items, True)
+
+
+@njit(nogil=True, cache=True)
+def _update(scores, item_start, n_items, keys, counts, thrs, k, excl_indptr, excl_items, buffered):
     n_tiles, n_users, width = scores.shape
+    cap = keys.shape[1]
     bits = scores.view(np.uint32)
     scratch = np.empty(1, np.uint32)
     as_float = scratch.view(np.float32)
     for u in range(n_users):
-        hk = heap_keys[u]
-        thr = heap_thr[u]
+        own = keys[u]
+        n = counts[u] if buffered else k
+        thr = thrs[u]
         e = excl_indptr[u]
         e_end = excl_indptr[u + 1]
         while e < e_end and excl_items[e] < item_start:
@@ -174,73 +191,43 @@ def heap_update(scores, item_start, n_items, heap_keys, heap_thr, excl_indptr, e
                 while m:
                     t = c0 + lowest_bit(m)
                     m &= m - np.uint64(1)
-                    if row[t] > thr:  # the threshold may have risen since the mask was taken
-                        j = base + t
-                        while e < e_end and excl_items[e] < j:
-                            e += 1
-                        if e < e_end and excl_items[e] == j:
-                            continue
-                        _replace_root(hk, _key(row_bits[t], j))
-                        scratch[0] = _score_bits(hk[0])
+                    if row[t] <= thr:  # the threshold may have risen since the mask was taken
+                        continue
+                    j = base + t
+                    while e < e_end and excl_items[e] < j:
+                        e += 1
+                    if e < e_end and excl_items[e] == j:
+                        continue
+                    key = _key(row_bits[t], j)
+                    if not buffered:
+                        _replace_root(own, key)
+                        scratch[0] = _score_bits(own[0])
                         thr = as_float[0]
-        heap_thr[u] = thr
-
-
-@njit(nogil=True, cache=True)
-def buffer_update(scores, item_start, n_items, bufs, counts, thrs, k, excl_indptr, excl_items):
-    """:func:`heap_update` for large k: each user's pairs above the threshold are appended to a buffer of keys
-    (n_users, capacity > k) holding ``counts[u]``; a full buffer is cut back to its k best (``np.partition``),
-    whose worst score becomes the threshold. An append costs a store where a heap insertion sifts through
-    log4(k) levels of a heap too large for L1 (k=8,192 on cpu-small's items: 1.24 s against 2.11 s)."""
-    n_tiles, n_users, width = scores.shape
-    cap = bufs.shape[1]
-    bits = scores.view(np.uint32)
-    scratch = np.empty(1, np.uint32)
-    as_float = scratch.view(np.float32)
-    for u in range(n_users):
-        buf = bufs[u]
-        n = counts[u]
-        thr = thrs[u]
-        e = excl_indptr[u]
-        e_end = excl_indptr[u + 1]
-        while e < e_end and excl_items[e] < item_start:
-            e += 1
-        for b in range(n_tiles):
-            base = item_start + b * width
-            stop = min(width, n_items - base)
-            row = scores[b, u]
-            row_bits = bits[b, u]
-            n_chunks = (stop + _CHUNK - 1) // _CHUNK
-            for c in range(n_chunks):
-                c0 = c * _CHUNK
-                if c0 + _CHUNK <= stop:
-                    m = _above(row, c0, _CHUNK, thr)
-                else:
-                    m = _above(row, c0, stop - c0, thr)
-                while m:
-                    t = c0 + lowest_bit(m)
-                    m &= m - np.uint64(1)
-                    if row[t] > thr:
-                        j = base + t
-                        while e < e_end and excl_items[e] < j:
-                            e += 1
-                        if e < e_end and excl_items[e] == j:
-                            continue
-                        buf[n] = _key(row_bits[t], j)
-                        n += 1
-                        if n == cap:
-                            best = np.partition(buf[:n], n - k)
-                            scratch[0] = _score_bits(best[n - k])  # the k-th best: the new threshold
-                            thr = as_float[0]
-                            buf[:k] = best[n - k:]
-                            n = k
-        counts[u] = n
+                        continue
+                    own[n] = key
+                    n += 1
+                    if n == cap:
+                        best = np.partition(own[:n], n - k)
+                        scratch[0] = _score_bits(best[n - k])  # the k-th best: the new threshold
+                        thr = as_float[0]
+                        own[:k] = best[n - k:]
+                        n = k
+        if buffered:
+            counts[u] = n
         thrs[u] = thr
 
 
 @njit(nogil=True, cache=True)
+def heap_sort_rows(heap_keys, out_vals, out_idx):
+    """Heaps -> rows sorted best first; padding (-inf, -1) ends each row."""
+    n_users, k = heap_keys.shape
+    buffer_sort_rows(heap_keys, np.full(n_users, k, np.int64), out_vals, out_idx)
+
+
+@njit(nogil=True, cache=True)
 def buffer_sort_rows(bufs, counts, out_vals, out_idx):
-    """Buffers -> their k best pairs as rows sorted best first; padding (-inf, -1) ends each row."""
+    """The best ``k = out_vals.shape[1]`` of each user's first ``counts[u]`` keys as rows sorted best first;
+    padding (-inf, -1) ends each row (and stands for a heap's empty slots)."""
     n_users, k = out_vals.shape
     scratch = np.empty(1, np.uint32)
     as_float = scratch.view(np.float32)
@@ -248,34 +235,18 @@ def buffer_sort_rows(bufs, counts, out_vals, out_idx):
         n = counts[u]
         order = np.sort(bufs[u, :n])
         for r in range(k):
+            row = np.int64(-1)
+            key = EMPTY_KEY
             if r < n:
                 key = order[n - 1 - r]
-                scratch[0] = _score_bits(key)
-                out_vals[u, r] = as_float[0]
-                out_idx[u, r] = np.int64(_LOW - (key & _LOW))
-            else:
-                out_vals[u, r] = -np.inf
-                out_idx[u, r] = -1
-
-
-@njit(nogil=True, cache=True)
-def heap_sort_rows(heap_keys, out_vals, out_idx):
-    """Heaps -> rows sorted best first; padding (-inf, -1) ends each row."""
-    n_users, k = heap_keys.shape
-    scratch = np.empty(1, np.uint32)
-    as_float = scratch.view(np.float32)
-    for u in range(n_users):
-        order = np.sort(heap_keys[u])
-        for r in range(k):
-            key = order[k - 1 - r]
-            row = np.int64(_LOW - (key & _LOW))
-            if row > MAX_ROWS:
-                out_vals[u, r] = -np.inf
-                out_idx[u, r] = -1
-            else:
+                row = np.int64(_LOW - (key & _LOW))
+            if 0 <= row <= MAX_ROWS:
                 scratch[0] = _score_bits(key)
                 out_vals[u, r] = as_float[0]
                 out_idx[u, r] = row
+            else:
+                out_vals[u, r] = -np.inf
+                out_idx[u, r] = -1
 
 
 def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
