@@ -7,7 +7,7 @@ explicit list of cells, each one chosen for what it shows. A cell is written as 
 
 e.g. ``S1:50k d64 k1000 cosine skewed x200``: the S1 catalogue (1M items) with 50,000 users (a cell whose point does
 not need the full 100,000), dimension 64, top-1,000, cosine, the ``skewed`` kind, 200 exclusions per user. Numbers
-take k/M suffixes. Shapes (users x items): ``tiny`` 2,000 x 5,000; ``S1`` 100,000 x 1,000,000; ``S4`` 1,000,000 x
+take k/M suffixes. Shapes (users x items): ``tiny`` 2,000 x 5,000; ``cpu-small`` 20,000 x 100,000; ``S1`` 100,000 x 1,000,000; ``S4`` 1,000,000 x
 1,000,000; ``item-heavy`` 10,000 x 10,000,000; ``user-heavy`` 1,000,000 x 100,000.
 
 Grids
@@ -29,6 +29,30 @@ Grids
  9   tiny d32 k1000 l2 clustered
 10   tiny d128 k10 ip skewed:user_sigma=1,item_sigma=1
 11   tiny:500 d256 k2048 ip normal
+===  ==================================================
+
+``cpu-quick`` (the CPU against faiss-cpu, about 6 minutes on 2 cores): ``cpu-small`` at k 1 to 8,192 (8,192 on
+2,000 users), dims 64 to 256, every metric, the kinds normal, skewed, clustered, int8 and ties, 50 exclusions per
+user. Each OpenBLAS may be fastest under a different kernel choice (``OPENBLAS_CORETYPE``); both libraries load
+theirs in one process, so comparing each at its best takes one run per choice (docs/benchmarks.md).
+
+===  ==================================================
+ #   cpu-quick cell
+===  ==================================================
+ 0   cpu-small d64 k100 ip normal
+ 1   cpu-small d64 k100 ip skewed
+ 2   cpu-small d64 k100 ip clustered
+ 3   cpu-small d64 k100 ip int8
+ 4   cpu-small d64 k100 ip ties
+ 5   cpu-small d64 k100 l2 normal
+ 6   cpu-small d64 k100 cosine skewed
+ 7   cpu-small d64 k10 ip normal
+ 8   cpu-small d64 k1 ip skewed
+ 9   cpu-small d64 k1000 ip normal
+10   cpu-small:2k d64 k8192 ip normal
+11   cpu-small d64 k100 ip skewed x50
+12   cpu-small d128 k100 ip clustered
+13   cpu-small:5k d256 k100 ip clustered
 ===  ==================================================
 
 ``gpu-quick`` (one H200 run in under 8 minutes, repeat 2, everything included): each shape family once at full
@@ -91,6 +115,7 @@ from .workloads import METRICS, Workload, parse_kind
 
 SHAPES: dict[str, tuple[int, int]] = {
     "tiny": (2_000, 5_000),
+    "cpu-small": (20_000, 100_000),
     "S1": (100_000, 1_000_000),
     "S4": (1_000_000, 1_000_000),
     "item-heavy": (10_000, 10_000_000),
@@ -292,6 +317,23 @@ TINY = [
     "tiny:500 d256 k2048 ip normal",
 ]
 
+CPU_QUICK = [
+    "cpu-small d64 k100 ip normal",
+    "cpu-small d64 k100 ip skewed",
+    "cpu-small d64 k100 ip clustered",
+    "cpu-small d64 k100 ip int8",
+    "cpu-small d64 k100 ip ties",
+    "cpu-small d64 k100 l2 normal",
+    "cpu-small d64 k100 cosine skewed",
+    "cpu-small d64 k10 ip normal",
+    "cpu-small d64 k1 ip skewed",
+    "cpu-small d64 k1000 ip normal",
+    "cpu-small:2k d64 k8192 ip normal",
+    "cpu-small d64 k100 ip skewed x50",
+    "cpu-small d128 k100 ip clustered",
+    "cpu-small:5k d256 k100 ip clustered",
+]
+
 GPU_QUICK = [
     "S1 d64 k100 ip clustered",
     "S1 d64 k100 ip clustered x200",
@@ -345,6 +387,7 @@ def _gpu_full() -> list[str]:
 
 GRIDS: dict[str, Grid] = {g.name: g for g in (
     _grid("tiny", "cpu", "CPU smoke of every axis (CI)", TINY, repeat=1),
+    _grid("cpu-quick", "cpu", "the CPU against faiss-cpu in one run", CPU_QUICK, repeat=3),
     _grid("gpu-quick", "gpu", "one H200 run in under 8 minutes", GPU_QUICK, repeat=2),
     _grid("gpu-full", "gpu", "the full grid, over several runs (--cells)", _gpu_full(), repeat=2),
 )}
@@ -370,8 +413,9 @@ def get(name: str) -> Grid:
 H200_S1_SECONDS = {"recall": 0.4, "recall-fast": 0.2, "faiss": 1.1, "faiss-knn": 1.1, "cuvs": 0.9, "torch": 1.6}
 """Seconds per search on an H200 for 100,000 x 1,000,000 x 64, k=100 (measured by the lead); the estimate scales
 these by the work of a cell."""
-CPU_GFLOPS = 40.0
-"""Effective fp32 rate of the CPU contenders, for the rough CPU estimate."""
+CPU_GFLOPS = 100.0
+"""Effective fp32 rate of the CPU contenders, for the rough CPU estimate (recall about 230 GFLOP/s on 2 cores at k=100,
+faiss-cpu 60-150, 2026-12-01)."""
 STARTUP_S = 30.0
 """One-off cost of a GPU run: imports, CUDA contexts, kernel compilation (NVRTC, cuVS, FAISS)."""
 
