@@ -131,6 +131,13 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
     blocks = 0
     uploaded = 0
     host_out = isinstance(out_vals, np.ndarray)
+
+    def finished(wait: Any) -> None:
+        nonlocal busy, blocks
+        stats = wait()
+        busy += stats.get("gpu_busy_s", 0.0)
+        blocks += stats.get("blocks", 0)
+
     for g0 in range(0, n_users, group):
         g1 = min(n_users, g0 + group)
         gu = users[g0:g1]
@@ -149,13 +156,9 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
             best = backend.merge(parts, k)  # queued after the segment's search, on the backend
             inflight.append((resident, wait))
             while len(inflight) > 1:  # the segment before is searched: its memory may go to the next upload
-                stats = inflight.popleft()[1]()
-                busy += stats.get("gpu_busy_s", 0.0)
-                blocks += stats.get("blocks", 0)
+                finished(inflight.popleft()[1])
         for _, wait in inflight:
-            stats = wait()
-            busy += stats.get("gpu_busy_s", 0.0)
-            blocks += stats.get("blocks", 0)
+            finished(wait)
         if host_out:
             out_vals[g0:g1] = backend.to_host(best[0])  # waits for the last merge
             out_rows[g0:g1] = backend.to_host(best[1])
@@ -172,15 +175,16 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
 def gather(backend: Any, items: StreamedItems, rows: Any, item_memory: int | None, budget: int) -> tuple[Any, Any]:
     """The prepared rows ``rows`` (host or device int64, increasing) of streamed items as a catalogue of their own:
     (its items, its prepared matrix): resident on the backend where they fit, else streamed again."""
-    picked = items.host[to_numpy(rows)]
-    cap = needs_streaming(backend, picked.shape[0], picked.shape[1], item_memory, budget)
+    rows = to_numpy(rows)
+    shape = (int(rows.shape[0]), int(items.host.shape[1]))
+    cap = needs_streaming(backend, shape[0], shape[1], item_memory, budget)
     if cap is None:
-        prepared = backend.ingest(picked)
+        prepared = backend.ingest(items.host[rows])
         return backend.load_items(prepared), prepared
-    segment_rows = max(1, cap // (2 * row_bytes(backend, picked.shape[1])))
-    pinned = backend.empty_out(picked.shape, np.float32, True)
-    pinned[...] = picked
-    return StreamedItems(pinned, min(picked.shape[0], _aligned(segment_rows)), cap), pinned
+    segment_rows = max(1, cap // (2 * row_bytes(backend, shape[1])))
+    pinned = backend.empty_out(shape, np.float32, True)
+    np.take(items.host, rows, axis=0, out=pinned)  # gathered straight into page-locked memory
+    return StreamedItems(pinned, min(shape[0], _aligned(segment_rows)), cap), pinned
 
 
 def rescore(engine: Any, items: StreamedItems, users: Any, indptr: np.ndarray, rows: Any, k: int) -> tuple[Any, Any,

@@ -23,6 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from parquet_data import int_data, oracle_topk, write_embeddings
+from processes import paced
 from recall.io import atomic
 from recall.io.atomic import sha256_file
 from recall.jobs.batch import LOCK, MANIFEST, METRICS, SUCCESS, BatchProgress, row_group_rows, run_batch
@@ -245,6 +246,22 @@ def _kill_mid_run(args: list[str], out: Path, env: dict) -> None:
             proc.wait()
 
 
+def _sigterm_mid_shard(args: list[str], out: Path) -> tuple[int, str, float]:
+    """Start ``python -m pacing ARGS``, SIGTERM it once a shard is recorded and the next one's temporary file is open;
+    (exit status, stderr, seconds from the signal to the exit)."""
+    proc = paced(args, REPO, TESTS)
+    try:
+        assert _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir()))
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, stderr = proc.communicate(timeout=30)
+        return proc.returncode, stderr, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_kill_9_then_rerun_gives_identical_bytes(job: dict, tmp_path: Path) -> None:
     ref, out = tmp_path / "ref", tmp_path / "out"
     args = [*_cli(job, out), "--quiet"]
@@ -268,13 +285,8 @@ def test_kill_9_then_rerun_gives_identical_bytes(job: dict, tmp_path: Path) -> N
 
 def test_sigterm_records_the_failure_and_the_rerun_resumes(job: dict, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"}
-    proc = subprocess.Popen([sys.executable, "-m", "pacing", *_cli(job, out)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir()))
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 128 + signal.SIGTERM
+    returncode, stderr, _ = _sigterm_mid_shard(_cli(job, out), out)
+    assert returncode == 128 + signal.SIGTERM
     assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
     metrics = json.loads((out / METRICS).read_text())
     assert metrics["job"]["status"] == "failed" and "SIGTERM" in metrics["job"]["error"]

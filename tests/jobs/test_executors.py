@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from pacing import pace
-from processes import alive, metrics, paced, tracker_registrations
+from processes import alive, metrics, tracker_registrations
 from test_batch import (
     REPO,
     SIZES,
@@ -28,6 +28,7 @@ from test_batch import (
     _nan_shard,
     _outputs,
     _run,
+    _sigterm_mid_shard,
     _wait_for,
     _write_job,
 )
@@ -149,16 +150,8 @@ def test_sigterm_of_the_parent_stops_its_workers_cleanly(job: dict, tmp_path: Pa
     out = tmp_path / "out"
     args = ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k", str(K), "--out", str(out),
             "--device", "cpu", "--batch-size", "32", "--workers", "2"]
-    proc = paced(args, REPO, TESTS)
-    try:
-        assert _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir()))
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 143, stderr
+    returncode, stderr, _ = _sigterm_mid_shard(args, out)
+    assert returncode == 143, stderr
     assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
     assert "resource_tracker" not in stderr, stderr
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from parquet_data import write_embeddings
-from processes import alive, metrics, paced, tracker_registrations
+from processes import alive, metrics, tracker_registrations
 from test_batch import (
     REPO,
     SIZES,
@@ -27,6 +25,7 @@ from test_batch import (
     _kill_mid_run,
     _manifest_done,
     _outputs,
+    _sigterm_mid_shard,
     _wait_for,
     _write_job,
 )
@@ -315,18 +314,8 @@ def test_sigterm_of_a_sharded_job_stops_its_workers_cleanly(tmp_path: Path) -> N
     out = tmp_path / "out"
     args = ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k", str(K), "--out", str(out),
             "--device", "cpu", "--batch-size", "32", "--item-shards", "2"]
-    proc = paced(args, REPO, TESTS)
-    try:
-        assert _wait_for(lambda: _manifest_done(out) >= 1 and any(".tmp-" in p.name for p in out.iterdir()))
-        proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        _, stderr = proc.communicate(timeout=30)
-        stopped_in = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 143, stderr
+    returncode, stderr, stopped_in = _sigterm_mid_shard(args, out)
+    assert returncode == 143, stderr
     assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
     assert "resource_tracker" not in stderr, stderr
     assert stopped_in < 8, stopped_in  # not a 10 s join timeout per worker

@@ -26,7 +26,7 @@ from ...core.errors import InputError
 from ..batch.item_shards import InlineHandle, ItemShardScorer, RangeScorer
 from ..batch.worker import BatchError, JobSpec, ShardTask
 from .channel import Channel
-from .local import _die_with_parent, _environ, _worker_signals, describe_error, rebuild_error, score_in_turn
+from .local import describe_error, rebuild_error, score_in_turn, start_worker, stop_workers, worker_process
 
 _POLL_S = 0.2
 _JOIN_S = 10.0
@@ -69,18 +69,15 @@ class ItemShardExecutor:
 def _range_worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None, conn: Connection,
                        parent_pid: int) -> None:
     """A worker process: a :class:`RangeScorer`, then each request ``(method, args)`` answered in order until a
-    None arrives. A failure is answered as ``("error", class, message, traceback)`` and ends the worker."""
-    _worker_signals()
-    _die_with_parent(parent_pid)
-    if cores:
-        os.sched_setaffinity(0, cores)
-    chan = Channel(conn)
-    flush: float | None = None  # every answer reaches a parent that is still reading
-    try:
+    None arrives. A failure is answered as ``("error", class, message, traceback)`` and ends the worker. Stopped by
+    the parent (SIGTERM), it exits at once: lists the parent will never read must not hold it up."""
+    with worker_process(conn, parent_pid, cores, stopped_flush=0) as chan:
         try:
             scorer = RangeScorer(spec, device, worker=name)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
             chan.send(("error", *describe_error(exc)))
+            if isinstance(exc, SystemExit):
+                raise
             return
         while (msg := chan.recv()) is not None:
             method, args = msg
@@ -92,14 +89,6 @@ def _range_worker_main(name: str, spec: JobSpec, device: str, cores: list[int] |
                 chan.send(("error", *describe_error(exc)))
                 return
             chan.send(("ok", value))
-    except (EOFError, OSError):
-        flush = 0  # the parent is gone: nobody reads
-    except SystemExit:
-        # Stopped by the parent (SIGTERM): lists it will never read must not hold up the exit.
-        flush = 0
-        raise
-    finally:
-        chan.close(flush)
 
 
 class _Reply:
@@ -218,28 +207,15 @@ def _processes(slots: list[WorkerSlot], spec: JobSpec) -> Iterator[list[ProcessH
     handles: list[ProcessHandle] = []
     try:
         for slot in slots:
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            with _environ(slot.env):
-                proc = ctx.Process(target=_range_worker_main, name=f"recall-items-{slot.name}", daemon=True,
-                                   args=(slot.name, spec, slot.device, slot.cores, child_end, os.getpid()))
-                proc.start()
-            child_end.close()  # the worker holds the only other end: its exit is this end's end-of-file
-            handles.append(ProcessHandle(slot.name, proc, Channel(parent_end)))
+            handles.append(ProcessHandle(slot.name, *start_worker(ctx, slot, _range_worker_main, "recall-items",
+                                                                  spec)))
         yield handles
         for h in handles:
             h.chan.send(None)
         for h in handles:
             h.proc.join(_JOIN_S)
     finally:
-        for h in handles:
-            if h.proc.is_alive():
-                h.proc.terminate()
-        for h in handles:
-            h.proc.join(_JOIN_S)
-            if h.proc.is_alive():
-                h.proc.kill()
-                h.proc.join()
-            h.chan.close(0)
+        stop_workers([(h.proc, h.chan) for h in handles])
 
 
 def local_item_shard_executor(*, device: str, n_shards: int, say: Callable[[str], None]) -> ItemShardExecutor:

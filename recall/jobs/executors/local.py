@@ -95,23 +95,41 @@ def _worker_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None, conn: Connection,
-                 parent_pid: int) -> None:
-    """A worker process: load the items once, say it is ready, then score each shard the parent sends until a None
-    arrives."""
+@contextlib.contextmanager
+def worker_process(conn: Connection, parent_pid: int, cores: list[int] | None,
+                   stopped_flush: float) -> Iterator[Channel]:
+    """What every worker process does first and last: its signals (SIGTERM unwinds it), death with its parent, its
+    cores, and the channel to the parent, closed at the end. Every message is written while the parent reads; a
+    worker stopped by the parent (SystemExit) waits at most ``stopped_flush`` seconds for its last ones, and one
+    whose parent is gone (end-of-file, a broken pipe) none."""
     _worker_signals()
     _die_with_parent(parent_pid)
     if cores:
         os.sched_setaffinity(0, cores)
     chan = Channel(conn)
-    flush: float | None = None  # every message reaches a parent that is still reading
+    flush: float | None = None
     try:
+        yield chan
+    except (EOFError, OSError):
+        flush = 0
+    except SystemExit:
+        flush = stopped_flush
+        raise
+    finally:
+        chan.close(flush)
+
+
+def _worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None, conn: Connection,
+                 parent_pid: int) -> None:
+    """A worker process: load the items once, say it is ready, then score each shard the parent sends until a None
+    arrives."""
+    with worker_process(conn, parent_pid, cores, _STOPPED_FLUSH_S) as chan:
         try:
             scorer = ShardScorer(spec, device, worker=name)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
             chan.send(("error", name, None, *describe_error(exc)))
             if isinstance(exc, SystemExit):
-                flush = _STOPPED_FLUSH_S
+                raise
             return
         chan.send(("ready", name, scorer.info))
         while (task := chan.recv()) is not None:
@@ -123,16 +141,9 @@ def _worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None,
             except BaseException as exc:  # noqa: BLE001
                 chan.send(("error", name, task.name, *describe_error(exc)))
                 if isinstance(exc, SystemExit):
-                    flush = _STOPPED_FLUSH_S
+                    raise
                 return
             chan.send(("done", name, result))
-    except (EOFError, OSError):
-        flush = 0  # the parent is gone: nobody reads
-    except SystemExit:
-        flush = _STOPPED_FLUSH_S
-        raise
-    finally:
-        chan.close(flush)
 
 
 @contextlib.contextmanager
@@ -171,29 +182,41 @@ class ProcessExecutor:
         chans: dict[str, Channel] = {}
         try:
             for slot in self.slots:
-                parent_end, child_end = ctx.Pipe(duplex=True)
-                with _environ(slot.env):
-                    proc = ctx.Process(target=_worker_main, name=f"recall-batch-{slot.name}", daemon=True,
-                                       args=(slot.name, spec, slot.device, slot.cores, child_end, os.getpid()))
-                    proc.start()
-                child_end.close()  # the worker holds the only other end: its exit is this end's end-of-file
-                procs[slot.name], chans[slot.name] = proc, Channel(parent_end)
+                procs[slot.name], chans[slot.name] = start_worker(ctx, slot, _worker_main, "recall-batch", spec)
             finished = _Dispatch(tasks, job, procs, chans).run()
             # Workers that had finished took their None and exit; one still loading the items when the last shard
             # finished has nothing left to do and is stopped below.
             for name in finished:
                 procs[name].join(_JOIN_S)
         finally:
-            for proc in procs.values():
-                if proc.is_alive():
-                    proc.terminate()
-            for proc in procs.values():
-                proc.join(_JOIN_S)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-            for chan in chans.values():
-                chan.close(0)
+            stop_workers([(procs[name], chans[name]) for name in procs])
+
+
+def start_worker(ctx: Any, slot: WorkerSlot, target: Callable[..., None], prefix: str,
+                 spec: JobSpec) -> tuple[Any, Channel]:
+    """Spawn ``target(slot.name, spec, slot.device, slot.cores, conn, parent pid)`` with the slot's environment from
+    birth; (the process, the parent's channel to it)."""
+    parent_end, child_end = ctx.Pipe(duplex=True)
+    with _environ(slot.env):
+        proc = ctx.Process(target=target, name=f"{prefix}-{slot.name}", daemon=True,
+                           args=(slot.name, spec, slot.device, slot.cores, child_end, os.getpid()))
+        proc.start()
+    child_end.close()  # the worker holds the only other end: its exit is this end's end-of-file
+    return proc, Channel(parent_end)
+
+
+def stop_workers(workers: list[tuple[Any, Channel]]) -> None:
+    """Stop what is left of ``workers`` (process, channel): SIGTERM (each unwinds), then SIGKILL after ``_JOIN_S``;
+    their channels closed."""
+    for proc, _ in workers:
+        if proc.is_alive():
+            proc.terminate()
+    for proc, chan in workers:
+        proc.join(_JOIN_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        chan.close(0)
 
 
 class _Dispatch:
