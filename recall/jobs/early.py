@@ -18,9 +18,12 @@ the host does not hold back the device.
 
 It runs for jobs in exact precision without an item filter, on a backend whose searches run while the host goes on
 (``JobOptions.early``), whatever the file layout (a ``list<float>`` column gives its dimension with the first decoded
-rows). A job's exclusions are mapped to item rows with the item file's id column, read on its own beside the vectors:
-the first batch taken waits for them (``exclusions``), and each part searches a batch with the exclusions that fall
-in its rows (``Exclusions.window``).
+rows). A job's exclusions are mapped to item rows with the item file's id column, read on its own beside the vectors;
+each part searches a batch with the exclusions that fall in its rows (``Exclusions.window``). A batch taken before
+they are mapped does not wait for them: its parts keep the best ``k + slack`` items per user without exclusions
+(:func:`slack`), and once the exclusions are known each user's excluded items are dropped from that list. Where at
+least k remain they are the exact answer (every item outside the list scores below it, by the tie rule too); a user
+left with fewer, whose list was full, is searched again with its exclusions.
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
+
+import numpy as np
+from numba import njit, prange
 
 from ..core.errors import InputError, ResourceError
 from ..core.exclusions import Exclusions
@@ -41,30 +47,94 @@ _WAIT_S = 0.005
 _PART_USER_BLOCK = 8192
 
 
+def slack(k: int) -> int:
+    """Items a batch searched before its exclusions are known keeps per user beyond k: room for the excluded items
+    among its best (a user with more of them there is searched again)."""
+    return max(32, k // 4)
+
+
+@njit(parallel=True, cache=True)
+def _drop_excluded(vals: np.ndarray, rows: np.ndarray, indptr: np.ndarray, items: np.ndarray,
+                   k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each user's first ``k`` entries of ``rows`` (best first, -1 padding) that are not among its sorted excluded
+    rows ``items[indptr[u]:indptr[u + 1]]``, padded with (-inf, -1); and whether a user kept fewer than k from a list
+    with no padding (the items beyond its list may hold its answer)."""
+    n, m = rows.shape
+    out_vals = np.full((n, k), -np.inf, np.float32)
+    out_rows = np.full((n, k), -1, np.int64)
+    short = np.zeros(n, np.bool_)
+    for u in prange(n):
+        lo, hi = indptr[u], indptr[u + 1]
+        w = 0
+        for j in range(m):
+            r = rows[u, j]
+            if r < 0 or w == k:
+                break
+            a, b = lo, hi
+            while a < b:
+                c = (a + b) >> 1
+                if items[c] < r:
+                    a = c + 1
+                else:
+                    b = c
+            if a < hi and items[a] == r:
+                continue
+            out_vals[u, w] = vals[u, j]
+            out_rows[u, w] = r
+            w += 1
+        short[u] = w < k and m > 0 and rows[u, m - 1] >= 0
+    return out_vals, out_rows, short
+
+
 class _Early:
     """One user batch searched part by part: the running merge of its parts' results, on the backend."""
 
-    def __init__(self, batch: Embeddings, excl: Exclusions | None = None) -> None:
+    def __init__(self, batch: Embeddings, excl: Exclusions | None = None, width: int = 0) -> None:
         self.batch = batch
         self.excl = excl  # the batch's exclusions, in the rows of all the items
-        self.best: TopK | None = None  # (scores, item rows) (n, k), inner-product space
+        self.width = width  # items kept per user: k, or k + slack while the exclusions are deferred
+        self.deferred = False  # searched without its exclusions (not mapped yet when it was taken)
+        self.best: TopK | None = None  # (scores, item rows) (n, width), inner-product space
         self.waits: list[Callable[[], dict]] = []
 
 
 class MergedSearch:
-    """The parts of one user batch, queued; :meth:`result` waits for them and returns their merge."""
+    """The parts of one user batch, queued; :meth:`result` waits for them and returns their merge (with the batch's
+    exclusions applied, where they were deferred: ``exclusions(batch)`` waits for them)."""
 
-    def __init__(self, early: _Early, engine: Engine) -> None:
-        self._early, self._engine = early, engine
+    def __init__(self, early: _Early, engine: Engine, k: int,
+                 exclusions: Callable[[Embeddings], tuple[Any, Any]] | None = None) -> None:
+        self._early, self._engine, self._k = early, engine, k
+        self._exclusions = exclusions
         self.stats: dict = {}
 
     def result(self) -> SearchResult:
-        early = self._early
+        early, engine = self._early, self._engine
         busy = sum(wait().get("gpu_busy_s", 0.0) for wait in early.waits)
         self.stats = {"gpu_busy_s": busy, "parts": len(early.waits)}
-        result = self._engine.finish_topk(early.best, early.batch.vectors)
+        if early.deferred:
+            result = self._apply_exclusions(early)
+        else:
+            result = engine.finish_topk(early.best, early.batch.vectors)
         self._early = None  # let the device arrays go
         return result
+
+    def _apply_exclusions(self, early: _Early) -> SearchResult:
+        engine, batch = self._engine, early.batch
+        indptr, items = self._exclusions(batch)
+        vals, rows = engine.backend.to_host(early.best.vals), engine.backend.to_host(early.best.rows)
+        width = min(self._k, engine.n_items)
+        vals, rows, short = _drop_excluded(np.ascontiguousarray(vals), np.ascontiguousarray(rows),
+                                           np.asarray(indptr, np.int64), np.asarray(items, np.int64), width)
+        scores = engine.finish_topk(TopK(vals, rows, lambda: {}), batch.vectors).scores
+        again = np.flatnonzero(short)
+        self.stats["searched_again"] = int(again.size)
+        if again.size:
+            sub = Exclusions(np.asarray(indptr, np.int64), np.asarray(items, np.int64)).subset(again)
+            res = engine.search(batch.vectors[again], width, exclude=(sub.indptr, sub.items))
+            rows[again] = engine.backend.to_host(res.indices)
+            scores[again] = engine.backend.to_host(res.scores)
+        return SearchResult(indices=rows, scores=scores, ids=rows)
 
 
 class EarlyStart:
@@ -74,7 +144,8 @@ class EarlyStart:
     ``end`` (the reader's end marker). :meth:`on_rows` is called (by ``read_embeddings``) each time more rows are on
     the device; the first time, it calls ``on_dim(dim)`` (the job starts its user reader there). ``exclusions(batch)``
     (optional) returns a batch's exclusions as CSR ``(indptr, item rows)`` over its users, waiting until they are
-    mapped. ``engine_args`` are passed to every part's :class:`Engine` (metric, device: the job's backend, memory
+    mapped; ``exclusions_ready()`` says whether they are (a batch taken before is searched with them deferred; by
+    default every batch waits). ``engine_args`` are passed to every part's :class:`Engine` (metric, device: the job's backend, memory
     budget, options). A part refusing its input (the full engine reports it, with its file and row) or without room
     ends the early searches (:meth:`finish` hands their batches to the full engine); any other error of the thread
     goes to ``fail``.
@@ -83,9 +154,11 @@ class EarlyStart:
     def __init__(self, n_items: int, k: int, parts: int, take: Callable[[], Any], end: Any,
                  fail: Callable[[BaseException], None], stop: threading.Event,
                  on_dim: Callable[[int], None] | None = None,
-                 exclusions: Callable[[Embeddings], tuple[Any, Any]] | None = None, **engine_args: Any) -> None:
+                 exclusions: Callable[[Embeddings], tuple[Any, Any]] | None = None,
+                 exclusions_ready: Callable[[], bool] | None = None, **engine_args: Any) -> None:
         self.n_items, self.k = n_items, k
         self._exclusions = exclusions
+        self._exclusions_ready = exclusions_ready or (lambda: True)
         self._take, self._end, self._fail, self._stop = take, end, fail, stop
         self._on_dim = on_dim  # called once, with the items' dimension, when the first rows arrive
         self._n_parts = parts
@@ -141,9 +214,11 @@ class EarlyStart:
                         self.users_done = True
                         continue
                     if batch is not None:
-                        early = _Early(batch)
+                        early = _Early(batch, width=self.k)
                         self.batches.append(early)  # taken from the reader: kept, whatever happens next
                         early.excl = self._excl(batch)
+                        if self._exclusions is not None and early.excl is None:
+                            early.deferred, early.width = True, self.k + slack(self.k)
                         for lo, engine in self._parts:
                             self._queue(self.batches[-1], lo, engine)
                         continue
@@ -165,20 +240,23 @@ class EarlyStart:
             self._queue(early, lo, engine)
 
     def _excl(self, batch: Embeddings) -> Exclusions | None:
-        return Exclusions(*self._exclusions(batch)) if self._exclusions is not None else None
+        """The batch's exclusions, or None where the job has none or they are not mapped yet."""
+        if self._exclusions is None or not self._exclusions_ready():
+            return None
+        return Exclusions(*self._exclusions(batch))
 
     def _queue(self, early: _Early, lo: int, engine: Engine) -> None:
         """Search ``early``'s batch against the part of ``engine`` (first row ``lo``) and merge it into its best;
         the merge so far gives the part's floor."""
-        best = early.best
-        floor = best.vals[:, self.k - 1] if best is not None and best.vals.shape[1] >= self.k else None
+        best, width = early.best, early.width
+        floor = best.vals[:, width - 1] if best is not None and best.vals.shape[1] >= width else None
         excl = None
         if early.excl is not None:
             window = early.excl.window(lo, lo + engine.n_items)
             excl = (window.indptr, window.items)
-        part = engine.search_topk(early.batch.vectors, self.k, floor=floor, exclude=excl)
+        part = engine.search_topk(early.batch.vectors, width, floor=floor, exclude=excl)
         early.waits.append(part.wait)
-        early.best = engine.merge_topk(best, part, lo, self.k)
+        early.best = engine.merge_topk(best, part, lo, width)
 
     def finish(self, matrix: Any, engine: Engine) -> list[tuple[Embeddings, Any]]:
         """Every item is on the device (``matrix``) and ``engine`` holds them all: stop the thread, search each early
@@ -201,7 +279,7 @@ class EarlyStart:
                     engine.check_users(early.batch.vectors)  # within float32 against all items, not a part's
                     if rest is not None:
                         self._queue(early, self._lo, rest)
-                    out.append((early.batch, MergedSearch(early, engine)))
+                    out.append((early.batch, MergedSearch(early, engine, self.k, self._exclusions)))
                 self._parts = []
                 return out
             except (ResourceError, MemoryError):
@@ -210,8 +288,8 @@ class EarlyStart:
         # wrong with them).
         self._drop(engine)
         return [(early.batch, engine.search_async(early.batch.vectors, self.k,
-                                                  exclude=None if early.excl is None else
-                                                  (early.excl.indptr, early.excl.items)))
+                                                  exclude=None if self._exclusions is None else
+                                                  self._exclusions(early.batch)))
                 for early in taken]
 
     def _drop(self, engine: Engine) -> None:

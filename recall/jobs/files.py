@@ -371,7 +371,7 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
     overlap = started = None
     # The users' ids (checked for duplicates), and the exclusions and filters mapped to rows (with the items' ids
     # read on their own), while the items load: all spend their time in pyarrow, NumPy and numba with the GIL
-    # released, and nothing can be searched before they are done (the early searches' exclusions wait for them).
+    # released; the early searches taken before the exclusions are mapped apply them once they are (early.py).
     pool = ThreadPoolExecutor(2, thread_name_prefix="recall-ids")
     ids_read = pool.submit(read_ids, spec.users_path, spec.id_col, spec.vec_col)
     side_read = None
@@ -394,7 +394,8 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
 
             started = early.EarlyStart(items_info.n_rows, k, spec.options.early_parts, overlap.take, Overlap.DONE,
                                        overlap.fail, overlap.stop, on_dim=start_reader,
-                                       exclusions=exclusions if spec.exclude_path else None, metric=metric,
+                                       exclusions=exclusions if spec.exclude_path else None,
+                                       exclusions_ready=side_read.done if spec.exclude_path else None, metric=metric,
                                        device=backend, memory_budget=spec.memory_budget,
                                        options=spec.options.engine)
             started.start()
@@ -451,7 +452,7 @@ def _searches_early(spec: _Spec, precision: str, items_info: Any) -> bool:
     """Whether a job searches its first batches while the items load (see :class:`JobOptions`): in exact
     precision, without an item filter (the filtered catalogue is gathered once every item is loaded), with items
     resident on the device (streamed items are read into host memory). Exclusions are mapped meanwhile, from the
-    items' id column: the first early batch waits for them."""
+    items' id column; batches taken before they are apply them afterwards (``recall.jobs.early``)."""
     if spec.options.early == "off" or precision != "exact" or spec.allow_path or spec.deny_path:
         return False
     item_memory = spec.options.item_memory

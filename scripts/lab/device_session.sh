@@ -12,6 +12,7 @@
 #   fastcells the gpu-quick cells where fast mode fell back, recall alone                    -> $OUT/fast/results.*
 #   jobx      the S4-x20 job Parquet to Parquet (early searches with exclusions), once       -> $OUT/jobx.log
 #   shards    scripts/lab/item_shards_gpu.py: item shards on one GPU against the unsharded job -> $OUT/shards.log
+#   probe     scripts/lab/kernel_profile.py: the weak cells under option variants, per-kernel times -> $OUT/probe.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
 # FILTERS_TIMEOUT (seconds), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
@@ -116,4 +117,11 @@ fi
 if has shards; then
     PYTHONPATH=$NEW_PATH timeout "${SHARDS_TIMEOUT:-60}" python3 scripts/lab/item_shards_gpu.py >"$OUT/shards.log" 2>&1
     echo "== item shards on one GPU (rc $?)"; tail -n 12 "$OUT/shards.log"
+fi
+
+if has probe; then
+    PYTHONPATH=$NEW_PATH timeout "${PROBE_TIMEOUT:-300}" python3 scripts/lab/kernel_profile.py \
+        ${PROBE_CELLS:+--cells "$PROBE_CELLS"} ${PROBE_VARIANTS:+--variants "$PROBE_VARIANTS"} \
+        --json "$OUT/probe.json" >"$OUT/probe.log" 2>&1
+    echo "== kernel profile (rc $?)"; cat "$OUT/probe.log" | tail -n 80
 fi

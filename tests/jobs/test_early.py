@@ -116,6 +116,72 @@ def test_exclusions_searched_early(forced, tmp_path: Path) -> None:
     assert _no_threads_left()
 
 
+def test_exclusions_mapped_late_are_applied_to_the_batches_searched_before(forced, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # The exclusions arrive after every early batch was taken: those batches keep k + slack items per user without
+    # them, drop the excluded ones afterwards, and search again the users left with fewer than k (user row 1
+    # excludes every item, user row 3 its 80 best; others up to 60 of the 90 items).
+    from recall.jobs import files
+
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    rng = np.random.default_rng(5)
+    pairs = [(u, int(r)) for u in range(0, 61, 2) for r in rng.choice(90, size=int(rng.integers(0, 61)), replace=False)]
+    # User row 3 excludes its 80 best items: its list of k + slack holds none it may have, its answer lies beyond.
+    best_of_3 = np.argsort(-(items.astype(np.float64) @ users[3].astype(np.float64)), kind="stable")[:80]
+    pairs += [(1, r) for r in range(90)] + [(3, int(r)) for r in best_of_3]
+    pairs += pairs[:40]  # repeated pairs count once
+    excl = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array([int(user_ids[u]) for u, _ in pairs], pa.int64()),
+                             "item_id": pa.array([int(item_ids[r]) for _, r in pairs], pa.int64())}), excl)
+    banned = np.zeros((61, 90), bool)
+    for u, r in pairs:
+        banned[u, r] = True
+    read_side = files._read_side
+
+    def late(*args):
+        time.sleep(0.6)
+        return read_side(*args)
+
+    applied = []
+    drop = early._drop_excluded
+
+    def spy(vals, rows, indptr, items_, k):
+        out = drop(vals, rows, indptr, items_, k)
+        applied.append((rows.shape[1], int(out[2].sum())))
+        return out
+
+    monkeypatch.setattr(files, "_read_side", late)
+    monkeypatch.setattr(early, "_drop_excluded", spy)
+    for k in (3, 20, 60):
+        applied.clear()
+        summary = score_files(up, ip, tmp_path / "a.parquet", k, device="cpu", batch_size=5, exclude_path=excl,
+                              options=ON)
+        assert summary.early_users > 0 and applied, "the early batches did not defer their exclusions"
+        assert all(width == k + early.slack(k) for width, _ in applied), applied
+        if k + early.slack(k) < 90:  # user rows 1 and 3 at least are searched again (beyond: padded lists hold all)
+            assert sum(again for _, again in applied) >= 2
+        table = pq.read_table(tmp_path / "a.parquet")
+        rows, scores = oracle_topk(users, items, k, banned=banned)
+        got, got_scores = table.column("item_ids").to_pylist(), table.column("scores").to_pylist()
+        for u in range(len(users)):
+            assert got[u] == [item_ids[r] for r in rows[u] if r >= 0], f"user row {u}, k={k}"
+            np.testing.assert_array_equal(np.asarray(got_scores[u], np.float64), scores[u][rows[u] >= 0])
+        assert got[1] == []
+    assert _no_threads_left()
+
+
+def test_drop_excluded_keeps_the_first_k_allowed_and_flags_full_lists() -> None:
+    vals = np.array([[9, 8, 7, 6], [5, 4, -np.inf, -np.inf], [3, 2, 1, 0]], np.float32)
+    rows = np.array([[4, 1, 7, 2], [3, 0, -1, -1], [5, 6, 8, 9]], np.int64)
+    indptr = np.array([0, 2, 3, 7], np.int64)
+    excl = np.array([1, 4, 0, 5, 6, 8, 9], np.int64)
+    out_vals, out_rows, short = early._drop_excluded(vals, rows, indptr, excl, 2)
+    assert out_rows.tolist() == [[7, 2], [3, -1], [-1, -1]]
+    assert out_vals[0].tolist() == [7, 6] and out_vals[1, 1] == -np.inf
+    # Row 1 ran out of items (its list is padded): complete. Row 2 lost its whole full list: search it again.
+    assert short.tolist() == [False, False, True]
+
+
 def test_bad_exclusion_file_with_early_searches(forced, tmp_path: Path) -> None:
     up, ip, *_ = _files(tmp_path)
     bad = tmp_path / "excl.parquet"

@@ -1,0 +1,159 @@
+"""Where exact mode's time goes in the cells where it is weakest: each cell timed as shipped and with options
+changed, then once with CUDA graphs off and an event pair around every launch of the search (GEMM, fused filter,
+merges, mask, seed), summed per kernel. A measurement, not an option: the launches are wrapped in this process only.
+
+Run from the project root on a GPU machine::
+
+    PYTHONPATH=. python3 scripts/lab/kernel_profile.py [--cells k8192,d256,...] [--json $OUT/kernel_profile.json]
+
+Median of 3 timed searches after a warm-up (device users and results, data from ``recall.bench.workloads`` seed 0).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from recall import Engine
+from recall.bench import exclusions as bench_exclusions
+from recall.bench.workloads import generate
+from recall.core.options import EngineOptions
+
+# name: (kind, users, items, dim, k, metric, exclusions per user)
+CELLS = {
+    "S1": ("clustered", 100_000, 1_000_000, 64, 100, "ip", 0),
+    "S1-x200": ("clustered", 100_000, 1_000_000, 64, 100, "ip", 200),
+    "k8192": ("clustered", 10_000, 1_000_000, 64, 8192, "ip", 0),
+    "k2048-l2": ("skewed", 20_000, 1_000_000, 64, 2048, "l2", 0),
+    "d256": ("clustered", 20_000, 1_000_000, 256, 100, "ip", 0),
+    "k1": ("skewed", 20_000, 1_000_000, 64, 1, "ip", 0),
+    "uh-l2-k1000": ("popular", 200_000, 100_000, 32, 1000, "l2", 0),
+    "ties": ("ties", 50_000, 1_000_000, 64, 100, "ip", 0),
+}
+
+VARIANTS = {
+    "shipped": {},
+    "no-seed": {"seed_thresholds": False, "fused": "force"},
+    "cublas": {"fused": "off"},
+    "seg256k": {"fused_segment": 262_144},
+    "seg16k": {"fused_segment": 16_384},
+    "cta4": {"fused_tiles_per_block": 4},
+    "cta16": {"fused_tiles_per_block": 16},
+}
+
+
+class Timed:
+    """A launch wrapped in an event pair on the current stream, its elapsed time summed under ``name``."""
+
+    def __init__(self, fn, name, log):
+        self.fn, self.name, self.log = fn, name, log
+
+    def __call__(self, *args, **kwargs):
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record(stream)
+        out = self.fn(*args, **kwargs)
+        b.record(stream)
+        self.log.append((self.name, a, b))
+        return out
+
+    def __getattr__(self, attr):
+        return getattr(self.fn, attr)
+
+    def __setattr__(self, attr, value):
+        if attr in ("fn", "name", "log"):
+            object.__setattr__(self, attr, value)
+        else:
+            setattr(self.fn, attr, value)
+
+
+def instrument(backend, log):
+    sel = backend.selection
+    for name in ("fused", "merge_fused", "seed_done"):
+        setattr(sel, name, Timed(getattr(sel, name), name, log))
+    for table in ("mask", "filter", "merge"):
+        d = getattr(sel, table)
+        for dt in list(d):
+            d[dt] = Timed(d[dt], f"{table}[{dt}]", log)
+    backend.gemm_strided_batched = Timed(backend.gemm_strided_batched, "gemm", log)
+
+
+def timed(engine, users, k, excl, repeat=3):
+    import cupy
+
+    engine.search(users, k, exclude=excl)
+    times = []
+    for _ in range(repeat):
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        engine.search(users, k, exclude=excl)
+        cupy.cuda.Device().synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    import cupy
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", default=",".join(CELLS))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args()
+    out = []
+    for cell in a.cells.split(","):
+        kind, nu, ni, dim, k, metric, per = CELLS[cell]
+        users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
+        excl = None
+        if per:
+            ex = bench_exclusions.generate(users, items, per, k=k, seed=0, metric=metric)
+            excl = ex.host()
+        base = None
+        for vname in a.variants.split(","):
+            opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
+            try:
+                engine = Engine(items, metric=metric, device="gpu", options=opts)
+                t = timed(engine, users, k, excl)
+            except Exception as exc:  # a variant that cannot run this cell says why
+                print(f"| {cell} | {vname} | error {type(exc).__name__}: {exc} |", flush=True)
+                continue
+            base = base or t
+            st = engine.stats
+            print(f"| {cell} | {vname} | {t:.4f} s | x shipped {t / base:.3f} | fused {st.get('fused')} tiles "
+                  f"{st.get('tiles')} seed {st.get('seed_sample')} busy {st.get('gpu_busy_s', 0):.4f} |", flush=True)
+            out.append({"cell": cell, "variant": vname, "median_s": t,
+                        "stats": {kk: st.get(kk) for kk in ("fused", "tiles", "seed_sample", "gpu_busy_s", "blocks")}})
+            del engine
+        # One search with graphs off, every launch timed.
+        engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(cuda_graphs=False))
+        engine.search(users, k, exclude=excl)
+        log = []
+        instrument(engine.backend, log)
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        engine.search(users, k, exclude=excl)
+        cupy.cuda.Device().synchronize()
+        wall = time.perf_counter() - t0
+        per_kernel = defaultdict(lambda: [0, 0.0])
+        for name, ev_a, ev_b in log:
+            per_kernel[name][0] += 1
+            per_kernel[name][1] += cupy.cuda.get_elapsed_time(ev_a, ev_b) / 1e3
+        print(f"| {cell} | launches timed, graphs off | wall {wall:.4f} s | "
+              + " ; ".join(f"{n} x{c} {s:.4f} s" for n, (c, s) in sorted(per_kernel.items(), key=lambda x: -x[1][1]))
+              + " |", flush=True)
+        out.append({"cell": cell, "variant": "per-kernel", "wall_s": wall,
+                    "kernels": {n: {"launches": c, "s": s} for n, (c, s) in per_kernel.items()}})
+        del engine, users, items, excl
+        cupy.get_default_memory_pool().free_all_blocks()
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
