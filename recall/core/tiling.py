@@ -62,8 +62,10 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
     """The largest tiling at most ``preferred`` whose workspace fits in ``budget`` bytes.
 
     Shrinks the number of tiles per call first, then the item tile (to 256), then the user block, then the number
-    of concurrent workers, then the item tile to 1, halving each. Before that, with several workers, the user block
-    is halved (down to 128 users) until every worker has a block: a few hundred users still use every core.
+    of concurrent workers, then the item tile to 1, halving each; except that while a block's top-k state takes more
+    bytes than its score tiles (large k), the user block halves before the item tile does: a narrow tile costs a
+    launch per few hundred items, a smaller block only more blocks. Before that, with several workers, the user
+    block is halved (down to 128 users) until every worker has a block: a few hundred users still use every core.
 
     Raises
     ------
@@ -81,7 +83,7 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
     while plan.workspace_bytes(dim, k, state_bytes_per_user) > budget:
         if plan.tiles_per_call > 1:
             plan = replace(plan, tiles_per_call=plan.tiles_per_call // 2)
-        elif plan.item_tile > 256:
+        elif plan.item_tile > 256 and (plan.user_block == 1 or 4 * plan.item_tile >= state_bytes_per_user):
             plan = replace(plan, item_tile=plan.item_tile // 2)
         elif plan.user_block > 1:
             plan = replace(plan, user_block=plan.user_block // 2)

@@ -28,6 +28,7 @@ CELLS = {
     "S1": ("clustered", 100_000, 1_000_000, 64, 100, "ip", 0),
     "S1-x200": ("clustered", 100_000, 1_000_000, 64, 100, "ip", 200),
     "k8192": ("clustered", 10_000, 1_000_000, 64, 8192, "ip", 0),
+    "k4096": ("skewed", 10_000, 1_000_000, 64, 4096, "ip", 0),
     "k2048-l2": ("skewed", 20_000, 1_000_000, 64, 2048, "l2", 0),
     "d256": ("clustered", 20_000, 1_000_000, 256, 100, "ip", 0),
     "k1": ("skewed", 20_000, 1_000_000, 64, 1, "ip", 0),
@@ -37,6 +38,7 @@ CELLS = {
 
 VARIANTS = {
     "shipped": {},
+    "old-plan": {"tiles": (2048, 256, 1), "fused": "off"},  # what k = 8192 ran before the plan kept wide tiles
     "no-seed": {"seed_thresholds": False, "fused": "force"},
     "cublas": {"fused": "off"},
     "seg256k": {"fused_segment": 262_144},

@@ -119,6 +119,20 @@ def test_fused_equals_cublas_path_on_integer_data():
     _same(got, want)
 
 
+@pytest.mark.parametrize("segment, takes_fused", [(4096, True), (16384, False)])
+def test_large_k_unseeded_takes_the_fused_path_where_two_segments_fit(segment, takes_fused):
+    # Unseeded, "auto" fuses once a user's candidate buffer (16,384 keys at k = 300) holds two whole segments: the
+    # first segments pass every score and must not overflow it. Either way the answer is the CPU's, with exclusions
+    # and ties (integer data), over several blocks.
+    rng = np.random.default_rng(11)
+    items, users = _ints(rng, 60000, 24), _ints(rng, 700, 24)
+    exclude = {u: rng.choice(60000, 50, replace=False) for u in range(0, 700, 3)}
+    gpu = _gpu(items, EngineOptions(seed_thresholds=False, fused_segment=segment, tiles=(256, 2048, 2)))
+    got = gpu.search(users, 300, exclude=exclude)
+    assert gpu.stats["fused"] == takes_fused and gpu.stats["seed_sample"] == 0
+    _same(got, Engine(items, device="cpu").search(users, 300, exclude=exclude))
+
+
 def test_wide_vectors_take_the_cublas_path(fused):
     rng = np.random.default_rng(8)
     items, users = _ints(rng, 2000, 260), _ints(rng, 50, 260)

@@ -16,15 +16,16 @@ from recall.backends.numpy import NumpyBackend
 from recall.core.tiling import TilePlan, item_segments, plan_tiles
 
 
-def _shrink_sequence(start: TilePlan) -> list[TilePlan]:
+def _shrink_sequence(start: TilePlan, state: int = 0) -> list[TilePlan]:
     """The documented order, written out independently: tiles per call halve to 1, then the item tile halves down
-    to 256, then the user block halves to 1, then the concurrent workers halve to 1, then the item tile halves to 1."""
+    to 256 (the user block first while a user's state outweighs its row of one tile), then the user block halves to
+    1, then the concurrent workers halve to 1, then the item tile halves to 1."""
     seq = [start]
     u, t, c, w = start.user_block, start.item_tile, start.tiles_per_call, start.workers
     while True:
         if c > 1:
             c //= 2
-        elif t > 256:
+        elif t > 256 and (u == 1 or state <= 4 * t):
             t //= 2
         elif u > 1:
             u //= 2
@@ -64,6 +65,25 @@ def test_shrink_order(preferred, workers):
             assert plan_tiles(n_users, n_items, dim, k, size - 1, preferred, state, workers) == seq[i + 1]
     with pytest.raises(ResourceError):
         plan_tiles(n_users, n_items, dim, k, sizes[-1] - 1, preferred, state, workers)
+
+
+@pytest.mark.parametrize("state", [600, 40_000, 2_264_000])
+def test_shrink_order_with_large_states(state):
+    # Large k: a user's top-k state outweighs its scores, and the user block halves before the item tile narrows.
+    preferred, dim, k = (4096, 8192, 4), 64, 8192
+    seq = _shrink_sequence(TilePlan(*preferred), state)
+    sizes = [p.workspace_bytes(dim, k, state) for p in seq]
+    assert all(a > b for a, b in zip(sizes, sizes[1:]))
+    for i, (plan, size) in enumerate(zip(seq, sizes)):
+        assert plan_tiles(10_000, 1_000_000, dim, k, size, preferred, state) == plan
+        if i + 1 < len(seq):
+            assert plan_tiles(10_000, 1_000_000, dim, k, size - 1, preferred, state) == seq[i + 1]
+
+
+def test_large_k_keeps_wide_item_tiles():
+    # k = 8192 on the GPU: 2.26 MB of state a user; an 8 GB budget halves the block, not the 8192-item tile.
+    plan = plan_tiles(10_000, 1_000_000, 64, 8192, 8 << 30, (4096, 8192, 4), 2_264_000)
+    assert plan == TilePlan(2048, 8192, 1)
 
 
 def test_shrinks_tiles_first_then_item_tile_then_users():
