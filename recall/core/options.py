@@ -33,7 +33,8 @@ class EngineOptions:
         GPU: start each user block's thresholds at its k-th best score over a sample of the items (False: at -inf).
     fused : {"auto", "force", "off"}
         GPU, exact precision: score and filter in one kernel (``fused.cu``) where it applies ("auto": seeded
-        searches of float32 vectors of at most 256 dimensions; "force": also unseeded; "off": cuBLAS + filter).
+        searches of float32 vectors of at most 256 dimensions, and unseeded ones whose candidate buffer holds two
+        segments; "force": also other unseeded ones; "off": cuBLAS + filter).
     fused_segment : int
         GPU fused path: items per launch (each followed by a merge of the candidates).
     fused_tiles_per_block : int
