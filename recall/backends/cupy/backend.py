@@ -124,8 +124,11 @@ class CupyBackend:
     def to_host(self, arr: Any) -> np.ndarray:
         if isinstance(arr, np.ndarray):
             return arr
-        self.compute_stream.synchronize()
-        return arr.get()
+        # Not while another thread captures a block's graph on the compute stream: synchronising a capturing stream
+        # (or copying on the legacy stream meanwhile) fails that call and the capture.
+        with self.pipeline.capture_lock:
+            self.compute_stream.synchronize()
+            return arr.get()
 
     def empty_out(self, shape: tuple, dtype: Any, host: bool) -> Any:
         import cupyx
@@ -237,8 +240,9 @@ class CupyBackend:
             return rescore.select(*keys.concat(self.xp, parts), k)
 
     def synchronize(self) -> None:
-        self.pipeline.synchronize()
-        self.device.synchronize()
+        with self.pipeline.capture_lock:
+            self.pipeline.synchronize()
+            self.device.synchronize()
 
     # -- primitives of the shared tiled loop (recall.backends.tiled) and candidate scoring -------------------------
     def gemm_strided_batched(self, users: Any, items: Any, out: Any) -> None:

@@ -9,6 +9,7 @@ block is queued, with a callable that waits for that search alone (``Engine.sear
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,13 +77,17 @@ class BlockPipeline:
         self.fused = fused_path.FusedSearch(backend.selection)
         self.graphs_ok = True  # False after a capture failed: launch eagerly from then on
         self.capturing = False
+        # Held while a block's launches are captured: other threads (a job's writer fetching results, its early
+        # searches) must not synchronise the compute stream or the device meanwhile (CupyBackend.to_host).
+        self.capture_lock = threading.RLock()
         self._ws: dict[tuple, _Workspace] = {}
 
     def synchronize(self) -> None:
         """Wait for everything queued on the pipeline's streams: compute, staging and result fetches."""
-        self.compute_stream.synchronize()
-        self.copy_stream.synchronize()
-        self.fetch_stream.synchronize()
+        with self.capture_lock:
+            self.compute_stream.synchronize()
+            self.copy_stream.synchronize()
+            self.fetch_stream.synchronize()
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Any:
@@ -310,13 +315,14 @@ class BlockPipeline:
     def _capture(self, launches: Any) -> Any:
         stream = self.compute_stream
         try:
-            stream.begin_capture()
-            self.capturing = True
-            try:
-                launches()
-            finally:
-                self.capturing = False
-                graph = stream.end_capture()
+            with self.capture_lock:
+                stream.begin_capture()
+                self.capturing = True
+                try:
+                    launches()
+                finally:
+                    self.capturing = False
+                    graph = stream.end_capture()
             return graph
         except Exception as exc:  # capture is an optimisation: never fail a search for it
             log.warning("recall: CUDA graph capture failed (%s: %s); launching eagerly", type(exc).__name__, exc)
