@@ -11,9 +11,9 @@ result is always the exact answer. ``engine.stats["widened_users"]`` counts the 
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`):
 it then costs more than exact mode's whole search, whatever the certificate does. A large search first runs on a
 sample of its users (``EngineOptions.fast_sample``): where the certificate does not
-pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), the other users are searched in exact mode,
-and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``. The sampled users' answers
-are kept either way.
+pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), every user is searched in exact mode and
+``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every user, the sampled
+ones too, is searched in fast mode.
 """
 from __future__ import annotations
 
@@ -90,13 +90,14 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
     if sample is None:
         vals, rows, engine.stats = _search_fast(engine, users, k, excl)
         return vals, rows
-    backend = engine.backend
-    xp = backend.xp
-    rest = np.setdiff1d(np.arange(n_users, dtype=np.int64), sample, assume_unique=True)
-    s_vals, s_rows, s_stats = _search_fast(engine, _take(xp, users, sample), k, excl.subset(sample))
+    # The sample is a probe: every user, the sampled ones too, is searched again below, so that neither the users
+    # nor their exclusions are cut in two on the host (a subset of 20M exclusion pairs costs more than the 1/50 of
+    # the search the sample repeats).
+    s_vals, s_rows, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample))
+    del s_vals, s_rows
     cost = (s_stats["fallback_users"] + s_stats["widened_users"] / 2) / sample.size
     if cost > DECLINE_FALLBACK:
-        r_vals, r_rows, run_stats = _search_exact(engine, _take(xp, users, rest), k, excl.subset(rest))
+        vals, rows, run_stats = _search_exact(engine, users, k, excl)
         stats = {**run_stats, "precision": "exact",
                  "fast_declined": (f"a sample of {sample.size:,} users: {s_stats['fallback_fraction']:.0%} fell "
                                    f"back to exact search, {s_stats['widened_users'] / sample.size:.0%} were "
@@ -105,17 +106,8 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
                  "fallback_users": s_stats["fallback_users"], "widened_users": s_stats["widened_users"],
                  "fallback_fraction": s_stats["fallback_users"] / n_users}
     else:
-        r_vals, r_rows, r_stats = _search_fast(engine, _take(xp, users, rest), k, excl.subset(rest))
-        stats = {**r_stats}
-        for key in ("fallback_users", "widened_users"):
-            stats[key] = r_stats[key] + s_stats[key]
-        stats["fallback_fraction"] = stats["fallback_users"] / n_users
+        vals, rows, stats = _search_fast(engine, users, k, excl)
     stats.update(fast_sample=int(sample.size), sample_fallback_fraction=s_stats["fallback_fraction"])
-    vals = backend.empty_out((n_users, k), np.float32, False)
-    rows = backend.empty_out((n_users, k), np.int64, False)
-    for part, part_vals, part_rows in ((sample, s_vals, s_rows), (rest, r_vals, r_rows)):
-        sel = xp.asarray(part)
-        vals[sel], rows[sel] = part_vals, part_rows
     engine.stats = stats
     return vals, rows
 
