@@ -586,6 +586,66 @@ def test_exclusions_string_ids(tmp_path: Path) -> None:
     assert applied == 60 * 4  # the unknown user's and the unknown item's pairs are not applied
 
 
+@pytest.mark.parametrize("string_ids, how", [(False, {}), (True, {}), (False, {"workers": 2}), (True, {"workers": 2}),
+                                             (True, {"item_shards": 2}), (False, {"engine": "ray"})])
+def test_exclusions_read_once_for_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: dict,
+                                          string_ids: bool) -> None:
+    # The parent reads and maps the exclusion file once; the workers (this process, worker processes, item-range
+    # processes) take the index it saved. The file is deleted as soon as the parent has read it: a worker that read
+    # it again would fail the job. The index's temporary files are gone afterwards.
+    from recall.jobs.batch import exclusions as batch_exclusions
+
+    if how.get("engine") == "ray":
+        pytest.importorskip("ray")
+    job = _write_job(tmp_path, string_ids=string_ids)
+    rng = np.random.default_rng(4)
+    users = rng.choice(job["user_ids"], 100, replace=False)
+    pairs = [(u, i) for u in users for i in rng.choice(job["item_ids"], 5, replace=False)]
+    col = pa.string() if string_ids else pa.int64()
+    excl = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array([u for u, _ in pairs], col),
+                             "item_id": pa.array([i for _, i in pairs], col)}), excl)
+    kept = tmp_path / "kept.parquet"
+    shutil.copy(excl, kept)
+    reads = []
+    read = batch_exclusions.ExclusionIndex.read.__func__
+
+    def once(cls, path, *args):
+        index = read(cls, path, *args)
+        reads.append(path)
+        os.remove(path)
+        return index
+
+    monkeypatch.setattr(batch_exclusions.ExclusionIndex, "read", classmethod(once))
+    out = tmp_path / "out"
+    summary = _run(job, out, exclude=excl, **how)
+    assert reads == [str(excl)] and summary.exclusion_pairs == len(pairs) and summary.unknown_exclusions == 0
+    assert not [p.name for p in out.iterdir() if "exclusions" in p.name]
+    applied = sum(e["exclusions_applied"] for e in json.loads((out / MANIFEST).read_text())["outputs"].values())
+    assert applied == len(pairs)
+    for path, _, _ in job["shards"]:
+        single = tmp_path / f"single-{path.name}"
+        score_files(path, job["items"], single, K, device="cpu", exclude_path=kept, allow_empty=True)
+        assert pq.read_table(single).equals(pq.read_table(out / path.name)), path.name
+
+
+def test_exclusion_index_files_go_when_the_job_fails(job: dict, tmp_path: Path) -> None:
+    excl = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array(job["user_ids"][:20]), "item_id": pa.array(job["item_ids"][:20])}),
+                   excl)
+    bad = job["users"] / "part-999.parquet"
+    bad.write_bytes(b"not parquet")
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match="part-999"):
+        _run(job, out, exclude=excl, workers=2)
+    assert not [p.name for p in out.iterdir() if "exclusions" in p.name]
+    # What a killed run left (another pid) is removed by the next run, which then succeeds.
+    (out / ".exclusions-rows.tmp-999999").write_bytes(b"left by a killed run")
+    shutil.copy(job["users"] / "part-001.parquet", bad)  # the bad shard fixed in place
+    _run(job, out, exclude=excl, workers=2)
+    assert not [p.name for p in out.iterdir() if "exclusions" in p.name]
+
+
 def test_exclusions_list_form_and_empty_file(job: dict, tmp_path: Path) -> None:
     ids = job["user_ids"]
     lists = pq.read_table(job["items"]).column("id").to_pylist()

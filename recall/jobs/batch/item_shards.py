@@ -10,7 +10,8 @@ The parts, and where they run:
   as in the unsharded job: the scores, and so the output bytes, are the unsharded job's.
 - :class:`RangeScorer` (each worker: a process per GPU, or a share of the CPU cores, or a Ray actor) reads only its
   rows of the item file (:func:`recall.io.read_embedding_rows`; every row is still validated), keeps the ones the
-  filter passes in an :class:`recall.Engine`, maps the exclusions that fall in its range, and returns, for each user
+  filter passes in an :class:`recall.Engine`, takes the job's exclusions that fall in its range (mapped once, by the
+  parent: :mod:`.exclusions`), and returns, for each user
   batch, the range's top-k in the space the selection ranks in (inner products of the metric's prepared vectors),
   with global item rows.
 - :class:`ItemShardScorer` (the parent) reads the item ids once (duplicates are checked over the whole file; the
@@ -49,7 +50,8 @@ from ...engine import tuning
 from ...io import embedding_dim, read_embedding_rows, read_ids, read_item_set
 from ..files import auto_batch_size, check_scores_fit
 from ..items import check_nonzero
-from .worker import (JobSpec, OutputLayout, ShardResult, ShardTask, WorkerInfo, _ExclusionIndex, stream_shard)
+from .exclusions import ExclusionIndex
+from .worker import JobSpec, OutputLayout, ShardResult, ShardTask, WorkerInfo, stream_shard
 
 
 #: Users merged at a time: a block's keys (shards x k per user) stay in cache. One merge of a whole batch spends more
@@ -128,8 +130,8 @@ def split_catalogue(n_items: int, passing: np.ndarray | None, n_shards: int, gra
 @dataclass(frozen=True)
 class RangeReady:
     """What a worker reports once its range is loaded: its :class:`WorkerInfo` (``n_items``: the items it searches;
-    ``exclusion_pairs`` / ``unknown_exclusions``: the file's pairs, and of those the ones whose item is not in its
-    range), the largest norm of its rows (every row, for the float32 overflow check of the whole job) and the rows
+    ``exclusion_pairs`` / ``unknown_exclusions``: the file's pairs, and of those the ones the parent could not map),
+    the largest norm of its rows (every row, for the float32 overflow check of the whole job) and the rows
     it covers."""
 
     info: WorkerInfo
@@ -190,7 +192,7 @@ class RangeScorer:
         self.range: ItemRange | None = None
         self.n_searched = 0
         self.k = 0
-        self.exclusions: _ExclusionIndex | None = None
+        self.exclusions: ExclusionIndex | None = None
         self.shard_exclusions: Any = None
         self.local_filter: ItemFilter | None = None
         self.global_rows = np.zeros(0, np.int64)
@@ -227,7 +229,7 @@ class RangeScorer:
         return plan, preferred
 
     def load(self, item_range: ItemRange, n_searched: int, k: int) -> RangeReady:
-        """Read, validate and prepare the range's items; read the exclusions of its rows.
+        """Read, validate and prepare the range's items; open the job's exclusions.
 
         ``n_searched``: the searched items of the whole catalogue; ``k``: the output's width.
 
@@ -258,16 +260,15 @@ class RangeScorer:
         if vectors.shape[0]:
             self.engine = Engine(vectors, metric=spec.metric, device=self.backend, memory_budget=spec.memory_budget,
                                  options=spec.options.engine, item_memory=spec.options.item_memory)
-        if spec.exclude_path is not None and n_rows:
-            self.exclusions = _ExclusionIndex(spec.exclude_path, spec.user_id_type == "string", ids)
-        pairs = self.exclusions.pairs if self.exclusions is not None else None
+        if spec.exclusions is not None and n_rows:
+            self.exclusions = spec.exclusions.open()  # mapped once by the parent, rows of the whole catalogue
         engine = self.engine
         info = WorkerInfo(
             worker=self.worker, device=self.backend.name, device_detail=self.backend.describe(),
             host=socket.gethostname(), pid=os.getpid(), items_load_s=time.perf_counter() - t0,
             n_items=item_range.size, dim=self.dim or 0,
-            exclusion_pairs=pairs.n_pairs if pairs is not None else 0,
-            unknown_exclusions=pairs.n_unknown if pairs is not None else 0,
+            exclusion_pairs=spec.exclusions.n_pairs if spec.exclusions is not None else 0,
+            unknown_exclusions=spec.exclusions.n_unknown if spec.exclusions is not None else 0,
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             item_rows=[item_range.start, item_range.stop],
@@ -286,7 +287,10 @@ class RangeScorer:
     # -- per shard ---------------------------------------------------------------------------------------------------
     def begin(self, user_ids: np.ndarray) -> int:
         """A new user shard: cut its users' exclusions (those in this range). Returns how many there are."""
-        self.shard_exclusions = self.exclusions.for_shard(user_ids) if self.exclusions is not None else None
+        self.shard_exclusions = None
+        if self.exclusions is not None:
+            self.shard_exclusions = ExclusionIndex.in_rows(self.exclusions.for_shard(user_ids), self.range.start,
+                                                           self.range.stop)
         return int(self.shard_exclusions.item_rows.size) if self.shard_exclusions is not None else 0
 
     def topk(self, row_start: int, user_vecs: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
@@ -435,12 +439,11 @@ class ItemShardScorer:
         self.dim = dim or 0
         self.bound = _Bound(max(r.item_norm for r in readies), spec.metric)
         self.memory_budget = handles[0].submit("memory_budget").result()
-        # Each pair names one item, in one range at most: the pairs known somewhere are the sum of each range's.
-        n_pairs = max((r.info.exclusion_pairs for r in readies), default=0)
-        known = sum(r.info.exclusion_pairs - r.info.unknown_exclusions for r in readies)
+        excl = spec.exclusions
         self.totals = replace(
             self.infos[0], worker="items", n_items=n_items, items_load_s=time.perf_counter() - t0,
-            exclusion_pairs=n_pairs, unknown_exclusions=n_pairs - known,
+            exclusion_pairs=excl.n_pairs if excl is not None else 0,
+            unknown_exclusions=excl.n_unknown if excl is not None else 0,
             filter_ids=sum(f.n_ids for f in (allow, deny) if f is not None),
             unknown_filter_ids=sum(f.n_unknown for f in (allow, deny) if f is not None), item_rows=[0, n_items])
 

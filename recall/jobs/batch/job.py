@@ -19,7 +19,8 @@ Sharded, resumable, idempotent:
 Each worker (this process, a process per GPU, or a Ray actor; :mod:`recall.jobs.executors`) loads and prepares the
 items once in a :class:`~.worker.ShardScorer` and streams shards through it; with ``item_shards`` each worker holds
 one row range of the items, and the parent streams every shard through all of them, merging exactly
-(:mod:`.item_shards`). The parent owns the manifest, the metrics file (``_metrics.json``), the progress display and
+(:mod:`.item_shards`). The parent reads and maps the exclusion file once for the job and saves the index for the
+workers (:mod:`.exclusions`), and owns the manifest, the metrics file (``_metrics.json``), the progress display and
 ``_SUCCESS``.
 """
 from __future__ import annotations
@@ -39,11 +40,12 @@ from typing import Any
 from ...core import metrics as _metrics
 from ...core.checks import DEVICES, check_budget, check_choice, check_int, check_k
 from ...core.errors import InputError
-from ...io import atomic, inspect_embeddings, inspect_item_set, inspect_pairs
+from ...io import atomic, inspect_embeddings, inspect_item_set, inspect_pairs, read_ids
 from .. import executors
 from ..options import DEFAULT_JOB_OPTIONS, JobOptions
 from ..summary import unknown_id_warnings
 from . import outdir
+from .exclusions import ExclusionFiles, ExclusionIndex
 from .outdir import MANIFEST, METRICS, SUCCESS
 from .shards import Shard, discover_shards, fingerprint_all, inspect_shards
 from .worker import JobSpec, ShardResult, ShardTask, WorkerInfo
@@ -198,8 +200,8 @@ class BatchRequest:
         job.update({key: side[key] for key in ("allow", "deny") if key in side})
         return job
 
-    def spec(self, user_id_type: str) -> JobSpec:
-        return JobSpec(items_path=self.items_path, exclude_path=self.exclude_path, k=self.k, metric=self.metric,
+    def spec(self, user_id_type: str, exclusions: ExclusionFiles | None = None) -> JobSpec:
+        return JobSpec(items_path=self.items_path, exclusions=exclusions, k=self.k, metric=self.metric,
                        id_col=self.id_col, vec_col=self.vec_col, user_id_type=user_id_type,
                        batch_size=self.batch_size, memory_budget=self.memory_budget, options=self.options,
                        after_batch=self.after_batch, allow_path=self.allow_path, deny_path=self.deny_path)
@@ -607,17 +609,26 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
              for s in sorted(good, key=lambda s: (-s.rows, s.name))]
 
     progress.begin(len(todo), sum(t.rows for t in tasks))
+    excl_files = None
     try:
         for s in todo:
             if s.error is not None:
                 state.shard_failed(s.name, s.path, s.error)
         if executor is not None:
-            executor.run(req.spec(good[0].id_type), tasks, state)
+            user_id_type = good[0].id_type
+            if req.exclude_path is not None:
+                # Read and mapped once for the job, here; every worker maps the saved index (.exclusions).
+                item_ids = read_ids(req.items_path, req.id_col, req.vec_col)
+                excl_files = ExclusionIndex.read(req.exclude_path, user_id_type == "string", item_ids).save(out)
+                del item_ids
+            executor.run(req.spec(user_id_type, excl_files), tasks, state)
     except BaseException as exc:
         state.finish("failed", notices, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         raise
     finally:
         progress.end()
+        if excl_files is not None:
+            excl_files.remove()
     if state.bad:
         error = state.bad_shards_error(len(shards))
         state.finish("failed", notices, f"InputError: {error}")

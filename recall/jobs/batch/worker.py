@@ -1,5 +1,5 @@
-"""One worker of the batch job: the items prepared once in a resident engine, the exclusions read once, and each
-shard streamed through the job runner into its own output file.
+"""One worker of the batch job: the items prepared once in a resident engine, the job's exclusions (mapped once, by
+the parent: :mod:`.exclusions`), and each shard streamed through the job runner into its own output file.
 
 Everything that crosses a process or Ray boundary (:class:`JobSpec`, :class:`ShardTask`, :class:`ShardResult`,
 :class:`WorkerInfo`) is a plain picklable dataclass.
@@ -19,13 +19,13 @@ import pyarrow as pa
 from ... import backends
 from ...core.errors import InputError, RecallError
 from ...core.results import id_lookup
-from ...io import CandidateWriter, IdPairs, read_ids, read_item_set, read_pairs
+from ...io import CandidateWriter, read_ids, read_item_set
 from ...io.atomic import sha256_file
-from ...io.pairs import distinct_users, rows_of
 from ..files import auto_batch_size, check_scores_fit, user_batches
 from ..items import load_engine
 from ..options import DEFAULT_JOB_OPTIONS, JobOptions
 from ..runner import StreamStats, run_stream
+from .exclusions import ExclusionFiles
 
 
 class BatchError(RecallError, RuntimeError):
@@ -39,7 +39,8 @@ class JobSpec:
     Attributes
     ----------
     items_path : str
-    exclude_path : str or None
+    exclusions : ExclusionFiles or None
+        The job's exclusions, mapped once by the parent (:mod:`.exclusions`).
     k : int
     metric : str
     id_col, vec_col : str
@@ -58,7 +59,7 @@ class JobSpec:
     """
 
     items_path: str
-    exclude_path: str | None
+    exclusions: ExclusionFiles | None
     k: int
     metric: str
     id_col: str
@@ -177,22 +178,6 @@ class _RowGroups:
         self.buffered = rest.num_rows
 
 
-class _ExclusionIndex:
-    """The exclusions file read once per worker, then cut per shard in memory.
-
-    Pairs are keyed by the file's own distinct user ids, so the index needs no list of every user of the job and a
-    user id in several shards gets its exclusions in each. Reading and validation are :func:`recall.io.read_pairs`.
-    """
-
-    def __init__(self, path: str, user_ids_are_strings: bool, item_ids: np.ndarray) -> None:
-        self.keys = distinct_users(path, user_ids_are_strings)
-        self.pairs = read_pairs(path, self.keys, item_ids, what="exclusion")
-
-    def for_shard(self, user_ids: np.ndarray) -> IdPairs:
-        """The pairs of this shard's users, as CSR over the shard's rows."""
-        return self.pairs.take(rows_of(self.keys, user_ids))
-
-
 class ShardScorer:
     """One worker's resident state: the items prepared once in an :class:`recall.Engine`, the exclusions read once;
     :meth:`score` streams one shard through it.
@@ -218,8 +203,7 @@ class ShardScorer:
                                             options=spec.options.engine, item_memory=spec.options.item_memory)
         self.item_id_type = pa.string() if items.ids.dtype == object else pa.int64()
         self.item_ids = id_lookup(items.ids)
-        self.exclusions = (_ExclusionIndex(spec.exclude_path, spec.user_id_type == "string", items.ids)
-                           if spec.exclude_path is not None else None)
+        self.exclusions = spec.exclusions.open() if spec.exclusions is not None else None
         allow = read_item_set(spec.allow_path, items.ids, "allow") if spec.allow_path is not None else None
         deny = read_item_set(spec.deny_path, items.ids, "deny") if spec.deny_path is not None else None
         if allow is not None or deny is not None:

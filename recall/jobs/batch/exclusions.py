@@ -1,0 +1,111 @@
+"""The batch job's exclusions: read and mapped to item rows once per job, by the parent, and shared with every worker.
+
+The parent maps the exclusion file with the item file's id column (:meth:`ExclusionIndex.read`: pairs keyed by the
+file's own distinct user ids, so no list of every user of the job is needed) and saves the index in the output
+directory as the job's temporary files (``.exclusions-<part>.tmp-<pid>``: what a killed run leaves there is removed
+by the next one). Workers in other processes or on other hosts of a Ray cluster (which write into the same
+directory) map those files read-only (:meth:`ExclusionFiles.open`); a worker in the parent's process uses the index
+itself. Each shard takes only its users' slice (:meth:`ExclusionIndex.for_shard`), and an item-shard worker only the
+pairs in its rows (:meth:`ExclusionIndex.in_rows`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ...io import IdPairs, read_pairs
+from ...io.atomic import temporary_path
+from ...io.pairs import distinct_users, rows_of
+
+_PARTS = ("keys", "indptr", "rows", "named")
+
+
+@dataclass
+class ExclusionIndex:
+    """Exclusion pairs as CSR over the file's distinct user ids (``keys``: int64, or object for string ids), item
+    rows of the whole catalogue."""
+
+    keys: np.ndarray
+    pairs: IdPairs
+
+    @classmethod
+    def read(cls, path: str, user_ids_are_strings: bool, item_ids: np.ndarray) -> "ExclusionIndex":
+        """Read and validate the file (:func:`recall.io.read_pairs`), mapping item ids to rows of ``item_ids``."""
+        keys = distinct_users(path, user_ids_are_strings)
+        return cls(keys, read_pairs(path, keys, item_ids, what="exclusion"))
+
+    def for_shard(self, user_ids: np.ndarray) -> IdPairs:
+        """The pairs of this shard's users, as CSR over the shard's rows."""
+        return self.pairs.take(rows_of(self.keys, user_ids))
+
+    @staticmethod
+    def in_rows(pairs: IdPairs, start: int, stop: int) -> IdPairs:
+        """The pairs of ``pairs`` whose item row is in ``start:stop``, as rows of that range (``row - start``)."""
+        rows = pairs.item_rows
+        keep = (rows >= start) & (rows < stop)
+        kept = np.zeros(keep.size + 1, np.int64)  # kept[j]: how many of the first j pairs are in the range
+        np.cumsum(keep, out=kept[1:])
+        return IdPairs(kept[pairs.indptr], rows[keep] - start, pairs.named, int(kept[-1]), 0)
+
+    def save(self, out_dir: Path) -> "ExclusionFiles":
+        """Write the index into ``out_dir`` as this process's temporary files, for the workers to map."""
+        paths = {part: str(temporary_path(out_dir / f"exclusions-{part}")) for part in _PARTS}
+        strings = self.keys.dtype == object
+        if strings:
+            with pa.OSFile(paths["keys"], "wb") as sink:
+                with pa.ipc.new_file(sink, pa.schema([("user_id", pa.string())])) as writer:
+                    writer.write_batch(pa.record_batch([pa.array(self.keys, pa.string())], names=["user_id"]))
+        else:
+            _save(paths["keys"], np.ascontiguousarray(self.keys, np.int64))
+        _save(paths["indptr"], self.pairs.indptr)
+        _save(paths["rows"], self.pairs.item_rows)
+        _save(paths["named"], self.pairs.named)
+        return ExclusionFiles(paths, strings, self.pairs.n_pairs, self.pairs.n_unknown, _index=self)
+
+
+def _save(path: str, arr: np.ndarray) -> None:
+    with open(path, "wb") as f:  # a file object: np.save would add ".npy" to a name
+        np.save(f, np.ascontiguousarray(arr))
+
+
+@dataclass(frozen=True)
+class ExclusionFiles:
+    """Where the parent saved the job's :class:`ExclusionIndex`, and its counts. Picklable (what crosses a process or
+    Ray boundary is the paths); in the parent's process it carries the index itself."""
+
+    paths: dict[str, str]
+    strings: bool
+    n_pairs: int
+    n_unknown: int
+    _index: ExclusionIndex | None = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_index": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def open(self) -> ExclusionIndex:
+        """The index: the parent's own object, or the files mapped read-only (pages are read as shards need them)."""
+        if self._index is not None:
+            return self._index
+        if self.strings:
+            with pa.memory_map(self.paths["keys"]) as source:
+                keys = pa.ipc.open_file(source).read_all().column("user_id").to_numpy(zero_copy_only=False)
+            keys = keys.astype(object)
+        else:
+            keys = np.load(self.paths["keys"], mmap_mode="r")
+        indptr, rows, named = (np.load(self.paths[part], mmap_mode="r") for part in ("indptr", "rows", "named"))
+        return ExclusionIndex(keys, IdPairs(indptr, rows, named, self.n_pairs, self.n_unknown))
+
+    def remove(self) -> None:
+        for path in self.paths.values():
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
