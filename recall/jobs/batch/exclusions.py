@@ -3,18 +3,16 @@
 The parent maps the exclusion file with the item file's id column (:meth:`ExclusionIndex.read`: pairs keyed by the
 file's own distinct user ids, so no list of every user of the job is needed) and saves the index in the output
 directory as the job's temporary files (``.exclusions-<part>.tmp-<pid>``: what a killed run leaves there is removed
-by the next one). Workers in other processes or on other hosts of a Ray cluster (which write into the same
-directory) map those files read-only (:meth:`ExclusionFiles.open`); a worker in the parent's process uses the index
-itself. Each shard takes only its users' slice (:meth:`ExclusionIndex.for_shard`), and an item-shard worker only the
+by the next one), and lets it go. Every worker, in its process or another, or on another host of a Ray cluster
+(which writes into the same directory), maps those files read-only (:meth:`ExclusionFiles.open`): the pages are read
+as shards need them, and the workers of one host share them in the page cache. Each shard takes only its users' slice (:meth:`ExclusionIndex.for_shard`), and an item-shard worker only the
 pairs in its rows (:meth:`ExclusionIndex.in_rows`).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 import pyarrow as pa
 
@@ -65,7 +63,7 @@ class ExclusionIndex:
         _save(paths["indptr"], self.pairs.indptr)
         _save(paths["rows"], self.pairs.item_rows)
         _save(paths["named"], self.pairs.named)
-        return ExclusionFiles(paths, strings, self.pairs.n_pairs, self.pairs.n_unknown, _index=self)
+        return ExclusionFiles(paths, strings, self.pairs.n_pairs, self.pairs.n_unknown)
 
 
 def _save(path: str, arr: np.ndarray) -> None:
@@ -75,25 +73,16 @@ def _save(path: str, arr: np.ndarray) -> None:
 
 @dataclass(frozen=True)
 class ExclusionFiles:
-    """Where the parent saved the job's :class:`ExclusionIndex`, and its counts. Picklable (what crosses a process or
-    Ray boundary is the paths); in the parent's process it carries the index itself."""
+    """Where the parent saved the job's :class:`ExclusionIndex`, and its counts: what crosses a process or Ray
+    boundary."""
 
     paths: dict[str, str]
     strings: bool
     n_pairs: int
     n_unknown: int
-    _index: ExclusionIndex | None = field(default=None, compare=False, repr=False)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_index": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def open(self) -> ExclusionIndex:
-        """The index: the parent's own object, or the files mapped read-only (pages are read as shards need them)."""
-        if self._index is not None:
-            return self._index
+        """The index, its files mapped read-only (string user ids are read into memory)."""
         if self.strings:
             with pa.memory_map(self.paths["keys"]) as source:
                 keys = pa.ipc.open_file(source).read_all().column("user_id").to_numpy(zero_copy_only=False)
