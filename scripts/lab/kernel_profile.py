@@ -11,7 +11,6 @@ Median of 3 timed searches after a warm-up (device users and results, data from 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -40,7 +39,6 @@ CELLS = {
 VARIANTS = {
     "shipped": {},
     "old-plan": {"tiles": (2048, 256, 1), "fused": "off"},  # what k = 8192 ran before the plan kept wide tiles
-    "old-seed": {},  # the seed rule before small catalogues were sampled at an eighth (patched in, see old_seed)
     "no-seed": {"seed_thresholds": False, "fused": "force"},
     "cublas": {"fused": "off"},
     "seg256k": {"fused_segment": 262_144},
@@ -48,25 +46,6 @@ VARIANTS = {
     "cta4": {"fused_tiles_per_block": 4},
     "cta16": {"fused_tiles_per_block": 16},
 }
-
-
-def _old_seed_size(n_items, k, capacity, seeded=True):
-    size = min(capacity, max(8192, 32 * k))
-    return 0 if not seeded or size < 4 * k or n_items < 8 * size else size
-
-
-@contextlib.contextmanager
-def variant_patches(name):
-    """The monkeypatches of a variant (a measurement in this process, not an option)."""
-    from recall.backends.cupy import fused, pipeline, selection
-
-    saved = (selection.seed_size, pipeline.seed_size, fused.seed_size)
-    try:
-        if name == "old-seed":
-            selection.seed_size = pipeline.seed_size = fused.seed_size = _old_seed_size
-        yield
-    finally:
-        selection.seed_size, pipeline.seed_size, fused.seed_size = saved
 
 
 class Timed:
@@ -141,9 +120,8 @@ def main() -> None:
         for vname in a.variants.split(","):
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
-                with variant_patches(vname):
-                    engine = Engine(items, metric=metric, device="gpu", options=opts)
-                    t = timed(engine, users, k, excl)
+                engine = Engine(items, metric=metric, device="gpu", options=opts)
+                t = timed(engine, users, k, excl)
             except Exception as exc:  # a variant that cannot run this cell says why
                 print(f"| {cell} | {vname} | error {type(exc).__name__}: {exc} |", flush=True)
                 continue

@@ -185,18 +185,6 @@ def test_seeded_threshold_exact_with_ties_and_excluded_sample(small_tiles):
     _same(got, Engine(items, device="cpu").search(users, k, exclude=excl))
 
 
-def test_large_k_on_a_small_catalogue_is_seeded_with_an_eighth_of_it():
-    # k = 1,000 of 80,000 items: too few for the full sample of 32k, so an eighth (10,000 rows) seeds the thresholds
-    # and the search takes the fused path; ties (small integers) and exclusions, the CPU's answer bit for bit.
-    rng = np.random.default_rng(12)
-    items, users = _ints(rng, 80_000, 16, -2, 3), _ints(rng, 300, 16, -2, 3)
-    excl = {u: rng.choice(80_000, 300, replace=False).tolist() for u in range(0, 300, 2)}
-    gpu = Engine(items, device="gpu")
-    got = gpu.search(users, 1000, exclude=excl)
-    assert gpu.stats["seed_sample"] == 10_000 and gpu.stats["fused"]
-    _same(got, Engine(items, device="cpu").search(users, 1000, exclude=excl))
-
-
 def test_seeded_equals_unseeded_on_rising_order(small_tiles):
     # Items sorted by rising score against the mean user: every tile beats the last, the case the seed is for.
     rng = np.random.default_rng(8)

@@ -12,9 +12,9 @@ from recall.backends.cupy.selection import seed_size
     (1_000_000, 2_048, 32_768, 32_768),  # large k: 32k items, capped by the score buffer
     (1_000_000, 8_192, 8_192, 0),        # the buffer cannot hold 4k sampled items
     (100_000, 100, 32_768, 8_192),       # 8 x 8,192 <= 100k: the full sample
-    (100_000, 1_000, 32_768, 12_500),    # too small for 32k: an eighth of the items
-    (60_000, 100, 32_768, 0),            # an eighth is below 8,192: no seed
-    (100_000, 4_000, 32_768, 0),         # an eighth is below 4k: no seed
+    (100_000, 1_000, 32_768, 0),         # fewer than 8 x 32k items: no seed
+    (60_000, 100, 32_768, 0),            # fewer than 8 x 8,192 items: no seed
+    (100_000, 4_000, 32_768, 0),
     (20_000, 37, 900, 900),              # small tiles (the tests' plans): the buffer's width
 ])
 def test_sample_size(n_items, k, capacity, want):

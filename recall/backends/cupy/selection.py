@@ -29,16 +29,13 @@ def fused_capacity(k: int) -> int:
 def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True) -> int:
     """Items in a block's threshold sample (see ``recall_seed_done``), or 0 where seeding does not pay (or is off):
     the sample costs ``size / n_items`` of the search's GEMM work and leaves about ``k * n_items / size`` scores per
-    user to pass the filter over the whole search. A catalogue too small for the full sample (fewer than 8 times it:
-    large k on a small catalogue, e.g. k = 1,000 of 100,000 items) is sampled at an eighth of its items, where that is
-    still at least 8,192 items and 4k."""
-    if not seeded:
-        return 0
+    user to pass the filter over the whole search. A catalogue of fewer than 8 times the sample is not seeded:
+    sampling an eighth of it instead (k = 1,000 of 100,000 items) was measured no faster, the fused kernel at d = 32
+    costing what the merges saved (docs/benchmarks.md)."""
     size = min(capacity, max(8192, 32 * k))
-    if size >= 4 * k and n_items >= 8 * size:
-        return size
-    eighth = min(size, n_items // 8)
-    return eighth if eighth >= max(8192, 4 * k) else 0
+    if not seeded or size < 4 * k or n_items < 8 * size:
+        return 0
+    return size
 
 
 def pow2(n: int) -> int:
