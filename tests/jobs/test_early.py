@@ -56,6 +56,16 @@ def _check(out: Path, users, items, user_ids, item_ids, k, metric="ip") -> None:
         np.testing.assert_array_equal(np.asarray(got_scores[u], np.float64), scores[u])
 
 
+def _exclusions(path: Path, pairs: list[tuple[int, int]], user_ids, item_ids) -> tuple[Path, np.ndarray]:
+    """An exclusion file of (user row, item row) pairs by their ids, and the (users, items) mask it bans."""
+    pq.write_table(pa.table({"user_id": pa.array([int(user_ids[u]) for u, _ in pairs], pa.int64()),
+                             "item_id": pa.array([int(item_ids[r]) for _, r in pairs], pa.int64())}), path)
+    banned = np.zeros((len(user_ids), len(item_ids)), bool)
+    for u, r in pairs:
+        banned[u, r] = True
+    return path, banned
+
+
 def _no_threads_left() -> bool:
     return not [t for t in threading.enumerate() if t.name.startswith("recall-")]
 
@@ -97,12 +107,7 @@ def test_exclusions_searched_early(forced, tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     pairs = [(u, int(r)) for u in range(0, 61, 2) for r in rng.choice(90, size=int(rng.integers(0, 40)), replace=False)]
     pairs += [(1, r) for r in range(90)]  # user row 1: every item excluded
-    excl = tmp_path / "excl.parquet"
-    pq.write_table(pa.table({"user_id": pa.array([int(user_ids[u]) for u, _ in pairs], pa.int64()),
-                             "item_id": pa.array([int(item_ids[r]) for _, r in pairs], pa.int64())}), excl)
-    banned = np.zeros((61, 90), bool)
-    for u, r in pairs:
-        banned[u, r] = True
+    excl, banned = _exclusions(tmp_path / "excl.parquet", pairs, user_ids, item_ids)
     for k in (3, 60):
         summary = score_files(up, ip, tmp_path / "a.parquet", k, device="cpu", batch_size=5, exclude_path=excl,
                               options=ON)
@@ -130,12 +135,7 @@ def test_exclusions_mapped_late_are_applied_to_the_batches_searched_before(force
     best_of_3 = np.argsort(-(items.astype(np.float64) @ users[3].astype(np.float64)), kind="stable")[:80]
     pairs += [(1, r) for r in range(90)] + [(3, int(r)) for r in best_of_3]
     pairs += pairs[:40]  # repeated pairs count once
-    excl = tmp_path / "excl.parquet"
-    pq.write_table(pa.table({"user_id": pa.array([int(user_ids[u]) for u, _ in pairs], pa.int64()),
-                             "item_id": pa.array([int(item_ids[r]) for _, r in pairs], pa.int64())}), excl)
-    banned = np.zeros((61, 90), bool)
-    for u, r in pairs:
-        banned[u, r] = True
+    excl, banned = _exclusions(tmp_path / "excl.parquet", pairs, user_ids, item_ids)
     read_side = files._read_side
 
     def late(*args):
