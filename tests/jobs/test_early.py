@@ -121,12 +121,19 @@ def test_exclusions_searched_early(forced, tmp_path: Path) -> None:
     assert _no_threads_left()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_exclusions_mapped_late_are_applied_to_the_batches_searched_before(forced, tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          device: str) -> None:
     # The exclusions arrive after every early batch was taken: those batches keep k + slack items per user without
     # them, drop the excluded ones afterwards, and search again the users left with fewer than k (user row 1
-    # excludes every item, user row 3 its 80 best; others up to 60 of the 90 items).
+    # excludes every item, user row 3 its 80 best; others up to 60 of the 90 items). On the GPU those searches run
+    # on the writer's thread while the job queues the next batches' (the pipeline takes them one after the other).
+    from recall.backends import cuda_status
     from recall.jobs import files
+
+    if device == "gpu" and not cuda_status()[0]:
+        pytest.skip(f"no usable GPU: {cuda_status()[1]}")
 
     up, ip, users, items, user_ids, item_ids = _files(tmp_path)
     rng = np.random.default_rng(5)
@@ -154,7 +161,7 @@ def test_exclusions_mapped_late_are_applied_to_the_batches_searched_before(force
     monkeypatch.setattr(early, "_drop_excluded", spy)
     for k in (3, 20, 60):
         applied.clear()
-        summary = score_files(up, ip, tmp_path / "a.parquet", k, device="cpu", batch_size=5, exclude_path=excl,
+        summary = score_files(up, ip, tmp_path / "a.parquet", k, device=device, batch_size=5, exclude_path=excl,
                               options=ON)
         assert summary.early_users > 0 and applied, "the early batches did not defer their exclusions"
         assert all(width == k + early.slack(k) for width, _ in applied), applied

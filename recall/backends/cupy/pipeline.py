@@ -80,6 +80,10 @@ class BlockPipeline:
         # Held while a block's launches are captured: other threads (a job's writer fetching results, its early
         # searches) must not synchronise the compute stream or the device meanwhile (CupyBackend.to_host).
         self.capture_lock = threading.RLock()
+        # Held while a search stages and queues its blocks: searches started from several threads at once (a job's
+        # writer searching again the users an early batch left short, beside the searches the job queues) take the
+        # slots and the shared workspaces one after the other.
+        self.search_lock = threading.RLock()
         self._ws: dict[tuple, _Workspace] = {}
 
     def synchronize(self) -> None:
@@ -91,6 +95,11 @@ class BlockPipeline:
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Any:
+        with self.search_lock:
+            return self._run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor)
+
+    def _run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
+                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Any:
         """Queue every block of the search and return a callable that waits for it and returns its stats (see
         ``Backend.run_blocks``).
 
