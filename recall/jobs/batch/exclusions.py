@@ -5,14 +5,16 @@ file's own distinct user ids, so no list of every user of the job is needed) and
 directory as the job's temporary files (``.exclusions-<part>.tmp-<pid>``: what a killed run leaves there is removed
 by the next one), and lets it go. Every worker, in its process or another, or on another host of a Ray cluster
 (which writes into the same directory), maps those files read-only (:meth:`ExclusionFiles.open`): the pages are read
-as shards need them, and the workers of one host share them in the page cache. Each shard takes only its users' slice (:meth:`ExclusionIndex.for_shard`), and an item-shard worker only the
-pairs in its rows (:meth:`ExclusionIndex.in_rows`).
+as shards need them, and the workers of one host share them in the page cache. Each shard takes only its users'
+slice (:meth:`ExclusionIndex.for_shard`), and an item-shard worker only the pairs in its rows
+(:meth:`ExclusionIndex.in_rows`).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 
