@@ -146,9 +146,9 @@ class EarlyStart:
     (optional) returns a batch's exclusions as CSR ``(indptr, item rows)`` over its users, waiting until they are
     mapped; ``exclusions_ready()`` says whether they are (a batch taken before is searched with them deferred; by
     default every batch waits). ``engine_args`` are passed to every part's :class:`Engine` (metric, device: the
-    job's backend, memory budget, options). A part refusing its input (the full engine reports it, with its file and row) or without room
-    ends the early searches (:meth:`finish` hands their batches to the full engine); any other error of the thread
-    goes to ``fail``.
+    job's backend, memory budget, options). A part refusing its input (the full engine reports it, with its file
+    and row) or without room ends the early searches (:meth:`finish` hands their batches to the full engine); any
+    other error of the thread goes to ``fail``.
     """
 
     def __init__(self, n_items: int, k: int, parts: int, take: Callable[[], Any], end: Any,
