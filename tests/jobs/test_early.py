@@ -121,10 +121,11 @@ def test_exclusions_searched_early(forced, tmp_path: Path) -> None:
     assert _no_threads_left()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device, metric", [("cpu", "ip"), ("cpu", "l2"),
+                                            pytest.param("gpu", "ip", marks=pytest.mark.gpu)])
 def test_exclusions_mapped_late_are_applied_to_the_batches_searched_before(forced, tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch,
-                                                                          device: str) -> None:
+                                                                          device: str, metric: str) -> None:
     # The exclusions arrive after every early batch was taken: those batches keep k + slack items per user without
     # them, drop the excluded ones afterwards, and search again the users left with fewer than k (user row 1
     # excludes every item, user row 3 its 80 best; others up to 60 of the 90 items). On the GPU those searches run
@@ -139,7 +140,7 @@ def test_exclusions_mapped_late_are_applied_to_the_batches_searched_before(force
     rng = np.random.default_rng(5)
     pairs = [(u, int(r)) for u in range(0, 61, 2) for r in rng.choice(90, size=int(rng.integers(0, 61)), replace=False)]
     # User row 3 excludes its 80 best items: its list of k + slack holds none it may have, its answer lies beyond.
-    best_of_3 = np.argsort(-(items.astype(np.float64) @ users[3].astype(np.float64)), kind="stable")[:80]
+    best_of_3 = oracle_topk(users[3:4], items, 80, metric)[0][0]
     pairs += [(1, r) for r in range(90)] + [(3, int(r)) for r in best_of_3]
     pairs += pairs[:40]  # repeated pairs count once
     excl, banned = _exclusions(tmp_path / "excl.parquet", pairs, user_ids, item_ids)
@@ -161,14 +162,14 @@ def test_exclusions_mapped_late_are_applied_to_the_batches_searched_before(force
     monkeypatch.setattr(early, "_drop_excluded", spy)
     for k in (3, 20, 60):
         applied.clear()
-        summary = score_files(up, ip, tmp_path / "a.parquet", k, device=device, batch_size=5, exclude_path=excl,
-                              options=ON)
+        summary = score_files(up, ip, tmp_path / "a.parquet", k, metric=metric, device=device, batch_size=5,
+                              exclude_path=excl, options=ON)
         assert summary.early_users > 0 and applied, "the early batches did not defer their exclusions"
         assert all(width == k + early.slack(k) for width, _ in applied), applied
         if k + early.slack(k) < 90:  # user rows 1 and 3 at least are searched again (beyond: padded lists hold all)
             assert sum(again for _, again in applied) >= 2
         table = pq.read_table(tmp_path / "a.parquet")
-        rows, scores = oracle_topk(users, items, k, banned=banned)
+        rows, scores = oracle_topk(users, items, k, metric, banned=banned)
         got, got_scores = table.column("item_ids").to_pylist(), table.column("scores").to_pylist()
         for u in range(len(users)):
             assert got[u] == [item_ids[r] for r in rows[u] if r >= 0], f"user row {u}, k={k}"
