@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -621,6 +622,7 @@ def test_exclusions_read_once_for_the_job(tmp_path: Path, monkeypatch: pytest.Mo
     summary = _run(job, out, exclude=excl, **how)
     assert reads == [str(excl)] and summary.exclusion_pairs == len(pairs) and summary.unknown_exclusions == 0
     assert not [p.name for p in out.iterdir() if "exclusions" in p.name]
+    assert not [t for t in threading.enumerate() if t.name.startswith("recall-exclusions")]
     applied = sum(e["exclusions_applied"] for e in json.loads((out / MANIFEST).read_text())["outputs"].values())
     assert applied == len(pairs)
     for path, _, _ in job["shards"]:

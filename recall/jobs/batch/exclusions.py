@@ -1,7 +1,8 @@
 """The batch job's exclusions: read and mapped to item rows once per job, by the parent, and shared with every worker.
 
 The parent maps the exclusion file with the item file's id column (:meth:`ExclusionIndex.read`: pairs keyed by the
-file's own distinct user ids, so no list of every user of the job is needed) and saves the index in the output
+file's own distinct user ids, so no list of every user of the job is needed; on a thread of its own while it
+fingerprints the inputs, :class:`ExclusionRead`) and saves the index in the output
 directory as the job's temporary files (``.exclusions-<part>.tmp-<pid>``: what a killed run leaves there is removed
 by the next one), and lets it go. Every worker, in its process or another, or on another host of a Ray cluster
 (which writes into the same directory), maps those files read-only (:meth:`ExclusionFiles.open`): the pages are read
@@ -12,13 +13,14 @@ slice (:meth:`ExclusionIndex.for_shard`), and an item-shard worker only the pair
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from ...io import IdPairs, read_pairs
+from ...io import IdPairs, read_ids, read_pairs
 from ...io.atomic import temporary_path
 from ...io.pairs import distinct_users, rows_of
 
@@ -66,6 +68,26 @@ class ExclusionIndex:
         _save(paths["rows"], self.pairs.item_rows)
         _save(paths["named"], self.pairs.named)
         return ExclusionFiles(paths, strings, self.pairs.n_pairs, self.pairs.n_unknown)
+
+
+class ExclusionRead:
+    """The exclusion file read and mapped on a thread of its own, from the moment the job starts: while the parent
+    fingerprints the inputs and checks what an earlier run left. :meth:`save` waits for it; :meth:`close` (always)
+    waits for the thread, whatever happened."""
+
+    def __init__(self, path: str, user_ids_are_strings: bool, items_path: str, id_col: str, vec_col: str) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="recall-exclusions")
+        self._future = self._pool.submit(
+            lambda: ExclusionIndex.read(path, user_ids_are_strings, read_ids(items_path, id_col, vec_col)))
+
+    def save(self, out_dir: Path) -> "ExclusionFiles":
+        """The index (or the error reading it raised), saved into ``out_dir``; the parent lets it go."""
+        files = self._future.result().save(out_dir)
+        self._future = None
+        return files
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def _save(path: str, arr: np.ndarray) -> None:

@@ -40,12 +40,12 @@ from typing import Any
 from ...core import metrics as _metrics
 from ...core.checks import DEVICES, check_budget, check_choice, check_int, check_k
 from ...core.errors import InputError
-from ...io import atomic, inspect_embeddings, inspect_item_set, inspect_pairs, read_ids
+from ...io import atomic, inspect_embeddings, inspect_item_set, inspect_pairs
 from .. import executors
 from ..options import DEFAULT_JOB_OPTIONS, JobOptions
 from ..summary import unknown_id_warnings
 from . import outdir
-from .exclusions import ExclusionFiles, ExclusionIndex
+from .exclusions import ExclusionFiles, ExclusionRead
 from .outdir import MANIFEST, METRICS, SUCCESS
 from .shards import Shard, discover_shards, fingerprint_all, inspect_shards
 from .worker import JobSpec, ShardResult, ShardTask, WorkerInfo
@@ -556,6 +556,21 @@ def _different_job(req: BatchRequest, old: dict, new: dict) -> InputError:
 
 def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress, say: Callable[[str], None],
                 notices: list[str], t_start: float) -> BatchSummary:
+    # The exclusions are read and mapped meanwhile (they are needed only once workers are given shards).
+    good = [s for s in shards if s.error is None]
+    reading = None
+    if req.exclude_path is not None and good:
+        reading = ExclusionRead(req.exclude_path, good[0].id_type == "string", req.items_path, req.id_col,
+                                req.vec_col)
+    try:
+        return _run_job(req, shards, progress, say, notices, t_start, reading)
+    finally:
+        if reading is not None:
+            reading.close()
+
+
+def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, say: Callable[[str], None],
+             notices: list[str], t_start: float, reading: ExclusionRead | None) -> BatchSummary:
     t0 = time.perf_counter()
     job = req.job(shards)
     fingerprint_s = time.perf_counter() - t0
@@ -615,13 +630,10 @@ def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress,
             if s.error is not None:
                 state.shard_failed(s.name, s.path, s.error)
         if executor is not None:
-            user_id_type = good[0].id_type
-            if req.exclude_path is not None:
+            if reading is not None:
                 # Read and mapped once for the job, here; every worker maps the saved index (.exclusions).
-                item_ids = read_ids(req.items_path, req.id_col, req.vec_col)
-                excl_files = ExclusionIndex.read(req.exclude_path, user_id_type == "string", item_ids).save(out)
-                del item_ids
-            executor.run(req.spec(user_id_type, excl_files), tasks, state)
+                excl_files = reading.save(out)
+            executor.run(req.spec(good[0].id_type, excl_files), tasks, state)
     except BaseException as exc:
         state.finish("failed", notices, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         raise
