@@ -73,7 +73,9 @@ def _note(row: dict[str, Any], repeats: bool) -> str:
     if stats.get("fallback_users"):
         notes.append(f"exact fallback for {stats['fallback_users']:,} users")
     if stats.get("fast_declined"):
-        notes.append(f"fast mode declined after a sample of {stats.get('fast_sample', 0):,} users: ran exact")
+        why = (f"a sample of {stats['fast_sample']:,} users" if stats.get("fast_sample")
+               else stats["fast_declined"])
+        notes.append(f"fast mode declined ({why}): ran exact")
     if repeats and len(row["times_s"]) > 1:
         notes.append("runs " + ", ".join(f"{t:.3g}" for t in row["times_s"]) + " s")
     return "; ".join(notes)

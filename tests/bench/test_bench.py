@@ -403,3 +403,13 @@ def test_allow_bitset_sets_exactly_the_allowed_bits() -> None:
     unpacked = np.unpackbits(bits.view(np.uint8), bitorder="little")[:100]
     np.testing.assert_array_equal(np.flatnonzero(unpacked), allow)
     assert not np.unpackbits(bits.view(np.uint8), bitorder="little")[100:].any()
+
+
+def test_note_says_why_fast_mode_declined() -> None:
+    from recall.bench.report import _note
+
+    row = {"status": "ok", "mode": "resident", "claims_exact": True, "times_s": [1.0]}
+    sampled = _note({**row, "engine_stats": {"fast_declined": "ties", "fast_sample": 400}}, False)
+    assert sampled == "fast mode declined (a sample of 400 users): ran exact"
+    at_once = _note({**row, "engine_stats": {"fast_declined": "1,250 candidates per user would be re-scored"}}, False)
+    assert at_once == "fast mode declined (1,250 candidates per user would be re-scored): ran exact"
