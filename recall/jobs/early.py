@@ -41,7 +41,8 @@ from ..core.results import SearchResult
 from ..engine import Engine, TopK
 from ..io import Embeddings
 
-#: User batches searched early at most: each holds its merge so far (k per user) on the device until it is written.
+#: User batches searched early at most: each holds its merge so far (k, or k + slack, per user) on the device until
+#: it is written.
 MAX_BATCHES = 8
 _WAIT_S = 0.005
 _PART_USER_BLOCK = 8192
