@@ -90,6 +90,10 @@ class Engine:
         self.item_memory = check_budget(item_memory, "item_memory")
         self.backend = backends.resolve(device)
         xp = self.backend.xp
+        if self.precision == "fast" and self.backend.score_dtype(np.float16) != np.float16:
+            # A backend without float16 score tiles (the CPU) emulates fast mode's arithmetic, for tests: slower.
+            log.warning("recall: precision 'fast' on the %s backend emulates the GPU's float16 arithmetic (for "
+                        "tests) and is slower than exact precision there", self.backend.name)
         self.memory_budget = budget if budget is not None else self.backend.default_budget()
         shape = tuple(getattr(item_vecs, "shape", ()))
         cap = None

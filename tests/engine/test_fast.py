@@ -315,3 +315,18 @@ def test_declines_where_it_would_rescore_too_large_a_share_of_the_items(device: 
     oracle.assert_same_result(exact.search(users, big), res)
     engine.search(users, 10)
     assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats
+
+
+def test_cpu_fast_mode_says_it_is_an_emulation(caplog):
+    # The CPU has no float16 score tiles: fast mode there is the GPU's arithmetic emulated (for tests), and slower
+    # than exact mode; a user who asks for it is told so once, when the engine is made.
+    users, items = normal_data(50, 300, 8, seed=21)
+    with caplog.at_level("WARNING", logger="recall"):
+        engine = Engine(items, device="cpu", precision="fast")
+    assert any("emulates the GPU's float16 arithmetic" in r.getMessage() for r in caplog.records)
+    oracle.assert_topk_close(as_numpy(engine.search(users, 5).indices), as_numpy(engine.search(users, 5).scores),
+                             users, items, 5)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="recall"):
+        Engine(items, device="cpu")
+    assert not caplog.records
