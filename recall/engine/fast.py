@@ -93,8 +93,7 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
     # The sample is a probe: every user, the sampled ones too, is searched again below, so that neither the users
     # nor their exclusions are cut in two on the host (for S1's 100k users with 200 exclusions each, 0.06 s of
     # NumPy on the development machine; the sample repeats 1/50 of the search).
-    s_vals, s_rows, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample))
-    del s_vals, s_rows
+    _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample))
     cost = (s_stats["fallback_users"] + s_stats["widened_users"] / 2) / sample.size
     if cost > DECLINE_FALLBACK:
         vals, rows, run_stats = _search_exact(engine, users, k, excl)

@@ -122,16 +122,16 @@ class MergedSearch:
 
     def _apply_exclusions(self, early: _Early) -> SearchResult:
         engine, batch = self._engine, early.batch
-        indptr, items = self._exclusions(batch)
+        excl = Exclusions(*(np.asarray(a, np.int64) for a in self._exclusions(batch)))
         vals, rows = engine.backend.to_host(early.best.vals), engine.backend.to_host(early.best.rows)
         width = min(self._k, engine.n_items)
-        vals, rows, short = _drop_excluded(np.ascontiguousarray(vals), np.ascontiguousarray(rows),
-                                           np.asarray(indptr, np.int64), np.asarray(items, np.int64), width)
+        vals, rows, short = _drop_excluded(np.ascontiguousarray(vals), np.ascontiguousarray(rows), excl.indptr,
+                                           excl.items, width)
         scores = engine.finish_topk(TopK(vals, rows, lambda: {}), batch.vectors).scores
         again = np.flatnonzero(short)
         self.stats["searched_again"] = int(again.size)
         if again.size:
-            sub = Exclusions(np.asarray(indptr, np.int64), np.asarray(items, np.int64)).subset(again)
+            sub = excl.subset(again)
             res = engine.search(batch.vectors[again], width, exclude=(sub.indptr, sub.items))
             rows[again] = engine.backend.to_host(res.indices)
             scores[again] = engine.backend.to_host(res.scores)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ...core.exclusions import Exclusions
 from ...io import IdPairs, read_ids, read_pairs
 from ...io.atomic import temporary_path
 from ...io.pairs import distinct_users, rows_of
@@ -48,11 +49,8 @@ class ExclusionIndex:
     @staticmethod
     def in_rows(pairs: IdPairs, start: int, stop: int) -> IdPairs:
         """The pairs of ``pairs`` whose item row is in ``start:stop``, as rows of that range (``row - start``)."""
-        rows = pairs.item_rows
-        keep = (rows >= start) & (rows < stop)
-        kept = np.zeros(keep.size + 1, np.int64)  # kept[j]: how many of the first j pairs are in the range
-        np.cumsum(keep, out=kept[1:])
-        return IdPairs(kept[pairs.indptr], rows[keep] - start, pairs.named, int(kept[-1]), 0)
+        window = Exclusions(pairs.indptr, pairs.item_rows).window(start, stop)
+        return IdPairs(window.indptr, window.items, pairs.named, int(window.items.size), 0)
 
     def save(self, out_dir: Path) -> "ExclusionFiles":
         """Write the index into ``out_dir`` as this process's temporary files, for the workers to map."""
@@ -63,7 +61,7 @@ class ExclusionIndex:
                 with pa.ipc.new_file(sink, pa.schema([("user_id", pa.string())])) as writer:
                     writer.write_batch(pa.record_batch([pa.array(self.keys, pa.string())], names=["user_id"]))
         else:
-            _save(paths["keys"], np.ascontiguousarray(self.keys, np.int64))
+            _save(paths["keys"], self.keys.astype(np.int64, copy=False))
         _save(paths["indptr"], self.pairs.indptr)
         _save(paths["rows"], self.pairs.item_rows)
         _save(paths["named"], self.pairs.named)
@@ -73,21 +71,24 @@ class ExclusionIndex:
 class ExclusionRead:
     """The exclusion file read and mapped on a thread of its own, from the moment the job starts: while the parent
     fingerprints the inputs and checks what an earlier run left. :meth:`save` waits for it; :meth:`close` (always)
-    waits for the thread, whatever happened."""
+    waits for the thread and removes the files :meth:`save` wrote, whatever happened."""
 
     def __init__(self, path: str, user_ids_are_strings: bool, items_path: str, id_col: str, vec_col: str) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="recall-exclusions")
         self._future = self._pool.submit(
             lambda: ExclusionIndex.read(path, user_ids_are_strings, read_ids(items_path, id_col, vec_col)))
+        self._files: ExclusionFiles | None = None
 
     def save(self, out_dir: Path) -> "ExclusionFiles":
         """The index (or the error reading it raised), saved into ``out_dir``; the parent lets it go."""
-        files = self._future.result().save(out_dir)
+        self._files = self._future.result().save(out_dir)
         self._future = None
-        return files
+        return self._files
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._files is not None:
+            self._files.remove()
 
 
 def _save(path: str, arr: np.ndarray) -> None:

@@ -624,23 +624,19 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
              for s in sorted(good, key=lambda s: (-s.rows, s.name))]
 
     progress.begin(len(todo), sum(t.rows for t in tasks))
-    excl_files = None
     try:
         for s in todo:
             if s.error is not None:
                 state.shard_failed(s.name, s.path, s.error)
         if executor is not None:
-            if reading is not None:
-                # Read and mapped once for the job, here; every worker maps the saved index (.exclusions).
-                excl_files = reading.save(out)
+            # Read and mapped once for the job; every worker maps the saved index (.exclusions).
+            excl_files = reading.save(out) if reading is not None else None
             executor.run(req.spec(good[0].id_type, excl_files), tasks, state)
     except BaseException as exc:
         state.finish("failed", notices, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         raise
     finally:
         progress.end()
-        if excl_files is not None:
-            excl_files.remove()
     if state.bad:
         error = state.bad_shards_error(len(shards))
         state.finish("failed", notices, f"InputError: {error}")
