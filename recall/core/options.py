@@ -32,9 +32,10 @@ class EngineOptions:
     seed_thresholds : bool
         GPU: start each user block's thresholds at its k-th best score over a sample of the items (False: at -inf).
     fused : {"auto", "force", "off"}
-        GPU, exact precision: score and filter in one kernel (``fused.cu``) where it applies ("auto": seeded
-        searches of float32 vectors of at most 256 dimensions, and unseeded ones whose candidate buffer holds two
-        segments; "force": also other unseeded ones; "off": cuBLAS + filter).
+        GPU: score and filter in one kernel where it applies ("auto": seeded searches of exact mode's float32
+        vectors of at most 256 dimensions (``fused.cu``) or fast mode's float16 ones of at most 128 columns
+        (``fused_h.cu``, tensor cores), and unseeded ones whose candidate buffer holds two segments; "force": also
+        other unseeded ones; "off": cuBLAS + filter).
     fused_segment : int
         GPU fused path: items per launch (each followed by a merge of the candidates).
     fused_tiles_per_block : int

@@ -17,7 +17,7 @@ ones too, is searched in fast mode.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -137,6 +137,8 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any
     xp = backend.xp
     state = _state(engine)
     uxp = np if isinstance(users, np.ndarray) else xp
+    # Where the backend may keep float16 score tiles, each user's scores are shifted near 0 (SHIFT_ITEMS); a pass
+    # whose scores stay float32 costs its certificate only the shift's share of the accumulation term.
     half = backend.score_dtype(np.float16) == np.float16
     shift = _sampled_best(engine, users, uxp) if half else None
     fast_users = certificate.prepare_users(uxp, users, state.items, half_scores=half, shift=shift)
@@ -193,6 +195,11 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     approx_vals = backend.empty_out((n_users, wide), np.float32, False)
     approx_rows = backend.empty_out((n_users, wide), np.int64, False)
     run_stats = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident)()
+    # The backend says what its scores were kept in: float16 score tiles (the GPU's cuBLAS path), or float32 (its
+    # fused kernel, the CPU), which the certificate reads without the tiles' rounding.
+    tiles16 = np.dtype(run_stats.get("score_dtype", backend.score_dtype(np.float16))) == np.float16
+    if tiles16 != fast_users.half_scores:
+        fast_users = replace(fast_users, half_scores=tiles16)
     n_cand = wide - 1 if wide < n_items else wide
     cand_rows = xp.ascontiguousarray(approx_rows[:, :n_cand]).reshape(-1)
     vals, rows, _ = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * n_cand,

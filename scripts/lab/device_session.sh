@@ -15,7 +15,7 @@
 #   probe     scripts/lab/kernel_profile.py: the weak cells under option variants, per-kernel times -> $OUT/probe.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT (seconds), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
+# FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION (probe), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
 STEPS=${STEPS:-"setup tests compare"}
@@ -122,6 +122,7 @@ fi
 if has probe; then
     PYTHONPATH=$NEW_PATH timeout "${PROBE_TIMEOUT:-300}" python3 scripts/lab/kernel_profile.py \
         ${PROBE_CELLS:+--cells "$PROBE_CELLS"} ${PROBE_VARIANTS:+--variants "$PROBE_VARIANTS"} \
+        ${PROBE_PRECISION:+--precision "$PROBE_PRECISION"} \
         --json "$OUT/probe.json" >"$OUT/probe.log" 2>&1
     echo "== kernel profile (rc $?)"; cat "$OUT/probe.log" | tail -n 80
 fi

@@ -1,10 +1,15 @@
-"""Where exact mode's time goes in the cells where it is weakest: each cell timed as shipped and with options
+"""Where a search's time goes in the cells where it is weakest: each cell timed as shipped and with options
 changed, then once with CUDA graphs off and an event pair around every launch of the search (GEMM, fused filter,
-merges, mask, seed), summed per kernel. A measurement, not an option: the launches are wrapped in this process only.
+merges, mask, seed; fast mode also its re-scoring), summed per kernel. A measurement, not an option: the launches
+are wrapped in this process only.
 
 Run from the project root on a GPU machine::
 
-    PYTHONPATH=. python3 scripts/lab/kernel_profile.py [--cells k8192,d256,...] [--json $OUT/kernel_profile.json]
+    PYTHONPATH=. python3 scripts/lab/kernel_profile.py [--cells k8192,d256,...] [--precision fast]
+        [--json $OUT/kernel_profile.json]
+
+With ``--precision fast`` every variant also runs exact mode once (as shipped) for the ratio, and the answers of fast
+mode are compared with exact mode's (rows equal, share of users).
 
 Median of 3 timed searches after a warm-up (device users and results, data from ``recall.bench.workloads`` seed 0).
 """
@@ -34,6 +39,8 @@ CELLS = {
     "k1": ("skewed", 20_000, 1_000_000, 64, 1, "ip", 0),
     "uh-l2-k1000": ("popular", 200_000, 100_000, 32, 1000, "l2", 0),
     "ties": ("ties", 50_000, 1_000_000, 64, 100, "ip", 0),
+    "d32-k10": ("normal", 20_000, 1_000_000, 32, 10, "ip", 0),
+    "l2-adv": ("adversarial", 50_000, 1_000_000, 64, 100, "l2", 0),
 }
 
 VARIANTS = {
@@ -77,13 +84,14 @@ class Timed:
 
 def instrument(backend, log):
     sel = backend.selection
-    for name in ("fused", "merge_fused", "seed_done"):
+    for name in ("fused", "merge_fused", "fused_h", "merge_fused_h", "seed_done"):
         setattr(sel, name, Timed(getattr(sel, name), name, log))
     for table in ("mask", "filter", "merge"):
         d = getattr(sel, table)
         for dt in list(d):
             d[dt] = Timed(d[dt], f"{table}[{dt}]", log)
     backend.gemm_strided_batched = Timed(backend.gemm_strided_batched, "gemm", log)
+    backend.rescore = Timed(backend.rescore, "rescore (all its launches)", log)
 
 
 def timed(engine, users, k, excl, repeat=3):
@@ -106,8 +114,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", default=",".join(CELLS))
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--precision", default="exact", choices=("exact", "fast"))
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
+    prec = a.precision
     out = []
     for cell in a.cells.split(","):
         kind, nu, ni, dim, k, metric, per = CELLS[cell]
@@ -117,23 +127,38 @@ def main() -> None:
             ex = bench_exclusions.generate(users, items, per, k=k, seed=0, metric=metric)
             excl = ex.host()
         base = None
+        want = None
+        if prec == "fast":
+            exact = Engine(items, metric=metric, device="gpu")
+            t_exact = timed(exact, users, k, excl)
+            want = exact.search(users, k, exclude=excl).indices
+            print(f"| {cell} | exact mode | {t_exact:.4f} s |", flush=True)
+            out.append({"cell": cell, "variant": "exact", "median_s": t_exact})
+            del exact
         for vname in a.variants.split(","):
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
-                engine = Engine(items, metric=metric, device="gpu", options=opts)
+                engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
                 t = timed(engine, users, k, excl)
             except Exception as exc:  # a variant that cannot run this cell says why
                 print(f"| {cell} | {vname} | error {type(exc).__name__}: {exc} |", flush=True)
                 continue
             base = base or t
             st = engine.stats
+            same = ""
+            if want is not None:
+                got = engine.search(users, k, exclude=excl).indices
+                same = f" | rows equal exact's for {float((got == want).all(axis=1).mean()):.4f} of users"
             print(f"| {cell} | {vname} | {t:.4f} s | x shipped {t / base:.3f} | fused {st.get('fused')} tiles "
-                  f"{st.get('tiles')} seed {st.get('seed_sample')} busy {st.get('gpu_busy_s', 0):.4f} |", flush=True)
-            out.append({"cell": cell, "variant": vname, "median_s": t,
-                        "stats": {kk: st.get(kk) for kk in ("fused", "tiles", "seed_sample", "gpu_busy_s", "blocks")}})
+                  f"{st.get('tiles')} seed {st.get('seed_sample')} busy {st.get('gpu_busy_s', 0):.4f} | scores "
+                  f"{st.get('score_dtype')} precision {st.get('precision')} fallbacks {st.get('fallback_users')} "
+                  f"widened {st.get('widened_users')}{same} |", flush=True)
+            keys = ("fused", "tiles", "seed_sample", "gpu_busy_s", "blocks", "score_dtype", "precision",
+                    "fallback_users", "widened_users")
+            out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})
             del engine
         # One search with graphs off, every launch timed.
-        engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(cuda_graphs=False))
+        engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(cuda_graphs=False), precision=prec)
         engine.search(users, k, exclude=excl)
         log = []
         instrument(engine.backend, log)
@@ -151,7 +176,7 @@ def main() -> None:
               + " |", flush=True)
         out.append({"cell": cell, "variant": "per-kernel", "wall_s": wall,
                     "kernels": {n: {"launches": c, "s": s} for n, (c, s) in per_kernel.items()}})
-        del engine, users, items, excl
+        del engine, users, items, excl, want
         cupy.get_default_memory_pool().free_all_blocks()
     if a.json:
         a.json.write_text(json.dumps(out, indent=2, default=str))

@@ -183,3 +183,80 @@ def test_floor_returns_only_items_above_it(fused, mode):
         np.testing.assert_array_equal(rows[u, :n], cpu.indices[u, keep], err_msg=f"user {u}")
         np.testing.assert_array_equal(vals[u, :n], cpu.scores[u, keep])
         assert (rows[u, n:] == -1).all() and (vals[u, n:] == -np.inf).all()
+
+
+# Fast mode's float16 kernel (kernels/fused_h.cu): small-integer float16 vectors give exact float32 scores in any
+# order of summation, so the tensor cores' sums, the overflow merge's recomputed ones and the CPU's must be equal bit
+# for bit, ties to the lower row.
+def _run_half(device, items16, users16, k, exclude=None, options=None):
+    from recall.core.exclusions import normalise
+
+    engine = Engine(items16.astype(np.float32), device=device, options=options)
+    backend = engine.backend
+    resident = backend.load_items(backend.xp.asarray(items16))
+    n = users16.shape[0]
+    vals = backend.empty_out((n, k), np.float32, False)
+    rows = backend.empty_out((n, k), np.int64, False)
+    stats = engine.run(users16, k, normalise(exclude, n, items16.shape[0]), vals, rows, items=resident)()
+    return as_numpy(vals), as_numpy(rows), stats
+
+
+@pytest.mark.parametrize("n_users,n_items,width,k", [
+    (1, 1, 8, 1), (3, 129, 16, 7), (130, 1000, 24, 10), (300, 3001, 72, 64), (257, 2500, 128, 100),
+    (129, 700, 120, 30), (700, 5000, 40, 1000), (200, 1300, 112, 16), (60, 900, 56, 5),
+])
+def test_half_fused_equals_cpu_exactly(fused, n_users, n_items, width, k):
+    rng = np.random.default_rng(n_users + n_items + width)
+    items = _ints(rng, n_items, width).astype(np.float16)
+    users = _ints(rng, n_users, width).astype(np.float16)
+    excl = {u: rng.choice(n_items, n_items // 3, replace=False).tolist() for u in range(0, n_users, 5)}
+    excl[0] = list(range(n_items))  # every item excluded
+    got_vals, got_rows, stats = _run_half("gpu", items, users, k, excl, fused)
+    assert stats["fused"] and stats["score_dtype"] == "float32"
+    want_vals, want_rows, _ = _run_half("cpu", items, users, k, excl)
+    np.testing.assert_array_equal(got_rows, want_rows)
+    np.testing.assert_array_equal(got_vals, want_vals)
+    assert (got_rows[0] == -1).all()
+
+
+def test_half_fused_overflow_recompute_and_seeded_auto():
+    # Unseeded with segments of 20,480 items and k = 500: every buffer overflows and each merge recomputes the
+    # segment; then the default mode on a catalogue large enough to seed.
+    rng = np.random.default_rng(9)
+    items = _ints(rng, 41000, 24).astype(np.float16)
+    users = _ints(rng, 70, 24).astype(np.float16)
+    excl = {3: list(range(0, 41000, 3))}
+    options = EngineOptions(fused="force", seed_thresholds=False, fused_segment=20480)
+    got_vals, got_rows, stats = _run_half("gpu", items, users, 500, excl, options)
+    assert stats["fused"] and stats["seed_sample"] == 0
+    want_vals, want_rows, _ = _run_half("cpu", items, users, 500, excl)
+    np.testing.assert_array_equal(got_rows, want_rows)
+    np.testing.assert_array_equal(got_vals, want_vals)
+
+    items = _ints(rng, 70000, 40).astype(np.float16)
+    users = _ints(rng, 600, 40).astype(np.float16)
+    got_vals, got_rows, stats = _run_half("gpu", items, users, 100, excl, EngineOptions(tiles=(256, 4096, 2)))
+    assert stats["fused"] and stats["seed_sample"] > 0 and stats["score_dtype"] == "float32"
+    want_vals, want_rows, _ = _run_half("cpu", items, users, 100, excl)
+    np.testing.assert_array_equal(got_rows, want_rows)
+    np.testing.assert_array_equal(got_vals, want_vals)
+
+
+def test_half_wider_than_the_kernel_takes_the_cublas_path():
+    rng = np.random.default_rng(12)
+    items = _ints(rng, 900, 136, -1, 2).astype(np.float16)  # scores within float16's integers: tiles keep them
+    users = _ints(rng, 40, 136, -1, 2).astype(np.float16)
+    _, rows, stats = _run_half("gpu", items, users, 9, None, EngineOptions(fused="force"))
+    assert not stats["fused"] and stats["score_dtype"] == "float16"
+    _, want_rows, _ = _run_half("cpu", items, users, 9)
+    np.testing.assert_array_equal(rows, want_rows)
+
+
+def test_half_off_keeps_float16_tiles():
+    rng = np.random.default_rng(10)
+    items = _ints(rng, 3000, 24).astype(np.float16)
+    users = _ints(rng, 50, 24).astype(np.float16)
+    _, rows, stats = _run_half("gpu", items, users, 20, None, EngineOptions(fused="off"))
+    assert not stats["fused"] and stats["score_dtype"] == "float16"
+    _, want_rows, _ = _run_half("cpu", items, users, 20)
+    np.testing.assert_array_equal(rows, want_rows)

@@ -330,3 +330,72 @@ def test_cpu_fast_mode_says_it_is_an_emulation(caplog):
     with caplog.at_level("WARNING", logger="recall"):
         Engine(items, device="cpu")
     assert not caplog.records
+
+
+# The GPU's fused float16 kernel (tensor cores, scores kept in float32 in its registers) on each data kind: forced on
+# these small catalogues (which would take the cuBLAS path with float16 score tiles), in segments of 1,024 items so
+# that thresholds rise between launches. The answer is exact mode's; the certificate reads float32 scores.
+FUSED_H = EngineOptions(fused="force", fused_segment=1024, tiles=(256, 1024, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_fast_fused_kernel_on_each_data_kind(gpu_available, kind):
+    if not gpu_available:
+        pytest.skip("no usable GPU")
+    make, metric = KINDS[kind]
+    users, items = make()
+    engine = Engine(items, metric=metric, device="gpu", precision="fast", options=FUSED_H)
+    got = engine.search(users, 50)
+    assert engine.stats["fused"] and engine.stats["score_dtype"] == "float32", engine.stats
+    want = Engine(items, metric=metric, device="cpu").search(users, 50)
+    if kind == "ties":
+        oracle.assert_same_result(got, want)
+        return
+    oracle.assert_topk_close(as_numpy(got.indices), as_numpy(got.scores), users, items, 50, metric)
+    np.testing.assert_allclose(as_numpy(got.scores), want.scores, rtol=1e-5, atol=1e-5)
+    assert engine.stats["fallback_fraction"] < 0.01, engine.stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_fast_fused_kernel_equals_exact_on_integer_data(gpu_available, metric):
+    if not gpu_available:
+        pytest.skip("no usable GPU")
+    rng = np.random.default_rng(30)
+    items, users = _ints(rng, 5000, 12), _ints(rng, 400, 12)
+    excl = {u: rng.choice(5000, 60, replace=False).tolist() for u in range(0, 400, 3)}
+    excl[7] = list(range(5000))
+    engine = Engine(items, metric=metric, device="gpu", precision="fast", options=FUSED_H)
+    got = engine.search(users, 40, exclude=excl)
+    assert engine.stats["fused"] and engine.stats["precision"] == "fast"
+    oracle.assert_same_result(got, Engine(items, metric=metric, device="cpu").search(users, 40, exclude=excl))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("similar_norms", [True, False])
+def test_fused_kernel_finds_the_item_hidden_at_the_bounds_edge(gpu_available, similar_norms):
+    if not gpu_available:
+        pytest.skip("no usable GPU")
+    users, items = _planted(similar_norms)
+    engine = Engine(items, device="gpu", precision="fast", options=FUSED_H)
+    got = engine.search(users, 1)
+    assert engine.stats["fused"]
+    oracle.assert_same_result(got, Engine(items, device="cpu").search(users, 1))
+    assert (as_numpy(got.indices) == 200).all()
+
+
+@pytest.mark.gpu
+def test_fast_on_a_seeded_catalogue_takes_the_fused_kernel(gpu_available):
+    # The default options on a catalogue large enough to seed (8 x 8,192 items): the fused kernel, float32 scores.
+    if not gpu_available:
+        pytest.skip("no usable GPU")
+    users, items = _lognormal(3000, 70000, 48, seed=31)
+    engine = Engine(items, device="gpu", precision="fast")
+    excl = {0: list(range(0, 70000, 2))}
+    got = engine.search(users, 100, exclude=excl)
+    assert engine.stats["fused"] and engine.stats["seed_sample"] > 0 and engine.stats["score_dtype"] == "float32"
+    assert engine.stats["precision"] == "fast" and engine.stats["fallback_fraction"] < 0.01, engine.stats
+    sample = np.arange(0, 3000, 10)  # user 0 first: its exclusions stay row 0's
+    oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample], items, 100,
+                             exclude=excl)

@@ -30,6 +30,6 @@ def module(names: tuple[str, ...], options: tuple[str, ...] = (), name_expressio
 
 
 def selection_module() -> Any:
-    """The exact top-k kernels (``topk.cu``) and the fused scoring kernel (``fused.cu``), in one module: the fused
-    kernel appends to the candidate buffers that the merge kernels fold in."""
-    return module(("topk.cu", "fused.cu"))
+    """The exact top-k kernels (``topk.cu``) and the fused scoring kernels (``fused.cu``, ``fused_h.cu``), in one
+    module: the fused kernels append to the candidate buffers that the merge kernels fold in."""
+    return module(("topk.cu", "fused.cu", "fused_h.cu"))

@@ -134,8 +134,11 @@ class BlockPipeline:
             copy.wait_event(compute.record())  # floors come from merges queued on the compute stream
         seed = self._refresh_sample(ws, plan, items.vecs, n_items, k, dim, options) if sample else None
         stats["seed_sample"] = 0 if seed is None else seed[0].shape[0]
-        items_t = items.transposed(compute) if fused else None
+        items_t = fused_path.operand(items, compute) if fused else None
         stats["fused"] = fused
+        # What the search's scores were compared and kept in: the fused kernels keep float32 (fast mode's float16
+        # inputs too); the cuBLAS path selects from score tiles of the backend's score_dtype.
+        stats["score_dtype"] = "float32" if fused else str(self.backend.score_dtype(users.dtype))
         # Event: the previous block's results have left state.out_vals for the host (of the previous search, for the
         # first block: it may still be fetching).
         fetched = ws.fetched
@@ -229,7 +232,8 @@ class BlockPipeline:
                 + 2 * 4 * plan.user_block * dim)
         try:
             state = GpuTopK.allocate(plan.user_block, k, fused_capacity(k) if fused else 0)
-            scores = cupy.empty(plan.user_block * width, self.backend.score_dtype(dtype))
+            # The fused path's buffer holds the threshold sample's scores, in the kernels' float32.
+            scores = cupy.empty(plan.user_block * width, np.float32 if fused else self.backend.score_dtype(dtype))
             slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(SLOTS)]
         except cupy.cuda.memory.OutOfMemoryError as exc:
             raise ResourceError(
@@ -238,7 +242,7 @@ class BlockPipeline:
                 f"bytes free: lower memory_budget"
             ) from exc
         ws = _Workspace(key, max_excl, state, scores, slots)
-        if fused:
+        if fused and np.dtype(dtype) == np.float32:
             ws.users_t = cupy.zeros((-(-dim // FUSED_CHUNK) * FUSED_CHUNK,
                                      -(-plan.user_block // FUSED_TILE) * FUSED_TILE), np.float32)
         self._ws[key] = ws

@@ -93,6 +93,8 @@ class Selection:
         self.seed_done = mod.get_function("recall_seed_done")
         self.fused = mod.get_function("recall_fused_filter")
         self.merge_fused = mod.get_function("recall_merge_fused")
+        self.fused_h = mod.get_function("recall_fused_filter_h")
+        self.merge_fused_h = mod.get_function("recall_merge_fused_h")
         self._merge_smem_limit = 0
 
     def update(self, state: GpuTopK, scores: Any, item_start: int, n_items: int, excl_indptr: Any,
@@ -136,7 +138,7 @@ class Selection:
         k_pad = pow2(k)
         smem = 8 * k_pad
         if smem > 48 * 1024 and smem > self._merge_smem_limit:
-            for fn in (*self.merge.values(), self.merge_fused):
+            for fn in (*self.merge.values(), self.merge_fused, self.merge_fused_h):
                 fn.max_dynamic_shared_size_bytes = smem
             self._merge_smem_limit = smem
         return k_pad, smem

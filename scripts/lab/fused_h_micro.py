@@ -1,0 +1,106 @@
+"""The float16 fused kernel (``kernels/fused_h.cu``) alone, against cuBLAS's float16 GEMM on the same shape: is its
+time in the tensor-core loop or in the filter? Compiles the kernel with measurement switches (``-D``) in this
+process only, and launches it on S1's shape of one user block at a time, thresholds set where a seeded search has
+them after its first merge (each user's 126th best of the first 65,536 items), candidate counts reset per segment.
+
+Run from the project root on a GPU machine::
+
+    PYTHONPATH=. python3 scripts/lab/fused_h_micro.py [--width 72] [--json $OUT/fused_h_micro.json]
+
+Variants: as shipped; no filter at all (``RH_SKIP_EPILOGUE``: the products summed, about what any filter can
+reach); as shipped with every threshold at +inf (the filter's tests alone, no survivor).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from recall.backends.cupy import kernels
+
+
+def main() -> None:
+    import cupy
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--users", type=int, default=16384)
+    p.add_argument("--items", type=int, default=1_000_000)
+    p.add_argument("--width", type=int, default=72)
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args()
+    rng = cupy.random.default_rng(0)
+    users = rng.standard_normal((a.users, a.width), dtype=np.float32).astype(np.float16)
+    items = rng.standard_normal((a.items, a.width), dtype=np.float32).astype(np.float16)
+    head = users.astype(np.float32) @ items[:65536].astype(np.float32).T
+    thr = cupy.ascontiguousarray(-cupy.partition(-head, 125, axis=1)[:, 125])
+    del head
+    cap = 2048
+    c = 16384
+    cand = cupy.zeros((cap, c), cupy.uint64)
+    cnt = cupy.zeros(cap, cupy.int32)
+    padded = -(-a.width // 16) * 16
+    flops = 2.0 * a.users * a.items * padded
+    out = []
+    variants = [("shipped", ()), ("no filter", ("-DRH_SKIP_EPILOGUE",)),
+                ("shipped, no survivors (threshold +inf)", ())]
+    inf = cupy.full_like(thr, np.inf)
+    for name, opts in variants:
+        mod = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts)
+        th_used = inf if "no survivors" in name else thr
+        fn = mod.get_function("recall_fused_filter_h")
+        smem = 2 * 128 * (padded + 8 + 3 * (64 + 8))  # users, three item chunks of 64 halves
+        fn.max_dynamic_shared_size_bytes = smem
+        tiles = -(-a.items // 128)
+
+        def run() -> None:
+            for u0 in range(0, a.users, cap):
+                ub = users[u0:u0 + cap]
+                for t0 in range(0, tiles, 512):
+                    cnt.fill(0)
+                    nt = min(512, tiles - t0)
+                    fn((-(-nt // 8), cap // 128), (256,),
+                       (ub, np.int32(cap), items, np.int32(a.items), np.int32(a.width), np.int32(padded),
+                        np.int32(t0), np.int32(nt), np.int32(8), th_used[u0:u0 + cap], cand, np.int32(c), cnt),
+                       shared_mem=smem)
+
+        run()
+        times = []
+        for _ in range(3):
+            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            e0.record()
+            run()
+            e1.record()
+            e1.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
+        t = sorted(times)[1]
+        print(f"| {name} | {t:.4f} s | "
+              f"{flops / t / 1e12:.0f} TFLOP/s | regs {fn.num_regs} |", flush=True)
+        out.append({"variant": name, "s": t, "tflops": flops / t / 1e12, "regs": fn.num_regs})
+    # cuBLAS: the same products written as float16 score tiles of 2,048 x 65,536.
+    tile = cupy.empty((cap, 65536), np.float16)
+
+    whole = a.items // 65536 * 65536  # whole tiles only (the rate is per product either way)
+
+    def gemm() -> None:
+        for u0 in range(0, a.users, cap):
+            for i0 in range(0, whole, 65536):
+                cupy.matmul(users[u0:u0 + cap], items[i0:i0 + 65536].T, out=tile)
+
+    gemm()
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    e0.record()
+    gemm()
+    e1.record()
+    e1.synchronize()
+    t = cupy.cuda.get_elapsed_time(e0, e1) / 1e3
+    print(f"| cuBLAS fp16 GEMM, fp16 tiles (no filter) | - | {t:.4f} s | {2.0 * a.users * whole * a.width / t / 1e12:.0f}"
+          f" TFLOP/s | - |", flush=True)
+    out.append({"variant": "cublas", "s": t})
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
