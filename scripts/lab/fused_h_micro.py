@@ -7,7 +7,8 @@ Run from the project root on a GPU machine::
 
     PYTHONPATH=. python3 scripts/lab/fused_h_micro.py [--width 72] [--json $OUT/fused_h_micro.json]
 
-Variants: as shipped; no filter at all (``RH_SKIP_EPILOGUE``: the products summed, about what any filter can
+Variants: as shipped (each user's 8 scores of a thread tested through their maximum first); a test and a branch per
+score (``RH_PER_ELEMENT``); no filter at all (``RH_SKIP_EPILOGUE``: the products summed, about what any filter can
 reach); as shipped with every threshold at +inf (the filter's tests alone, no survivor).
 """
 from __future__ import annotations
@@ -43,8 +44,8 @@ def main() -> None:
     padded = -(-a.width // 16) * 16
     flops = 2.0 * a.users * a.items * padded
     out = []
-    variants = [("shipped", ()), ("no filter", ("-DRH_SKIP_EPILOGUE",)),
-                ("shipped, no survivors (threshold +inf)", ())]
+    variants = [("shipped", ()), ("a test per score (RH_PER_ELEMENT)", ("-DRH_PER_ELEMENT",)),
+                ("no filter", ("-DRH_SKIP_EPILOGUE",)), ("shipped, no survivors (threshold +inf)", ())]
     inf = cupy.full_like(thr, np.inf)
     for name, opts in variants:
         mod = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts)
@@ -75,8 +76,8 @@ def main() -> None:
             e1.synchronize()
             times.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
         t = sorted(times)[1]
-        print(f"| {name} | {t:.4f} s | "
-              f"{flops / t / 1e12:.0f} TFLOP/s | regs {fn.num_regs} |", flush=True)
+        print(f"| {name} | {t:.4f} s | {flops / t / 1e12:.0f} TFLOP/s | regs {fn.num_regs}, local bytes "
+              f"{fn.local_size_bytes} |", flush=True)
         out.append({"variant": name, "s": t, "tflops": flops / t / 1e12, "regs": fn.num_regs})
     # cuBLAS: the same products written as float16 score tiles of 2,048 x 65,536.
     tile = cupy.empty((cap, 65536), np.float16)

@@ -146,7 +146,7 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
 #pragma unroll
                     for (int r = 0; r < 4; ++r) sum += acc[mi][ni][r];
             if (sum == 1234.5f && whole) cnt[0] = 1;
-#else
+#elif defined(RH_PER_ELEMENT)  // measurement only: a test and a branch per score
 #pragma unroll
             for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
@@ -160,6 +160,33 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
                             if (pos < C) cand[(long long)user * C + pos] = recall_key(acc[mi][ni][r], row);
                         }
                     }
+#else
+            // A thread holds 8 scores of each of its 8 users (rows mi * 16 + g + 8h): their maximum is tested first,
+            // and the 8 tests and branches of single scores run only where it passes (about 1% of the groups after
+            // a seeded search's first merge).
+#pragma unroll
+            for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float m01 = fmaxf(fmaxf(acc[mi][0][2 * h], acc[mi][0][2 * h + 1]),
+                                            fmaxf(acc[mi][1][2 * h], acc[mi][1][2 * h + 1]));
+                    const float m23 = fmaxf(fmaxf(acc[mi][2][2 * h], acc[mi][2][2 * h + 1]),
+                                            fmaxf(acc[mi][3][2 * h], acc[mi][3][2 * h + 1]));
+                    if (fmaxf(m01, m23) > th[mi][h]) {
+                        const int user = u0 + wm * 64 + mi * 16 + g + 8 * h;
+#pragma unroll
+                        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+                            for (int c = 0; c < 2; ++c) {
+                                const int row = j0 + ni * 8 + 2 * t + c;
+                                const float v = acc[mi][ni][2 * h + c];
+                                if (v > th[mi][h] && (whole || row < n_items)) {
+                                    const int pos = atomicAdd(&cnt[user], 1);
+                                    if (pos < C) cand[(long long)user * C + pos] = recall_key(v, row);
+                                }
+                            }
+                    }
+                }
 #endif
         }
     }
