@@ -361,6 +361,28 @@ def test_fast_fused_kernel_on_each_data_kind(gpu_available, kind):
 
 
 @pytest.mark.gpu
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_items=st.integers(30, 600), n_users=st.integers(1, 24),
+       dim=st.integers(1, 24), k=st.integers(1, 60), metric=st.sampled_from(["ip", "l2"]),
+       exp=st.integers(-20, 20), tie_range=st.sampled_from([1, 3, 100]), excluded=st.booleans())
+def test_fused_kernel_equals_exact_and_the_oracle(seed, n_items, n_users, dim, k, metric, exp, tie_range, excluded):
+    # test_fast_equals_exact_and_the_oracle on the GPU's fused float16 kernel: dyadic data, every float32 score exact
+    # in any order of summation, so the tensor cores' sums must give exact mode's and the oracle's answer bit for bit.
+    rng = np.random.default_rng(seed)
+    items = _dyadic(rng, n_items, dim, -tie_range, tie_range, exp)
+    users = _dyadic(rng, n_users, dim, -tie_range, tie_range, exp)
+    exclude = {u: rng.choice(n_items, int(rng.integers(0, n_items)), replace=False).tolist()
+               for u in range(n_users) if rng.random() < 0.5} if excluded else None
+    engine = Engine(items, metric=metric, device="gpu", precision="fast", options=FUSED_H)
+    got = engine.search(users, k, exclude=exclude)
+    assert engine.stats["fused"], engine.stats
+    oracle.assert_same_result(got, Engine(items, metric=metric, device="cpu").search(users, k, exclude=exclude))
+    idx, val = oracle.topk(users, items, k, metric, exclude)
+    np.testing.assert_array_equal(as_numpy(got.indices), idx)
+    np.testing.assert_array_equal(as_numpy(got.scores).astype(np.float64), val)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_fast_fused_kernel_equals_exact_on_integer_data(gpu_available, metric):
     if not gpu_available:
