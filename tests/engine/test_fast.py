@@ -220,24 +220,33 @@ def _dyadic(rng, n, dim, low, high, exp):
     return (rng.integers(low, high + 1, size=(n, dim)) * 2.0 ** exp).astype(np.float32)
 
 
-@settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n_items=st.integers(30, 600), n_users=st.integers(1, 24),
-       dim=st.integers(1, 24), k=st.integers(1, 60), metric=st.sampled_from(["ip", "l2"]),
-       exp=st.integers(-20, 20), tie_range=st.sampled_from([1, 3, 100]), excluded=st.booleans())
-def test_fast_equals_exact_and_the_oracle(seed, n_items, n_users, dim, k, metric, exp, tie_range, excluded):
-    # Small integers times a power of two: every float32 score is exact (in any order of summation) and so is the
-    # float64 oracle's, so fast mode, exact mode and the oracle must agree bit for bit, ties to the lower row.
+_DYADIC = dict(seed=st.integers(0, 2**32 - 1), n_items=st.integers(30, 600), n_users=st.integers(1, 24),
+               dim=st.integers(1, 24), k=st.integers(1, 60), metric=st.sampled_from(["ip", "l2"]),
+               exp=st.integers(-20, 20), tie_range=st.sampled_from([1, 3, 100]), excluded=st.booleans())
+
+
+def _fast_equals_exact_and_oracle(device, options, seed, n_items, n_users, dim, k, metric, exp, tie_range, excluded):
+    """Small integers times a power of two: every float32 score is exact (in any order of summation) and so is the
+    float64 oracle's, so fast mode on ``device``, exact mode and the oracle must agree bit for bit, ties to the lower
+    row. Returns the fast engine."""
     rng = np.random.default_rng(seed)
     items = _dyadic(rng, n_items, dim, -tie_range, tie_range, exp)
     users = _dyadic(rng, n_users, dim, -tie_range, tie_range, exp)
     exclude = {u: rng.choice(n_items, int(rng.integers(0, n_items)), replace=False).tolist()
                for u in range(n_users) if rng.random() < 0.5} if excluded else None
-    got = Engine(items, metric=metric, device="cpu", precision="fast").search(users, k, exclude=exclude)
-    want = Engine(items, metric=metric, device="cpu").search(users, k, exclude=exclude)
-    oracle.assert_same_result(got, want)
+    engine = Engine(items, metric=metric, device=device, precision="fast", options=options)
+    got = engine.search(users, k, exclude=exclude)
+    oracle.assert_same_result(got, Engine(items, metric=metric, device="cpu").search(users, k, exclude=exclude))
     idx, val = oracle.topk(users, items, k, metric, exclude)
-    np.testing.assert_array_equal(got.indices, idx)
-    np.testing.assert_array_equal(got.scores.astype(np.float64), val)
+    np.testing.assert_array_equal(as_numpy(got.indices), idx)
+    np.testing.assert_array_equal(as_numpy(got.scores).astype(np.float64), val)
+    return engine
+
+
+@settings(max_examples=25, deadline=None)
+@given(**_DYADIC)
+def test_fast_equals_exact_and_the_oracle(seed, n_items, n_users, dim, k, metric, exp, tie_range, excluded):
+    _fast_equals_exact_and_oracle("cpu", None, seed, n_items, n_users, dim, k, metric, exp, tie_range, excluded)
 
 
 def _spy_fast_searches(monkeypatch):
@@ -362,24 +371,12 @@ def test_fast_fused_kernel_on_each_data_kind(gpu_available, kind):
 
 @pytest.mark.gpu
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n_items=st.integers(30, 600), n_users=st.integers(1, 24),
-       dim=st.integers(1, 24), k=st.integers(1, 60), metric=st.sampled_from(["ip", "l2"]),
-       exp=st.integers(-20, 20), tie_range=st.sampled_from([1, 3, 100]), excluded=st.booleans())
+@given(**_DYADIC)
 def test_fused_kernel_equals_exact_and_the_oracle(seed, n_items, n_users, dim, k, metric, exp, tie_range, excluded):
-    # test_fast_equals_exact_and_the_oracle on the GPU's fused float16 kernel: dyadic data, every float32 score exact
-    # in any order of summation, so the tensor cores' sums must give exact mode's and the oracle's answer bit for bit.
-    rng = np.random.default_rng(seed)
-    items = _dyadic(rng, n_items, dim, -tie_range, tie_range, exp)
-    users = _dyadic(rng, n_users, dim, -tie_range, tie_range, exp)
-    exclude = {u: rng.choice(n_items, int(rng.integers(0, n_items)), replace=False).tolist()
-               for u in range(n_users) if rng.random() < 0.5} if excluded else None
-    engine = Engine(items, metric=metric, device="gpu", precision="fast", options=FUSED_H)
-    got = engine.search(users, k, exclude=exclude)
+    # The same on the GPU's fused float16 kernel: the tensor cores' sums of exact products are exact too.
+    engine = _fast_equals_exact_and_oracle("gpu", FUSED_H, seed, n_items, n_users, dim, k, metric, exp, tie_range,
+                                           excluded)
     assert engine.stats["fused"], engine.stats
-    oracle.assert_same_result(got, Engine(items, metric=metric, device="cpu").search(users, k, exclude=exclude))
-    idx, val = oracle.topk(users, items, k, metric, exclude)
-    np.testing.assert_array_equal(as_numpy(got.indices), idx)
-    np.testing.assert_array_equal(as_numpy(got.scores).astype(np.float64), val)
 
 
 @pytest.mark.gpu
