@@ -74,14 +74,15 @@ involved).
 The float16 score tiles
 -----------------------
 Where the backend keeps its score tiles in float16 (the GPU's cuBLAS path: half the bytes written by the GEMM and
-read by the selection; the search's stats say ``score_dtype``), the GEMM multiplies its float32 result by ``g = output_scale(W)`` (a power of two that keeps every score
-inside float16's range) and stores ``z = fl16(g·t)``, with |z - g·t| <= 2^-10·|g·t| + 2^-24 (a full float16 ulp and
-the subnormal spacing, so rounding that truncates is covered too). Selection runs on z: every item left out has
-``z_v <= z_out``, the best stored score left out. Solving the rounding bound for the largest g·t that can store at
-or below z_out gives ``g·t_v <= q(z_out) = (z_out + 2^-24)/(1 ∓ 2^-10)`` (minus where z_out + 2^-24 >= 0, else plus),
-so the stored scores' rounding costs a relative 2^-10 of the score *left out*: the shift, S_u near the user's k-th
-score, brings that near 0. Where scores stay float32 (the GPU's fused kernel, which compares the tensor cores'
-float32 sums with the thresholds in its registers; the CPU's tiles), t_v <= t_out directly.
+read by the selection; the search's stats say ``score_dtype``), the GEMM multiplies its float32 result by
+``g = output_scale(W)`` (a power of two that keeps every score inside float16's range) and stores ``z = fl16(g·t)``,
+with |z - g·t| <= 2^-10·|g·t| + 2^-24 (a full float16 ulp and the subnormal spacing, so rounding that truncates is
+covered too). Selection runs on z: every item left out has ``z_v <= z_out``, the best stored score left out.
+Solving the rounding bound for the largest g·t that can store at or below z_out gives
+``g·t_v <= q(z_out) = (z_out + 2^-24)/(1 ∓ 2^-10)`` (minus where z_out + 2^-24 >= 0, else plus), so the stored
+scores' rounding costs a relative 2^-10 of the score *left out*: the shift, S_u near the user's k-th score, brings
+that near 0. Where scores stay float32 (the GPU's fused kernel, which compares the tensor cores' float32 sums with
+the thresholds in its registers; the CPU's tiles), t_v <= t_out directly.
 
 The certificate
 ---------------

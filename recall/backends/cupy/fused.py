@@ -17,8 +17,9 @@ from .selection import MERGE_THREADS, GpuTopK, Selection, fused_capacity, seed_s
 FUSED_THREADS = 256
 FUSED_MAX_DIM = 256  # the users' vectors of a block stay in shared memory: 128 x 256 floats at most
 #: float16 rows of at most this many columns take the fused kernel (fused_h.cu): at 80 columns (S1's d = 64 with fast
-#: mode's own) it beats cuBLAS + filter (fast mode on S1 0.19 s against 0.22 s), at 264 (d = 256) it loses (0.083 s
-#: against 0.059 s): its filter costs about as much per score as 80 columns of products (docs/benchmarks.md).
+#: mode's own) it beat cuBLAS + filter (fast mode on S1 0.19 s against 0.23 s), at 264 (d = 256) it lost (0.083 s
+#: against 0.059 s), its filter then costing about as much per score as 80 columns of products. Measured before the
+#: filter tested groups of scores first (docs/benchmarks.md); the limit has not been measured again since.
 FUSED_H_MAX_WIDTH = 128
 _H_CHUNK, _H_STAGES = 64, 3  # fused_h.cu's RH_CHUNK and RH_STAGES
 
@@ -59,7 +60,7 @@ def merge_high_water(state: GpuTopK) -> int:
 
 
 class FusedSearch:
-    """The fused kernel's launches for one device (its shared-memory limit raised once)."""
+    """The fused kernels' launches for one device (their shared-memory limits raised once)."""
 
     def __init__(self, selection: Selection) -> None:
         self.sel = selection

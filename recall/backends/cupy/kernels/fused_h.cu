@@ -192,8 +192,8 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
     }
 }
 
-// Rows of at most 128 columns (fast mode's float16 vectors up to d = 120 or so): beyond, the filter's cost per score
-// is small against cuBLAS's faster products (docs/benchmarks.md), and the engine takes the cuBLAS path.
+// Launched for rows of at most 128 columns (fast mode's float16 vectors up to d = 120 or so, fused.FUSED_H_MAX_WIDTH):
+// wider rows take cuBLAS + filter, whose products are faster there (docs/benchmarks.md).
 extern "C" __global__ void __launch_bounds__(256, 2)
 recall_fused_filter_h(const half_bits* __restrict__ U, int n_users, const half_bits* __restrict__ I, int n_items,
                       int W, int Wp, int tile0, int n_tiles, int tiles_per_cta, const float* __restrict__ thr,
