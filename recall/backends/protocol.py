@@ -39,6 +39,10 @@ class Backend(Protocol):
     asynchronous: bool
     """Whether ``run_blocks`` returns before the work is done (the device searches while the host goes on), so that
     a caller gains by queueing work ahead (the job runner's searches while the items load)."""
+    few_users_area: int
+    """Scores per tile that a search of fewer users than the preferred block widens its item tiles to
+    (``tiling.plan_tiles``; 0: it keeps them): the CPU's, where every tile costs a call and a pass of its own on the
+    host; the GPU keeps its tiles, across which its selection kernels parallelise."""
 
     # -- where arrays live ----------------------------------------------------------------------------------------
     def module_of(self, arr: Any) -> Any:

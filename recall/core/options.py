@@ -43,6 +43,10 @@ class EngineOptions:
     rescore : {"fused", "gemm"}
         GPU re-scoring: one fused gather + dot + select kernel, or gather + strided-batched GEMM + select (the
         CPU's path).
+    few_user_tiles : bool
+        CPU: a search of fewer users than the preferred user block takes item tiles as much wider (score tiles of
+        1 MiB, at most 8,192 items): one user against 100,000 items runs 13 tiles instead of 196. A batch job's
+        engines turn it off, so that a short last batch keeps the tiles its item shards are cut on.
     fast_sample : int
         Fast precision: the most users a large search scores first, to find out whether the certificate pays (1/50
         of the users, at most this many, when that is at least 128); where too many of them fall back, the other
@@ -57,6 +61,7 @@ class EngineOptions:
     fused_segment: int = 65_536
     fused_tiles_per_block: int = 8
     rescore: str = "fused"
+    few_user_tiles: bool = True
     fast_sample: int = 2048
 
     def __post_init__(self) -> None:
@@ -71,7 +76,7 @@ class EngineOptions:
         check_int(self.fused_tiles_per_block, "options.fused_tiles_per_block")
         check_choice(self.rescore, RESCORE_PATHS, "options.rescore path")
         check_int(self.fast_sample, "options.fast_sample", 0)
-        for name in ("cuda_graphs", "seed_thresholds"):
+        for name in ("cuda_graphs", "seed_thresholds", "few_user_tiles"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"options.{name} must be True or False, got {getattr(self, name)!r}")
 

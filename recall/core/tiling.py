@@ -55,11 +55,20 @@ class TilePlan:
 
 #: Users per block below which a search's blocks are not split further to give every worker one.
 _MIN_SPLIT_BLOCK = 128
+#: The widest item tile a block of few users widens to (``few_users_area``): a power of two dividing the streamed
+#: engine's segment alignment (``recall.engine.streamed.ALIGN``), so that a streamed search's GEMMs keep the shapes
+#: of the resident search's and its scores the same bits.
+WIDEST_FEW_USERS_TILE = 8192
 
 
 def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, preferred: tuple[int, int, int],
-               state_bytes_per_user: int, workers: int = 1) -> TilePlan:
+               state_bytes_per_user: int, workers: int = 1, few_users_area: int = 0) -> TilePlan:
     """The largest tiling at most ``preferred`` whose workspace fits in ``budget`` bytes.
+
+    ``few_users_area`` (``Backend.few_users_area``; 0: off): a search of fewer users than the preferred block takes
+    item tiles as wide as score tiles of that many scores allow (a power of two, at most
+    :data:`WIDEST_FEW_USERS_TILE`), before the budget is applied: where each tile costs a call and a selection pass
+    of its own (the CPU), one user against 100,000 items then runs 13 tiles instead of 196.
 
     Shrinks the number of tiles per call first, then the item tile (to 256), then the user block, then the number
     of concurrent workers, then the item tile to 1, halving each; except that while a block's top-k state takes more
@@ -76,6 +85,9 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
     user_block = max(1, min(pref_users, n_users))
     while workers > 1 and user_block > _MIN_SPLIT_BLOCK and -(-n_users // user_block) < workers:
         user_block //= 2
+    if few_users_area and user_block < pref_users:
+        wide = 1 << max(0, (few_users_area // user_block).bit_length() - 1)  # a power of two
+        pref_tile = max(pref_tile, min(wide, WIDEST_FEW_USERS_TILE))
     item_tile = max(1, min(pref_tile, n_items))
     tiles = max(1, min(pref_tiles, -(-n_items // item_tile)))
     workers = max(1, min(workers, -(-n_users // user_block)))

@@ -33,8 +33,9 @@ PREPARE_ROWS = 1 << 20
 #: Running results per user in a group: the group's merge so far, a segment's part, and the merge's temporaries.
 _GROUP_COPIES = 5
 #: Segments and user groups start at multiples of this many rows where they are longer: a multiple of every tile
-#: the backends search in (the CPU's 128 users x 2048 items, the GPU's), so that each GEMM of a streamed search has
-#: the shape of the resident search's GEMM over the same rows and every score comes out bit for bit the same.
+#: the backends search in (the CPU's 128 users x 2048 items, its few users' tiles of up to
+#: ``tiling.WIDEST_FEW_USERS_TILE`` items, the GPU's), so that each GEMM of a streamed search has the shape of the
+#: resident search's GEMM over the same rows and every score comes out bit for bit the same.
 ALIGN = 8192
 
 

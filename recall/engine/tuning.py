@@ -434,6 +434,13 @@ def _force(engine: Any, users: Any, k: int, key: dict[str, Any]) -> Tiles:
         return result.best
 
 
+def few_users_area(backend: Any, options: Any) -> int:
+    """The ``few_users_area`` a plan widens its item tiles with (``tiling.plan_tiles``): the backend's, or 0 where
+    ``options.tiles`` pins the tiling (a search then runs exactly those tiles) or ``options.few_user_tiles`` is
+    off."""
+    return 0 if options.tiles or not options.few_user_tiles else int(backend.few_users_area)
+
+
 def preferred_tiles(engine: Any, users: Any, k: int) -> Tiles:
     """The (user block, item tile, tiles per call) ``engine`` should plan a tiled pass of ``users`` for ``k`` with.
 

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oracle
-from recall import Engine, ResourceError
+from recall import Engine, EngineOptions, ResourceError
 from recall.backends.numpy import NumpyBackend
-from recall.core.tiling import TilePlan, item_segments, plan_tiles
+from recall.core.tiling import WIDEST_FEW_USERS_TILE, TilePlan, item_segments, plan_tiles
 
 
 def _shrink_sequence(start: TilePlan, state: int = 0) -> list[TilePlan]:
@@ -178,6 +178,7 @@ def test_multi_tile_gemm_calls_are_exact(monkeypatch, preferred, metric, make_ti
     # The CPU backend prefers one tile per call; force several (the GPU's shape of work: one user block against a
     # batch of item tiles, stride 0 on the users) and odd sizes that leave partial blocks and tiles everywhere.
     monkeypatch.setattr(NumpyBackend, "preferred_tiles", lambda self, dim, k: preferred)
+    monkeypatch.setattr(NumpyBackend, "few_users_area", 0)  # 23 users would widen (64, 33, 2) to one tile
     users, items = make_ties(23, 101, 5, seed=sum(preferred))
     exclude = {0: [0, 1, 2], 7: list(range(50, 101)), 22: list(range(101))}
     engine = Engine(items, metric=metric, device="cpu")
@@ -192,3 +193,35 @@ def test_multi_tile_gemm_calls_float(monkeypatch, make_clustered):
     users, items = make_clustered(60, 1000, 24, seed=3)
     res = Engine(items, device="cpu").search(users, 20)
     oracle.assert_topk_close(res.indices, res.scores, users, items, 20)
+
+
+@pytest.mark.parametrize("n_users, n_items, want", [
+    (1, 100_000, 8192),  # 2^18 scores a tile: capped at the widest few-users tile
+    (32, 100_000, 8192),
+    (100, 100_000, 2048),  # 2^18 // 100 = 2621, down to a power of two
+    (1024, 100_000, 512),  # a full block keeps the preferred tile
+    (1, 3000, 3000),  # never wider than the catalogue
+])
+def test_few_users_widen_their_item_tiles(n_users, n_items, want):
+    plan = plan_tiles(n_users, n_items, 64, 100, 1 << 30, (1024, 512, 1), 812, few_users_area=1 << 18)
+    assert plan.item_tile == want and plan.user_block == min(n_users, 1024)
+    assert plan_tiles(n_users, n_items, 64, 100, 1 << 30, (1024, 512, 1), 812).item_tile == min(512, n_items)
+    # The budget still applies after widening: tiles halve back to fit.
+    tight = plan_tiles(1, 100_000, 64, 100, 4 * 2048 + 4 * 64 + 812, (1024, 512, 1), 812, few_users_area=1 << 18)
+    assert tight.item_tile == 2048
+    assert WIDEST_FEW_USERS_TILE & (WIDEST_FEW_USERS_TILE - 1) == 0  # a power of two: it divides streamed.ALIGN
+    from recall.engine import streamed
+    assert streamed.ALIGN % WIDEST_FEW_USERS_TILE == 0
+
+
+def test_a_cpu_search_of_few_users_runs_wide_tiles_unless_pinned_or_off(make_clustered):
+    users, items = make_clustered(3, 20_000, 16, seed=4)
+    engine = Engine(items, device="cpu")
+    res = engine.search(users, 50)
+    assert engine.stats["tiles"] == (3, 8192, 1)
+    oracle.assert_topk_close(res.indices, res.scores, users, items, 50)
+    for options in (EngineOptions(few_user_tiles=False), EngineOptions(tiles=(1024, 512, 1))):
+        other = Engine(items, device="cpu", options=options)
+        again = other.search(users, 50)
+        assert other.stats["tiles"][1] == 512
+        np.testing.assert_array_equal(again.indices, res.indices)

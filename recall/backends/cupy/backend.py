@@ -83,6 +83,7 @@ class CupyBackend:
     name = "gpu"
     asynchronous = True
     workers = 1  # blocks overlap on streams, not threads
+    few_users_area = 0  # few users keep the tiles: the selection kernels parallelise across a block's tiles
 
     def __init__(self) -> None:
         import cupy

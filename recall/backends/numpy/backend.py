@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -73,16 +74,37 @@ def _done(stats: dict) -> Any:
     return lambda: stats
 
 
+_controller: Any = None
+_controller_lock = threading.Lock()
+
+
+def _blas_controller() -> Any:
+    """threadpoolctl's controller of the BLAS libraries loaded in this process, made on first use. NumPy's BLAS, the
+    one the search calls, is loaded with NumPy, before any search."""
+    global _controller
+    with _controller_lock:
+        if _controller is None:
+            from threadpoolctl import ThreadpoolController
+
+            _controller = ThreadpoolController()
+        return _controller
+
+
 class NumpyBackend:
     """NumPy/BLAS backend. Arrays are NumPy arrays; nothing is copied to a device; searches run when called."""
 
     name = "cpu"
     xp = np
     asynchronous = False
+    # Each tile is a BLAS call and a selection pass: a block of few users widens its item tiles up to score tiles
+    # of 1 MiB, a core's L2 (1 user x 100k items x 64, k=100: 1.50 ms at 512 items a tile, 0.87 ms at 8,192;
+    # 32 users: 6.69 ms at 512, 6.19 ms at 8,192, 6.49 ms at 100,000; docs/benchmarks.md).
+    few_users_area = 1 << 18
 
     def __init__(self) -> None:
         # One user block per core; each block's GEMM runs on one BLAS thread (see compute_context).
         self.workers = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        self._identity: dict[str, str] | None = None
 
     # -- arrays ----------------------------------------------------------------------------------------------------
     def module_of(self, arr: Any) -> Any:
@@ -114,8 +136,12 @@ class NumpyBackend:
         return f"cpu ({os.cpu_count()} cores, numpy {np.__version__})"
 
     def identity(self) -> dict[str, str]:
-        return {"backend": self.name, "device": f"{cpu_model()} x{self.workers}", "driver": f"numpy {np.__version__}",
-                "runtime": blas_name()}
+        # Made once: the tune cache's key reads it at every search (/proc/cpuinfo and NumPy's build configuration
+        # took 0.1-0.2 ms a call).
+        if self._identity is None:
+            self._identity = {"backend": self.name, "device": f"{cpu_model()} x{self.workers}",
+                              "driver": f"numpy {np.__version__}", "runtime": blas_name()}
+        return self._identity
 
     def free_memory(self) -> int:
         try:
@@ -163,10 +189,10 @@ class NumpyBackend:
 
     def compute_context(self) -> contextlib.AbstractContextManager:
         """Limit BLAS to one thread while a search runs: parallelism comes from one block per core, and BLAS
-        threads spinning beside the selection kernels would fight them for the same cores."""
-        from threadpoolctl import threadpool_limits
-
-        return threadpool_limits(limits=1, user_api="blas")
+        threads spinning beside the selection kernels would fight them for the same cores. The BLAS libraries are
+        found once per process (:func:`_blas_controller`): finding them reads ``/proc/self/maps``, 1 ms a call,
+        most of a one-user search of 20,000 items (docs/benchmarks.md)."""
+        return _blas_controller().limit(limits=1, user_api="blas")
 
     # -- the work ------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any) -> np.ndarray:

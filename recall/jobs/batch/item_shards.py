@@ -210,7 +210,8 @@ class RangeScorer:
         users = np.empty((batch_size, scored_dim(self.spec.metric, dim)), np.float32)  # only its shape is read
         whole, preferred = self._whole_plan(users, n_searched, min(k, n_searched))
         # The widest tile a batch may use: a budget that shrinks the tiles halves them, and a shorter last batch
-        # shrinks them less; cuts on the preferred width fall on every halving of it.
+        # shrinks them less (a batch job's engines keep their tiles for few users: EngineOptions.few_user_tiles);
+        # cuts on the preferred width fall on every halving of it.
         widest = min(preferred[1], n_searched)
         return self.dim, batch_size, widest if widest % whole.item_tile == 0 else whole.item_tile
 
@@ -225,7 +226,8 @@ class RangeScorer:
         budget = self.engine.memory_budget if self.engine is not None else \
             (self.budget if self.budget is not None else self.backend.default_budget())
         plan = plan_tiles(int(users.shape[0]), n_searched, int(users.shape[1]), k, budget, preferred,
-                          self.backend.state_bytes(k), self.backend.workers)
+                          self.backend.state_bytes(k), self.backend.workers,
+                          tuning.few_users_area(self.backend, options))
         return plan, preferred
 
     def load(self, item_range: ItemRange, n_searched: int, k: int) -> RangeReady:

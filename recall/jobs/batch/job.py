@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -203,8 +203,16 @@ class BatchRequest:
     def spec(self, user_id_type: str, exclusions: ExclusionFiles | None = None) -> JobSpec:
         return JobSpec(items_path=self.items_path, exclusions=exclusions, k=self.k, metric=self.metric,
                        id_col=self.id_col, vec_col=self.vec_col, user_id_type=user_id_type,
-                       batch_size=self.batch_size, memory_budget=self.memory_budget, options=self.options,
-                       after_batch=self.after_batch, allow_path=self.allow_path, deny_path=self.deny_path)
+                       batch_size=self.batch_size, memory_budget=self.memory_budget,
+                       options=_shard_options(self.options), after_batch=self.after_batch,
+                       allow_path=self.allow_path, deny_path=self.deny_path)
+
+
+def _shard_options(options: JobOptions) -> JobOptions:
+    """The options every shard and item range of a batch job runs with: its engines keep their tiles for a short
+    last batch (``EngineOptions.few_user_tiles`` off), so that item shards, cut on the tile width, score every
+    batch with the unsharded job's GEMMs and write its bytes."""
+    return replace(options, engine=replace(options.engine, few_user_tiles=False))
 
 
 class _Job:

@@ -1,0 +1,74 @@
+"""The embedded library's latency: a resident engine answering small batches of users, beside FAISS, cuVS and torch
+in the same process, each with its items prepared once (not timed).
+
+Run from the project root on a GPU machine (FAISS and cuVS staged as for ``recall bench``)::
+
+    PYTHONPATH=. python3 scripts/lab/embedded_latency.py [--items 1000000] [--dim 64] [--k 100]
+        [--batches 1,32,1024] [--contenders recall,faiss,cuvs,torch] [--json $OUT/latency.json]
+
+For every batch size: 5 warm-up calls, then ``--calls`` timed calls, each a search of the same users (arrays on the
+``--device``, generated from seed 0 with the items, clustered) between two synchronisations; the median and the 90th
+percentile in milliseconds. Contenders that cannot run are listed with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from recall.bench import contenders as bench_contenders
+from recall.bench.workloads import generate
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--items", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--k", type=int, default=100)
+    p.add_argument("--kind", default="clustered")
+    p.add_argument("--batches", default="1,32,1024")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--contenders", default="recall,faiss,cuvs,torch")
+    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
+    users, items = generate(a.kind, max(batches), a.items, a.dim, seed=0, device=a.device)
+    rows = []
+    print(f"| contender | {' | '.join(f'{b} users: median / p90 ms' for b in batches)} |", flush=True)
+    for c in bench_contenders.build(a.contenders.split(","), a.device, inexact=False):
+        reason = c.unavailable() or c.unsupported(a.k, a.items)
+        if reason:
+            print(f"| {c.name} | skipped: {reason} |", flush=True)
+            rows.append({"contender": c.name, "skipped": reason})
+            continue
+        c.prepare(items)
+        cells = []
+        entry = {"contender": c.name, "batches": {}}
+        for b in batches:
+            q = users[:b]
+            for _ in range(5):
+                c.search(q, a.k)
+            c.sync()
+            times = []
+            for _ in range(a.calls):
+                t0 = time.perf_counter()
+                c.search(q, a.k)
+                c.sync()
+                times.append((time.perf_counter() - t0) * 1e3)
+            times.sort()
+            med, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
+            cells.append(f"{med:.2f} / {p90:.2f}")
+            entry["batches"][b] = {"median_ms": med, "p90_ms": p90}
+        c.release()
+        print(f"| {c.name} | {' | '.join(cells)} |", flush=True)
+        rows.append(entry)
+    if a.json:
+        a.json.write_text(json.dumps({"items": a.items, "dim": a.dim, "k": a.k, "kind": a.kind, "rows": rows},
+                                     indent=2))
+
+
+if __name__ == "__main__":
+    main()
