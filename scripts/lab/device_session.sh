@@ -13,6 +13,7 @@
 #   jobx      the S4-x20 job Parquet to Parquet (early searches with exclusions), once       -> $OUT/jobx.log
 #   shards    scripts/lab/item_shards_gpu.py: item shards on one GPU against the unsharded job -> $OUT/shards.log
 #   probe     scripts/lab/kernel_profile.py: the weak cells under option variants, per-kernel times -> $OUT/probe.log
+#   latency   scripts/lab/embedded_latency.py: 1, 32 and 1,024 users against 1M items, every contender -> $OUT/latency.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
 # FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION (probe), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
@@ -125,4 +126,10 @@ if has probe; then
         ${PROBE_PRECISION:+--precision "$PROBE_PRECISION"} \
         --json "$OUT/probe.json" >"$OUT/probe.log" 2>&1
     echo "== kernel profile (rc $?)"; cat "$OUT/probe.log" | tail -n 80
+fi
+
+if has latency; then
+    PYTHONPATH=$NEW_PATH timeout "${LATENCY_TIMEOUT:-180}" python3 scripts/lab/embedded_latency.py \
+        --json "$OUT/latency.json" >"$OUT/latency.log" 2>&1
+    echo "== embedded latency (rc $?)"; tail -n 12 "$OUT/latency.log"
 fi
