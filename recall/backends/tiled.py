@@ -3,8 +3,8 @@ segment, each segment's scores folded into the running top-k (the GPU's cuBLAS p
 
 A backend that calls these provides ``xp``, ``gemm_strided_batched(users, items, out)`` and a running top-k
 (``topk_new(n_users, k)``, ``topk_reset(state, n_users)``, ``topk_update(state, scores, item_start, n_items,
-excl_indptr, excl_items)``, ``topk_result(state)``), and for :func:`run_blocks_threaded` ``asarray`` and
-``compute_context``.
+excl_indptr, excl_items)``, ``topk_result(state)``), and for :func:`run_blocks_threaded` ``asarray``,
+``compute_context``, ``merge`` and ``executor()`` (a thread pool of its workers, kept between searches).
 
 Users with several vectors (``TilePlan.interests``) are scored the same way: the block holds every interest row of
 its users (``n_users_block * rows`` GEMM rows), and a reduce step folds each user's interest rows into one row
@@ -14,7 +14,6 @@ reduce launches are captured in the same CUDA graph as the rest of the block.
 from __future__ import annotations
 
 import queue
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -22,15 +21,18 @@ from ..core.tiling import InterestPlan, TilePlan, item_segments
 
 
 def search_block(backend: Any, plan: TilePlan, users: Any, items: Any, n_items: int, state: Any, scores_buf: Any,
-                 excl_indptr: Any, excl_items: Any) -> None:
-    """Score one user block (n, dim) against every item and fold the scores into ``state`` (already reset)."""
+                 excl_indptr: Any, excl_items: Any, item_range: tuple[int, int] | None = None) -> None:
+    """Score one user block (n, dim) against every item (or the rows ``item_range`` of them, starting on a segment
+    boundary) and fold the scores into ``state`` (already reset)."""
     if plan.interests is not None:
         _search_block_interests(backend, plan, plan.interests, users, items, n_items, state, scores_buf,
                                 excl_indptr, excl_items)
         return
     n, dim = users.shape
     users_batch = users.reshape(1, n, dim)
-    for start, width, tiles in item_segments(n_items, plan):
+    lo, hi = item_range or (0, n_items)
+    for start, width, tiles in item_segments(hi - lo, plan):
+        start += lo
         segment = items[start:start + width * tiles].reshape(tiles, width, dim)
         scores = scores_buf[: tiles * n * width].reshape(tiles, n, width)
         backend.gemm_strided_batched(users_batch, segment, scores)
@@ -71,37 +73,59 @@ def run_blocks_threaded(backend: Any, plan: TilePlan, users: Any, items: Any, n_
                         out_vals: Any, out_rows: Any) -> None:
     """Search every user block, writing each block's top-k into rows of ``out_vals`` / ``out_rows``.
 
-    ``plan.workers`` blocks run at once (one per CPU core), each with its own top-k state and score buffer, taken
-    from a pool so that nothing is allocated per block.
+    ``plan.workers`` tasks run at once (one per CPU core), each with its own top-k state and score buffer, taken
+    from a pool so that nothing is allocated per block. A task is a user block, or, where the plan cuts the items
+    in ``plan.item_parts`` ranges (fewer blocks than cores), a block against one range; the ranges' results are
+    merged afterwards (``backend.merge``: ties to the lower row, as in one pass).
     """
+    xp = backend.xp
     n_users = users.shape[0]
     blocks = [(start, min(start + plan.user_block, n_users)) for start in range(0, n_users, plan.user_block)]
-    workers = max(1, min(plan.workers, len(blocks)))
+    ranges = item_ranges(n_items, plan) if plan.interests is None else [(0, n_items)]
+    split = len(ranges) > 1
+    parts = [(xp.empty((n_users, k), xp.float32), xp.empty((n_users, k), xp.int64)) for _ in ranges] if split \
+        else [(out_vals, out_rows)]
+    tasks = [(block, r) for block in blocks for r in range(len(ranges))]
+    workers = max(1, min(plan.workers, len(tasks)))
     workspaces: queue.SimpleQueue = queue.SimpleQueue()
     for _ in range(workers):
         workspaces.put((backend.topk_new(plan.user_block, k),
-                        backend.xp.empty(plan.user_block * plan.item_tile * plan.tiles_per_call,
-                                         dtype=backend.xp.float32)))
+                        xp.empty(plan.user_block * plan.item_tile * plan.tiles_per_call, dtype=xp.float32)))
 
-    def one(block: tuple[int, int]) -> None:
-        start, stop = block
+    def one(task: tuple[tuple[int, int], int]) -> None:
+        (start, stop), r = task
         state, scores_buf = workspaces.get()
         try:
             ptr, excluded = excl.block(start, stop)
             backend.topk_reset(state, stop - start)
             search_block(backend, plan, users[start:stop], items, n_items, state, scores_buf,
-                         backend.asarray(ptr), backend.asarray(excluded))
+                         backend.asarray(ptr), backend.asarray(excluded), ranges[r] if split else None)
             vals, rows = backend.topk_result(state)
-            out_vals[start:stop, :k] = vals
-            out_rows[start:stop, :k] = rows
+            part_vals, part_rows = parts[r]
+            part_vals[start:stop, :k] = vals
+            part_rows[start:stop, :k] = rows
         finally:
             workspaces.put((state, scores_buf))
 
     with backend.compute_context():
         if workers == 1:
-            for block in blocks:
-                one(block)
+            for task in tasks:
+                one(task)
         else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="recall") as pool:
-                for _ in pool.map(one, blocks):
-                    pass
+            # At most `workers` tasks at a time: each takes a workspace from the queue, which holds that many.
+            for _ in backend.executor().map(one, tasks):
+                pass
+    if split:
+        vals, rows = backend.merge([(v, r, 0) for v, r in parts], k)
+        out_vals[:, :k] = vals
+        out_rows[:, :k] = rows
+
+
+def item_ranges(n_items: int, plan: TilePlan) -> list[tuple[int, int]]:
+    """The ``plan.item_parts`` item ranges a block is searched in: whole segments of ``item_tile * tiles_per_call``
+    rows each (the last range ends at ``n_items``), so that every GEMM is the one the unsplit search makes."""
+    segment = plan.item_tile * plan.tiles_per_call
+    n_segments = -(-n_items // segment)
+    n_parts = max(1, min(plan.item_parts, n_segments))
+    bounds = [p * n_segments // n_parts * segment for p in range(n_parts)] + [n_items]
+    return [(bounds[p], min(bounds[p + 1], n_items)) for p in range(n_parts)]

@@ -45,6 +45,9 @@ class TilePlan:
     tiles_per_call: int
     workers: int = 1  # blocks searched at once, each holding its own workspace
     interests: "InterestPlan | None" = None  # several rows per user, reduced to one before the top-k
+    # Item ranges each user block is searched in, one task each, merged afterwards: more workers than blocks (few
+    # users) would leave cores idle (the CPU; on whole segments, so each GEMM is the unsplit search's).
+    item_parts: int = 1
 
     def workspace_bytes(self, dim: int, k: int, state_bytes_per_user: int) -> int:
         """Bytes of working memory the search holds: per worker, the score tiles, the user block and the top-k."""
@@ -75,6 +78,8 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
     bytes than its score tiles (large k), the user block halves before the item tile does: a narrow tile costs a
     launch per few hundred items, a smaller block only more blocks. Before that, with several workers, the user
     block is halved (down to 128 users) until every worker has a block: a few hundred users still use every core.
+    Where there are still fewer blocks than workers, each block is searched in ``item_parts`` ranges of the items
+    (whole GEMM segments each), one task a worker, merged afterwards.
 
     Raises
     ------
@@ -90,8 +95,11 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
         pref_tile = max(pref_tile, min(wide, WIDEST_FEW_USERS_TILE))
     item_tile = max(1, min(pref_tile, n_items))
     tiles = max(1, min(pref_tiles, -(-n_items // item_tile)))
-    workers = max(1, min(workers, -(-n_users // user_block)))
-    plan = TilePlan(user_block, item_tile, tiles, workers)
+    blocks = -(-n_users // user_block)
+    # Fewer blocks than workers: each block is searched in item ranges of whole segments, one a worker.
+    item_parts = max(1, min(workers // blocks, -(-n_items // (item_tile * tiles)))) if workers > blocks else 1
+    workers = max(1, min(workers, blocks * item_parts))
+    plan = TilePlan(user_block, item_tile, tiles, workers, item_parts=item_parts)
     while plan.workspace_bytes(dim, k, state_bytes_per_user) > budget:
         if plan.tiles_per_call > 1:
             plan = replace(plan, tiles_per_call=plan.tiles_per_call // 2)

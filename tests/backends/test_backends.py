@@ -183,3 +183,37 @@ def test_topk_update_multi_tile_batch(backend):
     want_idx, want_val = oracle.topk_from_scores(full[:, :n_items], k)
     np.testing.assert_array_equal(as_numpy(rows), want_idx)
     np.testing.assert_array_equal(as_numpy(vals), want_val.astype(np.float32))
+
+
+def _split_engine():
+    """3 users, one block, against 3,000 items in tiles of 256 on 2 workers: 2 item ranges, one task each."""
+    from recall import Engine, EngineOptions
+
+    rng = np.random.default_rng(3)
+    items, users = rng.standard_normal((3000, 8)).astype(np.float32), rng.standard_normal((3, 8)).astype(np.float32)
+    engine = Engine(items, device="cpu", options=EngineOptions(tiles=(64, 256, 1)))
+    engine.backend.workers = 2  # this engine's own backend
+    return engine, users
+
+
+def _search_in_child(conn, engine, users) -> None:
+    # In a forked child, with the parent's engine: its pool has no threads here; the backend must make its own.
+    res = engine.search(users, 5)
+    conn.send((engine.stats["item_parts"], res.indices.tolist()))
+
+
+def test_cpu_thread_pool_is_kept_and_remade_after_a_fork():
+    import multiprocessing
+
+    engine, users = _split_engine()
+    assert engine.backend.executor() is engine.backend.executor()  # kept between searches
+    want = engine.search(users, 5)
+    assert engine.stats["item_parts"] == 2  # the parent's pool exists and has run tasks
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_search_in_child, args=(child, engine, users))  # forked: nothing is pickled
+    proc.start()
+    assert parent.poll(60), "the forked child's search did not finish"
+    parts, rows = parent.recv()
+    proc.join(10)
+    assert proc.exitcode == 0 and parts == 2 and rows == want.indices.tolist()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import oracle
 from recall import Engine, EngineOptions, ResourceError
 from recall.backends.numpy import NumpyBackend
+from recall.backends.tiled import item_ranges
 from recall.core.tiling import WIDEST_FEW_USERS_TILE, TilePlan, item_segments, plan_tiles
 
 
@@ -144,7 +145,11 @@ def test_property_plan_fits_or_raises(n_users, n_items, dim, k, budget, preferre
     assert 1 <= plan.item_tile <= min(preferred[1], n_items)
     assert 1 <= plan.tiles_per_call <= preferred[2]
     assert 1 <= plan.workers <= workers
-    assert plan.workers <= -(-n_users // plan.user_block), "a worker with no block to search"
+    ranges = item_ranges(n_items, plan)
+    assert plan.workers <= -(-n_users // plan.user_block) * len(ranges), "a worker with nothing to search"
+    segment = plan.item_tile * plan.tiles_per_call  # item ranges: whole segments, in order, covering the items
+    assert ranges[0][0] == 0 and ranges[-1][1] == n_items
+    assert all(a[1] == b[0] and a[1] % segment == 0 and a[0] < a[1] for a, b in zip(ranges, ranges[1:]))
     assert (plan.tiles_per_call - 1) * plan.item_tile < n_items, "no GEMM call needs a whole tile past the end"
 
 
@@ -225,3 +230,24 @@ def test_a_cpu_search_of_few_users_runs_wide_tiles_unless_pinned_or_off(make_clu
         again = other.search(users, 50)
         assert other.stats["tiles"][1] == 512
         np.testing.assert_array_equal(again.indices, res.indices)
+
+
+@pytest.mark.parametrize("k", [1, 7, 700])
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_few_users_on_more_cores_split_the_items_and_merge_exactly(monkeypatch, make_ties, k, metric):
+    # 5 users are one block: with 4 workers the block is searched in 4 item ranges (whole segments of 128 items),
+    # one task each, merged after. Ties, a user with half the items excluded, one with all, k beyond a range (500
+    # items): the oracle's answer, and bit for bit the unsplit search's.
+    users, items = make_ties(5, 2000, 6, seed=k)
+    exclude = {0: list(range(0, 2000, 2)), 3: list(range(2000))}
+    engine = Engine(items, metric=metric, device="cpu", options=EngineOptions(tiles=(64, 64, 2)))
+    monkeypatch.setattr(engine.backend, "workers", 4)
+    got = engine.search(users, k, exclude=exclude)
+    assert engine.stats["item_parts"] == 4 and engine.stats["workers"] == 4
+    idx, val = oracle.topk(users, items, k, metric, exclude)
+    np.testing.assert_array_equal(got.indices, idx)
+    np.testing.assert_array_equal(got.scores, val.astype(np.float32))
+    monkeypatch.setattr(engine.backend, "workers", 1)
+    want = engine.search(users, k, exclude=exclude)
+    assert engine.stats["item_parts"] == 1
+    oracle.assert_same_result(got, want)

@@ -7,6 +7,7 @@ import os
 import platform
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +106,8 @@ class NumpyBackend:
         # One user block per core; each block's GEMM runs on one BLAS thread (see compute_context).
         self.workers = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
         self._identity: dict[str, str] | None = None
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
+        self._pool_lock = threading.Lock()
 
     # -- arrays ----------------------------------------------------------------------------------------------------
     def module_of(self, arr: Any) -> Any:
@@ -194,6 +197,15 @@ class NumpyBackend:
         most of a one-user search of 20,000 items (docs/benchmarks.md)."""
         return _blas_controller().limit(limits=1, user_api="blas")
 
+    def executor(self) -> ThreadPoolExecutor:
+        """The pool of ``workers`` threads a search's tasks run on, kept for the next search (a pool started per
+        search made one user against 100,000 items take 1.18-1.28 ms, against 0.78-0.84 ms now, docs/benchmarks.md).
+        A process forked from this one makes its own: a pool's threads do not survive a fork."""
+        with self._pool_lock:
+            if self._pool is None or self._pool[0] != os.getpid():
+                self._pool = (os.getpid(), ThreadPoolExecutor(self.workers, thread_name_prefix="recall"))
+            return self._pool[1]
+
     # -- the work ------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any) -> np.ndarray:
         return prepared
@@ -208,6 +220,7 @@ class NumpyBackend:
         wall = time.perf_counter()
         tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows)
         return _done({"blocks": -(-users.shape[0] // plan.user_block), "workers": plan.workers,
+                      "item_parts": len(tiled.item_ranges(n_items, plan)) if plan.interests is None else 1,
                       "wall_s": time.perf_counter() - wall,
                       "tiles": (plan.user_block, plan.item_tile, plan.tiles_per_call)})
 
