@@ -58,6 +58,9 @@ class TilePlan:
 
 #: Users per block below which a search's blocks are not split further to give every worker one.
 _MIN_SPLIT_BLOCK = 128
+#: Bytes a user's pair holds while item ranges wait for their merge: a float32 score and an int64 row, then the
+#: merge's 8-byte key.
+_PART_BYTES = 20
 #: The widest item tile a block of few users widens to (``few_users_area``): a power of two dividing the streamed
 #: engine's segment alignment (``recall.engine.streamed.ALIGN``), so that a streamed search's GEMMs keep the shapes
 #: of the resident search's and its scores the same bits.
@@ -117,6 +120,12 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
                 f"memory budget of {budget:,} bytes is too small: one user against one item with k={k} and "
                 f"dim={dim} needs {need:,} bytes of workspace"
             )
+    # The item ranges' results wait for their merge: k (score, row) pairs a user and range, and the merge's keys.
+    while plan.item_parts > 1 and (plan.workspace_bytes(dim, k, state_bytes_per_user)
+                                   + _PART_BYTES * plan.item_parts * n_users * k > budget):
+        plan = replace(plan, item_parts=plan.item_parts // 2)
+    if plan.item_parts > 1 or plan.workers > blocks:
+        plan = replace(plan, workers=max(1, min(plan.workers, -(-n_users // plan.user_block) * plan.item_parts)))
     return plan
 
 

@@ -251,3 +251,15 @@ def test_few_users_on_more_cores_split_the_items_and_merge_exactly(monkeypatch, 
     want = engine.search(users, k, exclude=exclude)
     assert engine.stats["item_parts"] == 1
     oracle.assert_same_result(got, want)
+
+
+def test_item_ranges_fit_the_budget_with_their_results():
+    # 100 users are one block on 64 workers: 64 ranges would hold 64 x 100 x 8,192 pairs (1 GB) for the merge;
+    # under a budget of 32 MB the ranges (and the workers with them) go, whatever else the budget cuts.
+    plan = plan_tiles(100, 1_000_000, 64, 8192, 1 << 40, (128, 2048, 1), 12 * 8192, workers=64)
+    assert plan.item_parts == 64 and plan.workers == 64
+    for budget in (32 << 20, 200 << 20, 600 << 20):
+        tight = plan_tiles(100, 1_000_000, 64, 8192, budget, (128, 2048, 1), 12 * 8192, workers=64)
+        assert tight.item_parts < 64
+        assert tight.workers <= -(-100 // tight.user_block) * tight.item_parts
+        assert tight.workspace_bytes(64, 8192, 12 * 8192) + 20 * tight.item_parts * 100 * 8192 <= budget
