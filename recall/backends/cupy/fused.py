@@ -72,61 +72,66 @@ class FusedSearch:
         the last merge sorts. float32: ``users_t`` is the workspace's (padded dim, padded capacity) buffer for the
         block's users transposed (zero beyond them), ``items_t`` the items transposed (:func:`operand`); float16:
         ``users`` (n, W) and ``items_t`` the items (n_items, W) themselves, ``users_t`` unused."""
+        n = users.shape[0]
         if users.dtype == np.float16:
-            self._search_h(users, items_t, n_items, state, ex_ptr, ex_items, has_excl, options)
-            return
+            launch, merge, operands = self._half(users, items_t, n_items, state)
+        else:
+            launch, merge, operands = self._single(users_t, users, items_t, n_items, state)
+        k_pad, merge_smem = self.sel.merge_smem(state.k)
+        # The merge's arguments around its operands: the state, then the segment and the search's constants.
+        head = (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, *operands)
+        tail = (np.int32(state.k), np.int32(k_pad), np.int32(state.cand_capacity),
+                np.int32(merge_high_water(state)))
+        done = (state.out_vals, state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0))
+
+        def merged(start: int, n_tile: int, final: bool) -> None:
+            merge((n,), (MERGE_THREADS,), (*head, np.int32(start), np.int32(n_tile), np.int32(n_items), *tail,
+                                           np.int32(1 if final else 0), *done), shared_mem=merge_smem)
+
+        tiles = -(-n_items // FUSED_TILE)
+        seg = max(1, options.fused_segment // FUSED_TILE)
+        per_cta = max(1, options.fused_tiles_per_block)
+        for t0 in range(0, tiles, seg):
+            nt = min(seg, tiles - t0)
+            launch((-(-nt // per_cta), -(-n // FUSED_TILE)), t0, nt, per_cta)
+            start = t0 * FUSED_TILE
+            merged(start, min(nt * FUSED_TILE, n_items - start), False)
+        merged(0, 0, True)
+
+    def _single(self, users_t: Any, users: Any, items_t: Any, n_items: int, state: GpuTopK) -> tuple:
+        """(launch of a segment, merge kernel, the merge's operands) of float32 vectors (fused.cu); the block's users
+        are written transposed into ``users_t``."""
         n, dim = users.shape
         users_t[:dim, :n] = users.T
         dp, ldu = users_t.shape
         smem = 4 * FUSED_TILE * (dp + 2 * FUSED_CHUNK)
         fused = self.sel.fused
         self._allow_smem(fused, smem)
-        tiles = -(-n_items // FUSED_TILE)
-        seg = max(1, options.fused_segment // FUSED_TILE)
-        per_cta = max(1, options.fused_tiles_per_block)
-        for t0 in range(0, tiles, seg):
-            nt = min(seg, tiles - t0)
-            fused((-(-nt // per_cta), -(-n // FUSED_TILE)), (FUSED_THREADS,),
+
+        def launch(grid: tuple, t0: int, nt: int, per_cta: int) -> None:
+            fused(grid, (FUSED_THREADS,),
                   (users_t, np.int32(ldu), items_t, np.int64(items_t.shape[1]), np.int32(dp), np.int32(t0),
                    np.int32(nt), np.int32(per_cta), np.int32(n_items), np.int32(n), state.thr, state.cand,
                    np.int32(state.cand_capacity), state.cnt), shared_mem=smem)
-            start = t0 * FUSED_TILE
-            self._merge(state, users_t, items_t, n, start, min(nt * FUSED_TILE, n_items - start), n_items, False,
-                        ex_ptr, ex_items, has_excl)
-        self._merge(state, users_t, items_t, n, 0, 0, n_items, True, ex_ptr, ex_items, has_excl)
 
-    def _search_h(self, users: Any, items: Any, n_items: int, state: GpuTopK, ex_ptr: Any, ex_items: Any,
-                  has_excl: bool, options: EngineOptions) -> None:
+        operands = (users_t, np.int32(ldu), items_t, np.int64(items_t.shape[1]), np.int32(dp))
+        return launch, self.sel.merge_fused, operands
+
+    def _half(self, users: Any, items: Any, n_items: int, state: GpuTopK) -> tuple:
+        """The same for fast mode's float16 rows (fused_h.cu), read where they are."""
         n, width = users.shape
         padded = -(-width // 16) * 16
         smem = 2 * FUSED_TILE * (padded + 8 + _H_STAGES * (_H_CHUNK + 8))
         fused = self.sel.fused_h
         self._allow_smem(fused, smem)
-        tiles = -(-n_items // FUSED_TILE)
-        seg = max(1, options.fused_segment // FUSED_TILE)
-        per_cta = max(1, options.fused_tiles_per_block)
-        k_pad, merge_smem = self.sel.merge_smem(state.k)
-        c = state.cand_capacity
-        merge_at = merge_high_water(state)
 
-        def merge(start: int, n_tile: int, final: bool) -> None:
-            self.sel.merge_fused_h((n,), (MERGE_THREADS,),
-                                   (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, users,
-                                    items, np.int32(width), np.int32(start), np.int32(n_tile), np.int32(n_items),
-                                    np.int32(state.k), np.int32(k_pad), np.int32(c), np.int32(merge_at),
-                                    np.int32(1 if final else 0), state.out_vals, state.out_rows, ex_ptr, ex_items,
-                                    np.int32(1 if has_excl else 0)),
-                                   shared_mem=merge_smem)
-
-        for t0 in range(0, tiles, seg):
-            nt = min(seg, tiles - t0)
-            fused((-(-nt // per_cta), -(-n // FUSED_TILE)), (FUSED_THREADS,),
+        def launch(grid: tuple, t0: int, nt: int, per_cta: int) -> None:
+            fused(grid, (FUSED_THREADS,),
                   (users, np.int32(n), items, np.int32(n_items), np.int32(width), np.int32(padded), np.int32(t0),
-                   np.int32(nt), np.int32(per_cta), state.thr, state.cand, np.int32(c), state.cnt),
-                  shared_mem=smem)
-            start = t0 * FUSED_TILE
-            merge(start, min(nt * FUSED_TILE, n_items - start), False)
-        merge(0, 0, True)
+                   np.int32(nt), np.int32(per_cta), state.thr, state.cand, np.int32(state.cand_capacity),
+                   state.cnt), shared_mem=smem)
+
+        return launch, self.sel.merge_fused_h, (users, items, np.int32(width))
 
     def _allow_smem(self, kernel: Any, smem: int) -> None:
         """Let ``kernel`` take ``smem`` bytes of dynamic shared memory (raised once per kernel, never lowered)."""
@@ -134,16 +139,3 @@ class FusedSearch:
             kernel.max_dynamic_shared_size_bytes = smem
             self._smem_limits[id(kernel)] = smem
 
-    def _merge(self, state: GpuTopK, users_t: Any, items_t: Any, n: int, item_start: int, n_tile: int,
-               n_items: int, final: bool, ex_ptr: Any, ex_items: Any, has_excl: bool) -> None:
-        k_pad, smem = self.sel.merge_smem(state.k)
-        c = state.cand_capacity
-        merge_at = merge_high_water(state)
-        self.sel.merge_fused((n,), (MERGE_THREADS,),
-                             (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, users_t,
-                              np.int32(users_t.shape[1]), items_t, np.int64(items_t.shape[1]),
-                              np.int32(users_t.shape[0]), np.int32(item_start), np.int32(n_tile), np.int32(n_items),
-                              np.int32(state.k), np.int32(k_pad), np.int32(c), np.int32(merge_at),
-                              np.int32(1 if final else 0), state.out_vals, state.out_rows, ex_ptr, ex_items,
-                              np.int32(1 if has_excl else 0)),
-                             shared_mem=smem)
