@@ -14,6 +14,7 @@
 #   shards    scripts/lab/item_shards_gpu.py: item shards on one GPU against the unsharded job -> $OUT/shards.log
 #   probe     scripts/lab/kernel_profile.py: the weak cells under option variants, per-kernel times -> $OUT/probe.log
 #   latency   scripts/lab/embedded_latency.py: 1, 32 and 1,024 users against 1M items, every contender -> $OUT/latency.log
+#   micro     scripts/lab/fused_h_micro.py: fast mode's fused kernel alone, at each of MICRO_WIDTHS (72 136 264) -> $OUT/micro.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
 # FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION (probe), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
@@ -132,4 +133,13 @@ if has latency; then
     PYTHONPATH=$NEW_PATH timeout "${LATENCY_TIMEOUT:-180}" python3 scripts/lab/embedded_latency.py \
         --json "$OUT/latency.json" >"$OUT/latency.log" 2>&1
     echo "== embedded latency (rc $?)"; tail -n 12 "$OUT/latency.log"
+fi
+
+if has micro; then
+    for w in ${MICRO_WIDTHS:-72 136 264}; do
+        echo "### width $w"
+        PYTHONPATH=$NEW_PATH timeout "${MICRO_TIMEOUT:-120}" python3 scripts/lab/fused_h_micro.py --width "$w" \
+            --json "$OUT/micro-$w.json" 2>&1
+    done >"$OUT/micro.log"
+    echo "== fused kernel alone"; cat "$OUT/micro.log"
 fi

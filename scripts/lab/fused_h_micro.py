@@ -7,9 +7,11 @@ Run from the project root on a GPU machine::
 
     PYTHONPATH=. python3 scripts/lab/fused_h_micro.py [--width 72] [--json $OUT/fused_h_micro.json]
 
-Variants: as shipped (each user's 8 scores of a thread tested through their maximum first); a test and a branch per
-score (``RH_PER_ELEMENT``); no filter at all (``RH_SKIP_EPILOGUE``: the products summed, about what any filter can
-reach); as shipped with every threshold at +inf (the filter's tests alone, no survivor).
+Variants: as shipped (warps of 64 users x 64 items, each user's scores of a thread tested through their maximum
+first); three blocks an SM (``RH_MIN_BLOCKS=3``); the warp tile of 64 x 32 items before (``RH_WN=32``); a test and a
+branch per score (``RH_PER_ELEMENT``); no filter at all (``RH_SKIP_EPILOGUE``: the products summed, about what any
+filter can reach), for both warp tiles; as shipped with every threshold at +inf (the filter's tests alone, no
+survivor).
 """
 from __future__ import annotations
 
@@ -44,13 +46,18 @@ def main() -> None:
     padded = -(-a.width // 16) * 16
     flops = 2.0 * a.users * a.items * padded
     out = []
-    variants = [("shipped", ()), ("a test per score (RH_PER_ELEMENT)", ("-DRH_PER_ELEMENT",)),
-                ("no filter", ("-DRH_SKIP_EPILOGUE",)), ("shipped, no survivors (threshold +inf)", ())]
+    variants = [("shipped", ()), ("three blocks an SM (RH_MIN_BLOCKS=3)", ("-DRH_MIN_BLOCKS=3",)),
+                ("warp tile 64 x 32 (RH_WN=32)", ("-DRH_WN=32",)),
+                ("a test per score (RH_PER_ELEMENT)", ("-DRH_PER_ELEMENT",)),
+                ("no filter", ("-DRH_SKIP_EPILOGUE",)),
+                ("no filter, warp tile 64 x 32", ("-DRH_SKIP_EPILOGUE", "-DRH_WN=32")),
+                ("shipped, no survivors (threshold +inf)", ())]
     inf = cupy.full_like(thr, np.inf)
     for name, opts in variants:
         mod = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts)
         th_used = inf if "no survivors" in name else thr
         fn = mod.get_function("recall_fused_filter_h")
+        threads = 256 if "-DRH_WN=32" in opts else 128  # fused_h.cu's RH_THREADS
         smem = 2 * 128 * (padded + 8 + 3 * (64 + 8))  # users, three item chunks of 64 halves
         fn.max_dynamic_shared_size_bytes = smem
         tiles = -(-a.items // 128)
@@ -61,7 +68,7 @@ def main() -> None:
                 for t0 in range(0, tiles, 512):
                     cnt.fill(0)
                     nt = min(512, tiles - t0)
-                    fn((-(-nt // 8), cap // 128), (256,),
+                    fn((-(-nt // 8), cap // 128), (threads,),
                        (ub, np.int32(cap), items, np.int32(a.items), np.int32(a.width), np.int32(padded),
                         np.int32(t0), np.int32(nt), np.int32(8), th_used[u0:u0 + cap], cand, np.int32(c), cnt),
                        shared_mem=smem)

@@ -22,6 +22,7 @@ FUSED_MAX_DIM = 256  # the users' vectors of a block stay in shared memory: 128 
 #: filter tested groups of scores first (docs/benchmarks.md); the limit has not been measured again since.
 FUSED_H_MAX_WIDTH = 128
 _H_CHUNK, _H_STAGES = 64, 3  # fused_h.cu's RH_CHUNK and RH_STAGES
+_H_THREADS = 128  # fused_h.cu's RH_THREADS: 4 warps of 64 users x 64 items (RH_WN = 64)
 
 
 def covers(dim: int, dtype: Any) -> bool:
@@ -126,7 +127,7 @@ class FusedSearch:
         self._allow_smem(fused, smem)
 
         def launch(grid: tuple, t0: int, nt: int, per_cta: int) -> None:
-            fused(grid, (FUSED_THREADS,),
+            fused(grid, (_H_THREADS,),
                   (users, np.int32(n), items, np.int32(n_items), np.int32(width), np.int32(padded), np.int32(t0),
                    np.int32(nt), np.int32(per_cta), state.thr, state.cand, np.int32(state.cand_capacity),
                    state.cnt), shared_mem=smem)

@@ -3,9 +3,10 @@
 // Compiled after topk.cu and fused.cu, in the same module (it appends to the candidate buffers that
 // recall_merge_fused_h folds in, and uses fused.cu's cp.async helpers).
 //
-// One block of 256 threads (8 warps) owns 128 users and walks `tiles_per_cta` tiles of 128 items. Warp w computes
-// the 64 x 32 patch of users (w & 1) * 64.. and items (w >> 1) * 32..: 4 x 4 mma tiles of 16 x 8, 64 float32
-// accumulators a thread, fed by ldmatrix from shared memory. The users' rows stay in shared memory whole; the items
+// One block of RH_THREADS threads owns 128 users and walks `tiles_per_cta` tiles of 128 items. Each warp computes a
+// 64 x RH_WN patch of users (w & 1) * 64.. and items (w >> 1) * RH_WN..: 4 x (RH_WN / 8) mma tiles of 16 x 8, fed by
+// ldmatrix from shared memory (RH_WN = 64: 4 warps, 128 float32 accumulators a thread, 8 ldmatrix for 32 mma; 32: 8
+// warps, 64 accumulators, 6 ldmatrix for 16 mma). The users' rows stay in shared memory whole; the items
 // come in chunks of 64 halves through a ring of three buffers filled with cp.async, two chunks ahead of the one
 // multiplied. Rows of both are padded by 8 halves in shared memory, so that the 8 rows of every 8 x 8 matrix that
 // ldmatrix reads lie in different banks.
@@ -19,6 +20,13 @@
 #define RH_TILE 128
 #define RH_STAGES 3
 #define RH_CHUNK 64  // halves of an item row per pipeline stage
+#ifndef RH_WN             // items per warp (fused.py's _H_THREADS follows: 32 * 2 * RH_TILE / RH_WN threads)
+#define RH_WN 64
+#endif
+#ifndef RH_MIN_BLOCKS     // blocks an SM holds (__launch_bounds__: the registers a thread may take follow)
+#define RH_MIN_BLOCKS 2
+#endif
+#define RH_THREADS (32 * 2 * (RH_TILE / RH_WN))
 
 // 16 bytes from gmem, or 16 zero bytes where !valid (gmem is then not read).
 __device__ __forceinline__ void recall_cp16_or_zero(unsigned smem, const void* gmem, bool valid) {
@@ -46,14 +54,16 @@ __device__ __forceinline__ void recall_mma_16816(float* d, const u32* a, const u
 }
 
 // Dynamic shared memory: 128 * (Wp + 8) halves of users, then RH_STAGES * 128 * (CH + 8) halves of item chunks.
-template <int CH>
+template <int CH, int WN>
 __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict__ U, int n_users,
                                                     const half_bits* __restrict__ I, int n_items, int W, int Wp,
                                                     int tile0, int n_tiles, int tiles_per_cta,
                                                     const float* __restrict__ thr, u64* __restrict__ cand, int C,
                                                     int* __restrict__ cnt, half_bits* smem) {
     constexpr int IS = CH + 8;                       // halves per item row of a chunk in shared memory
-    constexpr int LOADS = RH_TILE * (CH / 8) / 256;  // 16-byte pieces of a chunk each thread copies
+    constexpr int THREADS = 32 * 2 * (RH_TILE / WN);
+    constexpr int NI = WN / 8;                           // n8 tiles of a warp
+    constexpr int LOADS = RH_TILE * (CH / 8) / THREADS;  // 16-byte pieces of a chunk each thread copies
     const int us = Wp + 8;
     const unsigned u_base = recall_smem_addr(smem);
     const unsigned i_base = u_base + 2u * RH_TILE * us;
@@ -67,7 +77,7 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
     const int steps = t_count * chunks;
 
     const int pieces = Wp / 8;  // 16-byte pieces of a user row
-    for (int p = tid; p < RH_TILE * pieces; p += 256) {
+    for (int p = tid; p < RH_TILE * pieces; p += THREADS) {
         const int r = p / pieces, c = p - r * pieces;
         const bool ok = u0 + r < n_users && c * 8 < W;
         recall_cp16_or_zero(u_base + 2u * (r * us + c * 8), ok ? U + (long long)(u0 + r) * W + c * 8 : U, ok);
@@ -79,7 +89,7 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
         const int k0 = (s % chunks) * CH;
 #pragma unroll
         for (int q = 0; q < LOADS; ++q) {
-            const int p = tid + q * 256;
+            const int p = tid + q * THREADS;
             const int r = p / (CH / 8), piece = p % (CH / 8);
             const int col = k0 + piece * 8;
             const bool ok = row0 + r < n_items && col < W;
@@ -104,9 +114,9 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
     // ldmatrix rows: A (users) lane l reads row (l & 15) at column (l >> 4) * 8 of a 16 x 16 patch; B (items) row
     // (l & 7) + (l >> 4) * 8 at column ((l >> 3) & 1) * 8: two n8 tiles of k = 16 in one x4 load.
     const unsigned a_lane = u_base + 2u * ((wm * 64 + (lane & 15)) * us + (lane >> 4) * 8);
-    const unsigned b_lane = 2u * ((wn * 32 + (lane & 7) + ((lane >> 4) << 3)) * IS + ((lane >> 3) & 1) * 8);
+    const unsigned b_lane = 2u * ((wn * WN + (lane & 7) + ((lane >> 4) << 3)) * IS + ((lane >> 3) & 1) * 8);
 
-    float acc[4][4][4];
+    float acc[4][NI][4];
     for (int s = 0; s < steps; ++s) {
         recall_cp_wait<RH_STAGES - 2>();
         __syncthreads();  // chunk s has landed for every thread, and no warp still reads the buffer refilled next
@@ -118,11 +128,11 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
 #pragma unroll
         for (int kk = 0; kk < CH; kk += 16) {
             if (k0 + kk < Wp) {
-                u32 a[4][4], b[4][2];
+                u32 a[4][4], b[NI][2];
 #pragma unroll
                 for (int mi = 0; mi < 4; ++mi) recall_ldmatrix4(a[mi], a_lane + 2u * (mi * 16 * us + k0 + kk));
 #pragma unroll
-                for (int np = 0; np < 2; ++np) {
+                for (int np = 0; np < NI / 2; ++np) {
                     u32 r[4];
                     recall_ldmatrix4(r, ib + 2u * (np * 16 * IS + kk));
                     b[2 * np][0] = r[0]; b[2 * np][1] = r[1]; b[2 * np + 1][0] = r[2]; b[2 * np + 1][1] = r[3];
@@ -131,18 +141,18 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
 #pragma unroll
                 for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
-                    for (int ni = 0; ni < 4; ++ni) recall_mma_16816(acc[mi][ni], a[mi], b[ni], first);
+                    for (int ni = 0; ni < NI; ++ni) recall_mma_16816(acc[mi][ni], a[mi], b[ni], first);
             }
         }
         if (chunk == chunks - 1) {
-            const int j0 = (t_first + s / chunks) * RH_TILE + wn * 32;
-            const bool whole = j0 + 32 <= n_items;
+            const int j0 = (t_first + s / chunks) * RH_TILE + wn * WN;
+            const bool whole = j0 + WN <= n_items;
 #if defined(RH_SKIP_EPILOGUE)  // measurement only (scripts/lab/fused_h_micro.py): the products, no filter
             float sum = 0.0f;
 #pragma unroll
             for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
-                for (int ni = 0; ni < 4; ++ni)
+                for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) sum += acc[mi][ni][r];
             if (sum == 1234.5f && whole) cnt[0] = 1;
@@ -150,7 +160,7 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
 #pragma unroll
             for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
-                for (int ni = 0; ni < 4; ++ni)
+                for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const int row = j0 + ni * 8 + 2 * t + (r & 1);
@@ -161,21 +171,26 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
                         }
                     }
 #else
-            // A thread holds 8 scores of each of its 8 users (rows mi * 16 + g + 8h): their maximum is tested first,
-            // and the 8 tests and branches of single scores run only where it passes (about 1% of the groups after
-            // a seeded search's first merge).
+            // A thread holds 2 * NI scores of each of its 8 users (rows mi * 16 + g + 8h): their maximum is tested
+            // first, and the tests and branches of single scores run only where it passes (about 1% of the groups
+            // after a seeded search's first merge).
 #pragma unroll
             for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float m01 = fmaxf(fmaxf(acc[mi][0][2 * h], acc[mi][0][2 * h + 1]),
-                                            fmaxf(acc[mi][1][2 * h], acc[mi][1][2 * h + 1]));
-                    const float m23 = fmaxf(fmaxf(acc[mi][2][2 * h], acc[mi][2][2 * h + 1]),
-                                            fmaxf(acc[mi][3][2 * h], acc[mi][3][2 * h + 1]));
-                    if (fmaxf(m01, m23) > th[mi][h]) {
+                    float m[NI / 2];
+#pragma unroll
+                    for (int q = 0; q < NI / 2; ++q)
+                        m[q] = fmaxf(fmaxf(acc[mi][2 * q][2 * h], acc[mi][2 * q][2 * h + 1]),
+                                     fmaxf(acc[mi][2 * q + 1][2 * h], acc[mi][2 * q + 1][2 * h + 1]));
+#pragma unroll
+                    for (int w = 1; w < NI / 2; w *= 2)
+#pragma unroll
+                        for (int q = 0; q + w < NI / 2; q += 2 * w) m[q] = fmaxf(m[q], m[q + w]);
+                    if (m[0] > th[mi][h]) {
                         const int user = u0 + wm * 64 + mi * 16 + g + 8 * h;
 #pragma unroll
-                        for (int ni = 0; ni < 4; ++ni)
+                        for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
                             for (int c = 0; c < 2; ++c) {
                                 const int row = j0 + ni * 8 + 2 * t + c;
@@ -194,12 +209,12 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
 
 // Launched for rows of at most 128 columns (fast mode's float16 vectors up to d = 120 or so, fused.FUSED_H_MAX_WIDTH):
 // wider rows take cuBLAS + filter, whose products are faster there (docs/benchmarks.md).
-extern "C" __global__ void __launch_bounds__(256, 2)
+extern "C" __global__ void __launch_bounds__(RH_THREADS, RH_MIN_BLOCKS)
 recall_fused_filter_h(const half_bits* __restrict__ U, int n_users, const half_bits* __restrict__ I, int n_items,
                       int W, int Wp, int tile0, int n_tiles, int tiles_per_cta, const float* __restrict__ thr,
                       u64* __restrict__ cand, int C, int* __restrict__ cnt) {
     extern __shared__ float4 recall_fused_h_smem[];
-    recall_fused_h_body<RH_CHUNK>(U, n_users, I, n_items, W, Wp, tile0, n_tiles, tiles_per_cta, thr, cand, C, cnt,
+    recall_fused_h_body<RH_CHUNK, RH_WN>(U, n_users, I, n_items, W, Wp, tile0, n_tiles, tiles_per_cta, thr, cand, C, cnt,
                                   reinterpret_cast<half_bits*>(recall_fused_h_smem));
 }
 
