@@ -74,7 +74,9 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
     ``few_users_area`` (``Backend.few_users_area``; 0: off): a search of fewer users than the preferred block takes
     item tiles as wide as score tiles of that many scores allow (a power of two, at most
     :data:`WIDEST_FEW_USERS_TILE`), before the budget is applied: where each tile costs a call and a selection pass
-    of its own (the CPU), one user against 100,000 items then runs 13 tiles instead of 196.
+    of its own (the CPU), one user against 100,000 items then runs 13 tiles instead of 196. A backend that batches
+    several tiles a GEMM call (preferred tiles per call > 1: the GPU) also batches more tiles a call, up to that many
+    scores: one user against 1M items is then one call, not 31.
 
     Shrinks the number of tiles per call first, then the item tile (to 256), then the user block, then the number
     of concurrent workers, then the item tile to 1, halving each; except that while a block's top-k state takes more
@@ -96,6 +98,8 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
     if few_users_area and user_block < pref_users:
         wide = 1 << max(0, (few_users_area // user_block).bit_length() - 1)  # a power of two
         pref_tile = max(pref_tile, min(wide, WIDEST_FEW_USERS_TILE))
+        if pref_tiles > 1:  # a backend batching tiles in its GEMM calls (the GPU) batches more of them
+            pref_tiles = max(pref_tiles, few_users_area // (user_block * pref_tile))
     item_tile = max(1, min(pref_tile, n_items))
     tiles = max(1, min(pref_tiles, -(-n_items // item_tile)))
     blocks = -(-n_users // user_block)

@@ -17,7 +17,7 @@
 #   micro     scripts/lab/fused_h_micro.py: fast mode's fused kernel alone, at each of MICRO_WIDTHS (72 136 264) -> $OUT/micro.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION (probe), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
+# FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION (probe), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
 STEPS=${STEPS:-"setup tests compare"}
@@ -130,9 +130,10 @@ if has probe; then
 fi
 
 if has latency; then
-    PYTHONPATH=$NEW_PATH timeout "${LATENCY_TIMEOUT:-180}" python3 scripts/lab/embedded_latency.py \
+    # shellcheck disable=SC2086
+    PYTHONPATH=$NEW_PATH timeout "${LATENCY_TIMEOUT:-180}" python3 scripts/lab/embedded_latency.py ${LATENCY_ARGS:-} \
         --json "$OUT/latency.json" >"$OUT/latency.log" 2>&1
-    echo "== embedded latency (rc $?)"; tail -n 12 "$OUT/latency.log"
+    echo "== embedded latency (rc $?)"; tail -n 30 "$OUT/latency.log"
 fi
 
 if has micro; then

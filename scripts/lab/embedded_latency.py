@@ -4,7 +4,8 @@ in the same process, each with its items prepared once (not timed).
 Run from the project root on a GPU machine (FAISS and cuVS staged as for ``recall bench``)::
 
     PYTHONPATH=. python3 scripts/lab/embedded_latency.py [--items 1000000] [--dim 64] [--k 100]
-        [--batches 1,32,1024] [--contenders recall,faiss,cuvs,torch] [--json $OUT/latency.json]
+        [--batches 1,32,1024] [--contenders recall,faiss,cuvs,torch] [--variants fused=force]
+        [--json $OUT/latency.json]
 
 For every batch size: 5 warm-up calls, then ``--calls`` timed calls, each a search of the same users (arrays on the
 ``--device``, generated from seed 0 with the items, clustered) between two synchronisations; the median and the 90th
@@ -13,6 +14,7 @@ percentile in milliseconds. Contenders that cannot run are listed with the reaso
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import time
@@ -32,13 +34,18 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--contenders", default="recall,faiss,cuvs,torch")
     p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    p.add_argument("--variants", default="",
+                   help="comma-separated EngineOptions overrides, each an extra recall contender: fused=force,"
+                        "few_user_tiles=False")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     users, items = generate(a.kind, max(batches), a.items, a.dim, seed=0, device=a.device)
     rows = []
     print(f"| contender | {' | '.join(f'{b} users: median / p90 ms' for b in batches)} |", flush=True)
-    for c in bench_contenders.build(a.contenders.split(","), a.device, inexact=False):
+    contenders = bench_contenders.build(a.contenders.split(","), a.device, inexact=False)
+    contenders += [_Variant(a.device, v) for v in a.variants.split(",") if v]
+    for c in contenders:
         reason = c.unavailable() or c.unsupported(a.k, a.items)
         if reason:
             print(f"| {c.name} | skipped: {reason} |", flush=True)
@@ -58,16 +65,43 @@ def main() -> None:
                 c.search(q, a.k)
                 c.sync()
                 times.append((time.perf_counter() - t0) * 1e3)
+            engine = getattr(c, "_engine", None)
+            if engine is not None:  # how this engine searched the batch
+                st = engine.stats
+                entry.setdefault("stats", {})[b] = {key: st.get(key) for key in ("fused", "tiles", "graph_blocks",
+                                                                                 "seed_sample", "precision")}
             times.sort()
             med, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
             cells.append(f"{med:.2f} / {p90:.2f}")
             entry["batches"][b] = {"median_ms": med, "p90_ms": p90}
         c.release()
         print(f"| {c.name} | {' | '.join(cells)} |", flush=True)
+        if "stats" in entry:
+            print(f"  {c.name}: {entry['stats']}", flush=True)
         rows.append(entry)
     if a.json:
         a.json.write_text(json.dumps({"items": a.items, "dim": a.dim, "k": a.k, "kind": a.kind, "rows": rows},
                                      indent=2))
+
+
+class _Variant(bench_contenders.RecallContender):
+    """Exact recall with one EngineOptions field overridden (``name=value``, value read as a Python literal or a
+    string)."""
+
+    def __init__(self, device: str, spec: str) -> None:
+        super().__init__(device)
+        field, _, raw = spec.partition("=")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        self.override = {field: value}
+        self.name = f"recall ({spec})"
+
+    def prepare(self, item_vecs) -> None:
+        from recall import Engine, EngineOptions
+
+        self._engine = Engine(item_vecs, metric=self.metric, device=self.device, options=EngineOptions(**self.override))
 
 
 if __name__ == "__main__":

@@ -7,11 +7,11 @@ Run from the project root on a GPU machine::
 
     PYTHONPATH=. python3 scripts/lab/fused_h_micro.py [--width 72] [--json $OUT/fused_h_micro.json]
 
-Variants: as shipped (warps of 64 users x 64 items, each user's scores of a thread tested through their maximum
-first); three blocks an SM (``RH_MIN_BLOCKS=3``); the warp tile of 64 x 32 items before (``RH_WN=32``); a test and a
-branch per score (``RH_PER_ELEMENT``); no filter at all (``RH_SKIP_EPILOGUE``: the products summed, about what any
-filter can reach), for both warp tiles; as shipped with every threshold at +inf (the filter's tests alone, no
-survivor).
+Variants: as shipped (warps of 64 users x 32 items, each user's scores of a thread tested through their maximum
+first, a survivor's key stored at the thread's next survivor, not while its slot's atomic is on its way); each key
+stored as soon as its slot comes back (``RH_INLINE_APPEND``); warps of 64 x 64 items (``RH_WN=64``), both ways; no
+filter at all (``RH_SKIP_EPILOGUE``: the products summed, about what any filter can reach); as shipped with every
+threshold at +inf (the filter's tests alone, no survivor).
 """
 from __future__ import annotations
 
@@ -46,18 +46,17 @@ def main() -> None:
     padded = -(-a.width // 16) * 16
     flops = 2.0 * a.users * a.items * padded
     out = []
-    variants = [("shipped", ()), ("three blocks an SM (RH_MIN_BLOCKS=3)", ("-DRH_MIN_BLOCKS=3",)),
-                ("warp tile 64 x 32 (RH_WN=32)", ("-DRH_WN=32",)),
-                ("a test per score (RH_PER_ELEMENT)", ("-DRH_PER_ELEMENT",)),
+    variants = [("shipped", ()), ("keys stored as their slots come back (RH_INLINE_APPEND)", ("-DRH_INLINE_APPEND",)),
+                ("warp tile 64 x 64 (RH_WN=64)", ("-DRH_WN=64",)),
+                ("warp tile 64 x 64, keys stored as their slots come back", ("-DRH_WN=64", "-DRH_INLINE_APPEND")),
                 ("no filter", ("-DRH_SKIP_EPILOGUE",)),
-                ("no filter, warp tile 64 x 32", ("-DRH_SKIP_EPILOGUE", "-DRH_WN=32")),
                 ("shipped, no survivors (threshold +inf)", ())]
     inf = cupy.full_like(thr, np.inf)
     for name, opts in variants:
         mod = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts)
         th_used = inf if "no survivors" in name else thr
         fn = mod.get_function("recall_fused_filter_h")
-        threads = 256 if "-DRH_WN=32" in opts else 128  # fused_h.cu's RH_THREADS
+        threads = 128 if "-DRH_WN=64" in opts else 256  # fused_h.cu's RH_THREADS
         smem = 2 * 128 * (padded + 8 + 3 * (64 + 8))  # users, three item chunks of 64 halves
         fn.max_dynamic_shared_size_bytes = smem
         tiles = -(-a.items // 128)

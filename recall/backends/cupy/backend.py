@@ -83,7 +83,10 @@ class CupyBackend:
     name = "gpu"
     asynchronous = True
     workers = 1  # blocks overlap on streams, not threads
-    few_users_area = 0  # few users keep the tiles: the selection kernels parallelise across a block's tiles
+    # A block of fewer users than the preferred 2,048 batches more item tiles a GEMM call, up to the preferred
+    # block's 2,048 x 32,768 scores (tiling.plan_tiles): an embedded engine's one user against 1M items runs one
+    # call and one filter instead of 31 of each.
+    few_users_area = 1 << 26
 
     def __init__(self) -> None:
         import cupy

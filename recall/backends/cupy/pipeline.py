@@ -85,6 +85,9 @@ class BlockPipeline:
         # slots and the shared workspaces one after the other.
         self.search_lock = threading.RLock()
         self._ws: dict[tuple, _Workspace] = {}
+        # Kinds of block (the graph keys) that have run once, eagerly: a capture must not be the first to compile
+        # and load what a kind launches.
+        self._ran: set[tuple] = set()
 
     def synchronize(self) -> None:
         """Wait for everything queued on the pipeline's streams: compute, staging and result fetches."""
@@ -116,7 +119,7 @@ class BlockPipeline:
         max_excl = max(1, max(int(excl.indptr[e] - excl.indptr[s]) for s, e in blocks))
         has_excl = excl.items.size > 0
         host_users = isinstance(users, np.ndarray)
-        fused = fused_path.applies(plan, n_items, k, dim, users.dtype, options)
+        fused = fused_path.applies(plan, n_users, n_items, k, dim, users.dtype, options)
         # The fused path keeps score room for the threshold sample only.
         sample = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds) \
             if plan.interests is None else 0
@@ -175,7 +178,7 @@ class BlockPipeline:
                 if fetched is not None:
                     compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
-                self._search_slot(slot, i, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
+                self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
                                   ws if fused else None, items_t, floor is not None, options)
                 if not host_out:
                     out_vals[start:stop, :k] = state.out_vals[:n]
@@ -273,7 +276,7 @@ class BlockPipeline:
             ws.sample[...] = items[first: first + stride * size: stride]
         return ws.sample, first, stride
 
-    def _search_slot(self, slot: _Slot, i: int, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
+    def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
                      has_floor: bool, options: EngineOptions) -> None:
         """One block of n users. The cuBLAS path always runs over the slot's full capacity of rows (rows past the
@@ -312,8 +315,13 @@ class BlockPipeline:
                has_floor, options)
         graph = slot.graphs.get(key)
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
-        if not (options.cuda_graphs and self.graphs_ok) or rows != cap or (graph is None and i == 0):
+        # From the second on (the next block, or the next search of one block: an embedded engine answering one
+        # user at a time), the slot's graph is captured and replayed: one launch instead of a few dozen.
+        if not (options.cuda_graphs and self.graphs_ok) or rows != cap or (graph is None and key not in self._ran):
             launches()
+            if len(self._ran) > 4096:  # keys hold ids of item arrays long gone: forget them now and then
+                self._ran.clear()
+            self._ran.add(key)
             return
         if graph is None:
             if len(slot.graphs) >= _GRAPHS_PER_SLOT:

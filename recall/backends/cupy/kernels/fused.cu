@@ -6,7 +6,8 @@
 // next chunk loads while this one is multiplied. Each thread accumulates an 8 x 8 patch of scores (users ty*4+i and
 // 64+ty*4+i, items tx*4+j and 64+tx*4+j) with one fmaf per dimension in order, from 0, the sequence that
 // RecallDotTile repeats when a merge must recompute a segment. When a tile is done, every score above its user's
-// threshold is appended to the user's candidates (one atomic each: after a block is seeded, few pass).
+// threshold is appended to the user's candidates (one atomic each: after a block is seeded, few pass), its key
+// stored once the thread has gone on to the next survivor or to its end, not while the atomic's slot is on its way.
 //
 // uT is (Dp, ldu) and iT is (Dp, ldi): users and items transposed, zero-padded to Dp (a multiple of 32) dimensions
 // and to whole tiles of 128 rows (the scores of padding rows are computed, and never kept).
@@ -65,6 +66,9 @@ recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restri
     load_items(0);
     recall_cp_commit();
 
+    u64* p_dst = nullptr;  // the pending survivor: its user's buffer, its slot (to come back), its key
+    int p_pos = 0;
+    u64 p_key = 0;
     float acc[8][8];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -106,12 +110,22 @@ recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restri
                 for (int j = 0; j < 8; ++j) {
                     const int row = j0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
                     if (acc[i][j] > t && row < n_items) {
+#if defined(RF_INLINE_APPEND)  // measurement only: the key stored as soon as its slot comes back
                         const int pos = atomicAdd(&cnt[user], 1);
                         if (pos < C) cand[(long long)user * C + pos] = recall_key(acc[i][j], row);
+#else
+                        // As in fused_h.cu: the previous survivor is stored now, this one's slot is asked for and
+                        // not waited for (the atomic's round trip overlaps the next tiles' products).
+                        if (p_dst != nullptr && p_pos < C) p_dst[p_pos] = p_key;
+                        p_dst = cand + (long long)user * C;
+                        p_pos = atomicAdd(&cnt[user], 1);
+                        p_key = recall_key(acc[i][j], row);
+#endif
                     }
                     acc[i][j] = 0.0f;
                 }
             }
         }
     }
+    if (p_dst != nullptr && p_pos < C) p_dst[p_pos] = p_key;
 }

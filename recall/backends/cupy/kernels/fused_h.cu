@@ -5,8 +5,8 @@
 //
 // One block of RH_THREADS threads owns 128 users and walks `tiles_per_cta` tiles of 128 items. Each warp computes a
 // 64 x RH_WN patch of users (w & 1) * 64.. and items (w >> 1) * RH_WN..: 4 x (RH_WN / 8) mma tiles of 16 x 8, fed by
-// ldmatrix from shared memory (RH_WN = 64: 4 warps, 128 float32 accumulators a thread, 8 ldmatrix for 32 mma; 32: 8
-// warps, 64 accumulators, 6 ldmatrix for 16 mma). The users' rows stay in shared memory whole; the items
+// ldmatrix from shared memory (RH_WN = 32, as shipped: 8 warps, 64 float32 accumulators a thread, 6 ldmatrix for 16
+// mma; 64, measured and not kept: 4 warps, 128 accumulators, 8 ldmatrix for 32 mma). The users' rows stay in shared memory whole; the items
 // come in chunks of 64 halves through a ring of three buffers filled with cp.async, two chunks ahead of the one
 // multiplied. Rows of both are padded by 8 halves in shared memory, so that the 8 rows of every 8 x 8 matrix that
 // ldmatrix reads lie in different banks.
@@ -21,7 +21,7 @@
 #define RH_STAGES 3
 #define RH_CHUNK 64  // halves of an item row per pipeline stage
 #ifndef RH_WN             // items per warp (fused.py's _H_THREADS follows: 32 * 2 * RH_TILE / RH_WN threads)
-#define RH_WN 64
+#define RH_WN 32
 #endif
 #ifndef RH_MIN_BLOCKS     // blocks an SM holds (__launch_bounds__: the registers a thread may take follow)
 #define RH_MIN_BLOCKS 2
@@ -116,6 +116,12 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
     const unsigned a_lane = u_base + 2u * ((wm * 64 + (lane & 15)) * us + (lane >> 4) * 8);
     const unsigned b_lane = 2u * ((wn * WN + (lane & 7) + ((lane >> 4) << 3)) * IS + ((lane >> 3) & 1) * 8);
 
+    // A survivor's append: a global atomic gives its slot, about a microsecond later. The thread does not wait for
+    // it: it keeps the survivor pending (its user's buffer, the slot to come, its key) and stores it at its next
+    // survivor or at the end, so that the atomic's round trip overlaps the next tiles' products.
+    u64* p_dst = nullptr;
+    int p_pos = 0;
+    u64 p_key = 0;
     float acc[4][NI][4];
     for (int s = 0; s < steps; ++s) {
         recall_cp_wait<RH_STAGES - 2>();
@@ -196,8 +202,17 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
                                 const int row = j0 + ni * 8 + 2 * t + c;
                                 const float v = acc[mi][ni][2 * h + c];
                                 if (v > th[mi][h] && (whole || row < n_items)) {
+#if defined(RH_INLINE_APPEND)  // measurement only: the key stored as soon as its slot comes back
                                     const int pos = atomicAdd(&cnt[user], 1);
                                     if (pos < C) cand[(long long)user * C + pos] = recall_key(v, row);
+#else
+                                    // The previous survivor's slot came back long ago (a tile's products ago, as a
+                                    // rule): store its key, then ask for this one's slot and go on without waiting.
+                                    if (p_dst != nullptr && p_pos < C) p_dst[p_pos] = p_key;
+                                    p_dst = cand + (long long)user * C;
+                                    p_pos = atomicAdd(&cnt[user], 1);
+                                    p_key = recall_key(v, row);
+#endif
                                 }
                             }
                     }
@@ -205,6 +220,7 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
 #endif
         }
     }
+    if (p_dst != nullptr && p_pos < C) p_dst[p_pos] = p_key;
 }
 
 // Launched for rows of at most 128 columns (fast mode's float16 vectors up to d = 120 or so, fused.FUSED_H_MAX_WIDTH):
