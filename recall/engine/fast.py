@@ -9,7 +9,8 @@ result is always the exact answer. ``engine.stats["widened_users"]`` counts the 
 ``["fallback_users"]`` the exact searches.
 
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`):
-it then costs more than exact mode's whole search, whatever the certificate does. A large search first runs on a
+it then costs more than exact mode's whole search, whatever the certificate does; and where the search is small
+(:data:`MIN_SCORES`). A large search first runs on a
 sample of its users (``EngineOptions.fast_sample``): where the certificate does not
 pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), every user is searched in exact mode and
 ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every user, the sampled
@@ -40,6 +41,11 @@ DECLINE_FALLBACK = 0.25
 #: acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells are.
 MAX_CANDIDATE_SHARE = 0.005
 SHARE_MIN_ITEMS = 65_536
+#: Searches of fewer user x item scores than this (on catalogues of at least SHARE_MIN_ITEMS) take exact mode: the
+#: certificate's passes (the approximate search, the re-scoring, the checks) cost about as much as a small exact
+#: search. An embedded engine against 1M x 64 items at k = 100 (H200, docs/benchmarks.md, 2026-12-01): 256 users
+#: 4.10 ms fast against 2.19 ms exact, 1,024 users 4.97 against 4.94 ms.
+MIN_SCORES = 1 << 30
 #: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
 #: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
 #: search that small gains or loses little either way.
@@ -78,13 +84,17 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
     arrays, inner-product space, exactly exact mode's answer; sets ``engine.stats``."""
     n_users = int(users.shape[0])
     wide = k + certificate.margin(k) + 1
-    if engine.n_items >= SHARE_MIN_ITEMS and wide > MAX_CANDIDATE_SHARE * engine.n_items:
+    declined = None
+    if engine.n_items >= SHARE_MIN_ITEMS and n_users * engine.n_items < MIN_SCORES:
+        declined = (f"{n_users:,} users x {engine.n_items:,} items is under {MIN_SCORES:,} scores: fast mode's "
+                    f"extra passes would cost more than its float16 products save")
+    elif engine.n_items >= SHARE_MIN_ITEMS and wide > MAX_CANDIDATE_SHARE * engine.n_items:
+        declined = (f"{wide:,} candidates per user would be re-scored, {wide / engine.n_items:.2%} of the "
+                    f"{engine.n_items:,} items (above {MAX_CANDIDATE_SHARE:.1%}): exact mode is faster")
+    if declined is not None:
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
         engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
-                        "fallback_fraction": 0.0,
-                        "fast_declined": (f"{wide:,} candidates per user would be re-scored, "
-                                          f"{wide / engine.n_items:.2%} of the {engine.n_items:,} items (above "
-                                          f"{MAX_CANDIDATE_SHARE:.1%}): exact mode is faster")}
+                        "fallback_fraction": 0.0, "fast_declined": declined}
         return vals, rows
     sample = _sample_rows(n_users, engine.options.fast_sample)
     if sample is None:

@@ -307,10 +307,11 @@ def test_fast_sample_option(monkeypatch):
         EngineOptions(fast_sample=-1)
 
 
-def test_declines_where_it_would_rescore_too_large_a_share_of_the_items(device: str) -> None:
+def test_declines_where_it_would_rescore_too_large_a_share_of_the_items(device: str, monkeypatch) -> None:
     # k + m + 1 candidates per user above MAX_CANDIDATE_SHARE of a large catalogue: exact mode for everyone, said so.
     from recall.engine import fast as fast_mode
 
+    monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)  # a search this small would decline for its size first
     rng = np.random.default_rng(11)
     n_items = fast_mode.SHARE_MIN_ITEMS + 1000
     items = rng.standard_normal((n_items, 4)).astype(np.float32)
@@ -324,6 +325,31 @@ def test_declines_where_it_would_rescore_too_large_a_share_of_the_items(device: 
     oracle.assert_same_result(exact.search(users, big), res)
     engine.search(users, 10)
     assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats
+
+
+def test_declines_a_small_search_of_a_large_catalogue(device: str, monkeypatch) -> None:
+    # Fewer than MIN_SCORES user x item scores on a catalogue of at least SHARE_MIN_ITEMS: exact mode, said so; the
+    # same search above the limit runs fast mode; a small catalogue is never declined for its size.
+    from recall.engine import fast as fast_mode
+
+    rng = np.random.default_rng(12)
+    n_items = fast_mode.SHARE_MIN_ITEMS + 100
+    items = rng.standard_normal((n_items, 8)).astype(np.float32)
+    users = rng.standard_normal((30, 8)).astype(np.float32)
+    engine = Engine(items, device=device, precision="fast")
+    res = engine.search(users, 10)
+    assert engine.stats["precision"] == "exact" and "under" in engine.stats["fast_declined"], engine.stats
+    oracle.assert_same_result(Engine(items, device=device).search(users, 10), res)
+    monkeypatch.setattr(fast_mode, "MIN_SCORES", 30 * n_items + 1)
+    engine.search(users, 10)
+    assert engine.stats["precision"] == "exact"  # one score under
+    monkeypatch.setattr(fast_mode, "MIN_SCORES", 30 * n_items)
+    engine.search(users, 10)
+    assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats
+    small = Engine(items[:1000], device=device, precision="fast")
+    monkeypatch.setattr(fast_mode, "MIN_SCORES", 1 << 30)
+    small.search(users, 10)
+    assert small.stats["precision"] == "fast"
 
 
 def test_cpu_fast_mode_says_it_is_an_emulation(caplog):
@@ -408,10 +434,13 @@ def test_fused_kernel_finds_the_item_hidden_at_the_bounds_edge(gpu_available, si
 
 
 @pytest.mark.gpu
-def test_fast_on_a_seeded_catalogue_takes_the_fused_kernel(gpu_available):
+def test_fast_on_a_seeded_catalogue_takes_the_fused_kernel(gpu_available, monkeypatch):
     # The default options on a catalogue large enough to seed (8 x 8,192 items): the fused kernel, float32 scores.
     if not gpu_available:
         pytest.skip("no usable GPU")
+    from recall.engine import fast as fast_mode
+
+    monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)  # 3,000 x 70,000 scores would decline for their number
     users, items = _lognormal(3000, 70000, 48, seed=31)
     engine = Engine(items, device="gpu", precision="fast")
     excl = {0: list(range(0, 70000, 2))}

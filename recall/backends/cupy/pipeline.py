@@ -234,7 +234,11 @@ class BlockPipeline:
         need = (4 * plan.user_block * width + plan.user_block * self.backend.state_bytes(k)
                 + 2 * 4 * plan.user_block * dim)
         try:
-            state = GpuTopK.allocate(plan.user_block, k, fused_capacity(k) if fused else 0)
+            # Blocks of fewer users than a fused tile (the cuBLAS path, in wide segments: tiling.plan_tiles) take
+            # the fused path's buffers too: a seeded search's survivors of a whole catalogue fit, where the cuBLAS
+            # path's would overflow, and each overflow rescans the segment's scores with one thread block a user.
+            state = GpuTopK.allocate(plan.user_block, k,
+                                     fused_capacity(k) if fused or plan.user_block < FUSED_TILE else 0)
             # The fused path's buffer holds the threshold sample's scores, in the kernels' float32.
             scores = cupy.empty(plan.user_block * width, np.float32 if fused else self.backend.score_dtype(dtype))
             slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(SLOTS)]
