@@ -35,7 +35,8 @@ def row_norms(xp: Any, vecs: Any) -> Any:
     out = xp.empty(vecs.shape[0], dtype=xp.float64)
     for start in range(0, vecs.shape[0], _NORM_BLOCK_ROWS):
         block = vecs[start:start + _NORM_BLOCK_ROWS].astype(xp.float64)
-        out[start:start + block.shape[0]] = xp.einsum("ij,ij->i", block, block)
+        block *= block  # a fresh copy: squared in place (two launches on the GPU; CuPy's einsum costs 0.2 ms a call)
+        out[start:start + block.shape[0]] = block.sum(axis=1)
     return xp.sqrt(out, out=out)
 
 

@@ -356,7 +356,8 @@ class Engine:
     def _check_users(self, user_vecs: Any, exclude: Any) -> tuple[Any, Any, Exclusions]:
         """(array module, validated users, normalised exclusions) of a single-vector search."""
         xp = self.backend.module_of(user_vecs)
-        users = inputs.matrix(self.backend, xp, user_vecs, "user_vecs", self.dim)
+        # Finiteness is checked from the rows' norms, with the overflow bound: one transfer from the device.
+        users = inputs.matrix(self.backend, xp, user_vecs, "user_vecs", self.dim, finite=False)
         inputs.check_overflow(xp, metrics.row_norms(xp, users), self.item_norm, self.metric, lambda r: f"row {r}")
         return xp, users, normalise(exclude, int(users.shape[0]), self.n_items)
 

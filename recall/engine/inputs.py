@@ -21,10 +21,11 @@ def check_kind(arr: Any, what: str) -> None:
 
 
 def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, own: bool = False,
-           first_row: int = 0) -> Any:
+           first_row: int = 0, finite: bool = True) -> Any:
     """``arr`` as a C-contiguous float32 (n, dim) array of module ``xp`` (the backend's own, or NumPy), checked:
     2-d, real, the expected dimension, finite (the first bad row named, counted from ``first_row``: ``arr`` may be
-    a slice of the caller's array). ``own``: never the caller's memory."""
+    a slice of the caller's array). ``own``: never the caller's memory. ``finite=False``: the caller checks
+    finiteness itself (:func:`check_overflow`, from the rows' norms)."""
     shape = getattr(arr, "shape", None)
     if shape is None:
         arr = np.asarray(arr)
@@ -42,10 +43,11 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
             np.ascontiguousarray(host, dtype=np.float32)
     else:
         out = backend.ingest(arr, own=own)
-    finite = xp.isfinite(out).all(axis=1)
-    if not bool(finite.all()):
-        row = int(xp.argmax(~finite))
-        raise InputError(f"{what}: row {first_row + row} has a NaN or infinite value")
+    if finite:
+        ok = xp.isfinite(out).all(axis=1)
+        if not bool(ok.all()):
+            row = int(xp.argmax(~ok))
+            raise InputError(f"{what}: row {first_row + row} has a NaN or infinite value")
     return out
 
 
@@ -72,17 +74,28 @@ def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
 
 def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: Any,
                    what: str | None = "user_vecs") -> None:
-    """Refuse user vectors whose scores could overflow float32 (they would come out as +-inf or NaN and be lost).
+    """Refuse user vectors with a NaN or an infinity, and those whose scores could overflow float32 (they would come
+    out as +-inf or NaN and be lost); the first such row is named.
 
-    norms : (n,) float64 bound on each user's |u| (times its interest count for a sum); ``where(row)`` names a
+    norms : (n,) float64 bound on each user's |u| (times its interest count for a sum): NaN or infinite exactly where
+    a row holds a NaN or an infinity (float64 squares of float32 values do not overflow); ``where(row)`` names a
     row in the message, after ``what`` (the argument's name; None when ``where`` names the file, the row and the
-    id, as the Parquet jobs do)."""
-    if metric == "cosine" or norms.shape[0] == 0:
+    id, as the Parquet jobs do). One transfer from the device, whatever is checked."""
+    if norms.shape[0] == 0:
         return
-    per = (norms + item_norm) ** 2 if metric == "l2" else norms * item_norm
-    row = int(xp.argmax(per))
-    if float(per[row]) > SCORE_LIMIT:
-        prefix = f"{what}: " if what else ""
-        raise InputError(f"{prefix}{where(row)} has norm {float(norms[row]):.3g} and the largest item norm is "
+    bad = ~xp.isfinite(norms)
+    if metric == "cosine":
+        per = xp.zeros_like(norms)
+    else:
+        per = (norms + item_norm) ** 2 if metric == "l2" else norms * item_norm
+        per = xp.where(bad, 0.0, per)
+    first_bad, worst = xp.argmax(bad), xp.argmax(per)
+    summary = xp.stack([bad[first_bad].astype(xp.float64), first_bad.astype(xp.float64),
+                        worst.astype(xp.float64), per[worst], norms[worst]])
+    any_bad, first_bad, worst, bound, norm = (float(v) for v in to_numpy(summary))
+    prefix = f"{what}: " if what else ""
+    if any_bad:
+        raise InputError(f"{prefix}{where(int(first_bad))} has a NaN or infinite value")
+    if bound > SCORE_LIMIT:
+        raise InputError(f"{prefix}{where(int(worst))} has norm {norm:.3g} and the largest item norm is "
                          f"{item_norm:.3g}: metric {metric!r} scores could overflow float32; rescale the vectors")
-

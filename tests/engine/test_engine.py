@@ -339,6 +339,25 @@ def test_nan_inf_raise_input_error_naming_the_row(device, where, bad, make_norma
             Engine(items, device=device)
 
 
+@pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
+def test_first_bad_user_row_is_named_in_every_metric(device, metric, make_normal):
+    # Finiteness is read off the rows' norms with the overflow bound (one transfer): the first non-finite row is
+    # named, before a later row whose scores would overflow.
+    users, items = make_normal(8, 10, 4, seed=23)
+    users[5, 1] = np.nan
+    users[3, 0] = -np.inf
+    users[1] = 1e37  # finite, and its scores could overflow (ip, l2); cosine normalises it
+    engine = Engine(items, metric=metric, device=device)
+    with pytest.raises(InputError, match=r"user_vecs: row 3 has a NaN or infinite value"):
+        engine.search(users, 2)
+    users[3, 0] = users[5, 1] = 0.0
+    if metric == "cosine":
+        assert engine.search(users, 2).indices.shape == (8, 2)
+    else:
+        with pytest.raises(InputError, match=r"user_vecs: row 1 has norm 2e\+37"):
+            engine.search(users, 2)
+
+
 def test_float64_overflowing_float32_is_rejected(device, make_normal):
     users, items = make_normal(3, 10, 4, seed=20)
     items = items.astype(np.float64)

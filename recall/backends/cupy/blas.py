@@ -63,6 +63,10 @@ def gemm_strided_batched(handle: int, users: Any, items: Any, out: Any, half_alp
     tiles, width, dim = items.shape
     n = users.shape[1]
     stride_users = 0 if users.shape[0] == 1 else n * dim
+    if n == 1 and stride_users == 0 and items.flags.c_contiguous and out.flags.c_contiguous:
+        # One user against consecutive tiles: their scores are one contiguous row, so one GEMM of all the rows
+        # (a matrix-vector product, which cuBLAS runs at memory speed) instead of a batch of thin ones.
+        tiles, width = 1, tiles * width
     if users.dtype == np.float16:
         half_out = out.dtype == np.float16
         alpha = half_alpha if half_out else _ONE
