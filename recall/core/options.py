@@ -47,6 +47,10 @@ class EngineOptions:
         CPU: a search of fewer users than the preferred user block takes item tiles as much wider (score tiles of
         1 MiB, at most 8,192 items): one user against 100,000 items runs 13 tiles instead of 196. A batch job's
         engines turn it off, so that a short last batch keeps the tiles its item shards are cut on.
+    seed_sample : int
+        GPU: items in each block's threshold sample (``seed_thresholds``); 0: 8,192 or 32 k, whichever is more. At
+        most one segment of the cuBLAS path (``tiles``' items per tile x tiles per call), and none on a catalogue of
+        fewer than 8 times the sample. A larger sample costs its products and merge, and passes fewer scores on.
     fast_sample : int
         Fast precision: the most users a large search scores first, to find out whether the certificate pays (1/50
         of the users, at most this many, when that is at least 128); where too many of them fall back, the other
@@ -62,6 +66,7 @@ class EngineOptions:
     fused_tiles_per_block: int = 8
     rescore: str = "fused"
     few_user_tiles: bool = True
+    seed_sample: int = 0
     fast_sample: int = 2048
 
     def __post_init__(self) -> None:
@@ -76,6 +81,7 @@ class EngineOptions:
         check_int(self.fused_tiles_per_block, "options.fused_tiles_per_block")
         check_choice(self.rescore, RESCORE_PATHS, "options.rescore path")
         check_int(self.fast_sample, "options.fast_sample", 0)
+        check_int(self.seed_sample, "options.seed_sample", 0)
         for name in ("cuda_graphs", "seed_thresholds", "few_user_tiles"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"options.{name} must be True or False, got {getattr(self, name)!r}")

@@ -35,6 +35,7 @@ CELLS = {
     "k8192": ("clustered", 10_000, 1_000_000, 64, 8192, "ip", 0),
     "k4096": ("skewed", 10_000, 1_000_000, 64, 4096, "ip", 0),
     "k2048-l2": ("skewed", 20_000, 1_000_000, 64, 2048, "l2", 0),
+    "k1000-cos": ("popular", 20_000, 1_000_000, 64, 1000, "cosine", 0),
     "d256": ("clustered", 20_000, 1_000_000, 256, 100, "ip", 0),
     "k1": ("skewed", 20_000, 1_000_000, 64, 1, "ip", 0),
     "uh-l2-k1000": ("popular", 200_000, 100_000, 32, 1000, "l2", 0),
@@ -53,6 +54,12 @@ VARIANTS = {
     "seg16k": {"fused_segment": 16_384},
     "cta4": {"fused_tiles_per_block": 4},
     "cta16": {"fused_tiles_per_block": 16},
+    "seed2k": {"seed_sample": 2048},
+    "seed4k": {"seed_sample": 4096},
+    "seed16k": {"seed_sample": 16384},
+    "seed32k": {"seed_sample": 32768},
+    "seed64k": {"seed_sample": 65536, "tiles": (2048, 16384, 4)},  # a segment of the cuBLAS path holds the sample
+    "seed128k": {"seed_sample": 131072, "tiles": (2048, 32768, 4)},
 }
 
 

@@ -49,7 +49,8 @@ def applies(plan: TilePlan, n_users: int, n_items: int, k: int, dim: int, dtype:
     # work); cuBLAS's GEMM does not.
     return n_users >= FUSED_TILE and (
         fused_capacity(k) >= 2 * options.fused_segment
-        or seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds) > 0)
+        or seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds,
+                     options.seed_sample) > 0)
 
 
 def operand(items: DeviceItems, stream: Any) -> Any:

@@ -121,8 +121,8 @@ class BlockPipeline:
         host_users = isinstance(users, np.ndarray)
         fused = fused_path.applies(plan, n_users, n_items, k, dim, users.dtype, options)
         # The fused path keeps score room for the threshold sample only.
-        sample = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds) \
-            if plan.interests is None else 0
+        sample = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds,
+                           options.seed_sample) if plan.interests is None else 0
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused, max(1, sample) if fused else None)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
@@ -271,7 +271,8 @@ class BlockPipeline:
                         options: EngineOptions) -> tuple[Any, int, int]:
         """Copy this search's threshold sample (every stride-th item row from first) into the workspace's buffer, on
         the compute stream."""
-        size = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds)
+        size = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds,
+                         options.seed_sample)
         if ws.sample is None or ws.sample.shape != (size, dim):
             ws.sample = self.backend.xp.empty((size, dim), items.dtype)
         stride = n_items // size

@@ -26,13 +26,14 @@ def fused_capacity(k: int) -> int:
     return pow2(max(16384, 32 * k))
 
 
-def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True) -> int:
+def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requested: int = 0) -> int:
     """Items in a block's threshold sample (see ``recall_seed_done``), or 0 where seeding does not pay (or is off):
     the sample costs ``size / n_items`` of the search's GEMM work and leaves about ``k * n_items / size`` scores per
     user to pass the filter over the whole search. A catalogue of fewer than 8 times the sample is not seeded:
     sampling an eighth of it instead (k = 1,000 of 100,000 items) was measured no faster, the fused kernel at d = 32
-    costing what the merges saved (docs/benchmarks.md)."""
-    size = min(capacity, max(8192, 32 * k))
+    costing what the merges saved (docs/benchmarks.md). ``requested``: ``EngineOptions.seed_sample`` (0: the
+    rule above)."""
+    size = min(capacity, requested or max(8192, 32 * k))
     if not seeded or size < 4 * k or n_items < 8 * size:
         return 0
     return size
