@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import datetime as _dt
+import functools
 import json
 import logging
 import os
@@ -91,7 +92,13 @@ def check_mode(mode: Any) -> str:
 
 def cache_path() -> Path:
     """``$XDG_CACHE_HOME/recall/tune.json``; ``~/.cache/recall/tune.json`` when that is unset or not absolute."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
+    return _cache_path(os.environ.get("XDG_CACHE_HOME", ""), os.environ.get("HOME", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_path(base: str, home: str) -> Path:
+    # Per environment: every search looks its tiling up, and building the path took 55 us of a one-user search's
+    # 0.75 ms on the CPU.
     root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
     return root / "recall" / "tune.json"
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -44,7 +45,8 @@ def main() -> None:
     rows = []
     print(f"| contender | {' | '.join(f'{b} users: median / p90 ms' for b in batches)} |", flush=True)
     contenders = bench_contenders.build(a.contenders.split(","), a.device, inexact=False)
-    contenders += [_Variant(a.device, v) for v in a.variants.split(",") if v]
+    # Commas inside parentheses belong to a value: tiles=(2048,8192,16).
+    contenders += [_Variant(a.device, v) for v in re.split(r",(?![^()]*\))", a.variants) if v]
     for c in contenders:
         reason = c.unavailable() or c.unsupported(a.k, a.items)
         if reason:
