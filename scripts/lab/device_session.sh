@@ -15,6 +15,8 @@
 #   probe     scripts/lab/kernel_profile.py: the weak cells under option variants, per-kernel times -> $OUT/probe.log
 #   latency   scripts/lab/embedded_latency.py: 1, 32 and 1,024 users against 1M items, every contender -> $OUT/latency.log
 #   micro     scripts/lab/fused_h_micro.py: fast mode's fused kernel alone, at each of MICRO_WIDTHS (72 136 264) -> $OUT/micro.log
+#   seeds     kernel_profile.py: the threshold sample's size (EngineOptions.seed_sample) on the user-heavy and
+#             large-k cells, fast then exact mode                                             -> $OUT/seeds.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
 # FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION (probe), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
@@ -143,4 +145,15 @@ if has micro; then
             --json "$OUT/micro-$w.json" 2>&1
     done >"$OUT/micro.log"
     echo "== fused kernel alone"; cat "$OUT/micro.log"
+fi
+
+if has seeds; then
+    (
+        PYTHONPATH=$NEW_PATH timeout "${SEEDS_TIMEOUT:-200}" python3 scripts/lab/kernel_profile.py --precision fast \
+            --cells uh-k100,k2048-l2,k1000-cos --variants shipped,seed2k,seed4k,seed16k,seed32k,seed64k \
+            --json "$OUT/seeds-fast.json"
+        PYTHONPATH=$NEW_PATH timeout 80 python3 scripts/lab/kernel_profile.py --cells uh-k100 \
+            --variants shipped,seed2k,seed4k,seed16k --json "$OUT/seeds-exact.json"
+    ) >"$OUT/seeds.log" 2>&1
+    echo "== threshold sample sizes"; grep -v "launches timed" "$OUT/seeds.log" | tail -n 40
 fi

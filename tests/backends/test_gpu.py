@@ -217,3 +217,23 @@ def test_queued_async_searches_equal_cpu(small_tiles):
         # Fewer users than a fused kernel's tile of 128 take cuBLAS (fused.applies).
         assert engine.stats["fused"] == (len(b) >= 128) and engine.stats["gpu_busy_s"] > 0
     assert engine.stats["blocks"] == 6  # the last batch: 333 users in blocks of 64
+
+
+@pytest.mark.parametrize("n_users", [1, 32])
+def test_small_batches_replay_their_graph_from_the_third_search(n_users):
+    # An embedded engine answering the same shape again and again: the first search runs eagerly, the second
+    # captures the block's launches, the third and later replay them, each with its own users (the slot is
+    # refilled before the replay). Fewer than 128 users take cuBLAS, one user's tiles one GEMM; integer data: the
+    # answers equal the CPU's bit for bit, ties to the lower row.
+    rng = np.random.default_rng(31)
+    items = _ints(rng, 50_000, 16)
+    gpu, cpu = Engine(items, device="gpu"), Engine(items, device="cpu")
+    graphs = []
+    for call in range(5):
+        users = _ints(np.random.default_rng(100 + call), n_users, 16)
+        exclude = {0: list(range(0, 50_000, 3))} if call == 3 else None
+        _same(gpu.search(users, 40, exclude=exclude), cpu.search(users, 40, exclude=exclude))
+        assert not gpu.stats["fused"] and gpu.stats["tiles"][2] > 4, gpu.stats
+        graphs.append(gpu.stats["graph_blocks"])
+    # Call 3 has exclusions: a kind of its own, run eagerly the first time.
+    assert graphs == [0, 1, 1, 0, 1], graphs

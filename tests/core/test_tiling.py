@@ -219,6 +219,38 @@ def test_few_users_widen_their_item_tiles(n_users, n_items, want):
     assert streamed.ALIGN % WIDEST_FEW_USERS_TILE == 0
 
 
+@pytest.mark.parametrize("n_users, want_tiles", [
+    (1, 123),  # 2^26 scores a call: every tile of 1M items in one call (one user)
+    (32, 123),
+    (1024, 8),  # 2^26 // (1024 x 8192)
+    (2048, 4),  # a full block keeps the preferred tiling
+])
+def test_a_backend_batching_tiles_batches_more_for_few_users(n_users, want_tiles):
+    # The GPU's preferred tiling (2,048 x 8,192 x 4) and its few_users_area of 2^26 scores: the item tile stays,
+    # the tiles per call grow (never past the catalogue), and the budget still applies.
+    plan = plan_tiles(n_users, 1_000_000, 64, 100, 1 << 33, (2048, 8192, 4), 812, few_users_area=1 << 26)
+    assert (plan.user_block, plan.item_tile, plan.tiles_per_call) == (n_users, 8192, want_tiles)
+    tight = plan_tiles(1, 1_000_000, 64, 100, 4 * 8192 * 16 + 4 * 64 + 812, (2048, 8192, 4), 812,
+                       few_users_area=1 << 26)
+    assert tight.tiles_per_call == 15 and tight.item_tile == 8192  # halved from 123: 61, 30, 15
+    assert plan_tiles(1, 1_000_000, 64, 100, 1 << 33, (2048, 8192, 4), 812).tiles_per_call == 4
+
+
+def test_the_fused_path_declines_fewer_users_than_its_tile():
+    # Fewer than a fused kernel's 128 users would pay for the whole tile's products: the cuBLAS path, unless forced.
+    import numpy as np
+
+    from recall.backends.cupy import fused
+
+    seeded = TilePlan(127, 8192, 4, 1)
+    for dtype in (np.float32, np.float16):
+        assert not fused.applies(seeded, 127, 1_000_000, 100, 64, dtype, EngineOptions())
+        assert fused.applies(seeded, 127, 1_000_000, 100, 64, dtype, EngineOptions(fused="force"))
+        assert fused.applies(TilePlan(128, 8192, 4, 1), 128, 1_000_000, 100, 64, dtype, EngineOptions())
+        assert not fused.applies(TilePlan(2048, 8192, 4, 1), 5000, 1_000_000, 100, 64, dtype,
+                                 EngineOptions(fused="off"))
+
+
 def test_a_cpu_search_of_few_users_runs_wide_tiles_unless_pinned_or_off(make_clustered):
     users, items = make_clustered(3, 20_000, 16, seed=4)
     engine = Engine(items, device="cpu")

@@ -37,10 +37,10 @@ def covers(dim: int, dtype: Any) -> bool:
 def applies(plan: TilePlan, n_users: int, n_items: int, k: int, dim: int, dtype: Any,
             options: EngineOptions) -> bool:
     """Whether a search takes the fused path: vectors a kernel covers (:func:`covers`), one vector per user, at
-    least a kernel tile's 128 users, and either a seeded search or a k so large that a user's candidate buffer holds two whole segments (then the first
-    segments, which pass every score before the threshold rises, cannot overflow it: at k = 8,192 on 10k x 1M x 64,
-    0.18 s against 0.48 s for cuBLAS + filter, docs/benchmarks.md). ``options.fused``: "force" also otherwise,
-    "off" never."""
+    least a kernel tile's 128 users, and either a seeded search or a k so large that a user's candidate buffer
+    holds two whole segments (then the first segments, which pass every score before the threshold rises, cannot
+    overflow it: at k = 8,192 on 10k x 1M x 64, 0.18 s against 0.48 s for cuBLAS + filter, docs/benchmarks.md).
+    ``options.fused``: "force" also otherwise (fewer users too), "off" never."""
     if options.fused == "off" or not covers(dim, dtype) or plan.interests is not None:
         return False
     if options.fused == "force":
