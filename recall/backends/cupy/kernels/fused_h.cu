@@ -6,10 +6,10 @@
 // One block of RH_THREADS threads owns 128 users and walks `tiles_per_cta` tiles of 128 items. Each warp computes a
 // 64 x RH_WN patch of users (w & 1) * 64.. and items (w >> 1) * RH_WN..: 4 x (RH_WN / 8) mma tiles of 16 x 8, fed by
 // ldmatrix from shared memory (RH_WN = 32, as shipped: 8 warps, 64 float32 accumulators a thread, 6 ldmatrix for 16
-// mma; 64, measured and not kept: 4 warps, 128 accumulators, 8 ldmatrix for 32 mma). The users' rows stay in shared memory whole; the items
-// come in chunks of 64 halves through a ring of three buffers filled with cp.async, two chunks ahead of the one
-// multiplied. Rows of both are padded by 8 halves in shared memory, so that the 8 rows of every 8 x 8 matrix that
-// ldmatrix reads lie in different banks.
+// mma; 64, measured and not kept: 4 warps, 128 accumulators, 8 ldmatrix for 32 mma). The users' rows stay in shared
+// memory whole; the items come in chunks of 64 halves through a ring of three buffers filled with cp.async, two
+// chunks ahead of the one multiplied. Rows of both are padded by 8 halves in shared memory, so that the 8 rows of
+// every 8 x 8 matrix that ldmatrix reads lie in different banks.
 //
 // U is (n_users, W) and I is (n_items, W), row-major float16 with W a multiple of 8 (rows of whole 16-byte pieces);
 // the kernel multiplies Wp = W rounded up to 16 columns, pieces past W and rows past n_users / n_items are filled
@@ -230,8 +230,8 @@ recall_fused_filter_h(const half_bits* __restrict__ U, int n_users, const half_b
                       int W, int Wp, int tile0, int n_tiles, int tiles_per_cta, const float* __restrict__ thr,
                       u64* __restrict__ cand, int C, int* __restrict__ cnt) {
     extern __shared__ float4 recall_fused_h_smem[];
-    recall_fused_h_body<RH_CHUNK, RH_WN>(U, n_users, I, n_items, W, Wp, tile0, n_tiles, tiles_per_cta, thr, cand, C, cnt,
-                                  reinterpret_cast<half_bits*>(recall_fused_h_smem));
+    recall_fused_h_body<RH_CHUNK, RH_WN>(U, n_users, I, n_items, W, Wp, tile0, n_tiles, tiles_per_cta, thr, cand, C,
+                                         cnt, reinterpret_cast<half_bits*>(recall_fused_h_smem));
 }
 
 // A segment's scores recomputed for the merge after an overflow (float32 sums of the same exact products, in order:
