@@ -116,7 +116,7 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
     const unsigned a_lane = u_base + 2u * ((wm * 64 + (lane & 15)) * us + (lane >> 4) * 8);
     const unsigned b_lane = 2u * ((wn * WN + (lane & 7) + ((lane >> 4) << 3)) * IS + ((lane >> 3) & 1) * 8);
 
-    // A survivor's append: a global atomic gives its slot, about a microsecond later. The thread does not wait for
+    // A survivor's append: a global atomic gives its slot, a round trip to memory later. The thread does not wait for
     // it: it keeps the survivor pending (its user's buffer, the slot to come, its key) and stores it at its next
     // survivor or at the end, so that the atomic's round trip overlaps the next tiles' products.
     u64* p_dst = nullptr;
