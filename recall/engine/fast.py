@@ -10,11 +10,10 @@ result is always the exact answer. ``engine.stats["widened_users"]`` counts the 
 
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`):
 it then costs more than exact mode's whole search, whatever the certificate does; and where the search is small
-(:data:`MIN_SCORES`). A large search first runs on a
-sample of its users (``EngineOptions.fast_sample``): where the certificate does not
-pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), every user is searched in exact mode and
-``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every user, the sampled
-ones too, is searched in fast mode.
+(:data:`MIN_SCORES`). A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the
+certificate does not pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), every user is searched
+in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
+user, the sampled ones too, is searched in fast mode.
 """
 from __future__ import annotations
 
