@@ -162,10 +162,11 @@ class RecallContender(Contender):
     family = "recall"
 
     def __init__(self, device: str, metric: str = "ip", precision: str | None = None,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None, options: Any = None) -> None:
         super().__init__(device, metric)
         self.precision = precision
         self.memory_budget = memory_budget
+        self.options = options  # EngineOptions, or None for the defaults
         self.name = "recall" if precision in (None, "exact") else f"recall-{precision}"
         self.exact = True  # "fast" is certified exact too: it must score recall 1.0 like "exact"
         self._engine = None
@@ -179,7 +180,8 @@ class RecallContender(Contender):
     def prepare(self, item_vecs: Any) -> None:
         from recall import Engine
 
-        kwargs: dict[str, Any] = {"metric": self.metric, "device": self.device, "memory_budget": self.memory_budget}
+        kwargs: dict[str, Any] = {"metric": self.metric, "device": self.device, "memory_budget": self.memory_budget,
+                                  "options": self.options}
         if self.precision is not None:
             kwargs["precision"] = self.precision
         self._engine = Engine(item_vecs, **kwargs)

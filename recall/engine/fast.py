@@ -84,12 +84,13 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
     n_users = int(users.shape[0])
     wide = k + certificate.margin(k) + 1
     declined = None
-    if engine.n_items >= SHARE_MIN_ITEMS and n_users * engine.n_items < MIN_SCORES:
-        declined = (f"{n_users:,} users x {engine.n_items:,} items is under {MIN_SCORES:,} scores: fast mode's "
-                    f"extra passes would cost more than its float16 products save")
-    elif engine.n_items >= SHARE_MIN_ITEMS and wide > MAX_CANDIDATE_SHARE * engine.n_items:
-        declined = (f"{wide:,} candidates per user would be re-scored, {wide / engine.n_items:.2%} of the "
-                    f"{engine.n_items:,} items (above {MAX_CANDIDATE_SHARE:.1%}): exact mode is faster")
+    if engine.n_items >= SHARE_MIN_ITEMS:  # both rough models act on catalogues of the measured cells' size
+        if n_users * engine.n_items < MIN_SCORES:
+            declined = (f"{n_users:,} users x {engine.n_items:,} items is under {MIN_SCORES:,} scores: fast "
+                        f"mode's extra passes would cost more than its float16 products save")
+        elif wide > MAX_CANDIDATE_SHARE * engine.n_items:
+            declined = (f"{wide:,} candidates per user would be re-scored, {wide / engine.n_items:.2%} of the "
+                        f"{engine.n_items:,} items (above {MAX_CANDIDATE_SHARE:.1%}): exact mode is faster")
     if declined is not None:
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
         engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,

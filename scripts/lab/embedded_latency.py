@@ -91,19 +91,15 @@ class _Variant(bench_contenders.RecallContender):
     string)."""
 
     def __init__(self, device: str, spec: str) -> None:
-        super().__init__(device)
+        from recall import EngineOptions
+
         field, _, raw = spec.partition("=")
         try:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
             value = raw
-        self.override = {field: value}
+        super().__init__(device, options=EngineOptions(**{field: value}))
         self.name = f"recall ({spec})"
-
-    def prepare(self, item_vecs) -> None:
-        from recall import Engine, EngineOptions
-
-        self._engine = Engine(item_vecs, metric=self.metric, device=self.device, options=EngineOptions(**self.override))
 
 
 if __name__ == "__main__":

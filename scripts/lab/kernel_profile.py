@@ -54,12 +54,9 @@ VARIANTS = {
     "seg16k": {"fused_segment": 16_384},
     "cta4": {"fused_tiles_per_block": 4},
     "cta16": {"fused_tiles_per_block": 16},
-    "seed2k": {"seed_sample": 2048},
-    "seed4k": {"seed_sample": 4096},
-    "seed16k": {"seed_sample": 16384},
-    "seed32k": {"seed_sample": 32768},
-    "seed64k": {"seed_sample": 65536, "tiles": (2048, 16384, 4)},  # a segment of the cuBLAS path holds the sample
-    "seed128k": {"seed_sample": 131072, "tiles": (2048, 32768, 4)},
+    # Threshold samples of 2k to 128k items; from 64k on, a segment of the cuBLAS path is widened to hold one.
+    **{f"seed{n >> 10}k": {"seed_sample": n, **({"tiles": (2048, n // 4, 4)} if n > 32768 else {})}
+       for n in (2048, 4096, 16384, 32768, 65536, 131072)},
 }
 
 
