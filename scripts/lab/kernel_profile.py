@@ -43,6 +43,9 @@ CELLS = {
     "ties": ("ties", 50_000, 1_000_000, 64, 100, "ip", 0),
     "d32-k10": ("normal", 20_000, 1_000_000, 32, 10, "ip", 0),
     "l2-adv": ("adversarial", 50_000, 1_000_000, 64, 100, "l2", 0),
+    "ip-adv": ("adversarial", 50_000, 1_000_000, 64, 100, "ip", 0),  # l2-adv's shape in ip: what l2 costs more
+    "d48": ("clustered", 20_000, 1_000_000, 48, 100, "ip", 0),
+    "d128-l2": ("clustered", 20_000, 1_000_000, 128, 100, "l2", 0),
 }
 
 VARIANTS = {

@@ -42,6 +42,22 @@ def test_equals_cpu_exactly(fused, n_users, n_items, dim, k):
     _same(got, Engine(items, device="cpu").search(users, k))
 
 
+@pytest.mark.parametrize("dim", [64, 21, 100, 29])
+def test_l2_and_widths_off_the_chunk_equal_cpu_exactly(fused, dim):
+    # l2's bias column makes 64 dimensions 68 (72 multiplied, the last chunk of 32 taking 8 rows), 21 makes 24, 100
+    # makes 104 (8 rows of a fourth chunk), 29 makes 32: the kernel multiplies only those rows, and the merge's
+    # recomputation the same ones in the same order (ip, unseeded at k = 300, one segment of all 20,000 items: every
+    # user's buffer of 16,384 overflows and the segment is recomputed). Integer data: the CPU's answer bit for bit.
+    rng = np.random.default_rng(40 + dim)
+    items, users = _ints(rng, 20000, dim), _ints(rng, 260, dim)
+    exclude = {3: list(range(0, 20000, 5))}
+    for metric, k in (("l2", 40), ("ip", 300)):
+        gpu = Engine(items, metric=metric, device="gpu", options=replace(fused, fused_segment=20480))
+        got = gpu.search(users, k, exclude=exclude)
+        assert gpu.stats["fused"]
+        _same(got, Engine(items, metric=metric, device="cpu").search(users, k, exclude=exclude))
+
+
 def test_exclusions_all_excluded_and_empty(fused):
     rng = np.random.default_rng(1)
     items, users = _ints(rng, 3000, 16), _ints(rng, 450, 16)

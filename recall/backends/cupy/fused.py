@@ -112,17 +112,18 @@ class FusedSearch:
         n, dim = users.shape
         users_t[:dim, :n] = users.T
         dp, ldu = users_t.shape
+        dk = -(-dim // 8) * 8  # the dimensions multiplied: the last chunk of 32 takes only what it needs
         smem = 4 * FUSED_TILE * (dp + 2 * FUSED_CHUNK)
         fused = self.sel.fused
         self._allow_smem(fused, smem)
 
         def launch(grid: tuple, t0: int, nt: int, per_cta: int) -> None:
             fused(grid, (FUSED_THREADS,),
-                  (users_t, np.int32(ldu), items_t, np.int64(items_t.shape[1]), np.int32(dp), np.int32(t0),
-                   np.int32(nt), np.int32(per_cta), np.int32(n_items), np.int32(n), state.thr, state.cand,
-                   np.int32(state.cand_capacity), state.cnt), shared_mem=smem)
+                  (users_t, np.int32(ldu), items_t, np.int64(items_t.shape[1]), np.int32(dp), np.int32(dk),
+                   np.int32(t0), np.int32(nt), np.int32(per_cta), np.int32(n_items), np.int32(n), state.thr,
+                   state.cand, np.int32(state.cand_capacity), state.cnt), shared_mem=smem)
 
-        operands = (users_t, np.int32(ldu), items_t, np.int64(items_t.shape[1]), np.int32(dp))
+        operands = (users_t, np.int32(ldu), items_t, np.int64(items_t.shape[1]), np.int32(dk))
         return launch, self.sel.merge_fused, operands
 
     def _half(self, users: Any, items: Any, n_items: int, state: GpuTopK) -> tuple:

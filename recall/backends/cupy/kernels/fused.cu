@@ -10,7 +10,10 @@
 // stored once the thread has gone on to the next survivor or to its end, not while the atomic's slot is on its way.
 //
 // uT is (Dp, ldu) and iT is (Dp, ldi): users and items transposed, zero-padded to Dp (a multiple of 32) dimensions
-// and to whole tiles of 128 rows (the scores of padding rows are computed, and never kept).
+// and to whole tiles of 128 rows (the scores of padding rows are computed, and never kept). Only the first Dk of the
+// Dp dimensions are multiplied (the vectors' width rounded up to 8): the last chunk takes its 8, 16, 24 or 32 rows,
+// so that l2's bias column (64 + 4 dimensions) costs 72 dimensions' FMAs, not 96. RecallDotTile recomputes the same
+// Dk dimensions in the same order.
 
 #define RF_TILE 128
 #define RF_CHUNK 32
@@ -34,7 +37,7 @@ __device__ __forceinline__ void recall_cp_wait() { asm volatile("cp.async.wait_g
 // Dynamic shared memory: Dp * 128 floats of users, then 2 * 32 * 128 floats of item chunks.
 extern "C" __global__ void __launch_bounds__(RF_THREADS, 2)
 recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restrict__ iT, long long ldi, int Dp,
-                    int tile0, int n_tiles, int tiles_per_cta, int n_items, int n_users, const float* __restrict__ thr,
+                    int Dk, int tile0, int n_tiles, int tiles_per_cta, int n_items, int n_users, const float* __restrict__ thr,
                     u64* __restrict__ cand, int C, int* __restrict__ cnt) {
     extern __shared__ float4 recall_fused_smem[];
     float* As = reinterpret_cast<float*>(recall_fused_smem);
@@ -86,19 +89,29 @@ recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restri
         __syncthreads();
         const float* Ak = As + (s % chunks) * (RF_CHUNK * RF_TILE);
         const float* Bk = Bs + (s & 1) * (RF_CHUNK * RF_TILE);
+        // Dimension k of the chunk: 64 FMAs into the thread's 8 x 8 scores.
+#define RF_FMA_ROW(k)                                                                                                \
+    {                                                                                                                \
+        const float4 a0 = *reinterpret_cast<const float4*>(Ak + (k) * RF_TILE + ty * 4);                             \
+        const float4 a1 = *reinterpret_cast<const float4*>(Ak + (k) * RF_TILE + 64 + ty * 4);                        \
+        const float4 b0 = *reinterpret_cast<const float4*>(Bk + (k) * RF_TILE + tx * 4);                             \
+        const float4 b1 = *reinterpret_cast<const float4*>(Bk + (k) * RF_TILE + 64 + tx * 4);                        \
+        const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};                                         \
+        const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};                                         \
+        _Pragma("unroll") for (int i = 0; i < 8; ++i)                                                                \
+            _Pragma("unroll") for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);                   \
+    }
+        const int rows = min(RF_CHUNK, Dk - (s % chunks) * RF_CHUNK);  // the last chunk: 8, 16, 24 or 32 of them
+        if (rows == RF_CHUNK) {
 #pragma unroll
-        for (int k = 0; k < RF_CHUNK; ++k) {
-            const float4 a0 = *reinterpret_cast<const float4*>(Ak + k * RF_TILE + ty * 4);
-            const float4 a1 = *reinterpret_cast<const float4*>(Ak + k * RF_TILE + 64 + ty * 4);
-            const float4 b0 = *reinterpret_cast<const float4*>(Bk + k * RF_TILE + tx * 4);
-            const float4 b1 = *reinterpret_cast<const float4*>(Bk + k * RF_TILE + 64 + tx * 4);
-            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+            for (int k = 0; k < RF_CHUNK; ++k) RF_FMA_ROW(k)
+        } else {
+            for (int k8 = 0; k8 < rows; k8 += 8) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+                for (int k = 0; k < 8; ++k) RF_FMA_ROW(k8 + k)
+            }
         }
+#undef RF_FMA_ROW
         __syncthreads();  // the buffer just read is refilled at the next step
         if (s % chunks == chunks - 1) {
             const int j0 = (t_first + s / chunks) * RF_TILE;

@@ -179,13 +179,14 @@ struct RecallScoreTile {
 
 // ...or recomputed from the embeddings (fused path, recall_fused_filter in fused.cu), with the same FMA sequence as
 // that kernel so that every score comes out bit for bit the same; exclusions are checked here, since no tile was
-// masked. uT is (Dp, ldu) users, iT is (Dp, ldi) items, both transposed and zero-padded to Dp.
+// masked. uT is (Dp, ldu) users, iT is (Dp, ldi) items, both transposed and zero-padded to Dp; the first Dk
+// dimensions are multiplied, as the kernel does.
 struct RecallDotTile {
-    const float* uT; int ldu; const float* iT; long long ldi; int Dp; int u; int item_start;
+    const float* uT; int ldu; const float* iT; long long ldi; int Dk; int u; int item_start;
     __device__ __forceinline__ float at(int i) const {
         const long long j = (long long)item_start + i;
         float acc = 0.0f;
-        for (int k = 0; k < Dp; ++k) acc = fmaf(uT[(long long)k * ldu + u], iT[k * ldi + j], acc);
+        for (int k = 0; k < Dk; ++k) acc = fmaf(uT[(long long)k * ldu + u], iT[k * ldi + j], acc);
         return acc;
     }
 };
@@ -435,12 +436,12 @@ extern "C" __global__ void recall_merge_h(u64* __restrict__ top, int* __restrict
 extern "C" __global__ void recall_merge_fused(u64* __restrict__ top, int* __restrict__ n_valid,
                                               float* __restrict__ thr, u64* __restrict__ cand, int* __restrict__ cnt,
                                               int* __restrict__ base, const float* __restrict__ uT, int ldu,
-                                              const float* __restrict__ iT, long long ldi, int Dp, int item_start,
+                                              const float* __restrict__ iT, long long ldi, int Dk, int item_start,
                                               int n_tile, int n_items, int K, int K_pad, int C, int high_water,
                                               int final_pass, float* __restrict__ out_vals,
                                               long long* __restrict__ out_rows, const long long* __restrict__ ex_ptr,
                                               const long long* __restrict__ ex_items, int has_excl) {
-    const RecallDotTile tile = {uT, ldu, iT, ldi, Dp, (int)blockIdx.x, item_start};
+    const RecallDotTile tile = {uT, ldu, iT, ldi, Dk, (int)blockIdx.x, item_start};
     recall_merge_body(top, n_valid, thr, cand, cnt, base, tile, n_tile, item_start, n_items, K, K_pad, C, high_water,
                       final_pass, out_vals, out_rows, has_excl ? ex_ptr : nullptr, ex_items);
 }
