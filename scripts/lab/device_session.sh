@@ -19,7 +19,7 @@
 #             large-k cells, fast then exact mode                                             -> $OUT/seeds.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION (probe), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
+# FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
 STEPS=${STEPS:-"setup tests compare"}
@@ -124,11 +124,16 @@ if has shards; then
 fi
 
 if has probe; then
-    PYTHONPATH=$NEW_PATH timeout "${PROBE_TIMEOUT:-300}" python3 scripts/lab/kernel_profile.py \
-        ${PROBE_CELLS:+--cells "$PROBE_CELLS"} ${PROBE_VARIANTS:+--variants "$PROBE_VARIANTS"} \
-        ${PROBE_PRECISION:+--precision "$PROBE_PRECISION"} \
-        --json "$OUT/probe.json" >"$OUT/probe.log" 2>&1
-    echo "== kernel profile (rc $?)"; cat "$OUT/probe.log" | tail -n 80
+    for tree in ${PROBE_TREES:-new}; do
+        path=$NEW_PATH; [ "$tree" = old ] && path=$OLD_PATH
+        echo "### $tree tree"
+        PYTHONPATH=$path timeout "${PROBE_TIMEOUT:-300}" python3 scripts/lab/kernel_profile.py \
+            ${PROBE_CELLS:+--cells "$PROBE_CELLS"} ${PROBE_VARIANTS:+--variants "$PROBE_VARIANTS"} \
+            ${PROBE_PRECISION:+--precision "$PROBE_PRECISION"} \
+            --json "$OUT/probe-$tree.json" 2>&1
+        echo "rc $?"
+    done >"$OUT/probe.log"
+    echo "== kernel profile"; grep -v "launches timed" "$OUT/probe.log" | tail -n 80
 fi
 
 if has latency; then
