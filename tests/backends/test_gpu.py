@@ -219,6 +219,22 @@ def test_queued_async_searches_equal_cpu(small_tiles):
     assert engine.stats["blocks"] == 6  # the last batch: 333 users in blocks of 64
 
 
+def test_a_graph_follows_the_items_memory_not_the_python_object():
+    # Streamed segments and filtered views are item objects freed after their search, whose id() the next one can
+    # take while its vectors live elsewhere: a graph keyed by the object replayed the old vectors' addresses. Here
+    # one engine's item object is given other vectors of the same shape after its graph was captured: the answer
+    # must be the new vectors'.
+    rng = np.random.default_rng(32)
+    a, b = _ints(rng, 20_000, 16), _ints(rng, 20_000, 16)
+    users = _ints(rng, 40, 16)
+    gpu, other = Engine(a, device="gpu"), Engine(b, device="gpu")
+    for _ in range(3):
+        gpu.search(users, 30)
+    assert gpu.stats["graph_blocks"] == 1 and not gpu.stats["fused"], gpu.stats
+    gpu._items.vecs, gpu.prepared_items = other._items.vecs, other.prepared_items
+    _same(gpu.search(users, 30), Engine(b, device="cpu").search(users, 30))
+
+
 @pytest.mark.parametrize("n_users", [1, 32])
 def test_small_batches_replay_their_graph_from_the_third_search(n_users):
     # An embedded engine answering the same shape again and again: the first search runs eagerly, the second

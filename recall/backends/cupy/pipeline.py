@@ -314,17 +314,19 @@ class BlockPipeline:
                 self.fused.search(fused_ws.users_t, users, items_t, n_items, state, slot.ex_ptr, slot.ex_items,
                                   has_excl, options)
 
-        # The workspace (and so every other pointer, the sample buffer included) is fixed per slot; engines sharing
-        # the backend (parts of a catalogue searched while it loads) each get their own graphs.
-        key = (id(items), n_items, has_excl, seed is not None, None if items_t is None else items_t.data.ptr,
-               has_floor, options)
+        # The workspace (and so every other pointer, the sample buffer included) is fixed per slot; the items are
+        # keyed by the device memory the launches read, not by the Python object: a segment or filtered view's
+        # object is freed after its search and its id() taken by the next one, which lives at other addresses.
+        vecs = items.vecs
+        key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, seed is not None,
+               None if items_t is None else items_t.data.ptr, has_floor, options)
         graph = slot.graphs.get(key)
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
         # From the second on (the next block, or the next search of one block: an embedded engine answering one
         # user at a time), the slot's graph is captured and replayed: one launch instead of a few dozen.
         if not (options.cuda_graphs and self.graphs_ok) or rows != cap or (graph is None and key not in self._ran):
             launches()
-            if len(self._ran) > 4096:  # keys hold ids of item arrays long gone: forget them now and then
+            if len(self._ran) > 4096:  # keys hold addresses of item arrays long gone: forget them now and then
                 self._ran.clear()
             self._ran.add(key)
             return
