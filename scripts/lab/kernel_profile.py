@@ -92,9 +92,9 @@ class Timed:
 
 def instrument(backend, log):
     sel = backend.selection
-    for name in ("fused", "merge_fused", "fused_h", "merge_fused_h", "seed_done"):
+    for name in ("fused", "merge_fused", "fused_h", "merge_fused_h"):
         setattr(sel, name, Timed(getattr(sel, name), name, log))
-    for table in ("mask", "filter", "merge"):
+    for table in ("mask", "filter", "merge", "seed_kth"):
         d = getattr(sel, table)
         for dt in list(d):
             d[dt] = Timed(d[dt], f"{table}[{dt}]", log)

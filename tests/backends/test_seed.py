@@ -2,6 +2,7 @@
 GPU; the seeded searches themselves are checked on the device (tests/backends/test_gpu.py)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from recall.backends.cupy.selection import seed_size
@@ -29,3 +30,44 @@ def test_sample_fits_its_stride():
         if size:
             stride = n_items // size
             assert stride // 2 + stride * (size - 1) < n_items and size <= n_items // 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("size, k", [(8192, 100), (8192, 2048), (1000, 1), (4096, 1024), (300, 37)])
+def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k):
+    # recall_seed's radix select against numpy's sort, on rows built to hurt it: ties (a few distinct values,
+    # crowding one histogram bin), negative and mixed-sign scores, masked (-inf) items, a row with fewer than k finite
+    # scores (-inf threshold), one with exactly k, values 1 ulp apart, +inf.
+    from recall.backends import cuda_status, resolve
+    from recall.backends.cupy.selection import GpuTopK
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    rng = np.random.default_rng(size + k)
+    n = 12
+    rows = rng.standard_normal((n, size)).astype(np.float32) * np.float32(3.0)
+    rows[1] = np.round(rows[1])                                  # ties: a handful of values
+    rows[2] = -np.abs(rows[2]) - np.float32(100.0)               # all negative
+    rows[3, rng.random(size) < 0.5] = -np.inf                    # half masked
+    rows[4, :] = -np.inf
+    rows[4, : k - 1] = 1.0                                       # fewer than k finite: stays -inf
+    rows[5, :] = -np.inf
+    rows[5, rng.permutation(size)[:k]] = rng.standard_normal(k)  # exactly k finite
+    rows[6] = np.float32(1.0) + np.arange(size, dtype=np.float32) * np.finfo(np.float32).eps  # 1 ulp apart
+    rows[7, :3] = np.inf
+    rows[8] = np.float32(7.0)                                    # one value everywhere
+    rows = rows.astype(dtype)
+    backend = resolve("gpu")
+    state = GpuTopK.allocate(n, k)
+    scores = cupy.asarray(rows).reshape(1, n, size)
+    backend.selection.seed(state, scores, 0, 1, cupy.zeros(n + 1, cupy.int64), cupy.zeros(0, cupy.int64))
+    got = cupy.asnumpy(state.thr)
+    for u in range(n):
+        finite = np.sort(rows[u].astype(np.float32)[rows[u].astype(np.float32) > -np.inf])[::-1]
+        want = np.float32(-np.inf) if finite.size < k else np.nextafter(finite[k - 1], np.float32(-np.inf))
+        assert got[u] == want, (u, got[u], want)
+    assert not cupy.asnumpy(state.n_valid).any() and not cupy.asnumpy(state.cnt).any()

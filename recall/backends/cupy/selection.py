@@ -11,6 +11,7 @@ from . import kernels
 
 MERGE_THREADS = 256
 FILTER_THREADS = 256
+SEED_THREADS = 256  # RECALL_SEED_THREADS in topk.cu
 
 
 def candidate_capacity(k: int) -> int:
@@ -27,7 +28,7 @@ def fused_capacity(k: int) -> int:
 
 
 def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requested: int = 0) -> int:
-    """Items in a block's threshold sample (see ``recall_seed_done``), or 0 where seeding does not pay (or is off):
+    """Items in a block's threshold sample (see ``recall_seed``), or 0 where seeding does not pay (or is off):
     the sample costs ``size / n_items`` of the search's GEMM work and leaves about ``k * n_items / size`` scores per
     user to pass the filter over the whole search. A catalogue of fewer than 8 times the sample is not seeded:
     sampling an eighth of it instead (k = 1,000 of 100,000 items) was measured no faster, the fused kernel at d = 32
@@ -91,7 +92,8 @@ class Selection:
                        np.dtype(np.float16): mod.get_function("recall_filter_h")}
         self.merge = {np.dtype(np.float32): mod.get_function("recall_merge"),
                       np.dtype(np.float16): mod.get_function("recall_merge_h")}
-        self.seed_done = mod.get_function("recall_seed_done")
+        self.seed_kth = {np.dtype(np.float32): mod.get_function("recall_seed"),
+                         np.dtype(np.float16): mod.get_function("recall_seed_h")}
         self.fused = mod.get_function("recall_fused_filter")
         self.merge_fused = mod.get_function("recall_merge_fused")
         self.fused_h = mod.get_function("recall_fused_filter_h")
@@ -114,19 +116,14 @@ class Selection:
     def seed(self, state: GpuTopK, scores: Any, first: int, stride: int, excl_indptr: Any, excl_items: Any) -> None:
         """Start every user's threshold at its k-th best score over the sample whose scores are ``scores``
         (1, n, size) (item rows first + j * stride): a lower bound of the final k-th best, so that later tiles pass
-        few scores to the merge whatever the item order. The sample tile goes through the filter and a forced merge
-        like a segment; the state is left empty."""
+        few scores to the merge whatever the item order. Excluded sampled items are masked first; the k-th best is
+        selected in place (``recall_seed``), and the state is left empty."""
         _, n, size = scores.shape
-        grid = ((n + 127) // 128,)
         if excl_items.size:
-            self.mask[scores.dtype](grid, (128,), (scores, np.int32(n), np.int32(size), np.int32(1), np.int32(first),
-                                                   np.int32(stride), excl_indptr, excl_items))
-        self.filter[scores.dtype]((n, 1), (FILTER_THREADS,),
-                                  (scores, np.int32(n), np.int32(size), np.int32(0), np.int32(size), state.thr,
-                                   state.cand, np.int32(state.cand_capacity), state.cnt))
-        self._merge(state, scores, n, size, 1, 0, size, final=False, force=True)
-        self.seed_done(grid, (128,), (np.int32(n), np.int32(state.k), state.n_valid, state.thr, state.cnt,
-                                      state.base))
+            self.mask[scores.dtype](((n + 127) // 128,), (128,),
+                                    (scores, np.int32(n), np.int32(size), np.int32(1), np.int32(first),
+                                     np.int32(stride), excl_indptr, excl_items))
+        self.seed_kth[scores.dtype]((n,), (SEED_THREADS,), (scores, np.int32(size), np.int32(state.k), state.thr))
 
     def result(self, state: GpuTopK) -> tuple[Any, Any]:
         """The final merge: sorted results of the block's users in ``state.out_vals`` / ``out_rows``."""

@@ -11,7 +11,7 @@
 //   recall_filter         appends keys of scores above the user's threshold to a per-user candidate buffer;
 //   recall_merge          folds candidates into the state (exact radix select) once the buffer is half full, or
 //                         rescans the tile when the buffer overflowed; with `final` set it sorts and writes results.
-// Before its first segment a block may be seeded (recall_seed_done): its users' K-th best score over a strided sample
+// Before its first segment a block may be seeded (recall_seed): its users' K-th best score over a strided sample
 // of the items is a lower bound of the final K-th best, so the filter passes few scores from the first tile on, and
 // item orders that raise the scores tile after tile (the worst case for a running threshold) cost little more.
 
@@ -103,18 +103,90 @@ extern "C" __global__ void recall_mask_excluded_h(half_bits* __restrict__ scores
     recall_mask_body(scores, U, T, B, item_start, stride, ex_ptr, ex_items);
 }
 
-// After a block's threshold sample went through filter + merge like a segment: turn what the state holds into a
-// starting threshold and empty the state. The K-th best sampled score t is the score of K real (non-excluded) items,
-// so the final K-th best is >= t: the threshold becomes the float just below t, so that scores equal to t pass the
-// strict `score > threshold` test until K items are held. Users with fewer than K sampled items keep -inf.
-extern "C" __global__ void recall_seed_done(int U, int K, int* __restrict__ n_valid, float* __restrict__ thr,
-                                            int* __restrict__ cnt, int* __restrict__ base) {
-    int u = blockIdx.x * blockDim.x + threadIdx.x;
-    if (u >= U) return;
-    thr[u] = n_valid[u] == K ? nextafterf(thr[u], RECALL_NEG_INF) : RECALL_NEG_INF;
-    n_valid[u] = 0;
-    cnt[u] = 0;
-    base[u] = 0;
+// A block's threshold sample: grid (U), RECALL_SEED_THREADS threads a user. The K-th best of the user's sampled scores
+// (a row of T, excluded items already -inf) is the score of K real items, so the final K-th best is >= it: the
+// threshold starts at the float just below it, so that scores equal to it pass the strict `score > threshold` test
+// until K items are held. A user with fewer than K finite sampled scores keeps -inf. The K-th best is found exactly
+// by a radix select on the scores' order-preserving keys, 12 + 12 + 8 bits, each pass a histogram in shared memory
+// of the keys that match the digits fixed so far (warp-aggregated adds: sampled scores crowd a few bins); nothing
+// goes through the candidate buffers, and the state is left empty.
+#define RECALL_SEED_THREADS 256
+template <typename S>
+__device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, float* __restrict__ thr) {
+    __shared__ int hist[4096];
+    __shared__ int part[RECALL_SEED_THREADS];
+    __shared__ u32 s_prefix;
+    __shared__ int s_want;
+    const int u = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
+    const S* row = scores + (long long)u * T;
+    u32 prefix = 0;
+    int want = K;  // the rank, from the top, of the K-th best among the keys matching prefix
+    for (int pass = 0; pass < 3; ++pass) {
+        const int shift = pass == 0 ? 20 : (pass == 1 ? 8 : 0);
+        const int bins = pass == 2 ? 256 : 4096;
+        const u32 fixed = pass == 0 ? 0u : (pass == 1 ? 0xfff00000u : 0xffffff00u);  // the digits fixed so far
+        for (int b = tid; b < bins; b += RECALL_SEED_THREADS) hist[b] = 0;
+        __syncthreads();
+        for (int i0 = 0; i0 < T; i0 += RECALL_SEED_THREADS) {
+            const int i = i0 + tid;
+            u32 bin = 0xffffffffu;
+            if (i < T) {
+                const float v = recall_load(row, i);
+                const u32 key = recall_f2ord(v);
+                if (v > RECALL_NEG_INF && (key & fixed) == prefix) bin = (key >> shift) & (u32)(bins - 1);
+            }
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (bin != 0xffffffffu && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+        }
+        __syncthreads();
+        // Thread t sums the bins of its share, counted from the top bin down; an exclusive scan over the threads
+        // then says where each share starts, and the thread whose share holds rank `want` walks its bins.
+        const int per = bins / RECALL_SEED_THREADS;
+        const int hi = bins - 1 - tid * per;  // this thread's bins: hi, hi - 1, ..., hi - per + 1
+        int sum = 0;
+        for (int j = 0; j < per; ++j) sum += hist[hi - j];
+        part[tid] = sum;
+        __syncthreads();
+        for (int off = 1; off < RECALL_SEED_THREADS; off <<= 1) {  // inclusive scan, Hillis-Steele
+            const int add = tid >= off ? part[tid - off] : 0;
+            __syncthreads();
+            part[tid] += add;
+            __syncthreads();
+        }
+        const int before = part[tid] - sum;
+        if (pass == 0 && tid == RECALL_SEED_THREADS - 1 && part[tid] < K) s_want = -1;  // fewer than K finite
+        if (before < want && want <= part[tid]) {
+            int seen = before;
+            for (int j = 0; j < per; ++j) {
+                const int c = hist[hi - j];
+                if (seen + c >= want) {
+                    s_prefix = prefix | ((u32)(hi - j) << shift);
+                    s_want = want - seen;
+                    break;
+                }
+                seen += c;
+            }
+        }
+        __syncthreads();
+        if (s_want < 0) {
+            if (tid == 0) thr[u] = RECALL_NEG_INF;
+            return;
+        }
+        prefix = s_prefix;
+        want = s_want;
+        __syncthreads();  // s_prefix and s_want are rewritten by the next pass
+    }
+    if (tid == 0) thr[u] = nextafterf(recall_ord2f(prefix), RECALL_NEG_INF);
+}
+
+extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
+recall_seed(const float* __restrict__ scores, int T, int K, float* __restrict__ thr) {
+    recall_seed_body(scores, T, K, thr);
+}
+
+extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
+recall_seed_h(const half_bits* __restrict__ scores, int T, int K, float* __restrict__ thr) {
+    recall_seed_body(scores, T, K, thr);
 }
 
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
