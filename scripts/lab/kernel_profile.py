@@ -95,7 +95,9 @@ def instrument(backend, log):
     for name in ("fused", "merge_fused", "fused_h", "merge_fused_h"):
         setattr(sel, name, Timed(getattr(sel, name), name, log))
     for table in ("mask", "filter", "merge", "seed_kth"):
-        d = getattr(sel, table)
+        d = getattr(sel, table, None)
+        if d is None:  # an older tree's selection (.oldtree/)
+            continue
         for dt in list(d):
             d[dt] = Timed(d[dt], f"{table}[{dt}]", log)
     backend.gemm_strided_batched = Timed(backend.gemm_strided_batched, "gemm", log)

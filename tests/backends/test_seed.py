@@ -34,11 +34,12 @@ def test_sample_fits_its_stride():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("size, k", [(8192, 100), (8192, 2048), (1000, 1), (4096, 1024), (300, 37)])
+@pytest.mark.parametrize("size, k", [(8192, 100), (8192, 2048), (1000, 1), (4096, 1024), (300, 37), (301, 37)])
 def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k):
     # recall_seed's radix select against numpy's sort, on rows built to hurt it: ties (a few distinct values,
     # crowding one histogram bin), negative and mixed-sign scores, masked (-inf) items, a row with fewer than k finite
-    # scores (-inf threshold), one with exactly k, values 1 ulp apart, +inf.
+    # scores (-inf threshold), one with exactly k, values 1 ulp apart, +inf; rows of 4n scores (loaded 4 at a time)
+    # and of 301.
     from recall.backends import cuda_status, resolve
     from recall.backends.cupy.selection import GpuTopK
 

@@ -127,16 +127,31 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
         const u32 fixed = pass == 0 ? 0u : (pass == 1 ? 0xfff00000u : 0xffffff00u);  // the digits fixed so far
         for (int b = tid; b < bins; b += RECALL_SEED_THREADS) hist[b] = 0;
         __syncthreads();
-        for (int i0 = 0; i0 < T; i0 += RECALL_SEED_THREADS) {
-            const int i = i0 + tid;
-            u32 bin = 0xffffffffu;
-            if (i < T) {
-                const float v = recall_load(row, i);
-                const u32 key = recall_f2ord(v);
-                if (v > RECALL_NEG_INF && (key & fixed) == prefix) bin = (key >> shift) & (u32)(bins - 1);
+        // Four scores a thread at a time where rows allow 16-byte (8-byte for float16) loads, one otherwise; the
+        // trip count is the same for every lane of a warp, so the warp-wide match sees all 32.
+        const bool vec = (T & 3) == 0;
+        const int step = vec ? 4 * RECALL_SEED_THREADS : RECALL_SEED_THREADS;
+        for (int i0 = 0; i0 < T; i0 += step) {
+            float v[4];
+            int m = 0;
+            if (vec) {
+                const int i = i0 + 4 * tid;
+                if (i < T) { recall_load4(row, i, v); m = 4; }
+            } else if (i0 + tid < T) {
+                v[0] = recall_load(row, i0 + tid);
+                m = 1;
             }
-            const unsigned peers = __match_any_sync(0xffffffffu, bin);
-            if (bin != 0xffffffffu && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                u32 bin = 0xffffffffu;
+                if (q < m) {
+                    const u32 key = recall_f2ord(v[q]);
+                    if (v[q] > RECALL_NEG_INF && (key & fixed) == prefix) bin = (key >> shift) & (u32)(bins - 1);
+                }
+                if (!__any_sync(0xffffffffu, bin != 0xffffffffu)) continue;  // later passes: most lanes match none
+                const unsigned peers = __match_any_sync(0xffffffffu, bin);
+                if (bin != 0xffffffffu && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+            }
         }
         __syncthreads();
         // Thread t sums the bins of its share, counted from the top bin down; an exclusive scan over the threads
