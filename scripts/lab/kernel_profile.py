@@ -104,6 +104,45 @@ def instrument(backend, log):
     backend.rescore = Timed(backend.rescore, "rescore (all its launches)", log)
 
 
+def phases(log):
+    """Fast mode's Python-level phases, each bracketed by device synchronisations (inclusive wall times; the
+    sampled users' search nests its own phases): where a search's time outside the timed blocks goes. Returns the
+    undo."""
+    import cupy
+
+    from recall.core import certificate
+    from recall.engine import fast
+
+    saved = []
+
+    def wrap(module, name, label):
+        fn = getattr(module, name)
+
+        def timed_phase(*args, **kw):
+            cupy.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                cupy.cuda.Device().synchronize()
+                log.append((label, time.perf_counter() - t0))
+
+        saved.append((module, name, fn))
+        setattr(module, name, timed_phase)
+
+    wrap(fast, "_search_fast", "fast pass (sampled users, then all)")
+    wrap(fast, "_sampled_best", "score shift (sampled items)")
+    wrap(certificate, "prepare_users", "users' float16 copies")
+    wrap(fast, "_certified_pass", "certified pass (blocks, re-scoring, certificate)")
+    wrap(fast, "_search_exact", "exact search (declined or fallback users)")
+
+    def undo():
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+    return undo
+
+
 def timed(engine, users, k, excl, repeat=3):
     import cupy
 
@@ -186,6 +225,24 @@ def main() -> None:
               + " |", flush=True)
         out.append({"cell": cell, "variant": "per-kernel", "wall_s": wall,
                     "kernels": {n: {"launches": c, "s": s} for n, (c, s) in per_kernel.items()}})
+        if prec == "fast":  # once more, its phases bracketed by synchronisations
+            plog = []
+            undo = phases(plog)
+            try:
+                t0 = time.perf_counter()
+                engine.search(users, k, exclude=excl)
+                cupy.cuda.Device().synchronize()
+                wall = time.perf_counter() - t0
+            finally:
+                undo()
+            per_phase = defaultdict(lambda: [0, 0.0])
+            for name, sec in plog:
+                per_phase[name][0] += 1
+                per_phase[name][1] += sec
+            print(f"| {cell} | phases, synchronised | wall {wall:.4f} s | "
+                  + " ; ".join(f"{n} x{c} {s:.4f} s" for n, (c, s) in per_phase.items()) + " |", flush=True)
+            out.append({"cell": cell, "variant": "phases", "wall_s": wall,
+                        "phases": {n: {"calls": c, "s": s} for n, (c, s) in per_phase.items()}})
         del engine, users, items, excl, want
         cupy.get_default_memory_pool().free_all_blocks()
     if a.json:
