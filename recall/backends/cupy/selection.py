@@ -142,13 +142,13 @@ class Selection:
         return k_pad, smem
 
     def _merge(self, state: GpuTopK, scores: Any, n: int, width: int, tiles: int, item_start: int, n_items: int,
-               final: bool, force: bool = False) -> None:
+               final: bool) -> None:
         k_pad, smem = self.merge_smem(state.k)
         self.merge[scores.dtype]((n,), (MERGE_THREADS,),
                                  (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, scores,
                                   np.int32(n), np.int32(width), np.int32(tiles), np.int32(item_start),
                                   np.int32(n_items), np.int32(state.k), np.int32(k_pad),
                                   np.int32(state.cand_capacity),
-                                  np.int32(-1 if force else state.cand_capacity // 2),
+                                  np.int32(state.cand_capacity // 2),
                                   np.int32(1 if final else 0), state.out_vals, state.out_rows),
                                  shared_mem=smem)

@@ -37,8 +37,8 @@ __device__ __forceinline__ void recall_cp_wait() { asm volatile("cp.async.wait_g
 // Dynamic shared memory: Dp * 128 floats of users, then 2 * 32 * 128 floats of item chunks.
 extern "C" __global__ void __launch_bounds__(RF_THREADS, 2)
 recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restrict__ iT, long long ldi, int Dp,
-                    int Dk, int tile0, int n_tiles, int tiles_per_cta, int n_items, int n_users, const float* __restrict__ thr,
-                    u64* __restrict__ cand, int C, int* __restrict__ cnt) {
+                    int Dk, int tile0, int n_tiles, int tiles_per_cta, int n_items, int n_users,
+                    const float* __restrict__ thr, u64* __restrict__ cand, int C, int* __restrict__ cnt) {
     extern __shared__ float4 recall_fused_smem[];
     float* As = reinterpret_cast<float*>(recall_fused_smem);
     float* Bs = As + Dp * RF_TILE;
