@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import platform
 import subprocess
@@ -20,6 +21,18 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def source_digest(package: Path | None = None) -> str:
+    """A short digest of the recall package's sources (its .py and .cu files, by path and content): names the code a
+    run measured when the machine's copy has no up-to-date git history. The same digest of a commit's package
+    (``git archive <commit> recall | tar -x -C DIR``, then ``source_digest(DIR / "recall")``) says whether a run
+    measured that commit."""
+    root = Path(__file__).resolve().parents[1] if package is None else Path(package)
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cu") and "__pycache__" not in p.parts):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def _cuda_version(v: int) -> str:
@@ -79,6 +92,7 @@ def collect(device: str) -> dict[str, Any]:
     commit = _run(["git", "rev-parse", "--short", "HEAD"], cwd=src)
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=src)
     info["git_commit"] = None if commit is None else commit + ("+dirty" if dirty else "")
+    info["recall_sources"] = source_digest()
     try:
         import faiss
         info["faiss"] = faiss.__version__

@@ -129,8 +129,9 @@ def environment_line(doc: dict[str, Any]) -> str:
         parts.append(f"cupy {e['cupy']}")
     if e.get("torch"):
         parts.append(f"torch {e['torch']}")
-    if e.get("git_commit"):
-        parts.append(f"recall {e['git_commit']}")
+    if e.get("git_commit") or e.get("recall_sources"):
+        sources = f"sources {e['recall_sources']}" if e.get("recall_sources") else None
+        parts.append("recall " + ", ".join(p for p in (e.get("git_commit"), sources) if p))
     return "; ".join(parts)
 
 

@@ -15,7 +15,7 @@ from recall.bench.workloads import Kind
 
 TOP_KEYS = {"schema", "command", "environment", "settings", "ceilings", "workloads", "results", "plot", "elapsed_s"}
 ENV_KEYS = {"date", "python", "platform", "cpu", "cpu_count", "loadavg", "numpy", "blas", "openblas_env", "faiss",
-            "torch", "cupy", "numba", "git_commit"}
+            "torch", "cupy", "numba", "git_commit", "recall_sources"}
 WORKLOAD_KEYS = {"name", "kind", "n_users", "n_items", "dim", "k", "flops", "status", "reason", "floors",
                  "generate_s", "oracle_s", "n_sample", "metric", "kind_params", "excl_per_user", "excl_nnz",
                  "exclusions_s", "cell"}
@@ -413,3 +413,30 @@ def test_note_says_why_fast_mode_declined() -> None:
     assert sampled == "fast mode declined (a sample of 400 users): ran exact"
     at_once = _note({**row, "engine_stats": {"fast_declined": "1,250 candidates per user would be re-scored"}}, False)
     assert at_once == "fast mode declined (1,250 candidates per user would be re-scored): ran exact"
+
+
+def test_source_digest_names_the_code_a_run_measured(tmp_path):
+    # The device's copy of the tree may carry stale git metadata: the environment names the sources by content.
+    from recall.bench import env
+
+    pkg = tmp_path / "recall"
+    (pkg / "backends" / "__pycache__").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "backends" / "k.cu").write_text("// kernel\n")
+    (pkg / "backends" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"\x00")
+    (pkg / "notes.txt").write_text("not a source")
+    first = env.source_digest(pkg)
+    assert len(first) == 12 and env.source_digest(pkg) == first
+    (pkg / "notes.txt").write_text("changed")
+    (pkg / "backends" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"\x01")
+    assert env.source_digest(pkg) == first  # neither a source nor compiled output
+    (pkg / "backends" / "k.cu").write_text("// kernel, changed\n")
+    assert env.source_digest(pkg) != first
+    (pkg / "backends" / "k.cu").write_text("// kernel\n")
+    (pkg / "a.py").rename(pkg / "b.py")  # same content, other path
+    assert env.source_digest(pkg) != first
+    line = report.environment_line({"environment": {"date": "d", "cpu": "c", "cpu_count": 2, "loadavg": [0.5],
+                                                    "numpy": "2", "git_commit": "abc1234+dirty",
+                                                    "recall_sources": first}})
+    assert line.endswith(f"recall abc1234+dirty, sources {first}")
+    assert env.collect("cpu")["recall_sources"] == env.source_digest()
