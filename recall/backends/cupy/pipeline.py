@@ -135,8 +135,8 @@ class BlockPipeline:
         copy.wait_event(ready)
         if floor is not None:
             copy.wait_event(compute.record())  # floors come from merges queued on the compute stream
-        seed = self._refresh_sample(ws, plan, items.vecs, n_items, k, dim, options) if sample else None
-        stats["seed_sample"] = 0 if seed is None else seed[0].shape[0]
+        seed = self._refresh_sample(ws, items.vecs, n_items, sample, dim) if sample else None
+        stats["seed_sample"] = sample
         items_t = fused_path.operand(items, compute) if fused else None
         stats["fused"] = fused
         # What the search's scores were compared and kept in: the fused kernels keep float32 (fast mode's float16
@@ -267,12 +267,9 @@ class BlockPipeline:
                      host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
                      staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
 
-    def _refresh_sample(self, ws: _Workspace, plan: TilePlan, items: Any, n_items: int, k: int, dim: int,
-                        options: EngineOptions) -> tuple[Any, int, int]:
-        """Copy this search's threshold sample (every stride-th item row from first) into the workspace's buffer, on
-        the compute stream."""
-        size = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds,
-                         options.seed_sample)
+    def _refresh_sample(self, ws: _Workspace, items: Any, n_items: int, size: int, dim: int) -> tuple[Any, int, int]:
+        """Copy this search's threshold sample of ``size`` rows (``seed_size``; every stride-th item row from first)
+        into the workspace's buffer, on the compute stream."""
         if ws.sample is None or ws.sample.shape != (size, dim):
             ws.sample = self.backend.xp.empty((size, dim), items.dtype)
         stride = n_items // size
