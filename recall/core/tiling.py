@@ -80,9 +80,12 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
 
     Shrinks the number of tiles per call first, then the item tile (to 256), then the user block, then the number
     of concurrent workers, then the item tile to 1, halving each; except that while a block's top-k state takes more
-    bytes than its score tiles (large k), the user block halves before the item tile does: a narrow tile costs a
-    launch per few hundred items, a smaller block only more blocks. Before that, with several workers, the user
-    block is halved (down to 128 users) until every worker has a block: a few hundred users still use every core.
+    bytes than its score tiles (large k), the user block halves first: a narrow tile costs a launch per few hundred
+    items, and on the GPU the item tiles a call holds are also the room for the threshold sample (k = 8,192 on
+    10k x 1M x 64: seeded from 65,536 items in 2,048 x 16,384 x 4, 0.115 s; unseeded in 2,048 x 8,192 x 1, where
+    the tiles per call had halved first, 0.173 s), while a smaller block only means more blocks. Before that,
+    with several workers, the user block is halved (down to 128 users) until every worker has a block: a few
+    hundred users still use every core.
     Where there are still fewer blocks than workers, each block is searched in ``item_parts`` ranges of the items
     (whole GEMM segments each), one task a worker, merged afterwards.
 
@@ -108,7 +111,9 @@ def plan_tiles(n_users: int, n_items: int, dim: int, k: int, budget: int, prefer
     workers = max(1, min(workers, blocks * item_parts))
     plan = TilePlan(user_block, item_tile, tiles, workers, item_parts=item_parts)
     while plan.workspace_bytes(dim, k, state_bytes_per_user) > budget:
-        if plan.tiles_per_call > 1:
+        if plan.user_block > 1 and 4 * plan.item_tile * plan.tiles_per_call < state_bytes_per_user:
+            plan = replace(plan, user_block=plan.user_block // 2)
+        elif plan.tiles_per_call > 1:
             plan = replace(plan, tiles_per_call=plan.tiles_per_call // 2)
         elif plan.item_tile > 256 and (plan.user_block == 1 or 4 * plan.item_tile >= state_bytes_per_user):
             plan = replace(plan, item_tile=plan.item_tile // 2)

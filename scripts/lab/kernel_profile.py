@@ -60,6 +60,8 @@ VARIANTS = {
     # Threshold samples of 2k to 128k items; from 64k on, a segment of the cuBLAS path is widened to hold one.
     **{f"seed{n >> 10}k": {"seed_sample": n, **({"tiles": (2048, n // 4, 4)} if n > 32768 else {})}
        for n in (2048, 4096, 16384, 32768, 65536, 131072)},
+    # The cuBLAS path seeded on a catalogue of fewer than 8 samples (a requested sample needs only 2).
+    **{f"cublas-seed{n >> 10}k": {"seed_sample": n, "fused": "off"} for n in (8192, 16384, 32768)},
 }
 
 

@@ -87,6 +87,36 @@ def test_k_8192_exact_against_cpu():
     _same(Engine(items, device="gpu").search(users, 8192), Engine(items, device="cpu").search(users, 8192))
 
 
+@pytest.mark.parametrize("fused", ["auto", "off"])
+def test_small_catalogue_large_k_is_seeded_and_exact(fused):
+    # 20,000 items at k = 300: fewer than 8 samples of the usual size, so the sample is a quarter's power of two
+    # (4,096 items), on the fused path and on cuBLAS + filter; integer data ties everywhere, some users have every
+    # sampled row excluded, one has all but 100 items excluded (fewer than k left).
+    rng = np.random.default_rng(12)
+    n_items, k = 20000, 300
+    items, users = _ints(rng, n_items, 24), _ints(rng, 500, 24)
+    sample = _sample_rows(n_items, k, 3 * 8192)
+    assert sample.size == 4096
+    excl = {0: sample.tolist(), 1: list(range(100, n_items))}
+    for u in range(2, 500, 3):
+        excl[u] = rng.choice(n_items, 400, replace=False).tolist()
+    gpu = Engine(items, device="gpu", options=EngineOptions(fused=fused))
+    got = gpu.search(users, k, exclude=excl)
+    assert gpu.stats["seed_sample"] == 4096 and gpu.stats["fused"] == (fused == "auto")
+    _same(got, Engine(items, device="cpu").search(users, k, exclude=excl))
+
+
+def test_k_8192_seeded_on_cublas_against_cpu():
+    # 600,000 items at k = 8,192, 200 users (a block of few users: more tiles a call, and room for a sample of 16 k
+    # items): seeded searches of k above 4,096 take cuBLAS + filter.
+    rng = np.random.default_rng(13)
+    items, users = _ints(rng, 600_000, 8), _ints(rng, 200, 8)
+    gpu = Engine(items, device="gpu")
+    got = gpu.search(users, 8192, exclude={3: list(range(0, 600_000, 2))})
+    assert gpu.stats["seed_sample"] == 131072 and not gpu.stats["fused"]
+    _same(got, Engine(items, device="cpu").search(users, 8192, exclude={3: list(range(0, 600_000, 2))}))
+
+
 def test_adversarial_rising_order_exact(small_tiles):
     rng = np.random.default_rng(6)
     users = _ints(rng, 300, 10)

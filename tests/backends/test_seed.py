@@ -12,10 +12,16 @@ from recall.backends.cupy.selection import seed_size
     (1_000_000, 100, 32_768, 8_192),     # S1: the full sample
     (1_000_000, 2_048, 32_768, 32_768),  # large k: 32k items, capped by the score buffer
     (1_000_000, 8_192, 8_192, 0),        # the buffer cannot hold 4k sampled items
+    (1_000_000, 8_192, 65_536, 65_536),  # k = 8,192 in 4 tiles of 16,384 (the GPU's preferred tiles): 8 k items
     (100_000, 100, 32_768, 8_192),       # 8 x 8,192 <= 100k: the full sample
-    (100_000, 1_000, 32_768, 0),         # fewer than 8 x 32k items: no seed
-    (60_000, 100, 32_768, 0),            # fewer than 8 x 8,192 items: no seed
-    (100_000, 4_000, 32_768, 0),
+    (60_000, 100, 32_768, 0),            # fewer than 8 x 8,192 items, k small for them: no seed
+    # A catalogue of fewer than 8 samples where k is large for it: a power of two, at most a quarter of it.
+    (100_000, 1_000, 32_768, 16_384),
+    (100_000, 4_000, 32_768, 16_384),
+    (100_000, 5_000, 32_768, 0),         # 16,384 < 4 k
+    (100_000, 1_000, 8_192, 8_192),      # capped by the buffer
+    (20_000, 300, 24_576, 4_096),
+    (5_000, 1_000, 32_768, 0),
     (20_000, 37, 900, 900),              # small tiles (the tests' plans): the buffer's width
 ])
 def test_sample_size(n_items, k, capacity, want):
@@ -23,13 +29,24 @@ def test_sample_size(n_items, k, capacity, want):
     assert seed_size(n_items, k, capacity, seeded=False) == 0
 
 
+@pytest.mark.parametrize("n_items, k, capacity, requested, want", [
+    (100_000, 1_000, 32_768, 32_768, 32_768),  # a requested sample: from catalogues of at least twice it
+    (60_000, 1_000, 32_768, 32_768, 0),
+    (100_000, 1_000, 16_384, 32_768, 16_384),  # capped by the buffer
+    (100_000, 1_000, 32_768, 2_048, 0),        # fewer than 4 k
+])
+def test_requested_sample_size(n_items, k, capacity, requested, want):
+    assert seed_size(n_items, k, capacity, requested=requested) == want
+
+
 def test_sample_fits_its_stride():
     # The sample takes every (n_items // size)-th row from the middle of the first stride: all within the items.
-    for n_items, k in ((100_000, 1_000), (70_000, 1_000), (1_000_000, 100), (200_001, 4_096)):
+    for n_items, k in ((100_000, 1_000), (70_000, 1_000), (1_000_000, 100), (200_001, 4_096), (20_000, 300),
+                       (33_000, 2_000)):
         size = seed_size(n_items, k, 32_768)
         if size:
             stride = n_items // size
-            assert stride // 2 + stride * (size - 1) < n_items and size <= n_items // 8
+            assert stride // 2 + stride * (size - 1) < n_items and size <= n_items // 4
 
 
 @pytest.mark.gpu

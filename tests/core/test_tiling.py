@@ -19,12 +19,14 @@ from recall.core.tiling import WIDEST_FEW_USERS_TILE, TilePlan, item_segments, p
 
 def _shrink_sequence(start: TilePlan, state: int = 0) -> list[TilePlan]:
     """The documented order, written out independently: tiles per call halve to 1, then the item tile halves down
-    to 256 (the user block first while a user's state outweighs its row of one tile), then the user block halves to
-    1, then the concurrent workers halve to 1, then the item tile halves to 1."""
+    to 256, then the user block halves to 1, then the concurrent workers halve to 1, then the item tile halves to 1;
+    but while a user's state outweighs its row of the call's tiles, the user block halves first."""
     seq = [start]
     u, t, c, w = start.user_block, start.item_tile, start.tiles_per_call, start.workers
     while True:
-        if c > 1:
+        if u > 1 and state > 4 * t * c:
+            u //= 2
+        elif c > 1:
             c //= 2
         elif t > 256 and (u == 1 or state <= 4 * t):
             t //= 2
@@ -82,9 +84,10 @@ def test_shrink_order_with_large_states(state):
 
 
 def test_large_k_keeps_wide_item_tiles():
-    # k = 8192 on the GPU: 2.26 MB of state a user; an 8 GB budget halves the block, not the 8192-item tile.
-    plan = plan_tiles(10_000, 1_000_000, 64, 8192, 8 << 30, (4096, 8192, 4), 2_264_000)
-    assert plan == TilePlan(2048, 8192, 1)
+    # k = 8192 on the GPU: 2.26 MB of state a user; an 8 GB budget halves the block, not the 8192-item tile nor the
+    # tiles a call holds (the room for the threshold sample).
+    plan = plan_tiles(10_000, 1_000_000, 64, 8192, 8 << 30, (4096, 16384, 4), 2_264_000)
+    assert plan == TilePlan(2048, 16384, 4)
 
 
 def test_shrinks_tiles_first_then_item_tile_then_users():

@@ -27,7 +27,7 @@ from ..numpy.backend import tune_band
 from . import blas, rescore
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
 from .pipeline import BlockPipeline
-from .selection import GpuTopK, Selection, fused_capacity
+from .selection import GpuTopK, Selection, fused_capacity, pow2
 
 # Tilings `recall tune` tries on the GPU: score tiles of 32-512 MiB, from tiles that stay in the 50 MiB L2 of an
 # H100/H200 (the selection kernels then read the GEMM's output from L2) to few, large calls (fewer launches; measured
@@ -201,8 +201,11 @@ class CupyBackend:
         # on S1 (100k x 1M x 64, graphs on), 0.633 s at 1024 x (2 x 4096) against 0.589 s at this tiling.
         # `recall tune` on the H200 (docs/benchmarks.md) found wider tiles better for long vectors (d=128, k=100:
         # 2048 x 16384 x 4, 1.04x) and larger user blocks for large k (d=64, k=1000: 4096 x 8192 x 4, 1.07x).
+        # Above k = 4,096, tiles of at least 2 k items: a call's four tiles are the fused path's room for a
+        # threshold sample of 8 k items (selection.seed_size). At k = 8,192 on 10k x 1M x 64 that sample took the
+        # search from 0.173 s (unseeded) to 0.115 s (docs/benchmarks.md).
         users = 4096 if k >= 512 else 2048
-        width = 16384 if dim >= 128 else 8192
+        width = max(16384 if dim >= 128 else 8192, pow2(2 * k))
         return users, width, 4
 
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:

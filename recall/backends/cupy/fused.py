@@ -21,6 +21,8 @@ FUSED_MAX_DIM = 256  # the users' vectors of a block stay in shared memory: 128 
 #: against 0.059 s), its filter then costing about as much per score as 80 columns of products. Measured before the
 #: filter tested groups of scores first (docs/benchmarks.md); the limit has not been measured again since.
 FUSED_H_MAX_WIDTH = 128
+#: Seeded searches of a larger k take cuBLAS + filter (:func:`applies`).
+FUSED_SEEDED_MAX_K = 4096
 _H_CHUNK, _H_STAGES = 64, 3  # fused_h.cu's RH_CHUNK and RH_STAGES
 _H_THREADS = 256  # fused_h.cu's RH_THREADS: 8 warps of 64 users x 32 items (RH_WN = 32)
 
@@ -37,20 +39,22 @@ def covers(dim: int, dtype: Any) -> bool:
 def applies(plan: TilePlan, n_users: int, n_items: int, k: int, dim: int, dtype: Any,
             options: EngineOptions) -> bool:
     """Whether a search takes the fused path: vectors a kernel covers (:func:`covers`), one vector per user, at
-    least a kernel tile's 128 users, and either a seeded search or a k so large that a user's candidate buffer
-    holds two whole segments (then the first segments, which pass every score before the threshold rises, cannot
-    overflow it: at k = 8,192 on 10k x 1M x 64, 0.18 s against 0.48 s for cuBLAS + filter, docs/benchmarks.md).
-    ``options.fused``: "force" also otherwise (fewer users too), "off" never."""
+    least a kernel tile's 128 users, and either a seeded search of k up to 4,096 or an unseeded one of a k so large
+    that a user's candidate buffer holds two whole segments (then the first segments, which pass every score before
+    the threshold rises, cannot overflow it: at k = 8,192 on 10k x 1M x 64, 0.18 s against 0.48 s for cuBLAS +
+    filter). Seeded, k = 8,192 took 0.115 s fused and 0.102 s on cuBLAS + filter, k = 4,096 0.074 s and 0.091 s
+    (docs/benchmarks.md). ``options.fused``: "force" also otherwise (fewer users too), "off" never."""
     if options.fused == "off" or not covers(dim, dtype) or plan.interests is not None:
         return False
     if options.fused == "force":
         return True
     # Fewer users than a kernel's tile of 128 would pay for the whole tile's products (one user: 128 times the
     # work); cuBLAS's GEMM does not.
-    return n_users >= FUSED_TILE and (
-        fused_capacity(k) >= 2 * options.fused_segment
-        or seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds,
-                     options.seed_sample) > 0)
+    if n_users < FUSED_TILE:
+        return False
+    if seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds, options.seed_sample):
+        return k <= FUSED_SEEDED_MAX_K
+    return fused_capacity(k) >= 2 * options.fused_segment
 
 
 def operand(items: DeviceItems, stream: Any) -> Any:

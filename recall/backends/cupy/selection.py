@@ -30,14 +30,21 @@ def fused_capacity(k: int) -> int:
 def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requested: int = 0) -> int:
     """Items in a block's threshold sample (see ``recall_seed``), or 0 where seeding does not pay (or is off):
     the sample costs ``size / n_items`` of the search's GEMM work and leaves about ``k * n_items / size`` scores per
-    user to pass the filter over the whole search. A catalogue of fewer than 8 times the sample is not seeded:
-    sampling an eighth of it instead (k = 1,000 of 100,000 items) was measured no faster, the fused kernel at d = 32
-    costing what the merges saved (docs/benchmarks.md). ``requested``: ``EngineOptions.seed_sample`` (0: the
-    rule above)."""
-    size = min(capacity, requested or max(8192, 32 * k))
-    if not seeded or size < 4 * k or n_items < 8 * size:
+    user to pass the filter over the whole search. The rule: 8,192 items or 32 k, whichever is more, from a
+    catalogue of at least 8 such samples; from a smaller catalogue where k is large for it (32 k more than an
+    eighth of it), the largest power of two at most a quarter of it, whose seed spares the merges the scores of
+    whole unseeded tiles (200k x 100k x 32, k = 1,000: 0.190 s seeded from 16,384 items, 0.256 s unseeded,
+    docs/benchmarks.md). Capped by ``capacity``, the score room a block has; at least 4 k items or none.
+    ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from catalogues of at least twice it."""
+    if not seeded:
         return 0
-    return size
+    if requested:
+        size, least = min(capacity, requested), 2
+    else:
+        size, least = min(capacity, max(8192, 32 * k)), 8
+        if n_items < 8 * size and 256 * k > n_items:
+            size, least = min(capacity, 1 << max(0, (n_items // 4).bit_length() - 1)), 4
+    return size if size >= 4 * k and n_items >= least * size else 0
 
 
 def pow2(n: int) -> int:
