@@ -48,9 +48,11 @@ class EngineOptions:
         1 MiB, at most 8,192 items): one user against 100,000 items runs 13 tiles instead of 196. A batch job's
         engines turn it off, so that a short last batch keeps the tiles its item shards are cut on.
     seed_sample : int
-        GPU: items in each block's threshold sample (``seed_thresholds``); 0: 8,192 or 32 k, whichever is more. At
-        most one segment of the cuBLAS path (``tiles``' items per tile x tiles per call), and none on a catalogue of
-        fewer than 8 times the sample. A larger sample costs its products and merge, and passes fewer scores on.
+        GPU: items in each block's threshold sample (``seed_thresholds``); 0: the rule, 8,192 or 32 k, whichever
+        is more, from a catalogue of at least 8 times that, else (where k is large for the catalogue) the largest
+        power of two at most a quarter of it. At most one segment of the cuBLAS path (``tiles``' items per tile x
+        tiles per call); a size asked for here is taken from a catalogue of at least twice it. A larger sample
+        costs its products and selection, and passes fewer scores on.
     fast_sample : int
         Fast precision: the most users a large search scores first, to find out whether the certificate pays (1/50
         of the users, at most this many, when that is at least 128); where too many of them fall back, the other
