@@ -6,8 +6,9 @@
 // next chunk loads while this one is multiplied. Each thread accumulates an 8 x 8 patch of scores (users ty*4+i and
 // 64+ty*4+i, items tx*4+j and 64+tx*4+j) with one fmaf per dimension in order, from 0, the sequence that
 // RecallDotTile repeats when a merge must recompute a segment. When a tile is done, every score above its user's
-// threshold is appended to the user's candidates (one atomic each: after a block is seeded, few pass), its key
-// stored once the thread has gone on to the next survivor or to its end, not while the atomic's slot is on its way.
+// threshold is appended to the user's candidates (one atomic each: after a block is seeded, few pass; a user's 8
+// scores are tested through their maximum first), its key stored once the thread has gone on to the next survivor
+// or to its end, not while the atomic's slot is on its way.
 //
 // uT is (Dp, ldu) and iT is (Dp, ldi): users and items transposed, zero-padded to Dp (a multiple of 32) dimensions
 // and to whole tiles of 128 rows (the scores of padding rows are computed, and never kept). Only the first Dk of the
@@ -89,8 +90,8 @@ recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restri
         __syncthreads();
         const float* Ak = As + (s % chunks) * (RF_CHUNK * RF_TILE);
         const float* Bk = Bs + (s & 1) * (RF_CHUNK * RF_TILE);
-        // Dimension k of the chunk: 64 FMAs into the thread's 8 x 8 scores.
-#define RF_FMA_ROW(k)                                                                                                \
+        // Dimension k of the chunk: 64 FMAs into the thread's 8 x 8 scores, added to `base` (the sums so far, or 0).
+#define RF_FMA_ROW_TO(k, base)                                                                                       \
     {                                                                                                                \
         const float4 a0 = *reinterpret_cast<const float4*>(Ak + (k) * RF_TILE + ty * 4);                             \
         const float4 a1 = *reinterpret_cast<const float4*>(Ak + (k) * RF_TILE + 64 + ty * 4);                        \
@@ -99,19 +100,26 @@ recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restri
         const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};                                         \
         const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};                                         \
         _Pragma("unroll") for (int i = 0; i < 8; ++i)                                                                \
-            _Pragma("unroll") for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);                   \
+            _Pragma("unroll") for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], base);                        \
     }
+#define RF_FMA_ROW(k) RF_FMA_ROW_TO(k, acc[i][j])
+        // A tile's first dimension starts its sums: fmaf(a, b, 0), the first step of RecallDotTile's sequence,
+        // without clearing 64 registers after every tile.
+        if (s % chunks == 0) RF_FMA_ROW_TO(0, 0.0f) else RF_FMA_ROW(0)
         const int rows = min(RF_CHUNK, Dk - (s % chunks) * RF_CHUNK);  // the last chunk: 8, 16, 24 or 32 of them
         if (rows == RF_CHUNK) {
 #pragma unroll
-            for (int k = 0; k < RF_CHUNK; ++k) RF_FMA_ROW(k)
+            for (int k = 1; k < RF_CHUNK; ++k) RF_FMA_ROW(k)
         } else {
-            for (int k8 = 0; k8 < rows; k8 += 8) {
+#pragma unroll
+            for (int k = 1; k < 8; ++k) RF_FMA_ROW(k)
+            for (int k8 = 8; k8 < rows; k8 += 8) {
 #pragma unroll
                 for (int k = 0; k < 8; ++k) RF_FMA_ROW(k8 + k)
             }
         }
 #undef RF_FMA_ROW
+#undef RF_FMA_ROW_TO
         __syncthreads();  // the buffer just read is refilled at the next step
         if (s % chunks == chunks - 1) {
             const int j0 = (t_first + s / chunks) * RF_TILE;
@@ -119,6 +127,11 @@ recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restri
             for (int i = 0; i < 8; ++i) {
                 const int user = u0 + (i < 4 ? ty * 4 + i : 64 + ty * 4 + i - 4);
                 const float t = user < n_users ? thr[user] : __int_as_float(0x7f800000);  // +inf: none passes
+                // As in fused_h.cu: the maximum of the user's 8 scores is tested first, single scores only where it
+                // passes (NaN sums pass neither test).
+                const float m = fmaxf(fmaxf(fmaxf(acc[i][0], acc[i][1]), fmaxf(acc[i][2], acc[i][3])),
+                                      fmaxf(fmaxf(acc[i][4], acc[i][5]), fmaxf(acc[i][6], acc[i][7])));
+                if (!(m > t)) continue;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int row = j0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
@@ -135,7 +148,6 @@ recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restri
                         p_key = recall_key(acc[i][j], row);
 #endif
                     }
-                    acc[i][j] = 0.0f;
                 }
             }
         }
