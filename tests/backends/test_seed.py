@@ -1,5 +1,6 @@
-"""The GPU's threshold-sample size (``recall.backends.cupy.selection.seed_size``): a pure rule, checked here without a
-GPU; the seeded searches themselves are checked on the device (tests/backends/test_gpu.py)."""
+"""The GPU's threshold-sample size (``recall.backends.cupy.selection.seed_size``) and which searches take the fused
+path (``recall.backends.cupy.fused.applies``): pure rules, checked here without a GPU; the seeded searches themselves
+are checked on the device (tests/backends/test_gpu.py, and the sample's selection below)."""
 from __future__ import annotations
 
 import numpy as np
@@ -89,3 +90,25 @@ def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k)
         want = np.float32(-np.inf) if finite.size < k else np.nextafter(finite[k - 1], np.float32(-np.inf))
         assert got[u] == want, (u, got[u], want)
     assert not cupy.asnumpy(state.n_valid).any() and not cupy.asnumpy(state.cnt).any()
+
+
+@pytest.mark.parametrize("plan, n_users, n_items, k, dim, dtype, options, want", [
+    ((2048, 8192, 4), 100_000, 1_000_000, 100, 64, "float32", {}, True),      # S1: seeded, fused
+    ((4096, 8192, 4), 10_000, 1_000_000, 4096, 64, "float32", {}, True),      # seeded k = 4,096: fused
+    ((2048, 16384, 4), 10_000, 1_000_000, 8192, 64, "float32", {}, False),    # seeded k = 8,192: cuBLAS + filter
+    ((2048, 8192, 1), 10_000, 1_000_000, 8192, 64, "float32", {}, True),      # unseeded (no room), k = 8,192: fused
+    ((4096, 8192, 4), 200_000, 100_000, 1000, 32, "float32", {}, True),       # a small catalogue, seeded: fused
+    ((2048, 8192, 4), 100_000, 60_000, 100, 64, "float32", {}, False),        # unseeded, k small: cuBLAS
+    ((2048, 8192, 4), 100, 1_000_000, 100, 64, "float32", {}, False),         # fewer users than a kernel tile
+    ((2048, 8192, 4), 100, 1_000_000, 100, 64, "float32", {"fused": "force"}, True),
+    ((2048, 8192, 4), 100_000, 1_000_000, 100, 64, "float32", {"fused": "off"}, False),
+    ((2048, 8192, 4), 100_000, 1_000_000, 100, 257, "float32", {}, False),    # wider than the kernel's 256
+    ((2048, 8192, 4), 100_000, 1_000_000, 100, 80, "float16", {}, True),      # fast mode's rows of S1
+    ((2048, 8192, 4), 100_000, 1_000_000, 100, 264, "float16", {}, False),    # d = 256 in fast mode: cuBLAS
+])
+def test_which_searches_take_the_fused_path(plan, n_users, n_items, k, dim, dtype, options, want):
+    from recall.backends.cupy import fused
+    from recall.core.options import EngineOptions
+    from recall.core.tiling import TilePlan
+
+    assert fused.applies(TilePlan(*plan), n_users, n_items, k, dim, np.dtype(dtype), EngineOptions(**options)) is want
