@@ -12,7 +12,7 @@ import numpy as np
 from ...core.options import EngineOptions
 from ...core.tiling import TilePlan
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
-from .selection import MERGE_THREADS, GpuTopK, Selection, fused_capacity, seed_size
+from .selection import MERGE_THREADS, GpuTopK, Selection, fused_capacity, search_seed_size
 
 FUSED_THREADS = 256
 FUSED_MAX_DIM = 256  # the users' vectors of a block stay in shared memory: 128 x 256 floats at most
@@ -52,7 +52,7 @@ def applies(plan: TilePlan, n_users: int, n_items: int, k: int, dim: int, dtype:
     # work); cuBLAS's GEMM does not.
     if n_users < FUSED_TILE:
         return False
-    if seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds, options.seed_sample):
+    if search_seed_size(plan, n_items, k, options):
         return k <= FUSED_SEEDED_MAX_K
     return fused_capacity(k) >= 2 * options.fused_segment
 

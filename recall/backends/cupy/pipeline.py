@@ -23,7 +23,7 @@ from ...core.tiling import TilePlan
 from .. import tiled
 from . import fused as fused_path
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
-from .selection import GpuTopK, fused_capacity, seed_size
+from .selection import GpuTopK, fused_capacity, search_seed_size
 
 log = logging.getLogger("recall")
 
@@ -121,8 +121,7 @@ class BlockPipeline:
         host_users = isinstance(users, np.ndarray)
         fused = fused_path.applies(plan, n_users, n_items, k, dim, users.dtype, options)
         # The fused path keeps score room for the threshold sample only.
-        sample = seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds,
-                           options.seed_sample) if plan.interests is None else 0
+        sample = search_seed_size(plan, n_items, k, options)
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused, max(1, sample) if fused else None)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}

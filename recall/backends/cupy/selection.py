@@ -47,6 +47,14 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     return size if size >= 4 * k and n_items >= least * size else 0
 
 
+def search_seed_size(plan: Any, n_items: int, k: int, options: Any) -> int:
+    """``seed_size`` of a search under ``plan`` (``TilePlan``) and ``options`` (``EngineOptions``): the score room is
+    one GEMM call's tiles; users with several vectors are not seeded."""
+    if plan.interests is not None:
+        return 0
+    return seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds, options.seed_sample)
+
+
 def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
