@@ -610,13 +610,27 @@ def test_exclusions_read_once_for_the_job(tmp_path: Path, monkeypatch: pytest.Mo
     shutil.copy(excl, kept)
     reads = []
     read = batch_exclusions.ExclusionIndex.read.__func__
+    # The parent also hashes the file for the manifest, on other threads while the reader maps it: the file goes
+    # once both are done (deleting it as soon as it was read made the hash fail now and then).
+    from recall.jobs.batch import job as batch_job
+
+    hashed = threading.Event()
+    fingerprint_all = batch_job.fingerprint_all
+
+    def fingerprint_then_say(*args, **kwargs):
+        try:
+            return fingerprint_all(*args, **kwargs)
+        finally:
+            hashed.set()
 
     def once(cls, path, *args):
         index = read(cls, path, *args)
         reads.append(path)
+        hashed.wait(60)
         os.remove(path)
         return index
 
+    monkeypatch.setattr(batch_job, "fingerprint_all", fingerprint_then_say)
     monkeypatch.setattr(batch_exclusions.ExclusionIndex, "read", classmethod(once))
     out = tmp_path / "out"
     summary = _run(job, out, exclude=excl, **how)
