@@ -99,10 +99,12 @@ class Backend(Protocol):
         float16 scores on the GPU, scaled by ``certificate.output_scale``; float32 on the CPU)."""
 
     # -- the work -------------------------------------------------------------------------------------------------
-    def load_items(self, prepared: Any) -> Any:
+    def load_items(self, prepared: Any, norms_rank: bool = False) -> Any:
         """The resident form of prepared items ((n_items, dim) float32, or float16 for fast mode, on this
         backend): what ``run_blocks`` and ``rescore`` take as ``items``. Keeps whatever the backend derives from
-        the items (the GPU's transposed copy for its fused kernel) for as long as the engine holds it."""
+        the items (the GPU's transposed copy for its fused kernel) for as long as the engine holds it.
+        ``norms_rank``: an item's norm bounds its score (``metrics.norms_rank``), so that a backend that seeds its
+        thresholds from a sample of the items may prefer those of the largest norms."""
 
     def run_blocks(self, plan: TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Wait:

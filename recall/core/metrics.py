@@ -56,6 +56,13 @@ def bias_column(metric: str, dim: int) -> int | None:
     return dim if metric == "l2" else None
 
 
+def norms_rank(metric: str) -> bool:
+    """Whether a prepared item's norm bounds its score against every user of a given norm (the inner product: the
+    items of the largest norms are the ones most users rank high); not under cosine (all norms 1) nor l2 (a far item
+    has a large norm and scores low)."""
+    return metric == "ip"
+
+
 def _augmented_width(dim: int) -> int:
     return (dim + 1 + 3) // 4 * 4
 

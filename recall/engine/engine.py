@@ -114,7 +114,7 @@ class Engine:
             self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
             self.item_norm = float(metrics.row_norms(xp, items).max()) if self.metric != "cosine" else 1.0
             self.prepared_items = metrics.prepare_items(self.metric, xp, items)  # (n_items, scored dim), backend
-            self._items = self.backend.load_items(self.prepared_items)
+            self._items = self.backend.load_items(self.prepared_items, metrics.norms_rank(self.metric))
         self.ids = inputs.item_ids(ids, self.n_items)
         self._fast: fast.FastState | None = None
         self._filter: ItemFilter | None = None  # set_item_filter's: applies to every search
@@ -235,11 +235,11 @@ class Engine:
                                  item_norm=self.item_norm, _fast=None, _filter=None, _views={}, stats={})
             view._catalogue_rows = self.backend.xp.asarray(flt.rows)  # on the device: rows mapped back there
             if self.streamed:  # gathered in host memory: resident when the passing rows fit on the device
-                view._items, view.prepared_items = streamed.gather(self.backend, self._items, flt.rows,
-                                                                   self.item_memory, self.memory_budget)
+                view._items, view.prepared_items = streamed.gather(self.backend, self.metric, self._items,
+                                                                   flt.rows, self.item_memory, self.memory_budget)
             else:
                 view.prepared_items = self.prepared_items[view._catalogue_rows]
-                view._items = self.backend.load_items(view.prepared_items)
+                view._items = self.backend.load_items(view.prepared_items, metrics.norms_rank(self.metric))
             self._views[flt.key] = view
         return view
 

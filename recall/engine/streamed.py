@@ -146,7 +146,7 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
         best = None
         inflight: deque = deque()  # (resident segment, its search's wait): kept until the search is done
         for lo, hi in segments:
-            resident = backend.load_items(backend.ingest(items.host[lo:hi]))
+            resident = backend.load_items(backend.ingest(items.host[lo:hi]), metrics.norms_rank(engine.metric))
             uploaded += (hi - lo) * items.host.shape[1] * 4
             kseg = min(k, hi - lo)
             floor = best[0][:, k - 1] if best is not None and best[0].shape[1] >= k else None
@@ -173,7 +173,8 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
     return lambda: stats
 
 
-def gather(backend: Any, items: StreamedItems, rows: Any, item_memory: int | None, budget: int) -> tuple[Any, Any]:
+def gather(backend: Any, metric: str, items: StreamedItems, rows: Any, item_memory: int | None,
+           budget: int) -> tuple[Any, Any]:
     """The prepared rows ``rows`` (host or device int64, increasing) of streamed items as a catalogue of their own:
     (its items, its prepared matrix): resident on the backend where they fit, else streamed again."""
     rows = to_numpy(rows)
@@ -181,7 +182,7 @@ def gather(backend: Any, items: StreamedItems, rows: Any, item_memory: int | Non
     cap = needs_streaming(backend, shape[0], shape[1], item_memory, budget)
     if cap is None:
         prepared = backend.ingest(items.host[rows])
-        return backend.load_items(prepared), prepared
+        return backend.load_items(prepared, metrics.norms_rank(metric)), prepared
     segment_rows = max(1, cap // (2 * row_bytes(backend, shape[1])))
     pinned = backend.empty_out(shape, np.float32, True)
     np.take(items.host, rows, axis=0, out=pinned)  # gathered straight into page-locked memory

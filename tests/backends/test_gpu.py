@@ -95,7 +95,7 @@ def test_small_catalogue_large_k_is_seeded_and_exact(fused):
     rng = np.random.default_rng(12)
     n_items, k = 20000, 300
     items, users = _ints(rng, n_items, 24), _ints(rng, 500, 24)
-    sample = _sample_rows(n_items, k, 3 * 8192)
+    sample = _sample_rows(items, k, 3 * 8192)
     assert sample.size == 4096
     excl = {0: sample.tolist(), 1: list(range(100, n_items))}
     for u in range(2, 500, 3):
@@ -190,12 +190,13 @@ def test_out_of_memory_is_a_resource_error(monkeypatch):
         Engine(_ints(rng, 100, 4), device="gpu").search(_ints(rng, 10, 4), 5)
 
 
-def _sample_rows(n_items, k, capacity):
-    from recall.backends.cupy.selection import seed_size
+def _sample_rows(items, k, capacity):
+    # The rows an ip search's threshold sample takes (integer items: their float64 norms are exact on either side).
+    from recall.backends.cupy.selection import sample_rows, seed_size
+    from recall.core.metrics import row_norms
 
-    size = seed_size(n_items, k, capacity)
-    stride = n_items // size
-    return np.arange(size) * stride + stride // 2
+    size = seed_size(items.shape[0], k, capacity)
+    return sample_rows(np, items.shape[0], size, row_norms(np, items))
 
 
 def test_seeded_threshold_exact_with_ties_and_excluded_sample(small_tiles):
@@ -204,7 +205,7 @@ def test_seeded_threshold_exact_with_ties_and_excluded_sample(small_tiles):
     rng = np.random.default_rng(7)
     n_items, k = 20000, 37
     items, users = _ints(rng, n_items, 12, -1, 2), _ints(rng, 300, 12, -1, 2)
-    sample = _sample_rows(n_items, k, 300 * 3)
+    sample = _sample_rows(items, k, 300 * 3)
     assert sample.size > 0
     excl = {0: sample.tolist(), 1: sample[:400].tolist(), 2: []}
     for u in range(3, 300, 4):
@@ -212,6 +213,26 @@ def test_seeded_threshold_exact_with_ties_and_excluded_sample(small_tiles):
     gpu = Engine(items, device="gpu", options=small_tiles)
     got = gpu.search(users, k, exclude=excl)
     assert gpu.stats["seed_sample"] == sample.size
+    _same(got, Engine(items, device="cpu").search(users, k, exclude=excl))
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_seed_of_the_largest_norms_exact_with_them_excluded(small_tiles, precision):
+    # Under ip half the threshold sample is the items of the largest norms: integer items scaled by 1, 2, 4 or 8 a
+    # row, the largest excluded for some users (all of them, the best few hundred, every other row), fewer than k
+    # items left for one; exact and fast mode against the CPU, bit for bit.
+    rng = np.random.default_rng(14)
+    n_items, k = 20000, 40
+    items = _ints(rng, n_items, 16) * (2.0 ** rng.integers(0, 4, (n_items, 1))).astype(np.float32)
+    users = _ints(rng, 400, 16)
+    largest = np.argsort(-np.linalg.norm(items.astype(np.float64), axis=1), kind="stable")[:2500]
+    excl = {0: largest.tolist(), 1: largest[:300].tolist(), 2: list(range(0, n_items, 2)),
+            3: list(range(30, n_items))}
+    for u in range(4, 400, 5):
+        excl[u] = rng.choice(largest, 200, replace=False).tolist()
+    gpu = Engine(items, device="gpu", options=small_tiles, precision=precision)
+    got = gpu.search(users, k, exclude=excl)
+    assert gpu.stats["seed_sample"] > 0
     _same(got, Engine(items, device="cpu").search(users, k, exclude=excl))
 
 

@@ -40,14 +40,36 @@ def test_requested_sample_size(n_items, k, capacity, requested, want):
     assert seed_size(n_items, k, capacity, requested=requested) == want
 
 
-def test_sample_fits_its_stride():
-    # The sample takes every (n_items // size)-th row from the middle of the first stride: all within the items.
-    for n_items, k in ((100_000, 1_000), (70_000, 1_000), (1_000_000, 100), (200_001, 4_096), (20_000, 300),
-                       (33_000, 2_000)):
-        size = seed_size(n_items, k, 32_768)
-        if size:
-            stride = n_items // size
-            assert stride // 2 + stride * (size - 1) < n_items and size <= n_items // 4
+def _independent_sample(n_items, size, norms):
+    # The rule spelled out row by row: the evenly spread rows, then the largest norms of the rest (lower row first).
+    stride = n_items // size
+    if norms is None:
+        return [stride // 2 + j * stride for j in range(size)]
+    spread = [stride // 2 + 2 * j * stride for j in range((size + 1) // 2)]
+    taken = set(spread)
+    rest = sorted((r for r in range(n_items) if r not in taken), key=lambda r: (-float(norms[r]), r))
+    return sorted(spread + rest[: size - len(spread)])
+
+
+@pytest.mark.parametrize("n_items, k, requested", [
+    (100_000, 1_000, 0), (70_000, 1_000, 0), (1_000_000, 100, 0), (200_001, 4_096, 0), (20_000, 300, 0),
+    (33_000, 2_000, 0), (20_000, 300, 8_192), (9_000, 37, 4_096), (4_099, 1, 2_049)])
+@pytest.mark.parametrize("norms_kind", [None, "spread", "ties", "rising"])
+def test_sample_rows(n_items, k, requested, norms_kind):
+    # Sorted distinct rows within the items, the sample's size, exactly the rule's rows: with norms, ties among them
+    # (a few distinct values) and norms rising with the row (the largest all at the end, where the spread half is).
+    from recall.backends.cupy.selection import sample_rows
+
+    size = seed_size(n_items, k, 32_768, requested=requested)
+    assert size
+    rng = np.random.default_rng(n_items + k)
+    norms = {None: None, "spread": rng.lognormal(0, 1, n_items), "ties": rng.integers(0, 4, n_items) * 1.0,
+             "rising": np.arange(n_items, dtype=np.float64)}[norms_kind]
+    rows = sample_rows(np, n_items, size, norms)
+    assert rows.dtype == np.int64 and rows.shape == (size,)
+    assert np.all(np.diff(rows) > 0) and rows[0] >= 0 and rows[-1] < n_items
+    if n_items <= 200_001:
+        assert rows.tolist() == _independent_sample(n_items, size, norms)
 
 
 @pytest.mark.gpu
@@ -83,13 +105,53 @@ def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k)
     backend = resolve("gpu")
     state = GpuTopK.allocate(n, k)
     scores = cupy.asarray(rows).reshape(1, n, size)
-    backend.selection.seed(state, scores, 0, 1, cupy.zeros(n + 1, cupy.int64), cupy.zeros(0, cupy.int64))
+    backend.selection.seed(state, scores, cupy.arange(size, dtype=cupy.int64), cupy.zeros(n + 1, cupy.int64),
+                           cupy.zeros(0, cupy.int64))
     got = cupy.asnumpy(state.thr)
     for u in range(n):
         finite = np.sort(rows[u].astype(np.float32)[rows[u].astype(np.float32) > -np.inf])[::-1]
         want = np.float32(-np.inf) if finite.size < k else np.nextafter(finite[k - 1], np.float32(-np.inf))
         assert got[u] == want, (u, got[u], want)
     assert not cupy.asnumpy(state.n_valid).any() and not cupy.asnumpy(state.cnt).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_seed_masks_the_excluded_rows_of_any_sample(dtype):
+    # A sample of scattered rows (as the largest norms leave it): each user's excluded items, sampled or not, in and
+    # past the rows' range, the first and last sampled rows, every sampled row for one user, none for another.
+    from recall.backends import cuda_status, resolve
+    from recall.backends.cupy.selection import GpuTopK
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    rng = np.random.default_rng(11)
+    n_items, size, k, n = 50_000, 3_000, 20, 9
+    rows = np.sort(rng.choice(n_items, size, replace=False)).astype(np.int64)
+    scores = rng.standard_normal((n, size)).astype(dtype)
+    excluded = [rng.choice(n_items, 400, replace=False) for _ in range(n)]
+    excluded[1] = rows.copy()                                                    # every sampled row
+    excluded[2] = np.zeros(0, np.int64)                                          # none
+    excluded[3] = np.array([rows[0], rows[-1], rows[-1] + 1, n_items - 1])       # the ends
+    excluded[4] = rng.choice(rows, 200, replace=False)                           # sampled rows only
+    excluded[5] = np.setdiff1d(np.arange(n_items), rows)[:5000]                  # no sampled row
+    excluded[6] = rows[np.argsort(-scores[6].astype(np.float32))[:k]]            # the k best sampled
+    excluded = [np.unique(e).astype(np.int64) for e in excluded]
+    indptr = np.concatenate([[0], np.cumsum([e.size for e in excluded])]).astype(np.int64)
+    backend = resolve("gpu")
+    state = GpuTopK.allocate(n, k)
+    gpu_scores = cupy.asarray(scores).reshape(1, n, size)
+    backend.selection.seed(state, gpu_scores, cupy.asarray(rows), cupy.asarray(indptr),
+                           cupy.asarray(np.concatenate(excluded)))
+    got = cupy.asnumpy(state.thr)
+    for u in range(n):
+        kept = scores[u].astype(np.float32)[~np.isin(rows, excluded[u])]
+        finite = np.sort(kept)[::-1]
+        want = np.float32(-np.inf) if finite.size < k else np.nextafter(finite[k - 1], np.float32(-np.inf))
+        assert got[u] == want, (u, got[u], want)
 
 
 @pytest.mark.parametrize("plan, n_users, n_items, k, dim, dtype, options, want", [

@@ -182,9 +182,10 @@ class CupyBackend:
         return min(8 << 30, self.free_memory() // 4)
 
     def resident_bytes(self, n_items: int, dim: int) -> int:
-        # The items and the fused kernel's transposed copy (rows rounded up to its tile, dims to its chunk).
+        # The items, the fused kernel's transposed copy (rows rounded up to its tile, dims to its chunk) and the
+        # float64 norms that threshold samples rank items by (DeviceItems.sample_rows).
         padded = -(-n_items // FUSED_TILE) * FUSED_TILE * (-(-dim // FUSED_CHUNK) * FUSED_CHUNK)
-        return 4 * (n_items * dim + padded)
+        return 4 * (n_items * dim + padded) + 8 * n_items
 
     def item_memory(self, budget: int) -> int | None:
         # What is free now, less the search's own budget and a tenth for the allocator and the other buffers.
@@ -217,8 +218,8 @@ class CupyBackend:
         return np.dtype(np.float16) if np.dtype(input_dtype) == np.float16 else np.dtype(np.float32)
 
     # -- the work --------------------------------------------------------------------------------------------------
-    def load_items(self, prepared: Any) -> DeviceItems:
-        return DeviceItems(prepared)
+    def load_items(self, prepared: Any, norms_rank: bool = False) -> DeviceItems:
+        return DeviceItems(prepared, norms_rank)
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Any:

@@ -5,6 +5,9 @@ from typing import Any
 
 import numpy as np
 
+from ...core.metrics import row_norms
+from .selection import sample_rows
+
 #: Tile geometry of recall_fused_filter (fused.cu): 128 x 128 scores per tile, 32 dimensions per chunk.
 FUSED_TILE = 128
 FUSED_CHUNK = 32
@@ -12,11 +15,16 @@ FUSED_CHUNK = 32
 
 class DeviceItems:
     """Items on the device: ``vecs`` (n_items, dim) (float32, or float16 for fast mode), and, built on first use
-    and kept as long as the engine holds this object, their transposed copy for the fused kernel."""
+    and kept as long as the engine holds this object, their transposed copy for the fused kernel and the rows of
+    their threshold samples. ``norms_rank``: an item's norm bounds its score (the inner product), so that samples
+    take half their rows from the largest norms (``selection.sample_rows``)."""
 
-    def __init__(self, vecs: Any) -> None:
+    def __init__(self, vecs: Any, norms_rank: bool = False) -> None:
         self.vecs = vecs
+        self.norms_rank = norms_rank
         self._transposed: Any = None
+        self._norms: Any = None
+        self._samples: dict[tuple[int, int], Any] = {}
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -39,3 +47,20 @@ class DeviceItems:
                 items_t[:dim, :n_items] = self.vecs.T
             self._transposed = items_t
         return self._transposed
+
+    def sample_rows(self, size: int, n_items: int, stream: Any) -> Any:
+        """The sorted int64 device rows of the threshold sample of ``size`` of the first ``n_items`` items
+        (``selection.sample_rows``), computed on ``stream`` the first time; the same array (so the same address, which
+        a captured graph reads) for as long as this object lives."""
+        key = (size, n_items)
+        rows = self._samples.get(key)
+        if rows is None:
+            import cupy
+
+            with stream:
+                if self.norms_rank and self._norms is None:
+                    self._norms = row_norms(cupy, self.vecs)
+                norms = self._norms[:n_items] if self.norms_rank else None
+                rows = sample_rows(cupy, n_items, size, norms)
+            self._samples[key] = rows
+        return rows

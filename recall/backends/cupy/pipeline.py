@@ -134,7 +134,7 @@ class BlockPipeline:
         copy.wait_event(ready)
         if floor is not None:
             copy.wait_event(compute.record())  # floors come from merges queued on the compute stream
-        seed = self._refresh_sample(ws, items.vecs, n_items, sample, dim) if sample else None
+        seed = self._refresh_sample(ws, items, n_items, sample, dim) if sample else None
         stats["seed_sample"] = sample
         items_t = fused_path.operand(items, compute) if fused else None
         stats["fused"] = fused
@@ -266,16 +266,16 @@ class BlockPipeline:
                      host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
                      staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
 
-    def _refresh_sample(self, ws: _Workspace, items: Any, n_items: int, size: int, dim: int) -> tuple[Any, int, int]:
-        """Copy this search's threshold sample of ``size`` rows (``seed_size``; every stride-th item row from first)
-        into the workspace's buffer, on the compute stream."""
+    def _refresh_sample(self, ws: _Workspace, items: DeviceItems, n_items: int, size: int, dim: int) -> tuple[Any,
+                                                                                                             Any]:
+        """Gather this search's threshold sample of ``size`` rows (``seed_size``; which rows: ``sample_rows``) into
+        the workspace's buffer, on the compute stream: (the sample, its rows)."""
         if ws.sample is None or ws.sample.shape != (size, dim):
             ws.sample = self.backend.xp.empty((size, dim), items.dtype)
-        stride = n_items // size
-        first = stride // 2
+        rows = items.sample_rows(size, n_items, self.compute_stream)
         with self.compute_stream:
-            ws.sample[...] = items[first: first + stride * size: stride]
-        return ws.sample, first, stride
+            self.backend.xp.take(items.vecs, rows, axis=0, out=ws.sample)
+        return ws.sample, rows
 
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
@@ -296,12 +296,12 @@ class BlockPipeline:
                 # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed.
                 state.thr[:rows] = slot.floor[:rows]
             elif seed is not None:
-                sample, first, stride = seed
+                sample, sample_rows = seed
                 size = sample.shape[0]
                 scores = scores_buf[: rows * size].reshape(1, rows, size)
                 backend.gemm_strided_batched(users.reshape(1, rows, users.shape[1]), sample.reshape(1, size, -1),
                                              scores)
-                sel.seed(state, scores, first, stride, slot.ex_ptr, ex_items)
+                sel.seed(state, scores, sample_rows, slot.ex_ptr, ex_items)
             if fused_ws is None:
                 tiled.search_block(backend, plan, users, items.vecs, n_items, state, scores_buf, slot.ex_ptr,
                                    ex_items)
@@ -312,9 +312,11 @@ class BlockPipeline:
 
         # The workspace (and so every other pointer, the sample buffer included) is fixed per slot; the items are
         # keyed by the device memory the launches read, not by the Python object: a segment or filtered view's
-        # object is freed after its search and its id() taken by the next one, which lives at other addresses.
+        # object is freed after its search and its id() taken by the next one, which lives at other addresses (the
+        # sample's rows too, which the sample's mask reads).
         vecs = items.vecs
-        key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, seed is not None,
+        sample_ptr = None if seed is None else seed[1].data.ptr
+        key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
                None if items_t is None else items_t.data.ptr, has_floor, options)
         graph = slot.graphs.get(key)
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.

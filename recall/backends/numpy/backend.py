@@ -207,7 +207,7 @@ class NumpyBackend:
             return self._pool[1]
 
     # -- the work ------------------------------------------------------------------------------------------------
-    def load_items(self, prepared: Any) -> np.ndarray:
+    def load_items(self, prepared: Any, norms_rank: bool = False) -> np.ndarray:
         return prepared
 
     def run_blocks(self, plan: TilePlan, users: np.ndarray, items: np.ndarray, n_items: int, k: int,

@@ -7,12 +7,12 @@
 //
 // Per search block of U users the state is, per user: the K best keys so far (unsorted), how many are valid, and
 // the score of the worst of them (the threshold; -inf until K are held). Per score tile:
-//   recall_mask_excluded  sets excluded (user, item) scores to -inf;
+//   recall_mask_excluded  sets excluded (user, item) scores to -inf (recall_mask_sampled: in a threshold sample's);
 //   recall_filter         appends keys of scores above the user's threshold to a per-user candidate buffer;
 //   recall_merge          folds candidates into the state (exact radix select) once the buffer is half full, or
 //                         rescans the tile when the buffer overflowed; with `final` set it sorts and writes results.
-// Before its first segment a block may be seeded (recall_seed): its users' K-th best score over a strided sample
-// of the items is a lower bound of the final K-th best, so the filter passes few scores from the first tile on, and
+// Before its first segment a block may be seeded (recall_seed): its users' K-th best score over a sample of the
+// items is a lower bound of the final K-th best, so the filter passes few scores from the first tile on, and
 // item orders that raise the scores tile after tile (the worst case for a running threshold) cost little more.
 
 typedef unsigned long long u64;
@@ -65,15 +65,15 @@ __device__ __forceinline__ void recall_load4(const half_bits* p, int i, float v[
 }
 
 // One thread per user: walk the user's sorted exclusions that fall inside this score tile, whose column j (over the B
-// tiles of T columns) is item row item_start + j * stride (stride 1 for a segment, larger for the threshold sample).
-// ex_ptr has U + 1 entries (rows past the block's last user are empty).
+// tiles of T columns) is item row item_start + j. ex_ptr has U + 1 entries (rows past the block's last user are
+// empty).
 template <typename S>
-__device__ void recall_mask_body(S* __restrict__ scores, int U, int T, int B, int item_start, int stride,
+__device__ void recall_mask_body(S* __restrict__ scores, int U, int T, int B, int item_start,
                                  const long long* __restrict__ ex_ptr, const long long* __restrict__ ex_items) {
     int u = blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= U) return;
     long long lo = ex_ptr[u], hi = ex_ptr[u + 1];
-    long long stop = (long long)item_start + (long long)B * T * stride;
+    long long stop = (long long)item_start + (long long)B * T;
     // first exclusion >= item_start
     long long a = lo, b = hi;
     while (a < b) {
@@ -84,23 +84,56 @@ __device__ void recall_mask_body(S* __restrict__ scores, int U, int T, int B, in
         long long j = ex_items[e];
         if (j >= stop) break;
         long long off = j - item_start;
-        if (off % stride) continue;
-        off /= stride;
         long long tile = off / T;
         recall_store_neg_inf(scores, (tile * U + u) * (long long)T + (off - tile * T));
     }
 }
 
 extern "C" __global__ void recall_mask_excluded(float* __restrict__ scores, int U, int T, int B, int item_start,
-                                                int stride, const long long* __restrict__ ex_ptr,
+                                                const long long* __restrict__ ex_ptr,
                                                 const long long* __restrict__ ex_items) {
-    recall_mask_body(scores, U, T, B, item_start, stride, ex_ptr, ex_items);
+    recall_mask_body(scores, U, T, B, item_start, ex_ptr, ex_items);
 }
 
 extern "C" __global__ void recall_mask_excluded_h(half_bits* __restrict__ scores, int U, int T, int B,
-                                                  int item_start, int stride, const long long* __restrict__ ex_ptr,
+                                                  int item_start, const long long* __restrict__ ex_ptr,
                                                   const long long* __restrict__ ex_items) {
-    recall_mask_body(scores, U, T, B, item_start, stride, ex_ptr, ex_items);
+    recall_mask_body(scores, U, T, B, item_start, ex_ptr, ex_items);
+}
+
+// The threshold sample's scores (U, T): column c holds item row rows[c] (T sorted, distinct rows). One thread a user
+// looks each of its excluded items up in the rows (a binary search from where the last one was found: both lists
+// rise) and sets the score of each one sampled to -inf.
+template <typename S>
+__device__ void recall_mask_sampled_body(S* __restrict__ scores, int U, int T, const long long* __restrict__ rows,
+                                         const long long* __restrict__ ex_ptr,
+                                         const long long* __restrict__ ex_items) {
+    int u = blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= U) return;
+    int a = 0;
+    for (long long e = ex_ptr[u]; e < ex_ptr[u + 1] && a < T; ++e) {
+        const long long j = ex_items[e];
+        int b = T;
+        while (a < b) {
+            const int m = (a + b) >> 1;
+            if (rows[m] < j) a = m + 1; else b = m;
+        }
+        if (a < T && rows[a] == j) recall_store_neg_inf(scores, (long long)u * T + a);
+    }
+}
+
+extern "C" __global__ void recall_mask_sampled(float* __restrict__ scores, int U, int T,
+                                               const long long* __restrict__ rows,
+                                               const long long* __restrict__ ex_ptr,
+                                               const long long* __restrict__ ex_items) {
+    recall_mask_sampled_body(scores, U, T, rows, ex_ptr, ex_items);
+}
+
+extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores, int U, int T,
+                                                 const long long* __restrict__ rows,
+                                                 const long long* __restrict__ ex_ptr,
+                                                 const long long* __restrict__ ex_items) {
+    recall_mask_sampled_body(scores, U, T, rows, ex_ptr, ex_items);
 }
 
 // A block's threshold sample: grid (U), RECALL_SEED_THREADS threads a user. The K-th best of the user's sampled scores
