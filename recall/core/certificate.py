@@ -131,6 +131,27 @@ def margin(k: int) -> int:
     return max(16, k // 4)
 
 
+def seed_margin(width: int, item_norm: float, half_vectors: bool, half_tiles: bool) -> tuple[float, float, float]:
+    """(A, R, Z): a search's own score of an item may lie below a threshold sample's score of the same item (another
+    GEMM: the sums in another order) by at most A·|u| + R·|s| + Z, for a user of norm |u| (its prepared vector, of
+    ``width`` columns), a sampled score s and items of norms at most ``item_norm`` (the vectors the GEMMs multiply:
+    float16 ones for ``half_vectors``). The seed's threshold starts that much below the sample's k-th best
+    (``recall_seed``), so that it stays a lower bound of the search's k-th best whichever items the sample holds.
+
+    - Two sums of the same ``width`` products differ by at most 2·γ·Σ|u_i v_i| <= 2·γ·|u|·item_norm, with γ =
+      width·γ₃₂ for float32 vectors and width·γ₁₆ for float16 ones (exact products, the tensor cores' sums), each
+      step losing at most half of float32's smallest subnormal spacing besides: 2·width·2^-149.
+    - Score tiles of float16 (``half_tiles``, scaled by ``output_scale(width)``) round each score to nearest: two
+      roundings of values that differ by δ differ by at most δ plus one float16 ulp of the larger, 2^-9·|s| with room
+      to spare, or 2^-24 below float16's normal range."""
+    gamma = width * (_ACC16 if half_vectors else _ACC32)
+    scale = output_scale(width) if half_tiles else 1.0
+    a = 2 * gamma * item_norm * scale * _SAFETY
+    r = 2 * _OUT_ULP if half_tiles else 0.0
+    z = 2 * width * _F32_TINY * scale + (_F16_TINY if half_tiles else 0.0)
+    return a, r, z
+
+
 def _pow2_scale(xp: Any, maxabs: Any) -> Any:
     """2^(13 - floor(log2(maxabs))) elementwise (float64), 1 where maxabs is 0."""
     safe = xp.where(maxabs > 0, maxabs, 1.0)

@@ -105,19 +105,54 @@ def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k)
     backend = resolve("gpu")
     state = GpuTopK.allocate(n, k)
     scores = cupy.asarray(rows).reshape(1, n, size)
-    backend.selection.seed(state, scores, cupy.arange(size, dtype=cupy.int64), cupy.zeros(n + 1, cupy.int64),
-                           cupy.zeros(0, cupy.int64))
+    users = (rng.standard_normal((n, 24)) * rng.lognormal(0, 2, (n, 1))).astype(dtype)
+    users[0] = 0  # no margin but the underflow's
+    backend.selection.seed(state, scores, cupy.arange(size, dtype=cupy.int64), cupy.asarray(users), 2.5,
+                           cupy.zeros(n + 1, cupy.int64), cupy.zeros(0, cupy.int64))
     got = cupy.asnumpy(state.thr)
     for u in range(n):
         finite = np.sort(rows[u].astype(np.float32)[rows[u].astype(np.float32) > -np.inf])[::-1]
-        want = np.float32(-np.inf) if finite.size < k else np.nextafter(finite[k - 1], np.float32(-np.inf))
+        want = np.float32(-np.inf) if finite.size < k else _below(finite[k - 1], users[u], 2.5, dtype, dtype)
         assert got[u] == want, (u, got[u], want)
     assert not cupy.asnumpy(state.n_valid).any() and not cupy.asnumpy(state.cnt).any()
 
 
+def _below(kth, user, item_norm, score_dtype, vector_dtype):
+    # The seed's threshold from the k-th best sampled score: the margin of certificate.seed_margin, then a float
+    # below (what recall_seed does, in float64 the same way).
+    from recall.core.certificate import seed_margin
+
+    a, r, z = seed_margin(user.size, item_norm, np.dtype(vector_dtype) == np.float16,
+                          np.dtype(score_dtype) == np.float16)
+    norm = float(np.sqrt(np.sum(user.astype(np.float64) ** 2)))
+    kth = float(kth)
+    return np.nextafter(np.float32(kth - (a * norm + r * abs(kth) + z)), np.float32(-np.inf))
+
+
+def test_seed_margin_bounds_two_sums_of_the_same_products():
+    # The margin's first term against what reordering does to float32 sums: many orders of the same products of
+    # one user and one item never differ by more than A |u| (item_norm = |v|), on data made to cancel.
+    from recall.core.certificate import seed_margin
+
+    rng = np.random.default_rng(3)
+    width = 96
+    for trial in range(200):
+        u = (rng.standard_normal(width) * 10.0 ** rng.uniform(-3, 3, width)).astype(np.float32)
+        v = (rng.standard_normal(width) * 10.0 ** rng.uniform(-3, 3, width)).astype(np.float32)
+        a, _, z = seed_margin(width, float(np.linalg.norm(v.astype(np.float64))), False, False)
+        sums = []
+        for _ in range(6):
+            order = rng.permutation(width)
+            acc = np.float32(0)
+            for i in order:
+                acc = np.float32(acc + u[i] * v[i])
+            sums.append(float(acc))
+        assert max(sums) - min(sums) <= a * float(np.linalg.norm(u.astype(np.float64))) + z
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_seed_masks_the_excluded_rows_of_any_sample(dtype):
+@pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
+def test_seed_masks_the_excluded_rows_of_any_sample(dtype, vectors):
     # A sample of scattered rows (as the largest norms leave it): each user's excluded items, sampled or not, in and
     # past the rows' range, the first and last sampled rows, every sampled row for one user, none for another.
     from recall.backends import cuda_status, resolve
@@ -144,13 +179,14 @@ def test_seed_masks_the_excluded_rows_of_any_sample(dtype):
     backend = resolve("gpu")
     state = GpuTopK.allocate(n, k)
     gpu_scores = cupy.asarray(scores).reshape(1, n, size)
-    backend.selection.seed(state, gpu_scores, cupy.asarray(rows), cupy.asarray(indptr),
+    users = rng.standard_normal((n, 40)).astype(vectors)
+    backend.selection.seed(state, gpu_scores, cupy.asarray(rows), cupy.asarray(users), 1.5, cupy.asarray(indptr),
                            cupy.asarray(np.concatenate(excluded)))
     got = cupy.asnumpy(state.thr)
     for u in range(n):
         kept = scores[u].astype(np.float32)[~np.isin(rows, excluded[u])]
         finite = np.sort(kept)[::-1]
-        want = np.float32(-np.inf) if finite.size < k else np.nextafter(finite[k - 1], np.float32(-np.inf))
+        want = np.float32(-np.inf) if finite.size < k else _below(finite[k - 1], users[u], 1.5, dtype, vectors)
         assert got[u] == want, (u, got[u], want)
 
 

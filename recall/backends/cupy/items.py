@@ -15,7 +15,7 @@ FUSED_CHUNK = 32
 
 class DeviceItems:
     """Items on the device: ``vecs`` (n_items, dim) (float32, or float16 for fast mode), and, built on first use
-    and kept as long as the engine holds this object, their transposed copy for the fused kernel and the rows of
+    and kept as long as the engine holds this object, their transposed copy for the fused kernel, their norms and
     their threshold samples. ``norms_rank``: an item's norm bounds its score (the inner product), so that samples
     take half their rows from the largest norms (``selection.sample_rows``)."""
 
@@ -48,19 +48,21 @@ class DeviceItems:
             self._transposed = items_t
         return self._transposed
 
-    def sample_rows(self, size: int, n_items: int, stream: Any) -> Any:
-        """The sorted int64 device rows of the threshold sample of ``size`` of the first ``n_items`` items
-        (``selection.sample_rows``), computed on ``stream`` the first time; the same array (so the same address, which
-        a captured graph reads) for as long as this object lives."""
+    def sample(self, size: int, n_items: int, stream: Any) -> tuple[Any, float]:
+        """The threshold sample of ``size`` of the first ``n_items`` items: (its sorted int64 device rows,
+        ``selection.sample_rows``; the largest norm among them, for ``certificate.seed_margin``), computed on
+        ``stream`` the first time; the same array (so the same address, which a captured graph reads) for as long as
+        this object lives."""
         key = (size, n_items)
-        rows = self._samples.get(key)
-        if rows is None:
+        got = self._samples.get(key)
+        if got is None:
             import cupy
 
             with stream:
-                if self.norms_rank and self._norms is None:
+                if self._norms is None:
                     self._norms = row_norms(cupy, self.vecs)
-                norms = self._norms[:n_items] if self.norms_rank else None
-                rows = sample_rows(cupy, n_items, size, norms)
-            self._samples[key] = rows
-        return rows
+                norms = self._norms[:n_items]
+                rows = sample_rows(cupy, n_items, size, norms if self.norms_rank else None)
+                got = (rows, float(norms[rows].max()))
+            self._samples[key] = got
+        return got

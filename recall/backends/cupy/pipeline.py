@@ -266,16 +266,16 @@ class BlockPipeline:
                      host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
                      staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
 
-    def _refresh_sample(self, ws: _Workspace, items: DeviceItems, n_items: int, size: int, dim: int) -> tuple[Any,
-                                                                                                             Any]:
+    def _refresh_sample(self, ws: _Workspace, items: DeviceItems, n_items: int, size: int,
+                        dim: int) -> tuple[Any, Any, float]:
         """Gather this search's threshold sample of ``size`` rows (``seed_size``; which rows: ``sample_rows``) into
-        the workspace's buffer, on the compute stream: (the sample, its rows)."""
+        the workspace's buffer, on the compute stream: (the sample, its rows, its largest norm)."""
         if ws.sample is None or ws.sample.shape != (size, dim):
             ws.sample = self.backend.xp.empty((size, dim), items.dtype)
-        rows = items.sample_rows(size, n_items, self.compute_stream)
+        rows, norm = items.sample(size, n_items, self.compute_stream)
         with self.compute_stream:
             self.backend.xp.take(items.vecs, rows, axis=0, out=ws.sample)
-        return ws.sample, rows
+        return ws.sample, rows, norm
 
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
@@ -296,12 +296,12 @@ class BlockPipeline:
                 # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed.
                 state.thr[:rows] = slot.floor[:rows]
             elif seed is not None:
-                sample, sample_rows = seed
+                sample, sample_rows, sample_norm = seed
                 size = sample.shape[0]
                 scores = scores_buf[: rows * size].reshape(1, rows, size)
                 backend.gemm_strided_batched(users.reshape(1, rows, users.shape[1]), sample.reshape(1, size, -1),
                                              scores)
-                sel.seed(state, scores, sample_rows, slot.ex_ptr, ex_items)
+                sel.seed(state, scores, sample_rows, users, sample_norm, slot.ex_ptr, ex_items)
             if fused_ws is None:
                 tiled.search_block(backend, plan, users, items.vecs, n_items, state, scores_buf, slot.ex_ptr,
                                    ex_items)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ...core.certificate import seed_margin
 from . import kernels
 
 MERGE_THREADS = 256
@@ -130,8 +131,11 @@ class Selection:
                       np.dtype(np.float16): mod.get_function("recall_merge_h")}
         self.mask_sampled = {np.dtype(np.float32): mod.get_function("recall_mask_sampled"),
                              np.dtype(np.float16): mod.get_function("recall_mask_sampled_h")}
-        self.seed_kth = {np.dtype(np.float32): mod.get_function("recall_seed"),
-                         np.dtype(np.float16): mod.get_function("recall_seed_h")}
+        f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+        # By (score type, vector type): exact mode; fast mode's cuBLAS path; fast mode's fused path (float32 scores
+        # of its samples).
+        self.seed_kth = {(f32, f32): mod.get_function("recall_seed"), (f16, f16): mod.get_function("recall_seed_h"),
+                         (f32, f16): mod.get_function("recall_seed_fh")}
         self.fused = mod.get_function("recall_fused_filter")
         self.merge_fused = mod.get_function("recall_merge_fused")
         self.fused_h = mod.get_function("recall_fused_filter_h")
@@ -151,16 +155,23 @@ class Selection:
                                    state.thr, state.cand, np.int32(state.cand_capacity), state.cnt))
         self._merge(state, scores, n, width, tiles, item_start, n_items, final=False)
 
-    def seed(self, state: GpuTopK, scores: Any, rows: Any, excl_indptr: Any, excl_items: Any) -> None:
+    def seed(self, state: GpuTopK, scores: Any, rows: Any, users: Any, item_norm: float, excl_indptr: Any,
+             excl_items: Any) -> None:
         """Start every user's threshold at its k-th best score over the sample whose scores are ``scores``
-        (1, n, size) (column j: item row ``rows[j]``, ``sample_rows``): a lower bound of the final k-th best, so that
-        later tiles pass few scores to the merge whatever the item order. Excluded sampled items are masked first;
-        the k-th best is selected in place (``recall_seed``), and the state is left empty."""
+        (1, n, size) (column j: item row ``rows[j]``, ``sample_rows``), less what the search's own scores of the
+        same items may lie below these (``certificate.seed_margin``; ``users`` (n, width) the vectors scored, items
+        of norms at most ``item_norm``): a lower bound of the final k-th best, so that later tiles pass few scores to
+        the merge whatever the item order. Excluded sampled items are masked first; the k-th best is selected in
+        place (``recall_seed``), and the state is left empty."""
         _, n, size = scores.shape
         if excl_items.size:
             self.mask_sampled[scores.dtype](((n + 127) // 128,), (128,),
                                             (scores, np.int32(n), np.int32(size), rows, excl_indptr, excl_items))
-        self.seed_kth[scores.dtype]((n,), (SEED_THREADS,), (scores, np.int32(size), np.int32(state.k), state.thr))
+        width = int(users.shape[1])
+        a, r, z = seed_margin(width, item_norm, users.dtype == np.float16, scores.dtype == np.float16)
+        self.seed_kth[(scores.dtype, users.dtype)]((n,), (SEED_THREADS,),
+                                                   (scores, np.int32(size), np.int32(state.k), state.thr, users,
+                                                    np.int32(width), np.float64(a), np.float64(r), np.float64(z)))
 
     def result(self, state: GpuTopK) -> tuple[Any, Any]:
         """The final merge: sorted results of the block's users in ``state.out_vals`` / ``out_rows``."""

@@ -137,21 +137,34 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 }
 
 // A block's threshold sample: grid (U), RECALL_SEED_THREADS threads a user. The K-th best of the user's sampled scores
-// (a row of T, excluded items already -inf) is the score of K real items, so the final K-th best is >= it: the
-// threshold starts at the float just below it, so that scores equal to it pass the strict `score > threshold` test
-// until K items are held. A user with fewer than K finite sampled scores keeps -inf. The K-th best is found exactly
+// (a row of T, excluded items already -inf) is the score of K real items, so the final K-th best is >= it, up to
+// the rounding by which the search's own scores of those items may differ from the sample's (another GEMM, another
+// order of the sums): the threshold starts below it by that much, A |u| + R |s| + Z (|u| the norm of the user's
+// vector, a row of W in `users`; the caller's bound, selection.seed_margin), then at the float just below, so that
+// scores equal to it pass the strict `score > threshold` test until K items are held. A user with fewer than K finite
+// sampled scores keeps -inf. The K-th best is found exactly
 // by a radix select on the scores' order-preserving keys, 12 + 12 + 8 bits, each pass a histogram in shared memory
 // of the keys that match the digits fixed so far (warp-aggregated adds: sampled scores crowd a few bins); nothing
 // goes through the candidate buffers, and the state is left empty.
 #define RECALL_SEED_THREADS 256
-template <typename S>
-__device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, float* __restrict__ thr) {
+template <typename S, typename V>
+__device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, float* __restrict__ thr,
+                                 const V* __restrict__ users, int W, double A, double R, double Z) {
     __shared__ int hist[4096];
     __shared__ int part[RECALL_SEED_THREADS];
     __shared__ u32 s_prefix;
     __shared__ int s_want;
+    __shared__ double s_sq[RECALL_SEED_THREADS / 32];
     const int u = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     const S* row = scores + (long long)u * T;
+    double sq = 0.0;  // the user's squared norm, in float64 (each square and sum of float32 or float16 values)
+    for (int i = tid; i < W; i += RECALL_SEED_THREADS) {
+        const double x = recall_load(users + (long long)u * W, i);
+        sq += x * x;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, o);
+    if (lane == 0) s_sq[tid >> 5] = sq;  // read by thread 0 after the passes' barriers
     u32 prefix = 0;
     int want = K;  // the rank, from the top, of the K-th best among the keys matching prefix
     for (int pass = 0; pass < 3; ++pass) {
@@ -224,17 +237,33 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
         want = s_want;
         __syncthreads();  // s_prefix and s_want are rewritten by the next pass
     }
-    if (tid == 0) thr[u] = nextafterf(recall_ord2f(prefix), RECALL_NEG_INF);
+    if (tid == 0) {
+        double norm2 = 0.0;
+        for (int w = 0; w < RECALL_SEED_THREADS / 32; ++w) norm2 += s_sq[w];
+        const double kth = recall_ord2f(prefix);
+        const double below = kth - (A * sqrt(norm2) + R * fabs(kth) + Z);  // +inf stays +inf: no finite margin
+        thr[u] = nextafterf((float)below, RECALL_NEG_INF);  // at or below `below`, whichever way the cast rounded
+    }
+}
+
+// By the type of the sampled scores and of the users' vectors: float32 and float32 (exact mode), float16 tiles of
+// float16 vectors (fast mode's cuBLAS path), float32 scores of float16 vectors (fast mode's fused path).
+extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
+recall_seed(const float* __restrict__ scores, int T, int K, float* __restrict__ thr, const float* __restrict__ users,
+            int W, double A, double R, double Z) {
+    recall_seed_body(scores, T, K, thr, users, W, A, R, Z);
 }
 
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
-recall_seed(const float* __restrict__ scores, int T, int K, float* __restrict__ thr) {
-    recall_seed_body(scores, T, K, thr);
+recall_seed_h(const half_bits* __restrict__ scores, int T, int K, float* __restrict__ thr,
+              const half_bits* __restrict__ users, int W, double A, double R, double Z) {
+    recall_seed_body(scores, T, K, thr, users, W, A, R, Z);
 }
 
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
-recall_seed_h(const half_bits* __restrict__ scores, int T, int K, float* __restrict__ thr) {
-    recall_seed_body(scores, T, K, thr);
+recall_seed_fh(const float* __restrict__ scores, int T, int K, float* __restrict__ thr,
+               const half_bits* __restrict__ users, int W, double A, double R, double Z) {
+    recall_seed_body(scores, T, K, thr, users, W, A, R, Z);
 }
 
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
