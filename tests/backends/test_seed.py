@@ -126,7 +126,8 @@ def _below(kth, user, item_norm, score_dtype, vector_dtype):
                           np.dtype(score_dtype) == np.float16)
     norm = float(np.sqrt(np.sum(user.astype(np.float64) ** 2)))
     kth = float(kth)
-    return np.nextafter(np.float32(kth - (a * norm + r * abs(kth) + z)), np.float32(-np.inf))
+    below = kth if np.isinf(kth) else kth - (a * norm + r * abs(kth) + z)
+    return np.nextafter(np.float32(below), np.float32(-np.inf))
 
 
 def test_seed_margin_bounds_two_sums_of_the_same_products():

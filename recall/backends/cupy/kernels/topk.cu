@@ -241,7 +241,8 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
         double norm2 = 0.0;
         for (int w = 0; w < RECALL_SEED_THREADS / 32; ++w) norm2 += s_sq[w];
         const double kth = recall_ord2f(prefix);
-        const double below = kth - (A * sqrt(norm2) + R * fabs(kth) + Z);  // +inf stays +inf: no finite margin
+        // An infinite k-th best (+inf: overflowed products) takes no margin (0 x inf would make it NaN).
+        const double below = isinf(kth) ? kth : kth - (A * sqrt(norm2) + R * fabs(kth) + Z);
         thr[u] = nextafterf((float)below, RECALL_NEG_INF);  // at or below `below`, whichever way the cast rounded
     }
 }
