@@ -131,14 +131,15 @@ def margin(k: int) -> int:
     return max(16, k // 4)
 
 
-def seed_margin(width: int, item_norm: float, half_vectors: bool, half_tiles: bool) -> tuple[float, float, float]:
-    """(A, R, Z): a search's own score of an item may lie below a threshold sample's score of the same item (another
-    GEMM: the sums in another order) by at most A·|u| + R·|s| + Z, for a user of norm |u| (its prepared vector, of
-    ``width`` columns), a sampled score s and items of norms at most ``item_norm`` (the vectors the GEMMs multiply:
-    float16 ones for ``half_vectors``). The seed's threshold starts that much below the sample's k-th best
-    (``recall_seed``), so that it stays a lower bound of the search's k-th best whichever items the sample holds.
+def seed_margin(width: int, half_vectors: bool, half_tiles: bool) -> tuple[float, float, float]:
+    """(A, R, Z): a search's own score of an item may lie below a threshold sample's score s of the same item
+    (another GEMM: the sums in another order) by at most A·|u|·|v| + R·|s| + Z, for a user of norm |u| and an item of
+    norm |v| (their prepared vectors of ``width`` columns, the ones the GEMMs multiply: float16 for
+    ``half_vectors``). ``recall_seed`` lowers each sampled score by that much before it takes their k-th best, so
+    that the seed stays a lower bound of the search's k-th best whichever items the sample holds (an item's own norm,
+    not the largest: under l2 a few far items have norms far above the rest).
 
-    - Two sums of the same ``width`` products differ by at most 2·γ·Σ|u_i v_i| <= 2·γ·|u|·item_norm, with γ =
+    - Two sums of the same ``width`` products differ by at most 2·γ·Σ|u_i v_i| <= 2·γ·|u|·|v|, with γ =
       width·γ₃₂ for float32 vectors and width·γ₁₆ for float16 ones (exact products, the tensor cores' sums), each
       step losing at most half of float32's smallest subnormal spacing besides: 2·width·2^-149.
     - Score tiles of float16 (``half_tiles``, scaled by ``output_scale(width)``) round each score to nearest: two
@@ -146,7 +147,7 @@ def seed_margin(width: int, item_norm: float, half_vectors: bool, half_tiles: bo
       to spare, or 2^-24 below float16's normal range."""
     gamma = width * (_ACC16 if half_vectors else _ACC32)
     scale = output_scale(width) if half_tiles else 1.0
-    a = 2 * gamma * item_norm * scale * _SAFETY
+    a = 2 * gamma * scale * _SAFETY
     r = 2 * _OUT_ULP if half_tiles else 0.0
     z = 2 * width * _F32_TINY * scale + (_F16_TINY if half_tiles else 0.0)
     return a, r, z

@@ -48,11 +48,11 @@ class DeviceItems:
             self._transposed = items_t
         return self._transposed
 
-    def sample(self, size: int, n_items: int, stream: Any) -> tuple[Any, float]:
+    def sample(self, size: int, n_items: int, stream: Any) -> tuple[Any, Any]:
         """The threshold sample of ``size`` of the first ``n_items`` items: (its sorted int64 device rows,
-        ``selection.sample_rows``; the largest norm among them, for ``certificate.seed_margin``), computed on
-        ``stream`` the first time; the same array (so the same address, which a captured graph reads) for as long as
-        this object lives."""
+        ``selection.sample_rows``; their float32 norms, rounded up, for ``certificate.seed_margin``), computed on
+        ``stream`` the first time; the same arrays (so the same addresses, which a captured graph reads) for as long
+        as this object lives."""
         key = (size, n_items)
         got = self._samples.get(key)
         if got is None:
@@ -63,6 +63,8 @@ class DeviceItems:
                     self._norms = row_norms(cupy, self.vecs)
                 norms = self._norms[:n_items]
                 rows = sample_rows(cupy, n_items, size, norms if self.norms_rank else None)
-                got = (rows, float(norms[rows].max()))
+                exact = norms[rows]
+                rounded = exact.astype(cupy.float32)
+                got = (rows, cupy.where(rounded < exact, cupy.nextafter(rounded, cupy.float32(np.inf)), rounded))
             self._samples[key] = got
         return got

@@ -267,15 +267,15 @@ class BlockPipeline:
                      staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
 
     def _refresh_sample(self, ws: _Workspace, items: DeviceItems, n_items: int, size: int,
-                        dim: int) -> tuple[Any, Any, float]:
+                        dim: int) -> tuple[Any, Any, Any]:
         """Gather this search's threshold sample of ``size`` rows (``seed_size``; which rows: ``sample_rows``) into
-        the workspace's buffer, on the compute stream: (the sample, its rows, its largest norm)."""
+        the workspace's buffer, on the compute stream: (the sample, its rows, their norms)."""
         if ws.sample is None or ws.sample.shape != (size, dim):
             ws.sample = self.backend.xp.empty((size, dim), items.dtype)
-        rows, norm = items.sample(size, n_items, self.compute_stream)
+        rows, norms = items.sample(size, n_items, self.compute_stream)
         with self.compute_stream:
             self.backend.xp.take(items.vecs, rows, axis=0, out=ws.sample)
-        return ws.sample, rows, norm
+        return ws.sample, rows, norms
 
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
@@ -296,12 +296,12 @@ class BlockPipeline:
                 # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed.
                 state.thr[:rows] = slot.floor[:rows]
             elif seed is not None:
-                sample, sample_rows, sample_norm = seed
+                sample, sample_rows, sample_norms = seed
                 size = sample.shape[0]
                 scores = scores_buf[: rows * size].reshape(1, rows, size)
                 backend.gemm_strided_batched(users.reshape(1, rows, users.shape[1]), sample.reshape(1, size, -1),
                                              scores)
-                sel.seed(state, scores, sample_rows, users, sample_norm, slot.ex_ptr, ex_items)
+                sel.seed(state, scores, sample_rows, users, sample_norms, slot.ex_ptr, ex_items)
             if fused_ws is None:
                 tiled.search_block(backend, plan, users, items.vecs, n_items, state, scores_buf, slot.ex_ptr,
                                    ex_items)
@@ -313,9 +313,9 @@ class BlockPipeline:
         # The workspace (and so every other pointer, the sample buffer included) is fixed per slot; the items are
         # keyed by the device memory the launches read, not by the Python object: a segment or filtered view's
         # object is freed after its search and its id() taken by the next one, which lives at other addresses (the
-        # sample's rows too, which the sample's mask reads).
+        # sample's rows and norms too, which its mask and seed read).
         vecs = items.vecs
-        sample_ptr = None if seed is None else seed[1].data.ptr
+        sample_ptr = None if seed is None else (seed[1].data.ptr, seed[2].data.ptr)
         key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
                None if items_t is None else items_t.data.ptr, has_floor, options)
         graph = slot.graphs.get(key)

@@ -155,23 +155,24 @@ class Selection:
                                    state.thr, state.cand, np.int32(state.cand_capacity), state.cnt))
         self._merge(state, scores, n, width, tiles, item_start, n_items, final=False)
 
-    def seed(self, state: GpuTopK, scores: Any, rows: Any, users: Any, item_norm: float, excl_indptr: Any,
+    def seed(self, state: GpuTopK, scores: Any, rows: Any, users: Any, item_norms: Any, excl_indptr: Any,
              excl_items: Any) -> None:
         """Start every user's threshold at its k-th best score over the sample whose scores are ``scores``
-        (1, n, size) (column j: item row ``rows[j]``, ``sample_rows``), less what the search's own scores of the
-        same items may lie below these (``certificate.seed_margin``; ``users`` (n, width) the vectors scored, items
-        of norms at most ``item_norm``): a lower bound of the final k-th best, so that later tiles pass few scores to
-        the merge whatever the item order. Excluded sampled items are masked first; the k-th best is selected in
-        place (``recall_seed``), and the state is left empty."""
+        (1, n, size) (column j: item row ``rows[j]``, ``sample_rows``, of norm ``item_norms[j]``, float32 rounded
+        up), each lowered by what the search's own score of that item may lie below it (``certificate.seed_margin``;
+        ``users`` (n, width) the vectors scored): a lower bound of the final k-th best, so that later tiles pass few
+        scores to the merge whatever the item order. Excluded sampled items are masked first; the k-th best is
+        selected in place (``recall_seed``), and the state is left empty."""
         _, n, size = scores.shape
         if excl_items.size:
             self.mask_sampled[scores.dtype](((n + 127) // 128,), (128,),
                                             (scores, np.int32(n), np.int32(size), rows, excl_indptr, excl_items))
         width = int(users.shape[1])
-        a, r, z = seed_margin(width, item_norm, users.dtype == np.float16, scores.dtype == np.float16)
+        a, r, z = seed_margin(width, users.dtype == np.float16, scores.dtype == np.float16)
         self.seed_kth[(scores.dtype, users.dtype)]((n,), (SEED_THREADS,),
                                                    (scores, np.int32(size), np.int32(state.k), state.thr, users,
-                                                    np.int32(width), np.float64(a), np.float64(r), np.float64(z)))
+                                                    np.int32(width), item_norms, np.float64(a), np.float64(r),
+                                                    np.float64(z)))
 
     def result(self, state: GpuTopK) -> tuple[Any, Any]:
         """The final merge: sorted results of the block's users in ``state.out_vals`` / ``out_rows``."""

@@ -138,23 +138,33 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 
 // A block's threshold sample: grid (U), RECALL_SEED_THREADS threads a user. The K-th best of the user's sampled scores
 // (a row of T, excluded items already -inf) is the score of K real items, so the final K-th best is >= it, up to
-// the rounding by which the search's own scores of those items may differ from the sample's (another GEMM, another
-// order of the sums): the threshold starts below it by that much, A |u| + R |s| + Z (|u| the norm of the user's
-// vector, a row of W in `users`; the caller's bound, selection.seed_margin), then at the float just below, so that
-// scores equal to it pass the strict `score > threshold` test until K items are held. A user with fewer than K finite
-// sampled scores keeps -inf. The K-th best is found exactly
-// by a radix select on the scores' order-preserving keys, 12 + 12 + 8 bits, each pass a histogram in shared memory
-// of the keys that match the digits fixed so far (warp-aggregated adds: sampled scores crowd a few bins); nothing
-// goes through the candidate buffers, and the state is left empty.
+// the rounding by which the search's own score of an item may lie below the sample's (another GEMM, another order of
+// the sums): each sampled score s of item j is first lowered by that much, A |u| |v_j| + R |s| + Z (|u| the norm of
+// the user's vector, a row of W in `users`; |v_j| = vnorm[j], rounded up; the caller's bound,
+// certificate.seed_margin), rounding down, so that the K-th best of the lowered scores is a lower bound whichever
+// items the sample holds. The threshold starts at the float just below it, so that scores equal to it pass the
+// strict `score > threshold` test until K items are held. A user with fewer than K finite sampled scores keeps
+// -inf. The K-th best is found exactly by a radix select on the scores' order-preserving keys, 12 + 12 + 8 bits,
+// each pass a histogram in shared memory of the keys that match the digits fixed so far (warp-aggregated adds:
+// sampled scores crowd a few bins); nothing goes through the candidate buffers, and the state is left empty.
 #define RECALL_SEED_THREADS 256
+
+// A sampled score lowered by its margin, rounding down (-inf, +inf and NaN as they are).
+__device__ __forceinline__ float recall_seed_lower(float s, float vn, float au, float R, float Z) {
+    if (!(s > RECALL_NEG_INF) || isinf(s)) return s;
+    return __fsub_rd(s, __fmaf_ru(au, vn, __fmaf_ru(R, fabsf(s), Z)));
+}
+
 template <typename S, typename V>
 __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, float* __restrict__ thr,
-                                 const V* __restrict__ users, int W, double A, double R, double Z) {
+                                 const V* __restrict__ users, int W, const float* __restrict__ vnorm, double A,
+                                 double R, double Z) {
     __shared__ int hist[4096];
     __shared__ int part[RECALL_SEED_THREADS];
     __shared__ u32 s_prefix;
     __shared__ int s_want;
     __shared__ double s_sq[RECALL_SEED_THREADS / 32];
+    __shared__ float s_au;
     const int u = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     const S* row = scores + (long long)u * T;
     double sq = 0.0;  // the user's squared norm, in float64 (each square and sum of float32 or float16 values)
@@ -164,7 +174,15 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, o);
-    if (lane == 0) s_sq[tid >> 5] = sq;  // read by thread 0 after the passes' barriers
+    if (lane == 0) s_sq[tid >> 5] = sq;
+    __syncthreads();
+    if (tid == 0) {
+        double norm2 = 0.0;
+        for (int w = 0; w < RECALL_SEED_THREADS / 32; ++w) norm2 += s_sq[w];
+        s_au = __double2float_ru(A * sqrt(norm2));  // A |u|, rounded up (A carries the float64 steps' slack)
+    }
+    __syncthreads();
+    const float au = s_au, r32 = __double2float_ru(R), z32 = __double2float_ru(Z);
     u32 prefix = 0;
     int want = K;  // the rank, from the top, of the K-th best among the keys matching prefix
     for (int pass = 0; pass < 3; ++pass) {
@@ -182,9 +200,17 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
             int m = 0;
             if (vec) {
                 const int i = i0 + 4 * tid;
-                if (i < T) { recall_load4(row, i, v); m = 4; }
+                if (i < T) {
+                    recall_load4(row, i, v);
+                    const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
+                    v[0] = recall_seed_lower(v[0], n4.x, au, r32, z32);
+                    v[1] = recall_seed_lower(v[1], n4.y, au, r32, z32);
+                    v[2] = recall_seed_lower(v[2], n4.z, au, r32, z32);
+                    v[3] = recall_seed_lower(v[3], n4.w, au, r32, z32);
+                    m = 4;
+                }
             } else if (i0 + tid < T) {
-                v[0] = recall_load(row, i0 + tid);
+                v[0] = recall_seed_lower(recall_load(row, i0 + tid), vnorm[i0 + tid], au, r32, z32);
                 m = 1;
             }
 #pragma unroll
@@ -237,34 +263,29 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
         want = s_want;
         __syncthreads();  // s_prefix and s_want are rewritten by the next pass
     }
-    if (tid == 0) {
-        double norm2 = 0.0;
-        for (int w = 0; w < RECALL_SEED_THREADS / 32; ++w) norm2 += s_sq[w];
-        const double kth = recall_ord2f(prefix);
-        // An infinite k-th best (+inf: overflowed products) takes no margin (0 x inf would make it NaN).
-        const double below = isinf(kth) ? kth : kth - (A * sqrt(norm2) + R * fabs(kth) + Z);
-        thr[u] = nextafterf((float)below, RECALL_NEG_INF);  // at or below `below`, whichever way the cast rounded
-    }
+    if (tid == 0) thr[u] = nextafterf(recall_ord2f(prefix), RECALL_NEG_INF);
 }
 
 // By the type of the sampled scores and of the users' vectors: float32 and float32 (exact mode), float16 tiles of
 // float16 vectors (fast mode's cuBLAS path), float32 scores of float16 vectors (fast mode's fused path).
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed(const float* __restrict__ scores, int T, int K, float* __restrict__ thr, const float* __restrict__ users,
-            int W, double A, double R, double Z) {
-    recall_seed_body(scores, T, K, thr, users, W, A, R, Z);
+            int W, const float* __restrict__ vnorm, double A, double R, double Z) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z);
 }
 
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed_h(const half_bits* __restrict__ scores, int T, int K, float* __restrict__ thr,
-              const half_bits* __restrict__ users, int W, double A, double R, double Z) {
-    recall_seed_body(scores, T, K, thr, users, W, A, R, Z);
+              const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, double A, double R,
+              double Z) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z);
 }
 
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed_fh(const float* __restrict__ scores, int T, int K, float* __restrict__ thr,
-               const half_bits* __restrict__ users, int W, double A, double R, double Z) {
-    recall_seed_body(scores, T, K, thr, users, W, A, R, Z);
+               const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, double A, double R,
+              double Z) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z);
 }
 
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
