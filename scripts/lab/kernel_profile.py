@@ -104,7 +104,8 @@ def instrument(backend, log):
         if d is None:  # an older tree's selection (.oldtree/)
             continue
         for dt in list(d):
-            d[dt] = Timed(d[dt], f"{table}[{dt}]", log)
+            label = "/".join(map(str, dt)) if isinstance(dt, tuple) else str(dt)  # (score type, vector type) keys
+            d[dt] = Timed(d[dt], f"{table}[{label}]", log)
     backend.gemm_strided_batched = Timed(backend.gemm_strided_batched, "gemm", log)
     backend.rescore = Timed(backend.rescore, "rescore (all its launches)", log)
 
