@@ -4,8 +4,8 @@
 #
 #   setup     FAISS (.device/) and cuVS (.device-cuvs/) staged by ../shared/device (skipped where absent)
 #   tests     the GPU tests of this tree (pytest -m gpu)                                   -> $OUT/gpu-tests.log
-#   compare   `recall bench -w S1..S4 --contenders recall` of the previous commit (.oldtree/, carried) and of this
-#             tree, alternating, in one run                                                 -> $OUT/compare.log
+#   compare   `recall bench -w S1..S4 --contenders recall` (or COMPARE_ARGS) of the previous commit (.oldtree/,
+#             carried) and of this tree, alternating, in one run                            -> $OUT/compare.log
 #   early     scripts/lab/e2e_layouts.py: the S4 job with early searches on and off, two layouts -> $OUT/early.log
 #   quick     `recall bench --matrix gpu-quick` with every contender                        -> $OUT/quick/results.*
 #   filters   the exclusion and item-filter workloads with their anchors                    -> $OUT/filters.log
@@ -19,7 +19,8 @@
 #             large-k cells, fast then exact mode                                             -> $OUT/seeds.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2).
+# FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
+# (compare: the bench's workload arguments, e.g. "--matrix gpu-quick --cells 0,2,7").
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
 STEPS=${STEPS:-"setup tests compare"}
@@ -55,11 +56,15 @@ if has compare; then
             for tree in old new; do
                 path=$NEW_PATH; [ "$tree" = old ] && path=$OLD_PATH
                 echo "### round $round, $tree tree"
-                PYTHONPATH=$path python3 -m recall bench --device gpu --contenders recall --repeat 3 \
-                    -w S1 -w S2 -w S3 -w S4 --sample-users 1000 --out "/tmp/compare-$tree-$round" \
-                    >"/tmp/compare-$tree-$round.log" 2>&1
+                # -P: `python -m` would put the working directory (this tree) ahead of PYTHONPATH, and the "old"
+                # runs would import the new tree's recall.
+                PYTHONPATH=$path python3 -P -c 'import recall; print("recall from", recall.__file__)'
+                # shellcheck disable=SC2086
+                PYTHONPATH=$path python3 -P -m recall bench --device gpu --contenders recall \
+                    ${COMPARE_ARGS:---repeat 3 -w S1 -w S2 -w S3 -w S4 --sample-users 1000} \
+                    --out "/tmp/compare-$tree-$round" >"/tmp/compare-$tree-$round.log" 2>&1
                 echo "rc $?"
-                grep -E "^\| S[1-4]" "/tmp/compare-$tree-$round/results.md" || tail -n 5 "/tmp/compare-$tree-$round.log"
+                grep -E "^\| [S0-9]" "/tmp/compare-$tree-$round/results.md" || tail -n 5 "/tmp/compare-$tree-$round.log"
                 grep -E "^(problem|error)" "/tmp/compare-$tree-$round.log"
             done
         done
