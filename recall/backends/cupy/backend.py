@@ -197,15 +197,17 @@ class CupyBackend:
         return 8 * k + 8 * fused_capacity(k) + 12 * k + 32
 
     def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
-        # 2048 users x (4 x 8192) items per strided-batched call. A tile sized to stay in L2 (1024 x 8192, 32 MiB)
+        # 4096 users x (4 x 8192) items per strided-batched call. A tile sized to stay in L2 (1024 x 8192, 32 MiB)
         # needs 8x more calls, and on the H200 the launches cost more than the HBM round trip they save: measured
         # on S1 (100k x 1M x 64, graphs on), 0.633 s at 1024 x (2 x 4096) against 0.589 s at this tiling.
         # `recall tune` on the H200 (docs/benchmarks.md) found wider tiles better for long vectors (d=128, k=100:
         # 2048 x 16384 x 4, 1.04x) and larger user blocks for large k (d=64, k=1000: 4096 x 8192 x 4, 1.07x).
+        # Blocks of 4,096 users at every k halve the launches of a user-heavy search: 1M x 100k x 64, k = 100,
+        # 0.578 -> 0.538 s exact and 0.332 -> 0.298 s fast; S1 0.372 -> 0.359 s (docs/benchmarks.md, 23:3x).
         # Above k = 4,096, tiles of at least 2 k items: a call's four tiles are the fused path's room for a
         # threshold sample of 8 k items (selection.seed_size). At k = 8,192 on 10k x 1M x 64 that sample took the
         # search from 0.173 s (unseeded) to 0.115 s (docs/benchmarks.md).
-        users = 4096 if k >= 512 else 2048
+        users = 4096
         width = max(16384 if dim >= 128 else 8192, pow2(2 * k))
         return users, width, 4
 
