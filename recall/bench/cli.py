@@ -109,7 +109,7 @@ def bench(
         help="Comma-separated contender families: recall, faiss, cuvs, torch.")] = "recall,faiss,cuvs,torch",
     repeat: Annotated[Optional[int], typer.Option(
         min=1, help="Timed runs per contender (median reported), after a warm-up; default 3 (a matrix: its "
-        "grid's).")] = None,
+        "grid's); up to 2 more where the slowest took over 1.1x the fastest.")] = None,
     out: Annotated[Path, typer.Option(file_okay=False, help="Folder for results.json, results.md and the PNGs.")]
     = Path("bench-out"),
     sample_users: Annotated[Optional[int], typer.Option(

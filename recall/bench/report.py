@@ -77,7 +77,9 @@ def _note(row: dict[str, Any], repeats: bool) -> str:
                else stats["fast_declined"])
         notes.append(f"fast mode declined ({why}): ran exact")
     if repeats and len(row["times_s"]) > 1:
-        notes.append("runs " + ", ".join(f"{t:.3g}" for t in row["times_s"]) + " s")
+        extra = row.get("extra_runs") or 0
+        notes.append("runs " + ", ".join(f"{t:.3g}" for t in row["times_s"]) + " s"
+                     + (f" ({extra} more: unsteady)" if extra else ""))
     return "; ".join(notes)
 
 

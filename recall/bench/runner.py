@@ -2,8 +2,10 @@
 
 Timing protocol, the same for every contender: ``prepare`` (index build, uploads) is outside the timed region; one
 warm-up search (JIT compilation, cuBLAS heuristics, allocator pools); then ``repeat`` timed searches, each between two
-device-wide synchronisations on the GPU, timed with ``time.perf_counter``. The median is the headline, every repeat
-is kept. The answer of the last repeat is checked against the float64 oracle on a sample of users.
+device-wide synchronisations on the GPU, timed with ``time.perf_counter``. Where the slowest of them took more than
+:data:`UNSTEADY` times the fastest, up to :data:`EXTRA_RUNS` more are timed, one at a time while that stays true (a
+median of two is the mean of two: one slow first run would be half the headline). The median is the headline, every
+run is kept. The answer of the last run is checked against the float64 oracle on a sample of users.
 
 Workloads with exclusions: the exclusions are generated after the data (on its device), the oracle first answers the
 sampled users without them, part of each sampled user's exclusions is replaced by items of that true top-k
@@ -32,6 +34,13 @@ from . import env, oracle
 from . import exclusions as excl_mod
 from . import layouts as lay
 from .workloads import Workload
+
+UNSTEADY = 1.10
+"""Timed runs of one contender spread more than this (slowest / fastest) are unsteady and get more runs."""
+EXTRA_RUNS = 2
+"""At most this many runs beyond ``repeat`` for an unsteady contender."""
+_clock = time.perf_counter  # the timed region's clock (tests replace it)
+
 
 SCHEMA = 2
 """Version of the results.json layout.
@@ -107,7 +116,7 @@ def _row(w: Workload, c_name: str, family: str, device: str, exact: bool, mode: 
     return {"workload": w.name, "kind": w.kind_label, "device": device, "contender": c_name, "family": family,
             "mode": mode, "claims_exact": exact, "status": "ok", "reason": None, "n_users": w.n_users,
             "n_items": w.n_items, "dim": w.dim, "k": w.k, "prepare_s": None, "warmup_s": None, "times_s": [],
-            "median_s": None, "users_per_s": None, "tflops": None, "check": None, "vs_faiss": None,
+            "extra_runs": 0, "median_s": None, "users_per_s": None, "tflops": None, "check": None, "vs_faiss": None,
             "metric": metric, "excl_per_user": w.excl_per_user, "cell": w.cell}
 
 
@@ -117,6 +126,18 @@ def _finish_times(row: dict[str, Any], w: Workload) -> None:
     row["users_per_s"] = w.n_users / t if t > 0 else None
     row["tflops"] = w.flops / t / 1e12 if t > 0 else None
     row["gb_per_s"] = w.bytes_moved / t / 1e9 if t > 0 and w.bytes_moved else None  # memory-bound workloads (S5)
+
+
+def _unsteady(times: list[float]) -> bool:
+    return len(times) > 1 and max(times) > UNSTEADY * min(times)
+
+
+def _timed_runs(times: list[float], repeat: int, once: Callable[[], float]) -> int:
+    """Append the times of ``repeat`` calls of ``once`` to ``times``, then of up to :data:`EXTRA_RUNS` more, one at a
+    time while the runs are unsteady; return how many more."""
+    while len(times) < repeat or (len(times) < repeat + EXTRA_RUNS and _unsteady(times)):
+        times.append(once())
+    return len(times) - repeat
 
 
 def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings,
@@ -139,22 +160,26 @@ def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, trut
         log(f"  {c.name}: skipped ({reason})")
         return row
     try:
-        t0 = time.perf_counter()
+        t0 = _clock()
         c.prepare(items)
         c.sync()
-        row["prepare_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        row["prepare_s"] = _clock() - t0
+        t0 = _clock()
         search()
         c.sync()
-        row["warmup_s"] = time.perf_counter() - t0
+        row["warmup_s"] = _clock() - t0
         answer = None
-        for _ in range(s.repeat):
+
+        def timed() -> float:
+            nonlocal answer
             answer = None  # let the previous answer's memory go before the next search allocates its own
             c.sync()
-            t0 = time.perf_counter()
+            t0 = _clock()
             answer = search()
             c.sync()
-            row["times_s"].append(time.perf_counter() - t0)
+            return _clock() - t0
+
+        row["extra_runs"] = _timed_runs(row["times_s"], s.repeat, timed)
         _finish_times(row, w)
         row["engine_stats"] = c.stats()  # e.g. GPU busy time / wall time of the last timed search
         indices, scores = answer
@@ -245,9 +270,9 @@ def _e2e_layout(w: Workload, host_users: np.ndarray, host_items: np.ndarray, ite
             kwargs: dict[str, Any] = {"metric": metric, "device": s.device, "memory_budget": s.memory_budget}
             if excl_path is not None:
                 kwargs["exclude_path"] = str(excl_path)
-            t0 = time.perf_counter()
+            t0 = _clock()
             summary = score_files(str(users_path), str(items_path), str(out), w.k, **kwargs)
-            wall = time.perf_counter() - t0
+            wall = _clock() - t0
             # The job's own stage times (they overlap) and the device's busy time, of the last run.
             row["stages"] = {"wall_s": wall, "start_s": summary.start_s, "early_users": summary.early_users,
                              "read_s": summary.read_s,
@@ -259,10 +284,13 @@ def _e2e_layout(w: Workload, host_users: np.ndarray, host_items: np.ndarray, ite
         row["warmup_s"] = once(tmp_path / "warmup.parquet")
         os.remove(tmp_path / "warmup.parquet")
         out = tmp_path / "out.parquet"
-        for _ in range(s.repeat):
+
+        def timed() -> float:
             if out.exists():
                 os.remove(out)
-            row["times_s"].append(once(out))
+            return once(out)
+
+        row["extra_runs"] = _timed_runs(row["times_s"], s.repeat, timed)
         _finish_times(row, w)
         row["output_bytes"] = out.stat().st_size
         idx, sc = _read_candidates(out, truth.rows, w.k)
@@ -380,7 +408,8 @@ def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[s
                      "sample_users": s.sample_users, "metric": s.metric, "rtol": s.rtol, "e2e": s.e2e,
                      "layouts": list(s.layouts), "memory_budget": s.memory_budget, "max_seconds": s.max_seconds,
                      "timing": "perf_counter between device-wide synchronisations; "
-                     "median of repeats after one warm-up; prepare (index build, upload) not timed"},
+                     f"median of repeats (up to {EXTRA_RUNS} more where the slowest took over {UNSTEADY}x the fastest) "
+                     "after one warm-up; prepare (index build, upload) not timed"},
         "ceilings": ceilings, "workloads": [], "results": [],
     }
     built_for: dict[str, list[cont.Contender]] = {}

@@ -21,7 +21,7 @@ WORKLOAD_KEYS = {"name", "kind", "n_users", "n_items", "dim", "k", "flops", "sta
                  "exclusions_s", "cell"}
 ROW_KEYS = {"workload", "kind", "device", "contender", "family", "mode", "claims_exact", "status", "reason", "n_users",
             "n_items", "dim", "k", "prepare_s", "warmup_s", "times_s", "median_s", "users_per_s", "tflops", "check",
-            "vs_faiss", "metric", "excl_per_user", "cell"}  # the last three: schema 2
+            "vs_faiss", "metric", "excl_per_user", "cell", "extra_runs"}  # "metric" on: schema 2
 CHECK_KEYS = {"recall", "min_recall", "users_short", "invalid", "max_score_error", "rtol", "n_sample", "exact",
               "excluded_returned"}
 
@@ -50,7 +50,8 @@ def test_cli_tiny_cpu_writes_every_field(tmp_path):
             assert r["reason"]  # the pipeline is not there yet: said, not dropped
             continue
         assert r["status"] == "ok", r
-        assert len(r["times_s"]) == 2 and r["median_s"] > 0
+        assert 0 <= r["extra_runs"] <= runner.EXTRA_RUNS and len(r["times_s"]) == 2 + r["extra_runs"]
+        assert r["median_s"] > 0
         assert r["users_per_s"] == pytest.approx(2000 / r["median_s"])
         assert r["tflops"] == pytest.approx(2 * 2000 * 5000 * 32 / r["median_s"] / 1e12)
         assert CHECK_KEYS <= r["check"].keys()
@@ -92,6 +93,34 @@ def test_failing_contender_is_an_error_row_and_exit_1(monkeypatch, tmp_path):
     assert result.exit_code == 1
     (row,) = json.loads((out / "results.json").read_text())["results"]
     assert row["status"] == "error" and "planted failure" in row["reason"]
+
+
+@pytest.mark.parametrize("durations, runs", [
+    ([1.0, 0.5, 0.3, 0.3, 0.3], [0.5, 0.3, 0.3, 0.3]),  # one slow first run: two more, the median is the usual time
+    ([1.0, 0.3, 0.32, 9.0], [0.3, 0.32]),                # within 1.10x: no more runs (9.0 never happens)
+    ([1.0, 0.5, 0.3, 0.7, 0.2, 9.0], [0.5, 0.3, 0.7, 0.2]),  # unsteady: at most 2 more
+])
+def test_unsteady_runs_get_more_runs(monkeypatch, tmp_path, durations, runs):
+    # A clock that advances by the scripted duration of each search (the first is the warm-up): the rule, not the
+    # machine's timing, decides how many runs there are.
+    clock = [0.0]
+    left = list(durations)
+    real = contenders.FaissContender.search
+
+    def search(self, users, k, **kw):
+        clock[0] += left.pop(0)
+        return real(self, users, k, **kw)
+
+    monkeypatch.setattr(contenders.FaissContender, "search", search)
+    monkeypatch.setattr(runner, "_clock", lambda: clock[0])
+    doc = runner.run(runner.Settings([workloads.get("tiny")], device="cpu", families=["faiss"], repeat=2))
+    (row,) = doc["results"]
+    assert row["status"] == "ok", row["reason"]
+    assert row["times_s"] == pytest.approx(runs)
+    assert row["extra_runs"] == len(runs) - 2
+    assert row["median_s"] == pytest.approx(float(np.median(runs)))
+    assert row["check"]["exact"]
+    assert ("more: unsteady" in report._note(row, True)) == (len(runs) > 2)
 
 
 @pytest.mark.parametrize("args", [
