@@ -76,6 +76,48 @@ def test_row_norms_in_blocks_equal_the_whole_computation(monkeypatch):
     assert metrics.row_norms(np, vecs[:0]).shape == (0,)
 
 
+def _counting(monkeypatch, name):
+    calls = []
+    real = getattr(metrics, name)
+    monkeypatch.setattr(metrics, name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dim", [1, 3, 4, 5, 64, 257])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", ["C", "F", "strided"])
+def test_row_norms_compiled_loop_against_float64(monkeypatch, dim, dtype, layout):
+    """Host arrays past the size threshold take the compiled loop: the float64 norm of each row, NaN and Inf rows as
+    such, whatever the array's layout."""
+    monkeypatch.setattr(metrics, "_HOST_LOOP_VALUES", 1)
+    calls = _counting(monkeypatch, "_host_norms")
+    rng = np.random.default_rng(dim)
+    base = (rng.standard_normal((50, 2 * dim)) * np.exp(3 * rng.standard_normal((50, 1)))).astype(dtype)
+    base[7, 0] = np.nan
+    base[11, 0] = np.inf
+    base[13] = 0.0
+    vecs = {"C": np.ascontiguousarray(base[:, :dim]), "F": np.asfortranarray(base[:, :dim]),
+            "strided": base[:, ::2]}[layout]
+    got = metrics.row_norms(np, vecs)
+    assert calls and got.dtype == np.float64 and got.shape == (50,)
+    wide = vecs.astype(np.float64)
+    want = np.sqrt((wide * wide).sum(axis=1))
+    assert np.isnan(got[7]) and got[11] == np.inf and got[13] == 0.0
+    np.testing.assert_allclose(got, want, rtol=1e-14)
+
+
+def test_cosine_compiled_loop_rounds_like_numpy(monkeypatch):
+    """The compiled loop's float32(v / |v|) is NumPy's (float32 / float64).astype(float32), bit for bit, from the
+    same norms."""
+    monkeypatch.setattr(metrics, "_HOST_LOOP_VALUES", 1)
+    calls = _counting(monkeypatch, "_host_scale")
+    vecs = (np.random.default_rng(5).standard_normal((300, 37)) * 1e3).astype(np.float32)
+    got = metrics.prepare_users("cosine", np, vecs)
+    assert calls and got.dtype == np.float32
+    want = (vecs / metrics.row_norms(np, vecs)[:, None]).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("which", ["users", "items"])
 def test_cosine_zero_vector_names_the_row(which):
     vecs = np.ones((5, 3), np.float32)
