@@ -7,21 +7,15 @@ cut of it into two sets of users (``Exclusions.subset``, what fast mode's sample
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from _timing import run_times
 
 from recall.core.exclusions import Exclusions, normalise
 
 
 def best(fn, repeat: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+    return min(run_times(fn, repeat))
 
 
 def main() -> None:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
+from _timing import run_times
 
 import recall
 from recall import Engine
@@ -26,13 +26,7 @@ from recall.core import metrics
 
 
 def timed(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(run_times(fn, repeat))
 
 
 def main() -> None:
