@@ -192,7 +192,8 @@ def test_out_of_memory_is_a_resource_error(monkeypatch):
 
 def _sample_rows(items, k, capacity):
     # The rows an ip search's threshold sample takes (integer items: their float64 norms are exact on either side).
-    from recall.backends.cupy.selection import sample_rows, seed_size
+    from recall.backends.cupy.selection import seed_size
+    from recall.backends.tiled import sample_rows
     from recall.core.metrics import row_norms
 
     size = seed_size(items.shape[0], k, capacity)

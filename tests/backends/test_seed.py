@@ -58,7 +58,7 @@ def _independent_sample(n_items, size, norms):
 def test_sample_rows(n_items, k, requested, norms_kind):
     # Sorted distinct rows within the items, the sample's size, exactly the rule's rows: with norms, ties among them
     # (a few distinct values) and norms rising with the row (the largest all at the end, where the spread half is).
-    from recall.backends.cupy.selection import sample_rows
+    from recall.backends.tiled import sample_rows
 
     size = seed_size(n_items, k, 32_768, requested=requested)
     assert size

@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 
 from ...core.metrics import row_norms
-from .selection import sample_rows
+from ..tiled import sample_rows
 
 #: Tile geometry of recall_fused_filter (fused.cu): 128 x 128 scores per tile, 32 dimensions per chunk.
 FUSED_TILE = 128
@@ -17,7 +17,7 @@ class DeviceItems:
     """Items on the device: ``vecs`` (n_items, dim) (float32, or float16 for fast mode), and, built on first use
     and kept as long as the engine holds this object, their transposed copy for the fused kernel, their norms and
     their threshold samples. ``norms_rank``: an item's norm bounds its score (the inner product), so that samples
-    take half their rows from the largest norms (``selection.sample_rows``)."""
+    take half their rows from the largest norms (``tiled.sample_rows``)."""
 
     def __init__(self, vecs: Any, norms_rank: bool = False) -> None:
         self.vecs = vecs
@@ -50,7 +50,7 @@ class DeviceItems:
 
     def sample(self, size: int, n_items: int, stream: Any) -> tuple[Any, Any]:
         """The threshold sample of ``size`` of the first ``n_items`` items: (its sorted int64 device rows,
-        ``selection.sample_rows``; their float32 norms, rounded up, for ``certificate.seed_margin``), computed on
+        ``tiled.sample_rows``; their float32 norms, rounded up, for ``certificate.seed_margin``), computed on
         ``stream`` the first time; the same arrays (so the same addresses, which a captured graph reads) for as long
         as this object lives."""
         key = (size, n_items)

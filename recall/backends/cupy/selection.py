@@ -48,27 +48,6 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     return size if size >= 4 * k and n_items >= least * size else 0
 
 
-def sample_rows(xp: Any, n_items: int, size: int, norms: Any = None) -> Any:
-    """The item rows of a threshold sample of ``size`` items (``seed_size``): sorted, distinct int64 of module
-    ``xp``. With stride = n_items // size: every stride-th row, from the middle of the first stride; with ``norms``
-    ((n_items,), where an item's norm bounds its score: the inner product), half of them every (2 stride)-th row and
-    the rest the largest norms among the other rows (ties to the lower row). Any rows give a valid seed (the k-th
-    best of real items); the largest norms are the items most users rank high, so that their k-th best sits nearer
-    the final k-th best and fewer scores pass the filter, and the evenly spread half keeps the seed at least that of
-    a sample half the size where norms say little (docs/benchmarks.md: 0.62 -> 0.57 s exact, 0.43 -> 0.34 s fast on
-    1M users x 100k skewed items)."""
-    stride = n_items // size
-    first = stride // 2
-    if norms is None:
-        return xp.arange(size, dtype=xp.int64) * stride + first
-    spread = (size + 1) // 2
-    strided = xp.arange(spread, dtype=xp.int64) * (2 * stride) + first
-    rank = xp.array(norms, dtype=xp.float64)
-    rank[strided] = -xp.inf
-    top = xp.argsort(-rank, kind="stable")[: size - spread].astype(xp.int64)
-    return xp.sort(xp.concatenate([strided, top]))
-
-
 def search_seed_size(plan: Any, n_items: int, k: int, options: Any) -> int:
     """``seed_size`` of a search under ``plan`` (``TilePlan``) and ``options`` (``EngineOptions``): the score room is
     one GEMM call's tiles; users with several vectors are not seeded."""
@@ -158,7 +137,7 @@ class Selection:
     def seed(self, state: GpuTopK, scores: Any, rows: Any, users: Any, item_norms: Any, excl_indptr: Any,
              excl_items: Any) -> None:
         """Start every user's threshold at its k-th best score over the sample whose scores are ``scores``
-        (1, n, size) (column j: item row ``rows[j]``, ``sample_rows``, of norm ``item_norms[j]``, float32 rounded
+        (1, n, size) (column j: item row ``rows[j]``, ``tiled.sample_rows``, of norm ``item_norms[j]``, float32 rounded
         up), each lowered by what the search's own score of that item may lie below it (``certificate.seed_margin``;
         ``users`` (n, width) the vectors scored): a lower bound of the final k-th best, so that later tiles pass few
         scores to the merge whatever the item order. Excluded sampled items are masked first; the k-th best is

@@ -218,6 +218,80 @@ def _update(scores, item_start, n_items, keys, counts, thrs, k, excl_indptr, exc
 
 
 @njit(nogil=True, cache=True)
+def seed_buffers(scores, rows, item_norms, user_norms, a, z, k, excl_indptr, excl_items, thrs):
+    """Each user's threshold from its scores of a threshold sample (n_users, size) float32, item rows ``rows``
+    (sorted) of norms ``item_norms``: below the k-th best of the sampled scores, each first lowered by
+    a·|u|·|v_j| + z (``certificate.seed_margin``: the search's own score of an item, another GEMM, may lie below
+    the sample's by that much) and rounded down to float32, excluded items left out. Those k items are real, so
+    the final k-th best is above the threshold; a user with fewer than k sampled items left keeps -inf.
+
+    The k-th best is bracketed by a radix select on the lowered scores' order-preserving keys, 12 + 12 of their 32
+    bits (a histogram each): the threshold is the float32 below the smallest key of the bucket that holds it, at
+    most 2^8 float32 steps under the k-th best itself, and a user costs a few passes over its row, not a sort. For
+    :func:`buffer_update`'s buffers (empty: the threshold only rises, at each cut, to the k-th best of more than k
+    items above it)."""
+    n_users, size = scores.shape
+    low = np.empty(size, np.float32)
+    bits = low.view(np.uint32)
+    keys = np.empty(size, np.uint32)
+    hist = np.empty(4096, np.int64)
+    out = np.empty(1, np.uint32)
+    as_float = out.view(np.float32)
+    for u in range(n_users):
+        au = a * user_norms[u]
+        for j in range(size):
+            x = np.float64(scores[u, j]) - (au * item_norms[j] + z)
+            # Rounded to nearest from below: float32 rounding moves x by at most |x|·2^-24 (or half the smallest
+            # subnormal), less than is taken off first.
+            low[j] = np.float32(x - (abs(x) * 2.0 ** -23 + 2.0 ** -149))
+        for e in range(excl_indptr[u], excl_indptr[u + 1]):
+            at = np.searchsorted(rows, excl_items[e])
+            if at < size and rows[at] == excl_items[e]:
+                low[at] = np.float32(np.nan)
+        m = 0
+        for j in range(size):
+            if low[j] > -np.inf:  # NaN (excluded) and -inf left out
+                b = bits[j]
+                keys[m] = b ^ np.uint32(0xFFFFFFFF) if b >> np.uint32(31) else b ^ np.uint32(0x80000000)
+                m += 1
+        if m < k:
+            thrs[u] = -np.inf
+            continue
+        hist[:] = 0
+        for j in range(m):
+            hist[keys[j] >> np.uint32(20)] += 1
+        want = k
+        top = 4095
+        while hist[top] < want:
+            want -= hist[top]
+            top -= 1
+        hist[:] = 0
+        for j in range(m):
+            if keys[j] >> np.uint32(20) == top:
+                hist[(keys[j] >> np.uint32(8)) & np.uint32(0xFFF)] += 1
+        mid = 4095
+        while hist[mid] < want:
+            want -= hist[mid]
+            mid -= 1
+        edge = (np.uint32(top) << np.uint32(20)) | (np.uint32(mid) << np.uint32(8))  # k keys or more are >= it
+        if edge < np.uint32(0x00800000):  # below the key of -FLT_MAX: no finite float32 to stand for it
+            thrs[u] = -np.inf
+            continue
+        out[0] = _step_down(edge ^ np.uint32(0x80000000) if edge >> np.uint32(31) else edge ^ np.uint32(0xFFFFFFFF))
+        thrs[u] = as_float[0]
+
+
+@njit(inline="always")
+def _step_down(bits):
+    """The float32 bits of the next float32 below the (finite) float32 of ``bits``."""
+    if bits == np.uint32(0):  # +0.0 -> the negative subnormal nearest 0
+        return np.uint32(0x80000001)
+    if bits >> np.uint32(31):  # negative: larger magnitude
+        return bits + np.uint32(1)
+    return bits - np.uint32(1)
+
+
+@njit(nogil=True, cache=True)
 def heap_sort_rows(heap_keys, out_vals, out_idx):
     """Heaps -> rows sorted best first; padding (-inf, -1) ends each row."""
     n_users, k = heap_keys.shape

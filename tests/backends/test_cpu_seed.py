@@ -1,0 +1,176 @@
+"""The CPU backend's threshold sample (k >= ``heap.BUFFER_MIN_K``): ``heap.seed_buffers`` against a float64 model of
+what it must return, the size rule, and seeded searches against unseeded ones, exclusions and ties included."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recall import Engine, EngineOptions
+from recall.backends.numpy import heap
+from recall.backends.numpy.backend import seed_size
+
+
+def _lowered(scores, norms, unorms, a, z):
+    return scores.astype(np.float64) - (a * unorms[:, None] * norms[None, :] + z)
+
+
+def _check(scores, rows, norms, unorms, a, z, k, sets):
+    """seed_buffers' thresholds: below the k-th best of each user's lowered, non-excluded sampled scores, and no
+    further below it than 2^8 float32 steps (its radix bucket); -inf where fewer than k are left."""
+    n, size = scores.shape
+    indptr = np.zeros(n + 1, np.int64)
+    indptr[1:] = np.cumsum([len(s) for s in sets])
+    items = np.array([r for s in sets for r in sorted(s)], np.int64)
+    thr = np.full(n, 7.0, np.float32)
+    heap.seed_buffers(scores, rows, norms, unorms, a, z, k, indptr, items, thr)
+    low = _lowered(scores, norms, unorms, a, z)
+    for u in range(n):
+        keep = ~np.isin(rows, list(sets[u]))
+        vals = np.sort(low[u, keep])[::-1]
+        if vals.size < k:
+            assert thr[u] == -np.inf
+            continue
+        kth = vals[k - 1]
+        assert np.float64(thr[u]) < kth  # strictly: a score equal to the k-th best passes `score > thr`
+        # Within the bucket: at most 2^8 float32 steps (plus the rounding down and one step) below the k-th best.
+        steps = abs(int(np.float32(kth).view(np.int32)) - int(thr[u].view(np.int32)))
+        assert steps <= (1 << 8) + 4 or np.sign(kth) != np.sign(thr[u])
+    return thr
+
+
+@pytest.mark.parametrize("k", [1, 5, 64, 200])
+def test_seed_thresholds_bracket_the_kth_best(k):
+    rng = np.random.default_rng(k)
+    n, size = 40, 256
+    scores = (rng.standard_normal((n, size)) * np.exp(rng.standard_normal((n, 1)))).astype(np.float32)
+    scores[3] = 1.5  # every score tied
+    scores[4, :] = -scores[4, :] ** 2  # all negative
+    rows = np.sort(rng.choice(10_000, size, replace=False)).astype(np.int64)
+    norms = np.exp(rng.standard_normal(size))
+    unorms = np.exp(rng.standard_normal(n))
+    sets = [set() for _ in range(n)]
+    sets[1] = set(rows[:size - k + 1].tolist())  # k - 1 sampled items left: no seed
+    sets[2] = set(rows[::3].tolist()) | {int(rows[0]) + 1, 10_001}  # some sampled, some not sampled
+    sets[5] = set(rows[-k:].tolist())
+    thr = _check(scores, rows, norms, unorms, 1e-6, 1e-30, k, sets)
+    assert thr[1] == -np.inf and np.isfinite(thr[0]) and np.isfinite(thr[3])
+
+
+def test_seed_margin_lowers_the_threshold():
+    scores = np.full((1, 100), 2.0, np.float32)
+    rows = np.arange(100, dtype=np.int64)
+    thr = _check(scores, rows, np.ones(100), np.ones(1), 0.0, 0.0, 10, [set()])
+    wide = _check(scores, rows, np.ones(100), np.ones(1), 1e-3, 0.0, 10, [set()])
+    assert thr[0] < 2.0 and wide[0] < 2.0 - 1e-3 < thr[0]
+
+
+def test_seed_threshold_below_a_kth_best_on_a_bucket_edge():
+    """A k-th best lowered score whose key is a radix bucket's lowest (its last 8 bits 0): the threshold is still
+    strictly below it, so that the items of that score pass the strict test."""
+    edge = np.array([0x3F7FFF00], np.uint32).view(np.float32)[0]
+    step = np.float32(2.0 ** -24)
+    # The score whose lowering (the kernel's rounding from below, margin 0) lands on the edge.
+    score = next(x for x in (edge + i * step for i in range(1, 8))
+                 if np.float32(np.float64(x) - (abs(np.float64(x)) * 2.0 ** -23 + 2.0 ** -149)) == edge)
+    scores = np.full((1, 50), score, np.float32)
+    thr = _check(scores, np.arange(50, dtype=np.int64), np.ones(50), np.ones(1), 0.0, 0.0, 1, [set()])
+    assert thr[0] < edge
+
+
+@settings(max_examples=40)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 64), st.sampled_from(["normal", "ties", "tiny", "signs"]))
+def test_property_seed_thresholds(seed, k, kind):
+    rng = np.random.default_rng(seed)
+    n, size = 6, int(rng.integers(k, 200))
+    if kind == "ties":
+        scores = rng.integers(-2, 3, (n, size)).astype(np.float32)
+    elif kind == "tiny":
+        scores = (rng.standard_normal((n, size)) * 1e-42).astype(np.float32)  # subnormals
+    elif kind == "signs":
+        scores = (rng.choice([-1.0, 1.0], (n, size)) * rng.random((n, size)) * 1e-30).astype(np.float32)
+    else:
+        scores = rng.standard_normal((n, size)).astype(np.float32)
+    rows = np.sort(rng.choice(5 * size, size, replace=False)).astype(np.int64)
+    sets = [set(rng.choice(5 * size, int(rng.integers(0, size)), replace=False).tolist()) for _ in range(n)]
+    _check(scores, rows, rng.random(size), rng.random(n), float(rng.choice([0.0, 1e-7])), 2.0 ** -149, k, sets)
+
+
+def test_seed_size_rule():
+    assert seed_size(100_000, 100) == 0  # heaps are not seeded
+    assert seed_size(100_000, 1000) == 8192
+    assert seed_size(100_000, 2048) == 8192  # an eighth of the catalogue, still 4 k
+    assert seed_size(100_000, 4096) == 0 and seed_size(100_000, 8192) == 0
+    assert seed_size(1_000_000, 8192) == 65536
+    assert seed_size(100_000, 1000, seeded=False) == 0
+    assert seed_size(100_000, 1000, requested=4096) == 4096
+    assert seed_size(100_000, 1000, requested=1024) == 0  # under 2 k
+    assert seed_size(6000, 1000, requested=4096) == 0  # under twice it
+
+
+def _engines(items, metric="ip"):
+    return (Engine(items, device="cpu", metric=metric),
+            Engine(items, device="cpu", metric=metric, options=EngineOptions(seed_thresholds=False)))
+
+
+@pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
+@pytest.mark.parametrize("kind", ["float", "ints"])
+def test_seeded_search_equals_unseeded(metric, kind):
+    rng = np.random.default_rng(11)
+    n_items, dim, k = 70_000, 8, 700
+    if kind == "ints":  # many exact ties: equal scores go to the lower row, seeded or not
+        items = rng.integers(-2, 3, (n_items, dim)).astype(np.float32)
+        users = rng.integers(-2, 3, (300, dim)).astype(np.float32)
+        users[users.sum(axis=1) == 0, 0] = 1.0
+        items[np.abs(items).sum(axis=1) == 0, 0] = 1.0
+    else:
+        items = (rng.standard_normal((n_items, dim)) * np.exp(rng.standard_normal((n_items, 1)))).astype(np.float32)
+        users = rng.standard_normal((300, dim)).astype(np.float32)
+    seeded, plain = _engines(items, metric=metric)
+    a, b = seeded.search(users, k), plain.search(users, k)
+    assert seeded.stats["seed_sample"] == 8192 and plain.stats["seed_sample"] == 0
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_array_equal(a.scores, b.scores)
+
+
+def test_seeded_search_with_exclusions_of_the_sample():
+    """Users whose sampled items are all excluded, or all but a few, or whose best items are: the same answer."""
+    rng = np.random.default_rng(12)
+    n_items, k = 80_000, 640
+    items = rng.standard_normal((n_items, 6)).astype(np.float32)
+    users = rng.standard_normal((200, 6)).astype(np.float32)
+    seeded, plain = _engines(items)
+    plain_best = plain.search(users, k).indices
+    from recall.backends.tiled import sample_rows
+
+    sampled = sample_rows(np, n_items, seed_size(n_items, k))
+    lists = [np.sort(rng.choice(n_items, 30, replace=False)) for _ in range(200)]
+    lists[0] = sampled  # every sampled item
+    lists[1] = sampled[:-k + 1]  # all but k - 1
+    lists[2] = np.sort(plain_best[2, :k // 2])  # its best half
+    lists[3] = np.arange(n_items - k // 2, dtype=np.int64)  # all but k / 2 items: the rest padded
+    indptr = np.zeros(201, np.int64)
+    indptr[1:] = np.cumsum([len(x) for x in lists])
+    excl = (indptr, np.concatenate(lists).astype(np.int64))
+    a, b = seeded.search(users, k, exclude=excl), plain.search(users, k, exclude=excl)
+    assert seeded.stats["seed_sample"] > 0
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_array_equal(a.scores, b.scores)
+    assert np.all(a.indices[3, k // 2:] == -1) and np.all(a.indices[3, :k // 2] >= n_items - k // 2)
+    for u in range(200):
+        assert not np.isin(a.indices[u], lists[u]).any()
+
+
+def test_item_ranges_are_not_seeded():
+    """Fewer user blocks than workers: each block is searched in item ranges, whose own k-th best may lie below the
+    catalogue's sample's; such a search runs unseeded."""
+    rng = np.random.default_rng(13)
+    items = rng.standard_normal((70_000, 8)).astype(np.float32)
+    users = rng.standard_normal((3, 8)).astype(np.float32)
+    seeded, plain = _engines(items)
+    seeded.backend.workers = plain.backend.workers = 4  # what a 4-core machine plans: one block, 4 item ranges
+    a, b = seeded.search(users, 700), plain.search(users, 700)
+    assert seeded.stats["item_parts"] > 1 and seeded.stats["seed_sample"] == 0
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_array_equal(a.scores, b.scores)
