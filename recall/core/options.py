@@ -31,7 +31,7 @@ class EngineOptions:
         GPU: replay each block's launches as a CUDA graph from the second block on (False: launch eagerly).
     seed_thresholds : bool
         Start each user block's thresholds at its k-th best score over a sample of the items (False: at -inf). On
-        the CPU from k = ``heap.BUFFER_MIN_K`` (640) on (``numpy.backend.seed_size``).
+        the CPU from k = 300 on (``numpy.backend.seed_size``).
     fused : {"auto", "force", "off"}
         GPU: score and filter in one kernel where it applies ("auto": seeded searches of exact mode's float32
         vectors of at most 256 dimensions (``fused.cu``) or fast mode's float16 ones of at most 128 columns
@@ -49,12 +49,13 @@ class EngineOptions:
         1 MiB, at most 8,192 items): one user against 100,000 items runs 13 tiles instead of 196. A batch job's
         engines turn it off, so that a short last batch keeps the tiles its item shards are cut on.
     seed_sample : int
-        Items in each block's threshold sample (``seed_thresholds``). CPU: 0: the rule (``numpy.backend.seed_size``);
-        a size asked for is taken from catalogues of at least twice it, if it is at least 2 k. GPU: 0: the rule,
-        8,192 or 32 k, whichever is more, from a catalogue of at least 8 times that, else (where k is large for the
-        catalogue) the largest power of two at most a quarter of it. At most one segment of the cuBLAS path
-        (``tiles``' items per tile x tiles per call); a size asked for here is taken from a catalogue of at least
-        twice it. A larger sample costs its products and selection, and passes fewer scores on.
+        Items in each block's threshold sample (``seed_thresholds``). CPU (k >= 300): 0: the rule
+        (``numpy.backend.seed_size``); a size asked for is taken from catalogues of at least twice it, if it is at
+        least 2 k. GPU: 0: the rule, 8,192 or 32 k, whichever is more, from a catalogue of at least 8 times that,
+        else (where k is large for the catalogue) the largest power of two at most a quarter of it. At most one
+        segment of the cuBLAS path (``tiles``' items per tile x tiles per call); a size asked for here is taken
+        from a catalogue of at least twice it. A larger sample costs its products and selection, and passes fewer
+        scores on.
     fast_sample : int
         Fast precision: the most users a large search scores first, to find out whether the certificate pays (1/50
         of the users, at most this many, when that is at least 128); where too many of them fall back, the other

@@ -1,5 +1,6 @@
-"""The CPU backend's threshold sample (k >= ``heap.BUFFER_MIN_K``): ``heap.seed_buffers`` against a float64 model of
-what it must return, the size rule, and seeded searches against unseeded ones, exclusions and ties included."""
+"""The CPU backend's threshold sample (k >= ``SEED_MIN_K``): ``heap.seed_buffers`` against a float64 model of what it
+must return, ``heap.seed_heaps``, the size rule, and seeded searches (heaps and buffers) against unseeded ones,
+exclusions and ties included."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 
 from recall import Engine, EngineOptions
 from recall.backends.numpy import heap
-from recall.backends.numpy.backend import seed_size
+from recall.backends.numpy.backend import SEED_MIN_K, seed_size
 
 
 def _lowered(scores, norms, unorms, a, z):
@@ -97,8 +98,28 @@ def test_property_seed_thresholds(seed, k, kind):
     _check(scores, rows, rng.random(size), rng.random(n), float(rng.choice([0.0, 1e-7])), 2.0 ** -149, k, sets)
 
 
+def test_seeded_heap_keeps_items_above_the_seed_and_pads_the_rest():
+    """A heap filled with keys of its seed's score: only items above the seed enter, the root (the threshold) never
+    falls below the seed, and slots no item took come out as padding."""
+    keys, thr = heap.new_heaps(2, 4)
+    thr[:] = [0.5, -np.inf]
+    heap.seed_heaps(keys, thr)
+    scores = np.array([[[0.1, 0.9, 0.5, 0.7, 0.2, 0.6]], [[0.1, 0.9, 0.5, 0.7, 0.2, 0.6]]], np.float32)
+    scores = scores.reshape(1, 2, 6)
+    none = np.zeros(3, np.int64), np.zeros(0, np.int64)
+    heap.heap_update(scores, 0, 6, keys, thr, *none)
+    vals = np.empty((2, 4), np.float32)
+    rows = np.empty((2, 4), np.int64)
+    heap.heap_sort_rows(keys, vals, rows)
+    np.testing.assert_array_equal(rows[0], [1, 3, 5, -1])  # 0.5 itself is not above the seed
+    np.testing.assert_array_equal(vals[0], np.array([0.9, 0.7, 0.6, -np.inf], np.float32))
+    assert thr[0] == 0.5
+    np.testing.assert_array_equal(rows[1], [1, 3, 5, 2])  # unseeded: the usual top 4
+
+
 def test_seed_size_rule():
-    assert seed_size(100_000, 100) == 0  # heaps are not seeded
+    assert seed_size(100_000, 100) == 0 and seed_size(100_000, SEED_MIN_K - 1) == 0  # small k: not seeded
+    assert seed_size(100_000, 300) == 4096  # a heap
     assert seed_size(100_000, 1000) == 8192
     assert seed_size(100_000, 2048) == 8192  # an eighth of the catalogue, still 4 k
     assert seed_size(100_000, 4096) == 0 and seed_size(100_000, 8192) == 0
@@ -116,9 +137,10 @@ def _engines(items, metric="ip"):
 
 @pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
 @pytest.mark.parametrize("kind", ["float", "ints"])
-def test_seeded_search_equals_unseeded(metric, kind):
+@pytest.mark.parametrize("k", [300, 700])  # a heap, a buffer
+def test_seeded_search_equals_unseeded(metric, kind, k):
     rng = np.random.default_rng(11)
-    n_items, dim, k = 70_000, 8, 700
+    n_items, dim = 70_000, 8
     if kind == "ints":  # many exact ties: equal scores go to the lower row, seeded or not
         items = rng.integers(-2, 3, (n_items, dim)).astype(np.float32)
         users = rng.integers(-2, 3, (300, dim)).astype(np.float32)
@@ -129,15 +151,16 @@ def test_seeded_search_equals_unseeded(metric, kind):
         users = rng.standard_normal((300, dim)).astype(np.float32)
     seeded, plain = _engines(items, metric=metric)
     a, b = seeded.search(users, k), plain.search(users, k)
-    assert seeded.stats["seed_sample"] == 8192 and plain.stats["seed_sample"] == 0
+    assert seeded.stats["seed_sample"] == seed_size(n_items, k) > 0 and plain.stats["seed_sample"] == 0
     np.testing.assert_array_equal(a.indices, b.indices)
     np.testing.assert_array_equal(a.scores, b.scores)
 
 
-def test_seeded_search_with_exclusions_of_the_sample():
+@pytest.mark.parametrize("k", [320, 640])
+def test_seeded_search_with_exclusions_of_the_sample(k):
     """Users whose sampled items are all excluded, or all but a few, or whose best items are: the same answer."""
     rng = np.random.default_rng(12)
-    n_items, k = 80_000, 640
+    n_items = 80_000
     items = rng.standard_normal((n_items, 6)).astype(np.float32)
     users = rng.standard_normal((200, 6)).astype(np.float32)
     seeded, plain = _engines(items)

@@ -63,16 +63,22 @@ def tune_band(users: tuple[int, ...], items: tuple[tuple[int, int], ...], band: 
     return out  # type: ignore[return-value]
 
 
+SEED_MIN_K = 300
+"""Searches of smaller k are not seeded on the CPU: a heap's threshold rises with its first k items anyway, and at
+k = 100-256 a seed costs what it saves (docs/benchmarks.md)."""
+
+
 def seed_size(n_items: int, k: int, seeded: bool = True, requested: int = 0) -> int:
-    """Items in a CPU search's threshold sample, or 0 where it is not seeded. Only buffers are seeded (k >=
-    ``heap.BUFFER_MIN_K``): a heap's threshold rises with its first k items anyway, and a buffer's only at each cut,
-    so that without a seed a user appends about k·(1 + ln(n_items / k)) pairs and a seed of the k-th best over s
+    """Items in a CPU search's threshold sample, or 0 where it is not seeded (k below :data:`SEED_MIN_K`).
+    Without a seed a user's threshold rises slowly over the first tiles (a buffer's, from ``heap.BUFFER_MIN_K``
+    on, only at each cut): it takes about k·(1 + ln(n_items / k)) pairs, and a seed of the k-th best over s
     items spares it about k·ln(s / k) of them. The rule: 8 k items rounded up to a power of two, or the largest
     power of two at most an eighth of the catalogue where that is less (the sample's products cost 1/8 of the
     search's at most), and at least 4 k items, else none (2 cores, 100k items x 64, interleaved medians,
-    docs/benchmarks.md: k = 1,000 from 8,192 items 2.32 -> 1.90 s, k = 2,048 from 8,192 1.47 -> 1.30 s).
-    ``requested``: ``EngineOptions.seed_sample``, taken from catalogues of at least twice it, and at least 2 k."""
-    if not seeded or k < heap.BUFFER_MIN_K:
+    docs/benchmarks.md: k = 1,000 from 8,192 items 2.05 -> 1.72 s, k = 2,048 from 8,192 1.59 -> 1.28 s, k = 639
+    from 8,192 1.48 -> 1.30 s). ``requested``: ``EngineOptions.seed_sample``, taken from catalogues of at least
+    twice it, and at least 2 k."""
+    if not seeded or k < SEED_MIN_K:
         return 0
     if requested:
         return requested if requested >= 2 * k and n_items >= 2 * requested else 0
@@ -279,6 +285,8 @@ class NumpyBackend:
         np.matmul(users, seed.vecs.T, out=scores)
         heap.seed_buffers(scores, seed.rows, seed.norms, row_norms(np, users), seed.a, seed.z, state.k,
                           excl_indptr, excl_items, state.thr[:n])
+        if state.counts is None:
+            heap.seed_heaps(state.keys[:n], state.thr[:n])
 
     def rescore(self, users: Any, items: np.ndarray, indptr: np.ndarray, rows: Any, k: int, budget: int,
                 options: EngineOptions) -> tuple[np.ndarray, np.ndarray, str]:

@@ -229,7 +229,7 @@ def seed_buffers(scores, rows, item_norms, user_norms, a, z, k, excl_indptr, exc
     bits (a histogram each): the threshold is the float32 below the smallest key of the bucket that holds it, at
     most 2^8 float32 steps under the k-th best itself, and a user costs a few passes over its row, not a sort. For
     :func:`buffer_update`'s buffers (empty: the threshold only rises, at each cut, to the k-th best of more than k
-    items above it)."""
+    items above it), and for heaps with :func:`seed_heaps`."""
     n_users, size = scores.shape
     low = np.empty(size, np.float32)
     bits = low.view(np.uint32)
@@ -279,6 +279,21 @@ def seed_buffers(scores, rows, item_norms, user_norms, a, z, k, excl_indptr, exc
             continue
         out[0] = _step_down(edge ^ np.uint32(0x80000000) if edge >> np.uint32(31) else edge ^ np.uint32(0xFFFFFFFF))
         thrs[u] = as_float[0]
+
+
+@njit(nogil=True, cache=True)
+def seed_heaps(heap_keys, heap_thr):
+    """Fill each seeded user's (empty) heap with keys of its threshold's score and the row no item has: they rank
+    below every item of that score or more, so the first k items above the threshold replace them, and the root's
+    score, the threshold, never falls below the seed; any left at the end are padding (``heap_sort_rows``)."""
+    scratch = np.empty(1, np.float32)
+    as_bits = scratch.view(np.uint32)
+    for u in range(heap_keys.shape[0]):
+        if heap_thr[u] > -np.inf:
+            scratch[0] = heap_thr[u]
+            key = _key(as_bits[0], np.uint64(0xFFFFFFFF))
+            for j in range(heap_keys.shape[1]):
+                heap_keys[u, j] = key
 
 
 @njit(inline="always")
