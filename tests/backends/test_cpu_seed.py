@@ -156,9 +156,14 @@ def test_seeded_search_equals_unseeded(metric, kind, k):
     np.testing.assert_array_equal(a.scores, b.scores)
 
 
-@pytest.mark.parametrize("k", [320, 640])
-def test_seeded_search_with_exclusions_of_the_sample(k):
-    """Users whose sampled items are all excluded, or all but a few, or whose best items are: the same answer."""
+@pytest.mark.parametrize("k, groups", [(320, False), (640, False), (640, True)])
+def test_seeded_search_with_exclusions_of_the_sample(monkeypatch, k, groups):
+    """Users whose sampled items are all excluded, or all but a few, or whose best items are: the same answer (also
+    with a block's users seeded in groups of 3, each group's exclusions a slice of the block's)."""
+    from recall.backends.numpy import backend as cpu
+
+    if groups:
+        monkeypatch.setattr(cpu, "SEED_SCRATCH_VALUES", 3 * seed_size(80_000, k))
     rng = np.random.default_rng(12)
     n_items = 80_000
     items = rng.standard_normal((n_items, 6)).astype(np.float32)
@@ -183,6 +188,30 @@ def test_seeded_search_with_exclusions_of_the_sample(k):
     assert np.all(a.indices[3, k // 2:] == -1) and np.all(a.indices[3, :k // 2] >= n_items - k // 2)
     for u in range(200):
         assert not np.isin(a.indices[u], lists[u]).any()
+
+
+def test_seed_groups_take_their_own_users_exclusions(monkeypatch):
+    """Users seeded in groups (a worker's scratch holds 3 users' sampled scores): a user of a later group who has
+    excluded its best quarter of the catalogue (and so most of the sample's top k) is seeded from its own list. Seeded
+    with the first group's empty lists, its threshold would sit above its true k-th best."""
+    from recall.backends.numpy import backend as cpu
+
+    rng = np.random.default_rng(14)
+    n_items, k = 80_000, 640
+    monkeypatch.setattr(cpu, "SEED_SCRATCH_VALUES", 3 * seed_size(n_items, k))
+    items = rng.standard_normal((n_items, 6)).astype(np.float32)
+    users = rng.standard_normal((12, 6)).astype(np.float32)
+    seeded, plain = _engines(items)
+    seeded.backend.workers = plain.backend.workers = 1  # one block, not item ranges
+    scores = users.astype(np.float64) @ items.astype(np.float64).T
+    lists = [np.zeros(0, np.int64)] * 3 + [np.sort(np.argsort(-scores[u])[:n_items // 4]) for u in range(3, 12)]
+    indptr = np.zeros(13, np.int64)
+    indptr[1:] = np.cumsum([len(x) for x in lists])
+    excl = (indptr, np.concatenate(lists).astype(np.int64))
+    a, b = seeded.search(users, k, exclude=excl), plain.search(users, k, exclude=excl)
+    assert seeded.stats["seed_sample"] > 0
+    np.testing.assert_array_equal(a.indices, b.indices)
+    assert np.all(a.indices >= 0)
 
 
 def test_item_ranges_are_not_seeded():

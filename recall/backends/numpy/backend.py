@@ -63,6 +63,8 @@ def tune_band(users: tuple[int, ...], items: tuple[tuple[int, int], ...], band: 
     return out  # type: ignore[return-value]
 
 
+SEED_SCRATCH_VALUES = 1 << 18
+"""Sampled scores a worker holds at once (1 MiB), whatever the sample's size."""
 SEED_MIN_K = 300
 """Searches of smaller k are not seeded on the CPU: a heap's threshold rises with its first k items anyway, and at
 k = 100-256 a seed costs what it saves (docs/benchmarks.md)."""
@@ -274,17 +276,23 @@ class NumpyBackend:
         return _Seed(rows, vecs, row_norms(np, vecs), a, z)
 
     def seed_scratch(self, seed: _Seed, user_block: int) -> np.ndarray:
-        """A block's room for its scores of ``seed``'s items."""
-        return np.empty((user_block, seed.rows.size), np.float32)
+        """A worker's room for scores of ``seed``'s items: a block's users in groups of at most
+        :data:`SEED_SCRATCH_VALUES` scores (a sample of 65,536 items is 256 KiB a user)."""
+        return np.empty((min(user_block, max(1, SEED_SCRATCH_VALUES // seed.rows.size)), seed.rows.size),
+                        np.float32)
 
     def topk_seed(self, state: _HeapState, users: np.ndarray, seed: _Seed, scratch: np.ndarray,
                   excl_indptr: np.ndarray, excl_items: np.ndarray) -> None:
-        """Start the (reset) block's thresholds at its users' k-th best over ``seed`` (``heap.seed_buffers``)."""
+        """Start the (reset) block's thresholds at its users' k-th best over ``seed`` (``heap.seed_buffers``; a
+        heap is then filled with keys of that score, ``heap.seed_heaps``)."""
         n = users.shape[0]
-        scores = scratch[:n]
-        np.matmul(users, seed.vecs.T, out=scores)
-        heap.seed_buffers(scores, seed.rows, seed.norms, row_norms(np, users), seed.a, seed.z, state.k,
-                          excl_indptr, excl_items, state.thr[:n])
+        norms = row_norms(np, users)
+        for lo in range(0, n, scratch.shape[0]):
+            hi = min(n, lo + scratch.shape[0])
+            scores = scratch[:hi - lo]
+            np.matmul(users[lo:hi], seed.vecs.T, out=scores)
+            heap.seed_buffers(scores, seed.rows, seed.norms, norms[lo:hi], seed.a, seed.z, state.k,
+                              excl_indptr[lo:hi + 1], excl_items, state.thr[lo:hi])
         if state.counts is None:
             heap.seed_heaps(state.keys[:n], state.thr[:n])
 
