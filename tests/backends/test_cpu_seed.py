@@ -122,7 +122,8 @@ def test_seed_size_rule():
     assert seed_size(100_000, 300) == 4096  # a heap
     assert seed_size(100_000, 1000) == 8192
     assert seed_size(100_000, 2048) == 8192  # an eighth of the catalogue, still 4 k
-    assert seed_size(100_000, 4096) == 0 and seed_size(100_000, 8192) == 0
+    assert seed_size(100_000, 4096) == 16384 and seed_size(100_000, 8192) == 32768  # 4 k, up to a third
+    assert seed_size(90_000, 8192) == 0 and seed_size(40_000, 4096) == 0
     assert seed_size(1_000_000, 8192) == 65536
     assert seed_size(100_000, 1000, seeded=False) == 0
     assert seed_size(100_000, 1000, requested=4096) == 4096
@@ -152,6 +153,24 @@ def test_seeded_search_equals_unseeded(metric, kind, k):
     seeded, plain = _engines(items, metric=metric)
     a, b = seeded.search(users, k), plain.search(users, k)
     assert seeded.stats["seed_sample"] == seed_size(n_items, k) > 0 and plain.stats["seed_sample"] == 0
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_array_equal(a.scores, b.scores)
+
+
+@pytest.mark.parametrize("kind", ["float", "ints"])
+def test_seeded_search_where_k_is_large_for_the_catalogue(kind):
+    """k = 1,000 of 13,000 items: a sample of 4,096 items, a third of the catalogue."""
+    rng = np.random.default_rng(15)
+    if kind == "ints":
+        items = rng.integers(-2, 3, (13_000, 5)).astype(np.float32)
+        users = rng.integers(-2, 3, (300, 5)).astype(np.float32)
+    else:
+        items = rng.standard_normal((13_000, 5)).astype(np.float32)
+        users = rng.standard_normal((300, 5)).astype(np.float32)
+    seeded, plain = _engines(items)
+    seeded.backend.workers = plain.backend.workers = 1
+    a, b = seeded.search(users, 1000), plain.search(users, 1000)
+    assert seeded.stats["seed_sample"] == 4096
     np.testing.assert_array_equal(a.indices, b.indices)
     np.testing.assert_array_equal(a.scores, b.scores)
 

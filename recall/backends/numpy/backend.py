@@ -76,16 +76,21 @@ def seed_size(n_items: int, k: int, seeded: bool = True, requested: int = 0) -> 
     on, only at each cut): it takes about k·(1 + ln(n_items / k)) pairs, and a seed of the k-th best over s
     items spares it about k·ln(s / k) of them. The rule: 8 k items rounded up to a power of two, or the largest
     power of two at most an eighth of the catalogue where that is less (the sample's products cost 1/8 of the
-    search's at most), and at least 4 k items, else none (2 cores, 100k items x 64, interleaved medians,
-    docs/benchmarks.md: k = 1,000 from 8,192 items 2.05 -> 1.72 s, k = 2,048 from 8,192 1.59 -> 1.28 s, k = 639
-    from 8,192 1.48 -> 1.30 s). ``requested``: ``EngineOptions.seed_sample``, taken from catalogues of at least
+    search's at most), if that is at least 4 k items; else, where k is large for the catalogue, 4 k items rounded
+    up to a power of two if that is at most a third of it (its selection costs more than its products then); else
+    none. 2 cores, 100k items x 64, interleaved medians (docs/benchmarks.md): k = 1,000 from 8,192 items 2.05 ->
+    1.72 s, k = 2,048 from 8,192 1.59 -> 1.28 s, k = 639 from 8,192 1.48 -> 1.30 s, k = 4,096 from 16,384 2.05 ->
+    1.84 s, k = 8,192 from 32,768 1.69 -> 1.42 s. ``requested``: ``EngineOptions.seed_sample``, taken from catalogues of at least
     twice it, and at least 2 k."""
     if not seeded or k < SEED_MIN_K:
         return 0
     if requested:
         return requested if requested >= 2 * k and n_items >= 2 * requested else 0
     size = min(1 << (8 * k - 1).bit_length(), 1 << max(0, (n_items // 8).bit_length() - 1))
-    return size if size >= 4 * k else 0
+    if size >= 4 * k:
+        return size
+    size = 1 << (4 * k - 1).bit_length()  # k large for the catalogue: 4 k items, up to a third of it
+    return size if 3 * size <= n_items else 0
 
 
 @dataclass
