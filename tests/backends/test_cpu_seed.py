@@ -131,6 +131,13 @@ def test_seed_size_rule():
     assert seed_size(6000, 1000, requested=4096) == 0  # under twice it
 
 
+def _pairs(lists):
+    """Per-user exclusion lists (sorted item rows) as the (indptr, items) CSR a search takes."""
+    indptr = np.zeros(len(lists) + 1, np.int64)
+    indptr[1:] = np.cumsum([len(x) for x in lists])
+    return indptr, np.concatenate(lists).astype(np.int64)
+
+
 def _engines(items, metric="ip"):
     return (Engine(items, device="cpu", metric=metric),
             Engine(items, device="cpu", metric=metric, options=EngineOptions(seed_thresholds=False)))
@@ -197,9 +204,7 @@ def test_seeded_search_with_exclusions_of_the_sample(monkeypatch, k, groups):
     lists[1] = sampled[:-k + 1]  # all but k - 1
     lists[2] = np.sort(plain_best[2, :k // 2])  # its best half
     lists[3] = np.arange(n_items - k // 2, dtype=np.int64)  # all but k / 2 items: the rest padded
-    indptr = np.zeros(201, np.int64)
-    indptr[1:] = np.cumsum([len(x) for x in lists])
-    excl = (indptr, np.concatenate(lists).astype(np.int64))
+    excl = _pairs(lists)
     a, b = seeded.search(users, k, exclude=excl), plain.search(users, k, exclude=excl)
     assert seeded.stats["seed_sample"] > 0
     np.testing.assert_array_equal(a.indices, b.indices)
@@ -224,9 +229,7 @@ def test_seed_groups_take_their_own_users_exclusions(monkeypatch):
     seeded.backend.workers = plain.backend.workers = 1  # one block, not item ranges
     scores = users.astype(np.float64) @ items.astype(np.float64).T
     lists = [np.zeros(0, np.int64)] * 3 + [np.sort(np.argsort(-scores[u])[:n_items // 4]) for u in range(3, 12)]
-    indptr = np.zeros(13, np.int64)
-    indptr[1:] = np.cumsum([len(x) for x in lists])
-    excl = (indptr, np.concatenate(lists).astype(np.int64))
+    excl = _pairs(lists)
     a, b = seeded.search(users, k, exclude=excl), plain.search(users, k, exclude=excl)
     assert seeded.stats["seed_sample"] > 0
     np.testing.assert_array_equal(a.indices, b.indices)
