@@ -22,13 +22,13 @@ from ..core.tiling import InterestPlan, TilePlan, item_segments
 
 def sample_rows(xp: Any, n_items: int, size: int, norms: Any = None) -> Any:
     """The item rows of a threshold sample of ``size`` items (each backend's ``seed_size``): sorted, distinct int64
-    of module ``xp``. With stride = n_items // size: every stride-th row, from the middle of the first stride; with ``norms``
-    ((n_items,), where an item's norm bounds its score: the inner product), half of them every (2 stride)-th row and
-    the rest the largest norms among the other rows (ties to the lower row). Any rows give a valid seed (the k-th
-    best of real items); the largest norms are the items most users rank high, so that their k-th best sits nearer
-    the final k-th best and fewer scores pass the filter, and the evenly spread half keeps the seed at least that of
-    a sample half the size where norms say little (docs/benchmarks.md: 0.62 -> 0.57 s exact, 0.43 -> 0.34 s fast on
-    1M users x 100k skewed items)."""
+    of module ``xp``. With stride = n_items // size: every stride-th row, from the middle of the first stride; with
+    ``norms`` ((n_items,), where an item's norm bounds its score: the inner product), half of them every (2
+    stride)-th row and the rest the largest norms among the other rows (ties to the lower row). Any rows give a
+    valid seed (the k-th best of real items); the largest norms are the items most users rank high, so that their
+    k-th best sits nearer the final k-th best and fewer scores pass the filter, and the evenly spread half keeps the
+    seed at least that of a sample half the size where norms say little (docs/benchmarks.md: 0.62 -> 0.57 s exact,
+    0.43 -> 0.34 s fast on 1M users x 100k skewed items)."""
     stride = n_items // size
     first = stride // 2
     if norms is None:

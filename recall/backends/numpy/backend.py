@@ -17,8 +17,8 @@ from ...core import keys
 from ...core.certificate import seed_margin
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
-from ...core.options import EngineOptions
 from ...core.metrics import row_norms
+from ...core.options import EngineOptions
 from ...core.results import to_numpy
 from ...core.tiling import TilePlan
 from .. import candidates, tiled
@@ -71,17 +71,17 @@ k = 100-256 a seed costs what it saves (docs/benchmarks.md)."""
 
 
 def seed_size(n_items: int, k: int, seeded: bool = True, requested: int = 0) -> int:
-    """Items in a CPU search's threshold sample, or 0 where it is not seeded (k below :data:`SEED_MIN_K`).
-    Without a seed a user's threshold rises slowly over the first tiles (a buffer's, from ``heap.BUFFER_MIN_K``
-    on, only at each cut): it takes about k·(1 + ln(n_items / k)) pairs, and a seed of the k-th best over s
-    items spares it about k·ln(s / k) of them. The rule: 8 k items rounded up to a power of two, or the largest
-    power of two at most an eighth of the catalogue where that is less (the sample's products cost 1/8 of the
-    search's at most), if that is at least 4 k items; else, where k is large for the catalogue, 4 k items rounded
-    up to a power of two if that is at most a third of it (its selection costs more than its products then); else
-    none. 2 cores, 100k items x 64, interleaved medians (docs/benchmarks.md): k = 1,000 from 8,192 items 2.05 ->
-    1.72 s, k = 2,048 from 8,192 1.59 -> 1.28 s, k = 639 from 8,192 1.48 -> 1.30 s, k = 4,096 from 16,384 2.05 ->
-    1.84 s, k = 8,192 from 32,768 1.69 -> 1.42 s. ``requested``: ``EngineOptions.seed_sample``, taken from catalogues of at least
-    twice it, and at least 2 k."""
+    """Items in a CPU search's threshold sample, or 0 where it is not seeded (k below :data:`SEED_MIN_K`). Without a
+    seed a user's threshold rises slowly over the first tiles (a buffer's, from ``heap.BUFFER_MIN_K`` on, only at
+    each cut): it takes about k·(1 + ln(n_items / k)) pairs, and a seed of the k-th best over s items spares it
+    about k·ln(s / k) of them. The rule: 8 k items rounded up to a power of two, or the largest power of two at most
+    an eighth of the catalogue where that is less (the sample's products cost 1/8 of the search's at most), if that
+    is at least 4 k items; else, where k is large for the catalogue, 4 k items rounded up to a power of two if that
+    is at most a third of it (its selection costs more than its products then); else none. 2 cores, 100k items x 64,
+    interleaved medians (docs/benchmarks.md): k = 1,000 from 8,192 items 2.05 -> 1.72 s, k = 2,048 from 8,192 1.59
+    -> 1.28 s, k = 639 from 8,192 1.48 -> 1.30 s, k = 4,096 from 16,384 2.02-2.08 -> 1.84 s, k = 8,192 from 32,768
+    1.60-1.79 -> 1.42 s. ``requested``: ``EngineOptions.seed_sample``, taken from catalogues of at least twice it,
+    and at least 2 k."""
     if not seeded or k < SEED_MIN_K:
         return 0
     if requested:
