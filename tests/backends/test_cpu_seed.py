@@ -197,8 +197,9 @@ def test_seeded_search_with_exclusions_of_the_sample(monkeypatch, k, groups):
     seeded, plain = _engines(items)
     plain_best = plain.search(users, k).indices
     from recall.backends.tiled import sample_rows
+    from recall.core.metrics import row_norms
 
-    sampled = sample_rows(np, n_items, seed_size(n_items, k))
+    sampled = sample_rows(np, n_items, seed_size(n_items, k), row_norms(np, items))  # ip: half the largest norms
     lists = [np.sort(rng.choice(n_items, 30, replace=False)) for _ in range(200)]
     lists[0] = sampled  # every sampled item
     lists[1] = sampled[:-k + 1]  # all but k - 1
@@ -234,6 +235,29 @@ def test_seed_groups_take_their_own_users_exclusions(monkeypatch):
     assert seeded.stats["seed_sample"] > 0
     np.testing.assert_array_equal(a.indices, b.indices)
     assert np.all(a.indices >= 0)
+
+
+@pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
+def test_ip_samples_take_the_largest_norms(metric):
+    """Under ip half the sample is the items of the largest norms (``tiled.sample_rows`` with norms); under cosine
+    (all norms 1) and l2 (a far item has a large norm and scores low) evenly spread rows only."""
+    from recall.backends.tiled import sample_rows
+    from recall.core.metrics import row_norms
+
+    rng = np.random.default_rng(16)
+    items = (rng.standard_normal((70_000, 8)) * np.exp(rng.standard_normal((70_000, 1)))).astype(np.float32)
+    engine = Engine(items, device="cpu", metric=metric)
+    users = rng.standard_normal((500, 8)).astype(np.float32)
+    plan = engine.plan(users, engine.n_items, 700)
+    seed = engine.backend._seed(plan, engine._items, engine.n_items, 700, engine.options)
+    size = seed_size(engine.n_items, 700)
+    norms = row_norms(np, engine._items)  # the engine's own norms: their order decides the ties
+    want = sample_rows(np, engine.n_items, size, norms if metric == "ip" else None)
+    np.testing.assert_array_equal(seed.rows, want)
+    if metric == "ip":
+        assert np.argmax(norms) in seed.rows
+    np.testing.assert_allclose(seed.norms, np.linalg.norm(engine._items[seed.rows].astype(np.float64), axis=1),
+                               rtol=1e-14)
 
 
 def test_item_ranges_are_not_seeded():

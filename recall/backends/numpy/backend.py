@@ -63,6 +63,14 @@ def tune_band(users: tuple[int, ...], items: tuple[tuple[int, int], ...], band: 
     return out  # type: ignore[return-value]
 
 
+_RANKED_ARRAYS = 8
+"""Item arrays whose norms a CPU backend keeps for its threshold samples."""
+
+
+def _memory_key(arr: np.ndarray) -> tuple:
+    return (arr.__array_interface__["data"][0], arr.shape, arr.strides)
+
+
 SEED_SCRATCH_VALUES = 1 << 18
 """Sampled scores a worker holds at once (1 MiB), whatever the sample's size."""
 SEED_MIN_K = 300
@@ -152,6 +160,11 @@ class NumpyBackend:
         self._identity: dict[str, str] | None = None
         self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
         self._pool_lock = threading.Lock()
+        # Item arrays loaded with ``norms_rank``, by their memory (address, shape, strides): their float64 norms once
+        # a seeded search needed them (None before). A few at a time (an engine's items, its filtered views, fast
+        # mode's copy); a key reused by another array of the same shape only ranks its sample by stale norms, and any
+        # rows of real items still make a valid seed.
+        self._ranked: dict[tuple, np.ndarray | None] = {}
 
     # -- arrays ----------------------------------------------------------------------------------------------------
     def module_of(self, arr: Any) -> Any:
@@ -252,6 +265,12 @@ class NumpyBackend:
 
     # -- the work ------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False) -> np.ndarray:
+        if norms_rank:
+            key = _memory_key(prepared)
+            self._ranked.pop(key, None)
+            self._ranked[key] = None
+            while len(self._ranked) > _RANKED_ARRAYS:
+                self._ranked.pop(next(iter(self._ranked)))
         return prepared
 
     def run_blocks(self, plan: TilePlan, users: np.ndarray, items: np.ndarray, n_items: int, k: int,
@@ -275,10 +294,21 @@ class NumpyBackend:
             n_items, k, options.seed_thresholds, options.seed_sample)
         if not size:
             return None
-        rows = tiled.sample_rows(np, n_items, size)
+        rows = tiled.sample_rows(np, n_items, size, self._item_norms(items))
         vecs = np.ascontiguousarray(items[rows])
         a, _r, z = seed_margin(int(items.shape[1]), False, False)
         return _Seed(rows, vecs, row_norms(np, vecs), a, z)
+
+    def _item_norms(self, items: np.ndarray) -> np.ndarray | None:
+        """The float64 norms of items loaded with ``norms_rank`` (computed at their first seeded search), else None:
+        the sample then takes evenly spread rows only."""
+        key = _memory_key(items)
+        if key not in self._ranked:
+            return None
+        norms = self._ranked.get(key)
+        if norms is None or norms.shape[0] != items.shape[0]:
+            norms = self._ranked[key] = row_norms(np, items)
+        return norms
 
     def seed_scratch(self, seed: _Seed, user_block: int) -> np.ndarray:
         """A worker's room for scores of ``seed``'s items: a block's users in groups of at most
