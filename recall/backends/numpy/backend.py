@@ -86,10 +86,11 @@ def seed_size(n_items: int, k: int, seeded: bool = True, requested: int = 0) -> 
     an eighth of the catalogue where that is less (the sample's products cost 1/8 of the search's at most), if that
     is at least 4 k items; else, where k is large for the catalogue, 4 k items rounded up to a power of two if that
     is at most a third of it (its selection costs more than its products then); else none. 2 cores, 100k items x 64,
-    interleaved medians (docs/benchmarks.md): k = 1,000 from 8,192 items 2.05 -> 1.72 s, k = 2,048 from 8,192 1.59
-    -> 1.28 s, k = 639 from 8,192 1.48 -> 1.30 s, k = 4,096 from 16,384 2.02-2.08 -> 1.84 s, k = 8,192 from 32,768
-    1.60-1.79 -> 1.42 s. ``requested``: ``EngineOptions.seed_sample``, taken from catalogues of at least twice it,
-    and at least 2 k."""
+    interleaved medians, strided samples (docs/benchmarks.md; under ip, with half the sample from the largest norms,
+    k = 1,000 took 0.72-0.81 of the unseeded time): k = 1,000 from 8,192 items 2.05 -> 1.72 s, k = 2,048 from 8,192
+    1.59 -> 1.28 s, k = 639 from 8,192 1.48 -> 1.30 s, k = 4,096 from 16,384 2.02-2.08 -> 1.84 s, k = 8,192 from
+    32,768 1.60-1.79 -> 1.42 s. ``requested``: ``EngineOptions.seed_sample``, taken from catalogues of at least
+    twice it, and at least 2 k."""
     if not seeded or k < SEED_MIN_K:
         return 0
     if requested:
