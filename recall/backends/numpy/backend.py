@@ -161,11 +161,11 @@ class NumpyBackend:
         self._identity: dict[str, str] | None = None
         self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
         self._pool_lock = threading.Lock()
-        # Item arrays loaded with ``norms_rank``, by their memory (address, shape, strides): their float64 norms once
-        # a seeded search needed them (None before). A few at a time (an engine's items, its filtered views, fast
-        # mode's copy); a key reused by another array of the same shape only ranks its sample by stale norms, and any
-        # rows of real items still make a valid seed.
-        self._ranked: dict[tuple, np.ndarray | None] = {}
+        # Item arrays loaded with ``norms_rank``, by their memory (address, shape, strides): the rows of their
+        # threshold samples by (size, items), each ranked by the items' norms once. A few arrays at a time (an
+        # engine's items, its filtered views, fast mode's copy); a key reused by another array of the same shape only
+        # gets rows ranked by stale norms, and any rows of real items still make a valid seed.
+        self._ranked: dict[tuple, dict[tuple[int, int], np.ndarray]] = {}
 
     # -- arrays ----------------------------------------------------------------------------------------------------
     def module_of(self, arr: Any) -> Any:
@@ -269,7 +269,7 @@ class NumpyBackend:
         if norms_rank:
             key = _memory_key(prepared)
             self._ranked.pop(key, None)
-            self._ranked[key] = None
+            self._ranked[key] = {}
             while len(self._ranked) > _RANKED_ARRAYS:
                 self._ranked.pop(next(iter(self._ranked)))
         return prepared
@@ -295,21 +295,21 @@ class NumpyBackend:
             n_items, k, options.seed_thresholds, options.seed_sample)
         if not size:
             return None
-        rows = tiled.sample_rows(np, n_items, size, self._item_norms(items))
+        rows = self._sample_rows(items, n_items, size)
         vecs = np.ascontiguousarray(items[rows])
         a, _r, z = seed_margin(int(items.shape[1]), False, False)
         return _Seed(rows, vecs, row_norms(np, vecs), a, z)
 
-    def _item_norms(self, items: np.ndarray) -> np.ndarray | None:
-        """The float64 norms of items loaded with ``norms_rank`` (computed at their first seeded search), else None:
-        the sample then takes evenly spread rows only."""
-        key = _memory_key(items)
-        if key not in self._ranked:
-            return None
-        norms = self._ranked.get(key)
-        if norms is None or norms.shape[0] != items.shape[0]:
-            norms = self._ranked[key] = row_norms(np, items)
-        return norms
+    def _sample_rows(self, items: np.ndarray, n_items: int, size: int) -> np.ndarray:
+        """``tiled.sample_rows`` of the first ``n_items`` items: for items loaded with ``norms_rank``, half the
+        largest norms, ranked at the first seeded search of that size and kept; else evenly spread rows."""
+        samples = self._ranked.get(_memory_key(items))
+        if samples is None:
+            return tiled.sample_rows(np, n_items, size)
+        rows = samples.get((size, n_items))
+        if rows is None:
+            rows = samples[(size, n_items)] = tiled.sample_rows(np, n_items, size, row_norms(np, items[:n_items]))
+        return rows
 
     def seed_scratch(self, seed: _Seed, user_block: int) -> np.ndarray:
         """A worker's room for scores of ``seed``'s items: a block's users in groups of at most
