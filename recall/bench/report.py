@@ -80,6 +80,9 @@ def _note(row: dict[str, Any], repeats: bool) -> str:
         extra = row.get("extra_runs") or 0
         notes.append("runs " + ", ".join(f"{t:.3g}" for t in row["times_s"]) + " s"
                      + (f" ({extra} more: unsteady)" if extra else ""))
+        gc_s = row.get("gc_s") or []
+        if gc_s and max(gc_s) >= 0.005:  # only pauses that show at the table's precision
+            notes.append("garbage collector " + ", ".join(f"{t:.3g}" for t in gc_s) + " s")
     return "; ".join(notes)
 
 

@@ -42,6 +42,34 @@ EXTRA_RUNS = 2
 _clock = time.perf_counter  # the timed region's clock (tests replace it)
 
 
+class _GcPauses:
+    """Seconds the interpreter's garbage collector ran (every generation) since :meth:`reset`, from
+    ``gc.callbacks``: a timed run's ``gc_s``. A collection of the oldest generation walks every Python object of the
+    process, the anchors' libraries' too, and can be part of one run and not of the next."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections += 1
+
+    def reset(self) -> None:
+        self.seconds, self.collections = 0.0, 0
+
+    def __enter__(self) -> "_GcPauses":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 SCHEMA = 2
 """Version of the results.json layout.
 
@@ -116,7 +144,7 @@ def _row(w: Workload, c_name: str, family: str, device: str, exact: bool, mode: 
     return {"workload": w.name, "kind": w.kind_label, "device": device, "contender": c_name, "family": family,
             "mode": mode, "claims_exact": exact, "status": "ok", "reason": None, "n_users": w.n_users,
             "n_items": w.n_items, "dim": w.dim, "k": w.k, "prepare_s": None, "warmup_s": None, "times_s": [],
-            "extra_runs": 0, "median_s": None, "users_per_s": None, "tflops": None, "check": None, "vs_faiss": None,
+            "extra_runs": 0, "gc_s": [], "median_s": None, "users_per_s": None, "tflops": None, "check": None, "vs_faiss": None,
             "metric": metric, "excl_per_user": w.excl_per_user, "cell": w.cell}
 
 
@@ -132,11 +160,16 @@ def _unsteady(times: list[float]) -> bool:
     return len(times) > 1 and max(times) > UNSTEADY * min(times)
 
 
-def _timed_runs(times: list[float], repeat: int, once: Callable[[], float]) -> int:
+def _timed_runs(times: list[float], repeat: int, once: Callable[[], float], gc_s: list[float] | None = None) -> int:
     """Append the times of ``repeat`` calls of ``once`` to ``times``, then of up to :data:`EXTRA_RUNS` more, one at a
-    time while the runs are unsteady; return how many more."""
-    while len(times) < repeat or (len(times) < repeat + EXTRA_RUNS and _unsteady(times)):
-        times.append(once())
+    time while the runs are unsteady; return how many more. ``gc_s`` gets, per call, the seconds the garbage collector
+    ran during it."""
+    with _GcPauses() as pauses:
+        while len(times) < repeat or (len(times) < repeat + EXTRA_RUNS and _unsteady(times)):
+            pauses.reset()
+            times.append(once())
+            if gc_s is not None:
+                gc_s.append(pauses.seconds)
     return len(times) - repeat
 
 
@@ -179,7 +212,7 @@ def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, trut
             c.sync()
             return _clock() - t0
 
-        row["extra_runs"] = _timed_runs(row["times_s"], s.repeat, timed)
+        row["extra_runs"] = _timed_runs(row["times_s"], s.repeat, timed, row["gc_s"])
         _finish_times(row, w)
         row["engine_stats"] = c.stats()  # e.g. GPU busy time / wall time of the last timed search
         indices, scores = answer
@@ -290,7 +323,7 @@ def _e2e_layout(w: Workload, host_users: np.ndarray, host_items: np.ndarray, ite
                 os.remove(out)
             return once(out)
 
-        row["extra_runs"] = _timed_runs(row["times_s"], s.repeat, timed)
+        row["extra_runs"] = _timed_runs(row["times_s"], s.repeat, timed, row["gc_s"])
         _finish_times(row, w)
         row["output_bytes"] = out.stat().st_size
         idx, sc = _read_candidates(out, truth.rows, w.k)

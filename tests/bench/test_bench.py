@@ -21,7 +21,7 @@ WORKLOAD_KEYS = {"name", "kind", "n_users", "n_items", "dim", "k", "flops", "sta
                  "exclusions_s", "cell"}
 ROW_KEYS = {"workload", "kind", "device", "contender", "family", "mode", "claims_exact", "status", "reason", "n_users",
             "n_items", "dim", "k", "prepare_s", "warmup_s", "times_s", "median_s", "users_per_s", "tflops", "check",
-            "vs_faiss", "metric", "excl_per_user", "cell", "extra_runs"}  # "metric" on: schema 2
+            "vs_faiss", "metric", "excl_per_user", "cell", "extra_runs", "gc_s"}  # "metric" on: schema 2
 CHECK_KEYS = {"recall", "min_recall", "users_short", "invalid", "max_score_error", "rtol", "n_sample", "exact",
               "excluded_returned"}
 
@@ -469,3 +469,24 @@ def test_source_digest_names_the_code_a_run_measured(tmp_path):
                                                     "recall_sources": first}})
     assert line.endswith(f"recall abc1234+dirty, sources {first}")
     assert env.collect("cpu")["recall_sources"] == env.source_digest()
+
+
+def test_timed_runs_record_the_garbage_collectors_pauses():
+    # A run that forces a full collection is charged its pause; one that allocates nothing is not.
+    import gc
+
+    gc_s: list[float] = []
+    kept = [[object() for _ in range(1000)] for _ in range(200)]  # objects for the collection to walk
+
+    def once() -> float:
+        if not gc_s:
+            gc.collect()
+        return 1.0
+
+    assert runner._timed_runs([], 2, once, gc_s) == 0
+    assert len(gc_s) == 2 and gc_s[0] > 0 and gc_s[1] < gc_s[0]
+    assert not any(cb for cb in gc.callbacks if isinstance(cb, runner._GcPauses))
+    row = runner._row(workloads.get("tiny"), "recall", "recall", "cpu", True)
+    row.update(times_s=[1.0, 1.0], gc_s=[0.25, 0.0])
+    assert "garbage collector 0.25, 0 s" in report._note(row, True)
+    del kept
