@@ -48,6 +48,8 @@ CELLS = {
     "d128-l2": ("clustered", 20_000, 1_000_000, 128, 100, "l2", 0),
     "k1000-sk": ("skewed", 20_000, 1_000_000, 64, 1000, "ip", 0),
     "pop-k100": ("popular", 50_000, 1_000_000, 64, 100, "ip", 0),
+    "x20": ("skewed", 20_000, 1_000_000, 64, 100, "ip", 20),  # gpu-quick cell 21
+    "k1000-x200": ("skewed", 20_000, 1_000_000, 64, 1000, "ip", 200),  # gpu-quick cell 17
 }
 
 VARIANTS = {
@@ -65,6 +67,7 @@ VARIANTS = {
     # The cuBLAS path seeded on a catalogue of fewer than 8 samples (a requested sample needs only 2).
     **{f"cublas-seed{n >> 10}k": {"seed_sample": n, "fused": "off"} for n in (8192, 16384, 32768)},
     "ub4096": {"tiles": (4096, 8192, 4)},  # blocks of 4,096 users: half the launches of a user-heavy search
+    "nosample": {"fast_sample": 0},  # fast mode without its sample of users searched first
 }
 
 
@@ -241,14 +244,15 @@ def main() -> None:
                 wall = time.perf_counter() - t0
             finally:
                 undo()
-            per_phase = defaultdict(lambda: [0, 0.0])
+            per_phase = defaultdict(list)
             for name, sec in plog:
-                per_phase[name][0] += 1
-                per_phase[name][1] += sec
+                per_phase[name].append(sec)
             print(f"| {cell} | phases, synchronised | wall {wall:.4f} s | "
-                  + " ; ".join(f"{n} x{c} {s:.4f} s" for n, (c, s) in per_phase.items()) + " |", flush=True)
+                  + " ; ".join(f"{n} " + " + ".join(f"{s:.4f}" for s in secs) + " s" for n, secs in per_phase.items())
+                  + " |", flush=True)
             out.append({"cell": cell, "variant": "phases", "wall_s": wall,
-                        "phases": {n: {"calls": c, "s": s} for n, (c, s) in per_phase.items()}})
+                        "phases": {n: {"calls": len(secs), "s": sum(secs), "each_s": secs}
+                                   for n, secs in per_phase.items()}})
         del engine, users, items, excl, want
         cupy.get_default_memory_pool().free_all_blocks()
     if a.json:
