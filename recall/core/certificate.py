@@ -285,6 +285,11 @@ class FastUsers:
     bound: Any  # (n,) float64: R_u where the user's scores carry their per-item bounds, else E_u
     half_scores: bool
 
+    def take(self, rows: Any) -> "FastUsers":
+        """The users at ``rows`` (an index array of the arrays' module): each user is prepared on its own, so these
+        are what ``prepare_users`` gives for those users alone."""
+        return FastUsers(self.vecs16[rows], self.alpha[rows], self.offset[rows], self.bound[rows], self.half_scores)
+
 
 def prepare_users(xp: Any, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
     """users: (n, D) float32 prepared vectors (module ``xp``) -> FastUsers (arrays of module ``xp``).

@@ -102,8 +102,13 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
         return vals, rows
     # The sample is a probe: every user, the sampled ones too, is searched again below, so that neither the users
     # nor their exclusions are cut in two on the host (for S1's 100k users with 200 exclusions each, 0.06 s of
-    # NumPy on the development machine; the sample repeats 1/50 of the search).
-    _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample))
+    # NumPy on the development machine; the sample repeats 1/50 of the search). Every user's float16 copy is made
+    # once, before the probe, which takes its users' rows of it: each copy's launches cost about 1 ms whatever the
+    # number of users (H200, 20k x 1M x 32), a tenth of a small search.
+    prepared = _prepare(engine, users)
+    rows = sample if isinstance(prepared.vecs16, np.ndarray) else engine.backend.xp.asarray(sample)
+    _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample),
+                                 prepared.take(rows))
     cost = (s_stats["fallback_users"] + s_stats["widened_users"] / 2) / sample.size
     if cost > DECLINE_FALLBACK:
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
@@ -115,7 +120,7 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
                  "fallback_users": s_stats["fallback_users"], "widened_users": s_stats["widened_users"],
                  "fallback_fraction": s_stats["fallback_users"] / n_users}
     else:
-        vals, rows, stats = _search_fast(engine, users, k, excl)
+        vals, rows, stats = _search_fast(engine, users, k, excl, prepared)
     stats.update(fast_sample=int(sample.size), sample_fallback_fraction=s_stats["fallback_fraction"])
     engine.stats = stats
     return vals, rows
@@ -141,17 +146,28 @@ def _take(xp: Any, users: Any, rows: np.ndarray) -> Any:
     return users[rows] if isinstance(users, np.ndarray) else users[xp.asarray(rows)]
 
 
-def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any, dict]:
-    """Fast mode on every one of ``users``: (scores, rows, stats), exactly exact mode's answer."""
+def _prepare(engine: Any, users: Any) -> certificate.FastUsers:
+    """The float16 copies of prepared ``users`` and what their certificates need (module of ``users``)."""
     backend = engine.backend
-    xp = backend.xp
-    state = _state(engine)
-    uxp = np if isinstance(users, np.ndarray) else xp
+    uxp = np if isinstance(users, np.ndarray) else backend.xp
     # Where the backend may keep float16 score tiles, each user's scores are shifted near 0 (SHIFT_ITEMS); a pass
     # whose scores stay float32 costs its certificate only the shift's share of the accumulation term.
     half = backend.score_dtype(np.float16) == np.float16
     shift = _sampled_best(engine, users, uxp) if half else None
-    fast_users = certificate.prepare_users(uxp, users, state.items, half_scores=half, shift=shift)
+    return certificate.prepare_users(uxp, users, _state(engine).items, half_scores=half, shift=shift)
+
+
+def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
+                 fast_users: certificate.FastUsers | None = None) -> tuple[Any, Any, dict]:
+    """Fast mode on every one of ``users``: (scores, rows, stats), exactly exact mode's answer. ``fast_users``: their
+    float16 copies (``_prepare``), when already made."""
+    backend = engine.backend
+    xp = backend.xp
+    state = _state(engine)
+    uxp = np if isinstance(users, np.ndarray) else xp
+    half = backend.score_dtype(np.float16) == np.float16
+    if fast_users is None:
+        fast_users = _prepare(engine, users)
     n_users, n_items = int(users.shape[0]), engine.n_items
     m = certificate.margin(k)
     vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl)

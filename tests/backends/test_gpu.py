@@ -60,6 +60,54 @@ def test_workspace_and_graphs_reused_across_searches(small_tiles):
         _same(engine.search(users, 20, exclude=excl), cpu.search(users, 20, exclude=excl))
 
 
+def test_the_most_recent_workspaces_are_kept(small_tiles):
+    # A fast search runs up to four shapes every time (its sample, all users, the widened users, the exact fallback):
+    # searches of three shapes in turn keep all three workspaces, the same objects, and stay exact.
+    from recall.backends.cupy import pipeline as pipeline_module
+
+    rng = np.random.default_rng(5)
+    items = _ints(rng, 2000, 8)
+    engine = Engine(items, device="gpu", options=small_tiles)
+    cpu = Engine(items, device="cpu")
+    pipe = engine.backend.pipeline
+    batches = [_ints(np.random.default_rng(20 + i), n, 8) for i, n in enumerate((300, 40, 7))]
+    kept = None
+    for round_ in range(3):
+        for users in batches:
+            _same(engine.search(users, 20), cpu.search(users, 20))
+        if kept is None:
+            kept = {key: id(ws) for key, ws in pipe._ws.items()}
+    assert len(kept) == 3 and {key: id(ws) for key, ws in pipe._ws.items()} == kept
+    assert len(pipe._ws) <= pipeline_module._WORKSPACES
+
+
+def test_a_new_workspace_lets_the_kept_ones_go_before_failing(small_tiles, monkeypatch):
+    # Out of memory for a new shape while others are kept: the kept buffers go, and the allocation is tried again.
+    import cupy
+
+    from recall.backends.cupy import pipeline as pipeline_module
+
+    rng = np.random.default_rng(6)
+    items = _ints(rng, 2000, 8)
+    engine = Engine(items, device="gpu", options=small_tiles)
+    cpu = Engine(items, device="cpu")
+    first, second = _ints(rng, 300, 8), _ints(rng, 41, 8)
+    _same(engine.search(first, 20), cpu.search(first, 20))
+    assert engine.backend.pipeline._ws
+    real = pipeline_module.GpuTopK.allocate
+    failures = []
+
+    def allocate(*args, **kwargs):
+        if engine.backend.pipeline._ws:  # fails while any other workspace is kept
+            failures.append(args)
+            raise cupy.cuda.memory.OutOfMemoryError(1 << 40, 1 << 30, 0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_module.GpuTopK, "allocate", staticmethod(allocate))
+    _same(engine.search(second, 20), cpu.search(second, 20))
+    assert len(failures) == 1 and len(engine.backend.pipeline._ws) == 1
+
+
 def test_pinned_staging_does_not_alias_between_blocks(small_tiles):
     # Each block's users go through one of two pinned buffers: a result computed from a buffer the host had
     # already overwritten with a later block would show up as rows equal to another block's rows.

@@ -256,9 +256,11 @@ def _spy_fast_searches(monkeypatch):
     calls = []
     real = fast_search._search_fast
 
-    def spy(engine, users, k, excl):
+    def spy(engine, users, k, excl, fast_users=None):
         calls.append(int(users.shape[0]))
-        return real(engine, users, k, excl)
+        if fast_users is not None:  # the sample's rows of every user's copies, or all of them
+            assert fast_users.vecs16.shape[0] == users.shape[0]
+        return real(engine, users, k, excl, fast_users)
 
     monkeypatch.setattr(fast_search, "_search_fast", spy)
     return calls
@@ -280,7 +282,13 @@ def test_fast_declines_where_the_certificate_cannot_pay(device, monkeypatch):
 
 
 def test_fast_keeps_going_where_the_certificate_pays(device, monkeypatch):
+    from recall.engine import fast as fast_search
+
     calls = _spy_fast_searches(monkeypatch)
+    prepared = []
+    real_prepare = fast_search._prepare
+    monkeypatch.setattr(fast_search, "_prepare",
+                        lambda engine, users: prepared.append(int(users.shape[0])) or real_prepare(engine, users))
     users, items = normal_data(6400, 2000, 16, seed=14)
     exclude = {u: list(range(u % 7)) for u in range(0, 6400, 3)}
     engine = Engine(items, device=device, precision="fast")
@@ -293,6 +301,30 @@ def test_fast_keeps_going_where_the_certificate_pays(device, monkeypatch):
     assert stats["fast_sample"] == 128 and stats["fallback_fraction"] < 0.01
     # The sample is a probe: then every user, the sampled ones too, in one pass (no users or exclusions cut apart).
     assert calls == [128, 6400]
+    assert prepared == [6400]  # every user's float16 copy made once; the sample took its rows
+
+
+def test_the_samples_float16_copies_are_rows_of_everyones():
+    # The probe takes its users' rows of every user's prepared copy (FastUsers.take) instead of preparing them
+    # again: right only if each user is prepared on its own, whatever the other users are (scales, shifts, bounds).
+    from recall.core import certificate, metrics
+    from recall.engine import fast as fast_search
+
+    rng = np.random.default_rng(21)
+    users, items = normal_data(3000, 500, 24, seed=21)
+    users = users * np.exp(rng.normal(0, 2, (3000, 1))).astype(np.float32)  # norms over many binades
+    engine = Engine(items, metric="l2", device="cpu", precision="fast")
+    prepared = metrics.prepare_users("l2", np, users)
+    state = fast_search._state(engine)
+    shift = rng.normal(0, 50, 3000)
+    rows = np.arange(7, 3000, 37)
+    for half in (False, True):
+        every = certificate.prepare_users(np, prepared, state.items, half_scores=half, shift=shift)
+        alone = certificate.prepare_users(np, prepared[rows], state.items, half_scores=half, shift=shift[rows])
+        taken = every.take(rows)
+        for name in ("vecs16", "alpha", "offset", "bound"):
+            np.testing.assert_array_equal(getattr(taken, name), getattr(alone, name), err_msg=name)
+        assert taken.half_scores == alone.half_scores == half
 
 
 def test_fast_sample_option(monkeypatch):

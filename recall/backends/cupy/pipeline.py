@@ -33,6 +33,12 @@ log = logging.getLogger("recall")
 SLOTS = 4
 #: Graphs kept per slot: one per engine sharing the backend (item parts) and kind of search.
 _GRAPHS_PER_SLOT = 16
+#: Workspaces kept, the most recently used: at most this many shapes, together at most WORKSPACE_SPREAD times the
+#: largest of them. A fast search runs up to four shapes every time (its sample of users, all users, the widened
+#: users, the exact fallback); with two kept, the widened pass's shape (30 users on 20k x 1M x 128 l2) evicted
+#: the main pass's, and every search allocated its buffers and captured its graphs again.
+_WORKSPACES = 4
+WORKSPACE_SPREAD = 2.5
 
 
 @dataclass
@@ -61,6 +67,7 @@ class _Workspace:
     sample: Any = None  # (size, dim): the threshold sample's item rows, refreshed by every search
     users_t: Any = None  # fused path: (padded dim, padded capacity) the block's users transposed, zero-padded
     fetched: Any = None  # event: the last search's last results have left state.out_vals (None: nothing pending)
+    nbytes: int = 0  # what its buffers take, about (the eviction rule's measure)
 
 
 class BlockPipeline:
@@ -220,34 +227,45 @@ class BlockPipeline:
         key = (plan, k, dim, np.dtype(dtype), fused, score_width)
         ws = self._ws.get(key)
         if ws is not None and ws.max_excl >= max_excl:
+            self._ws[key] = self._ws.pop(key)  # the most recently used last
             with self.compute_stream:  # after a search still running on it (run_blocks returns before it is done)
                 ws.state.clear()  # the last final merge emptied it, unless that search was interrupted
             return ws
-        # Keep at most two shapes (fast mode alternates its wide half-precision pass and the exact fallback);
-        # let the others go before taking new buffers, once no queued search still uses them.
-        self.synchronize()
-        self._ws.pop(key, None)
-        while len(self._ws) >= 2:
-            self._ws.pop(next(iter(self._ws)))
         width = plan.item_tile * plan.tiles_per_call if score_width is None else score_width
         need = (4 * plan.user_block * width + plan.user_block * self.backend.state_bytes(k)
                 + 2 * 4 * plan.user_block * dim)
-        try:
-            # Blocks of fewer users than a fused tile (the cuBLAS path, in wide segments: tiling.plan_tiles) take
-            # the fused path's buffers too: a seeded search's survivors of a whole catalogue fit, where the cuBLAS
-            # path's would overflow, and each overflow rescans the segment's scores with one thread block a user.
-            state = GpuTopK.allocate(plan.user_block, k,
-                                     fused_capacity(k) if fused or plan.user_block < FUSED_TILE else 0)
-            # The fused path's buffer holds the threshold sample's scores, in the kernels' float32.
-            scores = cupy.empty(plan.user_block * width, np.float32 if fused else self.backend.score_dtype(dtype))
-            slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(SLOTS)]
-        except cupy.cuda.memory.OutOfMemoryError as exc:
-            raise ResourceError(
-                f"GPU out of memory allocating a {need:,}-byte search workspace ({plan.user_block} users x "
-                f"{plan.item_tile * plan.tiles_per_call} items per tile, k={k}); {self.backend.free_memory():,} "
-                f"bytes free: lower memory_budget"
-            ) from exc
-        ws = _Workspace(key, max_excl, state, scores, slots)
+        # Let the least recently used shapes go (_WORKSPACES, WORKSPACE_SPREAD) before taking new buffers, once no
+        # queued search still uses them.
+        self.synchronize()
+        self._ws.pop(key, None)
+        while self._ws and (len(self._ws) >= _WORKSPACES
+                            or need + sum(w.nbytes for w in self._ws.values())
+                            > WORKSPACE_SPREAD * max(need, max(w.nbytes for w in self._ws.values()))):
+            self._ws.pop(next(iter(self._ws)))
+        while True:
+            try:
+                # Blocks of fewer users than a fused tile (the cuBLAS path, in wide segments: tiling.plan_tiles)
+                # take the fused path's buffers too: a seeded search's survivors of a whole catalogue fit, where the
+                # cuBLAS path's would overflow, and each overflow rescans the segment's scores with one thread block
+                # a user.
+                state = GpuTopK.allocate(plan.user_block, k,
+                                         fused_capacity(k) if fused or plan.user_block < FUSED_TILE else 0)
+                # The fused path's buffer holds the threshold sample's scores, in the kernels' float32.
+                scores = cupy.empty(plan.user_block * width,
+                                    np.float32 if fused else self.backend.score_dtype(dtype))
+                slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(SLOTS)]
+                break
+            except cupy.cuda.memory.OutOfMemoryError as exc:
+                if self._ws:  # the kept shapes' buffers first: a new shape must not fail for an old one's
+                    self._ws.clear()
+                    cupy.get_default_memory_pool().free_all_blocks()
+                    continue
+                raise ResourceError(
+                    f"GPU out of memory allocating a {need:,}-byte search workspace ({plan.user_block} users x "
+                    f"{plan.item_tile * plan.tiles_per_call} items per tile, k={k}); "
+                    f"{self.backend.free_memory():,} bytes free: lower memory_budget"
+                ) from exc
+        ws = _Workspace(key, max_excl, state, scores, slots, nbytes=need)
         if fused and np.dtype(dtype) == np.float32:
             ws.users_t = cupy.zeros((-(-dim // FUSED_CHUNK) * FUSED_CHUNK,
                                      -(-plan.user_block // FUSED_TILE) * FUSED_TILE), np.float32)
