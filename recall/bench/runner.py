@@ -49,7 +49,6 @@ class _GcPauses:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.collections = 0
         self._t0 = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -57,10 +56,9 @@ class _GcPauses:
             self._t0 = time.perf_counter()
         else:
             self.seconds += time.perf_counter() - self._t0
-            self.collections += 1
 
     def reset(self) -> None:
-        self.seconds, self.collections = 0.0, 0
+        self.seconds = 0.0
 
     def __enter__(self) -> "_GcPauses":
         gc.callbacks.append(self)
@@ -76,7 +74,9 @@ SCHEMA = 2
 2: every result row gains ``metric``, ``excl_per_user`` and ``cell``; end-to-end rows gain ``layout`` (one row per
 ``--layout``, each with its own ``vs_resident``); workloads gain ``metric``, ``kind_params``, ``excl_per_user``,
 ``excl_nnz``, ``exclusions_s`` and ``cell``; checks gain ``excluded_returned``; a matrix run adds ``matrix`` (the grid,
-its cells and one summary row per cell). Every key of schema 1 is still there with the same meaning."""
+its cells and one summary row per cell). Every key of schema 1 is still there with the same meaning. Added within 2
+(readers must not require them): rows' ``extra_runs`` (timed runs beyond ``repeat``) and ``gc_s`` (each timed run's
+seconds of garbage collection)."""
 
 
 @dataclass
@@ -144,8 +144,8 @@ def _row(w: Workload, c_name: str, family: str, device: str, exact: bool, mode: 
     return {"workload": w.name, "kind": w.kind_label, "device": device, "contender": c_name, "family": family,
             "mode": mode, "claims_exact": exact, "status": "ok", "reason": None, "n_users": w.n_users,
             "n_items": w.n_items, "dim": w.dim, "k": w.k, "prepare_s": None, "warmup_s": None, "times_s": [],
-            "extra_runs": 0, "gc_s": [], "median_s": None, "users_per_s": None, "tflops": None, "check": None, "vs_faiss": None,
-            "metric": metric, "excl_per_user": w.excl_per_user, "cell": w.cell}
+            "extra_runs": 0, "gc_s": [], "median_s": None, "users_per_s": None, "tflops": None, "check": None,
+            "vs_faiss": None, "metric": metric, "excl_per_user": w.excl_per_user, "cell": w.cell}
 
 
 def _finish_times(row: dict[str, Any], w: Workload) -> None:

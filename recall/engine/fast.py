@@ -103,12 +103,13 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
     # The sample is a probe: every user, the sampled ones too, is searched again below, so that neither the users
     # nor their exclusions are cut in two on the host (for S1's 100k users with 200 exclusions each, 0.06 s of
     # NumPy on the development machine; the sample repeats 1/50 of the search). Every user's float16 copy is made
-    # once, before the probe, which takes its users' rows of it: each copy's launches cost about 1 ms whatever the
-    # number of users (H200, 20k x 1M x 32), a tenth of a small search.
+    # once, before the probe, which takes its users' rows of it: making the copies costs 1.2-3.0 ms of launches on
+    # the H200 for 400 users as for 20,000 (docs/benchmarks.md), up to a tenth of a small search. Where fast mode
+    # then declines, the copies are not used.
     prepared = _prepare(engine, users)
-    rows = sample if isinstance(prepared.vecs16, np.ndarray) else engine.backend.xp.asarray(sample)
+    sample_at = sample if isinstance(prepared.vecs16, np.ndarray) else engine.backend.xp.asarray(sample)
     _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample),
-                                 prepared.take(rows))
+                                 prepared.take(sample_at))
     cost = (s_stats["fallback_users"] + s_stats["widened_users"] / 2) / sample.size
     if cost > DECLINE_FALLBACK:
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
