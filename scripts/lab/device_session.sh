@@ -17,9 +17,11 @@
 #   micro     scripts/lab/fused_h_micro.py: fast mode's fused kernel alone, at each of MICRO_WIDTHS (72 136 264) -> $OUT/micro.log
 #   seeds     kernel_profile.py: the threshold sample's size (EngineOptions.seed_sample) on the user-heavy and
 #             large-k cells, fast then exact mode                                             -> $OUT/seeds.log
+#   state     scripts/lab/state_effects.py: what earlier searches of the process change in a later one's time
+#             (a small search fresh, after a large one, with workspaces cleared, pools freed)  -> $OUT/state.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
+# FILTERS_TIMEOUT, STATE_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
 # (compare: the bench's workload arguments, e.g. "--matrix gpu-quick --cells 0,2,7").
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -166,4 +168,10 @@ if has seeds; then
             --variants shipped,seed2k,seed4k,seed16k --json "$OUT/seeds-exact.json"
     ) >"$OUT/seeds.log" 2>&1
     echo "== threshold sample sizes"; grep -v "launches timed" "$OUT/seeds.log" | tail -n 40
+fi
+
+if has state; then
+    PYTHONPATH=$NEW_PATH timeout "${STATE_TIMEOUT:-150}" python3 scripts/lab/state_effects.py \
+        --json "$OUT/state.json" >"$OUT/state.log" 2>&1
+    echo "== state effects (rc $?)"; cat "$OUT/state.log"
 fi
