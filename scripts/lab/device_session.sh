@@ -19,9 +19,12 @@
 #             large-k cells, fast then exact mode                                             -> $OUT/seeds.log
 #   state     scripts/lab/state_effects.py: what earlier searches of the process change in a later one's time
 #             (a small search fresh, after a large one, with workspaces cleared, pools freed)  -> $OUT/state.log
+#   trees     for each folder of .trees/ (carried; a branch exported there: `git archive BRANCH recall tests
+#             scripts | tar -x -C .trees/BRANCH`), its GPU tests (TREE_TESTS) and its kernel profile (PROBE_CELLS,
+#             PROBE_PRECISION), then this tree's profile of the same cells              -> $OUT/trees.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT, STATE_TIMEOUT (seconds), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
+# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
 # (compare: the bench's workload arguments, e.g. "--matrix gpu-quick --cells 0,2,7").
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -174,4 +177,22 @@ if has state; then
     PYTHONPATH=$NEW_PATH timeout "${STATE_TIMEOUT:-150}" python3 scripts/lab/state_effects.py \
         --json "$OUT/state.json" >"$OUT/state.log" 2>&1
     echo "== state effects (rc $?)"; cat "$OUT/state.log"
+fi
+
+if has trees; then
+    (
+        for tree in .trees/*/ .; do
+            [ -d "$tree/recall" ] || continue
+            echo "### tree $tree"
+            if [ "$tree" != . ]; then
+                # shellcheck disable=SC2086
+                (cd "$tree" && PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "${TREE_TIMEOUT:-200}" python3 -m pytest \
+                    -m gpu -q -p no:cacheprovider -W ignore::pytest.PytestUnknownMarkWarning ${TREE_TESTS:-tests} 2>&1 | tail -n 15)
+            fi
+            PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" timeout "${TREE_TIMEOUT:-200}" python3 "$tree/scripts/lab/kernel_profile.py" \
+                ${PROBE_CELLS:+--cells "$PROBE_CELLS"} --variants shipped ${PROBE_PRECISION:+--precision "$PROBE_PRECISION"} 2>&1 \
+                | grep -v "launches timed"
+        done
+    ) >"$OUT/trees.log" 2>&1
+    echo "== trees"; cat "$OUT/trees.log"
 fi
