@@ -1,6 +1,7 @@
 """Validation of the engine's array inputs, once, at the boundary: shapes, dtypes, finiteness, ids, overflow."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,13 @@ def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
     return ids
 
 
+def _score_bound(norm: float, item_norm: float, metric: str) -> float:
+    """The largest |score| a user of ``norm`` can reach against items of norms up to ``item_norm``."""
+    if metric == "cosine":
+        return 0.0
+    return (norm + item_norm) ** 2 if metric == "l2" else norm * item_norm
+
+
 def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: Any,
                    what: str | None = "user_vecs") -> None:
     """Refuse user vectors with a NaN or an infinity, and those whose scores could overflow float32 (they would come
@@ -80,8 +88,14 @@ def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: An
     norms : (n,) float64 bound on each user's |u| (times its interest count for a sum): NaN or infinite exactly where
     a row holds a NaN or an infinity (float64 squares of float32 values do not overflow); ``where(row)`` names a
     row in the message, after ``what`` (the argument's name; None when ``where`` names the file, the row and the
-    id, as the Parquet jobs do). One transfer from the device, whatever is checked."""
+    id, as the Parquet jobs do). One transfer from the device where every row is good (the largest norm), two where
+    one is not."""
     if norms.shape[0] == 0:
+        return
+    # The common case in one reduction and one transfer: the largest norm is finite (a NaN or an infinity anywhere
+    # makes it NaN or inf) and bounds every row's scores (each bound rises with the norm).
+    top = float(to_numpy(norms.max()))
+    if math.isfinite(top) and _score_bound(top, item_norm, metric) <= SCORE_LIMIT:
         return
     bad = ~xp.isfinite(norms)
     if metric == "cosine":
