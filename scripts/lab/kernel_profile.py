@@ -175,7 +175,14 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--precision", default="exact", choices=("exact", "fast"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--max-candidate-share", type=float, default=None,
+                   help="fast.MAX_CANDIDATE_SHARE for this process (1.0: fast mode never declines for its share of "
+                        "re-scored candidates), to measure what the decline rule spares")
     a = p.parse_args()
+    if a.max_candidate_share is not None:
+        from recall.engine import fast as fast_mode
+
+        fast_mode.MAX_CANDIDATE_SHARE = a.max_candidate_share
     prec = a.precision
     out = []
     for cell in a.cells.split(","):
