@@ -50,6 +50,9 @@ MIN_SCORES = 1 << 30
 #: search that small gains or loses little either way.
 SAMPLE_DIVISOR = 50
 SAMPLE_MIN = 128
+#: Searches of at most this many users make every user's float16 copy before the sample's probe (which takes its rows
+#: of them); larger ones let the probe make its own (see ``search``).
+PREPARE_ALL_FIRST = 65_536
 #: The widened pass keeps WIDEN times the margin.
 WIDEN = 4
 #: Where score tiles are float16, each user's scores are shifted by its best float32 score over this many evenly
@@ -102,14 +105,18 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
         return vals, rows
     # The sample is a probe: every user, the sampled ones too, is searched again below, so that neither the users
     # nor their exclusions are cut in two on the host (for S1's 100k users with 200 exclusions each, 0.06 s of
-    # NumPy on the development machine; the sample repeats 1/50 of the search). Every user's float16 copy is made
-    # once, before the probe, which takes its users' rows of it: making the copies costs 1.2-3.0 ms of launches on
-    # the H200 for 400 users as for 20,000 (docs/benchmarks.md), up to a tenth of a small search. Where fast mode
-    # then declines, the copies are not used.
-    prepared = _prepare(engine, users)
-    sample_at = sample if isinstance(prepared.vecs16, np.ndarray) else engine.backend.xp.asarray(sample)
+    # NumPy on the development machine; the sample repeats 1/50 of the search). In a search of up to
+    # PREPARE_ALL_FIRST users every user's float16 copy is made once, before the probe, which takes its users' rows
+    # of it: making the copies costs 1.2-3.0 ms of launches on the H200 for 400 users as for 20,000
+    # (docs/benchmarks.md), up to a tenth of such a search. In a larger one the probe makes its own: where fast mode
+    # then declines, everyone's copies would be made for nothing (24 ms for 1M users, 4% of an exact search).
+    prepared = probe_users = None
+    if n_users <= PREPARE_ALL_FIRST:
+        prepared = _prepare(engine, users)
+        probe_users = prepared.take(sample if isinstance(prepared.vecs16, np.ndarray)
+                                    else engine.backend.xp.asarray(sample))
     _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample),
-                                 prepared.take(sample_at))
+                                 probe_users)
     cost = (s_stats["fallback_users"] + s_stats["widened_users"] / 2) / sample.size
     if cost > DECLINE_FALLBACK:
         vals, rows, run_stats = _search_exact(engine, users, k, excl)

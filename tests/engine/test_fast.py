@@ -302,6 +302,13 @@ def test_fast_keeps_going_where_the_certificate_pays(device, monkeypatch):
     # The sample is a probe: then every user, the sampled ones too, in one pass (no users or exclusions cut apart).
     assert calls == [128, 6400]
     assert prepared == [6400]  # every user's float16 copy made once; the sample took its rows
+    # Above PREPARE_ALL_FIRST users the probe makes its own copies (a declined search would not use everyone's).
+    prepared.clear()
+    calls.clear()
+    monkeypatch.setattr(fast_search, "PREPARE_ALL_FIRST", 6399)
+    again = engine.search(users, 20, exclude=exclude)
+    np.testing.assert_array_equal(as_numpy(again.indices), as_numpy(got.indices))
+    assert calls == [128, 6400] and prepared == [128, 6400]
 
 
 def test_the_samples_float16_copies_are_rows_of_everyones():
