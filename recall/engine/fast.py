@@ -173,9 +173,9 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
     xp = backend.xp
     state = _state(engine)
     uxp = np if isinstance(users, np.ndarray) else xp
-    half = backend.score_dtype(np.float16) == np.float16
     if fast_users is None:
         fast_users = _prepare(engine, users)
+    half = fast_users.half_scores  # as _prepare decided: whether the scores may be kept in float16 tiles
     n_users, n_items = int(users.shape[0]), engine.n_items
     m = certificate.margin(k)
     vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl)

@@ -73,8 +73,9 @@ def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
     return ids
 
 
-def _score_bound(norm: float, item_norm: float, metric: str) -> float:
-    """The largest |score| a user of ``norm`` can reach against items of norms up to ``item_norm``."""
+def _score_bound(norm: Any, item_norm: float, metric: str) -> Any:
+    """The largest |score| a user of ``norm`` (a float, or an array of them) can reach against items of norms up to
+    ``item_norm``; 0 under cosine, whose vectors are normalised."""
     if metric == "cosine":
         return 0.0
     return (norm + item_norm) ** 2 if metric == "l2" else norm * item_norm
@@ -98,11 +99,7 @@ def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: An
     if math.isfinite(top) and _score_bound(top, item_norm, metric) <= SCORE_LIMIT:
         return
     bad = ~xp.isfinite(norms)
-    if metric == "cosine":
-        per = xp.zeros_like(norms)
-    else:
-        per = (norms + item_norm) ** 2 if metric == "l2" else norms * item_norm
-        per = xp.where(bad, 0.0, per)
+    per = xp.where(bad, 0.0, _score_bound(norms, item_norm, metric))
     first_bad, worst = xp.argmax(bad), xp.argmax(per)
     summary = xp.stack([bad[first_bad].astype(xp.float64), first_bad.astype(xp.float64),
                         worst.astype(xp.float64), per[worst], norms[worst]])
