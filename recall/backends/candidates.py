@@ -7,9 +7,11 @@ row each: ``backend.gemm_strided_batched``), and each row's best k are selected 
 that order like the tie rule). A list longer than a whole block is de-duplicated and scored in chunks.
 
 A backend that calls :func:`rescore_gemm` provides ``xp``, ``asarray``, ``gemm_strided_batched`` and ``select``.
+``dots`` replaces the GEMM where each score must be one given float32 sum (``Backend.rescore``'s ``ordered``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,13 +21,18 @@ import numpy as np
 _SLOT_BYTES_FIXED = 4 + 8 + 8 + 16
 
 
+#: users (n, dim), gathered vectors (n, width, dim) -> scores (n, width) float32, backend arrays.
+Dots = Callable[[Any, Any], Any]
+
+
 def rescore_gemm(backend: Any, users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int, budget: int,
-                 out_vals: Any, out_rows: Any) -> None:
+                 out_vals: Any, out_rows: Any, dots: Dots | None = None) -> None:
     """Fill ``out_vals`` / ``out_rows`` ((n, k) backend arrays, padded on entry) with each user's best ``k`` among
     ``rows[indptr[u]:indptr[u + 1]]``.
 
     users : (n, dim) float32, host or backend; items : (n_items, dim) float32 on the backend; indptr : host int64
-    (n + 1,); rows : int64 item rows, host or backend, duplicates allowed (counted once); budget : bytes.
+    (n + 1,); rows : int64 item rows, host or backend, duplicates allowed (counted once); budget : bytes; dots:
+    the scores of a block (default: one strided-batched GEMM).
     """
     xp = backend.xp
     dim = int(items.shape[1])
@@ -44,7 +51,7 @@ def rescore_gemm(backend: Any, users: Any, items: Any, indptr: np.ndarray, rows:
     while i < order.size:
         if ls[i] > cap:
             for u in order[i:]:  # every user from here on has more candidates than one block holds
-                _long_user(backend, users_b, items, rows, indptr, int(u), k, cap, out_vals, out_rows)
+                _long_user(backend, users_b, items, rows, indptr, int(u), k, cap, out_vals, out_rows, dots)
             return
         # The largest block [i, j) whose padded size (j - i) * ls[j - 1] fits: ls is sorted, so bisect.
         lo, hi = i + 1, min(order.size, i + max_users)
@@ -60,7 +67,7 @@ def rescore_gemm(backend: Any, users: Any, items: Any, indptr: np.ndarray, rows:
         rows_pad = backend.asarray(_padded_rows(rxp, rows, indptr[block], lengths[block], width))
         rows_pad = _drop_duplicate_rows(xp, rows_pad)
         sel = backend.asarray(block)
-        vals, found = _score_block(backend, users_b[sel], items, rows_pad, k)
+        vals, found = _score_block(backend, users_b[sel], items, rows_pad, k, dots)
         out_vals[sel] = vals
         out_rows[sel] = found
         i = j
@@ -89,19 +96,22 @@ def _drop_duplicate_rows(xp: Any, rows_pad: Any) -> Any:
     return rows_pad
 
 
-def _score_block(backend: Any, users: Any, items: Any, rows_pad: Any, k: int) -> tuple[Any, Any]:
-    """The best k of each user's padded candidate block: gather, one strided-batched GEMM, select."""
+def _score_block(backend: Any, users: Any, items: Any, rows_pad: Any, k: int,
+                 dots: Dots | None = None) -> tuple[Any, Any]:
+    """The best k of each user's padded candidate block: gather, one strided-batched GEMM (or ``dots``), select."""
     xp = backend.xp
     n, width = rows_pad.shape
     dim = int(items.shape[1])
     gathered = items[xp.maximum(rows_pad, 0)]  # (n, width, dim): padding gathers row 0 and is ignored below
+    if dots is not None:
+        return backend.select(dots(xp.ascontiguousarray(users), gathered), rows_pad, k)
     scores = xp.empty((n, 1, width), dtype=xp.float32)
     backend.gemm_strided_batched(users.reshape(n, 1, dim), gathered, scores)
     return backend.select(scores.reshape(n, width), rows_pad, k)
 
 
 def _long_user(backend: Any, users_b: Any, items: Any, rows: Any, indptr: np.ndarray, u: int, k: int, cap: int,
-               out_vals: Any, out_rows: Any) -> None:
+               out_vals: Any, out_rows: Any, dots: Dots | None = None) -> None:
     """A user whose list alone exceeds a block: de-duplicate it whole, then score it in chunks, merging the best k."""
     xp = backend.xp
     lo, hi = int(indptr[u]), int(indptr[u + 1])
@@ -109,7 +119,7 @@ def _long_user(backend: Any, users_b: Any, items: Any, rows: Any, indptr: np.nda
     best_v = best_r = None
     for c0 in range(0, int(mine.size), cap):
         chunk = mine[c0:c0 + cap].reshape(1, -1)
-        v, r = _score_block(backend, users_b[u:u + 1], items, chunk, k)
+        v, r = _score_block(backend, users_b[u:u + 1], items, chunk, k, dots)
         if best_v is not None:
             v, r = backend.select(xp.concatenate([best_v, v], axis=1), xp.concatenate([best_r, r], axis=1), k)
         best_v, best_r = v, r

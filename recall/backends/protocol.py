@@ -116,11 +116,19 @@ class Backend(Protocol):
         """
 
     def rescore(self, users: Any, items: Any, indptr: Any, rows: Any, k: int, budget: int,
-                options: EngineOptions) -> tuple[Any, Any, str]:
+                options: EngineOptions, ordered: bool = False) -> tuple[Any, Any, str]:
         """Each user's best ``k`` among its own candidate item rows (CSR: ``rows[indptr[u]:indptr[u+1]]``, host
         int64 ``indptr``; ``rows`` host or backend int64, duplicates allowed and counted once): (scores, rows)
         (n, k) backend arrays, inner-product space, ready when this returns, and the path taken ("fused" or
-        "gemm"). ``budget`` bounds the working memory."""
+        "gemm"). ``budget`` bounds the working memory. ``ordered``: every score is the float32 sum of the products
+        in order of dimension, one FMA each from 0 (``fma(u_0, v_0, 0)``, then ``fma(u_d, v_d, s)``): the sums
+        of the GPU's fused exact kernel, bit for bit."""
+
+    def certify_exact(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
+                      options: EngineOptions) -> bool:
+        """Whether an exact search (``plan``, prepared vectors ``width`` columns wide) takes the certified route
+        (``options.certified_exact``, ``recall.engine.fast``): where ``rescore(..., ordered=True)`` repeats the sums
+        that search would compute, bit for bit, and, under "auto", where a float16 pass is faster."""
 
     def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
         """The best k (score desc, lower row first) of each row of a padded candidate block: scores (n, width)

@@ -76,6 +76,10 @@ def _note(row: dict[str, Any], repeats: bool) -> str:
         why = (f"a sample of {stats['fast_sample']:,} users" if stats.get("fast_sample")
                else stats["fast_declined"])
         notes.append(f"fast mode declined ({why}): ran exact")
+    if stats.get("route") == "certified":
+        notes.append("certified route (float16 candidates, the fused kernel's sums)")
+    elif stats.get("certified_declined"):
+        notes.append(f"certified route declined ({stats['certified_declined']})")
     if repeats and len(row["times_s"]) > 1:
         extra = row.get("extra_runs") or 0
         notes.append("runs " + ", ".join(f"{t:.3g}" for t in row["times_s"]) + " s"

@@ -13,6 +13,7 @@ from .errors import InputError
 
 FUSED_MODES = ("auto", "force", "off")
 RESCORE_PATHS = ("fused", "gemm")
+CERTIFIED_EXACT_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,13 @@ class EngineOptions:
         Fast precision: the most users a large search scores first, to find out whether the certificate pays (1/50
         of the users, at most this many, when that is at least 128); where too many of them fall back, the other
         users are searched in exact mode (``stats["fast_declined"]``). 0: never sample.
+    certified_exact : {"auto", "on", "off"}
+        Exact precision: find each user's candidates with fast mode's certified float16 pass and re-score them with
+        the exact search's own float32 arithmetic (every dimension in order, one FMA each: the fused kernel's sums,
+        bit for bit), so that the answer is exact mode's, scores included (``stats["route"]`` says "certified").
+        "auto": where the backend finds it faster (the GPU: prepared vectors of 160-256 columns, searches of at
+        least 2^30 scores); "on": wherever the backend can repeat its exact arithmetic (the CPU emulates the fused
+        kernel's sums: for tests); "off": never.
     """
 
     tiles: tuple[int, int, int] | None = None
@@ -73,6 +81,7 @@ class EngineOptions:
     few_user_tiles: bool = True
     seed_sample: int = 0
     fast_sample: int = 2048
+    certified_exact: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tiles is not None:
@@ -85,6 +94,7 @@ class EngineOptions:
         check_int(self.fused_segment, "options.fused_segment")
         check_int(self.fused_tiles_per_block, "options.fused_tiles_per_block")
         check_choice(self.rescore, RESCORE_PATHS, "options.rescore path")
+        check_choice(self.certified_exact, CERTIFIED_EXACT_MODES, "options.certified_exact mode")
         check_int(self.fast_sample, "options.fast_sample", 0)
         check_int(self.seed_sample, "options.seed_sample", 0)
         for name in ("cuda_graphs", "seed_thresholds", "few_user_tiles"):

@@ -49,7 +49,9 @@ class Engine:
         Default: a quarter of the free memory of the device, at most 1 GiB on the CPU and 8 GiB on a GPU.
     precision : {"exact", "fast"}
         "exact" scores in float32 (on a GPU: the fused scoring-and-filtering kernel up to 256 dimensions, else
-        ``cublasSgemmStridedBatched``). "fast" scores float16 inputs on tensor cores, re-ranks k + max(16, k/4)
+        ``cublasSgemmStridedBatched``); on a GPU, large searches of 160-256 prepared columns find their candidates
+        on tensor cores and re-score them with the fused kernel's own sums: the same answer, bit for bit
+        (``EngineOptions.certified_exact``, ``stats["route"]``). "fast" scores float16 inputs on tensor cores, re-ranks k + max(16, k/4)
         candidates in float32 and proves from an error bound that the answer equals exact mode's, falling back to
         exact mode for the users where the proof fails (``stats["fallback_users"]``); on the CPU it emulates the
         same arithmetic and is for testing only (no faster).
@@ -287,8 +289,9 @@ class Engine:
         if users.shape[0] == 0:
             vals, rows = xp.full((0, k_sel), -np.inf, dtype=np.float32), xp.full((0, k_sel), -1, dtype=np.int64)
             return PendingSearch(lambda: self._result(xp, users, vals, rows))
-        if self.precision == "fast" and not self.streamed:
-            vals, rows = fast.search(self, prepared, k_sel, excl)
+        certified = self.precision == "exact" and fast.certifies_exact(self, prepared, k_sel)
+        if (self.precision == "fast" and not self.streamed) or certified:
+            vals, rows = fast.search(self, prepared, k_sel, excl, ordered=certified)
             done = self._result(xp, users, vals, rows)
             return PendingSearch(lambda: done, self.stats)
         vals = self.backend.empty_out((users.shape[0], k_sel), np.float32, host)
@@ -330,19 +333,19 @@ class Engine:
         return pending
 
     def run(self, users: Any, k: int, excl: Exclusions, out_vals: Any, out_rows: Any, items: Any = None,
-            floor: Any = None, plan: Any = None) -> Callable[[], dict]:
+            floor: Any = None, plan: Any = None, options: EngineOptions | None = None) -> Callable[[], dict]:
         """One tiled pass of prepared ``users`` (``metrics.prepare_users``) against resident items (default: the
         engine's; fast mode passes its float16 copy) into the (n, k) arrays ``out_vals`` / ``out_rows`` (from
         ``backend.empty_out``; k <= the items' rows); returns the backend's wait (see ``Backend.run_blocks``). The
-        building block of every search mode; ``plan`` replaces the tiling the engine would choose. Over streamed
-        items (``item_memory``) the search is done when this returns."""
+        building block of every search mode; ``plan`` replaces the tiling the engine would choose, ``options`` the
+        engine's options. Over streamed items (``item_memory``) the search is done when this returns."""
         if items is None and self.streamed:
             return streamed.run(self, self._items, users, k, excl, out_vals, out_rows, plan)
         items = self._items if items is None else items
         n_items = int(items.shape[0])
         plan = plan or self.plan(users, n_items, k)
-        return self.backend.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, self.options,
-                                       floor)
+        return self.backend.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows,
+                                       options or self.options, floor)
 
     def plan(self, users: Any, n_items: int, k: int) -> Any:
         """The tiling of a pass of prepared ``users`` against ``n_items`` items keeping ``k``: the options' tiles, a

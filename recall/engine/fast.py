@@ -14,6 +14,12 @@ it then costs more than exact mode's whole search, whatever the certificate does
 certificate does not pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), every user is searched
 in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
 user, the sampled ones too, is searched in fast mode.
+
+Exact precision takes the same search where the backend says it pays (``certifies_exact``: the *certified route*):
+the candidates are then re-scored with the exact search's own float32 sums (``Backend.rescore``'s ``ordered``: every
+dimension in order, one FMA each, the fused kernel's sequence) and the users whose certificate fails are searched
+by the fused kernel itself, so that every score, and therefore every list, is exact mode's bit for bit. The bound
+below covers any float32 sum of the products, whatever its order, so the proof is the same.
 """
 from __future__ import annotations
 
@@ -81,9 +87,56 @@ def _state(engine: Any) -> FastState:
     return engine._fast
 
 
-def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]:
+def certifies_exact(engine: Any, users: Any, k: int) -> bool:
+    """Whether an exact search of prepared ``users`` takes the certified route (``EngineOptions.certified_exact``):
+    items resident, a backend that repeats the search's exact sums (``Backend.certify_exact``) and, under "auto", a
+    search of at least MIN_SCORES scores (below, the extra passes cost more than the float16 products save)."""
+    options = engine.options
+    n_users, n_items = int(users.shape[0]), engine.n_items
+    if options.certified_exact == "off" or engine.streamed or n_users == 0:
+        return False
+    if options.certified_exact == "auto" and n_users * n_items < MIN_SCORES:
+        return False
+    return engine.backend.certify_exact(engine.plan(users, n_items, k), n_users, n_items, k,
+                                        int(users.shape[1]), options)
+
+
+def search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool = False) -> tuple[Any, Any]:
     """Fast mode's search of prepared ``users`` (n, dim) float32 (host or backend): (scores, rows) (n, k) backend
-    arrays, inner-product space, exactly exact mode's answer; sets ``engine.stats``."""
+    arrays, inner-product space, exactly exact mode's answer; sets ``engine.stats``. ``ordered``: exact precision's
+    certified route (the module docstring): exact mode's scores bit for bit."""
+    if ordered and engine._fast is None and not _room_for_copy(engine):
+        vals, rows, run_stats = _search_exact(engine, users, k, excl)
+        engine.stats = {**run_stats, "precision": "exact", "route": "float32",
+                        "certified_declined": "no room on the device for a float16 copy of the items beside the "
+                                              "memory budget"}
+        return vals, rows
+    vals, rows = _search(engine, users, k, excl, ordered)
+    if ordered:
+        engine.stats = _as_exact(engine.stats)
+    return vals, rows
+
+
+def _room_for_copy(engine: Any) -> bool:
+    """Whether the float16 copy of the items (the certified route's, kept by the engine) fits in the device's free
+    memory with the search's memory budget still free beside it."""
+    width = int(engine.prepared_items.shape[1]) + 8  # the certificate's columns, rounded up: at most 8 more
+    return engine.backend.free_memory() - 2 * engine.n_items * width >= engine.memory_budget
+
+
+def _as_exact(stats: dict) -> dict:
+    """A fast search's stats as the certified route of an exact search reports them: ``precision`` "exact",
+    ``route`` "certified" (or "float32" where the route declined: ``certified_declined`` says why)."""
+    out = dict(stats)
+    certified = out.get("precision") == "fast"
+    out.update(precision="exact", route="certified" if certified else "float32")
+    declined = out.pop("fast_declined", None)
+    if declined is not None:
+        out["certified_declined"] = declined
+    return out
+
+
+def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) -> tuple[Any, Any]:
     n_users = int(users.shape[0])
     wide = k + certificate.margin(k) + 1
     declined = None
@@ -101,7 +154,7 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
         return vals, rows
     sample = _sample_rows(n_users, engine.options.fast_sample)
     if sample is None:
-        vals, rows, engine.stats = _search_fast(engine, users, k, excl)
+        vals, rows, engine.stats = _search_fast(engine, users, k, excl, None, ordered)
         return vals, rows
     # The sample is a probe: every user, the sampled ones too, is searched again below, so that neither the users
     # nor their exclusions are cut in two on the host (for S1's 100k users with 200 exclusions each, 0.06 s of
@@ -116,7 +169,7 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
         probe_users = prepared.take(sample if isinstance(prepared.vecs16, np.ndarray)
                                     else engine.backend.xp.asarray(sample))
     _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample),
-                                 probe_users)
+                                 probe_users, ordered)
     cost = (s_stats["fallback_users"] + s_stats["widened_users"] / 2) / sample.size
     if cost > DECLINE_FALLBACK:
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
@@ -128,17 +181,18 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any]
                  "fallback_users": s_stats["fallback_users"], "widened_users": s_stats["widened_users"],
                  "fallback_fraction": s_stats["fallback_users"] / n_users}
     else:
-        vals, rows, stats = _search_fast(engine, users, k, excl, prepared)
+        vals, rows, stats = _search_fast(engine, users, k, excl, prepared, ordered)
     stats.update(fast_sample=int(sample.size), sample_fallback_fraction=s_stats["fallback_fraction"])
     engine.stats = stats
     return vals, rows
 
 
-def _search_exact(engine: Any, users: Any, k: int, excl: Exclusions) -> tuple[Any, Any, dict]:
-    """Exact mode's search of prepared ``users``: (scores, rows) backend arrays and the search's stats."""
+def _search_exact(engine: Any, users: Any, k: int, excl: Exclusions, options: Any = None) -> tuple[Any, Any, dict]:
+    """Exact mode's search of prepared ``users``: (scores, rows) backend arrays and the search's stats (``options``
+    instead of the engine's)."""
     vals = engine.backend.empty_out((users.shape[0], k), np.float32, False)
     rows = engine.backend.empty_out((users.shape[0], k), np.int64, False)
-    return vals, rows, engine.run(users, k, excl, vals, rows)()
+    return vals, rows, engine.run(users, k, excl, vals, rows, options=options)()
 
 
 def _sample_rows(n_users: int, most: int) -> np.ndarray | None:
@@ -166,9 +220,9 @@ def _prepare(engine: Any, users: Any) -> certificate.FastUsers:
 
 
 def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
-                 fast_users: certificate.FastUsers | None = None) -> tuple[Any, Any, dict]:
+                 fast_users: certificate.FastUsers | None = None, ordered: bool = False) -> tuple[Any, Any, dict]:
     """Fast mode on every one of ``users``: (scores, rows, stats), exactly exact mode's answer. ``fast_users``: their
-    float16 copies (``_prepare``), when already made."""
+    float16 copies (``_prepare``), when already made; ``ordered``: the certified route (``search``)."""
     backend = engine.backend
     xp = backend.xp
     state = _state(engine)
@@ -178,7 +232,8 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
     half = fast_users.half_scores  # as _prepare decided: whether the scores may be kept in float16 tiles
     n_users, n_items = int(users.shape[0]), engine.n_items
     m = certificate.margin(k)
-    vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl)
+    vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl,
+                                                            ordered)
     widened = failed
     if failed.size and k + m < n_items:
         # Once more with WIDEN times the margin, each score shifted by the user's exact k-th of the first pass: the
@@ -190,11 +245,14 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
         shift = uxp.where(uxp.isfinite(kth), kth, 0).astype(uxp.float64)
         retry = certificate.prepare_users(uxp, sub, state.items, half_scores=half, shift=shift)
         w_vals, w_rows, w_failed, _, _ = _certified_pass(engine, state, sub, retry, k, k + WIDEN * m,
-                                                         excl.subset(failed))
+                                                         excl.subset(failed), ordered)
         vals[sel], rows[sel] = w_vals, w_rows
         failed = failed[w_failed]
     if failed.size:
-        fv, fr, _ = _search_exact(engine, _take(xp, users, failed), k, excl.subset(failed))
+        # The certified route's last resort is exact mode's fused kernel whatever the number of users (a search of
+        # fewer than its tile of 128 would otherwise take cuBLAS, whose sums are in another order).
+        forced = replace(engine.options, fused="force") if ordered else None
+        fv, fr, _ = _search_exact(engine, _take(xp, users, failed), k, excl.subset(failed), forced)
         sel = xp.asarray(failed)
         vals[sel], rows[sel] = fv, fr
     stats = {**run_stats, "precision": "fast", "candidates": n_cand, "widened_users": int(widened.size),
@@ -219,9 +277,10 @@ def _sampled_best(engine: Any, users: Any, uxp: Any) -> Any:
 
 
 def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certificate.FastUsers, k: int,
-                    n_keep: int, excl: Exclusions) -> tuple[Any, Any, np.ndarray, dict, int]:
-    """One float16 pass keeping ``n_keep`` candidates per user, their float32 re-scoring and the certificate:
-    (scores, rows, host rows of the users whose certificate failed, the pass's stats, candidates per user)."""
+                    n_keep: int, excl: Exclusions, ordered: bool = False) -> tuple[Any, Any, np.ndarray, dict, int]:
+    """One float16 pass keeping ``n_keep`` candidates per user, their float32 re-scoring (``ordered``: the exact
+    search's own sums) and the certificate: (scores, rows, host rows of the users whose certificate failed, the
+    pass's stats, candidates per user)."""
     backend = engine.backend
     xp = backend.xp
     n_users, n_items = int(users.shape[0]), engine.n_items
@@ -237,7 +296,7 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     n_cand = wide - 1 if wide < n_items else wide
     cand_rows = xp.ascontiguousarray(approx_rows[:, :n_cand]).reshape(-1)
     vals, rows, _ = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * n_cand,
-                                    cand_rows, k, engine.memory_budget, engine.options)
+                                    cand_rows, k, engine.memory_budget, engine.options, ordered)
     if wide < n_items:
         ok = certificate.certified(xp, vals[:, k - 1], approx_vals[:, wide - 1], fast_users, state.items)
         failed = np.flatnonzero(backend.to_host(~ok))

@@ -50,6 +50,13 @@ CELLS = {
     "pop-k100": ("popular", 50_000, 1_000_000, 64, 100, "ip", 0),
     "x20": ("skewed", 20_000, 1_000_000, 64, 100, "ip", 20),  # gpu-quick cell 21
     "k1000-x200": ("skewed", 20_000, 1_000_000, 64, 1000, "ip", 200),  # gpu-quick cell 17
+    "d64": ("clustered", 20_000, 1_000_000, 64, 100, "ip", 0),
+    "d96": ("clustered", 10_000, 1_000_000, 96, 100, "ip", 0),  # gpu-quick cell 22
+    "d128": ("clustered", 20_000, 1_000_000, 128, 100, "ip", 0),
+    "d160": ("clustered", 20_000, 1_000_000, 160, 100, "ip", 0),
+    "d192-l2": ("skewed", 20_000, 1_000_000, 192, 100, "l2", 0),
+    "d256-k1000-cos": ("skewed", 10_000, 1_000_000, 256, 1000, "cosine", 0),  # gpu-quick cell 18
+    "d256-x200": ("skewed", 20_000, 1_000_000, 256, 100, "ip", 200),
 }
 
 VARIANTS = {
@@ -68,6 +75,8 @@ VARIANTS = {
     **{f"cublas-seed{n >> 10}k": {"seed_sample": n, "fused": "off"} for n in (8192, 16384, 32768)},
     "ub4096": {"tiles": (4096, 8192, 4)},  # blocks of 4,096 users: half the launches of a user-heavy search
     "nosample": {"fast_sample": 0},  # fast mode without its sample of users searched first
+    "float32": {"certified_exact": "off"},  # exact mode's float32 search only
+    "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it
 }
 
 
@@ -164,7 +173,7 @@ def timed(engine, users, k, excl, repeat=3):
         result = engine.search(users, k, exclude=excl)
         cupy.cuda.Device().synchronize()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), result.indices
+    return statistics.median(times), result
 
 
 def main() -> None:
@@ -175,6 +184,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--precision", default="exact", choices=("exact", "fast"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--no-per-kernel", action="store_true", help="skip the run with every launch timed")
     p.add_argument("--max-candidate-share", type=float, default=None,
                    help="fast.MAX_CANDIDATE_SHARE for this process (1.0: fast mode never declines for its share of "
                         "re-scored candidates), to measure what the decline rule spares")
@@ -197,6 +207,7 @@ def main() -> None:
         if prec == "fast":
             exact = Engine(items, metric=metric, device="gpu")
             t_exact, want = timed(exact, users, k, excl)
+            want = want.indices
             print(f"| {cell} | exact mode | {t_exact:.4f} s |", flush=True)
             out.append({"cell": cell, "variant": "exact", "median_s": t_exact})
             del exact
@@ -204,16 +215,21 @@ def main() -> None:
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
-                t, got = timed(engine, users, k, excl)
+                t, res = timed(engine, users, k, excl)
             except Exception as exc:  # a variant that cannot run this cell says why
                 print(f"| {cell} | {vname} | error {type(exc).__name__}: {exc} |", flush=True)
                 continue
             base = base or t
             st = engine.stats
-            # Fast mode against exact mode; an exact variant against the first variant of the cell.
-            want = got if want is None else want
+            # Fast mode against exact mode; an exact variant against the first variant of the cell (rows, and every
+            # score bit for bit).
+            got = res.indices
+            if want is None:
+                want, want_scores = got, res.scores
             same = f" | rows equal {'exact' if prec == 'fast' else 'the first variant'}'s for " \
                    f"{float((got == want).all(axis=1).mean()):.4f} of users"
+            if prec == "exact":
+                same += f", scores bit for bit {bool((res.scores == want_scores).all())} route {st.get('route')}"
             print(f"| {cell} | {vname} | {t:.4f} s | x shipped {t / base:.3f} | fused {st.get('fused')} tiles "
                   f"{st.get('tiles')} seed {st.get('seed_sample')} busy {st.get('gpu_busy_s', 0):.4f} | scores "
                   f"{st.get('score_dtype')} precision {st.get('precision')} fallbacks {st.get('fallback_users')} "
@@ -222,6 +238,10 @@ def main() -> None:
                     "fallback_users", "widened_users")
             out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})
             del engine
+        if a.no_per_kernel:
+            del users, items, excl, want
+            cupy.get_default_memory_pool().free_all_blocks()
+            continue
         # One search with graphs off, every launch timed.
         engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(cuda_graphs=False), precision=prec)
         engine.search(users, k, exclude=excl)

@@ -256,11 +256,11 @@ def _spy_fast_searches(monkeypatch):
     calls = []
     real = fast_search._search_fast
 
-    def spy(engine, users, k, excl, fast_users=None):
+    def spy(engine, users, k, excl, fast_users=None, ordered=False):
         calls.append(int(users.shape[0]))
         if fast_users is not None:  # the sample's rows of every user's copies, or all of them
             assert fast_users.vecs16.shape[0] == users.shape[0]
-        return real(engine, users, k, excl, fast_users)
+        return real(engine, users, k, excl, fast_users, ordered)
 
     monkeypatch.setattr(fast_search, "_search_fast", spy)
     return calls

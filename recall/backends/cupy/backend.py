@@ -24,7 +24,7 @@ from ...core.options import EngineOptions
 from ...core.tiling import TilePlan
 from .. import candidates
 from ..numpy.backend import tune_band
-from . import blas, rescore
+from . import blas, fused, rescore
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
 from .pipeline import BlockPipeline
 from .selection import GpuTopK, Selection, fused_capacity, pow2
@@ -35,6 +35,9 @@ from .selection import GpuTopK, Selection, fused_capacity, pow2
 _TUNE_USERS = (1024, 2048, 4096)
 _TUNE_ITEMS = ((4096, 2), (8192, 1), (8192, 2), (8192, 4), (16384, 4))
 _TUNE_BAND = (32 << 20, 512 << 20)
+#: Exact searches of prepared vectors at least this wide take the certified route under ``certified_exact="auto"``
+#: (``Backend.certify_exact``): there the float32 fused kernel runs near the CUDA cores' FMA peak.
+CERTIFIED_MIN_WIDTH = 160
 
 
 def tune_candidates(heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
@@ -228,7 +231,7 @@ class CupyBackend:
         return self.pipeline.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor)
 
     def rescore(self, users: Any, items: DeviceItems, indptr: np.ndarray, rows: Any, k: int, budget: int,
-                options: EngineOptions) -> tuple[Any, Any, str]:
+                options: EngineOptions, ordered: bool = False) -> tuple[Any, Any, str]:
         cupy = self.xp
         n = int(indptr.size) - 1
         vals = cupy.full((n, k), -cupy.inf, dtype=cupy.float32)
@@ -236,10 +239,20 @@ class CupyBackend:
         users_d = self.asarray(users)
         rows = rows if isinstance(rows, np.ndarray) else cupy.ascontiguousarray(rows, dtype=cupy.int64)
         if options.rescore == "fused" and rescore.rescore_fused(users_d, items.vecs, indptr, rows, k, vals, out,
-                                                                budget):
+                                                                budget, ordered):
             return vals, out, "fused"
-        candidates.rescore_gemm(self, users_d, items.vecs, indptr, rows, k, budget, vals, out)
+        candidates.rescore_gemm(self, users_d, items.vecs, indptr, rows, k, budget, vals, out,
+                                rescore.ordered_dots if ordered else None)
         return vals, out, "gemm"
+
+    def certify_exact(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
+                      options: EngineOptions) -> bool:
+        # Only where the exact search would run the fused kernel, whose sums the ordered re-scoring repeats; "auto"
+        # from the width where that kernel is bound by the CUDA cores' FMA rate (docs/gpu.md).
+        if options.certified_exact == "off" or not fused.applies(plan, n_users, n_items, k, width, np.float32,
+                                                                 options):
+            return False
+        return options.certified_exact == "on" or width >= CERTIFIED_MIN_WIDTH
 
     def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
         return rescore.select(scores, rows, k)

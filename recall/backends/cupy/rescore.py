@@ -27,17 +27,22 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _kernel(vec: bool) -> Any:
-    """The compiled ``recall_rescore_t`` for the current device; ``vec``: rows read as float4 (dim % 4 == 0)."""
-    expr = f"recall_rescore_t<{_UNROLL}, {_CHUNKS}, {int(vec)}>"
+def _kernel(vec: bool, ordered: bool = False) -> Any:
+    """The compiled ``recall_rescore_t`` for the current device; ``vec``: rows read as float4 (dim % 4 == 0);
+    ``ordered``: the fused exact kernel's sums (one lane a candidate)."""
+    # The same loads in flight per lane either way (ptxas, sm_90: 40 registers, no spills); ordered sums take one
+    # lane a candidate, so that lane walks the whole row (2 rows x 2 float4 at a time).
+    expr = f"recall_rescore_t<{_UNROLL}, {_CHUNKS}, {int(vec)}, {int(ordered)}>"
     mod = kernels.module(("rescore.cu",), (f"--maxrregcount={_MAX_REGISTERS}",), (expr,))
     return mod.get_function(expr)
 
 
-def lanes(dim: int) -> int:
+def lanes(dim: int, ordered: bool = False) -> int:
     """Lanes per candidate: the fewest (a power of two <= 32) that cover the row in one round of ``_CHUNKS`` loads
     per lane, so that every load is issued before the first use. dim 64: 8 lanes x 2 float4; each warp load then
-    reads four rows' 128-byte halves, whole cache lines."""
+    reads four rows' 128-byte halves, whole cache lines. Ordered sums: 1 (a lane adds every product itself)."""
+    if ordered:
+        return 1
     chunks = dim // 4 if dim % 4 == 0 else dim
     return min(32, _pow2(-(-max(chunks, 1) // _CHUNKS)))
 
@@ -70,30 +75,31 @@ def launch_config(k: int, dim: int, longest: int) -> tuple[int, int, int] | None
 
 
 def _launch(users: Any, items: Any, dim: int, scores: Any, indptr: Any, rows: Any, k: int,
-            cfg: tuple[int, int, int], out_vals: Any, out_rows: Any) -> None:
+            cfg: tuple[int, int, int], out_vals: Any, out_rows: Any, ordered: bool = False) -> None:
     """One ``recall_rescore_t`` launch over the users of ``indptr`` (``dim`` 0 when ``scores`` are given: no user
     vector in shared memory, which is how ``cfg`` was sized)."""
     n = int(indptr.size) - 1
     if n <= 0:
         return
     k_pad, sz, smem = cfg
-    kern = _kernel(dim % 4 == 0)
+    kern = _kernel(dim % 4 == 0, ordered)
     threads = min(THREADS, int(kern.max_threads_per_block) // 32 * 32)
     if smem > _DEFAULT_SMEM:
         kern.max_dynamic_shared_size_bytes = smem
     scores_arg = scores if scores is not None else np.uint64(0)  # a null pointer: compute the dot products
     kern((n,), (threads,), (users, items, np.int32(dim), scores_arg, indptr, rows, np.int32(k), np.int32(k_pad),
-                            np.int32(sz), np.int32(lanes(dim) if dim > 0 else 1), out_vals, out_rows),
+                            np.int32(sz), np.int32(lanes(dim, ordered) if dim > 0 else 1), out_vals, out_rows),
          shared_mem=smem)
 
 
 def rescore_fused(users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int, out_vals: Any, out_rows: Any,
-                  budget: int) -> bool:
+                  budget: int, ordered: bool = False) -> bool:
     """Score and select on the GPU in one kernel per block of users; False when k or n_items is beyond the kernel.
 
     users : (n, dim) float32 device; items : (n_items, dim) float32 device; indptr : host int64 (n + 1,); rows :
     int64 item rows, host or device; out_vals / out_rows : (n, k) device arrays, C-contiguous. Device rows are read
-    in place; host rows are uploaded in blocks of users whose rows fit in ``budget``.
+    in place; host rows are uploaded in blocks of users whose rows fit in ``budget``. ``ordered``: every score is
+    the fused exact kernel's sum (``Backend.rescore``).
     """
     import cupy
 
@@ -103,7 +109,7 @@ def rescore_fused(users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int,
     if cfg is None or n_items >= 2 ** 31:
         return False
     if not isinstance(rows, np.ndarray):
-        _launch(users, items, dim, None, cupy.asarray(indptr), rows, k, cfg, out_vals, out_rows)
+        _launch(users, items, dim, None, cupy.asarray(indptr), rows, k, cfg, out_vals, out_rows, ordered)
         return True
     per_block = max(1, budget // 8)
     start = 0
@@ -114,7 +120,7 @@ def rescore_fused(users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int,
         stop = min(n, max(stop, start + 1))
         lo, hi = int(indptr[start]), int(indptr[stop])
         _launch(users[start:stop], items, dim, None, cupy.asarray(indptr[start:stop + 1] - lo),
-                cupy.asarray(rows[lo:hi]), k, cfg, out_vals[start:stop], out_rows[start:stop])
+                cupy.asarray(rows[lo:hi]), k, cfg, out_vals[start:stop], out_rows[start:stop], ordered)
         start = stop
     return True
 
@@ -133,3 +139,18 @@ def select(scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
     scores = cupy.ascontiguousarray(scores)
     _launch(scores, scores, 0, scores, indptr, cupy.ascontiguousarray(rows), k, cfg, vals, out)
     return vals, out
+
+
+def ordered_dots(users: Any, vecs: Any) -> Any:
+    """users (n, dim), vecs (n, w, dim) float32 device -> (n, w) float32: the fused exact kernel's sums
+    (``recall_ordered_dots``), for the gather path of ``Backend.rescore(..., ordered=True)``."""
+    import cupy
+
+    n, w, dim = vecs.shape
+    out = cupy.empty((n, w), cupy.float32)
+    total = n * w
+    if total:
+        kern = kernels.module(("rescore.cu",), (), ()).get_function("recall_ordered_dots")
+        kern((-(-total // 256),), (256,), (cupy.ascontiguousarray(users), cupy.ascontiguousarray(vecs),
+                                         np.int64(total), np.int32(w), np.int32(dim), out))
+    return out

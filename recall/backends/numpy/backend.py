@@ -23,6 +23,7 @@ from ...core.results import to_numpy
 from ...core.tiling import TilePlan
 from .. import candidates, tiled
 from . import heap
+from .ordered import ordered_dots
 
 # Tilings `recall tune` tries on the CPU: score tiles (4 bytes a score) of 256 KiB - 4 MiB bracket a core's L2.
 _TUNE_USERS = (128, 256, 512, 1024)
@@ -333,12 +334,19 @@ class NumpyBackend:
             heap.seed_heaps(state.keys[:n], state.thr[:n])
 
     def rescore(self, users: Any, items: np.ndarray, indptr: np.ndarray, rows: Any, k: int, budget: int,
-                options: EngineOptions) -> tuple[np.ndarray, np.ndarray, str]:
+                options: EngineOptions, ordered: bool = False) -> tuple[np.ndarray, np.ndarray, str]:
         n = int(indptr.size) - 1
         vals = np.full((n, k), -np.inf, dtype=np.float32)
         out = np.full((n, k), -1, dtype=np.int64)
-        candidates.rescore_gemm(self, users, items, indptr, self.asarray(rows), k, budget, vals, out)
+        candidates.rescore_gemm(self, users, items, indptr, self.asarray(rows), k, budget, vals, out,
+                                ordered_dots if ordered else None)
         return vals, out, "gemm"
+
+    def certify_exact(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
+                      options: EngineOptions) -> bool:
+        # The CPU's exact scores come from BLAS, whose order of summation is its own: "on" emulates the GPU's
+        # certified route (the fused kernel's sums) for tests; "auto" never takes it (no tensor cores to gain from).
+        return options.certified_exact == "on"
 
     def select(self, scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return keys.select(np, scores, rows, k)

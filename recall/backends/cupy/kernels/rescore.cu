@@ -29,6 +29,10 @@
 //          arithmetic: U * C is the memory-level parallelism per thread (U = C = 2 measured best on the H200,
 //          docs/benchmarks.md; with --maxrregcount=40, six blocks of 128 threads share an SM).
 //   VEC    rows are read as float4 (dim % 4 == 0).
+//   ORD    each score is the fused exact kernel's float32 sum (fused.cu, RecallDotTile): fmaf(u_0, v_0, 0), then
+//          fmaf(u_d, v_d, s) for each further dimension in order. One lane a candidate (G = 1), so that no partial
+//          sums are added in another order; exact mode's certified route re-scores its candidates this way, and its
+//          scores are then exact mode's, bit for bit.
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -280,7 +284,7 @@ __device__ u64* rs_select(u64* keys, int n, int K, int K_pad, u64* ctrl, u64* se
 
 // Scores of cnt candidates (item rows from rows32, staged), written as keys to out_keys[0, cnt).
 // G lanes share one candidate; each lane loads U rows x C chunks before any arithmetic.
-template <int U, int C, int VEC>
+template <int U, int C, int VEC, int ORD>
 __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int dim, const float* uvec,
                                           const int* rows32, int cnt, int G, u64* out_keys) {
     const int lane = threadIdx.x & (G - 1);
@@ -318,7 +322,14 @@ __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int d
                     const float4 a = c < n_chunks ? u4[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
                     for (int q = 0; q < U; ++q) {
-                        acc[q] += a.x * b[q][t].x + a.y * b[q][t].y + a.z * b[q][t].z + a.w * b[q][t].w;
+                        if (ORD) {
+                            acc[q] = fmaf(a.x, b[q][t].x, acc[q]);
+                            acc[q] = fmaf(a.y, b[q][t].y, acc[q]);
+                            acc[q] = fmaf(a.z, b[q][t].z, acc[q]);
+                            acc[q] = fmaf(a.w, b[q][t].w, acc[q]);
+                        } else {
+                            acc[q] += a.x * b[q][t].x + a.y * b[q][t].y + a.z * b[q][t].z + a.w * b[q][t].w;
+                        }
                     }
                 }
             } else {
@@ -334,7 +345,7 @@ __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int d
                     const int c = c0 + t * G + lane;
                     const float a = c < n_chunks ? uvec[c] : 0.0f;
 #pragma unroll
-                    for (int q = 0; q < U; ++q) acc[q] += a * b[q][t];
+                    for (int q = 0; q < U; ++q) acc[q] = ORD ? fmaf(a, b[q][t], acc[q]) : acc[q] + a * b[q][t];
                 }
             }
         }
@@ -356,7 +367,7 @@ __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int d
 // float32; indptr: (n_users + 1,) int64 positions into rows (and scores); rows: int64 item rows (a negative row is an
 // empty slot; every row < 2**31); G: lanes that share one candidate's dot product (a power of two <= 32 dividing
 // blockDim.x); out_vals / out_rows: (n_users, K).
-template <int U, int C, int VEC>
+template <int U, int C, int VEC, int ORD>
 __global__ void
 recall_rescore_t(const float* __restrict__ users, const float* __restrict__ items, int dim,
                  const float* __restrict__ scores, const long long* __restrict__ indptr,
@@ -410,7 +421,7 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
                 }
             }
             __syncthreads();  // the user's vector (first chunk) and the staged rows
-            rs_gather<U, C, VEC>(items, dim, uvec, rows32, cnt, G, keys + start);
+            rs_gather<U, C, VEC, ORD>(items, dim, uvec, rows32, cnt, G, keys + start);
         }
         __syncthreads();
         best = keys;
@@ -436,4 +447,18 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
             out_rows[o] = (long long)(~(u32)(key & 0xffffffffull));
         }
     }
+}
+
+// The fused exact kernel's float32 sums of gathered vectors (ORD above, for re-scoring that takes the gather path):
+// out[u * w + j] = fmaf chain of users[u, :] and vecs[u, j, :], in order of dimension from 0. users: (n, dim), vecs:
+// (n, w, dim), out: (n, w), float32, C-contiguous. One thread a score.
+extern "C" __global__ void recall_ordered_dots(const float* __restrict__ users, const float* __restrict__ vecs,
+                                               long long n_scores, int w, int dim, float* __restrict__ out) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_scores) return;
+    const float* u = users + (i / w) * dim;
+    const float* v = vecs + i * dim;
+    float acc = 0.0f;
+    for (int d = 0; d < dim; ++d) acc = fmaf(__ldg(u + d), __ldg(v + d), acc);
+    out[i] = acc;
 }

@@ -1,0 +1,130 @@
+"""The fused exact kernel's float32 sums (one FMA per dimension, in order, from 0): the CPU's emulation against exact
+rational arithmetic, and the GPU's ordered re-scoring against both the emulation and the fused kernel itself."""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import clustered_data
+from oracle import as_numpy
+from recall import Engine, EngineOptions
+from recall.backends import cuda_status
+from recall.backends.numpy.ordered import fma32, ordered_dots
+from recall.core import metrics
+from recall.core.exclusions import Exclusions
+
+gpu_usable, gpu_reason = cuda_status()
+
+
+def _fma_exact(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """fmaf by rational arithmetic: the float32 nearest a·b + c, ties to the even significand."""
+    x = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    near = np.float32(float(x))
+    best = None
+    for g in (near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))):
+        if np.isfinite(g):
+            key = (abs(Fraction(float(g)) - x), int(np.array(g).view(np.int32)) & 1)
+            if best is None or key < best[0]:
+                best = (key, g)
+    return best[1]
+
+
+def test_fma32_rounds_once_where_float64_would_round_twice():
+    # a·b + c = (1 + 2^-23) + 2^-24 - 2^-60: just below the midpoint between 1 + 2^-23 and 1 + 2^-22. float64 rounds
+    # it to the midpoint, and float32 then to the even 1 + 2^-22; one rounding gives 1 + 2^-23.
+    a, b, c = np.float32(2.0 ** -24 * (1 + 2.0 ** -18)), np.float32(1 - 2.0 ** -18), np.float32(1 + 2.0 ** -23)
+    twice = np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+    assert twice == np.float32(1 + 2.0 ** -22)
+    assert fma32(a, b, c) == np.float32(1 + 2.0 ** -23) == _fma_exact(a, b, c)
+
+
+_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-2.0 ** 50, max_value=2.0 ** 50)
+
+
+@settings(max_examples=300)
+@given(_f32, _f32, _f32)
+def test_fma32_equals_rational_arithmetic(a, b, c):
+    a, b, c = np.float32(a), np.float32(b), np.float32(c)
+    got, want = fma32(a, b, c), _fma_exact(a, b, c)
+    assert got == want or (got == 0 and want == 0)
+
+
+def test_fma32_near_midpoints():
+    # Products of 24-bit significands against sums whose low bits sit near float32 midpoints.
+    rng = np.random.default_rng(0)
+    a = (1 + rng.integers(0, 1 << 23, 4000) * 2.0 ** -23).astype(np.float32) * np.float32(2.0 ** -24)
+    b = (1 - rng.integers(0, 1 << 12, 4000) * 2.0 ** -23).astype(np.float32)
+    c = (1 + rng.integers(0, 1 << 23, 4000) * 2.0 ** -23).astype(np.float32)
+    got = fma32(a, b, c)
+    want = np.array([_fma_exact(x, y, z) for x, y, z in zip(a, b, c)], np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_ordered_dots_is_the_fma_chain():
+    rng = np.random.default_rng(1)
+    users = (rng.standard_normal((3, 13)) * np.exp2(rng.integers(-8, 8, (3, 13)))).astype(np.float32)
+    vecs = (rng.standard_normal((3, 5, 13)) * np.exp2(rng.integers(-8, 8, (3, 5, 13)))).astype(np.float32)
+    got = ordered_dots(users, vecs)
+    for u in range(3):
+        for j in range(5):
+            acc = np.float32(0)
+            for d in range(13):
+                acc = _fma_exact(users[u, d], vecs[u, j, d], acc)
+            assert got[u, j] == acc
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric,dim", [("ip", 64), ("ip", 37), ("cosine", 256), ("l2", 100), ("ip", 200)])
+def test_fused_kernel_scores_are_the_emulated_sums(metric, dim):
+    # The claim the certified route rests on: every score exact mode's fused kernel returns is the FMA chain, bit for
+    # bit (real-valued data, user norms over several binades, so that another order would differ somewhere).
+    if not gpu_usable:
+        pytest.skip(gpu_reason)
+    users, items = clustered_data(300, 20000, dim, seed=dim)
+    users *= np.exp2(np.random.default_rng(0).integers(-6, 6, (300, 1))).astype(np.float32)
+    engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(fused="force",
+                                                                              certified_exact="off"))
+    prepared = metrics.prepare_users(metric, np, users)
+    # Inner-product space: the backend's own result, before the metric finishes the scores.
+    vals = engine.backend.empty_out((300, 50), np.float32, False)
+    rows = engine.backend.empty_out((300, 50), np.int64, False)
+    stats = engine.run(prepared, 50, Exclusions.empty(300), vals, rows)()
+    assert stats["fused"]
+    want = ordered_dots(prepared, as_numpy(engine.prepared_items)[as_numpy(rows)])
+    np.testing.assert_array_equal(as_numpy(vals), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim,path", [(64, "fused"), (37, "fused"), (256, "fused"), (64, "gemm"), (37, "gemm")])
+def test_ordered_rescore_equals_the_emulation(dim, path):
+    if not gpu_usable:
+        pytest.skip(gpu_reason)
+    import cupy
+
+    from recall.backends import resolve
+
+    rng = np.random.default_rng(dim)
+    items = (rng.standard_normal((5000, dim)) * np.exp2(rng.integers(-5, 5, (5000, 1)))).astype(np.float32)
+    users = rng.standard_normal((200, dim)).astype(np.float32)
+    rows = rng.integers(0, 5000, (200, 300))
+    rows[7, :] = rows[7, 0]  # one user's list all one row: counted once
+    backend = resolve("gpu")
+    loaded = backend.load_items(cupy.asarray(items))
+    indptr = np.arange(201, dtype=np.int64) * 300
+    vals, got, taken = backend.rescore(users, loaded, indptr, cupy.asarray(rows.reshape(-1)), 40, 1 << 28,
+                                       EngineOptions(rescore=path), ordered=True)
+    assert taken == path
+    scores = ordered_dots(users, items[rows])
+    for u in (0, 7, 199):
+        got_rows = as_numpy(got[u])
+        keep = got_rows >= 0
+        want = {int(r): s for r, s in zip(rows[u], scores[u])}
+        np.testing.assert_array_equal(as_numpy(vals[u])[keep], np.array([want[int(r)] for r in got_rows[keep]],
+                                                                          np.float32))
+    assert (as_numpy(got[7]) >= 0).sum() == 1

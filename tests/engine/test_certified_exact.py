@@ -1,0 +1,209 @@
+"""Exact precision's certified route (``EngineOptions.certified_exact``): candidates from fast mode's float16 pass,
+re-scored with the fused exact kernel's own float32 sums, so that the answer is exact mode's bit for bit.
+
+The reference is the FMA chain emulated on the CPU (``recall.backends.numpy.ordered``) over every item, ranked by
+the tie rule: on the GPU it is what the fused kernel computes (``tests/backends/test_ordered.py``), so the same
+test bodies check the route on both backends. The CPU takes the route only when asked ("on", for these tests).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from conftest import clustered_data, normal_data, ties_data
+from oracle import as_numpy
+from recall import Engine, EngineOptions
+from recall.backends.numpy.ordered import ordered_dots
+from recall.core import certificate, metrics
+from recall.core.exclusions import normalise
+from recall.engine import fast
+
+ON = EngineOptions(certified_exact="on")
+
+
+def _options(device: str, **fields) -> EngineOptions:
+    # On the GPU the route follows exact mode's fused kernel, which a search of fewer than 128 users (or an unseeded
+    # one) takes only when forced.
+    return replace(ON, fused="force", **fields) if device == "gpu" else replace(ON, **fields)
+
+
+def _reference(engine: Engine, users: np.ndarray, k: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, inner-product scores) (n, k): every item scored by the FMA chain, best first, ties to the lower row,
+    excluded items left out, padded with (-1, -inf)."""
+    prepared = metrics.prepare_users(engine.metric, np, users)
+    items = as_numpy(engine.prepared_items)
+    scores = ordered_dots(prepared, np.broadcast_to(items, (users.shape[0],) + items.shape)).astype(np.float64)
+    excl = normalise(exclude, users.shape[0], items.shape[0])
+    for u in range(users.shape[0]):
+        scores[u, excl.items[excl.indptr[u]:excl.indptr[u + 1]]] = -np.inf
+    rows = np.broadcast_to(np.arange(items.shape[0]), scores.shape)
+    order = np.lexsort((rows, -scores), axis=-1)[:, :k]
+    top = np.take_along_axis(scores, order, axis=1)
+    return np.where(np.isneginf(top), -1, order), top.astype(np.float32)
+
+
+def _assert_reference(engine: Engine, res, users, k, exclude=None) -> None:
+    rows, scores = _reference(engine, users, k, exclude)
+    np.testing.assert_array_equal(as_numpy(res.indices), rows)
+    if engine.metric != "l2":  # l2's scores are finished from these (-|u - v|^2); its rows say the same
+        np.testing.assert_array_equal(as_numpy(res.scores), scores)
+
+
+@pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
+@pytest.mark.parametrize("kind", ["clustered", "skewed"])
+def test_route_gives_the_fused_sums_answer_bit_for_bit(device, metric, kind):
+    if kind == "clustered":
+        users, items = clustered_data(300, 4000, 40, seed=5)
+    else:
+        users, items = normal_data(300, 4000, 33, seed=6)
+        rng = np.random.default_rng(6)
+        users *= np.exp2(rng.integers(-8, 8, (300, 1))).astype(np.float32)
+        items *= rng.lognormal(0.0, 1.0, (4000, 1)).astype(np.float32)
+    rng = np.random.default_rng(7)
+    exclude = {u: rng.choice(4000, 50, replace=False).tolist() for u in range(0, 300, 3)}
+    exclude[4] = list(range(4000))  # every item excluded: nothing to return
+    engine = Engine(items, metric=metric, device=device, options=_options(device))
+    res = engine.search(users, 25, exclude=exclude)
+    assert engine.stats["route"] == "certified" and engine.stats["precision"] == "exact"
+    assert (as_numpy(res.indices)[4] == -1).all()
+    _assert_reference(engine, res, users, 25, exclude)
+
+
+@pytest.mark.parametrize("k", [1, 3, 59, 60, 100])
+def test_route_small_catalogue_and_k_at_its_size(device, k):
+    users, items = clustered_data(150, 60, 24, seed=k)
+    engine = Engine(items, device=device, options=_options(device))
+    res = engine.search(users, k)
+    assert engine.stats["route"] == "certified"
+    _assert_reference(engine, res, users, min(k, 60))
+
+
+def test_route_falls_back_and_widens_bit_for_bit(device, monkeypatch):
+    # No margin: certificates fail; float data with duplicated rows and norms over binades, so that a fallback that
+    # summed in another order would show.
+    monkeypatch.setattr(certificate, "margin", lambda k: 0)
+    users, items = normal_data(200, 3000, 29, seed=8)
+    items[::7] = items[3]
+    items *= np.exp2(np.random.default_rng(8).integers(-3, 3, (3000, 1))).astype(np.float32)
+    engine = Engine(items, device=device, options=_options(device))
+    res = engine.search(users, 10)
+    assert engine.stats["route"] == "certified"
+    assert engine.stats["widened_users"] > 0
+    if device == "gpu":  # the CPU's own exact search sums in BLAS's order: its fallbacks are checked on integers
+        assert engine.stats["fallback_users"] > 0
+        _assert_reference(engine, res, users, 10)
+
+
+def test_route_fallbacks_on_integer_data(device, monkeypatch):
+    # Every float32 sum of integers is exact: whichever search a fallback takes, the reference holds.
+    monkeypatch.setattr(certificate, "margin", lambda k: 0)
+    users, items = ties_data(200, 2000, 4, low=-1, high=1, seed=9)
+    engine = Engine(items, device=device, options=_options(device))
+    res = engine.search(users, 10)
+    assert engine.stats["fallback_users"] > 50
+    _assert_reference(engine, res, users, 10)
+
+
+def test_route_declines_where_the_sample_falls_back(device):
+    # Integer vectors of three values in 4 dimensions tie by the hundred at the k-th place: the sample's users fall
+    # back, so the route declines and exact mode's own search runs (the same answer).
+    users, items = ties_data(6400, 400, 4, low=-1, high=1, seed=10)
+    engine = Engine(items, device=device, options=_options(device))
+    res = engine.search(users, 20)
+    assert engine.stats["route"] == "float32" and "sample" in engine.stats["certified_declined"]
+    want = Engine(items, device=device, options=replace(_options(device), certified_exact="off")).search(users, 20)
+    np.testing.assert_array_equal(as_numpy(res.indices), as_numpy(want.indices))
+    np.testing.assert_array_equal(as_numpy(res.scores), as_numpy(want.scores))
+
+
+def test_route_declines_without_room_for_the_float16_copy(device, monkeypatch):
+    users, items = clustered_data(200, 2000, 16, seed=11)
+    engine = Engine(items, device=device, options=_options(device))
+    monkeypatch.setattr(engine.backend, "free_memory", lambda: 0)
+    res = engine.search(users, 10)
+    assert engine.stats["route"] == "float32" and "no room" in engine.stats["certified_declined"]
+    assert engine._fast is None
+    want = Engine(items, device=device, options=replace(_options(device), certified_exact="off")).search(users, 10)
+    np.testing.assert_array_equal(as_numpy(res.indices), as_numpy(want.indices))
+
+
+def test_route_with_an_item_filter(device):
+    users, items = clustered_data(200, 3000, 20, seed=12)
+    engine = Engine(items, device=device, options=_options(device))
+    engine.set_item_filter(allow=np.arange(0, 3000, 3))
+    res = engine.search(users, 15)
+    assert engine.stats["route"] == "certified"
+    plain = Engine(items[::3], device=device, options=_options(device))
+    rows, scores = _reference(plain, users, 15)
+    np.testing.assert_array_equal(as_numpy(res.indices), np.where(rows >= 0, rows * 3, -1))
+    np.testing.assert_array_equal(as_numpy(res.scores), scores)
+
+
+def test_off_and_auto_on_the_cpu_take_the_float32_search():
+    users, items = clustered_data(100, 500, 8, seed=13)
+    for mode in ("off", "auto"):
+        engine = Engine(items, device="cpu", options=EngineOptions(certified_exact=mode))
+        engine.search(users, 5)
+        assert "route" not in engine.stats and engine.stats.get("precision", "exact") == "exact"
+
+
+def test_auto_takes_the_route_only_for_large_searches(monkeypatch):
+    users, items = clustered_data(100, 500, 8, seed=14)
+    engine = Engine(items, device="cpu", options=EngineOptions(certified_exact="auto"))
+    monkeypatch.setattr(engine.backend, "certify_exact", lambda *args: True)
+    assert not fast.certifies_exact(engine, users, 5)  # 50,000 scores
+    monkeypatch.setattr(fast, "MIN_SCORES", 50_000)
+    assert fast.certifies_exact(engine, users, 5)
+    assert not fast.certifies_exact(engine, users[:99], 5)
+    engine.options = EngineOptions(certified_exact="off")
+    assert not fast.certifies_exact(engine, users, 5)
+
+
+def test_bad_mode_is_refused():
+    from recall import InputError
+
+    with pytest.raises(InputError, match="certified_exact"):
+        EngineOptions(certified_exact="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric,dim,k", [("ip", 200, 100), ("cosine", 256, 1000), ("l2", 160, 10), ("ip", 64, 1)])
+def test_gpu_route_equals_the_fused_search_bit_for_bit(metric, dim, k, device):
+    # Large enough for exact mode's own choices (seeded, fused, 4,096-user blocks) on both sides.
+    if device != "gpu":
+        pytest.skip("GPU only")
+    users, items = clustered_data(5000, 70000, dim, seed=dim)
+    rng = np.random.default_rng(dim)
+    users *= np.exp2(rng.integers(-4, 4, (5000, 1))).astype(np.float32)
+    exclude = {u: rng.choice(70000, 200, replace=False).tolist() for u in range(0, 5000, 2)}
+    want_engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(certified_exact="off"))
+    want = want_engine.search(users, k, exclude=exclude)
+    assert want_engine.stats["fused"]
+    engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(certified_exact="on"))
+    got = engine.search(users, k, exclude=exclude)
+    assert engine.stats["route"] == "certified", engine.stats
+    np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
+    np.testing.assert_array_equal(as_numpy(got.scores), as_numpy(want.scores))
+
+
+@pytest.mark.gpu
+def test_gpu_auto_rule(device):
+    if device != "gpu":
+        pytest.skip("GPU only")
+    users, items = normal_data(20000, 60000, 256, seed=1)
+    engine = Engine(items, device="gpu")
+    engine.search(users, 10)
+    assert engine.stats["route"] == "certified"
+    # Under the auto rule's width and below its scores: exact mode's float32 search.
+    engine = Engine(items[:, :64], device="gpu")
+    engine.search(users[:, :64], 10)
+    assert "route" not in engine.stats
+    engine = Engine(items, device="gpu")
+    engine.search(users[:1000], 10)
+    assert "route" not in engine.stats
+    # l2 at 256 dimensions is 257 columns: exact mode takes cuBLAS there, whose sums the route cannot repeat.
+    engine = Engine(items, metric="l2", device="gpu", options=EngineOptions(certified_exact="on"))
+    engine.search(users, 10)
+    assert "route" not in engine.stats
