@@ -65,9 +65,10 @@ class EngineOptions:
         Exact precision: find each user's candidates with fast mode's certified float16 pass and re-score them with
         the exact search's own float32 arithmetic (every dimension in order, one FMA each: the fused kernel's sums,
         bit for bit), so that the answer is exact mode's, scores included (``stats["route"]`` says "certified").
-        "auto": where the backend finds it faster (the GPU: prepared vectors of 160-256 columns, searches of at
-        least 2^30 scores); "on": wherever the backend can repeat its exact arithmetic (the CPU emulates the fused
-        kernel's sums: for tests); "off": never.
+        "auto": where the backend finds it faster (the GPU: wherever exact mode's search would run its fused
+        kernel, in searches of at least 2^30 scores whose users are on the device or fit in the memory budget);
+        "on": wherever the backend can repeat its exact arithmetic (the CPU emulates the fused kernel's sums: for
+        tests); "off": never. The float16 copy of the items (half the float32 matrix) is kept by the engine.
     """
 
     tiles: tuple[int, int, int] | None = None

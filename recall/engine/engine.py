@@ -49,8 +49,8 @@ class Engine:
         Default: a quarter of the free memory of the device, at most 1 GiB on the CPU and 8 GiB on a GPU.
     precision : {"exact", "fast"}
         "exact" scores in float32 (on a GPU: the fused scoring-and-filtering kernel up to 256 dimensions, else
-        ``cublasSgemmStridedBatched``); on a GPU, large searches of 160-256 prepared columns find their candidates
-        on tensor cores and re-score them with the fused kernel's own sums: the same answer, bit for bit
+        ``cublasSgemmStridedBatched``); on a GPU, large searches that would run the fused kernel find their
+        candidates on tensor cores and re-score them with that kernel's own sums: the same answer, bit for bit
         (``EngineOptions.certified_exact``, ``stats["route"]``). "fast" scores float16 inputs on tensor cores, re-ranks k + max(16, k/4)
         candidates in float32 and proves from an error bound that the answer equals exact mode's, falling back to
         exact mode for the users where the proof fails (``stats["fallback_users"]``); on the CPU it emulates the

@@ -22,6 +22,7 @@ from pathlib import Path
 from recall import Engine
 from recall.bench import layouts
 from recall.bench.workloads import generate
+from recall.core.options import EngineOptions
 from recall.jobs import JobOptions, score_files
 
 
@@ -35,46 +36,58 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--device", default="gpu")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--certified", default="auto", help="certified_exact modes to run, comma-separated")
+    parser.add_argument("--early", default="auto,off", help="JobOptions.early modes to run, comma-separated")
     args = parser.parse_args()
+    routes = args.certified.split(",")
     users, items = generate("clustered", args.users, args.items, args.dim, seed=0, device="cpu")
-    engine = Engine(items, device=args.device)
-    engine.search(users[:10_000], args.k)
-    resident = []
-    for _ in range(args.repeat):
-        engine.backend.synchronize()
-        t0 = time.perf_counter()
+    resident, resident_by_route = [], {}
+    for route in routes:
+        engine = Engine(items, device=args.device, options=EngineOptions(certified_exact=route))
         engine.search(users, args.k)
-        resident.append(time.perf_counter() - t0)
-    del engine
+        times = []
+        for _ in range(args.repeat):
+            engine.backend.synchronize()
+            t0 = time.perf_counter()
+            engine.search(users, args.k)
+            times.append(time.perf_counter() - t0)
+        resident_by_route[route] = times
+        resident = resident or times
+        print(f"resident search, certified_exact={route}: {statistics.median(times):.3f} s "
+              f"(route {engine.stats.get('route', 'float32')})", flush=True)
+        del engine
     runs = []
     with tempfile.TemporaryDirectory(prefix="recall-e2e-layouts-") as tmp:
         for layout in args.layout or ["pyarrow", "warehouse"]:
             up, ip = Path(tmp) / f"users-{layout}.parquet", Path(tmp) / f"items-{layout}.parquet"
             layouts.write(users, up, layout)
             layouts.write(items, ip, layout)
-            for mode in ("auto", "off"):
-                times, early_users = [], 0
-                for i in range(args.repeat + 1):  # the first run warms the page cache and the kernels
-                    out = Path(tmp) / "out.parquet"
-                    t0 = time.perf_counter()
-                    summary = score_files(up, ip, out, args.k, device=args.device,
-                                          options=JobOptions(early=mode))
-                    if i:
-                        times.append(time.perf_counter() - t0)
-                    early_users = summary.early_users
-                    out.unlink()
-                runs.append({"layout": layout, "early": mode, "times_s": times, "median_s": statistics.median(times),
-                             "early_users": early_users})
+            for mode in args.early.split(","):
+                for route in routes:
+                    times, early_users = [], 0
+                    opts = JobOptions(early=mode, engine=EngineOptions(certified_exact=route))
+                    for i in range(args.repeat + 1):  # the first run warms the page cache and the kernels
+                        out = Path(tmp) / "out.parquet"
+                        t0 = time.perf_counter()
+                        summary = score_files(up, ip, out, args.k, device=args.device, options=opts)
+                        if i:
+                            times.append(time.perf_counter() - t0)
+                        early_users = summary.early_users
+                        out.unlink()
+                    runs.append({"layout": layout, "early": mode, "certified_exact": route, "times_s": times,
+                                 "median_s": statistics.median(times), "early_users": early_users})
+                    print(f"{layout} early={mode} certified_exact={route}: {statistics.median(times):.3f} s",
+                          flush=True)
     base = statistics.median(resident)
     print(f"resident search: {base:.3f} s (median of {args.repeat}); {args.users:,} users x {args.items:,} items x "
           f"{args.dim}, k={args.k}")
-    print(f"{'layout':<16}{'early':<8}{'median s':>10}{'x resident':>12}{'early users':>14}")
+    print(f"{'layout':<16}{'early':<8}{'certified':<10}{'median s':>10}{'x resident':>12}{'early users':>14}")
     for r in runs:
-        print(f"{r['layout']:<16}{r['early']:<8}{r['median_s']:>10.3f}{r['median_s'] / base:>12.2f}"
-              f"{r['early_users']:>14,}")
+        print(f"{r['layout']:<16}{r['early']:<8}{r['certified_exact']:<10}{r['median_s']:>10.3f}"
+              f"{r['median_s'] / base:>12.2f}{r['early_users']:>14,}")
     if args.json:
-        args.json.write_text(json.dumps({"resident_s": resident, "runs": runs, "args": vars(args)}, default=str,
-                                        indent=1))
+        args.json.write_text(json.dumps({"resident_s": resident, "resident_by_route": resident_by_route,
+                                         "runs": runs, "args": vars(args)}, default=str, indent=1))
 
 
 if __name__ == "__main__":

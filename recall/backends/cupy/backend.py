@@ -35,9 +35,6 @@ from .selection import GpuTopK, Selection, fused_capacity, pow2
 _TUNE_USERS = (1024, 2048, 4096)
 _TUNE_ITEMS = ((4096, 2), (8192, 1), (8192, 2), (8192, 4), (16384, 4))
 _TUNE_BAND = (32 << 20, 512 << 20)
-#: Exact searches of prepared vectors at least this wide take the certified route under ``certified_exact="auto"``
-#: (``Backend.certify_exact``): there the float32 fused kernel runs near the CUDA cores' FMA peak.
-CERTIFIED_MIN_WIDTH = 160
 
 
 def tune_candidates(heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
@@ -247,12 +244,11 @@ class CupyBackend:
 
     def certify_exact(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
                       options: EngineOptions) -> bool:
-        # Only where the exact search would run the fused kernel, whose sums the ordered re-scoring repeats; "auto"
-        # from the width where that kernel is bound by the CUDA cores' FMA rate (docs/gpu.md).
-        if options.certified_exact == "off" or not fused.applies(plan, n_users, n_items, k, width, np.float32,
-                                                                 options):
-            return False
-        return options.certified_exact == "on" or width >= CERTIFIED_MIN_WIDTH
+        # Only where the exact search would run the fused kernel, whose sums the ordered re-scoring repeats: there
+        # the float16 pass was 2.0-4.9x faster than the float32 one at every width measured, 64-256
+        # (docs/benchmarks.md, 2026-12-02).
+        return options.certified_exact != "off" and fused.applies(plan, n_users, n_items, k, width, np.float32,
+                                                                  options)
 
     def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
         return rescore.select(scores, rows, k)
