@@ -172,10 +172,11 @@ def test_bad_mode_is_refused():
 @pytest.mark.parametrize("metric,dim,k", [("ip", 200, 100), ("cosine", 256, 1000), ("l2", 160, 10), ("ip", 64, 1)])
 def test_gpu_route_equals_the_fused_search_bit_for_bit(metric, dim, k, device, monkeypatch):
     # Large enough for exact mode's own choices (seeded, fused, 4,096-user blocks) on both sides; fast mode's
-    # decline for small searches lifted (350M scores, under MIN_SCORES).
+    # declines for small searches (350M scores, under MIN_SCORES) and for k = 1,000 of 70,000 items lifted.
     if device != "gpu":
         pytest.skip("GPU only")
     monkeypatch.setattr(fast, "MIN_SCORES", 1)
+    monkeypatch.setattr(fast, "MAX_CANDIDATE_SHARE", 1.0)
     users, items = clustered_data(5000, 70000, dim, seed=dim)
     rng = np.random.default_rng(dim)
     users *= np.exp2(rng.integers(-4, 4, (5000, 1))).astype(np.float32)
@@ -194,7 +195,8 @@ def test_gpu_route_equals_the_fused_search_bit_for_bit(metric, dim, k, device, m
 def test_gpu_auto_rule(device):
     if device != "gpu":
         pytest.skip("GPU only")
-    users, items = normal_data(20000, 60000, 256, seed=1)
+    # 70,000 items: a seeded search (fused) from 65,536 on; 1.4G scores, above MIN_SCORES.
+    users, items = normal_data(20000, 70000, 256, seed=1)
     engine = Engine(items, device="gpu")
     engine.search(users, 10)
     assert engine.stats["route"] == "certified"
