@@ -478,9 +478,10 @@ def preferred_tiles(engine: Any, users: Any, k: int) -> Tiles:
         return backend.preferred_tiles(dim, k)
     key = make_key(backend, engine.metric, dim, k, n_users, engine.n_items, dtype)
     if mode == "force":
-        # Tuning re-runs whole searches of these users; only in exact precision is a tiled pass a whole search (fast
-        # mode's passes score float16 copies and fallback subsets), so fast mode reads the cache as "auto" does.
-        if engine.precision == "exact":
+        # Tuning re-runs whole searches of these users; only in exact precision is a float32 tiled pass a whole
+        # search (fast mode's passes, and exact mode's certified route's, score float16 copies and fallback
+        # subsets), so those read the cache as "auto" does.
+        if engine.precision == "exact" and dtype == "float32":
             return _force(engine, users, k, key)
         _warn_once(cache_path(), "force-fast", "tune='force' tunes exact-precision engines only; for "
                    "precision='fast' run `recall tune --precision fast` once (its result is used here)")

@@ -214,3 +214,15 @@ def test_gpu_auto_rule(device):
     engine = Engine(items, metric="l2", device="gpu", options=EngineOptions(certified_exact="on"))
     engine.search(users, 10)
     assert "route" not in engine.stats
+
+
+def test_tune_force_tunes_the_float32_pass_only(device):
+    # The route's float16 pass reads the cache (as fast mode does); tune="force" tunes exact mode's float32 pass.
+    from recall.engine import tuning
+
+    users, items = clustered_data(300, 3000, 16, seed=15)
+    engine = Engine(items, device=device, tune="force", options=_options(device))
+    res = engine.search(users, 10)
+    assert engine.stats["route"] == "certified"
+    _assert_reference(engine, res, users, 10)
+    assert all("float16" not in name for name in tuning._forced)
