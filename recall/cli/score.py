@@ -60,8 +60,9 @@ def score(
     quiet: QuietOption = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-stage times.")] = False,
     precision: Annotated[Precision, typer.Option(
-        "--precision", help="exact: float32 scores; fast: float16 tensor-core scores with a certified exact "
-        "re-rank (same answer; faster on GPUs).")] = Precision.exact,
+        "--precision", help="exact: float32 scores (on a GPU, large searches find their candidates on tensor "
+        "cores and re-score them with the exact kernel's sums: the same bits); fast: the same search, re-scored "
+        "in its own order (same answer but for float32 near-ties).")] = Precision.exact,
     interests: Annotated[Aggregate | None, typer.Option(
         "--interests", help="Users have several vectors (ids repeated, or a list of vectors per row): an item's "
         "score is the max or the sum over them.", show_default=False)] = None,

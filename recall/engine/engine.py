@@ -51,10 +51,10 @@ class Engine:
         "exact" scores in float32 (on a GPU: the fused scoring-and-filtering kernel up to 256 dimensions, else
         ``cublasSgemmStridedBatched``); on a GPU, large searches that would run the fused kernel find their
         candidates on tensor cores and re-score them with that kernel's own sums: the same answer, bit for bit
-        (``EngineOptions.certified_exact``, ``stats["route"]``). "fast" scores float16 inputs on tensor cores, re-ranks k + max(16, k/4)
-        candidates in float32 and proves from an error bound that the answer equals exact mode's, falling back to
-        exact mode for the users where the proof fails (``stats["fallback_users"]``); on the CPU it emulates the
-        same arithmetic and is for testing only (no faster).
+        (``EngineOptions.certified_exact``, ``stats["route"]``). "fast" scores float16 inputs on tensor cores,
+        re-ranks k + max(16, k/4) candidates in float32 and proves from an error bound that the answer equals exact
+        mode's, falling back to exact mode for the users where the proof fails (``stats["fallback_users"]``); on
+        the CPU it emulates the same arithmetic and is for testing only (no faster).
     tune : {"auto", "force", "off"}
         Tiling: "auto" takes a matching entry of the ``recall tune`` cache, else the backend's heuristic; "force"
         tunes each new shape on its first search (and caches it); "off" always uses the heuristic.
