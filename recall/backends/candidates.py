@@ -104,7 +104,7 @@ def _score_block(backend: Any, users: Any, items: Any, rows_pad: Any, k: int,
     dim = int(items.shape[1])
     gathered = items[xp.maximum(rows_pad, 0)]  # (n, width, dim): padding gathers row 0 and is ignored below
     if dots is not None:
-        return backend.select(dots(xp.ascontiguousarray(users), gathered), rows_pad, k)
+        return backend.select(dots(users, gathered), rows_pad, k)
     scores = xp.empty((n, 1, width), dtype=xp.float32)
     backend.gemm_strided_batched(users.reshape(n, 1, dim), gathered, scores)
     return backend.select(scores.reshape(n, width), rows_pad, k)
