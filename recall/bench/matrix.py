@@ -93,6 +93,27 @@ about 6.5 minutes on the H200 (printed before a run; the lead's per-search times
 23   S1:20k d128 k100 l2 clustered
 ===  ==================================================
 
+``gpu-fast`` (one H200 run of about 7 minutes): the cells in which fast mode was measured slower than exact mode
+before its fused kernel (issue 18's table, 2026-12-01), log-normal user and item norms (``skewed``) unless the kind
+says otherwise, with S2 and S4 on the same data: the tensor-core search against the float32 one and the anchors on
+data it was not tuned on.
+
+===  ==================================================
+ #   gpu-fast cell
+===  ==================================================
+ 0   S1 d64 k100 ip skewed
+ 1   S1 d64 k1000 ip skewed
+ 2   S1 d64 k100 l2 skewed
+ 3   S1:50k d256 k100 ip skewed
+ 4   user-heavy d64 k100 ip skewed
+ 5   S1:50k d64 k2048 ip skewed
+ 6   S1 d32 k10 ip skewed
+ 7   S1:50k d64 k100 ip int8
+ 8   S1 d64 k100 ip normal
+ 9   S1 d128 k100 ip skewed
+10   S4 d64 k100 ip skewed
+===  ==================================================
+
 ``gpu-full`` (several runs: split it with ``--cells 0:20``, ``--cells 20:40``, ...): the full sizes of every shape
 family, dims 32/64/96/128/256, k 1/10/100/1,000/2,048/8,192, each metric and kind, with and without exclusions;
 ``recall bench --list --matrix gpu-full`` prints its cells and estimate.
@@ -362,6 +383,21 @@ GPU_QUICK = [
 ]
 
 
+GPU_FAST = [
+    "S1 d64 k100 ip skewed",
+    "S1 d64 k1000 ip skewed",
+    "S1 d64 k100 l2 skewed",
+    "S1:50k d256 k100 ip skewed",
+    "user-heavy d64 k100 ip skewed",
+    "S1:50k d64 k2048 ip skewed",
+    "S1 d32 k10 ip skewed",
+    "S1:50k d64 k100 ip int8",
+    "S1 d64 k100 ip normal",
+    "S1 d128 k100 ip skewed",
+    "S4 d64 k100 ip skewed",
+]
+
+
 def _gpu_full() -> list[str]:
     """Full-size cells: every shape family at each dim for the common k, then k, metric, kind and exclusion sweeps."""
     cells = []
@@ -389,6 +425,7 @@ GRIDS: dict[str, Grid] = {g.name: g for g in (
     _grid("tiny", "cpu", "CPU smoke of every axis (CI)", TINY, repeat=1),
     _grid("cpu-quick", "cpu", "the CPU against faiss-cpu in one run", CPU_QUICK, repeat=3),
     _grid("gpu-quick", "gpu", "one H200 run in under 8 minutes", GPU_QUICK, repeat=2),
+    _grid("gpu-fast", "gpu", "fast mode's hard cells and S1-S4 on skewed norms", GPU_FAST, repeat=2),
     _grid("gpu-full", "gpu", "the full grid, over several runs (--cells)", _gpu_full(), repeat=2),
 )}
 """Every grid, by name."""

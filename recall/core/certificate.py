@@ -216,6 +216,14 @@ class FastItems:
     def width(self) -> int:
         return int(self.vecs16.shape[1])
 
+    @property
+    def unshifted_width(self) -> int:
+        """The columns users hold values in when their scores are not shifted: the dot part alone (rounded up to 8)
+        where the items have no bias and no bound columns, else every column."""
+        if self.bias_at is None and self.norms_at is None:
+            return min(self.width, -(-self.dot_dim // 8) * 8)
+        return self.width
+
 
 def prepare_items(xp: Any, items: Any, bias_col: int | None = None) -> FastItems:
     """items: (n_items, D) float32 prepared vectors (arrays of module ``xp``) -> FastItems.

@@ -23,7 +23,7 @@ below covers any float32 sum of the products, whatever its order, so the proof i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -72,10 +72,12 @@ _SHIFT_BLOCK = 16_384
 
 @dataclass
 class FastState:
-    """What a fast engine prepares once: the float16 items (resident) and the maxima the bound needs."""
+    """What a fast engine prepares once: the float16 items (resident) and the maxima the bound needs; and the k of
+    the searches whose certificates paid last time (``trusted``: the next search of that k needs no probe)."""
 
     items: certificate.FastItems
     resident: Any  # the backend's resident form of items.vecs16
+    trusted: set = field(default_factory=set)
 
 
 def _state(engine: Any) -> FastState:
@@ -162,6 +164,14 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     if sample is None:
         vals, rows, engine.stats = _search_fast(engine, users, k, excl, None, ordered)
         return vals, rows
+    if engine._fast is not None and k in engine._fast.trusted:
+        # The engine's last search of this k ran fast mode and its certificates paid: this one skips the probe (a
+        # job's batches, a pipeline's calls: the same users' distribution, search after search). Where its own
+        # fallbacks do not pay, the next search probes again.
+        vals, rows, stats = _search_fast(engine, users, k, excl, None, ordered)
+        _trust(engine, k, stats, n_users)
+        engine.stats = {**stats, "fast_sample": 0, "probe": "skipped"}
+        return vals, rows
     # The sample is a probe: every user, the sampled ones too, is searched again below, so that neither the users
     # nor their exclusions are cut in two on the host (for S1's 100k users with 200 exclusions each, 0.06 s of
     # NumPy on the development machine; the sample repeats 1/50 of the search). In a search of up to
@@ -176,8 +186,9 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                                     else engine.backend.xp.asarray(sample))
     _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample),
                                  probe_users, ordered)
-    cost = (s_stats["fallback_users"] + s_stats["widened_users"] / 2) / sample.size
+    cost = _cost(s_stats, sample.size)
     if cost > DECLINE_FALLBACK:
+        engine._fast.trusted.discard(k)
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
         stats = {**run_stats, "precision": "exact",
                  "fast_declined": (f"a sample of {sample.size:,} users: {s_stats['fallback_fraction']:.0%} fell "
@@ -188,9 +199,26 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                  "fallback_fraction": s_stats["fallback_users"] / n_users}
     else:
         vals, rows, stats = _search_fast(engine, users, k, excl, prepared, ordered)
-    stats.update(fast_sample=int(sample.size), sample_fallback_fraction=s_stats["fallback_fraction"])
+        _trust(engine, k, stats, n_users)
+    stats.update(fast_sample=int(sample.size), sample_fallback_fraction=s_stats["fallback_fraction"],
+                 probe="sampled")
     engine.stats = stats
     return vals, rows
+
+
+def _cost(stats: dict, n_users: int) -> float:
+    """Fallbacks per user of a fast search's stats, a widened user counted half (see DECLINE_FALLBACK)."""
+    return (stats["fallback_users"] + stats["widened_users"] / 2) / max(n_users, 1)
+
+
+def _trust(engine: Any, k: int, stats: dict, n_users: int) -> None:
+    """Remember whether a whole fast search of ``n_users`` at ``k`` paid (its cost at most DECLINE_FALLBACK), for
+    the next search of that k."""
+    trusted = engine._fast.trusted
+    if _cost(stats, n_users) <= DECLINE_FALLBACK:
+        trusted.add(k)
+    else:
+        trusted.discard(k)
 
 
 def _search_exact(engine: Any, users: Any, k: int, excl: Exclusions, options: Any = None) -> tuple[Any, Any, dict]:
@@ -218,11 +246,13 @@ def _prepare(engine: Any, users: Any) -> certificate.FastUsers:
     """The float16 copies of prepared ``users`` and what their certificates need (module of ``users``)."""
     backend = engine.backend
     uxp = np if isinstance(users, np.ndarray) else backend.xp
-    # Where the backend may keep float16 score tiles, each user's scores are shifted near 0 (SHIFT_ITEMS); a pass
-    # whose scores stay float32 costs its certificate only the shift's share of the accumulation term.
-    half = backend.score_dtype(np.float16) == np.float16
+    # Where the backend keeps float16 score tiles, each user's scores are shifted near 0 (SHIFT_ITEMS). Where it
+    # keeps float32 (its fused kernel, the CPU) a shift would only add its share to the accumulation term, and the
+    # users hold 0 in the shift column, which a fused kernel then does not multiply (``multiplied_width``).
+    items = _state(engine).items
+    half = backend.score_dtype(np.float16, items.unshifted_width) == np.float16
     shift = _sampled_best(engine, users, uxp) if half else None
-    return certificate.prepare_users(uxp, users, _state(engine).items, half_scores=half, shift=shift)
+    return certificate.prepare_users(uxp, users, items, half_scores=half, shift=shift)
 
 
 def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
@@ -242,13 +272,16 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
                                                             ordered)
     widened = failed
     if failed.size and k + m < n_items:
-        # Once more with WIDEN times the margin, each score shifted by the user's exact k-th of the first pass: the
-        # scores that decide the certificate then lie near 0, where float16 score tiles round them least.
+        # Once more with WIDEN times the margin; where score tiles are float16, each score shifted by the user's
+        # exact k-th of the first pass: the scores that decide the certificate then lie near 0, where the tiles
+        # round them least.
         sel = xp.asarray(failed)
         sub = _take(xp, users, failed)
-        kth = vals[sel, k - 1]
-        kth = backend.to_host(kth) if uxp is np else kth
-        shift = uxp.where(uxp.isfinite(kth), kth, 0).astype(uxp.float64)
+        shift = None
+        if half:
+            kth = vals[sel, k - 1]
+            kth = backend.to_host(kth) if uxp is np else kth
+            shift = uxp.where(uxp.isfinite(kth), kth, 0).astype(uxp.float64)
         retry = certificate.prepare_users(uxp, sub, state.items, half_scores=half, shift=shift)
         w_vals, w_rows, w_failed, _, _ = _certified_pass(engine, state, sub, retry, k, k + WIDEN * m,
                                                          excl.subset(failed), ordered)

@@ -5,7 +5,7 @@ are wrapped in this process only.
 
 Run from the project root on a GPU machine::
 
-    PYTHONPATH=. python3 scripts/lab/kernel_profile.py [--cells k8192,d256,...] [--precision fast]
+    PYTHONPATH=. python3 scripts/lab/kernel_profile.py [--cells k8192,d256,gpu-fast:4,...] [--precision fast]
         [--json $OUT/kernel_profile.json]
 
 With ``--precision fast`` every variant also runs exact mode once (as shipped) for the ratio, and the answers of fast
@@ -78,6 +78,18 @@ VARIANTS = {
     "float32": {"certified_exact": "off"},  # exact mode's float32 search only
     "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it
 }
+
+
+def cell_spec(name):
+    """A cell of CELLS, or of a bench matrix grid as ``GRID:INDEX`` (e.g. ``gpu-fast:4``): (kind, users, items, dim, k,
+    metric, exclusions per user)."""
+    if name in CELLS:
+        return CELLS[name]
+    from recall.bench import matrix
+
+    grid, _, index = name.rpartition(":")
+    c = matrix.get(grid).cells[int(index)]
+    return c.kind, c.n_users, c.n_items, c.dim, c.k, c.metric, c.excl
 
 
 class Timed:
@@ -196,7 +208,7 @@ def main() -> None:
     prec = a.precision
     out = []
     for cell in a.cells.split(","):
-        kind, nu, ni, dim, k, metric, per = CELLS[cell]
+        kind, nu, ni, dim, k, metric, per = cell_spec(cell)
         users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
         excl = None
         if per:

@@ -276,3 +276,25 @@ def test_half_off_keeps_float16_tiles():
     assert not stats["fused"] and stats["score_dtype"] == "float16"
     _, want_rows, _ = _run_half("cpu", items, users, 20)
     np.testing.assert_array_equal(rows, want_rows)
+
+
+@pytest.mark.parametrize("width,zero_from,held,multiplied", [
+    (72, 64, None, 64),  # fast mode's d = 64 without a shift or bound columns: 64 columns, not 80
+    (72, 64, 70, 80),  # one user's value in the last step: it must count
+    (40, 32, None, 32),  # d = 32: 32, not 48
+    (136, 128, None, 128),  # rows wider than the kernel multiplies whole, taken by it all the same
+])
+def test_half_fused_multiplies_only_the_columns_some_user_holds(fused, width, zero_from, held, multiplied):
+    rng = np.random.default_rng(width + zero_from)
+    items = _ints(rng, 2000, width).astype(np.float16)  # every column of the items holds values
+    users = _ints(rng, 300, width).astype(np.float16)
+    users[:, zero_from:] = 0
+    users[5, zero_from] = -0.0  # -0 is 0: it adds nothing
+    if held is not None:
+        users[77, held] = 3
+    excl = {u: rng.choice(2000, 300, replace=False).tolist() for u in range(0, 300, 7)}
+    got_vals, got_rows, stats = _run_half("gpu", items, users, 40, excl, fused)
+    assert stats["fused"] and stats["multiplied_columns"] == multiplied, stats
+    want_vals, want_rows, _ = _run_half("cpu", items, users, 40, excl)
+    np.testing.assert_array_equal(got_rows, want_rows)
+    np.testing.assert_array_equal(got_vals, want_vals)

@@ -115,7 +115,7 @@ def test_parse_cells_slices():
 
 def test_grids_are_documented_and_gpu_quick_fits_its_budget():
     doc = matrix.__doc__
-    for cell in matrix.TINY + matrix.GPU_QUICK:
+    for cell in matrix.TINY + matrix.GPU_QUICK + matrix.GPU_FAST:
         assert cell in doc, cell
     g = matrix.get("gpu-quick")
     names = ["recall", "recall-fast", "faiss", "faiss-knn", "cuvs", "torch"]

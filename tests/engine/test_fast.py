@@ -144,7 +144,8 @@ def float16_tiles(monkeypatch):
 
     monkeypatch.setattr(NumpyBackend, "gemm_strided_batched", gemm)
     monkeypatch.setattr(NumpyBackend, "score_dtype",
-                        lambda self, dtype: np.dtype(np.float16 if np.dtype(dtype) == np.float16 else np.float32))
+                        lambda self, dtype, width=None: np.dtype(np.float16 if np.dtype(dtype) == np.float16
+                                                                 else np.float32))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -302,13 +303,47 @@ def test_fast_keeps_going_where_the_certificate_pays(device, monkeypatch):
     # The sample is a probe: then every user, the sampled ones too, in one pass (no users or exclusions cut apart).
     assert calls == [128, 6400]
     assert prepared == [6400]  # every user's float16 copy made once; the sample took its rows
+    assert stats["probe"] == "sampled"
+    # The next search of the same k skips the probe: the last one paid. Another k probes.
+    prepared.clear()
+    calls.clear()
+    again = engine.search(users, 20, exclude=exclude)
+    np.testing.assert_array_equal(as_numpy(again.indices), as_numpy(got.indices))
+    assert calls == [6400] and prepared == [6400]
+    assert engine.stats["probe"] == "skipped" and engine.stats["precision"] == "fast", engine.stats
+    calls.clear()
+    engine.search(users, 21, exclude=exclude)
+    assert calls == [128, 6400] and engine.stats["probe"] == "sampled"
     # Above PREPARE_ALL_FIRST users the probe makes its own copies (a declined search would not use everyone's).
     prepared.clear()
     calls.clear()
     monkeypatch.setattr(fast_search, "PREPARE_ALL_FIRST", 6399)
+    engine._fast.trusted.clear()
     again = engine.search(users, 20, exclude=exclude)
     np.testing.assert_array_equal(as_numpy(again.indices), as_numpy(got.indices))
     assert calls == [128, 6400] and prepared == [128, 6400]
+
+
+def test_a_trusted_k_probes_again_once_a_search_does_not_pay(device, monkeypatch):
+    # A search that skipped the probe (the last one of its k paid) and then fell back for most of its users hands
+    # the next search back to the probe, which declines: a batch of tie-heavy users after continuous ones.
+    calls = _spy_fast_searches(monkeypatch)
+    ties, items = ties_data(6400, 3000, 12, low=-1, high=1, seed=13)  # integer scores: ties at every k-th place
+    users = normal_data(6400, 10, 12, seed=17)[0]  # continuous scores against the same items
+    engine = Engine(items, device=device, precision="fast")
+    got = engine.search(users, 50)
+    assert engine.stats["probe"] == "sampled" and engine.stats["precision"] == "fast", engine.stats
+    oracle.assert_topk_close(as_numpy(got.indices)[::50], as_numpy(got.scores)[::50], users[::50], items, 50)
+    calls.clear()
+    got = engine.search(ties, 50)  # skips the probe; most certificates fail, those users are searched exactly
+    oracle.assert_same_result(got, Engine(items, device=device).search(ties, 50))
+    assert calls == [6400] and engine.stats["probe"] == "skipped", engine.stats
+    from recall.engine import fast as fast_search
+
+    assert fast_search._cost(engine.stats, 6400) > fast_search.DECLINE_FALLBACK, engine.stats
+    calls.clear()
+    engine.search(ties, 50)  # probes again, and declines
+    assert calls == [128] and engine.stats["precision"] == "exact" and "fast_declined" in engine.stats
 
 
 def test_the_samples_float16_copies_are_rows_of_everyones():
@@ -489,3 +524,47 @@ def test_fast_on_a_seeded_catalogue_takes_the_fused_kernel(gpu_available, monkey
     sample = np.arange(0, 3000, 10)  # user 0 first: its exclusions stay row 0's
     oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample], items, 100,
                              exclude=excl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data,multiplied", [("normal", 64), ("lognormal", 80)])
+def test_fast_fused_kernel_multiplies_the_dot_part_where_users_hold_nothing_else(gpu_available, monkeypatch, data,
+                                                                                 multiplied):
+    # Where the fused kernel keeps float32 scores the users are not shifted (a shift would only widen the bound), so
+    # without a bias or bound columns (norms that do not spread) their rows end with the dot part: d = 64 multiplies
+    # 64 columns of the 72, not 80. Items whose norms spread carry bound columns, which the users' factors multiply.
+    if not gpu_available:
+        pytest.skip("no usable GPU")
+    from recall.engine import fast as fast_mode
+
+    monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)
+    users, items = (normal_data if data == "normal" else _lognormal)(3000, 70000, 64, seed=32)
+    engine = Engine(items, device="gpu", precision="fast")
+    prepared = fast_mode._prepare(engine, engine.backend.xp.asarray(users))
+    state = fast_mode._state(engine)
+    assert not prepared.half_scores and (as_numpy(prepared.vecs16[:, state.items.shift_at]) == 0).all()
+    got = engine.search(users, 100)
+    assert engine.stats["fused"] and engine.stats["multiplied_columns"] == multiplied, engine.stats
+    assert engine.stats["precision"] == "fast" and engine.stats["fallback_fraction"] < 0.01, engine.stats
+    sample = np.arange(0, 3000, 10)
+    oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample], items, 100)
+
+
+def test_users_are_shifted_only_where_score_tiles_are_float16(monkeypatch):
+    # The CPU keeps float32 scores: no shift, the shift column stays 0 (the fused kernel's case). A backend that
+    # keeps float16 tiles for rows of this width gets every user shifted.
+    from recall.backends.numpy.backend import NumpyBackend
+    from recall.engine import fast as fast_mode
+
+    users, items = normal_data(200, 3000, 32, seed=33)
+    widths = []
+    for tiles16 in (False, True):
+        if tiles16:
+            monkeypatch.setattr(NumpyBackend, "score_dtype", lambda self, dtype, width=None: widths.append(width)
+                                or np.dtype(np.float16))
+        engine = Engine(items, device="cpu", precision="fast")
+        prepared = fast_mode._prepare(engine, users)
+        state = fast_mode._state(engine)
+        assert prepared.half_scores == tiles16
+        assert (prepared.vecs16[:, state.items.shift_at] != 0).any() == tiles16
+    assert widths[-1] == 32  # asked for the columns the users hold without a shift: the dot part alone

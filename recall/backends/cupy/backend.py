@@ -214,10 +214,12 @@ class CupyBackend:
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         return tune_candidates(heuristic)
 
-    def score_dtype(self, input_dtype: Any) -> Any:
+    def score_dtype(self, input_dtype: Any, width: int | None = None) -> Any:
         # Fast mode's GEMM writes float16 scores (scaled by certificate.output_scale): half the bytes written and
-        # read back.
-        return np.dtype(np.float16) if np.dtype(input_dtype) == np.float16 else np.dtype(np.float32)
+        # read back. Its fused kernel (rows it covers) compares float32 sums in its registers.
+        if np.dtype(input_dtype) != np.float16 or (width is not None and fused.covers(width, np.float16)):
+            return np.dtype(np.float32)
+        return np.dtype(np.float16)
 
     # -- the work --------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False) -> DeviceItems:

@@ -27,6 +27,25 @@ _H_CHUNK, _H_STAGES = 64, 3  # fused_h.cu's RH_CHUNK and RH_STAGES
 _H_THREADS = 256  # fused_h.cu's RH_THREADS: 8 warps of 64 users x 32 items (RH_WN = 32)
 
 
+def multiplied_width(users: Any) -> int:
+    """The columns a fused float16 pass multiplies for ``users`` ((n, W) float16, host or device; one reduction and
+    one transfer): up to the last column in which some user holds a value other than 0, rounded up to the tensor
+    cores' 16 (at least 16), at most W rounded up. Beyond it every product is 0 whatever the item holds (items are
+    finite), so leaving those columns out changes no sum: fast mode's users hold zeros in the columns of a shift
+    and of bound factors they do not use (d = 64: 64 columns multiplied instead of 80, d = 32: 32 instead of 48)."""
+    n, width = users.shape
+    if n == 0 or width == 0:
+        return 16
+    top = abs(users).max(axis=0)  # (W,): -0 counts as 0
+    if not isinstance(top, np.ndarray):
+        import cupy
+
+        top = cupy.asnumpy(top)
+    used = np.flatnonzero(top > 0)
+    last = int(used[-1]) + 1 if used.size else 1
+    return max(16, -(-last // 16) * 16)
+
+
 def covers(dim: int, dtype: Any) -> bool:
     """Whether a fused kernel takes vectors of ``dim`` columns of ``dtype``: float32 of at most 256 dimensions, or
     float16 rows of whole 16-byte pieces (a multiple of 8 columns, as fast mode's are) of at most 128."""
@@ -79,14 +98,15 @@ class FusedSearch:
         self._smem_limits: dict[int, int] = {}
 
     def search(self, users_t: Any, users: Any, items_t: Any, n_items: int, state: GpuTopK, ex_ptr: Any,
-               ex_items: Any, has_excl: bool, options: EngineOptions) -> None:
+               ex_items: Any, has_excl: bool, options: EngineOptions, multiplied: int = 0) -> None:
         """Score one block's n users against every item, a segment of items per launch, each followed by a merge;
         the last merge sorts. float32: ``users_t`` is the workspace's (padded dim, padded capacity) buffer for the
         block's users transposed (zero beyond them), ``items_t`` the items transposed (:func:`operand`); float16:
-        ``users`` (n, W) and ``items_t`` the items (n_items, W) themselves, ``users_t`` unused."""
+        ``users`` (n, W) and ``items_t`` the items (n_items, W) themselves, ``users_t`` unused, ``multiplied`` the
+        columns multiplied (:func:`multiplied_width` of the search's users; 0: all of them)."""
         n = users.shape[0]
         if users.dtype == np.float16:
-            launch, merge, operands = self._half(users, items_t, n_items, state)
+            launch, merge, operands = self._half(users, items_t, n_items, state, multiplied)
         else:
             launch, merge, operands = self._single(users_t, users, items_t, n_items, state)
         k_pad, merge_smem = self.sel.merge_smem(state.k)
@@ -130,10 +150,12 @@ class FusedSearch:
         operands = (users_t, np.int32(ldu), items_t, np.int64(items_t.shape[1]), np.int32(dk))
         return launch, self.sel.merge_fused, operands
 
-    def _half(self, users: Any, items: Any, n_items: int, state: GpuTopK) -> tuple:
-        """The same for fast mode's float16 rows (fused_h.cu), read where they are."""
+    def _half(self, users: Any, items: Any, n_items: int, state: GpuTopK, multiplied: int = 0) -> tuple:
+        """The same for fast mode's float16 rows (fused_h.cu), read where they are; the kernel multiplies the first
+        ``multiplied`` columns (a multiple of 16; 0: the rows' width rounded up to 16) and reads items of the rows'
+        width."""
         n, width = users.shape
-        padded = -(-width // 16) * 16
+        padded = min(multiplied or width + 15, width + 15) // 16 * 16
         smem = 2 * FUSED_TILE * (padded + 8 + _H_STAGES * (_H_CHUNK + 8))
         fused = self.sel.fused_h
         self._allow_smem(fused, smem)

@@ -126,12 +126,18 @@ class BlockPipeline:
         max_excl = max(1, max(int(excl.indptr[e] - excl.indptr[s]) for s, e in blocks))
         has_excl = excl.items.size > 0
         host_users = isinstance(users, np.ndarray)
-        fused = fused_path.applies(plan, n_users, n_items, k, dim, users.dtype, options)
+        # A float16 pass multiplies the columns its users hold values in (fused_path.multiplied_width): a fused
+        # kernel then covers rows wider than it would multiply whole.
+        half = np.dtype(users.dtype) == np.float16 and n_users > 0
+        multiplied = fused_path.multiplied_width(users) if half else 0
+        fused = fused_path.applies(plan, n_users, n_items, k, multiplied or dim, users.dtype, options)
         # The fused path keeps score room for the threshold sample only.
         sample = search_seed_size(plan, n_items, k, options)
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused, max(1, sample) if fused else None)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
+        if half and fused:
+            stats["multiplied_columns"] = multiplied
         compute, copy, fetch = self.compute_stream, self.copy_stream, self.fetch_stream
         host_out = isinstance(out_vals, np.ndarray)  # page-locked host results (empty_out), filled block by block
         # Our streams do not synchronise with the caller's: order them after whatever produced the inputs and
@@ -185,7 +191,7 @@ class BlockPipeline:
                     compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
                 self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
-                                  ws if fused else None, items_t, floor is not None, options)
+                                  ws if fused else None, items_t, floor is not None, options, multiplied)
                 if not host_out:
                     out_vals[start:stop, :k] = state.out_vals[:n]
                     out_rows[start:stop, :k] = state.out_rows[:n]
@@ -297,8 +303,8 @@ class BlockPipeline:
 
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
-                     has_floor: bool, options: EngineOptions) -> None:
-        """One block of n users. The cuBLAS path always runs over the slot's full capacity of rows (rows past the
+                     has_floor: bool, options: EngineOptions, multiplied: int = 0) -> None:
+        """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all). The cuBLAS path always runs over the slot's full capacity of rows (rows past the
         real users are ignored), so that every block runs the same launches and the graph captured for a slot
         replays for each of its blocks; the fused path (``fused_ws`` set) scores the real rows only, and runs a
         short last block eagerly."""
@@ -326,7 +332,7 @@ class BlockPipeline:
                 backend.topk_result(state)
             else:
                 self.fused.search(fused_ws.users_t, users, items_t, n_items, state, slot.ex_ptr, slot.ex_items,
-                                  has_excl, options)
+                                  has_excl, options, multiplied)
 
         # The workspace (and so every other pointer, the sample buffer included) is fixed per slot; the items are
         # keyed by the device memory the launches read, not by the Python object: a segment or filtered view's
@@ -335,7 +341,7 @@ class BlockPipeline:
         vecs = items.vecs
         sample_ptr = None if seed is None else (seed[1].data.ptr, seed[2].data.ptr)
         key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
-               None if items_t is None else items_t.data.ptr, has_floor, options)
+               None if items_t is None else items_t.data.ptr, has_floor, options, multiplied)
         graph = slot.graphs.get(key)
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
         # From the second on (the next block, or the next search of one block: an embedded engine answering one

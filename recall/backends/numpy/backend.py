@@ -246,7 +246,7 @@ class NumpyBackend:
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         return tune_band(_TUNE_USERS, _TUNE_ITEMS, _TUNE_BAND, heuristic)
 
-    def score_dtype(self, input_dtype: Any) -> Any:
+    def score_dtype(self, input_dtype: Any, width: int | None = None) -> Any:
         return np.dtype(np.float32)  # float16 inputs (fast mode) are scored in float32 on the CPU
 
     def compute_context(self) -> contextlib.AbstractContextManager:
