@@ -94,11 +94,15 @@ class Backend(Protocol):
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         """The tilings ``recall tune`` tries, the heuristic first."""
 
-    def score_dtype(self, input_dtype: Any, width: int | None = None) -> Any:
-        """The dtype of the scores a pass of ``input_dtype`` vectors keeps (fast mode's float16 inputs: float16 score
-        tiles on the GPU's cuBLAS path, scaled by ``certificate.output_scale``; float32 where a fused kernel compares
-        the sums in its registers, and on the CPU). ``width``: the columns the users hold values in, where known (a
-        fused kernel covers only rows of so many)."""
+    def score_dtype(self, input_dtype: Any) -> Any:
+        """The dtype of the score tiles a GEMM of ``input_dtype`` vectors writes (fast mode's float16 inputs:
+        float16 scores on the GPU, scaled by ``certificate.output_scale``; float32 on the CPU)."""
+
+    def pass_score_dtype(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,
+                         options: EngineOptions) -> Any:
+        """The dtype of the scores a pass (``run_blocks`` under ``plan``) of ``n_users`` vectors of ``width``
+        columns of ``dtype`` compares and keeps: float32 where a fused kernel compares the sums in its registers,
+        else ``score_dtype(dtype)``. What its stats' ``score_dtype`` will say, known before the users are made."""
 
     # -- the work -------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False) -> Any:

@@ -181,7 +181,7 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     # then declines, everyone's copies would be made for nothing (24 ms for 1M users, 4% of an exact search).
     prepared = probe_users = None
     if n_users <= PREPARE_ALL_FIRST:
-        prepared = _prepare(engine, users)
+        prepared = _prepare(engine, users, k)
         probe_users = prepared.take(sample if isinstance(prepared.vecs16, np.ndarray)
                                     else engine.backend.xp.asarray(sample))
     _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample),
@@ -242,17 +242,30 @@ def _take(xp: Any, users: Any, rows: np.ndarray) -> Any:
     return users[rows] if isinstance(users, np.ndarray) else users[xp.asarray(rows)]
 
 
-def _prepare(engine: Any, users: Any) -> certificate.FastUsers:
-    """The float16 copies of prepared ``users`` and what their certificates need (module of ``users``)."""
+def _prepare(engine: Any, users: Any, k: int) -> certificate.FastUsers:
+    """The float16 copies of prepared ``users`` and what their certificates need (module of ``users``), for a
+    search of ``k``."""
     backend = engine.backend
     uxp = np if isinstance(users, np.ndarray) else backend.xp
-    # Where the backend keeps float16 score tiles, each user's scores are shifted near 0 (SHIFT_ITEMS). Where it
-    # keeps float32 (its fused kernel, the CPU) a shift would only add its share to the accumulation term, and the
-    # users hold 0 in the shift column, which a fused kernel then does not multiply (``multiplied_width``).
-    items = _state(engine).items
-    half = backend.score_dtype(np.float16, items.unshifted_width) == np.float16
+    # Where the pass keeps float16 score tiles, each user's scores are shifted near 0 (SHIFT_ITEMS). Where it keeps
+    # float32 (a fused kernel, the CPU) a shift would only add its share to the accumulation term, and the users
+    # hold 0 in the shift column, which a fused kernel then does not multiply (``multiplied_width``).
+    half = _tiles16(engine, int(users.shape[0]), k)
     shift = _sampled_best(engine, users, uxp) if half else None
-    return certificate.prepare_users(uxp, users, items, half_scores=half, shift=shift)
+    return certificate.prepare_users(uxp, users, _state(engine).items, half_scores=half, shift=shift)
+
+
+def _tiles16(engine: Any, n_users: int, k: int) -> bool:
+    """Whether the first float16 pass of a search of ``n_users`` at ``k`` will keep float16 score tiles
+    (``Backend.pass_score_dtype``), for users not shifted (their columns: ``FastItems.unshifted_width``)."""
+    items = _state(engine).items
+    wide = min(k + certificate.margin(k) + 1, engine.n_items)
+    # The pass's plan, from the shape and dtype of its users (a stand-in that holds no memory).
+    spec = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (n_users, items.width), (0, 0))
+    plan = engine.plan(spec, engine.n_items, wide)
+    kept = engine.backend.pass_score_dtype(plan, n_users, engine.n_items, wide, items.unshifted_width, np.float16,
+                                           engine.options)
+    return np.dtype(kept) == np.float16
 
 
 def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
@@ -264,12 +277,12 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
     state = _state(engine)
     uxp = np if isinstance(users, np.ndarray) else xp
     if fast_users is None:
-        fast_users = _prepare(engine, users)
-    half = fast_users.half_scores  # as _prepare decided: whether the scores may be kept in float16 tiles
+        fast_users = _prepare(engine, users, k)
     n_users, n_items = int(users.shape[0]), engine.n_items
     m = certificate.margin(k)
     vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl,
                                                             ordered)
+    half = _kept16(backend, run_stats)  # what the pass kept its scores in
     widened = failed
     if failed.size and k + m < n_items:
         # Once more with WIDEN times the margin; where score tiles are float16, each score shifted by the user's
@@ -297,6 +310,11 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
     stats = {**run_stats, "precision": "fast", "candidates": n_cand, "widened_users": int(widened.size),
              "fallback_users": int(failed.size), "fallback_fraction": failed.size / max(n_users, 1)}
     return vals, rows, stats
+
+
+def _kept16(backend: Any, run_stats: dict) -> bool:
+    """Whether a float16 pass kept its scores in float16 tiles, from its stats."""
+    return np.dtype(run_stats.get("score_dtype", backend.score_dtype(np.float16))) == np.float16
 
 
 def _sampled_best(engine: Any, users: Any, uxp: Any) -> Any:
@@ -329,7 +347,7 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     run_stats = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident)()
     # The backend says what its scores were kept in: float16 score tiles (the GPU's cuBLAS path), or float32 (its
     # fused kernel, the CPU), which the certificate reads without the tiles' rounding.
-    tiles16 = np.dtype(run_stats.get("score_dtype", backend.score_dtype(np.float16))) == np.float16
+    tiles16 = _kept16(backend, run_stats)
     if tiles16 != fast_users.half_scores:
         fast_users = replace(fast_users, half_scores=tiles16)
     n_cand = wide - 1 if wide < n_items else wide

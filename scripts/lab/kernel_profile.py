@@ -53,6 +53,7 @@ CELLS = {
     "d64": ("clustered", 20_000, 1_000_000, 64, 100, "ip", 0),
     "d96": ("clustered", 10_000, 1_000_000, 96, 100, "ip", 0),  # gpu-quick cell 22
     "d128": ("clustered", 20_000, 1_000_000, 128, 100, "ip", 0),
+    "d128-cos": ("normal", 20_000, 1_000_000, 128, 100, "cosine", 0),  # no bound columns: 128 of 136 multiplied
     "d160": ("clustered", 20_000, 1_000_000, 160, 100, "ip", 0),
     "d192-l2": ("skewed", 20_000, 1_000_000, 192, 100, "l2", 0),
     "d256-k1000-cos": ("skewed", 10_000, 1_000_000, 256, 1000, "cosine", 0),  # gpu-quick cell 18

@@ -144,8 +144,7 @@ def float16_tiles(monkeypatch):
 
     monkeypatch.setattr(NumpyBackend, "gemm_strided_batched", gemm)
     monkeypatch.setattr(NumpyBackend, "score_dtype",
-                        lambda self, dtype, width=None: np.dtype(np.float16 if np.dtype(dtype) == np.float16
-                                                                 else np.float32))
+                        lambda self, dtype: np.dtype(np.float16 if np.dtype(dtype) == np.float16 else np.float32))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -289,7 +288,8 @@ def test_fast_keeps_going_where_the_certificate_pays(device, monkeypatch):
     prepared = []
     real_prepare = fast_search._prepare
     monkeypatch.setattr(fast_search, "_prepare",
-                        lambda engine, users: prepared.append(int(users.shape[0])) or real_prepare(engine, users))
+                        lambda engine, users, k: prepared.append(int(users.shape[0]))
+                        or real_prepare(engine, users, k))
     users, items = normal_data(6400, 2000, 16, seed=14)
     exclude = {u: list(range(u % 7)) for u in range(0, 6400, 3)}
     engine = Engine(items, device=device, precision="fast")
@@ -540,7 +540,7 @@ def test_fast_fused_kernel_multiplies_the_dot_part_where_users_hold_nothing_else
     monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)
     users, items = (normal_data if data == "normal" else _lognormal)(3000, 70000, 64, seed=32)
     engine = Engine(items, device="gpu", precision="fast")
-    prepared = fast_mode._prepare(engine, engine.backend.xp.asarray(users))
+    prepared = fast_mode._prepare(engine, engine.backend.xp.asarray(users), 100)
     state = fast_mode._state(engine)
     assert not prepared.half_scores and (as_numpy(prepared.vecs16[:, state.items.shift_at]) == 0).all()
     got = engine.search(users, 100)
@@ -551,20 +551,22 @@ def test_fast_fused_kernel_multiplies_the_dot_part_where_users_hold_nothing_else
 
 
 def test_users_are_shifted_only_where_score_tiles_are_float16(monkeypatch):
-    # The CPU keeps float32 scores: no shift, the shift column stays 0 (the fused kernel's case). A backend that
-    # keeps float16 tiles for rows of this width gets every user shifted.
+    # The CPU keeps float32 scores: no shift, the shift column stays 0 (the fused kernel's case). A pass that would
+    # keep float16 tiles (Backend.pass_score_dtype) gets every user shifted.
     from recall.backends.numpy.backend import NumpyBackend
     from recall.engine import fast as fast_mode
 
     users, items = normal_data(200, 3000, 32, seed=33)
-    widths = []
+    asked = []
     for tiles16 in (False, True):
         if tiles16:
-            monkeypatch.setattr(NumpyBackend, "score_dtype", lambda self, dtype, width=None: widths.append(width)
-                                or np.dtype(np.float16))
+            monkeypatch.setattr(NumpyBackend, "pass_score_dtype", lambda self, plan, n_users, n_items, k, width, dtype,
+                                options: asked.append((n_users, k, width)) or np.dtype(np.float16))
         engine = Engine(items, device="cpu", precision="fast")
-        prepared = fast_mode._prepare(engine, users)
+        prepared = fast_mode._prepare(engine, users, 10)
         state = fast_mode._state(engine)
         assert prepared.half_scores == tiles16
         assert (prepared.vecs16[:, state.items.shift_at] != 0).any() == tiles16
-    assert widths[-1] == 32  # asked for the columns the users hold without a shift: the dot part alone
+    # Asked for the first pass's users and candidates (k + m + 1), with the columns the users hold without a shift:
+    # the dot part alone.
+    assert asked == [(200, 10 + fast.margin(10) + 1, 32)]

@@ -214,12 +214,16 @@ class CupyBackend:
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         return tune_candidates(heuristic)
 
-    def score_dtype(self, input_dtype: Any, width: int | None = None) -> Any:
+    def score_dtype(self, input_dtype: Any) -> Any:
         # Fast mode's GEMM writes float16 scores (scaled by certificate.output_scale): half the bytes written and
-        # read back. Its fused kernel (rows it covers) compares float32 sums in its registers.
-        if np.dtype(input_dtype) != np.float16 or (width is not None and fused.covers(width, np.float16)):
+        # read back.
+        return np.dtype(np.float16) if np.dtype(input_dtype) == np.float16 else np.dtype(np.float32)
+
+    def pass_score_dtype(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,
+                         options: EngineOptions) -> Any:
+        if fused.applies(plan, n_users, n_items, k, width, dtype, options):
             return np.dtype(np.float32)
-        return np.dtype(np.float16)
+        return self.score_dtype(dtype)
 
     # -- the work --------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False) -> DeviceItems:

@@ -246,8 +246,12 @@ class NumpyBackend:
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         return tune_band(_TUNE_USERS, _TUNE_ITEMS, _TUNE_BAND, heuristic)
 
-    def score_dtype(self, input_dtype: Any, width: int | None = None) -> Any:
+    def score_dtype(self, input_dtype: Any) -> Any:
         return np.dtype(np.float32)  # float16 inputs (fast mode) are scored in float32 on the CPU
+
+    def pass_score_dtype(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,
+                         options: EngineOptions) -> Any:
+        return self.score_dtype(dtype)
 
     def compute_context(self) -> contextlib.AbstractContextManager:
         """Limit BLAS to one thread while a search runs: parallelism comes from one block per core, and BLAS
