@@ -10,6 +10,7 @@
 #   quick     `recall bench --matrix gpu-quick` with every contender                        -> $OUT/quick/results.*
 #   filters   the exclusion and item-filter workloads with their anchors                    -> $OUT/filters.log
 #   fastcells the gpu-quick cells where fast mode fell back, recall alone                    -> $OUT/fast/results.*
+#   fastgrid  `recall bench --matrix gpu-fast` (FASTGRID_CELLS, FASTGRID_CONTENDERS)           -> $OUT/fastgrid/results.*
 #   jobx      the S4-x20 job Parquet to Parquet (early searches with exclusions), once       -> $OUT/jobx.log
 #   shards    scripts/lab/item_shards_gpu.py: item shards on one GPU against the unsharded job -> $OUT/shards.log
 #   probe     scripts/lab/kernel_profile.py: the weak cells under option variants, per-kernel times -> $OUT/probe.log
@@ -120,6 +121,14 @@ if has fastcells; then
     PYTHONPATH=$NEW_PATH timeout "${FAST_TIMEOUT:-120}" python3 -m recall bench --device gpu --matrix gpu-quick \
         --cells "${FAST_CELLS:-0,6,8,10,12,13,15,18,19,23}" --contenders recall --out "$OUT/fast" >"$OUT/fast.log" 2>&1
     echo "== fast-mode cells (rc $?)"; grep -E "^\| [0-9]" "$OUT/fast/results.md" 2>/dev/null || tail -n 20 "$OUT/fast.log"
+fi
+
+if has fastgrid; then
+    # The gpu-fast grid (issue 18's cells, S1-S4 on skewed norms) with its anchors.
+    PYTHONPATH=$NEW_PATH timeout "${FASTGRID_TIMEOUT:-420}" python3 -m recall bench --device gpu --matrix gpu-fast \
+        ${FASTGRID_CELLS:+--cells "$FASTGRID_CELLS"} --contenders "${FASTGRID_CONTENDERS:-recall,faiss,cuvs,torch}" \
+        --max-minutes "${FASTGRID_MINUTES:-6.0}" --out "$OUT/fastgrid" >"$OUT/fastgrid.log" 2>&1
+    echo "== matrix gpu-fast (rc $?)"; cat "$OUT/fastgrid/results.md" 2>/dev/null | head -n 40 || tail -n 30 "$OUT/fastgrid.log"
 fi
 
 if has jobx; then
