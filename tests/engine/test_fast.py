@@ -530,9 +530,9 @@ def test_fast_on_a_seeded_catalogue_takes_the_fused_kernel(gpu_available, monkey
 @pytest.mark.parametrize("data,multiplied", [("normal", 64), ("lognormal", 80)])
 def test_fast_fused_kernel_multiplies_the_dot_part_where_users_hold_nothing_else(gpu_available, monkeypatch, data,
                                                                                  multiplied):
-    # Where the fused kernel keeps float32 scores the users are not shifted (a shift would only widen the bound), so
-    # without a bias or bound columns (norms that do not spread) their rows end with the dot part: d = 64 multiplies
-    # 64 columns of the 72, not 80. Items whose norms spread carry bound columns, which the users' factors multiply.
+    # Where the fused kernel keeps float32 scores and the items carry no bias or bound columns (norms that do not
+    # spread), the users are not shifted and their rows end with the dot part: d = 64 multiplies 64 columns of the
+    # 72, not 80. Items whose norms spread carry bound columns, which the users' factors multiply.
     if not gpu_available:
         pytest.skip("no usable GPU")
     from recall.engine import fast as fast_mode
@@ -542,7 +542,9 @@ def test_fast_fused_kernel_multiplies_the_dot_part_where_users_hold_nothing_else
     engine = Engine(items, device="gpu", precision="fast")
     prepared = fast_mode._prepare(engine, engine.backend.xp.asarray(users), 100)
     state = fast_mode._state(engine)
-    assert not prepared.half_scores and (as_numpy(prepared.vecs16[:, state.items.shift_at]) == 0).all()
+    # Shifted only where the rows hold bound columns after the shift's anyway (the shift then costs no products).
+    assert not prepared.half_scores
+    assert (as_numpy(prepared.vecs16[:, state.items.shift_at]) == 0).all() == (data == "normal")
     got = engine.search(users, 100)
     assert engine.stats["fused"] and engine.stats["multiplied_columns"] == multiplied, engine.stats
     assert engine.stats["precision"] == "fast" and engine.stats["fallback_fraction"] < 0.01, engine.stats
@@ -570,3 +572,12 @@ def test_users_are_shifted_only_where_score_tiles_are_float16(monkeypatch):
     # Asked for the first pass's users and candidates (k + m + 1), with the columns the users hold without a shift:
     # the dot part alone.
     assert asked == [(200, 10 + fast.margin(10) + 1, 32)]
+    # Items whose norms spread carry bound columns after the shift's: float32 scores and shifted all the same (the
+    # shift then costs no products).
+    monkeypatch.undo()
+    users, items = _lognormal(200, 3000, 32, seed=34)
+    engine = Engine(items, device="cpu", precision="fast")
+    prepared = fast_mode._prepare(engine, users, 10)
+    state = fast_mode._state(engine)
+    assert state.items.norms_at is not None and not prepared.half_scores
+    assert (prepared.vecs16[:, state.items.shift_at] != 0).any()
