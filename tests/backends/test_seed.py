@@ -74,12 +74,14 @@ def test_sample_rows(n_items, k, requested, norms_kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("size, k", [(8192, 100), (8192, 2048), (1000, 1), (4096, 1024), (300, 37), (301, 37)])
+@pytest.mark.parametrize("size, k", [(8192, 100), (8192, 2048), (1000, 1), (4096, 1024), (300, 37), (301, 37),
+                                     (8196, 100), (16384, 1000)])
 def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k):
     # recall_seed's radix select against numpy's sort, on rows built to hurt it: ties (a few distinct values,
     # crowding one histogram bin), negative and mixed-sign scores, masked (-inf) items, a row with fewer than k finite
-    # scores (-inf threshold), one with exactly k, values 1 ulp apart, +inf; rows of 4n scores (loaded 4 at a time)
-    # and of 301.
+    # scores (-inf threshold), one with exactly k, values 1 ulp apart, +inf, one binade (every key's leading bits the
+    # same), tiny values of both signs; rows of 4n scores (loaded 4 at a time; up to 8,192 held in registers) and of
+    # 301.
     from recall.backends import cuda_status, resolve
     from recall.backends.cupy.selection import GpuTopK
 
@@ -101,6 +103,11 @@ def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k)
     rows[6] = np.float32(1.0) + np.arange(size, dtype=np.float32) * np.finfo(np.float32).eps  # 1 ulp apart
     rows[7, :3] = np.inf
     rows[8] = np.float32(7.0)                                    # one value everywhere
+    rows[9] = np.float32(1000.0) + rng.random(size).astype(np.float32)  # one binade: the leading bits all shared
+    rows[10, : size // 2] = np.float32(-1e-30)                   # tiny negatives, tiny positives, zeros, -inf
+    rows[10, size // 2:] = np.float32(1e-30) * rng.random(size - size // 2).astype(np.float32)
+    rows[10, ::7] = 0.0
+    rows[10, ::11] = -np.inf
     rows = rows.astype(dtype)
     backend = resolve("gpu")
     state = GpuTopK.allocate(n, k)

@@ -147,7 +147,78 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 // -inf. The K-th best is found exactly by a radix select on the scores' order-preserving keys, 12 + 12 + 8 bits,
 // each pass a histogram in shared memory of the keys that match the digits fixed so far (warp-aggregated adds:
 // sampled scores crowd a few bins); nothing goes through the candidate buffers, and the state is left empty.
+//
+// Rows of up to RECALL_SEED_HELD_MAX scores (in 16-byte loads) take recall_seed_held's path: each thread keeps its
+// lowered keys in registers, read and lowered once, and the select starts below the leading bits that every key of
+// the row shares (scores that crowd a few binades put nearly every key in one bin of a 12-bit histogram of those
+// bits, whose shared-memory adds then serialise); the scans are warp shuffles.
 #define RECALL_SEED_THREADS 256
+#define RECALL_SEED_HELD 8  // 16-byte loads a thread holds: 32 keys
+#define RECALL_SEED_HELD_MAX (4 * RECALL_SEED_HELD * RECALL_SEED_THREADS)
+
+// The K-th largest of the keys the block's threads hold (0: no key), counted with multiplicity, given that at least K
+// keys are held, that every held key lies in [kmin, kmax] and that kmax is one of them. Every thread calls it; the
+// result is every thread's. hist: 4,096 ints of shared memory, part: one int per warp.
+__device__ u32 recall_seed_held_select(const u32 (&keys)[4 * RECALL_SEED_HELD], u32 kmax, u32 kmin, int K,
+                                       int* hist, int* part, u32* s_prefix, int* s_want) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 diff = kmax ^ kmin;
+    if (diff == 0) return kmax;  // one key everywhere
+    int remaining = 32 - __clz(diff);  // the low bits in which keys differ; the bits above are kmax's
+    u32 prefix = remaining == 32 ? 0u : kmax & ~((1u << remaining) - 1u);
+    int want = K;  // the rank, from the top, of the K-th best among the keys matching prefix
+    while (remaining > 0) {
+        const int digit = min(12, remaining);
+        const int shift = remaining - digit;
+        const int bins = 1 << digit;
+        const u32 high = remaining == 32 ? 0u : ~((1u << remaining) - 1u);  // the bits fixed so far
+        for (int b = tid; b < bins; b += RECALL_SEED_THREADS) hist[b] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < 4 * RECALL_SEED_HELD; ++q) {
+            const u32 key = keys[q];
+            const u32 bin = key != 0u && (key & high) == prefix ? (key >> shift) & (u32)(bins - 1) : 0xffffffffu;
+            if (!__any_sync(0xffffffffu, bin != 0xffffffffu)) continue;
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (bin != 0xffffffffu && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+        }
+        __syncthreads();
+        // Thread t sums its share of the bins, counted from the top bin down; a scan (warp shuffles, then the warps'
+        // totals) says where each share starts, and the thread whose share holds rank `want` walks its bins.
+        const int per = (bins + RECALL_SEED_THREADS - 1) / RECALL_SEED_THREADS;
+        const int hi = bins - 1 - tid * per;  // this thread's bins: hi, hi - 1, ..., down to 0 at most
+        int sum = 0;
+        for (int j = 0; j < per && hi - j >= 0; ++j) sum += hist[hi - j];
+        int incl = sum;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        if (lane == 31) part[warp] = incl;
+        __syncthreads();
+        for (int w = 0; w < warp; ++w) incl += part[w];
+        const int before = incl - sum;
+        if (before < want && want <= incl) {
+            int seen = before;
+            for (int j = 0; j < per && hi - j >= 0; ++j) {
+                const int c = hist[hi - j];
+                if (seen + c >= want) {
+                    *s_prefix = prefix | ((u32)(hi - j) << shift);
+                    *s_want = want - seen;
+                    break;
+                }
+                seen += c;
+            }
+        }
+        __syncthreads();
+        prefix = *s_prefix;
+        want = *s_want;
+        remaining = shift;
+        __syncthreads();  // s_prefix, s_want and part are rewritten by the next digit
+    }
+    return prefix;
+}
 
 // A sampled score lowered by its margin, rounding down (-inf, +inf and NaN as they are).
 __device__ __forceinline__ float recall_seed_lower(float s, float vn, float au, float R, float Z) {
@@ -183,6 +254,64 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
     }
     __syncthreads();
     const float au = s_au, r32 = __double2float_ru(R), z32 = __double2float_ru(Z);
+    if ((T & 3) == 0 && T <= RECALL_SEED_HELD_MAX) {
+        u32 keys[4 * RECALL_SEED_HELD];
+        u32 kmax = 0u, kmin = 0xffffffffu;
+        int count = 0;
+#pragma unroll
+        for (int r = 0; r < RECALL_SEED_HELD; ++r) {
+            const int i = (r * RECALL_SEED_THREADS + tid) * 4;
+            float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
+            if (i < T) {
+                recall_load4(row, i, v);
+                const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
+                v[0] = recall_seed_lower(v[0], n4.x, au, r32, z32);
+                v[1] = recall_seed_lower(v[1], n4.y, au, r32, z32);
+                v[2] = recall_seed_lower(v[2], n4.z, au, r32, z32);
+                v[3] = recall_seed_lower(v[3], n4.w, au, r32, z32);
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const u32 key = v[q] > RECALL_NEG_INF ? recall_f2ord(v[q]) : 0u;  // NaN and -inf: no key
+                keys[4 * r + q] = key;
+                if (key != 0u) {
+                    kmax = max(kmax, key);
+                    kmin = min(kmin, key);
+                    ++count;
+                }
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, o));
+            kmin = min(kmin, __shfl_xor_sync(0xffffffffu, kmin, o));
+            count += __shfl_xor_sync(0xffffffffu, count, o);
+        }
+        // Per warp in shared memory (hist is free until the select clears it), then every thread combines the 8.
+        constexpr int WARPS = RECALL_SEED_THREADS / 32;
+        if (lane == 0) {
+            hist[tid >> 5] = (int)kmax;
+            hist[WARPS + (tid >> 5)] = (int)kmin;
+            hist[2 * WARPS + (tid >> 5)] = count;
+        }
+        __syncthreads();
+        kmax = 0u;
+        kmin = 0xffffffffu;
+        count = 0;
+        for (int w = 0; w < WARPS; ++w) {
+            kmax = max(kmax, (u32)hist[w]);
+            kmin = min(kmin, (u32)hist[WARPS + w]);
+            count += hist[2 * WARPS + w];
+        }
+        __syncthreads();  // hist is cleared by the select
+        if (count < K) {  // fewer than K finite sampled scores
+            if (tid == 0) thr[u] = RECALL_NEG_INF;
+            return;
+        }
+        const u32 kth = recall_seed_held_select(keys, kmax, kmin, K, hist, part, &s_prefix, &s_want);
+        if (tid == 0) thr[u] = nextafterf(recall_ord2f(kth), RECALL_NEG_INF);
+        return;
+    }
     u32 prefix = 0;
     int want = K;  // the rank, from the top, of the K-th best among the keys matching prefix
     for (int pass = 0; pass < 3; ++pass) {
