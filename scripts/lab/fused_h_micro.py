@@ -11,7 +11,8 @@ Variants: as shipped (warps of 64 users x 32 items, each user's scores of a thre
 first, a survivor's key stored at the thread's next survivor, not while its slot's atomic is on its way); each key
 stored as soon as its slot comes back (``RH_INLINE_APPEND``); warps of 64 x 64 items (``RH_WN=64``), both ways; no
 filter at all (``RH_SKIP_EPILOGUE``: the products summed, about what any filter can reach); as shipped with every
-threshold at +inf (the filter's tests alone, no survivor).
+threshold at +inf (the filter's tests alone, no survivor); for rows of up to 96 columns multiplied other than 64, the
+kernel taking them in one chunk a tile (``recall_fused_filter_h<CH>``, which the engine launches for them).
 """
 from __future__ import annotations
 
@@ -51,13 +52,16 @@ def main() -> None:
                 ("warp tile 64 x 64, keys stored as their slots come back", ("-DRH_WN=64", "-DRH_INLINE_APPEND")),
                 ("no filter", ("-DRH_SKIP_EPILOGUE",)),
                 ("shipped, no survivors (threshold +inf)", ())]
+    if padded <= 96 and padded != 64:  # the kernel with one chunk a tile, as shipped for such rows
+        variants.insert(1, (f"one chunk of {padded} halves a tile (recall_fused_filter_h{padded})", ()))
     inf = cupy.full_like(thr, np.inf)
     for name, opts in variants:
         mod = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts)
         th_used = inf if "no survivors" in name else thr
-        fn = mod.get_function("recall_fused_filter_h")
+        chunk = padded if "one chunk" in name else 64
+        fn = mod.get_function(f"recall_fused_filter_h{padded}" if "one chunk" in name else "recall_fused_filter_h")
         threads = 128 if "-DRH_WN=64" in opts else 256  # fused_h.cu's RH_THREADS
-        smem = 2 * 128 * (padded + 8 + 3 * (64 + 8))  # users, three item chunks of 64 halves
+        smem = 2 * 128 * (padded + 8 + 3 * (chunk + 8))  # users, three item chunks
         fn.max_dynamic_shared_size_bytes = smem
         tiles = -(-a.items // 128)
 

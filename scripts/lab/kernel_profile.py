@@ -122,11 +122,13 @@ class Timed:
 
 def instrument(backend, log):
     sel = backend.selection
-    for name in ("fused", "merge_fused", "fused_h", "merge_fused_h"):
+    for name in ("fused", "merge_fused", "merge_fused_h"):
         setattr(sel, name, Timed(getattr(sel, name), name, log))
-    for table in ("mask", "filter", "merge", "seed_kth"):
+    if not isinstance(sel.fused_h, dict):  # an older tree's selection (.oldtree/): one float16 kernel
+        sel.fused_h = Timed(sel.fused_h, "fused_h", log)
+    for table in ("mask", "filter", "merge", "seed_kth", "fused_h"):
         d = getattr(sel, table, None)
-        if d is None:  # an older tree's selection (.oldtree/)
+        if not isinstance(d, dict):  # an older tree's selection (.oldtree/)
             continue
         for dt in list(d):
             label = "/".join(map(str, dt)) if isinstance(dt, tuple) else str(dt)  # (score type, vector type) keys

@@ -219,7 +219,8 @@ def _run_half(device, items16, users16, k, exclude=None, options=None):
 
 @pytest.mark.parametrize("n_users,n_items,width,k", [
     (1, 1, 8, 1), (3, 129, 16, 7), (130, 1000, 24, 10), (300, 3001, 72, 64), (257, 2500, 128, 100),
-    (129, 700, 120, 30), (700, 5000, 40, 1000), (200, 1300, 112, 16), (60, 900, 56, 5),
+    (129, 700, 120, 30), (700, 5000, 40, 1000), (200, 1300, 112, 16), (60, 900, 56, 5), (150, 2000, 96, 20),
+    (140, 2100, 88, 9),
 ])
 def test_half_fused_equals_cpu_exactly(fused, n_users, n_items, width, k):
     rng = np.random.default_rng(n_users + n_items + width)

@@ -24,6 +24,7 @@ FUSED_H_MAX_WIDTH = 128
 #: Seeded searches of a larger k take cuBLAS + filter (:func:`applies`).
 FUSED_SEEDED_MAX_K = 4096
 _H_CHUNK, _H_STAGES = 64, 3  # fused_h.cu's RH_CHUNK and RH_STAGES
+_H_WHOLE_MAX = 96  # rows of at most this many columns multiplied come in one chunk a tile (fused_h.cu)
 _H_THREADS = 256  # fused_h.cu's RH_THREADS: 8 warps of 64 users x 32 items (RH_WN = 32)
 
 
@@ -56,6 +57,13 @@ def multiplied_width(users: Any) -> int:
     used = np.flatnonzero(top > 0)
     last = int(used[-1]) + 1 if used.size else 1
     return max(16, -(-last // 16) * 16)
+
+
+def half_chunk(padded: int) -> int:
+    """The halves of an item row each pipeline stage of the float16 kernel holds, for ``padded`` columns multiplied
+    (a multiple of 16): the whole row up to 96 (one chunk a tile: one barrier and one wait a tile, and at 80 columns
+    no second stage for the last 16), else 64 (three stages of the whole row would leave room for one block an SM)."""
+    return padded if padded <= _H_WHOLE_MAX else _H_CHUNK
 
 
 def covers(dim: int, dtype: Any) -> bool:
@@ -168,8 +176,9 @@ class FusedSearch:
         width."""
         n, width = users.shape
         padded = min(multiplied or width + 15, width + 15) // 16 * 16
-        smem = 2 * FUSED_TILE * (padded + 8 + _H_STAGES * (_H_CHUNK + 8))
-        fused = self.sel.fused_h
+        chunk = half_chunk(padded)
+        smem = 2 * FUSED_TILE * (padded + 8 + _H_STAGES * (chunk + 8))
+        fused = self.sel.fused_h[chunk]
         self._allow_smem(fused, smem)
 
         def launch(grid: tuple, t0: int, nt: int, per_cta: int) -> None:

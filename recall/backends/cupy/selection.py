@@ -117,7 +117,9 @@ class Selection:
                          (f32, f16): mod.get_function("recall_seed_fh")}
         self.fused = mod.get_function("recall_fused_filter")
         self.merge_fused = mod.get_function("recall_merge_fused")
-        self.fused_h = mod.get_function("recall_fused_filter_h")
+        # fused_h.cu's kernels by the halves of an item row a pipeline stage holds (fused.half_chunk).
+        self.fused_h = {64: mod.get_function("recall_fused_filter_h"),
+                        **{ch: mod.get_function(f"recall_fused_filter_h{ch}") for ch in (16, 32, 48, 80, 96)}}
         self.merge_fused_h = mod.get_function("recall_merge_fused_h")
         self._merge_smem_limit = 0
 

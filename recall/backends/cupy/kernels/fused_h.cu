@@ -87,7 +87,8 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
         const unsigned dst = i_base + 2u * (s % RH_STAGES) * (RH_TILE * IS);
         const long long row0 = (long long)(t_first + s / chunks) * RH_TILE;
         const int k0 = (s % chunks) * CH;
-#pragma unroll
+        // Unrolled where that spills nothing (ptxas, sm_90, 128 registers): 64 halves, and up to 32.
+#pragma unroll(CH == 64 || CH <= 32 ? LOADS : 1)
         for (int q = 0; q < LOADS; ++q) {
             const int p = tid + q * THREADS;
             const int r = p / (CH / 8), piece = p % (CH / 8);
@@ -223,16 +224,26 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
     if (p_dst != nullptr && p_pos < C) p_dst[p_pos] = p_key;
 }
 
-// Launched for rows of at most 128 columns (fast mode's float16 vectors up to d = 120 or so, fused.FUSED_H_MAX_WIDTH):
-// wider rows take cuBLAS + filter, whose products are faster there (docs/benchmarks.md).
-extern "C" __global__ void __launch_bounds__(RH_THREADS, RH_MIN_BLOCKS)
-recall_fused_filter_h(const half_bits* __restrict__ U, int n_users, const half_bits* __restrict__ I, int n_items,
-                      int W, int Wp, int tile0, int n_tiles, int tiles_per_cta, const float* __restrict__ thr,
-                      u64* __restrict__ cand, int C, int* __restrict__ cnt) {
-    extern __shared__ float4 recall_fused_h_smem[];
-    recall_fused_h_body<RH_CHUNK, RH_WN>(U, n_users, I, n_items, W, Wp, tile0, n_tiles, tiles_per_cta, thr, cand, C,
-                                         cnt, reinterpret_cast<half_bits*>(recall_fused_h_smem));
-}
+// Launched for rows of at most 128 columns multiplied (fast mode's float16 vectors up to d = 128,
+// fused.FUSED_H_MAX_WIDTH): wider rows take cuBLAS + filter, whose products are faster there (docs/benchmarks.md).
+// recall_fused_filter_h takes the items in chunks of RH_CHUNK halves; recall_fused_filter_h<CH> in chunks of CH, so
+// that rows of CH <= 96 columns multiplied come in one chunk a tile (one barrier and one wait a tile, not a second
+// for a last chunk of 16 columns; three stages of up to 96 halves leave room for two blocks an SM).
+#define RECALL_FUSED_H_KERNEL(NAME, CH)                                                                              \
+    extern "C" __global__ void __launch_bounds__(RH_THREADS, RH_MIN_BLOCKS)                                        \
+    NAME(const half_bits* __restrict__ U, int n_users, const half_bits* __restrict__ I, int n_items, int W, int Wp, \
+         int tile0, int n_tiles, int tiles_per_cta, const float* __restrict__ thr, u64* __restrict__ cand, int C,   \
+         int* __restrict__ cnt) {                                                                                  \
+        extern __shared__ float4 recall_fused_h_smem[];                                                           \
+        recall_fused_h_body<CH, RH_WN>(U, n_users, I, n_items, W, Wp, tile0, n_tiles, tiles_per_cta, thr, cand, C,  \
+                                       cnt, reinterpret_cast<half_bits*>(recall_fused_h_smem));                   \
+    }
+RECALL_FUSED_H_KERNEL(recall_fused_filter_h, RH_CHUNK)
+RECALL_FUSED_H_KERNEL(recall_fused_filter_h16, 16)
+RECALL_FUSED_H_KERNEL(recall_fused_filter_h32, 32)
+RECALL_FUSED_H_KERNEL(recall_fused_filter_h48, 48)
+RECALL_FUSED_H_KERNEL(recall_fused_filter_h80, 80)
+RECALL_FUSED_H_KERNEL(recall_fused_filter_h96, 96)
 
 // A segment's scores recomputed for the merge after an overflow (float32 sums of the same exact products, in order:
 // within the same bound as the tensor cores' sums, not bit for bit equal to them; the overflowing segment's
