@@ -148,19 +148,24 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 // each pass a histogram in shared memory of the keys that match the digits fixed so far (warp-aggregated adds:
 // sampled scores crowd a few bins); nothing goes through the candidate buffers, and the state is left empty.
 //
-// Rows of up to RECALL_SEED_HELD_MAX scores (in 16-byte loads) take recall_seed_held's path: each thread keeps its
-// lowered keys in registers, read and lowered once, and the select starts below the leading bits that every key of
+// Rows of up to RECALL_SEED_HELD_MAX scores (in 16-byte loads) take recall_seed_held_select's path: each thread keeps
+// its lowered keys in registers, read and lowered once; the select starts below the leading bits that every key of
 // the row shares (scores that crowd a few binades put nearly every key in one bin of a 12-bit histogram of those
-// bits, whose shared-memory adds then serialise); the scans are warp shuffles.
+// bits, whose shared-memory adds then serialise), stops at the first digit that brings it within K / 8 keys of the
+// K-th (the threshold then lies below the K-th best, at most K / 8 sampled scores further), and scans with warp
+// shuffles.
 #define RECALL_SEED_THREADS 256
 #define RECALL_SEED_HELD 8  // 16-byte loads a thread holds: 32 keys
 #define RECALL_SEED_HELD_MAX (4 * RECALL_SEED_HELD * RECALL_SEED_THREADS)
 
-// The K-th largest of the keys the block's threads hold (0: no key), counted with multiplicity, given that at least K
-// keys are held, that every held key lies in [kmin, kmax] and that kmax is one of them. Every thread calls it; the
-// result is every thread's. hist: 4,096 ints of shared memory, part: one int per warp.
+// A key at or below the K-th largest of the keys the block's threads hold (0: no key), counted with multiplicity,
+// with at most K + K / 8 held keys at or above it, given that at least K keys are held, that every held key lies in
+// [kmin, kmax] and that kmax is one of them: the select stops at the first digit whose bin holding the K-th key holds
+// at most K / 8 keys below it, and returns that bin's lowest key (a threshold sample is a lower bound, and one pass
+// of 12 bits below the shared ones is nearly always that close). Every thread calls it; the result is every
+// thread's. hist: 4,096 ints of shared memory, part: one int per warp.
 __device__ u32 recall_seed_held_select(const u32 (&keys)[4 * RECALL_SEED_HELD], u32 kmax, u32 kmin, int K,
-                                       int* hist, int* part, u32* s_prefix, int* s_want) {
+                                       int* hist, int* part, u32* s_prefix, int* s_want, int* s_below) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 diff = kmax ^ kmin;
     if (diff == 0) return kmax;  // one key everywhere
@@ -206,6 +211,7 @@ __device__ u32 recall_seed_held_select(const u32 (&keys)[4 * RECALL_SEED_HELD], 
                 if (seen + c >= want) {
                     *s_prefix = prefix | ((u32)(hi - j) << shift);
                     *s_want = want - seen;
+                    *s_below = c - (want - seen);  // the bin's keys below the K-th
                     break;
                 }
                 seen += c;
@@ -214,8 +220,10 @@ __device__ u32 recall_seed_held_select(const u32 (&keys)[4 * RECALL_SEED_HELD], 
         __syncthreads();
         prefix = *s_prefix;
         want = *s_want;
+        const int below = *s_below;
         remaining = shift;
-        __syncthreads();  // s_prefix, s_want and part are rewritten by the next digit
+        __syncthreads();  // s_prefix, s_want, s_below and part are rewritten by the next digit
+        if (below <= (K >> 3)) break;  // the bin's lowest key (the low bits of prefix are 0) is close enough
     }
     return prefix;
 }
@@ -233,7 +241,7 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
     __shared__ int hist[4096];
     __shared__ int part[RECALL_SEED_THREADS];
     __shared__ u32 s_prefix;
-    __shared__ int s_want;
+    __shared__ int s_want, s_below;
     __shared__ double s_sq[RECALL_SEED_THREADS / 32];
     __shared__ float s_au;
     const int u = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
@@ -308,8 +316,10 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
             if (tid == 0) thr[u] = RECALL_NEG_INF;
             return;
         }
-        const u32 kth = recall_seed_held_select(keys, kmax, kmin, K, hist, part, &s_prefix, &s_want);
-        if (tid == 0) thr[u] = nextafterf(recall_ord2f(kth), RECALL_NEG_INF);
+        u32 low = recall_seed_held_select(keys, kmax, kmin, K, hist, part, &s_prefix, &s_want, &s_below);
+        // A bin's lowest key may lie below every finite float's (the bins of the most negative scores): -FLT_MAX.
+        low = max(low, recall_f2ord(-3.402823466e38f));
+        if (tid == 0) thr[u] = nextafterf(recall_ord2f(low), RECALL_NEG_INF);
         return;
     }
     u32 prefix = 0;
