@@ -145,14 +145,16 @@ def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, wh
         high = np.where(finite, s - margin, s)
         low = np.where(finite, s - 1.0001 * margin - 4 * np.spacing(np.abs(s).astype(np.float32)), s)
     hi, lo = np.sort(high)[::-1][k - 1], np.sort(low)[::-1][k - 1]
-    if held and s.size >= k:
-        # Rows of up to 8,192 scores: below the k-th best (a lower bound), with at most k / 8 more sampled scores
-        # above it (the select stops within k / 8 of the k-th).
-        assert got < hi or (np.isinf(hi) and got == np.finfo(np.float32).max), (where, got, hi)
-        assert np.sum(low > got) <= k + k // 8, (where, got, int(np.sum(low > got)), k)
+    top = np.finfo(np.float32).max
+    if held:
+        # Rows of up to 8,192 scores: below the k-th best (a lower bound), and either the select resolved the k-th
+        # itself (ties and all) or it stopped early, with at most k / 8 more sampled scores above the threshold.
+        assert got < hi or (np.isinf(hi) and got == top), (where, got, hi)
+        exact = got == top if np.isinf(hi) else got >= lo - np.spacing(np.float32(abs(lo)))
+        assert exact or np.sum(low > got) <= k + k // 8, (where, got, int(np.sum(low > got)), k, lo)
         return
     if np.isinf(hi):
-        assert got == np.finfo(np.float32).max, (where, got)
+        assert got == top, (where, got)
         return
     assert lo - np.spacing(np.float32(abs(lo))) <= got < hi, (where, lo, got, hi)
 
