@@ -572,12 +572,17 @@ def test_users_are_shifted_only_where_score_tiles_are_float16(monkeypatch):
     # Asked for the first pass's users and candidates (k + m + 1), with the columns the users hold without a shift:
     # the dot part alone.
     assert asked == [(200, 10 + fast.margin(10) + 1, 32)]
-    # Items whose norms spread carry bound columns after the shift's: float32 scores and shifted all the same (the
-    # shift then costs no products).
+    # Items whose norms spread carry bound columns after the shift's, whose factors users hold: float32 scores and
+    # shifted all the same (the shift then costs no products). Items exact in float16 (small integers, norms spread
+    # by powers of two) leave no residual: no user holds a factor, and none is shifted.
     monkeypatch.undo()
-    users, items = _lognormal(200, 3000, 32, seed=34)
-    engine = Engine(items, device="cpu", precision="fast")
-    prepared = fast_mode._prepare(engine, users, 10)
-    state = fast_mode._state(engine)
-    assert state.items.norms_at is not None and not prepared.half_scores
-    assert (prepared.vecs16[:, state.items.shift_at] != 0).any()
+    rng = np.random.default_rng(35)
+    exact16 = (rng.integers(-100, 101, (3000, 32)) * 2.0 ** rng.integers(-3, 4, (3000, 1))).astype(np.float32)
+    for items, held in ((_lognormal(200, 3000, 32, seed=34)[1], True), (exact16, False)):
+        engine = Engine(items, device="cpu", precision="fast")
+        prepared = fast_mode._prepare(engine, users, 10)
+        state = fast_mode._state(engine)
+        assert state.items.norms_at is not None and not prepared.half_scores
+        assert state.items.users_hold_bounds == held
+        assert (prepared.vecs16[:, state.items.shift_at] != 0).any() == held
+        assert (prepared.vecs16[:, state.items.norms_at:] != 0).any() == held
