@@ -3,17 +3,18 @@
 For every user the engine keeps the ``k + m + 1`` best *approximate* scores (m = ``certificate.margin(k)``),
 re-scores the first ``k + m`` candidates in float32 (``Backend.rescore``) and takes their exact top k. The answer is
 certified when the exact k-th score beats an upper bound of every score left out (``recall.core.certificate``).
-A user whose certificate fails is tried once more with ``k + 4m`` candidates and its scores shifted by its exact
-k-th score (the *widened* pass, over those users only), and searched again in exact mode if that fails too, so the
-result is always the exact answer. ``engine.stats["widened_users"]`` counts the second tries,
-``["fallback_users"]`` the exact searches.
+A user whose certificate fails is tried once more with ``k + 4m`` candidates (where score tiles are float16, its
+scores shifted by its exact k-th score: the *widened* pass, over those users only), and searched again in exact mode
+if that fails too, so the result is always the exact answer. ``engine.stats["widened_users"]`` counts the second
+tries, ``["fallback_users"]`` the exact searches.
 
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`):
 it then costs more than exact mode's whole search, whatever the certificate does; and where the search is small
 (:data:`MIN_SCORES`). A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the
 certificate does not pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), every user is searched
 in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
-user, the sampled ones too, is searched in fast mode.
+user, the sampled ones too, is searched in fast mode. The next search of the same k skips the sample where this one
+paid (``FastState.trusted``).
 
 Exact precision takes the same search where the backend says it pays (``certifies_exact``: the *certified route*):
 the candidates are then re-scored with the exact search's own float32 sums (``Backend.rescore``'s ``ordered``: every
