@@ -128,7 +128,7 @@ class BlockPipeline:
         host_users = isinstance(users, np.ndarray)
         # A float16 pass multiplies the columns its users hold values in (fused_path.multiplied_width): a fused
         # kernel then covers rows wider than it would multiply whole.
-        half = np.dtype(users.dtype) == np.float16 and n_users > 0
+        half = np.dtype(users.dtype) == np.float16 and n_users > 0 and options.fused != "off"
         multiplied = fused_path.multiplied_width(users) if half else 0
         fused = fused_path.applies(plan, n_users, n_items, k, multiplied or dim, users.dtype, options)
         # The fused path keeps score room for the threshold sample only.
@@ -304,10 +304,10 @@ class BlockPipeline:
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
                      has_floor: bool, options: EngineOptions, multiplied: int = 0) -> None:
-        """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all). The cuBLAS path always runs over the slot's full capacity of rows (rows past the
-        real users are ignored), so that every block runs the same launches and the graph captured for a slot
-        replays for each of its blocks; the fused path (``fused_ws`` set) scores the real rows only, and runs a
-        short last block eagerly."""
+        """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all). The cuBLAS
+        path always runs over the slot's full capacity of rows (rows past the real users are ignored), so that every
+        block runs the same launches and the graph captured for a slot replays for each of its blocks; the fused
+        path (``fused_ws`` set) scores the real rows only, and runs a short last block eagerly."""
         backend, sel = self.backend, self.backend.selection
         ex_items = slot.ex_items if has_excl else slot.ex_items[:0]
         cap = slot.users.shape[0]
