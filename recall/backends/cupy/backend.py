@@ -4,7 +4,8 @@ staging and streams.
 Seeded searches (and those of very large k) score each user block against each item segment with a fused kernel
 (:mod:`.fused`) that keeps only the scores above each user's threshold and never writes a score tile:
 ``recall_fused_filter`` (``kernels/fused.cu``) for exact mode's float32 vectors of at most 256 dimensions,
-``recall_fused_filter_h`` (``kernels/fused_h.cu``, tensor cores) for fast mode's float16 ones of at most 128 columns.
+``recall_fused_filter_h`` (``kernels/fused_h.cu``, tensor cores) for fast mode's float16 ones of at most 128 columns
+multiplied.
 Elsewhere (wider vectors, multi-interest users, small catalogues), every item segment is one strided-batched GEMM
 (the user block shared by all tiles of the batch: stride 0; :mod:`.blas`) writing a score tile, followed at once by
 the selection kernels of ``kernels/topk.cu`` (:mod:`.selection`) reading it back. Blocks are pipelined on streams

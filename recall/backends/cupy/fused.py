@@ -16,10 +16,11 @@ from .selection import MERGE_THREADS, GpuTopK, Selection, fused_capacity, search
 
 FUSED_THREADS = 256
 FUSED_MAX_DIM = 256  # the users' vectors of a block stay in shared memory: 128 x 256 floats at most
-#: float16 rows of at most this many columns take the fused kernel (fused_h.cu): at 80 columns (S1's d = 64 with fast
-#: mode's own) it beat cuBLAS + filter (fast mode on S1 0.19 s against 0.23 s), at 264 (d = 256) it lost (0.083 s
-#: against 0.059 s), its filter then costing about as much per score as 80 columns of products. Measured before the
-#: filter tested groups of scores first (docs/benchmarks.md); the limit has not been measured again since.
+#: float16 rows of at most this many columns multiplied (``multiplied_width``) take the fused kernel (fused_h.cu): at
+#: 80 columns (S1's d = 64 with fast mode's own) it beat cuBLAS + filter (fast mode on S1 0.19 s against 0.23 s), at
+#: 264 (d = 256) it lost (0.083 s against 0.059 s), its filter then costing about as much per score as 80 columns of
+#: products. Measured before the filter tested groups of scores first (docs/benchmarks.md); at 128 columns (d = 128
+#: cosine) it took 0.0337 s of fast mode's search against cuBLAS + filter's 0.0453 s (2026-12-02).
 FUSED_H_MAX_WIDTH = 128
 #: Seeded searches of a larger k take cuBLAS + filter (:func:`applies`).
 FUSED_SEEDED_MAX_K = 4096
@@ -68,7 +69,8 @@ def half_chunk(padded: int) -> int:
 
 def covers(dim: int, dtype: Any) -> bool:
     """Whether a fused kernel takes vectors of ``dim`` columns of ``dtype``: float32 of at most 256 dimensions, or
-    float16 rows of whole 16-byte pieces (a multiple of 8 columns, as fast mode's are) of at most 128."""
+    float16 rows of whole 16-byte pieces (a multiple of 8 columns, as fast mode's are) of at most 128 (for float16,
+    ``dim`` is the columns multiplied: :func:`multiplied_width`)."""
     dtype = np.dtype(dtype)
     if dtype == np.float32:
         return dim <= FUSED_MAX_DIM
