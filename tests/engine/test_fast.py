@@ -540,12 +540,13 @@ def test_fast_fused_kernel_multiplies_the_dot_part_where_users_hold_nothing_else
     monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)
     users, items = (normal_data if data == "normal" else _lognormal)(3000, 70000, 64, seed=32)
     engine = Engine(items, device="gpu", precision="fast")
-    prepared = fast_mode._prepare(engine, engine.backend.xp.asarray(users), 100)
+    device_users = engine.backend.xp.asarray(users)  # host users are multiplied whole (pipeline.py)
+    prepared = fast_mode._prepare(engine, device_users, 100)
     state = fast_mode._state(engine)
     # Shifted only where the rows hold bound columns after the shift's anyway (the shift then costs no products).
     assert not prepared.half_scores
     assert (as_numpy(prepared.vecs16[:, state.items.shift_at]) == 0).all() == (data == "normal")
-    got = engine.search(users, 100)
+    got = engine.search(device_users, 100)
     assert engine.stats["fused"] and engine.stats["multiplied_columns"] == multiplied, engine.stats
     assert engine.stats["precision"] == "fast" and engine.stats["fallback_fraction"] < 0.01, engine.stats
     sample = np.arange(0, 3000, 10)

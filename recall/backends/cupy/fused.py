@@ -33,11 +33,12 @@ _FOLD = 1024  # multiplied_width's row groups
 
 
 def multiplied_width(users: Any) -> int:
-    """The columns a fused float16 pass multiplies for ``users`` ((n, W) float16, host or device; one reduction and
-    one transfer): up to the last column in which some user holds a value other than 0, rounded up to the tensor
-    cores' 16 (at least 16), at most W rounded up. Beyond it every product is 0 whatever the item holds (items are
-    finite), so leaving those columns out changes no sum: fast mode's users hold zeros in the columns of a shift
-    and of bound factors they do not use (d = 64: 64 columns multiplied instead of 80, d = 32: 32 instead of 48)."""
+    """The columns a fused float16 pass multiplies for ``users`` ((n, W) float16 on the device, one reduction and one
+    transfer; host arrays too, slowly, for tests): up to the last column in which some user holds a value other than
+    0, rounded up to the tensor cores' 16 (at least 16), at most W rounded up. Beyond it every product is 0 whatever
+    the item holds (items are finite), so leaving those columns out changes no sum: fast mode's users hold zeros in
+    the columns of a shift and of bound factors they do not use (d = 64: 64 columns multiplied instead of 80,
+    d = 32: 32 instead of 48)."""
     n, width = users.shape
     if n == 0 or width == 0:
         return 16
