@@ -234,6 +234,18 @@ __device__ __forceinline__ float recall_seed_lower(float s, float vn, float au, 
     return __fsub_rd(s, __fmaf_ru(au, vn, __fmaf_ru(R, fabsf(s), Z)));
 }
 
+// Sampled scores i .. i + 3 of a row (16-byte aligned), each lowered by its margin.
+template <typename S>
+__device__ __forceinline__ void recall_seed_load4(const S* row, const float* __restrict__ vnorm, int i, float au,
+                                                  float r32, float z32, float v[4]) {
+    recall_load4(row, i, v);
+    const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
+    v[0] = recall_seed_lower(v[0], n4.x, au, r32, z32);
+    v[1] = recall_seed_lower(v[1], n4.y, au, r32, z32);
+    v[2] = recall_seed_lower(v[2], n4.z, au, r32, z32);
+    v[3] = recall_seed_lower(v[3], n4.w, au, r32, z32);
+}
+
 template <typename S, typename V>
 __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, float* __restrict__ thr,
                                  const V* __restrict__ users, int W, const float* __restrict__ vnorm, double A,
@@ -271,12 +283,7 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
             const int i = (r * RECALL_SEED_THREADS + tid) * 4;
             float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
             if (i < T) {
-                recall_load4(row, i, v);
-                const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
-                v[0] = recall_seed_lower(v[0], n4.x, au, r32, z32);
-                v[1] = recall_seed_lower(v[1], n4.y, au, r32, z32);
-                v[2] = recall_seed_lower(v[2], n4.z, au, r32, z32);
-                v[3] = recall_seed_lower(v[3], n4.w, au, r32, z32);
+                recall_seed_load4(row, vnorm, i, au, r32, z32, v);
             }
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
@@ -340,12 +347,7 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
             if (vec) {
                 const int i = i0 + 4 * tid;
                 if (i < T) {
-                    recall_load4(row, i, v);
-                    const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
-                    v[0] = recall_seed_lower(v[0], n4.x, au, r32, z32);
-                    v[1] = recall_seed_lower(v[1], n4.y, au, r32, z32);
-                    v[2] = recall_seed_lower(v[2], n4.z, au, r32, z32);
-                    v[3] = recall_seed_lower(v[3], n4.w, au, r32, z32);
+                    recall_seed_load4(row, vnorm, i, au, r32, z32, v);
                     m = 4;
                 }
             } else if (i0 + tid < T) {
