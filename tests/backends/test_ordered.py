@@ -101,8 +101,12 @@ def test_fused_kernel_scores_are_the_emulated_sums(metric, dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim,path", [(64, "fused"), (37, "fused"), (256, "fused"), (64, "gemm"), (37, "gemm")])
+@pytest.mark.parametrize("dim,path", [(64, "fused"), (37, "fused"), (256, "fused"), (68, "fused"), (4, "fused"),
+                                      (100, "fused"), (64, "gemm"), (37, "gemm")])
 def test_ordered_rescore_equals_the_emulation(dim, path):
+    # Rows of dim % 4 == 0 are read by the candidate's warp, a piece of 32 columns at a time (68, 100: a last piece
+    # of 4 columns; 4: one short piece); lists of every length around a warp's 32 candidates, an empty slot (-1) and
+    # a list of one repeated row among them.
     if not gpu_usable:
         pytest.skip(gpu_reason)
     import cupy
@@ -112,19 +116,27 @@ def test_ordered_rescore_equals_the_emulation(dim, path):
     rng = np.random.default_rng(dim)
     items = (rng.standard_normal((5000, dim)) * np.exp2(rng.integers(-5, 5, (5000, 1)))).astype(np.float32)
     users = rng.standard_normal((200, dim)).astype(np.float32)
-    rows = rng.integers(0, 5000, (200, 300))
-    rows[7, :] = rows[7, 0]  # one user's list all one row: counted once
+    lengths = rng.integers(1, 300, 200)
+    lengths[:10] = (300, 1, 31, 32, 33, 65, 40, 50, 64, 50)
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    rows = rng.integers(0, 5000, int(indptr[-1]))
+    rows[indptr[7]:indptr[8]] = rows[indptr[7]]  # one user's list all one row: counted once
+    rows[indptr[9] + 3] = -1  # an empty slot
     backend = resolve("gpu")
     loaded = backend.load_items(cupy.asarray(items))
-    indptr = np.arange(201, dtype=np.int64) * 300
-    vals, got, taken = backend.rescore(users, loaded, indptr, cupy.asarray(rows.reshape(-1)), 40, 1 << 28,
+    vals, got, taken = backend.rescore(users, loaded, indptr, cupy.asarray(rows), 40, 1 << 28,
                                        EngineOptions(rescore=path), ordered=True)
     assert taken == path
-    scores = ordered_dots(users, items[rows])
-    for u in (0, 7, 199):
-        got_rows = as_numpy(got[u])
-        keep = got_rows >= 0
-        want = {int(r): s for r, s in zip(rows[u], scores[u])}
-        np.testing.assert_array_equal(as_numpy(vals[u])[keep], np.array([want[int(r)] for r in got_rows[keep]],
-                                                                          np.float32))
-    assert (as_numpy(got[7]) >= 0).sum() == 1
+    vals, got = as_numpy(vals), as_numpy(got)
+    for u in range(200):
+        mine = rows[indptr[u]:indptr[u + 1]]
+        mine = mine[mine >= 0]
+        scores = ordered_dots(users[u:u + 1], items[mine][None])[0]
+        want = {int(r): s for r, s in zip(mine, scores)}
+        keep = got[u] >= 0
+        assert keep.sum() == min(40, len(want)), u
+        np.testing.assert_array_equal(vals[u][keep], np.array([want[int(r)] for r in got[u][keep]], np.float32))
+        # The best 40 distinct rows under the tie rule (score descending, lower row first).
+        best = sorted(want.items(), key=lambda rs: (-rs[1], rs[0]))[:40]
+        assert [r for r, _ in best] == [int(r) for r in got[u][keep]], u
+    assert (got[7] >= 0).sum() == 1

@@ -72,26 +72,14 @@ def test_sample_rows(n_items, k, requested, norms_kind):
         assert rows.tolist() == _independent_sample(n_items, size, norms)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("size, k", [(8192, 100), (8192, 2048), (1000, 1), (4096, 1024), (300, 37), (301, 37),
-                                     (8196, 100), (16384, 1000)])
-def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k):
-    # recall_seed's radix select against numpy's sort, on rows built to hurt it: ties (a few distinct values,
-    # crowding one histogram bin), negative and mixed-sign scores, masked (-inf) items, a row with fewer than k finite
-    # scores (-inf threshold), one with exactly k, values 1 ulp apart, +inf, one binade (every key's leading bits the
-    # same), small values of both signs; rows of 4n scores (loaded 4 at a time; up to 8,192 held in registers, where
-    # the select may stop within k / 8 of the k-th) and of 301.
-    from recall.backends import cuda_status, resolve
-    from recall.backends.cupy.selection import GpuTopK
-
-    usable, reason = cuda_status()
-    if not usable:
-        pytest.skip(f"no usable GPU: {reason}")
-    import cupy
-
+def _seed_rows(size, k, dtype):
+    # Rows built to hurt recall_seed's radix select: ties (a few distinct values, crowding one histogram bin),
+    # negative and mixed-sign scores, masked (-inf) items, a row with fewer than k finite scores (-inf threshold), one
+    # with exactly k, values 1 ulp apart, +inf, one binade (every key's leading bits the same), small values of both
+    # signs, scores crowded in a few binades as unshifted scores are, and ties within one binade; with the users'
+    # vectors (user 0 zero: no margin but the underflow's) and the items' norms (some far above the rest).
     rng = np.random.default_rng(size + k)
-    n = 12
+    n = 13
     rows = rng.standard_normal((n, size)).astype(np.float32) * np.float32(3.0)
     rows[1] = np.round(rows[1])                                  # ties: a handful of values
     rows[2] = -np.abs(rows[2]) - np.float32(100.0)               # all negative
@@ -108,28 +96,53 @@ def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k)
     rows[10, size // 2:] = np.float32(1e-3) * rng.random(size - size // 2).astype(np.float32)
     rows[10, ::7] = 0.0
     rows[10, ::11] = -np.inf
+    rows[11] = np.float32(0.3) + np.float32(0.05) * np.abs(rows[11])  # crowded in two binades, as unshifted scores
+    rows[12] = np.float32(1000.0) + np.floor(rng.random(size) * 64).astype(np.float32) / np.float32(64)  # 64 values
     rows = rows.astype(dtype)
-    backend = resolve("gpu")
-    state = GpuTopK.allocate(n, k)
-    scores = cupy.asarray(rows).reshape(1, n, size)
     users = (rng.standard_normal((n, 24)) * rng.lognormal(0, 2, (n, 1))).astype(dtype)
     users[0] = 0  # no margin but the underflow's
     norms = rng.lognormal(0, 2, size).astype(np.float32)  # items' norms, some far above the rest
     norms[: size // 3] = 0
+    return rows, users, norms
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("size, k", [(8192, 100), (8192, 2048), (1000, 1), (4096, 1024), (300, 37), (301, 37),
+                                     (8196, 100), (16384, 1000), (16387, 1000), (32768, 1000), (32768, 2048),
+                                     (65536, 8192)])
+def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k):
+    # recall_seed's radix select against numpy's sort, on _seed_rows: rows of 4n scores, up to 8,192 held in
+    # registers (loaded 4 at a time) and longer ones streamed from global memory (16,384 to 65,536: large-k samples),
+    # and rows of 301 and 16,387 scores (streamed, 1 at a time). Every path may stop within k / 8 of the k-th.
+    from recall.backends import cuda_status, resolve
+    from recall.backends.cupy.selection import GpuTopK
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    rows, users, norms = _seed_rows(size, k, dtype)
+    n = rows.shape[0]
+    backend = resolve("gpu")
+    state = GpuTopK.allocate(n, k)
+    scores = cupy.asarray(rows).reshape(1, n, size)
     backend.selection.seed(state, scores, cupy.arange(size, dtype=cupy.int64), cupy.asarray(users),
                            cupy.asarray(norms), cupy.zeros(n + 1, cupy.int64), cupy.zeros(0, cupy.int64))
     got = cupy.asnumpy(state.thr)
-    held = size % 4 == 0 and size <= 8192  # recall_seed_held_select's rows
     for u in range(n):
-        _check_threshold(got[u], rows[u].astype(np.float32), norms, users[u], k, dtype, dtype, u, held)
+        _check_threshold(got[u], rows[u].astype(np.float32), norms, users[u], k, dtype, dtype, u)
     assert not cupy.asnumpy(state.n_valid).any() and not cupy.asnumpy(state.cnt).any()
 
 
-def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, where, held=False):
+def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, where):
     # recall_seed's threshold for one user: below the k-th best of the sampled scores each lowered by its margin
-    # (certificate.seed_margin, in float64 here), and not by much more: above the k-th best of scores lowered by a
-    # hair more than that and a few float32 steps (the kernel rounds each step down); -inf where fewer than k
-    # sampled scores are finite, the largest float below an infinite k-th best.
+    # (certificate.seed_margin, in float64 here), and not by much more: either the select resolved the k-th itself
+    # (ties and all), the threshold then above the k-th best of scores lowered by a hair more than that and a few
+    # float32 steps (the kernel rounds each step down), or it stopped early, with at most k + k / 8 sampled scores so
+    # lowered above the threshold; -inf where fewer than k sampled scores are finite, the largest float below an
+    # infinite k-th best.
     from recall.core.certificate import seed_margin
 
     a, r, z = seed_margin(user.size, np.dtype(vector_dtype) == np.float16, np.dtype(score_dtype) == np.float16)
@@ -146,17 +159,9 @@ def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, wh
         low = np.where(finite, s - 1.0001 * margin - 4 * np.spacing(np.abs(s).astype(np.float32)), s)
     hi, lo = np.sort(high)[::-1][k - 1], np.sort(low)[::-1][k - 1]
     top = np.finfo(np.float32).max
-    if held:
-        # Rows of up to 8,192 scores: below the k-th best (a lower bound), and either the select resolved the k-th
-        # itself (ties and all) or it stopped early, with at most k / 8 more sampled scores above the threshold.
-        assert got < hi or (np.isinf(hi) and got == top), (where, got, hi)
-        exact = got == top if np.isinf(hi) else got >= lo - np.spacing(np.float32(abs(lo)))
-        assert exact or np.sum(low > got) <= k + k // 8, (where, got, int(np.sum(low > got)), k, lo)
-        return
-    if np.isinf(hi):
-        assert got == top, (where, got)
-        return
-    assert lo - np.spacing(np.float32(abs(lo))) <= got < hi, (where, lo, got, hi)
+    assert got < hi or (np.isinf(hi) and got == top), (where, got, hi)
+    exact = got == top if np.isinf(hi) else got >= lo - np.spacing(np.float32(abs(lo)))
+    assert exact or np.sum(low > got) <= k + k // 8, (where, got, int(np.sum(low > got)), k, lo)
 
 
 def test_seed_margin_bounds_two_sums_of_the_same_products():
@@ -216,7 +221,7 @@ def test_seed_masks_the_excluded_rows_of_any_sample(dtype, vectors):
     got = cupy.asnumpy(state.thr)
     for u in range(n):
         sampled = np.where(np.isin(rows, excluded[u]), -np.inf, scores[u].astype(np.float32))
-        _check_threshold(got[u], sampled, norms, users[u], k, dtype, vectors, u, held=True)  # 3,000 scores: held
+        _check_threshold(got[u], sampled, norms, users[u], k, dtype, vectors, u)  # 3,000 scores: held
 
 
 @pytest.mark.parametrize("plan, n_users, n_items, k, dim, dtype, options, want", [

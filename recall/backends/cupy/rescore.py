@@ -18,7 +18,7 @@ from ...core import keys
 from . import kernels
 
 THREADS = 128
-_UNROLL, _CHUNKS, _MAX_REGISTERS = 2, 2, 40
+_UNROLL, _CHUNKS, _MAX_REGISTERS, _MAX_REGISTERS_STAGED = 2, 2, 40, 48
 _SZ_TARGET = 4096  # keys held at once per user: candidates per chunk, up to this
 _DEFAULT_SMEM = 48 * 1024
 
@@ -29,11 +29,14 @@ def _pow2(n: int) -> int:
 
 def _kernel(vec: bool, ordered: bool = False) -> Any:
     """The compiled ``recall_rescore_t`` for the current device; ``vec``: rows read as float4 (dim % 4 == 0);
-    ``ordered``: the fused exact kernel's sums (one lane a candidate)."""
+    ``ordered``: the fused exact kernel's sums (one lane a candidate; with ``vec`` its rows read by its warp)."""
     # The same loads in flight per lane either way (ptxas, sm_90: 40 registers, no spills); ordered sums take one
-    # lane a candidate, so that lane walks the whole row (2 rows x 2 float4 at a time).
+    # lane a candidate: with ``vec`` its warp reads 4 float4 a lane at a time into shared memory, 32 rows' pieces
+    # (rs_gather_ordered), otherwise the lane walks its whole row (2 rows x 2 float4 at a time).
+    # The warp-read ordered sums need 48 registers (no spills; ten blocks of 128 threads still fit an SM's).
+    regs = _MAX_REGISTERS_STAGED if ordered and vec else _MAX_REGISTERS
     expr = f"recall_rescore_t<{_UNROLL}, {_CHUNKS}, {int(vec)}, {int(ordered)}>"
-    mod = kernels.module(("rescore.cu",), (f"--maxrregcount={_MAX_REGISTERS}",), (expr,))
+    mod = kernels.module(("rescore.cu",), (f"--maxrregcount={regs}",), (expr,))
     return mod.get_function(expr)
 
 
@@ -47,11 +50,15 @@ def lanes(dim: int, ordered: bool = False) -> int:
     return min(32, _pow2(-(-max(chunks, 1) // _CHUNKS)))
 
 
-def smem_bytes(sz: int, dim: int) -> int:
+_ORD_STAGE = 32 * (32 + 4)  # floats a warp stages for ordered sums (RS_ORD_STAGE in rescore.cu)
+
+
+def smem_bytes(sz: int, dim: int, ordered: bool = False) -> int:
     """Dynamic shared memory of one block (the layout in rescore.cu): SZ keys and 6 control words (8 bytes each),
-    the user's vector, a 4 * SZ byte scratch (staged rows, then the selected keys), a 256-bin histogram, SZ duplicate
-    flags."""
-    return 8 * (sz + 6) + 4 * ((dim + 3) // 4 * 4) + 4 * sz + 4 * 256 + sz
+    for ordered sums of rows read as float4 each warp's stage of 32 rows' pieces, the user's vector, a 4 * SZ byte
+    scratch (staged rows, then the selected keys), a 256-bin histogram, SZ duplicate flags."""
+    stage = 4 * _ORD_STAGE * (THREADS // 32) if ordered and dim > 0 and dim % 4 == 0 else 0
+    return 8 * (sz + 6) + stage + 4 * ((dim + 3) // 4 * 4) + 4 * sz + 4 * 256 + sz
 
 
 def _max_smem() -> int:
@@ -64,11 +71,11 @@ def _max_smem() -> int:
         return _DEFAULT_SMEM
 
 
-def launch_config(k: int, dim: int, longest: int) -> tuple[int, int, int] | None:
+def launch_config(k: int, dim: int, longest: int, ordered: bool = False) -> tuple[int, int, int] | None:
     """(K_pad, SZ, shared bytes) for a launch, or None when k needs more shared memory than the device has."""
     k_pad = _pow2(k)
     sz = max(2 * k_pad, min(_pow2(max(longest, 1)), _SZ_TARGET))
-    smem = smem_bytes(sz, dim)
+    smem = smem_bytes(sz, dim, ordered)
     if smem > _DEFAULT_SMEM and smem > _max_smem():
         return None
     return k_pad, sz, smem
@@ -105,7 +112,7 @@ def rescore_fused(users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int,
 
     n_items, dim = int(items.shape[0]), int(items.shape[1])
     lengths = np.diff(indptr)
-    cfg = launch_config(k, dim, int(lengths.max()) if lengths.size else 1)
+    cfg = launch_config(k, dim, int(lengths.max()) if lengths.size else 1, ordered)
     if cfg is None or n_items >= 2 ** 31:
         return False
     if not isinstance(rows, np.ndarray):

@@ -142,8 +142,8 @@ class Selection:
         (1, n, size) (column j: item row ``rows[j]``, ``tiled.sample_rows``, of norm ``item_norms[j]``, float32 rounded
         up), each lowered by what the search's own score of that item may lie below it (``certificate.seed_margin``;
         ``users`` (n, width) the vectors scored): a lower bound of the final k-th best, so that later tiles pass few
-        scores to the merge whatever the item order. Samples of up to 8,192 scores may start it lower, with at most
-        k/8 more sampled scores above it (the select stops one digit early where that is all it would gain).
+        scores to the merge whatever the item order. It may start lower, with at most k/8 more sampled scores above
+        it (the select stops one digit early where that is all it would gain).
         Excluded sampled items are masked first; the k-th best is selected in place (``recall_seed``), and the state
         is left empty."""
         _, n, size = scores.shape

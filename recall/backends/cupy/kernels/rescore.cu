@@ -30,9 +30,14 @@
 //          docs/benchmarks.md; with --maxrregcount=40, six blocks of 128 threads share an SM).
 //   VEC    rows are read as float4 (dim % 4 == 0).
 //   ORD    each score is the fused exact kernel's float32 sum (fused.cu, RecallDotTile): fmaf(u_0, v_0, 0), then
-//          fmaf(u_d, v_d, s) for each further dimension in order. One lane a candidate (G = 1), so that no partial
-//          sums are added in another order; exact mode's certified route re-scores its candidates this way, and its
-//          scores are then exact mode's, bit for bit.
+//          fmaf(u_d, v_d, s) for each further dimension in order. One lane a candidate, so that no partial sums are
+//          added in another order; exact mode's certified route re-scores its candidates this way, and its scores
+//          are then exact mode's, bit for bit. With VEC the rows are not read by the lane that sums them: a warp
+//          reads its 32 candidates' rows a piece of RS_ORD_PIECE columns at a time, each load instruction four
+//          whole 128-byte pieces of rows, into shared memory (rs_gather_ordered), and each lane then sums its own
+//          row from there. One lane reading a whole row would make each load instruction touch 32 rows' lines, 16
+//          bytes of each (measured on the H200: exact mode's re-scoring 8-12 ms slower than fast mode's at k >=
+//          1,000). Without VEC (dim % 4 != 0, rare) the lane reads its row itself (G = 1).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -358,8 +363,60 @@ __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int d
     }
 }
 
+// ORD with VEC (above): the candidates of each warp are its 32 lanes' (j = j0 + lane), a piece of RS_ORD_PIECE
+// columns of their rows at a time staged in the warp's RS_ORD_STAGE floats of `stage` (a row every RS_ORD_STRIDE
+// floats: an 8-lane phase of a 16-byte shared access then meets 32 distinct banks, reading or writing). Load
+// instruction i of a round reads candidates 4 i .. 4 i + 3, eight lanes a row; four such loads are in flight per
+// lane before the first store (the memory-level parallelism of rs_gather's U = C = 2).
+#define RS_ORD_PIECE 32
+#define RS_ORD_STRIDE (RS_ORD_PIECE + 4)
+#define RS_ORD_STAGE (32 * RS_ORD_STRIDE)
+__device__ __forceinline__ void rs_gather_ordered(const float* __restrict__ items, int dim, const float* uvec,
+                                                  const int* rows32, int cnt, float* stage, u64* out_keys) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* st = stage + warp * RS_ORD_STAGE;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // j0 is the same for every lane of a warp: whole warps reach the shuffles and __syncwarp together.
+    for (int j0 = warp * 32; j0 < cnt; j0 += blockDim.x) {
+        const int j = j0 + lane;
+        const int r = j < cnt ? rows32[j] : -1;  // -1: nothing to load
+        float acc = 0.0f;
+        for (int p0 = 0; p0 < dim; p0 += RS_ORD_PIECE) {
+            const int w4 = min(RS_ORD_PIECE, dim - p0) >> 2;  // float4 columns of this piece
+            const int c = lane & 7;
+#pragma unroll 1
+            for (int h = 0; h < 32 / 16; ++h) {  // not unrolled: four loads in flight, not eight (registers)
+                float4 b[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int rr = __shfl_sync(RS_FULL, r, (4 * h + i) * 4 + (lane >> 3));
+                    b[i] = rr >= 0 && c < w4
+                               ? __ldg(reinterpret_cast<const float4*>(items + (long long)rr * dim + p0) + c)
+                               : zero;
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    *reinterpret_cast<float4*>(st + ((4 * h + i) * 4 + (lane >> 3)) * RS_ORD_STRIDE + 4 * c) = b[i];
+            }
+            __syncwarp();
+            const float4* u4 = reinterpret_cast<const float4*>(uvec + p0);
+            const float4* v4 = reinterpret_cast<const float4*>(st + lane * RS_ORD_STRIDE);
+            for (int q = 0; q < w4; ++q) {
+                const float4 a = u4[q], v = v4[q];
+                acc = fmaf(a.x, v.x, acc);
+                acc = fmaf(a.y, v.y, acc);
+                acc = fmaf(a.z, v.z, acc);
+                acc = fmaf(a.w, v.w, acc);
+            }
+            __syncwarp();  // the next piece overwrites the stage
+        }
+        if (j < cnt) out_keys[j] = r >= 0 ? rs_key(acc, r) : 0ull;
+    }
+}
+
 // Bytes of dynamic shared memory (recall/backends/cupy/rescore.py's smem_bytes mirrors this):
-//   keys: SZ u64 | ctrl: RS_CTRL_WORDS u64 | uvec: dim_pad floats (16-byte aligned: SZ is even) |
+//   keys: SZ u64 | ctrl: RS_CTRL_WORDS u64 | stage: RS_ORD_STAGE floats a warp, ORD with VEC only (16-byte aligned:
+//   SZ is even) | uvec: dim_pad floats (16-byte aligned) |
 //   scratch: 4 * SZ bytes (the chunk's rows as int32 during the gather, then the select's K_pad u64: SZ >= 2 K_pad) |
 //   hist: 256 u32 | dup: SZ bytes.
 //
@@ -376,7 +433,8 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
     extern __shared__ u64 rs_smem[];
     u64* keys = rs_smem;
     u64* ctrl = rs_smem + SZ;
-    float* uvec = reinterpret_cast<float*>(ctrl + RS_CTRL_WORDS);
+    float* stage = reinterpret_cast<float*>(ctrl + RS_CTRL_WORDS);
+    float* uvec = stage + (ORD && VEC ? (blockDim.x >> 5) * RS_ORD_STAGE : 0);
     const int dim_pad = (dim + 3) & ~3;
     unsigned char* scratch = reinterpret_cast<unsigned char*>(uvec + dim_pad);
     int* rows32 = reinterpret_cast<int*>(scratch);
@@ -421,7 +479,11 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
                 }
             }
             __syncthreads();  // the user's vector (first chunk) and the staged rows
-            rs_gather<U, C, VEC, ORD>(items, dim, uvec, rows32, cnt, G, keys + start);
+            if (ORD && VEC) {
+                rs_gather_ordered(items, dim, uvec, rows32, cnt, stage, keys + start);
+            } else {
+                rs_gather<U, C, VEC, ORD>(items, dim, uvec, rows32, cnt, G, keys + start);
+            }
         }
         __syncthreads();
         best = keys;

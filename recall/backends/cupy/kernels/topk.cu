@@ -142,30 +142,139 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 // the sums): each sampled score s of item j is first lowered by that much, A |u| |v_j| + R |s| + Z (|u| the norm of
 // the user's vector, a row of W in `users`; |v_j| = vnorm[j], rounded up; the caller's bound,
 // certificate.seed_margin), rounding down, so that the K-th best of the lowered scores is a lower bound whichever
-// items the sample holds. The threshold starts at the float just below it, so that scores equal to it pass the
-// strict `score > threshold` test until K items are held. A user with fewer than K finite sampled scores keeps
-// -inf. The K-th best is found exactly by a radix select on the scores' order-preserving keys, 12 + 12 + 8 bits,
-// each pass a histogram in shared memory of the keys that match the digits fixed so far (warp-aggregated adds:
-// sampled scores crowd a few bins); nothing goes through the candidate buffers, and the state is left empty.
+// items the sample holds. The threshold starts at the float just below a key at or below that K-th best, so that
+// scores equal to it pass the strict `score > threshold` test until K items are held. A user with fewer than K finite
+// sampled scores keeps -inf. Nothing goes through the candidate buffers, and the state is left empty.
 //
-// Rows of up to RECALL_SEED_HELD_MAX scores (in 16-byte loads) take recall_seed_held_select's path: each thread keeps
-// its lowered keys in registers, read and lowered once; the select starts below the leading bits that every key of
-// the row shares (scores that crowd a few binades put nearly every key in one bin of a 12-bit histogram of those
-// bits, whose shared-memory adds then serialise), stops at the first digit that brings it within K / 8 keys of the
-// K-th (the threshold then lies below the K-th best, at most K / 8 sampled scores further), and scans with warp
-// shuffles.
+// The key is found by one radix select on the lowered scores' order-preserving keys (recall_seed_select), whichever
+// path the row takes. A first pass finds the keys' range and count; the select then starts below the leading bits
+// that every key of the row shares (scores that crowd a few binades would put nearly every key in one bin of a
+// 12-bit histogram of those bits, whose shared-memory adds then serialise), takes digits of up to 12 bits, each a
+// histogram in shared memory of the keys that match the digits fixed so far (one shared atomic a key) scanned with
+// warp shuffles, and stops at the first digit that brings it within K / 8 keys of the K-th: the threshold then lies below
+// the K-th best lowered sampled score, with at most K + K / 8 sampled scores at or above it (one digit below the
+// shared bits is nearly always that close). The paths differ only in where the keys come from:
+//   held     rows of T <= RECALL_SEED_HELD_MAX scores, T a multiple of 4 (RecallSeedHeld): each thread reads and
+//            lowers its scores once, 4 at a time, and keeps its 32 keys in registers for every pass;
+//   streamed longer rows (up to 65,536 scores: large-k samples) and rows of T not a multiple of 4 (RecallSeedRow):
+//            every pass (the range's, then one a digit, usually one or two) reads the row from global memory again
+//            and lowers it again, 4 scores a thread at a time where T is a multiple of 4, else 1; no key is held.
 #define RECALL_SEED_THREADS 256
+#define RECALL_SEED_WARPS (RECALL_SEED_THREADS / 32)
 #define RECALL_SEED_HELD 8  // 16-byte loads a thread holds: 32 keys
 #define RECALL_SEED_HELD_MAX (4 * RECALL_SEED_HELD * RECALL_SEED_THREADS)
 
-// A key at or below the K-th largest of the keys the block's threads hold (0: no key), counted with multiplicity,
-// with at most K + K / 8 held keys at or above it, given that at least K keys are held, that every held key lies in
+// A sampled score lowered by its margin, rounding down (-inf, +inf and NaN as they are).
+__device__ __forceinline__ float recall_seed_lower(float s, float vn, float au, float R, float Z) {
+    if (!(s > RECALL_NEG_INF) || isinf(s)) return s;
+    return __fsub_rd(s, __fmaf_ru(au, vn, __fmaf_ru(R, fabsf(s), Z)));
+}
+
+// Sampled scores i .. i + 3 of a row (16-byte aligned), each lowered by its margin.
+template <typename S>
+__device__ __forceinline__ void recall_seed_load4(const S* row, const float* __restrict__ vnorm, int i, float au,
+                                                  float r32, float z32, float v[4]) {
+    recall_load4(row, i, v);
+    const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
+    v[0] = recall_seed_lower(v[0], n4.x, au, r32, z32);
+    v[1] = recall_seed_lower(v[1], n4.y, au, r32, z32);
+    v[2] = recall_seed_lower(v[2], n4.z, au, r32, z32);
+    v[3] = recall_seed_lower(v[3], n4.w, au, r32, z32);
+}
+
+// A lowered score's key; 0 (no key) for -inf and NaN.
+__device__ __forceinline__ u32 recall_seed_key(float v) { return v > RECALL_NEG_INF ? recall_f2ord(v) : 0u; }
+
+// The range of a thread's keys (kmax, kmin, of the keys other than 0) and how many there are.
+struct RecallSeedRange {
+    u32 kmax, kmin;
+    int count;
+
+    __device__ __forceinline__ void operator()(u32 key) {
+        if (key != 0u) {
+            kmax = max(kmax, key);
+            kmin = min(kmin, key);
+            ++count;
+        }
+    }
+};
+
+// One digit's histogram: adds a key of the row (at least kmin, so not 0) that matches the digits fixed so far (the
+// bits of `high` equal to prefix's) to the bin of its next `bins` bits below `shift`: one shared-memory atomic a key.
+// Aggregating a warp's equal bins first (__match_any_sync) cost more than it saved once the select starts below the
+// shared bits (H200, 20k rows: 32,768 scores crowded in one bin 5.58 -> 2.08 ms, 99% one value 5.22 -> 4.25 ms, held
+// rows of 8,192 1.58 -> 0.48 ms; the counts, and so the thresholds, are the same). (It tests key >= kmin rather than key != 0: the compiler would reuse the range pass's
+// `key != 0` of the 32 held keys, holding them in registers through the select: with nvcc 13.0 for sm_90, 80
+// registers and 48 bytes of spills a thread against 64 and none.)
+struct RecallSeedDigit {
+    int* hist; u32 kmin, prefix, high; int shift, bins;
+
+    __device__ __forceinline__ void operator()(u32 key) const {
+        if (key >= kmin && (key & high) == prefix) atomicAdd(&hist[(key >> shift) & (u32)(bins - 1)], 1);
+    }
+};
+
+// Where a thread's keys come from. A source's each(f) calls f(key) on every key of the thread, and on 0 (no key) as
+// often as it takes for every lane of a warp to make the same number of calls (f may be warp-collective).
+//
+// The held path's: 4 * RECALL_SEED_HELD keys in registers, read and lowered once by load().
+struct RecallSeedHeld {
+    u32 keys[4 * RECALL_SEED_HELD];
+
+    template <typename S>
+    __device__ __forceinline__ void load(const S* row, const float* __restrict__ vnorm, int T, float au, float r32,
+                                         float z32) {
+#pragma unroll
+        for (int r = 0; r < RECALL_SEED_HELD; ++r) {
+            const int i = (r * RECALL_SEED_THREADS + (int)threadIdx.x) * 4;
+            float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
+            if (i < T) recall_seed_load4(row, vnorm, i, au, r32, z32, v);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) keys[4 * r + q] = recall_seed_key(v[q]);
+        }
+    }
+
+    template <typename F>
+    __device__ __forceinline__ void each(F& f) const {
+#pragma unroll
+        for (int q = 0; q < 4 * RECALL_SEED_HELD; ++q) f(keys[q]);
+    }
+};
+
+// The streamed path's: the row itself, read and lowered again on every call, 4 scores a thread at a time where T is
+// a multiple of 4 (16-byte loads of float32, 8-byte of float16), 1 otherwise; the trip count depends on T alone.
+template <typename S>
+struct RecallSeedRow {
+    const S* row; const float* vnorm; int T; float au, r32, z32;
+
+    template <typename F>
+    __device__ __forceinline__ void each(F& f) const {
+        if ((T & 3) == 0) {
+            for (int i0 = 0; i0 < T; i0 += 4 * RECALL_SEED_THREADS) {
+                const int i = i0 + 4 * (int)threadIdx.x;
+                float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
+                if (i < T) recall_seed_load4(row, vnorm, i, au, r32, z32, v);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) f(recall_seed_key(v[q]));
+            }
+        } else {
+            for (int i0 = 0; i0 < T; i0 += RECALL_SEED_THREADS) {
+                const int i = i0 + (int)threadIdx.x;
+                f(i < T ? recall_seed_key(recall_seed_lower(recall_load(row, i), vnorm[i], au, r32, z32)) : 0u);
+            }
+        }
+    }
+};
+
+// A key at or below the K-th largest of the keys of the block's threads (counted with multiplicity), with at most
+// K + K / 8 of them at or above it, given that at least K keys are non-zero, that every non-zero key lies in
 // [kmin, kmax] and that kmax is one of them: the select stops at the first digit whose bin holding the K-th key holds
-// at most K / 8 keys below it, and returns that bin's lowest key (a threshold sample is a lower bound, and one pass
-// of 12 bits below the shared ones is nearly always that close). Every thread calls it; the result is every
-// thread's. hist: 4,096 ints of shared memory, part: one int per warp.
-__device__ u32 recall_seed_held_select(const u32 (&keys)[4 * RECALL_SEED_HELD], u32 kmax, u32 kmin, int K,
-                                       int* hist, int* part, u32* s_prefix, int* s_want, int* s_below) {
+// at most K / 8 keys below it, and returns that bin's lowest key (a threshold sample is a lower bound, and one digit
+// of 12 bits below the shared ones is nearly always that close); past the last digit it is the K-th key itself. Every
+// thread calls it; the result is every thread's. hist: 4,096 ints of shared memory, part: one int per warp.
+template <typename Keys>
+__device__ __forceinline__ u32 recall_seed_select(const Keys& keys, u32 kmax, u32 kmin, int K, int* hist, int* part,
+                                                  u32* s_prefix, int* s_want, int* s_below) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 diff = kmax ^ kmin;
     if (diff == 0) return kmax;  // one key everywhere
@@ -179,14 +288,8 @@ __device__ u32 recall_seed_held_select(const u32 (&keys)[4 * RECALL_SEED_HELD], 
         const u32 high = remaining == 32 ? 0u : ~((1u << remaining) - 1u);  // the bits fixed so far
         for (int b = tid; b < bins; b += RECALL_SEED_THREADS) hist[b] = 0;
         __syncthreads();
-#pragma unroll
-        for (int q = 0; q < 4 * RECALL_SEED_HELD; ++q) {
-            const u32 key = keys[q];
-            const u32 bin = key != 0u && (key & high) == prefix ? (key >> shift) & (u32)(bins - 1) : 0xffffffffu;
-            if (!__any_sync(0xffffffffu, bin != 0xffffffffu)) continue;
-            const unsigned peers = __match_any_sync(0xffffffffu, bin);
-            if (bin != 0xffffffffu && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-        }
+        const RecallSeedDigit add = {hist, kmin, prefix, high, shift, bins};
+        keys.each(add);
         __syncthreads();
         // Thread t sums its share of the bins, counted from the top bin down; a scan (warp shuffles, then the warps'
         // totals) says where each share starts, and the thread whose share holds rank `want` walks its bins.
@@ -228,22 +331,42 @@ __device__ u32 recall_seed_held_select(const u32 (&keys)[4 * RECALL_SEED_HELD], 
     return prefix;
 }
 
-// A sampled score lowered by its margin, rounding down (-inf, +inf and NaN as they are).
-__device__ __forceinline__ float recall_seed_lower(float s, float vn, float au, float R, float Z) {
-    if (!(s > RECALL_NEG_INF) || isinf(s)) return s;
-    return __fsub_rd(s, __fmaf_ru(au, vn, __fmaf_ru(R, fabsf(s), Z)));
-}
-
-// Sampled scores i .. i + 3 of a row (16-byte aligned), each lowered by its margin.
-template <typename S>
-__device__ __forceinline__ void recall_seed_load4(const S* row, const float* __restrict__ vnorm, int i, float au,
-                                                  float r32, float z32, float v[4]) {
-    recall_load4(row, i, v);
-    const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
-    v[0] = recall_seed_lower(v[0], n4.x, au, r32, z32);
-    v[1] = recall_seed_lower(v[1], n4.y, au, r32, z32);
-    v[2] = recall_seed_lower(v[2], n4.z, au, r32, z32);
-    v[3] = recall_seed_lower(v[3], n4.w, au, r32, z32);
+// The user's threshold from its keys (a source above) and its thread's range: the block's range and count first (per
+// warp in shared memory, hist being free until the select clears it; every thread combines the warps'), then -inf
+// where fewer than K keys, else the float just below the selected key.
+template <typename Keys>
+__device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSeedRange range, int K,
+                                                      float* __restrict__ thr, int* hist, int* part, u32* s_prefix,
+                                                      int* s_want, int* s_below) {
+    const int tid = threadIdx.x, lane = tid & 31;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        range.kmax = max(range.kmax, __shfl_xor_sync(0xffffffffu, range.kmax, o));
+        range.kmin = min(range.kmin, __shfl_xor_sync(0xffffffffu, range.kmin, o));
+        range.count += __shfl_xor_sync(0xffffffffu, range.count, o);
+    }
+    if (lane == 0) {
+        hist[tid >> 5] = (int)range.kmax;
+        hist[RECALL_SEED_WARPS + (tid >> 5)] = (int)range.kmin;
+        hist[2 * RECALL_SEED_WARPS + (tid >> 5)] = range.count;
+    }
+    __syncthreads();
+    u32 kmax = 0u, kmin = 0xffffffffu;
+    int count = 0;
+    for (int w = 0; w < RECALL_SEED_WARPS; ++w) {
+        kmax = max(kmax, (u32)hist[w]);
+        kmin = min(kmin, (u32)hist[RECALL_SEED_WARPS + w]);
+        count += hist[2 * RECALL_SEED_WARPS + w];
+    }
+    __syncthreads();  // hist is cleared by the select
+    if (count < K) {  // fewer than K finite sampled scores
+        if (tid == 0) *thr = RECALL_NEG_INF;
+        return;
+    }
+    u32 low = recall_seed_select(keys, kmax, kmin, K, hist, part, s_prefix, s_want, s_below);
+    // A bin's lowest key may lie below every finite float's (the bins of the most negative scores): -FLT_MAX.
+    low = max(low, recall_f2ord(-3.402823466e38f));
+    if (tid == 0) *thr = nextafterf(recall_ord2f(low), RECALL_NEG_INF);
 }
 
 template <typename S, typename V>
@@ -251,10 +374,10 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
                                  const V* __restrict__ users, int W, const float* __restrict__ vnorm, double A,
                                  double R, double Z) {
     __shared__ int hist[4096];
-    __shared__ int part[RECALL_SEED_THREADS];
+    __shared__ int part[RECALL_SEED_WARPS];
     __shared__ u32 s_prefix;
     __shared__ int s_want, s_below;
-    __shared__ double s_sq[RECALL_SEED_THREADS / 32];
+    __shared__ double s_sq[RECALL_SEED_WARPS];
     __shared__ float s_au;
     const int u = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     const S* row = scores + (long long)u * T;
@@ -269,142 +392,22 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
     __syncthreads();
     if (tid == 0) {
         double norm2 = 0.0;
-        for (int w = 0; w < RECALL_SEED_THREADS / 32; ++w) norm2 += s_sq[w];
+        for (int w = 0; w < RECALL_SEED_WARPS; ++w) norm2 += s_sq[w];
         s_au = __double2float_ru(A * sqrt(norm2));  // A |u|, rounded up (A carries the float64 steps' slack)
     }
     __syncthreads();
     const float au = s_au, r32 = __double2float_ru(R), z32 = __double2float_ru(Z);
+    RecallSeedRange range = {0u, 0xffffffffu, 0};
     if ((T & 3) == 0 && T <= RECALL_SEED_HELD_MAX) {
-        u32 keys[4 * RECALL_SEED_HELD];
-        u32 kmax = 0u, kmin = 0xffffffffu;
-        int count = 0;
-#pragma unroll
-        for (int r = 0; r < RECALL_SEED_HELD; ++r) {
-            const int i = (r * RECALL_SEED_THREADS + tid) * 4;
-            float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
-            if (i < T) {
-                recall_seed_load4(row, vnorm, i, au, r32, z32, v);
-            }
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const u32 key = v[q] > RECALL_NEG_INF ? recall_f2ord(v[q]) : 0u;  // NaN and -inf: no key
-                keys[4 * r + q] = key;
-                if (key != 0u) {
-                    kmax = max(kmax, key);
-                    kmin = min(kmin, key);
-                    ++count;
-                }
-            }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, o));
-            kmin = min(kmin, __shfl_xor_sync(0xffffffffu, kmin, o));
-            count += __shfl_xor_sync(0xffffffffu, count, o);
-        }
-        // Per warp in shared memory (hist is free until the select clears it), then every thread combines the 8.
-        constexpr int WARPS = RECALL_SEED_THREADS / 32;
-        if (lane == 0) {
-            hist[tid >> 5] = (int)kmax;
-            hist[WARPS + (tid >> 5)] = (int)kmin;
-            hist[2 * WARPS + (tid >> 5)] = count;
-        }
-        __syncthreads();
-        kmax = 0u;
-        kmin = 0xffffffffu;
-        count = 0;
-        for (int w = 0; w < WARPS; ++w) {
-            kmax = max(kmax, (u32)hist[w]);
-            kmin = min(kmin, (u32)hist[WARPS + w]);
-            count += hist[2 * WARPS + w];
-        }
-        __syncthreads();  // hist is cleared by the select
-        if (count < K) {  // fewer than K finite sampled scores
-            if (tid == 0) thr[u] = RECALL_NEG_INF;
-            return;
-        }
-        u32 low = recall_seed_held_select(keys, kmax, kmin, K, hist, part, &s_prefix, &s_want, &s_below);
-        // A bin's lowest key may lie below every finite float's (the bins of the most negative scores): -FLT_MAX.
-        low = max(low, recall_f2ord(-3.402823466e38f));
-        if (tid == 0) thr[u] = nextafterf(recall_ord2f(low), RECALL_NEG_INF);
-        return;
+        RecallSeedHeld held;
+        held.load(row, vnorm, T, au, r32, z32);
+        held.each(range);
+        recall_seed_threshold(held, range, K, thr + u, hist, part, &s_prefix, &s_want, &s_below);
+    } else {
+        const RecallSeedRow<S> streamed = {row, vnorm, T, au, r32, z32};
+        streamed.each(range);
+        recall_seed_threshold(streamed, range, K, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     }
-    u32 prefix = 0;
-    int want = K;  // the rank, from the top, of the K-th best among the keys matching prefix
-    for (int pass = 0; pass < 3; ++pass) {
-        const int shift = pass == 0 ? 20 : (pass == 1 ? 8 : 0);
-        const int bins = pass == 2 ? 256 : 4096;
-        const u32 fixed = pass == 0 ? 0u : (pass == 1 ? 0xfff00000u : 0xffffff00u);  // the digits fixed so far
-        for (int b = tid; b < bins; b += RECALL_SEED_THREADS) hist[b] = 0;
-        __syncthreads();
-        // Four scores a thread at a time where rows allow 16-byte (8-byte for float16) loads, one otherwise; the
-        // trip count is the same for every lane of a warp, so the warp-wide match sees all 32.
-        const bool vec = (T & 3) == 0;
-        const int step = vec ? 4 * RECALL_SEED_THREADS : RECALL_SEED_THREADS;
-        for (int i0 = 0; i0 < T; i0 += step) {
-            float v[4];
-            int m = 0;
-            if (vec) {
-                const int i = i0 + 4 * tid;
-                if (i < T) {
-                    recall_seed_load4(row, vnorm, i, au, r32, z32, v);
-                    m = 4;
-                }
-            } else if (i0 + tid < T) {
-                v[0] = recall_seed_lower(recall_load(row, i0 + tid), vnorm[i0 + tid], au, r32, z32);
-                m = 1;
-            }
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                u32 bin = 0xffffffffu;
-                if (q < m) {
-                    const u32 key = recall_f2ord(v[q]);
-                    if (v[q] > RECALL_NEG_INF && (key & fixed) == prefix) bin = (key >> shift) & (u32)(bins - 1);
-                }
-                if (!__any_sync(0xffffffffu, bin != 0xffffffffu)) continue;  // later passes: most lanes match none
-                const unsigned peers = __match_any_sync(0xffffffffu, bin);
-                if (bin != 0xffffffffu && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-            }
-        }
-        __syncthreads();
-        // Thread t sums the bins of its share, counted from the top bin down; an exclusive scan over the threads
-        // then says where each share starts, and the thread whose share holds rank `want` walks its bins.
-        const int per = bins / RECALL_SEED_THREADS;
-        const int hi = bins - 1 - tid * per;  // this thread's bins: hi, hi - 1, ..., hi - per + 1
-        int sum = 0;
-        for (int j = 0; j < per; ++j) sum += hist[hi - j];
-        part[tid] = sum;
-        __syncthreads();
-        for (int off = 1; off < RECALL_SEED_THREADS; off <<= 1) {  // inclusive scan, Hillis-Steele
-            const int add = tid >= off ? part[tid - off] : 0;
-            __syncthreads();
-            part[tid] += add;
-            __syncthreads();
-        }
-        const int before = part[tid] - sum;
-        if (pass == 0 && tid == RECALL_SEED_THREADS - 1 && part[tid] < K) s_want = -1;  // fewer than K finite
-        if (before < want && want <= part[tid]) {
-            int seen = before;
-            for (int j = 0; j < per; ++j) {
-                const int c = hist[hi - j];
-                if (seen + c >= want) {
-                    s_prefix = prefix | ((u32)(hi - j) << shift);
-                    s_want = want - seen;
-                    break;
-                }
-                seen += c;
-            }
-        }
-        __syncthreads();
-        if (s_want < 0) {
-            if (tid == 0) thr[u] = RECALL_NEG_INF;
-            return;
-        }
-        prefix = s_prefix;
-        want = s_want;
-        __syncthreads();  // s_prefix and s_want are rewritten by the next pass
-    }
-    if (tid == 0) thr[u] = nextafterf(recall_ord2f(prefix), RECALL_NEG_INF);
 }
 
 // By the type of the sampled scores and of the users' vectors: float32 and float32 (exact mode), float16 tiles of
