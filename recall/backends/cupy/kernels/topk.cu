@@ -202,8 +202,9 @@ struct RecallSeedRange {
 // One digit's histogram: adds a key of the row (at least kmin, so not 0) that matches the digits fixed so far (the
 // bits of `high` equal to prefix's) to the bin of its next `bins` bits below `shift`: one shared-memory atomic a key.
 // Aggregating a warp's equal bins first (__match_any_sync) cost more than it saved once the select starts below the
-// shared bits (H200, 20k rows: 32,768 scores crowded in one bin 5.58 -> 2.08 ms, 99% one value 5.22 -> 4.25 ms, held
-// rows of 8,192 1.58 -> 0.48 ms; the counts, and so the thresholds, are the same). (It tests key >= kmin rather than key != 0: the compiler would reuse the range pass's
+// shared bits, on every row tried on the H200, tie-heavy ones too (the counts, and so the thresholds, are the same);
+// with both changes a k = 1,000 search's selects (20k users x 32,768 sampled scores) take 2.8 ms, not 6.6 ms
+// (docs/benchmarks.md). (It tests key >= kmin rather than key != 0: the compiler would reuse the range pass's
 // `key != 0` of the 32 held keys, holding them in registers through the select: with nvcc 13.0 for sm_90, 80
 // registers and 48 bytes of spills a thread against 64 and none.)
 struct RecallSeedDigit {
