@@ -21,7 +21,7 @@ from oracle import as_numpy
 from parquet_data import write_embeddings
 from recall import Engine, InputError, SearchResult, EngineOptions
 from recall.cli.app import app
-from recall.backends.cupy.rescore import lanes
+from recall.backends.cupy.rescore import lanes, launch_config, smem_bytes
 from recall.io import read_pairs
 
 METRICS = ["ip", "cosine", "l2"]
@@ -271,6 +271,17 @@ def test_lanes_cover_a_row_in_one_round():
         g = lanes(dim)
         chunks = dim // 4 if dim % 4 == 0 else dim
         assert g in (1, 2, 4, 8, 16, 32) and (2 * g >= chunks or g == 32)
+
+
+def test_ordered_sums_of_float4_rows_reserve_each_warps_stage():
+    # rescore.cu's layout: ordered sums of rows read as float4 stage 32 rows' pieces of 32 columns (a row every 36
+    # floats) per warp of the 128-thread block, between the control words and the user's vector; nothing else does.
+    stage = 4 * 32 * 36 * 4
+    assert smem_bytes(256, 64, ordered=True) - smem_bytes(256, 64) == stage
+    assert smem_bytes(256, 37, ordered=True) == smem_bytes(256, 37)  # rows read as floats: the lane reads its own
+    assert smem_bytes(256, 0, ordered=True) == smem_bytes(256, 0)  # precomputed scores: no rows at all
+    k_pad, sz, smem = launch_config(100, 64, 130, ordered=True)  # under the 48 KiB every device has
+    assert (k_pad, sz) == (128, 256) and smem == smem_bytes(256, 64) + stage
 
 
 # ---- files and the CLI -------------------------------------------------------------------------------------------
