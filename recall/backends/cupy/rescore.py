@@ -33,7 +33,7 @@ def _kernel(vec: bool, ordered: bool = False) -> Any:
     # The same loads in flight per lane either way (ptxas, sm_90: 40 registers, no spills); ordered sums take one
     # lane a candidate: with ``vec`` its warp reads 4 float4 a lane at a time into shared memory, 32 rows' pieces
     # (rs_gather_ordered), otherwise the lane walks its whole row (2 rows x 2 float4 at a time).
-    # The warp-read ordered sums need 48 registers (no spills; ten blocks of 128 threads still fit an SM's).
+    # The warp-read ordered sums need 48 registers (no spills; an SM's registers still hold ten blocks of 128).
     regs = _MAX_REGISTERS_STAGED if ordered and vec else _MAX_REGISTERS
     expr = f"recall_rescore_t<{_UNROLL}, {_CHUNKS}, {int(vec)}, {int(ordered)}>"
     mod = kernels.module(("rescore.cu",), (f"--maxrregcount={regs}",), (expr,))
