@@ -129,8 +129,7 @@ class BlockPipeline:
         # A float16 pass of device users multiplies the columns they hold values in (fused_path.multiplied_width): a
         # fused kernel then covers rows wider than it would multiply whole. Host users are multiplied whole: NumPy's
         # float16 pass over them would cost more than it saves (0.35 s for 1M x 72 on a development machine).
-        half = (np.dtype(users.dtype) == np.float16 and n_users > 0 and options.fused != "off"
-                and not isinstance(users, np.ndarray))
+        half = np.dtype(users.dtype) == np.float16 and n_users > 0 and options.fused != "off" and not host_users
         multiplied = fused_path.multiplied_width(users) if half else 0
         fused = fused_path.applies(plan, n_users, n_items, k, multiplied or dim, users.dtype, options)
         # The fused path keeps score room for the threshold sample only.

@@ -288,7 +288,8 @@ __device__ u64* rs_select(u64* keys, int n, int K, int K_pad, u64* ctrl, u64* se
 }
 
 // Scores of cnt candidates (item rows from rows32, staged), written as keys to out_keys[0, cnt).
-// G lanes share one candidate; each lane loads U rows x C chunks before any arithmetic.
+// G lanes share one candidate; each lane loads U rows x C chunks before any arithmetic. Ordered sums come here only
+// for rows read as floats (VEC = 0, G = 1): with VEC they take rs_gather_ordered.
 template <int U, int C, int VEC, int ORD>
 __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int dim, const float* uvec,
                                           const int* rows32, int cnt, int G, u64* out_keys) {
@@ -326,16 +327,8 @@ __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int d
                     const int c = c0 + t * G + lane;
                     const float4 a = c < n_chunks ? u4[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-                    for (int q = 0; q < U; ++q) {
-                        if (ORD) {
-                            acc[q] = fmaf(a.x, b[q][t].x, acc[q]);
-                            acc[q] = fmaf(a.y, b[q][t].y, acc[q]);
-                            acc[q] = fmaf(a.z, b[q][t].z, acc[q]);
-                            acc[q] = fmaf(a.w, b[q][t].w, acc[q]);
-                        } else {
-                            acc[q] += a.x * b[q][t].x + a.y * b[q][t].y + a.z * b[q][t].z + a.w * b[q][t].w;
-                        }
-                    }
+                    for (int q = 0; q < U; ++q)
+                        acc[q] += a.x * b[q][t].x + a.y * b[q][t].y + a.z * b[q][t].z + a.w * b[q][t].w;
                 }
             } else {
                 float b[U][C];

@@ -215,8 +215,8 @@ struct RecallSeedDigit {
     }
 };
 
-// Where a thread's keys come from. A source's each(f) calls f(key) on every key of the thread, and on 0 (no key) as
-// often as it takes for every lane of a warp to make the same number of calls (f may be warp-collective).
+// Where a thread's keys come from. A source's each(f) calls f(key) on every key of the thread, and on 0 (no key) for
+// the places past the row's end (every f ignores key 0).
 //
 // The held path's: 4 * RECALL_SEED_HELD keys in registers, read and lowered once by load().
 struct RecallSeedHeld {
