@@ -113,12 +113,18 @@ class Backend(Protocol):
         thresholds from a sample of the items may prefer those of the largest norms."""
 
     def run_blocks(self, plan: TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Exclusions,
-                   out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Wait:
+                   out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
+                   left_out: Any = None) -> Wait:
         """Search every user block of ``plan`` and write each user's top-k (inner-product space, k <= n_items) into
         its row of ``out_vals`` / ``out_rows`` (arrays from ``empty_out``, on the host or the backend). ``users``:
         (n, dim) host or backend array. ``floor``: optional backend float32 (n,) scores; a user then gets only items
-        scoring above it (an optimisation: a backend may return more). Returns a callable that waits for this search
-        (the arrays are filled by then) and returns its stats; asynchronous backends return once the work is queued.
+        scoring above it (an optimisation: a backend may return more). ``left_out``: optional backend float32 (n,),
+        filled with a bound per user: every item a user is not given scores (in the pass's own arithmetic) at most
+        the larger of it and the user's k-th result (-inf where it holds fewer than k). Given it, a backend may start
+        a user at an estimate of its k-th best rather than a lower bound (``EngineOptions.seed_estimate``), and
+        return fewer than k items where the estimate was too high: for a caller that checks every user (fast mode's
+        certificate). Returns a callable that waits for this search (the arrays are filled by then) and returns its
+        stats; asynchronous backends return once the work is queued.
         """
 
     def rescore(self, users: Any, items: Any, indptr: Any, rows: Any, k: int, budget: int,

@@ -33,6 +33,12 @@ class EngineOptions:
     seed_thresholds : bool
         Start each user block's thresholds at its k-th best score over a sample of the items (False: at -inf). On
         the CPU from k = 300 on (``numpy.backend.seed_size``).
+    seed_estimate : bool
+        GPU, fast mode's float16 passes (and exact mode's certified route): start each seeded user at an *estimate*
+        of its k-th best (a rank of the sample's evenly spaced items, ``selection.estimate_rank``) rather than a
+        lower bound, so that about 1-2 k items a user pass the filter instead of k x items / sample. The
+        certificate checks every user as before, counting the items below the estimate as left out; a user whose
+        estimate was too high is widened. False: lower bounds only.
     fused : {"auto", "force", "off"}
         GPU: score and filter in one kernel where it applies ("auto": seeded searches of exact mode's float32
         vectors of at most 256 dimensions (``fused.cu``) or fast mode's float16 ones of at most 128 columns
@@ -75,6 +81,7 @@ class EngineOptions:
     min_user_block: int = 0
     cuda_graphs: bool = True
     seed_thresholds: bool = True
+    seed_estimate: bool = True
     fused: str = "auto"
     fused_segment: int = 65_536
     fused_tiles_per_block: int = 8
@@ -98,7 +105,7 @@ class EngineOptions:
         check_choice(self.certified_exact, CERTIFIED_EXACT_MODES, "options.certified_exact mode")
         check_int(self.fast_sample, "options.fast_sample", 0)
         check_int(self.seed_sample, "options.seed_sample", 0)
-        for name in ("cuda_graphs", "seed_thresholds", "few_user_tiles"):
+        for name in ("cuda_graphs", "seed_thresholds", "seed_estimate", "few_user_tiles"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"options.{name} must be True or False, got {getattr(self, name)!r}")
 

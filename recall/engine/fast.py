@@ -288,13 +288,14 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
     n_users, n_items = int(users.shape[0]), engine.n_items
     m = certificate.margin(k)
     vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl,
-                                                            ordered)
+                                                            ordered, estimate=True)
     half = _kept16(backend, run_stats)  # what the pass kept its scores in
     widened = failed
     if failed.size and k + m < n_items:
         # Once more with WIDEN times the margin; where score tiles are float16, each score shifted by the user's
         # exact k-th of the first pass: the scores that decide the certificate then lie near 0, where the tiles
-        # round them least.
+        # round them least. Seeded from lower bounds only: a user whose first pass started above its k-th best
+        # (an estimate, ``left_out``) gets every item it needs here.
         sel = xp.asarray(failed)
         sub = _take(xp, users, failed)
         shift = None
@@ -341,17 +342,22 @@ def _sampled_best(engine: Any, users: Any, uxp: Any) -> Any:
 
 
 def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certificate.FastUsers, k: int,
-                    n_keep: int, excl: Exclusions, ordered: bool = False) -> tuple[Any, Any, np.ndarray, dict, int]:
+                    n_keep: int, excl: Exclusions, ordered: bool = False,
+                    estimate: bool = False) -> tuple[Any, Any, np.ndarray, dict, int]:
     """One float16 pass keeping ``n_keep`` candidates per user, their float32 re-scoring (``ordered``: the exact
     search's own sums) and the certificate: (scores, rows, host rows of the users whose certificate failed, the
-    pass's stats, candidates per user)."""
+    pass's stats, candidates per user). ``estimate``: the pass may start each user at an estimate of its last
+    candidate's score (``Backend.run_blocks``' ``left_out``), which the certificate then counts as left out."""
     backend = engine.backend
     xp = backend.xp
     n_users, n_items = int(users.shape[0]), engine.n_items
     wide = min(n_keep + 1, n_items)
     approx_vals = backend.empty_out((n_users, wide), np.float32, False)
     approx_rows = backend.empty_out((n_users, wide), np.int64, False)
-    run_stats = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident)()
+    # Where every item is a candidate there is nothing to estimate: the certificate has nothing left out.
+    left = backend.empty_out((n_users,), np.float32, False) if estimate and wide < n_items else None
+    run_stats = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident,
+                           left_out=left)()
     # The backend says what its scores were kept in: float16 score tiles (the GPU's cuBLAS path), or float32 (its
     # fused kernel, the CPU), which the certificate reads without the tiles' rounding.
     tiles16 = _kept16(backend, run_stats)
@@ -362,7 +368,14 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     vals, rows, _ = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * n_cand,
                                     cand_rows, k, engine.memory_budget, engine.options, ordered)
     if wide < n_items:
-        ok = certificate.certified(xp, vals[:, k - 1], approx_vals[:, wide - 1], fast_users, state.items)
+        # The best score left out: the pass's last kept one, or where it started above that (an estimate that held
+        # fewer than ``wide`` items above it), its start: every item below it was left out.
+        outside = approx_vals[:, wide - 1]
+        if left is not None:
+            short = left > outside
+            outside = xp.where(short, left, outside)
+            run_stats = {**run_stats, "estimate_short_users": int(short.sum())}
+        ok = certificate.certified(xp, vals[:, k - 1], outside, fast_users, state.items)
         failed = np.flatnonzero(backend.to_host(~ok))
     else:
         failed = np.zeros(0, np.int64)  # every item was a candidate: nothing left out to certify against

@@ -78,6 +78,7 @@ VARIANTS = {
     "nosample": {"fast_sample": 0},  # fast mode without its sample of users searched first
     "float32": {"certified_exact": "off"},  # exact mode's float32 search only
     "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it
+    "no-estimate": {"seed_estimate": False},  # the float16 passes seeded from lower bounds only
 }
 
 
@@ -248,9 +249,10 @@ def main() -> None:
             print(f"| {cell} | {vname} | {t:.4f} s | x shipped {t / base:.3f} | fused {st.get('fused')} tiles "
                   f"{st.get('tiles')} seed {st.get('seed_sample')} busy {st.get('gpu_busy_s', 0):.4f} | scores "
                   f"{st.get('score_dtype')} precision {st.get('precision')} fallbacks {st.get('fallback_users')} "
-                  f"widened {st.get('widened_users')}{same} |", flush=True)
+                  f"widened {st.get('widened_users')} estimate {st.get('seed_estimate')} short "
+                  f"{st.get('estimate_short_users')}{same} |", flush=True)
             keys = ("fused", "tiles", "seed_sample", "gpu_busy_s", "blocks", "score_dtype", "precision",
-                    "fallback_users", "widened_users")
+                    "fallback_users", "widened_users", "seed_estimate", "estimate_short_users", "route")
             out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})
             del engine
         if a.no_per_kernel:

@@ -244,3 +244,56 @@ def test_which_searches_take_the_fused_path(plan, n_users, n_items, k, dim, dtyp
     from recall.core.tiling import TilePlan
 
     assert fused.applies(TilePlan(*plan), n_users, n_items, k, dim, np.dtype(dtype), EngineOptions(**options)) is want
+
+
+@pytest.mark.parametrize("k, size, n_items", [
+    (126, 8192, 1_000_000), (2561, 32768, 1_000_000), (1251, 16384, 100_000), (126, 8192, 100_000),
+    (1251, 32768, 1_000_000), (12, 8192, 1_000_000), (37, 300, 600), (5000, 65536, 100_000)])
+def test_estimate_rank_is_rarely_reached_and_passes_fewer(k, size, n_items):
+    # The estimate's rank KE in a sample of evenly spaced rows: the count of sampled items above a user's k-th best
+    # is about Poisson(mu), mu = k * size / n_items; it reaches KE for under 1e-6 of the users, and KE < k (fewer
+    # items pass than from the k-th best), else no estimate (0).
+    import math
+
+    from recall.backends.cupy.selection import estimate_rank
+
+    ke = estimate_rank(k, size, n_items)
+    mu = k * size / n_items
+    if ke == 0:
+        assert math.ceil(mu + 5 * math.sqrt(mu)) + 3 >= k
+        return
+    tail = 1.0 - sum(math.exp(-mu + j * math.log(mu) - math.lgamma(j + 1)) for j in range(ke))
+    assert tail < 1e-6, (ke, mu, tail)
+    assert ke < k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
+@pytest.mark.parametrize("size, k, ke", [(8192, 126, 10), (8192, 126, 300), (4096, 1024, 40), (300, 37, 5),
+                                         (301, 37, 5), (16384, 1251, 277), (16387, 1000, 40), (32768, 2561, 133)])
+def test_seed_estimate_is_the_ke_th_best_sampled_score(dtype, vectors, size, k, ke):
+    # recall_seed with an estimate rank KE: the KE-th best lowered sampled score where KE < k (else the k-th, a
+    # bound); -inf still where fewer than k sampled scores are finite. The select may stop within KE / 8, as before.
+    from recall.backends import cuda_status, resolve
+    from recall.backends.cupy.selection import GpuTopK
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    rows, users, norms = _seed_rows(size, k, dtype)
+    users = users.astype(vectors)
+    n = rows.shape[0]
+    backend = resolve("gpu")
+    state = GpuTopK.allocate(n, k)
+    backend.selection.seed(state, cupy.asarray(rows).reshape(1, n, size), cupy.arange(size, dtype=cupy.int64),
+                           cupy.asarray(users), cupy.asarray(norms), cupy.zeros(n + 1, cupy.int64),
+                           cupy.zeros(0, cupy.int64), ke)
+    got = cupy.asnumpy(state.thr)
+    for u in range(n):
+        sampled = rows[u].astype(np.float32)
+        if np.sum(sampled > -np.inf) < k:
+            assert got[u] == -np.inf, (u, got[u])
+            continue
+        _check_threshold(got[u], sampled, norms, users[u], min(k, ke), dtype, vectors, u)

@@ -231,8 +231,10 @@ class CupyBackend:
         return DeviceItems(prepared, norms_rank)
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
-                   out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Any:
-        return self.pipeline.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor)
+                   out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
+                   left_out: Any = None) -> Any:
+        return self.pipeline.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor,
+                                        left_out)
 
     def rescore(self, users: Any, items: DeviceItems, indptr: np.ndarray, rows: Any, k: int, budget: int,
                 options: EngineOptions, ordered: bool = False) -> tuple[Any, Any, str]:

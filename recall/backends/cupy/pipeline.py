@@ -23,7 +23,7 @@ from ...core.tiling import TilePlan
 from .. import tiled
 from . import fused as fused_path
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
-from .selection import GpuTopK, fused_capacity, search_seed_size
+from .selection import GpuTopK, estimate_rank, fused_capacity, search_seed_size
 
 log = logging.getLogger("recall")
 
@@ -104,19 +104,27 @@ class BlockPipeline:
             self.fetch_stream.synchronize()
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
-                   out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Any:
+                   out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
+                   left_out: Any = None) -> Any:
         with self.search_lock:
-            return self._run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor)
+            return self._run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor,
+                                    left_out)
 
     def _run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
-                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None) -> Any:
+                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
+                    left_out: Any = None) -> Any:
         """Queue every block of the search and return a callable that waits for it and returns its stats (see
         ``Backend.run_blocks``).
 
         ``floor``: a device float32 (n_users,) of inner-product scores, or None. A user's threshold starts there
         (instead of at the seed of the threshold sample), so that only items scoring above it are returned (fewer
         than k where fewer do): for a search of the rows after others whose k-th best is known, items at or below it
-        cannot enter the top k."""
+        cannot enter the top k.
+
+        ``left_out``: a device float32 (n_users,), or None. Given, a seeded search may start each user at an
+        *estimate* of its k-th best (``EngineOptions.seed_estimate``, ``selection.estimate_rank``) rather than a lower
+        bound, and each user's starting threshold is written there: every item a user is not given scores at most
+        the larger of that and its k-th result (-inf where it holds fewer than k)."""
         import cupy
 
         wall = time.perf_counter()
@@ -150,6 +158,12 @@ class BlockPipeline:
             copy.wait_event(compute.record())  # floors come from merges queued on the compute stream
         seed = self._refresh_sample(ws, items, n_items, sample, dim) if sample else None
         stats["seed_sample"] = sample
+        estimate = 0
+        if seed is not None and left_out is not None and floor is None and options.seed_estimate \
+                and not items.norms_rank:  # a sample of evenly spaced rows only (selection.estimate_rank)
+            estimate = estimate_rank(k, sample, n_items)
+        if left_out is not None:
+            stats["seed_estimate"] = estimate
         items_t = fused_path.operand(items, compute) if fused else None
         stats["fused"] = fused
         # What the search's scores were compared and kept in: the fused kernels keep float32 (fast mode's float16
@@ -192,7 +206,10 @@ class BlockPipeline:
                     compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
                 self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
-                                  ws if fused else None, items_t, floor is not None, options, multiplied)
+                                  ws if fused else None, items_t, floor is not None, options, multiplied, estimate,
+                                  left_out is not None)
+                if left_out is not None:
+                    left_out[start:stop] = state.seed_thr[:n]
                 if not host_out:
                     out_vals[start:stop, :k] = state.out_vals[:n]
                     out_rows[start:stop, :k] = state.out_rows[:n]
@@ -304,8 +321,11 @@ class BlockPipeline:
 
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
-                     has_floor: bool, options: EngineOptions, multiplied: int = 0) -> None:
-        """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all). The cuBLAS
+                     has_floor: bool, options: EngineOptions, multiplied: int = 0, estimate: int = 0,
+                     keep_seed: bool = False) -> None:
+        """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all; ``estimate``:
+        the seed's estimate rank, 0: a lower bound; ``keep_seed``: each user's starting threshold is kept in
+        ``state.seed_thr``). The cuBLAS
         path always runs over the slot's full capacity of rows (rows past the real users are ignored), so that every
         block runs the same launches and the graph captured for a slot replays for each of its blocks; the fused
         path (``fused_ws`` set) scores the real rows only, and runs a short last block eagerly."""
@@ -326,7 +346,9 @@ class BlockPipeline:
                 scores = scores_buf[: rows * size].reshape(1, rows, size)
                 backend.gemm_strided_batched(users.reshape(1, rows, users.shape[1]), sample.reshape(1, size, -1),
                                              scores)
-                sel.seed(state, scores, sample_rows, users, sample_norms, slot.ex_ptr, ex_items)
+                sel.seed(state, scores, sample_rows, users, sample_norms, slot.ex_ptr, ex_items, estimate)
+            if keep_seed:
+                state.seed_thr[:rows] = state.thr[:rows]
             if fused_ws is None:
                 tiled.search_block(backend, plan, users, items.vecs, n_items, state, scores_buf, slot.ex_ptr,
                                    ex_items)
@@ -342,7 +364,7 @@ class BlockPipeline:
         vecs = items.vecs
         sample_ptr = None if seed is None else (seed[1].data.ptr, seed[2].data.ptr)
         key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
-               None if items_t is None else items_t.data.ptr, has_floor, options, multiplied)
+               None if items_t is None else items_t.data.ptr, has_floor, options, multiplied, estimate, keep_seed)
         graph = slot.graphs.get(key)
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
         # From the second on (the next block, or the next search of one block: an embedded engine answering one

@@ -56,6 +56,31 @@ def search_seed_size(plan: Any, n_items: int, k: int, options: Any) -> int:
     return seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds, options.seed_sample)
 
 
+#: The estimate's rank (``estimate_rank``) sits this many standard deviations, plus ESTIMATE_SLACK, above the expected
+#: number of uniform sampled items that score above a user's K-th best: the count is about Poisson(mu), and the chance
+#: that it reaches the rank (the estimate then lies above the K-th best, and the user ends short) is under 1e-6 a
+#: user for every mu (mu = 0.5: rank 7, mu = 42: rank 78).
+ESTIMATE_SIGMAS = 5.0
+ESTIMATE_SLACK = 3
+
+
+def estimate_rank(k: int, size: int, n_items: int) -> int:
+    """The rank KE in a threshold sample of ``size`` evenly spaced rows of ``n_items`` items whose score starts a
+    pass of ``k`` at an *estimate* of each user's k-th best (``recall_seed``): mu = k * size / n_items sampled items
+    score above the k-th best on average, and KE = mu + ESTIMATE_SIGMAS sqrt(mu) + ESTIMATE_SLACK, so that about KE *
+    n_items / size items pass the filter, not the k * n_items / size of the lower bound. 0 where KE is not below k.
+
+    Only over evenly spaced rows: an inner-product sample's other half, the largest norms, holds more of every
+    user's best items than its share, and its k-th best is a good bound already (on the H200, an estimate over the
+    evenly spaced half alone, selected as well as the bound, cost 3-18% on S1, 1M x 100k and popular data, and gained
+    nothing at k = 1,000 on skewed norms: docs/benchmarks.md)."""
+    if size <= 0 or n_items <= 0:
+        return 0
+    mu = k * size / n_items
+    ke = int(np.ceil(mu + ESTIMATE_SIGMAS * np.sqrt(mu))) + ESTIMATE_SLACK
+    return ke if ke < k else 0
+
+
 def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -76,6 +101,7 @@ class GpuTopK:
     base: Any
     out_vals: Any
     out_rows: Any
+    seed_thr: Any  # (capacity,) float32: each user's threshold as its block started (Backend.run_blocks' left_out)
 
     @classmethod
     def allocate(cls, capacity: int, k: int, cand_capacity: int = 0) -> "GpuTopK":
@@ -86,7 +112,8 @@ class GpuTopK:
                    top=cupy.zeros((capacity, k), cupy.uint64), n_valid=cupy.zeros(capacity, cupy.int32),
                    thr=cupy.full(capacity, -cupy.inf, cupy.float32), cand=cupy.zeros((capacity, c), cupy.uint64),
                    cnt=cupy.zeros(capacity, cupy.int32), base=cupy.zeros(capacity, cupy.int32),
-                   out_vals=cupy.empty((capacity, k), cupy.float32), out_rows=cupy.empty((capacity, k), cupy.int64))
+                   out_vals=cupy.empty((capacity, k), cupy.float32), out_rows=cupy.empty((capacity, k), cupy.int64),
+                   seed_thr=cupy.full(capacity, -cupy.inf, cupy.float32))
 
     def clear(self) -> None:
         """Empty every row (the final merge also leaves its rows empty; this recovers from an interrupted search)."""
@@ -137,7 +164,7 @@ class Selection:
         self._merge(state, scores, n, width, tiles, item_start, n_items, final=False)
 
     def seed(self, state: GpuTopK, scores: Any, rows: Any, users: Any, item_norms: Any, excl_indptr: Any,
-             excl_items: Any) -> None:
+             excl_items: Any, estimate: int = 0) -> None:
         """Start every user's threshold just below its k-th best score over the sample whose scores are ``scores``
         (1, n, size) (column j: item row ``rows[j]``, ``tiled.sample_rows``, of norm ``item_norms[j]``, float32 rounded
         up), each lowered by what the search's own score of that item may lie below it (``certificate.seed_margin``;
@@ -145,7 +172,9 @@ class Selection:
         scores to the merge whatever the item order. It may start lower, with at most k/8 more sampled scores above
         it (the select stops one digit early where that is all it would gain).
         Excluded sampled items are masked first; the k-th best is selected in place (``recall_seed``), and the state
-        is left empty."""
+        is left empty. ``estimate`` (``estimate_rank``; 0 < estimate < k): start instead at the estimate-th best of
+        a sample of evenly spaced rows, an estimate of the k-th best and not a bound, for a caller that checks its
+        users (fast mode's certificate)."""
         _, n, size = scores.shape
         if excl_items.size:
             self.mask_sampled[scores.dtype](((n + 127) // 128,), (128,),
@@ -155,7 +184,7 @@ class Selection:
         self.seed_kth[(scores.dtype, users.dtype)]((n,), (SEED_THREADS,),
                                                    (scores, np.int32(size), np.int32(state.k), state.thr, users,
                                                     np.int32(width), item_norms, np.float64(a), np.float64(r),
-                                                    np.float64(z)))
+                                                    np.float64(z), np.int32(estimate)))
 
     def result(self, state: GpuTopK) -> tuple[Any, Any]:
         """The final merge: sorted results of the block's users in ``state.out_vals`` / ``out_rows``."""

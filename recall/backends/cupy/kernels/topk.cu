@@ -159,6 +159,13 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 //   streamed longer rows (up to 65,536 scores: large-k samples) and rows of T not a multiple of 4 (RecallSeedRow):
 //            every pass (the range's, then one a digit, usually one or two) reads the row from global memory again
 //            and lowers it again, 4 scores a thread at a time where T is a multiple of 4, else 1; no key is held.
+//
+// An *estimate* instead of a lower bound (KE > 0, KE < K: fast mode's float16 passes, whose certificate checks every
+// user anyway, over a sample of evenly spaced rows): the threshold starts at the KE-th best sampled score. KE is
+// chosen (selection.estimate_rank) so that for nearly every user at least K items of the whole catalogue score above
+// it: about KE n / size items pass the filter instead of the K n / size a lower bound lets through. A user for whom
+// the estimate was too high ends with fewer than K items, and its caller knows its start (Backend.run_blocks'
+// left_out). The same select, at another rank.
 #define RECALL_SEED_THREADS 256
 #define RECALL_SEED_WARPS (RECALL_SEED_THREADS / 32)
 #define RECALL_SEED_HELD 8  // 16-byte loads a thread holds: 32 keys
@@ -334,9 +341,10 @@ __device__ __forceinline__ u32 recall_seed_select(const Keys& keys, u32 kmax, u3
 
 // The user's threshold from its keys (a source above) and its thread's range: the block's range and count first (per
 // warp in shared memory, hist being free until the select clears it; every thread combines the warps'), then -inf
-// where fewer than K keys, else the float just below the selected key.
+// where fewer than K keys, else the float just below the selected key: the K-th best's (a lower bound), or with
+// 0 < KE < K the KE-th best's (the estimate, above).
 template <typename Keys>
-__device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSeedRange range, int K,
+__device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSeedRange range, int K, int KE,
                                                       float* __restrict__ thr, int* hist, int* part, u32* s_prefix,
                                                       int* s_want, int* s_below) {
     const int tid = threadIdx.x, lane = tid & 31;
@@ -364,7 +372,8 @@ __device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSe
         if (tid == 0) *thr = RECALL_NEG_INF;
         return;
     }
-    u32 low = recall_seed_select(keys, kmax, kmin, K, hist, part, s_prefix, s_want, s_below);
+    const int rank = KE > 0 && KE < K ? KE : K;
+    u32 low = recall_seed_select(keys, kmax, kmin, rank, hist, part, s_prefix, s_want, s_below);
     // A bin's lowest key may lie below every finite float's (the bins of the most negative scores): -FLT_MAX.
     low = max(low, recall_f2ord(-3.402823466e38f));
     if (tid == 0) *thr = nextafterf(recall_ord2f(low), RECALL_NEG_INF);
@@ -373,7 +382,7 @@ __device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSe
 template <typename S, typename V>
 __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, float* __restrict__ thr,
                                  const V* __restrict__ users, int W, const float* __restrict__ vnorm, double A,
-                                 double R, double Z) {
+                                 double R, double Z, int KE) {
     __shared__ int hist[4096];
     __shared__ int part[RECALL_SEED_WARPS];
     __shared__ u32 s_prefix;
@@ -403,34 +412,35 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
         RecallSeedHeld held;
         held.load(row, vnorm, T, au, r32, z32);
         held.each(range);
-        recall_seed_threshold(held, range, K, thr + u, hist, part, &s_prefix, &s_want, &s_below);
+        recall_seed_threshold(held, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     } else {
         const RecallSeedRow<S> streamed = {row, vnorm, T, au, r32, z32};
         streamed.each(range);
-        recall_seed_threshold(streamed, range, K, thr + u, hist, part, &s_prefix, &s_want, &s_below);
+        recall_seed_threshold(streamed, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     }
 }
 
 // By the type of the sampled scores and of the users' vectors: float32 and float32 (exact mode), float16 tiles of
-// float16 vectors (fast mode's cuBLAS path), float32 scores of float16 vectors (fast mode's fused path).
+// float16 vectors (fast mode's cuBLAS path), float32 scores of float16 vectors (fast mode's fused path). KE: the
+// estimate's rank (0: the K-th best, a lower bound).
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed(const float* __restrict__ scores, int T, int K, float* __restrict__ thr, const float* __restrict__ users,
-            int W, const float* __restrict__ vnorm, double A, double R, double Z) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z);
+            int W, const float* __restrict__ vnorm, double A, double R, double Z, int KE) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z, KE);
 }
 
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed_h(const half_bits* __restrict__ scores, int T, int K, float* __restrict__ thr,
               const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, double A, double R,
-              double Z) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z);
+              double Z, int KE) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z, KE);
 }
 
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed_fh(const float* __restrict__ scores, int T, int K, float* __restrict__ thr,
                const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, double A, double R,
-              double Z) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z);
+               double Z, int KE) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z, KE);
 }
 
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.

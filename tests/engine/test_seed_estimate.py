@@ -1,0 +1,188 @@
+"""Fast mode's float16 passes may start each user at an *estimate* of its k-th best (``Backend.run_blocks``'
+``left_out``, ``EngineOptions.seed_estimate``): the answer must stay exact mode's whatever the estimate does, because
+the certificate counts every item below a user's start as left out, and a user whose estimate was too high (fewer
+candidates above it than the pass keeps) is widened from lower bounds.
+
+On the CPU, whose thresholds are lower bounds (``left_out`` -inf), an estimate is simulated: the first pass's results
+are cut below a chosen score and that score reported as the start. On the GPU the seed kernel's estimate runs for
+real (samples of evenly spaced rows: cosine and l2), with items planted so that the sample overstates every user's
+scores."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import oracle
+from conftest import normal_data
+from oracle import as_numpy
+from recall import Engine, EngineOptions
+
+
+def _lognormal(n_users, n_items, dim, seed):
+    users, items = normal_data(n_users, n_items, dim, seed=seed)
+    rng = np.random.default_rng(seed + 100)
+    items *= rng.lognormal(0, 0.5, (n_items, 1)).astype(np.float32)
+    users *= rng.lognormal(0, 0.5, (n_users, 1)).astype(np.float32)
+    return users, items
+
+
+def _simulate_estimates(monkeypatch, k):
+    """NumpyBackend.run_blocks, where asked for ``left_out``, as a backend whose estimate overshoots: user u % 3 == 1
+    keeps only its best k // 2 items (its start above its k-th best: the certificate must not pass it), u % 3 == 2
+    its best k + 2 (fewer than the pass keeps, at least k: certified against the start). Returns the calls' log."""
+    from recall.backends.numpy.backend import NumpyBackend
+
+    real = NumpyBackend.run_blocks
+    calls = []
+
+    def run_blocks(self, plan, users, items, n_items, k_pass, excl, out_vals, out_rows, options, floor=None,
+                   left_out=None):
+        wait = real(self, plan, users, items, n_items, k_pass, excl, out_vals, out_rows, options, floor, left_out)
+        calls.append(left_out is not None)
+        if left_out is None:
+            return wait
+        stats = wait()
+        for u in range(out_vals.shape[0]):
+            keep = {0: k_pass, 1: k // 2, 2: k + 2}[u % 3]
+            if keep < k_pass:
+                left_out[u] = out_vals[u, keep]  # the first score cut: every item cut lies at or below it
+                out_vals[u, keep:] = -np.inf
+                out_rows[u, keep:] = -1
+        return lambda: stats
+
+    monkeypatch.setattr(NumpyBackend, "run_blocks", run_blocks)
+    return calls
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_users_short_of_their_estimate_are_widened_not_certified(monkeypatch, metric):
+    users, items = _lognormal(90, 3000, 16, seed=41)
+    k = 20
+    calls = _simulate_estimates(monkeypatch, k)
+    engine = Engine(items, metric=metric, device="cpu", precision="fast")
+    got = engine.search(users, k)
+    # The first pass asked for the bound; the widened pass (lower bounds only) did not.
+    assert calls[0] and not all(calls), calls
+    stats = engine.stats
+    assert stats["estimate_short_users"] == 60, stats  # users 1 and 2 (mod 3): fewer than k + m + 1 kept
+    # The third left with k // 2 items cannot be certified; with k + 2 they may be (the start counts as left out).
+    assert stats["widened_users"] >= 30, stats
+    oracle.assert_topk_close(as_numpy(got.indices), as_numpy(got.scores), users, items, k, metric)
+
+
+def test_exact_modes_certified_route_stays_bit_for_bit_under_estimates(monkeypatch):
+    users, items = _lognormal(60, 2500, 12, seed=42)
+    k = 16
+    # The route's scores are the fused kernel's sums (emulated on the CPU), whichever pass found the candidates.
+    want = Engine(items, device="cpu", options=EngineOptions(certified_exact="on")).search(users, k)
+    _simulate_estimates(monkeypatch, k)
+    engine = Engine(items, device="cpu", options=EngineOptions(certified_exact="on"))
+    got = engine.search(users, k)
+    assert engine.stats["route"] == "certified" and engine.stats["estimate_short_users"] == 40, engine.stats
+    oracle.assert_same_result(got, want)
+
+
+def test_the_cpu_backends_bounds_leave_nothing_out():
+    # The CPU's thresholds are lower bounds: it says so with -inf, and the pass is the same search.
+    users, items = _lognormal(50, 2000, 8, seed=43)
+    engine = Engine(items, device="cpu")
+    prepared = engine.backend.ingest(users)
+    vals = engine.backend.empty_out((50, 30), np.float32, False)
+    rows = engine.backend.empty_out((50, 30), np.int64, False)
+    left = np.zeros(50, np.float32)
+    from recall.core.exclusions import normalise
+
+    engine.run(prepared, 30, normalise(None, 50, 2000), vals, rows, left_out=left)()
+    assert np.isneginf(left).all()
+    want = engine.search(users, 30)
+    np.testing.assert_array_equal(rows, as_numpy(want.indices))
+
+
+# --- on the GPU: the seed kernel's estimate, for real -----------------------------------------------------------
+
+
+def _planted(n_users, n_items, dim, seed):
+    """Lognormal data whose sample rows (every stride-th row: the threshold sample's, tiled.sample_rows) are made the
+    best items of every user: users gathered around a centre c, and those items near 2 c (the nearest under l2,
+    the closest in angle under cosine). An estimate taken over them lies far above every user's k-th best."""
+    users, items = _lognormal(n_users, n_items, dim, seed)
+    from recall.backends.cupy.selection import seed_size
+
+    size = seed_size(n_items, 126, 1 << 20)  # k = 100 in fast mode keeps k + 25 + 1
+    stride = n_items // size
+    planted = np.arange(stride // 2, n_items, stride)[:size]
+    rng = np.random.default_rng(seed + 7)
+    centre = rng.standard_normal(dim).astype(np.float32)
+    centre *= 3.0 * np.sqrt(dim) / np.linalg.norm(centre)
+    users += centre
+    items[planted] = 2.0 * centre + 0.1 * rng.standard_normal((planted.size, dim)).astype(np.float32)
+    return users, items
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_gpu_estimates_keep_every_answer(gpu_available, monkeypatch, metric, precision):
+    # A seeded catalogue (8 x 8,192 items), the fused kernels: with the estimate and without, the same answer (exact
+    # mode's route bit for bit; fast mode against the oracle), and the estimate taken where the sample is of evenly
+    # spaced rows (under ip half of it is the largest norms, whose k-th best is the bound kept).
+    if not gpu_available:
+        pytest.skip("no usable GPU")
+    from recall.engine import fast as fast_mode
+
+    monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)  # 2,000 x 70,000 scores would decline for their number
+    users, items = _lognormal(2000, 70000, 48, seed=44)
+    rng = np.random.default_rng(45)
+    excl = {u: rng.choice(70000, 300, replace=False).tolist() for u in range(0, 2000, 7)}
+    excl[3] = list(range(0, 70000, 2))
+    k = 100
+    want = Engine(items, metric=metric, device="gpu", options=EngineOptions(certified_exact="off")).search(
+        users, k, exclude=excl)
+    opts = EngineOptions(certified_exact="on") if precision == "exact" else EngineOptions()
+    engine = Engine(items, metric=metric, device="gpu", precision=precision, options=opts)
+    got = engine.search(users, k, exclude=excl)
+    st = engine.stats
+    assert (st["seed_estimate"] > 0) == (metric != "ip") and st["fallback_users"] <= 20, st
+    off = Engine(items, metric=metric, device="gpu", precision=precision,
+                 options=EngineOptions(seed_estimate=False, certified_exact=opts.certified_exact))
+    plain = off.search(users, k, exclude=excl)
+    assert "seed_estimate" not in off.stats or off.stats["seed_estimate"] == 0, off.stats
+    if precision == "exact":
+        assert st["route"] == "certified", st
+        oracle.assert_same_result(got, want)
+        oracle.assert_same_result(plain, want)
+    else:
+        sample = np.arange(0, 2000, 9)
+        ex = {i: excl[u] for i, u in enumerate(sample) if u in excl}
+        oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample], items,
+                                 k, metric, exclude=ex)
+        # Both passes hold every user's top k before re-scoring: the same lists (a user that fell back may differ
+        # by a rounding step's swap).
+        assert (as_numpy(got.indices) == as_numpy(plain.indices)).all(axis=1).mean() >= 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric, dim", [("l2", 48), ("cosine", 48), ("l2", 200)])
+def test_gpu_an_estimate_too_high_is_caught(gpu_available, monkeypatch, metric, dim):
+    # Items planted at the sample's rows outscore the rest for every user: the estimate over them lies above most
+    # users' k-th best, those users end short, and the certificate sends them to the widened pass. dim 200: fast
+    # mode's float16 rows of more than 128 columns take cuBLAS + filter (float16 tiles), the same seed.
+    if not gpu_available:
+        pytest.skip("no usable GPU")
+    from recall.engine import fast as fast_mode
+
+    monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)
+    users, items = _planted(1000, 70000, dim, 46)
+    k = 100
+    want = Engine(items, metric=metric, device="gpu", options=EngineOptions(certified_exact="off")).search(users, k)
+    for precision, opts in (("exact", EngineOptions(certified_exact="on")), ("fast", EngineOptions())):
+        engine = Engine(items, metric=metric, device="gpu", precision=precision, options=opts)
+        got = engine.search(users, k)
+        st = engine.stats
+        assert st["seed_estimate"] > 0 and st["estimate_short_users"] > 0, st
+        if precision == "exact":
+            oracle.assert_same_result(got, want)
+        else:
+            sample = np.arange(0, 1000, 7)
+            oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample],
+                                     items, k, metric)
