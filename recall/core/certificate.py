@@ -89,6 +89,13 @@ The certificate
 With T_out that bound on t of every item left out, the user is certified when the exact (float32) k-th score of the
 candidates satisfies ``f_k > T_out/(αβ) - A_u + bound_u``, strictly (an item left out that tied f_k with a lower
 row would win the tie), or when no item is left out (z_out = -inf: every item that qualifies is a candidate).
+
+The pass that keeps the candidates may start a user at an *estimate* of its last candidate's score rather than a
+lower bound (``Backend.run_blocks``' ``left_out``): it then keeps only items whose t (or stored z) lies above that
+start, so that every item it left out lies at or below the larger of its last kept score and its start, and that
+larger value is z_out. Where the estimate was too high the user holds fewer candidates than asked, z_out is its start
+(finite: items were left out), and the test above decides as before; with fewer than k candidates f_k is -inf and
+the user is never certified.
 """
 from __future__ import annotations
 

@@ -79,7 +79,18 @@ VARIANTS = {
     "float32": {"certified_exact": "off"},  # exact mode's float32 search only
     "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it
     "no-estimate": {"seed_estimate": False},  # the float16 passes seeded from lower bounds only
+    "ip-uniform": {},  # HOOKS: an inner-product engine's float16 passes sampled evenly, so that they estimate
 }
+
+
+def _uniform_samples(engine):
+    from recall.engine import fast as fast_mode
+
+    fast_mode._state(engine).resident.norms_rank = False
+
+
+#: Variants that change an engine once it is made (lab only): what a rule of the product would choose.
+HOOKS = {"ip-uniform": _uniform_samples}
 
 
 def cell_spec(name):
@@ -231,6 +242,8 @@ def main() -> None:
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
+                if vname in HOOKS:
+                    HOOKS[vname](engine)
                 t, res = timed(engine, users, k, excl)
             except Exception as exc:  # a variant that cannot run this cell says why
                 print(f"| {cell} | {vname} | error {type(exc).__name__}: {exc} |", flush=True)
