@@ -259,6 +259,8 @@ def test_estimate_rank_is_rarely_reached_and_passes_fewer(k, size, n_items):
 
     ke = estimate_rank(k, size, n_items)
     mu = k * size / n_items
+    # A sample that would take half its rows from the largest norms estimates only where the estimate is tight.
+    assert estimate_rank(k, size, n_items, ranked=True) == (ke if mu >= 16 else 0)
     if ke == 0:
         assert math.ceil(mu + 5 * math.sqrt(mu)) + 3 >= k
         return

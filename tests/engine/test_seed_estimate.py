@@ -103,8 +103,8 @@ def test_the_cpu_backends_bounds_leave_nothing_out():
 
 def _planted(n_users, n_items, dim, seed):
     """Lognormal data whose sample rows (every stride-th row: the threshold sample's, tiled.sample_rows) are made the
-    best items of every user: users gathered around a centre c, and those items near 2 c (the nearest under l2,
-    the closest in angle under cosine). An estimate taken over them lies far above every user's k-th best."""
+    best items of every user: users gathered around a centre c, those items near c (the nearest under l2, the
+    closest in angle under cosine) and the others near -2 c. An estimate taken over them lies far above every user's k-th best."""
     users, items = _lognormal(n_users, n_items, dim, seed)
     from recall.backends.cupy.selection import seed_size
 
@@ -115,34 +115,37 @@ def _planted(n_users, n_items, dim, seed):
     centre = rng.standard_normal(dim).astype(np.float32)
     centre *= 3.0 * np.sqrt(dim) / np.linalg.norm(centre)
     users += centre
-    items[planted] = 2.0 * centre + 0.1 * rng.standard_normal((planted.size, dim)).astype(np.float32)
+    items -= 2.0 * centre  # every other item far from the users, and pointing away
+    items[planted] = centre + 0.1 * rng.standard_normal((planted.size, dim)).astype(np.float32)
     return users, items
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+@pytest.mark.parametrize("metric, k, estimated", [("ip", 100, False), ("ip", 1000, True), ("l2", 100, True),
+                                                  ("cosine", 100, True), ("l2", 1000, True)])
 @pytest.mark.parametrize("precision", ["fast", "exact"])
-def test_gpu_estimates_keep_every_answer(gpu_available, monkeypatch, metric, precision):
-    # A seeded catalogue (8 x 8,192 items), the fused kernels: with the estimate and without, the same answer (exact
+def test_gpu_estimates_keep_every_answer(gpu_available, monkeypatch, metric, k, estimated, precision):
+    # A seeded catalogue (70,000 items), the fused kernels: with the estimate and without, the same answer (exact
     # mode's route bit for bit; fast mode against the oracle), and the estimate taken where the sample is of evenly
-    # spaced rows (under ip half of it is the largest norms, whose k-th best is the bound kept).
+    # spaced rows: cosine and l2, and ip where the estimate is tight (selection.ESTIMATE_EVEN_MU: k = 1,000 here;
+    # at k = 100 half the sample is the largest norms, whose k-th best is the bound kept).
     if not gpu_available:
         pytest.skip("no usable GPU")
     from recall.engine import fast as fast_mode
 
     monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)  # 2,000 x 70,000 scores would decline for their number
+    monkeypatch.setattr(fast_mode, "MAX_CANDIDATE_SHARE", 1.0)  # and k = 1,000 for its share of the items
     users, items = _lognormal(2000, 70000, 48, seed=44)
     rng = np.random.default_rng(45)
     excl = {u: rng.choice(70000, 300, replace=False).tolist() for u in range(0, 2000, 7)}
     excl[3] = list(range(0, 70000, 2))
-    k = 100
     want = Engine(items, metric=metric, device="gpu", options=EngineOptions(certified_exact="off")).search(
         users, k, exclude=excl)
     opts = EngineOptions(certified_exact="on") if precision == "exact" else EngineOptions()
     engine = Engine(items, metric=metric, device="gpu", precision=precision, options=opts)
     got = engine.search(users, k, exclude=excl)
     st = engine.stats
-    assert (st["seed_estimate"] > 0) == (metric != "ip") and st["fallback_users"] <= 20, st
+    assert (st["seed_estimate"] > 0) == estimated and st["fallback_users"] <= 20, st
     off = Engine(items, metric=metric, device="gpu", precision=precision,
                  options=EngineOptions(seed_estimate=False, certified_exact=opts.certified_exact))
     plain = off.search(users, k, exclude=excl)

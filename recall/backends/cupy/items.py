@@ -24,7 +24,7 @@ class DeviceItems:
         self.norms_rank = norms_rank
         self._transposed: Any = None
         self._norms: Any = None
-        self._samples: dict[tuple[int, int], Any] = {}
+        self._samples: dict[tuple[int, int, bool], Any] = {}
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -48,12 +48,13 @@ class DeviceItems:
             self._transposed = items_t
         return self._transposed
 
-    def sample(self, size: int, n_items: int, stream: Any) -> tuple[Any, Any]:
+    def sample(self, size: int, n_items: int, stream: Any, even: bool = False) -> tuple[Any, Any]:
         """The threshold sample of ``size`` of the first ``n_items`` items: (its sorted int64 device rows,
-        ``tiled.sample_rows``; their float32 norms, rounded up, for ``certificate.seed_margin``), computed on
-        ``stream`` the first time; the same arrays (so the same addresses, which a captured graph reads) for as long
-        as this object lives."""
-        key = (size, n_items)
+        ``tiled.sample_rows``, half of them the largest norms where ``norms_rank`` unless ``even``; their float32
+        norms, rounded up, for ``certificate.seed_margin``), computed on ``stream`` the first time; the same arrays
+        (so the same addresses, which a captured graph reads) for as long as this object lives."""
+        ranked = self.norms_rank and not even
+        key = (size, n_items, ranked)
         got = self._samples.get(key)
         if got is None:
             import cupy
@@ -62,7 +63,7 @@ class DeviceItems:
                 if self._norms is None:
                     self._norms = row_norms(cupy, self.vecs)
                 norms = self._norms[:n_items]
-                rows = sample_rows(cupy, n_items, size, norms if self.norms_rank else None)
+                rows = sample_rows(cupy, n_items, size, norms if ranked else None)
                 exact = norms[rows]
                 rounded = exact.astype(cupy.float32)
                 got = (rows, cupy.where(rounded < exact, cupy.nextafter(rounded, cupy.float32(np.inf)), rounded))

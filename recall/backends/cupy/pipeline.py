@@ -156,12 +156,12 @@ class BlockPipeline:
         copy.wait_event(ready)
         if floor is not None:
             copy.wait_event(compute.record())  # floors come from merges queued on the compute stream
-        seed = self._refresh_sample(ws, items, n_items, sample, dim) if sample else None
+        # An estimate is taken over evenly spaced rows (selection.estimate_rank); an inner-product search samples
+        # them for it where it is tight enough, and half from the largest norms otherwise.
+        estimate = estimate_rank(k, sample, n_items, items.norms_rank) if (
+            sample and left_out is not None and floor is None and options.seed_estimate) else 0
+        seed = self._refresh_sample(ws, items, n_items, sample, dim, estimate > 0) if sample else None
         stats["seed_sample"] = sample
-        estimate = 0
-        if seed is not None and left_out is not None and floor is None and options.seed_estimate \
-                and not items.norms_rank:  # a sample of evenly spaced rows only (selection.estimate_rank)
-            estimate = estimate_rank(k, sample, n_items)
         if left_out is not None:
             stats["seed_estimate"] = estimate
         items_t = fused_path.operand(items, compute) if fused else None
@@ -308,13 +308,14 @@ class BlockPipeline:
                      host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
                      staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
 
-    def _refresh_sample(self, ws: _Workspace, items: DeviceItems, n_items: int, size: int,
-                        dim: int) -> tuple[Any, Any, Any]:
-        """Gather this search's threshold sample of ``size`` rows (``seed_size``; which rows: ``sample_rows``) into
-        the workspace's buffer, on the compute stream: (the sample, its rows, their norms)."""
+    def _refresh_sample(self, ws: _Workspace, items: DeviceItems, n_items: int, size: int, dim: int,
+                        even: bool = False) -> tuple[Any, Any, Any]:
+        """Gather this search's threshold sample of ``size`` rows (``seed_size``; which rows: ``sample_rows``,
+        evenly spaced only where ``even``) into the workspace's buffer, on the compute stream: (the sample, its rows,
+        their norms)."""
         if ws.sample is None or ws.sample.shape != (size, dim):
             ws.sample = self.backend.xp.empty((size, dim), items.dtype)
-        rows, norms = items.sample(size, n_items, self.compute_stream)
+        rows, norms = items.sample(size, n_items, self.compute_stream, even)
         with self.compute_stream:
             self.backend.xp.take(items.vecs, rows, axis=0, out=ws.sample)
         return ws.sample, rows, norms

@@ -62,21 +62,29 @@ def search_seed_size(plan: Any, n_items: int, k: int, options: Any) -> int:
 #: user for every mu (mu = 0.5: rank 7, mu = 42: rank 78).
 ESTIMATE_SIGMAS = 5.0
 ESTIMATE_SLACK = 3
+#: An inner-product pass whose estimate is expected this many sampled items above the k-th best (mu, below) or more
+#: samples evenly for it, instead of half from the largest norms and a bound: on skewed norms (H200, 2026-12-02,
+#: docs/benchmarks.md) mu = 41 (k = 1,000 of 1M items) took 0.92 and 0.90 of the bound's time, mu = 84 (k = 2,048)
+#: 0.82; mu = 1 (S1) 0.99 and mu = 0.2 (k = 10) 1.04.
+ESTIMATE_EVEN_MU = 16
 
 
-def estimate_rank(k: int, size: int, n_items: int) -> int:
+def estimate_rank(k: int, size: int, n_items: int, ranked: bool = False) -> int:
     """The rank KE in a threshold sample of ``size`` evenly spaced rows of ``n_items`` items whose score starts a
     pass of ``k`` at an *estimate* of each user's k-th best (``recall_seed``): mu = k * size / n_items sampled items
     score above the k-th best on average, and KE = mu + ESTIMATE_SIGMAS sqrt(mu) + ESTIMATE_SLACK, so that about KE *
     n_items / size items pass the filter, not the k * n_items / size of the lower bound. 0 where KE is not below k.
 
-    Only over evenly spaced rows: an inner-product sample's other half, the largest norms, holds more of every
-    user's best items than its share, and its k-th best is a good bound already (on the H200, an estimate over the
-    evenly spaced half alone, selected as well as the bound, cost 3-18% on S1, 1M x 100k and popular data, and gained
-    nothing at k = 1,000 on skewed norms: docs/benchmarks.md)."""
+    Only over evenly spaced rows. ``ranked``: the search would otherwise sample half its rows from the largest norms
+    (the inner product), which hold more of every user's best items than their share, so that their k-th best is a
+    good bound already where the estimate is loose: such a search estimates (from evenly spaced rows) only where mu
+    >= ESTIMATE_EVEN_MU. (An estimate over the evenly spaced half of a ranked sample, selected as well as the bound,
+    cost 3-18% on S1, 1M x 100k and popular data on the H200, docs/benchmarks.md.)"""
     if size <= 0 or n_items <= 0:
         return 0
     mu = k * size / n_items
+    if ranked and mu < ESTIMATE_EVEN_MU:
+        return 0
     ke = int(np.ceil(mu + ESTIMATE_SIGMAS * np.sqrt(mu))) + ESTIMATE_SLACK
     return ke if ke < k else 0
 
