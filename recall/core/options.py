@@ -37,9 +37,9 @@ class EngineOptions:
         GPU, fast mode's float16 passes (and exact mode's certified route): start each seeded user at an *estimate*
         of its k-th best (a rank of a sample of evenly spaced items, ``selection.estimate_rank``: cosine, l2, and
         inner-product passes where it is tight) rather than a lower bound, so that fewer items a user pass the
-        filter (at k = 2,048 of 1M items, about 4,100 expected instead of 78,000). The
-        certificate checks every user as before, counting the items below the estimate as left out; a user whose
-        estimate was too high is widened. False: lower bounds only.
+        filter (at k = 2,048 of 1M items, about 4,100 expected instead of 78,000). The certificate checks every user
+        as before, counting the items below the estimate as left out; a user whose estimate was too high is widened.
+        False: lower bounds only.
     fused : {"auto", "force", "off"}
         GPU: score and filter in one kernel where it applies ("auto": seeded searches of exact mode's float32
         vectors of at most 256 dimensions (``fused.cu``) or fast mode's float16 ones of at most 128 columns
