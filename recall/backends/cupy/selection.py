@@ -57,9 +57,9 @@ def search_seed_size(plan: Any, n_items: int, k: int, options: Any) -> int:
 
 
 #: The estimate's rank (``estimate_rank``) sits this many standard deviations, plus ESTIMATE_SLACK, above the expected
-#: number of evenly spaced sampled items that score above a user's K-th best: the count is about Poisson(mu), and the chance
-#: that it reaches the rank (the estimate then lies above the K-th best, and the user ends short) is under 1e-6 a
-#: user for every mu (mu = 0.5: rank 7, mu = 42: rank 78).
+#: number of evenly spaced sampled items that score above a user's K-th best: the count is about Poisson(mu), and the
+#: chance that it reaches the rank (the estimate then lies above the K-th best, and the user ends short) is under 1e-6
+#: a user for every mu (mu = 0.5: rank 7, mu = 42: rank 78).
 ESTIMATE_SIGMAS = 5.0
 ESTIMATE_SLACK = 3
 #: An inner-product pass whose estimate is expected this many sampled items above the k-th best (mu, below) or more
