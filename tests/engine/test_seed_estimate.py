@@ -104,7 +104,8 @@ def test_the_cpu_backends_bounds_leave_nothing_out():
 def _planted(n_users, n_items, dim, seed):
     """Lognormal data whose sample rows (every stride-th row: the threshold sample's, tiled.sample_rows) are made the
     best items of every user: users gathered around a centre c, those items near c (the nearest under l2, the
-    closest in angle under cosine) and the others near -2 c. An estimate taken over them lies far above every user's k-th best."""
+    closest in angle under cosine) and the others near -2 c. An estimate taken over them lies far above every
+    user's k-th best."""
     users, items = _lognormal(n_users, n_items, dim, seed)
     from recall.backends.cupy.selection import seed_size
 
