@@ -149,6 +149,44 @@ def instrument(backend, log):
     backend.rescore = Timed(backend.rescore, "rescore (all its launches)", log)
 
 
+class Counted:
+    """A fused launch followed by a synchronisation and its survivors counted per user (the kernel's ``cnt``, its last
+    argument, read before and after; ``C``, the buffer's capacity, the one before it; ``thr`` four before the end)."""
+
+    def __init__(self, fn, name, log):
+        self.fn, self.name, self.log = fn, name, log
+
+    def __call__(self, grid, block, args, **kwargs):
+        import cupy
+
+        cnt, cap, thr = args[-1], int(args[-2]), args[-4]
+        before = cnt.copy()
+        out = self.fn(grid, block, args, **kwargs)
+        cupy.cuda.Device().synchronize()
+        added = (cnt - before).astype(cupy.float64)
+        fin = thr[cupy.isfinite(thr)]
+        self.log.append((self.name, float(added.mean()), float(added.max()), float((cnt > cap).mean()), cap,
+                         float(fin.mean()) if fin.size else float("nan"), int(fin.size)))
+        return out
+
+    def __getattr__(self, attr):
+        return getattr(self.fn, attr)
+
+    def __setattr__(self, attr, value):
+        if attr in ("fn", "name", "log"):
+            object.__setattr__(self, attr, value)
+        else:
+            setattr(self.fn, attr, value)
+
+
+def count_survivors(backend, log):
+    """Every fused launch of ``backend`` wrapped in :class:`Counted`."""
+    sel = backend.selection
+    sel.fused = Counted(sel.fused, "fused", log)
+    for chunk in list(sel.fused_h):
+        sel.fused_h[chunk] = Counted(sel.fused_h[chunk], f"fused_h[{chunk}]", log)
+
+
 def phases(log):
     """Fast mode's Python-level phases, each bracketed by device synchronisations (inclusive wall times; the
     sampled users' search nests its own phases): where a search's time outside the timed blocks goes. Returns the
@@ -212,6 +250,8 @@ def main() -> None:
     p.add_argument("--precision", default="exact", choices=("exact", "fast"))
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--no-per-kernel", action="store_true", help="skip the run with every launch timed")
+    p.add_argument("--counts", action="store_true",
+                   help="one more search (graphs off), every fused launch synchronised and its survivors counted")
     p.add_argument("--max-candidate-share", type=float, default=None,
                    help="fast.MAX_CANDIDATE_SHARE for this process (1.0: fast mode never declines for its share of "
                         "re-scored candidates), to measure what the decline rule spares")
@@ -310,6 +350,23 @@ def main() -> None:
             out.append({"cell": cell, "variant": "phases", "wall_s": wall,
                         "phases": {n: {"calls": len(secs), "s": sum(secs), "each_s": secs}
                                    for n, secs in per_phase.items()}})
+        if a.counts:
+            engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(cuda_graphs=False),
+                            precision=prec)
+            clog = []
+            count_survivors(engine.backend, clog)
+            engine.search(users, k, exclude=excl)
+            by = defaultdict(list)
+            for name, *row in clog:
+                by[name].append(row)
+            for name, rows in by.items():
+                mean = [r[0] for r in rows]
+                print(f"| {cell} | survivors {name} x{len(rows)} | per user a launch: mean of means "
+                      f"{statistics.mean(mean):.1f}, first launch {mean[0]:.1f}, second {mean[1] if len(mean) > 1 else 0:.1f},"
+                      f" max {max(r[1] for r in rows):.0f} | users over capacity {max(r[2] for r in rows):.4f} "
+                      f"(C {rows[0][3]}) | mean finite threshold first / last {rows[0][4]:.4g} / {rows[-1][4]:.4g} |",
+                      flush=True)
+            out.append({"cell": cell, "variant": "counts", "launches": clog})
         del engine, users, items, excl, want
         cupy.get_default_memory_pool().free_all_blocks()
     if a.json:

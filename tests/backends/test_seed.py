@@ -136,25 +136,26 @@ def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k)
     assert not cupy.asnumpy(state.n_valid).any() and not cupy.asnumpy(state.cnt).any()
 
 
-def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, where):
+def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, where, products=None):
     # recall_seed's threshold for one user: below the k-th best of the sampled scores each lowered by its margin
     # (certificate.seed_margin, in float64 here), and not by much more: either the select resolved the k-th itself
     # (ties and all), the threshold then above the k-th best of scores lowered by a hair more than that and a few
     # float32 steps (the kernel rounds each step down), or it stopped early, with at most k + k / 8 sampled scores so
     # lowered above the threshold; -inf where fewer than k sampled scores are finite, the largest float below an
-    # infinite k-th best.
+    # infinite k-th best. ``products``: the bound P_j of sum |u_i v_ji| of each sampled item (default |u| |v_j|).
     from recall.core.certificate import seed_margin
 
     a, r, z = seed_margin(user.size, np.dtype(vector_dtype) == np.float16, np.dtype(score_dtype) == np.float16)
     unorm = float(np.sqrt(np.sum(user.astype(np.float64) ** 2)))
     keep = sampled > -np.inf
-    s, vn = sampled[keep].astype(np.float64), norms[keep].astype(np.float64)
+    s = sampled[keep].astype(np.float64)
+    vn = norms[keep].astype(np.float64) * unorm if products is None else products[keep]
     if s.size < k:
         assert got == -np.inf, (where, got)
         return
     finite = np.isfinite(s)
     with np.errstate(invalid="ignore"):  # the infinite scores' margins: not used
-        margin = a * unorm * vn + r * np.abs(s) + z
+        margin = a * vn + r * np.abs(s) + z
         high = np.where(finite, s - margin, s)
         low = np.where(finite, s - 1.0001 * margin - 4 * np.spacing(np.abs(s).astype(np.float32)), s)
     hi, lo = np.sort(high)[::-1][k - 1], np.sort(low)[::-1][k - 1]
@@ -162,6 +163,55 @@ def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, wh
     assert got < hi or (np.isinf(hi) and got == top), (where, got, hi)
     exact = got == top if np.isinf(hi) else got >= lo - np.spacing(np.float32(abs(lo)))
     assert exact or np.sum(low > got) <= k + k // 8, (where, got, int(np.sum(low > got)), k, lo)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
+@pytest.mark.parametrize("size, k, ke", [(8192, 126, 0), (8192, 1251, 280), (16384, 1251, 280), (301, 37, 0)])
+def test_seed_margin_takes_auxiliary_columns_one_by_one(dtype, vectors, size, k, ke):
+    # Vectors of D dot columns, then M auxiliary ones (fast mode's: a shift column every item holds at 2^15, bias
+    # parts, bound columns), then columns the items hold 0 in (the users not): each sampled score is lowered by
+    # A (|u_D| |v_D| + sum_c |u_c| |v_c|), the columns after D + M left out, held (8,192) and streamed rows, a bound
+    # and an estimate. Through the whole norms the shift column would multiply every user's whole norm.
+    from recall.backends import cuda_status, resolve
+    from recall.backends.cupy.selection import GpuTopK
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    rows, _, _ = _seed_rows(size, k, dtype)
+    n = rows.shape[0]
+    rng = np.random.default_rng(size + k + 5)
+    dot, aux, width = 32, 6, 48
+    users = np.zeros((n, width), np.float32)
+    users[:, :dot] = rng.standard_normal((n, dot))
+    users[:, dot] = rng.uniform(-2.0 ** -6, 2.0 ** -6, n)                    # a shift of the user's own
+    users[:, dot + 1:dot + aux] = rng.uniform(0, 2.0 ** -4, (n, aux - 1))     # bias and bound factors
+    users[:, dot + aux:] = rng.standard_normal((n, width - dot - aux)) * 1e4  # past the items' columns: ignored
+    users[0] = 0                                                              # no margin but the underflow's
+    users = users.astype(vectors)
+    vdot = rng.lognormal(0, 1, size).astype(np.float32)                       # the items' dot norms
+    vdot[: size // 5] = 0
+    vaux = np.abs(rng.standard_normal((aux, size)) * 16).astype(vectors).astype(np.float32)
+    vaux[0] = 2.0 ** 15                                                       # the shift column
+    backend = resolve("gpu")
+    state = GpuTopK.allocate(n, k)
+    backend.selection.seed(state, cupy.asarray(rows).reshape(1, n, size), cupy.arange(size, dtype=cupy.int64),
+                           cupy.asarray(users), cupy.asarray(vdot), cupy.zeros(n + 1, cupy.int64),
+                           cupy.zeros(0, cupy.int64), ke, cupy.asarray(vaux), dot)
+    got = cupy.asnumpy(state.thr)
+    u64 = users.astype(np.float64)
+    udot = np.sqrt(np.sum(u64[:, :dot] ** 2, axis=1))
+    for u in range(n):
+        sampled = rows[u].astype(np.float32)
+        if np.sum(sampled > -np.inf) < k:  # fewer than k finite, estimate or not: -inf
+            assert got[u] == -np.inf, (u, got[u])
+            continue
+        # The whole rows' norms would lower every score by about 2^15 |u_D| A, far below this check's bracket.
+        products = udot[u] * vdot.astype(np.float64) + np.abs(u64[u, dot:dot + aux]) @ vaux.astype(np.float64)
+        _check_threshold(got[u], sampled, vdot, users[u], ke or k, dtype, vectors, u, products)
 
 
 def test_seed_margin_bounds_two_sums_of_the_same_products():

@@ -191,3 +191,45 @@ def test_gpu_an_estimate_too_high_is_caught(gpu_available, monkeypatch, metric, 
             sample = np.arange(0, 1000, 7)
             oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample],
                                      items, k, metric)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [100, 1000])
+def test_gpu_starts_lie_near_the_kth_best_on_heavy_tailed_l2(gpu_available, monkeypatch, k):
+    # l2 on item norms of a heavy tail (the bench's ``popular``: a few items 10-1,000x the median), d = 32: fast
+    # mode's users hold a shift and bound factors, every item 2^15 in the shift column. The seed's margin takes those
+    # columns one by one (certificate.seed_margin): each user's start (Backend.run_blocks' left_out) leaves a few
+    # times the candidates the pass keeps above it (at most 4x). Through the rows' whole norms it left about 93% of
+    # the items.
+    if not gpu_available:
+        pytest.skip("no usable GPU")
+    import cupy
+
+    from recall.bench.workloads import generate
+    from recall.engine import fast as fast_mode
+
+    monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)
+    monkeypatch.setattr(fast_mode, "MAX_CANDIDATE_SHARE", 1.0)
+    users, items = generate("popular", 1000, 70000, 32, seed=5)
+    engine = Engine(items, metric="l2", device="gpu", precision="fast")
+    passes = []
+    real = engine.run
+
+    def run(users16, k_pass, excl, out_vals, out_rows, items=None, left_out=None, **kw):
+        wait = real(users16, k_pass, excl, out_vals, out_rows, items=items, left_out=left_out, **kw)
+        passes.append((users16, k_pass, left_out))
+        return wait
+
+    monkeypatch.setattr(engine, "run", run)
+    got = engine.search(users, k)
+    st = engine.stats
+    assert st["fallback_users"] == 0 and st["seed_estimate"] > 0, st
+    users16, wide, left = next(p for p in passes if p[2] is not None)
+    vecs16 = fast_mode._state(engine).resident.vecs
+    starts = cupy.asarray(left)[:200]
+    t = users16[:200].astype(cupy.float32) @ vecs16.astype(cupy.float32).T  # the tensor cores' sums, near enough
+    above = cupy.asnumpy((t > starts[:, None]).sum(axis=1))
+    assert np.median(above) <= 4 * wide, (np.median(above), wide)
+    sample = np.arange(0, 1000, 9)
+    oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample], items, k,
+                             "l2")

@@ -227,8 +227,9 @@ class CupyBackend:
         return self.score_dtype(dtype)
 
     # -- the work --------------------------------------------------------------------------------------------------
-    def load_items(self, prepared: Any, norms_rank: bool = False) -> DeviceItems:
-        return DeviceItems(prepared, norms_rank)
+    def load_items(self, prepared: Any, norms_rank: bool = False,
+                   seed_columns: tuple[int, int] | None = None) -> DeviceItems:
+        return DeviceItems(prepared, norms_rank, seed_columns)
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,

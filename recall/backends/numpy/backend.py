@@ -270,7 +270,10 @@ class NumpyBackend:
             return self._pool[1]
 
     # -- the work ------------------------------------------------------------------------------------------------
-    def load_items(self, prepared: Any, norms_rank: bool = False) -> np.ndarray:
+    def load_items(self, prepared: Any, norms_rank: bool = False,
+                   seed_columns: tuple[int, int] | None = None) -> np.ndarray:
+        # seed_columns: unused, the CPU seeds float32 searches only (``_seed``), whose vectors have no auxiliary
+        # columns beyond l2's bias, and a margin of float32's rounding through their norms is tight.
         if norms_rank:
             key = _memory_key(prepared)
             self._ranked.pop(key, None)

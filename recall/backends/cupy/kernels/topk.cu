@@ -139,10 +139,14 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 // A block's threshold sample: grid (U), RECALL_SEED_THREADS threads a user. The K-th best of the user's sampled scores
 // (a row of T, excluded items already -inf) is the score of K real items, so the final K-th best is >= it, up to
 // the rounding by which the search's own score of an item may lie below the sample's (another GEMM, another order of
-// the sums): each sampled score s of item j is first lowered by that much, A |u| |v_j| + R |s| + Z (|u| the norm of
-// the user's vector, a row of W in `users`; |v_j| = vnorm[j], rounded up; the caller's bound,
-// certificate.seed_margin), rounding down, so that the K-th best of the lowered scores is a lower bound whichever
-// items the sample holds. The threshold starts at the float just below a key at or below that K-th best, so that
+// the sums): each sampled score s of item j is first lowered by that much, A P_j + R |s| + Z with P_j >= sum_i
+// |u_i v_ji| (the caller's bound, certificate.seed_margin), rounding down, so that the K-th best of the lowered scores
+// is a lower bound whichever items the sample holds. P_j = |u| |v_j| + sum_c |u_c| |v_jc|: the first D columns
+// through their norms (|u| of the user's first D of its row of W in `users`, |v_j| = vnorm[j], rounded up), and the
+// next M (fast mode's shift, bias and bound columns, certificate.FastItems.seed_columns; the items hold 0 after
+// them) one by one, |v_jc| = vaux[c T + j] (D = W, M = 0: the whole rows through their norms), so that
+// a shift column that every item holds at 2^15 multiplies the user's own shift only, not its whole norm (with the
+// norms alone, 200k x 100k x 32 l2 on popular norms started its users below 93% of the items, not 1.7%). The threshold starts at the float just below a key at or below that K-th best, so that
 // scores equal to it pass the strict `score > threshold` test until K items are held. A user with fewer than K finite
 // sampled scores keeps -inf. Nothing goes through the candidate buffers, and the state is left empty.
 //
@@ -170,24 +174,45 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 #define RECALL_SEED_WARPS (RECALL_SEED_THREADS / 32)
 #define RECALL_SEED_HELD 8  // 16-byte loads a thread holds: 32 keys
 #define RECALL_SEED_HELD_MAX (4 * RECALL_SEED_HELD * RECALL_SEED_THREADS)
+#define RECALL_SEED_AUX 8  // columns at most that the margin takes one by one (M)
 
-// A sampled score lowered by its margin, rounding down (-inf, +inf and NaN as they are).
-__device__ __forceinline__ float recall_seed_lower(float s, float vn, float au, float R, float Z) {
-    if (!(s > RECALL_NEG_INF) || isinf(s)) return s;
-    return __fsub_rd(s, __fmaf_ru(au, vn, __fmaf_ru(R, fabsf(s), Z)));
-}
+// What a user's margins need: A |u| (au), A |u_c| of its last M columns (ua, in shared memory), R and Z (rounded up),
+// and the items' side: vnorm (T) and vaux (M rows of T).
+struct RecallSeedMargin {
+    const float* vnorm; const float* vaux; const float* ua; int M, T; float au, r32, z32;
 
-// Sampled scores i .. i + 3 of a row (16-byte aligned), each lowered by its margin.
-template <typename S>
-__device__ __forceinline__ void recall_seed_load4(const S* row, const float* __restrict__ vnorm, int i, float au,
-                                                  float r32, float z32, float v[4]) {
-    recall_load4(row, i, v);
-    const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
-    v[0] = recall_seed_lower(v[0], n4.x, au, r32, z32);
-    v[1] = recall_seed_lower(v[1], n4.y, au, r32, z32);
-    v[2] = recall_seed_lower(v[2], n4.z, au, r32, z32);
-    v[3] = recall_seed_lower(v[3], n4.w, au, r32, z32);
-}
+    // Sampled score s of item j lowered by its margin, rounding down (-inf, +inf and NaN as they are).
+    __device__ __forceinline__ float lower(float s, int j) const {
+        if (!(s > RECALL_NEG_INF) || isinf(s)) return s;
+        float m = __fmaf_ru(r32, fabsf(s), z32);
+#pragma unroll 1
+        for (int c = 0; c < M; ++c) m = __fmaf_ru(ua[c], vaux[(long long)c * T + j], m);
+        return __fsub_rd(s, __fmaf_ru(au, vnorm[j], m));
+    }
+
+    // Sampled scores i .. i + 3 of a row (16-byte aligned), each lowered by its margin.
+    template <typename S>
+    __device__ __forceinline__ void load4(const S* row, int i, float v[4]) const {
+        recall_load4(row, i, v);
+        const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
+        float m[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) m[q] = __fmaf_ru(r32, fabsf(v[q]), z32);
+#pragma unroll 1
+        for (int c = 0; c < M; ++c) {
+            const float a = ua[c];
+            const float4 x = *reinterpret_cast<const float4*>(vaux + (long long)c * T + i);
+            m[0] = __fmaf_ru(a, x.x, m[0]);
+            m[1] = __fmaf_ru(a, x.y, m[1]);
+            m[2] = __fmaf_ru(a, x.z, m[2]);
+            m[3] = __fmaf_ru(a, x.w, m[3]);
+        }
+        const float n[4] = {n4.x, n4.y, n4.z, n4.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            if (v[q] > RECALL_NEG_INF && !isinf(v[q])) v[q] = __fsub_rd(v[q], __fmaf_ru(au, n[q], m[q]));
+    }
+};
 
 // A lowered score's key; 0 (no key) for -inf and NaN.
 __device__ __forceinline__ u32 recall_seed_key(float v) { return v > RECALL_NEG_INF ? recall_f2ord(v) : 0u; }
@@ -230,13 +255,12 @@ struct RecallSeedHeld {
     u32 keys[4 * RECALL_SEED_HELD];
 
     template <typename S>
-    __device__ __forceinline__ void load(const S* row, const float* __restrict__ vnorm, int T, float au, float r32,
-                                         float z32) {
+    __device__ __forceinline__ void load(const S* row, const RecallSeedMargin& mg, int T) {
 #pragma unroll
         for (int r = 0; r < RECALL_SEED_HELD; ++r) {
             const int i = (r * RECALL_SEED_THREADS + (int)threadIdx.x) * 4;
             float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
-            if (i < T) recall_seed_load4(row, vnorm, i, au, r32, z32, v);
+            if (i < T) mg.load4(row, i, v);
 #pragma unroll
             for (int q = 0; q < 4; ++q) keys[4 * r + q] = recall_seed_key(v[q]);
         }
@@ -253,7 +277,7 @@ struct RecallSeedHeld {
 // a multiple of 4 (16-byte loads of float32, 8-byte of float16), 1 otherwise; the trip count depends on T alone.
 template <typename S>
 struct RecallSeedRow {
-    const S* row; const float* vnorm; int T; float au, r32, z32;
+    const S* row; RecallSeedMargin mg; int T;
 
     template <typename F>
     __device__ __forceinline__ void each(F& f) const {
@@ -261,14 +285,14 @@ struct RecallSeedRow {
             for (int i0 = 0; i0 < T; i0 += 4 * RECALL_SEED_THREADS) {
                 const int i = i0 + 4 * (int)threadIdx.x;
                 float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
-                if (i < T) recall_seed_load4(row, vnorm, i, au, r32, z32, v);
+                if (i < T) mg.load4(row, i, v);
 #pragma unroll
                 for (int q = 0; q < 4; ++q) f(recall_seed_key(v[q]));
             }
         } else {
             for (int i0 = 0; i0 < T; i0 += RECALL_SEED_THREADS) {
                 const int i = i0 + (int)threadIdx.x;
-                f(i < T ? recall_seed_key(recall_seed_lower(recall_load(row, i), vnorm[i], au, r32, z32)) : 0u);
+                f(i < T ? recall_seed_key(mg.lower(recall_load(row, i), i)) : 0u);
             }
         }
     }
@@ -381,20 +405,25 @@ __device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSe
 
 template <typename S, typename V>
 __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, float* __restrict__ thr,
-                                 const V* __restrict__ users, int W, const float* __restrict__ vnorm, double A,
-                                 double R, double Z, int KE) {
+                                 const V* __restrict__ users, int W, const float* __restrict__ vnorm,
+                                 const float* __restrict__ vaux, int D, int M, double A, double R, double Z,
+                                 int KE) {
     __shared__ int hist[4096];
     __shared__ int part[RECALL_SEED_WARPS];
     __shared__ u32 s_prefix;
     __shared__ int s_want, s_below;
     __shared__ double s_sq[RECALL_SEED_WARPS];
     __shared__ float s_au;
+    __shared__ float s_ua[RECALL_SEED_AUX];
     const int u = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     const S* row = scores + (long long)u * T;
-    double sq = 0.0;  // the user's squared norm, in float64 (each square and sum of float32 or float16 values)
-    for (int i = tid; i < W; i += RECALL_SEED_THREADS) {
+    // The caller keeps 0 <= D, 0 <= M <= RECALL_SEED_AUX and D + M <= W; out of range, every column is the norm's.
+    if (D < 0 || M < 0 || M > RECALL_SEED_AUX || D + M > W) D = W, M = 0;
+    double sq = 0.0;  // the squared norm of the user's first D columns, in float64 (each square and sum of floats)
+    for (int i = tid; i < D + M; i += RECALL_SEED_THREADS) {  // the items hold 0 after column D + M
         const double x = recall_load(users + (long long)u * W, i);
-        sq += x * x;
+        if (i < D) sq += x * x;
+        else s_ua[i - D] = __double2float_ru(A * fabs(x));  // A |u_c|, rounded up
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, o);
@@ -406,15 +435,15 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
         s_au = __double2float_ru(A * sqrt(norm2));  // A |u|, rounded up (A carries the float64 steps' slack)
     }
     __syncthreads();
-    const float au = s_au, r32 = __double2float_ru(R), z32 = __double2float_ru(Z);
+    const RecallSeedMargin mg = {vnorm, vaux, s_ua, M, T, s_au, __double2float_ru(R), __double2float_ru(Z)};
     RecallSeedRange range = {0u, 0xffffffffu, 0};
     if ((T & 3) == 0 && T <= RECALL_SEED_HELD_MAX) {
         RecallSeedHeld held;
-        held.load(row, vnorm, T, au, r32, z32);
+        held.load(row, mg, T);
         held.each(range);
         recall_seed_threshold(held, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     } else {
-        const RecallSeedRow<S> streamed = {row, vnorm, T, au, r32, z32};
+        const RecallSeedRow<S> streamed = {row, mg, T};
         streamed.each(range);
         recall_seed_threshold(streamed, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     }
@@ -425,22 +454,23 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
 // estimate's rank (0: the K-th best, a lower bound).
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed(const float* __restrict__ scores, int T, int K, float* __restrict__ thr, const float* __restrict__ users,
-            int W, const float* __restrict__ vnorm, double A, double R, double Z, int KE) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z, KE);
+            int W, const float* __restrict__ vnorm, const float* __restrict__ vaux, int D, int M, double A,
+            double R, double Z, int KE) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, vaux, D, M, A, R, Z, KE);
 }
 
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed_h(const half_bits* __restrict__ scores, int T, int K, float* __restrict__ thr,
-              const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, double A, double R,
-              double Z, int KE) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z, KE);
+              const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm,
+              const float* __restrict__ vaux, int D, int M, double A, double R, double Z, int KE) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, vaux, D, M, A, R, Z, KE);
 }
 
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed_fh(const float* __restrict__ scores, int T, int K, float* __restrict__ thr,
-               const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, double A, double R,
-               double Z, int KE) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, A, R, Z, KE);
+               const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm,
+               const float* __restrict__ vaux, int D, int M, double A, double R, double Z, int KE) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, vaux, D, M, A, R, Z, KE);
 }
 
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
