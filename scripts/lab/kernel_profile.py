@@ -6,7 +6,10 @@ are wrapped in this process only.
 Run from the project root on a GPU machine::
 
     PYTHONPATH=. python3 scripts/lab/kernel_profile.py [--cells k8192,d256,gpu-fast:4,...] [--precision fast]
-        [--json $OUT/kernel_profile.json]
+        [--counts] [--json $OUT/kernel_profile.json]
+
+``--counts``: one more search, every fused launch synchronised and the survivors it appended counted per user
+(mean, max, users over the buffer's capacity) with the users' mean finite threshold: where a seed starts too low.
 
 With ``--precision fast`` every variant also runs exact mode once (as shipped) for the ratio, and the answers of fast
 mode are compared with exact mode's (rows equal, share of users).
@@ -361,8 +364,9 @@ def main() -> None:
                 by[name].append(row)
             for name, rows in by.items():
                 mean = [r[0] for r in rows]
+                second = mean[1] if len(mean) > 1 else 0.0
                 print(f"| {cell} | survivors {name} x{len(rows)} | per user a launch: mean of means "
-                      f"{statistics.mean(mean):.1f}, first launch {mean[0]:.1f}, second {mean[1] if len(mean) > 1 else 0:.1f},"
+                      f"{statistics.mean(mean):.1f}, first launch {mean[0]:.1f}, second {second:.1f},"
                       f" max {max(r[1] for r in rows):.0f} | users over capacity {max(r[2] for r in rows):.4f} "
                       f"(C {rows[0][3]}) | mean finite threshold first / last {rows[0][4]:.4g} / {rows[-1][4]:.4g} |",
                       flush=True)

@@ -144,9 +144,10 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 // is a lower bound whichever items the sample holds. P_j = |u| |v_j| + sum_c |u_c| |v_jc|: the first D columns
 // through their norms (|u| of the user's first D of its row of W in `users`, |v_j| = vnorm[j], rounded up), and the
 // next M (fast mode's shift, bias and bound columns, certificate.FastItems.seed_columns; the items hold 0 after
-// them) one by one, |v_jc| = vaux[c T + j] (D = W, M = 0: the whole rows through their norms), so that
-// a shift column that every item holds at 2^15 multiplies the user's own shift only, not its whole norm (with the
-// norms alone, 200k x 100k x 32 l2 on popular norms started its users below 93% of the items, not 1.7%). The threshold starts at the float just below a key at or below that K-th best, so that
+// them) one by one, |v_jc| = vaux[c T + j] (D = W, M = 0: the whole rows through their norms), so that a shift
+// column that every item holds at 2^15 multiplies the user's own shift only, not its whole norm (with the norms
+// alone, 200k x 100k x 32 l2 on popular norms started its users below 93% of the items, not 1.7%). The threshold
+// starts at the float just below a key at or below that K-th best, so that
 // scores equal to it pass the strict `score > threshold` test until K items are held. A user with fewer than K finite
 // sampled scores keeps -inf. Nothing goes through the candidate buffers, and the state is left empty.
 //
@@ -176,8 +177,8 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 #define RECALL_SEED_HELD_MAX (4 * RECALL_SEED_HELD * RECALL_SEED_THREADS)
 #define RECALL_SEED_AUX 8  // columns at most that the margin takes one by one (M)
 
-// What a user's margins need: A |u| (au), A |u_c| of its last M columns (ua, in shared memory), R and Z (rounded up),
-// and the items' side: vnorm (T) and vaux (M rows of T).
+// What a user's margins need: A |u| of its first D columns (au), A |u_c| of the M after them (ua, in shared memory),
+// R and Z (all rounded up), and the items' side: vnorm (T) and vaux (M rows of T).
 struct RecallSeedMargin {
     const float* vnorm; const float* vaux; const float* ua; int M, T; float au, r32, z32;
 
