@@ -105,16 +105,17 @@ class Backend(Protocol):
         else ``score_dtype(dtype)``. What its stats' ``score_dtype`` will say, known before the users are made."""
 
     # -- the work -------------------------------------------------------------------------------------------------
-    def load_items(self, prepared: Any, norms_rank: bool = False, seed_columns: tuple[int, int] | None = None) -> Any:
+    def load_items(self, prepared: Any, norms_rank: bool = False,
+                   constant_column: tuple[int, float] | None = None) -> Any:
         """The resident form of prepared items ((n_items, dim) float32, or float16 for fast mode, on this
         backend): what ``run_blocks`` and ``rescore`` take as ``items``. Keeps whatever the backend derives from
         the items (the GPU's transposed copy for its fused kernel) for as long as the engine holds it.
         ``norms_rank``: an item's norm bounds its score (``metrics.norms_rank``), so that a backend that seeds its
-        thresholds from a sample of the items may prefer those of the largest norms. ``seed_columns`` (D, M): the
-        vectors' first D columns are a dot part and the next M auxiliary columns (fast mode's shift, bias and bound
-        columns, ``certificate.FastItems.seed_columns``), every item zero after them, so that a backend that lowers
-        sampled scores by a bound of the sum of |products| (``certificate.seed_margin``) may take the M columns one by
-        one rather than through the vectors' whole norm; None: every column through the norm."""
+        thresholds from a sample of the items may prefer those of the largest norms. ``constant_column`` (column,
+        value): every item holds ``value`` in that column (fast mode's shift column,
+        ``certificate.FastItems.constant_column``), so that a backend that lowers sampled scores by a bound of the
+        sum of |products| (``certificate.seed_margin``) may take that column's product on its own rather than through
+        the rows' whole norms."""
 
     def run_blocks(self, plan: TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,

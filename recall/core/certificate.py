@@ -145,11 +145,10 @@ def seed_margin(width: int, half_vectors: bool, half_tiles: bool) -> tuple[float
     ``half_vectors``). ``recall_seed`` lowers each sampled score by that much before it takes their k-th best, so
     that the seed stays a lower bound of the search's k-th best whichever items the sample holds (an item's own
     terms, not the largest: under l2 a few far items have norms far above the rest). P = |u|·|v| by Cauchy-Schwarz;
-    where the vectors hold auxiliary columns (fast mode's, ``FastItems.seed_columns``: D dot columns, then M), P =
-    |u_D|·|v_D| + Σ_c |u_c|·|v_c|, the dot part through its norms and each auxiliary column's product on its own:
-    the shift column, which every item holds at 2^15, then adds the user's own shift product and no more (through
-    the whole norms the lowering of 200k x 100k x 32 l2 on popular norms put each user's start below 93% of the items
-    where its sampled estimate lay near the 1,700th best).
+    where every item holds the same value c in a column (fast mode's shift column, 2^15: ``FastItems.constant_column``),
+    P = |u'|·|v'| + |u_c|·c, the norms of the rows without that column and its product on its own: through the
+    whole rows the shift column multiplied the user's whole norm (on 200k x 100k x 32 l2 with heavy-tailed item norms,
+    fast mode's users started below 93% of the items where their sampled estimate lay near the 1,700th best).
 
     - Two sums of the same ``width`` products differ by at most 2·γ·Σ|u_i v_i| <= 2·γ·P, with γ =
       width·γ₃₂ for float32 vectors and width·γ₁₆ for float16 ones (exact products, the tensor cores' sums), each
@@ -229,11 +228,9 @@ class FastItems:
         return int(self.vecs16.shape[1])
 
     @property
-    def seed_columns(self) -> tuple[int, int]:
-        """(D, M): the dot part's columns and the auxiliary ones after it (shift, bias parts, bound columns), every
-        item zero after them (``Backend.load_items``)."""
-        aux = 1 + (_BIAS_PARTS if self.bias_at is not None else 0) + len(self.aux_scales)
-        return self.dot_dim, aux
+    def constant_column(self) -> tuple[int, float] | None:
+        """(column, value): the shift column, which every item holds at 2^15 (``Backend.load_items``)."""
+        return None if self.shift_at is None else (self.shift_at, _SHIFT_ITEM)
 
     @property
     def users_hold_bounds(self) -> bool:

@@ -168,11 +168,11 @@ def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, wh
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
 @pytest.mark.parametrize("size, k, ke", [(8192, 126, 0), (8192, 1251, 280), (16384, 1251, 280), (301, 37, 0)])
-def test_seed_margin_takes_auxiliary_columns_one_by_one(dtype, vectors, size, k, ke):
-    # Vectors of D dot columns, then M auxiliary ones (fast mode's: a shift column every item holds at 2^15, bias
-    # parts, bound columns), then columns the items hold 0 in (the users not): each sampled score is lowered by
-    # A (|u_D| |v_D| + sum_c |u_c| |v_c|), the columns after D + M left out, held (8,192) and streamed rows, a bound
-    # and an estimate. Through the whole norms the shift column would multiply every user's whole norm.
+def test_seed_margin_takes_a_constant_column_on_its_own(dtype, vectors, size, k, ke):
+    # Rows with a column that every item holds at 2^15 (fast mode's shift column) and users at a shift of their own:
+    # each sampled score is lowered by A (|u'| |v'_j| + |u_c| 2^15), the norms without that column, held (8,192) and
+    # streamed rows, a bound and an estimate. Through the whole rows' norms the column would multiply every user's
+    # whole norm: a lowering far below this check's bracket.
     from recall.backends import cuda_status, resolve
     from recall.backends.cupy.selection import GpuTopK
 
@@ -184,34 +184,29 @@ def test_seed_margin_takes_auxiliary_columns_one_by_one(dtype, vectors, size, k,
     rows, _, _ = _seed_rows(size, k, dtype)
     n = rows.shape[0]
     rng = np.random.default_rng(size + k + 5)
-    dot, aux, width = 32, 6, 48
-    users = np.zeros((n, width), np.float32)
-    users[:, :dot] = rng.standard_normal((n, dot))
-    users[:, dot] = rng.uniform(-2.0 ** -6, 2.0 ** -6, n)                    # a shift of the user's own
-    users[:, dot + 1:dot + aux] = rng.uniform(0, 2.0 ** -4, (n, aux - 1))     # bias and bound factors
-    users[:, dot + aux:] = rng.standard_normal((n, width - dot - aux)) * 1e4  # past the items' columns: ignored
-    users[0] = 0                                                              # no margin but the underflow's
+    col, width = 32, 40
+    users = rng.standard_normal((n, width)).astype(np.float32)
+    users[:, col] = rng.uniform(-2.0 ** -6, 2.0 ** -6, n)  # a shift of the user's own
+    users[0] = 0                                           # no margin but the underflow's
+    users[1, col] = 0                                      # no shift
     users = users.astype(vectors)
-    vdot = rng.lognormal(0, 1, size).astype(np.float32)                       # the items' dot norms
-    vdot[: size // 5] = 0
-    vaux = np.abs(rng.standard_normal((aux, size)) * 16).astype(vectors).astype(np.float32)
-    vaux[0] = 2.0 ** 15                                                       # the shift column
+    vnorm = rng.lognormal(0, 1, size).astype(np.float32)   # the items' norms without the column
+    vnorm[: size // 5] = 0
     backend = resolve("gpu")
     state = GpuTopK.allocate(n, k)
     backend.selection.seed(state, cupy.asarray(rows).reshape(1, n, size), cupy.arange(size, dtype=cupy.int64),
-                           cupy.asarray(users), cupy.asarray(vdot), cupy.zeros(n + 1, cupy.int64),
-                           cupy.zeros(0, cupy.int64), ke, cupy.asarray(vaux), dot)
+                           cupy.asarray(users), cupy.asarray(vnorm), cupy.zeros(n + 1, cupy.int64),
+                           cupy.zeros(0, cupy.int64), ke, (col, 2.0 ** 15))
     got = cupy.asnumpy(state.thr)
     u64 = users.astype(np.float64)
-    udot = np.sqrt(np.sum(u64[:, :dot] ** 2, axis=1))
+    rest = np.sqrt(np.sum(np.delete(u64, col, axis=1) ** 2, axis=1))
     for u in range(n):
         sampled = rows[u].astype(np.float32)
         if np.sum(sampled > -np.inf) < k:  # fewer than k finite, estimate or not: -inf
             assert got[u] == -np.inf, (u, got[u])
             continue
-        # The whole rows' norms would lower every score by about 2^15 |u_D| A, far below this check's bracket.
-        products = udot[u] * vdot.astype(np.float64) + np.abs(u64[u, dot:dot + aux]) @ vaux.astype(np.float64)
-        _check_threshold(got[u], sampled, vdot, users[u], ke or k, dtype, vectors, u, products)
+        products = rest[u] * vnorm.astype(np.float64) + abs(u64[u, col]) * 2.0 ** 15
+        _check_threshold(got[u], sampled, vnorm, users[u], ke or k, dtype, vectors, u, products)
 
 
 def test_seed_margin_bounds_two_sums_of_the_same_products():

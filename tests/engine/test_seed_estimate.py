@@ -197,10 +197,10 @@ def test_gpu_an_estimate_too_high_is_caught(gpu_available, monkeypatch, metric, 
 @pytest.mark.parametrize("k", [100, 1000])
 def test_gpu_starts_lie_near_the_kth_best_on_heavy_tailed_l2(gpu_available, monkeypatch, k):
     # l2 on item norms of a heavy tail (the bench's ``popular``: a few items 10-1,000x the median), d = 32: fast
-    # mode's users hold a shift and bound factors, every item 2^15 in the shift column. The seed's margin takes those
-    # columns one by one (certificate.seed_margin): each user's start (Backend.run_blocks' left_out) leaves a few
-    # times the candidates the pass keeps above it (at most 4x). Through the rows' whole norms it left about 93% of
-    # the items.
+    # mode's users hold a shift and bound factors, every item 2^15 in the shift column. The seed's margin takes that
+    # column's product on its own (certificate.seed_margin): each user's start (Backend.run_blocks' left_out) leaves
+    # a few times the candidates the pass keeps above it (at most 4x). Through the rows' whole norms it left about
+    # 93% of the items.
     if not gpu_available:
         pytest.skip("no usable GPU")
     import cupy
@@ -227,7 +227,7 @@ def test_gpu_starts_lie_near_the_kth_best_on_heavy_tailed_l2(gpu_available, monk
     users16, wide, left = next(p for p in passes if p[2] is not None)
     vecs16 = fast_mode._state(engine).resident.vecs
     starts = cupy.asarray(left)[:200]
-    t = users16[:200].astype(cupy.float32) @ vecs16.astype(cupy.float32).T  # the tensor cores' sums, near enough
+    t = cupy.asarray(users16[:200]).astype(cupy.float32) @ vecs16.astype(cupy.float32).T  # the sums, near enough
     above = cupy.asnumpy((t > starts[:, None]).sum(axis=1))
     assert np.median(above) <= 4 * wide, (np.median(above), wide)
     sample = np.arange(0, 1000, 9)

@@ -228,8 +228,8 @@ class CupyBackend:
 
     # -- the work --------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False,
-                   seed_columns: tuple[int, int] | None = None) -> DeviceItems:
-        return DeviceItems(prepared, norms_rank, seed_columns)
+                   constant_column: tuple[int, float] | None = None) -> DeviceItems:
+        return DeviceItems(prepared, norms_rank, constant_column)
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,

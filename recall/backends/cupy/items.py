@@ -11,26 +11,19 @@ from ..tiled import sample_rows
 #: Tile geometry of recall_fused_filter (fused.cu): 128 x 128 scores per tile, 32 dimensions per chunk.
 FUSED_TILE = 128
 FUSED_CHUNK = 32
-#: Auxiliary columns a threshold sample's margin takes one by one at most (topk.cu's RECALL_SEED_AUX).
-SEED_AUX_MAX = 8
 
 
 class DeviceItems:
     """Items on the device: ``vecs`` (n_items, dim) (float32, or float16 for fast mode), and, built on first use
     and kept as long as the engine holds this object, their transposed copy for the fused kernel, their norms and
     their threshold samples. ``norms_rank``: an item's norm bounds its score (the inner product), so that samples
-    take half their rows from the largest norms (``tiled.sample_rows``). ``seed_columns`` (D, M): the first D
-    columns are the dot part and the next M auxiliary ones, taken one by one by a sample's margins
-    (``Backend.load_items``); None: every column is the dot part."""
+    take half their rows from the largest norms (``tiled.sample_rows``). ``constant_column`` (column, value): a column
+    every item holds that value in, left out of the norms (``Backend.load_items``)."""
 
-    def __init__(self, vecs: Any, norms_rank: bool = False, seed_columns: tuple[int, int] | None = None) -> None:
+    def __init__(self, vecs: Any, norms_rank: bool = False, constant_column: tuple[int, float] | None = None) -> None:
         self.vecs = vecs
         self.norms_rank = norms_rank
-        width = int(vecs.shape[1])
-        dot, aux = seed_columns if seed_columns is not None else (width, 0)
-        if not (0 <= dot and 0 <= aux <= SEED_AUX_MAX and dot + aux <= width):
-            dot, aux = width, 0  # columns the kernel cannot take one by one: the whole norm, as always valid
-        self.seed_columns = (dot, aux)
+        self.constant_column = constant_column
         self._transposed: Any = None
         self._norms: Any = None
         self._samples: dict[tuple[int, int, bool], Any] = {}
@@ -57,29 +50,29 @@ class DeviceItems:
             self._transposed = items_t
         return self._transposed
 
-    def sample(self, size: int, n_items: int, stream: Any, even: bool = False) -> tuple[Any, Any, Any]:
+    def sample(self, size: int, n_items: int, stream: Any, even: bool = False) -> tuple[Any, Any]:
         """The threshold sample of ``size`` of the first ``n_items`` items: (its sorted int64 device rows,
-        ``tiled.sample_rows``, half of them the largest norms of the dot part where ``norms_rank`` unless ``even``;
-        their dot part's float32 norms, rounded up, and their M auxiliary columns' magnitudes, (M, size) float32 (M =
-        ``seed_columns[1]``, possibly 0), for ``certificate.seed_margin``), computed on ``stream`` the first time;
-        the same arrays (so the same addresses, which a captured graph reads) for as long as this object lives."""
+        ``tiled.sample_rows``, half of them the largest norms where ``norms_rank`` unless ``even``; their float32
+        norms, rounded up, for ``certificate.seed_margin``; without the ``constant_column``), computed on ``stream`` the first time; the same arrays
+        (so the same addresses, which a captured graph reads) for as long as this object lives."""
         ranked = self.norms_rank and not even
         key = (size, n_items, ranked)
         got = self._samples.get(key)
         if got is None:
             import cupy
 
-            dot, aux = self.seed_columns
             with stream:
                 if self._norms is None:
-                    self._norms = row_norms(cupy, self.vecs[:, :dot])
+                    col = self.constant_column[0] if self.constant_column is not None else None
+                    if col is None:
+                        self._norms = row_norms(cupy, self.vecs)
+                    else:  # the two sides of the column, each in float64
+                        self._norms = cupy.hypot(row_norms(cupy, self.vecs[:, :col]),
+                                                 row_norms(cupy, self.vecs[:, col + 1:]))
                 norms = self._norms[:n_items]
                 rows = sample_rows(cupy, n_items, size, norms if ranked else None)
                 exact = norms[rows]
                 rounded = exact.astype(cupy.float32)
-                # float16 and float32 values are exact in float32: their magnitudes need no rounding.
-                mags = cupy.ascontiguousarray(cupy.abs(self.vecs[rows, dot:dot + aux].T).astype(cupy.float32))
-                got = (rows, cupy.where(rounded < exact, cupy.nextafter(rounded, cupy.float32(np.inf)), rounded),
-                       mags)
+                got = (rows, cupy.where(rounded < exact, cupy.nextafter(rounded, cupy.float32(np.inf)), rounded))
             self._samples[key] = got
         return got

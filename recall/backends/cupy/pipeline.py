@@ -312,13 +312,13 @@ class BlockPipeline:
                         even: bool = False) -> tuple[Any, Any, Any]:
         """Gather this search's threshold sample of ``size`` rows (``seed_size``; which rows: ``sample_rows``,
         evenly spaced only where ``even``) into the workspace's buffer, on the compute stream: (the sample, its rows,
-        their margins' terms: ``DeviceItems.sample``)."""
+        their norms)."""
         if ws.sample is None or ws.sample.shape != (size, dim):
             ws.sample = self.backend.xp.empty((size, dim), items.dtype)
-        rows, norms, aux = items.sample(size, n_items, self.compute_stream, even)
+        rows, norms = items.sample(size, n_items, self.compute_stream, even)
         with self.compute_stream:
             self.backend.xp.take(items.vecs, rows, axis=0, out=ws.sample)
-        return ws.sample, rows, (norms, aux, items.seed_columns[0])
+        return ws.sample, rows, norms
 
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
@@ -342,13 +342,13 @@ class BlockPipeline:
                 # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed.
                 state.thr[:rows] = slot.floor[:rows]
             elif seed is not None:
-                sample, sample_rows, (sample_norms, sample_aux, dot) = seed
+                sample, sample_rows, sample_norms = seed
                 size = sample.shape[0]
                 scores = scores_buf[: rows * size].reshape(1, rows, size)
                 backend.gemm_strided_batched(users.reshape(1, rows, users.shape[1]), sample.reshape(1, size, -1),
                                              scores)
                 sel.seed(state, scores, sample_rows, users, sample_norms, slot.ex_ptr, ex_items, estimate,
-                         sample_aux, dot)
+                         items.constant_column)
             if keep_seed:
                 state.seed_thr[:rows] = state.thr[:rows]
             if fused_ws is None:
@@ -362,10 +362,9 @@ class BlockPipeline:
         # The workspace (and so every other pointer, the sample buffer included) is fixed per slot; the items are
         # keyed by the device memory the launches read, not by the Python object: a segment or filtered view's
         # object is freed after its search and its id() taken by the next one, which lives at other addresses (the
-        # sample's rows and margins' terms too, which its mask and seed read).
+        # sample's rows and norms too, which its mask and seed read).
         vecs = items.vecs
-        sample_ptr = None if seed is None else (seed[1].data.ptr, seed[2][0].data.ptr, seed[2][1].data.ptr,
-                                                seed[2][1].shape, seed[2][2])
+        sample_ptr = None if seed is None else (seed[1].data.ptr, seed[2].data.ptr)
         key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
                None if items_t is None else items_t.data.ptr, has_floor, options, multiplied, estimate, keep_seed)
         graph = slot.graphs.get(key)

@@ -172,7 +172,7 @@ class Selection:
         self._merge(state, scores, n, width, tiles, item_start, n_items, final=False)
 
     def seed(self, state: GpuTopK, scores: Any, rows: Any, users: Any, item_norms: Any, excl_indptr: Any,
-             excl_items: Any, estimate: int = 0, item_aux: Any = None, dot: int = 0) -> None:
+             excl_items: Any, estimate: int = 0, constant: tuple[int, float] | None = None) -> None:
         """Start every user's threshold just below its k-th best score over the sample whose scores are ``scores``
         (1, n, size) (column j: item row ``rows[j]``, ``tiled.sample_rows``, of norm ``item_norms[j]``, float32 rounded
         up), each lowered by what the search's own score of that item may lie below it (``certificate.seed_margin``;
@@ -182,24 +182,20 @@ class Selection:
         Excluded sampled items are masked first; the k-th best is selected in place (``recall_seed``), and the state
         is left empty. ``estimate`` (``estimate_rank``; 0 < estimate < k): start instead at the estimate-th best of
         a sample of evenly spaced rows, an estimate of the k-th best and not a bound, for a caller that checks its
-        users (fast mode's certificate). ``item_aux`` ((M, size) float32, or None: M = 0) and ``dot``: the margin
-        takes the vectors' first ``dot`` columns through their norms (``item_norms`` those of the items' first
-        ``dot``) and the next M one by one (``DeviceItems.seed_columns``; ``dot`` 0: every column through the
-        norms)."""
+        users (fast mode's certificate). ``constant`` (column, value): a column every item holds that value in
+        (``DeviceItems.constant_column``; ``item_norms`` then leave it out), whose product the margin takes on its
+        own."""
         _, n, size = scores.shape
         if excl_items.size:
             self.mask_sampled[scores.dtype](((n + 127) // 128,), (128,),
                                             (scores, np.int32(n), np.int32(size), rows, excl_indptr, excl_items))
         width = int(users.shape[1])
         a, r, z = seed_margin(width, users.dtype == np.float16, scores.dtype == np.float16)
-        n_aux = 0 if item_aux is None else int(item_aux.shape[0])
-        if n_aux == 0:
-            dot, item_aux = width, item_norms  # the kernel reads no auxiliary column
+        col, value = constant if constant is not None else (-1, 0.0)
         self.seed_kth[(scores.dtype, users.dtype)]((n,), (SEED_THREADS,),
                                                    (scores, np.int32(size), np.int32(state.k), state.thr, users,
-                                                    np.int32(width), item_norms, item_aux, np.int32(dot),
-                                                    np.int32(n_aux), np.float64(a), np.float64(r), np.float64(z),
-                                                    np.int32(estimate)))
+                                                    np.int32(width), item_norms, np.int32(col), np.float64(value),
+                                                    np.float64(a), np.float64(r), np.float64(z), np.int32(estimate)))
 
     def result(self, state: GpuTopK) -> tuple[Any, Any]:
         """The final merge: sorted results of the block's users in ``state.out_vals`` / ``out_rows``."""

@@ -271,9 +271,9 @@ class NumpyBackend:
 
     # -- the work ------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False,
-                   seed_columns: tuple[int, int] | None = None) -> np.ndarray:
-        # seed_columns: unused, the CPU seeds float32 searches only (``_seed``), whose vectors have no auxiliary
-        # columns beyond l2's bias, and a margin of float32's rounding through their norms is tight.
+                   constant_column: tuple[int, float] | None = None) -> np.ndarray:
+        # constant_column: unused, the CPU seeds float32 searches only (``_seed``), whose vectors hold no such
+        # column (fast mode's float16 rows are not seeded here).
         if norms_rank:
             key = _memory_key(prepared)
             self._ranked.pop(key, None)

@@ -141,15 +141,15 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 // the rounding by which the search's own score of an item may lie below the sample's (another GEMM, another order of
 // the sums): each sampled score s of item j is first lowered by that much, A P_j + R |s| + Z with P_j >= sum_i
 // |u_i v_ji| (the caller's bound, certificate.seed_margin), rounding down, so that the K-th best of the lowered scores
-// is a lower bound whichever items the sample holds. P_j = |u| |v_j| + sum_c |u_c| |v_jc|: the first D columns
-// through their norms (|u| of the user's first D of its row of W in `users`, |v_j| = vnorm[j], rounded up), and the
-// next M (fast mode's shift, bias and bound columns, certificate.FastItems.seed_columns; the items hold 0 after
-// them) one by one, |v_jc| = vaux[c T + j] (D = W, M = 0: the whole rows through their norms), so that a shift
-// column that every item holds at 2^15 multiplies the user's own shift only, not its whole norm (with the norms
-// alone, 200k x 100k x 32 l2 on popular norms started its users below 93% of the items, not 1.7%). The threshold
-// starts at the float just below a key at or below that K-th best, so that
-// scores equal to it pass the strict `score > threshold` test until K items are held. A user with fewer than K finite
-// sampled scores keeps -inf. Nothing goes through the candidate buffers, and the state is left empty.
+// is a lower bound whichever items the sample holds. P_j = |u| |v_j| (|u| the norm of the user's row of W in `users`,
+// |v_j| = vnorm[j], rounded up) by Cauchy-Schwarz, but for a column CC that every item holds at the same value CV
+// (fast mode's shift column, 2^15: certificate.FastItems.shift_at; CC < 0: none), whose product |u_CC| CV is taken on
+// its own (added to Z), |u| and |v_j| then the norms of the rows without it: through the whole rows the shift column
+// multiplied the user's whole norm, and on 200k x 100k x 32 l2 with heavy-tailed item norms every user started below
+// 93% of the items (H200, docs/benchmarks.md). The threshold starts at the float just below a key at or below that
+// K-th best, so that scores equal to it pass the strict `score > threshold` test until K items are held. A user with
+// fewer than K finite sampled scores keeps -inf. Nothing goes through the candidate buffers, and the state is left
+// empty.
 //
 // The key is found by one radix select on the lowered scores' order-preserving keys (recall_seed_select), whichever
 // path the row takes. A first pass finds the keys' range and count; the select then starts below the leading bits
@@ -175,45 +175,24 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 #define RECALL_SEED_WARPS (RECALL_SEED_THREADS / 32)
 #define RECALL_SEED_HELD 8  // 16-byte loads a thread holds: 32 keys
 #define RECALL_SEED_HELD_MAX (4 * RECALL_SEED_HELD * RECALL_SEED_THREADS)
-#define RECALL_SEED_AUX 8  // columns at most that the margin takes one by one (M)
 
-// What a user's margins need: A |u| of its first D columns (au), A |u_c| of the M after them (ua, in shared memory),
-// R and Z (all rounded up), and the items' side: vnorm (T) and vaux (M rows of T).
-struct RecallSeedMargin {
-    const float* vnorm; const float* vaux; const float* ua; int M, T; float au, r32, z32;
+// A sampled score lowered by its margin, rounding down (-inf, +inf and NaN as they are).
+__device__ __forceinline__ float recall_seed_lower(float s, float vn, float au, float R, float Z) {
+    if (!(s > RECALL_NEG_INF) || isinf(s)) return s;
+    return __fsub_rd(s, __fmaf_ru(au, vn, __fmaf_ru(R, fabsf(s), Z)));
+}
 
-    // Sampled score s of item j lowered by its margin, rounding down (-inf, +inf and NaN as they are).
-    __device__ __forceinline__ float lower(float s, int j) const {
-        if (!(s > RECALL_NEG_INF) || isinf(s)) return s;
-        float m = __fmaf_ru(r32, fabsf(s), z32);
-#pragma unroll 1
-        for (int c = 0; c < M; ++c) m = __fmaf_ru(ua[c], vaux[(long long)c * T + j], m);
-        return __fsub_rd(s, __fmaf_ru(au, vnorm[j], m));
-    }
-
-    // Sampled scores i .. i + 3 of a row (16-byte aligned), each lowered by its margin.
-    template <typename S>
-    __device__ __forceinline__ void load4(const S* row, int i, float v[4]) const {
-        recall_load4(row, i, v);
-        const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
-        float m[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) m[q] = __fmaf_ru(r32, fabsf(v[q]), z32);
-#pragma unroll 1
-        for (int c = 0; c < M; ++c) {
-            const float a = ua[c];
-            const float4 x = *reinterpret_cast<const float4*>(vaux + (long long)c * T + i);
-            m[0] = __fmaf_ru(a, x.x, m[0]);
-            m[1] = __fmaf_ru(a, x.y, m[1]);
-            m[2] = __fmaf_ru(a, x.z, m[2]);
-            m[3] = __fmaf_ru(a, x.w, m[3]);
-        }
-        const float n[4] = {n4.x, n4.y, n4.z, n4.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-            if (v[q] > RECALL_NEG_INF && !isinf(v[q])) v[q] = __fsub_rd(v[q], __fmaf_ru(au, n[q], m[q]));
-    }
-};
+// Sampled scores i .. i + 3 of a row (16-byte aligned), each lowered by its margin.
+template <typename S>
+__device__ __forceinline__ void recall_seed_load4(const S* row, const float* __restrict__ vnorm, int i, float au,
+                                                  float r32, float z32, float v[4]) {
+    recall_load4(row, i, v);
+    const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
+    v[0] = recall_seed_lower(v[0], n4.x, au, r32, z32);
+    v[1] = recall_seed_lower(v[1], n4.y, au, r32, z32);
+    v[2] = recall_seed_lower(v[2], n4.z, au, r32, z32);
+    v[3] = recall_seed_lower(v[3], n4.w, au, r32, z32);
+}
 
 // A lowered score's key; 0 (no key) for -inf and NaN.
 __device__ __forceinline__ u32 recall_seed_key(float v) { return v > RECALL_NEG_INF ? recall_f2ord(v) : 0u; }
@@ -256,12 +235,13 @@ struct RecallSeedHeld {
     u32 keys[4 * RECALL_SEED_HELD];
 
     template <typename S>
-    __device__ __forceinline__ void load(const S* row, const RecallSeedMargin& mg, int T) {
+    __device__ __forceinline__ void load(const S* row, const float* __restrict__ vnorm, int T, float au, float r32,
+                                         float z32) {
 #pragma unroll
         for (int r = 0; r < RECALL_SEED_HELD; ++r) {
             const int i = (r * RECALL_SEED_THREADS + (int)threadIdx.x) * 4;
             float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
-            if (i < T) mg.load4(row, i, v);
+            if (i < T) recall_seed_load4(row, vnorm, i, au, r32, z32, v);
 #pragma unroll
             for (int q = 0; q < 4; ++q) keys[4 * r + q] = recall_seed_key(v[q]);
         }
@@ -278,7 +258,7 @@ struct RecallSeedHeld {
 // a multiple of 4 (16-byte loads of float32, 8-byte of float16), 1 otherwise; the trip count depends on T alone.
 template <typename S>
 struct RecallSeedRow {
-    const S* row; RecallSeedMargin mg; int T;
+    const S* row; const float* vnorm; int T; float au, r32, z32;
 
     template <typename F>
     __device__ __forceinline__ void each(F& f) const {
@@ -286,14 +266,14 @@ struct RecallSeedRow {
             for (int i0 = 0; i0 < T; i0 += 4 * RECALL_SEED_THREADS) {
                 const int i = i0 + 4 * (int)threadIdx.x;
                 float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
-                if (i < T) mg.load4(row, i, v);
+                if (i < T) recall_seed_load4(row, vnorm, i, au, r32, z32, v);
 #pragma unroll
                 for (int q = 0; q < 4; ++q) f(recall_seed_key(v[q]));
             }
         } else {
             for (int i0 = 0; i0 < T; i0 += RECALL_SEED_THREADS) {
                 const int i = i0 + (int)threadIdx.x;
-                f(i < T ? recall_seed_key(mg.lower(recall_load(row, i), i)) : 0u);
+                f(i < T ? recall_seed_key(recall_seed_lower(recall_load(row, i), vnorm[i], au, r32, z32)) : 0u);
             }
         }
     }
@@ -406,25 +386,20 @@ __device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSe
 
 template <typename S, typename V>
 __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, float* __restrict__ thr,
-                                 const V* __restrict__ users, int W, const float* __restrict__ vnorm,
-                                 const float* __restrict__ vaux, int D, int M, double A, double R, double Z,
-                                 int KE) {
+                                 const V* __restrict__ users, int W, const float* __restrict__ vnorm, int CC,
+                                 double CV, double A, double R, double Z, int KE) {
     __shared__ int hist[4096];
     __shared__ int part[RECALL_SEED_WARPS];
     __shared__ u32 s_prefix;
     __shared__ int s_want, s_below;
     __shared__ double s_sq[RECALL_SEED_WARPS];
-    __shared__ float s_au;
-    __shared__ float s_ua[RECALL_SEED_AUX];
+    __shared__ float s_au, s_z;
     const int u = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     const S* row = scores + (long long)u * T;
-    // The caller keeps 0 <= D, 0 <= M <= RECALL_SEED_AUX and D + M <= W; out of range, every column is the norm's.
-    if (D < 0 || M < 0 || M > RECALL_SEED_AUX || D + M > W) D = W, M = 0;
-    double sq = 0.0;  // the squared norm of the user's first D columns, in float64 (each square and sum of floats)
-    for (int i = tid; i < D + M; i += RECALL_SEED_THREADS) {  // the items hold 0 after column D + M
+    double sq = 0.0;  // the user's squared norm but column CC's, in float64 (each square and sum of float values)
+    for (int i = tid; i < W; i += RECALL_SEED_THREADS) {
         const double x = recall_load(users + (long long)u * W, i);
-        if (i < D) sq += x * x;
-        else s_ua[i - D] = __double2float_ru(A * fabs(x));  // A |u_c|, rounded up
+        if (i != CC) sq += x * x;
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, o);
@@ -434,17 +409,20 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
         double norm2 = 0.0;
         for (int w = 0; w < RECALL_SEED_WARPS; ++w) norm2 += s_sq[w];
         s_au = __double2float_ru(A * sqrt(norm2));  // A |u|, rounded up (A carries the float64 steps' slack)
+        // Column CC's product, the same for every item: Z grows by it (rounded up, as every step of the margin).
+        const double uc = CC >= 0 && CC < W ? fabs((double)recall_load(users + (long long)u * W, CC)) : 0.0;
+        s_z = __double2float_ru(Z + A * uc * CV);
     }
     __syncthreads();
-    const RecallSeedMargin mg = {vnorm, vaux, s_ua, M, T, s_au, __double2float_ru(R), __double2float_ru(Z)};
+    const float au = s_au, r32 = __double2float_ru(R), z32 = s_z;
     RecallSeedRange range = {0u, 0xffffffffu, 0};
     if ((T & 3) == 0 && T <= RECALL_SEED_HELD_MAX) {
         RecallSeedHeld held;
-        held.load(row, mg, T);
+        held.load(row, vnorm, T, au, r32, z32);
         held.each(range);
         recall_seed_threshold(held, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     } else {
-        const RecallSeedRow<S> streamed = {row, mg, T};
+        const RecallSeedRow<S> streamed = {row, vnorm, T, au, r32, z32};
         streamed.each(range);
         recall_seed_threshold(streamed, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     }
@@ -455,23 +433,22 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
 // estimate's rank (0: the K-th best, a lower bound).
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed(const float* __restrict__ scores, int T, int K, float* __restrict__ thr, const float* __restrict__ users,
-            int W, const float* __restrict__ vnorm, const float* __restrict__ vaux, int D, int M, double A,
-            double R, double Z, int KE) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, vaux, D, M, A, R, Z, KE);
+            int W, const float* __restrict__ vnorm, int CC, double CV, double A, double R, double Z, int KE) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);
 }
 
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed_h(const half_bits* __restrict__ scores, int T, int K, float* __restrict__ thr,
-              const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm,
-              const float* __restrict__ vaux, int D, int M, double A, double R, double Z, int KE) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, vaux, D, M, A, R, Z, KE);
+              const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, int CC, double CV,
+              double A, double R, double Z, int KE) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);
 }
 
 extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
 recall_seed_fh(const float* __restrict__ scores, int T, int K, float* __restrict__ thr,
-               const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm,
-               const float* __restrict__ vaux, int D, int M, double A, double R, double Z, int KE) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, vaux, D, M, A, R, Z, KE);
+               const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, int CC, double CV,
+               double A, double R, double Z, int KE) {
+    recall_seed_body(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);
 }
 
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
