@@ -40,12 +40,15 @@ from ..core.exclusions import Exclusions
 #: where fallbacks run above 0.25 the most fast mode could still have gained is small (under 25% where c >= 0.5).
 DECLINE_FALLBACK = 0.25
 #: Candidates re-scored per user (k + m + 1) above this share of the items make fast mode slower than exact mode, even
-#: with every certificate holding: the re-scoring gathers each candidate's row, and an exact search streams the
-#: items. From the H200 cells without fallbacks (docs/benchmarks.md, 2026-12-01 12:15 UTC): 0.125% of the items -> fast
-#: 0.46x exact's time (10k x 1M x 256, k=1,000), 0.26% -> 0.86x (20k x 1M x 64, k=2,048), 1.25% -> 1.38x (200k x 100k
-#: x 32, k=1,000); a line through the last two crosses 1.0 near 0.5%. A rough model (dims and shapes differ), so it
-#: acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells are.
-MAX_CANDIDATE_SHARE = 0.005
+#: with every certificate holding: the re-scoring gathers each candidate's row, and the float16 pass keeps k + m + 1
+#: where the float32 search keeps k. Exact mode's certified route against its float32 search, H200, 2026-12-02 21:3x
+#: UTC (docs/benchmarks.md), after the threshold sample's margin took the shift column on its own: 1.25% of the
+#: items -> 0.80x the float32 search's time (200k x 100k x 32, k = 1,000, l2; 3.1x before, when the margin started
+#: every user below 93% of the items) and 0.94x under ip (64 dims), 1.9% -> 0.74x (100k x 65,536 x 64, cosine), 2.6%
+#: -> 0.84x (k = 2,048, l2). ip at 1.25% is near even: 2% keeps the route where it was measured to pay. A rough
+#: model (dims and shapes differ), so it acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells
+#: are.
+MAX_CANDIDATE_SHARE = 0.02
 SHARE_MIN_ITEMS = 65_536
 #: Searches of fewer user x item scores than this (on catalogues of at least SHARE_MIN_ITEMS) take exact mode: the
 #: certificate's passes (the approximate search, the re-scoring, the checks) cost about as much as a small exact
