@@ -8,7 +8,8 @@ scores shifted by its exact k-th score: the *widened* pass, over those users onl
 if that fails too, so the result is always the exact answer. ``engine.stats["widened_users"]`` counts the second
 tries, ``["fallback_users"]`` the exact searches.
 
-Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`):
+Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`, lower
+where the float16 pass keeps float16 score tiles):
 it then costs more than exact mode's whole search, whatever the certificate does; and where the search is small
 (:data:`MIN_SCORES`). A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the
 certificate does not pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), every user is searched
@@ -45,10 +46,15 @@ DECLINE_FALLBACK = 0.25
 #: UTC (docs/benchmarks.md), after the threshold sample's margin took the shift column on its own: 1.25% of the
 #: items -> 0.80x the float32 search's time (200k x 100k x 32, k = 1,000, l2; 3.1x before, when the margin started
 #: every user below 93% of the items) and 0.94x under ip (64 dims), 1.9% -> 0.74x (100k x 65,536 x 64, cosine), 2.6%
-#: -> 0.84x (k = 2,048, l2). ip at 1.25% is near even: 2% keeps the route where it was measured to pay. A rough
-#: model (dims and shapes differ), so it acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells
-#: are.
+#: -> 0.84x (k = 2,048, l2). ip at 1.25% is near even: 2% keeps the route where it was measured to pay. That is where
+#: the pass compares float32 sums (a fused kernel); where it keeps float16 score tiles (cuBLAS + filter: k above
+#: 4,096, rows of more than 128 columns) the limit is MAX_CANDIDATE_SHARE_TILES16: at 1.02% (10k x 1M x 64, k =
+#: 8,192) fast mode took 1.21x exact mode's time (0.108 against 0.0894 s, H200 2026-12-02 21:4x UTC). A rough model
+#: (dims and shapes differ), so it acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells are.
 MAX_CANDIDATE_SHARE = 0.02
+#: The same limit where the float16 pass keeps float16 score tiles (``Backend.pass_score_dtype``): 0.26% of the items
+#: gave 0.86x exact mode's time there (20k x 1M x 64, k = 2,048, 2026-12-01), 1.02% 1.21x.
+MAX_CANDIDATE_SHARE_TILES16 = 0.005
 SHARE_MIN_ITEMS = 65_536
 #: Searches of fewer user x item scores than this (on catalogues of at least SHARE_MIN_ITEMS) take exact mode: the
 #: certificate's passes (the approximate search, the re-scoring, the checks) cost about as much as a small exact
@@ -157,9 +163,16 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
         if n_users * engine.n_items < MIN_SCORES:
             declined = (f"{n_users:,} users x {engine.n_items:,} items is under {MIN_SCORES:,} scores: fast "
                         f"mode's extra passes would cost more than its float16 products save")
-        elif wide > MAX_CANDIDATE_SHARE * engine.n_items:
-            declined = (f"{wide:,} candidates per user would be re-scored, {wide / engine.n_items:.2%} of the "
-                        f"{engine.n_items:,} items (above {MAX_CANDIDATE_SHARE:.1%}): exact mode is faster")
+        else:
+            # The limit where the pass keeps float16 tiles is asked for only above the lower one (it makes the
+            # float16 copy of the items).
+            limit = MAX_CANDIDATE_SHARE
+            if MAX_CANDIDATE_SHARE_TILES16 * engine.n_items < wide <= limit * engine.n_items and _tiles16(
+                    engine, n_users, k):
+                limit = MAX_CANDIDATE_SHARE_TILES16
+            if wide > limit * engine.n_items:
+                declined = (f"{wide:,} candidates per user would be re-scored, {wide / engine.n_items:.2%} of the "
+                            f"{engine.n_items:,} items (above {limit:.1%}): exact mode is faster")
     if declined is not None:
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
         engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,

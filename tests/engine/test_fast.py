@@ -401,6 +401,32 @@ def test_declines_where_it_would_rescore_too_large_a_share_of_the_items(device: 
     assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats
 
 
+@pytest.mark.parametrize("tiles", ["float16", "float32"])
+def test_the_share_limit_is_lower_where_the_pass_keeps_float16_tiles(monkeypatch, tiles) -> None:
+    # Between MAX_CANDIDATE_SHARE_TILES16 and MAX_CANDIDATE_SHARE of the items: declined where the backend says the
+    # float16 pass keeps float16 score tiles (cuBLAS + filter), run where it compares float32 sums (a fused kernel).
+    from recall.backends.numpy.backend import NumpyBackend
+    from recall.engine import fast as fast_mode
+
+    monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)
+    monkeypatch.setattr(NumpyBackend, "pass_score_dtype", lambda self, *a, **kw: np.dtype(tiles))
+    rng = np.random.default_rng(13)
+    n_items = fast_mode.SHARE_MIN_ITEMS + 1000
+    items = rng.standard_normal((n_items, 4)).astype(np.float32)
+    users = rng.standard_normal((40, 4)).astype(np.float32)
+    low, high = fast_mode.MAX_CANDIDATE_SHARE_TILES16 * n_items, fast_mode.MAX_CANDIDATE_SHARE * n_items
+    k = next(k for k in range(1, 10_000) if k + fast.margin(k) + 1 > low)
+    assert k + fast.margin(k) + 1 <= high
+    engine = Engine(items, device="cpu", precision="fast")
+    res = engine.search(users, k)
+    if tiles == "float16":
+        assert engine.stats["precision"] == "exact" and "above 0.5%" in engine.stats["fast_declined"]
+        oracle.assert_same_result(Engine(items, device="cpu").search(users, k), res)
+    else:
+        assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats
+        oracle.assert_topk_close(res.indices, res.scores, users, items, k, "ip")
+
+
 def test_declines_a_small_search_of_a_large_catalogue(device: str, monkeypatch) -> None:
     # Fewer than MIN_SCORES user x item scores on a catalogue of at least SHARE_MIN_ITEMS: exact mode, said so; the
     # same search above the limit runs fast mode; a small catalogue is never declined for its size.
