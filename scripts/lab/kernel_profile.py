@@ -111,11 +111,25 @@ def cell_spec(name):
     return c.kind, c.n_users, c.n_items, c.dim, c.k, c.metric, c.excl
 
 
-class Timed:
-    """A launch wrapped in an event pair on the current stream, its elapsed time summed under ``name``."""
+class _Wrapped:
+    """A kernel (or method) standing in for ``fn``: attributes read and set pass through to it; ``log`` collects what
+    a subclass's ``__call__`` records under ``name``."""
 
     def __init__(self, fn, name, log):
         self.fn, self.name, self.log = fn, name, log
+
+    def __getattr__(self, attr):
+        return getattr(self.fn, attr)
+
+    def __setattr__(self, attr, value):
+        if attr in ("fn", "name", "log"):
+            object.__setattr__(self, attr, value)
+        else:
+            setattr(self.fn, attr, value)
+
+
+class Timed(_Wrapped):
+    """A launch wrapped in an event pair on the current stream, its elapsed time summed under ``name``."""
 
     def __call__(self, *args, **kwargs):
         import cupy
@@ -127,15 +141,6 @@ class Timed:
         b.record(stream)
         self.log.append((self.name, a, b))
         return out
-
-    def __getattr__(self, attr):
-        return getattr(self.fn, attr)
-
-    def __setattr__(self, attr, value):
-        if attr in ("fn", "name", "log"):
-            object.__setattr__(self, attr, value)
-        else:
-            setattr(self.fn, attr, value)
 
 
 def instrument(backend, log):
@@ -155,12 +160,9 @@ def instrument(backend, log):
     backend.rescore = Timed(backend.rescore, "rescore (all its launches)", log)
 
 
-class Counted:
+class Counted(_Wrapped):
     """A fused launch followed by a synchronisation and its survivors counted per user (the kernel's ``cnt``, its last
     argument, read before and after; ``C``, the buffer's capacity, the one before it; ``thr`` four before the end)."""
-
-    def __init__(self, fn, name, log):
-        self.fn, self.name, self.log = fn, name, log
 
     def __call__(self, grid, block, args, **kwargs):
         import cupy
@@ -174,15 +176,6 @@ class Counted:
         self.log.append((self.name, float(added.mean()), float(added.max()), float((cnt > cap).mean()), cap,
                          float(fin.mean()) if fin.size else float("nan"), int(fin.size)))
         return out
-
-    def __getattr__(self, attr):
-        return getattr(self.fn, attr)
-
-    def __setattr__(self, attr, value):
-        if attr in ("fn", "name", "log"):
-            object.__setattr__(self, attr, value)
-        else:
-            setattr(self.fn, attr, value)
 
 
 def count_survivors(backend, log):
