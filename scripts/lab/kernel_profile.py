@@ -45,7 +45,7 @@ CELLS = {
     "uh-k100": ("skewed", 1_000_000, 100_000, 64, 100, "ip", 0),
     "uh-l2-k2048": ("popular", 200_000, 100_000, 32, 2048, "l2", 0),  # 2,561 candidates a user: 2.6% of the items
     "uh-ip-k1000": ("skewed", 200_000, 100_000, 64, 1000, "ip", 0),  # 1.25% under ip
-    "cos-k1000-65k": ("skewed", 100_000, 65_536, 64, 1000, "cosine", 0),  # 1.9% of the smallest catalogue the rule acts on
+    "cos-k1000-65k": ("skewed", 100_000, 65_536, 64, 1000, "cosine", 0),  # 1.9% of the smallest catalogue ruled on
     "ties": ("ties", 50_000, 1_000_000, 64, 100, "ip", 0),
     "d32-k10": ("normal", 20_000, 1_000_000, 32, 10, "ip", 0),
     "l2-adv": ("adversarial", 50_000, 1_000_000, 64, 100, "l2", 0),

@@ -53,8 +53,9 @@ class DeviceItems:
     def sample(self, size: int, n_items: int, stream: Any, even: bool = False) -> tuple[Any, Any]:
         """The threshold sample of ``size`` of the first ``n_items`` items: (its sorted int64 device rows,
         ``tiled.sample_rows``, half of them the largest norms where ``norms_rank`` unless ``even``; their float32
-        norms, rounded up, for ``certificate.seed_margin``; without the ``constant_column``), computed on ``stream`` the first time; the same arrays
-        (so the same addresses, which a captured graph reads) for as long as this object lives."""
+        norms, rounded up, for ``certificate.seed_margin``, the ``constant_column`` left out), computed on ``stream``
+        the first time; the same arrays (so the same addresses, which a captured graph reads) for as long as this
+        object lives."""
         ranked = self.norms_rank and not even
         key = (size, n_items, ranked)
         got = self._samples.get(key)
