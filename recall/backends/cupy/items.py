@@ -64,10 +64,10 @@ class DeviceItems:
 
             with stream:
                 if self._norms is None:
-                    col = self.constant_column[0] if self.constant_column is not None else None
-                    if col is None:
+                    if self.constant_column is None:
                         self._norms = row_norms(cupy, self.vecs)
                     else:  # the two sides of the column, each in float64
+                        col = self.constant_column[0]
                         self._norms = cupy.hypot(row_norms(cupy, self.vecs[:, :col]),
                                                  row_norms(cupy, self.vecs[:, col + 1:]))
                 norms = self._norms[:n_items]
