@@ -14,7 +14,7 @@ Layout conventions shared by both backends:
 - exclusions are CSR over the users of a search (``recall.core.exclusions.Exclusions``): item rows sorted and
   unique within each user;
 - results are ``(scores (n, k) float32, item rows (n, k) int64)`` in inner-product space, best first, padded with
-  ``(-inf, -1)``.
+  ``(-inf, -1)`` (a pass that re-ranks them may ask for them in no order: ``run_blocks``' ``best_first``).
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ class Backend(Protocol):
 
     def run_blocks(self, plan: TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
-                   left_out: Any = None) -> Wait:
+                   left_out: Any = None, best_first: bool = True) -> Wait:
         """Search every user block of ``plan`` and write each user's top-k (inner-product space, k <= n_items) into
         its row of ``out_vals`` / ``out_rows`` (arrays from ``empty_out``, on the host or the backend). ``users``:
         (n, dim) host or backend array. ``floor``: optional backend float32 (n,) scores; a user then gets only items
@@ -128,8 +128,10 @@ class Backend(Protocol):
         the larger of it and the user's k-th result (-inf where it holds fewer than k). Given it, a backend may start
         a user at an estimate of its k-th best rather than a lower bound (``EngineOptions.seed_estimate``), and
         return fewer than k items where the estimate was too high: for a caller that checks every user (fast mode's
-        certificate). Returns a callable that waits for this search (the arrays are filled by then) and returns its
-        stats; asynchronous backends return once the work is queued.
+        certificate). ``best_first`` False: each user's results may be written in any order (its k best all the
+        same, the empty slots anywhere), for a caller that re-ranks them (fast mode's pass: a final sort of k = 1,251
+        keys a user is most of its last merge). Returns a callable that waits for this search (the arrays are filled
+        by then) and returns its stats; asynchronous backends return once the work is queued.
         """
 
     def rescore(self, users: Any, items: Any, indptr: Any, rows: Any, k: int, budget: int,

@@ -2,8 +2,8 @@
 
 Vectors are scaled by powers of two (exact) and rounded to float16; the GEMM multiplies them with float32
 accumulation (tensor cores on a GPU; on the CPU the same arithmetic is emulated, for testing). For every user the
-engine keeps the ``k + m + 1`` best *approximate* scores, re-scores the first ``k + m`` candidates in float32, and
-takes their exact top k. The answer is certified when the exact k-th score beats an upper bound of the float32
+engine keeps the ``k + m + 1`` best *approximate* scores (in no order), re-scores them in float32, and takes their
+exact top k. The answer is certified when the exact k-th score beats an upper bound of the float32
 score of every item left out: no item outside the candidates can then reach the top k. Users whose certificate
 fails are searched again (``recall.engine.fast``), so the result is always the exact-mode answer.
 

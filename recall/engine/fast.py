@@ -1,8 +1,9 @@
 """Fast precision: score float16 copies on tensor cores, re-rank the best candidates in float32, prove the answer.
 
-For every user the engine keeps the ``k + m + 1`` best *approximate* scores (m = ``certificate.margin(k)``),
-re-scores the first ``k + m`` candidates in float32 (``Backend.rescore``) and takes their exact top k. The answer is
-certified when the exact k-th score beats an upper bound of every score left out (``recall.core.certificate``).
+For every user the engine keeps the ``k + m + 1`` best *approximate* scores (m = ``certificate.margin(k)``), in no
+order (``Backend.run_blocks``' ``best_first``), re-scores them in float32 (``Backend.rescore``) and takes their exact
+top k. The answer is certified when the exact k-th score beats an upper bound of every score left out, from the
+least kept approximate score (``recall.core.certificate``).
 A user whose certificate fails is tried once more with ``k + 4m`` candidates (where score tiles are float16, its
 scores shifted by its exact k-th score: the *widened* pass, over those users only), and searched again in exact mode
 if that fails too, so the result is always the exact answer. ``engine.stats["widened_users"]`` counts the second
@@ -373,21 +374,24 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     approx_rows = backend.empty_out((n_users, wide), np.int64, False)
     # Where every item is a candidate there is nothing to estimate: the certificate has nothing left out.
     left = backend.empty_out((n_users,), np.float32, False) if estimate and wide < n_items else None
+    # In no order (``best_first``): the re-scoring ranks the candidates itself, and the bound below takes the least.
     run_stats = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident,
-                           left_out=left)()
+                           left_out=left, best_first=False)()
     # The backend says what its scores were kept in: float16 score tiles (the GPU's cuBLAS path), or float32 (its
     # fused kernel, the CPU), which the certificate reads without the tiles' rounding.
     tiles16 = _kept16(backend, run_stats)
     if tiles16 != fast_users.half_scores:
         fast_users = replace(fast_users, half_scores=tiles16)
-    n_cand = wide - 1 if wide < n_items else wide
-    cand_rows = xp.ascontiguousarray(approx_rows[:, :n_cand]).reshape(-1)
-    vals, rows, _ = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * n_cand,
+    # Every one of the ``wide`` kept is re-scored (one more than the certificate needs: which one is the least is
+    # not known without a sort).
+    cand_rows = approx_rows.reshape(-1)
+    vals, rows, _ = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * wide,
                                     cand_rows, k, engine.memory_budget, engine.options, ordered)
     if wide < n_items:
-        # The best score left out: the pass's last kept one, or where it started above that (an estimate that held
-        # fewer than ``wide`` items above it), its start: every item below it was left out.
-        outside = approx_vals[:, wide - 1]
+        # The best score left out is at most the pass's least kept one (an empty slot's -inf where it kept fewer),
+        # or where it started above that (an estimate that held fewer than ``wide`` items above it), its start:
+        # every item below it was left out.
+        outside = approx_vals.min(axis=1)
         if left is not None:
             short = left > outside
             outside = xp.where(short, left, outside)
@@ -396,4 +400,4 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
         failed = np.flatnonzero(backend.to_host(~ok))
     else:
         failed = np.zeros(0, np.int64)  # every item was a candidate: nothing left out to certify against
-    return vals, rows, failed, run_stats, n_cand
+    return vals, rows, failed, run_stats, wide

@@ -204,7 +204,7 @@ def test_floor_returns_only_items_above_it(fused, mode):
 # Fast mode's float16 kernel (kernels/fused_h.cu): small-integer float16 vectors give exact float32 scores in any
 # order of summation, so the tensor cores' sums, the overflow merge's recomputed ones and the CPU's must be equal bit
 # for bit, ties to the lower row.
-def _run_half(device, items16, users16, k, exclude=None, options=None, device_users=False):
+def _run_half(device, items16, users16, k, exclude=None, options=None, device_users=False, best_first=True):
     from recall.core.exclusions import normalise
 
     engine = Engine(items16.astype(np.float32), device=device, options=options)
@@ -215,8 +215,40 @@ def _run_half(device, items16, users16, k, exclude=None, options=None, device_us
         users16 = backend.xp.asarray(users16)
     vals = backend.empty_out((n, k), np.float32, False)
     rows = backend.empty_out((n, k), np.int64, False)
-    stats = engine.run(users16, k, normalise(exclude, n, items16.shape[0]), vals, rows, items=resident)()
+    stats = engine.run(users16, k, normalise(exclude, n, items16.shape[0]), vals, rows, items=resident,
+                       best_first=best_first)()
     return as_numpy(vals), as_numpy(rows), stats
+
+
+def _best_first(vals, rows):
+    """Each row's (score, item row) pairs sorted as results are: score descending, lower row first, empty last."""
+    order = np.lexsort((np.where(rows < 0, np.iinfo(np.int64).max, rows), -vals), axis=1)
+    return np.take_along_axis(vals, order, 1), np.take_along_axis(rows, order, 1)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("mode", ["force", "off"])
+@pytest.mark.parametrize("k", [7, 1000, 1251])
+def test_a_pass_in_no_order_holds_the_sorted_passs_results(fused, dtype, mode, k):
+    # Backend.run_blocks' best_first=False (fast mode's pass, re-ranked after): the final merge skips its sort and
+    # writes the k it kept as selected. The same pairs as the sorted pass, empty slots (an all-excluded user, users
+    # with fewer items than k) after them; the fused kernels (mode "force") and cuBLAS + filter ("off"), float16 and
+    # float32 vectors. Small-integer data: ties everywhere, decided by the row.
+    rng = np.random.default_rng(k)
+    items = _ints(rng, 3000, 24).astype(dtype)
+    users = _ints(rng, 300, 24).astype(dtype)
+    excl = {u: rng.choice(3000, 2500, replace=False).tolist() for u in range(1, 300, 7)}
+    excl[0] = list(range(3000))
+    options = replace(fused, fused=mode)
+    want_vals, want_rows, stats = _run_half("gpu", items, users, k, excl, options)
+    assert stats["fused"] == (mode == "force")
+    got_vals, got_rows, _ = _run_half("gpu", items, users, k, excl, options, best_first=False)
+    np.testing.assert_array_equal(want_rows, _best_first(want_vals, want_rows)[1])  # the sorted pass is sorted
+    if k >= 1000:
+        assert not np.array_equal(got_rows, want_rows)  # and the other is not: its sort was skipped
+    got_vals, got_rows = _best_first(got_vals, got_rows)
+    np.testing.assert_array_equal(got_rows, want_rows)
+    np.testing.assert_array_equal(got_vals, want_vals)
 
 
 @pytest.mark.parametrize("n_users,n_items,width,k", [

@@ -87,6 +87,41 @@ def test_failed_certificates_are_widened_before_falling_back(device, monkeypatch
     assert engine.stats["fallback_users"] < engine.stats["widened_users"] / 4
 
 
+def test_a_pass_in_no_order_certifies_as_a_sorted_one(monkeypatch):
+    # Fast mode asks its pass for its candidates in no order (Backend.run_blocks' best_first=False: the GPU's final
+    # merge then skips its sort). A CPU backend whose pass shuffles each row where allowed must give the same
+    # answer and the same certificates as one that keeps them sorted: the bound takes the least kept score, not a
+    # column. A margin of 2 on small-integer ties leaves many certificates deciding on that bound.
+    from recall.backends.numpy.backend import NumpyBackend
+
+    monkeypatch.setattr(fast, "margin", lambda k: 2)
+    rng = np.random.default_rng(21)
+    items, users = _ints(rng, 2000, 8), _ints(rng, 120, 8)
+    excl = {u: rng.choice(2000, 1990, replace=False).tolist() for u in range(0, 120, 9)}
+    sorted_engine = Engine(items, device="cpu", precision="fast")
+    want = sorted_engine.search(users, 12, exclude=excl)
+    real = NumpyBackend.run_blocks
+    asked = []
+
+    def shuffled(self, plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor=None,
+                 left_out=None, best_first=True):
+        stats = real(self, plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor, left_out)()
+        asked.append(best_first)
+        if not best_first:
+            for u in range(out_vals.shape[0]):
+                order = rng.permutation(out_vals.shape[1])
+                out_vals[u], out_rows[u] = out_vals[u, order], out_rows[u, order]
+        return lambda: stats
+
+    monkeypatch.setattr(NumpyBackend, "run_blocks", shuffled)
+    engine = Engine(items, device="cpu", precision="fast")
+    got = engine.search(users, 12, exclude=excl)
+    assert False in asked and engine.stats["widened_users"] > 10
+    oracle.assert_same_result(got, want)
+    for key in ("widened_users", "fallback_users", "candidates"):
+        assert engine.stats[key] == sorted_engine.stats[key], key
+
+
 def test_unknown_precision_is_an_input_error():
     with pytest.raises(InputError, match="unknown precision 'half'"):
         Engine(np.ones((3, 2), np.float32), device="cpu", precision="half")

@@ -36,8 +36,9 @@ def _simulate_estimates(monkeypatch, k):
     calls = []
 
     def run_blocks(self, plan, users, items, n_items, k_pass, excl, out_vals, out_rows, options, floor=None,
-                   left_out=None):
-        wait = real(self, plan, users, items, n_items, k_pass, excl, out_vals, out_rows, options, floor, left_out)
+                   left_out=None, best_first=True):
+        wait = real(self, plan, users, items, n_items, k_pass, excl, out_vals, out_rows, options, floor, left_out,
+                    best_first)
         calls.append(left_out is not None)
         if left_out is None:
             return wait

@@ -233,9 +233,9 @@ class CupyBackend:
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
-                   left_out: Any = None) -> Any:
+                   left_out: Any = None, best_first: bool = True) -> Any:
         return self.pipeline.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor,
-                                        left_out)
+                                        left_out, best_first)
 
     def rescore(self, users: Any, items: DeviceItems, indptr: np.ndarray, rows: Any, k: int, budget: int,
                 options: EngineOptions, ordered: bool = False) -> tuple[Any, Any, str]:

@@ -12,7 +12,7 @@ import numpy as np
 from ...core.options import EngineOptions
 from ...core.tiling import TilePlan
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
-from .selection import MERGE_THREADS, GpuTopK, Selection, fused_capacity, search_seed_size
+from .selection import MERGE_THREADS, GpuTopK, Selection, final_code, fused_capacity, search_seed_size
 
 FUSED_THREADS = 256
 FUSED_MAX_DIM = 256  # the users' vectors of a block stay in shared memory: 128 x 256 floats at most
@@ -121,12 +121,14 @@ class FusedSearch:
         self._smem_limits: dict[int, int] = {}
 
     def search(self, users_t: Any, users: Any, items_t: Any, n_items: int, state: GpuTopK, ex_ptr: Any,
-               ex_items: Any, has_excl: bool, options: EngineOptions, multiplied: int = 0) -> None:
+               ex_items: Any, has_excl: bool, options: EngineOptions, multiplied: int = 0,
+               best_first: bool = True) -> None:
         """Score one block's n users against every item, a segment of items per launch, each followed by a merge;
         the last merge sorts. float32: ``users_t`` is the workspace's (padded dim, padded capacity) buffer for the
         block's users transposed (zero beyond them), ``items_t`` the items transposed (:func:`operand`); float16:
         ``users`` (n, W) and ``items_t`` the items (n_items, W) themselves, ``users_t`` unused, ``multiplied`` the
-        columns multiplied (:func:`multiplied_width` of the search's users; 0: all of them)."""
+        columns multiplied (:func:`multiplied_width` of the search's users; 0: all of them). ``best_first``: the
+        last merge sorts each user's results (else they are written in no order, ``selection.final_code``)."""
         n = users.shape[0]
         if users.dtype == np.float16:
             launch, merge, operands = self._half(users, items_t, n_items, state, multiplied)
@@ -141,7 +143,7 @@ class FusedSearch:
 
         def merged(start: int, n_tile: int, final: bool) -> None:
             merge((n,), (MERGE_THREADS,), (*head, np.int32(start), np.int32(n_tile), np.int32(n_items), *tail,
-                                           np.int32(1 if final else 0), *done), shared_mem=merge_smem)
+                                           np.int32(final_code(final, best_first)), *done), shared_mem=merge_smem)
 
         tiles = -(-n_items // FUSED_TILE)
         seg = max(1, options.fused_segment // FUSED_TILE)

@@ -105,14 +105,14 @@ class BlockPipeline:
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
-                   left_out: Any = None) -> Any:
+                   left_out: Any = None, best_first: bool = True) -> Any:
         with self.search_lock:
             return self._run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor,
-                                    left_out)
+                                    left_out, best_first)
 
     def _run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                     out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
-                    left_out: Any = None) -> Any:
+                    left_out: Any = None, best_first: bool = True) -> Any:
         """Queue every block of the search and return a callable that waits for it and returns its stats (see
         ``Backend.run_blocks``).
 
@@ -207,7 +207,7 @@ class BlockPipeline:
                 ev[2].record(compute)
                 self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
                                   ws if fused else None, items_t, floor is not None, options, multiplied, estimate,
-                                  left_out is not None)
+                                  left_out is not None, best_first)
                 if left_out is not None:
                     left_out[start:stop] = state.seed_thr[:n]
                 if not host_out:
@@ -323,10 +323,10 @@ class BlockPipeline:
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
                      has_floor: bool, options: EngineOptions, multiplied: int = 0, estimate: int = 0,
-                     keep_seed: bool = False) -> None:
+                     keep_seed: bool = False, best_first: bool = True) -> None:
         """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all; ``estimate``:
         the seed's estimate rank, 0: a lower bound; ``keep_seed``: each user's starting threshold is kept in
-        ``state.seed_thr``). The cuBLAS
+        ``state.seed_thr``; ``best_first``: results sorted, else in no order). The cuBLAS
         path always runs over the slot's full capacity of rows (rows past the real users are ignored), so that every
         block runs the same launches and the graph captured for a slot replays for each of its blocks; the fused
         path (``fused_ws`` set) scores the real rows only, and runs a short last block eagerly."""
@@ -354,10 +354,10 @@ class BlockPipeline:
             if fused_ws is None:
                 tiled.search_block(backend, plan, users, items.vecs, n_items, state, scores_buf, slot.ex_ptr,
                                    ex_items)
-                backend.topk_result(state)
+                sel.result(state, best_first)
             else:
                 self.fused.search(fused_ws.users_t, users, items_t, n_items, state, slot.ex_ptr, slot.ex_items,
-                                  has_excl, options, multiplied)
+                                  has_excl, options, multiplied, best_first)
 
         # The workspace (and so every other pointer, the sample buffer included) is fixed per slot; the items are
         # keyed by the device memory the launches read, not by the Python object: a segment or filtered view's
@@ -366,7 +366,8 @@ class BlockPipeline:
         vecs = items.vecs
         sample_ptr = None if seed is None else (seed[1].data.ptr, seed[2].data.ptr)
         key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
-               None if items_t is None else items_t.data.ptr, has_floor, options, multiplied, estimate, keep_seed)
+               None if items_t is None else items_t.data.ptr, has_floor, options, multiplied, estimate, keep_seed,
+               best_first)
         graph = slot.graphs.get(key)
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
         # From the second on (the next block, or the next search of one block: an embedded engine answering one

@@ -89,6 +89,13 @@ def estimate_rank(k: int, size: int, n_items: int, ranked: bool = False) -> int:
     return ke if ke < k else 0
 
 
+def final_code(final: bool, best_first: bool = True) -> int:
+    """A merge kernel's ``final_pass``: 0 folds candidates in, 1 writes the results sorted best first, 2 writes the k
+    kept in no order (for a caller that re-ranks them, fast mode's pass: the sort is most of a final merge at large k,
+    66 phases of 2,048 keys a user at k = 1,251)."""
+    return 0 if not final else 1 if best_first else 2
+
+
 def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -169,7 +176,7 @@ class Selection:
         self.filter[scores.dtype]((n, tiles), (FILTER_THREADS,),
                                   (scores, np.int32(n), np.int32(width), np.int32(item_start), np.int32(n_items),
                                    state.thr, state.cand, np.int32(state.cand_capacity), state.cnt))
-        self._merge(state, scores, n, width, tiles, item_start, n_items, final=False)
+        self._merge(state, scores, n, width, tiles, item_start, n_items, final=0)
 
     def seed(self, state: GpuTopK, scores: Any, rows: Any, users: Any, item_norms: Any, excl_indptr: Any,
              excl_items: Any, estimate: int = 0, constant: tuple[int, float] | None = None) -> None:
@@ -197,10 +204,11 @@ class Selection:
                                                     np.int32(width), item_norms, np.int32(col), np.float64(value),
                                                     np.float64(a), np.float64(r), np.float64(z), np.int32(estimate)))
 
-    def result(self, state: GpuTopK) -> tuple[Any, Any]:
-        """The final merge: sorted results of the block's users in ``state.out_vals`` / ``out_rows``."""
+    def result(self, state: GpuTopK, best_first: bool = True) -> tuple[Any, Any]:
+        """The final merge: results of the block's users in ``state.out_vals`` / ``out_rows``, sorted best first, or
+        where not ``best_first`` in no order (``final_code``)."""
         n = state.n_users
-        self._merge(state, state.out_vals, n, 1, 1, 0, 0, final=True)
+        self._merge(state, state.out_vals, n, 1, 1, 0, 0, final=final_code(True, best_first))
         return state.out_vals[:n], state.out_rows[:n]
 
     def merge_smem(self, k: int) -> tuple[int, int]:
@@ -214,7 +222,7 @@ class Selection:
         return k_pad, smem
 
     def _merge(self, state: GpuTopK, scores: Any, n: int, width: int, tiles: int, item_start: int, n_items: int,
-               final: bool) -> None:
+               final: int) -> None:
         k_pad, smem = self.merge_smem(state.k)
         self.merge[scores.dtype]((n,), (MERGE_THREADS,),
                                  (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, scores,
@@ -222,5 +230,5 @@ class Selection:
                                   np.int32(n_items), np.int32(state.k), np.int32(k_pad),
                                   np.int32(state.cand_capacity),
                                   np.int32(state.cand_capacity // 2),
-                                  np.int32(1 if final else 0), state.out_vals, state.out_rows),
+                                  np.int32(final), state.out_vals, state.out_rows),
                                  shared_mem=smem)

@@ -284,9 +284,10 @@ class NumpyBackend:
 
     def run_blocks(self, plan: TilePlan, users: np.ndarray, items: np.ndarray, n_items: int, k: int,
                    excl: Exclusions, out_vals: np.ndarray, out_rows: np.ndarray, options: EngineOptions,
-                   floor: Any = None, left_out: Any = None) -> Any:
+                   floor: Any = None, left_out: Any = None, best_first: bool = True) -> Any:
         # ``floor`` is an optimisation the heap search does without: every item above it is found either way. Its
         # thresholds are lower bounds, so no item it leaves out scores above a user's k-th result: ``left_out`` -inf.
+        # Its heaps come out sorted whatever ``best_first`` asks.
         if left_out is not None:
             left_out[:] = -np.inf
         if n_items > heap.MAX_ROWS + 1:

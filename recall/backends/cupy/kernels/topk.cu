@@ -10,7 +10,8 @@
 //   recall_mask_excluded  sets excluded (user, item) scores to -inf (recall_mask_sampled: in a threshold sample's);
 //   recall_filter         appends keys of scores above the user's threshold to a per-user candidate buffer;
 //   recall_merge          folds candidates into the state (exact radix select) once the buffer is half full, or
-//                         rescans the tile when the buffer overflowed; with `final` set it sorts and writes results.
+//                         rescans the tile when the buffer overflowed; with `final` set it writes results (sorted, or
+//                         as selected where the caller re-ranks them).
 // Before its first segment a block may be seeded (recall_seed): its users' K-th best score over a sample of the
 // items is a lower bound of the final K-th best, so the filter passes few scores from the first tile on, and
 // item orders that raise the scores tile after tile (the worst case for a running threshold) cost little more.
@@ -711,10 +712,15 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
         }
         return;
     }
-    // Final: sort descending (bitonic, padded with empty keys) and write scores and rows, best first.
-    for (int i = n_sel + threadIdx.x; i < K_pad; i += blockDim.x) sel[i] = 0ull;
-    __syncthreads();
-    for (int size = 2; size <= K_pad; size <<= 1) {
+    // Final: sort descending (bitonic, padded with empty keys) and write scores and rows, best first; with
+    // final_pass 2 the K kept are written as selected, in no order (for a caller that re-ranks them: fast mode's
+    // pass, whose candidates are re-scored; at K = 1,251 the sort is 66 phases of 2,048 keys a user).
+    const bool best_first = final_pass == 1;
+    if (best_first) {
+        for (int i = n_sel + threadIdx.x; i < K_pad; i += blockDim.x) sel[i] = 0ull;
+        __syncthreads();
+    }
+    for (int size = 2; best_first && size <= K_pad; size <<= 1) {
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
             for (int i = threadIdx.x; i < (K_pad >> 1); i += blockDim.x) {
                 const int lo = 2 * i - (i & (stride - 1));
@@ -727,7 +733,7 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
         }
     }
     for (int r = threadIdx.x; r < K; r += blockDim.x) {
-        const u64 key = sel[r];
+        const u64 key = r < n_sel ? sel[r] : 0ull;
         const long long o = (long long)u * K + r;
         if (key == 0ull) {
             out_vals[o] = RECALL_NEG_INF;
