@@ -252,13 +252,14 @@ def main() -> None:
     p.add_argument("--counts", action="store_true",
                    help="one more search (graphs off), every fused launch synchronised and its survivors counted")
     p.add_argument("--max-candidate-share", type=float, default=None,
-                   help="fast.MAX_CANDIDATE_SHARE for this process (1.0: fast mode never declines for its share of "
-                        "re-scored candidates), to measure what the decline rule spares")
+                   help="fast.MAX_CANDIDATE_SHARE and MAX_CANDIDATE_SHARE_TILES16 for this process (1.0: fast mode "
+                        "never declines for its share of re-scored candidates), to measure what the decline rule "
+                        "spares")
     a = p.parse_args()
     if a.max_candidate_share is not None:
         from recall.engine import fast as fast_mode
 
-        fast_mode.MAX_CANDIDATE_SHARE = a.max_candidate_share
+        fast_mode.MAX_CANDIDATE_SHARE = fast_mode.MAX_CANDIDATE_SHARE_TILES16 = a.max_candidate_share
     prec = a.precision
     out = []
     for cell in a.cells.split(","):

@@ -177,6 +177,7 @@ def test_gpu_route_equals_the_fused_search_bit_for_bit(metric, dim, k, device, m
         pytest.skip("GPU only")
     monkeypatch.setattr(fast, "MIN_SCORES", 1)
     monkeypatch.setattr(fast, "MAX_CANDIDATE_SHARE", 1.0)
+    monkeypatch.setattr(fast, "MAX_CANDIDATE_SHARE_TILES16", 1.0)  # d = 256 keeps float16 score tiles
     users, items = clustered_data(5000, 70000, dim, seed=dim)
     rng = np.random.default_rng(dim)
     users *= np.exp2(rng.integers(-4, 4, (5000, 1))).astype(np.float32)
