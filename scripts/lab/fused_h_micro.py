@@ -1,14 +1,20 @@
 """The float16 fused kernel (``kernels/fused_h.cu``) alone, against cuBLAS's float16 GEMM on the same shape: is its
 time in the tensor-core loop or in the filter? Compiles the kernel with measurement switches (``-D``) in this
 process only, and launches it on S1's shape of one user block at a time, thresholds set where a seeded search has
-them after its first merge (each user's 126th best of the first 65,536 items), candidate counts reset per segment.
+them after its first merge (each user's 126th best of the first 65,536 items: ``--rank``), candidate counts reset per
+segment.
 
 Run from the project root on a GPU machine::
 
-    PYTHONPATH=. python3 scripts/lab/fused_h_micro.py [--width 72] [--json $OUT/fused_h_micro.json]
+    PYTHONPATH=. python3 scripts/lab/fused_h_micro.py [--width 72] [--items N] [--rank R] [--json $OUT/micro.json]
+
+``--rank 1900 --items 100000 --width 48``: the first segment of exact mode's certified route on 200k x 100k x 32
+(l2, k = 1,000), whose first launch passed about 1,900 of its 65,536 items a user (docs/benchmarks.md).
 
 Variants: as shipped (warps of 64 users x 32 items, each user's scores of a thread tested through their maximum
-first, a survivor's key stored at the thread's next survivor, not while its slot's atomic is on its way); each key
+first, the survivors of a passing group taken one by one from a bit mask, a survivor's key stored at the thread's
+next survivor, not while its slot's atomic is on its way); a branch per score of a passing group (``RH_EACH_SCORE``,
+as shipped until 2026-12-03); each key
 stored as soon as its slot comes back (``RH_INLINE_APPEND``); warps of 64 x 64 items (``RH_WN=64``), both ways; no
 filter at all (``RH_SKIP_EPILOGUE``: the products summed, about what any filter can reach); as shipped with every
 threshold at +inf (the filter's tests alone, no survivor); for rows of up to 96 columns multiplied other than 64, the
@@ -32,13 +38,16 @@ def main() -> None:
     p.add_argument("--users", type=int, default=16384)
     p.add_argument("--items", type=int, default=1_000_000)
     p.add_argument("--width", type=int, default=72)
+    p.add_argument("--rank", type=int, default=126, help="each user's threshold: its RANK-th best of the first 65,536 "
+                                                         "items")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     rng = cupy.random.default_rng(0)
     users = rng.standard_normal((a.users, a.width), dtype=np.float32).astype(np.float16)
     items = rng.standard_normal((a.items, a.width), dtype=np.float32).astype(np.float16)
     head = users.astype(np.float32) @ items[:65536].astype(np.float32).T
-    thr = cupy.ascontiguousarray(-cupy.partition(-head, 125, axis=1)[:, 125])
+    r = min(a.rank, head.shape[1]) - 1
+    thr = cupy.ascontiguousarray(-cupy.partition(-head, r, axis=1)[:, r])
     del head
     cap = 2048
     c = 16384
@@ -47,7 +56,8 @@ def main() -> None:
     padded = -(-a.width // 16) * 16
     flops = 2.0 * a.users * a.items * padded
     out = []
-    variants = [("shipped", ()), ("keys stored as their slots come back (RH_INLINE_APPEND)", ("-DRH_INLINE_APPEND",)),
+    variants = [("shipped", ()), ("a branch per score of a passing group (RH_EACH_SCORE)", ("-DRH_EACH_SCORE",)),
+                ("keys stored as their slots come back (RH_INLINE_APPEND)", ("-DRH_INLINE_APPEND",)),
                 ("warp tile 64 x 64 (RH_WN=64)", ("-DRH_WN=64",)),
                 ("warp tile 64 x 64, keys stored as their slots come back", ("-DRH_WN=64", "-DRH_INLINE_APPEND")),
                 ("no filter", ("-DRH_SKIP_EPILOGUE",)),

@@ -77,7 +77,7 @@ VARIANTS = {
     "cta16": {"fused_tiles_per_block": 16},
     # Threshold samples of 2k to 128k items; from 64k on, a segment of the cuBLAS path is widened to hold one.
     **{f"seed{n >> 10}k": {"seed_sample": n, **({"tiles": (2048, n // 4, 4)} if n > 32768 else {})}
-       for n in (2048, 4096, 16384, 32768, 65536, 131072)},
+       for n in (2048, 4096, 8192, 16384, 32768, 65536, 131072)},
     # The cuBLAS path seeded on a catalogue of fewer than 8 samples (a requested sample needs only 2).
     **{f"cublas-seed{n >> 10}k": {"seed_sample": n, "fused": "off"} for n in (8192, 16384, 32768)},
     "ub4096": {"tiles": (4096, 8192, 4)},  # blocks of 4,096 users: half the launches of a user-heavy search

@@ -7,14 +7,33 @@
 // 64+ty*4+i, items tx*4+j and 64+tx*4+j) with one fmaf per dimension in order, from 0, the sequence that
 // RecallDotTile repeats when a merge must recompute a segment. When a tile is done, every score above its user's
 // threshold is appended to the user's candidates (one atomic each: after a block is seeded, few pass; a user's 8
-// scores are tested through their maximum first), its key stored once the thread has gone on to the next survivor
-// or to its end, not while the atomic's slot is on its way.
+// scores are tested through their maximum first, and where it passes its survivors are taken one by one from a bit
+// mask), its key stored once the thread has gone on to the next survivor or to its end, not while the atomic's slot
+// is on its way.
 //
 // uT is (Dp, ldu) and iT is (Dp, ldi): users and items transposed, zero-padded to Dp (a multiple of 32) dimensions
 // and to whole tiles of 128 rows (the scores of padding rows are computed, and never kept). Only the first Dk of the
 // Dp dimensions are multiplied (the vectors' width rounded up to 8): the last chunk takes its 8, 16, 24 or 32 rows,
 // so that l2's bias column (64 + 4 dimensions) costs 72 dimensions' FMAs, not 96. RecallDotTile recomputes the same
 // Dk dimensions in the same order.
+
+// A survivor appended without waiting for its slot: the pending one's key is stored now (its slot came back long
+// ago, a tile's products ago as a rule), this one's slot is asked for with a global atomic and kept with its key
+// until the thread's next survivor or its end (`flush`), so that the atomic's round trip overlaps the products.
+struct RecallPending {
+    u64* dst;
+    int pos;
+    u64 key;
+    __device__ __forceinline__ void push(u64* __restrict__ cand, int* __restrict__ cnt, int C, int user, u64 k) {
+        if (dst != nullptr && pos < C) dst[pos] = key;
+        dst = cand + (long long)user * C;
+        pos = atomicAdd(&cnt[user], 1);
+        key = k;
+    }
+    __device__ __forceinline__ void flush(int C) {
+        if (dst != nullptr && pos < C) dst[pos] = key;
+    }
+};
 
 #define RF_TILE 128
 #define RF_CHUNK 32
@@ -70,9 +89,7 @@ recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restri
     load_items(0);
     recall_cp_commit();
 
-    u64* p_dst = nullptr;  // the pending survivor: its user's buffer, its slot (to come back), its key
-    int p_pos = 0;
-    u64 p_key = 0;
+    RecallPending pending = {nullptr, 0, 0ull};
     float acc[8][8];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -132,25 +149,39 @@ recall_fused_filter(const float* __restrict__ uT, int ldu, const float* __restri
                 const float m = fmaxf(fmaxf(fmaxf(acc[i][0], acc[i][1]), fmaxf(acc[i][2], acc[i][3])),
                                       fmaxf(fmaxf(acc[i][4], acc[i][5]), fmaxf(acc[i][6], acc[i][7])));
                 if (!(m > t)) continue;
+#if defined(RF_EACH_SCORE)  // measurement only: a branch per score of a passing user (shipped until 2026-12-03)
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int row = j0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
-                    if (acc[i][j] > t && row < n_items) {
-#if defined(RF_INLINE_APPEND)  // measurement only: the key stored as soon as its slot comes back
-                        const int pos = atomicAdd(&cnt[user], 1);
-                        if (pos < C) cand[(long long)user * C + pos] = recall_key(acc[i][j], row);
-#else
-                        // As in fused_h.cu: the previous survivor is stored now, this one's slot is asked for and
-                        // not waited for (the atomic's round trip overlaps the next tiles' products).
-                        if (p_dst != nullptr && p_pos < C) p_dst[p_pos] = p_key;
-                        p_dst = cand + (long long)user * C;
-                        p_pos = atomicAdd(&cnt[user], 1);
-                        p_key = recall_key(acc[i][j], row);
-#endif
-                    }
+                    if (acc[i][j] > t && row < n_items) pending.push(cand, cnt, C, user, recall_key(acc[i][j], row));
                 }
+#else
+                // As in fused_h.cu: the survivors as bits, then one round a survivor.
+                unsigned bits = 0u;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int row = j0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
+                    if (acc[i][j] > t && row < n_items) bits |= 1u << j;
+                }
+#pragma unroll 1
+                while (bits) {
+                    const int j = __ffs(bits) - 1;
+                    bits &= bits - 1u;
+                    const int row = j0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
+                    float v = acc[i][0];  // acc[i][j], selected in registers
+#pragma unroll
+                    for (int r = 1; r < 8; ++r)
+                        if (j == r) v = acc[i][r];
+#if defined(RF_INLINE_APPEND)  // measurement only: the key stored as soon as its slot comes back
+                    const int pos = atomicAdd(&cnt[user], 1);
+                    if (pos < C) cand[(long long)user * C + pos] = recall_key(v, row);
+#else
+                    pending.push(cand, cnt, C, user, recall_key(v, row));
+#endif
+                }
+#endif
             }
         }
     }
-    if (p_dst != nullptr && p_pos < C) p_dst[p_pos] = p_key;
+    pending.flush(C);
 }

@@ -117,12 +117,8 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
     const unsigned a_lane = u_base + 2u * ((wm * 64 + (lane & 15)) * us + (lane >> 4) * 8);
     const unsigned b_lane = 2u * ((wn * WN + (lane & 7) + ((lane >> 4) << 3)) * IS + ((lane >> 3) & 1) * 8);
 
-    // A survivor's append: a global atomic gives its slot, a round trip to memory later. The thread does not wait for
-    // it: it keeps the survivor pending (its user's buffer, the slot to come, its key) and stores it at its next
-    // survivor or at the end, so that the atomic's round trip overlaps the next tiles' products.
-    u64* p_dst = nullptr;
-    int p_pos = 0;
-    u64 p_key = 0;
+    // A survivor's append does not wait for its slot's atomic (fused.cu's RecallPending).
+    RecallPending pending = {nullptr, 0, 0ull};
     float acc[4][NI][4];
     for (int s = 0; s < steps; ++s) {
         recall_cp_wait<RH_STAGES - 2>();
@@ -180,7 +176,8 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
 #else
             // A thread holds 2 * NI scores of each of its 8 users (rows mi * 16 + g + 8h): their maximum is tested
             // first, and the tests and branches of single scores run only where it passes (about 1% of the groups
-            // after a seeded search's first merge).
+            // after a seeded search's first merge on a large catalogue; where the pass keeps a percent of the items,
+            // most warps hold some lane whose group passes).
 #pragma unroll
             for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
@@ -196,32 +193,49 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
                         for (int q = 0; q + w < NI / 2; q += 2 * w) m[q] = fmaxf(m[q], m[q + w]);
                     if (m[0] > th[mi][h]) {
                         const int user = u0 + wm * 64 + mi * 16 + g + 8 * h;
+#if defined(RH_EACH_SCORE)  // measurement only: a branch per score of a passing group (shipped until 2026-12-03)
 #pragma unroll
                         for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
                             for (int c = 0; c < 2; ++c) {
                                 const int row = j0 + ni * 8 + 2 * t + c;
                                 const float v = acc[mi][ni][2 * h + c];
-                                if (v > th[mi][h] && (whole || row < n_items)) {
-#if defined(RH_INLINE_APPEND)  // measurement only: the key stored as soon as its slot comes back
-                                    const int pos = atomicAdd(&cnt[user], 1);
-                                    if (pos < C) cand[(long long)user * C + pos] = recall_key(v, row);
-#else
-                                    // The previous survivor's slot came back long ago (a tile's products ago, as a
-                                    // rule): store its key, then ask for this one's slot and go on without waiting.
-                                    if (p_dst != nullptr && p_pos < C) p_dst[p_pos] = p_key;
-                                    p_dst = cand + (long long)user * C;
-                                    p_pos = atomicAdd(&cnt[user], 1);
-                                    p_key = recall_key(v, row);
-#endif
-                                }
+                                if (v > th[mi][h] && (whole || row < n_items))
+                                    pending.push(cand, cnt, C, user, recall_key(v, row));
                             }
+#else
+                        // The group's survivors as bits (score q = 2 ni + c), then one round a survivor: the warp
+                        // goes round as often as its lane with the most, not once per score of the group.
+                        unsigned bits = 0u;
+#pragma unroll
+                        for (int q = 0; q < 2 * NI; ++q) {
+                            const int row = j0 + (q >> 1) * 8 + 2 * t + (q & 1);
+                            if (acc[mi][q >> 1][2 * h + (q & 1)] > th[mi][h] && (whole || row < n_items))
+                                bits |= 1u << q;
+                        }
+#pragma unroll 1
+                        while (bits) {
+                            const int q = __ffs(bits) - 1;
+                            bits &= bits - 1u;
+                            const int row = j0 + (q >> 1) * 8 + 2 * t + (q & 1);
+                            float v = acc[mi][0][2 * h];  // acc[mi][q >> 1][2h + (q & 1)], selected in registers
+#pragma unroll
+                            for (int r = 1; r < 2 * NI; ++r)
+                                if (q == r) v = acc[mi][r >> 1][2 * h + (r & 1)];
+#if defined(RH_INLINE_APPEND)  // measurement only: the key stored as soon as its slot comes back
+                            const int pos = atomicAdd(&cnt[user], 1);
+                            if (pos < C) cand[(long long)user * C + pos] = recall_key(v, row);
+#else
+                            pending.push(cand, cnt, C, user, recall_key(v, row));
+#endif
+                        }
+#endif
                     }
                 }
 #endif
         }
     }
-    if (p_dst != nullptr && p_pos < C) p_dst[p_pos] = p_key;
+    pending.flush(C);
 }
 
 // Launched for rows of at most 128 columns multiplied (fast mode's float16 vectors up to d = 128,
