@@ -86,6 +86,9 @@ VARIANTS = {
     "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it
     "no-estimate": {"seed_estimate": False},  # the float16 passes seeded from lower bounds only
     "ip-uniform": {},  # HOOKS: an inner-product engine's float16 passes sampled evenly, so that they estimate
+    # HOOKS: the estimate's rank at 3 or 4 standard deviations above its expected count (selection.ESTIMATE_SIGMAS,
+    # 5 as shipped), alone and with a threshold sample of 32k items.
+    "sigma3": {}, "sigma4": {}, "sigma3-seed32k": {"seed_sample": 32768},
 }
 
 
@@ -95,8 +98,19 @@ def _uniform_samples(engine):
     fast_mode._state(engine).resident.norms_rank = False
 
 
-#: Variants that change an engine once it is made (lab only): what a rule of the product would choose.
-HOOKS = {"ip-uniform": _uniform_samples}
+def _sigmas(n):
+    def hook(engine):
+        from recall.backends.cupy import selection
+
+        selection.ESTIMATE_SIGMAS = n
+
+    return hook
+
+
+#: Variants that change an engine (or a constant of the process) once it is made (lab only): what a rule of the
+#: product would choose. Every variant starts from the shipped constants (``main`` restores them).
+HOOKS = {"ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
+         "sigma3-seed32k": _sigmas(3.0)}
 
 
 def cell_spec(name):
@@ -260,6 +274,9 @@ def main() -> None:
         from recall.engine import fast as fast_mode
 
         fast_mode.MAX_CANDIDATE_SHARE = fast_mode.MAX_CANDIDATE_SHARE_TILES16 = a.max_candidate_share
+    from recall.backends.cupy import selection
+
+    shipped_sigmas = selection.ESTIMATE_SIGMAS
     prec = a.precision
     out = []
     for cell in a.cells.split(","):
@@ -279,6 +296,7 @@ def main() -> None:
             out.append({"cell": cell, "variant": "exact", "median_s": t_exact})
             del exact
         for vname in a.variants.split(","):
+            selection.ESTIMATE_SIGMAS = shipped_sigmas
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -308,6 +326,7 @@ def main() -> None:
                     "fallback_users", "widened_users", "seed_estimate", "estimate_short_users", "route")
             out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})
             del engine
+        selection.ESTIMATE_SIGMAS = shipped_sigmas
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()
