@@ -45,6 +45,8 @@ CELLS = {
     "uh-k100": ("skewed", 1_000_000, 100_000, 64, 100, "ip", 0),
     "uh-l2-k2048": ("popular", 200_000, 100_000, 32, 2048, "l2", 0),  # 2,561 candidates a user: 2.6% of the items
     "uh-ip-k1000": ("skewed", 200_000, 100_000, 64, 1000, "ip", 0),  # 1.25% under ip
+    "uh-ip-k4096": ("skewed", 100_000, 100_000, 64, 4096, "ip", 0),  # the float32 search, seeded from a bound
+    "cos-k2048-130k": ("popular", 100_000, 130_000, 64, 2048, "cosine", 0),
     "cos-k1000-65k": ("skewed", 100_000, 65_536, 64, 1000, "cosine", 0),  # 1.9% of the smallest catalogue ruled on
     "ties": ("ties", 50_000, 1_000_000, 64, 100, "ip", 0),
     "d32-k10": ("normal", 20_000, 1_000_000, 32, 10, "ip", 0),

@@ -154,6 +154,25 @@ def test_small_catalogue_large_k_is_seeded_and_exact(fused):
     _same(got, Engine(items, device="cpu").search(users, k, exclude=excl))
 
 
+@pytest.mark.parametrize("fused", ["auto", "off"])
+def test_small_catalogue_bound_search_doubles_its_sample_and_is_exact(fused):
+    # 50,000 items at k = 600: the rule's sample (8,192 items) holds fewer than 16 k, so the float32 search, which
+    # starts at the sample's k-th best, takes 16,384 (selection.BOUND_SAMPLE_PER_K); integer data ties everywhere,
+    # one user has every sampled row excluded, one every other, one all but 200 items (fewer than k left).
+    rng = np.random.default_rng(15)
+    n_items, k = 50000, 600
+    items, users = _ints(rng, n_items, 24), _ints(rng, 500, 24)
+    sample = _sample_rows(items, k, 4 * 8192, bound=True)
+    assert sample.size == 16384
+    excl = {0: sample.tolist(), 1: list(range(200, n_items)), 2: sample[::2].tolist()}
+    for u in range(3, 500, 3):
+        excl[u] = rng.choice(n_items, 400, replace=False).tolist()
+    gpu = Engine(items, device="gpu", options=EngineOptions(fused=fused, certified_exact="off"))
+    got = gpu.search(users, k, exclude=excl)
+    assert gpu.stats["seed_sample"] == 16384 and gpu.stats["fused"] == (fused == "auto")
+    _same(got, Engine(items, device="cpu").search(users, k, exclude=excl))
+
+
 def test_k_8192_seeded_on_cublas_against_cpu():
     # 600,000 items at k = 8,192, 200 users (a block of few users: more tiles a call, and room for a sample of 16 k
     # items): seeded searches of k above 4,096 take cuBLAS + filter.
@@ -238,13 +257,13 @@ def test_out_of_memory_is_a_resource_error(monkeypatch):
         Engine(_ints(rng, 100, 4), device="gpu").search(_ints(rng, 10, 4), 5)
 
 
-def _sample_rows(items, k, capacity):
+def _sample_rows(items, k, capacity, bound=False):
     # The rows an ip search's threshold sample takes (integer items: their float64 norms are exact on either side).
     from recall.backends.cupy.selection import seed_size
     from recall.backends.tiled import sample_rows
     from recall.core.metrics import row_norms
 
-    size = seed_size(items.shape[0], k, capacity)
+    size = seed_size(items.shape[0], k, capacity, bound=bound)
     return sample_rows(np, items.shape[0], size, row_norms(np, items))
 
 

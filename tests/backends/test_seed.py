@@ -30,6 +30,27 @@ def test_sample_size(n_items, k, capacity, want):
     assert seed_size(n_items, k, capacity, seeded=False) == 0
 
 
+@pytest.mark.parametrize("n_items, k, capacity, want", [
+    # A search that starts at the sample's k-th best (``bound``) doubles the small-catalogue sample where it holds
+    # fewer than 16 k items, from a catalogue of at least 3 doubled samples.
+    (100_000, 2_048, 32_768, 32_768),
+    (100_000, 4_096, 32_768, 32_768),
+    (130_000, 2_048, 32_768, 32_768),
+    (50_000, 600, 32_768, 16_384),
+    (100_000, 1_000, 32_768, 16_384),  # 16,384 >= 16 k already
+    (65_536, 2_048, 32_768, 16_384),   # 65,536 < 6 x 16,384: not doubled
+    (20_000, 300, 24_576, 4_096),      # 20,000 < 6 x 4,096
+    (100_000, 2_048, 16_384, 16_384),  # no room for the doubled sample
+    (100_000, 5_000, 32_768, 0),       # unseeded by the rule (16,384 < 4 k): not seeded either
+    (1_000_000, 2_048, 65_536, 65_536),  # a large catalogue: the rule as it is
+])
+def test_bound_sample_size(n_items, k, capacity, want):
+    assert seed_size(n_items, k, capacity, bound=True) == want
+    assert seed_size(n_items, k, capacity, bound=True, seeded=False) == 0
+    assert seed_size(n_items, k, capacity, bound=True, requested=8192) == seed_size(n_items, k, capacity,
+                                                                                   requested=8192)
+
+
 @pytest.mark.parametrize("n_items, k, capacity, requested, want", [
     (100_000, 1_000, 32_768, 32_768, 32_768),  # a requested sample: from catalogues of at least twice it
     (60_000, 1_000, 32_768, 32_768, 0),

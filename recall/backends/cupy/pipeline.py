@@ -140,8 +140,10 @@ class BlockPipeline:
         half = np.dtype(users.dtype) == np.float16 and n_users > 0 and options.fused != "off" and not host_users
         multiplied = fused_path.multiplied_width(users) if half else 0
         fused = fused_path.applies(plan, n_users, n_items, k, multiplied or dim, users.dtype, options)
-        # The fused path keeps score room for the threshold sample only.
-        sample = search_seed_size(plan, n_items, k, options)
+        # The fused path keeps score room for the threshold sample only. A pass that may start at an estimate of each
+        # user's k-th best (below) takes the rule's sample; one that starts at a bound, a larger one where k is large.
+        may_estimate = left_out is not None and floor is None and options.seed_estimate
+        sample = search_seed_size(plan, n_items, k, options, bound=not may_estimate)
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused, max(1, sample) if fused else None)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
@@ -158,8 +160,7 @@ class BlockPipeline:
             copy.wait_event(compute.record())  # floors come from merges queued on the compute stream
         # An estimate is taken over evenly spaced rows (selection.estimate_rank); an inner-product search samples
         # them for it where it is tight enough, and half from the largest norms otherwise.
-        estimate = estimate_rank(k, sample, n_items, items.norms_rank) if (
-            sample and left_out is not None and floor is None and options.seed_estimate) else 0
+        estimate = estimate_rank(k, sample, n_items, items.norms_rank) if sample and may_estimate else 0
         seed = self._refresh_sample(ws, items, n_items, sample, dim, estimate > 0) if sample else None
         stats["seed_sample"] = sample
         if left_out is not None:

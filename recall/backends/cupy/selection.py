@@ -28,15 +28,26 @@ def fused_capacity(k: int) -> int:
     return pow2(max(16384, 32 * k))
 
 
-def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requested: int = 0) -> int:
+#: A search seeded from a bound (not an estimate, ``estimate_rank``) on a small catalogue doubles its sample where
+#: the rule's leaves its k-th best sampled score below this many k of it, from a catalogue of 3 doubled samples:
+#: 200k x 100k x 32, k = 2,048, l2 (the float32 search): 0.20 s from 32,768 items, 0.27 s from 16,384 (H200,
+#: 2026-12-04, docs/benchmarks.md). Passes that estimate keep the rule's sample (k = 1,000 there: 0.104 s from
+#: 16,384, 0.124 s from 32,768).
+BOUND_SAMPLE_PER_K = 16
+
+
+def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requested: int = 0,
+              bound: bool = False) -> int:
     """Items in a block's threshold sample (see ``recall_seed``), or 0 where seeding does not pay (or is off):
     the sample costs ``size / n_items`` of the search's GEMM work and leaves about ``k * n_items / size`` scores per
     user to pass the filter over the whole search. The rule: 8,192 items or 32 k, whichever is more, from a
     catalogue of at least 8 such samples; from a smaller catalogue where k is large for it (32 k more than an
     eighth of it), the largest power of two at most a quarter of it, whose seed spares the merges the scores of
     whole unseeded tiles (200k x 100k x 32, k = 1,000: 0.190 s seeded from 16,384 items, 0.256 s unseeded,
-    docs/benchmarks.md). Capped by ``capacity``, the score room a block has; at least 4 k items or none.
-    ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from catalogues of at least twice it."""
+    docs/benchmarks.md), twice that for a search that starts at the sample's k-th best (``bound``) where it would
+    hold fewer than BOUND_SAMPLE_PER_K k items. Capped by ``capacity``, the score room a block has; at least 4 k
+    items or none. ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from catalogues of at least
+    twice it."""
     if not seeded:
         return 0
     if requested:
@@ -45,15 +56,20 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
         size, least = min(capacity, max(8192, 32 * k)), 8
         if n_items < 8 * size and 256 * k > n_items:
             size, least = min(capacity, 1 << max(0, (n_items // 4).bit_length() - 1)), 4
+            if (bound and 4 * k <= size < BOUND_SAMPLE_PER_K * k and 2 * size <= capacity
+                    and n_items >= 6 * size):
+                size, least = 2 * size, 3
     return size if size >= 4 * k and n_items >= least * size else 0
 
 
-def search_seed_size(plan: Any, n_items: int, k: int, options: Any) -> int:
+def search_seed_size(plan: Any, n_items: int, k: int, options: Any, bound: bool = False) -> int:
     """``seed_size`` of a search under ``plan`` (``TilePlan``) and ``options`` (``EngineOptions``): the score room is
-    one GEMM call's tiles; users with several vectors are not seeded."""
+    one GEMM call's tiles; users with several vectors are not seeded. ``bound``: the search cannot start at an
+    estimate (``estimate_rank``)."""
     if plan.interests is not None:
         return 0
-    return seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds, options.seed_sample)
+    return seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds, options.seed_sample,
+                     bound)
 
 
 #: The estimate's rank (``estimate_rank``) sits this many standard deviations, plus ESTIMATE_SLACK, above the expected
