@@ -29,7 +29,8 @@ def fused_capacity(k: int) -> int:
 
 
 #: A search seeded from a bound (not an estimate, ``estimate_rank``) on a small catalogue doubles its sample where
-#: the rule's leaves its k-th best sampled score below this many k of it, from a catalogue of 3 doubled samples:
+#: the rule's sample holds fewer than this many times k items (its k-th best, the seed, would pass more than a
+#: sixteenth of the catalogue), from a catalogue of at least 3 doubled samples:
 #: 200k x 100k x 32, k = 2,048, l2 (the float32 search): 0.20 s from 32,768 items, 0.27 s from 16,384 (H200,
 #: 2026-12-04, docs/benchmarks.md). Passes that estimate keep the rule's sample (k = 1,000 there: 0.104 s from
 #: 16,384, 0.124 s from 32,768).
