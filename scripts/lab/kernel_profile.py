@@ -313,12 +313,14 @@ def main() -> None:
             # Fast mode against exact mode; an exact variant against the first variant of the cell (rows, and every
             # score bit for bit).
             got = res.indices
-            if want is None:
+            if want is None:  # the cell's first variant: the reference of the others, compared with nothing
                 want, want_scores = got, res.scores
-            same = f" | rows equal {'exact' if prec == 'fast' else 'the first variant'}'s for " \
-                   f"{float((got == want).all(axis=1).mean()):.4f} of users"
-            if prec == "exact":
-                same += f", scores bit for bit {bool((res.scores == want_scores).all())} route {st.get('route')}"
+                same = f" | the reference of the cell's other variants, route {st.get('route')}"
+            else:
+                same = f" | rows equal {'exact' if prec == 'fast' else 'the first variant'}'s for " \
+                       f"{float((got == want).all(axis=1).mean()):.4f} of users"
+                if prec == "exact":
+                    same += f", scores bit for bit {bool((res.scores == want_scores).all())} route {st.get('route')}"
             print(f"| {cell} | {vname} | {t:.4f} s | x shipped {t / base:.3f} | fused {st.get('fused')} tiles "
                   f"{st.get('tiles')} seed {st.get('seed_sample')} busy {st.get('gpu_busy_s', 0):.4f} | scores "
                   f"{st.get('score_dtype')} precision {st.get('precision')} fallbacks {st.get('fallback_users')} "
