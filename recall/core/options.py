@@ -49,6 +49,9 @@ class EngineOptions:
         GPU fused path: items per launch (each followed by a merge of the candidates).
     fused_tiles_per_block : int
         GPU fused path: item tiles of 128 rows each thread block walks.
+    warpgroup_mma : bool
+        GPU fused path of float16 rows: on Hopper (compute capability 9.0), the kernel on the warpgroup tensor-core
+        instruction (``fused_w.cu``, wgmma); False: ``fused_h.cu``'s mma.sync kernel, which other GPUs run.
     rescore : {"fused", "gemm"}
         GPU re-scoring: one fused gather + dot + select kernel, or gather + strided-batched GEMM + select (the
         CPU's path).
@@ -86,6 +89,7 @@ class EngineOptions:
     fused: str = "auto"
     fused_segment: int = 65_536
     fused_tiles_per_block: int = 8
+    warpgroup_mma: bool = True
     rescore: str = "fused"
     few_user_tiles: bool = True
     seed_sample: int = 0
@@ -106,7 +110,7 @@ class EngineOptions:
         check_choice(self.certified_exact, CERTIFIED_EXACT_MODES, "options.certified_exact mode")
         check_int(self.fast_sample, "options.fast_sample", 0)
         check_int(self.seed_sample, "options.seed_sample", 0)
-        for name in ("cuda_graphs", "seed_thresholds", "seed_estimate", "few_user_tiles"):
+        for name in ("cuda_graphs", "seed_thresholds", "seed_estimate", "few_user_tiles", "warpgroup_mma"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"options.{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -77,6 +77,7 @@ VARIANTS = {
     "seg16k": {"fused_segment": 16_384},
     "cta4": {"fused_tiles_per_block": 4},
     "cta16": {"fused_tiles_per_block": 16},
+    "mma": {"warpgroup_mma": False},  # the float16 fused kernel on mma.sync (fused_h.cu) on Hopper too
     # Threshold samples of 2k to 128k items; from 64k on, a segment of the cuBLAS path is widened to hold one.
     **{f"seed{n >> 10}k": {"seed_sample": n, **({"tiles": (2048, n // 4, 4)} if n > 32768 else {})}
        for n in (2048, 4096, 8192, 16384, 32768, 65536, 131072)},
@@ -165,7 +166,7 @@ def instrument(backend, log):
         setattr(sel, name, Timed(getattr(sel, name), name, log))
     if not isinstance(sel.fused_h, dict):  # an older tree's selection (.oldtree/): one float16 kernel
         sel.fused_h = Timed(sel.fused_h, "fused_h", log)
-    for table in ("mask", "filter", "merge", "seed_kth", "fused_h"):
+    for table in ("mask", "filter", "merge", "seed_kth", "fused_h", "fused_w"):
         d = getattr(sel, table, None)
         if not isinstance(d, dict):  # an older tree's selection (.oldtree/)
             continue
@@ -198,8 +199,10 @@ def count_survivors(backend, log):
     """Every fused launch of ``backend`` wrapped in :class:`Counted`."""
     sel = backend.selection
     sel.fused = Counted(sel.fused, "fused", log)
-    for chunk in list(sel.fused_h):
-        sel.fused_h[chunk] = Counted(sel.fused_h[chunk], f"fused_h[{chunk}]", log)
+    for table in ("fused_h", "fused_w"):
+        d = getattr(sel, table, None) or {}
+        for chunk in list(d):
+            d[chunk] = Counted(d[chunk], f"{table}[{chunk}]", log)
 
 
 def phases(log):

@@ -270,6 +270,74 @@ def test_half_fused_equals_cpu_exactly(fused, n_users, n_items, width, k):
     assert (got_rows[0] == -1).all()
 
 
+@pytest.mark.parametrize("warpgroup", [True, False])
+@pytest.mark.parametrize("n_users,n_items,width,k", [
+    (1, 1, 8, 1), (3, 129, 16, 7), (300, 3001, 72, 64), (257, 2500, 128, 100), (129, 700, 120, 30),
+    (700, 5000, 40, 1000), (150, 2000, 96, 20), (140, 2100, 88, 9), (200, 1300, 112, 16),
+])
+def test_half_fused_both_tensor_core_kernels(warpgroup, n_users, n_items, width, k):
+    # fused_w.cu (wgmma, Hopper) and fused_h.cu (mma.sync): on integer data both equal the CPU bit for bit; the
+    # launches are counted, so that the kernel asked for is the one that ran (off Hopper only fused_h.cu exists).
+    import cupy
+
+    rng = np.random.default_rng(n_users + 3 * width + k)
+    items = _ints(rng, n_items, width).astype(np.float16)
+    users = _ints(rng, n_users, width).astype(np.float16)
+    excl = {u: rng.choice(n_items, n_items // 4, replace=False).tolist() for u in range(1, n_users, 6)}
+    options = EngineOptions(fused="force", fused_segment=384, fused_tiles_per_block=2, tiles=(200, 300, 3),
+                            warpgroup_mma=warpgroup)
+    engine = Engine(items.astype(np.float32), device="gpu", options=options)
+    sel = engine.backend.selection
+    hopper = cupy.cuda.Device().compute_capability == "90"
+    assert bool(sel.fused_w) == hopper
+    calls = {"w": 0, "h": 0}
+
+    def counted(fn, kind):
+        def call(*a, **kw):
+            calls[kind] += 1
+            return fn(*a, **kw)
+        call.max_dynamic_shared_size_bytes = 0
+        return call
+
+    for table, kind in ((sel.fused_w, "w"), (sel.fused_h, "h")):
+        for key in list(table):
+            table[key] = counted(table[key], kind)
+    from recall.core.exclusions import normalise
+
+    backend = engine.backend
+    resident = backend.load_items(backend.xp.asarray(items))
+    vals = backend.empty_out((n_users, k), np.float32, False)
+    rows = backend.empty_out((n_users, k), np.int64, False)
+    stats = engine.run(users, k, normalise(excl, n_users, n_items), vals, rows, items=resident)()
+    assert stats["fused"] and stats["score_dtype"] == "float32"
+    assert calls["w" if warpgroup and hopper else "h"] > 0 and calls["h" if warpgroup and hopper else "w"] == 0
+    want_vals, want_rows, _ = _run_half("cpu", items, users, k, excl)
+    np.testing.assert_array_equal(as_numpy(rows), want_rows)
+    np.testing.assert_array_equal(as_numpy(vals), want_vals)
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+@pytest.mark.parametrize("dim,k", [(32, 10), (64, 100), (120, 1000), (128, 64)])
+def test_hopper_and_mma_kernels_give_the_exact_answer_on_real_data(metric, dim, k):
+    # Real-valued, skewed-norm data through fast and exact mode's float16 passes with either kernel: the answers
+    # (re-scored) equal the float64 oracle's, ties aware, and the two kernels' answers are the same.
+    rng = np.random.default_rng(dim + k)
+    items = (rng.standard_normal((6000, dim)) * rng.lognormal(0, 0.6, (6000, 1))).astype(np.float32)
+    users = (rng.standard_normal((400, dim)) * rng.lognormal(0, 0.6, (400, 1))).astype(np.float32)
+    answers = []
+    for warpgroup in (True, False):
+        options = EngineOptions(fused="force", fused_segment=1024, warpgroup_mma=warpgroup, certified_exact="on")
+        for precision in ("fast", "exact"):
+            engine = Engine(items, device="gpu", metric=metric, precision=precision, options=options)
+            got = engine.search(users, k)
+            idx, val = as_numpy(got.indices), as_numpy(got.scores)
+            assert_topk_close(idx, val, users, items, k, metric=metric)
+            answers.append((idx, val))
+    for a, b in zip(answers[:2], answers[2:]):  # fast, exact with wgmma; fast, exact with mma.sync
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+
+
 def test_half_fused_overflow_recompute_and_seeded_auto():
     # Unseeded with segments of 20,480 items and k = 500: every buffer overflows and each merge recomputes the
     # segment; then the default mode on a catalogue large enough to seed.

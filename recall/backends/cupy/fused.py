@@ -61,6 +61,12 @@ def multiplied_width(users: Any) -> int:
     return max(16, -(-last // 16) * 16)
 
 
+def wgmma_smem(padded: int) -> int:
+    """Dynamic shared memory of fused_w.cu's kernel for rows of ``padded`` columns multiplied: the users' tile and
+    its item tiles in flight (three up to 96 columns, two above: fused_w.cu's RW_STAGES_OF), 128 rows each."""
+    return 2 * FUSED_TILE * padded * (1 + (2 if padded > 96 else 3))
+
+
 def half_chunk(padded: int) -> int:
     """The halves of an item row each pipeline stage of the float16 kernel holds, for ``padded`` columns multiplied
     (a multiple of 16): the whole row up to 96 (one chunk a tile: one barrier and one wait a tile, and at 80 columns
@@ -131,7 +137,7 @@ class FusedSearch:
         last merge sorts each user's results (else they are written in no order, ``selection.final_code``)."""
         n = users.shape[0]
         if users.dtype == np.float16:
-            launch, merge, operands = self._half(users, items_t, n_items, state, multiplied)
+            launch, merge, operands = self._half(users, items_t, n_items, state, multiplied, options.warpgroup_mma)
         else:
             launch, merge, operands = self._single(users_t, users, items_t, n_items, state)
         k_pad, merge_smem = self.sel.merge_smem(state.k)
@@ -175,15 +181,20 @@ class FusedSearch:
         operands = (users_t, np.int32(ldu), items_t, np.int64(items_t.shape[1]), np.int32(dk))
         return launch, self.sel.merge_fused, operands
 
-    def _half(self, users: Any, items: Any, n_items: int, state: GpuTopK, multiplied: int = 0) -> tuple:
-        """The same for fast mode's float16 rows (fused_h.cu), read where they are; the kernel multiplies the first
+    def _half(self, users: Any, items: Any, n_items: int, state: GpuTopK, multiplied: int = 0,
+              warpgroup: bool = True) -> tuple:
+        """The same for fast mode's float16 rows, read where they are; the kernel multiplies the first
         ``multiplied`` columns (a multiple of 16; 0: the rows' width rounded up to 16) and reads items of the rows'
-        width."""
+        width. On Hopper (``warpgroup``, ``EngineOptions.warpgroup_mma``) fused_w.cu's kernel (wgmma), elsewhere
+        fused_h.cu's (mma.sync): the same arguments and candidates."""
         n, width = users.shape
         padded = min(multiplied or width + 15, width + 15) // 16 * 16
-        chunk = half_chunk(padded)
-        smem = 2 * FUSED_TILE * (padded + 8 + _H_STAGES * (chunk + 8))
-        fused = self.sel.fused_h[chunk]
+        wide = self.sel.fused_w.get(padded) if warpgroup else None
+        if wide is not None:
+            fused, smem = wide, wgmma_smem(padded)
+        else:
+            chunk = half_chunk(padded)
+            fused, smem = self.sel.fused_h[chunk], 2 * FUSED_TILE * (padded + 8 + _H_STAGES * (chunk + 8))
         self._allow_smem(fused, smem)
 
         def launch(grid: tuple, t0: int, nt: int, per_cta: int) -> None:

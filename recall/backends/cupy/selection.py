@@ -180,7 +180,17 @@ class Selection:
         self.fused_h = {64: mod.get_function("recall_fused_filter_h"),
                         **{ch: mod.get_function(f"recall_fused_filter_h{ch}") for ch in (16, 32, 48, 80, 96)}}
         self.merge_fused_h = mod.get_function("recall_merge_fused_h")
+        self._fused_w: dict[int, Any] | None = None
         self._merge_smem_limit = 0
+
+    @property
+    def fused_w(self) -> dict[int, Any]:
+        """fused_w.cu's kernels (wgmma) by the columns multiplied (16 to 128), built on first use; empty off Hopper."""
+        if self._fused_w is None:
+            mod = kernels.hopper_fused_module()
+            self._fused_w = {} if mod is None else {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}")
+                                                    for ks in range(1, 9)}
+        return self._fused_w
 
     def update(self, state: GpuTopK, scores: Any, item_start: int, n_items: int, excl_indptr: Any,
                excl_items: Any) -> None:

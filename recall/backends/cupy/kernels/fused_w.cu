@@ -1,0 +1,200 @@
+// Fast mode's fused scoring and filtering on Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): the same
+// contract as fused_h.cu's recall_fused_filter_h (the same arguments, thresholds, candidate buffers and merge), with
+// the products computed by wgmma.mma_async m64n128k16 (float16 inputs, float32 accumulation) instead of mma.sync.
+// Compiled after topk.cu, fused.cu and fused_h.cu, in a module of its own built for sm_90a
+// (kernels.hopper_module): the candidates it appends are folded in by fused_h.cu's recall_merge_fused_h.
+//
+// One block of RW_THREADS = 256 threads (two warpgroups) owns 128 users and walks `tiles_per_cta` tiles of 128 items.
+// Each warpgroup multiplies its 64 users by the whole tile: KS = Wp / 16 wgmma of k = 16 a tile, A (the users) from
+// registers, loaded once from global memory for the whole walk (a user's row never changes), B (the items) from
+// shared memory. A tile's rows come through a ring of RW_STAGES buffers filled with cp.async two tiles ahead, each
+// in the instruction's canonical K-major layout without swizzle: 8 x 8 core matrices of 128 contiguous bytes (8
+// rows of 16 bytes), the core matrices of a row group side by side along k (LBO = 128 bytes), row groups
+// CH * 16 bytes apart (SBO). Rows past W and past n_items are filled with zeros as they are copied.
+//
+// A thread then holds 2 users' (rows g and g + 8 of its warp's 16) scores of 32 items each: d[4j + 2h + c] is user
+// g + 8h's score of item 8j + 2t + c (g = lane / 4, t = lane % 4), the accumulator layout of mma.m16n8 repeated over
+// j = 0..15. Each user's 32 scores are tested in four groups of 8 through their maximum, and a passing group's
+// survivors are taken from a bit mask, as in fused_h.cu. The float32 result of each score is the sum of exact
+// products (float16 x float16 fits float32) in the tensor cores' order: the certificate's accumulation term
+// (recall/core/certificate.py) covers any order.
+
+#define RW_TILE 128
+#define RW_THREADS 256
+// Item tiles in flight: three up to 96 columns, two above (two blocks an SM either way: 80 KB at 80 columns,
+// 96 KB at 128).
+#define RW_STAGES_OF(KS) ((KS) > 6 ? 2 : 3)
+
+__device__ __forceinline__ void recall_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void recall_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void recall_wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void recall_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// The shared-memory descriptor of a 128 x 16 K-major operand at byte address `addr` (no swizzle).
+template <int SBO>
+__device__ __forceinline__ u64 recall_wgmma_desc(unsigned addr) {
+#if defined(RW_SWAP_OFFSETS)  // measurement only: the two offsets the other way round
+    constexpr unsigned lbo = SBO, sbo = 128;
+#else
+    constexpr unsigned lbo = 128, sbo = SBO;
+#endif
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+// d (a warpgroup's 64 x 128 float32 tile, 64 a thread) = a b (accumulate == 0) or d + a b, k = 16: a (64 users) and b
+// (128 items) from shared memory through their descriptors.
+__device__ __forceinline__ void recall_wgmma_64x128(float* d, u64 desc_a, u64 desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// Dynamic shared memory: 128 users' rows, then RW_STAGES(KS) item tiles, each 128 rows of CH = 16 KS halves in the
+// canonical layout above (fused.py's wgmma_smem).
+template <int KS>
+__device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict__ U, int n_users,
+                                                    const half_bits* __restrict__ I, int n_items, int W,
+                                                    int tile0, int n_tiles, int tiles_per_cta,
+                                                    const float* __restrict__ thr, u64* __restrict__ cand, int C,
+                                                    int* __restrict__ cnt, half_bits* smem) {
+    constexpr int CH = 16 * KS;
+    constexpr int STAGES = RW_STAGES_OF(KS);
+    constexpr int PIECES = CH / 8;                        // 16-byte pieces of a row
+    constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH;    // a tile of 128 rows (users or items)
+    constexpr unsigned SBO = 16u * CH;                    // bytes from a row group of 8 to the next
+    constexpr int LOADS = RW_TILE * PIECES / RW_THREADS;  // pieces of a tile each thread copies (KS)
+    static_assert(RW_THREADS == 2 * RW_TILE, "a thread copies half a row");
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int u0 = blockIdx.y * RW_TILE;
+    const int t_first = tile0 + blockIdx.x * tiles_per_cta;
+    const int t_count = min(tiles_per_cta, tile0 + n_tiles - t_first);
+    if (t_count <= 0) return;
+    const unsigned u_base = recall_smem_addr(smem);
+    const unsigned i_base = u_base + TILE_BYTES;
+
+    // 128 rows of M (n rows, W halves each) from row `row0` into the tile at `dst`: thread tid copies row tid / 2's
+    // pieces tid % 2, tid % 2 + 2, ..., piece c of row r to core matrix (r / 8, c). Rows past n and pieces past W
+    // are zeros.
+    const int lr = tid >> 1, lc = tid & 1;
+    const unsigned l_off = ((unsigned)((lr >> 3) * PIECES + lc) << 7) + ((unsigned)(lr & 7) << 4);
+    auto load_tile = [&](unsigned dst, const half_bits* __restrict__ M, long long row0, int n) {
+        const bool row_ok = row0 + lr < n;
+        const half_bits* src = row_ok ? M + (row0 + lr) * W + lc * 8 : M;
+#pragma unroll
+        for (int q = 0; q < LOADS; ++q) {
+            const bool ok = row_ok && (lc + 2 * q) * 8 < W;
+            recall_cp16_or_zero(dst + l_off + q * 256u, ok ? src + q * 16 : M, ok);
+        }
+    };
+    load_tile(u_base, U, u0, n_users);  // with the first tile's group
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < t_count) load_tile(i_base + st * TILE_BYTES, I, (long long)(t_first + st) * RW_TILE, n_items);
+        recall_cp_commit();
+    }
+
+    // The warp's 16 users: rows wrow .. wrow + 15 of the block; warpgroup warp / 4 multiplies rows 64 (warp / 4) ..
+    const int wrow = (warp >> 2) * 64 + (warp & 3) * 16;
+    const unsigned a_base = u_base + (unsigned)(warp >> 2) * 8u * SBO;
+    // Thresholds change only in the merges between launches: read once. +inf past the users: none passes.
+    float th[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int user = u0 + wrow + g + 8 * h;
+        th[h] = user < n_users ? thr[user] : __int_as_float(0x7f800000);
+    }
+
+    RecallPending pending = {nullptr, 0, 0ull};
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    for (int s = 0; s < t_count; ++s) {
+        recall_cp_wait<STAGES - 2>();
+        recall_fence_proxy_async();  // the bytes cp.async wrote are read by the tensor cores (the async proxy)
+        __syncthreads();  // tile s has landed for every thread, and no warpgroup still reads the buffer refilled next
+        if (s + STAGES - 1 < t_count)
+            load_tile(i_base + (unsigned)((s + STAGES - 1) % STAGES) * TILE_BYTES, I,
+                      (long long)(t_first + s + STAGES - 1) * RW_TILE, n_items);
+        recall_cp_commit();
+        const unsigned b_base = i_base + (unsigned)(s % STAGES) * TILE_BYTES;
+        recall_wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            recall_wgmma_64x128(d, recall_wgmma_desc<SBO>(a_base + ks * 256u), recall_wgmma_desc<SBO>(b_base + ks * 256u),
+                                ks);
+        recall_wgmma_commit();
+        recall_wgmma_wait0();
+
+        const int j0 = (t_first + s) * RW_TILE + 2 * t;  // item of d[0]; d[4j + 2h + c] is item j0 + 8j + c
+        const bool whole = (t_first + s) * RW_TILE + RW_TILE <= n_items;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int grp = 0; grp < 4; ++grp) {  // n8 tiles 4 grp .. 4 grp + 3: 8 scores of the user
+                const float m = fmaxf(fmaxf(fmaxf(d[16 * grp + 2 * h], d[16 * grp + 2 * h + 1]),
+                                            fmaxf(d[16 * grp + 4 + 2 * h], d[16 * grp + 5 + 2 * h])),
+                                      fmaxf(fmaxf(d[16 * grp + 8 + 2 * h], d[16 * grp + 9 + 2 * h]),
+                                            fmaxf(d[16 * grp + 12 + 2 * h], d[16 * grp + 13 + 2 * h])));
+                if (m > th[h]) {
+                    const int user = u0 + wrow + g + 8 * h;
+                    unsigned bits = 0u;
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) {  // score q: n8 tile 4 grp + q / 2, column q % 2
+                        const int row = j0 + 8 * (4 * grp + (q >> 1)) + (q & 1);
+                        if (d[16 * grp + 4 * (q >> 1) + 2 * h + (q & 1)] > th[h] && (whole || row < n_items))
+                            bits |= 1u << q;
+                    }
+#pragma unroll 1
+                    while (bits) {
+                        const int q = __ffs(bits) - 1;
+                        bits &= bits - 1u;
+                        const int row = j0 + 8 * (4 * grp + (q >> 1)) + (q & 1);
+                        float v = d[16 * grp + 2 * h];  // d[16 grp + 4 (q / 2) + 2h + q % 2], selected in registers
+#pragma unroll
+                        for (int r = 1; r < 8; ++r)
+                            if (q == r) v = d[16 * grp + 4 * (r >> 1) + 2 * h + (r & 1)];
+                        pending.push(cand, cnt, C, user, recall_key(v, row));
+                    }
+                }
+            }
+    }
+    pending.flush(C);
+}
+
+// recall_fused_filter_w<16 KS>: rows of 16 KS columns multiplied (Wp), in one stage a tile; the arguments of
+// fused_h.cu's kernels (Wp is the kernel's own).
+#define RECALL_FUSED_W_KERNEL(KS)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(RW_THREADS, 2)                                                    \
+    recall_fused_filter_w##KS(const half_bits* __restrict__ U, int n_users, const half_bits* __restrict__ I,        \
+                              int n_items, int W, int Wp, int tile0, int n_tiles, int tiles_per_cta,               \
+                              const float* __restrict__ thr, u64* __restrict__ cand, int C,                        \
+                              int* __restrict__ cnt) {                                                             \
+        extern __shared__ float4 recall_fused_w_smem[];                                                           \
+        recall_fused_w_body<KS>(U, n_users, I, n_items, W, tile0, n_tiles, tiles_per_cta, thr, cand, C, cnt,        \
+                                reinterpret_cast<half_bits*>(recall_fused_w_smem));                               \
+    }
+RECALL_FUSED_W_KERNEL(1)
+RECALL_FUSED_W_KERNEL(2)
+RECALL_FUSED_W_KERNEL(3)
+RECALL_FUSED_W_KERNEL(4)
+RECALL_FUSED_W_KERNEL(5)
+RECALL_FUSED_W_KERNEL(6)
+RECALL_FUSED_W_KERNEL(7)
+RECALL_FUSED_W_KERNEL(8)

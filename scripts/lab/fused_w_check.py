@@ -1,0 +1,174 @@
+"""The float16 fused kernel on Hopper's warpgroup instruction (``kernels/fused_w.cu``, wgmma) checked and timed
+alone: its candidates against float64 products on small odd shapes (every width it is built for, rows past the
+users and the items, widths not a multiple of 16 and rows wider than the columns multiplied), then against
+``fused_h.cu``'s mma.sync kernel on the shapes of the engine's first launches (thresholds where a seeded search has
+them after its first merge: each user's RANK-th best of the first 65,536 items), candidate counts reset per segment.
+
+Run from the project root on an H200 (or any compute capability 9.0 GPU)::
+
+    PYTHONPATH=. python3 scripts/lab/fused_w_check.py [--json $OUT/fused_w.json] [--no-timing]
+
+Exits 1 if a check fails. The bound a score must meet: |score - exact| <= 2 Wp 2^-24 sum_i |u_i v_i| (float32 sums
+of exact products in any order), the same the certificate takes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from recall.backends.cupy import kernels
+from recall.backends.cupy.fused import half_chunk, wgmma_smem
+
+THREADS = 256
+
+
+def decode(keys):
+    """(scores, rows) of candidate keys (topk.cu's recall_key)."""
+    b = (keys >> np.uint64(32)).astype(np.uint32)
+    bits = np.where(b & np.uint32(0x80000000), b & np.uint32(0x7FFFFFFF), ~b).astype(np.uint32)
+    return bits.view(np.float32), (~(keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)).astype(np.int64)
+
+
+def launch(fn, smem, users, items, width, padded, thr, cand, cnt, per_cta=8, seg=512, reset=False):
+    import cupy
+
+    n_users, n_items = users.shape[0], items.shape[0]
+    tiles = -(-n_items // 128)
+    for t0 in range(0, tiles, seg):
+        if reset:
+            cnt.fill(0)
+        nt = min(seg, tiles - t0)
+        fn((-(-nt // per_cta), -(-n_users // 128)), (THREADS,),
+           (users, np.int32(n_users), items, np.int32(n_items), np.int32(width), np.int32(padded), np.int32(t0),
+            np.int32(nt), np.int32(per_cta), thr, cand, np.int32(cand.shape[1]), cnt), shared_mem=smem)
+    cupy.cuda.Device().synchronize()
+
+
+def kernel_w(mod, padded):
+    fn = mod.get_function(f"recall_fused_filter_w{padded // 16}")
+    smem = wgmma_smem(padded)
+    fn.max_dynamic_shared_size_bytes = smem
+    return fn, smem
+
+
+def kernel_h(mod, padded):
+    chunk = half_chunk(padded)
+    fn = mod.get_function("recall_fused_filter_h" if chunk == 64 else f"recall_fused_filter_h{chunk}")
+    smem = 2 * 128 * (padded + 8 + 3 * (chunk + 8))
+    fn.max_dynamic_shared_size_bytes = smem
+    return fn, smem
+
+
+def check(mod, label, rng) -> list[str]:
+    """Every (width, columns multiplied) case on 300 users x 1,037 items: every score passes a -inf threshold, and
+    the 50th best's threshold passes exactly the scores above it (up to the bound). Returns the failures."""
+    import cupy
+
+    failures = []
+    for ks in range(1, 9):
+        padded = 16 * ks
+        for width in sorted({padded, max(8, padded - 8), padded + 8}):
+            n_users, n_items = 300, 1037
+            u = rng.standard_normal((n_users, width)).astype(np.float16)
+            v = rng.standard_normal((n_items, width)).astype(np.float16)
+            cols = min(width, padded)
+            uf, vf = u[:, :cols].astype(np.float64), v[:, :cols].astype(np.float64)
+            exact = uf @ vf.T
+            bound = 2 * padded * 2.0 ** -24 * (np.abs(uf) @ np.abs(vf).T)
+            fn, smem = kernel_w(mod, padded)
+            du, dv = cupy.asarray(u), cupy.asarray(v)
+            for name, thr in (("all", np.full(n_users, -np.inf, np.float32)),
+                              ("rank50", np.sort(exact, axis=1)[:, -50].astype(np.float32))):
+                cand = cupy.zeros((n_users, 2048), cupy.uint64)
+                cnt = cupy.zeros(n_users, cupy.int32)
+                launch(fn, smem, du, dv, width, padded, cupy.asarray(thr), cand, cnt, per_cta=3, seg=5)
+                counts, keys = cnt.get(), cand.get()
+                bad = 0
+                for i in range(n_users):
+                    s, r = decode(keys[i, :counts[i]])
+                    want = exact[i] > thr[i].astype(np.float64)
+                    near = np.abs(exact[i] - thr[i]) <= bound[i]
+                    got = np.zeros(n_items, bool)
+                    if r.size and (r.min() < 0 or r.max() >= n_items or np.unique(r).size != r.size):
+                        bad += 1
+                        continue
+                    got[r] = True
+                    err = np.abs(s.astype(np.float64) - exact[i, r]) > bound[i, r]
+                    if err.any() or ((got != want) & ~near).any():
+                        bad += 1
+                print(f"| {label} | Wp {padded} | width {width} | {name} | users wrong {bad} of {n_users} |",
+                      flush=True)
+                if bad:
+                    failures.append(f"{label} Wp {padded} width {width} {name}: {bad} users")
+    return failures
+
+
+def timing(mod_h, mod_w, out) -> None:
+    import cupy
+
+    rng = cupy.random.default_rng(0)
+    for width, n_items, rank in ((72, 1_000_000, 126), (48, 100_000, 1900), (64, 1_000_000, 126),
+                                 (32, 1_000_000, 12), (128, 1_000_000, 126), (96, 1_000_000, 126)):
+        n_users, cap, c = 16384, 2048, 16384
+        users = rng.standard_normal((n_users, width), dtype=np.float32).astype(np.float16)
+        items = rng.standard_normal((n_items, width), dtype=np.float32).astype(np.float16)
+        head = users.astype(np.float32) @ items[:65536].astype(np.float32).T
+        thr = cupy.ascontiguousarray(-cupy.partition(-head, rank - 1, axis=1)[:, rank - 1])
+        del head
+        padded = -(-width // 16) * 16
+        cand = cupy.zeros((cap, c), cupy.uint64)
+        cnt = cupy.zeros(cap, cupy.int32)
+        row = {"width": width, "items": n_items, "rank": rank}
+        for name, (fn, smem) in (("mma.sync (fused_h)", kernel_h(mod_h, padded)),
+                                 ("wgmma (fused_w)", kernel_w(mod_w, padded))):
+            def run():
+                for u0 in range(0, n_users, cap):
+                    launch(fn, smem, users[u0:u0 + cap], items, width, padded, thr[u0:u0 + cap], cand, cnt,
+                           reset=True)
+            run()
+            times = []
+            for _ in range(3):
+                e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+                e0.record()
+                run()
+                e1.record()
+                e1.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
+            t = sorted(times)[1]
+            rate = 2.0 * n_users * n_items * padded / t / 1e12
+            row[name] = t
+            print(f"| {width} cols ({padded} multiplied), {n_items:,} items, rank {rank} | {name} | {t:.4f} s | "
+                  f"{rate:.0f} TFLOP/s | regs {fn.num_regs} |", flush=True)
+        out.append(row)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--no-timing", action="store_true")
+    a = p.parse_args()
+    mod_w = kernels.hopper_fused_module()
+    if mod_w is None:
+        print("not a compute capability 9.0 GPU: fused_w.cu is not built here")
+        return 1
+    rng = np.random.default_rng(7)
+    failures = check(mod_w, "shipped", rng)
+    if failures:
+        swapped = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRW_SWAP_OFFSETS",))
+        print("descriptor offsets swapped (RW_SWAP_OFFSETS):", "fails" if check(swapped, "swapped", rng) else "passes")
+        print("FAILED:", *failures, sep="\n  ")
+        return 1
+    out: list = []
+    if not a.no_timing:
+        timing(kernels.selection_module(), mod_w, out)
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
