@@ -292,23 +292,36 @@ def test_half_fused_both_tensor_core_kernels(warpgroup, n_users, n_items, width,
     assert bool(sel.fused_w) == hopper
     calls = {"w": 0, "h": 0}
 
-    def counted(fn, kind):
-        def call(*a, **kw):
-            calls[kind] += 1
-            return fn(*a, **kw)
-        call.max_dynamic_shared_size_bytes = 0
-        return call
+    class Counted:  # a kernel whose launches are counted; its attributes (the shared-memory limit) are the kernel's
+        def __init__(self, fn, kind):
+            object.__setattr__(self, "fn", fn)
+            object.__setattr__(self, "kind", kind)
 
-    for table, kind in ((sel.fused_w, "w"), (sel.fused_h, "h")):
-        for key in list(table):
-            table[key] = counted(table[key], kind)
+        def __call__(self, *a, **kw):
+            calls[self.kind] += 1
+            return self.fn(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.fn, name)
+
+        def __setattr__(self, name, value):
+            setattr(self.fn, name, value)
+
     from recall.core.exclusions import normalise
 
-    backend = engine.backend
-    resident = backend.load_items(backend.xp.asarray(items))
-    vals = backend.empty_out((n_users, k), np.float32, False)
-    rows = backend.empty_out((n_users, k), np.int64, False)
-    stats = engine.run(users, k, normalise(excl, n_users, n_items), vals, rows, items=resident)()
+    saved = [(table, dict(table)) for table in (sel.fused_w, sel.fused_h)]  # the device's selection is shared
+    try:
+        for table, kind in ((sel.fused_w, "w"), (sel.fused_h, "h")):
+            for key in list(table):
+                table[key] = Counted(table[key], kind)
+        backend = engine.backend
+        resident = backend.load_items(backend.xp.asarray(items))
+        vals = backend.empty_out((n_users, k), np.float32, False)
+        rows = backend.empty_out((n_users, k), np.int64, False)
+        stats = engine.run(users, k, normalise(excl, n_users, n_items), vals, rows, items=resident)()
+    finally:
+        for table, kept in saved:
+            table.update(kept)
     assert stats["fused"] and stats["score_dtype"] == "float32"
     assert calls["w" if warpgroup and hopper else "h"] > 0 and calls["h" if warpgroup and hopper else "w"] == 0
     want_vals, want_rows, _ = _run_half("cpu", items, users, k, excl)
