@@ -313,10 +313,12 @@ def _check_libraries(cuda: dict[str, Any]) -> Check:
     start = time.perf_counter()
     from ..backends.cupy import CupyBackend
 
-    CupyBackend()  # compiles (or loads from CuPy's cache) recall's selection kernels with NVRTC
+    backend = CupyBackend()  # compiles (or loads from CuPy's cache) recall's selection kernels with NVRTC
+    hopper = bool(backend.selection.fused_w)  # and on Hopper the wgmma kernels, built for sm_90a
     compile_s = time.perf_counter() - start
-    return Check("cuda-libraries", PASS, ", ".join(found) + " load; recall's kernels built",
-                 f"kernel build or cache load {compile_s * 1e3:.0f} ms", {"kernels_s": compile_s})
+    built = "recall's kernels built" + (" (the wgmma ones for sm_90a too)" if hopper else "")
+    return Check("cuda-libraries", PASS, ", ".join(found) + f" load; {built}",
+                 f"kernel build or cache load {compile_s * 1e3:.0f} ms", {"kernels_s": compile_s, "sm90a": hopper})
 
 
 def _events_ms(cupy: Any, fn: Callable[[], Any], stream: Any = None) -> float:

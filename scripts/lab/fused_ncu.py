@@ -1,0 +1,40 @@
+"""One shape of fused_h.cu's float16 fused kernel (mma.sync) launched a few times, for Nsight Compute:
+users x WIDTH columns against ITEMS items, each user's threshold its RANK-th best of the first 65,536.
+
+    PYTHONPATH=. ncu --clock-control none -k regex:recall_fused_filter_h -s 2 -c 1 --section SpeedOfLight \\
+        python3 scripts/lab/fused_ncu.py WIDTH ITEMS RANK [-D...]
+"""
+import sys
+
+import cupy
+import numpy as np
+
+from recall.backends.cupy import kernels
+
+width, n_items, rank, opts = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), tuple(sys.argv[4:])
+cap, c = 4096, 16384
+rng = cupy.random.default_rng(0)
+users = rng.standard_normal((cap, width), dtype=np.float32).astype(np.float16)
+items = rng.standard_normal((n_items, width), dtype=np.float32).astype(np.float16)
+head = users.astype(np.float32) @ items[:65536].astype(np.float32).T
+thr = cupy.ascontiguousarray(-cupy.partition(-head, rank - 1, axis=1)[:, rank - 1])
+del head
+cand = cupy.zeros((cap, c), cupy.uint64)
+cnt = cupy.zeros(cap, cupy.int32)
+padded = -(-width // 16) * 16
+mod = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts)
+chunk = padded if padded <= 96 and padded != 64 else 64
+fn = mod.get_function(f"recall_fused_filter_h{padded}" if chunk == padded else "recall_fused_filter_h")
+smem = 2 * 128 * (padded + 8 + 3 * (chunk + 8))
+fn.max_dynamic_shared_size_bytes = smem
+tiles = -(-n_items // 128)
+print("regs", fn.num_regs, "local", fn.local_size_bytes, flush=True)
+for rep in range(3):
+    for t0 in range(0, tiles, 512):
+        cnt.fill(0)
+        nt = min(512, tiles - t0)
+        fn((-(-nt // 8), cap // 128), (256,),
+           (users, np.int32(cap), items, np.int32(n_items), np.int32(width), np.int32(padded), np.int32(t0),
+            np.int32(nt), np.int32(8), thr, cand, np.int32(c), cnt), shared_mem=smem)
+cupy.cuda.Device().synchronize()
+print("survivors per user (last segment)", float(cnt.mean()), flush=True)
