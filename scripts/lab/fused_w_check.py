@@ -4,9 +4,6 @@ users and the items, widths not a multiple of 16 and rows wider than the columns
 ``fused_h.cu``'s mma.sync kernel on the shapes of the engine's first launches (thresholds where a seeded search has
 them after its first merge: each user's RANK-th best of the first 65,536 items), candidate counts reset per segment.
 
-Timing: fused_h.cu, fused_w.cu as first built (one 64 x 128 product a tile, then its filter: ``RW_WHOLE_TILE``)
-and as shipped (two products of 64 items, the first filtered while the second is computed).
-
 Run from the project root on an H200 (or any compute capability 9.0 GPU)::
 
     PYTHONPATH=. python3 scripts/lab/fused_w_check.py [--json $OUT/fused_w.json] [--no-timing]
@@ -110,7 +107,7 @@ def check(mod, label, rng) -> list[str]:
     return failures
 
 
-def timing(mod_h, mod_w, mod_whole, out) -> None:
+def timing(mod_h, mod_w, out) -> None:
     import cupy
 
     rng = cupy.random.default_rng(0)
@@ -127,7 +124,6 @@ def timing(mod_h, mod_w, mod_whole, out) -> None:
         cnt = cupy.zeros(cap, cupy.int32)
         row = {"width": width, "items": n_items, "rank": rank}
         for name, (fn, smem) in (("mma.sync (fused_h)", kernel_h(mod_h, padded)),
-                                 ("wgmma, whole tile (RW_WHOLE_TILE)", kernel_w(mod_whole, padded)),
                                  ("wgmma (fused_w)", kernel_w(mod_w, padded))):
             def run():
                 for u0 in range(0, n_users, cap):
@@ -168,11 +164,7 @@ def main() -> int:
         return 1
     out: list = []
     if not a.no_timing:
-        whole = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRW_WHOLE_TILE",))
-        if check(whole, "whole tile", rng):
-            print("FAILED: the whole-tile variant (RW_WHOLE_TILE)")
-            return 1
-        timing(kernels.selection_module(), mod_w, whole, out)
+        timing(kernels.selection_module(), mod_w, out)
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
     return 0

@@ -78,7 +78,6 @@ VARIANTS = {
     "cta4": {"fused_tiles_per_block": 4},
     "cta16": {"fused_tiles_per_block": 16},
     "mma": {"warpgroup_mma": False},  # the float16 fused kernel on mma.sync (fused_h.cu) on Hopper too
-    "wgmma-whole": {},  # HOOKS: fused_w.cu's whole-tile product (RW_WHOLE_TILE)
     # Threshold samples of 2k to 128k items; from 64k on, a segment of the cuBLAS path is widened to hold one.
     **{f"seed{n >> 10}k": {"seed_sample": n, **({"tiles": (2048, n // 4, 4)} if n > 32768 else {})}
        for n in (2048, 4096, 8192, 16384, 32768, 65536, 131072)},
@@ -111,23 +110,10 @@ def _sigmas(n):
     return hook
 
 
-def _whole_tile(engine):
-    """fused_w.cu built with RW_WHOLE_TILE (one 64 x 128 product a tile, filtered once done: as first shipped) in
-    place of the shipped kernels, in the device's selection (shared by every engine); returns the undo."""
-    from recall.backends.cupy import kernels
-
-    sel = engine.backend.selection
-    shipped = dict(sel.fused_w)
-    mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRW_WHOLE_TILE",))
-    sel.fused_w.update({16 * ks: mod.get_function(f"recall_fused_filter_w{ks}") for ks in range(1, 9)})
-    return lambda: sel.fused_w.update(shipped)
-
-
 #: Variants that change an engine (or a constant of the process) once it is made (lab only): what a rule of the
-#: product would choose. Every variant starts from the shipped constants (``main`` restores them, and calls the
-#: undo a hook returns).
+#: product would choose. Every variant starts from the shipped constants (``main`` restores them).
 HOOKS = {"ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
-         "sigma3-seed32k": _sigmas(3.0), "wgmma-whole": _whole_tile}
+         "sigma3-seed32k": _sigmas(3.0)}
 
 
 def cell_spec(name):
@@ -319,12 +305,9 @@ def main() -> None:
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
-                undo = HOOKS[vname](engine) if vname in HOOKS else None
-                try:
-                    t, res = timed(engine, users, k, excl)
-                finally:
-                    if callable(undo):
-                        undo()
+                if vname in HOOKS:
+                    HOOKS[vname](engine)
+                t, res = timed(engine, users, k, excl)
             except Exception as exc:  # a variant that cannot run this cell says why
                 print(f"| {cell} | {vname} | error {type(exc).__name__}: {exc} |", flush=True)
                 continue

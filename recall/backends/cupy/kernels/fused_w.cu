@@ -27,9 +27,7 @@
 
 __device__ __forceinline__ void recall_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void recall_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void recall_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void recall_wgmma_wait0() { recall_wgmma_wait<0>(); }
+__device__ __forceinline__ void recall_wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 __device__ __forceinline__ void recall_fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
@@ -65,62 +63,6 @@ __device__ __forceinline__ void recall_wgmma_64x128(float* d, u64 desc_a, u64 de
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// The same for half a tile: 64 users x 64 items, 32 floats a thread.
-__device__ __forceinline__ void recall_wgmma_64x64(float* d, u64 desc_a, u64 desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// Keeps the compiler from moving a read of accumulators above the wait that completes them.
-template <int N>
-__device__ __forceinline__ void recall_wgmma_hold(float* d) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// A user's scores of a thread that pass its threshold, appended: `s` holds 4 n8 tiles' worth, s[4j + 2h + c] the
-// score of item `item0` + 8j + c (j < NJ, c < 2) for the thread's user h (u + 8h); tested in groups of 8 through their
-// maximum, a passing group's survivors taken one by one from a bit mask.
-template <int NJ>
-__device__ __forceinline__ void recall_fused_w_filter(const float* s, int h, float th, int user, int item0,
-                                                      bool whole, int n_items, RecallPending& pending,
-                                                      u64* __restrict__ cand, int* __restrict__ cnt, int C) {
-#pragma unroll
-    for (int grp = 0; grp < NJ / 4; ++grp) {  // n8 tiles 4 grp .. 4 grp + 3: 8 scores of the user
-        const float* q8 = s + 16 * grp + 2 * h;  // q8[4 (q / 2) + q % 2] is score q of the group
-        const float m = fmaxf(fmaxf(fmaxf(q8[0], q8[1]), fmaxf(q8[4], q8[5])),
-                              fmaxf(fmaxf(q8[8], q8[9]), fmaxf(q8[12], q8[13])));
-        if (m > th) {
-            unsigned bits = 0u;
-#pragma unroll
-            for (int q = 0; q < 8; ++q) {
-                const int row = item0 + 8 * (4 * grp + (q >> 1)) + (q & 1);
-                if (q8[4 * (q >> 1) + (q & 1)] > th && (whole || row < n_items)) bits |= 1u << q;
-            }
-#pragma unroll 1
-            while (bits) {
-                const int q = __ffs(bits) - 1;
-                bits &= bits - 1u;
-                const int row = item0 + 8 * (4 * grp + (q >> 1)) + (q & 1);
-                float v = q8[0];  // q8[4 (q / 2) + q % 2], selected in registers
-#pragma unroll
-                for (int r = 1; r < 8; ++r)
-                    if (q == r) v = q8[4 * (r >> 1) + (r & 1)];
-                pending.push(cand, cnt, C, user, recall_key(v, row));
-            }
-        }
-    }
 }
 
 // Dynamic shared memory: 128 users' rows, then RW_STAGES(KS) item tiles, each 128 rows of CH = 16 KS halves in the
@@ -192,45 +134,46 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
                       (long long)(t_first + s + STAGES - 1) * RW_TILE, n_items);
         recall_cp_commit();
         const unsigned b_base = i_base + (unsigned)(s % STAGES) * TILE_BYTES;
-        const int j0 = (t_first + s) * RW_TILE + 2 * t;  // item of d[0] (the thread's column 2t of the tile)
-        const bool whole = (t_first + s) * RW_TILE + RW_TILE <= n_items;
         recall_wgmma_fence();
-#if defined(RW_WHOLE_TILE)  // measurement only: one 64 x 128 product a tile, filtered once it is done
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks)
             recall_wgmma_64x128(d, recall_wgmma_desc<SBO>(a_base + ks * 256u), recall_wgmma_desc<SBO>(b_base + ks * 256u),
                                 ks);
         recall_wgmma_commit();
         recall_wgmma_wait0();
-        recall_wgmma_hold<64>(d);
+
+        const int j0 = (t_first + s) * RW_TILE + 2 * t;  // item of d[0]; d[4j + 2h + c] is item j0 + 8j + c
+        const bool whole = (t_first + s) * RW_TILE + RW_TILE <= n_items;
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-            recall_fused_w_filter<16>(d, h, th[h], u0 + wrow + g + 8 * h, j0, whole, n_items, pending, cand, cnt, C);
-#else
-        // Two products of 64 items each (d[0..31]: items 0-63 of the tile, d[32..63]: items 64-127), committed as two
-        // groups: the first half is filtered while the tensor cores still compute the second.
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-            recall_wgmma_64x64(d, recall_wgmma_desc<SBO>(a_base + ks * 256u), recall_wgmma_desc<SBO>(b_base + ks * 256u),
-                               ks);
-        recall_wgmma_commit();
+            for (int grp = 0; grp < 4; ++grp) {  // n8 tiles 4 grp .. 4 grp + 3: 8 scores of the user
+                const float m = fmaxf(fmaxf(fmaxf(d[16 * grp + 2 * h], d[16 * grp + 2 * h + 1]),
+                                            fmaxf(d[16 * grp + 4 + 2 * h], d[16 * grp + 5 + 2 * h])),
+                                      fmaxf(fmaxf(d[16 * grp + 8 + 2 * h], d[16 * grp + 9 + 2 * h]),
+                                            fmaxf(d[16 * grp + 12 + 2 * h], d[16 * grp + 13 + 2 * h])));
+                if (m > th[h]) {
+                    const int user = u0 + wrow + g + 8 * h;
+                    unsigned bits = 0u;
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-            recall_wgmma_64x64(d + 32, recall_wgmma_desc<SBO>(a_base + ks * 256u),
-                               recall_wgmma_desc<SBO>(b_base + 8u * SBO + ks * 256u), ks);
-        recall_wgmma_commit();
-        recall_wgmma_wait<1>();
-        recall_wgmma_hold<32>(d);
+                    for (int q = 0; q < 8; ++q) {  // score q: n8 tile 4 grp + q / 2, column q % 2
+                        const int row = j0 + 8 * (4 * grp + (q >> 1)) + (q & 1);
+                        if (d[16 * grp + 4 * (q >> 1) + 2 * h + (q & 1)] > th[h] && (whole || row < n_items))
+                            bits |= 1u << q;
+                    }
+#pragma unroll 1
+                    while (bits) {
+                        const int q = __ffs(bits) - 1;
+                        bits &= bits - 1u;
+                        const int row = j0 + 8 * (4 * grp + (q >> 1)) + (q & 1);
+                        float v = d[16 * grp + 2 * h];  // d[16 grp + 4 (q / 2) + 2h + q % 2], selected in registers
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-            recall_fused_w_filter<8>(d, h, th[h], u0 + wrow + g + 8 * h, j0, whole, n_items, pending, cand, cnt, C);
-        recall_wgmma_wait<0>();
-        recall_wgmma_hold<32>(d + 32);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            recall_fused_w_filter<8>(d + 32, h, th[h], u0 + wrow + g + 8 * h, j0 + 64, whole, n_items, pending, cand,
-                                     cnt, C);
-#endif
+                        for (int r = 1; r < 8; ++r)
+                            if (q == r) v = d[16 * grp + 4 * (r >> 1) + 2 * h + (r & 1)];
+                        pending.push(cand, cnt, C, user, recall_key(v, row));
+                    }
+                }
+            }
     }
     pending.flush(C);
 }
