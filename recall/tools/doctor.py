@@ -316,6 +316,10 @@ def _check_libraries(cuda: dict[str, Any]) -> Check:
     backend = CupyBackend()  # compiles (or loads from CuPy's cache) recall's selection kernels with NVRTC
     hopper = bool(backend.selection.fused_w)  # and on Hopper the wgmma kernels, built for sm_90a
     compile_s = time.perf_counter() - start
+    if cupy.cuda.Device().compute_capability == "90" and not hopper:
+        return Check("cuda-libraries", FAIL, f"NVRTC {cuda['nvrtc']} could not build recall's wgmma kernels for "
+                     "sm_90a (searches run the slower mma.sync kernel)", "install CuPy for CUDA 12 or 13 (NVRTC 12+)",
+                     {"kernels_s": compile_s, "sm90a": False})
     built = "recall's kernels built" + (" (the wgmma ones for sm_90a too)" if hopper else "")
     return Check("cuda-libraries", PASS, ", ".join(found) + f" load; {built}",
                  f"kernel build or cache load {compile_s * 1e3:.0f} ms", {"kernels_s": compile_s, "sm90a": hopper})

@@ -329,6 +329,19 @@ def test_half_fused_both_tensor_core_kernels(warpgroup, n_users, n_items, width,
     np.testing.assert_array_equal(as_numpy(vals), want_vals)
 
 
+def test_an_nvrtc_that_cannot_build_sm90a_leaves_the_mma_kernel_and_says_so(monkeypatch, caplog):
+    from recall.backends.cupy import kernels
+    from recall.backends.cupy.selection import Selection
+
+    def fails():
+        raise RuntimeError("NVRTC could not build fused_w.cu for sm_90a: invalid value for --gpu-architecture")
+
+    monkeypatch.setattr(kernels, "hopper_fused_module", fails)
+    with caplog.at_level("WARNING", logger="recall"):
+        assert Selection().fused_w == {}
+    assert "wgmma kernels could not be built" in caplog.text and "mma.sync kernel runs instead" in caplog.text
+
+
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 @pytest.mark.parametrize("dim,k", [(32, 10), (64, 100), (120, 1000), (128, 64)])
 def test_hopper_and_mma_kernels_give_the_exact_answer_on_real_data(metric, dim, k):

@@ -2,6 +2,7 @@
 tiles into candidate buffers, merge candidates into the state by radix select, and seed thresholds from a sample."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,6 +10,8 @@ import numpy as np
 
 from ...core.certificate import seed_margin
 from . import kernels
+
+log = logging.getLogger("recall")
 
 MERGE_THREADS = 256
 FILTER_THREADS = 256
@@ -187,7 +190,12 @@ class Selection:
     def fused_w(self) -> dict[int, Any]:
         """fused_w.cu's kernels (wgmma) by the columns multiplied (16 to 128), built on first use; empty off Hopper."""
         if self._fused_w is None:
-            mod = kernels.hopper_fused_module()
+            try:
+                mod = kernels.hopper_fused_module()
+            except RuntimeError as exc:  # an NVRTC that cannot build sm_90a (before CUDA 12), said once
+                log.warning("recall: Hopper's wgmma kernels could not be built (%s); the mma.sync kernel runs "
+                            "instead", str(exc).splitlines()[0])
+                mod = None
             self._fused_w = {} if mod is None else {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}")
                                                     for ks in range(1, 9)}
         return self._fused_w

@@ -5,12 +5,13 @@
 // (kernels.hopper_module): the candidates it appends are folded in by fused_h.cu's recall_merge_fused_h.
 //
 // One block of RW_THREADS = 256 threads (two warpgroups) owns 128 users and walks `tiles_per_cta` tiles of 128 items.
-// Each warpgroup multiplies its 64 users by the whole tile: KS = Wp / 16 wgmma of k = 16 a tile, A (the users) from
-// registers, loaded once from global memory for the whole walk (a user's row never changes), B (the items) from
-// shared memory. A tile's rows come through a ring of RW_STAGES buffers filled with cp.async two tiles ahead, each
-// in the instruction's canonical K-major layout without swizzle: 8 x 8 core matrices of 128 contiguous bytes (8
-// rows of 16 bytes), the core matrices of a row group side by side along k (LBO = 128 bytes), row groups
-// CH * 16 bytes apart (SBO). Rows past W and past n_items are filled with zeros as they are copied.
+// Each warpgroup multiplies its 64 users by the whole tile: KS = Wp / 16 wgmma of k = 16 a tile, both operands from
+// shared memory. The users' 128 rows are copied once, for the whole walk (a user's row never changes); the items'
+// come through a ring of RW_STAGES_OF(KS) tile buffers filled with cp.async, two tiles ahead (one where rows are
+// wider than 96 columns and the ring holds two). Every tile is laid out in the instruction's canonical K-major
+// layout without swizzle: 8 x 8 core matrices of 128 contiguous bytes (8 rows of 16 bytes), the core matrices of a
+// row group side by side along k (LBO = 128 bytes), row groups CH * 16 bytes apart (SBO). Rows past the users or
+// the items, and columns past W, are filled with zeros as they are copied.
 //
 // A thread then holds 2 users' (rows g and g + 8 of its warp's 16) scores of 32 items each: d[4j + 2h + c] is user
 // g + 8h's score of item 8j + 2t + c (g = lane / 4, t = lane % 4), the accumulator layout of mma.m16n8 repeated over
@@ -32,7 +33,7 @@ __device__ __forceinline__ void recall_fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// The shared-memory descriptor of a 128 x 16 K-major operand at byte address `addr` (no swizzle).
+// The shared-memory descriptor of an operand's 16 columns (k) at byte address `addr`: rows of the layout above.
 template <int SBO>
 __device__ __forceinline__ u64 recall_wgmma_desc(unsigned addr) {
 #if defined(RW_SWAP_OFFSETS)  // measurement only: the two offsets the other way round
