@@ -16,6 +16,8 @@
 #   probe     scripts/lab/kernel_profile.py: the weak cells under option variants, per-kernel times -> $OUT/probe.log
 #   latency   scripts/lab/embedded_latency.py: 1, 32 and 1,024 users against 1M items, every contender -> $OUT/latency.log
 #   micro     scripts/lab/fused_h_micro.py: fast mode's fused kernel alone, at each of MICRO_WIDTHS (72 136 264) -> $OUT/micro.log
+#   wcheck    scripts/lab/fused_w_check.py: Hopper's wgmma kernel against float64 products, then timed against
+#             the mma.sync kernel                                                         -> $OUT/fused_w.log
 #   seeds     kernel_profile.py: the threshold sample's size (EngineOptions.seed_sample) on the user-heavy and
 #             large-k cells, fast then exact mode                                             -> $OUT/seeds.log
 #   state     scripts/lab/state_effects.py: what earlier searches of the process change in a later one's time
@@ -25,7 +27,7 @@
 #             PROBE_PRECISION), then this tree's profile of the same cells              -> $OUT/trees.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
+# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
 # (compare: the bench's workload arguments, e.g. "--matrix gpu-quick --cells 0,2,7").
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -169,6 +171,12 @@ if has micro; then
             --json "$OUT/micro-$w.json" 2>&1
     done >"$OUT/micro.log"
     echo "== fused kernel alone"; cat "$OUT/micro.log"
+fi
+
+if has wcheck; then
+    PYTHONPATH=$NEW_PATH timeout "${WCHECK_TIMEOUT:-150}" python3 scripts/lab/fused_w_check.py \
+        --json "$OUT/fused_w.json" >"$OUT/fused_w.log" 2>&1
+    echo "== wgmma kernel (rc $?)"; grep -v "users wrong 0 of" "$OUT/fused_w.log" | tail -n 30
 fi
 
 if has seeds; then
