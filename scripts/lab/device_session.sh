@@ -18,6 +18,8 @@
 #   micro     scripts/lab/fused_h_micro.py: fast mode's fused kernel alone, at each of MICRO_WIDTHS (72 136 264) -> $OUT/micro.log
 #   wcheck    scripts/lab/fused_w_check.py: Hopper's wgmma kernel against float64 products, then timed against
 #             the mma.sync kernel                                                         -> $OUT/fused_w.log
+#   ncu       Nsight Compute on both float16 fused kernels at S1's shape (scripts/lab/fused_ncu.py 72 262144 126)
+#             and gpu-quick 19's (48 100000 1900)                                          -> $OUT/ncu-*.log
 #   seeds     kernel_profile.py: the threshold sample's size (EngineOptions.seed_sample) on the user-heavy and
 #             large-k cells, fast then exact mode                                             -> $OUT/seeds.log
 #   state     scripts/lab/state_effects.py: what earlier searches of the process change in a later one's time
@@ -27,7 +29,7 @@
 #             PROBE_PRECISION), then this tree's profile of the same cells              -> $OUT/trees.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
+# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT, NCU_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
 # (compare: the bench's workload arguments, e.g. "--matrix gpu-quick --cells 0,2,7").
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -177,6 +179,24 @@ if has wcheck; then
     PYTHONPATH=$NEW_PATH timeout "${WCHECK_TIMEOUT:-150}" python3 scripts/lab/fused_w_check.py \
         --json "$OUT/fused_w.json" >"$OUT/fused_w.log" 2>&1
     echo "== wgmma kernel (rc $?)"; grep -v "users wrong 0 of" "$OUT/fused_w.log" | tail -n 30
+fi
+
+if has ncu; then
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    for shape in "72 262144 126" "48 100000 1900"; do
+        for kernel in mma wgmma; do
+            # shellcheck disable=SC2086
+            set -- $shape
+            flag=$([ "$kernel" = wgmma ] && echo --wgmma || true)
+            PYTHONPATH=$NEW_PATH timeout "${NCU_TIMEOUT:-150}" "$NCU" --clock-control none -k regex:recall_fused_filter_ \
+                -s 2 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+                --section SchedulerStats --section Occupancy --section InstructionStats \
+                python3 scripts/lab/fused_ncu.py "$1" "$2" "$3" $flag >"$OUT/ncu-$kernel-$1.log" 2>&1
+            echo "== ncu $kernel $shape (rc $?)"
+            grep -E "Duration|Issue Slots Busy|Eligible Warps|Stall|Executed Ipc Active|Registers Per" \
+                "$OUT/ncu-$kernel-$1.log" | head -n 12
+        done
+    done
 fi
 
 if has seeds; then

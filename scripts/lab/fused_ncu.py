@@ -1,8 +1,9 @@
-"""One shape of fused_h.cu's float16 fused kernel (mma.sync) launched a few times, for Nsight Compute:
-users x WIDTH columns against ITEMS items, each user's threshold its RANK-th best of the first 65,536.
+"""One shape of a float16 fused kernel launched a few times, for Nsight Compute: fused_h.cu's (mma.sync), or with
+``--wgmma`` fused_w.cu's (Hopper); 4,096 users x WIDTH columns against ITEMS items, each user's threshold its RANK-th
+best of the first 65,536.
 
-    PYTHONPATH=. ncu --clock-control none -k regex:recall_fused_filter_h -s 2 -c 1 --section SpeedOfLight \\
-        python3 scripts/lab/fused_ncu.py WIDTH ITEMS RANK [-D...]
+    PYTHONPATH=. ncu --clock-control none -k regex:recall_fused_filter_ -s 2 -c 1 --section SpeedOfLight \\
+        python3 scripts/lab/fused_ncu.py WIDTH ITEMS RANK [--wgmma] [-D...]
 """
 import sys
 
@@ -11,7 +12,9 @@ import numpy as np
 
 from recall.backends.cupy import kernels
 
-width, n_items, rank, opts = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), tuple(sys.argv[4:])
+width, n_items, rank = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+wgmma = "--wgmma" in sys.argv[4:]
+opts = tuple(a for a in sys.argv[4:] if a != "--wgmma")
 cap, c = 4096, 16384
 rng = cupy.random.default_rng(0)
 users = rng.standard_normal((cap, width), dtype=np.float32).astype(np.float16)
@@ -22,10 +25,16 @@ del head
 cand = cupy.zeros((cap, c), cupy.uint64)
 cnt = cupy.zeros(cap, cupy.int32)
 padded = -(-width // 16) * 16
-mod = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts)
-chunk = padded if padded <= 96 and padded != 64 else 64
-fn = mod.get_function(f"recall_fused_filter_h{padded}" if chunk == padded else "recall_fused_filter_h")
-smem = 2 * 128 * (padded + 8 + 3 * (chunk + 8))
+if wgmma:
+    from recall.backends.cupy.fused import wgmma_smem
+
+    fn = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, opts).get_function(f"recall_fused_filter_w{padded // 16}")
+    smem = wgmma_smem(padded)
+else:
+    mod = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts)
+    chunk = padded if padded <= 96 and padded != 64 else 64
+    fn = mod.get_function(f"recall_fused_filter_h{padded}" if chunk == padded else "recall_fused_filter_h")
+    smem = 2 * 128 * (padded + 8 + 3 * (chunk + 8))
 fn.max_dynamic_shared_size_bytes = smem
 tiles = -(-n_items // 128)
 print("regs", fn.num_regs, "local", fn.local_size_bytes, flush=True)
