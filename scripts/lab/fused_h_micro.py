@@ -29,6 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from recall.backends.cupy import kernels
+from recall.backends.cupy.fused import half_kernel_name, half_smem
+
+from _timing import device_times
 
 
 def main() -> None:
@@ -69,9 +72,9 @@ def main() -> None:
         mod = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts)
         th_used = inf if "no survivors" in name else thr
         chunk = padded if "one chunk" in name else 64
-        fn = mod.get_function(f"recall_fused_filter_h{padded}" if "one chunk" in name else "recall_fused_filter_h")
+        fn = mod.get_function(half_kernel_name(chunk))
         threads = 128 if "-DRH_WN=64" in opts else 256  # fused_h.cu's RH_THREADS
-        smem = 2 * 128 * (padded + 8 + 3 * (chunk + 8))  # users, three item chunks
+        smem = half_smem(padded, chunk)  # users, three item chunks
         fn.max_dynamic_shared_size_bytes = smem
         tiles = -(-a.items // 128)
 
@@ -86,16 +89,7 @@ def main() -> None:
                         np.int32(t0), np.int32(nt), np.int32(8), th_used[u0:u0 + cap], cand, np.int32(c), cnt),
                        shared_mem=smem)
 
-        run()
-        times = []
-        for _ in range(3):
-            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-            e0.record()
-            run()
-            e1.record()
-            e1.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
-        t = sorted(times)[1]
+        t = sorted(device_times(run))[1]
         print(f"| {name} | {t:.4f} s | {flops / t / 1e12:.0f} TFLOP/s | regs {fn.num_regs}, local bytes "
               f"{fn.local_size_bytes} |", flush=True)
         out.append({"variant": name, "s": t, "tflops": flops / t / 1e12, "regs": fn.num_regs})
@@ -109,13 +103,7 @@ def main() -> None:
             for i0 in range(0, whole, 65536):
                 cupy.matmul(users[u0:u0 + cap], items[i0:i0 + 65536].T, out=tile)
 
-    gemm()
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-    e0.record()
-    gemm()
-    e1.record()
-    e1.synchronize()
-    t = cupy.cuda.get_elapsed_time(e0, e1) / 1e3
+    t = device_times(gemm, 1)[0]
     rate = 2.0 * a.users * whole * a.width / t / 1e12
     print(f"| cuBLAS fp16 GEMM, fp16 tiles (no filter) | {t:.4f} s | {rate:.0f} TFLOP/s | - |", flush=True)
     out.append({"variant": "cublas", "s": t})

@@ -31,10 +31,11 @@ if wgmma:
     fn = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, opts).get_function(f"recall_fused_filter_w{padded // 16}")
     smem = wgmma_smem(padded)
 else:
-    mod = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts)
-    chunk = padded if padded <= 96 and padded != 64 else 64
-    fn = mod.get_function(f"recall_fused_filter_h{padded}" if chunk == padded else "recall_fused_filter_h")
-    smem = 2 * 128 * (padded + 8 + 3 * (chunk + 8))
+    from recall.backends.cupy.fused import half_chunk, half_kernel_name, half_smem
+
+    fn = kernels.module(("topk.cu", "fused.cu", "fused_h.cu"), options=opts).get_function(
+        half_kernel_name(half_chunk(padded)))
+    smem = half_smem(padded)
 fn.max_dynamic_shared_size_bytes = smem
 tiles = -(-n_items // 128)
 print("regs", fn.num_regs, "local", fn.local_size_bytes, flush=True)

@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from recall.backends.cupy import kernels
-from recall.backends.cupy.fused import half_chunk, wgmma_smem
+from recall.backends.cupy.fused import half_chunk, half_kernel_name, half_smem, wgmma_smem
+
+from _timing import device_times
 
 THREADS = 256
 
@@ -56,9 +58,8 @@ def kernel_w(mod, padded):
 
 
 def kernel_h(mod, padded):
-    chunk = half_chunk(padded)
-    fn = mod.get_function("recall_fused_filter_h" if chunk == 64 else f"recall_fused_filter_h{chunk}")
-    smem = 2 * 128 * (padded + 8 + 3 * (chunk + 8))
+    fn = mod.get_function(half_kernel_name(half_chunk(padded)))
+    smem = half_smem(padded)
     fn.max_dynamic_shared_size_bytes = smem
     return fn, smem
 
@@ -129,16 +130,7 @@ def timing(mod_h, mod_w, out) -> None:
                 for u0 in range(0, n_users, cap):
                     launch(fn, smem, users[u0:u0 + cap], items, width, padded, thr[u0:u0 + cap], cand, cnt,
                            reset=True)
-            run()
-            times = []
-            for _ in range(3):
-                e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-                e0.record()
-                run()
-                e1.record()
-                e1.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
-            t = sorted(times)[1]
+            t = sorted(device_times(run))[1]
             rate = 2.0 * n_users * n_items * padded / t / 1e12
             row[name] = t
             print(f"| {width} cols ({padded} multiplied), {n_items:,} items, rank {rank} | {name} | {t:.4f} s | "
@@ -158,8 +150,6 @@ def main() -> int:
     rng = np.random.default_rng(7)
     failures = check(mod_w, "shipped", rng)
     if failures:
-        swapped = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRW_SWAP_OFFSETS",))
-        print("descriptor offsets swapped (RW_SWAP_OFFSETS):", "fails" if check(swapped, "swapped", rng) else "passes")
         print("FAILED:", *failures, sep="\n  ")
         return 1
     out: list = []

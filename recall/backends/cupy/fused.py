@@ -67,6 +67,18 @@ def wgmma_smem(padded: int) -> int:
     return 2 * FUSED_TILE * padded * (1 + (2 if padded > 96 else 3))
 
 
+def half_smem(padded: int, chunk: int = 0) -> int:
+    """Dynamic shared memory of fused_h.cu's kernel for rows of ``padded`` columns multiplied, taken ``chunk`` halves
+    a pipeline stage (0: :func:`half_chunk`'s): the users' rows and three item chunks, each row padded by 8 halves."""
+    chunk = chunk or half_chunk(padded)
+    return 2 * FUSED_TILE * (padded + 8 + _H_STAGES * (chunk + 8))
+
+
+def half_kernel_name(chunk: int) -> str:
+    """fused_h.cu's kernel that takes ``chunk`` halves a pipeline stage (``Selection.fused_h``'s keys)."""
+    return "recall_fused_filter_h" if chunk == _H_CHUNK else f"recall_fused_filter_h{chunk}"
+
+
 def half_chunk(padded: int) -> int:
     """The halves of an item row each pipeline stage of the float16 kernel holds, for ``padded`` columns multiplied
     (a multiple of 16): the whole row up to 96 (one chunk a tile: one barrier and one wait a tile, and at 80 columns
@@ -193,8 +205,7 @@ class FusedSearch:
         if wide is not None:
             fused, smem = wide, wgmma_smem(padded)
         else:
-            chunk = half_chunk(padded)
-            fused, smem = self.sel.fused_h[chunk], 2 * FUSED_TILE * (padded + 8 + _H_STAGES * (chunk + 8))
+            fused, smem = self.sel.fused_h[half_chunk(padded)], half_smem(padded)
         self._allow_smem(fused, smem)
 
         def launch(grid: tuple, t0: int, nt: int, per_cta: int) -> None:

@@ -36,12 +36,7 @@ __device__ __forceinline__ void recall_fence_proxy_async() {
 // The shared-memory descriptor of an operand's 16 columns (k) at byte address `addr`: rows of the layout above.
 template <int SBO>
 __device__ __forceinline__ u64 recall_wgmma_desc(unsigned addr) {
-#if defined(RW_SWAP_OFFSETS)  // measurement only: the two offsets the other way round
-    constexpr unsigned lbo = SBO, sbo = 128;
-#else
-    constexpr unsigned lbo = 128, sbo = SBO;
-#endif
-    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(128u >> 4) << 16) | ((u64)(SBO >> 4) << 32);  // LBO 128, SBO
 }
 
 // d (a warpgroup's 64 x 128 float32 tile, 64 a thread) = a b (accumulate == 0) or d + a b, k = 16: a (64 users) and b
