@@ -53,6 +53,57 @@ __device__ __forceinline__ void recall_mma_16816(float* d, const u32* a, const u
     }
 }
 
+// A group of N scores of one user held by a thread, appended where they pass its threshold `th`: s[q] is the score of
+// item row0 + 8 (q / 2) + q % 2 (the layout of an mma.m16n8 / wgmma accumulator along its n8 tiles); rows past
+// n_items are skipped unless the tile is `whole`. The group's maximum is tested first, and the tests and branches of
+// single scores run only where it passes (about 1% of the groups after a seeded search's first merge on a large
+// catalogue; where the pass keeps a percent of the items, most warps hold some lane whose group passes). A passing
+// group's survivors become bits, then one round a survivor: the warp goes round as often as its lane with the most,
+// not once per score. Shared by fused_h.cu's kernels and fused_w.cu's.
+template <int N>
+__device__ __forceinline__ void recall_append_group(const float (&s)[N], float th, int user, int row0, bool whole,
+                                                    int n_items, RecallPending& pending, u64* __restrict__ cand,
+                                                    int* __restrict__ cnt, int C) {
+    float m[N / 2];
+#pragma unroll
+    for (int q = 0; q < N / 4; ++q) m[2 * q] = fmaxf(fmaxf(s[4 * q], s[4 * q + 1]), fmaxf(s[4 * q + 2], s[4 * q + 3]));
+#pragma unroll
+    for (int w = 2; w < N / 2; w *= 2)
+#pragma unroll
+        for (int q = 0; q + w < N / 2; q += 2 * w) m[q] = fmaxf(m[q], m[q + w]);
+    if (!(m[0] > th)) return;
+#if defined(RH_EACH_SCORE)  // measurement only: a branch per score of a passing group (shipped until 2026-12-03)
+#pragma unroll
+    for (int q = 0; q < N; ++q) {
+        const int row = row0 + 8 * (q >> 1) + (q & 1);
+        if (s[q] > th && (whole || row < n_items)) pending.push(cand, cnt, C, user, recall_key(s[q], row));
+    }
+#else
+    unsigned bits = 0u;
+#pragma unroll
+    for (int q = 0; q < N; ++q) {
+        const int row = row0 + 8 * (q >> 1) + (q & 1);
+        if (s[q] > th && (whole || row < n_items)) bits |= 1u << q;
+    }
+#pragma unroll 1
+    while (bits) {
+        const int q = __ffs(bits) - 1;
+        bits &= bits - 1u;
+        const int row = row0 + 8 * (q >> 1) + (q & 1);
+        float v = s[0];  // s[q], selected in registers
+#pragma unroll
+        for (int r = 1; r < N; ++r)
+            if (q == r) v = s[r];
+#if defined(RH_INLINE_APPEND)  // measurement only: the key stored as soon as its slot comes back
+        const int pos = atomicAdd(&cnt[user], 1);
+        if (pos < C) cand[(long long)user * C + pos] = recall_key(v, row);
+#else
+        pending.push(cand, cnt, C, user, recall_key(v, row));
+#endif
+    }
+#endif
+}
+
 // Dynamic shared memory: 128 * (Wp + 8) halves of users, then RH_STAGES * 128 * (CH + 8) halves of item chunks.
 template <int CH, int WN>
 __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict__ U, int n_users,
@@ -174,63 +225,17 @@ __device__ __forceinline__ void recall_fused_h_body(const half_bits* __restrict_
                         }
                     }
 #else
-            // A thread holds 2 * NI scores of each of its 8 users (rows mi * 16 + g + 8h): their maximum is tested
-            // first, and the tests and branches of single scores run only where it passes (about 1% of the groups
-            // after a seeded search's first merge on a large catalogue; where the pass keeps a percent of the items,
-            // most warps hold some lane whose group passes).
+            // A thread holds 2 * NI scores of each of its 8 users (rows mi * 16 + g + 8h), score q = 2 ni + c of
+            // item j0 + 8 ni + 2t + c.
 #pragma unroll
             for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    float m[NI / 2];
+                    float s[2 * NI];
 #pragma unroll
-                    for (int q = 0; q < NI / 2; ++q)
-                        m[q] = fmaxf(fmaxf(acc[mi][2 * q][2 * h], acc[mi][2 * q][2 * h + 1]),
-                                     fmaxf(acc[mi][2 * q + 1][2 * h], acc[mi][2 * q + 1][2 * h + 1]));
-#pragma unroll
-                    for (int w = 1; w < NI / 2; w *= 2)
-#pragma unroll
-                        for (int q = 0; q + w < NI / 2; q += 2 * w) m[q] = fmaxf(m[q], m[q + w]);
-                    if (m[0] > th[mi][h]) {
-                        const int user = u0 + wm * 64 + mi * 16 + g + 8 * h;
-#if defined(RH_EACH_SCORE)  // measurement only: a branch per score of a passing group (shipped until 2026-12-03)
-#pragma unroll
-                        for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-                            for (int c = 0; c < 2; ++c) {
-                                const int row = j0 + ni * 8 + 2 * t + c;
-                                const float v = acc[mi][ni][2 * h + c];
-                                if (v > th[mi][h] && (whole || row < n_items))
-                                    pending.push(cand, cnt, C, user, recall_key(v, row));
-                            }
-#else
-                        // The group's survivors as bits (score q = 2 ni + c), then one round a survivor: the warp
-                        // goes round as often as its lane with the most, not once per score of the group.
-                        unsigned bits = 0u;
-#pragma unroll
-                        for (int q = 0; q < 2 * NI; ++q) {
-                            const int row = j0 + (q >> 1) * 8 + 2 * t + (q & 1);
-                            if (acc[mi][q >> 1][2 * h + (q & 1)] > th[mi][h] && (whole || row < n_items))
-                                bits |= 1u << q;
-                        }
-#pragma unroll 1
-                        while (bits) {
-                            const int q = __ffs(bits) - 1;
-                            bits &= bits - 1u;
-                            const int row = j0 + (q >> 1) * 8 + 2 * t + (q & 1);
-                            float v = acc[mi][0][2 * h];  // acc[mi][q >> 1][2h + (q & 1)], selected in registers
-#pragma unroll
-                            for (int r = 1; r < 2 * NI; ++r)
-                                if (q == r) v = acc[mi][r >> 1][2 * h + (r & 1)];
-#if defined(RH_INLINE_APPEND)  // measurement only: the key stored as soon as its slot comes back
-                            const int pos = atomicAdd(&cnt[user], 1);
-                            if (pos < C) cand[(long long)user * C + pos] = recall_key(v, row);
-#else
-                            pending.push(cand, cnt, C, user, recall_key(v, row));
-#endif
-                        }
-#endif
-                    }
+                    for (int q = 0; q < 2 * NI; ++q) s[q] = acc[mi][q >> 1][2 * h + (q & 1)];
+                    recall_append_group(s, th[mi][h], u0 + wm * 64 + mi * 16 + g + 8 * h, j0 + 2 * t, whole, n_items,
+                                        pending, cand, cnt, C);
                 }
 #endif
         }

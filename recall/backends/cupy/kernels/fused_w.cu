@@ -144,31 +144,11 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int grp = 0; grp < 4; ++grp) {  // n8 tiles 4 grp .. 4 grp + 3: 8 scores of the user
-                const float m = fmaxf(fmaxf(fmaxf(d[16 * grp + 2 * h], d[16 * grp + 2 * h + 1]),
-                                            fmaxf(d[16 * grp + 4 + 2 * h], d[16 * grp + 5 + 2 * h])),
-                                      fmaxf(fmaxf(d[16 * grp + 8 + 2 * h], d[16 * grp + 9 + 2 * h]),
-                                            fmaxf(d[16 * grp + 12 + 2 * h], d[16 * grp + 13 + 2 * h])));
-                if (m > th[h]) {
-                    const int user = u0 + wrow + g + 8 * h;
-                    unsigned bits = 0u;
+                float s8[8];
 #pragma unroll
-                    for (int q = 0; q < 8; ++q) {  // score q: n8 tile 4 grp + q / 2, column q % 2
-                        const int row = j0 + 8 * (4 * grp + (q >> 1)) + (q & 1);
-                        if (d[16 * grp + 4 * (q >> 1) + 2 * h + (q & 1)] > th[h] && (whole || row < n_items))
-                            bits |= 1u << q;
-                    }
-#pragma unroll 1
-                    while (bits) {
-                        const int q = __ffs(bits) - 1;
-                        bits &= bits - 1u;
-                        const int row = j0 + 8 * (4 * grp + (q >> 1)) + (q & 1);
-                        float v = d[16 * grp + 2 * h];  // d[16 grp + 4 (q / 2) + 2h + q % 2], selected in registers
-#pragma unroll
-                        for (int r = 1; r < 8; ++r)
-                            if (q == r) v = d[16 * grp + 4 * (r >> 1) + 2 * h + (r & 1)];
-                        pending.push(cand, cnt, C, user, recall_key(v, row));
-                    }
-                }
+                for (int q = 0; q < 8; ++q) s8[q] = d[16 * grp + 4 * (q >> 1) + 2 * h + (q & 1)];
+                recall_append_group(s8, th[h], u0 + wrow + g + 8 * h, j0 + 32 * grp, whole, n_items, pending, cand,
+                                    cnt, C);
             }
     }
     pending.flush(C);
