@@ -1,6 +1,6 @@
 """The float16 fused kernel on Hopper's warpgroup instruction (``kernels/fused_w.cu``, wgmma) checked and timed
-alone: its candidates against float64 products on small odd shapes (every width it is built for, rows past the
-users and the items, widths not a multiple of 16 and rows wider than the columns multiplied), then against
+alone: its candidates against float64 products on small odd shapes (every width it is built for, 16-144 columns;
+rows past the users and the items, widths not a multiple of 16 and rows wider than the columns multiplied), then against
 ``fused_h.cu``'s mma.sync kernel on the shapes of the engine's first launches (thresholds where a seeded search has
 them after its first merge: each user's RANK-th best of the first 65,536 items), candidate counts reset per segment.
 
@@ -70,7 +70,7 @@ def check(mod, label, rng) -> list[str]:
     import cupy
 
     failures = []
-    for ks in range(1, 9):
+    for ks in range(1, 10):
         padded = 16 * ks
         for width in sorted({padded, max(8, padded - 8), padded + 8}):
             n_users, n_items = 300, 1037
@@ -113,7 +113,8 @@ def timing(mod_h, mod_w, out) -> None:
 
     rng = cupy.random.default_rng(0)
     for width, n_items, rank in ((72, 1_000_000, 126), (48, 100_000, 1900), (64, 1_000_000, 126),
-                                 (32, 1_000_000, 12), (128, 1_000_000, 126), (96, 1_000_000, 126)):
+                                 (32, 1_000_000, 12), (128, 1_000_000, 126), (96, 1_000_000, 126),
+                                 (136, 1_000_000, 126)):
         n_users, cap, c = 16384, 2048, 16384
         users = rng.standard_normal((n_users, width), dtype=np.float32).astype(np.float16)
         items = rng.standard_normal((n_items, width), dtype=np.float32).astype(np.float16)

@@ -273,11 +273,13 @@ def test_half_fused_equals_cpu_exactly(fused, n_users, n_items, width, k):
 @pytest.mark.parametrize("warpgroup", [True, False])
 @pytest.mark.parametrize("n_users,n_items,width,k", [
     (1, 1, 8, 1), (3, 129, 16, 7), (300, 3001, 72, 64), (257, 2500, 128, 100), (129, 700, 120, 30),
-    (700, 5000, 40, 1000), (150, 2000, 96, 20), (140, 2100, 88, 9), (200, 1300, 112, 16),
+    (700, 5000, 40, 1000), (150, 2000, 96, 20), (140, 2100, 88, 9), (200, 1300, 112, 16), (260, 2300, 136, 50),
+    (130, 1500, 144, 12),
 ])
 def test_half_fused_both_tensor_core_kernels(warpgroup, n_users, n_items, width, k):
     # fused_w.cu (wgmma, Hopper) and fused_h.cu (mma.sync): on integer data both equal the CPU bit for bit; the
     # launches are counted, so that the kernel asked for is the one that ran (off Hopper only fused_h.cu exists).
+    # Rows of 136 and 144 columns: the wgmma kernel's alone (fused.FUSED_W_MAX_WIDTH); elsewhere cuBLAS + filter.
     import cupy
 
     rng = np.random.default_rng(n_users + 3 * width + k)
@@ -322,8 +324,12 @@ def test_half_fused_both_tensor_core_kernels(warpgroup, n_users, n_items, width,
     finally:
         for table, kept in saved:
             table.update(kept)
-    assert stats["fused"] and stats["score_dtype"] == "float32"
-    assert calls["w" if warpgroup and hopper else "h"] > 0 and calls["h" if warpgroup and hopper else "w"] == 0
+    wgmma = warpgroup and hopper
+    if width > 128 and not wgmma:
+        assert not stats["fused"] and calls == {"w": 0, "h": 0}
+    else:
+        assert stats["fused"] and stats["score_dtype"] == "float32"
+        assert calls["w" if wgmma else "h"] > 0 and calls["h" if wgmma else "w"] == 0
     want_vals, want_rows, _ = _run_half("cpu", items, users, k, excl)
     np.testing.assert_array_equal(as_numpy(rows), want_rows)
     np.testing.assert_array_equal(as_numpy(vals), want_vals)
@@ -388,9 +394,10 @@ def test_half_fused_overflow_recompute_and_seeded_auto():
 
 
 def test_half_wider_than_the_kernel_takes_the_cublas_path():
+    # 152 columns: wider than either float16 kernel (fused.FUSED_W_MAX_WIDTH on Hopper, FUSED_H_MAX_WIDTH elsewhere).
     rng = np.random.default_rng(12)
-    items = _ints(rng, 900, 136, -1, 2).astype(np.float16)  # scores within float16's integers: tiles keep them
-    users = _ints(rng, 40, 136, -1, 2).astype(np.float16)
+    items = _ints(rng, 900, 152, -1, 2).astype(np.float16)  # scores within float16's integers: tiles keep them
+    users = _ints(rng, 40, 152, -1, 2).astype(np.float16)
     _, rows, stats = _run_half("gpu", items, users, 9, None, EngineOptions(fused="force"))
     assert not stats["fused"] and stats["score_dtype"] == "float16"
     _, want_rows, _ = _run_half("cpu", items, users, 9)

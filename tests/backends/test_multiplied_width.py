@@ -26,3 +26,16 @@ def test_zeros_and_negative_zeros_multiply_nothing():
     users[:, :20] = 1
     assert multiplied_width(users) == 32
     assert multiplied_width(np.zeros((0, 72), np.float16)) == 16
+
+
+def test_the_widest_rows_a_float16_kernel_takes():
+    from recall import EngineOptions
+    from recall.backends.cupy.fused import FUSED_H_MAX_WIDTH, FUSED_W_MAX_WIDTH, covers, half_max_width
+
+    assert (FUSED_H_MAX_WIDTH, FUSED_W_MAX_WIDTH) == (128, 144)
+    assert half_max_width(True, EngineOptions()) == 144  # Hopper's wgmma kernels, built
+    assert half_max_width(True, EngineOptions(warpgroup_mma=False)) == 128
+    assert half_max_width(False, EngineOptions()) == 128  # other GPUs, or an NVRTC that could not build them
+    assert covers(144, np.float16, 144) and not covers(152, np.float16, 144) and not covers(136, np.float16)
+    assert covers(128, np.float16) and not covers(140, np.float16, 144)  # whole 16-byte pieces only
+    assert covers(256, np.float32, 128) and not covers(264, np.float32, 144)  # float32: fused.cu's own limit

@@ -5,7 +5,7 @@ Seeded searches (and those of very large k) score each user block against each i
 (:mod:`.fused`) that keeps only the scores above each user's threshold and never writes a score tile:
 ``recall_fused_filter`` (``kernels/fused.cu``) for exact mode's float32 vectors of at most 256 dimensions,
 ``recall_fused_filter_h`` (``kernels/fused_h.cu``, tensor cores) for fast mode's float16 ones of at most 128 columns
-multiplied.
+multiplied (on Hopper ``kernels/fused_w.cu``'s wgmma kernels, up to 144).
 Elsewhere (wider vectors, multi-interest users, small catalogues), every item segment is one strided-batched GEMM
 (the user block shared by all tiles of the batch: stride 0; :mod:`.blas`) writing a score tile, followed at once by
 the selection kernels of ``kernels/topk.cu`` (:mod:`.selection`) reading it back. Blocks are pipelined on streams
@@ -222,7 +222,8 @@ class CupyBackend:
 
     def pass_score_dtype(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,
                          options: EngineOptions) -> Any:
-        if fused.applies(plan, n_users, n_items, k, width, dtype, options):
+        half_max = self.half_max_width(options) if np.dtype(dtype) == np.float16 else fused.FUSED_H_MAX_WIDTH
+        if fused.applies(plan, n_users, n_items, k, width, dtype, options, half_max):
             return np.dtype(np.float32)
         return self.score_dtype(dtype)
 
@@ -251,6 +252,10 @@ class CupyBackend:
         candidates.rescore_gemm(self, users_d, items.vecs, indptr, rows, k, budget, vals, out,
                                 rescore.ordered_dots if ordered else None)
         return vals, out, "gemm"
+
+    def half_max_width(self, options: EngineOptions) -> int:
+        """The most columns this device's fused float16 kernel multiplies (:func:`fused.half_max_width`)."""
+        return fused.half_max_width(bool(self.selection.fused_w), options)
 
     def certify_exact(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
                       options: EngineOptions) -> bool:

@@ -22,6 +22,9 @@ FUSED_MAX_DIM = 256  # the users' vectors of a block stay in shared memory: 128 
 #: products. Measured before the filter tested groups of scores first (docs/benchmarks.md); at 128 columns (d = 128
 #: cosine, 20k x 1M) fast mode's search took 0.0337 s with it against 0.0453 s with cuBLAS + filter (2026-12-02).
 FUSED_H_MAX_WIDTH = 128
+#: The same on Hopper's wgmma kernel (fused_w.cu): 144 columns hold d = 128 with fast mode's bound columns or l2's
+#: bias column (9 products of k = 16; two blocks an SM, 111 KB of shared memory each).
+FUSED_W_MAX_WIDTH = 144
 #: Seeded searches of a larger k take cuBLAS + filter (:func:`applies`).
 FUSED_SEEDED_MAX_K = 4096
 _H_CHUNK, _H_STAGES = 64, 3  # fused_h.cu's RH_CHUNK and RH_STAGES
@@ -86,25 +89,32 @@ def half_chunk(padded: int) -> int:
     return padded if padded <= _H_WHOLE_MAX else _H_CHUNK
 
 
-def covers(dim: int, dtype: Any) -> bool:
+def covers(dim: int, dtype: Any, half_max: int = FUSED_H_MAX_WIDTH) -> bool:
     """Whether a fused kernel takes vectors of ``dim`` columns of ``dtype``: float32 of at most 256 dimensions, or
-    float16 rows of whole 16-byte pieces (a multiple of 8 columns, as fast mode's are) of at most 128 (for float16,
-    ``dim`` is the columns multiplied: :func:`multiplied_width`)."""
+    float16 rows of whole 16-byte pieces (a multiple of 8 columns, as fast mode's are) of at most ``half_max``
+    (:func:`half_max_width`; for float16, ``dim`` is the columns multiplied: :func:`multiplied_width`)."""
     dtype = np.dtype(dtype)
     if dtype == np.float32:
         return dim <= FUSED_MAX_DIM
-    return dtype == np.float16 and dim % 8 == 0 and dim <= FUSED_H_MAX_WIDTH
+    return dtype == np.float16 and dim % 8 == 0 and dim <= half_max
+
+
+def half_max_width(warpgroup_kernels: bool, options: EngineOptions) -> int:
+    """The most columns a fused float16 kernel multiplies: 144 where Hopper's wgmma kernels are built
+    (``warpgroup_kernels``) and asked for (``options.warpgroup_mma``), else 128 (fused_h.cu)."""
+    return FUSED_W_MAX_WIDTH if warpgroup_kernels and options.warpgroup_mma else FUSED_H_MAX_WIDTH
 
 
 def applies(plan: TilePlan, n_users: int, n_items: int, k: int, dim: int, dtype: Any,
-            options: EngineOptions) -> bool:
+            options: EngineOptions, half_max: int = FUSED_H_MAX_WIDTH) -> bool:
     """Whether a search takes the fused path: vectors a kernel covers (:func:`covers`), one vector per user, at
     least a kernel tile's 128 users, and either a seeded search of k up to 4,096 or an unseeded one of a k so large
     that a user's candidate buffer holds two whole segments (then the first segments, which pass every score before
     the threshold rises, cannot overflow it: at k = 8,192 on 10k x 1M x 64, 0.18 s against 0.48 s for cuBLAS +
     filter). Seeded, k = 8,192 took 0.115 s fused and 0.102 s on cuBLAS + filter, k = 4,096 0.074 s and 0.091 s
-    (docs/benchmarks.md). ``options.fused``: "force" also otherwise (fewer users too), "off" never."""
-    if options.fused == "off" or not covers(dim, dtype) or plan.interests is not None:
+    (docs/benchmarks.md). ``options.fused``: "force" also otherwise (fewer users too), "off" never. ``half_max``:
+    :func:`half_max_width`."""
+    if options.fused == "off" or not covers(dim, dtype, half_max) or plan.interests is not None:
         return False
     if options.fused == "force":
         return True

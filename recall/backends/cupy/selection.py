@@ -188,7 +188,7 @@ class Selection:
 
     @property
     def fused_w(self) -> dict[int, Any]:
-        """fused_w.cu's kernels (wgmma) by the columns multiplied (16 to 128), built on first use; empty off Hopper."""
+        """fused_w.cu's kernels (wgmma) by the columns multiplied (16 to 144), built on first use; empty off Hopper."""
         if self._fused_w is None:
             try:
                 mod = kernels.hopper_fused_module()
@@ -197,7 +197,7 @@ class Selection:
                             "instead", str(exc).splitlines()[0])
                 mod = None
             self._fused_w = {} if mod is None else {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}")
-                                                    for ks in range(1, 9)}
+                                                    for ks in range(1, 10)}
         return self._fused_w
 
     def update(self, state: GpuTopK, scores: Any, item_start: int, n_items: int, excl_indptr: Any,

@@ -23,7 +23,7 @@
 #define RW_TILE 128
 #define RW_THREADS 256
 // Item tiles in flight: three up to 96 columns, two above (two blocks an SM either way: 80 KB at 80 columns,
-// 96 KB at 128).
+// 96 KB at 128, 108 KB at 144).
 #define RW_STAGES_OF(KS) ((KS) > 6 ? 2 : 3)
 
 __device__ __forceinline__ void recall_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -174,3 +174,4 @@ RECALL_FUSED_W_KERNEL(5)
 RECALL_FUSED_W_KERNEL(6)
 RECALL_FUSED_W_KERNEL(7)
 RECALL_FUSED_W_KERNEL(8)
+RECALL_FUSED_W_KERNEL(9)
