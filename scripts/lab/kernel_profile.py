@@ -92,6 +92,9 @@ VARIANTS = {
     # HOOKS: the estimate's rank at 3 or 4 standard deviations above its expected count (selection.ESTIMATE_SIGMAS,
     # 5 as shipped), alone and with a threshold sample of 32k items.
     "sigma3": {}, "sigma4": {}, "sigma3-seed32k": {"seed_sample": 32768},
+    # HOOKS: seeded searches of k up to 16,384 on the fused path (fused.FUSED_SEEDED_MAX_K, 4,096 as shipped): at
+    # k = 8,192 the certified route then compares float32 sums, not float16 score tiles.
+    "fused-k16k": {}, "fused-k16k-seed64k": {"seed_sample": 65536, "tiles": (2048, 16384, 4)},
 }
 
 
@@ -112,8 +115,18 @@ def _sigmas(n):
 
 #: Variants that change an engine (or a constant of the process) once it is made (lab only): what a rule of the
 #: product would choose. Every variant starts from the shipped constants (``main`` restores them).
+def _fused_seeded_max_k(k):
+    def hook(engine):
+        from recall.backends.cupy import fused
+
+        fused.FUSED_SEEDED_MAX_K = k
+
+    return hook
+
+
 HOOKS = {"ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
-         "sigma3-seed32k": _sigmas(3.0)}
+         "sigma3-seed32k": _sigmas(3.0), "fused-k16k": _fused_seeded_max_k(16384),
+         "fused-k16k-seed64k": _fused_seeded_max_k(16384)}
 
 
 def cell_spec(name):
@@ -279,9 +292,9 @@ def main() -> None:
         from recall.engine import fast as fast_mode
 
         fast_mode.MAX_CANDIDATE_SHARE = fast_mode.MAX_CANDIDATE_SHARE_TILES16 = a.max_candidate_share
-    from recall.backends.cupy import selection
+    from recall.backends.cupy import fused, selection
 
-    shipped_sigmas = selection.ESTIMATE_SIGMAS
+    shipped_sigmas, shipped_max_k = selection.ESTIMATE_SIGMAS, fused.FUSED_SEEDED_MAX_K
     prec = a.precision
     out = []
     for cell in a.cells.split(","):
@@ -301,7 +314,7 @@ def main() -> None:
             out.append({"cell": cell, "variant": "exact", "median_s": t_exact})
             del exact
         for vname in a.variants.split(","):
-            selection.ESTIMATE_SIGMAS = shipped_sigmas
+            selection.ESTIMATE_SIGMAS, fused.FUSED_SEEDED_MAX_K = shipped_sigmas, shipped_max_k
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -333,7 +346,7 @@ def main() -> None:
                     "fallback_users", "widened_users", "seed_estimate", "estimate_short_users", "route")
             out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})
             del engine
-        selection.ESTIMATE_SIGMAS = shipped_sigmas
+        selection.ESTIMATE_SIGMAS, fused.FUSED_SEEDED_MAX_K = shipped_sigmas, shipped_max_k
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()
