@@ -92,9 +92,9 @@ VARIANTS = {
     # HOOKS: the estimate's rank at 3 or 4 standard deviations above its expected count (selection.ESTIMATE_SIGMAS,
     # 5 as shipped), alone and with a threshold sample of 32k items.
     "sigma3": {}, "sigma4": {}, "sigma3-seed32k": {"seed_sample": 32768},
-    # HOOKS: seeded searches of k up to 16,384 on the fused path (fused.FUSED_SEEDED_MAX_K, 4,096 as shipped): at
-    # k = 8,192 the certified route then compares float32 sums, not float16 score tiles.
-    "fused-k16k": {}, "fused-k16k-seed64k": {"seed_sample": 65536, "tiles": (2048, 16384, 4)},
+    # HOOKS: seeded searches on the fused path up to k = 4,096 only, float32 and float16 passes alike (before
+    # fused.FUSED_SEEDED_MAX_K / FUSED_HALF_SEEDED_MAX_K took k = 8,192): as shipped, and the float32 search alone.
+    "seeded-k4k": {}, "float32-k4k": {"certified_exact": "off"},
 }
 
 
@@ -119,14 +119,14 @@ def _fused_seeded_max_k(k):
     def hook(engine):
         from recall.backends.cupy import fused
 
-        fused.FUSED_SEEDED_MAX_K = k
+        fused.FUSED_SEEDED_MAX_K = fused.FUSED_HALF_SEEDED_MAX_K = k
 
     return hook
 
 
 HOOKS = {"ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
-         "sigma3-seed32k": _sigmas(3.0), "fused-k16k": _fused_seeded_max_k(16384),
-         "fused-k16k-seed64k": _fused_seeded_max_k(16384)}
+         "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
+         "float32-k4k": _fused_seeded_max_k(4096)}
 
 
 def cell_spec(name):
@@ -294,7 +294,8 @@ def main() -> None:
         fast_mode.MAX_CANDIDATE_SHARE = fast_mode.MAX_CANDIDATE_SHARE_TILES16 = a.max_candidate_share
     from recall.backends.cupy import fused, selection
 
-    shipped_sigmas, shipped_max_k = selection.ESTIMATE_SIGMAS, fused.FUSED_SEEDED_MAX_K
+    shipped_sigmas = selection.ESTIMATE_SIGMAS
+    shipped_max_k = fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K
     prec = a.precision
     out = []
     for cell in a.cells.split(","):
@@ -314,7 +315,8 @@ def main() -> None:
             out.append({"cell": cell, "variant": "exact", "median_s": t_exact})
             del exact
         for vname in a.variants.split(","):
-            selection.ESTIMATE_SIGMAS, fused.FUSED_SEEDED_MAX_K = shipped_sigmas, shipped_max_k
+            selection.ESTIMATE_SIGMAS = shipped_sigmas
+            fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -346,7 +348,8 @@ def main() -> None:
                     "fallback_users", "widened_users", "seed_estimate", "estimate_short_users", "route")
             out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})
             del engine
-        selection.ESTIMATE_SIGMAS, fused.FUSED_SEEDED_MAX_K = shipped_sigmas, shipped_max_k
+        selection.ESTIMATE_SIGMAS = shipped_sigmas
+        fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()

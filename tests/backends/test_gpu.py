@@ -173,15 +173,18 @@ def test_small_catalogue_bound_search_doubles_its_sample_and_is_exact(fused):
     _same(got, Engine(items, device="cpu").search(users, k, exclude=excl))
 
 
-def test_k_8192_seeded_on_cublas_against_cpu():
+@pytest.mark.parametrize("fused", ["auto", "off"])
+def test_k_8192_seeded_against_cpu(fused):
     # 600,000 items at k = 8,192, 200 users (a block of few users: more tiles a call, and room for a sample of 16 k
-    # items): seeded searches of k above 4,096 take cuBLAS + filter.
+    # items): seeded searches of k up to 8,192 take the fused kernel (fused.FUSED_SEEDED_MAX_K), else cuBLAS + filter.
     rng = np.random.default_rng(13)
     items, users = _ints(rng, 600_000, 8), _ints(rng, 200, 8)
-    gpu = Engine(items, device="gpu")
-    got = gpu.search(users, 8192, exclude={3: list(range(0, 600_000, 2))})
-    assert gpu.stats["seed_sample"] == 131072 and not gpu.stats["fused"]
-    _same(got, Engine(items, device="cpu").search(users, 8192, exclude={3: list(range(0, 600_000, 2))}))
+    gpu = Engine(items, device="gpu", options=EngineOptions(fused=fused))
+    excl = {3: list(range(0, 600_000, 2)), 7: list(range(600_000 - 5000))}  # user 7: 5,000 items left
+    got = gpu.search(users, 8192, exclude=excl)
+    assert gpu.stats["seed_sample"] == 131072 and gpu.stats["fused"] == (fused == "auto")
+    assert (got.indices[7, 5000:] == -1).all()
+    _same(got, Engine(items, device="cpu").search(users, 8192, exclude=excl))
 
 
 def test_adversarial_rising_order_exact(small_tiles):

@@ -25,8 +25,15 @@ FUSED_H_MAX_WIDTH = 128
 #: The same on Hopper's wgmma kernel (fused_w.cu): 144 columns hold d = 128 with fast mode's bound columns or l2's
 #: bias column (9 products of k = 16; two blocks an SM, 111 KB of shared memory each).
 FUSED_W_MAX_WIDTH = 144
-#: Seeded searches of a larger k take cuBLAS + filter (:func:`applies`).
-FUSED_SEEDED_MAX_K = 4096
+#: Seeded searches of a larger k take cuBLAS + filter (:func:`applies`). Up to k = 8,192 the float32 search is the
+#: fused kernel's, so that exact mode's certified route, which repeats that kernel's sums, can take its place there.
+FUSED_SEEDED_MAX_K = 8192
+#: The same for float16 passes (fast mode's and the certified route's): up to the pass of k = 8,192, which keeps
+#: k + certificate.margin(k) + 1 = 10,241 candidates a user (the re-scoring kernel selects 8,192 in one block:
+#: rescore.launch_config). Measured with both limits at 4,096 against 16,384 (H200, 2026-12-04, 10k x 1M x 64
+#: skewed, docs/benchmarks.md): at k = 4,096 (a pass of 5,121, which kept float16 score tiles, so that the route
+#: declined) exact mode took 0.0517 s in its float32 search, 0.0460 s on the certified route.
+FUSED_HALF_SEEDED_MAX_K = 10_241
 _H_CHUNK, _H_STAGES = 64, 3  # fused_h.cu's RH_CHUNK and RH_STAGES
 _H_WHOLE_MAX = 96  # rows of at most this many columns multiplied come in one chunk a tile (fused_h.cu)
 _H_THREADS = 256  # fused_h.cu's RH_THREADS: 8 warps of 64 users x 32 items (RH_WN = 32)
@@ -108,12 +115,11 @@ def half_max_width(warpgroup_kernels: bool, options: EngineOptions) -> int:
 def applies(plan: TilePlan, n_users: int, n_items: int, k: int, dim: int, dtype: Any,
             options: EngineOptions, half_max: int = FUSED_H_MAX_WIDTH) -> bool:
     """Whether a search takes the fused path: vectors a kernel covers (:func:`covers`), one vector per user, at
-    least a kernel tile's 128 users, and either a seeded search of k up to 4,096 or an unseeded one of a k so large
-    that a user's candidate buffer holds two whole segments (then the first segments, which pass every score before
-    the threshold rises, cannot overflow it: at k = 8,192 on 10k x 1M x 64, 0.18 s against 0.48 s for cuBLAS +
-    filter). Seeded, k = 8,192 took 0.115 s fused and 0.102 s on cuBLAS + filter, k = 4,096 0.074 s and 0.091 s
-    (docs/benchmarks.md). ``options.fused``: "force" also otherwise (fewer users too), "off" never. ``half_max``:
-    :func:`half_max_width`."""
+    least a kernel tile's 128 users, and either a seeded search of k up to FUSED_SEEDED_MAX_K (float16:
+    FUSED_HALF_SEEDED_MAX_K) or an unseeded one of a k so large that a user's candidate buffer holds two whole
+    segments (then the first segments, which pass every score before the threshold rises, cannot overflow it: at
+    k = 8,192 on 10k x 1M x 64, 0.18 s against 0.48 s for cuBLAS + filter). ``options.fused``: "force" also
+    otherwise (fewer users too), "off" never. ``half_max``: :func:`half_max_width`."""
     if options.fused == "off" or not covers(dim, dtype, half_max) or plan.interests is not None:
         return False
     if options.fused == "force":
@@ -123,7 +129,7 @@ def applies(plan: TilePlan, n_users: int, n_items: int, k: int, dim: int, dtype:
     if n_users < FUSED_TILE:
         return False
     if search_seed_size(plan, n_items, k, options):
-        return k <= FUSED_SEEDED_MAX_K
+        return k <= (FUSED_HALF_SEEDED_MAX_K if np.dtype(dtype) == np.float16 else FUSED_SEEDED_MAX_K)
     return fused_capacity(k) >= 2 * options.fused_segment
 
 

@@ -55,10 +55,13 @@ _ORD_STAGE = 32 * (32 + 4)  # floats a warp stages for ordered sums (RS_ORD_STAG
 
 def smem_bytes(sz: int, dim: int, ordered: bool = False) -> int:
     """Dynamic shared memory of one block (the layout in rescore.cu): SZ keys and 6 control words (8 bytes each),
-    for ordered sums of rows read as float4 each warp's stage of 32 rows' pieces, the user's vector, a 4 * SZ byte
-    scratch (staged rows, then the selected keys), a 256-bin histogram, SZ duplicate flags."""
-    stage = 4 * _ORD_STAGE * (THREADS // 32) if ordered and dim > 0 and dim % 4 == 0 else 0
-    return 8 * (sz + 6) + stage + 4 * ((dim + 3) // 4 * 4) + 4 * sz + 4 * 256 + sz
+    for ordered sums of rows read as float4 each warp's stage of 32 rows' pieces (at least SZ bytes: the duplicate
+    flags reuse it), the user's vector, a 4 * SZ byte scratch (staged rows, then the selected keys), a 256-bin
+    histogram, SZ duplicate flags (where there is no stage)."""
+    staged = ordered and dim > 0 and dim % 4 == 0
+    flags = -(-sz // 16) * 16
+    stage = max(4 * _ORD_STAGE * (THREADS // 32), flags) if staged else 0
+    return 8 * (sz + 6) + stage + 4 * ((dim + 3) // 4 * 4) + 4 * sz + 4 * 256 + (0 if staged else sz)
 
 
 def _max_smem() -> int:

@@ -408,10 +408,12 @@ __device__ __forceinline__ void rs_gather_ordered(const float* __restrict__ item
 }
 
 // Bytes of dynamic shared memory (recall/backends/cupy/rescore.py's smem_bytes mirrors this):
-//   keys: SZ u64 | ctrl: RS_CTRL_WORDS u64 | stage: RS_ORD_STAGE floats a warp, ORD with VEC only (16-byte aligned:
-//   SZ is even) | uvec: dim_pad floats (16-byte aligned) |
+//   keys: SZ u64 | ctrl: RS_CTRL_WORDS u64 | stage: RS_ORD_STAGE floats a warp, or SZ bytes (rounded up to 16) if
+//   more, ORD with VEC only (16-byte aligned: SZ is even) | uvec: dim_pad floats (16-byte aligned) |
 //   scratch: 4 * SZ bytes (the chunk's rows as int32 during the gather, then the select's K_pad u64: SZ >= 2 K_pad) |
-//   hist: 256 u32 | dup: SZ bytes.
+//   hist: 256 u32 | dup: SZ bytes, except with ORD and VEC, where the duplicate flags take the stage: the select
+//   that writes them and the gather that stages rows are separated by a barrier on either side. (So K = 8,192 at
+//   SZ = 16,384 fits in the 227 KB of a Hopper block: the stage's 18 KB would not fit beside the flags' 16 KB.)
 //
 // Grid: one block per user (blockIdx.x = user of this launch). users: (n_users, dim) float32; items: (n_items, dim)
 // float32; indptr: (n_users + 1,) int64 positions into rows (and scores); rows: int64 item rows (a negative row is an
@@ -427,13 +429,14 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
     u64* keys = rs_smem;
     u64* ctrl = rs_smem + SZ;
     float* stage = reinterpret_cast<float*>(ctrl + RS_CTRL_WORDS);
-    float* uvec = stage + (ORD && VEC ? (blockDim.x >> 5) * RS_ORD_STAGE : 0);
+    const int stage_floats = ORD && VEC ? max((int)(blockDim.x >> 5) * RS_ORD_STAGE, ((SZ + 15) & ~15) >> 2) : 0;
+    float* uvec = stage + stage_floats;
     const int dim_pad = (dim + 3) & ~3;
     unsigned char* scratch = reinterpret_cast<unsigned char*>(uvec + dim_pad);
     int* rows32 = reinterpret_cast<int*>(scratch);
     u64* sel = reinterpret_cast<u64*>(scratch);
     u32* hist = reinterpret_cast<u32*>(scratch + 4 * SZ);
-    unsigned char* dup = reinterpret_cast<unsigned char*>(hist + 256);
+    unsigned char* dup = ORD && VEC ? reinterpret_cast<unsigned char*>(stage) : reinterpret_cast<unsigned char*>(hist + 256);
 
     const int u = blockIdx.x;
     const long long lo = indptr[u], hi = indptr[u + 1];
