@@ -386,8 +386,9 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     # Every one of the ``wide`` kept is re-scored (one more than the certificate needs: which one is the least is
     # not known without a sort).
     cand_rows = approx_rows.reshape(-1)
-    vals, rows, _ = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * wide,
-                                    cand_rows, k, engine.memory_budget, engine.options, ordered)
+    vals, rows, path = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * wide,
+                                       cand_rows, k, engine.memory_budget, engine.options, ordered)
+    run_stats = {**run_stats, "rescore_path": path}
     if wide < n_items:
         # The best score left out is at most the pass's least kept one (an empty slot's -inf where it kept fewer),
         # or where it started above that (an estimate that held fewer than ``wide`` items above it), its start:

@@ -295,8 +295,8 @@ def test_seed_masks_the_excluded_rows_of_any_sample(dtype, vectors):
     ((4096, 8192, 4), 10_000, 1_000_000, 4096, 64, "float32", {}, True),      # seeded k = 4,096: fused
     ((2048, 16384, 4), 10_000, 1_000_000, 8192, 64, "float32", {}, True),     # seeded k = 8,192: fused
     ((2048, 32768, 4), 10_000, 1_000_000, 16384, 64, "float32", {}, False),   # seeded k = 16,384: cuBLAS + filter
-    ((2048, 16384, 4), 10_000, 1_000_000, 10241, 80, "float16", {}, True),    # the float16 pass of k = 8,192
-    ((2048, 16384, 4), 10_000, 1_000_000, 10242, 80, "float16", {}, False),   # one more: cuBLAS + filter
+    ((2048, 16384, 4), 10_000, 1_000_000, 5121, 80, "float16", {}, True),     # the float16 pass of k = 4,096
+    ((2048, 16384, 4), 10_000, 1_000_000, 5122, 80, "float16", {}, False),    # one more: cuBLAS + filter
     ((2048, 8192, 1), 10_000, 1_000_000, 8192, 64, "float32", {}, True),      # unseeded (no room), k = 8,192: fused
     ((4096, 8192, 4), 200_000, 100_000, 1000, 32, "float32", {}, True),       # a small catalogue, seeded: fused
     ((2048, 8192, 4), 100_000, 60_000, 100, 64, "float32", {}, False),        # unseeded, k small: cuBLAS

@@ -195,13 +195,15 @@ def test_gpu_route_equals_the_fused_search_bit_for_bit(metric, dim, k, device, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_gpu_route_at_k_8192_equals_the_fused_search_bit_for_bit(metric, device, monkeypatch):
-    # k = 8,192: the route's float16 pass keeps 10,241 candidates a user on the fused kernel
-    # (fused.FUSED_HALF_SEEDED_MAX_K), the re-scoring selects 8,192 of them in one block (rescore.launch_config: the
-    # duplicate flags in the stage's room), and the float32 search it stands in for is the fused kernel's too.
+    # k = 8,192: the float32 search the route stands in for is the fused kernel's (fused.FUSED_SEEDED_MAX_K), the
+    # route's float16 pass of 10,241 candidates a user keeps float16 score tiles (above FUSED_HALF_SEEDED_MAX_K; the
+    # route takes this only where the catalogue is large, the limits lifted here), and the re-scoring selects 8,192
+    # in one block (rescore.launch_config: the duplicate flags in the stage's room), not the gather + GEMM path.
     if device != "gpu":
         pytest.skip("GPU only")
     monkeypatch.setattr(fast, "MIN_SCORES", 1)
     monkeypatch.setattr(fast, "MAX_CANDIDATE_SHARE", 1.0)
+    monkeypatch.setattr(fast, "MAX_CANDIDATE_SHARE_TILES16", 1.0)
     users, items = clustered_data(400, 300_000, 32, seed=81)
     rng = np.random.default_rng(81)
     users *= np.exp2(rng.integers(-4, 4, (400, 1))).astype(np.float32)
@@ -213,7 +215,8 @@ def test_gpu_route_at_k_8192_equals_the_fused_search_bit_for_bit(metric, device,
     assert want_engine.stats["fused"], want_engine.stats
     engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(certified_exact="on"))
     got = engine.search(users, 8192, exclude=exclude)
-    assert engine.stats["route"] == "certified" and engine.stats["fused"], engine.stats
+    assert engine.stats["route"] == "certified" and not engine.stats["fused"], engine.stats
+    assert engine.stats["rescore_path"] == "fused", engine.stats
     rows = as_numpy(got.indices)
     assert (rows[5, :8000] >= 0).all() and (rows[5, 8000:] == -1).all() and (rows[6] == -1).all()
     np.testing.assert_array_equal(rows, as_numpy(want.indices))

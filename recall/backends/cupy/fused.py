@@ -28,12 +28,13 @@ FUSED_W_MAX_WIDTH = 144
 #: Seeded searches of a larger k take cuBLAS + filter (:func:`applies`). Up to k = 8,192 the float32 search is the
 #: fused kernel's, so that exact mode's certified route, which repeats that kernel's sums, can take its place there.
 FUSED_SEEDED_MAX_K = 8192
-#: The same for float16 passes (fast mode's and the certified route's): up to the pass of k = 8,192, which keeps
-#: k + certificate.margin(k) + 1 = 10,241 candidates a user (the re-scoring kernel selects 8,192 in one block:
-#: rescore.launch_config). Measured with both limits at 4,096 against 16,384 (H200, 2026-12-04, 10k x 1M x 64
-#: skewed, docs/benchmarks.md): at k = 4,096 (a pass of 5,121, which kept float16 score tiles, so that the route
-#: declined) exact mode took 0.0517 s in its float32 search, 0.0460 s on the certified route.
-FUSED_HALF_SEEDED_MAX_K = 10_241
+#: The same for float16 passes (fast mode's and the certified route's): up to the pass of k = 4,096, which keeps
+#: k + certificate.margin(k) + 1 = 5,121 candidates a user. Exact mode on the H200 (2026-12-04, 10k x 1M x 64,
+#: docs/benchmarks.md): at k = 4,096 the certified route on this kernel 0.0457 s, against 0.0519 s where the pass
+#: kept float16 score tiles (the route then declined for the float32 search). At k = 8,192 (a pass of 10,241) the
+#: route took 0.0871 s, its re-scoring 0.041 s of it (one block an SM: 8,192 keys a user fill a block's shared
+#: memory), against 0.0737 s for the float32 search: that pass keeps cuBLAS + filter, and the route declines there.
+FUSED_HALF_SEEDED_MAX_K = 5121
 _H_CHUNK, _H_STAGES = 64, 3  # fused_h.cu's RH_CHUNK and RH_STAGES
 _H_WHOLE_MAX = 96  # rows of at most this many columns multiplied come in one chunk a tile (fused_h.cu)
 _H_THREADS = 256  # fused_h.cu's RH_THREADS: 8 warps of 64 users x 32 items (RH_WN = 32)
