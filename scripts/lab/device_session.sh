@@ -24,6 +24,9 @@
 #             large-k cells, fast then exact mode                                             -> $OUT/seeds.log
 #   state     scripts/lab/state_effects.py: what earlier searches of the process change in a later one's time
 #             (a small search fresh, after a large one, with workspaces cleared, pools freed)  -> $OUT/state.log
+#   fastx     kernel_profile.py on the exclusion cells (FASTX_CELLS, default S1-x200 x20), each cell in three fresh
+#             processes: exact mode alone, fast mode alone, exact then fast (gpu-quick 03:59: fast 1.14x / 1.06x
+#             exact there, 1.04x / 1.02x at 02:40)                                                 -> $OUT/fastx.log
 #   trees     for each folder of .trees/ (carried; a branch exported there: `git archive BRANCH recall tests
 #             scripts | tar -x -C .trees/BRANCH`), its GPU tests (TREE_TESTS) and its kernel profile (PROBE_CELLS,
 #             PROBE_PRECISION), then this tree's profile of the same cells              -> $OUT/trees.log
@@ -214,6 +217,20 @@ if has state; then
     PYTHONPATH=$NEW_PATH timeout "${STATE_TIMEOUT:-150}" python3 scripts/lab/state_effects.py \
         --json "$OUT/state.json" >"$OUT/state.log" 2>&1
     echo "== state effects (rc $?)"; cat "$OUT/state.log"
+fi
+
+if has fastx; then
+    (
+        for cell in ${FASTX_CELLS:-S1-x200 x20}; do
+            for how in "exact" "fast --no-exact-first" "fast"; do
+                echo "### $cell: --precision $how"
+                # shellcheck disable=SC2086
+                PYTHONPATH=$NEW_PATH timeout 120 python3 scripts/lab/kernel_profile.py --no-per-kernel --cells "$cell" \
+                    --variants shipped --precision $how 2>&1 | grep -v "launches timed"
+            done
+        done
+    ) >"$OUT/fastx.log" 2>&1
+    echo "== fast against exact on the exclusion cells"; cat "$OUT/fastx.log"
 fi
 
 if has trees; then

@@ -12,7 +12,8 @@ Run from the project root on a GPU machine::
 (mean, max, users over the buffer's capacity) with the users' mean finite threshold: where a seed starts too low.
 
 With ``--precision fast`` every variant also runs exact mode once (as shipped) for the ratio, and the answers of fast
-mode are compared with exact mode's (rows equal, share of users).
+mode are compared with exact mode's (rows equal, share of users); ``--no-exact-first`` leaves that search out, so
+that fast mode runs first in the process.
 
 Median of 3 timed searches after a warm-up (device users and results, data from ``recall.bench.workloads`` seed 0).
 """
@@ -281,6 +282,9 @@ def main() -> None:
     p.add_argument("--precision", default="exact", choices=("exact", "fast"))
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--no-per-kernel", action="store_true", help="skip the run with every launch timed")
+    p.add_argument("--no-exact-first", action="store_true",
+                   help="with --precision fast: no exact-mode search before the variants (fast mode first in the "
+                        "process; the first variant is then the reference)")
     p.add_argument("--counts", action="store_true",
                    help="one more search (graphs off), every fused launch synchronised and its survivors counted")
     p.add_argument("--max-candidate-share", type=float, default=None,
@@ -307,7 +311,7 @@ def main() -> None:
             excl = ex.host()
         base = None
         want = None
-        if prec == "fast":
+        if prec == "fast" and not a.no_exact_first:
             exact = Engine(items, metric=metric, device="gpu")
             t_exact, want = timed(exact, users, k, excl)
             want = want.indices
@@ -335,7 +339,7 @@ def main() -> None:
                 want, want_scores = got, res.scores
                 same = f" | the reference of the cell's other variants, route {st.get('route')}"
             else:
-                same = f" | rows equal {'exact' if prec == 'fast' else 'the first variant'}'s for " \
+                same = f" | rows equal {'exact' if prec == 'fast' and not a.no_exact_first else 'the first variant'}'s for " \
                        f"{float((got == want).all(axis=1).mean()):.4f} of users"
                 if prec == "exact":
                     same += f", scores bit for bit {bool((res.scores == want_scores).all())} route {st.get('route')}"
