@@ -42,9 +42,9 @@ class EngineOptions:
         False: lower bounds only.
     fused : {"auto", "force", "off"}
         GPU: score and filter in one kernel where it applies ("auto": seeded searches of exact mode's float32
-        vectors of at most 256 dimensions (``fused.cu``) or fast mode's float16 ones of at most 128 columns
-        (``fused_h.cu``, tensor cores; 144 on Hopper, ``fused_w.cu``), and unseeded ones whose candidate buffer holds two segments; "force": also
-        other unseeded ones; "off": cuBLAS + filter).
+        vectors of at most 256 dimensions (``fused.cu``, k up to 8,192) or fast mode's float16 ones of at most 128
+        columns (``fused_h.cu``, tensor cores; 144 on Hopper, ``fused_w.cu``), and unseeded ones whose candidate
+        buffer holds two segments; "force": also other unseeded ones; "off": cuBLAS + filter).
     fused_segment : int
         GPU fused path: items per launch (each followed by a merge of the candidates).
     fused_tiles_per_block : int

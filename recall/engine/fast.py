@@ -50,8 +50,8 @@ DECLINE_FALLBACK = 0.25
 #: -> 0.84x (k = 2,048, l2). ip at 1.25% is near even: 2% keeps the route where it was measured to pay. That is where
 #: the pass compares float32 sums (a fused kernel); where it keeps float16 score tiles (cuBLAS + filter: passes
 #: above fused.FUSED_HALF_SEEDED_MAX_K, rows wider than the float16 kernel multiplies) the limit is
-#: MAX_CANDIDATE_SHARE_TILES16: at 1.02% (10k x 1M x 64, k = 8,192, before its pass took the fused kernel) fast mode
-#: took 1.21x exact mode's time (0.108 against 0.0894 s, H200 2026-12-02 21:4x UTC). A rough model
+#: MAX_CANDIDATE_SHARE_TILES16: at 1.02% (10k x 1M x 64, k = 8,192) fast mode took 1.21x exact mode's time (0.108
+#: against 0.0894 s, H200 2026-12-02 21:4x UTC). A rough model
 #: (dims and shapes differ), so it acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells are.
 MAX_CANDIDATE_SHARE = 0.02
 #: The same limit where the float16 pass keeps float16 score tiles (``Backend.pass_score_dtype``): 0.26% of the items

@@ -23,10 +23,11 @@ FUSED_MAX_DIM = 256  # the users' vectors of a block stay in shared memory: 128 
 #: cosine, 20k x 1M) fast mode's search took 0.0337 s with it against 0.0453 s with cuBLAS + filter (2026-12-02).
 FUSED_H_MAX_WIDTH = 128
 #: The same on Hopper's wgmma kernel (fused_w.cu): 144 columns hold d = 128 with fast mode's bound columns or l2's
-#: bias column (9 products of k = 16; two blocks an SM, 111 KB of shared memory each).
+#: bias column (9 products of k = 16; two blocks an SM, 108 KB of shared memory each).
 FUSED_W_MAX_WIDTH = 144
 #: Seeded searches of a larger k take cuBLAS + filter (:func:`applies`). Up to k = 8,192 the float32 search is the
-#: fused kernel's, so that exact mode's certified route, which repeats that kernel's sums, can take its place there.
+#: fused kernel's, so that exact mode's certified route, which repeats that kernel's sums, can take its place there;
+#: at k = 8,192 (10k x 1M x 64, H200 2026-12-04, docs/benchmarks.md) it took 0.0737 s fused, 0.0891 s on cuBLAS.
 FUSED_SEEDED_MAX_K = 8192
 #: The same for float16 passes (fast mode's and the certified route's): up to the pass of k = 4,096, which keeps
 #: k + certificate.margin(k) + 1 = 5,121 candidates a user. Exact mode on the H200 (2026-12-04, 10k x 1M x 64,

@@ -436,7 +436,8 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
     int* rows32 = reinterpret_cast<int*>(scratch);
     u64* sel = reinterpret_cast<u64*>(scratch);
     u32* hist = reinterpret_cast<u32*>(scratch + 4 * SZ);
-    unsigned char* dup = ORD && VEC ? reinterpret_cast<unsigned char*>(stage) : reinterpret_cast<unsigned char*>(hist + 256);
+    unsigned char* dup = ORD && VEC ? reinterpret_cast<unsigned char*>(stage)
+                                    : reinterpret_cast<unsigned char*>(hist + 256);
 
     const int u = blockIdx.x;
     const long long lo = indptr[u], hi = indptr[u + 1];
