@@ -311,12 +311,12 @@ def _check_libraries(cuda: dict[str, Any]) -> Check:
     cuda["nvrtc"] = f"{major}.{minor}"
     found.append(f"NVRTC {cuda['nvrtc']}")
     start = time.perf_counter()
-    from ..backends.cupy import CupyBackend
+    from ..backends.cupy import CupyBackend, kernels
 
     backend = CupyBackend()  # compiles (or loads from CuPy's cache) recall's selection kernels with NVRTC
     hopper = bool(backend.selection.fused_w)  # and on Hopper the wgmma kernels, built for sm_90a
     compile_s = time.perf_counter() - start
-    if cupy.cuda.Device().compute_capability == "90" and not hopper:
+    if kernels.on_hopper() and not hopper:
         return Check("cuda-libraries", FAIL, f"NVRTC {cuda['nvrtc']} could not build recall's wgmma kernels for "
                      "sm_90a (searches run the slower mma.sync kernel)", "install CuPy for CUDA 12 or 13 (NVRTC 12+)",
                      {"kernels_s": compile_s, "sm90a": False})

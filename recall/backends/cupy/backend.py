@@ -222,8 +222,7 @@ class CupyBackend:
 
     def pass_score_dtype(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,
                          options: EngineOptions) -> Any:
-        half_max = self.half_max_width(options) if np.dtype(dtype) == np.float16 else fused.FUSED_H_MAX_WIDTH
-        if fused.applies(plan, n_users, n_items, k, width, dtype, options, half_max):
+        if self.fused_applies(plan, n_users, n_items, k, width, dtype, options):
             return np.dtype(np.float32)
         return self.score_dtype(dtype)
 
@@ -253,17 +252,22 @@ class CupyBackend:
                                 rescore.ordered_dots if ordered else None)
         return vals, out, "gemm"
 
-    def half_max_width(self, options: EngineOptions) -> int:
-        """The most columns this device's fused float16 kernel multiplies (:func:`fused.half_max_width`)."""
-        return fused.half_max_width(bool(self.selection.fused_w), options)
+    def fused_applies(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,
+                      options: EngineOptions) -> bool:
+        """:func:`fused.applies` on this device: float16 rows up to the columns its float16 kernel multiplies
+        (:func:`fused.half_max_width`; asked only of float16 searches, since it builds the wgmma kernels on Hopper)."""
+        half_max = fused.FUSED_H_MAX_WIDTH
+        if np.dtype(dtype) == np.float16:
+            half_max = fused.half_max_width(bool(self.selection.fused_w), options)
+        return fused.applies(plan, n_users, n_items, k, width, dtype, options, half_max)
 
     def certify_exact(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
                       options: EngineOptions) -> bool:
         # Only where the exact search would run the fused kernel, whose sums the ordered re-scoring repeats: there
         # the float16 pass was 2.0-4.9x faster than the float32 one at every width measured, 64-256
         # (docs/benchmarks.md, 2026-12-02).
-        return options.certified_exact != "off" and fused.applies(plan, n_users, n_items, k, width, np.float32,
-                                                                  options)
+        return options.certified_exact != "off" and self.fused_applies(plan, n_users, n_items, k, width, np.float32,
+                                                                       options)
 
     def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
         return rescore.select(scores, rows, k)

@@ -32,10 +32,14 @@ def module(names: tuple[str, ...], options: tuple[str, ...] = (), name_expressio
         return _modules[key]
 
 
+#: The sources of :func:`selection_module`, in order.
+SELECTION_SOURCES = ("topk.cu", "fused.cu", "fused_h.cu")
+
+
 def selection_module() -> Any:
     """The exact top-k kernels (``topk.cu``) and the fused scoring kernels (``fused.cu``, ``fused_h.cu``), in one
     module: the fused kernels append to the candidate buffers that the merge kernels fold in."""
-    return module(("topk.cu", "fused.cu", "fused_h.cu"))
+    return module(SELECTION_SOURCES)
 
 
 #: The options CuPy's own run-time compilation passes (``cupy.RawModule``), which :func:`hopper_module` repeats.
@@ -50,13 +54,20 @@ def hopper_module(names: tuple[str, ...], options: tuple[str, ...] = ()) -> Any:
     the sources, the options and NVRTC's version."""
     import cupy
 
-    if cupy.cuda.Device().compute_capability != "90":
+    if not on_hopper():
         return None
     key = (cupy.cuda.Device().id, "sm_90a", names, options)
     with _lock:
         if key not in _modules:
             _modules[key] = cupy.RawModule(path=str(_hopper_cubin(names, options)))
         return _modules[key]
+
+
+def on_hopper() -> bool:
+    """Whether the current device is of compute capability 9.0, where :func:`hopper_module` builds."""
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
 
 
 def _hopper_cubin(names: tuple[str, ...], options: tuple[str, ...]) -> Path:
@@ -87,7 +98,7 @@ def _hopper_cubin(names: tuple[str, ...], options: tuple[str, ...]) -> Path:
 
 
 #: fused_w.cu's kernels are built with these sources before them (the helpers and candidate layout they share).
-HOPPER_FUSED_SOURCES = ("topk.cu", "fused.cu", "fused_h.cu", "fused_w.cu")
+HOPPER_FUSED_SOURCES = (*SELECTION_SOURCES, "fused_w.cu")
 
 
 def hopper_fused_module() -> Any:

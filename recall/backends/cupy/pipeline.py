@@ -139,9 +139,7 @@ class BlockPipeline:
         # float16 pass over them would cost more than it saves (0.35 s for 1M x 72 on a development machine).
         half = np.dtype(users.dtype) == np.float16 and n_users > 0 and options.fused != "off" and not host_users
         multiplied = fused_path.multiplied_width(users) if half else 0
-        half_max = (self.backend.half_max_width(options) if np.dtype(users.dtype) == np.float16
-                    else fused_path.FUSED_H_MAX_WIDTH)
-        fused = fused_path.applies(plan, n_users, n_items, k, multiplied or dim, users.dtype, options, half_max)
+        fused = self.backend.fused_applies(plan, n_users, n_items, k, multiplied or dim, users.dtype, options)
         # The fused path keeps score room for the threshold sample only. A pass that may start at an estimate of each
         # user's k-th best (below) takes the rule's sample; one that starts at a bound, a larger one where k is large.
         may_estimate = left_out is not None and floor is None and options.seed_estimate
