@@ -129,6 +129,10 @@ def bench(
         + " (see --list --matrix NAME).")] = None,
     cells: Annotated[Optional[str], typer.Option(
         help="With --matrix: which cells, e.g. '0:20', '20:', '3,5,7:9'.")] = None,
+    cell: Annotated[Optional[list[str]], typer.Option(
+        "--cell", help="Run your own cell, written as a matrix cell is: '<shape>[:<users>] d<dim> k<k> <metric> "
+        "<kind>[:<param>=<value>,...] [x<exclusions per user>]', e.g. 'S1:20k d768 k100 cosine skewed'; repeat "
+        "for several (they run as the grid 'custom').")] = None,
     max_minutes: Annotated[Optional[float], typer.Option(
         help="Start no further workload or cell once the run has taken this long (the rest: skipped).")] = None,
     users: Annotated[Optional[Path], typer.Option(
@@ -152,6 +156,9 @@ def bench(
             raise InputError("--users/--items bring their own data: --workload and --kind do not apply")
         if matrix is not None and (workload or users is not None or kind is not None or k is not None):
             raise InputError("--matrix runs its own cells: --workload, --users/--items, --kind and --k do not apply")
+        if cell and (matrix is not None or workload or users is not None or kind is not None or k is not None):
+            raise InputError("--cell runs its own cells: --matrix, --workload, --users/--items, --kind and --k do "
+                             "not apply")
         if cells is not None and matrix is None:
             raise InputError("--cells selects cells of a --matrix")
         if k is not None and k < 1:
@@ -159,6 +166,8 @@ def bench(
         if max_minutes is not None and not max_minutes > 0:
             raise InputError(f"--max-minutes must be > 0, got {max_minutes}")
         grid = mx.get(matrix.value) if matrix is not None else None
+        if cell:
+            grid = mx.custom(cell, device.value if device is not None else None)
         if device is not None:
             dev = device.value
         elif grid is not None:

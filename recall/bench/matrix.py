@@ -431,6 +431,22 @@ GRIDS: dict[str, Grid] = {g.name: g for g in (
 """Every grid, by name."""
 
 
+def custom(texts: list[str], device: str | None = None) -> Grid:
+    """The grid ``custom`` of the cells ``texts`` (``recall bench --cell``), meant for ``device`` (default: the
+    GPU where one is usable, else the CPU).
+
+    Raises
+    ------
+    InputError
+        On a malformed cell (naming it).
+    """
+    if device is None:
+        from recall.backends import cuda_status
+
+        device = "gpu" if cuda_status()[0] else "cpu"
+    return _grid("custom", device, "cells given with --cell", list(texts), repeat=2)
+
+
 def get(name: str) -> Grid:
     """The named grid.
 

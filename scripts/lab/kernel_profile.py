@@ -59,6 +59,8 @@ CELLS = {
     "pop-k100": ("popular", 50_000, 1_000_000, 64, 100, "ip", 0),
     "x20": ("skewed", 20_000, 1_000_000, 64, 100, "ip", 20),  # gpu-quick cell 21
     "k1000-x200": ("skewed", 20_000, 1_000_000, 64, 1000, "ip", 200),  # gpu-quick cell 17
+    "d50": ("clustered", 20_000, 1_000_000, 50, 100, "ip", 0),  # rows of 50 floats: not float4 rows
+    "d50-k1000-cos": ("skewed", 20_000, 1_000_000, 50, 1000, "cosine", 0),
     "d64": ("clustered", 20_000, 1_000_000, 64, 100, "ip", 0),
     "d96": ("clustered", 10_000, 1_000_000, 96, 100, "ip", 0),  # gpu-quick cell 22
     "d128": ("clustered", 20_000, 1_000_000, 128, 100, "ip", 0),

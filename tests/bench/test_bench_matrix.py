@@ -148,11 +148,27 @@ def test_list_prints_a_grid(tmp_path):
 
 @pytest.mark.parametrize("args", [["--matrix", "tiny", "-w", "tiny"], ["--cells", "0:2", "-w", "tiny"],
                                   ["--matrix", "tiny", "--cells", "40:"], ["-w", "tiny", "--kind", "zipf"],
-                                  ["--matrix", "tiny", "--max-minutes", "0"]])
+                                  ["--matrix", "tiny", "--max-minutes", "0"],
+                                  ["--cell", "tiny d32 k10 ip normal", "--matrix", "tiny"],
+                                  ["--cell", "tiny d32 k10 ip normal", "-w", "tiny"],
+                                  ["--cell", "tiny d32 k10 ip normal", "--k", "5"],
+                                  ["--cell", "tiny d32 k10 ip"], ["--cell", "huge d32 k10 ip normal"]])
 def test_bad_matrix_arguments_exit_2(args, tmp_path):
     result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--out", str(tmp_path), *args])
     assert result.exit_code == 2, result.output
     assert "error:" in result.output
+
+
+def test_own_cells_run_as_the_custom_grid(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--contenders", "recall", "--out", str(tmp_path),
+                                      "--cell", "tiny:300 d50 k7 cosine skewed", "--cell", "tiny:200 d16 k3 l2 ties x4"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["matrix"]["grid"] == "custom"
+    shapes = [(w["n_users"], w["dim"], w["k"], w["metric"], w["excl_per_user"]) for w in doc["workloads"]]
+    assert shapes == [(300, 50, 7, "cosine", 0), (200, 16, 3, "l2", 4)]
+    rows = [r for r in doc["results"] if r["contender"] == "recall"]
+    assert len(rows) == 2 and all(r["check"]["recall"] == 1.0 for r in rows)
 
 
 def test_time_budget_skips_the_rest():
