@@ -107,7 +107,7 @@ def test_fused_kernel_scores_are_the_emulated_sums(metric, dim):
 def test_ordered_rescore_equals_the_emulation(dim, path):
     # Rows are read by the candidate's warp, a piece of 32 columns at a time: float4 rows where dim % 4 == 0 (68,
     # 100: a last piece of 4 columns; 4: one short piece), float rows otherwise (37: a last piece of 5 columns, 33
-    # and 65 of 1, l2's d + 1; 1 and 3: one short piece; 17; 257: nine pieces); lists of every length around a
+    # and 65 of 1; 1 and 3: one short piece; 17; 257: nine pieces); lists of every length around a
     # warp's 32 candidates, an empty slot (-1) and a list of one repeated row among them.
     if not gpu_usable:
         pytest.skip(gpu_reason)

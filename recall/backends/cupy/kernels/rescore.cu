@@ -35,8 +35,9 @@
 //          are then exact mode's, bit for bit. The rows are not read by the lane that sums them: a warp reads its
 //          32 candidates' rows a piece of RS_ORD_PIECE columns at a time into shared memory, and each lane then sums
 //          its own row from there. With VEC (rs_gather_ordered) each load instruction reads four whole 128-byte
-//          pieces of rows; without (dim % 4 != 0: l2's d + 1 columns, rs_gather_ordered_scalar) one row's piece,
-//          a float a lane (a short last piece: several rows an instruction). One lane reading a whole row would make
+//          pieces of rows; without (dim % 4 != 0, e.g. ip at d = 50, where l2 pads its rows to 4 columns:
+//          rs_gather_ordered_scalar) one row's piece, a float a lane (a short last piece: several rows an
+//          instruction). One lane reading a whole row would make
 //          each load instruction touch 32 rows' lines, 16 bytes (or 4) of each (measured on the H200: exact mode's
 //          re-scoring 8-12 ms slower than fast mode's at k >= 1,000, with float4 rows).
 
@@ -408,7 +409,7 @@ __device__ __forceinline__ void rs_gather_ordered(const float* __restrict__ item
     }
 }
 
-// ORD without VEC (rows of a dim that is not a multiple of 4, e.g. l2's d + 1 columns): rs_gather_ordered's staging
+// ORD without VEC (rows of a dim that is not a multiple of 4: ip or cosine at d = 50, say): rs_gather_ordered's staging
 // with float loads. A piece of w <= RS_ORD_PIECE columns takes wp load instructions a warp (wp the power of two at
 // least w), each reading 32 / wp rows' pieces, wp consecutive floats of each (a full piece: one row's 128 bytes; a
 // last piece of one column: one float of each of the 32 rows), RS_ORD_FLOATS in flight a lane before the first
