@@ -102,11 +102,13 @@ def test_fused_kernel_scores_are_the_emulated_sums(metric, dim):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim,path", [(64, "fused"), (37, "fused"), (256, "fused"), (68, "fused"), (4, "fused"),
-                                      (100, "fused"), (64, "gemm"), (37, "gemm")])
+                                      (100, "fused"), (33, "fused"), (1, "fused"), (3, "fused"), (17, "fused"),
+                                      (65, "fused"), (257, "fused"), (64, "gemm"), (37, "gemm")])
 def test_ordered_rescore_equals_the_emulation(dim, path):
-    # Rows of dim % 4 == 0 are read by the candidate's warp, a piece of 32 columns at a time (68, 100: a last piece
-    # of 4 columns; 4: one short piece); lists of every length around a warp's 32 candidates, an empty slot (-1) and
-    # a list of one repeated row among them.
+    # Rows are read by the candidate's warp, a piece of 32 columns at a time: float4 rows where dim % 4 == 0 (68,
+    # 100: a last piece of 4 columns; 4: one short piece), float rows otherwise (37: a last piece of 5 columns, 33
+    # and 65 of 1; 1 and 3: one short piece; 17; 257: nine pieces); lists of every length around a
+    # warp's 32 candidates, an empty slot (-1) and a list of one repeated row among them.
     if not gpu_usable:
         pytest.skip(gpu_reason)
     import cupy

@@ -274,13 +274,14 @@ def test_lanes_cover_a_row_in_one_round():
 
 
 def test_ordered_sums_of_float4_rows_reserve_each_warps_stage():
-    # rescore.cu's layout: ordered sums of rows read as float4 stage 32 rows' pieces of 32 columns (a row every 36
-    # floats) per warp of the 128-thread block, between the control words and the user's vector; nothing else does.
-    # The duplicate flags (SZ bytes) then take the stage's room: the select and the gather never use it at once.
+    # rescore.cu's layout: ordered sums stage 32 rows' pieces of 32 columns (a row every 36 floats for float4 rows,
+    # 33 for float rows) per warp of the 128-thread block, between the control words and the user's vector; nothing
+    # else does. The duplicate flags (SZ bytes) then take the stage's room: the select and the gather never use it
+    # at once.
     stage = 4 * 32 * 36 * 4
     assert smem_bytes(256, 64, ordered=True) - smem_bytes(256, 64) == stage - 256
-    assert smem_bytes(256, 37, ordered=True) == smem_bytes(256, 37)  # rows read as floats: the lane reads its own
-    assert smem_bytes(256, 0, ordered=True) == smem_bytes(256, 0)  # precomputed scores: no rows at all
+    assert smem_bytes(256, 37, ordered=True) - smem_bytes(256, 37) == stage - 256  # rows read as floats: staged too
+    assert smem_bytes(256, 0) == 8 * 262 + 4 * 256 + 4 * 256 + 256  # precomputed scores: no rows, no stage
     k_pad, sz, smem = launch_config(100, 64, 130, ordered=True)  # under the 48 KiB every device has
     assert (k_pad, sz) == (128, 256) and smem == smem_bytes(256, 64) + stage - 256
     # k = 8,192 (SZ 16,384 keys) fits in a Hopper block's 227 KiB with the stage, up to 256 dimensions; a stage

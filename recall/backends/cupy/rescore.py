@@ -29,12 +29,12 @@ def _pow2(n: int) -> int:
 
 def _kernel(vec: bool, ordered: bool = False) -> Any:
     """The compiled ``recall_rescore_t`` for the current device; ``vec``: rows read as float4 (dim % 4 == 0);
-    ``ordered``: the fused exact kernel's sums (one lane a candidate; with ``vec`` its rows read by its warp)."""
+    ``ordered``: the fused exact kernel's sums (one lane a candidate, its row read by its warp)."""
     # The same loads in flight per lane either way (ptxas, sm_90: 40 registers, no spills); ordered sums take one
-    # lane a candidate: with ``vec`` its warp reads 4 float4 a lane at a time into shared memory, 32 rows' pieces
-    # (rs_gather_ordered), otherwise the lane walks its whole row (2 rows x 2 float4 at a time).
-    # The warp-read ordered sums need 48 registers (no spills; an SM's registers still hold ten blocks of 128).
-    regs = _MAX_REGISTERS_STAGED if ordered and vec else _MAX_REGISTERS
+    # lane a candidate, whose warp reads 32 rows' pieces into shared memory: with ``vec`` 4 float4 a lane at a time
+    # (rs_gather_ordered), otherwise 8 floats (rs_gather_ordered_scalar). They need 48 registers (no spills; an
+    # SM's registers still hold ten blocks of 128).
+    regs = _MAX_REGISTERS_STAGED if ordered else _MAX_REGISTERS
     expr = f"recall_rescore_t<{_UNROLL}, {_CHUNKS}, {int(vec)}, {int(ordered)}>"
     mod = kernels.module(("rescore.cu",), (f"--maxrregcount={regs}",), (expr,))
     return mod.get_function(expr)
@@ -55,10 +55,10 @@ _ORD_STAGE = 32 * (32 + 4)  # floats a warp stages for ordered sums (RS_ORD_STAG
 
 def smem_bytes(sz: int, dim: int, ordered: bool = False) -> int:
     """Dynamic shared memory of one block (the layout in rescore.cu): SZ keys and 6 control words (8 bytes each),
-    for ordered sums of rows read as float4 each warp's stage of 32 rows' pieces (at least SZ bytes: the duplicate
-    flags reuse it), the user's vector, a 4 * SZ byte scratch (staged rows, then the selected keys), a 256-bin
-    histogram, SZ duplicate flags (where there is no stage)."""
-    staged = ordered and dim > 0 and dim % 4 == 0
+    for ordered sums each warp's stage of 32 rows' pieces (at least SZ bytes: the duplicate flags reuse it), the
+    user's vector, a 4 * SZ byte scratch (staged rows, then the selected keys), a 256-bin histogram, SZ duplicate
+    flags (where there is no stage)."""
+    staged = ordered  # (the launcher never gives ordered sums precomputed scores)
     flags = -(-sz // 16) * 16
     stage = max(4 * _ORD_STAGE * (THREADS // 32), flags) if staged else 0
     return 8 * (sz + 6) + stage + 4 * ((dim + 3) // 4 * 4) + 4 * sz + 4 * 256 + (0 if staged else sz)

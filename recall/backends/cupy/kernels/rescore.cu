@@ -32,12 +32,14 @@
 //   ORD    each score is the fused exact kernel's float32 sum (fused.cu, RecallDotTile): fmaf(u_0, v_0, 0), then
 //          fmaf(u_d, v_d, s) for each further dimension in order. One lane a candidate, so that no partial sums are
 //          added in another order; exact mode's certified route re-scores its candidates this way, and its scores
-//          are then exact mode's, bit for bit. With VEC the rows are not read by the lane that sums them: a warp
-//          reads its 32 candidates' rows a piece of RS_ORD_PIECE columns at a time, each load instruction four
-//          whole 128-byte pieces of rows, into shared memory (rs_gather_ordered), and each lane then sums its own
-//          row from there. One lane reading a whole row would make each load instruction touch 32 rows' lines, 16
-//          bytes of each (measured on the H200: exact mode's re-scoring 8-12 ms slower than fast mode's at k >=
-//          1,000). Without VEC (dim % 4 != 0, rare) the lane reads its row itself (G = 1).
+//          are then exact mode's, bit for bit. The rows are not read by the lane that sums them: a warp reads its
+//          32 candidates' rows a piece of RS_ORD_PIECE columns at a time into shared memory, and each lane then sums
+//          its own row from there. With VEC (rs_gather_ordered) each load instruction reads four whole 128-byte
+//          pieces of rows; without (dim % 4 != 0, e.g. ip at d = 50, where l2 pads its rows to 4 columns:
+//          rs_gather_ordered_scalar) one row's piece, a float a lane (a short last piece: several rows an
+//          instruction). One lane reading a whole row would make
+//          each load instruction touch 32 rows' lines, 16 bytes (or 4) of each (measured on the H200: exact mode's
+//          re-scoring 8-12 ms slower than fast mode's at k >= 1,000, with float4 rows).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -287,10 +289,10 @@ __device__ u64* rs_select(u64* keys, int n, int K, int K_pad, u64* ctrl, u64* se
     return keys;
 }
 
-// Scores of cnt candidates (item rows from rows32, staged), written as keys to out_keys[0, cnt).
-// G lanes share one candidate; each lane loads U rows x C chunks before any arithmetic. Ordered sums come here only
-// for rows read as floats (VEC = 0, G = 1): with VEC they take rs_gather_ordered.
-template <int U, int C, int VEC, int ORD>
+// Scores of cnt candidates (item rows from rows32, staged), written as keys to out_keys[0, cnt), in no particular
+// order of summation (ordered sums take rs_gather_ordered or rs_gather_ordered_scalar).
+// G lanes share one candidate; each lane loads U rows x C chunks before any arithmetic.
+template <int U, int C, int VEC>
 __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int dim, const float* uvec,
                                           const int* rows32, int cnt, int G, u64* out_keys) {
     const int lane = threadIdx.x & (G - 1);
@@ -343,7 +345,7 @@ __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int d
                     const int c = c0 + t * G + lane;
                     const float a = c < n_chunks ? uvec[c] : 0.0f;
 #pragma unroll
-                    for (int q = 0; q < U; ++q) acc[q] = ORD ? fmaf(a, b[q][t], acc[q]) : acc[q] + a * b[q][t];
+                    for (int q = 0; q < U; ++q) acc[q] += a * b[q][t];
                 }
             }
         }
@@ -407,11 +409,55 @@ __device__ __forceinline__ void rs_gather_ordered(const float* __restrict__ item
     }
 }
 
+// ORD without VEC (rows of a dim that is not a multiple of 4: ip or cosine at d = 50, say): rs_gather_ordered's staging
+// with float loads. A piece of w <= RS_ORD_PIECE columns takes wp load instructions a warp (wp the power of two at
+// least w), each reading 32 / wp rows' pieces, wp consecutive floats of each (a full piece: one row's 128 bytes; a
+// last piece of one column: one float of each of the 32 rows), RS_ORD_FLOATS in flight a lane before the first
+// store. A row sits every RS_ORD_SSTRIDE floats of the stage, so that the lanes summing their rows read 32 distinct
+// banks.
+#define RS_ORD_SSTRIDE (RS_ORD_PIECE + 1)
+#define RS_ORD_FLOATS 4  // loads in flight a lane (nvcc 13.0, sm_90, 48 registers: 8 spill, 4 do not)
+__device__ __forceinline__ void rs_gather_ordered_scalar(const float* __restrict__ items, int dim, const float* uvec,
+                                                         const int* rows32, int cnt, float* stage, u64* out_keys) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* st = stage + warp * RS_ORD_STAGE;  // 32 rows x RS_ORD_SSTRIDE floats fit in RS_ORD_STAGE
+    // j0 is the same for every lane of a warp: whole warps reach the shuffles and __syncwarp together.
+    for (int j0 = warp * 32; j0 < cnt; j0 += blockDim.x) {
+        const int j = j0 + lane;
+        const int r = j < cnt ? rows32[j] : -1;  // -1: nothing to load
+        float acc = 0.0f;
+        for (int p0 = 0; p0 < dim; p0 += RS_ORD_PIECE) {
+            const int w = min(RS_ORD_PIECE, dim - p0);  // columns of this piece
+            const int wp = w > 16 ? 32 : w > 8 ? 16 : w > 4 ? 8 : w > 2 ? 4 : w > 1 ? 2 : 1;
+            const int per = 32 / wp;  // rows a load instruction reads
+            const int col = lane & (wp - 1), sub = lane / wp;  // this lane's column, and its row in the instruction
+#pragma unroll 1
+            for (int h = 0; h < wp; h += RS_ORD_FLOATS) {
+                float b[RS_ORD_FLOATS];
+#pragma unroll
+                for (int i = 0; i < RS_ORD_FLOATS; ++i) {
+                    const int slot = ((h + i) * per + sub) & 31;  // the candidate (lane) whose row this reads
+                    const int rr = __shfl_sync(RS_FULL, r, slot);
+                    b[i] = h + i < wp && rr >= 0 && col < w ? __ldg(items + (long long)rr * dim + p0 + col) : 0.0f;
+                }
+#pragma unroll
+                for (int i = 0; i < RS_ORD_FLOATS; ++i)
+                    if (h + i < wp) st[((h + i) * per + sub) * RS_ORD_SSTRIDE + col] = b[i];
+            }
+            __syncwarp();
+            const float* v = st + lane * RS_ORD_SSTRIDE;
+            for (int q = 0; q < w; ++q) acc = fmaf(uvec[p0 + q], v[q], acc);
+            __syncwarp();  // the next piece overwrites the stage
+        }
+        if (j < cnt) out_keys[j] = r >= 0 ? rs_key(acc, r) : 0ull;
+    }
+}
+
 // Bytes of dynamic shared memory (recall/backends/cupy/rescore.py's smem_bytes mirrors this):
 //   keys: SZ u64 | ctrl: RS_CTRL_WORDS u64 | stage: RS_ORD_STAGE floats a warp, or SZ bytes (rounded up to 16) if
-//   more, ORD with VEC only (16-byte aligned: SZ is even) | uvec: dim_pad floats (16-byte aligned) |
+//   more, ORD only (16-byte aligned: SZ is even) | uvec: dim_pad floats (16-byte aligned) |
 //   scratch: 4 * SZ bytes (the chunk's rows as int32 during the gather, then the select's K_pad u64: SZ >= 2 K_pad) |
-//   hist: 256 u32 | dup: SZ bytes, except with ORD and VEC, where the duplicate flags take the stage: the select
+//   hist: 256 u32 | dup: SZ bytes, except where there is a stage, which the duplicate flags then take: the select
 //   that writes them and the gather that stages rows are separated by a barrier on either side. (So K = 8,192 at
 //   SZ = 16,384 fits in the 227 KB of a Hopper block: the stage's 18 KB would not fit beside the flags' 16 KB.)
 //
@@ -429,15 +475,15 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
     u64* keys = rs_smem;
     u64* ctrl = rs_smem + SZ;
     float* stage = reinterpret_cast<float*>(ctrl + RS_CTRL_WORDS);
-    const int stage_floats = ORD && VEC ? max((int)(blockDim.x >> 5) * RS_ORD_STAGE, ((SZ + 15) & ~15) >> 2) : 0;
+    // Ordered sums stage their rows (the launcher never gives them precomputed scores).
+    const int stage_floats = ORD ? max((int)(blockDim.x >> 5) * RS_ORD_STAGE, ((SZ + 15) & ~15) >> 2) : 0;
     float* uvec = stage + stage_floats;
     const int dim_pad = (dim + 3) & ~3;
     unsigned char* scratch = reinterpret_cast<unsigned char*>(uvec + dim_pad);
     int* rows32 = reinterpret_cast<int*>(scratch);
     u64* sel = reinterpret_cast<u64*>(scratch);
     u32* hist = reinterpret_cast<u32*>(scratch + 4 * SZ);
-    unsigned char* dup = ORD && VEC ? reinterpret_cast<unsigned char*>(stage)
-                                    : reinterpret_cast<unsigned char*>(hist + 256);
+    unsigned char* dup = ORD ? reinterpret_cast<unsigned char*>(stage) : reinterpret_cast<unsigned char*>(hist + 256);
 
     const int u = blockIdx.x;
     const long long lo = indptr[u], hi = indptr[u + 1];
@@ -478,8 +524,10 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
             __syncthreads();  // the user's vector (first chunk) and the staged rows
             if (ORD && VEC) {
                 rs_gather_ordered(items, dim, uvec, rows32, cnt, stage, keys + start);
+            } else if (ORD) {
+                rs_gather_ordered_scalar(items, dim, uvec, rows32, cnt, stage, keys + start);
             } else {
-                rs_gather<U, C, VEC, ORD>(items, dim, uvec, rows32, cnt, G, keys + start);
+                rs_gather<U, C, VEC>(items, dim, uvec, rows32, cnt, G, keys + start);
             }
         }
         __syncthreads();
