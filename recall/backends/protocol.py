@@ -25,6 +25,11 @@ from ..core.exclusions import Exclusions
 from ..core.options import EngineOptions
 from ..core.tiling import TilePlan
 
+PASS_SHARE = 0.5
+"""A float16 pass's time as a share of the float32 search's where a backend knows no better
+(``Backend.float16_pass_share``): on the H200 matrix of 2026-12-01, where both run fused kernels, the fast pass took
+0.18-0.97 of an exact search, 0.58 at the median (docs/benchmarks.md)."""
+
 #: What ``run_blocks`` returns: a callable that waits for the search and returns its stats (a dict).
 Wait = Callable[[], dict]
 
@@ -147,7 +152,16 @@ class Backend(Protocol):
                       options: EngineOptions) -> bool:
         """Whether an exact search (``plan``, prepared vectors ``width`` columns wide) takes the certified route
         (``options.certified_exact``, ``recall.engine.fast``): where ``rescore(..., ordered=True)`` repeats the sums
-        that search would compute, bit for bit, and, under "auto", where a float16 pass is faster."""
+        that search would compute, bit for bit, or where that search's own order of summation is no fixed one (a
+        library GEMM's, chosen per shape: the ordered sums are then as exact), and, under "auto", where a float16
+        pass is faster."""
+
+    def float16_pass_share(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
+                           options: EngineOptions) -> float:
+        """The modelled time of a float16 pass of a search (fast mode's, on float16 copies of users whose prepared
+        float32 vectors are ``width`` columns wide; ``plan`` the float32 search's) as a share of that float32 search's:
+        what fast mode's probe weighs its widened users by (``recall.engine.fast``). :data:`PASS_SHARE` where the
+        backend knows no better."""
 
     def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
         """The best k (score desc, lower row first) of each row of a padded candidate block: scores (n, width)

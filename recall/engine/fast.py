@@ -13,7 +13,7 @@ Fast mode declines at once where it re-scores too large a share of the catalogue
 where the float16 pass keeps float16 score tiles):
 it then costs more than exact mode's whole search, whatever the certificate does; and where the search is small
 (:data:`MIN_SCORES`). A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the
-certificate does not pay on them (:data:`DECLINE_FALLBACK`, e.g. data full of exact ties), every user is searched
+certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full of exact ties), every user is searched
 in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
 user, the sampled ones too, is searched in fast mode. The next search of the same k skips the sample where this one
 paid (``FastState.trusted``).
@@ -34,13 +34,18 @@ import numpy as np
 from ..core import certificate, metrics
 from ..core.exclusions import Exclusions
 
-#: Fraction of a sample's users falling back (widened users count half) above which fast mode declines. Why: on the
-#: H200 matrix (docs/benchmarks.md, 2026-12-01, the 12 cells without fallbacks and k <= 2,048) the fast pass costs
-#: 0.18-0.97 of an exact search, 0.58 at the median; every user that falls back costs one exact search more (a widened
-#: user about half of one: another float16 pass over it, no float32 search). With a fast pass of c, fast mode loses
-#: once c + fallbacks > 1: declining above 0.25 keeps it from losing wherever c <= 0.75 (9 of those 12 cells), and
-#: where fallbacks run above 0.25 the most fast mode could still have gained is small (under 25% where c >= 0.5).
-DECLINE_FALLBACK = 0.25
+#: Fast mode declines where a sample's modelled cost is above this share of an exact search: per user of the sample,
+#: ``share * (1 + widened) + fallbacks``, ``share`` the float16 pass's time as a share of the float32 search's
+#: (``Backend.float16_pass_share``). The first pass costs ``share``, a widened user another float16 pass over it (no
+#: float32 search), a user that falls back one exact search. Why 0.75: on the H200 matrix (docs/benchmarks.md,
+#: 2026-12-01, the 12 cells without fallbacks and k <= 2,048, both searches fused) the fast pass costs 0.18-0.97 of an
+#: exact search, 0.58 at the median. With the share at 0.5 there, this declines where fallbacks plus half the widened
+#: users pass a quarter of the sample, which keeps fast mode from losing wherever its pass costs at most 0.75 (9 of
+#: those 12 cells); where they pass it, the most fast mode could still have gained is small (under 25% where the pass
+#: costs >= 0.5). Where both searches are GEMMs (rows wider than the fused float32 kernel takes: the float16 pass took
+#: 0.11-0.15 of the float32 search) the share is 0.25: a sample whose every user was widened (20k x 1M x 768, cosine,
+#: H200 2026-12-04) runs, at a modelled half of an exact search.
+DECLINE_COST = 0.75
 #: Candidates re-scored per user (k + m + 1) above this share of the items make fast mode slower than exact mode, even
 #: with every certificate holding: the re-scoring gathers each candidate's row, and the float16 pass keeps k + m + 1
 #: where the float32 search keeps k. Exact mode's certified route against its float32 search, H200, 2026-12-02 21:3x
@@ -181,6 +186,7 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                         "fallback_fraction": 0.0, "fast_declined": declined}
         return vals, rows
     sample = _sample_rows(n_users, engine.options.fast_sample)
+    share = _pass_share(engine, n_users, k)
     if sample is None:
         vals, rows, engine.stats = _search_fast(engine, users, k, excl, None, ordered)
         return vals, rows
@@ -189,7 +195,7 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
         # job's batches, a pipeline's calls: the same users' distribution, search after search). Where its own
         # fallbacks do not pay, the next search probes again.
         vals, rows, stats = _search_fast(engine, users, k, excl, None, ordered)
-        _trust(engine, k, stats, n_users)
+        _trust(engine, k, stats, n_users, share)
         engine.stats = {**stats, "fast_sample": 0, "probe": "skipped"}
         return vals, rows
     # The sample is a probe: every user, the sampled ones too, is searched again below, so that neither the users
@@ -206,36 +212,48 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                                     else engine.backend.xp.asarray(sample))
     _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample),
                                  probe_users, ordered)
-    cost = _cost(s_stats, sample.size)
-    if cost > DECLINE_FALLBACK:
+    cost = _cost(s_stats, sample.size, share)
+    if cost > DECLINE_COST:
         engine._fast.trusted.discard(k)
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
         stats = {**run_stats, "precision": "exact",
                  "fast_declined": (f"a sample of {sample.size:,} users: {s_stats['fallback_fraction']:.0%} fell "
                                    f"back to exact search, {s_stats['widened_users'] / sample.size:.0%} were "
-                                   f"widened; at {cost:.2f} fallbacks per user (widened counted half), above "
-                                   f"{DECLINE_FALLBACK}, fast mode would not pay"),
+                                   f"widened; at a modelled {cost:.2f} of an exact search (the float16 pass "
+                                   f"{share:.2f} of one, again for each widened user, a whole one for each user "
+                                   f"that fell back), above {DECLINE_COST}, fast mode would not pay"),
                  "fallback_users": s_stats["fallback_users"], "widened_users": s_stats["widened_users"],
                  "fallback_fraction": s_stats["fallback_users"] / n_users}
     else:
         vals, rows, stats = _search_fast(engine, users, k, excl, prepared, ordered)
-        _trust(engine, k, stats, n_users)
+        _trust(engine, k, stats, n_users, share)
     stats.update(fast_sample=int(sample.size), sample_fallback_fraction=s_stats["fallback_fraction"],
                  probe="sampled")
     engine.stats = stats
     return vals, rows
 
 
-def _cost(stats: dict, n_users: int) -> float:
-    """Fallbacks per user of a fast search's stats, a widened user counted half (see DECLINE_FALLBACK)."""
-    return (stats["fallback_users"] + stats["widened_users"] / 2) / max(n_users, 1)
+def _cost(stats: dict, n_users: int, share: float) -> float:
+    """The modelled time of a fast search of ``n_users`` with these stats as a share of an exact search's (see
+    DECLINE_COST): ``share`` the float16 pass's (``Backend.float16_pass_share``)."""
+    n = max(n_users, 1)
+    return share * (1 + stats["widened_users"] / n) + stats["fallback_users"] / n
 
 
-def _trust(engine: Any, k: int, stats: dict, n_users: int) -> None:
-    """Remember whether a whole fast search of ``n_users`` at ``k`` paid (its cost at most DECLINE_FALLBACK), for
+def _pass_share(engine: Any, n_users: int, k: int) -> float:
+    """``Backend.float16_pass_share`` of a search of ``n_users`` at ``k``, planned as exact mode's float32 search."""
+    width = int(engine.prepared_items.shape[1])
+    # The float32 search's plan, from the shape of its users (a stand-in that holds no memory).
+    spec = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (n_users, width), (0, 0))
+    plan = engine.plan(spec, engine.n_items, k)
+    return engine.backend.float16_pass_share(plan, n_users, engine.n_items, k, width, engine.options)
+
+
+def _trust(engine: Any, k: int, stats: dict, n_users: int, share: float) -> None:
+    """Remember whether a whole fast search of ``n_users`` at ``k`` paid (its modelled cost at most DECLINE_COST), for
     the next search of that k."""
     trusted = engine._fast.trusted
-    if _cost(stats, n_users) <= DECLINE_FALLBACK:
+    if _cost(stats, n_users, share) <= DECLINE_COST:
         trusted.add(k)
     else:
         trusted.discard(k)

@@ -51,6 +51,12 @@ def _assert_reference(engine: Engine, res, users, k, exclude=None) -> None:
         np.testing.assert_array_equal(as_numpy(res.scores), scores)
 
 
+def _assert_reference_rows(engine: Engine, res, users, k, exclude, sel) -> None:
+    """:func:`_assert_reference` on the users ``sel`` alone (``exclude`` a mapping of all users' rows)."""
+    sub = type(res)(indices=as_numpy(res.indices)[sel], scores=as_numpy(res.scores)[sel], ids=None)
+    _assert_reference(engine, sub, users[sel], k, {i: exclude.get(int(u), []) for i, u in enumerate(sel)})
+
+
 @pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
 @pytest.mark.parametrize("kind", ["clustered", "skewed"])
 def test_route_gives_the_fused_sums_answer_bit_for_bit(device, metric, kind):
@@ -161,6 +167,61 @@ def test_auto_takes_the_route_only_for_large_searches(monkeypatch):
     assert not fast.certifies_exact(engine, users, 5)
 
 
+def _stand_in_gpu(warpgroup: bool = True):
+    """The GPU backend's route rules without a GPU: a CupyBackend holding only what they read."""
+    from types import SimpleNamespace
+
+    from recall.backends.cupy.backend import CupyBackend
+
+    backend = CupyBackend.__new__(CupyBackend)
+    backend.selection = SimpleNamespace(fused_w=object() if warpgroup else None)
+    return backend
+
+
+@pytest.mark.parametrize("width, takes", [(64, True), (256, True), (257, True), (768, True)])
+def test_gpu_rule_takes_the_route_where_fused_or_wider_than_it(width, takes):
+    # Up to 256 columns the route stands in for the fused kernel (where that runs); above, for cuBLAS's GEMM.
+    from recall.backends.cupy.backend import WIDE_PASS_SHARE
+    from recall.backends.protocol import PASS_SHARE
+    from recall.core.tiling import TilePlan
+
+    backend, plan, auto = _stand_in_gpu(), TilePlan(4096, 8192, 4), EngineOptions()
+    assert backend.certify_exact(plan, 20000, 1_000_000, 100, width, auto) == takes
+    assert not backend.certify_exact(plan, 20000, 1_000_000, 100, width, EngineOptions(certified_exact="off"))
+    share = backend.float16_pass_share(plan, 20000, 1_000_000, 100, width, auto)
+    assert share == (WIDE_PASS_SHARE if width > 256 else PASS_SHARE)
+    # Where the fused kernel covers the rows but would not run (forced off), the float32 search is cuBLAS at a
+    # width the route was not measured to pay at: it declines; wider rows still take it.
+    off = EngineOptions(fused="off")
+    assert backend.certify_exact(plan, 20000, 1_000_000, 100, width, off) == (width > 256)
+    from recall.core.tiling import InterestPlan
+
+    multi = TilePlan(4096, 8192, 4, interests=InterestPlan(2, 2, "max", False, 2730))
+    assert not backend.certify_exact(multi, 20000, 1_000_000, 100, width, auto)
+
+
+def test_the_probe_weighs_widened_users_by_the_pass_share(monkeypatch):
+    # A sample whose every user was widened and none fell back: at the fused kernels' share (0.5) fast mode's
+    # modelled cost is 1.0 of an exact search and it declines; at the GEMMs' share (0.25) it is 0.5 and it runs.
+    users, items = normal_data(6400, 3000, 12, seed=21)
+    real = fast._search_fast
+
+    def all_widened(engine, users, k, excl, fast_users=None, ordered=False):
+        vals, rows, stats = real(engine, users, k, excl, fast_users, ordered)
+        return vals, rows, {**stats, "widened_users": int(users.shape[0]), "fallback_users": 0}
+
+    monkeypatch.setattr(fast, "_search_fast", all_widened)
+    engine = Engine(items, device="cpu", precision="fast")
+    engine.search(users, 20)
+    assert engine.stats["precision"] == "exact" and "modelled 1.00" in engine.stats["fast_declined"], engine.stats
+    engine = Engine(items, device="cpu", precision="fast")
+    monkeypatch.setattr(engine.backend, "float16_pass_share", lambda *args: 0.25)
+    engine.search(users, 20)
+    assert engine.stats["precision"] == "fast" and engine.stats["probe"] == "sampled", engine.stats
+    assert 20 in engine._fast.trusted  # the whole search's modelled cost, 0.5, paid too
+    assert fast._cost({"widened_users": 10, "fallback_users": 3}, 20, 0.25) == pytest.approx(0.25 * 1.5 + 0.15)
+
+
 def test_bad_mode_is_refused():
     from recall import InputError
 
@@ -242,10 +303,45 @@ def test_gpu_auto_rule(device):
     engine = Engine(items, device="gpu", memory_budget=16 << 20)
     engine.search(users, 10)
     assert "route" not in engine.stats
-    # l2 at 256 dimensions is 257 columns: exact mode takes cuBLAS there, whose sums the route cannot repeat.
-    engine = Engine(items, metric="l2", device="gpu", options=EngineOptions(certified_exact="on"))
+    # l2 at 256 dimensions is 260 prepared columns: wider than the fused kernel takes, so exact mode's float32
+    # search is cuBLAS's, and the route stands in for it with its ordered sums (and "off" keeps cuBLAS).
+    engine = Engine(items, metric="l2", device="gpu")
     engine.search(users, 10)
-    assert "route" not in engine.stats
+    assert engine.stats["route"] == "certified" and not engine.stats["fused"], engine.stats
+    engine = Engine(items, metric="l2", device="gpu", options=EngineOptions(certified_exact="off"))
+    engine.search(users, 10)
+    assert "route" not in engine.stats and not engine.stats["fused"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric,dim,k", [("ip", 384, 100), ("cosine", 300, 10), ("l2", 256, 50)])
+def test_gpu_route_above_256_dims_is_the_ordered_sums_top_k(metric, dim, k, device, monkeypatch):
+    # Rows wider than the fused float32 kernel takes (l2 at 256 dimensions: 260 prepared columns): exact mode's
+    # float32 search is cuBLAS's GEMM, and "auto" takes the route (MIN_SCORES lifted for a test-sized search). Each
+    # certified user's list is the top k of the ordered float32 sums over every item, scores bit for bit; the cuBLAS
+    # search finds the same lists up to near-ties a rounding step apart, both exact against the float64 oracle.
+    if device != "gpu":
+        pytest.skip("GPU only")
+    import oracle
+
+    monkeypatch.setattr(fast, "MIN_SCORES", 1)
+    users, items = clustered_data(3000, 70000, dim, seed=dim)
+    rng = np.random.default_rng(dim)
+    users *= np.exp2(rng.integers(-3, 3, (3000, 1))).astype(np.float32)
+    exclude = {u: rng.choice(70000, 100, replace=False).tolist() for u in range(0, 3000, 3)}
+    engine = Engine(items, metric=metric, device="gpu")
+    got = engine.search(users, k, exclude=exclude)
+    assert engine.stats["route"] == "certified" and engine.stats["fallback_users"] == 0, engine.stats
+    sel = np.arange(0, 3000, 101)
+    _assert_reference_rows(engine, got, users, k, exclude, sel)
+    plain = Engine(items, metric=metric, device="gpu", options=EngineOptions(certified_exact="off"))
+    want = plain.search(users, k, exclude=exclude)
+    assert "route" not in plain.stats
+    for res in (got, want):
+        oracle.assert_topk_close(as_numpy(res.indices)[sel], as_numpy(res.scores)[sel], users[sel], items, k,
+                                 metric, {i: exclude.get(int(u), []) for i, u in enumerate(sel)})
+    same = (as_numpy(got.indices) == as_numpy(want.indices)).all(axis=1).mean()
+    assert same > 0.9, same
 
 
 def test_tune_force_tunes_the_float32_pass_only(device):

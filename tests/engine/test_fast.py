@@ -375,7 +375,9 @@ def test_a_trusted_k_probes_again_once_a_search_does_not_pay(device, monkeypatch
     assert calls == [6400] and engine.stats["probe"] == "skipped", engine.stats
     from recall.engine import fast as fast_search
 
-    assert fast_search._cost(engine.stats, 6400) > fast_search.DECLINE_FALLBACK, engine.stats
+    from recall.backends.protocol import PASS_SHARE
+
+    assert fast_search._cost(engine.stats, 6400, PASS_SHARE) > fast_search.DECLINE_COST, engine.stats
     calls.clear()
     engine.search(ties, 50)  # probes again, and declines
     assert calls == [128] and engine.stats["precision"] == "exact" and "fast_declined" in engine.stats

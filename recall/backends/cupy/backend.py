@@ -25,10 +25,15 @@ from ...core.options import EngineOptions
 from ...core.tiling import TilePlan
 from .. import candidates
 from ..numpy.backend import tune_band
+from ..protocol import PASS_SHARE
 from . import blas, fused, rescore
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
 from .pipeline import BlockPipeline
 from .selection import GpuTopK, Selection, fused_capacity, pow2
+
+WIDE_PASS_SHARE = 0.25
+"""``float16_pass_share`` of searches whose rows are wider than the fused float32 kernel takes (both searches GEMMs):
+the float16 pass measured 0.11-0.15 of the float32 search (d = 384 and 1,024, 20k x 1M, H200 2026-12-04)."""
 
 # Tilings `recall tune` tries on the GPU: score tiles of 32-512 MiB, from tiles that stay in the 50 MiB L2 of an
 # H100/H200 (the selection kernels then read the GEMM's output from L2) to few, large calls (fewer launches; measured
@@ -263,11 +268,24 @@ class CupyBackend:
 
     def certify_exact(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
                       options: EngineOptions) -> bool:
-        # Only where the exact search would run the fused kernel, whose sums the ordered re-scoring repeats: there
-        # the float16 pass was 2.0-4.9x faster than the float32 one at every width measured, 64-256
-        # (docs/benchmarks.md, 2026-12-02).
-        return options.certified_exact != "off" and self.fused_applies(plan, n_users, n_items, k, width, np.float32,
-                                                                       options)
+        # Where the exact search would run the fused kernel, whose sums the ordered re-scoring repeats: there the
+        # float16 pass was 2.0-4.9x faster than the float32 one at every width measured, 64-256 (docs/benchmarks.md,
+        # 2026-12-02). And where the rows are wider than that kernel takes: the float32 search is then cuBLAS's
+        # GEMM, whose order of summation is its own choice per shape, so the route's ordered sums are as much exact
+        # mode's scores as cuBLAS's (both exact float32 sums); the float16 pass there took 0.11-0.15 of the float32
+        # search's time (d = 384 and 1,024, 20k x 1M, H200 2026-12-04, docs/benchmarks.md).
+        if options.certified_exact == "off" or plan.interests is not None:
+            return False
+        return (not fused.covers(width, np.float32)
+                or self.fused_applies(plan, n_users, n_items, k, width, np.float32, options))
+
+    def float16_pass_share(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
+                           options: EngineOptions) -> float:
+        # Rows wider than the fused float32 kernel takes: both searches are GEMMs, the float16 one on tensor cores
+        # (0.11-0.15 of the float32 search's time measured, d = 384 and 1,024; WIDE_PASS_SHARE leaves room).
+        if not fused.covers(width, np.float32):
+            return WIDE_PASS_SHARE
+        return PASS_SHARE
 
     def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
         return rescore.select(scores, rows, k)

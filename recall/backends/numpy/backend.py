@@ -22,6 +22,7 @@ from ...core.options import EngineOptions
 from ...core.results import to_numpy
 from ...core.tiling import TilePlan
 from .. import candidates, tiled
+from ..protocol import PASS_SHARE
 from . import heap
 from .ordered import ordered_dots
 
@@ -358,6 +359,10 @@ class NumpyBackend:
         # The CPU's exact scores come from BLAS, whose order of summation is its own: "on" emulates the GPU's
         # certified route (the fused kernel's sums) for tests; "auto" never takes it (no tensor cores to gain from).
         return options.certified_exact == "on"
+
+    def float16_pass_share(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
+                           options: EngineOptions) -> float:
+        return PASS_SHARE  # fast mode here emulates the GPU's arithmetic, for tests: no faster pass to model
 
     def select(self, scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return keys.select(np, scores, rows, k)
