@@ -325,14 +325,14 @@ def test_gpu_route_above_256_dims_is_the_ordered_sums_top_k(metric, dim, k, devi
     import oracle
 
     monkeypatch.setattr(fast, "MIN_SCORES", 1)
-    users, items = clustered_data(3000, 70000, dim, seed=dim)
+    users, items = clustered_data(1500, 20000, dim, seed=dim)
     rng = np.random.default_rng(dim)
-    users *= np.exp2(rng.integers(-3, 3, (3000, 1))).astype(np.float32)
-    exclude = {u: rng.choice(70000, 100, replace=False).tolist() for u in range(0, 3000, 3)}
+    users *= np.exp2(rng.integers(-3, 3, (1500, 1))).astype(np.float32)
+    exclude = {u: rng.choice(20000, 100, replace=False).tolist() for u in range(0, 1500, 3)}
     engine = Engine(items, metric=metric, device="gpu")
     got = engine.search(users, k, exclude=exclude)
     assert engine.stats["route"] == "certified" and engine.stats["fallback_users"] == 0, engine.stats
-    sel = np.arange(0, 3000, 101)
+    sel = np.arange(0, 1500, 71)
     _assert_reference_rows(engine, got, users, k, exclude, sel)
     plain = Engine(items, metric=metric, device="gpu", options=EngineOptions(certified_exact="off"))
     want = plain.search(users, k, exclude=exclude)
