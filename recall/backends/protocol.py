@@ -156,10 +156,9 @@ class Backend(Protocol):
         library GEMM's, chosen per shape: the ordered sums are then as exact), and, under "auto", where a float16
         pass is faster."""
 
-    def float16_pass_share(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
-                           options: EngineOptions) -> float:
+    def float16_pass_share(self, n_users: int, n_items: int, k: int, width: int, options: EngineOptions) -> float:
         """The modelled time of a float16 pass of a search (fast mode's, on float16 copies of users whose prepared
-        float32 vectors are ``width`` columns wide; ``plan`` the float32 search's) as a share of that float32 search's:
+        float32 vectors are ``width`` columns wide) as a share of that float32 search's:
         what fast mode's probe weighs its widened users by (``recall.engine.fast``). :data:`PASS_SHARE` where the
         backend knows no better."""
 

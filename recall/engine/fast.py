@@ -241,12 +241,10 @@ def _cost(stats: dict, n_users: int, share: float) -> float:
 
 
 def _pass_share(engine: Any, n_users: int, k: int) -> float:
-    """``Backend.float16_pass_share`` of a search of ``n_users`` at ``k``, planned as exact mode's float32 search."""
+    """``Backend.float16_pass_share`` of a search of ``n_users`` at ``k``. A model only: it plans no pass (a plan
+    here would be seen by ``recall tune`` as the search's first pass, and tune it instead of the float16 one)."""
     width = int(engine.prepared_items.shape[1])
-    # The float32 search's plan, from the shape of its users (a stand-in that holds no memory).
-    spec = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (n_users, width), (0, 0))
-    plan = engine.plan(spec, engine.n_items, k)
-    return engine.backend.float16_pass_share(plan, n_users, engine.n_items, k, width, engine.options)
+    return engine.backend.float16_pass_share(n_users, engine.n_items, k, width, engine.options)
 
 
 def _trust(engine: Any, k: int, stats: dict, n_users: int, share: float) -> None:

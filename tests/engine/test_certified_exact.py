@@ -188,7 +188,7 @@ def test_gpu_rule_takes_the_route_where_fused_or_wider_than_it(width, takes):
     backend, plan, auto = _stand_in_gpu(), TilePlan(4096, 8192, 4), EngineOptions()
     assert backend.certify_exact(plan, 20000, 1_000_000, 100, width, auto) == takes
     assert not backend.certify_exact(plan, 20000, 1_000_000, 100, width, EngineOptions(certified_exact="off"))
-    share = backend.float16_pass_share(plan, 20000, 1_000_000, 100, width, auto)
+    share = backend.float16_pass_share(20000, 1_000_000, 100, width, auto)
     assert share == (WIDE_PASS_SHARE if width > 256 else PASS_SHARE)
     # Where the fused kernel covers the rows but would not run (forced off), the float32 search is cuBLAS at a
     # width the route was not measured to pay at: it declines; wider rows still take it.

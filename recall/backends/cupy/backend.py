@@ -279,8 +279,7 @@ class CupyBackend:
         return (not fused.covers(width, np.float32)
                 or self.fused_applies(plan, n_users, n_items, k, width, np.float32, options))
 
-    def float16_pass_share(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
-                           options: EngineOptions) -> float:
+    def float16_pass_share(self, n_users: int, n_items: int, k: int, width: int, options: EngineOptions) -> float:
         # Rows wider than the fused float32 kernel takes: both searches are GEMMs, the float16 one on tensor cores
         # (0.11-0.15 of the float32 search's time measured, d = 384 and 1,024; WIDE_PASS_SHARE leaves room).
         if not fused.covers(width, np.float32):

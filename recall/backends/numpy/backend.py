@@ -360,8 +360,7 @@ class NumpyBackend:
         # certified route (the fused kernel's sums) for tests; "auto" never takes it (no tensor cores to gain from).
         return options.certified_exact == "on"
 
-    def float16_pass_share(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
-                           options: EngineOptions) -> float:
+    def float16_pass_share(self, n_users: int, n_items: int, k: int, width: int, options: EngineOptions) -> float:
         return PASS_SHARE  # fast mode here emulates the GPU's arithmetic, for tests: no faster pass to model
 
     def select(self, scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
