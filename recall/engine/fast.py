@@ -7,7 +7,10 @@ least kept approximate score (``recall.core.certificate``).
 A user whose certificate fails is tried once more with ``k + 4m`` candidates (where score tiles are float16, its
 scores shifted by its exact k-th score: the *widened* pass, over those users only), and searched again in exact mode
 if that fails too, so the result is always the exact answer. ``engine.stats["widened_users"]`` counts the second
-tries, ``["fallback_users"]`` the exact searches.
+tries, ``["fallback_users"]`` the exact searches. Where the widened pass certified most of a search's users
+(:data:`WIDE_FIRST`: data whose best scores lie closer together than the bound, as normalised vectors of many
+dimensions against a large catalogue), the engine's next searches of that k keep ``k + 4m`` candidates in their
+first pass (``FastState.margins``, ``stats["first_margin"]``), so that most users need one float16 pass, not two.
 
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`, lower
 where the float16 pass keeps float16 score tiles):
@@ -76,8 +79,18 @@ SAMPLE_MIN = 128
 #: Searches of at most this many users make every user's float16 copy before the sample's probe (which takes its rows
 #: of them); larger ones let the probe make its own (see ``search``).
 PREPARE_ALL_FIRST = 65_536
-#: The widened pass keeps WIDEN times the margin.
+#: The widened pass keeps WIDEN times the margin of the first.
 WIDEN = 4
+#: Where the widened pass certified more than this share of a search's users (widened users that did not fall back),
+#: the next searches of that k start with the widened margin (``FastState.margins``): most of their users would
+#: otherwise pay for two float16 passes and two re-scorings. Only where those candidates stay within
+#: MAX_CANDIDATE_SHARE_TILES16 of the catalogue (or the catalogue is under SHARE_MIN_ITEMS), so that the wider first
+#: pass never re-scores a share the rough models above would decline. The case (H200, 2026-12-04 05:11 UTC,
+#: docs/benchmarks.md): 20k x 1M x 768, cosine, k = 100, where 19,999 of 20,000 users were widened and none fell
+#: back; the CPU's emulation of the same arithmetic on 200 of its users certifies none at k + m + 1 = 126
+#: candidates and 97.5-100% at k + 4m + 1 = 201 (``scripts/lab/margin_needed.py``). The sample's probe itself
+#: always runs at the first margin, so that a new probe finds out afresh.
+WIDE_FIRST = 0.5
 #: Where score tiles are float16, each user's scores are shifted by its best float32 score over this many evenly
 #: spaced items (certificate.prepare_users' ``shift``): the scores the certificate compares then lie near 0, where
 #: float16 tiles round them least (on clustered data at d = 256, 3% of first certificates fail instead of 80%). The
@@ -90,11 +103,13 @@ _SHIFT_BLOCK = 16_384
 @dataclass
 class FastState:
     """What a fast engine prepares once: the float16 items (resident) and the maxima the bound needs; and the k of
-    the searches whose certificates paid last time (``trusted``: the next search of that k needs no probe)."""
+    the searches whose certificates paid last time (``trusted``: the next search of that k needs no probe), and the
+    first-pass margins learned for a k (``margins``: see WIDE_FIRST)."""
 
     items: certificate.FastItems
     resident: Any  # the backend's resident form of items.vecs16
     trusted: set = field(default_factory=set)
+    margins: dict = field(default_factory=dict)  # k -> the first pass's margin, where not certificate.margin(k)
 
 
 def _state(engine: Any) -> FastState:
@@ -188,13 +203,15 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     sample = _sample_rows(n_users, engine.options.fast_sample)
     share = _pass_share(engine, n_users, k)
     if sample is None:
-        vals, rows, engine.stats = _search_fast(engine, users, k, excl, None, ordered)
+        vals, rows, engine.stats = _search_fast(engine, users, k, excl, None, ordered, _first_margin(engine, k))
+        _learn_margin(engine, k, engine.stats, n_users)
         return vals, rows
     if engine._fast is not None and k in engine._fast.trusted:
         # The engine's last search of this k ran fast mode and its certificates paid: this one skips the probe (a
         # job's batches, a pipeline's calls: the same users' distribution, search after search). Where its own
         # fallbacks do not pay, the next search probes again.
-        vals, rows, stats = _search_fast(engine, users, k, excl, None, ordered)
+        vals, rows, stats = _search_fast(engine, users, k, excl, None, ordered, _first_margin(engine, k))
+        _learn_margin(engine, k, stats, n_users)
         _trust(engine, k, stats, n_users, share)
         engine.stats = {**stats, "fast_sample": 0, "probe": "skipped"}
         return vals, rows
@@ -212,6 +229,8 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                                     else engine.backend.xp.asarray(sample))
     _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample),
                                  probe_users, ordered)
+    # The decision models the probe's own passes (at the first margin), not the wider first pass it may lead to:
+    # that is taken only where it spares most users a second pass, so the model errs on the side of exact mode.
     cost = _cost(s_stats, sample.size, share)
     if cost > DECLINE_COST:
         engine._fast.trusted.discard(k)
@@ -225,7 +244,13 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                  "fallback_users": s_stats["fallback_users"], "widened_users": s_stats["widened_users"],
                  "fallback_fraction": s_stats["fallback_users"] / n_users}
     else:
-        vals, rows, stats = _search_fast(engine, users, k, excl, prepared, ordered)
+        _learn_margin(engine, k, s_stats, sample.size)
+        margin = _first_margin(engine, k)
+        if prepared is not None and margin != certificate.margin(k) and (
+                prepared.half_scores != _tiles16(engine, n_users, k, margin)):
+            prepared = None  # made for the probe's pass, whose score tiles were of another dtype than this one's
+        vals, rows, stats = _search_fast(engine, users, k, excl, prepared, ordered, margin)
+        _learn_margin(engine, k, stats, n_users)
         _trust(engine, k, stats, n_users, share)
     stats.update(fast_sample=int(sample.size), sample_fallback_fraction=s_stats["fallback_fraction"],
                  probe="sampled")
@@ -238,6 +263,30 @@ def _cost(stats: dict, n_users: int, share: float) -> float:
     DECLINE_COST): ``share`` the float16 pass's (``Backend.float16_pass_share``)."""
     n = max(n_users, 1)
     return share * (1 + stats["widened_users"] / n) + stats["fallback_users"] / n
+
+
+def _first_margin(engine: Any, k: int) -> int:
+    """The margin of the first float16 pass of a search at ``k``: the one learned for k (WIDE_FIRST), else
+    ``certificate.margin(k)``."""
+    learned = None if engine._fast is None else engine._fast.margins.get(k)
+    return certificate.margin(k) if learned is None else learned
+
+
+def _learn_margin(engine: Any, k: int, stats: dict, n_users: int) -> None:
+    """After a fast search of ``n_users`` at ``k`` (``stats``) whose first pass kept the first margin: the next
+    searches of k start with the widened margin where the widened pass certified more than WIDE_FIRST of the users
+    and its candidates stay within MAX_CANDIDATE_SHARE_TILES16 of the catalogue, else with the first. A search that
+    started wider leaves the margin as it is (a sample's probe, at the first margin, finds out afresh)."""
+    base = certificate.margin(k)
+    if stats["first_margin"] != base:
+        return
+    rescued = stats["widened_users"] - stats["fallback_users"]
+    wide = k + WIDEN * base + 1
+    if rescued > WIDE_FIRST * max(n_users, 1) and (
+            engine.n_items < SHARE_MIN_ITEMS or wide <= MAX_CANDIDATE_SHARE_TILES16 * engine.n_items):
+        engine._fast.margins[k] = WIDEN * base
+    else:
+        engine._fast.margins.pop(k, None)
 
 
 def _pass_share(engine: Any, n_users: int, k: int) -> float:
@@ -278,9 +327,9 @@ def _take(xp: Any, users: Any, rows: np.ndarray) -> Any:
     return users[rows] if isinstance(users, np.ndarray) else users[xp.asarray(rows)]
 
 
-def _prepare(engine: Any, users: Any, k: int) -> certificate.FastUsers:
+def _prepare(engine: Any, users: Any, k: int, margin: int | None = None) -> certificate.FastUsers:
     """The float16 copies of prepared ``users`` and what their certificates need (module of ``users``), for a
-    search of ``k``."""
+    search of ``k`` whose first pass keeps ``margin`` more (default ``certificate.margin(k)``)."""
     backend = engine.backend
     uxp = np if isinstance(users, np.ndarray) else backend.xp
     # Where the pass keeps float16 score tiles, each user's scores are shifted near 0 (SHIFT_ITEMS). Where it keeps
@@ -292,16 +341,17 @@ def _prepare(engine: Any, users: Any, k: int) -> certificate.FastUsers:
     # scores (1M x 100k x 64 at k = 100: 0.051 s of selects shifted against 0.072 s not, before the select skipped
     # the leading bits its keys share). H200, docs/benchmarks.md.
     items = _state(engine).items
-    half = _tiles16(engine, int(users.shape[0]), k)
+    half = _tiles16(engine, int(users.shape[0]), k, margin)
     shift = _sampled_best(engine, users, uxp) if half or items.users_hold_bounds else None
     return certificate.prepare_users(uxp, users, items, half_scores=half, shift=shift)
 
 
-def _tiles16(engine: Any, n_users: int, k: int) -> bool:
-    """Whether the first float16 pass of a search of ``n_users`` at ``k`` will keep float16 score tiles
-    (``Backend.pass_score_dtype``), for users not shifted (their columns: ``FastItems.unshifted_width``)."""
+def _tiles16(engine: Any, n_users: int, k: int, margin: int | None = None) -> bool:
+    """Whether the first float16 pass of a search of ``n_users`` at ``k`` (keeping ``margin`` more, default
+    ``certificate.margin(k)``) will keep float16 score tiles (``Backend.pass_score_dtype``), for users not shifted
+    (their columns: ``FastItems.unshifted_width``)."""
     items = _state(engine).items
-    wide = min(k + certificate.margin(k) + 1, engine.n_items)
+    wide = min(k + (certificate.margin(k) if margin is None else margin) + 1, engine.n_items)
     # The pass's plan, from the shape and dtype of its users (a stand-in that holds no memory).
     spec = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (n_users, items.width), (0, 0))
     plan = engine.plan(spec, engine.n_items, wide)
@@ -311,17 +361,19 @@ def _tiles16(engine: Any, n_users: int, k: int) -> bool:
 
 
 def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
-                 fast_users: certificate.FastUsers | None = None, ordered: bool = False) -> tuple[Any, Any, dict]:
+                 fast_users: certificate.FastUsers | None = None, ordered: bool = False,
+                 margin: int | None = None) -> tuple[Any, Any, dict]:
     """Fast mode on every one of ``users``: (scores, rows, stats), exactly exact mode's answer. ``fast_users``: their
-    float16 copies (``_prepare``), when already made; ``ordered``: the certified route (``search``)."""
+    float16 copies (``_prepare``), when already made; ``ordered``: the certified route (``search``); ``margin``: the
+    first pass's (default ``certificate.margin(k)``; the widened pass keeps WIDEN times as many)."""
     backend = engine.backend
     xp = backend.xp
     state = _state(engine)
     uxp = np if isinstance(users, np.ndarray) else xp
+    m = certificate.margin(k) if margin is None else margin
     if fast_users is None:
-        fast_users = _prepare(engine, users, k)
+        fast_users = _prepare(engine, users, k, m)
     n_users, n_items = int(users.shape[0]), engine.n_items
-    m = certificate.margin(k)
     vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl,
                                                             ordered, estimate=True)
     half = _kept16(backend, run_stats)  # what the pass kept its scores in
@@ -350,7 +402,8 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
         fv, fr, _ = _search_exact(engine, _take(xp, users, failed), k, excl.subset(failed), forced)
         sel = xp.asarray(failed)
         vals[sel], rows[sel] = fv, fr
-    stats = {**run_stats, "precision": "fast", "candidates": n_cand, "widened_users": int(widened.size),
+    stats = {**run_stats, "precision": "fast", "candidates": n_cand, "first_margin": m,
+             "widened_users": int(widened.size),
              "fallback_users": int(failed.size), "fallback_fraction": failed.size / max(n_users, 1)}
     return vals, rows, stats
 

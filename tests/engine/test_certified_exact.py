@@ -206,8 +206,8 @@ def test_the_probe_weighs_widened_users_by_the_pass_share(monkeypatch):
     users, items = normal_data(6400, 3000, 12, seed=21)
     real = fast._search_fast
 
-    def all_widened(engine, users, k, excl, fast_users=None, ordered=False):
-        vals, rows, stats = real(engine, users, k, excl, fast_users, ordered)
+    def all_widened(engine, users, k, excl, fast_users=None, ordered=False, margin=None):
+        vals, rows, stats = real(engine, users, k, excl, fast_users, ordered, margin)
         return vals, rows, {**stats, "widened_users": int(users.shape[0]), "fallback_users": 0}
 
     monkeypatch.setattr(fast, "_search_fast", all_widened)
@@ -220,6 +220,22 @@ def test_the_probe_weighs_widened_users_by_the_pass_share(monkeypatch):
     assert engine.stats["precision"] == "fast" and engine.stats["probe"] == "sampled", engine.stats
     assert 20 in engine._fast.trusted  # the whole search's modelled cost, 0.5, paid too
     assert fast._cost({"widened_users": 10, "fallback_users": 3}, 20, 0.25) == pytest.approx(0.25 * 1.5 + 0.15)
+
+
+def test_the_route_learns_a_wider_first_pass(device):
+    # Exact mode's certified route runs fast mode's passes: where the widened pass certified most users, the next
+    # search of that k starts with its margin too, and its answer stays the fused kernel's sums, bit for bit.
+    from test_fast import _plateau_data
+
+    users, items = _plateau_data(600, seed=34, dim=12)
+    engine = Engine(items, device=device, options=_options(device))
+    m = certificate.margin(20)
+    for first, widened in ((m, 600), (4 * m, 0)):
+        res = engine.search(users, 20)
+        stats = engine.stats
+        assert stats["route"] == "certified" and stats["first_margin"] == first, stats
+        assert stats["widened_users"] == widened and stats["fallback_users"] == 0, stats
+        _assert_reference(engine, res, users, 20)
 
 
 def test_bad_mode_is_refused():

@@ -291,11 +291,11 @@ def _spy_fast_searches(monkeypatch):
     calls = []
     real = fast_search._search_fast
 
-    def spy(engine, users, k, excl, fast_users=None, ordered=False):
+    def spy(engine, users, k, excl, fast_users=None, ordered=False, margin=None):
         calls.append(int(users.shape[0]))
         if fast_users is not None:  # the sample's rows of every user's copies, or all of them
             assert fast_users.vecs16.shape[0] == users.shape[0]
-        return real(engine, users, k, excl, fast_users, ordered)
+        return real(engine, users, k, excl, fast_users, ordered, margin)
 
     monkeypatch.setattr(fast_search, "_search_fast", spy)
     return calls
@@ -323,8 +323,8 @@ def test_fast_keeps_going_where_the_certificate_pays(device, monkeypatch):
     prepared = []
     real_prepare = fast_search._prepare
     monkeypatch.setattr(fast_search, "_prepare",
-                        lambda engine, users, k: prepared.append(int(users.shape[0]))
-                        or real_prepare(engine, users, k))
+                        lambda engine, users, k, margin=None: prepared.append(int(users.shape[0]))
+                        or real_prepare(engine, users, k, margin))
     users, items = normal_data(6400, 2000, 16, seed=14)
     exclude = {u: list(range(u % 7)) for u in range(0, 6400, 3)}
     engine = Engine(items, device=device, precision="fast")
@@ -381,6 +381,108 @@ def test_a_trusted_k_probes_again_once_a_search_does_not_pay(device, monkeypatch
     calls.clear()
     engine.search(ties, 50)  # probes again, and declines
     assert calls == [128] and engine.stats["precision"] == "exact" and "fast_declined" in engine.stats
+
+
+def _assert_plateau_exact(res, users, items, k):
+    # Against the float64 oracle to a millionth of |u|·|v|: a tenth of the plateau's spacing, so that a wrong item
+    # fails while a swap of two scores a float32 rounding apart (fast mode's sums are in its own order) passes.
+    oracle.assert_topk_close(as_numpy(res.indices), as_numpy(res.scores), users, items, k, rtol=1e-6)
+
+
+def _plateau_data(n_users, seed, n_items=3000, plateau=60, dim=16):
+    """Users near one direction v, and ``plateau`` items within a relative 1e-4 of v (their scores of a user lie
+    closer together than the certificate's bound, about 2^-11 of |u|·|v|, yet about a hundred float32 steps apart),
+    the other items far below: a first pass of k + m + 1 <= plateau candidates cannot be certified, one of
+    k + WIDEN·m + 1 > plateau can."""
+    rng = np.random.default_rng(seed)
+    v = rng.normal(size=dim)
+    items = 0.1 * rng.normal(size=(n_items, dim))
+    near = rng.choice(n_items, plateau, replace=False)
+    items[near] = v + 3e-4 * rng.normal(size=(plateau, dim))
+    users = v + 0.3 * rng.normal(size=(n_users, dim))
+    return users.astype(np.float32), items.astype(np.float32)
+
+
+def test_a_k_whose_users_were_widened_starts_wider(device):
+    # k = 20: m = 16, a first pass of 37 candidates inside the plateau of 60 fails for every user, the widened pass
+    # of 85 certifies every one. The next search of k = 20 starts at 85 (one float16 pass); another k does not.
+    users, items = _plateau_data(600, seed=31)
+    engine = Engine(items, device=device, precision="fast")
+    _assert_plateau_exact(engine.search(users, 20), users, items, 20)
+    m = fast.margin(20)
+    assert engine.stats["first_margin"] == m and engine.stats["widened_users"] == 600, engine.stats
+    assert engine.stats["fallback_users"] == 0 and engine._fast.margins == {20: 4 * m}
+    _assert_plateau_exact(engine.search(users, 20), users, items, 20)
+    stats = engine.stats
+    assert stats["first_margin"] == 4 * m and stats["candidates"] == 20 + 4 * m + 1, stats
+    assert stats["widened_users"] == 0 and stats["fallback_users"] == 0, stats
+    engine.search(users, 21)  # another k starts at its own first margin (and learns its own)
+    assert engine.stats["first_margin"] == fast.margin(21) and engine.stats["widened_users"] == 600, engine.stats
+    # Users whose scores are spread out again: a search that starts wider keeps its margin (only a search at the
+    # first margin, a sample's probe among them, finds out afresh).
+    spread = normal_data(600, 10, 16, seed=32)[0]
+    engine.search(spread, 20)
+    assert engine.stats["first_margin"] == 4 * m and engine._fast.margins[20] == 4 * m
+
+
+def test_the_probe_sets_the_first_margin_of_the_whole_search(device, monkeypatch):
+    # 6,400 users: a sample of 128 probes at the first margin, every one of its users widened and certified; the
+    # whole search then starts wider, and so does the next (the probe skipped: the last search paid).
+    calls = _spy_fast_searches(monkeypatch)
+    users, items = _plateau_data(6400, seed=33)
+    engine = Engine(items, device=device, precision="fast")
+    # The fast pass modelled at a quarter of an exact search (as where both searches are GEMMs): the probe's 128
+    # widened users cost a modelled 0.5 and fast mode runs. At the fused kernels' 0.5 it declines (1.0).
+    monkeypatch.setattr(engine.backend, "float16_pass_share", lambda *args: 0.25)
+    got = engine.search(users, 20)
+    _assert_plateau_exact(got, users, items, 20)
+    m = fast.margin(20)
+    stats = engine.stats
+    assert calls == [128, 6400] and stats["probe"] == "sampled" and stats["precision"] == "fast", stats
+    assert stats["first_margin"] == 4 * m and stats["widened_users"] == 0, stats
+    calls.clear()
+    again = engine.search(users, 20)
+    np.testing.assert_array_equal(as_numpy(again.indices), as_numpy(got.indices))
+    assert calls == [6400] and engine.stats["probe"] == "skipped" and engine.stats["first_margin"] == 4 * m
+
+
+@pytest.mark.parametrize("widened, fell_back, n_items, learned", [
+    (600, 0, 3000, True),  # every user certified by the widened pass
+    (600, 400, 3000, False),  # widened, but most fell back: the wider pass would not have paid either
+    (200, 0, 3000, False),  # a third widened: two passes for a third cost less than a wider pass for all
+    (600, 0, 1_000_000, True),  # 85 candidates: 0.0085% of the items
+    (600, 0, 65_536, True),  # 0.13%, within MAX_CANDIDATE_SHARE_TILES16's 0.5%
+    (600, 0, 16_000, True),  # under SHARE_MIN_ITEMS: the share models do not act
+])
+def test_learned_margin_rule(widened, fell_back, n_items, learned):
+    from types import SimpleNamespace
+
+    from recall.engine import fast as fast_search
+
+    m = fast.margin(20)
+    engine = SimpleNamespace(n_items=n_items, _fast=SimpleNamespace(margins={20: 4 * m}))
+    stats = {"first_margin": m, "widened_users": widened, "fallback_users": fell_back}
+    fast_search._learn_margin(engine, 20, stats, 600)
+    assert engine._fast.margins == ({20: 4 * m} if learned else {})
+    # A search that started wider leaves it as it is.
+    engine._fast.margins = {20: 4 * m}
+    fast_search._learn_margin(engine, 20, {**stats, "first_margin": 4 * m, "widened_users": 0}, 600)
+    assert engine._fast.margins == {20: 4 * m}
+
+
+def test_learned_margin_stays_within_the_candidate_share(monkeypatch):
+    from types import SimpleNamespace
+
+    from recall.engine import fast as fast_search
+
+    m = fast.margin(1000)  # 250: a wider first pass of 2,001 candidates
+    engine = SimpleNamespace(n_items=200_000, _fast=SimpleNamespace(margins={}))
+    stats = {"first_margin": m, "widened_users": 600, "fallback_users": 0}
+    fast_search._learn_margin(engine, 1000, stats, 600)  # 1.0% of the items, above 0.5%
+    assert engine._fast.margins == {}
+    engine.n_items = 400_200  # 0.49996%
+    fast_search._learn_margin(engine, 1000, stats, 600)
+    assert engine._fast.margins == {1000: 4 * m}
 
 
 def test_the_samples_float16_copies_are_rows_of_everyones():
