@@ -106,6 +106,21 @@ def ties_data(n_users: int, n_items: int, dim: int, low: int = -2, high: int = 2
     return users, items
 
 
+def plateau_data(n_users: int, seed: int, n_items: int = 3000, plateau: int = 60, dim: int = 16
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Users near one direction v, and ``plateau`` items within a relative 3e-4 of v (their scores of a user lie
+    closer together than the certificate's bound, about 2^-11 of |u|·|v|, yet about a hundred float32 steps apart),
+    the other items far below: a first pass of k + m + 1 <= plateau candidates cannot be certified, one of
+    k + WIDEN·m + 1 > plateau can."""
+    rng = np.random.default_rng(seed)
+    v = rng.normal(size=dim)
+    items = 0.1 * rng.normal(size=(n_items, dim))
+    near = rng.choice(n_items, plateau, replace=False)
+    items[near] = v + 3e-4 * rng.normal(size=(plateau, dim))
+    users = v + 0.3 * rng.normal(size=(n_users, dim))
+    return users.astype(np.float32), items.astype(np.float32)
+
+
 @pytest.fixture
 def make_normal():
     return normal_data

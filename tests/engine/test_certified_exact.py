@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import clustered_data, normal_data, ties_data
+from conftest import clustered_data, normal_data, plateau_data, ties_data
 from oracle import as_numpy
 from recall import Engine, EngineOptions
 from recall.backends.numpy.ordered import ordered_dots
@@ -225,9 +225,7 @@ def test_the_probe_weighs_widened_users_by_the_pass_share(monkeypatch):
 def test_the_route_learns_a_wider_first_pass(device):
     # Exact mode's certified route runs fast mode's passes: where the widened pass certified most users, the next
     # search of that k starts with its margin too, and its answer stays the fused kernel's sums, bit for bit.
-    from test_fast import _plateau_data
-
-    users, items = _plateau_data(600, seed=34, dim=12)
+    users, items = plateau_data(600, seed=34, dim=12)
     engine = Engine(items, device=device, options=_options(device))
     m = certificate.margin(20)
     for first, widened in ((m, 600), (4 * m, 0)):

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oracle
-from conftest import clustered_data, normal_data, ties_data
+from conftest import clustered_data, normal_data, plateau_data, ties_data
 from oracle import as_numpy
 from recall import Engine, EngineOptions, InputError
 from recall.core import certificate as fast
@@ -389,24 +389,10 @@ def _assert_plateau_exact(res, users, items, k):
     oracle.assert_topk_close(as_numpy(res.indices), as_numpy(res.scores), users, items, k, rtol=1e-6)
 
 
-def _plateau_data(n_users, seed, n_items=3000, plateau=60, dim=16):
-    """Users near one direction v, and ``plateau`` items within a relative 1e-4 of v (their scores of a user lie
-    closer together than the certificate's bound, about 2^-11 of |u|·|v|, yet about a hundred float32 steps apart),
-    the other items far below: a first pass of k + m + 1 <= plateau candidates cannot be certified, one of
-    k + WIDEN·m + 1 > plateau can."""
-    rng = np.random.default_rng(seed)
-    v = rng.normal(size=dim)
-    items = 0.1 * rng.normal(size=(n_items, dim))
-    near = rng.choice(n_items, plateau, replace=False)
-    items[near] = v + 3e-4 * rng.normal(size=(plateau, dim))
-    users = v + 0.3 * rng.normal(size=(n_users, dim))
-    return users.astype(np.float32), items.astype(np.float32)
-
-
 def test_a_k_whose_users_were_widened_starts_wider(device):
     # k = 20: m = 16, a first pass of 37 candidates inside the plateau of 60 fails for every user, the widened pass
     # of 85 certifies every one. The next search of k = 20 starts at 85 (one float16 pass); another k does not.
-    users, items = _plateau_data(600, seed=31)
+    users, items = plateau_data(600, seed=31)
     engine = Engine(items, device=device, precision="fast")
     _assert_plateau_exact(engine.search(users, 20), users, items, 20)
     m = fast.margin(20)
@@ -429,7 +415,7 @@ def test_the_probe_sets_the_first_margin_of_the_whole_search(device, monkeypatch
     # 6,400 users: a sample of 128 probes at the first margin, every one of its users widened and certified; the
     # whole search then starts wider, and so does the next (the probe skipped: the last search paid).
     calls = _spy_fast_searches(monkeypatch)
-    users, items = _plateau_data(6400, seed=33)
+    users, items = plateau_data(6400, seed=33)
     engine = Engine(items, device=device, precision="fast")
     # The fast pass modelled at a quarter of an exact search (as where both searches are GEMMs): the probe's 128
     # widened users cost a modelled 0.5 and fast mode runs. At the fused kernels' 0.5 it declines (1.0).
