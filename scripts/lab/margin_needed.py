@@ -30,7 +30,8 @@ def measure(kind: str, n_users: int, n_items: int, dim: int, metric: str, k: int
     fast_items = certificate.prepare_items(np, items, metrics.bias_column(metric, dim))
     bound = certificate.prepare_users(np, users, fast_items).bound
     scores = -np.sort(-(users.astype(np.float64) @ items.astype(np.float64).T), axis=1)
-    sample = np.arange(min(fast.SHIFT_ITEMS, n_items)) * n_items // min(fast.SHIFT_ITEMS, n_items)
+    size = min(fast.SHIFT_ITEMS, n_items)
+    sample = np.arange(size) * n_items // size  # the items fast._sampled_best shifts by
     sampled_best = (users.astype(np.float64) @ items[sample].astype(np.float64).T).max(axis=1)
     kth = scores[:, k - 1]
     m = certificate.margin(k)
