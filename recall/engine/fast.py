@@ -5,12 +5,15 @@ order (``Backend.run_blocks``' ``best_first``), re-scores them in float32 (``Bac
 top k. The answer is certified when the exact k-th score beats an upper bound of every score left out, from the
 least kept approximate score (``recall.core.certificate``).
 A user whose certificate fails is tried once more with ``k + 4m`` candidates (where score tiles are float16, its
-scores shifted by its exact k-th score: the *widened* pass, over those users only), and searched again in exact mode
-if that fails too, so the result is always the exact answer. ``engine.stats["widened_users"]`` counts the second
-tries, ``["fallback_users"]`` the exact searches. Where the widened pass certified most of a search's users
-(:data:`WIDE_FIRST`: data whose best scores lie closer together than the bound, as normalised vectors of many
-dimensions against a large catalogue), the engine's next searches of that k keep ``k + 4m`` candidates in their
-first pass (``FastState.margins``, ``stats["first_margin"]``), so that most users need one float16 pass, not two.
+scores shifted by its exact k-th score: the *widened* pass, over those users only); where that fails too, once more
+with four times as many (:data:`WIDENED_PASSES`), as long as the candidates stay within
+:data:`MAX_CANDIDATE_SHARE_TILES16` of the catalogue; and it is searched again in exact mode at the end, so the
+result is always the exact answer. ``engine.stats["widened_users"]`` counts the second tries,
+``["widened_passes"]`` each further pass, ``["fallback_users"]`` the exact searches. Where a widened pass certified
+most of a search's users (:data:`WIDE_FIRST`: data whose best scores lie closer together than the bound, as
+normalised vectors of many dimensions against a large catalogue), the engine's next searches of that k keep that
+pass's candidates in their first pass (``FastState.margins``, ``stats["first_margin"]``), so that most users need one
+float16 pass, not two or three.
 
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`, lower
 where the float16 pass keeps float16 score tiles):
@@ -79,13 +82,21 @@ SAMPLE_MIN = 128
 #: Searches of at most this many users make every user's float16 copy before the sample's probe (which takes its rows
 #: of them); larger ones let the probe make its own (see ``search``).
 PREPARE_ALL_FIRST = 65_536
-#: The widened pass keeps WIDEN times the margin of the first.
+#: The widened pass keeps WIDEN times the margin of the first (and each further one WIDEN times the last's).
 WIDEN = 4
-#: Where the widened pass certified more than this share of a search's users (widened users that did not fall back),
-#: the next searches of that k start with the widened margin (``FastState.margins``): most of their users would
-#: otherwise pay for two float16 passes and two re-scorings. Only where those candidates stay within
-#: MAX_CANDIDATE_SHARE_TILES16 of the catalogue (or the catalogue is under SHARE_MIN_ITEMS), so that the wider first
-#: pass never re-scores a share the rough models above would decline. The case (H200, 2026-12-04 05:11 UTC,
+#: Widened passes a user may take before exact mode: the second keeps WIDEN times the first's margin, within
+#: MAX_CANDIDATE_SHARE_TILES16 of a catalogue of SHARE_MIN_ITEMS or more. The case (H200, 2026-12-04 17:0x UTC,
+#: docs/benchmarks.md): 20k x 1M x 1,536, cosine, k = 100, where 397 of the sample's 400 users failed at k + 4m = 201
+#: candidates and fast mode declined (1.31 s, the float32 search); the CPU's emulation of 100 of those users against
+#: 500k items certifies 96% at 201 and all at 301. A user whose best scores tie at its k-th place (whose certificate
+#: no number of candidates short of its whole tie can prove) pays one more float16 pass before exact mode; the
+#: sample's model counts it (``_cost``).
+WIDENED_PASSES = 2
+#: Where a widened pass certified more than this share of a search's users (the first such pass, where the first pass
+#: certified at most that share), the next searches of that k start with its margin (``FastState.margins``): most of
+#: their users would otherwise pay for two float16 passes and two re-scorings, or more. Only where those candidates
+#: stay within MAX_CANDIDATE_SHARE_TILES16 of the catalogue (or the catalogue is under SHARE_MIN_ITEMS), so that the
+#: wider first pass never re-scores a share the rough models above would decline. The case (H200, 2026-12-04 05:11 UTC,
 #: docs/benchmarks.md): 20k x 1M x 768, cosine, k = 100, where 19,999 of 20,000 users were widened and none fell
 #: back; the CPU's emulation of the same arithmetic on 200 of its users certifies none at k + m + 1 = 126
 #: candidates and 97.5-100% at k + 4m + 1 = 201 (``scripts/lab/margin_needed.py``). The sample's probe itself
@@ -229,9 +240,10 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                                     else engine.backend.xp.asarray(sample))
     _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample),
                                  probe_users, ordered)
-    # The decision models the probe's own passes (at the first margin), not the wider first pass it may lead to:
-    # that is taken only where it spares most users a second pass, so the model errs on the side of exact mode.
-    cost = _cost(s_stats, sample.size, share)
+    # The decision models the search the probe leads to: where it learns a wider first pass (a widened pass that
+    # certified most of its users), the sample's passes after that one; else its own.
+    learned = _learned_pass(engine, k, s_stats, sample.size)
+    cost = _cost(s_stats, sample.size, share, 0 if learned is None else learned + 1)
     if cost > DECLINE_COST:
         engine._fast.trusted.discard(k)
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
@@ -239,8 +251,8 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                  "fast_declined": (f"a sample of {sample.size:,} users: {s_stats['fallback_fraction']:.0%} fell "
                                    f"back to exact search, {s_stats['widened_users'] / sample.size:.0%} were "
                                    f"widened; at a modelled {cost:.2f} of an exact search (the float16 pass "
-                                   f"{share:.2f} of one, again for each widened user, a whole one for each user "
-                                   f"that fell back), above {DECLINE_COST}, fast mode would not pay"),
+                                   f"{share:.2f} of one, again for each widened pass of a user, a whole one for "
+                                   f"each user that fell back), above {DECLINE_COST}, fast mode would not pay"),
                  "fallback_users": s_stats["fallback_users"], "widened_users": s_stats["widened_users"],
                  "fallback_fraction": s_stats["fallback_users"] / n_users}
     else:
@@ -258,11 +270,22 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     return vals, rows
 
 
-def _cost(stats: dict, n_users: int, share: float) -> float:
+def _passes(stats: dict) -> list:
+    """A fast search's widened passes from its stats: [margin, users, users certified] each, first to last."""
+    if "widened_passes" in stats:
+        return stats["widened_passes"]
+    widened = stats["widened_users"]  # stats of one widened pass at most (as tests write them)
+    return [[WIDEN * stats.get("first_margin", 0), widened, widened - stats["fallback_users"]]] if widened else []
+
+
+def _cost(stats: dict, n_users: int, share: float, start: int = 0) -> float:
     """The modelled time of a fast search of ``n_users`` with these stats as a share of an exact search's (see
-    DECLINE_COST): ``share`` the float16 pass's (``Backend.float16_pass_share``)."""
+    DECLINE_COST): ``share`` the float16 pass's (``Backend.float16_pass_share``), once for every user and again for
+    each user of each widened pass from the ``start``-th (0: every one; a search whose first pass kept the margin of
+    its ``start - 1``-th would have needed only the later ones), a whole exact search for each user that fell back."""
     n = max(n_users, 1)
-    return share * (1 + stats["widened_users"] / n) + stats["fallback_users"] / n
+    again = sum(users for _, users, _ in _passes(stats)[start:])
+    return share * (1 + again / n) + stats["fallback_users"] / n
 
 
 def _first_margin(engine: Any, k: int) -> int:
@@ -272,20 +295,32 @@ def _first_margin(engine: Any, k: int) -> int:
     return certificate.margin(k) if learned is None else learned
 
 
+def _within_share(engine: Any, wide: int) -> bool:
+    """Whether ``wide`` candidates a user stay within MAX_CANDIDATE_SHARE_TILES16 of the catalogue (or the catalogue
+    is under SHARE_MIN_ITEMS, where the share models do not act)."""
+    return engine.n_items < SHARE_MIN_ITEMS or wide <= MAX_CANDIDATE_SHARE_TILES16 * engine.n_items
+
+
+def _learned_pass(engine: Any, k: int, stats: dict, n_users: int) -> int | None:
+    """The index of the widened pass whose margin a fast search of ``n_users`` at ``k`` (``stats``) teaches the next
+    searches of k to start with: the first that certified more than WIDE_FIRST of the users, within the candidate
+    share; None where its first pass certified WIDE_FIRST of them or more, or no widened pass did."""
+    most = WIDE_FIRST * max(n_users, 1)
+    for i, (margin, _, rescued) in enumerate(_passes(stats)):
+        if rescued > most:
+            return i if _within_share(engine, k + margin + 1) else None
+    return None
+
+
 def _learn_margin(engine: Any, k: int, stats: dict, n_users: int) -> None:
-    """After a fast search of ``n_users`` at ``k`` (``stats``) whose first pass kept the first margin: the next
-    searches of k start with the widened margin where the widened pass certified more than WIDE_FIRST of the users
-    and its candidates stay within MAX_CANDIDATE_SHARE_TILES16 of the catalogue, else with the first. A search that
-    started wider leaves the margin as it is (a sample's probe, at the first margin, finds out afresh)."""
-    base = certificate.margin(k)
-    if stats["first_margin"] != base:
-        return
-    rescued = stats["widened_users"] - stats["fallback_users"]
-    wide = k + WIDEN * base + 1
-    if rescued > WIDE_FIRST * max(n_users, 1) and (
-            engine.n_items < SHARE_MIN_ITEMS or wide <= MAX_CANDIDATE_SHARE_TILES16 * engine.n_items):
-        engine._fast.margins[k] = WIDEN * base
-    else:
+    """After a fast search of ``n_users`` at ``k`` (``stats``): the next searches of k start with the margin of the
+    widened pass that certified more than WIDE_FIRST of the users (``_learned_pass``). Where none did, a search at
+    the first margin forgets any learned one; a search that started wider leaves it as it is (a sample's probe, at
+    the first margin, finds out afresh)."""
+    learned = _learned_pass(engine, k, stats, n_users)
+    if learned is not None:
+        engine._fast.margins[k] = _passes(stats)[learned][0]
+    elif stats["first_margin"] == certificate.margin(k):
         engine._fast.margins.pop(k, None)
 
 
@@ -297,10 +332,11 @@ def _pass_share(engine: Any, n_users: int, k: int) -> float:
 
 
 def _trust(engine: Any, k: int, stats: dict, n_users: int, share: float) -> None:
-    """Remember whether a whole fast search of ``n_users`` at ``k`` paid (its modelled cost at most DECLINE_COST), for
-    the next search of that k."""
+    """Remember whether a whole fast search of ``n_users`` at ``k`` paid (its modelled cost at most DECLINE_COST, at
+    the first margin it teaches the next search), for the next search of that k."""
     trusted = engine._fast.trusted
-    if _cost(stats, n_users, share) <= DECLINE_COST:
+    learned = _learned_pass(engine, k, stats, n_users)
+    if _cost(stats, n_users, share, 0 if learned is None else learned + 1) <= DECLINE_COST:
         trusted.add(k)
     else:
         trusted.discard(k)
@@ -377,12 +413,15 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
     vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl,
                                                             ordered, estimate=True)
     half = _kept16(backend, run_stats)  # what the pass kept its scores in
-    widened = failed
-    if failed.size and k + m < n_items:
-        # Once more with WIDEN times the margin; where score tiles are float16, each score shifted by the user's
-        # exact k-th of the first pass: the scores that decide the certificate then lie near 0, where the tiles
-        # round them least. Seeded from lower bounds only: a user whose first pass started above its k-th best
-        # (an estimate, ``left_out``) gets every item it needs here.
+    widened, passes, pass_m = failed, [], m
+    # Once more with WIDEN times the margin; where score tiles are float16, each score shifted by the user's exact
+    # k-th of the last pass: the scores that decide the certificate then lie near 0, where the tiles round them
+    # least. Seeded from lower bounds only: a user whose first pass started above its k-th best (an estimate,
+    # ``left_out``) gets every item it needs here. Then again WIDEN times wider (WIDENED_PASSES), as long as the
+    # candidates stay within the share.
+    while failed.size and k + pass_m < n_items and len(passes) < WIDENED_PASSES and (
+            not passes or _within_share(engine, k + WIDEN * pass_m + 1)):
+        pass_m *= WIDEN
         sel = xp.asarray(failed)
         sub = _take(xp, users, failed)
         shift = None
@@ -391,9 +430,10 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
             kth = backend.to_host(kth) if uxp is np else kth
             shift = uxp.where(uxp.isfinite(kth), kth, 0).astype(uxp.float64)
         retry = certificate.prepare_users(uxp, sub, state.items, half_scores=half, shift=shift)
-        w_vals, w_rows, w_failed, _, _ = _certified_pass(engine, state, sub, retry, k, k + WIDEN * m,
+        w_vals, w_rows, w_failed, _, _ = _certified_pass(engine, state, sub, retry, k, k + pass_m,
                                                          excl.subset(failed), ordered)
         vals[sel], rows[sel] = w_vals, w_rows
+        passes.append([pass_m, int(failed.size), int(failed.size - w_failed.size)])
         failed = failed[w_failed]
     if failed.size:
         # The certified route's last resort is exact mode's fused kernel whatever the number of users (a search of
@@ -403,7 +443,7 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
         sel = xp.asarray(failed)
         vals[sel], rows[sel] = fv, fr
     stats = {**run_stats, "precision": "fast", "candidates": n_cand, "first_margin": m,
-             "widened_users": int(widened.size),
+             "widened_users": int(widened.size), "widened_passes": passes,
              "fallback_users": int(failed.size), "fallback_fraction": failed.size / max(n_users, 1)}
     return vals, rows, stats
 

@@ -113,9 +113,10 @@ def test_route_fallbacks_on_integer_data(device, monkeypatch):
 
 
 def test_route_declines_where_the_sample_falls_back(device):
-    # Integer vectors of three values in 4 dimensions tie by the hundred at the k-th place: the sample's users fall
-    # back, so the route declines and exact mode's own search runs (the same answer).
-    users, items = ties_data(6400, 400, 4, low=-1, high=1, seed=10)
+    # 0/1 vectors in 4 dimensions against 3,000 items tie by the hundred at the k-th place: the sample's users fall
+    # back after both widened passes (against 400 items the second holds most ties whole), so the route declines and
+    # exact mode's own search runs (the same answer).
+    users, items = ties_data(6400, 3000, 4, low=0, high=1, seed=10)
     engine = Engine(items, device=device, options=_options(device))
     res = engine.search(users, 20)
     assert engine.stats["route"] == "float32" and "sample" in engine.stats["certified_declined"]
@@ -200,39 +201,64 @@ def test_gpu_rule_takes_the_route_where_fused_or_wider_than_it(width, takes):
     assert not backend.certify_exact(multi, 20000, 1_000_000, 100, width, auto)
 
 
-def test_the_probe_weighs_widened_users_by_the_pass_share(monkeypatch):
-    # A sample whose every user was widened and none fell back: at the fused kernels' share (0.5) fast mode's
-    # modelled cost is 1.0 of an exact search and it declines; at the GEMMs' share (0.25) it is 0.5 and it runs.
+@pytest.mark.parametrize("certified_by, share, runs", [
+    # Every user widened, none certified by more than half of them in one pass: 0.5 x (1 + 1 + 0.55 + 0.25) = 1.4
+    # of an exact search, and it declines; at the GEMMs' share 0.7, and it runs.
+    ((0.45, 0.3, 0.25), 0.5, False),
+    ((0.45, 0.3, 0.25), 0.25, True),
+    # Every user certified by the first widened pass: the search starts there, at 0.5.
+    ((1.0,), 0.5, True),
+    # More than half certified by the second widened pass: the search starts there, and the third is for 0.2 of
+    # the users: 0.5 x 1.2 = 0.6.
+    ((0.2, 0.6, 0.2), 0.5, True),
+])
+def test_the_probe_weighs_widened_users_by_the_pass_share(monkeypatch, certified_by, share, runs):
+    # A sample whose every user was widened and none fell back, certified by the widened passes in these shares.
     users, items = normal_data(6400, 3000, 12, seed=21)
     real = fast._search_fast
 
     def all_widened(engine, users, k, excl, fast_users=None, ordered=False, margin=None):
         vals, rows, stats = real(engine, users, k, excl, fast_users, ordered, margin)
-        return vals, rows, {**stats, "widened_users": int(users.shape[0]), "fallback_users": 0}
+        n, m, left, passes = int(users.shape[0]), stats["first_margin"], int(users.shape[0]), []
+        for i, share_of_users in enumerate(certified_by):
+            passes.append([fast.WIDEN ** (i + 1) * m, left, round(share_of_users * n)])
+            left -= round(share_of_users * n)
+        return vals, rows, {**stats, "widened_users": n, "fallback_users": 0, "widened_passes": passes}
 
     monkeypatch.setattr(fast, "_search_fast", all_widened)
     engine = Engine(items, device="cpu", precision="fast")
+    monkeypatch.setattr(engine.backend, "float16_pass_share", lambda *args: share)
     engine.search(users, 20)
-    assert engine.stats["precision"] == "exact" and "modelled 1.00" in engine.stats["fast_declined"], engine.stats
-    engine = Engine(items, device="cpu", precision="fast")
-    monkeypatch.setattr(engine.backend, "float16_pass_share", lambda *args: 0.25)
-    engine.search(users, 20)
+    if not runs:
+        assert engine.stats["precision"] == "exact" and "modelled 1.40" in engine.stats["fast_declined"], engine.stats
+        return
     assert engine.stats["precision"] == "fast" and engine.stats["probe"] == "sampled", engine.stats
-    assert 20 in engine._fast.trusted  # the whole search's modelled cost, 0.5, paid too
+    assert 20 in engine._fast.trusted  # the whole search's modelled cost paid too
+
+
+def test_the_modelled_cost():
+    m = certificate.margin(20)
     assert fast._cost({"widened_users": 10, "fallback_users": 3}, 20, 0.25) == pytest.approx(0.25 * 1.5 + 0.15)
+    stats = {"first_margin": m, "widened_users": 10, "fallback_users": 1,
+             "widened_passes": [[4 * m, 10, 2], [16 * m, 8, 7]]}
+    assert fast._cost(stats, 20, 0.5) == pytest.approx(0.5 * (1 + 18 / 20) + 1 / 20)
+    assert fast._cost(stats, 20, 0.5, start=2) == pytest.approx(0.5 + 1 / 20)
 
 
-def test_the_route_learns_a_wider_first_pass(device):
-    # Exact mode's certified route runs fast mode's passes: where the widened pass certified most users, the next
-    # search of that k starts with its margin too, and its answer stays the fused kernel's sums, bit for bit.
-    users, items = plateau_data(600, seed=34, dim=12)
+@pytest.mark.parametrize("plateau, learned, n_passes", [(60, 4, 1), (150, 16, 2)])
+def test_the_route_learns_a_wider_first_pass(device, plateau, learned, n_passes):
+    # Exact mode's certified route runs fast mode's passes: where a widened pass (the first, or the second for the
+    # wider plateau) certified most users, the next search of that k starts with its margin too, and its answer
+    # stays the fused kernel's sums, bit for bit.
+    users, items = plateau_data(600, seed=34, dim=12, plateau=plateau)
     engine = Engine(items, device=device, options=_options(device))
     m = certificate.margin(20)
-    for first, widened in ((m, 600), (4 * m, 0)):
+    for first, widened in ((m, 600), (learned * m, 0)):
         res = engine.search(users, 20)
         stats = engine.stats
         assert stats["route"] == "certified" and stats["first_margin"] == first, stats
         assert stats["widened_users"] == widened and stats["fallback_users"] == 0, stats
+        assert len(stats["widened_passes"]) == (n_passes if widened else 0), stats
         _assert_reference(engine, res, users, 20)
 
 
