@@ -89,9 +89,9 @@ WIDEN = 4
 #: docs/benchmarks.md): 20k x 1M x 1,536, cosine, k = 100, where 397 of the sample's 400 users failed at k + 4m = 201
 #: candidates and fast mode declined (1.31 s, the float32 search); the CPU's emulation of 100 of those users against
 #: 500k items certifies 96% at 201 and all at 301. With the second pass (17:19 UTC) the probe learns k + 16m and the
-#: search takes 0.149 s, no user widened or falling back. A user whose best scores tie at its k-th place (whose certificate
-#: no number of candidates short of its whole tie can prove) pays one more float16 pass before exact mode; the
-#: sample's model counts it (``_cost``).
+#: search takes 0.149 s, no user widened or falling back. A user whose best scores tie at its k-th place (whose
+#: certificate no number of candidates short of its whole tie can prove) pays one more float16 pass before exact
+#: mode; the sample's model counts it (``_cost``).
 WIDENED_PASSES = 2
 #: Where a widened pass certified more than this share of a search's users (the first such pass, where the first pass
 #: certified at most that share), the next searches of that k start with its margin (``FastState.margins``): most of
