@@ -454,6 +454,22 @@ def test_a_second_widened_pass_stays_within_the_candidate_share():
     assert fast_search._learned_pass(engine, 100, stats, 600) is None
 
 
+def test_no_second_widened_pass_beyond_the_candidate_share(monkeypatch):
+    # The plateau of 150 against 65,536 items, with the share limit lowered to 0.4% (262 candidates): the second
+    # widened pass (277) would pass it, so the users the widened pass left go to exact mode, and nothing is learned.
+    from recall.engine import fast as fast_search
+
+    monkeypatch.setattr(fast_search, "MIN_SCORES", 0)
+    monkeypatch.setattr(fast_search, "MAX_CANDIDATE_SHARE_TILES16", 0.004)
+    users, items = plateau_data(200, seed=35, n_items=65_536, plateau=150)
+    engine = Engine(items, device="cpu", precision="fast")
+    _assert_plateau_exact(engine.search(users, 20), users, items, 20)
+    m = fast.margin(20)
+    stats = engine.stats
+    assert stats["widened_passes"] == [[4 * m, 200, 0]] and stats["fallback_users"] == 200, stats
+    assert engine._fast.margins == {}
+
+
 def test_the_probe_sets_the_first_margin_of_the_whole_search(device, monkeypatch):
     # 6,400 users: a sample of 128 probes at the first margin, every one of its users widened and certified; the
     # whole search then starts wider, and so does the next (the probe skipped: the last search paid).
