@@ -243,8 +243,7 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                                  probe_users, ordered)
     # The decision models the search the probe leads to: where it learns a wider first pass (a widened pass that
     # certified most of its users), the sample's passes after that one; else its own.
-    learned = _learned_pass(engine, k, s_stats, sample.size)
-    cost = _cost(s_stats, sample.size, share, 0 if learned is None else learned + 1)
+    cost = _taught_cost(engine, k, s_stats, sample.size, share)
     if cost > DECLINE_COST:
         engine._fast.trusted.discard(k)
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
@@ -271,22 +270,21 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     return vals, rows
 
 
-def _passes(stats: dict) -> list:
-    """A fast search's widened passes from its stats: [margin, users, users certified] each, first to last."""
-    if "widened_passes" in stats:
-        return stats["widened_passes"]
-    widened = stats["widened_users"]  # stats of one widened pass at most (as tests write them)
-    return [[WIDEN * stats.get("first_margin", 0), widened, widened - stats["fallback_users"]]] if widened else []
-
-
 def _cost(stats: dict, n_users: int, share: float, start: int = 0) -> float:
     """The modelled time of a fast search of ``n_users`` with these stats as a share of an exact search's (see
     DECLINE_COST): ``share`` the float16 pass's (``Backend.float16_pass_share``), once for every user and again for
     each user of each widened pass from the ``start``-th (0: every one; a search whose first pass kept the margin of
     its ``start - 1``-th would have needed only the later ones), a whole exact search for each user that fell back."""
     n = max(n_users, 1)
-    again = sum(users for _, users, _ in _passes(stats)[start:])
+    again = sum(users for _, users, _ in stats["widened_passes"][start:])
     return share * (1 + again / n) + stats["fallback_users"] / n
+
+
+def _taught_cost(engine: Any, k: int, stats: dict, n_users: int, share: float) -> float:
+    """``_cost`` of a search like this one (``stats``) whose first pass keeps the margin it teaches the next searches
+    of k (``_learned_pass``): only its widened passes after that one count."""
+    learned = _learned_pass(engine, k, stats, n_users)
+    return _cost(stats, n_users, share, 0 if learned is None else learned + 1)
 
 
 def _first_margin(engine: Any, k: int) -> int:
@@ -307,7 +305,7 @@ def _learned_pass(engine: Any, k: int, stats: dict, n_users: int) -> int | None:
     searches of k to start with: the first that certified more than WIDE_FIRST of the users, within the candidate
     share; None where its first pass certified WIDE_FIRST of them or more, or no widened pass did."""
     most = WIDE_FIRST * max(n_users, 1)
-    for i, (margin, _, rescued) in enumerate(_passes(stats)):
+    for i, (margin, _, rescued) in enumerate(stats["widened_passes"]):
         if rescued > most:
             return i if _within_share(engine, k + margin + 1) else None
     return None
@@ -320,7 +318,7 @@ def _learn_margin(engine: Any, k: int, stats: dict, n_users: int) -> None:
     the first margin, finds out afresh)."""
     learned = _learned_pass(engine, k, stats, n_users)
     if learned is not None:
-        engine._fast.margins[k] = _passes(stats)[learned][0]
+        engine._fast.margins[k] = stats["widened_passes"][learned][0]
     elif stats["first_margin"] == certificate.margin(k):
         engine._fast.margins.pop(k, None)
 
@@ -336,8 +334,7 @@ def _trust(engine: Any, k: int, stats: dict, n_users: int, share: float) -> None
     """Remember whether a whole fast search of ``n_users`` at ``k`` paid (its modelled cost at most DECLINE_COST, at
     the first margin it teaches the next search), for the next search of that k."""
     trusted = engine._fast.trusted
-    learned = _learned_pass(engine, k, stats, n_users)
-    if _cost(stats, n_users, share, 0 if learned is None else learned + 1) <= DECLINE_COST:
+    if _taught_cost(engine, k, stats, n_users, share) <= DECLINE_COST:
         trusted.add(k)
     else:
         trusted.discard(k)

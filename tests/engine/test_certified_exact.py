@@ -238,7 +238,8 @@ def test_the_probe_weighs_widened_users_by_the_pass_share(monkeypatch, certified
 
 def test_the_modelled_cost():
     m = certificate.margin(20)
-    assert fast._cost({"widened_users": 10, "fallback_users": 3}, 20, 0.25) == pytest.approx(0.25 * 1.5 + 0.15)
+    one = {"widened_users": 10, "fallback_users": 3, "widened_passes": [[4 * m, 10, 7]]}
+    assert fast._cost(one, 20, 0.25) == pytest.approx(0.25 * 1.5 + 0.15)
     stats = {"first_margin": m, "widened_users": 10, "fallback_users": 1,
              "widened_passes": [[4 * m, 10, 2], [16 * m, 8, 7]]}
     assert fast._cost(stats, 20, 0.5) == pytest.approx(0.5 * (1 + 18 / 20) + 1 / 20)

@@ -506,12 +506,14 @@ def test_learned_margin_rule(widened, fell_back, n_items, learned):
 
     m = fast.margin(20)
     engine = SimpleNamespace(n_items=n_items, _fast=SimpleNamespace(margins={20: 4 * m}))
-    stats = {"first_margin": m, "widened_users": widened, "fallback_users": fell_back}
+    stats = {"first_margin": m, "widened_users": widened, "fallback_users": fell_back,
+             "widened_passes": [[4 * m, widened, widened - fell_back]]}
     fast_search._learn_margin(engine, 20, stats, 600)
     assert engine._fast.margins == ({20: 4 * m} if learned else {})
     # A search that started wider leaves it as it is.
     engine._fast.margins = {20: 4 * m}
-    fast_search._learn_margin(engine, 20, {**stats, "first_margin": 4 * m, "widened_users": 0}, 600)
+    fast_search._learn_margin(engine, 20, {**stats, "first_margin": 4 * m, "widened_users": 0, "widened_passes": []},
+                              600)
     assert engine._fast.margins == {20: 4 * m}
 
 
@@ -522,7 +524,7 @@ def test_learned_margin_stays_within_the_candidate_share(monkeypatch):
 
     m = fast.margin(1000)  # 250: a wider first pass of 2,001 candidates
     engine = SimpleNamespace(n_items=200_000, _fast=SimpleNamespace(margins={}))
-    stats = {"first_margin": m, "widened_users": 600, "fallback_users": 0}
+    stats = {"first_margin": m, "widened_users": 600, "fallback_users": 0, "widened_passes": [[4 * m, 600, 600]]}
     fast_search._learn_margin(engine, 1000, stats, 600)  # 1.0% of the items, above 0.5%
     assert engine._fast.margins == {}
     engine.n_items = 400_200  # 0.49996%
