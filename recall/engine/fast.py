@@ -103,6 +103,20 @@ WIDENED_PASSES = 2
 #: candidates and 97.5-100% at k + 4m + 1 = 201 (``scripts/lab/margin_needed.py``). The sample's probe itself
 #: always runs at the first margin, so that a new probe finds out afresh.
 WIDE_FIRST = 0.5
+#: A search of at least this many users whose sample's every user would have been certified by a first pass of
+#: fewer candidates, within a smaller power of two (:func:`_narrow_margin`: k = 1,000 keeps 1,024, not 1,251), keeps
+#: that many in its first pass (``FastState.margins``, ``stats["first_margin"]``): each user's merges sort half the
+#: keys and its re-scoring gathers a fifth fewer rows. The sample's own pass tells, without another pass: a user is
+#: certified by the narrower pass exactly where its exact k-th score beats the bound of the narrower pass's least
+#: kept score (``_certified_pass``'s ``narrow``). Exact mode's route on the H200 (2026-12-04, docs/benchmarks.md),
+#: the narrowed margin of 23 against 250: 200k x 100k x 64 ip, k = 1,000 0.0865 s against 0.0948 s, 200k x 100k x
+#: 32 l2 0.0931 against 0.1012, 100k x 1M x 64 0.1265 against 0.1338, no user widened. Smaller searches keep the
+#: margin: a widened pass costs milliseconds whatever its users (20k x 1M x 64 cosine at k = 1,000: 13 users
+#: widened, 0.0332 s against 0.0297 s), more than the narrower pass saves them.
+NARROW_MIN_USERS = 65_536
+#: A search at a narrowed first margin that widened more than this share of its users hands the next searches of
+#: that k the default margin back (their sample's probe then finds out afresh).
+NARROW_MISS = 0.001
 #: Where score tiles are float16, each user's scores are shifted by its best float32 score over this many evenly
 #: spaced items (certificate.prepare_users' ``shift``): the scores the certificate compares then lie near 0, where
 #: float16 tiles round them least (on clustered data at d = 256, 3% of first certificates fail instead of 80%). The
@@ -122,6 +136,7 @@ class FastState:
     resident: Any  # the backend's resident form of items.vecs16
     trusted: set = field(default_factory=set)
     margins: dict = field(default_factory=dict)  # k -> the first pass's margin, where not certificate.margin(k)
+    # (learned wider, WIDE_FIRST, or narrower, NARROW_MIN_USERS)
 
 
 def _state(engine: Any) -> FastState:
@@ -239,8 +254,9 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
         prepared = _prepare(engine, users, k)
         probe_users = prepared.take(sample if isinstance(prepared.vecs16, np.ndarray)
                                     else engine.backend.xp.asarray(sample))
+    narrow = _narrow_margin(k, engine.n_items) if n_users >= NARROW_MIN_USERS else None
     _, _, s_stats = _search_fast(engine, _take(engine.backend.xp, users, sample), k, excl.subset(sample),
-                                 probe_users, ordered)
+                                 probe_users, ordered, narrow=narrow)
     # The decision models the search the probe leads to: where it learns a wider first pass (a widened pass that
     # certified most of its users), the sample's passes after that one; else its own.
     cost = _taught_cost(engine, k, s_stats, sample.size, share)
@@ -257,6 +273,8 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                  "fallback_fraction": s_stats["fallback_users"] / n_users}
     else:
         _learn_margin(engine, k, s_stats, sample.size)
+        if narrow is not None and s_stats.get("narrow_certified") == sample.size:
+            engine._fast.margins[k] = narrow
         margin = _first_margin(engine, k)
         if prepared is not None and margin != certificate.margin(k) and (
                 prepared.half_scores != _tiles16(engine, n_users, k, margin)):
@@ -288,10 +306,20 @@ def _taught_cost(engine: Any, k: int, stats: dict, n_users: int, share: float) -
 
 
 def _first_margin(engine: Any, k: int) -> int:
-    """The margin of the first float16 pass of a search at ``k``: the one learned for k (WIDE_FIRST), else
-    ``certificate.margin(k)``."""
+    """The margin of the first float16 pass of a search at ``k``: the one learned for k (WIDE_FIRST,
+    NARROW_MIN_USERS), else ``certificate.margin(k)``."""
     learned = None if engine._fast is None else engine._fast.margins.get(k)
     return certificate.margin(k) if learned is None else learned
+
+
+def _narrow_margin(k: int, n_items: int) -> int | None:
+    """The narrower first margin a sample's probe tries for ``k`` (NARROW_MIN_USERS): the most that keeps k + m + 1
+    candidates within the power of two that holds k + 17 (the least margin, 16), where that power is smaller than
+    the one the default margin's candidates need; else None (k = 100: 126 candidates, within 128 already)."""
+    least = 1 << (k + 16).bit_length()
+    if least >= 1 << (k + certificate.margin(k)).bit_length() or least >= n_items:
+        return None
+    return least - k - 1
 
 
 def _within_share(engine: Any, wide: int) -> bool:
@@ -314,12 +342,14 @@ def _learned_pass(engine: Any, k: int, stats: dict, n_users: int) -> int | None:
 def _learn_margin(engine: Any, k: int, stats: dict, n_users: int) -> None:
     """After a fast search of ``n_users`` at ``k`` (``stats``): the next searches of k start with the margin of the
     widened pass that certified more than WIDE_FIRST of the users (``_learned_pass``). Where none did, a search at
-    the first margin forgets any learned one; a search that started wider leaves it as it is (a sample's probe, at
-    the first margin, finds out afresh)."""
+    the first margin forgets any learned one, and so does one at a narrowed margin that widened more than NARROW_MISS
+    of its users; a search that started wider leaves it as it is (a sample's probe, at the first margin, finds out
+    afresh)."""
     learned = _learned_pass(engine, k, stats, n_users)
     if learned is not None:
         engine._fast.margins[k] = stats["widened_passes"][learned][0]
-    elif stats["first_margin"] == certificate.margin(k):
+    elif stats["first_margin"] == certificate.margin(k) or (
+            stats["first_margin"] < certificate.margin(k) and stats["widened_users"] > NARROW_MISS * n_users):
         engine._fast.margins.pop(k, None)
 
 
@@ -396,10 +426,11 @@ def _tiles16(engine: Any, n_users: int, k: int, margin: int | None = None) -> bo
 
 def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
                  fast_users: certificate.FastUsers | None = None, ordered: bool = False,
-                 margin: int | None = None) -> tuple[Any, Any, dict]:
+                 margin: int | None = None, narrow: int | None = None) -> tuple[Any, Any, dict]:
     """Fast mode on every one of ``users``: (scores, rows, stats), exactly exact mode's answer. ``fast_users``: their
     float16 copies (``_prepare``), when already made; ``ordered``: the certified route (``search``); ``margin``: the
-    first pass's (default ``certificate.margin(k)``; the widened pass keeps WIDEN times as many)."""
+    first pass's (default ``certificate.margin(k)``; the widened pass keeps WIDEN times as many); ``narrow``: a
+    smaller margin whose first pass's certified users are counted too (``stats["narrow_certified"]``)."""
     backend = engine.backend
     xp = backend.xp
     state = _state(engine)
@@ -409,7 +440,7 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
         fast_users = _prepare(engine, users, k, m)
     n_users, n_items = int(users.shape[0]), engine.n_items
     vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl,
-                                                            ordered, estimate=True)
+                                                            ordered, estimate=True, narrow=narrow)
     half = _kept16(backend, run_stats)  # what the pass kept its scores in
     widened, passes, pass_m = failed, [], m
     # Once more with WIDEN times the margin; where score tiles are float16, each score shifted by the user's exact
@@ -468,12 +499,18 @@ def _sampled_best(engine: Any, users: Any, uxp: Any) -> Any:
 
 
 def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certificate.FastUsers, k: int,
-                    n_keep: int, excl: Exclusions, ordered: bool = False,
-                    estimate: bool = False) -> tuple[Any, Any, np.ndarray, dict, int]:
+                    n_keep: int, excl: Exclusions, ordered: bool = False, estimate: bool = False,
+                    narrow: int | None = None) -> tuple[Any, Any, np.ndarray, dict, int]:
     """One float16 pass keeping ``n_keep`` candidates per user, their float32 re-scoring (``ordered``: the exact
     search's own sums) and the certificate: (scores, rows, host rows of the users whose certificate failed, the
     pass's stats, candidates per user). ``estimate``: the pass may start each user at an estimate of its last
-    candidate's score (``Backend.run_blocks``' ``left_out``), which the certificate then counts as left out."""
+    candidate's score (``Backend.run_blocks``' ``left_out``), which the certificate then counts as left out.
+
+    ``narrow`` (a margin m' below ``n_keep - k``): the stats' ``narrow_certified`` counts the users a pass keeping
+    k + m' would have certified (one that starts at the same estimate). A user's certificate there holds exactly
+    where its exact k-th score here beats the bound of its (k + m' + 1)-th best approximate score: where it does,
+    every item outside those k + m' + 1 scores below that k-th exactly, so they hold the k best and their exact k-th
+    is this one; where that pass certifies, its k-th is the true k-th, which this pass's candidates hold too."""
     backend = engine.backend
     xp = backend.xp
     n_users, n_items = int(users.shape[0]), engine.n_items
@@ -507,6 +544,12 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
             run_stats = {**run_stats, "estimate_short_users": int(short.sum())}
         ok = certificate.certified(xp, vals[:, k - 1], outside, fast_users, state.items)
         failed = np.flatnonzero(backend.to_host(~ok))
+        if narrow is not None and k + narrow + 1 < wide:
+            kept = -xp.sort(-approx_vals, axis=1)[:, k + narrow]  # the narrower pass's least kept score
+            if left is not None:
+                kept = xp.where(left > kept, left, kept)
+            held = certificate.certified(xp, vals[:, k - 1], kept, fast_users, state.items)
+            run_stats = {**run_stats, "narrow_certified": int(backend.to_host(held.sum()))}
     else:
         failed = np.zeros(0, np.int64)  # every item was a candidate: nothing left out to certify against
     return vals, rows, failed, run_stats, wide

@@ -98,6 +98,9 @@ VARIANTS = {
     # HOOKS: seeded searches on the fused path up to k = 4,096 only, float32 and float16 passes alike (before
     # fused.FUSED_SEEDED_MAX_K / FUSED_HALF_SEEDED_MAX_K took k = 8,192): as shipped, and the float32 search alone.
     "seeded-k4k": {}, "float32-k4k": {"certified_exact": "off"},
+    # HOOKS: the first pass's margin (certificate.margin) narrowed: 16 at every k, 64, or where k + 17 candidates fit
+    # a smaller power of two than k + k/4 + 1, up to that power (k = 1,000: 23).
+    "m16": {}, "m64": {}, "m-pow2": {},
 }
 
 
@@ -127,7 +130,23 @@ def _fused_seeded_max_k(k):
     return hook
 
 
-HOOKS = {"ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
+def _margin(rule):
+    def hook(engine):
+        from recall.core import certificate
+
+        certificate.margin = rule
+
+    return hook
+
+
+def _pow2_margin(k):
+    m = max(16, k // 4)
+    p = 1 << (k + 16).bit_length()  # the power of two that holds k + 17
+    return p - k - 1 if p < 1 << (k + m).bit_length() else m
+
+
+HOOKS = {"m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
+         "m-pow2": _margin(_pow2_margin), "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
          "float32-k4k": _fused_seeded_max_k(4096)}
 
@@ -300,6 +319,9 @@ def main() -> None:
         fast_mode.MAX_CANDIDATE_SHARE = fast_mode.MAX_CANDIDATE_SHARE_TILES16 = a.max_candidate_share
     from recall.backends.cupy import fused, selection
 
+    from recall.core import certificate
+
+    shipped_margin = certificate.margin
     shipped_sigmas = selection.ESTIMATE_SIGMAS
     shipped_max_k = fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K
     prec = a.precision
@@ -323,6 +345,7 @@ def main() -> None:
         for vname in a.variants.split(","):
             selection.ESTIMATE_SIGMAS = shipped_sigmas
             fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
+            certificate.margin = shipped_margin
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -356,6 +379,7 @@ def main() -> None:
             del engine
         selection.ESTIMATE_SIGMAS = shipped_sigmas
         fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
+        certificate.margin = shipped_margin
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()

@@ -297,11 +297,11 @@ def _spy_fast_searches(monkeypatch):
     calls = []
     real = fast_search._search_fast
 
-    def spy(engine, users, k, excl, fast_users=None, ordered=False, margin=None):
+    def spy(engine, users, k, excl, fast_users=None, ordered=False, margin=None, narrow=None):
         calls.append(int(users.shape[0]))
         if fast_users is not None:  # the sample's rows of every user's copies, or all of them
             assert fast_users.vecs16.shape[0] == users.shape[0]
-        return real(engine, users, k, excl, fast_users, ordered, margin)
+        return real(engine, users, k, excl, fast_users, ordered, margin, narrow)
 
     monkeypatch.setattr(fast_search, "_search_fast", spy)
     return calls
@@ -799,3 +799,101 @@ def test_users_are_shifted_only_where_score_tiles_are_float16(monkeypatch):
         assert state.items.users_hold_bounds == held
         assert (prepared.vecs16[:, state.items.shift_at] != 0).any() == held
         assert (prepared.vecs16[:, state.items.norms_at:] != 0).any() == held
+
+
+def _half_plateau(n_users, seed, plateau=130):
+    """plateau_data's items; every other user near the plateau's direction (its k = 110 needs more than 128
+    candidates to certify: the plateau's 130 lie closer together than the bound), the others spread out (those of
+    them that score the plateau's direction high need more than 128 too)."""
+    users, items = plateau_data(n_users, seed=seed, plateau=plateau)
+    spread = normal_data(n_users, 1, 16, seed=seed + 1)[0]
+    users[1::2] = spread[1::2]
+    return users, items
+
+
+@pytest.mark.parametrize("k, n_items, narrow", [
+    (1000, 1_000_000, 23),  # 1,251 candidates need 2,048 slots; 1,024 hold k + 24
+    (900, 1_000_000, 123),
+    (110, 3000, 17),  # 138 -> 128
+    (100, 1_000_000, None),  # 126 candidates, within 128 already
+    (2048, 1_000_000, None),  # 2,561: the least margin's 2,065 need 4,096 too
+    (10, 1_000_000, None),  # the least margin is the default
+    (1000, 1024, None),  # 1,024 candidates would be the whole catalogue
+])
+def test_narrow_margin(k, n_items, narrow):
+    from recall.engine import fast as fast_search
+
+    assert fast_search._narrow_margin(k, n_items) == narrow
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_narrow_certified_counts_what_the_narrower_pass_certifies(device, ordered):
+    # The first pass's count of the users a narrower pass would certify, against that narrower pass run: users near
+    # the plateau's direction need more than 128 candidates, the others fewer, so the count is neither 0 nor all.
+    from recall.core import metrics
+    from recall.core.exclusions import Exclusions
+    from recall.engine import fast as fast_search
+
+    users, items = _half_plateau(400, seed=41)
+    engine = Engine(items, device=device, precision="fast")
+    state = fast_search._state(engine)
+    prepared = engine.backend.ingest(metrics.prepare_users("ip", np, users))
+    k, m, narrow = 110, fast.margin(110), fast_search._narrow_margin(110, 3000)
+    excl = Exclusions.empty(400)
+    fast_users = fast_search._prepare(engine, prepared, k, m)
+    _, _, failed, stats, _ = fast_search._certified_pass(engine, state, prepared, fast_users, k, k + m, excl, ordered,
+                                                         narrow=narrow)
+    narrow_users = fast_search._prepare(engine, prepared, k, narrow)
+    _, _, narrow_failed, _, _ = fast_search._certified_pass(engine, state, prepared, narrow_users, k, k + narrow, excl,
+                                                            ordered)
+    assert failed.size < 20 and 100 <= narrow_failed.size <= 350, (failed.size, narrow_failed.size)
+    assert stats["narrow_certified"] == 400 - narrow_failed.size
+
+
+def test_a_large_search_narrows_its_first_margin(device, monkeypatch):
+    # With NARROW_MIN_USERS lowered to 6,400 users: the sample's 128 would all have been certified by 128
+    # candidates at k = 110, so the search keeps 128 (not 138), and so does the next (the probe skipped).
+    from recall.engine import fast as fast_search
+
+    users, items = normal_data(6400, 3000, 16, seed=42)
+    want = Engine(items, device=device).search(users, 110)
+    engine = Engine(items, device=device, precision="fast")
+    got = engine.search(users, 110)
+    assert engine.stats["first_margin"] == fast.margin(110), engine.stats  # 6,400 users: too few to narrow
+    monkeypatch.setattr(fast_search, "NARROW_MIN_USERS", 6400)
+    engine = Engine(items, device=device, precision="fast")
+    for probe in ("sampled", "skipped"):
+        got = engine.search(users, 110)
+        stats = engine.stats
+        assert stats["probe"] == probe and stats["precision"] == "fast", stats
+        assert stats["first_margin"] == 17 and stats["candidates"] == 128 and stats["widened_users"] == 0, stats
+        oracle.assert_topk_close(as_numpy(got.indices), as_numpy(got.scores), users, items, 110)
+        np.testing.assert_allclose(as_numpy(got.scores), as_numpy(want.scores), rtol=1e-5, atol=1e-5)
+
+
+def test_a_sample_that_needs_the_margin_keeps_it(device, monkeypatch):
+    # Most users need more than 128 candidates (the plateau): the probe's count says so, the search keeps the
+    # default margin (whose first pass certifies nearly all of them).
+    from recall.engine import fast as fast_search
+
+    monkeypatch.setattr(fast_search, "NARROW_MIN_USERS", 6400)
+    users, items = _half_plateau(6400, seed=43)
+    engine = Engine(items, device=device, precision="fast")
+    got = engine.search(users, 110)
+    stats = engine.stats
+    assert stats["probe"] == "sampled" and stats["first_margin"] == fast.margin(110), stats
+    assert stats["widened_users"] < 6400 // 10 and engine._fast.margins == {}, stats
+    _assert_plateau_exact(got, users, items, 110)
+
+
+@pytest.mark.parametrize("widened, kept", [(0, True), (6, True), (7, False), (600, False)])
+def test_a_narrowed_margin_that_widens_users_is_forgotten(widened, kept):
+    from types import SimpleNamespace
+
+    from recall.engine import fast as fast_search
+
+    engine = SimpleNamespace(n_items=1_000_000, _fast=SimpleNamespace(margins={1000: 23}))
+    stats = {"first_margin": 23, "widened_users": widened, "fallback_users": 0,
+             "widened_passes": [[92, widened, widened]] if widened else []}
+    fast_search._learn_margin(engine, 1000, stats, 6400)  # NARROW_MISS: 0.1% of 6,400 is 6.4
+    assert engine._fast.margins == ({1000: 23} if kept else {})
