@@ -49,6 +49,7 @@ CELLS = {
     "uh-ip-k4096": ("skewed", 100_000, 100_000, 64, 4096, "ip", 0),  # the float32 search, seeded from a bound
     "cos-k2048-130k": ("popular", 100_000, 130_000, 64, 2048, "cosine", 0),
     "cos-k1000-65k": ("skewed", 100_000, 65_536, 64, 1000, "cosine", 0),  # 1.9% of the smallest catalogue ruled on
+    "uh-20k-k100": ("skewed", 200_000, 20_000, 64, 100, "ip", 0),  # a small catalogue's threshold sample at k = 100
     "ties": ("ties", 50_000, 1_000_000, 64, 100, "ip", 0),
     "d32-k10": ("normal", 20_000, 1_000_000, 32, 10, "ip", 0),
     "l2-adv": ("adversarial", 50_000, 1_000_000, 64, 100, "l2", 0),

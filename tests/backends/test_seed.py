@@ -16,12 +16,17 @@ from recall.backends.cupy.selection import seed_size
     (1_000_000, 8_192, 65_536, 65_536),  # k = 8,192 in 4 tiles of 16,384 (the GPU's preferred tiles): 8 k items
     (100_000, 100, 32_768, 8_192),       # 8 x 8,192 <= 100k: the full sample
     (60_000, 100, 32_768, 0),            # fewer than 8 x 8,192 items, k small for them: no seed
-    # A catalogue of fewer than 8 samples where k is large for it: a power of two, at most a quarter of it.
-    (100_000, 1_000, 32_768, 16_384),
+    # A catalogue of fewer than 8 samples where k is large for it: a power of two, at most a quarter of it; for a
+    # search that may start at an estimate (these: not ``bound``) half that, where it still holds 4 k items.
+    (100_000, 1_000, 32_768, 8_192),
+    (65_536, 1_024, 32_768, 8_192),
+    (100_000, 2_048, 32_768, 8_192),     # 4 k still
+    (100_000, 2_561, 32_768, 16_384),    # 8,192 < 4 k: not halved
     (100_000, 4_000, 32_768, 16_384),
     (100_000, 5_000, 32_768, 0),         # 16,384 < 4 k
     (100_000, 1_000, 8_192, 8_192),      # capped by the buffer
-    (20_000, 300, 24_576, 4_096),
+    (100_000, 1_000, 4_096, 4_096),
+    (20_000, 300, 24_576, 2_048),
     (5_000, 1_000, 32_768, 0),
     (20_000, 37, 900, 900),              # small tiles (the tests' plans): the buffer's width
 ])

@@ -49,8 +49,12 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     eighth of it), the largest power of two at most a quarter of it, whose seed spares the merges the scores of
     whole unseeded tiles (200k x 100k x 32, k = 1,000: 0.190 s seeded from 16,384 items, 0.256 s unseeded,
     docs/benchmarks.md), twice that for a search that starts at the sample's k-th best (``bound``) where it would
-    hold fewer than BOUND_SAMPLE_PER_K k items. Capped by ``capacity``, the score room a block has; at least 4 k
-    items or none. ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from catalogues of at least
+    hold fewer than BOUND_SAMPLE_PER_K k items, and half that (an eighth of the catalogue, at least 4 k) for one
+    that may start at an estimate (not ``bound``: fast mode's float16 passes, ``estimate_rank``), whose few more
+    survivors cost less than the larger sample's select (the certified route on the H200, 2026-12-04,
+    docs/benchmarks.md: 8,192 items against 16,384 took 0.875x the time on 200k x 100k x 64 ip at k = 1,000, 0.928x
+    under l2 at d = 32, 0.926x on 100k x 65,536 x 64 cosine). Capped by ``capacity``, the score room a block has; at
+    least 4 k items or none. ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from catalogues of at least
     twice it."""
     if not seeded:
         return 0
@@ -59,7 +63,10 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     else:
         size, least = min(capacity, max(8192, 32 * k)), 8
         if n_items < 8 * size and 256 * k > n_items:
-            size, least = min(capacity, 1 << max(0, (n_items // 4).bit_length() - 1)), 4
+            size, least = 1 << max(0, (n_items // 4).bit_length() - 1), 4
+            if not bound and 8 * k <= size:
+                size, least = size // 2, 8
+            size = min(capacity, size)
             if (bound and 4 * k <= size < BOUND_SAMPLE_PER_K * k and 2 * size <= capacity
                     and n_items >= 6 * size):
                 size, least = 2 * size, 3
