@@ -138,12 +138,12 @@ def test_k_8192_exact_against_cpu():
 @pytest.mark.parametrize("fused", ["auto", "off"])
 def test_small_catalogue_large_k_is_seeded_and_exact(fused):
     # 20,000 items at k = 300: fewer than 8 samples of the usual size, so the sample is a quarter's power of two
-    # (4,096 items), on the fused path and on cuBLAS + filter; integer data ties everywhere, some users have every
-    # sampled row excluded, one has all but 100 items excluded (fewer than k left).
+    # (4,096 items: an exact search starts at a bound), on the fused path and on cuBLAS + filter; integer data ties
+    # everywhere, some users have every sampled row excluded, one has all but 100 items excluded (fewer than k left).
     rng = np.random.default_rng(12)
     n_items, k = 20000, 300
     items, users = _ints(rng, n_items, 24), _ints(rng, 500, 24)
-    sample = _sample_rows(items, k, 3 * 8192)
+    sample = _sample_rows(items, k, 3 * 8192, bound=True)
     assert sample.size == 4096
     excl = {0: sample.tolist(), 1: list(range(100, n_items))}
     for u in range(2, 500, 3):

@@ -217,8 +217,8 @@ def test_the_probe_weighs_widened_users_by_the_pass_share(monkeypatch, certified
     users, items = normal_data(6400, 3000, 12, seed=21)
     real = fast._search_fast
 
-    def all_widened(engine, users, k, excl, fast_users=None, ordered=False, margin=None):
-        vals, rows, stats = real(engine, users, k, excl, fast_users, ordered, margin)
+    def all_widened(engine, users, k, excl, fast_users=None, ordered=False, margin=None, narrow=None):
+        vals, rows, stats = real(engine, users, k, excl, fast_users, ordered, margin, narrow)
         n, m, left, passes = int(users.shape[0]), stats["first_margin"], int(users.shape[0]), []
         for i, share_of_users in enumerate(certified_by):
             passes.append([fast.WIDEN ** (i + 1) * m, left, round(share_of_users * n)])
