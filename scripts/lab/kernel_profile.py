@@ -147,7 +147,8 @@ def _pow2_margin(k):
 
 
 HOOKS = {"m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
-         "m-pow2": _margin(_pow2_margin), "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
+         "m-pow2": _margin(_pow2_margin),
+         "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
          "float32-k4k": _fused_seeded_max_k(4096)}
 

@@ -54,8 +54,8 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     survivors cost less than the larger sample's select (the certified route on the H200, 2026-12-04,
     docs/benchmarks.md: 8,192 items against 16,384 took 0.875x the time on 200k x 100k x 64 ip at k = 1,000, 0.928x
     under l2 at d = 32, 0.926x on 100k x 65,536 x 64 cosine). Capped by ``capacity``, the score room a block has; at
-    least 4 k items or none. ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from catalogues of at least
-    twice it."""
+    least 4 k items or none. ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from catalogues of at
+    least twice it."""
     if not seeded:
         return 0
     if requested:
