@@ -897,3 +897,41 @@ def test_a_narrowed_margin_that_widens_users_is_forgotten(widened, kept):
              "widened_passes": [[92, widened, widened]] if widened else []}
     fast_search._learn_margin(engine, 1000, stats, 6400)  # NARROW_MISS: 0.1% of 6,400 is 6.4
     assert engine._fast.margins == ({1000: 23} if kept else {})
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_items=st.integers(60, 500), n_users=st.integers(1, 40),
+       dim=st.integers(2, 12), k=st.integers(1, 40), metric=st.sampled_from(["ip", "l2", "cosine"]),
+       ties=st.booleans(), excluded=st.booleans(), ordered=st.booleans(), data=st.data())
+def test_narrow_certified_is_the_narrower_pass_count(seed, n_items, n_users, dim, k, metric, ties, excluded, ordered,
+                                                     data):
+    # The first pass's count of users a pass of k + m' + 1 candidates would certify, against that pass run, on any
+    # data: small integers (ties at the k-th place everywhere) or continuous, some users with exclusions.
+    from recall.core import metrics
+    from recall.core.exclusions import normalise
+    from recall.engine import fast as fast_search
+
+    rng = np.random.default_rng(seed)
+    if ties:  # components in {-2, -1, 1, 2}: integer scores, and no zero vector (cosine has no direction for one)
+        items, users = (rng.choice(np.array([-2, -1, 1, 2], np.float32), size=(n, dim)) for n in (n_items, n_users))
+    else:
+        items = rng.standard_normal((n_items, dim)).astype(np.float32)
+        users = rng.standard_normal((n_users, dim)).astype(np.float32)
+    m = fast.margin(k)
+    narrow = data.draw(st.integers(0, m - 1))
+    engine = Engine(items, metric=metric, device="cpu", precision="fast")
+    state = fast_search._state(engine)
+    prepared = metrics.prepare_users(metric, np, users)
+    exclude = {u: rng.choice(n_items, int(rng.integers(0, n_items)), replace=False).tolist()
+               for u in range(n_users) if rng.random() < 0.5} if excluded else {}
+    excl = normalise(exclude, n_users, n_items)
+    fast_users = fast_search._prepare(engine, prepared, k, m)
+    _, _, failed, stats, wide = fast_search._certified_pass(engine, state, prepared, fast_users, k, k + m, excl,
+                                                            ordered, narrow=narrow)
+    if k + narrow + 1 >= wide:  # the narrower pass would keep every item: nothing to count
+        assert "narrow_certified" not in stats
+        return
+    _, _, narrow_failed, _, _ = fast_search._certified_pass(
+        engine, state, prepared, fast_search._prepare(engine, prepared, k, narrow), k, k + narrow, excl, ordered)
+    assert stats["narrow_certified"] == n_users - narrow_failed.size
+    assert set(failed.tolist()) <= set(narrow_failed.tolist())
