@@ -102,9 +102,6 @@ VARIANTS = {
     # HOOKS: the first pass's margin (certificate.margin) narrowed: 16 at every k, 64, or where k + 17 candidates fit
     # a smaller power of two than k + k/4 + 1, up to that power (k = 1,000: 23).
     "m16": {}, "m64": {}, "m-pow2": {},
-    # HOOKS: every threshold sample's select in a block of 256 threads (before selection.seed_threads), the certified
-    # route and the float32 search.
-    "seed-t256": {}, "float32-t256": {"certified_exact": "off"},
 }
 
 
@@ -149,14 +146,7 @@ def _pow2_margin(k):
     return p - k - 1 if p < 1 << (k + m).bit_length() else m
 
 
-def _seed_threads_256(engine):
-    from recall.backends.cupy import selection
-
-    selection.seed_threads = lambda size: 256
-
-
-HOOKS = {"seed-t256": _seed_threads_256, "float32-t256": _seed_threads_256,
-         "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
+HOOKS = {"m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin),
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
@@ -334,7 +324,6 @@ def main() -> None:
     from recall.core import certificate
 
     shipped_margin = certificate.margin
-    shipped_threads = selection.seed_threads
     shipped_sigmas = selection.ESTIMATE_SIGMAS
     shipped_max_k = fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K
     prec = a.precision
@@ -359,7 +348,6 @@ def main() -> None:
             selection.ESTIMATE_SIGMAS = shipped_sigmas
             fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
             certificate.margin = shipped_margin
-            selection.seed_threads = shipped_threads
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -394,7 +382,6 @@ def main() -> None:
         selection.ESTIMATE_SIGMAS = shipped_sigmas
         fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
         certificate.margin = shipped_margin
-        selection.seed_threads = shipped_threads
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()

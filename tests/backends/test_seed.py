@@ -373,16 +373,3 @@ def test_seed_estimate_is_the_ke_th_best_sampled_score(dtype, vectors, size, k, 
             assert got[u] == -np.inf, (u, got[u])
             continue
         _check_threshold(got[u], sampled, norms, users[u], min(k, ke), dtype, vectors, u)
-
-
-@pytest.mark.parametrize("size, threads", [
-    (300, 64), (1000, 64), (2048, 64),   # 32 keys a thread: 64 threads hold up to 2,048
-    (2052, 128), (4096, 128),
-    (4100, 256), (8192, 256),            # 256 threads hold up to 8,192
-    (8196, 256), (65536, 256),           # longer rows are streamed by the largest block
-    (301, 256), (16387, 256),            # rows not a multiple of 4 too
-])
-def test_seed_threads(size, threads):
-    from recall.backends.cupy.selection import seed_threads
-
-    assert seed_threads(size) == threads

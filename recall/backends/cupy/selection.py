@@ -15,22 +15,7 @@ log = logging.getLogger("recall")
 
 MERGE_THREADS = 256
 FILTER_THREADS = 256
-#: Threads of recall_seed's block (topk.cu's NT; RECALL_SEED_THREADS the most), and the keys each holds in registers
-#: (4 * RECALL_SEED_HELD).
-SEED_THREADS = (64, 128, 256)
-SEED_HELD_KEYS = 32
-
-
-def seed_threads(size: int) -> int:
-    """The threads of the block that selects a user's threshold from ``size`` sampled scores: the fewest whose
-    registers hold them (``size`` a multiple of 4), else the most (the row streamed from memory, pass by pass). A
-    short row then takes a small block and more users share an SM: 200k x 20k x 64 at k = 100 (2,048 sampled scores)
-    spent 5.5 ms of its 0.027 s in 256-thread selects on the H200 (docs/benchmarks.md, 2026-12-04)."""
-    if size % 4 == 0:
-        for threads in SEED_THREADS:
-            if size <= SEED_HELD_KEYS * threads:
-                return threads
-    return SEED_THREADS[-1]
+SEED_THREADS = 256  # RECALL_SEED_THREADS in topk.cu
 
 
 def candidate_capacity(k: int) -> int:
@@ -195,11 +180,10 @@ class Selection:
         self.mask_sampled = {np.dtype(np.float32): mod.get_function("recall_mask_sampled"),
                              np.dtype(np.float16): mod.get_function("recall_mask_sampled_h")}
         f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
-        # By (score type, vector type, threads): exact mode; fast mode's cuBLAS path; fast mode's fused path (float32
-        # scores of its samples); each with a block of 256, 128 or 64 threads (seed_threads).
-        self.seed_kth = {(sd, vd, nt): mod.get_function(f"recall_seed{name}" + ("" if nt == 256 else f"_t{nt}"))
-                         for sd, vd, name in ((f32, f32, ""), (f16, f16, "_h"), (f32, f16, "_fh"))
-                         for nt in SEED_THREADS}
+        # By (score type, vector type): exact mode; fast mode's cuBLAS path; fast mode's fused path (float32 scores
+        # of its samples).
+        self.seed_kth = {(f32, f32): mod.get_function("recall_seed"), (f16, f16): mod.get_function("recall_seed_h"),
+                         (f32, f16): mod.get_function("recall_seed_fh")}
         self.fused = mod.get_function("recall_fused_filter")
         self.merge_fused = mod.get_function("recall_merge_fused")
         # fused_h.cu's kernels by the halves of an item row a pipeline stage holds (fused.half_chunk).
@@ -257,11 +241,10 @@ class Selection:
         width = int(users.shape[1])
         a, r, z = seed_margin(width, users.dtype == np.float16, scores.dtype == np.float16)
         col, value = constant if constant is not None else (-1, 0.0)
-        threads = seed_threads(size)
-        self.seed_kth[(scores.dtype, users.dtype, threads)](
-            (n,), (threads,), (scores, np.int32(size), np.int32(state.k), state.thr, users, np.int32(width),
-                               item_norms, np.int32(col), np.float64(value), np.float64(a), np.float64(r),
-                               np.float64(z), np.int32(estimate)))
+        self.seed_kth[(scores.dtype, users.dtype)]((n,), (SEED_THREADS,),
+                                                   (scores, np.int32(size), np.int32(state.k), state.thr, users,
+                                                    np.int32(width), item_norms, np.int32(col), np.float64(value),
+                                                    np.float64(a), np.float64(r), np.float64(z), np.int32(estimate)))
 
     def result(self, state: GpuTopK, best_first: bool = True) -> tuple[Any, Any]:
         """The final merge: results of the block's users in ``state.out_vals`` / ``out_rows``, sorted best first, or
