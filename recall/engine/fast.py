@@ -272,9 +272,7 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
                  "fallback_users": s_stats["fallback_users"], "widened_users": s_stats["widened_users"],
                  "fallback_fraction": s_stats["fallback_users"] / n_users}
     else:
-        _learn_margin(engine, k, s_stats, sample.size)
-        if narrow is not None and s_stats.get("narrow_certified") == sample.size:
-            engine._fast.margins[k] = narrow
+        _learn_margin(engine, k, s_stats, sample.size, narrow)
         margin = _first_margin(engine, k)
         if prepared is not None and margin != certificate.margin(k) and (
                 prepared.half_scores != _tiles16(engine, n_users, k, margin)):
@@ -339,15 +337,18 @@ def _learned_pass(engine: Any, k: int, stats: dict, n_users: int) -> int | None:
     return None
 
 
-def _learn_margin(engine: Any, k: int, stats: dict, n_users: int) -> None:
+def _learn_margin(engine: Any, k: int, stats: dict, n_users: int, narrow: int | None = None) -> None:
     """After a fast search of ``n_users`` at ``k`` (``stats``): the next searches of k start with the margin of the
-    widened pass that certified more than WIDE_FIRST of the users (``_learned_pass``). Where none did, a search at
-    the first margin forgets any learned one, and so does one at a narrowed margin that widened more than NARROW_MISS
-    of its users; a search that started wider leaves it as it is (a sample's probe, at the first margin, finds out
-    afresh)."""
+    widened pass that certified more than WIDE_FIRST of the users (``_learned_pass``), or with ``narrow`` (a sample's
+    probe for a search of NARROW_MIN_USERS or more) where a first pass at it would have certified every user
+    (``stats["narrow_certified"]``). Where neither, a search at the first margin forgets any learned one, and so does
+    one at a narrowed margin that widened more than NARROW_MISS of its users; a search that started wider leaves it
+    as it is (a sample's probe, at the first margin, finds out afresh)."""
     learned = _learned_pass(engine, k, stats, n_users)
     if learned is not None:
         engine._fast.margins[k] = stats["widened_passes"][learned][0]
+    elif narrow is not None and stats.get("narrow_certified") == n_users:
+        engine._fast.margins[k] = narrow
     elif stats["first_margin"] == certificate.margin(k) or (
             stats["first_margin"] < certificate.margin(k) and stats["widened_users"] > NARROW_MISS * n_users):
         engine._fast.margins.pop(k, None)
@@ -537,18 +538,16 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
         # The best score left out is at most the pass's least kept one (an empty slot's -inf where it kept fewer),
         # or where it started above that (an estimate that held fewer than ``wide`` items above it), its start:
         # every item below it was left out.
-        outside = approx_vals.min(axis=1)
+        def certifies(least: Any) -> Any:
+            outside = least if left is None else xp.where(left > least, left, least)
+            return certificate.certified(xp, vals[:, k - 1], outside, fast_users, state.items)
+
+        least = approx_vals.min(axis=1)
         if left is not None:
-            short = left > outside
-            outside = xp.where(short, left, outside)
-            run_stats = {**run_stats, "estimate_short_users": int(short.sum())}
-        ok = certificate.certified(xp, vals[:, k - 1], outside, fast_users, state.items)
-        failed = np.flatnonzero(backend.to_host(~ok))
+            run_stats = {**run_stats, "estimate_short_users": int((left > least).sum())}
+        failed = np.flatnonzero(backend.to_host(~certifies(least)))
         if narrow is not None and k + narrow + 1 < wide:
-            kept = -xp.sort(-approx_vals, axis=1)[:, k + narrow]  # the narrower pass's least kept score
-            if left is not None:
-                kept = xp.where(left > kept, left, kept)
-            held = certificate.certified(xp, vals[:, k - 1], kept, fast_users, state.items)
+            held = certifies(-xp.sort(-approx_vals, axis=1)[:, k + narrow])  # the narrower pass's least kept score
             run_stats = {**run_stats, "narrow_certified": int(backend.to_host(held.sum()))}
     else:
         failed = np.zeros(0, np.int64)  # every item was a candidate: nothing left out to certify against
