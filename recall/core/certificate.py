@@ -233,14 +233,6 @@ class FastItems:
         return None if self.shift_at is None else (self.shift_at, _SHIFT_ITEM)
 
     @property
-    def users_hold_bounds(self) -> bool:
-        """Whether users hold values in the columns after the shift's: a bias's (l2), or bound columns whose factors
-        fit float16 (where the items' float16 rounding leaves no residual at all, as with small integers, the
-        residuals' column is scaled by 1 and no user's factor for it fits: they all take the bound through maxima,
-        and hold 0 there)."""
-        return self.bias_at is not None or (self.norms_at is not None and self.max_resid > 0)
-
-    @property
     def unshifted_width(self) -> int:
         """The columns users hold values in when their scores are not shifted: the dot part alone (rounded up to 8)
         where the items have no bias and no bound columns, else every column."""

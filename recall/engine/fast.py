@@ -398,16 +398,15 @@ def _prepare(engine: Any, users: Any, k: int, margin: int | None = None) -> cert
     backend = engine.backend
     uxp = np if isinstance(users, np.ndarray) else backend.xp
     # Where the pass keeps float16 score tiles, each user's scores are shifted near 0 (SHIFT_ITEMS). Where it keeps
-    # float32 (a fused kernel, the CPU), a shift adds its share to the accumulation term, and the users are shifted
-    # only where they hold bound or bias columns after the shift's anyway (``FastItems.users_hold_bounds``): without
-    # those the shift column would be the last one they hold, and leaving it 0 spares a fused kernel 16 columns in 80
-    # at d = 64 (32 in 48 at d = 32: ``multiplied_width``; int8 data at d = 64 0.0505 s unshifted against 0.0601 s
-    # shifted). With them the shift costs no products, and the threshold sample's select ran faster on shifted
-    # scores (1M x 100k x 64 at k = 100: 0.051 s of selects shifted against 0.072 s not, before the select skipped
-    # the leading bits its keys share). H200, docs/benchmarks.md.
-    items = _state(engine).items
+    # float32 (a fused kernel, the CPU) they are not: a shift there adds its share to the accumulation term and to
+    # the threshold sample's margin, and costs a float32 GEMM and its maxima (200k x 20k x 64 at k = 100: 1.8 ms of a
+    # 27 ms search, H200, docs/benchmarks.md). It used to be applied where users hold bound or bias columns anyway
+    # (no products added), for the threshold sample's block-a-user radix select, which ran faster on shifted scores
+    # (1M x 100k x 64 at k = 100: 0.051 s of selects against 0.072 s) before it skipped the leading bits its keys
+    # share; small ranks now take the warp-a-user select, whose bisection the scores' offset does not touch.
     half = _tiles16(engine, int(users.shape[0]), k, margin)
-    shift = _sampled_best(engine, users, uxp) if half or items.users_hold_bounds else None
+    items = _state(engine).items
+    shift = _sampled_best(engine, users, uxp) if half else None
     return certificate.prepare_users(uxp, users, items, half_scores=half, shift=shift)
 
 

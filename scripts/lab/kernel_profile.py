@@ -102,6 +102,13 @@ VARIANTS = {
     # HOOKS: the first pass's margin (certificate.margin) narrowed: 16 at every k, 64, or where k + 17 candidates fit
     # a smaller power of two than k + k/4 + 1, up to that power (k = 1,000: 23).
     "m16": {}, "m64": {}, "m-pow2": {},
+    # HOOKS: the threshold sample's select one block a user at every rank (before the warp-a-user select of ranks up
+    # to selection.SEED_WARP_RANK), and the warp select on rows of up to 65,536 sampled scores; the float32 search
+    # alone with the block select.
+    "seed-block": {}, "seed-warp64k": {}, "float32-seed-block": {"certified_exact": "off"},
+    # HOOKS: float16 passes that keep float32 scores shifted where users hold bound or bias columns (the rule before
+    # 2026-12-04: fast._prepare).
+    "shift32": {},
 }
 
 
@@ -146,11 +153,39 @@ def _pow2_margin(k):
     return p - k - 1 if p < 1 << (k + m).bit_length() else m
 
 
+def _seed_select(rank, size):
+    def hook(engine):
+        from recall.backends.cupy import selection
+
+        selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = rank, size
+
+    return hook
+
+
+def _shift_float32(engine):
+    import numpy as np
+
+    from recall.core import certificate
+    from recall.engine import fast as fast_mode
+
+    def prepare(engine, users, k, margin=None):
+        uxp = np if isinstance(users, np.ndarray) else engine.backend.xp
+        items = fast_mode._state(engine).items
+        half = fast_mode._tiles16(engine, int(users.shape[0]), k, margin)
+        held = items.bias_at is not None or (items.norms_at is not None and items.max_resid > 0)
+        shift = fast_mode._sampled_best(engine, users, uxp) if half or held else None
+        return certificate.prepare_users(uxp, users, items, half_scores=half, shift=shift)
+
+    fast_mode._prepare = prepare
+
+
 HOOKS = {"m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin),
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
-         "float32-k4k": _fused_seeded_max_k(4096)}
+         "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
+         "float32-seed-block": _seed_select(0, 0), "seed-warp64k": _seed_select(256, 65536),
+         "shift32": _shift_float32}
 
 
 def cell_spec(name):
@@ -323,7 +358,11 @@ def main() -> None:
 
     from recall.core import certificate
 
+    from recall.engine import fast as fast_mode
+
     shipped_margin = certificate.margin
+    shipped_select = selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE
+    shipped_prepare = fast_mode._prepare
     shipped_sigmas = selection.ESTIMATE_SIGMAS
     shipped_max_k = fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K
     prec = a.precision
@@ -348,6 +387,8 @@ def main() -> None:
             selection.ESTIMATE_SIGMAS = shipped_sigmas
             fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
             certificate.margin = shipped_margin
+            selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = shipped_select
+            fast_mode._prepare = shipped_prepare
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -382,6 +423,8 @@ def main() -> None:
         selection.ESTIMATE_SIGMAS = shipped_sigmas
         fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
         certificate.margin = shipped_margin
+        selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = shipped_select
+        fast_mode._prepare = shipped_prepare
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()

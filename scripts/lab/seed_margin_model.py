@@ -36,7 +36,9 @@ def cell(kind: str, n_users: int, n_items: int, dim: int, k: int, metric: str, s
     pu = metrics.prepare_users(metric, np, users).astype(np.float32)
     fi = certificate.prepare_items(np, pi, metrics.bias_column(metric, dim))
     head = pi[np.arange(1024) * n_items // 1024]
-    shift = (pu.astype(np.float64) @ head.T.astype(np.float64)).max(axis=1) if fi.users_hold_bounds else None
+    # Shifted where users held bound or bias columns (the product's rule for float32 scores until 2026-12-04).
+    held = fi.bias_at is not None or (fi.norms_at is not None and fi.max_resid > 0)
+    shift = (pu.astype(np.float64) @ head.T.astype(np.float64)).max(axis=1) if held else None
     fu = certificate.prepare_users(np, pu, fi, half_scores=False, shift=shift)
     u16, v16 = fu.vecs16.astype(np.float64), fi.vecs16.astype(np.float64)
     t = (fu.vecs16.astype(np.float32) @ fi.vecs16.astype(np.float32).T)

@@ -755,9 +755,10 @@ def test_fast_fused_kernel_multiplies_the_dot_part_where_users_hold_nothing_else
     device_users = engine.backend.xp.asarray(users)  # host users are multiplied whole (pipeline.py)
     prepared = fast_mode._prepare(engine, device_users, 100)
     state = fast_mode._state(engine)
-    # Shifted only where the rows hold bound columns after the shift's anyway (the shift then costs no products).
+    # Float32 scores: never shifted (the shift column stays 0); the bound columns' factors where the norms spread.
     assert not prepared.half_scores
-    assert (as_numpy(prepared.vecs16[:, state.items.shift_at]) == 0).all() == (data == "normal")
+    assert (as_numpy(prepared.vecs16[:, state.items.shift_at]) == 0).all()
+    assert (state.items.norms_at is None) == (data == "normal")
     got = engine.search(device_users, 100)
     assert engine.stats["fused"] and engine.stats["multiplied_columns"] == multiplied, engine.stats
     assert engine.stats["precision"] == "fast" and engine.stats["fallback_fraction"] < 0.01, engine.stats
@@ -785,9 +786,9 @@ def test_users_are_shifted_only_where_score_tiles_are_float16(monkeypatch):
     # Asked for the first pass's users and candidates (k + m + 1), with the columns the users hold without a shift:
     # the dot part alone.
     assert asked == [(200, 10 + fast.margin(10) + 1, 32)]
-    # Items whose norms spread carry bound columns after the shift's, whose factors users hold: float32 scores and
-    # shifted all the same (the shift then costs no products). Items exact in float16 (small integers, norms spread
-    # by powers of two) leave no residual: no user holds a factor, and none is shifted.
+    # Items whose norms spread carry bound columns after the shift's, whose factors users hold: float32 scores, not
+    # shifted all the same. Items exact in float16 (small integers, norms spread by powers of two) leave no residual:
+    # no user holds a factor.
     monkeypatch.undo()
     rng = np.random.default_rng(35)
     exact16 = (rng.integers(-100, 101, (3000, 32)) * 2.0 ** rng.integers(-3, 4, (3000, 1))).astype(np.float32)
@@ -796,8 +797,7 @@ def test_users_are_shifted_only_where_score_tiles_are_float16(monkeypatch):
         prepared = fast_mode._prepare(engine, users, 10)
         state = fast_mode._state(engine)
         assert state.items.norms_at is not None and not prepared.half_scores
-        assert state.items.users_hold_bounds == held
-        assert (prepared.vecs16[:, state.items.shift_at] != 0).any() == held
+        assert not (prepared.vecs16[:, state.items.shift_at] != 0).any()
         assert (prepared.vecs16[:, state.items.norms_at:] != 0).any() == held
 
 

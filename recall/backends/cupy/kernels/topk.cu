@@ -452,6 +452,152 @@ recall_seed_fh(const float* __restrict__ scores, int T, int K, float* __restrict
     recall_seed_body(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);
 }
 
+// The same threshold for a small rank (K, or KE where it estimates, at most 8 M), one warp a user
+// (RECALL_SEED_WARP_USERS users a block: grid ceil(U / that)): a block a user spends most of a short row's time in its
+// histograms' clears, scans and barriers (200k users x 2,048 sampled scores at rank 30: 5.5 ms on the H200, more
+// than the float16 products of 20k items, docs/benchmarks.md). Each lane reads and lowers its share of the row once
+// (4 scores at a time where T is a multiple of 4, lane by lane 16 bytes apart) and keeps its M largest keys, sorted,
+// in registers; the rank-th largest key of the row is found by bisection on the key's value over those 32 M keys,
+// each step one count a lane and a warp sum. The kept keys are a subset of the row's, so their rank-th largest is at
+// or below the row's; it is the row's exactly unless some lane dropped a key at or above it (its M-th kept key is),
+// which for a row in no particular order is rare (a lane holds about rank / 32 of the row's best, at most M / 4):
+// then the bisection goes on from there counting the whole row, read again each step. So the threshold starts just
+// below the row's rank-th best lowered key itself, never lower; -inf where the row holds fewer than K finite scores.
+#define RECALL_SEED_WARP_USERS 8
+
+__device__ __forceinline__ int recall_warp_sum(int x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+__device__ __forceinline__ u32 recall_warp_max(u32 x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+// A lane's M largest keys, largest first (0: an empty place), and how many non-zero keys it was given.
+template <int M>
+struct RecallSeedLaneTop {
+    u32 key[M];
+    int count;
+
+    __device__ __forceinline__ void operator()(u32 k) {
+        if (k == 0u) return;
+        ++count;
+        if (k <= key[M - 1]) return;
+        key[M - 1] = k;
+#pragma unroll
+        for (int j = M - 1; j > 0; --j) {
+            if (key[j] <= key[j - 1]) break;
+            const u32 t = key[j];
+            key[j] = key[j - 1];
+            key[j - 1] = t;
+        }
+    }
+
+    __device__ __forceinline__ int at_least(u32 x) const {
+        int c = 0;
+#pragma unroll
+        for (int j = 0; j < M; ++j) c += key[j] >= x ? 1 : 0;
+        return c;
+    }
+};
+
+// Counts a lane's keys at or above x.
+struct RecallSeedCount {
+    u32 x;
+    int count;
+
+    __device__ __forceinline__ void operator()(u32 k) { count += k >= x ? 1 : 0; }
+};
+
+// A lane's share of the row: f(key) on every lowered score's key (0 for -inf and NaN).
+template <typename S, typename F>
+__device__ __forceinline__ void recall_seed_lane_each(const S* row, const float* __restrict__ vnorm, int T, float au,
+                                                      float r32, float z32, int lane, F& f) {
+    if ((T & 3) == 0) {
+        for (int i = 4 * lane; i < T; i += 128) {
+            float v[4];
+            recall_seed_load4(row, vnorm, i, au, r32, z32, v);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) f(recall_seed_key(v[q]));
+        }
+    } else {
+        for (int i = lane; i < T; i += 32) f(recall_seed_key(recall_seed_lower(recall_load(row, i), vnorm[i], au, r32,
+                                                                                z32)));
+    }
+}
+
+template <typename S, typename V, int M>
+__device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T, int K, float* __restrict__ thr,
+                                      const V* __restrict__ users, int W, const float* __restrict__ vnorm, int CC,
+                                      double CV, double A, double R, double Z, int KE) {
+    const int lane = threadIdx.x & 31;
+    const int u = blockIdx.x * RECALL_SEED_WARP_USERS + (int)(threadIdx.x >> 5);
+    if (u >= U) return;  // the whole warp
+    const S* row = scores + (long long)u * T;
+    const V* urow = users + (long long)u * W;
+    double sq = 0.0;  // the user's squared norm but column CC's, in float64, as recall_seed_body's
+    for (int i = lane; i < W; i += 32) {
+        const double x = recall_load(urow, i);
+        if (i != CC) sq += x * x;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    const float au = __double2float_ru(A * sqrt(sq));
+    const double uc = CC >= 0 && CC < W ? fabs((double)recall_load(urow, CC)) : 0.0;
+    const float z32 = __double2float_ru(Z + A * uc * CV), r32 = __double2float_ru(R);
+    RecallSeedLaneTop<M> top;
+#pragma unroll
+    for (int j = 0; j < M; ++j) top.key[j] = 0u;
+    top.count = 0;
+    recall_seed_lane_each(row, vnorm, T, au, r32, z32, lane, top);
+    if (recall_warp_sum(top.count) < K) {  // fewer than K finite sampled scores
+        if (lane == 0) thr[u] = RECALL_NEG_INF;
+        return;
+    }
+    const int rank = KE > 0 && KE < K ? KE : K;
+    // The largest x with at least `rank` keys at or above it: lo always has that many (1: every finite key, at least
+    // K >= rank of the row's), hi never (one past the largest key).
+    u32 lo = 1u;
+    unsigned long long hi = (unsigned long long)recall_warp_max(top.key[0]) + 1ull;
+    if (recall_warp_sum(top.at_least(1u)) >= rank) {
+        while (hi - lo > 1ull) {
+            const u32 mid = lo + (u32)((hi - lo) >> 1);
+            if (recall_warp_sum(top.at_least(mid)) >= rank) lo = mid; else hi = mid;
+        }
+    }
+    // A lane that dropped a key at or above lo (its M-th kept key is): the kept keys' count may be short there, so
+    // the bisection goes on over the whole row (lo holds rank keys of the row as it held them of the subset).
+    if (__any_sync(0xffffffffu, top.key[M - 1] >= lo)) {
+        while (hi - lo > 1ull) {
+            const u32 mid = lo + (u32)((hi - lo) >> 1);
+            RecallSeedCount c = {mid, 0};
+            recall_seed_lane_each(row, vnorm, T, au, r32, z32, lane, c);
+            if (recall_warp_sum(c.count) >= rank) lo = mid; else hi = mid;
+        }
+    }
+    // A key below every finite float's (the most negative scores' bins): -FLT_MAX, as recall_seed_threshold.
+    const u32 low = max(lo, recall_f2ord(-3.402823466e38f));
+    if (lane == 0) thr[u] = nextafterf(recall_ord2f(low), RECALL_NEG_INF);
+}
+
+// By M (16, 32) and, as recall_seed's, the type of the sampled scores and of the users' vectors.
+#define RECALL_SEED_WARP(name, M, S, V)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * RECALL_SEED_WARP_USERS)                                        \
+    name(const S* __restrict__ scores, int U, int T, int K, float* __restrict__ thr, const V* __restrict__ users,    \
+         int W, const float* __restrict__ vnorm, int CC, double CV, double A, double R, double Z, int KE) {          \
+        recall_seed_warp_body<S, V, M>(scores, U, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);                  \
+    }
+RECALL_SEED_WARP(recall_seed_warp16, 16, float, float)
+RECALL_SEED_WARP(recall_seed_warp16_h, 16, half_bits, half_bits)
+RECALL_SEED_WARP(recall_seed_warp16_fh, 16, float, half_bits)
+RECALL_SEED_WARP(recall_seed_warp32, 32, float, float)
+RECALL_SEED_WARP(recall_seed_warp32_h, 32, half_bits, half_bits)
+RECALL_SEED_WARP(recall_seed_warp32_fh, 32, float, half_bits)
+
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
 template <typename S>
 __device__ void recall_filter_body(const S* __restrict__ scores, int U, int T, int item_start, int n_items,
