@@ -562,7 +562,8 @@ __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T
     // The largest x with at least `rank` keys at or above it: lo always has that many (1: every finite key, at least
     // K >= rank of the row's), hi never (one past the largest key).
     u32 lo = 1u;
-    unsigned long long hi = (unsigned long long)recall_warp_max(top.key[0]) + 1ull;
+    const unsigned long long past = (unsigned long long)recall_warp_max(top.key[0]) + 1ull;  // the row's largest key
+    unsigned long long hi = past;
     if (recall_warp_sum(top.at_least(1u)) >= rank) {
         while (hi - lo > 1ull) {
             const u32 mid = lo + (u32)((hi - lo) >> 1);
@@ -572,6 +573,7 @@ __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T
     // A lane that dropped a key at or above lo (its M-th kept key is): the kept keys' count may be short there, so
     // the bisection goes on over the whole row (lo holds rank keys of the row as it held them of the subset).
     if (__any_sync(0xffffffffu, top.key[M - 1] >= lo)) {
+        hi = past;
         while (hi - lo > 1ull) {
             const u32 mid = lo + (u32)((hi - lo) >> 1);
             RecallSeedCount c = {mid, 0};
