@@ -103,9 +103,8 @@ VARIANTS = {
     # a smaller power of two than k + k/4 + 1, up to that power (k = 1,000: 23).
     "m16": {}, "m64": {}, "m-pow2": {},
     # HOOKS: the threshold sample's select one block a user at every rank (before the warp-a-user select of ranks up
-    # to selection.SEED_WARP_RANK), and the warp select on rows of up to 65,536 sampled scores; the float32 search
-    # alone with the block select.
-    "seed-block": {}, "seed-warp64k": {}, "float32-seed-block": {"certified_exact": "off"},
+    # to selection.SEED_WARP_RANK), also in the float32 search alone.
+    "seed-block": {}, "float32-seed-block": {"certified_exact": "off"},
     # HOOKS: float16 passes that keep float32 scores shifted where users hold bound or bias columns (the rule before
     # 2026-12-04: fast._prepare).
     "shift32": {},
@@ -184,7 +183,7 @@ HOOKS = {"m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, 
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
          "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
-         "float32-seed-block": _seed_select(0, 0), "seed-warp64k": _seed_select(256, 65536),
+         "float32-seed-block": _seed_select(0, 0),
          "shift32": _shift_float32}
 
 

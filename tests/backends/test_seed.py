@@ -180,10 +180,11 @@ def _lane_rows(size, k, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
-@pytest.mark.parametrize("size, k, ke", [(8192, 100, 0), (8192, 200, 0), (2048, 126, 30), (4096, 1024, 200),
-                                         (301, 37, 0), (302, 37, 9), (16384, 256, 0), (1000, 1, 0), (2048, 128, 0)])
+@pytest.mark.parametrize("size, k, ke", [(8192, 100, 0), (2048, 126, 30), (4096, 1024, 120), (301, 37, 0),
+                                         (302, 37, 9), (16384, 128, 0), (1000, 1, 0), (2048, 128, 0),
+                                         (65536, 100, 0)])
 def test_warp_seed_select_is_exact_whatever_a_lane_holds(monkeypatch, dtype, vectors, size, k, ke):
-    # Ranks up to 256 in rows of up to 16,384 take the warp-a-user select: exactly the rank-th best lowered sampled
+    # Ranks up to 128 in rows of up to 65,536 take the warp-a-user select: exactly the rank-th best lowered sampled
     # score (no early stop), also where one lane holds the row's best scores (its M kept keys fall short: the
     # bisection goes on over the whole row) or its only finite ones; never below the block-a-user select's threshold
     # of the same rows, which may stop within rank / 8.

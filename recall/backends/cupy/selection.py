@@ -18,10 +18,11 @@ FILTER_THREADS = 256
 SEED_THREADS = 256  # RECALL_SEED_THREADS in topk.cu
 SEED_WARP_USERS = 8  # RECALL_SEED_WARP_USERS in topk.cu
 #: Threshold samples whose rank (k, or the estimate's) is at most this and whose rows hold at most SEED_WARP_MAX_SIZE
-#: scores are selected one warp a user (``recall_seed_warp*``: its M = 16 up to rank 128, else 32), longer rows or
-#: larger ranks one block a user (``recall_seed``).
-SEED_WARP_RANK = 256
-SEED_WARP_MAX_SIZE = 16_384
+#: scores are selected one warp a user (``recall_seed_warp*``), larger ranks one block a user (``recall_seed``). On the
+#: H200 (docs/benchmarks.md) the warp select took 1.5 ms for 200k users x 2,048 sampled scores at rank 30 (the block
+#: 5.5 ms), 2.2 ms for 100k x 8,192 at rank 100 (3.4 ms), 1.4 ms for 20k x 32,768 at rank 100 (3.0 ms).
+SEED_WARP_RANK = 128
+SEED_WARP_MAX_SIZE = 65_536
 
 
 def candidate_capacity(k: int) -> int:
@@ -190,9 +191,10 @@ class Selection:
         # of its samples).
         self.seed_kth = {(f32, f32): mod.get_function("recall_seed"), (f16, f16): mod.get_function("recall_seed_h"),
                          (f32, f16): mod.get_function("recall_seed_fh")}
-        # By (M, score type, vector type): the warp-a-user select of small ranks.
-        self.seed_warp = {(m, *types): mod.get_function(f"recall_seed_warp{m}{suffix}") for m in (16, 32)
-                          for types, suffix in (((f32, f32), ""), ((f16, f16), "_h"), ((f32, f16), "_fh"))}
+        # The same by type, one warp a user: the select of small ranks (SEED_WARP_RANK).
+        self.seed_warp = {(f32, f32): mod.get_function("recall_seed_warp"),
+                          (f16, f16): mod.get_function("recall_seed_warp_h"),
+                          (f32, f16): mod.get_function("recall_seed_warp_fh")}
         self.fused = mod.get_function("recall_fused_filter")
         self.merge_fused = mod.get_function("recall_merge_fused")
         # fused_h.cu's kernels by the halves of an item row a pipeline stage holds (fused.half_chunk).
@@ -231,19 +233,18 @@ class Selection:
 
     def seed(self, state: GpuTopK, scores: Any, rows: Any, users: Any, item_norms: Any, excl_indptr: Any,
              excl_items: Any, estimate: int = 0, constant: tuple[int, float] | None = None) -> None:
-        """Start every user's threshold just below its k-th best score over the sample whose scores are ``scores``
-        (1, n, size) (column j: item row ``rows[j]``, ``tiled.sample_rows``, of norm ``item_norms[j]``, float32 rounded
+        """Start every user's threshold just below its k-th best score over the sample whose scores are ``scores`` (1,
+        n, size) (column j: item row ``rows[j]``, ``tiled.sample_rows``, of norm ``item_norms[j]``, float32 rounded
         up), each lowered by what the search's own score of that item may lie below it (``certificate.seed_margin``;
         ``users`` (n, width) the vectors scored): a lower bound of the final k-th best, so that later tiles pass few
-        scores to the merge whatever the item order. It may start lower, with at most k/8 more sampled scores above
-        it (the block-a-user select stops one digit early where that is all it would gain; the warp-a-user select of
-        small ranks, SEED_WARP_RANK, is exact).
-        Excluded sampled items are masked first; the k-th best is selected in place (``recall_seed``,
-        ``recall_seed_warp*``), and the state is left empty. ``estimate`` (``estimate_rank``; 0 < estimate < k): start instead at the estimate-th best of
-        a sample of evenly spaced rows, an estimate of the k-th best and not a bound, for a caller that checks its
-        users (fast mode's certificate). ``constant`` (column, value): a column every item holds that value in
-        (``DeviceItems.constant_column``; ``item_norms`` then leave it out), whose product the margin takes on its
-        own."""
+        scores to the merge whatever the item order. It may start lower, with at most k/8 more sampled scores above it
+        (the block-a-user select stops one digit early where that is all it would gain; the warp-a-user select of
+        small ranks, SEED_WARP_RANK, is exact). Excluded sampled items are masked first; the k-th best is selected in
+        place (``recall_seed``, ``recall_seed_warp*``), and the state is left empty. ``estimate`` (``estimate_rank``;
+        0 < estimate < k): start instead at the estimate-th best of a sample of evenly spaced rows, an estimate of the
+        k-th best and not a bound, for a caller that checks its users (fast mode's certificate). ``constant`` (column,
+        value): a column every item holds that value in (``DeviceItems.constant_column``; ``item_norms`` then leave it
+        out), whose product the margin takes on its own."""
         _, n, size = scores.shape
         if excl_items.size:
             self.mask_sampled[scores.dtype](((n + 127) // 128,), (128,),
@@ -255,10 +256,9 @@ class Selection:
                 np.float64(r), np.float64(z), np.int32(estimate))
         rank = estimate if 0 < estimate < state.k else state.k
         if rank <= SEED_WARP_RANK and size <= SEED_WARP_MAX_SIZE:
-            m = 16 if rank <= 128 else 32
-            self.seed_warp[(m, scores.dtype, users.dtype)](
-                ((n + SEED_WARP_USERS - 1) // SEED_WARP_USERS,), (32 * SEED_WARP_USERS,),
-                (scores, np.int32(n), np.int32(size), np.int32(state.k), *args))
+            self.seed_warp[(scores.dtype, users.dtype)](((n + SEED_WARP_USERS - 1) // SEED_WARP_USERS,),
+                                                        (32 * SEED_WARP_USERS,),
+                                                        (scores, np.int32(n), np.int32(size), np.int32(state.k), *args))
         else:
             self.seed_kth[(scores.dtype, users.dtype)]((n,), (SEED_THREADS,),
                                                        (scores, np.int32(size), np.int32(state.k), *args))

@@ -452,10 +452,10 @@ recall_seed_fh(const float* __restrict__ scores, int T, int K, float* __restrict
     recall_seed_body(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);
 }
 
-// The same threshold for a small rank (K, or KE where it estimates, at most 8 M), one warp a user
+// The same threshold for a small rank (K, or KE where it estimates, at most 8 M = 128), one warp a user
 // (RECALL_SEED_WARP_USERS users a block: grid ceil(U / that)): a block a user spends most of a short row's time in its
 // histograms' clears, scans and barriers (200k users x 2,048 sampled scores at rank 30: 5.5 ms on the H200, more
-// than the float16 products of 20k items, docs/benchmarks.md). Each lane reads and lowers its share of the row once
+// than the float16 products of 20k items; this select 1.5 ms, docs/benchmarks.md). Each lane reads and lowers its share of the row once
 // (4 scores at a time where T is a multiple of 4, lane by lane 16 bytes apart) and keeps its M largest keys, sorted,
 // in registers; the rank-th largest key of the row is found by bisection on the key's value over those 32 M keys,
 // each step one count a lane and a warp sum. The kept keys are a subset of the row's, so their rank-th largest is at
@@ -584,19 +584,18 @@ __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T
     if (lane == 0) thr[u] = nextafterf(recall_ord2f(low), RECALL_NEG_INF);
 }
 
-// By M (16, 32) and, as recall_seed's, the type of the sampled scores and of the users' vectors.
-#define RECALL_SEED_WARP(name, M, S, V)                                                                              \
+// M = 16 (ranks up to 128), by the type of the sampled scores and of the users' vectors, as recall_seed's. (M = 32,
+// for ranks up to 256, was slower than the block select: 200k users x 8,192 sampled scores at rank 131 8.0 ms
+// against 6.4-6.7 ms, 20k x 16,384 at rank 256 1.54 against 1.49-1.51 ms; H200, docs/benchmarks.md.)
+#define RECALL_SEED_WARP(name, S, V)                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * RECALL_SEED_WARP_USERS)                                        \
     name(const S* __restrict__ scores, int U, int T, int K, float* __restrict__ thr, const V* __restrict__ users,    \
          int W, const float* __restrict__ vnorm, int CC, double CV, double A, double R, double Z, int KE) {          \
-        recall_seed_warp_body<S, V, M>(scores, U, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);                  \
+        recall_seed_warp_body<S, V, 16>(scores, U, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);                 \
     }
-RECALL_SEED_WARP(recall_seed_warp16, 16, float, float)
-RECALL_SEED_WARP(recall_seed_warp16_h, 16, half_bits, half_bits)
-RECALL_SEED_WARP(recall_seed_warp16_fh, 16, float, half_bits)
-RECALL_SEED_WARP(recall_seed_warp32, 32, float, float)
-RECALL_SEED_WARP(recall_seed_warp32_h, 32, half_bits, half_bits)
-RECALL_SEED_WARP(recall_seed_warp32_fh, 32, float, half_bits)
+RECALL_SEED_WARP(recall_seed_warp, float, float)
+RECALL_SEED_WARP(recall_seed_warp_h, half_bits, half_bits)
+RECALL_SEED_WARP(recall_seed_warp_fh, float, half_bits)
 
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
 template <typename S>
