@@ -162,6 +162,11 @@ class Backend(Protocol):
         what fast mode's probe weighs its widened users by (``recall.engine.fast``). :data:`PASS_SHARE` where the
         backend knows no better."""
 
+    def round16(self, vecs: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
+        """``certificate.round16`` of backend arrays, rows scaled one power of two a row (``scale`` (n,) float64):
+        fl16(scale·v) written into ``out16`` (n, d) float16 (a view), and per row (|v|, |δv|, |a|) float64, for fast
+        mode's users (``certificate.prepare_users``' ``rounder``)."""
+
     def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
         """The best k (score desc, lower row first) of each row of a padded candidate block: scores (n, width)
         float32, rows (n, width) int64, -1 for an empty slot, no row twice in a row. Backend arrays."""

@@ -190,9 +190,10 @@ def _norms(xp: Any, vecs: Any) -> Any:
     return xp.sqrt((vecs * vecs).sum(axis=1))
 
 
-def _round16(xp: Any, vecs32: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
+def round16(xp: Any, vecs32: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
     """Write fl16(scale·vecs) into ``out16`` and return per row (|v|, |δv|, |a|) in float64, a = fl16(scale·v)/scale,
-    δv = a - v (exact in float64: both are floats on nearby grids)."""
+    δv = a - v (exact in float64: both are floats on nearby grids). ``scale``: powers of two, a scalar or one a row
+    ((n, 1)). The arithmetic of record; a backend may do the same in one pass (``Backend.round16``)."""
     v64 = vecs32.astype(xp.float64)
     rounded = (v64 * scale).astype(xp.float16)
     out16[...] = rounded
@@ -264,7 +265,7 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None) -> FastItems
     vecs16 = xp.zeros((n, _width(dot_dim, aux)), dtype=xp.float16)
     resids = xp.empty(n, dtype=xp.float64)
     for a, b in _blocks(n, dot_dim):
-        _, resids[a:b], _ = _round16(xp, dot[a:b], scale, vecs16[a:b, :dot_dim])
+        _, resids[a:b], _ = round16(xp, dot[a:b], scale, vecs16[a:b, :dot_dim])
     max_resid = float(resids.max())
     fields: dict[str, Any] = {"vecs16": vecs16, "dot_dim": dot_dim, "prepared_width": width, "scale": scale,
                               "max_norm": max_norm, "max_resid": max_resid, "shift_at": dot_dim}
@@ -315,22 +316,29 @@ class FastUsers:
         return FastUsers(self.vecs16[rows], self.alpha[rows], self.offset[rows], self.bound[rows], self.half_scores)
 
 
-def prepare_users(xp: Any, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
+def prepare_users(xp: Any, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None,
+                  rounder: Any = None) -> FastUsers:
     """users: (n, D) float32 prepared vectors (module ``xp``) -> FastUsers (arrays of module ``xp``).
 
     ``half_scores``: the GEMM's scores are rounded to float16 after scaling by ``output_scale(W)``. ``shift``: (n,)
     a score per user (module ``xp``) to take off every score in the GEMM (about; the certificate knows exactly what
-    was taken): near the scores the certificate compares, it keeps the float16 score tiles' rounding small."""
+    was taken): near the scores the certificate compares, it keeps the float16 score tiles' rounding small.
+    ``rounder``: :func:`round16` of rows scaled one power of two a row ((n,) float64), in one pass where the users'
+    backend has its own (``Backend.round16``); None: :func:`round16` itself."""
     n = int(users.shape[0])
     vecs16 = xp.zeros((n, items.width), dtype=xp.float16)
     alpha, offset, bound = (xp.empty(n, dtype=xp.float64) for _ in range(3))
+    if rounder is None:
+        def rounder(vecs32: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
+            return round16(xp, vecs32, scale[:, None], out16)
     for a, b in _blocks(n, items.width):
         sh = None if shift is None else shift[a:b]
-        alpha[a:b], offset[a:b], bound[a:b] = _prepare_block(xp, users[a:b], items, vecs16[a:b], sh)
+        alpha[a:b], offset[a:b], bound[a:b] = _prepare_block(xp, users[a:b], items, vecs16[a:b], sh, rounder)
     return FastUsers(vecs16, alpha, offset, bound, half_scores)
 
 
-def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any) -> tuple[Any, Any, Any]:
+def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any,
+                   rounder: Any) -> tuple[Any, Any, Any]:
     """Fill ``out16`` (n, W) with a block of users in float16; return their (α, A_u, bound)."""
     gamma16, gamma32 = items.width * _ACC16, items.prepared_width * _ACC32
     dot = users[:, :items.dot_dim]
@@ -344,7 +352,7 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
                 - xp.log2(xp.maximum(xp.abs(shift.astype(xp.float64)), 2.0 ** -900)))
         alpha = xp.minimum(alpha, xp.exp2(xp.floor(xp.minimum(room, 1000.0))))
     ab = alpha * items.scale
-    norm, resid, norm16 = _round16(xp, dot, alpha[:, None], out16[:, :items.dot_dim])
+    norm, resid, norm16 = rounder(dot, alpha, out16[:, :items.dot_dim])
     p = resid + gamma16 * norm16 + gamma32 * norm  # the factor of n_v
     q = norm + resid + gamma16 * norm16  # the factor of r_v
     # Float32 scores of tiny vectors underflow: each of the D steps may also lose half of float32's smallest

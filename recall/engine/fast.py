@@ -405,9 +405,17 @@ def _prepare(engine: Any, users: Any, k: int, margin: int | None = None) -> cert
     # (1M x 100k x 64 at k = 100: 0.051 s of selects against 0.072 s) before it skipped the leading bits its keys
     # share; small ranks now take the warp-a-user select, whose bisection the scores' offset does not touch.
     half = _tiles16(engine, int(users.shape[0]), k, margin)
-    items = _state(engine).items
     shift = _sampled_best(engine, users, uxp) if half else None
-    return certificate.prepare_users(uxp, users, items, half_scores=half, shift=shift)
+    return _prepare_users(engine, users, uxp, half, shift)
+
+
+def _prepare_users(engine: Any, users: Any, uxp: Any, half: bool, shift: Any) -> certificate.FastUsers:
+    """``certificate.prepare_users`` of prepared ``users`` (module ``uxp``), rounded by the backend where they are
+    its arrays (``Backend.round16``)."""
+    backend = engine.backend
+    rounder = backend.round16 if uxp is backend.xp else None
+    return certificate.prepare_users(uxp, users, _state(engine).items, half_scores=half, shift=shift,
+                                     rounder=rounder)
 
 
 def _tiles16(engine: Any, n_users: int, k: int, margin: int | None = None) -> bool:
@@ -458,7 +466,7 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
             kth = vals[sel, k - 1]
             kth = backend.to_host(kth) if uxp is np else kth
             shift = uxp.where(uxp.isfinite(kth), kth, 0).astype(uxp.float64)
-        retry = certificate.prepare_users(uxp, sub, state.items, half_scores=half, shift=shift)
+        retry = _prepare_users(engine, sub, uxp, half, shift)
         w_vals, w_rows, w_failed, _, _ = _certified_pass(engine, state, sub, retry, k, k + pass_m,
                                                          excl.subset(failed), ordered)
         vals[sel], rows[sel] = w_vals, w_rows

@@ -108,6 +108,8 @@ VARIANTS = {
     # HOOKS: float16 passes that keep float32 scores shifted where users hold bound or bias columns (the rule before
     # 2026-12-04: fast._prepare).
     "shift32": {},
+    # HOOKS: the users' float16 copies by certificate.round16's array operations (before Backend.round16's kernel).
+    "round16-xp": {},
 }
 
 
@@ -178,13 +180,23 @@ def _shift_float32(engine):
     fast_mode._prepare = prepare
 
 
+def _round16_arrays(engine):
+    from recall.core import certificate
+    from recall.engine import fast as fast_mode
+
+    def prepare_users(engine, users, uxp, half, shift):
+        return certificate.prepare_users(uxp, users, fast_mode._state(engine).items, half_scores=half, shift=shift)
+
+    fast_mode._prepare_users = prepare_users
+
+
 HOOKS = {"m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin),
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
          "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
          "float32-seed-block": _seed_select(0, 0),
-         "shift32": _shift_float32}
+         "shift32": _shift_float32, "round16-xp": _round16_arrays}
 
 
 def cell_spec(name):
@@ -361,7 +373,7 @@ def main() -> None:
 
     shipped_margin = certificate.margin
     shipped_select = selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE
-    shipped_prepare = fast_mode._prepare
+    shipped_prepare = fast_mode._prepare, fast_mode._prepare_users
     shipped_sigmas = selection.ESTIMATE_SIGMAS
     shipped_max_k = fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K
     prec = a.precision
@@ -387,7 +399,7 @@ def main() -> None:
             fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
             certificate.margin = shipped_margin
             selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = shipped_select
-            fast_mode._prepare = shipped_prepare
+            fast_mode._prepare, fast_mode._prepare_users = shipped_prepare
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -423,7 +435,7 @@ def main() -> None:
         fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
         certificate.margin = shipped_margin
         selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = shipped_select
-        fast_mode._prepare = shipped_prepare
+        fast_mode._prepare, fast_mode._prepare_users = shipped_prepare
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()

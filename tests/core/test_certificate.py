@@ -150,3 +150,46 @@ def test_output_scale_keeps_every_tile_score_finite():
         g = certificate.output_scale(width)
         worst = (width - 1) * (2.0 ** 14 * (1 + 2.0 ** -9)) ** 2 + 2.0 ** 30
         assert np.isfinite(np.float16(worst * g)) and worst * g * (1 + width * 2.0 ** -22) < 65504
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [1, 3, 50, 64, 300])
+def test_backend_round16_is_the_arithmetic_of_record(dim):
+    # The GPU's one-pass rounding (Backend.round16, kernels/round16.cu) against certificate.round16 on the same rows:
+    # the same float16 bits, and the norms of each row, its residual and its float16 value within float64's sums'
+    # order; on views (a row stride wider than the row, a float16 destination inside wider rows), zero rows, values
+    # at float16's subnormal edge and rows whose largest component is far above the rest. Then prepare_users with
+    # and without it: the same users.
+    from recall.backends import cuda_status, resolve
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    rng = np.random.default_rng(dim)
+    n = 1000
+    wide = (rng.standard_normal((n, dim + 5)) * 10.0 ** rng.uniform(-6, 6, (n, 1))).astype(np.float32)
+    wide[0] = 0
+    wide[1, :] = np.float32(2.0 ** -30)
+    wide[2, 0] = np.float32(1e6)
+    wide[3] = np.float32(1.0) + np.float32(2.0 ** -11) * np.arange(dim + 5, dtype=np.float32)  # midpoints
+    vecs = wide[:, :dim]
+    maxabs = np.abs(vecs).max(axis=1).astype(np.float64)
+    scale = np.where(maxabs > 0, np.exp2(13 - np.floor(np.log2(np.where(maxabs > 0, maxabs, 1.0)))), 1.0)
+    backend = resolve("gpu")
+    out_gpu = cupy.zeros((n, dim + 7), cupy.float16)
+    got = backend.round16(cupy.asarray(wide)[:, :dim], cupy.asarray(scale), out_gpu[:, 2:2 + dim])
+    out_ref = np.zeros((n, dim + 7), np.float16)
+    want = certificate.round16(np, vecs, scale[:, None], out_ref[:, 2:2 + dim])
+    assert (cupy.asnumpy(out_gpu).view(np.uint16) == out_ref.view(np.uint16)).all()
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(cupy.asnumpy(g), w, rtol=1e-12, atol=0)
+    items = (rng.standard_normal((4000, dim)) * rng.lognormal(0, 1, (4000, 1))).astype(np.float32)
+    fi = certificate.prepare_items(cupy, cupy.asarray(items))
+    users = cupy.asarray(vecs)
+    plain = certificate.prepare_users(cupy, users, fi)
+    fused = certificate.prepare_users(cupy, users, fi, rounder=backend.round16)
+    assert (cupy.asnumpy(plain.vecs16).view(np.uint16) == cupy.asnumpy(fused.vecs16).view(np.uint16)).all()
+    assert (cupy.asnumpy(plain.alpha) == cupy.asnumpy(fused.alpha)).all()
+    np.testing.assert_allclose(cupy.asnumpy(fused.bound), cupy.asnumpy(plain.bound), rtol=1e-12)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...core import keys
-from ...core.certificate import output_scale
+from ...core.certificate import output_scale, round16
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
 from ...core.options import EngineOptions
@@ -26,7 +26,7 @@ from ...core.tiling import TilePlan
 from .. import candidates
 from ..numpy.backend import tune_band
 from ..protocol import PASS_SHARE
-from . import blas, fused, rescore
+from . import blas, fused, kernels, rescore
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
 from .pipeline import BlockPipeline
 from .selection import GpuTopK, Selection, fused_capacity, pow2
@@ -256,6 +256,24 @@ class CupyBackend:
         candidates.rescore_gemm(self, users_d, items.vecs, indptr, rows, k, budget, vals, out,
                                 rescore.ordered_dots if ordered else None)
         return vals, out, "gemm"
+
+    def round16(self, vecs: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
+        # One warp a row (kernels/round16.cu), for float32 rows and float16 outputs of unit column strides.
+        cupy = self.xp
+        n, d = int(vecs.shape[0]), int(vecs.shape[1])
+        if vecs.dtype != cupy.float32 or (n and d and (vecs.strides[1] != 4 or out16.strides[1] != 2)):
+            return round16(cupy, vecs, scale[:, None], out16)
+        norm, resid, norm16 = (cupy.empty(n, cupy.float64) for _ in range(3))
+        if n and d:
+            kernel = kernels.module(("round16.cu",)).get_function("recall_round16")
+            kernel(((n + 7) // 8,), (256,),
+                   (vecs, np.int64(vecs.strides[0] // 4), out16, np.int64(out16.strides[0] // 2),
+                    cupy.ascontiguousarray(scale, dtype=cupy.float64), np.int32(n), np.int32(d), norm, resid, norm16))
+        else:
+            norm.fill(0)
+            resid.fill(0)
+            norm16.fill(0)
+        return norm, resid, norm16
 
     def fused_applies(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,
                       options: EngineOptions) -> bool:

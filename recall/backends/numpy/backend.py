@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ...core import keys
-from ...core.certificate import seed_margin
+from ...core.certificate import round16, seed_margin
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
 from ...core.metrics import row_norms
@@ -353,6 +353,9 @@ class NumpyBackend:
         candidates.rescore_gemm(self, users, items, indptr, self.asarray(rows), k, budget, vals, out,
                                 ordered_dots if ordered else None)
         return vals, out, "gemm"
+
+    def round16(self, vecs: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
+        return round16(np, vecs, scale[:, None], out16)
 
     def certify_exact(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
                       options: EngineOptions) -> bool:
