@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..core.certificate import FastItems, FastUsers
 from ..core.exclusions import Exclusions
 from ..core.options import EngineOptions
 from ..core.tiling import TilePlan
@@ -162,10 +163,10 @@ class Backend(Protocol):
         what fast mode's probe weighs its widened users by (``recall.engine.fast``). :data:`PASS_SHARE` where the
         backend knows no better."""
 
-    def round16(self, vecs: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
-        """``certificate.round16`` of backend arrays, rows scaled one power of two a row (``scale`` (n,) float64):
-        fl16(scale·v) written into ``out16`` (n, d) float16 (a view), and per row (|v|, |δv|, |a|) float64, for fast
-        mode's users (``certificate.prepare_users``' ``rounder``)."""
+    def fast_users(self, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
+        """``certificate.prepare_users`` of prepared ``users`` (n, D) float32 on this backend (``shift`` too): fast
+        mode's float16 copies, with what their certificates need, as backend arrays (the same arithmetic, in as few
+        passes as the backend can)."""
 
     def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
         """The best k (score desc, lower row first) of each row of a padded candidate block: scores (n, width)

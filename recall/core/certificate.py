@@ -190,10 +190,9 @@ def _norms(xp: Any, vecs: Any) -> Any:
     return xp.sqrt((vecs * vecs).sum(axis=1))
 
 
-def round16(xp: Any, vecs32: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
+def _round16(xp: Any, vecs32: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
     """Write fl16(scale·vecs) into ``out16`` and return per row (|v|, |δv|, |a|) in float64, a = fl16(scale·v)/scale,
-    δv = a - v (exact in float64: both are floats on nearby grids). ``scale``: powers of two, a scalar or one a row
-    ((n, 1)). The arithmetic of record; a backend may do the same in one pass (``Backend.round16``)."""
+    δv = a - v (exact in float64: both are floats on nearby grids)."""
     v64 = vecs32.astype(xp.float64)
     rounded = (v64 * scale).astype(xp.float16)
     out16[...] = rounded
@@ -265,7 +264,7 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None) -> FastItems
     vecs16 = xp.zeros((n, _width(dot_dim, aux)), dtype=xp.float16)
     resids = xp.empty(n, dtype=xp.float64)
     for a, b in _blocks(n, dot_dim):
-        _, resids[a:b], _ = round16(xp, dot[a:b], scale, vecs16[a:b, :dot_dim])
+        _, resids[a:b], _ = _round16(xp, dot[a:b], scale, vecs16[a:b, :dot_dim])
     max_resid = float(resids.max())
     fields: dict[str, Any] = {"vecs16": vecs16, "dot_dim": dot_dim, "prepared_width": width, "scale": scale,
                               "max_norm": max_norm, "max_resid": max_resid, "shift_at": dot_dim}
@@ -316,35 +315,45 @@ class FastUsers:
         return FastUsers(self.vecs16[rows], self.alpha[rows], self.offset[rows], self.bound[rows], self.half_scores)
 
 
-def prepare_users(xp: Any, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None,
-                  rounder: Any = None) -> FastUsers:
+def prepare_users(xp: Any, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
     """users: (n, D) float32 prepared vectors (module ``xp``) -> FastUsers (arrays of module ``xp``).
 
     ``half_scores``: the GEMM's scores are rounded to float16 after scaling by ``output_scale(W)``. ``shift``: (n,)
     a score per user (module ``xp``) to take off every score in the GEMM (about; the certificate knows exactly what
     was taken): near the scores the certificate compares, it keeps the float16 score tiles' rounding small.
-    ``rounder``: :func:`round16` of rows scaled one power of two a row ((n,) float64), in one pass where the users'
-    backend has its own (``Backend.round16``); None: :func:`round16` itself."""
+
+    The arithmetic of record (array operations, a block of users at a time); a backend may do the same in one pass
+    (``Backend.fast_users``, with :func:`user_terms`)."""
     n = int(users.shape[0])
     vecs16 = xp.zeros((n, items.width), dtype=xp.float16)
     alpha, offset, bound = (xp.empty(n, dtype=xp.float64) for _ in range(3))
-    if rounder is None:
-        def rounder(vecs32: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
-            return round16(xp, vecs32, scale[:, None], out16)
     for a, b in _blocks(n, items.width):
         sh = None if shift is None else shift[a:b]
-        alpha[a:b], offset[a:b], bound[a:b] = _prepare_block(xp, users[a:b], items, vecs16[a:b], sh, rounder)
+        alpha[a:b], offset[a:b], bound[a:b] = _prepare_block(xp, users[a:b], items, vecs16[a:b], sh)
     return FastUsers(vecs16, alpha, offset, bound, half_scores)
 
 
-def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any,
-                   rounder: Any) -> tuple[Any, Any, Any]:
+def user_terms(items: FastItems) -> dict[str, float]:
+    """The scalars :func:`prepare_users`' arithmetic takes from ``items`` and from this module's constants, by the
+    module docstring's names where it has them: γ₁₆ and γ₃₂, the underflow term every user's ``rest`` starts at
+    (D·2^-149), α's cap for the bias (inf without one), the safety factor, the largest bound-column factor a user may
+    hold; the items' β, β_b, X, ΔX, K and max |c|."""
+    return {"beta": items.scale, "bias_scale": items.bias_scale,
+            "cap_bias": _BIAS_USER_MAX * items.bias_scale / items.scale if items.bias_at is not None else np.inf,
+            "gamma16": items.width * _ACC16, "gamma32": items.prepared_width * _ACC32,
+            "rest0": items.prepared_width * _F32_TINY, "max_norm": items.max_norm, "max_resid": items.max_resid,
+            "bias_err_max": items.bias_err_max, "bias_max": items.bias_max, "safety": _SAFETY,
+            "aux_user_max": _AUX_USER_MAX}
+
+
+def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any) -> tuple[Any, Any, Any]:
     """Fill ``out16`` (n, W) with a block of users in float16; return their (α, A_u, bound)."""
-    gamma16, gamma32 = items.width * _ACC16, items.prepared_width * _ACC32
+    terms = user_terms(items)
+    gamma16, gamma32 = terms["gamma16"], terms["gamma32"]
     dot = users[:, :items.dot_dim]
     alpha = _pow2_scale(xp, xp.abs(dot).max(axis=1).astype(xp.float64))
     if items.bias_at is not None:
-        alpha = xp.minimum(alpha, _BIAS_USER_MAX * items.bias_scale / items.scale)
+        alpha = xp.minimum(alpha, terms["cap_bias"])
     if shift is not None:
         # σ_u = -S_u·αβ/_SHIFT_ITEM must fit float16: lower α (a power of two, like the cap) where it would not.
         # (In logarithms, so that a shift of 0 sets no cap; the clip below keeps σ_u in range whatever the cap.)
@@ -352,12 +361,12 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
                 - xp.log2(xp.maximum(xp.abs(shift.astype(xp.float64)), 2.0 ** -900)))
         alpha = xp.minimum(alpha, xp.exp2(xp.floor(xp.minimum(room, 1000.0))))
     ab = alpha * items.scale
-    norm, resid, norm16 = rounder(dot, alpha, out16[:, :items.dot_dim])
+    norm, resid, norm16 = _round16(xp, dot, alpha[:, None], out16[:, :items.dot_dim])
     p = resid + gamma16 * norm16 + gamma32 * norm  # the factor of n_v
     q = norm + resid + gamma16 * norm16  # the factor of r_v
     # Float32 scores of tiny vectors underflow: each of the D steps may also lose half of float32's smallest
     # subnormal spacing, 2^-149, absolutely.
-    rest = xp.full(norm.shape, items.prepared_width * _F32_TINY)
+    rest = xp.full(norm.shape, terms["rest0"])
     offset = xp.zeros_like(norm)
     if items.shift_at is not None and shift is not None:
         sigma = xp.clip(-shift.astype(xp.float64) * ab / _SHIFT_ITEM, -_SHIFT_USER_MAX, _SHIFT_USER_MAX)

@@ -410,12 +410,12 @@ def _prepare(engine: Any, users: Any, k: int, margin: int | None = None) -> cert
 
 
 def _prepare_users(engine: Any, users: Any, uxp: Any, half: bool, shift: Any) -> certificate.FastUsers:
-    """``certificate.prepare_users`` of prepared ``users`` (module ``uxp``), rounded by the backend where they are
-    its arrays (``Backend.round16``)."""
-    backend = engine.backend
-    rounder = backend.round16 if uxp is backend.xp else None
-    return certificate.prepare_users(uxp, users, _state(engine).items, half_scores=half, shift=shift,
-                                     rounder=rounder)
+    """``certificate.prepare_users`` of prepared ``users`` (module ``uxp``): by the backend where they are its arrays
+    (``Backend.fast_users``), else by NumPy."""
+    backend, items = engine.backend, _state(engine).items
+    if uxp is backend.xp:
+        return backend.fast_users(users, items, half_scores=half, shift=shift)
+    return certificate.prepare_users(uxp, users, items, half_scores=half, shift=shift)
 
 
 def _tiles16(engine: Any, n_users: int, k: int, margin: int | None = None) -> bool:

@@ -153,13 +153,18 @@ def test_output_scale_keeps_every_tile_score_finite():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [1, 3, 50, 64, 300])
-def test_backend_round16_is_the_arithmetic_of_record(dim):
-    # The GPU's one-pass rounding (Backend.round16, kernels/round16.cu) against certificate.round16 on the same rows:
-    # the same float16 bits, and the norms of each row, its residual and its float16 value within float64's sums'
-    # order; on views (a row stride wider than the row, a float16 destination inside wider rows), zero rows, values
-    # at float16's subnormal edge and rows whose largest component is far above the rest. Then prepare_users with
-    # and without it: the same users.
+@pytest.mark.parametrize("metric, items_kind", [("ip", "spread"), ("ip", "normal"), ("l2", "spread"),
+                                                ("cosine", "normal"), ("ip", "exact16")])
+@pytest.mark.parametrize("dim", [3, 50, 64, 300])
+@pytest.mark.parametrize("shift_kind", [None, "scores", "wild"])
+def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, shift_kind):
+    # The GPU's one-launch preparation of fast mode's users (Backend.fast_users, kernels/fast16.cu) against
+    # certificate.prepare_users' array operations on the same users: the same float16 columns (dot part, shift,
+    # bias), alpha and offset bit for bit; the bound columns within one float16 step and the bound within float64's
+    # order of the norms' sums. Items with spread norms (bound columns), without (none), l2 (a bias, dropped for users
+    # too small to carry it), items exact in float16 (no user's residual factor fits); users: a zero row, rows of
+    # 1e-25 and 1e30 scale, a subnormal-free spread of magnitudes, a strided view; shifts near the scores, zero, and
+    # far beyond them (alpha capped so that sigma fits).
     from recall.backends import cuda_status, resolve
 
     usable, reason = cuda_status()
@@ -167,29 +172,41 @@ def test_backend_round16_is_the_arithmetic_of_record(dim):
         pytest.skip(f"no usable GPU: {reason}")
     import cupy
 
-    rng = np.random.default_rng(dim)
-    n = 1000
-    wide = (rng.standard_normal((n, dim + 5)) * 10.0 ** rng.uniform(-6, 6, (n, 1))).astype(np.float32)
-    wide[0] = 0
-    wide[1, :] = np.float32(2.0 ** -30)
-    wide[2, 0] = np.float32(1e6)
-    wide[3] = np.float32(1.0) + np.float32(2.0 ** -11) * np.arange(dim + 5, dtype=np.float32)  # midpoints
-    vecs = wide[:, :dim]
-    maxabs = np.abs(vecs).max(axis=1).astype(np.float64)
-    scale = np.where(maxabs > 0, np.exp2(13 - np.floor(np.log2(np.where(maxabs > 0, maxabs, 1.0)))), 1.0)
+    rng = np.random.default_rng(dim + 7 * len(metric))
+    n_items, n = 3000, 600
+    if items_kind == "exact16":
+        items = (rng.integers(-100, 101, (n_items, dim)) * 2.0 ** rng.integers(-3, 4, (n_items, 1))).astype(np.float32)
+    else:
+        spread = rng.lognormal(0, 1.5, (n_items, 1)) if items_kind == "spread" else 1.0
+        items = (rng.standard_normal((n_items, dim)) * spread).astype(np.float32)
+    raw = (rng.standard_normal((n, dim)) * 10.0 ** rng.uniform(-4, 4, (n, 1))).astype(np.float32)
+    raw[0] = 0
+    raw[1] *= np.float32(1e-25)
+    raw[2] *= np.float32(1e30) / np.abs(raw[2]).max()
+    pi = metrics.prepare_items(metric, np, items).astype(np.float32)
+    pu = metrics.prepare_users(metric, np, raw).astype(np.float32)
+    fi = certificate.prepare_items(cupy, cupy.asarray(pi), metrics.bias_column(metric, dim))
+    wide = cupy.zeros((n, pu.shape[1] + 3), cupy.float32)
+    wide[:, :pu.shape[1]] = cupy.asarray(pu)
+    shift = None
+    if shift_kind == "scores":
+        shift = cupy.asarray((pu.astype(np.float64) @ pi[:50].T.astype(np.float64)).max(axis=1))
+        shift[5] = 0
+    elif shift_kind == "wild":
+        shift = cupy.asarray(rng.standard_normal(n) * 10.0 ** rng.uniform(-30, 30, n))
     backend = resolve("gpu")
-    out_gpu = cupy.zeros((n, dim + 7), cupy.float16)
-    got = backend.round16(cupy.asarray(wide)[:, :dim], cupy.asarray(scale), out_gpu[:, 2:2 + dim])
-    out_ref = np.zeros((n, dim + 7), np.float16)
-    want = certificate.round16(np, vecs, scale[:, None], out_ref[:, 2:2 + dim])
-    assert (cupy.asnumpy(out_gpu).view(np.uint16) == out_ref.view(np.uint16)).all()
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(cupy.asnumpy(g), w, rtol=1e-12, atol=0)
-    items = (rng.standard_normal((4000, dim)) * rng.lognormal(0, 1, (4000, 1))).astype(np.float32)
-    fi = certificate.prepare_items(cupy, cupy.asarray(items))
-    users = cupy.asarray(vecs)
-    plain = certificate.prepare_users(cupy, users, fi)
-    fused = certificate.prepare_users(cupy, users, fi, rounder=backend.round16)
-    assert (cupy.asnumpy(plain.vecs16).view(np.uint16) == cupy.asnumpy(fused.vecs16).view(np.uint16)).all()
-    assert (cupy.asnumpy(plain.alpha) == cupy.asnumpy(fused.alpha)).all()
-    np.testing.assert_allclose(cupy.asnumpy(fused.bound), cupy.asnumpy(plain.bound), rtol=1e-12)
+    for users in (cupy.asarray(pu), wide[:, :pu.shape[1]]):
+        want = certificate.prepare_users(cupy, users, fi, half_scores=True, shift=shift)
+        got = backend.fast_users(users, fi, half_scores=True, shift=shift)
+        assert got.half_scores
+        g16, w16 = (cupy.asnumpy(x.vecs16).view(np.uint16).astype(np.int64) for x in (got, want))
+        aux = fi.norms_at if fi.norms_at is not None else fi.width
+        assert (g16[:, :aux] == w16[:, :aux]).all()
+        assert (np.abs(g16[:, aux:] - w16[:, aux:]) <= 1).all()
+        assert (cupy.asnumpy(got.alpha) == cupy.asnumpy(want.alpha)).all()
+        assert (cupy.asnumpy(got.offset) == cupy.asnumpy(want.offset)).all()
+        np.testing.assert_allclose(cupy.asnumpy(got.bound), cupy.asnumpy(want.bound), rtol=1e-9, atol=0)
+    if fi.bias_at is None:  # (l2 caps alpha for the bias: such a row rounds to 0 there, its residual its whole norm)
+        # A row of float32 subnormals is scaled up like any other, not flushed to 0 (the kernel widens exactly).
+        tiny = backend.fast_users(cupy.full((1, pu.shape[1]), np.float32(1e-40)), fi)
+        assert float(tiny.alpha[0]) >= 2.0 ** 140 and (cupy.asnumpy(tiny.vecs16[:, :fi.dot_dim]) != 0).all()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...core import keys
-from ...core.certificate import output_scale, round16
+from ...core.certificate import FastItems, FastUsers, output_scale, prepare_users, user_terms
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
 from ...core.options import EngineOptions
@@ -257,23 +257,30 @@ class CupyBackend:
                                 rescore.ordered_dots if ordered else None)
         return vals, out, "gemm"
 
-    def round16(self, vecs: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
-        # One warp a row (kernels/round16.cu), for float32 rows and float16 outputs of unit column strides.
+    def fast_users(self, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
+        # One warp a user, one launch (kernels/fast16.cu), for float32 rows of unit column stride; else the array
+        # operations of certificate.prepare_users.
         cupy = self.xp
-        n, d = int(vecs.shape[0]), int(vecs.shape[1])
-        if vecs.dtype != cupy.float32 or (n and d and (vecs.strides[1] != 4 or out16.strides[1] != 2)):
-            return round16(cupy, vecs, scale[:, None], out16)
-        norm, resid, norm16 = (cupy.empty(n, cupy.float64) for _ in range(3))
-        if n and d:
-            kernel = kernels.module(("round16.cu",)).get_function("recall_round16")
+        n = int(users.shape[0])
+        if users.dtype != cupy.float32 or users.ndim != 2 or (n and users.strides[1] != 4):
+            return prepare_users(cupy, users, items, half_scores, shift)
+        vecs16 = cupy.zeros((n, items.width), dtype=cupy.float16)
+        alpha, offset, bound = (cupy.empty(n, dtype=cupy.float64) for _ in range(3))
+        if n:
+            t = user_terms(items)
+            sc = (*items.aux_scales, 1.0, 1.0, 1.0)[:3]
+            top = (*items.aux_max, 0.0, 0.0, 0.0)[:3]
+            kernel = kernels.module(("fast16.cu",), ("--fmad=false",)).get_function("recall_prepare_users")
+            at = [-1 if c is None else c for c in (items.shift_at, items.bias_at, items.norms_at)]
             kernel(((n + 7) // 8,), (256,),
-                   (vecs, np.int64(vecs.strides[0] // 4), out16, np.int64(out16.strides[0] // 2),
-                    cupy.ascontiguousarray(scale, dtype=cupy.float64), np.int32(n), np.int32(d), norm, resid, norm16))
-        else:
-            norm.fill(0)
-            resid.fill(0)
-            norm16.fill(0)
-        return norm, resid, norm16
+                   (users, np.int64(users.strides[0] // 4), np.int32(n), np.int32(items.dot_dim), vecs16,
+                    np.int32(items.width), alpha if shift is None else cupy.ascontiguousarray(shift, dtype=cupy.float64),
+                    np.int32(shift is not None), *(np.int32(c) for c in at), np.int32(len(items.aux_scales)),
+                    *(np.float64(t[name]) for name in ("beta", "cap_bias", "bias_scale", "gamma16", "gamma32", "rest0",
+                                                       "max_norm", "max_resid", "bias_err_max", "bias_max", "safety",
+                                                       "aux_user_max")),
+                    *(np.float64(x) for x in (*sc, *top)), alpha, offset, bound))
+        return FastUsers(vecs16, alpha, offset, bound, half_scores)
 
     def fused_applies(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,
                       options: EngineOptions) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ...core import keys
-from ...core.certificate import round16, seed_margin
+from ...core.certificate import FastItems, FastUsers, prepare_users, seed_margin
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
 from ...core.metrics import row_norms
@@ -354,8 +354,8 @@ class NumpyBackend:
                                 ordered_dots if ordered else None)
         return vals, out, "gemm"
 
-    def round16(self, vecs: Any, scale: Any, out16: Any) -> tuple[Any, Any, Any]:
-        return round16(np, vecs, scale[:, None], out16)
+    def fast_users(self, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
+        return prepare_users(np, users, items, half_scores, shift)
 
     def certify_exact(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int,
                       options: EngineOptions) -> bool:

@@ -1,0 +1,145 @@
+// Fast mode's users in float16, with what their certificates need (certificate.prepare_users, the arithmetic of
+// record, whose symbols this follows): one warp a user, one launch for all. Per user u of n (rows of `users`, float32,
+// row stride ustride; the first D0 columns the dot part), with out16 (n, W) float16 zeroed by the caller:
+//   alpha = 2^(13 - floor(log2 max|y_i|)) (1 for a zero row), capped at cap_bias (the bias's cap; +inf without) and,
+//           with a shift S_u, at 2^floor(30 - log2(beta) - log2 max(|S_u|, 2^-900)) (exactly, from the exponents);
+//   the dot part fl16(alpha y_i) (one rounding, from float64), and in float64 |y|, |delta y|, |a|;
+//   p, q, rest; the shift column sigma_u = fl16(clip(-S_u alpha beta / 2^15)) and offset A_u; the bias columns e_u;
+//   the bound columns' factors (rounded up to float16), or the bound through the items' maxima where they do not fit.
+// Every float64 step is the reference's own, in its order (the module is built with --fmad=false, so that no product
+// and sum fuse), except the three norms' sums, which run in another order (relative 2^-50 or so: far inside the
+// certificate's 1% safety, certificate._SAFETY). The NumPy form on CuPy arrays cost about 75 launches a block of
+// users (3.0 ms of a 22 ms search of 200k users x 64 dimensions on the H200, docs/benchmarks.md).
+#define F16_TINY 5.9604644775390625e-08  // 2^-24
+#define F16_MAX 65504.0
+
+__device__ __forceinline__ unsigned short fast16_f16(double x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(x));
+    return h;
+}
+
+__device__ __forceinline__ double fast16_f64(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return (double)f;
+}
+
+// A float32 value in float64, exactly, subnormals too (a conversion built with -ftz would flush them to 0).
+__device__ __forceinline__ double fast16_widen(float f) {
+    const unsigned b = __float_as_uint(f);
+    if ((b & 0x7f800000u) != 0u) return (double)f;
+    const double m = ldexp((double)(b & 0x7fffffu), -149);
+    return (b >> 31) ? -m : m;
+}
+
+// floor(log2 x) of a positive finite double, exactly.
+__device__ __forceinline__ int fast16_floor_log2(double x) {
+    int e;
+    frexp(x, &e);  // x = m 2^e, m in [0.5, 1)
+    return e - 1;
+}
+
+// certificate._up16: a float16 value >= v (v >= 0, float64).
+__device__ __forceinline__ unsigned short fast16_up(double v) {
+    if (!(v > 0.0)) return 0;
+    return fast16_f16(fmin(v * (1.0 + 0.0009765625) + F16_TINY, F16_MAX));
+}
+
+__device__ __forceinline__ double fast16_warp_sum(double x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+recall_prepare_users(const float* __restrict__ users, long long ustride, int n, int D0,
+                     unsigned short* __restrict__ out16, int W, const double* __restrict__ shift, int shifted,
+                     int shift_at, int bias_at, int norms_at, int n_aux,
+                     double beta, double cap_bias, double bias_scale, double gamma16, double gamma32, double rest0,
+                     double max_norm, double max_resid, double bias_err_max, double bias_max, double safety,
+                     double aux_user_max, double sc0, double sc1, double sc2, double top0, double top1, double top2,
+                     double* __restrict__ alpha_out, double* __restrict__ offset_out, double* __restrict__ bound_out) {
+    const int u = blockIdx.x * 8 + (int)(threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (u >= n) return;  // the whole warp
+    const float* row = users + (long long)u * ustride;
+    unsigned short* out = out16 + (long long)u * W;
+    double mx = 0.0;  // in float64, as every step below: no float32 operation flushes a subnormal to 0 (-ftz)
+    for (int i = lane; i < D0; i += 32) mx = fmax(mx, fabs(fast16_widen(row[i])));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    double alpha = mx > 0.0 ? ldexp(1.0, 13 - fast16_floor_log2(mx)) : 1.0;
+    alpha = fmin(alpha, cap_bias);
+    const double s_u = shifted ? shift[u] : 0.0;
+    if (shifted) {
+        // floor(30 - log2 beta - log2 m) for m = max(|S_u|, 2^-900): 30 - log2 beta - ceil(log2 m), capped at 1000.
+        const double m = fmax(fabs(s_u), ldexp(1.0, -900));
+        int e;
+        const double frac = frexp(m, &e);  // m = frac 2^e, frac in [0.5, 1): ceil(log2 m) = e - (frac == 0.5)
+        const int room = 30 - fast16_floor_log2(beta) - (e - (frac == 0.5 ? 1 : 0));
+        alpha = fmin(alpha, ldexp(1.0, min(room, 1000)));
+    }
+    const double ab = alpha * beta;
+    double sv = 0.0, se = 0.0, sa = 0.0;
+    for (int i = lane; i < D0; i += 32) {
+        const double v = fast16_widen(row[i]);
+        const unsigned short h = fast16_f16(v * alpha);
+        out[i] = h;
+        const double a = fast16_f64(h) / alpha, e = a - v;
+        sv += v * v;
+        se += e * e;
+        sa += a * a;
+    }
+    sv = fast16_warp_sum(sv);
+    se = fast16_warp_sum(se);
+    sa = fast16_warp_sum(sa);
+    if (lane != 0) return;
+    const double norm = sqrt(sv), resid = sqrt(se), norm16 = sqrt(sa);
+    const double p = resid + gamma16 * norm16 + gamma32 * norm;  // the factor of n_v
+    const double q = norm + resid + gamma16 * norm16;              // the factor of r_v
+    double rest = rest0, offset = 0.0;
+    if (shift_at >= 0 && shifted) {
+        const double sigma = fmin(fmax(-s_u * ab / 32768.0, -32768.0), 32768.0);
+        const unsigned short h = fast16_f16(sigma);
+        out[shift_at] = h;
+        offset = fast16_f64(h) * 32768.0 / ab;
+        rest = rest + gamma16 * fabs(offset);
+    }
+    bool kept = true;
+    double through_bias = gamma32 * bias_max;
+    if (bias_at >= 0) {
+        const double e_u = ab / bias_scale;
+        kept = e_u >= F16_TINY;
+        const unsigned short h = fast16_f16(kept ? e_u : 0.0);
+        out[bias_at] = h;
+        out[bias_at + 1] = h;
+        through_bias = kept ? bias_err_max : bias_max * (1 + gamma32);
+    }
+    const double through_max = safety * (p * max_norm + q * max_resid + through_bias + rest);
+    alpha_out[u] = alpha;
+    offset_out[u] = offset;
+    if (norms_at < 0) {
+        bound_out[u] = through_max;
+        return;
+    }
+    const double factor[3] = {p, q, 1.0}, sc[3] = {sc0, sc1, sc2}, top[3] = {top0, top1, top2};
+    unsigned short col[3] = {0, 0, 0};
+    bool fits = kept;
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+        if (j < n_aux) {
+            col[j] = fast16_up(safety * factor[j] * ab / sc[j]);
+            fits = fits && fast16_f64(col[j]) <= aux_user_max;
+        }
+    }
+    double largest = 0.0;
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+        if (j < n_aux) {
+            const unsigned short c = fits ? col[j] : (unsigned short)0;
+            out[norms_at + j] = c;
+            largest = largest + fast16_f64(c) * sc[j] * top[j] / ab;
+        }
+    }
+    bound_out[u] = fits ? safety * (rest + gamma16 * largest) : through_max;
+}
