@@ -108,8 +108,9 @@ VARIANTS = {
     # HOOKS: float16 passes that keep float32 scores shifted where users hold bound or bias columns (the rule before
     # 2026-12-04: fast._prepare).
     "shift32": {},
-    # HOOKS: the users' float16 copies by certificate.round16's array operations (before Backend.round16's kernel).
-    "round16-xp": {},
+    # HOOKS: the users' float16 copies by certificate.prepare_users' array operations (before Backend.fast_users'
+    # kernel).
+    "users-arrays": {},
 }
 
 
@@ -180,7 +181,7 @@ def _shift_float32(engine):
     fast_mode._prepare = prepare
 
 
-def _round16_arrays(engine):
+def _users_by_arrays(engine):
     from recall.core import certificate
     from recall.engine import fast as fast_mode
 
@@ -196,7 +197,7 @@ HOOKS = {"m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, 
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
          "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
          "float32-seed-block": _seed_select(0, 0),
-         "shift32": _shift_float32, "round16-xp": _round16_arrays}
+         "shift32": _shift_float32, "users-arrays": _users_by_arrays}
 
 
 def cell_spec(name):
@@ -249,7 +250,7 @@ def instrument(backend, log):
         setattr(sel, name, Timed(getattr(sel, name), name, log))
     if not isinstance(sel.fused_h, dict):  # an older tree's selection (.oldtree/): one float16 kernel
         sel.fused_h = Timed(sel.fused_h, "fused_h", log)
-    for table in ("mask", "filter", "merge", "seed_kth", "fused_h", "fused_w"):
+    for table in ("mask", "filter", "merge", "seed_kth", "seed_warp", "fused_h", "fused_w"):
         d = getattr(sel, table, None)
         if not isinstance(d, dict):  # an older tree's selection (.oldtree/)
             continue
@@ -258,6 +259,8 @@ def instrument(backend, log):
             d[dt] = Timed(d[dt], f"{table}[{label}]", log)
     backend.gemm_strided_batched = Timed(backend.gemm_strided_batched, "gemm", log)
     backend.rescore = Timed(backend.rescore, "rescore (all its launches)", log)
+    if hasattr(backend, "fast_users"):
+        backend.fast_users = Timed(backend.fast_users, "users' float16 copies (all its launches)", log)
 
 
 class Counted(_Wrapped):
@@ -294,7 +297,6 @@ def phases(log):
     undo."""
     import cupy
 
-    from recall.core import certificate
     from recall.engine import fast
 
     saved = []
@@ -316,7 +318,7 @@ def phases(log):
 
     wrap(fast, "_search_fast", "fast pass (sampled users, then all)")
     wrap(fast, "_sampled_best", "score shift (sampled items)")
-    wrap(certificate, "prepare_users", "users' float16 copies")
+    wrap(fast, "_prepare_users", "users' float16 copies")
     wrap(fast, "_certified_pass", "certified pass (blocks, re-scoring, certificate)")
     wrap(fast, "_search_exact", "exact search (declined or fallback users)")
 
