@@ -99,6 +99,7 @@ the user is never certified.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,9 +166,16 @@ def seed_margin(width: int, half_vectors: bool, half_tiles: bool) -> tuple[float
 
 
 def _pow2_scale(xp: Any, maxabs: Any) -> Any:
-    """2^(13 - floor(log2(maxabs))) elementwise (float64), 1 where maxabs is 0."""
+    """2^(13 - floor(log2(maxabs))) elementwise (float64), 1 where maxabs is 0: exactly a power of two, from the
+    exponent (``exp2`` of ``log2``'s floor on a GPU may land an ulp off one)."""
     safe = xp.where(maxabs > 0, maxabs, 1.0)
-    return xp.where(maxabs > 0, xp.exp2(_TOP_EXP - xp.floor(xp.log2(safe))), 1.0)
+    _, e = xp.frexp(safe)  # safe = m 2^e, m in [0.5, 1): floor(log2(safe)) = e - 1
+    return xp.where(maxabs > 0, xp.ldexp(xp.ones_like(safe), _TOP_EXP + 1 - e), 1.0)
+
+
+def _floor_log2(x: float) -> int:
+    """floor(log2(x)) of a positive float, exactly."""
+    return math.frexp(x)[1] - 1
 
 
 def _up16(xp: Any, vals: Any) -> Any:
@@ -337,13 +345,15 @@ def user_terms(items: FastItems) -> dict[str, float]:
     """The scalars :func:`prepare_users`' arithmetic takes from ``items`` and from this module's constants, by the
     module docstring's names where it has them: γ₁₆ and γ₃₂, the underflow term every user's ``rest`` starts at
     (D·2^-149), α's cap for the bias (inf without one), the safety factor, the largest bound-column factor a user may
-    hold; the items' β, β_b, X, ΔX, K and max |c|."""
+    hold, the shift column's values and log2(_SHIFT_USER_MAX·_SHIFT_ITEM / β) (``shift_room``, an integer); the
+    items' β, β_b, X, ΔX, K and max |c|."""
     return {"beta": items.scale, "bias_scale": items.bias_scale,
             "cap_bias": _BIAS_USER_MAX * items.bias_scale / items.scale if items.bias_at is not None else np.inf,
             "gamma16": items.width * _ACC16, "gamma32": items.prepared_width * _ACC32,
             "rest0": items.prepared_width * _F32_TINY, "max_norm": items.max_norm, "max_resid": items.max_resid,
             "bias_err_max": items.bias_err_max, "bias_max": items.bias_max, "safety": _SAFETY,
-            "aux_user_max": _AUX_USER_MAX}
+            "aux_user_max": _AUX_USER_MAX, "shift_item": _SHIFT_ITEM, "shift_user_max": _SHIFT_USER_MAX,
+            "shift_room": _floor_log2(_SHIFT_USER_MAX * _SHIFT_ITEM) - _floor_log2(items.scale)}
 
 
 def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any) -> tuple[Any, Any, Any]:
@@ -355,11 +365,13 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
     if items.bias_at is not None:
         alpha = xp.minimum(alpha, terms["cap_bias"])
     if shift is not None:
-        # σ_u = -S_u·αβ/_SHIFT_ITEM must fit float16: lower α (a power of two, like the cap) where it would not.
-        # (In logarithms, so that a shift of 0 sets no cap; the clip below keeps σ_u in range whatever the cap.)
-        room = (np.log2(_SHIFT_USER_MAX * _SHIFT_ITEM) - np.log2(items.scale)
-                - xp.log2(xp.maximum(xp.abs(shift.astype(xp.float64)), 2.0 ** -900)))
-        alpha = xp.minimum(alpha, xp.exp2(xp.floor(xp.minimum(room, 1000.0))))
+        # σ_u = -S_u·αβ/_SHIFT_ITEM must fit float16: lower α (a power of two, like the cap) where it would not, to
+        # 2^floor(log2(_SHIFT_USER_MAX·_SHIFT_ITEM / β) - log2(m)), m = max(|S_u|, 2^-900) (so that a shift of 0 sets
+        # no cap; the clip below keeps σ_u in range whatever the cap), from the exponents: the first two terms are
+        # powers of two, and floor(j - log2(m)) = j - ceil(log2(m)).
+        frac, e = xp.frexp(xp.maximum(xp.abs(shift.astype(xp.float64)), 2.0 ** -900))
+        room = terms["shift_room"] - (e - (frac == 0.5).astype(e.dtype))
+        alpha = xp.minimum(alpha, xp.ldexp(xp.ones_like(alpha), xp.minimum(room, 1000)))
     ab = alpha * items.scale
     norm, resid, norm16 = _round16(xp, dot, alpha[:, None], out16[:, :items.dot_dim])
     p = resid + gamma16 * norm16 + gamma32 * norm  # the factor of n_v

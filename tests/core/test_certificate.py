@@ -180,7 +180,7 @@ def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, sh
         spread = rng.lognormal(0, 1.5, (n_items, 1)) if items_kind == "spread" else 1.0
         items = (rng.standard_normal((n_items, dim)) * spread).astype(np.float32)
     raw = (rng.standard_normal((n, dim)) * 10.0 ** rng.uniform(-4, 4, (n, 1))).astype(np.float32)
-    raw[0] = 0
+    raw[0] = 0 if metric != "cosine" else raw[0]  # (cosine refuses a zero row)
     raw[1] *= np.float32(1e-25)
     raw[2] *= np.float32(1e30) / np.abs(raw[2]).max()
     pi = metrics.prepare_items(metric, np, items).astype(np.float32)
@@ -210,3 +210,25 @@ def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, sh
         # A row of float32 subnormals is scaled up like any other, not flushed to 0 (the kernel widens exactly).
         tiny = backend.fast_users(cupy.full((1, pu.shape[1]), np.float32(1e-40)), fi)
         assert float(tiny.alpha[0]) >= 2.0 ** 140 and (cupy.asnumpy(tiny.vecs16[:, :fi.dot_dim]) != 0).all()
+
+
+def test_scales_are_exact_powers_of_two():
+    # alpha and beta from the exponent: exactly 2^(13 - floor(log2 x)), so that every scaled largest component lies
+    # in [2^13, 2^14), at powers of two themselves, just below them and far from 1; 1 for 0. And the shift's cap:
+    # with shifts of every magnitude, alpha stays a power of two and sigma_u within float16's range.
+    rng = np.random.default_rng(5)
+    x = np.concatenate([2.0 ** np.arange(-140, 120), np.nextafter(2.0 ** np.arange(-120, 120), 0),
+                        rng.lognormal(0, 30, 2000)])
+    s = certificate._pow2_scale(np, x)
+    assert (np.frexp(s)[0] == 0.5).all()
+    assert ((x * s >= 2.0 ** 13) & (x * s < 2.0 ** 14)).all()
+    assert certificate._pow2_scale(np, np.zeros(3)).tolist() == [1.0, 1.0, 1.0]
+    items = rng.standard_normal((500, 16)).astype(np.float32)
+    fi = certificate.prepare_items(np, items)
+    users = rng.standard_normal((400, 16)).astype(np.float32)
+    shift = rng.standard_normal(400) * 10.0 ** rng.uniform(-40, 40, 400)
+    shift[:3] = [0.0, 2.0 ** 20, -(2.0 ** 20) * (1 + 2.0 ** -52)]
+    fu = certificate.prepare_users(np, users, fi, half_scores=True, shift=shift)
+    assert (np.frexp(fu.alpha)[0] == 0.5).all()
+    assert np.isfinite(fu.vecs16.astype(np.float64)).all()
+    assert (np.abs(fu.vecs16[:, fi.shift_at].astype(np.float64)) <= 2.0 ** 15).all()

@@ -278,8 +278,8 @@ class CupyBackend:
                     np.int32(shift is not None), *(np.int32(c) for c in at), np.int32(len(items.aux_scales)),
                     *(np.float64(t[name]) for name in ("beta", "cap_bias", "bias_scale", "gamma16", "gamma32", "rest0",
                                                        "max_norm", "max_resid", "bias_err_max", "bias_max", "safety",
-                                                       "aux_user_max")),
-                    *(np.float64(x) for x in (*sc, *top)), alpha, offset, bound))
+                                                       "aux_user_max", "shift_item", "shift_user_max")),
+                    np.int32(t["shift_room"]), *(np.float64(x) for x in (*sc, *top)), alpha, offset, bound))
         return FastUsers(vecs16, alpha, offset, bound, half_scores)
 
     def fused_applies(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,

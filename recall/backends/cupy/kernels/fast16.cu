@@ -2,7 +2,7 @@
 // record, whose symbols this follows): one warp a user, one launch for all. Per user u of n (rows of `users`, float32,
 // row stride ustride; the first D0 columns the dot part), with out16 (n, W) float16 zeroed by the caller:
 //   alpha = 2^(13 - floor(log2 max|y_i|)) (1 for a zero row), capped at cap_bias (the bias's cap; +inf without) and,
-//           with a shift S_u, at 2^floor(30 - log2(beta) - log2 max(|S_u|, 2^-900)) (exactly, from the exponents);
+//           with a shift S_u, at 2^floor(shift_room - log2 max(|S_u|, 2^-900)) (exactly, from the exponents);
 //   the dot part fl16(alpha y_i) (one rounding, from float64), and in float64 |y|, |delta y|, |a|;
 //   p, q, rest; the shift column sigma_u = fl16(clip(-S_u alpha beta / 2^15)) and offset A_u; the bias columns e_u;
 //   the bound columns' factors (rounded up to float16), or the bound through the items' maxima where they do not fit.
@@ -58,7 +58,7 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
                      int shift_at, int bias_at, int norms_at, int n_aux,
                      double beta, double cap_bias, double bias_scale, double gamma16, double gamma32, double rest0,
                      double max_norm, double max_resid, double bias_err_max, double bias_max, double safety,
-                     double aux_user_max, double sc0, double sc1, double sc2, double top0, double top1, double top2,
+                     double aux_user_max, double shift_item, double shift_user_max, int shift_room, double sc0, double sc1, double sc2, double top0, double top1, double top2,
                      double* __restrict__ alpha_out, double* __restrict__ offset_out, double* __restrict__ bound_out) {
     const int u = blockIdx.x * 8 + (int)(threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (u >= n) return;  // the whole warp
@@ -72,11 +72,11 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     alpha = fmin(alpha, cap_bias);
     const double s_u = shifted ? shift[u] : 0.0;
     if (shifted) {
-        // floor(30 - log2 beta - log2 m) for m = max(|S_u|, 2^-900): 30 - log2 beta - ceil(log2 m), capped at 1000.
+        // floor(shift_room - log2 m) for m = max(|S_u|, 2^-900): shift_room - ceil(log2 m), capped at 1000.
         const double m = fmax(fabs(s_u), ldexp(1.0, -900));
         int e;
         const double frac = frexp(m, &e);  // m = frac 2^e, frac in [0.5, 1): ceil(log2 m) = e - (frac == 0.5)
-        const int room = 30 - fast16_floor_log2(beta) - (e - (frac == 0.5 ? 1 : 0));
+        const int room = shift_room - (e - (frac == 0.5 ? 1 : 0));
         alpha = fmin(alpha, ldexp(1.0, min(room, 1000)));
     }
     const double ab = alpha * beta;
@@ -99,10 +99,10 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     const double q = norm + resid + gamma16 * norm16;              // the factor of r_v
     double rest = rest0, offset = 0.0;
     if (shift_at >= 0 && shifted) {
-        const double sigma = fmin(fmax(-s_u * ab / 32768.0, -32768.0), 32768.0);
+        const double sigma = fmin(fmax(-s_u * ab / shift_item, -shift_user_max), shift_user_max);
         const unsigned short h = fast16_f16(sigma);
         out[shift_at] = h;
-        offset = fast16_f64(h) * 32768.0 / ab;
+        offset = fast16_f64(h) * shift_item / ab;
         rest = rest + gamma16 * fabs(offset);
     }
     bool kept = true;
