@@ -246,9 +246,10 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     # nor their exclusions are cut in two on the host (for S1's 100k users with 200 exclusions each, 0.06 s of
     # NumPy on the development machine; the sample repeats 1/50 of the search). In a search of up to
     # PREPARE_ALL_FIRST users every user's float16 copy is made once, before the probe, which takes its users' rows
-    # of it: making the copies costs 1.2-3.0 ms of launches on the H200 for 400 users as for 20,000
-    # (docs/benchmarks.md), up to a tenth of such a search. In a larger one the probe makes its own: where fast mode
-    # then declines, everyone's copies would be made for nothing (24 ms for 1M users, 4% of an exact search).
+    # of it: making the copies cost 1.2-3.0 ms of launches on the H200 for 400 users as for 20,000, up to a tenth of
+    # such a search, when they were array operations (one launch since Backend.fast_users: 0.3 ms for 200k users;
+    # docs/benchmarks.md). In a larger one the probe makes its own: where fast mode then declines, everyone's copies
+    # would be made for nothing (24 ms for 1M users by the array operations, 4% of an exact search).
     prepared = probe_users = None
     if n_users <= PREPARE_ALL_FIRST:
         prepared = _prepare(engine, users, k)
