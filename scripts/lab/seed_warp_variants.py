@@ -1,7 +1,8 @@
-"""Where the warp-a-user threshold select (``recall_seed_warp16_fh``) spends its time: lab kernels built on topk.cu's
+"""Where the warp-a-user threshold select (``recall_seed_warp_fh``) spends its time: lab kernels built on topk.cu's
 own device functions that stop after each of its steps (read and lower the row only; and keep each lane's 16 best
-keys; then the bisection), and other ways to keep the lane's keys (branchless insertion; two rows' loads in flight),
-timed against the shipped kernel on the same scores. Prints a table and writes JSON.
+keys; then the bisection), with the shipped branchless insertion and with the first version's bubble, timed against
+the shipped kernel on the same scores. Prints a table and writes JSON. (Run on 2026-12-04 18:59 UTC with the bubble
+shipped, when ``lab_keep_bl``/``lab_bisect_bl`` named the branchless variants: docs/benchmarks.md.)
 
 Run from the project root on a GPU machine::
 
@@ -16,18 +17,24 @@ from pathlib import Path
 
 EXTRA = r"""
 // Variant steps: 1 reads and lowers (keys counted), 2 also keeps the 16 best, 3 also bisects (the shipped kernel's
-// work but the whole-row fallback). BRANCHLESS: insertion without a data-dependent exit.
+// work but the whole-row fallback). BUBBLE: the first version's insertion, a bubble that stops where the key belongs
+// (a data-dependent exit at each place); otherwise the shipped RecallSeedLaneTop's branchless one.
 template <int M>
-struct LabTopBranchless {
+struct LabTopBubble {
     u32 key[M];
     int count;
     __device__ __forceinline__ void operator()(u32 k) {
         if (k == 0u) return;
         ++count;
         if (k <= key[M - 1]) return;
+        key[M - 1] = k;
 #pragma unroll
-        for (int j = M - 1; j > 0; --j) key[j] = key[j] >= k ? key[j] : (key[j - 1] >= k ? k : key[j - 1]);
-        key[0] = max(key[0], k);
+        for (int j = M - 1; j > 0; --j) {
+            if (key[j] <= key[j - 1]) break;
+            const u32 t = key[j];
+            key[j] = key[j - 1];
+            key[j - 1] = t;
+        }
     }
     __device__ __forceinline__ int at_least(u32 x) const {
         int c = 0;
@@ -42,7 +49,7 @@ struct LabCount {
     __device__ __forceinline__ void operator()(u32 k) { count += k != 0u; best = max(best, k); }
 };
 
-template <int STEP, bool BRANCHLESS>
+template <int STEP, bool BUBBLE>
 __device__ void lab_body(const float* __restrict__ scores, int U, int T, int K, float* __restrict__ thr,
                          const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, int KE) {
     const int lane = threadIdx.x & 31;
@@ -58,7 +65,7 @@ __device__ void lab_body(const float* __restrict__ scores, int U, int T, int K, 
         if (lane == 0) thr[u] = recall_ord2f(b) + (float)n;
         return;
     }
-    typename std::conditional<BRANCHLESS, LabTopBranchless<16>, RecallSeedLaneTop<16>>::type top;
+    typename std::conditional<BUBBLE, LabTopBubble<16>, RecallSeedLaneTop<16>>::type top;
 #pragma unroll
     for (int j = 0; j < 16; ++j) top.key[j] = 0u;
     top.count = 0;
@@ -83,10 +90,10 @@ __device__ void lab_body(const float* __restrict__ scores, int U, int T, int K, 
         float* __restrict__ thr, const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, int KE) { \
         lab_body<STEP, BL>(scores, U, T, K, thr, users, W, vnorm, KE); }
 LAB(lab_read, 1, false)
+LAB(lab_keep_bubble, 2, true)
+LAB(lab_bisect_bubble, 3, true)
 LAB(lab_keep, 2, false)
 LAB(lab_bisect, 3, false)
-LAB(lab_keep_bl, 2, true)
-LAB(lab_bisect_bl, 3, true)
 """
 
 SHAPES = [(4096, 2048, 100, 30), (200_000, 2048, 100, 30), (100_000, 8192, 100, 100)]
@@ -134,8 +141,8 @@ def main() -> None:
             return lambda: fn(((n + 7) // 8,), (256,), (scores, np.int32(n), np.int32(size), np.int32(k), thr, users,
                                                         np.int32(72), norms, np.int32(ke or k)))
 
-        runs = {"shipped": shipped, **{name: lab(name) for name in ("lab_read", "lab_keep", "lab_bisect",
-                                                                      "lab_keep_bl", "lab_bisect_bl")}}
+        runs = {"shipped": shipped, **{name: lab(name) for name in ("lab_read", "lab_keep_bubble",
+                                                                      "lab_bisect_bubble", "lab_keep", "lab_bisect")}}
         for name, fn in runs.items():
             fn()
             ts = []

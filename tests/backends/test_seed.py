@@ -132,6 +132,23 @@ def _seed_rows(size, k, dtype):
     return rows, users, norms
 
 
+def _thresholds(rows, users, norms, k, ke=0, constant=None):
+    """recall_seed's thresholds (host) of a block of users whose sample is every one of ``rows``' columns (scores
+    (n, size), no exclusions); the state is left empty."""
+    import cupy
+
+    from recall.backends import resolve
+    from recall.backends.cupy.selection import GpuTopK
+
+    n, size = rows.shape
+    state = GpuTopK.allocate(n, k)
+    resolve("gpu").selection.seed(state, cupy.asarray(rows).reshape(1, n, size), cupy.arange(size, dtype=cupy.int64),
+                                  cupy.asarray(users), cupy.asarray(norms), cupy.zeros(n + 1, cupy.int64),
+                                  cupy.zeros(0, cupy.int64), ke, constant)
+    assert not cupy.asnumpy(state.n_valid).any() and not cupy.asnumpy(state.cnt).any()
+    return cupy.asnumpy(state.thr)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("size, k", [(8192, 100), (8192, 2048), (1000, 1), (4096, 1024), (300, 37), (301, 37),
@@ -141,25 +158,15 @@ def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k)
     # recall_seed's radix select against numpy's sort, on _seed_rows: rows of 4n scores, up to 8,192 held in
     # registers (loaded 4 at a time) and longer ones streamed from global memory (16,384 to 65,536: large-k samples),
     # and rows of 301 and 16,387 scores (streamed, 1 at a time). Every path may stop within k / 8 of the k-th.
-    from recall.backends import cuda_status, resolve
-    from recall.backends.cupy.selection import GpuTopK
+    from recall.backends import cuda_status
 
     usable, reason = cuda_status()
     if not usable:
         pytest.skip(f"no usable GPU: {reason}")
-    import cupy
-
     rows, users, norms = _seed_rows(size, k, dtype)
-    n = rows.shape[0]
-    backend = resolve("gpu")
-    state = GpuTopK.allocate(n, k)
-    scores = cupy.asarray(rows).reshape(1, n, size)
-    backend.selection.seed(state, scores, cupy.arange(size, dtype=cupy.int64), cupy.asarray(users),
-                           cupy.asarray(norms), cupy.zeros(n + 1, cupy.int64), cupy.zeros(0, cupy.int64))
-    got = cupy.asnumpy(state.thr)
-    for u in range(n):
+    got = _thresholds(rows, users, norms, k)
+    for u in range(rows.shape[0]):
         _check_threshold(got[u], rows[u].astype(np.float32), norms, users[u], k, dtype, dtype, u)
-    assert not cupy.asnumpy(state.n_valid).any() and not cupy.asnumpy(state.cnt).any()
 
 
 def _lane_rows(size, k, dtype):
@@ -188,30 +195,19 @@ def test_warp_seed_select_is_exact_whatever_a_lane_holds(monkeypatch, dtype, vec
     # score (no early stop), also where one lane holds the row's best scores (its M kept keys fall short: the
     # bisection goes on over the whole row) or its only finite ones; never below the block-a-user select's threshold
     # of the same rows, which may stop within rank / 8.
-    from recall.backends import cuda_status, resolve
+    from recall.backends import cuda_status
     from recall.backends.cupy import selection
-    from recall.backends.cupy.selection import GpuTopK
 
     usable, reason = cuda_status()
     if not usable:
         pytest.skip(f"no usable GPU: {reason}")
-    import cupy
-
     rows, users, norms = _lane_rows(size, k, dtype)
     users = users.astype(vectors)
-    n = rows.shape[0]
-    backend = resolve("gpu")
-    got = {}
-    for warp in (True, False):
-        if not warp:
-            monkeypatch.setattr(selection, "SEED_WARP_RANK", 0)
-        state = GpuTopK.allocate(n, k)
-        backend.selection.seed(state, cupy.asarray(rows).reshape(1, n, size), cupy.arange(size, dtype=cupy.int64),
-                               cupy.asarray(users), cupy.asarray(norms), cupy.zeros(n + 1, cupy.int64),
-                               cupy.zeros(0, cupy.int64), ke)
-        got[warp] = cupy.asnumpy(state.thr)
+    got = {True: _thresholds(rows, users, norms, k, ke)}
+    monkeypatch.setattr(selection, "SEED_WARP_RANK", 0)  # the block-a-user select, on the same rows
+    got[False] = _thresholds(rows, users, norms, k, ke)
     rank = ke if 0 < ke < k else k
-    for u in range(n):
+    for u in range(rows.shape[0]):
         sampled = rows[u].astype(np.float32)
         if np.sum(sampled > -np.inf) < k:
             assert got[True][u] == -np.inf, (u, got[True][u])
@@ -258,14 +254,11 @@ def test_seed_margin_takes_a_constant_column_on_its_own(dtype, vectors, size, k,
     # each sampled score is lowered by A (|u'| |v'_j| + |u_c| 2^15), the norms without that column, held (8,192) and
     # streamed rows, a bound and an estimate. Through the whole rows' norms the column would multiply every user's
     # whole norm: a lowering far below this check's bracket.
-    from recall.backends import cuda_status, resolve
-    from recall.backends.cupy.selection import GpuTopK
+    from recall.backends import cuda_status
 
     usable, reason = cuda_status()
     if not usable:
         pytest.skip(f"no usable GPU: {reason}")
-    import cupy
-
     rows, _, _ = _seed_rows(size, k, dtype)
     n = rows.shape[0]
     rng = np.random.default_rng(size + k + 5)
@@ -277,12 +270,7 @@ def test_seed_margin_takes_a_constant_column_on_its_own(dtype, vectors, size, k,
     users = users.astype(vectors)
     vnorm = rng.lognormal(0, 1, size).astype(np.float32)   # the items' norms without the column
     vnorm[: size // 5] = 0
-    backend = resolve("gpu")
-    state = GpuTopK.allocate(n, k)
-    backend.selection.seed(state, cupy.asarray(rows).reshape(1, n, size), cupy.arange(size, dtype=cupy.int64),
-                           cupy.asarray(users), cupy.asarray(vnorm), cupy.zeros(n + 1, cupy.int64),
-                           cupy.zeros(0, cupy.int64), ke, (col, 2.0 ** 15))
-    got = cupy.asnumpy(state.thr)
+    got = _thresholds(rows, users, vnorm, k, ke, (col, 2.0 ** 15))
     u64 = users.astype(np.float64)
     rest = np.sqrt(np.sum(np.delete(u64, col, axis=1) ** 2, axis=1))
     for u in range(n):
@@ -409,24 +397,15 @@ def test_estimate_rank_is_rarely_reached_and_passes_fewer(k, size, n_items):
 def test_seed_estimate_is_the_ke_th_best_sampled_score(dtype, vectors, size, k, ke):
     # recall_seed with an estimate rank KE: the KE-th best lowered sampled score where KE < k (else the k-th, a
     # bound); -inf still where fewer than k sampled scores are finite. The select may stop within KE / 8, as before.
-    from recall.backends import cuda_status, resolve
-    from recall.backends.cupy.selection import GpuTopK
+    from recall.backends import cuda_status
 
     usable, reason = cuda_status()
     if not usable:
         pytest.skip(f"no usable GPU: {reason}")
-    import cupy
-
     rows, users, norms = _seed_rows(size, k, dtype)
     users = users.astype(vectors)
-    n = rows.shape[0]
-    backend = resolve("gpu")
-    state = GpuTopK.allocate(n, k)
-    backend.selection.seed(state, cupy.asarray(rows).reshape(1, n, size), cupy.arange(size, dtype=cupy.int64),
-                           cupy.asarray(users), cupy.asarray(norms), cupy.zeros(n + 1, cupy.int64),
-                           cupy.zeros(0, cupy.int64), ke)
-    got = cupy.asnumpy(state.thr)
-    for u in range(n):
+    got = _thresholds(rows, users, norms, k, ke)
+    for u in range(rows.shape[0]):
         sampled = rows[u].astype(np.float32)
         if np.sum(sampled > -np.inf) < k:
             assert got[u] == -np.inf, (u, got[u])
