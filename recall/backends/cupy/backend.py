@@ -272,10 +272,12 @@ class CupyBackend:
             top = (*items.aux_max, 0.0, 0.0, 0.0)[:3]
             kernel = kernels.module(("fast16.cu",), ("--fmad=false",)).get_function("recall_prepare_users")
             at = [-1 if c is None else c for c in (items.shift_at, items.bias_at, items.norms_at)]
+            # (Without a shift the kernel reads none: any float64 array stands in for the pointer.)
+            shift_d = alpha if shift is None else cupy.ascontiguousarray(shift, dtype=cupy.float64)
             kernel(((n + 7) // 8,), (256,),
                    (users, np.int64(users.strides[0] // 4), np.int32(n), np.int32(items.dot_dim), vecs16,
-                    np.int32(items.width), alpha if shift is None else cupy.ascontiguousarray(shift, dtype=cupy.float64),
-                    np.int32(shift is not None), *(np.int32(c) for c in at), np.int32(len(items.aux_scales)),
+                    np.int32(items.width), shift_d, np.int32(shift is not None), *(np.int32(c) for c in at),
+                    np.int32(len(items.aux_scales)),
                     *(np.float64(t[name]) for name in ("beta", "cap_bias", "bias_scale", "gamma16", "gamma32", "rest0",
                                                        "max_norm", "max_resid", "bias_err_max", "bias_max", "safety",
                                                        "aux_user_max", "shift_item", "shift_user_max")),

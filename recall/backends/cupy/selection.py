@@ -20,7 +20,8 @@ SEED_WARP_USERS = 8  # RECALL_SEED_WARP_USERS in topk.cu
 #: Threshold samples whose rank (k, or the estimate's) is at most this and whose rows hold at most SEED_WARP_MAX_SIZE
 #: scores are selected one warp a user (``recall_seed_warp*``), larger ranks one block a user (``recall_seed``). On the
 #: H200 (docs/benchmarks.md) the warp select took 1.5 ms for 200k users x 2,048 sampled scores at rank 30 (the block
-#: 5.5 ms), 2.2 ms for 100k x 8,192 at rank 100 (3.4 ms), 1.4 ms for 20k x 32,768 at rank 100 (3.0 ms).
+#: 5.5 ms), 2.2 ms for 100k x 8,192 at rank 100 (3.4 ms), 1.4 ms for 20k x 32,768 at rank 100 (3.0 ms); rows of
+#: 65,536 (the longest either takes) were tested, not timed.
 SEED_WARP_RANK = 128
 SEED_WARP_MAX_SIZE = 65_536
 

@@ -453,16 +453,17 @@ recall_seed_fh(const float* __restrict__ scores, int T, int K, float* __restrict
 }
 
 // The same threshold for a small rank (K, or KE where it estimates, at most 8 M = 128), one warp a user
-// (RECALL_SEED_WARP_USERS users a block: grid ceil(U / that)): a block a user spends most of a short row's time in its
-// histograms' clears, scans and barriers (200k users x 2,048 sampled scores at rank 30: 5.5 ms on the H200, more
-// than the float16 products of 20k items; this select 1.5 ms, docs/benchmarks.md). Each lane reads and lowers its share of the row once
-// (4 scores at a time where T is a multiple of 4, lane by lane 16 bytes apart) and keeps its M largest keys, sorted,
-// in registers; the rank-th largest key of the row is found by bisection on the key's value over those 32 M keys,
-// each step one count a lane and a warp sum. The kept keys are a subset of the row's, so their rank-th largest is at
-// or below the row's; it is the row's exactly unless some lane dropped a key at or above it (its M-th kept key is),
-// which for a row in no particular order is rare (a lane holds about rank / 32 of the row's best, at most M / 4):
-// then the bisection goes on from there counting the whole row, read again each step. So the threshold starts just
-// below the row's rank-th best lowered key itself, never lower; -inf where the row holds fewer than K finite scores.
+// (RECALL_SEED_WARP_USERS users a block: grid ceil(U / that)): a block a user spends most of a short row's time in
+// its histograms' clears, scans and barriers (200k users x 2,048 sampled scores at rank 30: 5.5 ms on the H200, more
+// than the float16 products of 20k items; this select 1.5 ms, docs/benchmarks.md). Each lane reads and lowers its
+// share of the row once (4 scores at a time where T is a multiple of 4, lane by lane 16 bytes apart) and keeps its M
+// largest keys, sorted, in registers; the rank-th largest key of the row is found by bisection on the key's value
+// over those 32 M keys, each step one count a lane and a warp sum. The kept keys are a subset of the row's, so their
+// rank-th largest is at or below the row's; it is the row's exactly unless some lane dropped a key at or above it
+// (its M-th kept key is), which for a row in no particular order is rare (a lane holds about rank / 32 of the row's
+// best, at most M / 4): then the bisection goes on from there counting the whole row, read again each step. So the
+// threshold starts just below the row's rank-th best lowered key itself, never lower; -inf where the row holds fewer
+// than K finite scores.
 #define RECALL_SEED_WARP_USERS 8
 
 __device__ __forceinline__ int recall_warp_sum(int x) {
