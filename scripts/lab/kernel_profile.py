@@ -90,6 +90,8 @@ VARIANTS = {
     "ub4096": {"tiles": (4096, 8192, 4)},  # blocks of 4,096 users: half the launches of a user-heavy search
     # Blocks of 8,192 and 16,384 users with 3 tiles of 8,192 items a call (200k x 20k's plan: 4,096 users).
     "ub8192-3": {"tiles": (8192, 8192, 3)}, "ub16384-3": {"tiles": (16384, 8192, 3)},
+    "float32-ub8192-3": {"certified_exact": "off", "tiles": (8192, 8192, 3)},
+    "float32-ub16384-3": {"certified_exact": "off", "tiles": (16384, 8192, 3)},
     "nosample": {"fast_sample": 0},  # fast mode without its sample of users searched first
     "float32": {"certified_exact": "off"},  # exact mode's float32 search only
     "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it
