@@ -20,12 +20,11 @@ EXTRA = r"""
 // work but the whole-row fallback). BUBBLE: the first version's insertion, a bubble that stops where the key belongs
 // (a data-dependent exit at each place); otherwise the shipped RecallSeedLaneTop's branchless one.
 template <int M>
-struct LabTopBubble {
-    u32 key[M];
-    int count;
+struct LabTopBubble : RecallSeedLaneTop<M> {  // the count, the keys and at_least as shipped; another insertion
     __device__ __forceinline__ void operator()(u32 k) {
+        u32* key = this->key;
         if (k == 0u) return;
-        ++count;
+        ++this->count;
         if (k <= key[M - 1]) return;
         key[M - 1] = k;
 #pragma unroll
@@ -35,12 +34,6 @@ struct LabTopBubble {
             key[j] = key[j - 1];
             key[j - 1] = t;
         }
-    }
-    __device__ __forceinline__ int at_least(u32 x) const {
-        int c = 0;
-#pragma unroll
-        for (int j = 0; j < M; ++j) c += key[j] >= x ? 1 : 0;
-        return c;
     }
 };
 
