@@ -374,7 +374,7 @@ def tune_engine(engine: Any, users: Any, k: int, *, repeat: int = 3, n_users: in
     if not seen:
         raise InputError("the engine planned no tiled pass for these users: nothing to tune")
     pass_users, dim, pass_k, dtype = seen[0]
-    heuristic: Tiles = tuple(int(t) for t in backend.preferred_tiles(dim, pass_k))  # type: ignore[assignment]
+    heuristic: Tiles = tuple(int(t) for t in backend.preferred_tiles(dim, pass_k, dtype))  # type: ignore[assignment]
     key_users = pass_users if n_users is None else int(n_users)
     key = make_key(backend, engine.metric, dim, pass_k, key_users, engine.n_items, dtype)
 
@@ -472,10 +472,10 @@ def preferred_tiles(engine: Any, users: Any, k: int) -> Tiles:
     trying_now = _override.get()
     if trying_now is not None:
         trying_now.seen.append((n_users, dim, int(k), dtype))
-        return trying_now.tiles if trying_now.tiles is not None else backend.preferred_tiles(dim, k)
+        return trying_now.tiles if trying_now.tiles is not None else backend.preferred_tiles(dim, k, dtype)
     mode = engine.tune_mode
     if mode == "off":
-        return backend.preferred_tiles(dim, k)
+        return backend.preferred_tiles(dim, k, dtype)
     key = make_key(backend, engine.metric, dim, k, n_users, engine.n_items, dtype)
     if mode == "force":
         # Tuning re-runs whole searches of these users; only in exact precision is a float32 tiled pass a whole
@@ -487,7 +487,7 @@ def preferred_tiles(engine: Any, users: Any, k: int) -> Tiles:
                    "precision='fast' run `recall tune --precision fast` once (its result is used here)")
     tiles = lookup(key)
     if tiles is None:
-        return backend.preferred_tiles(dim, k)
+        return backend.preferred_tiles(dim, k, dtype)
     name = key_string(key)
     with _lock:
         first = name not in _announced

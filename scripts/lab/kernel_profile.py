@@ -88,10 +88,10 @@ VARIANTS = {
     # The cuBLAS path seeded on a catalogue of fewer than 8 samples (a requested sample needs only 2).
     **{f"cublas-seed{n >> 10}k": {"seed_sample": n, "fused": "off"} for n in (8192, 16384, 32768)},
     "ub4096": {"tiles": (4096, 8192, 4)},  # blocks of 4,096 users: half the launches of a user-heavy search
-    # Blocks of 8,192 and 16,384 users with 3 tiles of 8,192 items a call (200k x 20k's plan: 4,096 users).
-    "ub8192-3": {"tiles": (8192, 8192, 3)}, "ub16384-3": {"tiles": (16384, 8192, 3)},
-    "float32-ub8192-3": {"certified_exact": "off", "tiles": (8192, 8192, 3)},
-    "float32-ub16384-3": {"certified_exact": "off", "tiles": (16384, 8192, 3)},
+    # Blocks of 8,192 and 16,384 users with 3 or 4 tiles of 8,192 items a call (the plan: 4,096 users; 200k x 20k
+    # takes 3 tiles), in the certified route and in the float32 search alone.
+    **{f"{pre}ub{n}-{t}": {"tiles": (n, 8192, t), **({"certified_exact": "off"} if pre else {})}
+       for pre in ("", "float32-") for n in (8192, 16384) for t in (3, 4)},
     "nosample": {"fast_sample": 0},  # fast mode without its sample of users searched first
     "float32": {"certified_exact": "off"},  # exact mode's float32 search only
     "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it
@@ -115,6 +115,10 @@ VARIANTS = {
     # HOOKS: the users' float16 copies by certificate.prepare_users' array operations (before Backend.fast_users'
     # kernel).
     "users-arrays": {},
+    # HOOKS: fused searches' user blocks (cupy.backend.FUSED_USER_BLOCK) of 4,096 users (before 2026-12-04), 8,192
+    # or 16,384, in both searches.
+    **{f"{pre}users{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
+       for n in (4096, 8192, 16384)},
 }
 
 
@@ -195,13 +199,23 @@ def _users_by_arrays(engine):
     fast_mode._prepare_users = prepare_users
 
 
+def _user_block(n):
+    def hook(engine):
+        from recall.backends.cupy import backend
+
+        backend.FUSED_USER_BLOCK = n
+
+    return hook
+
+
 HOOKS = {"m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin),
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
          "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
          "float32-seed-block": _seed_select(0, 0),
-         "shift32": _shift_float32, "users-arrays": _users_by_arrays}
+         "shift32": _shift_float32, "users-arrays": _users_by_arrays,
+         **{f"{pre}users{n}": _user_block(n) for pre in ("", "float32-") for n in (4096, 8192, 16384)}}
 
 
 def cell_spec(name):
@@ -382,6 +396,9 @@ def main() -> None:
     shipped_prepare = fast_mode._prepare, fast_mode._prepare_users
     shipped_sigmas = selection.ESTIMATE_SIGMAS
     shipped_max_k = fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K
+    from recall.backends.cupy import backend as gpu_backend
+
+    shipped_block = gpu_backend.FUSED_USER_BLOCK
     prec = a.precision
     out = []
     for cell in a.cells.split(","):
@@ -406,6 +423,7 @@ def main() -> None:
             certificate.margin = shipped_margin
             selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = shipped_select
             fast_mode._prepare, fast_mode._prepare_users = shipped_prepare
+            gpu_backend.FUSED_USER_BLOCK = shipped_block
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -442,6 +460,7 @@ def main() -> None:
         certificate.margin = shipped_margin
         selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = shipped_select
         fast_mode._prepare, fast_mode._prepare_users = shipped_prepare
+        gpu_backend.FUSED_USER_BLOCK = shipped_block
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()

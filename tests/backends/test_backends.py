@@ -76,8 +76,22 @@ def test_describe_and_budgets(backend):
     assert 0 < budget <= max(backend.free_memory(), 1)
     assert backend.state_bytes(1) > 0
     assert backend.state_bytes(100) > backend.state_bytes(10)
-    tiles = backend.preferred_tiles(64, 100)
+    tiles = backend.preferred_tiles(64, 100, np.float32)
     assert len(tiles) == 3 and all(isinstance(t, int) and t >= 1 for t in tiles)
+
+
+@pytest.mark.parametrize("dim, dtype, fused_rows", [(64, np.float32, True), (256, np.float32, True),
+                                                    (257, np.float32, False), (128, np.float16, True),
+                                                    (136, np.float16, False), (264, np.float16, False)])
+def test_gpu_blocks_grow_only_where_a_fused_kernel_takes_the_rows(dim, dtype, fused_rows):
+    # The rule itself needs no GPU: fused searches share each block's launches over 16,384 users; the cuBLAS path,
+    # whose score tiles grow with the block, keeps 4,096.
+    from recall.backends.cupy import backend as gpu
+
+    users, width, tiles = gpu.CupyBackend.preferred_tiles(None, dim, 100, dtype)  # type: ignore[arg-type]
+    assert users == (gpu.FUSED_USER_BLOCK if fused_rows else gpu.USER_BLOCK)
+    assert (gpu.FUSED_USER_BLOCK, gpu.USER_BLOCK) == (16384, 4096)
+    assert width == (16384 if dim >= 128 else 8192) and tiles == 4
 
 
 def test_asarray_dtypes_and_host_round_trip(backend):

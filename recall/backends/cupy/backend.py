@@ -43,6 +43,16 @@ _TUNE_ITEMS = ((4096, 2), (8192, 1), (8192, 2), (8192, 4), (16384, 4))
 _TUNE_BAND = (32 << 20, 512 << 20)
 
 
+USER_BLOCK = 4096
+"""Users a block on the cuBLAS path, whose score tiles grow with the block: larger blocks were slower there (d = 256
+fast mode's float16 GEMMs, 20k x 1M: 0.0452 s at 4,096, 0.0563 at 8,192, 0.0779 at 16,384; docs/benchmarks.md,
+"Larger user blocks")."""
+FUSED_USER_BLOCK = 16384
+"""Users a block where a fused kernel takes the rows: each block pays its own launches (threshold sample, fused
+kernels, merges, the route's re-scoring), which a larger block shares out over more users (200k x 20k x 64, k = 100:
+0.0174 s at 4,096, 0.0144 s at 16,384; S1 0.0788 and 0.0711 s); no fused cell measured was slower at 16,384."""
+
+
 def tune_candidates(heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
     """The tilings ``recall tune`` tries on the GPU, the heuristic first."""
     return tune_band(_TUNE_USERS, _TUNE_ITEMS, _TUNE_BAND, heuristic)
@@ -202,10 +212,11 @@ class CupyBackend:
         # staging of users (counted by the plan) for the pipeline slots.
         return 8 * k + 8 * fused_capacity(k) + 12 * k + 32
 
-    def preferred_tiles(self, dim: int, k: int) -> tuple[int, int, int]:
-        # 4096 users x (4 x 8192) items per strided-batched call. A tile sized to stay in L2 (1024 x 8192, 32 MiB)
-        # needs 8x more calls, and on the H200 the launches cost more than the HBM round trip they save: measured
-        # on S1 (100k x 1M x 64, graphs on), 0.633 s at 1024 x (2 x 4096) against 0.589 s at this tiling.
+    def preferred_tiles(self, dim: int, k: int, dtype: Any) -> tuple[int, int, int]:
+        # USER_BLOCK users (FUSED_USER_BLOCK where a fused kernel takes the rows) x (4 x 8192) items per
+        # strided-batched call. A tile sized to stay in L2 (1024 x 8192, 32 MiB) needs 8x more calls, and on the
+        # H200 the launches cost more than the HBM round trip they save: measured on S1 (100k x 1M x 64, graphs
+        # on), 0.633 s at 1024 x (2 x 4096) against 0.589 s with 4 x 8192 items a call.
         # `recall tune` on the H200 (docs/benchmarks.md) found wider tiles better for long vectors (d=128, k=100:
         # 2048 x 16384 x 4, 1.04x) and larger user blocks for large k (d=64, k=1000: 4096 x 8192 x 4, 1.07x).
         # Blocks of 4,096 users at every k halve the launches of a user-heavy search: 1M x 100k x 64, k = 100,
@@ -213,9 +224,8 @@ class CupyBackend:
         # Above k = 4,096, tiles of at least 2 k items: a call's four tiles are the fused path's room for a
         # threshold sample of 8 k items (selection.seed_size). At k = 8,192 on 10k x 1M x 64 that sample took the
         # search from 0.173 s (unseeded) to 0.115 s (docs/benchmarks.md).
-        users = 4096
         width = max(16384 if dim >= 128 else 8192, pow2(2 * k))
-        return users, width, 4
+        return FUSED_USER_BLOCK if fused.covers(dim, dtype) else USER_BLOCK, width, 4
 
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         return tune_candidates(heuristic)
