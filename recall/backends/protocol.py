@@ -94,9 +94,11 @@ class Backend(Protocol):
         """Bytes resident items may take when the caller sets no ``item_memory``, beside a search's ``budget``: what
         the device can hold; None where the items are in this backend's memory already (the CPU)."""
 
-    def preferred_tiles(self, dim: int, k: int, dtype: Any) -> tuple[int, int, int]:
-        """(user block, item tile width, item tiles per GEMM call) this backend runs best with for users whose rows
-        are ``dim`` values of ``dtype``."""
+    def preferred_tiles(self, dim: int, k: int, dtype: Any, n_users: int, n_items: int,
+                        options: EngineOptions) -> tuple[int, int, int]:
+        """(user block, item tile width, item tiles per GEMM call) this backend runs best with for a pass of
+        ``n_users`` users (rows of ``dim`` values of ``dtype``) against ``n_items`` items keeping ``k``, under
+        ``options``."""
 
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         """The tilings ``recall tune`` tries, the heuristic first."""

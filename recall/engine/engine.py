@@ -355,7 +355,7 @@ class Engine:
     def plan(self, users: Any, n_items: int, k: int) -> Any:
         """The tiling of a pass of prepared ``users`` against ``n_items`` items keeping ``k``: the options' tiles, a
         tuned entry or the backend's heuristic, fitted to the engine's memory budget."""
-        preferred = self.options.tiles or tuning.preferred_tiles(self, users, k)
+        preferred = self.options.tiles or tuning.preferred_tiles(self, users, n_items, k)
         preferred = (max(preferred[0], self.options.min_user_block), preferred[1], preferred[2])
         return plan_tiles(int(users.shape[0]), n_items, int(users.shape[1]), k, self.memory_budget, preferred,
                           self.backend.state_bytes(k), self.backend.workers,

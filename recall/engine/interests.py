@@ -237,7 +237,9 @@ def _run(engine: Any, users: Any, m: int, rows: int, aggregate: str, bias: bool,
     parts = rows + 1  # per user and tile: `rows` rows of GEMM output, one row of reduced scores
     # Planned as a search whose user rows are `rows` vectors wide and whose items are `parts` times as many: the
     # score buffer the plan sizes (user_block x item_tile x tiles_per_call floats) is exactly what the block uses.
-    preferred = engine.options.tiles or backend.preferred_tiles(width, k_sel, users.dtype)
+    # The tiling of an unfused pass: interest rows are multiplied by GEMM calls, never by a fused kernel.
+    unfused = replace(engine.options, fused="off")
+    preferred = engine.options.tiles or backend.preferred_tiles(width, k_sel, users.dtype, n_users, n_items, unfused)
     plan = plan_tiles(n_users, n_items * parts, rows * width, k_sel, engine.memory_budget, preferred,
                       backend.state_bytes(k_sel), backend.workers)
     tile = plan.item_tile // parts

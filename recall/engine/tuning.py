@@ -374,7 +374,8 @@ def tune_engine(engine: Any, users: Any, k: int, *, repeat: int = 3, n_users: in
     if not seen:
         raise InputError("the engine planned no tiled pass for these users: nothing to tune")
     pass_users, dim, pass_k, dtype = seen[0]
-    heuristic: Tiles = tuple(int(t) for t in backend.preferred_tiles(dim, pass_k, dtype))  # type: ignore[assignment]
+    heuristic: Tiles = tuple(int(t) for t in backend.preferred_tiles(  # type: ignore[assignment]
+        dim, pass_k, dtype, pass_users, engine.n_items, engine.options))
     key_users = pass_users if n_users is None else int(n_users)
     key = make_key(backend, engine.metric, dim, pass_k, key_users, engine.n_items, dtype)
 
@@ -448,8 +449,9 @@ def few_users_area(backend: Any, options: Any) -> int:
     return 0 if options.tiles or not options.few_user_tiles else int(backend.few_users_area)
 
 
-def preferred_tiles(engine: Any, users: Any, k: int) -> Tiles:
-    """The (user block, item tile, tiles per call) ``engine`` should plan a tiled pass of ``users`` for ``k`` with.
+def preferred_tiles(engine: Any, users: Any, n_items: int, k: int) -> Tiles:
+    """The (user block, item tile, tiles per call) ``engine`` should plan a tiled pass of ``users`` against ``n_items``
+    items for ``k`` with.
 
     Inside :func:`trying`: the tiling being tried. Else, by ``engine.tune_mode``: "off" -> the backend's heuristic
     (``backend.preferred_tiles``); "auto" -> the cached tiling of a matching key, else the heuristic; "force" -> the
@@ -463,19 +465,22 @@ def preferred_tiles(engine: Any, users: Any, k: int) -> Tiles:
     users : array, shape (n_users, dim)
         The users of the pass (host or device), already prepared; only their shape and dtype are read, except when
         ``tune="force"`` tunes.
+    n_items : int
+        Items the pass searches.
     k : int
         Items kept per user in this pass.
     """
     backend = engine.backend
     n_users, dim = int(users.shape[0]), int(users.shape[1])
     dtype = str(getattr(users, "dtype", "float32"))
+    heuristic = functools.partial(backend.preferred_tiles, dim, k, dtype, n_users, n_items, engine.options)
     trying_now = _override.get()
     if trying_now is not None:
         trying_now.seen.append((n_users, dim, int(k), dtype))
-        return trying_now.tiles if trying_now.tiles is not None else backend.preferred_tiles(dim, k, dtype)
+        return trying_now.tiles if trying_now.tiles is not None else heuristic()
     mode = engine.tune_mode
     if mode == "off":
-        return backend.preferred_tiles(dim, k, dtype)
+        return heuristic()
     key = make_key(backend, engine.metric, dim, k, n_users, engine.n_items, dtype)
     if mode == "force":
         # Tuning re-runs whole searches of these users; only in exact precision is a float32 tiled pass a whole
@@ -487,7 +492,7 @@ def preferred_tiles(engine: Any, users: Any, k: int) -> Tiles:
                    "precision='fast' run `recall tune --precision fast` once (its result is used here)")
     tiles = lookup(key)
     if tiles is None:
-        return backend.preferred_tiles(dim, k, dtype)
+        return heuristic()
     name = key_string(key)
     with _lock:
         first = name not in _announced

@@ -9,7 +9,7 @@ import pytest
 
 import oracle
 from oracle import as_numpy
-from recall import BackendUnavailable, InputError, backends
+from recall import BackendUnavailable, EngineOptions, InputError, backends
 from recall.backends.numpy import NumpyBackend
 from recall.backends import cuda_status
 
@@ -76,22 +76,35 @@ def test_describe_and_budgets(backend):
     assert 0 < budget <= max(backend.free_memory(), 1)
     assert backend.state_bytes(1) > 0
     assert backend.state_bytes(100) > backend.state_bytes(10)
-    tiles = backend.preferred_tiles(64, 100, np.float32)
+    tiles = backend.preferred_tiles(64, 100, np.float32, 10_000, 100_000, EngineOptions())
     assert len(tiles) == 3 and all(isinstance(t, int) and t >= 1 for t in tiles)
 
 
-@pytest.mark.parametrize("dim, dtype, fused_rows", [(64, np.float32, True), (256, np.float32, True),
-                                                    (257, np.float32, False), (128, np.float16, True),
-                                                    (136, np.float16, False), (264, np.float16, False)])
-def test_gpu_blocks_grow_only_where_a_fused_kernel_takes_the_rows(dim, dtype, fused_rows):
-    # The rule itself needs no GPU: fused searches share each block's launches over 16,384 users; the cuBLAS path,
-    # whose score tiles grow with the block, keeps 4,096.
+@pytest.mark.parametrize("n_users, n_items, dim, dtype, k, fused, want", [
+    (100_000, 1_000_000, 64, np.float32, 100, "auto", 16384),  # seeded: the fused kernel
+    (100_000, 1_000_000, 64, np.float32, 100, "off", 4096),
+    (100_000, 1_000_000, 256, np.float32, 100, "auto", 16384),
+    (100_000, 1_000_000, 264, np.float32, 100, "auto", 4096),  # wider than the float32 kernel takes
+    (200_000, 20_000, 64, np.float32, 100, "auto", 16384),  # a small catalogue, seeded
+    (33_000, 30_000, 16, np.float32, 20, "auto", 4096),  # unseeded (no room for a sample): cuBLAS
+    (100_000, 1_000_000, 128, np.float16, 100, "auto", 16384),
+    (100_000, 1_000_000, 264, np.float16, 100, "auto", 4096),  # fast mode's d = 256: cuBLAS
+    (100, 1_000_000, 64, np.float32, 100, "auto", 4096),  # fewer users than a kernel's tile
+])
+def test_gpu_blocks_grow_only_where_the_pass_is_fused(n_users, n_items, dim, dtype, k, fused, want):
+    # The rule needs no GPU: a fused pass shares each block's launches over 16,384 users; the cuBLAS path, whose
+    # score tiles grow with the block, keeps 4,096 (measured slower with more: docs/benchmarks.md).
+    from types import SimpleNamespace
+
     from recall.backends.cupy import backend as gpu
 
-    users, width, tiles = gpu.CupyBackend.preferred_tiles(None, dim, 100, dtype)  # type: ignore[arg-type]
-    assert users == (gpu.FUSED_USER_BLOCK if fused_rows else gpu.USER_BLOCK)
+    stub = SimpleNamespace(selection=SimpleNamespace(fused_w=True))
+    stub.fused_applies = lambda *args: gpu.CupyBackend.fused_applies(stub, *args)  # type: ignore[arg-type]
+    options = EngineOptions(fused=fused)
+    users, width, tiles = gpu.CupyBackend.preferred_tiles(stub, dim, k, dtype, n_users, n_items,  # type: ignore
+                                                          options)
+    assert (users, tiles) == (want, 4) and width == (16384 if dim >= 128 else 8192)
     assert (gpu.FUSED_USER_BLOCK, gpu.USER_BLOCK) == (16384, 4096)
-    assert width == (16384 if dim >= 128 else 8192) and tiles == 4
 
 
 def test_asarray_dtypes_and_host_round_trip(backend):

@@ -185,7 +185,7 @@ def test_item_segments_examples(n_items, item_tile, tiles, want):
 def test_multi_tile_gemm_calls_are_exact(monkeypatch, preferred, metric, make_ties):
     # The CPU backend prefers one tile per call; force several (the GPU's shape of work: one user block against a
     # batch of item tiles, stride 0 on the users) and odd sizes that leave partial blocks and tiles everywhere.
-    monkeypatch.setattr(NumpyBackend, "preferred_tiles", lambda self, dim, k, dtype: preferred)
+    monkeypatch.setattr(NumpyBackend, "preferred_tiles", lambda self, *shape: preferred)
     monkeypatch.setattr(NumpyBackend, "few_users_area", 0)  # 23 users would widen (64, 33, 2) to one tile
     users, items = make_ties(23, 101, 5, seed=sum(preferred))
     exclude = {0: [0, 1, 2], 7: list(range(50, 101)), 22: list(range(101))}
@@ -197,7 +197,7 @@ def test_multi_tile_gemm_calls_are_exact(monkeypatch, preferred, metric, make_ti
 
 
 def test_multi_tile_gemm_calls_float(monkeypatch, make_clustered):
-    monkeypatch.setattr(NumpyBackend, "preferred_tiles", lambda self, dim, k, dtype: (17, 64, 5))
+    monkeypatch.setattr(NumpyBackend, "preferred_tiles", lambda self, *shape: (17, 64, 5))
     users, items = make_clustered(60, 1000, 24, seed=3)
     res = Engine(items, device="cpu").search(users, 20)
     oracle.assert_topk_close(res.indices, res.scores, users, items, 20)

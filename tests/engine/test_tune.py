@@ -219,7 +219,7 @@ def test_concurrent_writers_never_tear_the_file(cache_home: Path) -> None:
 def test_engine_uses_the_cached_tiling(device: str, plan_spy: list, make_ties) -> None:
     users, items = make_ties(300, 2000, 16, seed=3)  # exact scores: any tiling must give the same answer
     engine = Engine(items, device=device)
-    heuristic = tuple(engine.backend.preferred_tiles(16, 10, "float32"))
+    heuristic = tuple(engine.backend.preferred_tiles(16, 10, "float32", 300, 2000, engine.options))
     want = engine.search(users, 10)
     assert plan_spy[-1] == heuristic  # no cache yet
     tuned = (32, 512, 2)
@@ -230,7 +230,7 @@ def test_engine_uses_the_cached_tiling(device: str, plan_spy: list, make_ties) -
     # A new engine (another process would do the same) finds it too; a search of another shape does not.
     assert Engine(items, device=device).search(users, 10) is not None and plan_spy[-1] == tuned
     engine.search(users, 200)
-    assert plan_spy[-1] == tuple(engine.backend.preferred_tiles(16, 200, "float32"))
+    assert plan_spy[-1] == tuple(engine.backend.preferred_tiles(16, 200, "float32", 300, 2000, engine.options))
 
 
 def test_tune_off_ignores_the_cache(device: str, plan_spy: list, make_normal) -> None:
@@ -238,7 +238,7 @@ def test_tune_off_ignores_the_cache(device: str, plan_spy: list, make_normal) ->
     engine = Engine(items, device=device, tune="off")
     tuning.store(_key(engine, 300, 10), (32, 512, 2))
     engine.search(users, 10)
-    assert plan_spy[-1] == tuple(engine.backend.preferred_tiles(16, 10, "float32"))
+    assert plan_spy[-1] == tuple(engine.backend.preferred_tiles(16, 10, "float32", 300, 2000, engine.options))
 
 
 def test_budget_still_caps_a_cached_tiling(plan_spy: list, make_normal) -> None:
@@ -276,7 +276,7 @@ def test_tune_force_tunes_once_then_caches(cache_home: Path, plan_spy: list, mon
     tiles = tuning.lookup(key)
     assert tiles is not None
     entry = json.loads((cache_home / "recall" / "tune.json").read_text())["entries"][tuning.key_string(key)]
-    assert entry["heuristic"] == list(engine.backend.preferred_tiles(8, 7, "float32"))
+    assert entry["heuristic"] == list(engine.backend.preferred_tiles(8, 7, "float32", 400, 3000, engine.options))
     assert entry["candidates"] >= 1
     # A later engine in "auto" mode uses what "force" stored.
     Engine(items, device="cpu").search(users, 7)

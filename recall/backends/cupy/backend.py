@@ -48,7 +48,7 @@ USER_BLOCK = 4096
 fast mode's float16 GEMMs, 20k x 1M: 0.0452 s at 4,096, 0.0563 at 8,192, 0.0779 at 16,384; docs/benchmarks.md,
 "Larger user blocks")."""
 FUSED_USER_BLOCK = 16384
-"""Users a block where a fused kernel takes the rows: each block pays its own launches (threshold sample, fused
+"""Users a block where the pass takes a fused kernel: each block pays its own launches (threshold sample, fused
 kernels, merges, the route's re-scoring), which a larger block shares out over more users (200k x 20k x 64, k = 100:
 0.0174 s at 4,096, 0.0144 s at 16,384; S1 0.0788 and 0.0711 s); no fused cell measured was slower at 16,384."""
 
@@ -212,8 +212,9 @@ class CupyBackend:
         # staging of users (counted by the plan) for the pipeline slots.
         return 8 * k + 8 * fused_capacity(k) + 12 * k + 32
 
-    def preferred_tiles(self, dim: int, k: int, dtype: Any) -> tuple[int, int, int]:
-        # USER_BLOCK users (FUSED_USER_BLOCK where a fused kernel takes the rows) x (4 x 8192) items per
+    def preferred_tiles(self, dim: int, k: int, dtype: Any, n_users: int, n_items: int,
+                        options: EngineOptions) -> tuple[int, int, int]:
+        # USER_BLOCK users (FUSED_USER_BLOCK where the pass takes a fused kernel) x (4 x 8192) items per
         # strided-batched call. A tile sized to stay in L2 (1024 x 8192, 32 MiB) needs 8x more calls, and on the
         # H200 the launches cost more than the HBM round trip they save: measured on S1 (100k x 1M x 64, graphs
         # on), 0.633 s at 1024 x (2 x 4096) against 0.589 s with 4 x 8192 items a call.
@@ -225,7 +226,10 @@ class CupyBackend:
         # threshold sample of 8 k items (selection.seed_size). At k = 8,192 on 10k x 1M x 64 that sample took the
         # search from 0.173 s (unseeded) to 0.115 s (docs/benchmarks.md).
         width = max(16384 if dim >= 128 else 8192, pow2(2 * k))
-        return FUSED_USER_BLOCK if fused.covers(dim, dtype) else USER_BLOCK, width, 4
+        # Whether the pass is fused does not hang on its user block (fused.applies): asked of the larger block.
+        probe = TilePlan(FUSED_USER_BLOCK, width, max(1, min(4, -(-n_items // width))))
+        fused_pass = self.fused_applies(probe, n_users, n_items, k, dim, dtype, options)
+        return FUSED_USER_BLOCK if fused_pass else USER_BLOCK, width, 4
 
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         return tune_candidates(heuristic)

@@ -228,7 +228,8 @@ class NumpyBackend:
     def item_memory(self, budget: int) -> int | None:
         return None  # the items are searched where they are
 
-    def preferred_tiles(self, dim: int, k: int, dtype: Any) -> tuple[int, int, int]:
+    def preferred_tiles(self, dim: int, k: int, dtype: Any, n_users: int, n_items: int,
+                        options: EngineOptions) -> tuple[int, int, int]:
         # The more users a block holds, the better the BLAS amortises its packing of each item tile, until the
         # block's heaps (8 bytes a kept pair) crowd its score tile out of the core's cache: up to 1,024 users while
         # their heaps fit in 1 MiB, and a score tile of at least 1 MiB (cpu-small, 2 cores, 2026-12-01: k=100

@@ -43,6 +43,7 @@ from ...core.checks import check_budget
 from ...core.errors import InputError
 from ...core.exclusions import normalise
 from ...core.filters import ItemFilter
+from ...core.options import EngineOptions
 from ...core.results import SearchResult, id_lookup, merge_topk
 from ...core.tiling import TilePlan, plan_tiles
 from ...engine import Engine
@@ -161,6 +162,7 @@ class _Catalogue:
     backend: Any
     metric: str
     n_items: int
+    options: EngineOptions
     tune_mode: str = "auto"
     precision: str = "exact"
 
@@ -220,8 +222,8 @@ class RangeScorer:
         items would use: ``Engine.run``'s planning with the whole catalogue's size. Every range runs it, so its
         user blocks and item tiles are the unsharded search's."""
         options = self.spec.options.engine
-        whole = _Catalogue(self.backend, self.spec.metric, n_searched)
-        preferred = options.tiles or tuning.preferred_tiles(whole, users, k)
+        whole = _Catalogue(self.backend, self.spec.metric, n_searched, options)
+        preferred = options.tiles or tuning.preferred_tiles(whole, users, n_searched, k)
         preferred = (max(preferred[0], options.min_user_block), preferred[1], preferred[2])
         budget = self.engine.memory_budget if self.engine is not None else \
             (self.budget if self.budget is not None else self.backend.default_budget())
