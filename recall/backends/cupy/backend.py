@@ -50,7 +50,8 @@ fast mode's float16 GEMMs, 20k x 1M: 0.0452 s at 4,096, 0.0563 at 8,192, 0.0779 
 FUSED_USER_BLOCK = 16384
 """Users a block where the pass takes a fused kernel: each block pays its own launches (threshold sample, fused
 kernels, merges, the route's re-scoring), which a larger block shares out over more users (200k x 20k x 64, k = 100:
-0.0174 s at 4,096, 0.0144 s at 16,384; S1 0.0788 and 0.0711 s); no fused cell measured was slower at 16,384."""
+0.0174 s at 4,096, 0.0144 s at 16,384; S1 0.0788 and 0.0711 s); no fused cell measured was slower at 16,384 beyond
+the noise."""
 
 
 def tune_candidates(heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
@@ -99,9 +100,9 @@ class CupyBackend:
     name = "gpu"
     asynchronous = True
     workers = 1  # blocks overlap on streams, not threads
-    # A block of fewer users than the preferred 2,048 batches more item tiles a GEMM call, up to the preferred
-    # block's 2,048 x 32,768 scores (tiling.plan_tiles): an embedded engine's one user against 1M items runs one
-    # call and one filter instead of 31 of each.
+    # A block of fewer users than the preferred block batches more item tiles a GEMM call, up to 2,048 x 32,768
+    # scores (tiling.plan_tiles): an embedded engine's one user against 1M items runs one call and one filter
+    # instead of 31 of each.
     few_users_area = 1 << 26
 
     def __init__(self) -> None:
