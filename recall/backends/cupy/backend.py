@@ -22,7 +22,7 @@ from ...core.certificate import FastItems, FastUsers, output_scale, prepare_user
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
 from ...core.options import EngineOptions
-from ...core.tiling import TilePlan
+from ...core.tiling import TilePlan, plan_tiles
 from .. import candidates
 from ..numpy.backend import tune_band
 from ..protocol import PASS_SHARE
@@ -227,8 +227,9 @@ class CupyBackend:
         # threshold sample of 8 k items (selection.seed_size). At k = 8,192 on 10k x 1M x 64 that sample took the
         # search from 0.173 s (unseeded) to 0.115 s (docs/benchmarks.md).
         width = max(16384 if dim >= 128 else 8192, pow2(2 * k))
-        # Whether the pass is fused does not hang on its user block (fused.applies): asked of the larger block.
-        probe = TilePlan(FUSED_USER_BLOCK, width, max(1, min(4, -(-n_items // width))))
+        # Whether the pass is fused does not hang on its user block (fused.applies): asked of the larger block's
+        # plan before any budget.
+        probe = plan_tiles(n_users, n_items, dim, k, 1 << 62, (FUSED_USER_BLOCK, width, 4), 0)
         fused_pass = self.fused_applies(probe, n_users, n_items, k, dim, dtype, options)
         return FUSED_USER_BLOCK if fused_pass else USER_BLOCK, width, 4
 
