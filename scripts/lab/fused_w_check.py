@@ -6,7 +6,7 @@ them after its first merge: each user's RANK-th best of the first 65,536 items),
 
 Run from the project root on an H200 (or any compute capability 9.0 GPU)::
 
-    PYTHONPATH=. python3 scripts/lab/fused_w_check.py [--json $OUT/fused_w.json] [--no-timing]
+    PYTHONPATH=. python3 scripts/lab/fused_w_check.py [--json $OUT/fused_w.json] [--no-timing] [--appends]
 
 Exits 1 if a check fails. The bound a score must meet: |score - exact| <= 2 Wp 2^-24 sum_i |u_i v_i| (float32 sums
 of exact products in any order), the same the certificate takes.
@@ -66,7 +66,8 @@ def kernel_h(mod, padded):
 
 def check(mod, label, rng) -> list[str]:
     """Every (width, columns multiplied) case on 300 users x 1,037 items: every score passes a -inf threshold, and
-    the 50th best's threshold passes exactly the scores above it (up to the bound). Returns the failures."""
+    the 50th (200th) best's threshold passes exactly the scores above it (up to the bound): 50 fit a user's stage in
+    shared memory, 200 send it to the buffer mid-way. Returns the failures."""
     import cupy
 
     failures = []
@@ -82,15 +83,19 @@ def check(mod, label, rng) -> list[str]:
             bound = 2 * padded * 2.0 ** -24 * (np.abs(uf) @ np.abs(vf).T)
             fn, smem = kernel_w(mod, padded)
             du, dv = cupy.asarray(u), cupy.asarray(v)
-            for name, thr in (("all", np.full(n_users, -np.inf, np.float32)),
-                              ("rank50", np.sort(exact, axis=1)[:, -50].astype(np.float32))):
-                cand = cupy.zeros((n_users, 2048), cupy.uint64)
+            # "overflow": every score passes into buffers of 300 (each user's count must still be every item, and
+            # the 300 keys kept distinct items with their scores).
+            for name, thr, cap in (("all", np.full(n_users, -np.inf, np.float32), 2048),
+                                   ("rank50", np.sort(exact, axis=1)[:, -50].astype(np.float32), 2048),
+                                   ("rank200", np.sort(exact, axis=1)[:, -200].astype(np.float32), 2048),
+                                   ("overflow", np.full(n_users, -np.inf, np.float32), 300)):
+                cand = cupy.zeros((n_users, cap), cupy.uint64)
                 cnt = cupy.zeros(n_users, cupy.int32)
                 launch(fn, smem, du, dv, width, padded, cupy.asarray(thr), cand, cnt, per_cta=3, seg=5)
                 counts, keys = cnt.get(), cand.get()
                 bad = 0
                 for i in range(n_users):
-                    s, r = decode(keys[i, :counts[i]])
+                    s, r = decode(keys[i, :min(counts[i], cap)])
                     want = exact[i] > thr[i].astype(np.float64)
                     near = np.abs(exact[i] - thr[i]) <= bound[i]
                     got = np.zeros(n_items, bool)
@@ -99,7 +104,10 @@ def check(mod, label, rng) -> list[str]:
                         continue
                     got[r] = True
                     err = np.abs(s.astype(np.float64) - exact[i, r]) > bound[i, r]
-                    if err.any() or ((got != want) & ~near).any():
+                    if cap < n_items:
+                        if err.any() or counts[i] != n_items or r.size != cap:
+                            bad += 1
+                    elif err.any() or ((got != want) & ~near).any():
                         bad += 1
                 print(f"| {label} | Wp {padded} | width {width} | {name} | users wrong {bad} of {n_users} |",
                       flush=True)
@@ -139,10 +147,45 @@ def timing(mod_h, mod_w, out) -> None:
         out.append(row)
 
 
+def append_timing(mod_old, mod_new, out) -> None:
+    """The kernel as shipped (survivors kept in shared memory a user, one atomic for many) against the one before
+    (``-DRW_DIRECT_APPEND``: a global atomic a survivor), where few and where many scores pass (RANK-th best of the
+    first 65,536 items, or of all where fewer), 16,384 users in blocks of 2,048, counts reset a segment."""
+    import cupy
+
+    rng = cupy.random.default_rng(0)
+    for width, n_items, rank in ((72, 1_000_000, 126), (64, 100_000, 671), (64, 100_000, 1900),
+                                 (64, 20_000, 250), (48, 100_000, 1900), (64, 65_536, 1300),
+                                 (136, 1_000_000, 126), (136, 100_000, 1900), (96, 100_000, 1900)):
+        n_users, cap, c = 16384, 2048, 16384
+        users = rng.standard_normal((n_users, width), dtype=np.float32).astype(np.float16)
+        items = rng.standard_normal((n_items, width), dtype=np.float32).astype(np.float16)
+        head = users.astype(np.float32) @ items[:65536].astype(np.float32).T
+        thr = cupy.ascontiguousarray(-cupy.partition(-head, rank - 1, axis=1)[:, rank - 1])
+        del head
+        padded = -(-width // 16) * 16
+        cand = cupy.zeros((cap, c), cupy.uint64)
+        cnt = cupy.zeros(cap, cupy.int32)
+        row = {"width": width, "items": n_items, "rank": rank}
+        for name, mod in (("a global atomic a survivor", mod_old), ("staged (shipped)", mod_new)):
+            fn, smem = kernel_w(mod, padded)
+
+            def run():
+                for u0 in range(0, n_users, cap):
+                    launch(fn, smem, users[u0:u0 + cap], items, width, padded, thr[u0:u0 + cap], cand, cnt,
+                           reset=True)
+            t = sorted(device_times(run))[1]
+            row[name] = t
+            print(f"| {width} cols, {n_items:,} items, rank {rank} | {name} | {t:.5f} s | regs {fn.num_regs} |",
+                  flush=True)
+        out.append(row)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--no-timing", action="store_true")
+    p.add_argument("--appends", action="store_true", help="time the survivors' appends against the kernel before")
     a = p.parse_args()
     mod_w = kernels.hopper_fused_module()
     if mod_w is None:
@@ -150,11 +193,16 @@ def main() -> int:
         return 1
     rng = np.random.default_rng(7)
     failures = check(mod_w, "shipped", rng)
+    mod_old = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRW_DIRECT_APPEND",)) if a.appends else None
+    if mod_old is not None:
+        failures += check(mod_old, "a global atomic a survivor", rng)
     if failures:
         print("FAILED:", *failures, sep="\n  ")
         return 1
     out: list = []
-    if not a.no_timing:
+    if a.appends:
+        append_timing(mod_old, mod_w, out)
+    elif not a.no_timing:
         timing(kernels.selection_module(), mod_w, out)
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))

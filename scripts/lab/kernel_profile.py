@@ -119,6 +119,9 @@ VARIANTS = {
     # or 16,384, in both searches.
     **{f"{pre}users{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
        for n in (4096, 8192, 16384)},
+    # HOOKS: fused_w.cu built with -DRW_DIRECT_APPEND: a global atomic a survivor (before 2026-12-04 21:xx UTC) where
+    # the kernel now keeps each user's survivors in shared memory and asks one atomic for many.
+    "direct-append": {},
 }
 
 
@@ -208,7 +211,14 @@ def _user_block(n):
     return hook
 
 
-HOOKS = {"m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
+def _direct_append(engine):
+    from recall.backends.cupy import kernels
+
+    mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRW_DIRECT_APPEND",))
+    engine.backend.selection._fused_w = {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}") for ks in range(1, 10)}
+
+
+HOOKS = {"direct-append": _direct_append, "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin),
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),

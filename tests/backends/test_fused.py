@@ -443,3 +443,48 @@ def test_half_fused_multiplies_only_the_columns_some_user_holds(fused, width, ze
         assert host_stats["fused"] and "multiplied_columns" not in host_stats, host_stats
         np.testing.assert_array_equal(host_rows, want_rows)
         np.testing.assert_array_equal(host_vals, want_vals)
+
+
+@pytest.mark.parametrize("width", [64, 80, 96, 112, 128, 144])
+@pytest.mark.parametrize("rank,capacity", [(3, 4096), (40, 4096), (150, 4096), (600, 4096), (600, 200)])
+def test_wgmma_kernel_keeps_every_survivor_past_its_stage(width, rank, capacity):
+    # fused_w.cu keeps a block's survivors of a user in shared memory (RW_STAGED_OF: 4 to 32 of them), past that in
+    # the buffer by a global atomic, and sends the stage out at the block's end. Thresholds from a few survivors a
+    # block's user to hundreds (8 tiles of 128 items a block), into buffers that hold them all or overflow: every
+    # user's count must be every score above its threshold, and the keys kept exactly such items, once each.
+    import cupy
+
+    from recall.backends.cupy import kernels
+    from recall.backends.cupy.fused import wgmma_smem
+
+    mod = kernels.hopper_fused_module()
+    if mod is None:
+        pytest.skip("fused_w.cu is built for compute capability 9.0 only")
+    rng = np.random.default_rng(width + rank)
+    n_users, n_items = 260, 3001
+    users = _ints(rng, n_users, width).astype(np.float16)
+    items = _ints(rng, n_items, width).astype(np.float16)
+    exact = users.astype(np.float64) @ items.astype(np.float64).T  # integers: every float32 sum is exact
+    thr = (np.sort(exact, axis=1)[:, -rank] - 0.5).astype(np.float32)  # ties at the rank all pass
+    thr[7] = np.inf  # a user with no survivor
+    fn = mod.get_function(f"recall_fused_filter_w{width // 16}")
+    fn.max_dynamic_shared_size_bytes = wgmma_smem(width)
+    cand = cupy.zeros((n_users, capacity), cupy.uint64)
+    cnt = cupy.zeros(n_users, cupy.int32)
+    tiles = -(-n_items // 128)
+    fn((-(-tiles // 8), -(-n_users // 128)), (256,),
+       (cupy.asarray(users), np.int32(n_users), cupy.asarray(items), np.int32(n_items), np.int32(width),
+        np.int32(width), np.int32(0), np.int32(tiles), np.int32(8), cupy.asarray(thr), cand, np.int32(capacity),
+        cnt), shared_mem=wgmma_smem(width))
+    counts, keys = cnt.get(), cand.get()
+    want = exact > thr[:, None]
+    np.testing.assert_array_equal(counts, want.sum(axis=1))
+    for u in range(n_users):
+        held = keys[u, :min(counts[u], capacity)]
+        assert (held != 0).all()
+        rows = (~(held & np.uint64(0xFFFFFFFF)).astype(np.uint32)).astype(np.int64)
+        bits = (held >> np.uint64(32)).astype(np.uint32)
+        scores = np.where(bits & np.uint32(0x80000000), bits & np.uint32(0x7FFFFFFF), ~bits).astype(
+            np.uint32).view(np.float32)
+        assert np.unique(rows).size == rows.size and want[u, rows].all(), u
+        np.testing.assert_array_equal(scores, exact[u, rows].astype(np.float32))

@@ -59,10 +59,11 @@ __device__ __forceinline__ void recall_mma_16816(float* d, const u32* a, const u
 // single scores run only where it passes (about 1% of the groups after a seeded search's first merge on a large
 // catalogue; where the pass keeps a percent of the items, most warps hold some lane whose group passes). A passing
 // group's survivors become bits, then one round a survivor: the warp goes round as often as its lane with the most,
-// not once per score. Shared by fused_h.cu's kernels and fused_w.cu's.
-template <int N>
+// not once per score. Shared by fused_h.cu's kernels and fused_w.cu's. `pending` takes each survivor (push(cand, cnt,
+// C, user, key)): a RecallPending, or fused_w.cu's RecallStaged.
+template <int N, class Sink>
 __device__ __forceinline__ void recall_append_group(const float (&s)[N], float th, int user, int row0, bool whole,
-                                                    int n_items, RecallPending& pending, u64* __restrict__ cand,
+                                                    int n_items, Sink& pending, u64* __restrict__ cand,
                                                     int* __restrict__ cnt, int C) {
     float m[N / 2];
 #pragma unroll

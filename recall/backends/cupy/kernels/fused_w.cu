@@ -25,6 +25,44 @@
 // Item tiles in flight: three up to 96 columns, two above (two blocks an SM either way: 80 KB at 80 columns,
 // 96 KB at 128, 108 KB at 144).
 #define RW_STAGES_OF(KS) ((KS) > 6 ? 2 : 3)
+// Survivors a user's stage in shared memory holds (RecallStaged): what two blocks an SM leave beside the tiles, 8 bytes
+// a key for 128 users (1,024 S bytes) and a count a user (512 bytes): 32 up to 80 columns (112.5 KB a block at 80),
+// 16 at 96 and 128, 24 at 112, 4 at 144 (fused.py's wgmma_smem follows).
+#define RW_STAGED_OF(KS) ((KS) <= 5 ? 32 : (KS) == 7 ? 24 : (KS) <= 8 ? 16 : 4)
+
+// A block's survivors kept in shared memory a user until the block is done (`out`): a survivor takes the next of
+// its user's S slots with a shared-memory atomic; past S it goes to the candidate buffer as fused.cu's RecallPending
+// sends it (a global atomic). Then each user's stage goes out with one global atomic. Where the pass keeps a
+// percent or more of the items, most users have several survivors in a block's tiles, and their global atomics
+// (each on a counter that every block of the user's row adds to) were most of the kernel's filtering time.
+template <int S>
+struct RecallStaged {
+    u64* stage;    // S keys a user of the block, from row 0
+    int* count;    // survivors each user of the block took (past S too)
+    int u0;        // the block's first user
+    RecallPending pending;
+    __device__ __forceinline__ void push(u64* __restrict__ cand, int* __restrict__ cnt, int C, int user, u64 key) {
+        const int r = user - u0;
+        const int pos = atomicAdd(&count[r], 1);
+        if (pos < S)
+            stage[r * S + pos] = key;
+        else
+            pending.push(cand, cnt, C, user, key);
+    }
+    // After every thread's last push and a __syncthreads: thread pairs send each user's stage out (RW_THREADS = 2
+    // users' worth of threads), and each thread its pending key.
+    __device__ __forceinline__ void out(u64* __restrict__ cand, int* __restrict__ cnt, int C, int tid) {
+        const int r = tid >> 1, half = tid & 1;
+        const int n = min(count[r], S);
+        int base = 0;
+        if (n > 0 && half == 0) base = atomicAdd(&cnt[u0 + r], n);  // n > 0: a real user (others pass nothing)
+        base = __shfl_sync(0xffffffffu, base, (tid & 31) & ~1);
+        u64* dst = cand + (long long)(u0 + r) * C;
+        for (int i = half; i < n; i += 2)
+            if (base + i < C) dst[base + i] = stage[r * S + i];
+        pending.flush(C);
+    }
+};
 
 __device__ __forceinline__ void recall_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void recall_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -71,6 +109,7 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
                                                     int* __restrict__ cnt, half_bits* smem) {
     constexpr int CH = 16 * KS;
     constexpr int STAGES = RW_STAGES_OF(KS);
+    constexpr int STAGED = RW_STAGED_OF(KS);  // survivors a user's stage holds
     constexpr int PIECES = CH / 8;                        // 16-byte pieces of a row
     constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH;    // a tile of 128 rows (users or items)
     constexpr unsigned SBO = 16u * CH;                    // bytes from a row group of 8 to the next
@@ -117,7 +156,15 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
         th[h] = user < n_users ? thr[user] : __int_as_float(0x7f800000);
     }
 
+#if defined(RW_DIRECT_APPEND)  // measurement only (scripts/lab): a global atomic a survivor (shipped until 2026-12-04)
     RecallPending pending = {nullptr, 0, 0ull};
+#else
+    // The users' stages and counts after the tiles; the counts are zeroed before the loop's first barrier.
+    unsigned char* tail = reinterpret_cast<unsigned char*>(smem) + (1 + STAGES) * TILE_BYTES;
+    RecallStaged<STAGED> pending = {reinterpret_cast<u64*>(tail),
+                                    reinterpret_cast<int*>(tail + 8 * RW_TILE * STAGED), u0, {nullptr, 0, 0ull}};
+    if (tid < RW_TILE) pending.count[tid] = 0;
+#endif
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.0f;
@@ -151,7 +198,12 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
                                     cnt, C);
             }
     }
+#if defined(RW_DIRECT_APPEND)
     pending.flush(C);
+#else
+    __syncthreads();  // every survivor staged
+    pending.out(cand, cnt, C, tid);
+#endif
 }
 
 // recall_fused_filter_w<16 KS>: rows of 16 KS columns multiplied (Wp), in one stage a tile; the arguments of
