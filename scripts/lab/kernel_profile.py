@@ -122,6 +122,9 @@ VARIANTS = {
     # HOOKS: fused_w.cu built with -DRW_DIRECT_APPEND: a global atomic a survivor (before 2026-12-04 21:xx UTC) where
     # the kernel now keeps each user's survivors in shared memory and asks one atomic for many.
     "direct-append": {},
+    # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
+    "block-rescore": {},
+    "direct-append-block-rescore": {},
 }
 
 
@@ -218,7 +221,15 @@ def _direct_append(engine):
     engine.backend.selection._fused_w = {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}") for ks in range(1, 10)}
 
 
-HOOKS = {"direct-append": _direct_append, "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
+def _block_rescore(engine):
+    from recall.backends.cupy import rescore
+
+    rescore.takes_warp = lambda *args: False
+
+
+HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
+         "direct-append-block-rescore": lambda engine: (_direct_append(engine), _block_rescore(engine)),
+         "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin),
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
@@ -409,6 +420,9 @@ def main() -> None:
     from recall.backends.cupy import backend as gpu_backend
 
     shipped_block = gpu_backend.FUSED_USER_BLOCK
+    from recall.backends.cupy import rescore as gpu_rescore
+
+    shipped_takes_warp = gpu_rescore.takes_warp
     prec = a.precision
     out = []
     for cell in a.cells.split(","):
@@ -434,6 +448,7 @@ def main() -> None:
             selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = shipped_select
             fast_mode._prepare, fast_mode._prepare_users = shipped_prepare
             gpu_backend.FUSED_USER_BLOCK = shipped_block
+            gpu_rescore.takes_warp = shipped_takes_warp
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -471,6 +486,7 @@ def main() -> None:
         selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = shipped_select
         fast_mode._prepare, fast_mode._prepare_users = shipped_prepare
         gpu_backend.FUSED_USER_BLOCK = shipped_block
+        gpu_rescore.takes_warp = shipped_takes_warp
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()

@@ -100,33 +100,45 @@ def test_fused_kernel_scores_are_the_emulated_sums(metric, dim):
     np.testing.assert_array_equal(as_numpy(vals), want)
 
 
+_SHORT = [(64, 40), (37, 100), (68, 128), (1, 7), (33, 1), (257, 128), (3, 126)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim,path", [(64, "fused"), (37, "fused"), (256, "fused"), (68, "fused"), (4, "fused"),
-                                      (100, "fused"), (33, "fused"), (1, "fused"), (3, "fused"), (17, "fused"),
-                                      (65, "fused"), (257, "fused"), (64, "gemm"), (37, "gemm")])
-def test_ordered_rescore_equals_the_emulation(dim, path):
+@pytest.mark.parametrize("dim,path,longest,k", [
+    (64, "fused", 300, 40), (37, "fused", 300, 40), (256, "fused", 300, 40), (68, "fused", 300, 40),
+    (4, "fused", 300, 40), (100, "fused", 300, 40), (33, "fused", 300, 40), (1, "fused", 300, 40),
+    (3, "fused", 300, 40), (17, "fused", 300, 40), (65, "fused", 300, 40), (257, "fused", 300, 40),
+    (64, "gemm", 300, 40), (37, "gemm", 300, 40),
+    # Lists of at most 128 and k <= 128: a warp a user (rescore.takes_warp), float4 and float rows.
+    *[(dim, "fused", 128, k) for dim, k in _SHORT]])
+def test_ordered_rescore_equals_the_emulation(dim, path, longest, k):
     # Rows are read by the candidate's warp, a piece of 32 columns at a time: float4 rows where dim % 4 == 0 (68,
     # 100: a last piece of 4 columns; 4: one short piece), float rows otherwise (37: a last piece of 5 columns, 33
     # and 65 of 1; 1 and 3: one short piece; 17; 257: nine pieces); lists of every length around a
-    # warp's 32 candidates, an empty slot (-1) and a list of one repeated row among them.
+    # warp's 32 candidates, an empty slot (-1), a list of one repeated row, and two rows of one vector (a tie).
     if not gpu_usable:
         pytest.skip(gpu_reason)
     import cupy
 
     from recall.backends import resolve
+    from recall.backends.cupy import rescore
 
-    rng = np.random.default_rng(dim)
+    rng = np.random.default_rng(dim + k)
     items = (rng.standard_normal((5000, dim)) * np.exp2(rng.integers(-5, 5, (5000, 1)))).astype(np.float32)
+    items[4001] = items[4000]
     users = rng.standard_normal((200, dim)).astype(np.float32)
-    lengths = rng.integers(1, 300, 200)
-    lengths[:10] = (300, 1, 31, 32, 33, 65, 40, 50, 64, 50)
+    lengths = rng.integers(1, longest + 1, 200)
+    lengths[:10] = (longest, 1, 31, 32, 33, 65, 40, 50, 64, 50)
     indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     rows = rng.integers(0, 5000, int(indptr[-1]))
     rows[indptr[7]:indptr[8]] = rows[indptr[7]]  # one user's list all one row: counted once
     rows[indptr[9] + 3] = -1  # an empty slot
+    rows[indptr[2]:indptr[2] + 2] = (4001, 4000)  # a tie: the lower row first
+    rows[indptr[3] + 5] = rows[indptr[3] + 9]  # a repeated row among others
+    assert rescore.takes_warp(k, int(lengths.max()), dim, True) == (longest <= 128 and path == "fused")
     backend = resolve("gpu")
     loaded = backend.load_items(cupy.asarray(items))
-    vals, got, taken = backend.rescore(users, loaded, indptr, cupy.asarray(rows), 40, 1 << 28,
+    vals, got, taken = backend.rescore(users, loaded, indptr, cupy.asarray(rows), k, 1 << 28,
                                        EngineOptions(rescore=path), ordered=True)
     assert taken == path
     vals, got = as_numpy(vals), as_numpy(got)
@@ -136,9 +148,10 @@ def test_ordered_rescore_equals_the_emulation(dim, path):
         scores = ordered_dots(users[u:u + 1], items[mine][None])[0]
         want = {int(r): s for r, s in zip(mine, scores)}
         keep = got[u] >= 0
-        assert keep.sum() == min(40, len(want)), u
+        assert keep.sum() == min(k, len(want)), u
+        assert (got[u][keep.sum():] == -1).all() and np.isneginf(vals[u][keep.sum():]).all(), u
         np.testing.assert_array_equal(vals[u][keep], np.array([want[int(r)] for r in got[u][keep]], np.float32))
-        # The best 40 distinct rows under the tie rule (score descending, lower row first).
-        best = sorted(want.items(), key=lambda rs: (-rs[1], rs[0]))[:40]
+        # The best k distinct rows under the tie rule (score descending, lower row first).
+        best = sorted(want.items(), key=lambda rs: (-rs[1], rs[0]))[:k]
         assert [r for r, _ in best] == [int(r) for r in got[u][keep]], u
     assert (got[7] >= 0).sum() == 1

@@ -40,6 +40,29 @@ def _kernel(vec: bool, ordered: bool = False) -> Any:
     return mod.get_function(expr)
 
 
+#: Ordered re-scoring of lists of at most this many candidates, for k up to it, takes a warp a user
+#: (``recall_rescore_warp_t``, rescore.cu's RS_WARP_KEYS) instead of a block.
+WARP_KEYS = 128
+_WARP_THREADS = 128  # four users a block
+
+
+def _warp_kernel(vec: bool) -> Any:
+    expr = f"recall_rescore_warp_t<{int(vec)}>"
+    return kernels.module(("rescore.cu",), (), (expr,)).get_function(expr)
+
+
+def warp_smem_bytes(dim: int) -> int:
+    """Dynamic shared memory of a block of ``recall_rescore_warp_t`` (four warps, rescore.cu's layout): each warp's
+    keys, stage, user's vector and rows."""
+    return (_WARP_THREADS // 32) * (8 * WARP_KEYS + 4 * _ORD_STAGE + 4 * ((dim + 3) // 4 * 4) + 4 * WARP_KEYS)
+
+
+def takes_warp(k: int, longest: int, dim: int, ordered: bool) -> bool:
+    """Whether a launch re-scores a warp a user: ordered sums of at most WARP_KEYS candidates a user, k <= WARP_KEYS,
+    and the warps' shared memory within a block's default (dim up to about 2,300)."""
+    return ordered and dim > 0 and k <= WARP_KEYS and longest <= WARP_KEYS and warp_smem_bytes(dim) <= _DEFAULT_SMEM
+
+
 def lanes(dim: int, ordered: bool = False) -> int:
     """Lanes per candidate: the fewest (a power of two <= 32) that cover the row in one round of ``_CHUNKS`` loads
     per lane, so that every load is issued before the first use. dim 64: 8 lanes x 2 float4; each warp load then
@@ -85,11 +108,17 @@ def launch_config(k: int, dim: int, longest: int, ordered: bool = False) -> tupl
 
 
 def _launch(users: Any, items: Any, dim: int, scores: Any, indptr: Any, rows: Any, k: int,
-            cfg: tuple[int, int, int], out_vals: Any, out_rows: Any, ordered: bool = False) -> None:
+            cfg: tuple[int, int, int] | None, out_vals: Any, out_rows: Any, ordered: bool = False) -> None:
     """One ``recall_rescore_t`` launch over the users of ``indptr`` (``dim`` 0 when ``scores`` are given: no user
-    vector in shared memory, which is how ``cfg`` was sized)."""
+    vector in shared memory, which is how ``cfg`` was sized); ``cfg`` None: ``recall_rescore_warp_t``'s
+    (``takes_warp``)."""
     n = int(indptr.size) - 1
     if n <= 0:
+        return
+    if cfg is None:  # a warp a user (takes_warp)
+        _warp_kernel(dim % 4 == 0)((-(-n // (_WARP_THREADS // 32)),), (_WARP_THREADS,),
+                                   (users, items, np.int32(dim), indptr, rows, np.int32(k), np.int32(n), out_vals,
+                                    out_rows), shared_mem=warp_smem_bytes(dim))
         return
     k_pad, sz, smem = cfg
     kern = _kernel(dim % 4 == 0, ordered)
@@ -115,8 +144,10 @@ def rescore_fused(users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int,
 
     n_items, dim = int(items.shape[0]), int(items.shape[1])
     lengths = np.diff(indptr)
-    cfg = launch_config(k, dim, int(lengths.max()) if lengths.size else 1, ordered)
-    if cfg is None or n_items >= 2 ** 31:
+    longest = int(lengths.max()) if lengths.size else 1
+    warp = takes_warp(k, longest, dim, ordered)
+    cfg = None if warp else launch_config(k, dim, longest, ordered)
+    if (cfg is None and not warp) or n_items >= 2 ** 31:
         return False
     if not isinstance(rows, np.ndarray):
         _launch(users, items, dim, None, cupy.asarray(indptr), rows, k, cfg, out_vals, out_rows, ordered)

@@ -16,9 +16,10 @@
 // A thread then holds 2 users' (rows g and g + 8 of its warp's 16) scores of 32 items each: d[4j + 2h + c] is user
 // g + 8h's score of item 8j + 2t + c (g = lane / 4, t = lane % 4), the accumulator layout of mma.m16n8 repeated over
 // j = 0..15. Each user's 32 scores are tested in four groups of 8 through their maximum, and a passing group's
-// survivors are taken from a bit mask, as in fused_h.cu. The float32 result of each score is the sum of exact
-// products (float16 x float16 fits float32) in the tensor cores' order: the certificate's accumulation term
-// (recall/core/certificate.py) covers any order.
+// survivors are taken from a bit mask, as in fused_h.cu; they wait in the block's shared memory, a stage a user
+// (RecallStaged), and go to the candidate buffers when the block is done. The float32 result of each score is the
+// sum of exact products (float16 x float16 fits float32) in the tensor cores' order: the certificate's accumulation
+// term (recall/core/certificate.py) covers any order.
 
 #define RW_TILE 128
 #define RW_THREADS 256

@@ -367,12 +367,12 @@ __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int d
 #define RS_ORD_STRIDE (RS_ORD_PIECE + 4)
 #define RS_ORD_STAGE (32 * RS_ORD_STRIDE)
 __device__ __forceinline__ void rs_gather_ordered(const float* __restrict__ items, int dim, const float* uvec,
-                                                  const int* rows32, int cnt, float* stage, u64* out_keys) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float* st = stage + warp * RS_ORD_STAGE;
+                                                  const int* rows32, int cnt, float* st, u64* out_keys, int j_first,
+                                                  int j_step) {
+    const int lane = threadIdx.x & 31;
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     // j0 is the same for every lane of a warp: whole warps reach the shuffles and __syncwarp together.
-    for (int j0 = warp * 32; j0 < cnt; j0 += blockDim.x) {
+    for (int j0 = j_first; j0 < cnt; j0 += j_step) {
         const int j = j0 + lane;
         const int r = j < cnt ? rows32[j] : -1;  // -1: nothing to load
         float acc = 0.0f;
@@ -418,11 +418,11 @@ __device__ __forceinline__ void rs_gather_ordered(const float* __restrict__ item
 #define RS_ORD_SSTRIDE (RS_ORD_PIECE + 1)
 #define RS_ORD_FLOATS 4  // loads in flight a lane (nvcc 13.0, sm_90, 48 registers: 8 spill, 4 do not)
 __device__ __forceinline__ void rs_gather_ordered_scalar(const float* __restrict__ items, int dim, const float* uvec,
-                                                         const int* rows32, int cnt, float* stage, u64* out_keys) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float* st = stage + warp * RS_ORD_STAGE;  // 32 rows x RS_ORD_SSTRIDE floats fit in RS_ORD_STAGE
+                                                         const int* rows32, int cnt, float* st, u64* out_keys,
+                                                         int j_first, int j_step) {
+    const int lane = threadIdx.x & 31;  // st: 32 rows x RS_ORD_SSTRIDE floats fit in RS_ORD_STAGE
     // j0 is the same for every lane of a warp: whole warps reach the shuffles and __syncwarp together.
-    for (int j0 = warp * 32; j0 < cnt; j0 += blockDim.x) {
+    for (int j0 = j_first; j0 < cnt; j0 += j_step) {
         const int j = j0 + lane;
         const int r = j < cnt ? rows32[j] : -1;  // -1: nothing to load
         float acc = 0.0f;
@@ -522,10 +522,13 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
                 }
             }
             __syncthreads();  // the user's vector (first chunk) and the staged rows
+            const int warp = threadIdx.x >> 5;  // each warp stages its own candidates' rows
             if (ORD && VEC) {
-                rs_gather_ordered(items, dim, uvec, rows32, cnt, stage, keys + start);
+                rs_gather_ordered(items, dim, uvec, rows32, cnt, stage + warp * RS_ORD_STAGE, keys + start, warp * 32,
+                                  blockDim.x);
             } else if (ORD) {
-                rs_gather_ordered_scalar(items, dim, uvec, rows32, cnt, stage, keys + start);
+                rs_gather_ordered_scalar(items, dim, uvec, rows32, cnt, stage + warp * RS_ORD_STAGE, keys + start,
+                                         warp * 32, blockDim.x);
             } else {
                 rs_gather<U, C, VEC>(items, dim, uvec, rows32, cnt, G, keys + start);
             }
@@ -552,6 +555,116 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
         } else {
             out_vals[o] = rs_ord2f((u32)(key >> 32));
             out_rows[o] = (long long)(~(u32)(key & 0xffffffffull));
+        }
+    }
+}
+
+// Ordered re-scoring of short lists (RS_WARP_KEYS candidates a user at most, K <= RS_WARP_KEYS): one warp a user,
+// no block barrier. The block kernel above takes a block of 128 threads a user and meets it at every phase of its
+// select and sort (two dozen barriers for 126 candidates), which left its warps waiting where a pass keeps k = 100's
+// 126 candidates for each of a million users. Here the warp stages its rows and sums them as rs_gather_ordered does
+// (the same FMA sequence: the same scores, bit for bit), then sorts its keys in registers, four a lane (element
+// 4 lane + i), with a bitonic network whose exchanges across lanes are shuffles; a duplicate key (a candidate row
+// listed twice) is dropped and the keys sorted again, as rs_sort_dedup does. Shared memory a warp (rescore.py's
+// warp_smem_bytes mirrors it): RS_WARP_KEYS keys, the stage (RS_ORD_STAGE floats), the user's vector (dim rounded
+// up to 4 floats), RS_WARP_KEYS int32 rows.
+#define RS_WARP_KEYS 128
+
+// keys a[0..3] of this lane: elements 4 lane + i of 128; sorted descending across the warp on return.
+__device__ __forceinline__ void rs_warp_sort128(u64 (&a)[4], int lane) {
+#pragma unroll
+    for (int size = 2; size <= RS_WARP_KEYS; size <<= 1) {
+#pragma unroll
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            if (stride >= 4) {  // the partner is element e ^ stride: lane ^ (stride / 4), the same register
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int e = 4 * lane + i;
+                    const u64 b = __shfl_xor_sync(RS_FULL, a[i], stride >> 2);
+                    const bool keep_max = ((e & stride) == 0) == ((e & size) == 0);
+                    a[i] = keep_max ? (a[i] > b ? a[i] : b) : (a[i] < b ? a[i] : b);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int p = i ^ stride;
+                    if (p > i) {
+                        const bool desc = ((4 * lane + i) & size) == 0;
+                        if ((a[i] < a[p]) == desc) {
+                            const u64 t = a[i];
+                            a[i] = a[p];
+                            a[p] = t;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+template <int VEC>
+__global__ void recall_rescore_warp_t(const float* __restrict__ users, const float* __restrict__ items, int dim,
+                                      const long long* __restrict__ indptr, const long long* __restrict__ rows,
+                                      int K, int n_users, float* __restrict__ out_vals,
+                                      long long* __restrict__ out_rows) {
+    extern __shared__ u64 rs_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int u = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (u >= n_users) return;  // a whole warp: no block barrier below
+    const int dim_pad = (dim + 3) & ~3;
+    unsigned char* mine = reinterpret_cast<unsigned char*>(rs_smem) +
+                          (long long)warp * (8 * RS_WARP_KEYS + 4 * RS_ORD_STAGE + 4 * dim_pad + 4 * RS_WARP_KEYS);
+    u64* keys = reinterpret_cast<u64*>(mine);
+    float* st = reinterpret_cast<float*>(mine + 8 * RS_WARP_KEYS);
+    float* uvec = st + RS_ORD_STAGE;
+    int* rows32 = reinterpret_cast<int*>(uvec + dim_pad);
+    const long long lo = indptr[u];
+    const int cnt = (int)(indptr[u + 1] - lo);
+    for (int c = lane; c < dim; c += 32) uvec[c] = users[(long long)u * dim + c];
+#pragma unroll
+    for (int t = 0; t < RS_WARP_KEYS / 32; ++t) {
+        const int j = t * 32 + lane;
+        const long long r = j < cnt ? __ldcs(rows + lo + j) : -1;
+        rows32[j] = r >= 0 ? (int)r : -1;
+    }
+    __syncwarp();
+    if (VEC)
+        rs_gather_ordered(items, dim, uvec, rows32, cnt, st, keys, 0, 32);
+    else
+        rs_gather_ordered_scalar(items, dim, uvec, rows32, cnt, st, keys, 0, 32);
+    __syncwarp();
+    u64 a[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = 4 * lane + i < cnt ? keys[4 * lane + i] : 0ull;
+    rs_warp_sort128(a, lane);
+    // A key equal to the one before it (element 4 lane + i - 1) is a duplicate row: emptied, then sorted again.
+    const u64 before = __shfl_up_sync(RS_FULL, a[3], 1);
+    bool dup[4];
+    bool any = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u64 prev = i == 0 ? before : a[i - 1];
+        dup[i] = a[i] != 0ull && (i > 0 || lane > 0) && a[i] == prev;
+        any |= dup[i];
+    }
+    if (__any_sync(RS_FULL, any)) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (dup[i]) a[i] = 0ull;
+        rs_warp_sort128(a, lane);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int e = 4 * lane + i;
+        if (e < K) {
+            const long long o = (long long)u * K + e;
+            if (a[i] == 0ull) {
+                out_vals[o] = RS_NEG_INF;
+                out_rows[o] = -1;
+            } else {
+                out_vals[o] = rs_ord2f((u32)(a[i] >> 32));
+                out_rows[o] = (long long)(~(u32)(a[i] & 0xffffffffull));
+            }
         }
     }
 }
