@@ -21,7 +21,7 @@ from oracle import as_numpy
 from parquet_data import write_embeddings
 from recall import Engine, InputError, SearchResult, EngineOptions
 from recall.cli.app import app
-from recall.backends.cupy.rescore import lanes, launch_config, smem_bytes
+from recall.backends.cupy.rescore import lanes, launch_config, smem_bytes, takes_warp, warp_smem_bytes
 from recall.io import read_pairs
 
 METRICS = ["ip", "cosine", "l2"]
@@ -288,6 +288,31 @@ def test_ordered_sums_of_float4_rows_reserve_each_warps_stage():
     # smaller than the flags grows to hold them.
     assert smem_bytes(16384, 256, ordered=True) <= 227 * 1024 < smem_bytes(16384, 256) + stage
     assert smem_bytes(32768, 64, ordered=True) - smem_bytes(32768, 64) == 0
+
+
+def test_short_ordered_lists_take_a_warp_a_user():
+    # Exact mode's certified route re-scores k + m + 1 candidates a user: 126 at k = 100, a warp a user; longer lists,
+    # larger k and fast mode's unordered sums keep the block kernel.
+    assert takes_warp(100, 126, 64, True) and takes_warp(128, 128, 257, True) and takes_warp(1, 1, 1, True)
+    assert not takes_warp(100, 126, 64, False)
+    assert not takes_warp(129, 129, 64, True) and not takes_warp(100, 129, 64, True)
+    assert not takes_warp(100, 126, 0, True)  # precomputed scores (select): no vectors to sum
+    # Four warps' keys, stages, vectors and rows: 28,736 bytes at d = 257; past the 48 KiB every device has, the block.
+    assert warp_smem_bytes(257) == 4 * (8 * 128 + 4 * 32 * 36 + 4 * 260 + 4 * 128) == 28_736
+    assert warp_smem_bytes(1536) <= 48 * 1024 < warp_smem_bytes(1540) and not takes_warp(100, 126, 1540, True)
+
+
+def test_wgmma_kernels_keep_two_blocks_an_sm():
+    # fused_w.cu's shared memory (the users' tile, the item tiles in flight, each user's stage of survivors and its
+    # count) stays within half of an H100/H200 SM's 228 KiB, less the 1 KiB the device reserves a block, at every
+    # width it is built for; the stage holds at least 4 keys a user.
+    from recall.backends.cupy.fused import wgmma_smem
+
+    for padded in range(16, 145, 16):
+        tiles = 2 * 128 * padded * (1 + (2 if padded > 96 else 3))
+        assert 2 * (wgmma_smem(padded) + 1024) <= 228 * 1024, padded
+        assert wgmma_smem(padded) - tiles >= 128 * (8 * 4 + 4), padded
+    assert wgmma_smem(64) - 2 * 128 * 64 * 4 == 128 * (8 * 32 + 4)  # 32 keys a user at d = 64
 
 
 # ---- files and the CLI -------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def warp_smem_bytes(dim: int) -> int:
 
 def takes_warp(k: int, longest: int, dim: int, ordered: bool) -> bool:
     """Whether a launch re-scores a warp a user: ordered sums of at most WARP_KEYS candidates a user, k <= WARP_KEYS,
-    and the warps' shared memory within a block's default (dim up to about 2,300)."""
+    and the warps' shared memory within a block's default (dim up to 1,536)."""
     return ordered and dim > 0 and k <= WARP_KEYS and longest <= WARP_KEYS and warp_smem_bytes(dim) <= _DEFAULT_SMEM
 
 
