@@ -262,13 +262,17 @@ class CupyBackend:
                 options: EngineOptions, ordered: bool = False) -> tuple[Any, Any, str]:
         cupy = self.xp
         n = int(indptr.size) - 1
-        vals = cupy.full((n, k), -cupy.inf, dtype=cupy.float32)
-        out = cupy.full((n, k), -1, dtype=cupy.int64)
+        # The fused kernels write every one of a user's k results (-inf and -1 past its candidates); the gemm path
+        # is given them filled.
+        vals = cupy.empty((n, k), dtype=cupy.float32)
+        out = cupy.empty((n, k), dtype=cupy.int64)
         users_d = self.asarray(users)
         rows = rows if isinstance(rows, np.ndarray) else cupy.ascontiguousarray(rows, dtype=cupy.int64)
         if options.rescore == "fused" and rescore.rescore_fused(users_d, items.vecs, indptr, rows, k, vals, out,
                                                                 budget, ordered):
             return vals, out, "fused"
+        vals.fill(-cupy.inf)
+        out.fill(-1)
         candidates.rescore_gemm(self, users_d, items.vecs, indptr, rows, k, budget, vals, out,
                                 rescore.ordered_dots if ordered else None)
         return vals, out, "gemm"

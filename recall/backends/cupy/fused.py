@@ -187,12 +187,16 @@ class FusedSearch:
         tiles = -(-n_items // FUSED_TILE)
         seg = max(1, options.fused_segment // FUSED_TILE)
         per_cta = max(1, options.fused_tiles_per_block)
+        # The last segment's merge is the final one: it folds that segment's candidates in (recomputing the segment
+        # where a user's buffer overflowed) and writes the results, one launch where a merge and then a final merge
+        # of nothing new took two.
         for t0 in range(0, tiles, seg):
             nt = min(seg, tiles - t0)
             launch((-(-nt // per_cta), -(-n // FUSED_TILE)), t0, nt, per_cta)
             start = t0 * FUSED_TILE
-            merged(start, min(nt * FUSED_TILE, n_items - start), False)
-        merged(0, 0, True)
+            merged(start, min(nt * FUSED_TILE, n_items - start), t0 + seg >= tiles)
+        if not tiles:
+            merged(0, 0, True)
 
     def _single(self, users_t: Any, users: Any, items_t: Any, n_items: int, state: GpuTopK) -> tuple:
         """(launch of a segment, merge kernel, the merge's operands) of float32 vectors (fused.cu); the block's users
