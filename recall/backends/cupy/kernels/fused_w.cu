@@ -34,8 +34,9 @@
 // A block's survivors kept in shared memory a user until the block is done (`out`): a survivor takes the next of
 // its user's S slots with a shared-memory atomic; past S it goes to the candidate buffer as fused.cu's RecallPending
 // sends it (a global atomic). Then each user's stage goes out with one global atomic. Where the pass keeps a
-// percent or more of the items, most users have several survivors in a block's tiles, and their global atomics
-// (each on a counter that every block of the user's row adds to) were most of the kernel's filtering time.
+// percent or more of the items, most users have several survivors in a block's tiles: a global atomic each (on a
+// counter every block of the user's row adds to, each survivor's store waiting for its slot) made the kernel
+// 1.23-1.41x slower where 2-3% of the items pass (H200, docs/benchmarks.md), and no faster where few do.
 template <int S>
 struct RecallStaged {
     u64* stage;    // S keys a user of the block, from row 0
