@@ -116,13 +116,14 @@ def check(mod, label, rng) -> list[str]:
     return failures
 
 
-def timing(mod_h, mod_w, out) -> None:
+def _compare(shapes, contenders, out) -> None:
+    """Each (width, items, rank) of ``shapes`` timed for every (name, (kernel, shared memory)) of
+    ``contenders(padded)``: 16,384 users in blocks of 2,048, thresholds at each user's RANK-th best of the first
+    65,536 items (or of all where fewer), candidate counts reset per segment; median of 3."""
     import cupy
 
     rng = cupy.random.default_rng(0)
-    for width, n_items, rank in ((72, 1_000_000, 126), (48, 100_000, 1900), (64, 1_000_000, 126),
-                                 (32, 1_000_000, 12), (128, 1_000_000, 126), (96, 1_000_000, 126),
-                                 (136, 1_000_000, 126)):
+    for width, n_items, rank in shapes:
         n_users, cap, c = 16384, 2048, 16384
         users = rng.standard_normal((n_users, width), dtype=np.float32).astype(np.float16)
         items = rng.standard_normal((n_items, width), dtype=np.float32).astype(np.float16)
@@ -133,8 +134,7 @@ def timing(mod_h, mod_w, out) -> None:
         cand = cupy.zeros((cap, c), cupy.uint64)
         cnt = cupy.zeros(cap, cupy.int32)
         row = {"width": width, "items": n_items, "rank": rank}
-        for name, (fn, smem) in (("mma.sync (fused_h)", kernel_h(mod_h, padded)),
-                                 ("wgmma (fused_w)", kernel_w(mod_w, padded))):
+        for name, (fn, smem) in contenders(padded):
             def run():
                 for u0 in range(0, n_users, cap):
                     launch(fn, smem, users[u0:u0 + cap], items, width, padded, thr[u0:u0 + cap], cand, cnt,
@@ -142,43 +142,27 @@ def timing(mod_h, mod_w, out) -> None:
             t = sorted(device_times(run))[1]
             rate = 2.0 * n_users * n_items * padded / t / 1e12
             row[name] = t
-            print(f"| {width} cols ({padded} multiplied), {n_items:,} items, rank {rank} | {name} | {t:.4f} s | "
+            print(f"| {width} cols ({padded} multiplied), {n_items:,} items, rank {rank} | {name} | {t:.5f} s | "
                   f"{rate:.0f} TFLOP/s | regs {fn.num_regs} |", flush=True)
         out.append(row)
 
 
+def timing(mod_h, mod_w, out) -> None:
+    """fused_h.cu's mma.sync kernel against fused_w.cu's wgmma kernel on the engine's first launches' shapes."""
+    _compare(((72, 1_000_000, 126), (48, 100_000, 1900), (64, 1_000_000, 126), (32, 1_000_000, 12),
+              (128, 1_000_000, 126), (96, 1_000_000, 126), (136, 1_000_000, 126)),
+             lambda padded: (("mma.sync (fused_h)", kernel_h(mod_h, padded)),
+                             ("wgmma (fused_w)", kernel_w(mod_w, padded))), out)
+
+
 def append_timing(mod_old, mod_new, out) -> None:
     """The kernel as shipped (survivors kept in shared memory a user, one atomic for many) against the one before
-    (``-DRW_DIRECT_APPEND``: a global atomic a survivor), where few and where many scores pass (RANK-th best of the
-    first 65,536 items, or of all where fewer), 16,384 users in blocks of 2,048, counts reset a segment."""
-    import cupy
-
-    rng = cupy.random.default_rng(0)
-    for width, n_items, rank in ((72, 1_000_000, 126), (64, 100_000, 671), (64, 100_000, 1900),
-                                 (64, 20_000, 250), (48, 100_000, 1900), (64, 65_536, 1300),
-                                 (136, 1_000_000, 126), (136, 100_000, 1900), (96, 100_000, 1900)):
-        n_users, cap, c = 16384, 2048, 16384
-        users = rng.standard_normal((n_users, width), dtype=np.float32).astype(np.float16)
-        items = rng.standard_normal((n_items, width), dtype=np.float32).astype(np.float16)
-        head = users.astype(np.float32) @ items[:65536].astype(np.float32).T
-        thr = cupy.ascontiguousarray(-cupy.partition(-head, rank - 1, axis=1)[:, rank - 1])
-        del head
-        padded = -(-width // 16) * 16
-        cand = cupy.zeros((cap, c), cupy.uint64)
-        cnt = cupy.zeros(cap, cupy.int32)
-        row = {"width": width, "items": n_items, "rank": rank}
-        for name, mod in (("a global atomic a survivor", mod_old), ("staged (shipped)", mod_new)):
-            fn, smem = kernel_w(mod, padded)
-
-            def run():
-                for u0 in range(0, n_users, cap):
-                    launch(fn, smem, users[u0:u0 + cap], items, width, padded, thr[u0:u0 + cap], cand, cnt,
-                           reset=True)
-            t = sorted(device_times(run))[1]
-            row[name] = t
-            print(f"| {width} cols, {n_items:,} items, rank {rank} | {name} | {t:.5f} s | regs {fn.num_regs} |",
-                  flush=True)
-        out.append(row)
+    (``-DRW_DIRECT_APPEND``: a global atomic a survivor), where few and where many scores pass."""
+    _compare(((72, 1_000_000, 126), (64, 100_000, 671), (64, 100_000, 1900), (64, 20_000, 250),
+              (48, 100_000, 1900), (64, 65_536, 1300), (136, 1_000_000, 126), (136, 100_000, 1900),
+              (96, 100_000, 1900)),
+             lambda padded: (("a global atomic a survivor", kernel_w(mod_old, padded)),
+                             ("staged (shipped)", kernel_w(mod_new, padded))), out)
 
 
 def main() -> int:
