@@ -560,9 +560,10 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
 }
 
 // Ordered re-scoring of short lists (RS_WARP_KEYS candidates a user at most, K <= RS_WARP_KEYS): one warp a user,
-// no block barrier. The block kernel above takes a block of 128 threads a user and meets it at every phase of its
-// select and sort (two dozen barriers for 126 candidates), which left its warps waiting where a pass keeps k = 100's
-// 126 candidates for each of a million users. Here the warp stages its rows and sums them as rs_gather_ordered does
+// no block barrier, where the block kernel above takes a block of 128 threads a user and meets it at every phase of
+// its select and sort (two dozen barriers for 126 candidates). Measured on the H200 (docs/benchmarks.md): the
+// certified route on 1M x 100k at k = 100 0.97x of its time with the block kernel; both kernels' time is mostly the
+// candidates' rows read. Here the warp stages its rows and sums them as rs_gather_ordered does
 // (the same FMA sequence: the same scores, bit for bit), then sorts its keys in registers, four a lane (element
 // 4 lane + i), with a bitonic network whose exchanges across lanes are shuffles; a duplicate key (a candidate row
 // listed twice) is dropped and the keys sorted again, as rs_sort_dedup does. Shared memory a warp (rescore.py's
