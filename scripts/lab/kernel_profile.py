@@ -119,8 +119,8 @@ VARIANTS = {
     # or 16,384, in both searches.
     **{f"{pre}users{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
        for n in (4096, 8192, 16384)},
-    # HOOKS: fused_w.cu built with -DRW_DIRECT_APPEND: a global atomic a survivor (before commit 2d5939c, 2026-12-04) where
-    # the kernel now keeps each user's survivors in shared memory and asks one atomic for many.
+    # HOOKS: fused_w.cu built with -DRW_DIRECT_APPEND: a global atomic a survivor (before commit 2d5939c,
+    # 2026-12-04), where the kernel now keeps each user's survivors in shared memory and asks one atomic for many.
     "direct-append": {},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
