@@ -207,7 +207,13 @@ def normalise(exclude: Any, n_users: int, n_items: int) -> Exclusions:
                 raise InputError(f"exclude: user key {user!r} is not an integer row position")
             if not 0 <= user < n_users:
                 raise InputError(f"exclude: user row {user} is out of range for {n_users} users")
-            rows = _int_array(list(rows) if not isinstance(rows, np.ndarray) else rows, f"items of user row {user}")
+            if not isinstance(rows, np.ndarray):
+                try:
+                    rows = list(rows)
+                except TypeError:
+                    raise InputError(f"exclude: the items of user row {user} must be an iterable of item rows, got "
+                                     f"{type(rows).__name__}") from None
+            rows = _int_array(rows, f"items of user row {user}")
             users.append(np.full(rows.size, user, np.int64))
             items.append(rows)
         user_of = np.concatenate(users) if users else np.zeros(0, np.int64)

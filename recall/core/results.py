@@ -123,13 +123,19 @@ class SearchResult:
         Raises
         ------
         InputError
-            If ``user_ids`` does not have one entry per user.
+            If ``user_ids`` is not one-dimensional with one entry per user.
         """
         n = self.n_users
         if user_ids is None:
             user_col = pa.array(np.arange(n, dtype=np.int64))
         else:
-            user_col = user_ids if isinstance(user_ids, (pa.Array, pa.ChunkedArray)) else pa.array(to_numpy(user_ids))
+            if isinstance(user_ids, (pa.Array, pa.ChunkedArray)):
+                user_col = user_ids
+            else:
+                host = to_numpy(user_ids)
+                if host.ndim != 1:
+                    raise InputError(f"to_arrow: user_ids must be one-dimensional, got shape {host.shape}")
+                user_col = pa.array(host)
             if len(user_col) != n:
                 raise InputError(f"to_arrow: got {len(user_col)} user ids for {n} result rows")
         indices = to_numpy(self.indices)

@@ -105,6 +105,7 @@ class Engine:
         if cap is not None:
             # Beyond the device: checked and prepared a chunk at a time, kept in host memory, streamed per search.
             self._items, self.item_norm = streamed.prepare(self.backend, self.metric, item_vecs, cap)
+            inputs.check_item_norm(self.item_norm, self.metric)
             self.prepared_items = self._items.host
             self.n_items, self.dim = int(shape[0]), int(shape[1])
         else:
@@ -114,7 +115,11 @@ class Engine:
             if items.shape[0] < 1:
                 raise InputError("item_vecs: there are no items")
             self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
-            self.item_norm = float(metrics.row_norms(xp, items).max()) if self.metric != "cosine" else 1.0
+            self.item_norm = 1.0
+            if self.metric != "cosine":
+                norms = metrics.row_norms(xp, items)
+                self.item_norm = float(norms.max())
+                inputs.check_item_norm(self.item_norm, self.metric, lambda: int(xp.argmax(norms)))
             self.prepared_items = metrics.prepare_items(self.metric, xp, items)  # (n_items, scored dim), backend
             self._items = self.backend.load_items(self.prepared_items, metrics.norms_rank(self.metric))
         self.ids = inputs.item_ids(ids, self.n_items)
@@ -188,6 +193,8 @@ class Engine:
             if flt is None:
                 return interests.search(self, user_vecs, k, exclude, aggregate)
             n_users = interests.count_users(user_vecs)
+            if flt.n_passing == 0:
+                interests.check(self, user_vecs, aggregate)  # nothing to search: still the same errors
             return self._filtered(flt, n_users, k, normalise(exclude, n_users, self.n_items),
                                   lambda view, ex: interests.search(view, user_vecs, k, ex, aggregate))
         if aggregate is not None:
@@ -363,6 +370,8 @@ class Engine:
 
     def _check_users(self, user_vecs: Any, exclude: Any) -> tuple[Any, Any, Exclusions]:
         """(array module, validated users, normalised exclusions) of a single-vector search."""
+        if isinstance(user_vecs, (list, tuple)) and len(user_vecs) == 0:
+            user_vecs = np.zeros((0, self.dim), np.float32)  # no users: what a (0, dim) array gives
         xp = self.backend.module_of(user_vecs)
         # Finiteness is checked from the rows' norms, with the overflow bound: one transfer from the device.
         users = inputs.matrix(self.backend, xp, user_vecs, "user_vecs", self.dim, finite=False)

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..core import certificate, metrics
+from ..core.errors import ResourceError
 from ..core.exclusions import Exclusions
 
 #: Fast mode declines where a sample's modelled cost is above this share of an exact search: per user of the sample,
@@ -179,7 +180,15 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool = Fa
         # Host users go to the backend first: their float16 copies and certificates are made there, not on the host
         # (for 1M users a second or more of NumPy, against a search of a fraction of that).
         users = engine.backend.ingest(users)
-    vals, rows = _search(engine, users, k, excl, ordered)
+    try:
+        vals, rows = _search(engine, users, k, excl, ordered)
+    except ResourceError as exc:
+        # Fast mode's passes keep more candidates a user than exact mode's k (k + m + 1, and more where widened):
+        # a memory budget can hold exact mode's search and not those.
+        vals, rows, run_stats = _search_exact(engine, users, k, excl)
+        engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
+                        "fallback_fraction": 0.0,
+                        "fast_declined": f"the memory budget holds exact mode's search, not fast mode's passes: {exc}"}
     if ordered:
         engine.stats = _as_exact(engine.stats)
     return vals, rows
@@ -468,8 +477,11 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
             kth = backend.to_host(kth) if uxp is np else kth
             shift = uxp.where(uxp.isfinite(kth), kth, 0).astype(uxp.float64)
         retry = _prepare_users(engine, sub, uxp, half, shift)
-        w_vals, w_rows, w_failed, _, _ = _certified_pass(engine, state, sub, retry, k, k + pass_m,
-                                                         excl.subset(failed), ordered)
+        try:
+            w_vals, w_rows, w_failed, _, _ = _certified_pass(engine, state, sub, retry, k, k + pass_m,
+                                                             excl.subset(failed), ordered)
+        except ResourceError:  # the budget holds no tile of this many candidates: exact mode for these users
+            break
         vals[sel], rows[sel] = w_vals, w_rows
         passes.append([pass_m, int(failed.size), int(failed.size - w_failed.size)])
         failed = failed[w_failed]

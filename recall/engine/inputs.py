@@ -29,7 +29,11 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
     finiteness itself (:func:`check_overflow`, from the rows' norms)."""
     shape = getattr(arr, "shape", None)
     if shape is None:
-        arr = np.asarray(arr)
+        try:
+            arr = np.asarray(arr)
+        except (ValueError, TypeError) as exc:  # ragged nested lists, objects NumPy cannot make an array of
+            raise InputError(f"{what}: not an (n, dim) array of numbers: {type(exc).__name__} from NumPy (rows of "
+                             f"different lengths?)") from None
         shape = arr.shape
     if len(shape) != 2:
         raise InputError(f"{what}: expected a 2-d (n, dim) array, got shape {tuple(shape)}")
@@ -53,7 +57,8 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
 
 
 def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
-    """Item ids (n_items,) as a host array (object for strings), checked: one per row, unique."""
+    """Item ids (n_items,) as a host array (object for strings), checked: integers or strings, one per row,
+    unique."""
     if ids is None:
         return None
     ids = np.array(to_numpy(ids), copy=True)
@@ -61,6 +66,13 @@ def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
         raise InputError(f"ids: expected {n_items} ids (one per item row), got shape {ids.shape}")
     if ids.dtype.kind in "US":
         ids = ids.astype(object)
+    if ids.dtype.kind == "O":
+        row = next((i for i, v in enumerate(ids) if not isinstance(v, str)), None)
+        if row is not None:
+            raise InputError(f"ids: row {row} holds {ids[row]!r} ({type(ids[row]).__name__}); ids are all integers "
+                             f"or all strings")
+    elif ids.dtype.kind not in "iu":
+        raise InputError(f"ids: expected integers or strings, got dtype {ids.dtype}")
     order = np.argsort(ids, kind="stable")
     ranked = ids[order]
     repeat = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1
@@ -71,6 +83,16 @@ def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
         dup = ids[second].item() if hasattr(ids[second], "item") else ids[second]
         raise InputError(f"ids: duplicate item id {dup!r} at rows {first} and {second}")
     return ids
+
+
+def check_item_norm(item_norm: float, metric: str, row: Any = None) -> None:
+    """Refuse items whose own squared norm overflows the float32 arithmetic under ``l2`` (the prepared items hold
+    -|v|²/2: it would be -inf, and every later search refused for its users); ``row()`` names the item of the
+    largest norm."""
+    if metric == "l2" and _score_bound(0.0, item_norm, metric) > SCORE_LIMIT:
+        at = f"row {row()} " if row is not None else "an item "
+        raise InputError(f"item_vecs: {at}has norm {item_norm:.3g}: metric 'l2' scores could overflow float32; "
+                         f"rescale the vectors")
 
 
 def _score_bound(norm: Any, item_norm: float, metric: str) -> Any:

@@ -114,6 +114,12 @@ def _flatten(engine: Any, user_vecs: Any) -> tuple[Any, Any, np.ndarray]:
     return xp, flat, indptr
 
 
+def check(engine: Any, user_vecs: Any, aggregate: str) -> None:
+    """Raise what :func:`search` would raise for these users (the checks of a search that has no item to score)."""
+    xp, flat, indptr = _flatten(engine, user_vecs)
+    _check_values(engine, xp, flat, indptr, aggregate)
+
+
 def _where(indptr: np.ndarray, row: int) -> tuple[int, int]:
     """(user, interest) of flat interest row ``row``."""
     user = int(np.searchsorted(indptr, row, side="right") - 1)

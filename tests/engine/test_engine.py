@@ -314,6 +314,9 @@ def test_duplicate_and_unsorted_exclusion_entries(device, make_ties):
     ({0: [1.5]}, "integers"),
     ({"0": [1]}, "user key"),
     ([[0, 1]], "exclude"),
+    ({0: 3}, "items of user row 0 must be an iterable"),
+    ({0: None}, "items of user row 0 must be an iterable"),
+    ({0: [None]}, "integers"),
 ])
 def test_bad_exclusions_raise_input_error(device, exclude, needle, make_normal):
     users, items = make_normal(4, 25, 3, seed=18)
@@ -432,6 +435,43 @@ def test_duplicate_ids_name_the_id(device, ids, needle, make_normal):
     _, items = make_normal(1, 5, 4, seed=25)
     with pytest.raises(InputError, match=needle):
         Engine(items, ids=ids, device=device)
+
+
+@pytest.mark.parametrize("ids, needle", [
+    (np.array(["a", None, "c", "d", "e"], dtype=object), r"row 1 holds None"),
+    (np.array([1, "b", "c", "d", "e"], dtype=object), r"row 0 holds 1 \(int\)"),
+    (np.array([np.nan, np.nan, 1.0, 2.0, 3.0]), "integers or strings, got dtype float64"),
+    (np.array([0.0, 1.0, 2.0, 3.0, 4.0]), "integers or strings, got dtype float64"),
+])
+def test_ids_that_are_not_integers_or_strings(device, ids, needle, make_normal):
+    _, items = make_normal(1, 5, 4, seed=25)
+    with pytest.raises(InputError, match=needle):
+        Engine(items, ids=ids, device=device)
+
+
+def test_ragged_nested_lists_raise_input_error(device, make_normal):
+    users, items = make_normal(2, 5, 3, seed=25)
+    with pytest.raises(InputError, match="item_vecs: not an"):
+        Engine([[1.0, 2.0, 3.0], [1.0, 2.0]], device=device)
+    engine = Engine(items, device=device)
+    with pytest.raises(InputError, match="user_vecs: not an"):
+        engine.search([[1.0, 2.0, 3.0], [1.0]], 2)
+
+
+def test_an_empty_list_of_users_is_zero_users(device, make_normal):
+    _, items = make_normal(1, 5, 3, seed=25)
+    engine = Engine(items, device=device)
+    for users in ([], ()):
+        res = engine.search(users, 3)
+        assert as_numpy(res.indices).shape == (0, 3) and as_numpy(res.scores).shape == (0, 3)
+
+
+def test_l2_items_whose_norm_overflows_are_refused_at_construction(device, make_normal):
+    _, items = make_normal(1, 6, 4, seed=25)
+    items[4] = 2e19  # |v|^2 / 2 beyond float32
+    with pytest.raises(InputError, match=r"item_vecs: row 4 has norm 4e\+19.*l2"):
+        Engine(items, metric="l2", device=device)
+    Engine(items, metric="ip", device=device)  # under ip the bound is the product with each user's norm
 
 
 def test_ids_of_wrong_length(device, make_normal):
@@ -651,6 +691,8 @@ def test_to_arrow_user_ids_length_mismatch(device, make_ties):
         res.to_arrow([1, 2])
     with pytest.raises(InputError, match="4 user ids for 3"):
         res.to_arrow(np.arange(4))
+    with pytest.raises(InputError, match="one-dimensional"):
+        res.to_arrow(np.arange(3).reshape(3, 1))
 
 
 # ---- engine life cycle and backend choice ----------------------------------------------------------------------

@@ -87,6 +87,22 @@ def test_failed_certificates_are_widened_before_falling_back(device, monkeypatch
     assert engine.stats["fallback_users"] < engine.stats["widened_users"] / 4
 
 
+def test_a_budget_that_holds_exact_mode_but_not_the_wider_passes(device):
+    # Cosine on one dimension: every item ties with thousands of others, every certificate fails and the widened pass
+    # keeps k + 4m + 1 candidates a user, more than a budget that holds exact mode's k. Fast mode must then answer as
+    # exact mode does, not raise ResourceError.
+    rng = np.random.default_rng(0)
+    items = rng.choice(np.array([-2, -1, 1, 2], np.float32), size=(9201, 1))
+    users = rng.choice(np.array([-2, -1, 1, 2], np.float32), size=(63, 1))
+    budget = 1 << 16
+    want = Engine(items, metric="cosine", device=device, memory_budget=budget).search(users, 1000)
+    engine = Engine(items, metric="cosine", device=device, precision="fast", memory_budget=budget)
+    got = engine.search(users, 1000)
+    np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
+    np.testing.assert_array_equal(as_numpy(got.scores), as_numpy(want.scores))
+    assert engine.stats["fallback_users"] == 63
+
+
 def test_a_pass_in_no_order_certifies_as_a_sorted_one(monkeypatch):
     # Fast mode asks its pass for its candidates in no order (Backend.run_blocks' best_first=False: the GPU's final
     # merge then skips its sort). A CPU backend whose pass shuffles each row where allowed must give the same

@@ -195,6 +195,24 @@ def test_bad_input_names_user_and_interest(device):
         engine.search(huge, 3)
 
 
+@pytest.mark.parametrize("flt", [{"allow": []}, {"deny": np.arange(20)}])
+def test_bad_input_is_refused_where_the_filter_passes_nothing(device, flt):
+    # Nothing to score, the same errors as a search that scores: no padding answer for bad users.
+    rng = np.random.default_rng(7)
+    engine = Engine(_ints(rng, (20, 4)), device=device)
+    users = _ragged(rng, 4, 4)
+    bad = [u.copy() for u in users]
+    bad[1][0, 2] = np.nan
+    with pytest.raises(InputError, match="user 1, interest 0 has a NaN"):
+        engine.search(bad, 3, **flt)
+    with pytest.raises(InputError, match="dimension 3 does not match"):
+        engine.search(np.ones((2, 2, 3), np.float32), 3, **flt)
+    with pytest.raises(InputError, match="user 2 has no interest vectors"):
+        engine.search([users[0], users[1], np.zeros((0, 4), np.float32)], 3, **flt)
+    res = engine.search(users, 3, **flt)
+    assert (as_numpy(res.indices) == -1).all() and res.indices.shape == (4, 3)
+
+
 def test_budget_too_small_for_the_interest_rows():
     items = np.eye(4, dtype=np.float32)
     engine = Engine(items, device="cpu", memory_budget=64)
