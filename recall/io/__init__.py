@@ -15,7 +15,7 @@ from .embeddings import (
     read_ids,
     read_interest_users,
 )
-from .pairs import IdPairs, ItemSet, inspect_item_set, inspect_pairs, read_item_set, read_pairs
+from .pairs import IdPairs, ItemSet, inspect_item_set, inspect_pairs, read_item_filter, read_item_set, read_pairs
 from .parquet import open_parquet
 from .writer import (
     COMPRESSIONS,
@@ -49,6 +49,7 @@ __all__ = [
     "read_embeddings",
     "read_ids",
     "read_interest_users",
+    "read_item_filter",
     "read_item_set",
     "read_pairs",
 ]

@@ -170,6 +170,9 @@ def read_pairs(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.ndarr
         if pending >= group_values:
             flush()
     flush()
+    if row == 0:  # no row to check the id types on: the schema's, so that an empty file of the wrong types is refused
+        _empty_of(pf, path, "user_id", user_ids, "users'")
+        _empty_of(pf, path, col, item_ids, "items'")
     empty = np.zeros(0, row_type)
     pair_users = np.concatenate(user_rows) if user_rows else empty
     pair_items = np.concatenate(item_rows) if item_rows else empty
@@ -179,6 +182,40 @@ def read_pairs(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.ndarr
     n_known = int(np.count_nonzero((pair_users >= 0) & (pair_items >= 0)))
     indptr, rows = exclusions.group(pair_users, pair_items, int(user_ids.size), sort_unique)
     return IdPairs(indptr, rows, named, n_pairs, n_pairs - n_known)
+
+
+def _empty_of(pf: pq.ParquetFile, path: str, col: str, ids: np.ndarray, whose: str) -> None:
+    """``match_type`` on no values of column ``col``'s type (a list column's values): a file without rows still
+    has to hold ids of the type of ``ids``."""
+    t = pf.schema_arrow.field(col).type
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        t = t.value_type
+    match_type(path, col, pa.array([], type=t), ids, whose)
+
+
+def read_item_filter(allow_path: str | os.PathLike | None, deny_path: str | os.PathLike | None,
+                     item_ids: np.ndarray) -> tuple[ItemSet | None, ItemSet | None]:
+    """A job's allow and deny files (either may be None), read and mapped to item rows (:func:`read_item_set`).
+
+    Raises
+    ------
+    InputError
+        What :func:`read_item_set` raises; and where the deny file leaves none of the items the allow file passes
+        (or, without one, of the items file): every user would get no candidates.
+    """
+    allow = read_item_set(allow_path, item_ids, "allow") if allow_path is not None else None
+    deny = read_item_set(deny_path, item_ids, "deny") if deny_path is not None else None
+    if deny is not None:
+        # Both hold unique rows of the items file.
+        passing = len(item_ids) if allow is None else int(allow.rows.size)
+        denied = deny.rows.size if allow is None else int(np.isin(allow.rows, deny.rows, assume_unique=True).sum())
+        if denied < passing:
+            return allow, deny
+        what = f"every item the allow file {os.fspath(allow_path)} passes" if allow is not None else \
+            "every item of the items file"
+        raise InputError(f"{os.fspath(deny_path)}: the deny file names {what} ({passing:,}): every user would get "
+                         f"no candidates")
+    return allow, deny
 
 
 def distinct_users(path: str | os.PathLike, want_strings: bool) -> np.ndarray:
@@ -277,6 +314,8 @@ def read_item_set(path: str | os.PathLike, item_ids: np.ndarray, what: str = "al
                              f"null item_id")
         parts.append(match_type(path, "item_id", col, item_ids, "items'", row))
         row += batch.num_rows
+    if not parts:
+        _empty_of(pf, path, "item_id", item_ids, "items'")
     found = lookup(pa.chunked_array(parts), item_ids) if parts else np.zeros(0, np.int64)
     known = found[found >= 0]
     if what == "allow" and known.size == 0:

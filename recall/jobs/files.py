@@ -44,7 +44,7 @@ from ..io import (
     read_embeddings,
     read_ids,
     read_interest_users,
-    read_item_set,
+    read_item_filter,
     read_pairs,
 )
 from ..io import atomic
@@ -255,10 +255,7 @@ class _Side:
 def _read_side(spec: _Spec, user_ids: Any, item_ids: Any) -> _Side:
     """The exclusions (``user_ids`` may be a future: the exclusions wait for them) and item filter files."""
     side = _Side()
-    if spec.allow_path is not None:
-        side.allow = read_item_set(spec.allow_path, item_ids, "allow")
-    if spec.deny_path is not None:
-        side.deny = read_item_set(spec.deny_path, item_ids, "deny")
+    side.allow, side.deny = read_item_filter(spec.allow_path, spec.deny_path, item_ids)
     if spec.exclude_path is not None:
         users = user_ids.result() if hasattr(user_ids, "result") else user_ids
         side.excl = read_pairs(spec.exclude_path, users, item_ids, what="exclusion")

@@ -23,6 +23,7 @@ from recall.io import (
     read_embedding_rows,
     read_embeddings,
     read_ids,
+    read_item_set,
     read_pairs,
 )
 from recall.io import parquet_footer, writer as writer_module
@@ -874,3 +875,24 @@ def test_lookup_dense_and_hashed_agree(ids: np.ndarray) -> None:
     np.testing.assert_array_equal(lookup(chunked, ids), want)
     np.testing.assert_array_equal(lookup(pa.array(probe), ids), want)
     assert lookup(pa.chunked_array([], pa.int64()), ids).size == 0
+
+
+@pytest.mark.parametrize("table, needle", [
+    ({"user_id": pa.array([], pa.string()), "item_id": pa.array([], pa.string())}, "column 'user_id' has type string"),
+    ({"user_id": pa.array([], pa.int64()), "item_id": pa.array([], pa.string())}, "column 'item_id' has type string"),
+    ({"user_id": pa.array([], pa.int64()), "item_ids": pa.array([], pa.list_(pa.string()))},
+     "column 'item_ids' has type string"),
+])
+def test_a_pairs_file_without_rows_still_has_its_id_types_checked(tmp_path: Path, table: dict, needle: str) -> None:
+    path = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table(table), path)
+    with pytest.raises(InputError, match=needle):
+        read_pairs(path, np.array([1, 2]), np.array([3, 4]))
+
+
+def test_an_item_filter_file_without_rows_still_has_its_id_type_checked(tmp_path: Path) -> None:
+    path = tmp_path / "deny.parquet"
+    pq.write_table(pa.table({"item_id": pa.array([], pa.string())}), path)
+    with pytest.raises(InputError, match="column 'item_id' has type string, but the items' ids are integers"):
+        read_item_set(path, np.array([1, 2]), "deny")
+    assert read_item_set(path, np.array(["a"], object), "deny").n_ids == 0

@@ -185,6 +185,26 @@ def test_corrupted_and_truncated_outputs_are_redone(job: dict, tmp_path: Path) -
     assert _outputs(out) == reference and (out / SUCCESS).exists()
 
 
+def test_a_damaged_output_goes_before_its_shard_is_scored_again(job: dict, tmp_path: Path) -> None:
+    # The rerun stops before it gets to that shard (the largest goes first; it is a small one): the damaged bytes
+    # must not be left at the output path meanwhile.
+    out = tmp_path / "out"
+    _run(job, out)
+    small, large = job["shards"][1][0].name, job["shards"][3][0].name
+    for name in (small, large):  # the large one is scored again first, and the run stops after it
+        (out / name).write_bytes((out / name).read_bytes()[:50])
+
+    class Boom(BatchProgress):
+        def shard_done(self, done: int, total: int) -> None:
+            raise KeyboardInterrupt
+
+    notices: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        _run(job, out, progress=Boom(), notice=notices.append)
+    assert not (out / small).exists() and not (out / SUCCESS).exists()
+    assert any(small in n and "removed" in n for n in notices)
+
+
 def test_interrupted_run_resumes(job: dict, tmp_path: Path) -> None:
     """A run that fails half-way (here: a progress callback raising) leaves a resumable directory: no _SUCCESS,
     the finished shards in the manifest, no temporary file at an output path; the rerun does only the rest."""
@@ -528,9 +548,55 @@ def test_concurrent_run_is_refused(job: dict, tmp_path: Path) -> None:
             _run(job, out)
 
 
-def test_output_directory_holding_inputs_is_refused(job: dict) -> None:
-    with pytest.raises(InputError, match="is inside the output directory"):
-        _run(job, job["users"])
+def test_output_directory_holding_inputs_is_refused(job: dict, tmp_path: Path) -> None:
+    before = {p.name: p.read_bytes() for p in job["users"].iterdir()}
+    link = tmp_path / "link"
+    link.symlink_to(job["users"])
+    # The folder itself, through "..", through a symbolic link: refused, with --overwrite too, and no input touched.
+    for out in (job["users"], job["users"] / ".." / "users", link):
+        for overwrite in (False, True):
+            with pytest.raises(InputError, match="is inside the output directory"):
+                _run(job, out, overwrite=overwrite)
+    assert {p.name: p.read_bytes() for p in job["users"].iterdir()} == before
+
+
+def _nan_items(job: dict, path: Path) -> Path:
+    items = job["item_vecs"].copy()
+    items[42, 1] = np.nan
+    write_embeddings(path, job["item_ids"], items)
+    return path
+
+
+def test_a_bad_items_file_leaves_a_new_directory_empty_and_the_fixed_rerun_runs(job: dict, tmp_path: Path) -> None:
+    # Found only once a worker reads the items' rows: the manifest is not written before that, so the same command,
+    # fixed, is this job and not another one.
+    out = tmp_path / "out"
+    bad = _nan_items(job, tmp_path / "bad_items.parquet")
+    with pytest.raises(InputError, match=r"bad_items.parquet: row 42 .* NaN"):
+        run_batch(job["users"], bad, out, K, device="cpu")
+    assert [p.name for p in out.iterdir()] == [LOCK]
+    write_embeddings(bad, job["item_ids"], job["item_vecs"])
+    summary = run_batch(job["users"], bad, out, K, device="cpu")
+    assert summary.shards_scored == len(SIZES) and (out / SUCCESS).exists()
+
+
+def test_a_bad_items_file_with_overwrite_keeps_the_previous_output(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(job, out)
+    before = _snapshot(out)
+    bad = _nan_items(job, tmp_path / "bad_items.parquet")
+    with pytest.raises(InputError, match="row 42"):
+        run_batch(job["users"], bad, out, K + 1, device="cpu", overwrite=True)
+    assert _snapshot(out) == before  # its outputs, manifest, metrics and _SUCCESS as they were
+
+
+def test_a_bad_exclusions_file_leaves_a_new_directory_empty(job: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    excl = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array([11, 14], pa.int64()), "item_id": pa.array(["a", "b"])}), excl)
+    with pytest.raises(InputError, match="column 'item_id' has type string"):
+        _run(job, out, exclude=excl)
+    assert [p.name for p in out.iterdir()] == [LOCK]
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------------

@@ -258,3 +258,26 @@ def test_ray_gpu_actors_equal_local_gpu(tmp_path: Path) -> None:
     assert summary.device == "gpu" and summary.workers == n
     assert _outputs(tmp_path / "ray") == _outputs(tmp_path / "local")
     assert pq.read_table(tmp_path / "ray" / "part-000.parquet").num_rows == 2000
+
+
+def test_a_reset_channel_reads_as_its_end(monkeypatch) -> None:
+    # A killed worker's end of a socket pair can read as a reset rather than an end of file: both mean the worker is
+    # gone, and the parent names it (with its pid and shard) only where recv says EOFError.
+    import multiprocessing as mp
+
+    from recall.jobs.executors.channel import Channel
+
+    ours, theirs = mp.Pipe(duplex=True)
+    chan = Channel(ours)
+
+    def reset(*_):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(ours, "recv", reset)
+    with pytest.raises(EOFError):
+        chan.recv()
+    theirs.send("x")
+    with pytest.raises(EOFError):
+        chan.recv(timeout=1.0)
+    chan.close(0)
+    theirs.close()

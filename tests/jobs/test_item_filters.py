@@ -159,3 +159,34 @@ def test_an_allow_file_that_matches_no_item_is_refused(tmp_path: Path, ids, comm
     assert result.exit_code == 2, result.output
     assert f"{allow}: the allow file names no item of the items file" in result.stderr
     assert not out.exists() or not any(p.suffix == ".parquet" or p.name == "_SUCCESS" for p in out.iterdir())
+
+
+@pytest.mark.parametrize("with_allow", [False, True], ids=["deny-all", "allow-minus-deny"])
+@pytest.mark.parametrize("command", ["score", "batch", "batch-item-shards"])
+def test_a_deny_file_that_leaves_no_item_is_refused(tmp_path: Path, with_allow: bool, command: str) -> None:
+    """The same mistake as an allow file that matches nothing, reached through the deny file: exit 2, both files
+    named, nothing written."""
+    up, ip, *_, item_ids = _files(tmp_path)
+    extra = []
+    if with_allow:
+        allow = _ids_file(tmp_path / "allow.parquet", item_ids[:3])
+        deny = _ids_file(tmp_path / "deny.parquet", [*item_ids[:3], 555555])
+        extra = ["--allow", str(allow)]
+        needle = f"{deny}: the deny file names every item the allow file {allow} passes (3)"
+    else:
+        deny = _ids_file(tmp_path / "deny.parquet", item_ids)
+        needle = f"{deny}: the deny file names every item of the items file (40)"
+    if command.startswith("batch"):
+        (tmp_path / "shards").mkdir()
+        (tmp_path / "shards" / "a.parquet").write_bytes(up.read_bytes())
+        users, out = tmp_path / "shards", tmp_path / "out"
+        if command == "batch-item-shards":
+            extra += ["--item-shards", "2"]
+        cmd = "batch"
+    else:
+        users, out, cmd = up, tmp_path / "o.parquet", command
+    result = runner.invoke(app, [cmd, "--users", str(users), "--items", str(ip), "--k", "3", "--out", str(out),
+                                 "--device", "cpu", "--deny", str(deny), *extra])
+    assert result.exit_code == 2, result.output
+    assert needle in " ".join(result.stderr.split())
+    assert not out.exists() or [p.name for p in out.iterdir()] == [".recall-batch.lock"]

@@ -48,7 +48,7 @@ from ...core.results import SearchResult, id_lookup, merge_topk
 from ...core.tiling import TilePlan, plan_tiles
 from ...engine import Engine
 from ...engine import tuning
-from ...io import embedding_dim, read_embedding_rows, read_ids, read_item_set
+from ...io import embedding_dim, read_embedding_rows, read_ids, read_item_filter
 from ..files import auto_batch_size, check_scores_fit
 from ..items import check_nonzero
 from .exclusions import ExclusionIndex
@@ -425,8 +425,7 @@ class ItemShardScorer:
         n_items = int(ids.size)
         self.item_id_type = pa.string() if ids.dtype == object else pa.int64()
         self.item_ids = id_lookup(ids)
-        allow = read_item_set(spec.allow_path, ids, "allow") if spec.allow_path is not None else None
-        deny = read_item_set(spec.deny_path, ids, "deny") if spec.deny_path is not None else None
+        allow, deny = read_item_filter(spec.allow_path, spec.deny_path, ids)
         flt = ItemFilter.build(n_items, allow=None if allow is None else allow.rows,
                                deny=None if deny is None else deny.rows)
         del ids

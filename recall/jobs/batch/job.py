@@ -220,8 +220,10 @@ class _Job:
     (the in-process executor reports from the runner's writer thread)."""
 
     def __init__(self, out_dir: Path, manifest: dict, metrics: dict, progress: BatchProgress, n_todo: int,
-                 say: Callable[[str], None], t_start: float) -> None:
+                 say: Callable[[str], None], t_start: float, first_write: Callable[[], None] | None = None) -> None:
         self.out_dir, self.manifest, self.metrics, self.progress = out_dir, manifest, metrics, progress
+        self.first_write = first_write or (lambda: None)
+        self.begun = False
         self.n_todo, self.say, self.t_start = n_todo, say, t_start
         # How the outputs kept from earlier runs were computed: a resume that computes differently is said once.
         self.earlier = {outdir.numerics(e) for e in manifest["outputs"].values()}
@@ -233,12 +235,31 @@ class _Job:
         self.t0 = time.perf_counter()
         self.workers: list[WorkerInfo] = []
 
+    def begin(self) -> None:
+        """The job's first writes to the directory: what ``_resume`` deferred (``--overwrite``: the previous job's
+        files removed), no ``_SUCCESS``, this job's manifest and metrics. Once a worker has read the job-wide inputs
+        (the items, the filter, the exclusions): where one of them is bad, the job fails with the directory as it
+        was."""
+        with self.lock:
+            if self.begun:
+                return
+            self.first_write()
+            atomic.remove(self.out_dir / SUCCESS)
+            atomic.write_json(self.out_dir / MANIFEST, self.manifest)
+            atomic.write_json(self.out_dir / METRICS, self.metrics)
+            self.begun = True
+
+    def _write_metrics(self) -> None:
+        if self.begun:
+            atomic.write_json(self.out_dir / METRICS, self.metrics)
+
     def worker_ready(self, info: WorkerInfo) -> None:
+        self.begin()
         with self.lock:
             self.workers.append(info)
             self.metrics["workers"] = [{key: round(v, 4) if isinstance(v, float) else v
                                         for key, v in asdict(w).items()} for w in self.workers]
-            atomic.write_json(self.out_dir / METRICS, self.metrics)
+            self._write_metrics()
             n = len(self.workers)
         self.progress.workers_ready(n)
 
@@ -269,7 +290,7 @@ class _Job:
             entry["users_per_s"] = round(result.users_per_s, 1)
             self.metrics["shards"][result.name] = entry
             self._update_totals()
-            atomic.write_json(self.out_dir / METRICS, self.metrics)
+            self._write_metrics()
             done = self.done
         self.progress.shard_done(done, self.n_todo)
 
@@ -282,7 +303,7 @@ class _Job:
             self.metrics["shards"][name] = {"status": "bad", **entry}
             self.metrics["job"]["bad_shards"] = [{"shard": n, **e} for n, e in sorted(self.bad.items())]
             self._update_totals()
-            atomic.write_json(self.out_dir / METRICS, self.metrics)
+            self._write_metrics()
             done = self.done + len(self.bad)
         self.progress.shard_done(done, self.n_todo)
 
@@ -312,7 +333,7 @@ class _Job:
             self.metrics["job"].update(status=status, finished_at=_now(), notices=list(notices))
             if error is not None:
                 self.metrics["job"]["error"] = error
-            atomic.write_json(self.out_dir / METRICS, self.metrics)
+            self._write_metrics()
 
 
 def parse_gpus(value: Any) -> int | str | None:
@@ -491,8 +512,10 @@ def _prepare_out_dir(req: BatchRequest, shards: list[Shard]) -> None:
     out = req.out
     if out.exists() and not out.is_dir():
         raise InputError(f"{req.out_label}: exists and is not a directory")
+    # Where the directories really are: an --out reached through ".." or a symbolic link may be an input's folder.
+    real = out.resolve()
     for p in [req.items_path, req.exclude_path, req.allow_path, req.deny_path, *(s.path for s in shards)]:
-        if p is not None and Path(p).absolute().parent == out:
+        if p is not None and Path(p).absolute().parent.resolve() == real:
             raise InputError(f"{p}: is inside the output directory {req.out_label}; outputs are named after the "
                              f"user shards and would overwrite or mix with inputs; choose another --out")
     try:
@@ -503,16 +526,23 @@ def _prepare_out_dir(req: BatchRequest, shards: list[Shard]) -> None:
         raise InputError(f"{req.out_label}: the output directory is not writable")
 
 
-def _resume(req: BatchRequest, shards: list[Shard], job: dict, say: Callable[[str], None]) -> dict[str, dict]:
-    """What the directory already holds of this job (verified outputs, by shard name); refuses another job's
-    directory, and starts over with ``overwrite``."""
+def _resume(req: BatchRequest, shards: list[Shard], job: dict,
+            say: Callable[[str], None]) -> tuple[dict[str, dict], Callable[[], None] | None]:
+    """What the directory already holds of this job (verified outputs, by shard name), and None where it holds
+    this job's manifest; else what to do before the job's first write there (``_Job.begin``: with ``overwrite``,
+    remove the previous job's files). Refuses another job's directory."""
     out, names = req.out, {s.name for s in shards}
     old = outdir.read_manifest(out / MANIFEST, req.overwrite)
     foreign = outdir.foreign_files(out, old, names)
     if req.overwrite:
-        outdir.start_over(out, old, names, foreign, req.out_label, say)
-        old = None
-    elif old is None:
+        # Not before the job-wide inputs have been read (a worker is ready): a bad items file must leave the
+        # previous output as it was.
+        previous = old
+        removed = outdir.remove_leftovers(out)
+        if removed:
+            say(atomic.describe_removed(removed, req.out_label))
+        return {}, lambda: outdir.start_over(out, previous, names, foreign, req.out_label, say)
+    if old is None:
         stray = [p.name for p in out.iterdir() if p.name not in outdir.OWN_NAMES and not atomic.TMP_NAME.match(p.name)]
         if stray:
             raise InputError(f"{req.out_label}: is not empty and has no {MANIFEST} (it holds "
@@ -533,7 +563,9 @@ def _resume(req: BatchRequest, shards: list[Shard], job: dict, say: Callable[[st
     if removed:
         say(atomic.describe_removed(removed, req.out_label))
     if old is None:
-        return {}
+        # A new job: its manifest is written once its job-wide inputs have been read, so that a bad one leaves the
+        # directory as it was (and the same command, fixed, is not refused as another job's).
+        return {}, lambda: None
     changed = outdir.changed_shards(old["job"], job)
     paths = {s.name: s.path for s in shards}
     if changed:
@@ -553,7 +585,7 @@ def _resume(req: BatchRequest, shards: list[Shard], job: dict, say: Callable[[st
     if outputs and prev and prev != now:
         say(f"{req.out_label}: earlier outputs were written with {prev}, this run uses {now}; outputs stay exact, "
             f"but may differ in bytes from a run with one version")
-    return outputs
+    return outputs, None
 
 
 def _different_job(req: BatchRequest, old: dict, new: dict) -> InputError:
@@ -583,7 +615,7 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
     job = req.job(shards)
     fingerprint_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    outputs = _resume(req, shards, job, say)
+    outputs, first_write = _resume(req, shards, job, say)
     verify_s = time.perf_counter() - t0
 
     todo = [s for s in shards if s.name not in outputs]
@@ -601,6 +633,8 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
     out = req.out
     if not todo:
         # Idempotent: nothing is rewritten, unless a kill landed between the last manifest update and _SUCCESS.
+        if first_write is not None:
+            first_write()
         if not (out / SUCCESS).exists():
             atomic.write_json(out / MANIFEST, manifest)
             atomic.write_bytes(out / SUCCESS, b"")
@@ -612,8 +646,6 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
     executor = executors.make_executor(req.engine, device=req.device, gpus=req.gpus, workers=req.workers,
                                        ray_address=req.ray_address, say=say,
                                        item_shards=req.item_shards) if good else None
-    atomic.remove(out / SUCCESS)
-    atomic.write_json(out / MANIFEST, manifest)
     metrics = {
         "job": {"status": "running", "started_at": _now(), "engine": req.engine, "device_requested": req.device,
                 "shards_total": len(shards), "shards_skipped": len(outputs), "shards_todo": len(todo),
@@ -625,8 +657,9 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
                 "host": socket.gethostname(), "bad_shards": [], "item_shards": req.item_shards},
         "workers": [], "shards": outdir.earlier_shard_metrics(out / METRICS, outputs),
     }
-    atomic.write_json(out / METRICS, metrics)
-    state = _Job(out, manifest, metrics, progress, len(todo), say, t_start)
+    state = _Job(out, manifest, metrics, progress, len(todo), say, t_start, first_write)
+    if first_write is None or executor is None:
+        state.begin()  # a resumed job (its manifest is there already), or nothing to read: no worker to wait for
     # Largest shards first: with several workers the last one to finish is then a small one.
     tasks = [ShardTask(s.name, s.path, str(out / s.name), s.rows)
              for s in sorted(good, key=lambda s: (-s.rows, s.name))]

@@ -143,16 +143,19 @@ def verify(out_dir: Path, name: str, entry: dict) -> str | None:
 
 def kept_outputs(out_dir: Path, old: dict, names: set[str], say: Callable[[str], None]) -> dict[str, dict]:
     """The earlier run's outputs that are still good (verified against the manifest, in parallel); each one that is
-    not is named once, and will be scored again."""
+    not is named once and removed (the directory never serves a damaged output while its shard is scored again)."""
     listed = [(n, e) for n, e in sorted(old.get("outputs", {}).items()) if n in names]
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(listed)))) as pool:
         problems = list(pool.map(lambda ne: verify(out_dir, ne[0], ne[1]), listed))
+    if any(problem is not None for problem in problems):
+        atomic.remove(out_dir / SUCCESS)  # first: from here on the directory is not a finished dataset
     outputs = {}
     for (name, entry), problem in zip(listed, problems):
         if problem is None:
             outputs[name] = entry
         else:
-            say(f"{out_dir / name}: {problem}; scoring this shard again")
+            atomic.remove(out_dir / name)
+            say(f"{out_dir / name}: {problem}; removed, and the shard is scored again")
     return outputs
 
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 from ... import backends
 from ...core.errors import InputError, RecallError
 from ...core.results import id_lookup
-from ...io import CandidateWriter, read_ids, read_item_set
+from ...io import CandidateWriter, read_ids, read_item_filter
 from ...io.atomic import sha256_file
 from ..files import auto_batch_size, check_scores_fit, user_batches
 from ..items import load_engine
@@ -204,8 +204,7 @@ class ShardScorer:
         self.item_id_type = pa.string() if items.ids.dtype == object else pa.int64()
         self.item_ids = id_lookup(items.ids)
         self.exclusions = spec.exclusions.open() if spec.exclusions is not None else None
-        allow = read_item_set(spec.allow_path, items.ids, "allow") if spec.allow_path is not None else None
-        deny = read_item_set(spec.deny_path, items.ids, "deny") if spec.deny_path is not None else None
+        allow, deny = read_item_filter(spec.allow_path, spec.deny_path, items.ids)
         if allow is not None or deny is not None:
             self.engine.set_item_filter(allow=None if allow is None else allow.rows,
                                         deny=None if deny is None else deny.rows)

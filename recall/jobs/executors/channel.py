@@ -48,9 +48,12 @@ class Channel:
         EOFError
             The other end is closed (its process exited or died) and every message it sent has been read.
         """
-        if timeout is not None and not self.conn.poll(timeout):
-            raise queue.Empty
-        return self.conn.recv()
+        try:
+            if timeout is not None and not self.conn.poll(timeout):
+                raise queue.Empty
+            return self.conn.recv()
+        except ConnectionResetError:  # a killed peer's socket end: the same as its end of file
+            raise EOFError("the other end of the channel was reset") from None
 
     def close(self, timeout: float | None = None) -> None:
         """Write what is queued, waiting up to ``timeout`` seconds (None: until written), then close this end. A
