@@ -4,7 +4,8 @@
 - ``cosine``: both sides normalised to unit length, then u·v.
 - ``l2``: ranked by -||u - v||², which for a fixed user orders items like u·v - ||v||²/2. Items become
   ``[v, -||v||²/2, 0…]`` and users ``[u, 1, 0…]`` (zero-padded to a multiple of 4 so rows stay 16-byte aligned);
-  the reported score is recovered as ``2·s - ||u||²``.
+  the reported score is recovered as ``2·s - ||u||²``. Vectors far from the origin are first moved near it, both
+  sides by the same point (:func:`l2_centre`, applied by the engine): the distances are unchanged.
 """
 from __future__ import annotations
 
@@ -100,6 +101,36 @@ def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0) -> Any:
     return (vecs / norms[:, None]).astype(xp.float32)
 
 
+#: The l2 centre (:func:`l2_centre`) is taken from the catalogue's first rows, at most this many: a function of the
+#: rows every engine over a part of the catalogue can be given, and cheap.
+CENTRE_ROWS = 4096
+#: Items whose mean lies more than this many times their spread (root mean square distance to the mean) from the
+#: origin are centred under l2: there the float32 products u·v and |v|²/2 are that ratio squared times larger than
+#: the distances that tell the items apart, and lose their digits (at 1,000 times, every list is wrong).
+FAR = 8.0
+#: The centre keeps this many significant bits per coordinate: a vector minus it is exact wherever the two are
+#: within a factor of two (integer-valued data stays integer-valued, its ties exact).
+_CENTRE_BITS = 12
+
+
+def l2_centre(items: np.ndarray) -> np.ndarray | None:
+    """The point ``l2`` subtracts from items and users before scoring, from the first CENTRE_ROWS rows of host
+    ``items`` (n, dim): their mean, rounded to _CENTRE_BITS significant bits, where it lies more than FAR times the
+    rows' spread from the origin; None where it does not (or a row is not finite: the checks name it).
+
+    -||u - v||² is the same for (u - c, v - c): the ranking and the scores are the metric's, with the digits of
+    the distances kept."""
+    rows = np.asarray(items[:CENTRE_ROWS], dtype=np.float64)
+    if rows.size == 0 or not np.isfinite(rows).all():
+        return None
+    mean = rows.mean(axis=0)
+    spread = np.sqrt(((rows - mean) ** 2).sum(axis=1).mean())
+    if not np.linalg.norm(mean) > FAR * spread:
+        return None
+    mant, exp = np.frexp(mean)
+    return np.ldexp(np.round(np.ldexp(mant, _CENTRE_BITS)), exp - _CENTRE_BITS).astype(np.float32)
+
+
 def bias_column(metric: str, dim: int) -> int | None:
     """The column of prepared vectors (of ``dim`` input dimensions) where every item holds a constant of its own and
     every user holds exactly 1, all later columns zero: ``dim`` for ``l2`` (-||v||²/2), None where there is none.
@@ -150,10 +181,34 @@ def prepare_users(metric: str, xp: Any, user_vecs: Any) -> Any:
     return user_vecs
 
 
-def finish_scores(metric: str, xp: Any, scores: Any, user_vecs: Any) -> Any:
-    """Turn selected inner-product scores (n_users, k) back into the metric's scores, in place where possible."""
-    if metric == "l2":
-        sq = (row_norms(xp, user_vecs) ** 2).astype(xp.float32)
-        # -inf padding stays -inf: 2·(-inf) - finite.
-        scores = 2.0 * scores - sq[:, None]
-    return scores.astype(xp.float32, copy=False)
+def finish(metric: str, xp: Any, scores: Any, rows: Any, user_vecs: Any) -> tuple[Any, Any]:
+    """Selected inner-product scores (n_users, k), best first, and their item rows -> the metric's scores and the
+    rows in their order (arrays of module ``xp``).
+
+    Under ``l2`` the reported score ``2·s - ||u||²`` rounds: two items of different inner products can come out with
+    the same score, the higher row first. Those runs are put in row order (:func:`order_ties`), so that equal reported
+    scores go to the lower item row, as everywhere else."""
+    if metric != "l2":
+        return scores.astype(xp.float32, copy=False), rows
+    sq = (row_norms(xp, user_vecs) ** 2).astype(xp.float32)
+    # -inf padding stays -inf: 2·(-inf) - finite.
+    return order_ties(xp, (2.0 * scores - sq[:, None]).astype(xp.float32, copy=False), rows)
+
+
+def order_ties(xp: Any, scores: Any, rows: Any) -> tuple[Any, Any]:
+    """Lists (n, k) of non-increasing ``scores`` (padding: -inf, row -1, last) with every run of equal scores in
+    rising row order (padding still last); only the users with a run out of order are sorted again."""
+    if scores.shape[1] < 2:
+        return scores, rows
+    swapped = (scores[:, 1:] == scores[:, :-1]) & (rows[:, 1:] < rows[:, :-1]) & (rows[:, 1:] >= 0)
+    users = xp.flatnonzero(swapped.any(axis=1))
+    if users.size == 0:
+        return scores, rows
+    s, r = scores[users], rows[users]
+    # One key per place: the run of equal scores it is in, then its row (padding after every row).
+    run = xp.concatenate([xp.zeros((s.shape[0], 1), xp.int64), xp.cumsum(s[:, 1:] != s[:, :-1], axis=1)], axis=1)
+    top = int(r.max()) + 2
+    order = xp.argsort(run * top + xp.where(r >= 0, r, top - 1), axis=1)
+    scores[users] = xp.take_along_axis(s, order, axis=1)
+    rows[users] = xp.take_along_axis(r, order, axis=1)
+    return scores, rows

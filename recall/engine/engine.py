@@ -69,6 +69,12 @@ class Engine:
         items are resident there; set it to exercise the streamed path). ``stats["streamed"]`` says when a search
         streamed. Fast precision needs resident items: a streamed engine searches in exact precision and says so
         (``stats["fast_declined"]``).
+    l2_centre : "auto", None or array of shape (dim,)
+        Under ``l2``, a point subtracted from items and users before they are scored, which leaves every distance
+        as it is: "auto" takes the mean of the first 4,096 items where it lies far from the origin (more than 8
+        times the items' spread: there float32 products would lose the digits that tell the distances apart), and
+        none elsewhere. Engines whose search results are merged (``merge_topk``: each over a part of a catalogue)
+        must share it: give each the whole catalogue's (:attr:`l2_centre`). Ignored under ``ip`` and ``cosine``.
 
     Raises
     ------
@@ -81,7 +87,8 @@ class Engine:
 
     def __init__(self, item_vecs: Any, ids: Any = None, metric: str = "ip", device: Any = "auto",
                  memory_budget: int | None = None, precision: str = "exact", tune: str = "auto",
-                 options: EngineOptions | None = None, item_memory: int | None = None) -> None:
+                 options: EngineOptions | None = None, item_memory: int | None = None,
+                 l2_centre: Any = "auto") -> None:
         self.metric = metrics.check_metric(metric)
         self.tune_mode = tuning.check_mode(tune)
         self.precision = check_choice(precision, PRECISIONS, "precision")
@@ -104,7 +111,8 @@ class Engine:
                                            self.item_memory, self.memory_budget)
         if cap is not None:
             # Beyond the device: checked and prepared a chunk at a time, kept in host memory, streamed per search.
-            self._items, self.item_norm = streamed.prepare(self.backend, self.metric, item_vecs, cap)
+            self._set_centre(l2_centre, item_vecs, int(shape[1]))
+            self._items, self.item_norm = streamed.prepare(self.backend, self.metric, item_vecs, cap, self.l2_centre)
             inputs.check_item_norm(self.item_norm, self.metric)
             self.prepared_items = self._items.host
             self.n_items, self.dim = int(shape[0]), int(shape[1])
@@ -115,6 +123,8 @@ class Engine:
             if items.shape[0] < 1:
                 raise InputError("item_vecs: there are no items")
             self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
+            self._set_centre(l2_centre, items, self.dim)
+            items = self.centred(xp, items)
             self.item_norm = 1.0
             if self.metric != "cosine":
                 norms = metrics.row_norms(xp, items)
@@ -127,6 +137,27 @@ class Engine:
         self._filter: ItemFilter | None = None  # set_item_filter's: applies to every search
         self._views: dict[str, Engine] = {}  # filtered catalogues by filter key (the last few)
         self.stats: dict = {}  # what the last search did: blocks, tiling, wall and (GPU) busy seconds
+
+    def _set_centre(self, centre: Any, items: Any, dim: int) -> None:
+        """``l2_centre`` (see the class), checked: ``self.l2_centre`` (host float32 or None), and its device copy."""
+        self.l2_centre = None
+        if isinstance(centre, str):
+            if centre != "auto":
+                raise InputError(f"l2_centre: expected 'auto', None or a vector, got {centre!r}")
+            if self.metric == "l2":
+                self.l2_centre = metrics.l2_centre(self.backend.to_host(items[:metrics.CENTRE_ROWS]))
+        elif centre is not None and self.metric == "l2":
+            vec = np.asarray(centre)
+            if vec.shape != (dim,) or vec.dtype.kind not in "fiu" or not np.isfinite(vec).all():
+                raise InputError(f"l2_centre: expected {dim} finite numbers, got shape {vec.shape} of {vec.dtype}")
+            self.l2_centre = vec.astype(np.float32)
+        self._centre_on = None if self.l2_centre is None else self.backend.xp.asarray(self.l2_centre)
+
+    def centred(self, xp: Any, vecs: Any) -> Any:
+        """Vectors (n, dim) of module ``xp`` as the engine scores them: less its l2 centre, where it has one."""
+        if self.l2_centre is None:
+            return vecs
+        return vecs - (self._centre_on if xp is self.backend.xp else self.l2_centre)
 
     @property
     def device(self) -> str:
@@ -241,7 +272,8 @@ class Engine:
             view.__dict__.update(metric=self.metric, tune_mode=self.tune_mode, precision=self.precision,
                                  options=self.options, backend=self.backend, n_items=flt.n_passing, dim=self.dim,
                                  ids=None, memory_budget=self.memory_budget, item_memory=self.item_memory,
-                                 item_norm=self.item_norm, _fast=None, _filter=None, _views={}, stats={})
+                                 item_norm=self.item_norm, l2_centre=self.l2_centre, _centre_on=self._centre_on,
+                                 _fast=None, _filter=None, _views={}, stats={})
             view._catalogue_rows = self.backend.xp.asarray(flt.rows)  # on the device: rows mapped back there
             if self.streamed:  # gathered in host memory: resident when the passing rows fit on the device
                 view._items, view.prepared_items = streamed.gather(self.backend, self.metric, self._items,
@@ -290,7 +322,7 @@ class Engine:
         if flt is not None:
             return self._search_filtered_async(flt, user_vecs, k, exclude)
         xp, users, excl = self._check_users(user_vecs, exclude)
-        prepared = metrics.prepare_users(self.metric, xp, users)
+        prepared = self._prepared(xp, users)
         k_sel = min(k, self.n_items)
         host = xp is np
         if users.shape[0] == 0:
@@ -369,13 +401,14 @@ class Engine:
                           tuning.few_users_area(self.backend, self.options))
 
     def _check_users(self, user_vecs: Any, exclude: Any) -> tuple[Any, Any, Exclusions]:
-        """(array module, validated users, normalised exclusions) of a single-vector search."""
+        """(array module, validated users, normalised exclusions) of a single-vector search (users as given: the
+        searches move them by the l2 centre themselves, :meth:`_prepared`)."""
         if isinstance(user_vecs, (list, tuple)) and len(user_vecs) == 0:
             user_vecs = np.zeros((0, self.dim), np.float32)  # no users: what a (0, dim) array gives
         xp = self.backend.module_of(user_vecs)
         # Finiteness is checked from the rows' norms, with the overflow bound: one transfer from the device.
         users = inputs.matrix(self.backend, xp, user_vecs, "user_vecs", self.dim, finite=False)
-        inputs.check_overflow(xp, metrics.row_norms(xp, users), self.item_norm, self.metric, lambda r: f"row {r}")
+        inputs.check_overflow(xp, metrics.row_norms(xp, self.centred(xp, users)), self.item_norm, self.metric, lambda r: f"row {r}")
         return xp, users, normalise(exclude, int(users.shape[0]), self.n_items)
 
     def check_users(self, user_vecs: Any) -> None:
@@ -386,8 +419,13 @@ class Engine:
         """The SearchResult of inner-product (vals, rows): on the host for host users, in the engine's metric."""
         if xp is np:
             vals, rows = self.backend.to_host(vals), self.backend.to_host(rows)
-        vals = metrics.finish_scores(self.metric, xp, vals, users)
+        vals, rows = metrics.finish(self.metric, xp, vals, rows, self.centred(xp, users))
         return SearchResult(indices=rows, scores=vals, ids=self.map_ids(rows))
+
+    def _prepared(self, xp: Any, users: Any) -> Any:
+        """Validated ``users`` as the backend scores them against the prepared items (``metrics.prepare_users`` of
+        the users less the l2 centre)."""
+        return metrics.prepare_users(self.metric, xp, self.centred(xp, users))
 
     def map_ids(self, rows: Any) -> Any:
         """Item ids of item rows (n, k) (-1, or the largest unsigned id, where padded); the rows themselves when the
@@ -444,10 +482,10 @@ class Engine:
         wall = time.perf_counter()
         path = "none"
         if users.shape[0] and cands.nnz and self.streamed:
-            vals, rows, path = streamed.rescore(self, self._items, metrics.prepare_users(self.metric, xp, users),
+            vals, rows, path = streamed.rescore(self, self._items, self._prepared(xp, users),
                                                 cands.indptr, cands.rows, k)
         elif users.shape[0] and cands.nnz:
-            vals, rows, path = self.backend.rescore(metrics.prepare_users(self.metric, xp, users), self._items,
+            vals, rows, path = self.backend.rescore(self._prepared(xp, users), self._items,
                                                     cands.indptr, cands.rows, k, self.memory_budget, self.options)
         else:
             vals = xp.full((users.shape[0], k), -np.inf, dtype=np.float32)
@@ -464,7 +502,7 @@ class Engine:
         ``exclude``: as for :meth:`search`, in this engine's rows."""
         k = check_k(k)
         xp, users, excl = self._check_users(user_vecs, exclude)
-        prepared = metrics.prepare_users(self.metric, xp, users)
+        prepared = self._prepared(xp, users)
         k_sel = min(k, self.n_items)
         vals = self.backend.empty_out((users.shape[0], k_sel), np.float32, False)
         rows = self.backend.empty_out((users.shape[0], k_sel), np.int64, False)
@@ -482,8 +520,9 @@ class Engine:
     def finish_topk(self, best: "TopK", users: Any) -> SearchResult:
         """The SearchResult of merged (inner-product) results of host ``users``: host arrays, the metric's scores,
         item rows as ids (the engine's ids are not applied: the caller maps rows)."""
-        vals, rows = self.backend.to_host(best.vals), self.backend.to_host(best.rows)
-        return SearchResult(indices=rows, scores=metrics.finish_scores(self.metric, np, vals, users), ids=rows)
+        vals, rows = metrics.finish(self.metric, np, self.backend.to_host(best.vals), self.backend.to_host(best.rows),
+                                    self.centred(np, np.asarray(users, dtype=np.float32)))
+        return SearchResult(indices=rows, scores=vals, ids=rows)
 
 
 @dataclass

@@ -117,7 +117,7 @@ def _flatten(engine: Any, user_vecs: Any) -> tuple[Any, Any, np.ndarray]:
 def check(engine: Any, user_vecs: Any, aggregate: str) -> None:
     """Raise what :func:`search` would raise for these users (the checks of a search that has no item to score)."""
     xp, flat, indptr = _flatten(engine, user_vecs)
-    _check_values(engine, xp, flat, indptr, aggregate)
+    _check_values(engine, xp, engine.centred(xp, flat), indptr, aggregate)
 
 
 def _where(indptr: np.ndarray, row: int) -> tuple[int, int]:
@@ -208,13 +208,14 @@ def search(engine: Any, user_vecs: Any, k: int, exclude: Any = None, aggregate: 
     xp, flat, indptr = _flatten(engine, user_vecs)
     n_users = indptr.size - 1
     counts = np.diff(indptr)
-    sq = _check_values(engine, xp, flat, indptr, aggregate)
+    centred = engine.centred(xp, flat)  # as the engine scores them (l2: less its centre)
+    sq = _check_values(engine, xp, centred, indptr, aggregate)
     excl = normalise(exclude, n_users, engine.n_items)
     if n_users == 0 or int(counts.max()) == 1:
         return engine.search(flat, k, exclude=exclude)  # one vector per user: the plain search
     m = int(counts.max())
     bias = engine.metric == "l2" and aggregate == "max"
-    prepared = metrics.prepare_users(engine.metric, xp, flat)
+    prepared = metrics.prepare_users(engine.metric, xp, centred)
     users = _layout(xp, prepared, sq, indptr, m, aggregate, bias)
     vals, rows = _run(engine, users, m, users.shape[1] // prepared.shape[1], aggregate, bias, k, excl)
     if xp is np:
@@ -225,7 +226,8 @@ def search(engine: Any, user_vecs: Any, k: int, exclude: Any = None, aggregate: 
             vals = (2.0 * vals).astype(xp.float32)
         else:
             sq_sum = np.add.reduceat(engine.backend.to_host(sq), indptr[:-1]).astype(np.float32)
-            vals = (2.0 * vals - xp.asarray(sq_sum)[:, None]).astype(xp.float32)
+            # (rounded: equal reported scores put in row order, as metrics.finish does)
+            vals, rows = metrics.order_ties(xp, (2.0 * vals - xp.asarray(sq_sum)[:, None]).astype(xp.float32), rows)
     return SearchResult(indices=rows, scores=vals, ids=engine.map_ids(rows))
 
 

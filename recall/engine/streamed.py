@@ -74,9 +74,11 @@ def needs_streaming(backend: Any, n_items: int, width: int, item_memory: int | N
     return cap
 
 
-def prepare(backend: Any, metric: str, item_vecs: Any, cap: int) -> tuple[StreamedItems, float]:
-    """Check and prepare ``item_vecs`` chunk by chunk (on the backend: a chunk is uploaded, checked, prepared and
-    brought back) into host memory: (the streamed items, the largest item norm).
+def prepare(backend: Any, metric: str, item_vecs: Any, cap: int,
+            centre: np.ndarray | None = None) -> tuple[StreamedItems, float]:
+    """Check and prepare ``item_vecs`` chunk by chunk (on the backend: a chunk is uploaded, checked, less ``centre``
+    where there is one (``Engine.l2_centre``), prepared and brought back) into host memory: (the streamed items, the
+    largest item norm).
 
     Raises
     ------
@@ -100,9 +102,12 @@ def prepare(backend: Any, metric: str, item_vecs: Any, cap: int) -> tuple[Stream
     host = backend.empty_out((n, width), np.float32, True)
     item_norm = 0.0
     xp = backend.xp
+    shift = None if centre is None else xp.asarray(centre)
     for lo in range(0, n, PREPARE_ROWS):
         hi = min(n, lo + PREPARE_ROWS)
         chunk = inputs.matrix(backend, xp, item_vecs[lo:hi], "item_vecs", first_row=lo)
+        if shift is not None:
+            chunk = chunk - shift
         if metric != "cosine":
             item_norm = max(item_norm, float(metrics.row_norms(xp, chunk).max()))
         host[lo:hi] = backend.to_host(metrics.prepare_items(metric, xp, chunk, first_row=lo))

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from ..core import metrics
 from ..core.errors import InputError, ResourceError
 from ..core.exclusions import Exclusions
 from ..core.results import SearchResult
@@ -173,7 +174,11 @@ class EarlyStart:
         self._engine_args = {**engine_args, "memory_budget": max(1, total // (parts + 1)), "tune": "off",
                              "options": replace(options, min_user_block=max(options.min_user_block,
                                                                             _PART_USER_BLOCK))}
-        self._part_rows = -(-n_items // (2 * parts))  # the first part is half as long: the device starts sooner
+        # The first part is half as long: the device starts sooner. Under l2 it holds the rows the centre is taken
+        # from (metrics.CENTRE_ROWS).
+        self._part_rows = -(-n_items // (2 * parts))
+        if engine_args.get("metric") == "l2":
+            self._part_rows = max(self._part_rows, min(n_items, metrics.CENTRE_ROWS))
         self._cond = threading.Condition()
         self._matrix: Any = None
         self._rows = 0
@@ -233,6 +238,11 @@ class EarlyStart:
             self._fail(exc)
 
     def _search_part(self, matrix: Any, lo: int, hi: int) -> None:
+        if lo == 0 and self._engine_args.get("metric") == "l2":
+            # Every part is moved by the whole catalogue's centre (the full engine's, from the same first rows), so
+            # that the parts' lists merge as one search's.
+            backend = self._engine_args["device"]
+            self._engine_args["l2_centre"] = metrics.l2_centre(backend.to_host(matrix[:metrics.CENTRE_ROWS]))
         engine = Engine(matrix[lo:hi], **self._engine_args)
         self._parts.append((lo, engine))
         self._lo = hi

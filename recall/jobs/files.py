@@ -105,7 +105,7 @@ def check_scores_fit(engine: Any, vectors: np.ndarray, ids: np.ndarray, path: st
         row = int(file_rows[i]) if file_rows is not None else row_start + i
         return at(path, row, ids, int(owner[i]) if owner is not None else i)
 
-    norms = metrics.row_norms(np, vectors)
+    norms = metrics.row_norms(np, engine.centred(np, vectors))  # as the engine bounds them (l2: less its centre)
     check_overflow(np, norms if scale is None else norms * scale, engine.item_norm, engine.metric, where, what=None)
 
 

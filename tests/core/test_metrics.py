@@ -1,5 +1,5 @@
 """``recall.metrics``: every metric as a vector transform, so that an inner product of the prepared vectors ranks
-items as the metric does, and ``finish_scores`` reports the metric's own score."""
+items as the metric does, and ``finish`` reports the metric's own score."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +10,11 @@ from hypothesis import strategies as st
 import oracle
 from recall import InputError
 from recall.core import metrics
+
+
+def _rows(scores: np.ndarray) -> np.ndarray:
+    """Item rows for a (n, k) score block: 0..k-1 in order, -1 where a score is padding (-inf)."""
+    return np.where(np.isneginf(scores), -1, np.arange(scores.shape[1])[None, :]).astype(np.int64)
 
 
 def _prepared_scores(metric, users, items):
@@ -33,7 +38,7 @@ def test_ip_is_the_identity(make_normal):
     np.testing.assert_array_equal(metrics.prepare_users("ip", np, users), users)
     np.testing.assert_array_equal(metrics.prepare_items("ip", np, items), items)
     s = (users @ items.T).astype(np.float32)
-    np.testing.assert_array_equal(metrics.finish_scores("ip", np, s.copy(), users), s)
+    np.testing.assert_array_equal(metrics.finish("ip", np, s.copy(), _rows(s.copy()), users)[0], s)
 
 
 def test_cosine_unit_rows_same_direction(make_clustered):
@@ -150,25 +155,57 @@ def test_l2_prepared_scores_rank_like_distance_and_finish_exactly(make_ties):
     want = oracle.score_matrix(users, items, "l2")
     # u·v - ||v||²/2 differs from -||u-v||²/2 by a per-user constant: same ranking, ties included.
     np.testing.assert_array_equal(2 * inner - (users.astype(np.float64) ** 2).sum(axis=1)[:, None], want)
-    got = metrics.finish_scores("l2", np, inner.astype(np.float32), users)
+    got = metrics.finish("l2", np, inner.astype(np.float32), _rows(inner.astype(np.float32)), users)[0]
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, want.astype(np.float32))
 
 
-def test_finish_scores_keeps_padding():
+def test_finish_keeps_padding():
     users = np.array([[1.0, 2.0], [0.0, 0.0]], np.float32)
     s = np.array([[3.0, -np.inf], [-np.inf, -np.inf]], np.float32)
     for metric in metrics.METRICS:
-        out = metrics.finish_scores(metric, np, s.copy(), users)
+        out = metrics.finish(metric, np, s.copy(), _rows(s.copy()), users)[0]
         assert out.dtype == np.float32
         np.testing.assert_array_equal(np.isneginf(out), np.isneginf(s))
-    np.testing.assert_array_equal(metrics.finish_scores("l2", np, s.copy(), users)[0, 0], 2 * 3.0 - 5.0)
+    np.testing.assert_array_equal(metrics.finish("l2", np, s.copy(), _rows(s.copy()), users)[0][0, 0], 2 * 3.0 - 5.0)
 
 
-def test_finish_scores_for_zero_users():
+def test_finish_for_zero_users():
     users = np.zeros((0, 3), np.float32)
     for metric in metrics.METRICS:
-        assert metrics.finish_scores(metric, np, np.zeros((0, 4), np.float32), users).shape == (0, 4)
+        vals, rows = metrics.finish(metric, np, np.zeros((0, 4), np.float32), np.zeros((0, 4), np.int64), users)
+        assert vals.shape == rows.shape == (0, 4)
+
+
+def test_l2_scores_that_round_equal_go_in_row_order():
+    # One user far from the origin: |u|^2 = 1e6, where float32 steps by 0.0625. Items whose inner products differ by
+    # less than that come out of 2·s - |u|^2 with the same score; the list selected by inner product has the
+    # higher row first, and finish puts each run of equal scores in row order (padding stays last).
+    users = np.array([[1000.0, 0.0]], np.float32)
+    s = np.array([[0.5, 0.495, 0.49, 0.2, -np.inf, -np.inf]], np.float32)  # best first, by inner product
+    rows = np.array([[7, 3, 5, 1, -1, -1]], np.int64)
+    vals, out = metrics.finish("l2", np, s.copy(), rows.copy(), users)
+    assert vals[0, 0] == vals[0, 1] == vals[0, 2] > vals[0, 3]
+    assert out.tolist() == [[3, 5, 7, 1, -1, -1]]
+    assert np.isneginf(vals[0, 4:]).all()
+    # Under ip the scores are the inner products: nothing is reordered.
+    assert metrics.finish("ip", np, s.copy(), rows.copy(), users)[1].tolist() == rows.tolist()
+
+
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), k=st.integers(1, 12))
+@settings(max_examples=80, deadline=None)
+def test_order_ties_sorts_runs_by_row_and_keeps_the_rest(seed, n, k):
+    rng = np.random.default_rng(seed)
+    scores = -np.sort(-rng.integers(0, 4, (n, k)).astype(np.float32), axis=1)
+    rows = np.stack([rng.permutation(50)[:k] for _ in range(n)]).astype(np.int64)
+    pad = rng.integers(0, k + 1, n)
+    for u, p in enumerate(pad):  # the last p places of a user are padding
+        scores[u, k - p:], rows[u, k - p:] = -np.inf, -1
+    got_s, got_r = metrics.order_ties(np, scores.copy(), rows.copy())
+    for u in range(n):
+        want = sorted(zip(scores[u].tolist(), rows[u].tolist()),
+                      key=lambda t: (-t[0], t[1] if t[1] >= 0 else 10**9))
+        assert list(zip(got_s[u].tolist(), got_r[u].tolist())) == want
 
 
 @given(dim=st.integers(1, 9), seed=st.integers(0, 2**32 - 1), metric=st.sampled_from(metrics.METRICS))
@@ -186,3 +223,27 @@ def test_property_prepared_inner_product_ranks_like_the_metric(dim, seed, metric
         return
     # ip and l2 on small integers are exact: the stable orders agree, ties included.
     np.testing.assert_array_equal(np.argsort(-got, axis=1, kind="stable"), np.argsort(-want, axis=1, kind="stable"))
+
+
+def test_l2_centre_only_far_from_the_origin():
+    rng = np.random.default_rng(0)
+    near = rng.standard_normal((500, 8)).astype(np.float32)
+    assert metrics.l2_centre(near) is None
+    assert metrics.l2_centre(near + 2.0) is None  # |mean| = 5.7, spread 2.8: no digits lost that matter
+    far = near + np.float32(300.0)
+    c = metrics.l2_centre(far)
+    assert c is not None and c.dtype == np.float32 and c.shape == (8,)
+    np.testing.assert_allclose(c, far.astype(np.float64).mean(axis=0), atol=0.07)
+    # At most 12 significant bits a coordinate: 300.x steps by 2^-3, so an integer minus it stays exact.
+    np.testing.assert_array_equal(c * 8, np.round(c * 8))
+    assert metrics.l2_centre(np.zeros((0, 8), np.float32)) is None
+    bad = far.copy()
+    bad[3, 2] = np.nan
+    assert metrics.l2_centre(bad) is None  # the engine's checks name the row
+
+
+def test_l2_centre_is_taken_from_the_first_rows_only():
+    rng = np.random.default_rng(1)
+    head = (rng.standard_normal((metrics.CENTRE_ROWS, 4)) + 100).astype(np.float32)
+    tail = (rng.standard_normal((50, 4)) - 5000).astype(np.float32)
+    np.testing.assert_array_equal(metrics.l2_centre(np.vstack([head, tail])), metrics.l2_centre(head))

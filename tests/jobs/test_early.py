@@ -321,3 +321,27 @@ def test_gpu_job_sized_early_searches_write_what_one_search_writes(tmp_path: Pat
         ids = np.asarray(tables["on"].column("item_ids").combine_chunks().flatten())
         assert ids.min() >= 0 and ids.max() < items.shape[0]
         assert tables["on"].equals(tables["off"])
+
+
+@pytest.mark.parametrize("centre_rows", [16, 4096])
+def test_l2_far_from_the_origin_parts_share_the_centre(forced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       centre_rows: int) -> None:
+    # Integer vectors around (3000, ...): every part's engine is moved by the centre the full engine takes (from the
+    # first rows, which the first part waits for), so the parts' lists merge into the exact distances. With 16
+    # centre rows the first part closes at 16 of the 90 items and the others follow; with 4,096 it holds them all.
+    from recall.core import metrics
+
+    monkeypatch.setattr(metrics, "CENTRE_ROWS", centre_rows)
+    users, items = int_data(61, 90, 5, seed=4)
+    users, items = users + np.float32(3000), items + np.float32(3000)
+    user_ids, item_ids = 10_000 + np.arange(61), 500 + 3 * np.arange(90)[::-1]
+    up = write_embeddings(tmp_path / "users.parquet", user_ids, users, "fixed32", row_group_size=8)
+    ip = write_embeddings(tmp_path / "items.parquet", item_ids, items, "fixed32", row_group_size=30)
+    made = []
+    monkeypatch.setattr(early, "Engine", lambda *a, **kw: made.append(kw.get("l2_centre")) or Engine(*a, **kw))
+    summary = score_files(up, ip, tmp_path / "out.parquet", 7, metric="l2", device="cpu", batch_size=5, options=ON)
+    assert summary.early_users > 0 and made
+    want = metrics.l2_centre(items)
+    assert want is not None and all(np.array_equal(c, want) for c in made)
+    assert (len(made) > 1) == (centre_rows < 90)
+    _check(tmp_path / "out.parquet", users, items, user_ids, item_ids, 7, "l2")

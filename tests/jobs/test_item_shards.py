@@ -165,23 +165,18 @@ def test_outputs_equal_the_unsharded_jobs(inline: None, tmp_path: Path, metric: 
 
 
 def test_a_shard_without_a_passing_item_returns_nothing_and_the_rest_is_exact(inline: None, tmp_path: Path) -> None:
-    """An allow file of 3 items in one tile: one shard searches them, the others hold none (and say so); a deny file
-    of every item: every shard is empty and every user gets an empty list, as unsharded."""
+    """An allow file of 3 items in one tile: one shard searches them, the others hold none (and say so). (A filter
+    that passes no item at all is refused before any shard: tests/jobs/test_item_filters.py.)"""
     job = _float_job(tmp_path / "job")
     pq.write_table(pa.table({"item_id": pa.array(job["item_ids"][[5, 9, 11]].tolist())}), tmp_path / "three.parquet")
-    pq.write_table(pa.table({"item_id": pa.array(job["item_ids"].tolist())}), tmp_path / "all.parquet")
-    for name, kw in (("three", dict(allow=tmp_path / "three.parquet")), ("none", dict(deny=tmp_path / "all.parquet"))):
-        _batch(job, tmp_path / f"ref-{name}", options=SMALL_TILES, exclude=job["exclude"], **kw)
-        notices: list[str] = []
-        _batch(job, tmp_path / name, options=SMALL_TILES, exclude=job["exclude"], item_shards=3,
-               notice=notices.append, **kw)
-        _same(tmp_path / name, tmp_path / f"ref-{name}")
-        sizes = [w["n_items"] for w in metrics(tmp_path / name)["workers"]]
-        assert sizes == ([3, 0, 0] if name == "three" else [0, 0, 0])
-        if name == "three":
-            assert any("2 of the 3 item shards hold no item" in n for n in notices), notices
-    lists = pq.read_table(tmp_path / "none" / "part-0.parquet").column("item_ids").to_pylist()
-    assert lists and all(items == [] for items in lists)
+    kw = dict(allow=tmp_path / "three.parquet")
+    _batch(job, tmp_path / "ref", options=SMALL_TILES, exclude=job["exclude"], **kw)
+    notices: list[str] = []
+    _batch(job, tmp_path / "three", options=SMALL_TILES, exclude=job["exclude"], item_shards=3,
+           notice=notices.append, **kw)
+    _same(tmp_path / "three", tmp_path / "ref")
+    assert [w["n_items"] for w in metrics(tmp_path / "three")["workers"]] == [3, 0, 0]
+    assert any("2 of the 3 item shards hold no item" in n for n in notices), notices
 
 
 def test_default_tiling_on_a_catalogue_of_several_tiles(inline: None, tmp_path: Path) -> None:
@@ -339,3 +334,24 @@ def test_ray_item_shards_equal_the_unsharded_job(tmp_path: Path) -> None:
     workers = metrics(tmp_path / "out")["workers"]
     assert sorted(w["worker"] for w in workers) == ["ray-cpu0", "ray-cpu1", "ray-cpu2"]
     assert all(0 < w["n_items"] < 150 for w in workers)
+
+
+def test_l2_far_from_the_origin_is_centred_as_unsharded(inline: None, tmp_path: Path) -> None:
+    """Integer vectors around (3000, ..., 3000): every engine, whole or a range, takes the whole catalogue's l2
+    centre (from the item file's first rows), so the ranges' lists merge into the unsharded job's bytes, and both
+    are the exact distances."""
+    from parquet_data import int_data, oracle_topk
+
+    users, items = int_data(70, 150, 6, seed=9)
+    users, items = users + np.float32(3000), items + np.float32(3000)
+    (tmp_path / "users").mkdir()
+    write_embeddings(tmp_path / "users" / "a.parquet", np.arange(70) + 100, users)
+    write_embeddings(tmp_path / "items.parquet", np.arange(150) + 7000, items, row_group_size=40)
+    job = {"users": tmp_path / "users", "items": tmp_path / "items.parquet"}
+    _batch(job, tmp_path / "ref", metric="l2", k=6, options=SMALL_TILES)
+    _batch(job, tmp_path / "sharded", metric="l2", k=6, item_shards=3, options=SMALL_TILES)
+    _same(tmp_path / "sharded", tmp_path / "ref")
+    table = pq.read_table(tmp_path / "ref" / "a.parquet")
+    rows, scores = oracle_topk(users, items, 6, "l2")
+    assert table.column("item_ids").to_pylist() == [(7000 + r).tolist() for r in rows]
+    np.testing.assert_array_equal(np.array(table.column("scores").to_pylist()), np.array(scores))

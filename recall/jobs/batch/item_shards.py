@@ -17,7 +17,7 @@ The parts, and where they run:
 - :class:`ItemShardScorer` (the parent) reads the item ids once (duplicates are checked over the whole file; the
   output maps rows to them) and the filter files, sends each batch to every worker, merges the lists
   (:func:`recall.core.results.merge_topk`: best k, equal scores to the lower global row, padding last), finishes
-  the scores for the metric (``metrics.finish_scores``: l2's ``2·s - |u|²`` rounds, so lists are merged before it)
+  the scores for the metric (``metrics.finish``: l2's ``2·s - |u|²`` rounds, so lists are merged before it)
   and writes the output through the same code as an unsharded worker (:func:`.worker.stream_shard`).
 
 Workers are reached through handles (:class:`InlineHandle` here; processes and Ray actors in
@@ -143,10 +143,26 @@ class RangeReady:
 
 @dataclass(frozen=True)
 class _Bound:
-    """The two attributes :func:`recall.jobs.files.check_scores_fit` reads of an engine: the whole catalogue's."""
+    """What :func:`recall.jobs.files.check_scores_fit` reads of an engine, the whole catalogue's: its largest item
+    norm, metric and l2 centre."""
 
     item_norm: float
     metric: str
+    l2_centre: np.ndarray | None = None
+
+    def centred(self, xp: Any, vecs: Any) -> Any:
+        """``Engine.centred``: the vectors as the catalogue's engines score them."""
+        return vecs if self.l2_centre is None else vecs - self.l2_centre
+
+
+def catalogue_centre(spec: JobSpec, n_items: int) -> np.ndarray | None:
+    """The l2 centre of the whole item file (``Engine.l2_centre`` of an engine over every item, as the unsharded job
+    holds them): from its first rows, read (and validated) here. None under other metrics."""
+    if spec.metric != "l2" or n_items == 0:
+        return None
+    _, vectors = read_embedding_rows(spec.items_path, 0, min(n_items, metrics.CENTRE_ROWS), spec.id_col,
+                                     spec.vec_col)
+    return metrics.l2_centre(vectors)
 
 
 def scored_dim(metric: str, dim: int) -> int:
@@ -232,10 +248,11 @@ class RangeScorer:
                           tuning.few_users_area(self.backend, options))
         return plan, preferred
 
-    def load(self, item_range: ItemRange, n_searched: int, k: int) -> RangeReady:
+    def load(self, item_range: ItemRange, n_searched: int, k: int, centre: np.ndarray | None = None) -> RangeReady:
         """Read, validate and prepare the range's items; open the job's exclusions.
 
-        ``n_searched``: the searched items of the whole catalogue; ``k``: the output's width.
+        ``n_searched``: the searched items of the whole catalogue; ``k``: the output's width; ``centre``: the whole
+        catalogue's l2 centre (:func:`catalogue_centre`), which the range's engine takes.
 
         Raises
         ------
@@ -252,7 +269,8 @@ class RangeScorer:
             if spec.metric == "cosine":
                 check_nonzero(vectors, ids, spec.items_path, row)
             elif len(vectors):
-                norm[0] = max(norm[0], float(metrics.row_norms(np, vectors).max()))
+                moved = vectors if centre is None else vectors - centre
+                norm[0] = max(norm[0], float(metrics.row_norms(np, moved).max()))
 
         ids, vectors = read_embedding_rows(spec.items_path, item_range.start, item_range.stop, spec.id_col,
                                            spec.vec_col, dim=self.dim, keep=item_range.keep, on_batch=validate)
@@ -263,7 +281,8 @@ class RangeScorer:
             self.local_filter = ItemFilter.build(n_rows, allow=item_range.keep)
         if vectors.shape[0]:
             self.engine = Engine(vectors, metric=spec.metric, device=self.backend, memory_budget=spec.memory_budget,
-                                 options=spec.options.engine, item_memory=spec.options.item_memory)
+                                 options=spec.options.engine, item_memory=spec.options.item_memory,
+                                 l2_centre=centre)
         if spec.exclusions is not None and n_rows:
             self.exclusions = spec.exclusions.open()  # mapped once by the parent, rows of the whole catalogue
         engine = self.engine
@@ -326,7 +345,7 @@ class RangeScorer:
                 exclude = self.local_filter.exclusions(exclude)
         else:
             exclude = normalise(None, n, engine.n_items)
-        prepared = metrics.prepare_users(self.spec.metric, np, user_vecs)
+        prepared = metrics.prepare_users(self.spec.metric, np, engine.centred(np, user_vecs))
         plan, _ = self._whole_plan(prepared, self.n_searched, min(self.k, self.n_searched))
         # The whole catalogue's tiles, cut to the range (a tile never wider than what it holds: the same calls).
         tile = min(plan.item_tile, engine.n_items)
@@ -376,6 +395,7 @@ class _Merged:
     """A batch sent to every worker: ``result()`` waits for their lists, merges them and finishes the scores."""
 
     def __init__(self, replies: list[Any], user_vecs: np.ndarray, k: int, metric: str) -> None:
+        # ``user_vecs``: as the engines scored them (less the catalogue's l2 centre), for the metric's scores.
         self.replies, self.user_vecs, self.k, self.metric = replies, user_vecs, k, metric
         self.stats: dict = {}
 
@@ -389,8 +409,9 @@ class _Merged:
                                                             self.k)
         self.stats = {"gpu_busy_s": sum(p[2] for p in parts)}
         # In the space the lists were selected in until here: l2's finish rounds, and could make two different
-        # inner products equal (and order them by row, where the unsharded job orders them by score).
-        vals = metrics.finish_scores(self.metric, np, vals, self.user_vecs)
+        # inner products equal at the k-th place (and keep the lower row, where the unsharded job keeps the better
+        # inner product).
+        vals, rows = metrics.finish(self.metric, np, vals, rows, self.user_vecs)
         return SearchResult(indices=rows, scores=vals, ids=rows)
 
 
@@ -436,11 +457,12 @@ class ItemShardScorer:
         dim, self.batch_size, self.grain = handles[0].submit("plan", n_searched, self.k).result()
         self.n_searched = n_searched
         self.ranges = split_catalogue(n_items, passing, len(handles), self.grain)
-        replies = [h.submit("load", r, n_searched, self.k) for h, r in zip(handles, self.ranges)]
+        centre = catalogue_centre(spec, n_items)
+        replies = [h.submit("load", r, n_searched, self.k, centre) for h, r in zip(handles, self.ranges)]
         readies: list[RangeReady] = [reply.result() for reply in replies]
         self.infos = [r.info for r in readies]
         self.dim = dim or 0
-        self.bound = _Bound(max(r.item_norm for r in readies), spec.metric)
+        self.bound = _Bound(max(r.item_norm for r in readies), spec.metric, centre)
         self.memory_budget = handles[0].submit("memory_budget").result()
         excl = spec.exclusions
         self.totals = replace(
@@ -485,8 +507,8 @@ class ItemShardScorer:
             # The whole catalogue's float32 bound (each worker knows only its range's largest norm).
             check_scores_fit(self.bound, batch.vectors, batch.ids, task.path, batch.row_start)
             vectors = self.handles[0].share(batch.vectors)
-            return _Merged([h.submit("topk", batch.row_start, vectors) for h in self.handles], batch.vectors,
-                           self.k, spec.metric)
+            return _Merged([h.submit("topk", batch.row_start, vectors) for h in self.handles],
+                           self.bound.centred(np, batch.vectors), self.k, spec.metric)
 
         layout = OutputLayout(self.k, self.batch_size, self.dim, self.item_ids, self.item_id_type)
         try:
