@@ -237,6 +237,7 @@ class _Side:
     excl: Any = None
     allow: Any = None
     deny: Any = None
+    excl_path: str = ""
 
     def apply(self, engine: Any) -> None:
         """Keep the item filter on the engine (the filtered catalogue is gathered once)."""
@@ -246,7 +247,8 @@ class _Side:
 
     def summary(self) -> dict:
         unknown = sum(s.n_unknown for s in (self.allow, self.deny) if s is not None)
-        return {"pairs": self.excl.n_pairs if self.excl is not None else 0,
+        return {"empty_exclusions": self.excl_path if self.excl is not None and self.excl.n_pairs == 0 else "",
+                "pairs": self.excl.n_pairs if self.excl is not None else 0,
                 "unknown_pairs": self.excl.n_unknown if self.excl is not None else 0,
                 "filter_ids": sum(s.n_ids for s in (self.allow, self.deny) if s is not None),
                 "unknown_filter_ids": unknown}
@@ -259,6 +261,7 @@ def _read_side(spec: _Spec, user_ids: Any, item_ids: Any) -> _Side:
     if spec.exclude_path is not None:
         users = user_ids.result() if hasattr(user_ids, "result") else user_ids
         side.excl = read_pairs(spec.exclude_path, users, item_ids, what="exclusion")
+        side.excl_path = os.fspath(spec.exclude_path)
     return side
 
 

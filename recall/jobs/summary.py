@@ -43,6 +43,8 @@ class JobSummary:
         Candidate pairs scored (kind "rescore").
     filter_ids, unknown_filter_ids : int
         Ids in the item filter files (``--allow``, ``--deny``), and of those the ids the items file does not have.
+    empty_exclusions : str
+        The exclusions file, where it has no pairs (a warning); else "".
     """
 
     kind: str
@@ -69,6 +71,7 @@ class JobSummary:
     candidates: int = 0
     filter_ids: int = 0
     unknown_filter_ids: int = 0
+    empty_exclusions: str = ""
 
     @property
     def users_per_s(self) -> float:
@@ -104,13 +107,18 @@ class JobSummary:
             pairs = "candidates name a user or item id that is not in the input files; they were skipped"
         else:
             pairs = "exclusion pairs name a user or item id that is not in the input files; they were ignored"
-        return unknown_id_warnings(self.pairs, self.unknown_pairs, pairs, self.filter_ids, self.unknown_filter_ids)
+        return unknown_id_warnings(self.pairs, self.unknown_pairs, pairs, self.filter_ids, self.unknown_filter_ids,
+                                   self.empty_exclusions)
 
 
 def unknown_id_warnings(pairs: int, unknown_pairs: int, pairs_text: str, filter_ids: int,
-                        unknown_filter_ids: int) -> list[str]:
-    """The warning lines of a job whose pair or filter files name ids the input files do not have (every job's)."""
+                        unknown_filter_ids: int, empty_exclusions: str = "") -> list[str]:
+    """The warning lines of a job whose pair or filter files name ids the input files do not have (every job's), or
+    whose exclusions file (``empty_exclusions``, its path) has no pairs: an export that failed quietly would
+    otherwise serve every user the items it has seen."""
     out = []
+    if empty_exclusions:
+        out.append(f"warning: {empty_exclusions}: the exclusions file has no pairs; no item was excluded for any user")
     if unknown_pairs:
         out.append(f"warning: {unknown_pairs:,} of {pairs:,} {pairs_text}")
     if unknown_filter_ids:

@@ -190,3 +190,23 @@ def test_a_deny_file_that_leaves_no_item_is_refused(tmp_path: Path, with_allow: 
     assert result.exit_code == 2, result.output
     assert needle in " ".join(result.stderr.split())
     assert not out.exists() or [p.name for p in out.iterdir()] == [".recall-batch.lock"]
+
+
+@pytest.mark.parametrize("command", ["score", "batch"])
+def test_an_exclusions_file_without_pairs_is_a_warning(tmp_path: Path, command: str) -> None:
+    """A nightly export that failed quietly would serve every user what it has seen: the job runs (there may be
+    nothing to exclude) and says so in one warning line."""
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    excl = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array([], pa.int64()), "item_id": pa.array([], pa.int64())}), excl)
+    if command == "batch":
+        (tmp_path / "shards").mkdir()
+        (tmp_path / "shards" / "a.parquet").write_bytes(up.read_bytes())
+        users_arg, out = tmp_path / "shards", tmp_path / "out"
+    else:
+        users_arg, out = up, tmp_path / "o.parquet"
+    result = runner.invoke(app, [command, "--users", str(users_arg), "--items", str(ip), "--k", "3", "--out", str(out),
+                                 "--device", "cpu", "--exclude", str(excl), "-q"])
+    assert result.exit_code == 0, result.output
+    assert f"warning: {excl}: the exclusions file has no pairs; no item was excluded for any user" in result.stderr
+    _check(out / "a.parquet" if command == "batch" else out, users, items, user_ids, item_ids, 3, [])

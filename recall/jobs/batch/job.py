@@ -106,6 +106,8 @@ class BatchSummary:
         Pairs in the exclusions file; of those, pairs naming an item id the items file does not have (ignored).
     filter_ids, unknown_filter_ids : int
         Ids in the ``--allow`` and ``--deny`` files; of those, ids the items file does not have (ignored).
+    empty_exclusions : str
+        The exclusions file, where it has no pairs (a warning); else "".
     item_shards : int
         Item ranges the catalogue was split into (1: every worker holds every item).
     """
@@ -127,6 +129,7 @@ class BatchSummary:
     unknown_exclusions: int = 0
     filter_ids: int = 0
     unknown_filter_ids: int = 0
+    empty_exclusions: str = ""
     notices: list[str] = field(default_factory=list)
     worker_infos: list[WorkerInfo] = field(default_factory=list)
     item_shards: int = 1
@@ -139,7 +142,7 @@ class BatchSummary:
         """The warnings for ids that are not in the items file (exclusion pairs, filter ids), one line each."""
         return unknown_id_warnings(self.exclusion_pairs, self.unknown_exclusions,
                                    "exclusion pairs name an item id that is not in the items file; they were ignored",
-                                   self.filter_ids, self.unknown_filter_ids)
+                                   self.filter_ids, self.unknown_filter_ids, self.empty_exclusions)
 
     def line(self) -> str:
         """The one-line summary the CLI prints."""
@@ -665,6 +668,7 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
              for s in sorted(good, key=lambda s: (-s.rows, s.name))]
 
     progress.begin(len(todo), sum(t.rows for t in tasks))
+    excl_files = None
     try:
         for s in todo:
             if s.error is not None:
@@ -692,5 +696,6 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
         n_items=info.n_items if info else 0,
         exclusion_pairs=info.exclusion_pairs if info else 0, unknown_exclusions=info.unknown_exclusions if info else 0,
         filter_ids=info.filter_ids if info else 0, unknown_filter_ids=info.unknown_filter_ids if info else 0,
-        worker_infos=list(state.workers), item_shards=req.item_shards, **base,
+        worker_infos=list(state.workers), item_shards=req.item_shards,
+        empty_exclusions=req.exclude_path if excl_files is not None and excl_files.n_pairs == 0 else "", **base,
     )
