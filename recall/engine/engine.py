@@ -111,7 +111,8 @@ class Engine:
                                            self.item_memory, self.memory_budget)
         if cap is not None:
             # Beyond the device: checked and prepared a chunk at a time, kept in host memory, streamed per search.
-            self._set_centre(l2_centre, item_vecs, int(shape[1]))
+            self._set_centre(l2_centre, int(shape[1]), lambda: inputs.matrix(
+                self.backend, np, item_vecs[:metrics.CENTRE_ROWS], "item_vecs"))
             self._items, self.item_norm = streamed.prepare(self.backend, self.metric, item_vecs, cap, self.l2_centre)
             inputs.check_item_norm(self.item_norm, self.metric)
             self.prepared_items = self._items.host
@@ -123,7 +124,7 @@ class Engine:
             if items.shape[0] < 1:
                 raise InputError("item_vecs: there are no items")
             self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
-            self._set_centre(l2_centre, items, self.dim)
+            self._set_centre(l2_centre, self.dim, lambda: self.backend.to_host(items[:metrics.CENTRE_ROWS]))
             items = self.centred(xp, items)
             self.item_norm = 1.0
             if self.metric != "cosine":
@@ -138,14 +139,15 @@ class Engine:
         self._views: dict[str, Engine] = {}  # filtered catalogues by filter key (the last few)
         self.stats: dict = {}  # what the last search did: blocks, tiling, wall and (GPU) busy seconds
 
-    def _set_centre(self, centre: Any, items: Any, dim: int) -> None:
-        """``l2_centre`` (see the class), checked: ``self.l2_centre`` (host float32 or None), and its device copy."""
+    def _set_centre(self, centre: Any, dim: int, first_rows: Callable[[], np.ndarray]) -> None:
+        """``l2_centre`` (see the class), checked: ``self.l2_centre`` (host float32 or None), and its device copy;
+        ``first_rows()``: the items' first ``metrics.CENTRE_ROWS`` rows on the host, checked, for "auto"."""
         self.l2_centre = None
         if isinstance(centre, str):
             if centre != "auto":
                 raise InputError(f"l2_centre: expected 'auto', None or a vector, got {centre!r}")
             if self.metric == "l2":
-                self.l2_centre = metrics.l2_centre(self.backend.to_host(items[:metrics.CENTRE_ROWS]))
+                self.l2_centre = metrics.l2_centre(first_rows())
         elif centre is not None and self.metric == "l2":
             vec = np.asarray(centre)
             if vec.shape != (dim,) or vec.dtype.kind not in "fiu" or not np.isfinite(vec).all():
@@ -408,7 +410,8 @@ class Engine:
         xp = self.backend.module_of(user_vecs)
         # Finiteness is checked from the rows' norms, with the overflow bound: one transfer from the device.
         users = inputs.matrix(self.backend, xp, user_vecs, "user_vecs", self.dim, finite=False)
-        inputs.check_overflow(xp, metrics.row_norms(xp, self.centred(xp, users)), self.item_norm, self.metric, lambda r: f"row {r}")
+        inputs.check_overflow(xp, metrics.row_norms(xp, self.centred(xp, users)), self.item_norm, self.metric,
+                              lambda r: f"row {r}")
         return xp, users, normalise(exclude, int(users.shape[0]), self.n_items)
 
     def check_users(self, user_vecs: Any) -> None:
