@@ -154,16 +154,19 @@ def scored_width(metric: str, dim: int) -> int:
     return _augmented_width(dim) if metric == "l2" else dim
 
 
-def prepare_items(metric: str, xp: Any, item_vecs: Any, first_row: int = 0) -> Any:
+def prepare_items(metric: str, xp: Any, item_vecs: Any, first_row: int = 0, centre: Any = None) -> Any:
     """Item vectors (n_items, dim) float32 -> the float32 matrix the backend scores against (a zero vector under
-    cosine is named by its row, counted from ``first_row``)."""
+    cosine is named by its row, counted from ``first_row``). ``centre`` (l2; module ``xp``): subtracted first, in the
+    prepared matrix itself (no copy of the items)."""
     if metric == "cosine":
         return _normalise(xp, item_vecs, "item_vecs", first_row)
     if metric == "l2":
         n, dim = item_vecs.shape
         out = xp.zeros((n, _augmented_width(dim)), dtype=xp.float32)
         out[:, :dim] = item_vecs
-        out[:, dim] = (-0.5 * row_norms(xp, item_vecs) ** 2).astype(xp.float32)
+        if centre is not None:
+            out[:, :dim] -= centre
+        out[:, dim] = (-0.5 * row_norms(xp, out[:, :dim]) ** 2).astype(xp.float32)
         return out
     return item_vecs
 
@@ -181,58 +184,15 @@ def prepare_users(metric: str, xp: Any, user_vecs: Any) -> Any:
     return user_vecs
 
 
-def finish(metric: str, xp: Any, scores: Any, rows: Any, user_vecs: Any) -> tuple[Any, Any]:
-    """Selected inner-product scores (n_users, k), best first, and their item rows -> the metric's scores and the
-    rows in their order (arrays of module ``xp``).
+def finish_scores(metric: str, xp: Any, scores: Any, user_vecs: Any) -> Any:
+    """Turn selected inner-product scores (n_users, k) back into the metric's scores, in place where possible
+    (``user_vecs`` as scored: under l2, less the engine's centre).
 
-    Under ``l2`` the reported score ``2·s - ||u||²`` rounds: two items of different inner products can come out with
-    the same score, the higher row first. Those runs are put in row order (:func:`order_ties`), so that equal reported
-    scores go to the lower item row, as everywhere else."""
-    if metric != "l2":
-        return scores.astype(xp.float32, copy=False), rows
-    sq = (row_norms(xp, user_vecs) ** 2).astype(xp.float32)
-    # -inf padding stays -inf: 2·(-inf) - finite.
-    return order_ties(xp, (2.0 * scores - sq[:, None]).astype(xp.float32, copy=False), rows)
-
-
-@njit(cache=True, nogil=True)
-def _host_order_ties(scores: np.ndarray, rows: np.ndarray) -> None:
-    # One pass: each row moves back past the higher rows of equal score before it (insertion sort within a run; the
-    # runs are short), up to the first padding slot.
-    n, k = rows.shape
-    for i in range(n):
-        for j in range(1, k):
-            r = rows[i, j]
-            if r < 0:
-                break
-            s = scores[i, j]
-            m = j
-            while m > 0 and scores[i, m - 1] == s and rows[i, m - 1] > r:
-                rows[i, m] = rows[i, m - 1]
-                m -= 1
-            rows[i, m] = r
-
-
-def order_ties(xp: Any, scores: Any, rows: Any) -> tuple[Any, Any]:
-    """Lists (n, k) of non-increasing ``scores`` (padding: -inf, row -1, last) with every run of equal scores in
-    rising row order (padding still last), in place where they are host arrays; on the device only the users with a
-    run out of order are sorted again."""
-    if scores.shape[1] < 2:
-        return scores, rows
-    if xp is np:
-        # A compiled pass: for 100k users x 100 whose lists are all runs of ties, 75 ms against 355 ms for the
-        # array operations below (17 ms without ties; development machine, docs/benchmarks.md).
-        _host_order_ties(scores, rows)
-        return scores, rows
-    swapped = (scores[:, 1:] == scores[:, :-1]) & (rows[:, 1:] < rows[:, :-1]) & (rows[:, 1:] >= 0)
-    users = xp.flatnonzero(swapped.any(axis=1))
-    if users.size == 0:
-        return scores, rows
-    s, r = scores[users], rows[users]
-    # One key per place: the run of equal scores it is in, then its row (padding after every row).
-    run = xp.concatenate([xp.zeros((s.shape[0], 1), xp.int64), xp.cumsum(s[:, 1:] != s[:, :-1], axis=1)], axis=1)
-    top = int(r.max()) + 2
-    order = xp.argsort(run * top + xp.where(r >= 0, r, top - 1), axis=1)
-    scores[users] = xp.take_along_axis(s, order, axis=1)
-    rows[users] = xp.take_along_axis(r, order, axis=1)
-    return scores, rows
+    Under ``l2`` the reported score ``2·s - ||u||²`` rounds: two items of different distances can report the same
+    score. The lists stay in the order of ``s`` (the distance before that rounding, ties to the lower row): a list
+    of k is the first k of a longer one, and of two equal reported scores the nearer item comes first."""
+    if metric == "l2":
+        sq = (row_norms(xp, user_vecs) ** 2).astype(xp.float32)
+        # -inf padding stays -inf: 2·(-inf) - finite.
+        scores = 2.0 * scores - sq[:, None]
+    return scores.astype(xp.float32, copy=False)

@@ -43,7 +43,7 @@ def merge_topk(xp: Any, parts: list[tuple[Any, Any]], k: int) -> tuple[Any, Any]
     parts : list of (scores (n, w_i) float32, rows (n, w_i) int64)
         One part per item range, in increasing row order: every row of a part lies above every row of the parts
         before it. Each part's lists are best first (score descending, equal scores lower row first), in the space
-        the selection ranks in (inner-product space, before ``metrics.finish``), with global item rows and
+        the selection ranks in (inner-product space, before ``metrics.finish_scores``), with global item rows and
         padding (-inf, -1) at the end. Widths may differ (a range smaller than k).
     k : int
         Columns of the result (padded where the parts hold fewer items).

@@ -111,8 +111,8 @@ class Engine:
                                            self.item_memory, self.memory_budget)
         if cap is not None:
             # Beyond the device: checked and prepared a chunk at a time, kept in host memory, streamed per search.
-            self._set_centre(l2_centre, int(shape[1]), lambda: inputs.matrix(
-                self.backend, np, item_vecs[:metrics.CENTRE_ROWS], "item_vecs"))
+            self._set_centre(l2_centre, int(shape[1]), lambda: self.backend.to_host(inputs.matrix(
+                self.backend, xp, item_vecs[:metrics.CENTRE_ROWS], "item_vecs")))
             self._items, self.item_norm = streamed.prepare(self.backend, self.metric, item_vecs, cap, self.l2_centre)
             inputs.check_item_norm(self.item_norm, self.metric)
             self.prepared_items = self._items.host
@@ -125,13 +125,13 @@ class Engine:
                 raise InputError("item_vecs: there are no items")
             self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])
             self._set_centre(l2_centre, self.dim, lambda: self.backend.to_host(items[:metrics.CENTRE_ROWS]))
-            items = self.centred(xp, items)
+            # (n_items, scored dim), on the backend; under l2 less the centre, where there is one
+            self.prepared_items = metrics.prepare_items(self.metric, xp, items, centre=self._centre_on)
             self.item_norm = 1.0
             if self.metric != "cosine":
-                norms = metrics.row_norms(xp, items)
+                norms = metrics.row_norms(xp, self.prepared_items[:, :self.dim])  # the vectors as scored
                 self.item_norm = float(norms.max())
                 inputs.check_item_norm(self.item_norm, self.metric, lambda: int(xp.argmax(norms)))
-            self.prepared_items = metrics.prepare_items(self.metric, xp, items)  # (n_items, scored dim), backend
             self._items = self.backend.load_items(self.prepared_items, metrics.norms_rank(self.metric))
         self.ids = inputs.item_ids(ids, self.n_items)
         self._fast: fast.FastState | None = None
@@ -324,7 +324,7 @@ class Engine:
         if flt is not None:
             return self._search_filtered_async(flt, user_vecs, k, exclude)
         xp, users, excl = self._check_users(user_vecs, exclude)
-        prepared = self._prepared(xp, users)
+        prepared = metrics.prepare_users(self.metric, xp, users)
         k_sel = min(k, self.n_items)
         host = xp is np
         if users.shape[0] == 0:
@@ -353,7 +353,7 @@ class Engine:
 
     def _search_filtered_async(self, flt: ItemFilter, user_vecs: Any, k: int, exclude: Any) -> "PendingSearch":
         """:meth:`search_async` against the catalogue ``flt`` passes, rows mapped back when the result is taken."""
-        xp, users, excl = self._check_users(user_vecs, exclude)
+        xp, users, excl = self._check_users(user_vecs, exclude, centred=False)  # the view moves them itself
         n_users = int(users.shape[0])
         width = min(k, self.n_items)  # as wide as an unfiltered search: padded where fewer items pass
         if flt.n_passing == 0 or n_users == 0:
@@ -402,33 +402,30 @@ class Engine:
                           self.backend.state_bytes(k), self.backend.workers,
                           tuning.few_users_area(self.backend, self.options))
 
-    def _check_users(self, user_vecs: Any, exclude: Any) -> tuple[Any, Any, Exclusions]:
-        """(array module, validated users, normalised exclusions) of a single-vector search (users as given: the
-        searches move them by the l2 centre themselves, :meth:`_prepared`)."""
+    def _check_users(self, user_vecs: Any, exclude: Any, centred: bool = True) -> tuple[Any, Any, Exclusions]:
+        """(array module, validated users, normalised exclusions) of a single-vector search; the users as the engine
+        scores them (less the l2 centre: :meth:`centred`), or with ``centred=False`` as given (for another engine
+        sharing the centre, which moves them itself)."""
         if isinstance(user_vecs, (list, tuple)) and len(user_vecs) == 0:
             user_vecs = np.zeros((0, self.dim), np.float32)  # no users: what a (0, dim) array gives
         xp = self.backend.module_of(user_vecs)
         # Finiteness is checked from the rows' norms, with the overflow bound: one transfer from the device.
         users = inputs.matrix(self.backend, xp, user_vecs, "user_vecs", self.dim, finite=False)
-        inputs.check_overflow(xp, metrics.row_norms(xp, self.centred(xp, users)), self.item_norm, self.metric,
-                              lambda r: f"row {r}")
-        return xp, users, normalise(exclude, int(users.shape[0]), self.n_items)
+        moved = self.centred(xp, users)
+        inputs.check_overflow(xp, metrics.row_norms(xp, moved), self.item_norm, self.metric, lambda r: f"row {r}")
+        return xp, moved if centred else users, normalise(exclude, int(users.shape[0]), self.n_items)
 
     def check_users(self, user_vecs: Any) -> None:
         """Raise what :meth:`search` would raise for these users (dimension, NaN/Inf, float32 overflow)."""
         self._check_users(user_vecs, None)
 
     def _result(self, xp: Any, users: Any, vals: Any, rows: Any) -> SearchResult:
-        """The SearchResult of inner-product (vals, rows): on the host for host users, in the engine's metric."""
+        """The SearchResult of inner-product (vals, rows): on the host for host users, in the engine's metric
+        (``users`` as :meth:`_check_users` gives them: less the l2 centre)."""
         if xp is np:
             vals, rows = self.backend.to_host(vals), self.backend.to_host(rows)
-        vals, rows = metrics.finish(self.metric, xp, vals, rows, self.centred(xp, users))
+        vals = metrics.finish_scores(self.metric, xp, vals, users)
         return SearchResult(indices=rows, scores=vals, ids=self.map_ids(rows))
-
-    def _prepared(self, xp: Any, users: Any) -> Any:
-        """Validated ``users`` as the backend scores them against the prepared items (``metrics.prepare_users`` of
-        the users less the l2 centre)."""
-        return metrics.prepare_users(self.metric, xp, self.centred(xp, users))
 
     def map_ids(self, rows: Any) -> Any:
         """Item ids of item rows (n, k) (-1, or the largest unsigned id, where padded); the rows themselves when the
@@ -485,10 +482,10 @@ class Engine:
         wall = time.perf_counter()
         path = "none"
         if users.shape[0] and cands.nnz and self.streamed:
-            vals, rows, path = streamed.rescore(self, self._items, self._prepared(xp, users),
+            vals, rows, path = streamed.rescore(self, self._items, metrics.prepare_users(self.metric, xp, users),
                                                 cands.indptr, cands.rows, k)
         elif users.shape[0] and cands.nnz:
-            vals, rows, path = self.backend.rescore(self._prepared(xp, users), self._items,
+            vals, rows, path = self.backend.rescore(metrics.prepare_users(self.metric, xp, users), self._items,
                                                     cands.indptr, cands.rows, k, self.memory_budget, self.options)
         else:
             vals = xp.full((users.shape[0], k), -np.inf, dtype=np.float32)
@@ -505,7 +502,7 @@ class Engine:
         ``exclude``: as for :meth:`search`, in this engine's rows."""
         k = check_k(k)
         xp, users, excl = self._check_users(user_vecs, exclude)
-        prepared = self._prepared(xp, users)
+        prepared = metrics.prepare_users(self.metric, xp, users)
         k_sel = min(k, self.n_items)
         vals = self.backend.empty_out((users.shape[0], k_sel), np.float32, False)
         rows = self.backend.empty_out((users.shape[0], k_sel), np.int64, False)
@@ -523,8 +520,8 @@ class Engine:
     def finish_topk(self, best: "TopK", users: Any) -> SearchResult:
         """The SearchResult of merged (inner-product) results of host ``users``: host arrays, the metric's scores,
         item rows as ids (the engine's ids are not applied: the caller maps rows)."""
-        vals, rows = metrics.finish(self.metric, np, self.backend.to_host(best.vals), self.backend.to_host(best.rows),
-                                    self.centred(np, np.asarray(users, dtype=np.float32)))
+        vals, rows = self.backend.to_host(best.vals), self.backend.to_host(best.rows)
+        vals = metrics.finish_scores(self.metric, np, vals, self.centred(np, np.asarray(users, dtype=np.float32)))
         return SearchResult(indices=rows, scores=vals, ids=rows)
 
 

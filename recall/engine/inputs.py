@@ -67,10 +67,22 @@ def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
     if ids.dtype.kind in "US":
         ids = ids.astype(object)
     if ids.dtype.kind == "O":
-        row = next((i for i, v in enumerate(ids) if not isinstance(v, str)), None)
+        # Python objects (a pandas object column, pyarrow's strings): all strings, or all integers (made int64).
+        def kind(v: Any) -> str:
+            if isinstance(v, str):
+                return "string"
+            return "integer" if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) else ""
+
+        first = kind(ids[0]) if ids.size else "string"
+        row = next((i for i, v in enumerate(ids) if kind(v) != first or not first), None)
         if row is not None:
-            raise InputError(f"ids: row {row} holds {ids[row]!r} ({type(ids[row]).__name__}); ids are all integers "
-                             f"or all strings")
+            what = "integers or strings" if not first or row == 0 else f"{first}s like row 0"
+            raise InputError(f"ids: row {row} holds {ids[row]!r} ({type(ids[row]).__name__}); ids must all be {what}")
+        if first == "integer":
+            try:
+                ids = ids.astype(np.int64)
+            except OverflowError:
+                raise InputError("ids: an integer id is beyond the int64 range") from None
     elif ids.dtype.kind not in "iu":
         raise InputError(f"ids: expected integers or strings, got dtype {ids.dtype}")
     order = np.argsort(ids, kind="stable")

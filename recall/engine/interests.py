@@ -226,8 +226,7 @@ def search(engine: Any, user_vecs: Any, k: int, exclude: Any = None, aggregate: 
             vals = (2.0 * vals).astype(xp.float32)
         else:
             sq_sum = np.add.reduceat(engine.backend.to_host(sq), indptr[:-1]).astype(np.float32)
-            # (rounded: equal reported scores put in row order, as metrics.finish does)
-            vals, rows = metrics.order_ties(xp, (2.0 * vals - xp.asarray(sq_sum)[:, None]).astype(xp.float32), rows)
+            vals = (2.0 * vals - xp.asarray(sq_sum)[:, None]).astype(xp.float32)
     return SearchResult(indices=rows, scores=vals, ids=engine.map_ids(rows))
 
 

@@ -106,11 +106,10 @@ def prepare(backend: Any, metric: str, item_vecs: Any, cap: int,
     for lo in range(0, n, PREPARE_ROWS):
         hi = min(n, lo + PREPARE_ROWS)
         chunk = inputs.matrix(backend, xp, item_vecs[lo:hi], "item_vecs", first_row=lo)
-        if shift is not None:
-            chunk = chunk - shift
+        prepared = metrics.prepare_items(metric, xp, chunk, first_row=lo, centre=shift)
         if metric != "cosine":
-            item_norm = max(item_norm, float(metrics.row_norms(xp, chunk).max()))
-        host[lo:hi] = backend.to_host(metrics.prepare_items(metric, xp, chunk, first_row=lo))
+            item_norm = max(item_norm, float(metrics.row_norms(xp, prepared[:, :dim]).max()))
+        host[lo:hi] = backend.to_host(prepared)
     return StreamedItems(host, min(n, _aligned(segment_rows)), cap), (item_norm if metric != "cosine" else 1.0)
 
 

@@ -1,5 +1,5 @@
 """``recall.metrics``: every metric as a vector transform, so that an inner product of the prepared vectors ranks
-items as the metric does, and ``finish`` reports the metric's own score."""
+items as the metric does, and ``finish_scores`` reports the metric's own score."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,11 +10,6 @@ from hypothesis import strategies as st
 import oracle
 from recall import InputError
 from recall.core import metrics
-
-
-def _rows(scores: np.ndarray) -> np.ndarray:
-    """Item rows for a (n, k) score block: 0..k-1 in order, -1 where a score is padding (-inf)."""
-    return np.where(np.isneginf(scores), -1, np.arange(scores.shape[1])[None, :]).astype(np.int64)
 
 
 def _prepared_scores(metric, users, items):
@@ -38,7 +33,7 @@ def test_ip_is_the_identity(make_normal):
     np.testing.assert_array_equal(metrics.prepare_users("ip", np, users), users)
     np.testing.assert_array_equal(metrics.prepare_items("ip", np, items), items)
     s = (users @ items.T).astype(np.float32)
-    np.testing.assert_array_equal(metrics.finish("ip", np, s.copy(), _rows(s.copy()), users)[0], s)
+    np.testing.assert_array_equal(metrics.finish_scores("ip", np, s.copy(), users), s)
 
 
 def test_cosine_unit_rows_same_direction(make_clustered):
@@ -155,57 +150,39 @@ def test_l2_prepared_scores_rank_like_distance_and_finish_exactly(make_ties):
     want = oracle.score_matrix(users, items, "l2")
     # u·v - ||v||²/2 differs from -||u-v||²/2 by a per-user constant: same ranking, ties included.
     np.testing.assert_array_equal(2 * inner - (users.astype(np.float64) ** 2).sum(axis=1)[:, None], want)
-    got = metrics.finish("l2", np, inner.astype(np.float32), _rows(inner.astype(np.float32)), users)[0]
+    got = metrics.finish_scores("l2", np, inner.astype(np.float32), users)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, want.astype(np.float32))
 
 
-def test_finish_keeps_padding():
+def test_finish_scores_keeps_padding():
     users = np.array([[1.0, 2.0], [0.0, 0.0]], np.float32)
     s = np.array([[3.0, -np.inf], [-np.inf, -np.inf]], np.float32)
     for metric in metrics.METRICS:
-        out = metrics.finish(metric, np, s.copy(), _rows(s.copy()), users)[0]
+        out = metrics.finish_scores(metric, np, s.copy(), users)
         assert out.dtype == np.float32
         np.testing.assert_array_equal(np.isneginf(out), np.isneginf(s))
-    np.testing.assert_array_equal(metrics.finish("l2", np, s.copy(), _rows(s.copy()), users)[0][0, 0], 2 * 3.0 - 5.0)
+    np.testing.assert_array_equal(metrics.finish_scores("l2", np, s.copy(), users)[0, 0], 2 * 3.0 - 5.0)
 
 
-def test_finish_for_zero_users():
+def test_l2_lists_keep_the_order_of_the_distances_where_reported_scores_round_equal():
+    # One user at (10000, 0): items (0, 2) and (0, 0) are 1e8 + 4 and 1e8 away, and float32 reports both as -1e8.
+    # The list is in the order of the distances (the nearer first, though its row is higher): the same whether k is
+    # 1 or 2, and the same as the exact order.
+    from recall import Engine
+
+    items = np.array([[-10.0, 0.0]] * 100 + [[0.0, 2.0], [0.0, 0.0]], np.float32)  # rows 0-99 farther
+    users = np.array([[10000.0, 0.0]], np.float32)
+    engine = Engine(items, metric="l2", device="cpu")
+    one, two = engine.search(users, 1), engine.search(users, 3)
+    assert one.indices.tolist() == [[101]] and two.indices.tolist()[0][:2] == [101, 100]
+    assert two.scores[0, 0] == two.scores[0, 1] == np.float32(-1e8)
+
+
+def test_finish_scores_for_zero_users():
     users = np.zeros((0, 3), np.float32)
     for metric in metrics.METRICS:
-        vals, rows = metrics.finish(metric, np, np.zeros((0, 4), np.float32), np.zeros((0, 4), np.int64), users)
-        assert vals.shape == rows.shape == (0, 4)
-
-
-def test_l2_scores_that_round_equal_go_in_row_order():
-    # One user far from the origin: |u|^2 = 1e6, where float32 steps by 0.0625. Items whose inner products differ by
-    # less than that come out of 2·s - |u|^2 with the same score; the list selected by inner product has the
-    # higher row first, and finish puts each run of equal scores in row order (padding stays last).
-    users = np.array([[1000.0, 0.0]], np.float32)
-    s = np.array([[0.5, 0.495, 0.49, 0.2, -np.inf, -np.inf]], np.float32)  # best first, by inner product
-    rows = np.array([[7, 3, 5, 1, -1, -1]], np.int64)
-    vals, out = metrics.finish("l2", np, s.copy(), rows.copy(), users)
-    assert vals[0, 0] == vals[0, 1] == vals[0, 2] > vals[0, 3]
-    assert out.tolist() == [[3, 5, 7, 1, -1, -1]]
-    assert np.isneginf(vals[0, 4:]).all()
-    # Under ip the scores are the inner products: nothing is reordered.
-    assert metrics.finish("ip", np, s.copy(), rows.copy(), users)[1].tolist() == rows.tolist()
-
-
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), k=st.integers(1, 12))
-@settings(max_examples=80, deadline=None)
-def test_order_ties_sorts_runs_by_row_and_keeps_the_rest(seed, n, k):
-    rng = np.random.default_rng(seed)
-    scores = -np.sort(-rng.integers(0, 4, (n, k)).astype(np.float32), axis=1)
-    rows = np.stack([rng.permutation(50)[:k] for _ in range(n)]).astype(np.int64)
-    pad = rng.integers(0, k + 1, n)
-    for u, p in enumerate(pad):  # the last p places of a user are padding
-        scores[u, k - p:], rows[u, k - p:] = -np.inf, -1
-    got_s, got_r = metrics.order_ties(np, scores.copy(), rows.copy())
-    for u in range(n):
-        want = sorted(zip(scores[u].tolist(), rows[u].tolist()),
-                      key=lambda t: (-t[0], t[1] if t[1] >= 0 else 10**9))
-        assert list(zip(got_s[u].tolist(), got_r[u].tolist())) == want
+        assert metrics.finish_scores(metric, np, np.zeros((0, 4), np.float32), users).shape == (0, 4)
 
 
 @given(dim=st.integers(1, 9), seed=st.integers(0, 2**32 - 1), metric=st.sampled_from(metrics.METRICS))

@@ -72,109 +72,6 @@ def test_large_k_with_ties_and_exclusions_is_exact(device, k, make_ties):
     assert (idx[4] >= 0).sum() == k // 2
 
 
-def test_l2_scores_that_round_equal_go_to_the_lower_row(device):
-    # Users far from the items: -|u - v|^2 = 2(u·v - |v|^2/2) - |u|^2 rounds to steps of 2^-9 around 9e4, and distinct
-    # distances come out equal (83 adjacent pairs here). The lists are still best first, and each run of equal
-    # reported scores is in row order, as for every other tie.
-    rng = np.random.default_rng(3)
-    items = rng.standard_normal((20000, 8)).astype(np.float32)
-    users = (rng.standard_normal((40, 8)) + np.array([300.0] + [0] * 7)).astype(np.float32)
-    res = Engine(items, metric="l2", device=device).search(users, 500)
-    s, r = as_numpy(res.scores), as_numpy(res.indices)
-    equal = s[:, 1:] == s[:, :-1]
-    assert equal.sum() > 20
-    assert (r[:, 1:][equal] > r[:, :-1][equal]).all() and (s[:, 1:] <= s[:, :-1]).all()
-    want, _ = oracle.topk(users, items, 500, "l2")
-    # The same items as the float64 oracle's top 500, but for the last place's near-ties.
-    assert np.mean([len(set(a) & set(b)) for a, b in zip(r, want)]) >= 499
-
-
-def _far(make_ties, n_users, n_items, dim, seed, offset=3000.0):
-    """Integer-valued vectors around a point far from the origin (every coordinate ``offset``): -|u - v|^2 is still a
-    small integer, which float32 holds exactly only where both sides are moved near the origin first."""
-    users, items = make_ties(n_users, n_items, dim, seed=seed)
-    return users + np.float32(offset), items + np.float32(offset)
-
-
-@pytest.mark.parametrize("precision", ["exact", "fast"])
-def test_l2_far_from_the_origin_is_exact(device, precision, make_ties):
-    users, items = _far(make_ties, 40, 700, 6, seed=51)
-    engine = Engine(items, metric="l2", device=device, precision=precision)
-    assert engine.l2_centre is not None
-    idx, val, _ = _search(engine, users, 25)
-    _assert_exact(idx, val, users, items, 25, "l2")
-    exclude = {0: list(range(0, 700, 2)), 3: list(range(700))}
-    idx, val, _ = _search(engine, users, 25, exclude=exclude)
-    _assert_exact(idx, val, users, items, 25, "l2", exclude)
-    # Without the centre the same search loses the digits: |u|^2 is 5e7, where float32 steps by 4.
-    plain = Engine(items, metric="l2", device=device, l2_centre=None)
-    assert plain.l2_centre is None
-    assert not np.array_equal(as_numpy(plain.search(users, 25).scores), val)
-
-
-def test_l2_far_from_the_origin_in_every_entry_point(device, make_ties):
-    users, items = _far(make_ties, 30, 500, 5, seed=52)
-    engine = Engine(items, metric="l2", device=device)
-    want_idx, want_val = oracle.topk(users, items, 10, "l2")
-    # Re-scoring each user's candidate rows.
-    cands = [np.arange(u, 500, 3) for u in range(30)]
-    res = engine.rescore(users, cands, 10)
-    banned = np.ones((30, 500), bool)
-    for u, rows in enumerate(cands):
-        banned[u, rows] = False
-    r_idx, r_val = oracle.topk(users, items, 10, "l2", exclude={u: np.flatnonzero(banned[u]) for u in range(30)})
-    np.testing.assert_array_equal(as_numpy(res.indices), r_idx)
-    np.testing.assert_array_equal(as_numpy(res.scores), r_val.astype(np.float32))
-    # A filtered catalogue (a view of the prepared items) and a streamed one.
-    allow = np.arange(0, 500, 2)
-    res = engine.search(users, 10, allow=allow)
-    f_idx, f_val = oracle.topk(users, items, 10, "l2", exclude={u: np.arange(1, 500, 2) for u in range(30)})
-    np.testing.assert_array_equal(as_numpy(res.indices), f_idx)
-    np.testing.assert_array_equal(as_numpy(res.scores), f_val.astype(np.float32))
-    from recall.backends import resolve
-    from recall.engine import streamed as streaming
-
-    per_row = streaming.row_bytes(resolve(device), metrics.scored_width("l2", 5))
-    streamed = Engine(items, metric="l2", device=device, item_memory=2 * 64 * per_row)  # segments of 64 rows
-    assert streamed.streamed
-    np.testing.assert_array_equal(streamed.l2_centre, engine.l2_centre)
-    res = streamed.search(users, 10)
-    np.testing.assert_array_equal(as_numpy(res.indices), want_idx)
-    np.testing.assert_array_equal(as_numpy(res.scores), want_val.astype(np.float32))
-    # Two engines over halves of the catalogue, sharing the whole one's centre, merged: the whole search.
-    first = Engine(items[:200], metric="l2", device=engine.backend, l2_centre=engine.l2_centre)
-    second = Engine(items[200:], metric="l2", device=engine.backend, l2_centre=engine.l2_centre)
-    best = first.merge_topk(None, first.search_topk(users, 10), 0, 10)
-    best = first.merge_topk(best, second.search_topk(users, 10), 200, 10)
-    best.wait()
-    res = first.finish_topk(best, users)
-    np.testing.assert_array_equal(res.indices, want_idx)
-    np.testing.assert_array_equal(res.scores, want_val.astype(np.float32))
-
-
-@pytest.mark.parametrize("aggregate", ["max", "sum"])
-def test_l2_far_from_the_origin_with_several_interests(device, aggregate, make_ties):
-    users, items = _far(make_ties, 24, 300, 4, seed=53)
-    engine = Engine(items, metric="l2", device=device)
-    interests = users.reshape(12, 2, 4)
-    res = engine.search(interests, 7, aggregate=aggregate)
-    dist = -((interests[:, :, None, :].astype(np.float64) - items[None, None].astype(np.float64)) ** 2).sum(-1)
-    scores = dist.max(axis=1) if aggregate == "max" else dist.sum(axis=1)
-    want_idx, want_val = oracle.topk_from_scores(scores, 7)
-    np.testing.assert_array_equal(as_numpy(res.indices), want_idx)
-    np.testing.assert_array_equal(as_numpy(res.scores), want_val.astype(np.float32))
-
-
-def test_l2_centre_argument(device, make_ties):
-    _, items = _far(make_ties, 1, 50, 3, seed=54)
-    assert Engine(items, metric="ip", device=device).l2_centre is None  # other metrics: none
-    given = Engine(items, metric="l2", device=device, l2_centre=[999, 1000, 1001])
-    np.testing.assert_array_equal(given.l2_centre, np.array([999, 1000, 1001], np.float32))
-    for bad in ([1.0, 2.0], [np.nan, 0, 0], "middle"):
-        with pytest.raises(InputError, match="l2_centre"):
-            Engine(items, metric="l2", device=device, l2_centre=bad)
-
-
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_ties_on_integer_data_are_exact(device, metric, make_ties):
     # Scores are small integers, exact in float32: every tie must be broken by the lower item row, and every score
@@ -542,8 +439,10 @@ def test_duplicate_ids_name_the_id(device, ids, needle, make_normal):
 
 
 @pytest.mark.parametrize("ids, needle", [
-    (np.array(["a", None, "c", "d", "e"], dtype=object), r"row 1 holds None"),
-    (np.array([1, "b", "c", "d", "e"], dtype=object), r"row 0 holds 1 \(int\)"),
+    (np.array(["a", None, "c", "d", "e"], dtype=object), r"row 1 holds None \(NoneType\); ids must all be strings"),
+    (np.array([1, "b", "c", "d", "e"], dtype=object), r"row 1 holds 'b' \(str\); ids must all be integers"),
+    (np.array([None, "b", "c", "d", "e"], dtype=object), r"row 0 holds None .* integers or strings"),
+    (np.array([1, 2, True, 4, 5], dtype=object), r"row 2 holds True \(bool\)"),
     (np.array([np.nan, np.nan, 1.0, 2.0, 3.0]), "integers or strings, got dtype float64"),
     (np.array([0.0, 1.0, 2.0, 3.0, 4.0]), "integers or strings, got dtype float64"),
 ])
@@ -551,6 +450,14 @@ def test_ids_that_are_not_integers_or_strings(device, ids, needle, make_normal):
     _, items = make_normal(1, 5, 4, seed=25)
     with pytest.raises(InputError, match=needle):
         Engine(items, ids=ids, device=device)
+
+
+def test_object_arrays_of_integer_ids_are_integer_ids(device, make_ties):
+    users, items = make_ties(4, 5, 3, seed=25)
+    engine = Engine(items, ids=np.array([10, 11, np.int64(12), 13, 14], dtype=object), device=device)
+    assert engine.ids.dtype == np.int64
+    res = engine.search(users, 2)
+    np.testing.assert_array_equal(as_numpy(res.ids), as_numpy(res.indices) + 10)
 
 
 def test_ragged_nested_lists_raise_input_error(device, make_normal):

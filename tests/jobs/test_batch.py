@@ -558,6 +558,16 @@ def test_output_directory_holding_inputs_is_refused(job: dict, tmp_path: Path) -
             with pytest.raises(InputError, match="is inside the output directory"):
                 _run(job, out, overwrite=overwrite)
     assert {p.name: p.read_bytes() for p in job["users"].iterdir()} == before
+    # A shard that is a link to a file in --out: refused too, the file kept.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "real.parquet").write_bytes(job["shards"][0][0].read_bytes())
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "part-000.parquet").symlink_to(out / "real.parquet")
+    with pytest.raises(InputError, match="is inside the output directory"):
+        run_batch(linked, job["items"], out, K, device="cpu", overwrite=True)
+    assert (out / "real.parquet").read_bytes() == job["shards"][0][0].read_bytes()
 
 
 def _nan_items(job: dict, path: Path) -> Path:

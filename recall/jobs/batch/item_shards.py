@@ -17,7 +17,7 @@ The parts, and where they run:
 - :class:`ItemShardScorer` (the parent) reads the item ids once (duplicates are checked over the whole file; the
   output maps rows to them) and the filter files, sends each batch to every worker, merges the lists
   (:func:`recall.core.results.merge_topk`: best k, equal scores to the lower global row, padding last), finishes
-  the scores for the metric (``metrics.finish``: l2's ``2·s - |u|²`` rounds, so lists are merged before it)
+  the scores for the metric (``metrics.finish_scores``: l2's ``2·s - |u|²`` rounds, so lists are merged before it)
   and writes the output through the same code as an unsharded worker (:func:`.worker.stream_shard`).
 
 Workers are reached through handles (:class:`InlineHandle` here; processes and Ray actors in
@@ -409,9 +409,8 @@ class _Merged:
                                                             self.k)
         self.stats = {"gpu_busy_s": sum(p[2] for p in parts)}
         # In the space the lists were selected in until here: l2's finish rounds, and could make two different
-        # inner products equal at the k-th place (and keep the lower row, where the unsharded job keeps the better
-        # inner product).
-        vals, rows = metrics.finish(self.metric, np, vals, rows, self.user_vecs)
+        # inner products equal (and order them by row, where the unsharded job orders them by score).
+        vals = metrics.finish_scores(self.metric, np, vals, self.user_vecs)
         return SearchResult(indices=rows, scores=vals, ids=rows)
 
 

@@ -515,10 +515,13 @@ def _prepare_out_dir(req: BatchRequest, shards: list[Shard]) -> None:
     out = req.out
     if out.exists() and not out.is_dir():
         raise InputError(f"{req.out_label}: exists and is not a directory")
-    # Where the directories really are: an --out reached through ".." or a symbolic link may be an input's folder.
-    real = out.resolve()
+    # Where the directories really are: an --out reached through ".." or a symbolic link may be an input's folder,
+    # and an input may be a link to a file in --out.
+    # (os.path.realpath: a link loop is a bad shard, named later, not an error here.)
+    real = os.path.realpath(out)
     for p in [req.items_path, req.exclude_path, req.allow_path, req.deny_path, *(s.path for s in shards)]:
-        if p is not None and Path(p).absolute().parent.resolve() == real:
+        if p is not None and real in (os.path.realpath(Path(p).absolute().parent),
+                                      os.path.dirname(os.path.realpath(p))):
             raise InputError(f"{p}: is inside the output directory {req.out_label}; outputs are named after the "
                              f"user shards and would overwrite or mix with inputs; choose another --out")
     try:
