@@ -147,7 +147,7 @@ def batch(
                 ray_address=ray_address, overwrite=overwrite, batch_size=batch_size,
                 memory_budget=parse_bytes(memory_budget), progress=progress,
                 notice=lambda msg: log.warning("notice: %s", msg), allow_empty=allow_empty, item_shards=item_shards,
-                options=JobOptions(item_memory=parse_bytes(item_memory)),
+                options=JobOptions(item_memory=parse_bytes(item_memory, "--item-memory")),
             )
         except BatchError as exc:
             first, _, rest = str(exc).partition("\n")

@@ -206,7 +206,7 @@ AllowEmptyOption = Annotated[bool, typer.Option(
                           "leave the previous output as it was).")]
 
 
-def parse_bytes(text: str | None) -> int | None:
+def parse_bytes(text: str | None, option: str = "--memory-budget") -> int | None:
     """``"1073741824"``, ``"512MiB"``, ``"2G"``, ``"1.5GB"`` -> bytes (binary multiples: K = 1024). None stays None.
 
     Raises
@@ -218,12 +218,11 @@ def parse_bytes(text: str | None) -> int | None:
         return None
     m = _SIZE.match(text)
     if not m or float(m.group(1)) <= 0:
-        raise InputError(f"--memory-budget must be a positive number of bytes (e.g. 1073741824, 512MiB, 2G), "
-                         f"got {text!r}")
+        raise InputError(f"{option} must be a positive number of bytes (e.g. 1073741824, 512MiB, 2G), got {text!r}")
     scale = 1024 ** " kmgt".index((m.group(2) or " ").lower())
     value = int(float(m.group(1)) * scale)
     if value < 1:
-        raise InputError(f"--memory-budget must be at least 1 byte (e.g. 1073741824, 512MiB, 2G), got {text!r}")
+        raise InputError(f"{option} must be at least 1 byte (e.g. 1073741824, 512MiB, 2G), got {text!r}")
     return value
 
 

@@ -68,7 +68,6 @@ def tune(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines on stderr.")] = False,
 ) -> None:
     """Time a small grid of tilings for one search shape and cache the fastest for the engine (tune="auto")."""
-    from ..core.errors import InputError
     from ..tools import tune as tool
 
     def progress(trial: Any, i: int, n: int) -> None:
@@ -77,10 +76,7 @@ def tune(
                        f"(warm-up {trial.warmup_seconds:.3f} s)", err=True)
 
     with logging_to_stderr(quiet, False), errors_to_exit():
-        try:
-            memory_budget = parse_bytes(budget)
-        except InputError as exc:
-            raise InputError(str(exc).replace("--memory-budget", "--budget")) from None
+        memory_budget = parse_bytes(budget, "--budget")
         out = tool.run(k, users, items, dim, users_file, items_file, id_col, vec_col, device.value, metric.value,
                        precision.value, kind, memory_budget, repeat, seed, save, progress)
     if as_json:

@@ -54,7 +54,7 @@ def rescore(
         summary = rescore_files(users, items, candidates, out, k, metric=metric.value, id_col=id_col,
                                 vec_col=vec_col, device=device.value, memory_budget=parse_bytes(memory_budget),
                                 batch_size=batch_size, allow_path=allow, deny_path=deny, allow_empty=allow_empty,
-                                options=JobOptions(item_memory=parse_bytes(item_memory)))
+                                options=JobOptions(item_memory=parse_bytes(item_memory, "--item-memory")))
         for warning in summary.warnings():
             typer.echo(warning, err=True)
         typer.echo(summary.line())

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
+from ..core.checks import check_batch_size
 from ..core.errors import InputError
 from ..jobs import JobOptions, score_files
 from .common import (Aggregate, AllowEmptyOption, AllowOption, BatchSizeOption, Compression, DenyOption, Device,
@@ -73,11 +74,11 @@ def score(
 ) -> None:
     """Score every user against every item and write each user's top-k items to Parquet."""
     with logging_to_stderr(quiet, verbose), errors_to_exit(), interruptible(nothing_written(out)):
-        if batch_size is not None and batch_size < 1:
-            raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+        if batch_size is not None:
+            check_batch_size(batch_size, "--batch-size")
         _run_score(users, items, out, k, metric, exclude, id_col, vec_col, device, batch_size,
                    parse_bytes(memory_budget), quiet, verbose, interests, precision, compression, allow, deny,
-                   allow_empty, parse_bytes(item_memory))
+                   allow_empty, parse_bytes(item_memory, "--item-memory"))
 
 
 def sample_dir() -> Path:
@@ -102,9 +103,9 @@ def demo(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notices.")] = False,
 ) -> None:
     """Score the bundled sample (3,000 users x 5,000 items, with exclusions) and show a few users' top items."""
-    import pyarrow.parquet as pq
-
-    with logging_to_stderr(quiet, False), errors_to_exit(), interruptible(nothing_written(out)):
+    with logging_to_stderr(quiet, False), errors_to_exit():
+        if n_users < 1:
+            raise InputError(f"--show must be at least 1, got {n_users}")
         data_dir = data if data is not None else sample_dir()
         names = ("users.parquet", "items.parquet", "exclusions.parquet")
         missing = [n for n in names if not (data_dir / n).is_file()]
@@ -112,20 +113,28 @@ def demo(
             raise InputError(f"{data_dir}: the sample files {', '.join(missing)} are missing; run "
                              f"'python scripts/make_sample_data.py --out {data_dir}' from a source checkout, "
                              f"or pass --data DIR")
-        summary = _run_score(data_dir / names[0], data_dir / names[1], out, k, Metric.ip, data_dir / names[2],
-                             "id", "embedding", device, None, None, quiet, False)
-        excluded_users = pq.read_table(data_dir / names[2], columns=["user_id"]).column("user_id").to_numpy()
-        table = pq.read_table(out)
-        rows = list(range(min(max(n_users, 1), table.num_rows)))
-        # Show one user whose already-seen items were excluded, so the demo shows exclusions at work.
-        with_excl = np.flatnonzero(np.isin(table.column("user_id").to_numpy(), excluded_users))
-        if with_excl.size and not set(rows) & set(with_excl.tolist()) and rows:
-            rows[-1] = int(with_excl[0])
-        typer.echo(f"top-5 items (score) of {len(rows)} users; {k} per user written to {out}:")
-        for row in table.take(rows).to_pylist():
-            n_excl = int(np.count_nonzero(excluded_users == row["user_id"]))
-            note = f"  [{n_excl} already-seen items excluded]" if n_excl else ""
-            typer.echo(f"  user {row['user_id']}: {_format_top(row['item_ids'], row['scores'], 5)}{note}")
-        if summary.pairs:
-            typer.echo(f"{summary.pairs:,} (user, item) exclusion pairs applied from "
-                       f"{data_dir / names[2]}")
+        with interruptible(nothing_written(out)):
+            summary = _run_score(data_dir / names[0], data_dir / names[1], out, k, Metric.ip, data_dir / names[2],
+                                 "id", "embedding", device, None, None, quiet, False)
+        with interruptible(lambda exc: f"interrupted: {out} is written, complete"):
+            _show(out, data_dir / names[2], n_users, k, summary)
+
+
+def _show(out: str, exclusions: Path, n_users: int, k: int, summary: Any) -> None:
+    """The demo's lines: a few users' top 5 from ``out``, one of them a user with exclusions."""
+    import pyarrow.parquet as pq
+
+    excluded_users = pq.read_table(exclusions, columns=["user_id"]).column("user_id").to_numpy()
+    table = pq.read_table(out)
+    rows = list(range(min(n_users, table.num_rows)))
+    # Show one user whose already-seen items were excluded, so the demo shows exclusions at work.
+    with_excl = np.flatnonzero(np.isin(table.column("user_id").to_numpy(), excluded_users))
+    if with_excl.size and not set(rows) & set(with_excl.tolist()) and rows:
+        rows[-1] = int(with_excl[0])
+    typer.echo(f"top-5 items (score) of {len(rows)} users; {min(k, summary.items):,} per user written to {out}:")
+    for row in table.take(rows).to_pylist():
+        n_excl = int(np.count_nonzero(excluded_users == row["user_id"]))
+        note = f"  [{n_excl} already-seen items excluded]" if n_excl else ""
+        typer.echo(f"  user {row['user_id']}: {_format_top(row['item_ids'], row['scores'], 5)}{note}")
+    if summary.pairs:
+        typer.echo(f"{summary.pairs:,} (user, item) exclusion pairs applied from {exclusions}")

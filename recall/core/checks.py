@@ -24,6 +24,15 @@ def check_int(value: Any, what: str, minimum: int = 1) -> int:
     return int(value)
 
 
+def check_batch_size(value: Any, what: str = "batch_size") -> int:
+    """``value`` as an int, or InputError unless it is an integer from 1 to 2^31 - 1 (more users than any batch holds
+    at once: a reader's batch of rows)."""
+    value = check_int(value, what)
+    if value >= 2 ** 31:
+        raise InputError(f"{what} must be below 2^31, got {value:,}")
+    return value
+
+
 def check_k(k: Any) -> int:
     """``k`` as an int, or InputError unless it is an integer >= 1 that a result can hold (an (n, k) array)."""
     k = check_int(k, "k")

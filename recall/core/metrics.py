@@ -166,7 +166,8 @@ def prepare_items(metric: str, xp: Any, item_vecs: Any, first_row: int = 0, cent
         out[:, :dim] = item_vecs
         if centre is not None:
             out[:, :dim] -= centre
-        out[:, dim] = (-0.5 * row_norms(xp, out[:, :dim]) ** 2).astype(xp.float32)
+        with np.errstate(over="ignore"):  # an overflowing norm is refused by the engine, naming the row
+            out[:, dim] = (-0.5 * row_norms(xp, out[:, :dim]) ** 2).astype(xp.float32)
         return out
     return item_vecs
 

@@ -617,7 +617,9 @@ def read_interest_users(path: str | os.PathLike, id_col: str = "id", vec_col: st
         if dim is None and vec_parts and vec_parts[-1].shape[0]:
             dim, dim_source = vec_parts[-1].shape[1], f"the dimension of the first vector of {path}"
         row += batch.num_rows
-    ids = np.concatenate(id_parts) if id_parts else np.zeros(0, np.int64)
+    # (a file without rows: ids of its schema's type, as read_ids gives them)
+    empty = np.int64 if id_type_of(path, id_col, pf.schema_arrow.field(id_col).type) == pa.int64() else object
+    ids = np.concatenate(id_parts) if id_parts else np.zeros(0, empty)
     vectors = np.concatenate(vec_parts) if vec_parts else np.zeros((0, dim or 0), np.float32)
     file_rows = np.concatenate(row_parts) if row_parts else np.zeros(0, np.int64)
     if nested:

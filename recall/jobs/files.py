@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from .. import backends
 from ..core import metrics
-from ..core.checks import DEVICES, check_choice, check_int, check_k
+from ..core.checks import DEVICES, check_batch_size, check_choice, check_k
 from ..core.errors import InputError
 from ..core.results import id_lookup
 from ..engine.inputs import check_overflow
@@ -135,7 +135,7 @@ def check_job_args(k: Any, metric: str, device: Any, batch_size: Any) -> int:
     if not hasattr(device, "run_blocks"):
         check_choice(device, DEVICES, "device")
     if batch_size is not None:
-        check_int(batch_size, "batch_size")
+        check_batch_size(batch_size)
     return k
 
 
@@ -576,11 +576,15 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
         raise InputError(f"{spec.users_path}: row 0 (id {fmt_id(users.ids[0])}) has dimension {users.dim}, expected "
                          f"{engine.dim} ({spec.dim_source})")
     cands = read_pairs(candidates_path, users.ids, items.ids, what="candidate", sort_unique=False)
+    if cands.n_pairs and cands.n_unknown == cands.n_pairs:
+        # Every user would get an empty list: ids of another catalogue or users file, a mistake to stop on.
+        raise InputError(f"{candidates_path}: no candidate pair names a user of the users file and an item of the "
+                         f"items file ({cands.n_pairs:,} pairs, all unknown): every user would get no candidates")
     side = _read_side(spec, users.ids, items.ids)
     side.apply(engine)
     present = np.flatnonzero(cands.named)  # a named user gets a (maybe empty) row of output
     if metric == "cosine" and present.size:
-        check_nonzero(users.vectors[present], users.ids[present], spec.users_path)
+        check_nonzero(users.vectors[present], users.ids[present], spec.users_path, file_rows=present)
     mine = cands.take(present)
     read_s = time.perf_counter() - t0
     start_s = time.perf_counter() - spec.t_start

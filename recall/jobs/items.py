@@ -1,6 +1,7 @@
 """The start of every Parquet job: the item file read (on a GPU straight to the device) and its resident engine."""
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -10,17 +11,47 @@ import numpy as np
 from ..core import metrics
 from ..core.errors import InputError
 from ..engine import Engine, streamed
+from ..engine.inputs import check_item_norm
 from ..io import Embeddings, inspect_embeddings, read_embeddings
 from ..io.parquet import fmt_id
 
 
-def check_nonzero(vectors: Any, ids: np.ndarray, path: str, row_start: int = 0) -> None:
-    """Cosine has no direction for a zero vector: name the file, row and id here, where they are known."""
+def check_nonzero(vectors: Any, ids: np.ndarray, path: str, row_start: int = 0,
+                  file_rows: np.ndarray | None = None) -> None:
+    """Cosine has no direction for a zero vector: name the file, row and id here, where they are known (the row:
+    ``file_rows[i]`` of vector i where given, else ``row_start + i``)."""
     zero = ~vectors.any(axis=1)
     if bool(zero.any()):
         pos = int(zero.argmax())  # host or device vectors
-        raise InputError(f"{path}: row {row_start + pos} (id {fmt_id(ids[pos])}) is a zero vector, which has no "
+        row = int(file_rows[pos]) if file_rows is not None else row_start + pos
+        raise InputError(f"{path}: row {row} (id {fmt_id(ids[pos])}) is a zero vector, which has no "
                          f"direction for metric 'cosine'")
+
+
+def check_item_norm_row(norm: float, metric: str, path: str, row: int, item_id: Any) -> None:
+    """The engine's refusal of an item whose norm overflows float32 under l2 (``check_item_norm``), for one row of
+    an item file read apart from the engine (an item shard's rows, every one of which is checked)."""
+    try:
+        check_item_norm(norm, metric, lambda: row)
+    except InputError as exc:
+        raise InputError(str(exc).replace(f"item_vecs: row {row} ", f"{path}: row {row} (id {fmt_id(item_id)}) ",
+                                          1)) from None
+
+
+def item_engine(vectors: Any, ids: np.ndarray, path: str, file_rows: np.ndarray | None = None,
+                **engine_args: Any) -> Engine:
+    """``Engine(vectors, **engine_args)`` over rows of an item file (vector i is file row ``file_rows[i]``, default
+    i), whose refusal of an item row (an l2 norm that would overflow float32) names the file, the row and the id, as
+    the reader's messages do."""
+    try:
+        return Engine(vectors, **engine_args)
+    except InputError as exc:
+        m = re.match(r"item_vecs: row (\d+) (.*)", str(exc), re.S)
+        if m is None:
+            raise
+        pos = int(m.group(1))
+        row = int(file_rows[pos]) if file_rows is not None else pos
+        raise InputError(f"{path}: row {row} (id {fmt_id(ids[pos])}) {m.group(2)}") from None
 
 
 def streams(backend: Any, n_items: int, dim: int, metric: str, memory_budget: int | None,
@@ -57,6 +88,6 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, backend
     if metric == "cosine":
         check_nonzero(items.vectors, items.ids, items_path)
     read_s = time.perf_counter() - t0
-    engine = Engine(items.vectors, metric=metric, device=backend, memory_budget=memory_budget, precision=precision,
-                    options=options, item_memory=item_memory)
+    engine = item_engine(items.vectors, items.ids, items_path, metric=metric, device=backend,
+                         memory_budget=memory_budget, precision=precision, options=options, item_memory=item_memory)
     return items, engine, read_s

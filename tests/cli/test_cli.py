@@ -106,6 +106,28 @@ def test_demo(tmp_path: Path) -> None:
     assert table.num_rows == 3000 and {len(x) for x in table.column("item_ids").to_pylist()} == {10}
 
 
+def test_demo_show_and_large_k(tmp_path: Path) -> None:
+    out = tmp_path / "demo.parquet"
+    result = runner.invoke(app, ["demo", "--out", str(out), "--device", "cpu", "--show", "0"])
+    assert result.exit_code == 2 and "--show must be at least 1, got 0" in result.stderr and not out.exists()
+    result = runner.invoke(app, ["demo", "--out", str(out), "--device", "cpu", "--k", "100000", "-q"])
+    assert result.exit_code == 0, result.output
+    assert "5,000 per user written" in result.stdout  # what was written: the whole catalogue
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--batch-size", str(2 ** 63)], "--batch-size must be below 2^31"),
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
+    (["--item-memory", "8E"], "--item-memory must be a positive number of bytes"),
+])
+def test_score_refuses_sizes_it_cannot_take(tmp_path: Path, args: list, needle: str) -> None:
+    data = Path(__file__).resolve().parents[2] / "data"
+    out = tmp_path / "o.parquet"
+    result = runner.invoke(app, ["score", "--users", str(data / "users.parquet"), "--items",
+                                 str(data / "items.parquet"), "--k", "3", "--out", str(out), "--device", "cpu", *args])
+    assert result.exit_code == 2 and needle in result.stderr and not out.exists()
+
+
 def test_demo_missing_sample(tmp_path: Path) -> None:
     result = runner.invoke(app, ["demo", "--data", str(tmp_path), "--out", str(tmp_path / "o.parquet")])
     assert result.exit_code == 2 and result.stderr.startswith("error: ") and "make_sample_data.py" in result.stderr

@@ -406,3 +406,19 @@ def test_gpu_blocks_and_graphs_equal_cpu(aggregate):
         assert gpu.stats["blocks"] == 8 and gpu.stats["graph_blocks"] >= 6  # the reduce step was captured
         dev = gpu.search(cupy.asarray(_ints(rng, (40, 3, 12))), 5, aggregate=aggregate)
         assert isinstance(dev.indices, cupy.ndarray)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_empty_users_file_keeps_its_string_ids(tmp_path, nested):
+    # --allow-empty: the output's user_id has the users file's type (string), as for one vector per user.
+    from recall.jobs import score_files
+
+    items = tmp_path / "items.parquet"
+    pq.write_table(pa.table({"id": pa.array(["a", "b", "c"]),
+                             "embedding": pa.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], pa.list_(pa.float32(), 2))}),
+                   items)
+    vec = pa.list_(pa.list_(pa.float32(), 2)) if nested else pa.list_(pa.float32(), 2)
+    users = tmp_path / "users.parquet"
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "embedding": pa.array([], vec)}), users)
+    score_files(users, items, tmp_path / "o.parquet", 2, device="cpu", aggregate="max", allow_empty=True)
+    assert pq.read_schema(tmp_path / "o.parquet").field("user_id").type == pa.string()

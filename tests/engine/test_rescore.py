@@ -23,6 +23,7 @@ from recall import Engine, InputError, SearchResult, EngineOptions
 from recall.cli.app import app
 from recall.backends.cupy.rescore import lanes, launch_config, smem_bytes, takes_warp, warp_smem_bytes
 from recall.io import read_pairs
+from recall.jobs import rescore_files
 
 METRICS = ["ip", "cosine", "l2"]
 
@@ -500,3 +501,28 @@ def test_gpu_device_arrays_in_place_equal_cpu(path):
     want = Engine(items, device="cpu", options=path).rescore(users, matrix, 7)
     np.testing.assert_array_equal(as_numpy(got.indices), want.indices)
     np.testing.assert_array_equal(as_numpy(got.scores), want.scores)
+
+
+def test_rescore_job_refuses_candidates_that_name_nothing_it_knows(files):
+    """Every pair unknown (another catalogue's ids): every user would get an empty list, and yesterday's output would
+    be replaced by nothing. Refused, the output as it was."""
+    files["out"].write_bytes(b"yesterday")
+    pq.write_table(pa.table({"user_id": pa.array([1, 2], pa.int64()), "item_id": pa.array([5, 6], pa.int64())}),
+                   files["dir"] / "other.parquet")
+    result = runner.invoke(app, ["rescore", "--users", str(files["users"]), "--items", str(files["items"]),
+                                 "--candidates", str(files["dir"] / "other.parquet"), "--k", "3",
+                                 "--out", str(files["out"]), "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert "no candidate pair names a user of the users file and an item of the items file (2 pairs, all unknown)" \
+        in " ".join(result.stderr.split())
+    assert files["out"].read_bytes() == b"yesterday"
+
+
+def test_rescore_job_names_the_file_row_of_a_zero_user_under_cosine(files):
+    # The users named by candidates are a subset (rows 1, 3, 5, 10): the message names the file's row, not the
+    # position among them.
+    users = files["user_vecs"].copy()
+    users[5] = 0
+    write_embeddings(files["users"], files["user_ids"], users, "list32", row_group_size=5)
+    with pytest.raises(InputError, match=r"users\.parquet: row 5 \(id 105\) is a zero vector"):
+        rescore_files(files["users"], files["items"], files["cands"], files["out"], 3, metric="cosine", device="cpu")

@@ -355,3 +355,19 @@ def test_l2_far_from_the_origin_is_centred_as_unsharded(inline: None, tmp_path: 
     rows, scores = oracle_topk(users, items, 6, "l2")
     assert table.column("item_ids").to_pylist() == [(7000 + r).tolist() for r in rows]
     np.testing.assert_array_equal(np.array(table.column("scores").to_pylist()), np.array(scores))
+
+
+def test_an_l2_item_whose_norm_overflows_is_named_as_unsharded(inline: None, tmp_path: Path) -> None:
+    """Row 150 (not in the allow file: read, checked, not searched) overflows float32 under l2: the sharded job
+    refuses it with the unsharded job's message (file, row, id)."""
+    job = _float_job(tmp_path / "job")
+    items = pq.read_table(job["items"])
+    vecs = np.array(items.column("embedding").to_pylist(), np.float32)
+    vecs[150] = 3e19
+    write_embeddings(job["items"], items.column("id").to_pylist(), vecs, row_group_size=30)
+    pq.write_table(pa.table({"item_id": pa.array(job["item_ids"][:20].tolist())}), tmp_path / "allow.parquet")
+    needle = rf"items\.parquet: row 150 \(id {job['item_ids'][150]}\) has norm .* metric 'l2'"
+    for shards in (1, 3):
+        with pytest.raises(InputError, match=needle):
+            _batch(job, tmp_path / f"out{shards}", metric="l2", item_shards=shards, options=SMALL_TILES,
+                   allow=tmp_path / "allow.parquet")

@@ -324,3 +324,13 @@ def test_gpu_matches_oracle_exactly_with_queued_batches(tmp_path: Path, metric: 
     banned[np.arange(50), np.arange(50)] = True
     _check_against_oracle(tmp_path / "out.parquet", users, items, user_ids, item_ids, 9, metric, banned)
     assert summary.device == "gpu" and summary.device_busy_s > 0
+
+
+def test_an_l2_item_whose_norm_overflows_is_named_by_file_row_and_id(tmp_path: Path) -> None:
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    items = items.copy()
+    items[13] = 3e19  # |v|^2 / 2 beyond float32
+    write_embeddings(ip, item_ids, items)
+    with pytest.raises(InputError, match=rf"items\.parquet: row 13 \(id {item_ids[13]}\) has norm .* metric 'l2'"):
+        score_files(up, ip, tmp_path / "out.parquet", 3, metric="l2", device="cpu")
+    assert not (tmp_path / "out.parquet").exists()

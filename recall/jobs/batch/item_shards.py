@@ -50,7 +50,7 @@ from ...engine import Engine
 from ...engine import tuning
 from ...io import embedding_dim, read_embedding_rows, read_ids, read_item_filter
 from ..files import auto_batch_size, check_scores_fit
-from ..items import check_nonzero
+from ..items import check_item_norm_row, check_nonzero, item_engine
 from .exclusions import ExclusionIndex
 from .worker import JobSpec, OutputLayout, ShardResult, ShardTask, WorkerInfo, stream_shard
 
@@ -269,8 +269,11 @@ class RangeScorer:
             if spec.metric == "cosine":
                 check_nonzero(vectors, ids, spec.items_path, row)
             elif len(vectors):
-                moved = vectors if centre is None else vectors - centre
-                norm[0] = max(norm[0], float(metrics.row_norms(np, moved).max()))
+                norms = metrics.row_norms(np, vectors if centre is None else vectors - centre)
+                worst = int(norms.argmax())
+                norm[0] = max(norm[0], float(norms[worst]))
+                # The unsharded engine refuses such a row wherever it is, searched or not: so does every range.
+                check_item_norm_row(float(norms[worst]), spec.metric, spec.items_path, row + worst, ids[worst])
 
         ids, vectors = read_embedding_rows(spec.items_path, item_range.start, item_range.stop, spec.id_col,
                                            spec.vec_col, dim=self.dim, keep=item_range.keep, on_batch=validate)
@@ -280,9 +283,10 @@ class RangeScorer:
         if item_range.keep is not None:
             self.local_filter = ItemFilter.build(n_rows, allow=item_range.keep)
         if vectors.shape[0]:
-            self.engine = Engine(vectors, metric=spec.metric, device=self.backend, memory_budget=spec.memory_budget,
-                                 options=spec.options.engine, item_memory=spec.options.item_memory,
-                                 l2_centre=centre)
+            self.engine = item_engine(vectors, ids, spec.items_path, self.global_rows, metric=spec.metric,
+                                      device=self.backend, memory_budget=spec.memory_budget,
+                                      options=spec.options.engine, item_memory=spec.options.item_memory,
+                                      l2_centre=centre)
         if spec.exclusions is not None and n_rows:
             self.exclusions = spec.exclusions.open()  # mapped once by the parent, rows of the whole catalogue
         engine = self.engine

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core import metrics as _metrics
-from ...core.checks import DEVICES, check_budget, check_choice, check_int, check_k
+from ...core.checks import DEVICES, check_batch_size, check_budget, check_choice, check_int, check_k
 from ...core.errors import InputError
 from ...io import atomic, inspect_embeddings, inspect_item_set, inspect_pairs
 from .. import executors
@@ -485,7 +485,7 @@ def _request(users: Any, items: Any, out_dir: Any, k: Any, metric: str, exclude:
     if workers is not None:
         check_int(workers, "--workers")
     if batch_size is not None:
-        check_int(batch_size, "--batch-size")
+        check_batch_size(batch_size, "--batch-size")
     if ray_address is not None and engine != "ray":
         raise InputError("--ray-address needs --engine ray")
     item_shards = check_int(item_shards, "--item-shards")
