@@ -217,7 +217,7 @@ def _break(f: dict, case: str) -> tuple[list[str], str]:
     if case == "bad_memory_budget":
         return _score_args(f, "--memory-budget", "a lot"), r"--memory-budget must be a positive number of bytes"
     if case == "batch_size_zero":
-        return _score_args(f, "--batch-size", "0"), r"--batch-size must be >= 1"
+        return _score_args(f, "--batch-size", "0"), r"--batch-size must be an integer >= 1"
     # Issue 19.
     if case == "empty_users":
         write_embeddings(f["users"], pa.array([], pa.int64()), np.zeros((0, 4), np.float32))
