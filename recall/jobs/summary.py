@@ -40,7 +40,8 @@ class JobSummary:
     aggregate : str
         "max" or "sum" (kind "interests").
     candidates : int
-        Candidate pairs scored (kind "rescore").
+        Candidate pairs scored (kind "rescore"), repeats included: a repeated candidate is scored once and listed
+        once.
     filter_ids, unknown_filter_ids : int
         Ids in the item filter files (``--allow``, ``--deny``), and of those the ids the items file does not have.
     empty_exclusions : str
@@ -80,7 +81,7 @@ class JobSummary:
     def line(self) -> str:
         """The one-line summary the CLI prints."""
         if self.kind == "rescore":
-            what = (f"rescored {self.users:,} users x {self.candidates:,} own candidates (of {self.items:,} items), "
+            what = (f"rescored {self.users:,} users x {self.candidates:,} candidate pairs (of {self.items:,} items), "
                     f"dim {self.dim}")
         elif self.kind == "interests":
             what = (f"scored {self.users:,} users ({self.vectors:,} interest vectors, {self.aggregate}) x "

@@ -367,7 +367,7 @@ def test_cli_rescore(files, metric):
     assert result.exit_code == 0, result.output
     assert "warning: 2 of 10 candidates name a user or item id that is not in the input files" in result.stderr
     line = result.stdout.strip().splitlines()
-    assert len(line) == 1 and line[0].startswith("rescored 4 users x 8 own candidates (of 30 items), dim 4, k 3")
+    assert len(line) == 1 and line[0].startswith("rescored 4 users x 8 candidate pairs (of 30 items), dim 4, k 3")
     table = pq.read_table(files["out"])
     assert table.column("user_id").to_pylist() == [101, 103, 105, 110]
     present, _, c = _candidates(files)
