@@ -33,6 +33,16 @@ def _ids_file(path: Path, ids) -> Path:
     return path
 
 
+def _users_and_out(tmp_path: Path, up: Path, command: str) -> tuple[Path, Path]:
+    """The --users and --out of ``command``: the users file and an output file for score, a shard directory holding
+    it and an output directory for batch."""
+    if command != "batch":
+        return up, tmp_path / "o.parquet"
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.parquet").write_bytes(up.read_bytes())
+    return tmp_path / "shards", tmp_path / "out"
+
+
 def _check(out: Path, users, items, user_ids, item_ids, k, banned_rows) -> None:
     table = pq.read_table(out)
     assert table.column("user_id").to_pylist() == list(user_ids)
@@ -148,12 +158,7 @@ def test_an_allow_file_that_matches_no_item_is_refused(tmp_path: Path, ids, comm
     """Every user would get no candidates: exit 2, the file named, nothing written."""
     up, ip, *_ = _files(tmp_path)
     allow = _ids_file(tmp_path / "allow.parquet", ids)
-    if command == "batch":
-        (tmp_path / "shards").mkdir()
-        (tmp_path / "shards" / "a.parquet").write_bytes(up.read_bytes())
-        users, out = tmp_path / "shards", tmp_path / "out"
-    else:
-        users, out = up, tmp_path / "o.parquet"
+    users, out = _users_and_out(tmp_path, up, command)
     result = runner.invoke(app, [command, "--users", str(users), "--items", str(ip), "--k", "3", "--out", str(out),
                                  "--device", "cpu", "--allow", str(allow)])
     assert result.exit_code == 2, result.output
@@ -176,15 +181,10 @@ def test_a_deny_file_that_leaves_no_item_is_refused(tmp_path: Path, with_allow: 
     else:
         deny = _ids_file(tmp_path / "deny.parquet", item_ids)
         needle = f"{deny}: the deny file names every item of the items file (40)"
-    if command.startswith("batch"):
-        (tmp_path / "shards").mkdir()
-        (tmp_path / "shards" / "a.parquet").write_bytes(up.read_bytes())
-        users, out = tmp_path / "shards", tmp_path / "out"
-        if command == "batch-item-shards":
-            extra += ["--item-shards", "2"]
-        cmd = "batch"
-    else:
-        users, out, cmd = up, tmp_path / "o.parquet", command
+    cmd = "batch" if command.startswith("batch") else command
+    users, out = _users_and_out(tmp_path, up, cmd)
+    if command == "batch-item-shards":
+        extra += ["--item-shards", "2"]
     result = runner.invoke(app, [cmd, "--users", str(users), "--items", str(ip), "--k", "3", "--out", str(out),
                                  "--device", "cpu", "--deny", str(deny), *extra])
     assert result.exit_code == 2, result.output
@@ -199,12 +199,7 @@ def test_an_exclusions_file_without_pairs_is_a_warning(tmp_path: Path, command: 
     up, ip, users, items, user_ids, item_ids = _files(tmp_path)
     excl = tmp_path / "excl.parquet"
     pq.write_table(pa.table({"user_id": pa.array([], pa.int64()), "item_id": pa.array([], pa.int64())}), excl)
-    if command == "batch":
-        (tmp_path / "shards").mkdir()
-        (tmp_path / "shards" / "a.parquet").write_bytes(up.read_bytes())
-        users_arg, out = tmp_path / "shards", tmp_path / "out"
-    else:
-        users_arg, out = up, tmp_path / "o.parquet"
+    users_arg, out = _users_and_out(tmp_path, up, command)
     result = runner.invoke(app, [command, "--users", str(users_arg), "--items", str(ip), "--k", "3", "--out", str(out),
                                  "--device", "cpu", "--exclude", str(excl), "-q"])
     assert result.exit_code == 0, result.output
