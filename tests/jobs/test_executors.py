@@ -281,3 +281,28 @@ def test_a_reset_channel_reads_as_its_end(monkeypatch) -> None:
         chan.recv(timeout=1.0)
     chan.close(0)
     theirs.close()
+
+
+def test_ray_job_stopped_by_sigterm_exits_143_with_its_line(job: dict, tmp_path: Path) -> None:
+    """A signal while the driver waits on Ray: the job's own line and exit status (ray.init puts Ray's handlers in
+    place of the CLI's, and a handler that raised inside a Ray wait would leave it as Ray's SystemExit(1)); the
+    killed actor's temporary file removed; the rerun resumes."""
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    args = ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k", str(K), "--out", str(out),
+            "--device", "cpu", "--batch-size", "32", "--engine", "ray"]
+    returncode, stderr, _ = _sigterm_mid_shard(args, out)
+    assert returncode == 128 + signal.SIGTERM, stderr
+    assert stderr.strip().splitlines()[-1] == "error: terminated by SIGTERM; rerun the same command to resume"
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+    assert "SIGTERM" in metrics(out)["job"]["error"]
+
+
+def test_ray_refuses_more_cpu_actors_than_the_cluster_has(job: dict, tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        with pytest.raises(InputError, match=r"--workers 2: the Ray cluster has 1 CPU\(s\)"):
+            run_batch(job["users"], job["items"], tmp_path / "out", K, device="cpu", workers=2, engine="ray")
+    finally:
+        ray.shutdown()

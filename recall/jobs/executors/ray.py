@@ -15,9 +15,13 @@ read their shard and write its output themselves, and the driver verifies output
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from ...backends.placement import plan_actors
@@ -89,27 +93,38 @@ class RayExecutor:
         import ray
 
         actors: list[Any] = []
-        with ray_session(self.address):
+        with ray_session(self.address) as poll:
             try:
                 kind, n = plan_actors(self.device, self.gpus, self.workers,
                                       int(ray.cluster_resources().get("GPU", 0)), self.say)
+                cpus = int(ray.cluster_resources().get("CPU", 0))
+                if kind == "cpu" and n > cpus:
+                    # (each CPU actor takes one: the others would wait for a CPU for ever)
+                    raise InputError(f"--workers {n}: the Ray cluster has {cpus} CPU(s), one for each CPU actor")
                 self.n_workers = n
                 actor_cls = ray.remote(ShardActor).options(**actor_options(kind))
                 names = [f"ray-{kind}{i}" for i in range(n)]
                 actors = [actor_cls.remote(spec, kind, name) for name in names]
-                infos = ray.get([a.info.remote() for a in actors])
-                for name, info in zip(names, infos):
+                refs = [a.info.remote() for a in actors]
+                for name, ref in zip(names, refs):
+                    info = wait_for(ray, ref, poll, name)
                     if info[0] == "error":
                         raise rebuild_error(name, None, *info[1:])
                     job.worker_ready(info[1])
-                self._dispatch(ray, actors, names, tasks, job)
-            except ray.exceptions.RayError as exc:  # an actor died, a node was lost, the object store ran out...
+                self._dispatch(ray, actors, names, tasks, job, poll)
+            except ray.exceptions.RayError as exc:  # a node was lost, the object store ran out...
                 raise ray_failed(exc) from None
+            except BaseException:
+                kill_actors(ray, actors)
+                actors = []
+                remove_partials(tasks)  # what the killed actors were writing (they do not unwind)
+                raise
             finally:
                 kill_actors(ray, actors)
 
     @staticmethod
-    def _dispatch(ray: Any, actors: list[Any], names: list[str], tasks: list[ShardTask], job: Any) -> None:
+    def _dispatch(ray: Any, actors: list[Any], names: list[str], tasks: list[ShardTask], job: Any,
+                  poll: Callable[[], None]) -> None:
         todo = list(reversed(tasks))  # pop() from the end keeps the largest-first order
         running: dict[Any, tuple[int, ShardTask]] = {}
 
@@ -121,10 +136,13 @@ class RayExecutor:
         for i in range(len(actors)):
             submit(i)
         while running:
-            ready, _ = ray.wait(list(running), num_returns=1)
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=_POLL_S)
+            if not ready:
+                poll()
+                continue
             ref = ready[0]
             i, task = running.pop(ref)
-            status, *payload = ray.get(ref)
+            status, *payload = wait_for(ray, ref, poll, names[i], task.name)
             if status == "error":
                 raise rebuild_error(names[i], task.name, *payload)
             if status == "bad":
@@ -144,36 +162,102 @@ def actor_options(kind: str) -> dict[str, Any]:
             "max_restarts": 0}
 
 
+#: Seconds the driver waits on Ray at a time before it looks for a signal (``ray_session``'s ``poll``).
+_POLL_S = 0.2
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @contextlib.contextmanager
-def ray_session(address: str | None, min_cpus: int = 0) -> Iterator[None]:
+def ray_session(address: str | None, min_cpus: int = 0) -> Iterator[Callable[[], None]]:
     """Ray for the length of a job: the running one when this process is connected already, else ``ray.init``
-    of ``address`` (a local instance when it is None and ``RAY_ADDRESS`` is unset: with at least ``min_cpus``
-    logical CPUs, so that that many one-CPU actors can run at once), shut down at the end if started here."""
+    of ``address`` (a new local instance when it is None and ``RAY_ADDRESS`` is unset, even where a cluster runs on
+    this host: with at least ``min_cpus`` logical CPUs, so that that many one-CPU actors can run at once), shut down
+    at the end if started here.
+
+    Yields ``poll()``, which the driver calls between its waits on Ray (never more than ``_POLL_S`` apart). A
+    SIGTERM or SIGINT meanwhile is only recorded, then handed by ``poll`` to the handler the process had before
+    (the CLI's, which stops the job with its exit code and line): a handler that raised inside a Ray wait would
+    come out of it as Ray's own ``SystemExit(1)``, and ``ray.init`` puts Ray's handlers in place of the caller's."""
     import ray
 
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    pending: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+
+    def poll() -> None:
+        if pending:
+            signum = pending.pop(0)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if callable(previous[signum]):
+                previous[signum](signum, None)
+            signal.raise_signal(signum)  # the default action (or ignored: then the job goes on)
+
+    def defer() -> None:
+        if main:
+            for sig in _SIGNALS:
+                signal.signal(sig, lambda signum, frame: pending.append(signum))
+
     if ray.is_initialized():
-        yield
+        defer()
+        try:
+            yield poll
+        finally:
+            if main:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
         return
-    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
+    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     if address is None and not os.environ.get("RAY_ADDRESS"):
+        address = "local"
         kwargs["include_dashboard"] = False
         if min_cpus > (os.cpu_count() or 1):
             kwargs["num_cpus"] = min_cpus
     try:
         ray.init(address=address, **kwargs)
     except Exception as exc:  # noqa: BLE001 - connection refused, version mismatch, bad address...
-        where = address or os.environ.get("RAY_ADDRESS") or "a local Ray instance"
+        where = "a local Ray instance" if address == "local" else (address or os.environ.get("RAY_ADDRESS"))
         raise BatchError(f"cannot start or reach Ray ({where}): {type(exc).__name__}: "
                          f"{' '.join(str(exc).split())}") from None
+    defer()
     try:
-        yield
+        yield poll
     finally:
         ray.shutdown()
+        if main:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
-def ray_failed(exc: BaseException) -> BatchError:
-    return BatchError(f"Ray failed: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}; rerun the same "
-                      f"command to resume")
+def wait_for(ray: Any, ref: Any, poll: Callable[[], None], worker: str, shard: str | None = None) -> Any:
+    """``ray.get(ref)`` of a call to actor ``worker`` (scoring ``shard``), looking for signals meanwhile
+    (``ray_session``); a dead actor fails the job naming it and the shard."""
+    while not ray.wait([ref], timeout=_POLL_S)[0]:
+        poll()
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError as exc:
+        raise ray_failed(exc, worker, shard) from None
+
+
+def ray_failed(exc: BaseException, worker: str | None = None, shard: str | None = None) -> BatchError:
+    """The job's failure when Ray fails (an actor died, a node was lost...), naming the worker and its shard where
+    known. Ray's message is cut to its first 300 characters, at a word."""
+    text = " ".join(str(exc).split())
+    if len(text) > 300:
+        text = text[:300].rsplit(" ", 1)[0] + " ..."
+    who = f"worker {worker}" + (f" failed while scoring {shard}" if shard else " failed") + ": " if worker else ""
+    return BatchError(f"Ray failed: {who}{type(exc).__name__}: {text}; rerun the same command to resume")
+
+
+def remove_partials(tasks: list[ShardTask]) -> None:
+    """The temporary files of ``tasks``' outputs (``.name.tmp-pid``): those of actors that were killed, which do not
+    remove their own; the job holds the directory's lock, so nothing else writes them."""
+    for task in tasks:
+        out = Path(task.out_path)
+        for path in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
 
 def kill_actors(ray: Any, actors: list[Any]) -> None:
@@ -213,10 +297,7 @@ class _ActorReply:
 
     def result(self) -> Any:
         h = self.handle
-        try:
-            status, *payload = h.ray.get(self.ref)
-        except h.ray.exceptions.RayError as exc:
-            raise ray_failed(exc) from None
+        status, *payload = wait_for(h.ray, self.ref, h.poll, h.name, h.shard)
         if status == "error":
             raise rebuild_error(h.name, h.shard, *payload)
         return payload[0]
@@ -225,8 +306,8 @@ class _ActorReply:
 class ActorHandle:
     """The driver's end of one :class:`RangeActor` (the actor runs its calls in the order they are sent)."""
 
-    def __init__(self, ray: Any, actor: Any, name: str) -> None:
-        self.ray, self.actor, self.name = ray, actor, name
+    def __init__(self, ray: Any, actor: Any, name: str, poll: Callable[[], None] = lambda: None) -> None:
+        self.ray, self.actor, self.name, self.poll = ray, actor, name, poll
         self.shard: str | None = None
 
     def submit(self, method: str, *args: Any) -> _ActorReply:
@@ -265,6 +346,7 @@ class RayItemShardExecutor:
         import ray
 
         n = self.n_workers
+        polls: list[Callable[[], None]] = []  # the session's, once it is started below
 
         @contextlib.contextmanager
         def actors(spec: JobSpec) -> Iterator[list[ActorHandle]]:
@@ -283,14 +365,15 @@ class RayItemShardExecutor:
                 actor_cls = ray.remote(RangeActor).options(**actor_options(kind))
                 names = [f"ray-{kind}{i}" for i in range(n)]
                 started = [actor_cls.remote(spec, kind, name) for name in names]
-                yield [ActorHandle(ray, a, name) for a, name in zip(started, names)]
+                yield [ActorHandle(ray, a, name, polls[0]) for a, name in zip(started, names)]
             except ray.exceptions.RayError as exc:
                 raise ray_failed(exc) from None
             finally:
                 kill_actors(ray, started)
 
         inner = ItemShardExecutor(n, actors, self.say)
-        with ray_session(self.address, min_cpus=n):
+        with ray_session(self.address, min_cpus=n) as poll:
+            polls.append(poll)
             try:
                 inner.run(spec, tasks, job)
             finally:
