@@ -27,7 +27,8 @@ kind           what it stands for
 
 Parameters (:class:`KindParams`): ``user_sigma`` and ``item_sigma`` (log-normal sigma of user / item norms, 0 = as
 drawn; norms become ``sqrt(dim) * LogNormal(0, sigma)``), ``centres`` and ``noise`` (the clusters), ``pareto_alpha``
-(> 0: heavy-tailed item norms instead of ``item_sigma``), ``tie_range``. Not every parameter applies to every kind:
+(> 0: heavy-tailed item norms instead of ``item_sigma``), ``tie_range``, ``offset`` (added to every coordinate of
+users and items: data far from the origin, e.g. ``"ties:offset=3000"``). Not every parameter applies to every kind:
 integer kinds take no norm spread, ``adversarial`` no item norm spread (it would undo the ordering); asking for one
 raises :class:`~recall.InputError`.
 
@@ -100,6 +101,9 @@ class KindParams:
         > 0: item norms ``sqrt(dim) * Pareto(alpha) / 2**(1/alpha)`` (median sqrt(dim)), replacing ``item_sigma``.
     tie_range : int
         ``ties`` coordinates are integers in [-tie_range, tie_range].
+    offset : float
+        Added to every coordinate of users and items (any kind): data around a point far from the origin, where
+        ``l2``'s float32 expansion loses the digits of the distances unless the vectors are centred first.
     """
 
     user_sigma: float = 0.0
@@ -108,6 +112,7 @@ class KindParams:
     noise: float = NOISE
     pareto_alpha: float = 0.0
     tie_range: int = TIE_RANGE
+    offset: float = 0.0
 
     def diff(self, other: "KindParams") -> dict[str, Any]:
         """The fields whose value differs from ``other``'s, by name."""
@@ -128,10 +133,10 @@ KIND_DEFAULTS: dict[Kind, KindParams] = {
 _CLUSTERED = (Kind.clustered, Kind.skewed, Kind.popular, Kind.int8)
 # Which parameters each kind reads; a spec that sets another one is an error, not silently ignored.
 _APPLIES: dict[Kind, tuple[str, ...]] = {
-    Kind.normal: ("user_sigma", "item_sigma", "pareto_alpha"),
-    Kind.adversarial: ("user_sigma",),
-    Kind.ties: ("tie_range",),
-    **{k: ("user_sigma", "item_sigma", "centres", "noise", "pareto_alpha") for k in _CLUSTERED},
+    Kind.normal: ("user_sigma", "item_sigma", "pareto_alpha", "offset"),
+    Kind.adversarial: ("user_sigma", "offset"),
+    Kind.ties: ("tie_range", "offset"),
+    **{k: ("user_sigma", "item_sigma", "centres", "noise", "pareto_alpha", "offset") for k in _CLUSTERED},
 }
 
 
@@ -549,7 +554,16 @@ def generate(kind: Kind | str, n_users: int, n_items: int, dim: int, seed: int =
     for what, value in (("n_users", n_users), ("n_items", n_items), ("dim", dim)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise InputError(f"{what} must be an integer >= 1, got {value!r}")
-    xp = module_for(device)
+    users, items = _generate(kind, p, n_users, n_items, dim, seed, module_for(device))
+    if p.offset:
+        users += np.float32(p.offset)
+        items += np.float32(p.offset)
+    return users, items
+
+
+def _generate(kind: Kind, p: KindParams, n_users: int, n_items: int, dim: int, seed: int,
+              xp: Any) -> tuple[Any, Any]:
+    """:func:`generate` but for the offset."""
     s_shared, s_users, s_items = _streams(seed)
     shared, ru, ri = Rng(xp, s_shared), Rng(xp, s_users), Rng(xp, s_items)
 

@@ -490,3 +490,23 @@ def test_timed_runs_record_the_garbage_collectors_pauses():
     row.update(times_s=[1.0, 1.0], gc_s=[0.25, 0.0])
     assert "garbage collector 0.25, 0 s" in report._note(row, True)
     del kept
+
+
+@pytest.mark.parametrize("spec", ["ties:offset=3000", "skewed:offset=300", "adversarial:offset=50"])
+def test_offset_moves_every_vector_and_the_engine_stays_exact(spec):
+    """``offset`` puts a kind's data around a point far from the origin; on integer data there the engine's l2 lists
+    are the float64 oracle's (it centres the vectors)."""
+    from recall import Engine
+
+    kind, params = workloads.parse_kind(spec)
+    base_u, base_i = workloads.generate(kind.value, 60, 500, 6, seed=3)
+    users, items = workloads.generate(spec, 60, 500, 6, seed=3)
+    np.testing.assert_allclose(users - base_u, params.offset, rtol=0, atol=params.offset * 1e-6)
+    np.testing.assert_allclose(items - base_i, params.offset, rtol=0, atol=params.offset * 1e-6)
+    assert workloads.kind_label(kind, params) == f"{kind.value}(offset={params.offset:g})"
+    if kind is Kind.ties:
+        res = Engine(items, metric="l2", device="cpu").search(users, 10)
+        d = -((users[:, None, :].astype(np.float64) - items[None].astype(np.float64)) ** 2).sum(-1)
+        order = np.lexsort((np.broadcast_to(np.arange(500), d.shape), -d), axis=-1)[:, :10]
+        np.testing.assert_array_equal(res.indices, order)
+        np.testing.assert_array_equal(res.scores, np.take_along_axis(d, order, 1).astype(np.float32))
