@@ -32,10 +32,9 @@ def check_item_norm_row(norm: float, metric: str, path: str, row: int, item_id: 
     """The engine's refusal of an item whose norm overflows float32 under l2 (``check_item_norm``), for one row of
     an item file read apart from the engine (an item shard's rows, every one of which is checked)."""
     try:
-        check_item_norm(norm, metric, lambda: row)
+        check_item_norm(norm, metric, lambda: 0)
     except InputError as exc:
-        raise InputError(str(exc).replace(f"item_vecs: row {row} ", f"{path}: row {row} (id {fmt_id(item_id)}) ",
-                                          1)) from None
+        raise _named(exc, path, [item_id], [row]) from None
 
 
 def item_engine(vectors: Any, ids: np.ndarray, path: str, file_rows: np.ndarray | None = None,
@@ -46,12 +45,18 @@ def item_engine(vectors: Any, ids: np.ndarray, path: str, file_rows: np.ndarray 
     try:
         return Engine(vectors, **engine_args)
     except InputError as exc:
-        m = re.match(r"item_vecs: row (\d+) (.*)", str(exc), re.S)
-        if m is None:
-            raise
-        pos = int(m.group(1))
-        row = int(file_rows[pos]) if file_rows is not None else pos
-        raise InputError(f"{path}: row {row} (id {fmt_id(ids[pos])}) {m.group(2)}") from None
+        raise _named(exc, path, ids, file_rows) from None
+
+
+def _named(exc: InputError, path: str, ids: Any, file_rows: Any = None) -> InputError:
+    """An engine's ``item_vecs: row i ...`` as ``{path}: row {file_rows[i]} (id {ids[i]}) ...`` (``exc`` itself when it
+    names no item row)."""
+    m = re.match(r"item_vecs: row (\d+) (.*)", str(exc), re.S)
+    if m is None:
+        return exc
+    pos = int(m.group(1))
+    row = int(file_rows[pos]) if file_rows is not None else pos
+    return InputError(f"{path}: row {row} (id {fmt_id(ids[pos])}) {m.group(2)}")
 
 
 def streams(backend: Any, n_items: int, dim: int, metric: str, memory_budget: int | None,

@@ -15,7 +15,6 @@ read their shard and write its output themselves, and the driver verifies output
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ from typing import Any
 
 from ...backends.placement import plan_actors
 from ...core.errors import InputError
+from ...io import atomic
 from ..batch.item_shards import RangeScorer
 from ..batch.worker import BatchError, JobSpec, ShardResult, ShardScorer, ShardTask
 from .item_shards import ItemShardExecutor
@@ -180,53 +180,46 @@ def ray_session(address: str | None, min_cpus: int = 0) -> Iterator[Callable[[],
     come out of it as Ray's own ``SystemExit(1)``, and ``ray.init`` puts Ray's handlers in place of the caller's."""
     import ray
 
-    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    # The handlers from before ray.init, which replaces them. They belong to the main thread; elsewhere (an
+    # embedding's thread) they are left alone.
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS} \
+        if threading.current_thread() is threading.main_thread() else {}
+    started = not ray.is_initialized()
+    if started:
+        kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+        if address is None and not os.environ.get("RAY_ADDRESS"):
+            address = "local"
+            kwargs["include_dashboard"] = False
+            if min_cpus > (os.cpu_count() or 1):
+                kwargs["num_cpus"] = min_cpus
+        try:
+            ray.init(address=address, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - connection refused, version mismatch, bad address...
+            where = "a local Ray instance" if address == "local" else (address or os.environ.get("RAY_ADDRESS"))
+            raise BatchError(f"cannot start or reach Ray ({where}): {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())}") from None
     pending: list[int] = []
-    main = threading.current_thread() is threading.main_thread()
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
     def poll() -> None:
         if pending:
             signum = pending.pop(0)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            restore()
             if callable(previous[signum]):
                 previous[signum](signum, None)
             signal.raise_signal(signum)  # the default action (or ignored: then the job goes on)
 
-    def defer() -> None:
-        if main:
-            for sig in _SIGNALS:
-                signal.signal(sig, lambda signum, frame: pending.append(signum))
-
-    if ray.is_initialized():
-        defer()
-        try:
-            yield poll
-        finally:
-            if main:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-        return
-    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        address = "local"
-        kwargs["include_dashboard"] = False
-        if min_cpus > (os.cpu_count() or 1):
-            kwargs["num_cpus"] = min_cpus
-    try:
-        ray.init(address=address, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - connection refused, version mismatch, bad address...
-        where = "a local Ray instance" if address == "local" else (address or os.environ.get("RAY_ADDRESS"))
-        raise BatchError(f"cannot start or reach Ray ({where}): {type(exc).__name__}: "
-                         f"{' '.join(str(exc).split())}") from None
-    defer()
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: pending.append(signum))
     try:
         yield poll
     finally:
-        ray.shutdown()
-        if main:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        if started:
+            ray.shutdown()
+        restore()
 
 
 def wait_for(ray: Any, ref: Any, poll: Callable[[], None], worker: str, shard: str | None = None) -> Any:
@@ -251,13 +244,16 @@ def ray_failed(exc: BaseException, worker: str | None = None, shard: str | None 
 
 
 def remove_partials(tasks: list[ShardTask]) -> None:
-    """The temporary files of ``tasks``' outputs (``.name.tmp-pid``): those of actors that were killed, which do not
-    remove their own; the job holds the directory's lock, so nothing else writes them."""
-    for task in tasks:
-        out = Path(task.out_path)
-        for path in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+    """The temporary files of ``tasks``' outputs (``atomic.TMP_NAME``), whatever their pid: those of actors that
+    were killed, which do not remove their own (and may live on for a moment, or on another node, so that
+    ``atomic.stale_temporaries`` would keep them); the job holds the directory's lock, so nothing else writes them."""
+    names = {Path(task.out_path).name for task in tasks}
+    for directory in {Path(task.out_path).parent for task in tasks}:
+        for path in directory.iterdir():
+            m = atomic.TMP_NAME.match(path.name)
+            if m is not None and m["name"] in names:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
 
 def kill_actors(ray: Any, actors: list[Any]) -> None:
