@@ -306,3 +306,63 @@ def test_ray_refuses_more_cpu_actors_than_the_cluster_has(job: dict, tmp_path: P
             run_batch(job["users"], job["items"], tmp_path / "out", K, device="cpu", workers=2, engine="ray")
     finally:
         ray.shutdown()
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("init_fails", [False, True])
+def test_a_signal_during_ray_init_waits_for_it(monkeypatch: pytest.MonkeyPatch, init_fails: bool) -> None:
+    """A SIGTERM while ray.init runs is held until it returns, then handed to the handler from before (which stops the
+    job): raised inside ray.init, it would leave Ray's agents half-started. Where ray.init fails, the signal still
+    comes first."""
+    ray = pytest.importorskip("ray")
+    from recall.jobs.executors.ray import ray_session
+
+    seen: list = []
+
+    def init(**kwargs) -> None:
+        signal.raise_signal(signal.SIGTERM)
+        seen.append("init returned")
+        if init_fails:
+            raise ConnectionError("refused")
+
+    def stop(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise _Stop
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: "init returned" in seen and not init_fails)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: seen.append("shutdown"))
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(_Stop), ray_session(None) as poll:
+            assert seen == ["init returned"]
+            poll()
+        assert seen == ["init returned", signal.SIGTERM] + ([] if init_fails else ["shutdown"])
+        assert signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_signal_after_the_drivers_last_look_still_stops_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    ray = pytest.importorskip("ray")
+    from recall.jobs.executors.ray import ray_session
+
+    seen: list = []
+
+    def stop(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise _Stop
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # connected already: nothing started or shut down here
+    before = signal.signal(signal.SIGINT, stop)
+    try:
+        with pytest.raises(_Stop), ray_session(None):
+            signal.raise_signal(signal.SIGINT)  # recorded; the driver does not look again
+            seen.append("body done")
+        assert seen == ["body done", signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is stop
+    finally:
+        signal.signal(signal.SIGINT, before)

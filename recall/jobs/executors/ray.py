@@ -136,6 +136,7 @@ class RayExecutor:
         for i in range(len(actors)):
             submit(i)
         while running:
+            poll()
             ready, _ = ray.wait(list(running), num_returns=1, timeout=_POLL_S)
             if not ready:
                 poll()
@@ -175,30 +176,21 @@ def ray_session(address: str | None, min_cpus: int = 0) -> Iterator[Callable[[],
     at the end if started here.
 
     Yields ``poll()``, which the driver calls between its waits on Ray (never more than ``_POLL_S`` apart). A
-    SIGTERM or SIGINT meanwhile is only recorded, then handed by ``poll`` to the handler the process had before
-    (the CLI's, which stops the job with its exit code and line): a handler that raised inside a Ray wait would
-    come out of it as Ray's own ``SystemExit(1)``, and ``ray.init`` puts Ray's handlers in place of the caller's."""
+    SIGTERM or SIGINT from the start of ``ray.init`` on is only recorded, then handed by ``poll`` to the handler the
+    process had before (the CLI's, which stops the job with its exit code and line): a handler that raised inside a
+    Ray wait would come out of it as Ray's own ``SystemExit(1)``, one that raised inside ``ray.init`` would leave
+    Ray's agents running, and ``ray.init`` puts Ray's handlers in place of the caller's."""
     import ray
 
     # The handlers from before ray.init, which replaces them. They belong to the main thread; elsewhere (an
     # embedding's thread) they are left alone.
     previous = {sig: signal.getsignal(sig) for sig in _SIGNALS} \
         if threading.current_thread() is threading.main_thread() else {}
-    started = not ray.is_initialized()
-    if started:
-        kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
-        if address is None and not os.environ.get("RAY_ADDRESS"):
-            address = "local"
-            kwargs["include_dashboard"] = False
-            if min_cpus > (os.cpu_count() or 1):
-                kwargs["num_cpus"] = min_cpus
-        try:
-            ray.init(address=address, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - connection refused, version mismatch, bad address...
-            where = "a local Ray instance" if address == "local" else (address or os.environ.get("RAY_ADDRESS"))
-            raise BatchError(f"cannot start or reach Ray ({where}): {type(exc).__name__}: "
-                             f"{' '.join(str(exc).split())}") from None
     pending: list[int] = []
+
+    def hold() -> None:
+        for sig in previous:
+            signal.signal(sig, lambda signum, frame: pending.append(signum))
 
     def restore() -> None:
         for sig, handler in previous.items():
@@ -212,19 +204,56 @@ def ray_session(address: str | None, min_cpus: int = 0) -> Iterator[Callable[[],
                 previous[signum](signum, None)
             signal.raise_signal(signum)  # the default action (or ignored: then the job goes on)
 
-    for sig in previous:
-        signal.signal(sig, lambda signum, frame: pending.append(signum))
+    started = not ray.is_initialized()
+    # Held from before ray.init: a signal that stopped it half-way would leave its agents running.
+    hold()
     try:
+        if started:
+            kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+            if address is None and not os.environ.get("RAY_ADDRESS"):
+                address = "local"
+                kwargs["include_dashboard"] = False
+                if min_cpus > (os.cpu_count() or 1):
+                    kwargs["num_cpus"] = min_cpus
+            try:
+                with _own_sigterm(ray):
+                    ray.init(address=address, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - connection refused, version mismatch, bad address...
+                poll()  # a signal meanwhile comes first
+                where = "a local Ray instance" if address == "local" else (address or os.environ.get("RAY_ADDRESS"))
+                raise BatchError(f"cannot start or reach Ray ({where}): {type(exc).__name__}: "
+                                 f"{' '.join(str(exc).split())}") from None
+            hold()  # ray.init put Ray's handlers in place
         yield poll
     finally:
-        if started:
+        if started and ray.is_initialized():
             ray.shutdown()
+        poll()  # a signal since the driver's last look: the job stops as if it had come a moment earlier
         restore()
+
+
+@contextlib.contextmanager
+def _own_sigterm(ray: Any) -> Iterator[None]:
+    """While ``ray.init`` runs, Ray's own SIGTERM handlers (``sys.exit`` at once, or the node's processes killed and
+    ``sys.exit(1)``: either leaves the job without its line, and its dashboard and runtime-env agents running) are
+    not put in place of the job's. Ray installs them through one function of its private utilities: left alone
+    where a Ray version has none."""
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    if utils is None or not hasattr(utils, "set_sigterm_handler"):
+        yield
+        return
+    original = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = original
 
 
 def wait_for(ray: Any, ref: Any, poll: Callable[[], None], worker: str, shard: str | None = None) -> Any:
     """``ray.get(ref)`` of a call to actor ``worker`` (scoring ``shard``), looking for signals meanwhile
     (``ray_session``); a dead actor fails the job naming it and the shard."""
+    poll()
     while not ray.wait([ref], timeout=_POLL_S)[0]:
         poll()
     try:
