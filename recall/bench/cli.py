@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from recall import BackendUnavailable, InputError
+from recall.core.errors import one_line, os_error_line
+from recall.core.signals import Interrupted, raising_signals
 
 from . import layouts as lay
 from . import matrix as mx
@@ -93,8 +96,44 @@ def _command_line() -> list[str] | None:
 
 
 def _fail(message: str, code: int) -> None:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {one_line(message)}", err=True)
     raise typer.Exit(code)
+
+
+def _make_out(out: Path) -> Path | None:
+    """Create the ``--out`` folder before anything runs, so that a path that cannot be one fails at once, not after
+    the run; return the topmost folder created here (None: it was there).
+
+    Raises
+    ------
+    InputError
+        When the folder cannot be created or written to.
+    """
+    top = None
+    for p in (out, *out.parents):
+        if p.exists():
+            break
+        top = p
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--out {out}: cannot create the folder: {exc.strerror or exc}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out}: the folder is not writable")
+    return top
+
+
+def _remove_if_empty(out: Path, top: Path | None) -> None:
+    """Remove the folders :func:`_make_out` created, from ``out`` up to ``top``, where nothing was written in them."""
+    if top is None:
+        return
+    for p in (out, *out.parents):
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == top:
+            return
 
 
 def bench(
@@ -109,7 +148,7 @@ def bench(
         help="Comma-separated contender families: recall, faiss, cuvs, torch.")] = "recall,faiss,cuvs,torch",
     repeat: Annotated[Optional[int], typer.Option(
         min=1, help="Timed runs per contender (median reported), after a warm-up; default 3 (a matrix: its "
-        "grid's); up to 2 more where the slowest took over 1.1x the fastest.")] = None,
+        "grid's; --cell: 2); up to 2 more where the slowest took over 1.1x the fastest.")] = None,
     out: Annotated[Path, typer.Option(file_okay=False, help="Folder for results.json, results.md and the PNGs.")]
     = Path("bench-out"),
     sample_users: Annotated[Optional[int], typer.Option(
@@ -146,89 +185,140 @@ def bench(
     from . import report, runner
 
     console = report.make_console()
+    out = Path(out)
+    partial = out / report.PARTIAL_NAME
+    created: Path | None = None
+    checkpoints = 0
+
+    def left() -> str:
+        """What a run that stops early leaves behind, for its last line (an --out folder it created and left empty
+        is removed)."""
+        if checkpoints:
+            return f"the finished workloads are in {partial}; {report.JSON_NAME} not written"
+        _remove_if_empty(out, created)
+        return f"nothing written to {out}"
+
+    def bad_input(message: str) -> str:
+        """An error's line: what was left only where the run had finished a workload (else nothing ran)."""
+        if checkpoints:
+            return f"{message}; {left()}"
+        _remove_if_empty(out, created)
+        return message
+
     try:
-        if list_:
-            _print_list(matrix.value if matrix is not None else None)
-            return
-        if (users is None) != (items is None):
-            raise InputError("--users and --items go together")
-        if users is not None and (workload or kind is not None):
-            raise InputError("--users/--items bring their own data: --workload and --kind do not apply")
-        if matrix is not None and (workload or users is not None or kind is not None or k is not None):
-            raise InputError("--matrix runs its own cells: --workload, --users/--items, --kind and --k do not apply")
-        if cell and (matrix is not None or workload or users is not None or kind is not None or k is not None):
-            raise InputError("--cell runs its own cells: --matrix, --workload, --users/--items, --kind and --k do "
-                             "not apply")
-        if cells is not None and matrix is None:
-            raise InputError("--cells selects cells of a --matrix")
-        if k is not None and k < 1:
-            raise InputError(f"--k must be >= 1, got {k}")
-        if max_minutes is not None and not max_minutes > 0:
-            raise InputError(f"--max-minutes must be > 0, got {max_minutes}")
-        grid = mx.get(matrix.value) if matrix is not None else None
-        if cell:
-            grid = mx.custom(cell, device.value if device is not None else None)
-        if device is not None:
-            dev = device.value
-        elif grid is not None:
-            dev = grid.device
-        else:
-            from recall.backends import cuda_status
+        with raising_signals():
+            if list_:
+                _print_list(matrix.value if matrix is not None else None)
+                return
+            grid, indices, settings = _plan(workload, kind, device, contenders, repeat, sample_users, seed, metric,
+                                            ceilings, e2e, layout, matrix, cells, cell, max_minutes, users, items, k)
+            created = _make_out(out)
 
-            dev = "gpu" if cuda_status()[0] else "cpu"
-        from .contenders import parse_families
+            def log(msg: str) -> None:
+                console.print(msg, style="dim", highlight=False)
 
-        families = parse_families(contenders)
-        data = {}
-        chosen = []
-        if users is not None:
-            if k is None:
-                raise InputError("--users/--items need --k")
-            w, arrays = runner.load_parquet_workload(users, items, k, dev)
-            chosen = [w]
-            data[w.name] = arrays
-        elif grid is None:
-            if not workload and not ceilings:
-                raise InputError("nothing to run: give --workload NAME (see --list), --matrix NAME, --users/--items, "
-                                 "or --ceilings")
-            for name in workload or []:
-                w = wl.get(name.value).with_kind(kind)
-                if k is not None:
-                    w = dataclasses.replace(w, k=k)
-                chosen.append(w)
-        default_repeat = grid.repeat if grid is not None else 3
-        default_sample = grid.sample_users if grid is not None else 1000
-        settings = runner.Settings(workloads=chosen, device=dev, families=families,
-                                   repeat=repeat or default_repeat, seed=seed,
-                                   sample_users=sample_users or default_sample, metric=metric.value,
-                                   measure_ceilings=ceilings, e2e=e2e, data=data,
-                                   layouts=[x.value for x in layout] if layout else [lay.DEFAULT],
-                                   max_seconds=None if max_minutes is None else 60.0 * max_minutes)
+            def checkpoint(doc: dict) -> None:
+                nonlocal checkpoints
+                report.write_partial(doc, partial)
+                checkpoints += 1
 
-        def log(msg: str) -> None:
-            console.print(msg, style="dim", highlight=False)
-
-        partial = Path(out) / report.PARTIAL_NAME
-
-        def checkpoint(doc: dict) -> None:
-            report.write_partial(doc, partial)
-
-        if grid is not None:
-            indices = mx.parse_cells(cells, len(grid.cells))
-            doc = mx.run(grid, indices, settings, log=log, argv=_command_line(), checkpoint=checkpoint)
-        else:
-            doc = runner.run(settings, log=log, argv=_command_line(), checkpoint=checkpoint)
+            if grid is not None:
+                doc = mx.run(grid, indices, settings, log=log, argv=_command_line(), checkpoint=checkpoint)
+            else:
+                doc = runner.run(settings, log=log, argv=_command_line(), checkpoint=checkpoint)
+            report.print_table(doc, console)
+            for name, what in report.write(doc, out).items():
+                console.print(f"{name}: {what}", style="dim", highlight=False)
+            partial.unlink(missing_ok=True)  # only now: results.json holds everything it did
     except InputError as exc:
-        _fail(str(exc), 2)
+        _fail(bad_input(str(exc)), 2)
     except BackendUnavailable as exc:
-        _fail(str(exc), 1)
-    report.print_table(doc, console)
-    partial.unlink(missing_ok=True)
-    for name, what in report.write(doc, out).items():
-        console.print(f"{name}: {what}", style="dim", highlight=False)
+        _fail(bad_input(str(exc)), 1)
+    except MemoryError as exc:
+        _fail(f"out of host memory ({one_line(exc)}); {left()}", 1)
+    except OSError as exc:
+        _fail(f"{os_error_line(exc)}; {left()}", 1)
+    except Interrupted as exc:
+        typer.echo(f"{exc}: {left()}", err=True)
+        raise typer.Exit(exc.code) from None
     bad = runner.problems(doc)
     for line in bad:
         typer.echo(f"problem: {line}", err=True)
     if bad:
         raise typer.Exit(1)
 
+
+def _plan(workload: list[Any] | None, kind: str | None, device: Device | None, contenders: str, repeat: int | None,
+          sample_users: int | None, seed: int, metric: Metric, ceilings: bool, e2e: bool, layout: list[Any] | None,
+          matrix: Any, cells: str | None, cell: list[str] | None, max_minutes: float | None, users: Path | None,
+          items: Path | None, k: int | None) -> tuple[mx.Grid | None, list[int], Any]:
+    """The grid (None: workloads), its chosen cells and the run's settings, from the options; nothing runs yet.
+
+    Raises
+    ------
+    InputError
+        Options that do not go together or values no run can use.
+    BackendUnavailable
+        ``--device gpu`` with ``--users/--items`` and no usable GPU.
+    """
+    from . import runner
+
+    if (users is None) != (items is None):
+        raise InputError("--users and --items go together")
+    if users is not None and (workload or kind is not None):
+        raise InputError("--users/--items bring their own data: --workload and --kind do not apply")
+    if matrix is not None and (workload or users is not None or kind is not None or k is not None):
+        raise InputError("--matrix runs its own cells: --workload, --users/--items, --kind and --k do not apply")
+    if cell and (matrix is not None or workload or users is not None or kind is not None or k is not None):
+        raise InputError("--cell runs its own cells: --matrix, --workload, --users/--items, --kind and --k do "
+                         "not apply")
+    if cells is not None and matrix is None:
+        raise InputError("--cells selects cells of a --matrix")
+    if layout and not e2e:
+        raise InputError("--layout is the file layout of the --e2e rows: give --e2e too")
+    if k is not None and k < 1:
+        raise InputError(f"--k must be >= 1, got {k}")
+    if max_minutes is not None and not max_minutes > 0:
+        raise InputError(f"--max-minutes must be > 0, got {max_minutes}")
+    grid = mx.get(matrix.value) if matrix is not None else None
+    if cell:
+        grid = mx.custom(cell, device.value if device is not None else None)
+    if device is not None:
+        dev = device.value
+    elif grid is not None:
+        dev = grid.device
+    else:
+        from recall.backends import cuda_status
+
+        dev = "gpu" if cuda_status()[0] else "cpu"
+    from .contenders import parse_families
+
+    families = parse_families(contenders)
+    data = {}
+    chosen = []
+    if users is not None:
+        if k is None:
+            raise InputError("--users/--items need --k")
+        w, arrays = runner.load_parquet_workload(users, items, k, dev)
+        chosen = [w]
+        data[w.name] = arrays
+    elif grid is None:
+        if not workload and not ceilings:
+            raise InputError("nothing to run: give --workload NAME (see --list), --matrix NAME, --users/--items, "
+                             "or --ceilings")
+        for name in workload or []:
+            w = wl.get(name.value).with_kind(kind)
+            if k is not None:
+                w = dataclasses.replace(w, k=k)
+            chosen.append(w)
+    default_repeat = grid.repeat if grid is not None else 3
+    default_sample = grid.sample_users if grid is not None else 1000
+    settings = runner.Settings(workloads=chosen, device=dev, families=families,
+                               repeat=repeat or default_repeat, seed=seed,
+                               sample_users=sample_users or default_sample, metric=metric.value,
+                               measure_ceilings=ceilings, e2e=e2e, data=data,
+                               layouts=[x.value for x in layout] if layout else [lay.DEFAULT],
+                               max_seconds=None if max_minutes is None else 60.0 * max_minutes)
+    settings.validate()
+    indices = mx.parse_cells(cells, len(grid.cells)) if grid is not None else []
+    return grid, indices, settings

@@ -238,24 +238,29 @@ def parse_cell(text: str) -> Cell:
             raise InputError(f"cell {text!r}: {key} is given twice")
         found[key] = value
 
+    counts = {"d": ("dim", "dim"), "k": ("k", "k"), "x": ("excl", "exclusions")}
     for tok in tokens[1:]:
-        if re.fullmatch(r"d\d+", tok):
-            put("dim", _count(tok[1:], "dim", text))
-        elif re.fullmatch(r"k[\d_,.]+[kKmM]?", tok):
-            put("k", _count(tok[1:], "k", text))
-        elif re.fullmatch(r"x[\d_,.]+[kKmM]?", tok):
-            put("excl", _count(tok[1:], "exclusions", text))
+        # d<dim>, k<k>, x<exclusions>: a count after the letter; "k-5" or "d1.5" is a bad count, not a data kind.
+        if tok[0] in counts and re.fullmatch(r"[-+]?[\d_,.].*", tok[1:]):
+            key, what = counts[tok[0]]
+            put(key, _count(tok[1:], what, text))
         elif tok in METRICS:
             put("metric", tok)
         else:
-            parse_kind(tok)  # raises InputError naming the problem
+            try:
+                parse_kind(tok)
+            except InputError as exc:
+                raise InputError(f"cell {text!r}: {exc}") from None
             put("kind", tok)
     missing = [key for key in ("dim", "k", "metric", "kind") if key not in found]
     if missing:
         raise InputError(f"cell {text!r}: missing {', '.join(missing)}")
-    cell = Cell(shape, n_users, n_items, found["dim"], found["k"], found["metric"], found["kind"],
-                found.get("excl", 0))
-    cell.workload("check")  # validates the combination (exclusions < items, kind parameters)
+    excl = found.get("excl", 0)
+    if excl >= n_items:
+        raise InputError(f"cell {text!r}: {excl:,} exclusions per user need more than the {n_items:,} items of "
+                         f"{shape}")
+    cell = Cell(shape, n_users, n_items, found["dim"], found["k"], found["metric"], found["kind"], excl)
+    cell.workload("check")  # validates the rest of the combination
     return cell
 
 
@@ -616,10 +621,13 @@ def summarise(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def contender_names(families: list[str], device: str) -> list[str]:
-    """Names of the contenders a matrix run builds for ``families`` on ``device`` (for the estimate)."""
+    """Names of the contenders a matrix run builds for ``families`` on ``device`` (for the estimate). On the CPU, only
+    those that can run on this machine (cuVS never does; torch only where installed): the others are skipped in no
+    time. A GPU grid's estimate is for the H200, whatever this machine has."""
     from . import contenders as cont
 
-    return [c.name for c in cont.build(families, device, inexact=False)]
+    built = cont.build(families, device, inexact=False)
+    return [c.name for c in built if device != "cpu" or c.unavailable() is None]
 
 
 def run(grid: Grid, indices: list[int], settings: Any, log: Any = lambda msg: None,

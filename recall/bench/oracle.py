@@ -551,7 +551,13 @@ def check_from_true_scores(truth: Truth, valid: np.ndarray, true_s: np.ndarray, 
     """Tie-aware recall@k of an answer from the true (float64) scores of its slots; see :func:`check`.
 
     valid: (n, k_returned) bool from :func:`answer_validity`; true_s: (n, k_returned) true scores; sc: the scores
-    the contender reported (float64), or None; excluded: (n, k_returned) bool from :func:`excluded_slots`, or None."""
+    the contender reported (float64), or None; excluded: (n, k_returned) bool from :func:`excluded_slots`, or None.
+    Only the first ``truth.k`` slots are the answer: an answer wider than k (right items after wrong ones) is judged
+    by its top k, as a caller would read it."""
+    width = truth.k
+    valid, true_s = valid[:, :width], true_s[:, :width]
+    sc = None if sc is None else sc[:, :width]
+    excluded = None if excluded is None else excluded[:, :width]
     n, k_ret = valid.shape
     ok = valid if excluded is None else valid & ~excluded
     true_s = np.where(ok, true_s, -np.inf)

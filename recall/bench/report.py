@@ -271,9 +271,14 @@ def write(doc: dict[str, Any], out_dir: Path) -> dict[str, str]:
     status = {}
     doc["plot"] = plot(doc, out_dir / PNG_NAME)
     status[PNG_NAME] = doc["plot"]
+    heatmap_status = "skipped: not a matrix run"
     if doc.get("matrix"):
-        doc["matrix"]["heatmap"] = heatmap(doc, out_dir / HEATMAP_NAME)
-        status[HEATMAP_NAME] = doc["matrix"]["heatmap"]
+        heatmap_status = doc["matrix"]["heatmap"] = heatmap(doc, out_dir / HEATMAP_NAME)
+        status[HEATMAP_NAME] = heatmap_status
+    # A picture this run did not draw is an earlier run's: beside this run's results it would pass for them.
+    for name, what in ((PNG_NAME, doc["plot"]), (HEATMAP_NAME, heatmap_status)):
+        if not what.startswith("wrote"):
+            (out_dir / name).unlink(missing_ok=True)
     (out_dir / JSON_NAME).write_text(json.dumps(_jsonable(doc), indent=2) + "\n")
     status[JSON_NAME] = f"wrote {out_dir / JSON_NAME}"
     (out_dir / MD_NAME).write_text(markdown(doc))

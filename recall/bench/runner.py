@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from recall import BackendUnavailable, InputError
+from recall.core.errors import one_line
 
 from . import ceilings as ceil
 from . import contenders as cont
@@ -505,9 +506,15 @@ def load_parquet_workload(users_path: Path, items_path: Path, k: int, device: st
     ------
     InputError
         Missing file or column, vectors of unequal or mismatched dimension, nulls, k < 1.
+    BackendUnavailable
+        ``device="gpu"`` without a usable GPU (said before the files are read).
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise InputError(f"--k must be an integer >= 1 with --users/--items, got {k!r}")
+    if device == "gpu":
+        reason = cont._gpu_reason()
+        if reason:
+            raise BackendUnavailable(f"--device gpu: no usable GPU: {reason}")
     users = _read_vectors(Path(users_path), vec_col)
     items = _read_vectors(Path(items_path), vec_col)
     if users.shape[1] != items.shape[1]:
@@ -531,9 +538,13 @@ def _read_vectors(path: Path, vec_col: str) -> np.ndarray:
     if not path.is_file():
         raise InputError(f"{path}: no such file")
     try:
+        names = pq.read_schema(path).names
+        if vec_col not in names:
+            raise InputError(f"{path}: no column {vec_col!r} (columns: {', '.join(names) or 'none'})")
         col = pq.read_table(path, columns=[vec_col]).column(vec_col).combine_chunks()
     except (KeyError, pa.ArrowInvalid) as exc:
-        raise InputError(f"{path}: cannot read column {vec_col!r}: {exc}") from None
+        # Arrow's messages run over several lines (a schema dump); the CLI prints one.
+        raise InputError(f"{path}: cannot read column {vec_col!r}: {one_line(exc)}") from None
     if not (pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type)
             or pa.types.is_large_list(col.type)):
         raise InputError(f"{path}: column {vec_col!r} has type {col.type}, expected a list of floats")

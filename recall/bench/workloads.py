@@ -192,6 +192,8 @@ def _check_params(kind: Kind, p: KindParams, text: str) -> None:
     for name, value in p.diff(KindParams()).items():
         if name not in _APPLIES[kind]:
             raise InputError(f"kind {text!r}: {name} does not apply to {kind.value} data")
+        if not np.isfinite(value):  # nan passes every comparison below and would generate NaN data
+            raise InputError(f"kind {text!r}: {name}={value!r} is not a finite number")
     if p.user_sigma < 0 or p.item_sigma < 0 or p.noise < 0 or p.pareto_alpha < 0:
         raise InputError(f"kind {text!r}: sigmas, noise and pareto_alpha must be >= 0, got {p}")
     if p.centres < 1 or p.tie_range < 1:

@@ -9,11 +9,8 @@ stderr, and only when stderr is a terminal; the final summary goes to stdout.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -22,7 +19,8 @@ from typing import Annotated
 
 import typer
 
-from ..core.errors import BackendUnavailable, InputError, ResourceError
+from ..core.errors import BackendUnavailable, InputError, ResourceError, one_line, os_error_line
+from ..core.signals import Interrupted, raising_signals
 from ..core.version import __version__
 
 #: Exit code for bad input (data, arguments), an unmet memory budget or a missing GPU: the user can fix these.
@@ -94,17 +92,6 @@ def logging_to_stderr(quiet: bool, verbose: bool) -> Iterator[None]:
         log.setLevel(old_level)
 
 
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def os_error_line(exc: OSError) -> str:
-    """An OSError as ``{path}: {reason}`` (every OSError recall raises names its path; others are shown whole)."""
-    if exc.filename is not None and exc.strerror:
-        return one_line(f"{os.fsdecode(exc.filename)}: {exc.strerror}")
-    return one_line(exc)
-
-
 @contextmanager
 def errors_to_exit() -> Iterator[None]:
     """Turn the errors a user can act on into ``error: ...`` on stderr and an exit code, never a traceback."""
@@ -122,52 +109,17 @@ def errors_to_exit() -> Iterator[None]:
         raise typer.Exit(EXIT_OS_ERROR) from None
 
 
-class Interrupted(SystemExit):
-    """SIGTERM (a scheduler's timeout, ``kill``, ``timeout``) or SIGINT (Ctrl-C) turned into an exception, raised in
-    the main thread, so that the command unwinds: writers remove their temporary files, the batch job records its
-    failure in ``_metrics.json`` and stops its workers. The exit status is 128 + the signal: 143 or 130."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
-        self.signum = signum
-
-    def __str__(self) -> str:
-        return "terminated by SIGTERM" if self.signum == signal.SIGTERM else "interrupted by SIGINT (Ctrl-C)"
-
-
 @contextmanager
 def interruptible(message: Callable[[Interrupted], str]) -> Iterator[None]:
-    """Every command's signal policy: SIGTERM and SIGINT raise :class:`Interrupted` in the main thread; once the
-    command has unwound, ``message(exc)`` is printed as one line on stderr and the command exits with 143 / 130.
-
-    A second signal while the first unwinds exits at once (the temporary file may then stay: the next run into the
-    directory removes it). Outside the main thread (an embedding that runs commands on a thread) signals are left
-    alone.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-
-    def handler(signum: int, frame: object) -> None:
-        if pending:
-            os._exit(128 + signum)
-        pending.append(signum)
-        raise Interrupted(signum)
-
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    """Every command's signal policy (``recall.core.signals.raising_signals``): SIGTERM and SIGINT raise
+    :class:`Interrupted` in the main thread; once the command has unwound, ``message(exc)`` is printed as one line on
+    stderr and the command exits with 143 / 130."""
     try:
-        yield
+        with raising_signals():
+            yield
     except Interrupted as exc:
         typer.echo(message(exc), err=True)
         raise typer.Exit(exc.code) from None
-    except KeyboardInterrupt:  # Ctrl-C that reached Python before the handler was in place
-        exc = Interrupted(signal.SIGINT)
-        typer.echo(message(exc), err=True)
-        raise typer.Exit(exc.code) from None
-    finally:
-        for sig, previous in old.items():
-            signal.signal(sig, previous)
 
 
 def nothing_written(out: object) -> Callable[[Interrupted], str]:

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from numba import njit
 
-from ..core.errors import InputError
+from ..core.errors import InputError, one_line
 
 #: Rows per Arrow batch when reading a whole file: large enough to amortise per-batch overhead, small enough that
 #: the transient float64 copy of a batch stays in the tens of megabytes.
@@ -115,12 +115,12 @@ def damaged(pf: pq.ParquetFile, path: str, columns: list[str], row: int, exc: Ba
     md = pf.metadata
     starts = row_group_starts(pf)
     first = max(0, int(np.searchsorted(starts, row, side="right")) - 1)
-    group, reason = None, " ".join(str(exc).split())
+    group, reason = None, one_line(exc)
     for i in range(first, md.num_row_groups):
         try:
             pf.read_row_group(i, columns=columns, use_threads=False)
         except (pa.ArrowException, OSError, ValueError) as err:
-            group, reason = i, " ".join(str(err).split())
+            group, reason = i, one_line(err)
             break
     kind = "a page checksum does not match" if "checksum" in reason.lower() or "crc" in reason.lower() else \
         "its data does not decode"

@@ -39,7 +39,7 @@ from typing import Any
 
 from ...core import metrics as _metrics
 from ...core.checks import DEVICES, check_batch_size, check_budget, check_choice, check_int, check_k
-from ...core.errors import InputError
+from ...core.errors import InputError, one_line
 from ...io import atomic, inspect_embeddings, inspect_item_set, inspect_pairs
 from .. import executors
 from ..options import DEFAULT_JOB_OPTIONS, JobOptions
@@ -300,7 +300,7 @@ class _Job:
     def shard_failed(self, name: str, path: str, message: str) -> None:
         """A bad shard (InputError): recorded in ``_metrics.json``; the job goes on with the others."""
         m = re.search(r": row (\d+)", message)
-        entry = {"path": path, "row": int(m.group(1)) if m else None, "error": " ".join(message.split())}
+        entry = {"path": path, "row": int(m.group(1)) if m else None, "error": one_line(message)}
         with self.lock:
             self.bad[name] = entry
             self.metrics["shards"][name] = {"status": "bad", **entry}
@@ -681,7 +681,7 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
             excl_files = reading.save(out) if reading is not None else None
             executor.run(req.spec(good[0].id_type, excl_files), tasks, state)
     except BaseException as exc:
-        state.finish("failed", notices, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+        state.finish("failed", notices, f"{type(exc).__name__}: {one_line(exc)}")
         raise
     finally:
         progress.end()

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ...backends.placement import WorkerSlot, plan_workers
-from ...core.errors import BackendUnavailable, InputError, ResourceError
+from ...core.errors import BackendUnavailable, InputError, ResourceError, one_line
 from ..batch.worker import BatchError, JobSpec, ShardScorer, ShardTask
 from .channel import Channel
 
@@ -48,7 +48,7 @@ def rebuild_error(worker: str, shard: str | None, cls: str, message: str, tb: st
     if cls in _USER_ERRORS:
         return _USER_ERRORS[cls](message)
     where = f" on shard {shard}" if shard else " while loading the items"
-    return BatchError(f"worker {worker} failed{where}: {cls}: {' '.join(message.split())}\n{tb}".rstrip())
+    return BatchError(f"worker {worker} failed{where}: {cls}: {one_line(message)}\n{tb}".rstrip())
 
 
 class InProcessExecutor:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ...backends.placement import plan_actors
-from ...core.errors import InputError
+from ...core.errors import InputError, one_line
 from ...io import atomic
 from ..batch.item_shards import RangeScorer
 from ..batch.worker import BatchError, JobSpec, ShardResult, ShardScorer, ShardTask
@@ -222,7 +222,7 @@ def ray_session(address: str | None, min_cpus: int = 0) -> Iterator[Callable[[],
                 poll()  # a signal meanwhile comes first
                 where = "a local Ray instance" if address == "local" else (address or os.environ.get("RAY_ADDRESS"))
                 raise BatchError(f"cannot start or reach Ray ({where}): {type(exc).__name__}: "
-                                 f"{' '.join(str(exc).split())}") from None
+                                 f"{one_line(exc)}") from None
             hold()  # ray.init put Ray's handlers in place
         yield poll
     finally:
@@ -265,7 +265,7 @@ def wait_for(ray: Any, ref: Any, poll: Callable[[], None], worker: str, shard: s
 def ray_failed(exc: BaseException, worker: str | None = None, shard: str | None = None) -> BatchError:
     """The job's failure when Ray fails (an actor died, a node was lost...), naming the worker and its shard where
     known. Ray's message is cut to its first 300 characters, at a word."""
-    text = " ".join(str(exc).split())
+    text = one_line(exc)
     if len(text) > 300:
         text = text[:300].rsplit(" ", 1)[0] + " ..."
     who = f"worker {worker}" + (f" failed while scoring {shard}" if shard else " failed") + ": " if worker else ""
