@@ -69,14 +69,22 @@ batch_cmd "$WARM"
 step "warm-up (all GPUs: fills the kernel caches)" 75 "${BATCH[@]}" --out "$WARM_OUT" --gpus all
 WARM_S=$SECS WARM_RC=$RC
 
+# The CPU dry run: a CPU search's tiling follows its worker's number of cores (one user block per core), and the
+# last bits of float32 scores follow the tiling, so the one-worker run gets one core, as each of the two workers of
+# the other run does; otherwise the byte comparison below fails on every machine with more than one core.
+PIN1=() PIN2=()
+if [ "$DEVICE" = cpu ]; then
+    read -r C0 C1 _ < <(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)), "")')
+    if [ -n "${C1:-}" ] && command -v taskset >/dev/null; then PIN1=(taskset -c "$C0") PIN2=(taskset -c "$C0,$C1"); fi
+fi
 smi_start 1gpu
 batch_cmd "$DATA"
-step "1 GPU" "$RUN_TIMEOUT" "${BATCH[@]}" --out "$OUT1" --gpus 1
+step "1 GPU" "$RUN_TIMEOUT" "${PIN1[@]}" "${BATCH[@]}" --out "$OUT1" --gpus 1
 smi_stop
 RC1=$RC S1=$SECS
 smi_start all
 if [ "$DEVICE" = cpu ]; then BATCH+=(--workers 2); fi  # the dry run still spawns worker processes
-step "all GPUs" "$RUN_TIMEOUT" "${BATCH[@]}" --out "$OUT2" --gpus all
+step "all GPUs" "$RUN_TIMEOUT" "${PIN2[@]}" "${BATCH[@]}" --out "$OUT2" --gpus all
 smi_stop
 RC2=$RC S2=$SECS
 

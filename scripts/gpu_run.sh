@@ -27,6 +27,10 @@ BENCH_ARGS=${BENCH_ARGS:-}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-480}
 mkdir -p "$OUT"
+# An earlier run's files in the same $OUT would be reported below as this run's (its table when this bench fails,
+# its test line when RUN_TESTS=0).
+rm -f "$OUT/setup.log" "$OUT/gpu-tests.log" "$OUT/bench.log" "$OUT/bench/results.json" "$OUT/bench/results.md" \
+    "$OUT/bench/throughput.png"
 
 if [ ! -f /tmp/faiss_env.sh ] && [ -f .device/faiss-gpu-setup.sh ]; then
     bash .device/faiss-gpu-setup.sh >"$OUT/setup.log" 2>&1 || echo "FAISS GPU setup failed: see setup.log"

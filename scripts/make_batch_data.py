@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--shards must not exceed --users")
     if args.exclusions_per_user < 0:
         parser.error("--exclusions-per-user must be >= 0")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a directory")
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(args.seed)

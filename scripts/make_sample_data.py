@@ -36,10 +36,12 @@ def _table(ids: np.ndarray, vecs: np.ndarray) -> pa.Table:
     return pa.table({"id": pa.array(ids, pa.int64()), "embedding": emb})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "data")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a directory")
     args.out.mkdir(parents=True, exist_ok=True)
 
     rng = np.random.default_rng(SEED)

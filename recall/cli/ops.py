@@ -1,8 +1,9 @@
 """``recall doctor`` (is this machine's stack sound?) and ``recall tune`` (the best tiling for a shape, cached).
 
 Exit codes. doctor: 0 when every check passes (no GPU in ``--device auto`` is not a failure), 1 when one fails.
-tune: 0 on success; 2 for bad arguments or data, an unmet budget, or ``--device gpu`` without a GPU; 1 when the cache
-cannot be written.
+tune: 0 on success; 2 for bad arguments or data, data of a shape that does not fit in memory, an unmet budget,
+``--device gpu`` without a GPU, or (``--save``) no directory for the tune cache (no absolute ``XDG_CACHE_HOME`` and no
+home directory); 1 when the cache cannot be written (its directory is checked before the trials).
 """
 from __future__ import annotations
 

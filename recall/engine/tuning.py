@@ -91,16 +91,42 @@ def check_mode(mode: Any) -> str:
 # -- keys -----------------------------------------------------------------------------------------------------------
 
 def cache_path() -> Path:
-    """``$XDG_CACHE_HOME/recall/tune.json``; ``~/.cache/recall/tune.json`` when that is unset or not absolute."""
-    return _cache_path(os.environ.get("XDG_CACHE_HOME", ""), os.environ.get("HOME", ""))
+    """``$XDG_CACHE_HOME/recall/tune.json``; ``~/.cache/recall/tune.json`` when that is unset or not absolute.
+
+    Raises
+    ------
+    InputError
+        When there is no absolute ``XDG_CACHE_HOME`` and no home directory either (``HOME`` unset and a user id
+        without a passwd entry, as in a container run with ``--user 1234``).
+    """
+    path = _cache_path(os.environ.get("XDG_CACHE_HOME", ""), os.environ.get("HOME", ""))
+    if isinstance(path, str):
+        raise InputError(path)
+    return path
 
 
 @functools.lru_cache(maxsize=16)
-def _cache_path(base: str, home: str) -> Path:
-    # Per environment: every search looks its tiling up, and building the path took 55 us a search under cProfile
-    # (a one-user CPU search of 100k items: 0.75 ms).
-    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
+def _cache_path(base: str, home: str) -> Path | str:
+    """The cache's path, or why there is none. Per environment: every search looks its tiling up, and building the
+    path took 55 us a search under cProfile (a one-user CPU search of 100k items: 0.75 ms); a missing home directory
+    is remembered too, so that a search does not ask the passwd database (NSS, maybe LDAP) every time."""
+    if base and os.path.isabs(base):
+        return Path(base) / "recall" / "tune.json"
+    try:
+        root = Path.home() / ".cache"
+    except RuntimeError:  # Path.home(): HOME unset and no passwd entry for this user id
+        return (f"no directory for the tune cache: XDG_CACHE_HOME is unset or relative, HOME is unset, and user id "
+                f"{os.getuid()} has no home directory; set XDG_CACHE_HOME or HOME")
     return root / "recall" / "tune.json"
+
+
+def _usable_cache_path() -> Path | None:
+    """:func:`cache_path`, or None (warned once) when there is none: a search then uses the heuristic."""
+    try:
+        return cache_path()
+    except InputError as exc:
+        _warn_once(Path(), "no-cache-dir", f"{exc}; searches use the heuristic tiling")
+        return None
 
 
 def bucket(n: int, cap: int | None = None) -> int:
@@ -147,6 +173,8 @@ def _read(path: Path) -> tuple[str, dict[str, Any]]:
         data = json.loads(text)
     except ValueError as exc:
         return f"corrupt: not valid JSON ({exc})", {}
+    except RecursionError:  # deeply nested arrays or objects: the decoder gives up
+        return "corrupt: not valid JSON (nested too deeply)", {}
     if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
         return "corrupt: not a recall tune cache (no 'entries' object)", {}
     if data.get("schema") != SCHEMA_VERSION:
@@ -159,7 +187,9 @@ def load(path: Path | None = None) -> dict[str, Any]:
 
     Re-read only when the file changed (size, modification time, inode), so a lookup per search costs one ``stat``.
     """
-    path = path or cache_path()
+    path = path or _usable_cache_path()
+    if path is None:
+        return {}
     try:
         st = path.stat()
     except OSError:
@@ -188,7 +218,9 @@ def _tiles_of(entry: Any) -> Tiles | None:
 
 def lookup(key: dict[str, Any], path: Path | None = None) -> Tiles | None:
     """The cached (user block, item tile, tiles per call) for ``key``, or None. A malformed entry is warned once."""
-    path = path or cache_path()
+    path = path or _usable_cache_path()
+    if path is None:
+        return None
     name = key_string(key)
     entry = load(path).get(name)
     if entry is None:
@@ -206,6 +238,8 @@ def store(key: dict[str, Any], tiles: Tiles, record: dict[str, Any] | None = Non
     ------
     OSError
         If the cache directory cannot be created or written.
+    InputError
+        If there is no cache directory (:func:`cache_path`).
     """
     path = path or cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,8 +257,13 @@ def store(key: dict[str, Any], tiles: Tiles, record: dict[str, Any] | None = Non
 
 
 def cache_info(path: Path | None = None) -> dict[str, Any]:
-    """{"path", "status", "entries"}: where the cache is, whether it is usable, how many entries it holds."""
-    path = path or cache_path()
+    """{"path", "status", "entries"}: where the cache is, whether it is usable, how many entries it holds
+    (path None and status "unavailable: ..." when there is no cache directory)."""
+    if path is None:
+        try:
+            path = cache_path()
+        except InputError as exc:
+            return {"path": None, "status": f"unavailable: {exc}", "entries": 0}
     status, entries = _read(path)
     return {"path": str(path), "status": status, "entries": len(entries)}
 
@@ -433,6 +472,8 @@ def _force(engine: Any, users: Any, k: int, key: dict[str, Any]) -> Tiles:
                              n_users=int(users.shape[0]), save=False, prepared=True)
         try:
             store(key, result.best, _record(result))
+        except InputError as exc:  # no cache directory: the tiling is still used in this process
+            _warn_once(Path(), "no-cache-dir", str(exc))
         except OSError as exc:
             _warn_once(cache_path(), "write", f"could not write the tune cache {cache_path()}: {exc}")
         log.info("recall: tuned %s: %s (%.4f s) vs heuristic %s (%.4f s); tuning took %.2f s", name,
@@ -488,8 +529,8 @@ def preferred_tiles(engine: Any, users: Any, n_items: int, k: int) -> Tiles:
         # subsets), so those read the cache as "auto" does.
         if engine.precision == "exact" and dtype == "float32":
             return _force(engine, users, k, key)
-        _warn_once(cache_path(), "force-fast", "tune='force' tunes exact-precision engines only; for "
-                   "precision='fast' run `recall tune --precision fast` once (its result is used here)")
+        _warn_once(_usable_cache_path() or Path(), "force-fast", "tune='force' tunes exact-precision engines "
+                   "only; for precision='fast' run `recall tune --precision fast` once (its result is used here)")
     tiles = lookup(key)
     if tiles is None:
         return heuristic()

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from ..core.errors import one_line
+
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 FP32_LIMIT = 1e-5
 """Largest relative (Frobenius) error of a float32 GEMM against float64; float32 gives about 1e-7 at these sizes."""
@@ -121,7 +123,7 @@ def explain(error: BaseException | str, driver_cuda: str | None = None) -> str |
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())
+    return f"{type(exc).__name__}: {one_line(exc)}"
 
 
 def _failed(name: str, exc: BaseException, driver_cuda: str | None = None) -> Check:
@@ -588,7 +590,7 @@ def render(report: dict[str, Any]) -> list[str]:
     else:
         lines.append("GPU: not checked (--device cpu)")
     t = report["tune_cache"]
-    lines.append(f"tune cache: {t['path']} ({t['status']}, {t['entries']} entries)")
+    lines.append(f"tune cache: {show(t['path'])} ({t['status']}, {t['entries']} entries)")
     width = max((len(ch["name"]) for ch in report["checks"]), default=0)
     for ch in report["checks"]:
         lines.append(f"{ch['status']}  {ch['name']:<{width}}  {ch['summary']}")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.workloads import Kind, generate
-from ..core.errors import InputError
+from ..core.errors import InputError, one_line
 from ..engine import Engine, tuning
 from ..io import read_embeddings
 
@@ -101,7 +101,10 @@ def run(k: int, users: int | None, items: int | None, dim: int | None, users_fil
     Raises
     ------
     InputError
-        Bad arguments or data.
+        Bad arguments or data, data of this shape that does not fit in memory, or (with ``save``) no directory for
+        the tune cache.
+    OSError
+        With ``save``: the cache's directory cannot be created, or the cache cannot be written.
     """
     from .. import backends
 
@@ -110,10 +113,19 @@ def run(k: int, users: int | None, items: int | None, dim: int | None, users_fil
         raise InputError(f"--k must be >= 1, got {k}")
     if repeat < 1:
         raise InputError(f"--repeat must be >= 1, got {repeat}")
+    # Where the result goes, found before the data and the trials: a cache that cannot be written fails now, not
+    # after minutes of timing.
+    cache = tuning.cache_path() if save else None
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
     backend = backends.resolve(device)
     t0 = time.perf_counter()
-    user_vecs, item_vecs, described = _data(users, items, dim, users_file, items_file, id_col, vec_col, kind, seed,
-                                            backend.name)
+    try:
+        user_vecs, item_vecs, described = _data(users, items, dim, users_file, items_file, id_col, vec_col, kind,
+                                                seed, backend.name)
+    except MemoryError as exc:
+        raise InputError(f"not enough memory for the data of this shape ({one_line(exc)}): tune a "
+                         f"smaller --users, --items or --dim") from None
     backend.synchronize()
     data_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -123,7 +135,7 @@ def run(k: int, users: int | None, items: int | None, dim: int | None, users_fil
     user_vecs = backend.ingest(user_vecs)
     engine_s = time.perf_counter() - t0
     del item_vecs
-    result = tuning.tune_engine(engine, user_vecs, k, repeat=repeat, save=save, progress=progress)
+    result = tuning.tune_engine(engine, user_vecs, k, repeat=repeat, save=save, path=cache, progress=progress)
     total = time.perf_counter() - started
     gain = result.heuristic_seconds - result.best_seconds
     return {"shape": {"users": int(user_vecs.shape[0]), "items": int(engine.n_items), "dim": int(engine.dim),
