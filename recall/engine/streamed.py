@@ -43,6 +43,27 @@ def _aligned(rows: int) -> int:
     return rows // ALIGN * ALIGN if rows >= ALIGN else rows
 
 
+def _pieces(n: int, size: int, unit: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` pieces of ``n`` rows, at most ``size`` each, for a search that takes them ``unit`` rows a GEMM
+    (the plan's user block, or its item tile), cut so that its GEMMs give the resident search's bits.
+
+    Pieces of at least one unit start on the unit's grid: each GEMM is then the resident search's over the same
+    rows (a piece cut inside a unit would search its rows in GEMMs of another shape). Shorter pieces cannot be; the
+    shape of their GEMMs only matters there where a GEMM has one row (a matrix-vector product, whose sums differ in
+    the last bits), so the last piece holds one row only where the resident search's last GEMM does."""
+    if size >= unit:
+        size = size // unit * unit
+    cuts = [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+    if cuts and size < unit:
+        single = n % unit == 1  # the resident search's last GEMM takes one row
+        lo, hi = cuts[-1]
+        if hi - lo == 1 and not single and len(cuts) > 1 and size > 2:
+            cuts[-2:] = [(cuts[-2][0], hi - 2), (hi - 2, hi)]
+        elif hi - lo > 2 and single:
+            cuts[-1:] = [(lo, hi - 1), (hi - 1, hi)]
+    return cuts
+
+
 @dataclass
 class StreamedItems:
     """Prepared items (n_items, width) float32 in host memory (page-locked where the backend has such memory),
@@ -56,9 +77,9 @@ class StreamedItems:
     def shape(self) -> tuple[int, int]:
         return tuple(self.host.shape)
 
-    def segments(self) -> list[tuple[int, int]]:
-        n = self.host.shape[0]
-        return [(lo, min(lo + self.segment_rows, n)) for lo in range(0, n, self.segment_rows)]
+    def segments(self, tile: int = 1) -> list[tuple[int, int]]:
+        """(first row, end) of each segment, for a search of ``tile`` items a GEMM (:func:`_pieces`)."""
+        return _pieces(self.host.shape[0], self.segment_rows, tile)
 
 
 def row_bytes(backend: Any, width: int) -> int:
@@ -100,7 +121,7 @@ def prepare(backend: Any, metric: str, item_vecs: Any, cap: int,
         raise InputError(f"item_memory {cap:,} bytes cannot hold two item rows of dimension {dim} "
                          f"({2 * per_row:,} bytes): raise it")
     host = backend.empty_out((n, width), np.float32, True)
-    item_norm = 0.0
+    item_norm, worst = 0.0, 0
     xp = backend.xp
     shift = None if centre is None else xp.asarray(centre)
     for lo in range(0, n, PREPARE_ROWS):
@@ -108,8 +129,13 @@ def prepare(backend: Any, metric: str, item_vecs: Any, cap: int,
         chunk = inputs.matrix(backend, xp, item_vecs[lo:hi], "item_vecs", first_row=lo)
         prepared = metrics.prepare_items(metric, xp, chunk, first_row=lo, centre=shift)
         if metric != "cosine":
-            item_norm = max(item_norm, float(metrics.row_norms(xp, prepared[:, :dim]).max()))
+            norms = metrics.row_norms(xp, prepared[:, :dim])
+            top = int(xp.argmax(norms))
+            if float(norms[top]) > item_norm:
+                item_norm, worst = float(norms[top]), lo + top
         host[lo:hi] = backend.to_host(prepared)
+    # Named here, where the row of the largest norm is known (the resident engine names it too).
+    inputs.check_item_norm(item_norm, metric, lambda: worst)
     return StreamedItems(host, min(n, _aligned(segment_rows)), cap), (item_norm if metric != "cosine" else 1.0)
 
 
@@ -127,11 +153,12 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
     backend = engine.backend
     wall = time.perf_counter()
     n_users = int(users.shape[0])
-    group = group_users(engine.memory_budget, k, n_users)
     # The tiling the resident search of all these users against all the items would take, for every segment: the
     # same GEMM calls over the same rows, so the same score bits (groups and segments start on its blocks).
     plan = plan or engine.plan(users, items.shape[0], k)
-    segments = items.segments()
+    groups = _pieces(n_users, group_users(engine.memory_budget, k, n_users), plan.user_block)
+    # Items a GEMM takes: with several interests a user, the plan's item tile counts each item's score rows.
+    segments = items.segments(plan.interests.width if plan.interests is not None else plan.item_tile)
     busy = 0.0
     blocks = 0
     uploaded = 0
@@ -143,8 +170,7 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
         busy += stats.get("gpu_busy_s", 0.0)
         blocks += stats.get("blocks", 0)
 
-    for g0 in range(0, n_users, group):
-        g1 = min(n_users, g0 + group)
+    for g0, g1 in groups:
         gu = users[g0:g1]
         gx = Exclusions(*excl.block(g0, g1))
         best = None
@@ -171,8 +197,8 @@ def run(engine: Any, items: StreamedItems, users: Any, k: int, excl: Exclusions,
             backend.synchronize()  # the last merge, queued on the backend's own stream, is done
             out_vals[g0:g1], out_rows[g0:g1] = best
     elapsed = time.perf_counter() - wall
-    stats = {"streamed": True, "item_segments": len(segments), "segment_rows": items.segment_rows,
-             "user_groups": -(-n_users // group), "item_bytes_uploaded": uploaded, "blocks": blocks,
+    stats = {"streamed": True, "item_segments": len(segments), "segment_rows": segments[0][1] - segments[0][0],
+             "user_groups": len(groups), "item_bytes_uploaded": uploaded, "blocks": blocks,
              "wall_s": elapsed, "gpu_busy_s": busy, "busy_fraction": busy / elapsed if elapsed > 0 else 0.0}
     return lambda: stats
 
