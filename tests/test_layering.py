@@ -2,6 +2,7 @@
 its own in a fresh interpreter (the import order of a test run must not be what makes a module work)."""
 from __future__ import annotations
 
+import logging
 import pkgutil
 import subprocess
 import sys
@@ -19,7 +20,15 @@ def test_import_linter_contracts_are_kept(monkeypatch: pytest.MonkeyPatch, capsy
     lint_imports = pytest.importorskip("importlinter.cli").lint_imports
 
     monkeypatch.chdir(REPO)  # the contracts are in pyproject.toml
-    code = lint_imports(no_cache=True, no_logo=True)
+    # import-linter configures logging with every existing logger disabled ("recall" too: the notices of the tests
+    # that run after it would be lost): put each logger back as it was.
+    loggers = [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    disabled = [lg.disabled for lg in loggers]
+    try:
+        code = lint_imports(no_cache=True, no_logo=True)
+    finally:
+        for lg, was in zip(loggers, disabled):
+            lg.disabled = was
     out = capsys.readouterr().out
     assert code == 0, out
     assert "0 broken" in out
