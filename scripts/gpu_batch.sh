@@ -22,11 +22,12 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 USERS=${USERS:-400000} ITEMS=${ITEMS:-1000000} DIM=${DIM:-64} K=${K:-100} SHARDS=${SHARDS:-16} EXCL=${EXCL:-5}
 SEED=${SEED:-0} RUN_TIMEOUT=${RUN_TIMEOUT:-120}
 DEVICE=${DEVICE:-gpu}  # cpu: a dry run of this script's steps where there is no GPU
-DATA=/tmp/batch_data WARM=/tmp/batch_warm WARM_OUT=/tmp/batch_warm_out LOG=/tmp/batch_x2.log
-OUT1=/tmp/out1 OUT2=/tmp/out2
 mkdir -p "$OUT"
+# Scratch of this run only (never another user's or run's files), removed at the end; the log goes to $OUT.
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/recall-gpu-batch.XXXXXX") || exit 1
+DATA=$SCRATCH/data WARM=$SCRATCH/warm WARM_OUT=$SCRATCH/warm_out LOG=$OUT/batch_x2.log
+OUT1=$SCRATCH/out1 OUT2=$SCRATCH/out2 CMP=$SCRATCH/cmp.txt SMI=$SCRATCH/smi.csv
 : >"$LOG"
-rm -rf "$OUT1" "$OUT2" "$WARM_OUT" /tmp/batch_smi_*.csv /tmp/batch_cmp.txt
 
 # step NAME LIMIT CMD...: output appended to $LOG; sets RC and SECS (wall clock of the command).
 step() {
@@ -38,16 +39,16 @@ step() {
     SECS=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.3f", b - a }')
     echo "== $name: rc $RC, $SECS s" | tee -a "$LOG"
 }
-# GPU samples every 500 ms into /tmp/batch_smi_PHASE.csv (line-buffered: a TERM loses no sample).
+# GPU samples every 500 ms into $SCRATCH/smi_PHASE.csv (line-buffered: a TERM loses no sample).
 smi_start() {
     local buf=(); command -v stdbuf >/dev/null && buf=(stdbuf -oL)
     "${buf[@]}" nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,noheader,nounits \
-        -lms 500 >"/tmp/batch_smi_$1.csv" 2>>"$LOG" &
+        -lms 500 >"$SCRATCH/smi_$1.csv" 2>>"$LOG" &
     SMI_PID=$!
 }
 smi_stop() { kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null; SMI_PID=; }
 SMI_PID=
-trap '[ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null' EXIT
+trap '[ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 # recall batch on DATA_DIR's users, items (and exclusions, when there are some), on the GPU.
 batch_cmd() {
     local data=$1
@@ -93,13 +94,14 @@ for f in "$OUT1"/*.parquet "$OUT2"/*.parquet; do
     [ -e "$f" ] || continue
     name=${f##*/}
     if timeout 5 cmp -s "$OUT1/$name" "$OUT2/$name"; then echo "same $name"; else echo "differs $name"; fi
-done | sort -u >/tmp/batch_cmp.txt
-grep '^differs' /tmp/batch_cmp.txt >>"$LOG"
+done | sort -u >"$CMP"
+grep '^differs' "$CMP" >>"$LOG"
 
-for phase in 1gpu all; do sed "s/^/$phase, /" "/tmp/batch_smi_$phase.csv" 2>/dev/null; done >/tmp/batch_x2_smi.csv
+for phase in 1gpu all; do sed "s/^/$phase, /" "$SCRATCH/smi_$phase.csv" 2>/dev/null; done >"$SMI"
+cp "$SMI" "$OUT/batch_x2_smi.csv"
 
 USERS=$USERS ITEMS=$ITEMS DIM=$DIM K=$K SHARDS=$SHARDS EXCL=$EXCL N_GPUS=$N_GPUS DATA_RC=$DATA_RC WARM_S=$WARM_S \
-WARM_RC=$WARM_RC RC1=$RC1 S1=$S1 RC2=$RC2 S2=$S2 OUT1=$OUT1 OUT2=$OUT2 OUTDIR=$OUT timeout 30 python3 - <<'PY'
+WARM_RC=$WARM_RC RC1=$RC1 S1=$S1 RC2=$RC2 S2=$S2 OUT1=$OUT1 OUT2=$OUT2 OUTDIR=$OUT CMP=$CMP SMI=$SMI timeout 30 python3 - <<'PY'
 import collections, json, os
 from pathlib import Path
 
@@ -135,7 +137,7 @@ def run(out, rc, secs):
 
 def utilisation(phase):
     rows = collections.defaultdict(list)  # gpu -> [(util, mem)]
-    for line in Path("/tmp/batch_x2_smi.csv").read_text().splitlines():
+    for line in Path(e["SMI"]).read_text().splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) == 5 and parts[0] == phase and parts[3].isdigit():
             rows[parts[2]].append((int(parts[3]), float(parts[4])))
@@ -152,7 +154,7 @@ def utilisation(phase):
 
 r1, metrics1, manifest1 = run(out1, e["RC1"], e["S1"])
 r2, metrics2, manifest2 = run(out2, e["RC2"], e["S2"])
-cmp_lines = Path("/tmp/batch_cmp.txt").read_text().split("\n") if Path("/tmp/batch_cmp.txt").exists() else []
+cmp_lines = Path(e["CMP"]).read_text().split("\n") if Path(e["CMP"]).exists() else []
 same = [line.split()[1] for line in cmp_lines if line.startswith("same ")]
 differ = [line.split()[1] for line in cmp_lines if line.startswith("differs ")]
 o1, o2 = manifest1.get("outputs", {}), manifest2.get("outputs", {})
@@ -198,5 +200,4 @@ print(f"outputs: {len(same)}/{shards} shards byte-identical, {len(differ)} diffe
 raise SystemExit(0 if identical else 1)
 PY
 STATUS=$?
-cp "$LOG" /tmp/batch_x2_smi.csv "$OUT/" 2>/dev/null
 exit "$STATUS"  # 0: both runs succeeded and their outputs are identical

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..bench.workloads import Kind
-from .common import Device, Metric, Precision, errors_to_exit, logging_to_stderr, parse_bytes
+from .common import Device, Metric, Precision, errors_to_exit, interruptible, logging_to_stderr, parse_bytes
 
 
 def doctor(
@@ -26,7 +26,7 @@ def doctor(
     """Check the environment: versions, CUDA, GPUs, GEMM accuracy, exact top-k, bandwidth, FAISS. Exit 1 on a FAIL."""
     from ..tools import doctor as doc
 
-    with logging_to_stderr(quiet=as_json, verbose=False):
+    with logging_to_stderr(quiet=as_json, verbose=False), interruptible(lambda exc: f"{exc}: no report"):
         report = doc.run(device.value)
     if as_json:
         typer.echo(json.dumps(report, indent=1, default=str))
@@ -76,7 +76,7 @@ def tune(
             typer.echo(f"[{i + 1}/{n}] {tool.fmt_tiles(trial.tiles)}: {trial.seconds:.4f} s "
                        f"(warm-up {trial.warmup_seconds:.3f} s)", err=True)
 
-    with logging_to_stderr(quiet, False), errors_to_exit():
+    with logging_to_stderr(quiet, False), errors_to_exit(), interruptible(_tune_stopped(save)):
         memory_budget = parse_bytes(budget, "--budget")
         out = tool.run(k, users, items, dim, users_file, items_file, id_col, vec_col, device.value, metric.value,
                        precision.value, kind, memory_budget, repeat, seed, save, progress)
@@ -86,3 +86,8 @@ def tune(
         for line in tool.report_lines(out):
             typer.echo(line)
 
+
+
+def _tune_stopped(save: bool) -> Any:
+    """The interruption line of ``recall tune`` (the cache is written whole or not at all)."""
+    return lambda exc: f"{exc}: " + ("the tune cache is written whole or not at all" if save else "no result")

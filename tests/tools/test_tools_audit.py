@@ -195,3 +195,35 @@ def test_data_makers_refuse_out_naming_a_file(tmp_path: Path, capsys: pytest.Cap
     assert exc.value.code == 2
     assert f"error: --out {target} exists and is not a directory" in capsys.readouterr().err
     assert target.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("command", ["doctor", "tune"])
+def test_doctor_and_tune_stop_on_sigterm_with_one_line(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The house signal policy: SIGTERM in the middle of the work gives one line and exit 143, no traceback."""
+    import signal as signal_mod
+
+    from typer.testing import CliRunner
+
+    from recall.cli.app import app
+    from recall.tools import doctor as doctor_tool
+    from recall.tools import tune as tune_tool
+
+    def terminated(*args, **kwargs):
+        signal_mod.raise_signal(signal_mod.SIGTERM)
+        raise AssertionError("the SIGTERM handler did not stop the command")
+
+    monkeypatch.setattr(doctor_tool if command == "doctor" else tune_tool, "run", terminated)
+    args = ["doctor", "--device", "cpu"] if command == "doctor" else \
+        ["tune", "--device", "cpu", "--k", "5", "--users", "10", "--items", "20", "--dim", "4", "--no-save"]
+    def not_handled(signum, frame):  # where the command does not handle SIGTERM itself (not the test's death)
+        raise RuntimeError("SIGTERM not handled by the command")
+
+    before = signal_mod.signal(signal_mod.SIGTERM, not_handled)
+    try:
+        result = CliRunner().invoke(app, args)
+        assert signal_mod.getsignal(signal_mod.SIGTERM) is not_handled
+    finally:
+        signal_mod.signal(signal_mod.SIGTERM, before)
+    assert result.exit_code == 143, result.output
+    assert result.stderr.strip().splitlines() == [
+        "terminated by SIGTERM: " + ("no report" if command == "doctor" else "no result")]
