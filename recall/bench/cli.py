@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -17,6 +16,7 @@ import typer
 
 from recall import BackendUnavailable, InputError
 from recall.core.errors import one_line, os_error_line
+from recall.io.atomic import make_output_dir
 from recall.core.signals import Interrupted, raising_signals
 
 from . import layouts as lay
@@ -114,12 +114,7 @@ def _make_out(out: Path) -> Path | None:
         if p.exists():
             break
         top = p
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"--out {out}: cannot create the folder: {exc.strerror or exc}") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise InputError(f"--out {out}: the folder is not writable")
+    make_output_dir(out, f"--out {out}")
     return top
 
 

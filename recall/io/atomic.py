@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import InputError
+
 _HASH_CHUNK = 8 << 20
 #: Reads of :func:`content_hash`: small enough to stay in the CPU's caches between the read and the hash (measured:
 #: 19 GB/s at 1 MiB, 13 GB/s at 16 MiB, from the page cache).
@@ -62,6 +64,22 @@ def with_path(exc: OSError, path: os.PathLike | str, doing: str | None = None, n
     new = type(exc)(exc.errno, f"{text}; {note}" if note else text, os.fspath(path))
     new.__cause__ = exc
     return new
+
+
+def make_output_dir(path: Path, label: str) -> None:
+    """Create the output directory ``path`` (and its parents) and check that it can be written.
+
+    Raises
+    ------
+    InputError
+        Naming ``label`` (e.g. ``--out DIR``), when it cannot be created or written to.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{label}: cannot create the output directory: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"{label}: the output directory is not writable")
 
 
 def replace(tmp: Path, path: Path) -> None:

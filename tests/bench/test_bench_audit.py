@@ -102,7 +102,7 @@ def test_an_out_that_cannot_be_a_folder_fails_before_the_run(monkeypatch, tmp_pa
     (tmp_path / "a-file").write_text("")
     result = _bench("--cell", SMALL_CELL, "--out", str(tmp_path / "a-file" / "out"))
     assert result.exit_code == 2
-    assert "cannot create the folder: Not a directory" in _one_error_line(result)
+    assert "cannot create the output directory: Not a directory" in _one_error_line(result)
 
 
 def test_gpu_with_own_files_and_no_gpu_is_one_line(monkeypatch, tmp_path):

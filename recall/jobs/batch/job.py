@@ -524,12 +524,7 @@ def _prepare_out_dir(req: BatchRequest, shards: list[Shard]) -> None:
                                       os.path.dirname(os.path.realpath(p))):
             raise InputError(f"{p}: is inside the output directory {req.out_label}; outputs are named after the "
                              f"user shards and would overwrite or mix with inputs; choose another --out")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"{req.out_label}: cannot create the output directory: {exc.strerror or exc}") from exc
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise InputError(f"{req.out_label}: the output directory is not writable")
+    atomic.make_output_dir(out, req.out_label)
 
 
 def _resume(req: BatchRequest, shards: list[Shard], job: dict,
