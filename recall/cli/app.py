@@ -1,13 +1,14 @@
 """The ``recall`` command line: one app, each command group in a module of its own (none imports this one)."""
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 
 from ..bench.cli import bench
 from . import batch, ops, rescore, score
-from .common import print_version
+from .common import EXIT_STDOUT_CLOSED, print_version, stdout_closed
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -38,4 +39,12 @@ app.command("bench")(bench)
 
 def main() -> None:
     """Entry point of the ``recall`` console script and of ``python -m recall``."""
-    app()
+    try:
+        try:
+            app()
+        finally:
+            sys.stdout.flush()  # here rather than at exit, so that a closed stdout is met below
+    except BrokenPipeError as exc:
+        if not stdout_closed(exc):
+            raise
+        raise SystemExit(EXIT_STDOUT_CLOSED) from None

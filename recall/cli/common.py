@@ -8,7 +8,9 @@ stderr, and only when stderr is a terminal; the final summary goes to stdout.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -27,6 +29,8 @@ from ..core.version import __version__
 EXIT_BAD_INPUT = 2
 #: Exit code for operating-system failures that are not the input's fault (disk full, I/O error).
 EXIT_OS_ERROR = 1
+#: Exit code where stdout's reader went away (``recall demo | head -1``): a writer killed by SIGPIPE's, 128 + 13.
+EXIT_STDOUT_CLOSED = 141
 
 log = logging.getLogger("recall")
 
@@ -92,6 +96,16 @@ def logging_to_stderr(quiet: bool, verbose: bool) -> Iterator[None]:
         log.setLevel(old_level)
 
 
+def stdout_closed(exc: OSError) -> bool:
+    """Whether ``exc`` is stdout's reader gone (a broken pipe without a path: the command's files are written by
+    path). If so, stdout is pointed at the null device, so that nothing more is said to it, not even at exit."""
+    if not isinstance(exc, BrokenPipeError) or exc.filename is not None:
+        return False
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return True
+
+
 @contextmanager
 def errors_to_exit() -> Iterator[None]:
     """Turn the errors a user can act on into ``error: ...`` on stderr and an exit code, never a traceback."""
@@ -101,6 +115,8 @@ def errors_to_exit() -> Iterator[None]:
         typer.echo(f"error: {one_line(exc)}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except OSError as exc:
+        if stdout_closed(exc):
+            raise typer.Exit(EXIT_STDOUT_CLOSED) from None
         typer.echo(f"error: {os_error_line(exc)}", err=True)
         raise typer.Exit(EXIT_OS_ERROR) from None
     except MemoryError as exc:

@@ -511,3 +511,16 @@ def test_overflow_with_interests_names_the_file_row_and_id(tmp_path: Path, aggre
                                  "--device", "cpu", "--interests", aggregate])
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"error: {tmp_path / 'u.parquet'}: row 7 (id 202) has norm "), result.stderr
+
+
+def test_stdout_closed_by_its_reader_is_quiet(tmp_path: Path) -> None:
+    """``recall demo | head -1``: the reader closes stdout; the command stops saying things, with no error line or
+    traceback, and exits 141 (as a writer killed by SIGPIPE). Its file is written."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, "-m", "recall", "demo", "--device", "cpu", "--out", "d.parquet"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the first line: every write meets a closed pipe
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 141, stderr
+    assert stderr == ""
+    assert pq.read_table(tmp_path / "d.parquet").num_rows == 3000

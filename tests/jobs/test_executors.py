@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -366,3 +367,24 @@ def test_a_signal_after_the_drivers_last_look_still_stops_the_job(monkeypatch: p
         assert signal.getsignal(signal.SIGINT) is stop
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_worker_done_with_its_work_dies_quietly_on_sigterm(tmp_path: Path) -> None:
+    """A SIGTERM from the parent after a worker's work is over (in an exit hook, as numba's) ends it without
+    "Exception ignored in atexit callback ... SystemExit" on the job's stderr."""
+    child = (
+        "import atexit, sys, time\n"
+        "from recall.jobs.executors.local import _worker_signals\n"
+        "with _worker_signals():\n"
+        "    pass\n"
+        "atexit.register(lambda: time.sleep(5))\n"
+        "print('done', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "done"
+    time.sleep(0.3)  # in the exit hook
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM, stderr
+    assert "Exception ignored" not in stderr and "SystemExit" not in stderr, stderr

@@ -88,11 +88,18 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _worker_signals() -> None:
+@contextlib.contextmanager
+def _worker_signals() -> Iterator[None]:
     """SIGTERM (the parent stopping its workers) unwinds the worker, so that the shard being written leaves no
-    temporary file; SIGINT (Ctrl-C reaches the whole process group) is the parent's to handle."""
+    temporary file; SIGINT (Ctrl-C reaches the whole process group) is the parent's to handle. Once the worker's
+    work is over, SIGTERM has nothing left to unwind: it ends the process quietly (raised in an exit hook, as
+    numba's, it would print "Exception ignored in atexit callback" on the job's stderr)."""
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -102,21 +109,21 @@ def worker_process(conn: Connection, parent_pid: int, cores: list[int] | None,
     cores, and the channel to the parent, closed at the end. Every message is written while the parent reads; a
     worker stopped by the parent (SystemExit) waits at most ``stopped_flush`` seconds for its last ones, and one
     whose parent is gone (end-of-file, a broken pipe) none."""
-    _worker_signals()
-    _die_with_parent(parent_pid)
-    if cores:
-        os.sched_setaffinity(0, cores)
-    chan = Channel(conn)
-    flush: float | None = None
-    try:
-        yield chan
-    except (EOFError, OSError):
-        flush = 0
-    except SystemExit:
-        flush = stopped_flush
-        raise
-    finally:
-        chan.close(flush)
+    with _worker_signals():
+        _die_with_parent(parent_pid)
+        if cores:
+            os.sched_setaffinity(0, cores)
+        chan = Channel(conn)
+        flush: float | None = None
+        try:
+            yield chan
+        except (EOFError, OSError):
+            flush = 0
+        except SystemExit:
+            flush = stopped_flush
+            raise
+        finally:
+            chan.close(flush)
 
 
 def _worker_main(name: str, spec: JobSpec, device: str, cores: list[int] | None, conn: Connection,
