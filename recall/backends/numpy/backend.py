@@ -7,6 +7,7 @@ import os
 import platform
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,49 @@ def _blas_controller() -> Any:
         return _controller
 
 
+_limit_lock = threading.Lock()
+_limit_users = 0  # searches of this process inside _one_blas_thread now
+_limiter: Any = None  # their shared threadpoolctl limiter: made by the first to enter, restored by the last to leave
+
+
+@contextlib.contextmanager
+def _one_blas_thread() -> Any:
+    """BLAS limited to one thread while any search of this process runs, and the limit the process had restored
+    when the last one ends. Each search taking and restoring a limit of its own (threadpoolctl's ``limit``) raced:
+    one restoring two threads while another still ran, and the last left the process at one thread for good."""
+    global _limit_users, _limiter
+    with _limit_lock:
+        if _limiter is None:
+            _limiter = _blas_controller().limit(limits=1, user_api="blas")
+        _limit_users += 1
+    try:
+        yield
+    finally:
+        with _limit_lock:
+            _limit_users -= 1
+            if _limit_users == 0:
+                limiter, _limiter = _limiter, None
+                limiter.restore_original_limits()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child runs none of its parent's searches: none counted, the locks new (a parent's thread may have
+    held one at the fork). A limit inherited from searches in flight (BLAS at one thread) is kept, not touched here
+    (no BLAS call in a fork handler), and restored when the child's own first search ends."""
+    global _limit_lock, _controller_lock, _limit_users
+    _limit_lock, _controller_lock = threading.Lock(), threading.Lock()
+    _limit_users = 0
+    for backend in list(_backends):
+        backend._pool_lock = threading.Lock()
+
+
+_backends: weakref.WeakSet = weakref.WeakSet()  # every NumpyBackend of this process, for _after_fork_in_child
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class NumpyBackend:
     """NumPy/BLAS backend. Arrays are NumPy arrays; nothing is copied to a device; searches run when called."""
 
@@ -163,6 +207,7 @@ class NumpyBackend:
         self._identity: dict[str, str] | None = None
         self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
         self._pool_lock = threading.Lock()
+        _backends.add(self)
         # Item arrays loaded with ``norms_rank``, by their memory (address, shape, strides): the rows of their
         # threshold samples by (size, items), each ranked by the items' norms once. A few arrays at a time (an
         # engine's items, its filtered views, fast mode's copy); a key reused by another array of the same shape only
@@ -260,7 +305,7 @@ class NumpyBackend:
         threads spinning beside the selection kernels would fight them for the same cores. The BLAS libraries are
         found once per process (:func:`_blas_controller`): finding them reads ``/proc/self/maps``, 1 ms a call,
         most of a one-user search of 20,000 items (docs/benchmarks.md)."""
-        return _blas_controller().limit(limits=1, user_api="blas")
+        return _one_blas_thread()
 
     def executor(self) -> ThreadPoolExecutor:
         """The pool of ``workers`` threads a search's tasks run on, kept for the next search (a pool started per
