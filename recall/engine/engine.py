@@ -7,6 +7,8 @@ same code runs on the CPU and the GPU; nothing here asks which one it is.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,17 @@ from . import fast, inputs, interests, streamed, tuning
 from .candidates import normalise_candidates
 
 log = logging.getLogger("recall")
+
+_views_lock = threading.Lock()  # guards every engine's ``_views`` (searched from several threads at once)
+
+
+def _new_views_lock() -> None:
+    global _views_lock
+    _views_lock = threading.Lock()  # a forked child's: a thread of the parent may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_views_lock)
 
 
 class Engine:
@@ -138,6 +151,18 @@ class Engine:
         self._filter: ItemFilter | None = None  # set_item_filter's: applies to every search
         self._views: dict[str, Engine] = {}  # filtered catalogues by filter key (the last few)
         self.stats: dict = {}  # what the last search did: blocks, tiling, wall and (GPU) busy seconds
+
+    def __getstate__(self) -> dict:
+        """A CPU engine pickles (for ``multiprocessing``'s spawn, Spark): its prepared items, ids, filter and options;
+        not the caches made from them (filtered catalogues, fast mode's float16 copy), which the unpickled engine
+        makes again as it needs them, nor its backend's pool (the unpickled one is the receiving process's own).
+        A GPU engine's items live on its device: it raises ``TypeError`` saying what to do instead."""
+        if self.backend.name != "cpu":
+            raise TypeError(f"a recall.Engine on the {self.backend.name} backend cannot be pickled (its items live "
+                            f"on the device): send the item matrix (and ids) and build an Engine in each process")
+        state = dict(self.__dict__)
+        state.update(_views={}, _fast=None)
+        return state
 
     def _set_centre(self, centre: Any, dim: int, first_rows: Callable[[], np.ndarray]) -> None:
         """``l2_centre`` (see the class), checked: ``self.l2_centre`` (host float32 or None), and its device copy;
@@ -258,18 +283,20 @@ class Engine:
 
     def _effective_filter(self, allow: Any, deny: Any) -> ItemFilter | None:
         """The engine's filter combined with a search's own (an item must pass both)."""
+        kept = self._filter  # read once: set_item_filter may replace it from another thread meanwhile
         call = ItemFilter.build(self.n_items, allow, deny)
-        if call is None or self._filter is None:
-            return call or self._filter
-        return ItemFilter.build(self.n_items, allow=np.intersect1d(call.rows, self._filter.rows, assume_unique=True))
+        if call is None or kept is None:
+            return call or kept
+        return ItemFilter.build(self.n_items, allow=np.intersect1d(call.rows, kept.rows, assume_unique=True))
 
     def _view(self, flt: ItemFilter) -> "Engine":
         """An engine over the rows ``flt`` passes (the prepared items gathered once, on this backend), kept for the
         next searches with the same filter."""
-        view = self._views.get(flt.key)
-        if view is None:
-            while len(self._views) >= 2:
+        with _views_lock:
+            view = self._views.get(flt.key)
+            while view is None and len(self._views) >= 2:  # room made first: never three catalogues kept
                 self._views.pop(next(iter(self._views)))
+        if view is None:
             view = Engine.__new__(Engine)
             view.__dict__.update(metric=self.metric, tune_mode=self.tune_mode, precision=self.precision,
                                  options=self.options, backend=self.backend, n_items=flt.n_passing, dim=self.dim,
@@ -283,7 +310,12 @@ class Engine:
             else:
                 view.prepared_items = self.prepared_items[view._catalogue_rows]
                 view._items = self.backend.load_items(view.prepared_items, metrics.norms_rank(self.metric))
-            self._views[flt.key] = view
+            with _views_lock:  # another thread may have made the same view meanwhile: the first one kept
+                if flt.key in self._views:
+                    return self._views[flt.key]
+                while len(self._views) >= 2:
+                    self._views.pop(next(iter(self._views)))
+                self._views[flt.key] = view
         return view
 
     def _filtered(self, flt: ItemFilter, n_users: int, k: int, excl: Exclusions,
@@ -325,6 +357,10 @@ class Engine:
             return self._search_filtered_async(flt, user_vecs, k, exclude)
         xp, users, excl = self._check_users(user_vecs, exclude)
         prepared = metrics.prepare_users(self.metric, xp, users)
+        if self.metric == "l2":
+            # The scores are finished (2·s - |u|²) when the result is taken: from the engine's copy of the users
+            # (the prepared matrix's first columns), not the caller's array, which it may reuse once this returns.
+            users = xp.ascontiguousarray(prepared[:, :self.dim])
         k_sel = min(k, self.n_items)
         host = xp is np
         if users.shape[0] == 0:

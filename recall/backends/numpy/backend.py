@@ -180,7 +180,7 @@ def _after_fork_in_child() -> None:
     _limit_lock, _controller_lock = threading.Lock(), threading.Lock()
     _limit_users = 0
     for backend in list(_backends):
-        backend._pool_lock = threading.Lock()
+        backend._pool_lock, backend._ranked_lock = threading.Lock(), threading.Lock()
 
 
 _backends: weakref.WeakSet = weakref.WeakSet()  # every NumpyBackend of this process, for _after_fork_in_child
@@ -213,6 +213,16 @@ class NumpyBackend:
         # engine's items, its filtered views, fast mode's copy); a key reused by another array of the same shape only
         # gets rows ranked by stale norms, and any rows of real items still make a valid seed.
         self._ranked: dict[tuple, dict[tuple[int, int], np.ndarray]] = {}
+        self._ranked_lock = threading.Lock()  # engines searched from several threads load items (filtered views)
+
+    def __getstate__(self) -> dict:
+        """Pickled (an Engine sent to a spawned process, a Spark executor) without what belongs to this process: its
+        thread pool and locks, the norms kept for threshold samples, the machine's identity (its cores: the
+        unpickled backend counts the cores of the process it is unpickled in)."""
+        return {"backend": self.name}  # not empty: pickle calls __setstate__ only for a true state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     # -- arrays ----------------------------------------------------------------------------------------------------
     def module_of(self, arr: Any) -> Any:
@@ -323,10 +333,11 @@ class NumpyBackend:
         # column (fast mode's float16 rows are not seeded here).
         if norms_rank:
             key = _memory_key(prepared)
-            self._ranked.pop(key, None)
-            self._ranked[key] = {}
-            while len(self._ranked) > _RANKED_ARRAYS:
-                self._ranked.pop(next(iter(self._ranked)))
+            with self._ranked_lock:
+                self._ranked.pop(key, None)
+                self._ranked[key] = {}
+                while len(self._ranked) > _RANKED_ARRAYS:
+                    self._ranked.pop(next(iter(self._ranked)))
         return prepared
 
     def run_blocks(self, plan: TilePlan, users: np.ndarray, items: np.ndarray, n_items: int, k: int,
