@@ -93,6 +93,26 @@ def topk(user_vecs: Any, item_vecs: Any, k: int, metric: str = "ip", exclude: An
     return topk_from_scores(score_matrix(users, item_vecs, metric), k, exclude)
 
 
+def filtered_topk(users: Any, items: Any, k: int, metric: str = "ip", passing: Any = None,
+                  exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """(rows (n, min(k, n_items)), float64 scores) of the oracle with a shared item mask ``passing`` (n_items,) and
+    exclusions: as wide as an unfiltered search, padded with (-1, -inf) where fewer items pass; ties to the lower
+    row."""
+    k = min(k, len(items))
+    scores = score_matrix(users, items, metric)
+    banned = exclusion_mask(exclude, len(users), len(items))
+    if passing is not None:
+        banned |= ~passing[None, :]
+    rows = np.full((len(users), k), -1, np.int64)
+    vals = np.full((len(users), k), -np.inf)
+    for u in range(len(users)):
+        ok = np.flatnonzero(~banned[u])
+        order = ok[np.lexsort((ok, -scores[u, ok]))][:k]
+        rows[u, :order.size] = order
+        vals[u, :order.size] = scores[u, order]
+    return rows, vals
+
+
 def score_scale(user_vecs: Any, item_vecs: Any, metric: str = "ip") -> np.ndarray:
     """Per-user magnitude of the terms a float32 score is built from: (n_users,) float64.
 

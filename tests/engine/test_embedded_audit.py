@@ -15,23 +15,12 @@ from recall import Engine, EngineOptions
 from recall.backends.numpy import backend as numpy_backend
 from recall.core.filters import ItemFilter
 
-from oracle import exclusion_mask, int_matrix, score_matrix
+from oracle import filtered_topk, int_matrix
 
 
 def _want(users, items, k, metric="ip", passing=None, exclude=None):
     """The oracle's (rows, float32 scores), as wide as the engine's answer, padded where fewer items pass."""
-    k = min(k, len(items))
-    scores = score_matrix(users, items, metric)
-    banned = exclusion_mask(exclude, len(users), len(items))
-    if passing is not None:
-        banned |= ~passing[None, :]
-    rows = np.full((len(users), k), -1, np.int64)
-    vals = np.full((len(users), k), -np.inf)
-    for u in range(len(users)):
-        ok = np.flatnonzero(~banned[u])
-        order = ok[np.lexsort((ok, -scores[u, ok]))][:k]
-        rows[u, :order.size] = order
-        vals[u, :order.size] = scores[u, order]
+    rows, vals = filtered_topk(users, items, k, metric, passing, exclude)
     return rows, vals.astype(np.float32)
 
 

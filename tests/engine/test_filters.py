@@ -8,25 +8,12 @@ from hypothesis import given, settings, strategies as st
 
 from recall import Engine, InputError
 
-from oracle import as_numpy, exclusion_mask, int_matrix, score_matrix
+from oracle import as_numpy, filtered_topk, int_matrix, score_matrix
 
 
 def _want(users, items, k, metric="ip", passing=None, exclude=None):
-    """(rows (n, min(k, n_items)), scores) of the oracle with a shared mask ``passing`` (n_items,) and exclusions:
-    as wide as an unfiltered search, padded where fewer items pass."""
-    k = min(k, len(items))
-    scores = score_matrix(users, items, metric)
-    banned = exclusion_mask(exclude, len(users), len(items))
-    if passing is not None:
-        banned |= ~passing[None, :]
-    rows = np.full((len(users), k), -1, np.int64)
-    vals = np.full((len(users), k), -np.inf)
-    for u in range(len(users)):
-        ok = np.flatnonzero(~banned[u])
-        order = ok[np.lexsort((ok, -scores[u, ok]))][:k]
-        rows[u, :order.size] = order
-        vals[u, :order.size] = scores[u, order]
-    return rows, vals
+    """The oracle's (rows, scores) with a shared mask ``passing`` and exclusions (``oracle.filtered_topk``)."""
+    return filtered_topk(users, items, k, metric, passing, exclude)
 
 
 def _mask(rows, n):
