@@ -36,9 +36,9 @@ def _mask(rows, n):
 
 
 def _blas_threads():
-    from threadpoolctl import threadpool_info
-
-    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    """The threads of the BLAS libraries the CPU backend limits: those loaded when it first searched (NumPy's; a BLAS
+    another library loads later, as faiss-cpu's, is not the one its GEMMs call)."""
+    return [lib.num_threads for lib in numpy_backend._blas_controller().select(user_api="blas").lib_controllers]
 
 
 @pytest.fixture
