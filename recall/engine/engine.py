@@ -155,11 +155,8 @@ class Engine:
     def __getstate__(self) -> dict:
         """A CPU engine pickles (for ``multiprocessing``'s spawn, Spark): its prepared items, ids, filter and options;
         not the caches made from them (filtered catalogues, fast mode's float16 copy), which the unpickled engine
-        makes again as it needs them, nor its backend's pool (the unpickled one is the receiving process's own).
-        A GPU engine's items live on its device: it raises ``TypeError`` saying what to do instead."""
-        if self.backend.name != "cpu":
-            raise TypeError(f"a recall.Engine on the {self.backend.name} backend cannot be pickled (its items live "
-                            f"on the device): send the item matrix (and ids) and build an Engine in each process")
+        makes again as it needs them. The backend pickles itself (the CPU's without its pool, remade in the receiving
+        process; the GPU's raises ``TypeError`` saying what to do instead)."""
         state = dict(self.__dict__)
         state.update(_views={}, _fast=None)
         return state
@@ -292,10 +289,14 @@ class Engine:
     def _view(self, flt: ItemFilter) -> "Engine":
         """An engine over the rows ``flt`` passes (the prepared items gathered once, on this backend), kept for the
         next searches with the same filter."""
+        def make_room() -> None:  # under _views_lock: at most two catalogues kept, the oldest dropped
+            while len(self._views) >= 2:
+                self._views.pop(next(iter(self._views)))
+
         with _views_lock:
             view = self._views.get(flt.key)
-            while view is None and len(self._views) >= 2:  # room made first: never three catalogues kept
-                self._views.pop(next(iter(self._views)))
+            if view is None:
+                make_room()  # before the gather: never three catalogues in memory
         if view is None:
             view = Engine.__new__(Engine)
             view.__dict__.update(metric=self.metric, tune_mode=self.tune_mode, precision=self.precision,
@@ -313,8 +314,7 @@ class Engine:
             with _views_lock:  # another thread may have made the same view meanwhile: the first one kept
                 if flt.key in self._views:
                     return self._views[flt.key]
-                while len(self._views) >= 2:
-                    self._views.pop(next(iter(self._views)))
+                make_room()
                 self._views[flt.key] = view
         return view
 
@@ -360,7 +360,7 @@ class Engine:
         if self.metric == "l2":
             # The scores are finished (2·s - |u|²) when the result is taken: from the engine's copy of the users
             # (the prepared matrix's first columns), not the caller's array, which it may reuse once this returns.
-            users = xp.ascontiguousarray(prepared[:, :self.dim])
+            users = prepared[:, :self.dim]
         k_sel = min(k, self.n_items)
         host = xp is np
         if users.shape[0] == 0:

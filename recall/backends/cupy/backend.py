@@ -105,6 +105,11 @@ class CupyBackend:
     # instead of 31 of each.
     few_users_area = 1 << 26
 
+    def __getstate__(self) -> dict:
+        """Not picklable: what it holds (streams, device memory) belongs to this process and device."""
+        raise TypeError("a recall.Engine on the gpu backend cannot be pickled (its items live on the device): send "
+                        "the item matrix (and ids) and build an Engine in each process")
+
     def __init__(self) -> None:
         import cupy
 
