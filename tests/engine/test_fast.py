@@ -11,6 +11,7 @@ from conftest import clustered_data, normal_data, plateau_data, ties_data
 from oracle import as_numpy
 from recall import Engine, EngineOptions, InputError
 from recall.core import certificate as fast
+from recall.core.tiling import TilePlan
 
 
 def _ints(rng, n, dim):
@@ -94,7 +95,12 @@ def test_a_budget_that_holds_exact_mode_but_not_the_wider_passes(device):
     rng = np.random.default_rng(0)
     items = rng.choice(np.array([-2, -1, 1, 2], np.float32), size=(9201, 1))
     users = rng.choice(np.array([-2, -1, 1, 2], np.float32), size=(63, 1))
-    budget = 1 << 16
+    # The budget holds the first pass (k + m + 1 candidates, one user against 256 items) and not one user against
+    # one item of the widened pass, whatever the backend's top-k state costs (the GPU's is 18x the CPU's).
+    state_bytes = Engine(items, metric="cosine", device=device).backend.state_bytes
+    first, widened = 1000 + fast.margin(1000) + 1, 1000 + 4 * fast.margin(1000) + 1
+    budget = TilePlan(1, 256, 1).workspace_bytes(1, first, state_bytes(first))
+    assert TilePlan(1, 1, 1).workspace_bytes(1, widened, state_bytes(widened)) > budget
     want = Engine(items, metric="cosine", device=device, memory_budget=budget).search(users, 1000)
     engine = Engine(items, metric="cosine", device=device, precision="fast", memory_budget=budget)
     got = engine.search(users, 1000)
