@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -146,6 +146,12 @@ def nothing_written(out: object) -> Callable[[Interrupted], str]:
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
+def input_file(flag: str, help: str) -> Any:
+    """The option of an input file. recall's reader checks the path itself (missing, a directory, unreadable, a loop
+    of links) and says so on one ``error:`` line; click's own readability check would print a usage error."""
+    return typer.Option(flag, help=help, show_default=False, readable=False)
+
+
 # Options every Parquet command shares (score, rescore, batch), defined once.
 MetricOption = Annotated[Metric, typer.Option("--metric", help="ip: inner product; cosine; l2: -||u - v||^2.")]
 DeviceOption = Annotated[Device, typer.Option("--device", help="auto: the GPU when usable, else the CPU.")]
@@ -163,12 +169,12 @@ ItemMemoryOption = Annotated[str | None, typer.Option(
          "the device in segments at every batch (same output). Default: what the device holds.",
     show_default=False)]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notices.")]
-ExcludeOption = Annotated[Path | None, typer.Option(
-    "--exclude", help="Parquet of user_id, item_id pairs (or user_id, item_ids lists) never to return.")]
-AllowOption = Annotated[Path | None, typer.Option(
-    "--allow", help="Parquet with an item_id column: only these items may be returned (to every user).")]
-DenyOption = Annotated[Path | None, typer.Option(
-    "--deny", help="Parquet with an item_id column: these items are never returned (to any user).")]
+ExcludeOption = Annotated[Path | None, input_file(
+    "--exclude", "Parquet of user_id, item_id pairs (or user_id, item_ids lists) never to return.")]
+AllowOption = Annotated[Path | None, input_file(
+    "--allow", "Parquet with an item_id column: only these items may be returned (to every user).")]
+DenyOption = Annotated[Path | None, input_file(
+    "--deny", "Parquet with an item_id column: these items are never returned (to any user).")]
 AllowEmptyOption = Annotated[bool, typer.Option(
     "--allow-empty", help="Write an empty output when the users file has no rows (default: refuse, exit 2, and "
                           "leave the previous output as it was).")]

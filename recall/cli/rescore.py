@@ -11,21 +11,18 @@ from typing import Annotated
 
 import typer
 
-from ..core.errors import InputError
+from ..core.checks import check_batch_size
 from ..jobs import JobOptions, rescore_files
 from .common import (AllowOption, BatchSizeOption, DenyOption, Device, DeviceOption, IdColOption, ItemMemoryOption, MemoryBudgetOption,
-                     Metric, MetricOption, VecColOption, errors_to_exit, interruptible, logging_to_stderr,
-                     nothing_written, parse_bytes)
+                     Metric, MetricOption, VecColOption, errors_to_exit, input_file, interruptible, logging_to_stderr,
+                     nothing_written, parse_bytes, say_first_run)
 
 
 def rescore(
-    users: Annotated[Path, typer.Option("--users", help="User embeddings Parquet (id + vector columns).",
-                                        show_default=False)],
-    items: Annotated[Path, typer.Option("--items", help="Item embeddings Parquet (id + vector columns).",
-                                        show_default=False)],
-    candidates: Annotated[Path, typer.Option(
-        "--candidates", help="Parquet of user_id, item_ids (a list per row; or user_id, item_id pairs).",
-        show_default=False)],
+    users: Annotated[Path, input_file("--users", "User embeddings Parquet (id + vector columns).")],
+    items: Annotated[Path, input_file("--items", "Item embeddings Parquet (id + vector columns).")],
+    candidates: Annotated[Path, input_file(
+        "--candidates", "Parquet of user_id, item_ids (a list per row; or user_id, item_id pairs).")],
     k: Annotated[int, typer.Option("--k", help="Items kept per user (>= 1).", show_default=False)],
     out: Annotated[str, typer.Option("--out", metavar="<path>", help="Candidates Parquet file to write (atomically).",
                                      show_default=False)],
@@ -49,8 +46,9 @@ def rescore(
     unknown user or item ids are skipped with a warning that counts them.
     """
     with logging_to_stderr(quiet, False), errors_to_exit(), interruptible(nothing_written(out)):
-        if batch_size is not None and batch_size < 1:
-            raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+        if batch_size is not None:
+            check_batch_size(batch_size, "--batch-size")
+        say_first_run(quiet, device.value)
         summary = rescore_files(users, items, candidates, out, k, metric=metric.value, id_col=id_col,
                                 vec_col=vec_col, device=device.value, memory_budget=parse_bytes(memory_budget),
                                 batch_size=batch_size, allow_path=allow, deny_path=deny, allow_empty=allow_empty,

@@ -12,8 +12,8 @@ from ..core.errors import InputError
 from ..jobs import JobOptions, score_files
 from .common import (Aggregate, AllowEmptyOption, AllowOption, BatchSizeOption, Compression, DenyOption, Device,
                      DeviceOption, ExcludeOption, IdColOption, ItemMemoryOption, MemoryBudgetOption, Metric, MetricOption, Precision,
-                     QuietOption, VecColOption, errors_to_exit, interruptible, logging_to_stderr, nothing_written,
-                     parse_bytes, progress_bar, say_first_run, show_progress)
+                     QuietOption, VecColOption, errors_to_exit, input_file, interruptible, logging_to_stderr,
+                     nothing_written, parse_bytes, progress_bar, say_first_run, show_progress)
 
 
 def _run_score(users: Path, items: Path, out: str, k: int, metric: Metric, exclude: Path | None, id_col: str,
@@ -40,10 +40,8 @@ def _run_score(users: Path, items: Path, out: str, k: int, metric: Metric, exclu
 
 
 def score(
-    users: Annotated[Path, typer.Option("--users", help="User embeddings Parquet (id + vector columns).",
-                                        show_default=False)],
-    items: Annotated[Path, typer.Option("--items", help="Item embeddings Parquet (id + vector columns).",
-                                        show_default=False)],
+    users: Annotated[Path, input_file("--users", "User embeddings Parquet (id + vector columns).")],
+    items: Annotated[Path, input_file("--items", "Item embeddings Parquet (id + vector columns).")],
     k: Annotated[int, typer.Option("--k", help="Items per user (>= 1).", show_default=False)],
     out: Annotated[str, typer.Option("--out", metavar="<path>", help="Candidates Parquet file to write (atomically).",
                                      show_default=False)],

@@ -15,8 +15,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..core.errors import InputError
-from .parquet import (READ_BATCH_ROWS, at, column_names, first_true, fmt_id, id_type_of, ids_from_arrow,
-                      iter_batches, open_parquet, prefetched, row_group_starts)
+from .parquet import (READ_BATCH_ROWS, at, column_names, first_true, fmt_id, has_column, id_type_of,
+                      ids_from_arrow, iter_batches, open_parquet, prefetched, row_group_starts)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class EmbeddingFileInfo:
 def check_columns(pf: pq.ParquetFile, path: str, id_col: str, vec_col: str) -> tuple[pa.DataType, int | None]:
     schema = pf.schema_arrow
     for col, role, option in ((id_col, "id", "--id-col"), (vec_col, "vector", "--vec-col")):
-        if schema.get_field_index(col) < 0:
+        if not has_column(schema, path, col):
             raise InputError(
                 f"{path}: no {role} column {col!r}; the columns are {column_names(schema)} "
                 f"(choose another with {option})"
@@ -215,7 +215,7 @@ def read_ids(path: str | os.PathLike, id_col: str = "id", vec_col: str | None = 
     if vec_col is not None:
         check_columns(pf, path, id_col, vec_col)
     else:
-        if pf.schema_arrow.get_field_index(id_col) < 0:
+        if not has_column(pf.schema_arrow, path, id_col):
             raise InputError(f"{path}: no id column {id_col!r}; the columns are {column_names(pf.schema_arrow)}")
         id_type_of(path, id_col, pf.schema_arrow.field(id_col).type)
     parts, row = [], 0
@@ -537,7 +537,7 @@ def inspect_interest_users(path: str | os.PathLike, id_col: str = "id", vec_col:
     path = os.fspath(path)
     schema = open_parquet(path, "embeddings").schema_arrow
     for col, role, option in ((id_col, "id", "--id-col"), (vec_col, "vector", "--vec-col")):
-        if schema.get_field_index(col) < 0:
+        if not has_column(schema, path, col):
             raise InputError(f"{path}: no {role} column {col!r}; the columns are {column_names(schema)} "
                              f"(choose another with {option})")
     id_type_of(path, id_col, schema.field(id_col).type)

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 
 from ..core import exclusions
 from ..core.errors import InputError
-from .parquet import (INT64_MAX, READ_BATCH_ROWS, column_names, first_true, flatten_id_lists, iter_batches, lookup,
-                      match_type, open_parquet)
+from .parquet import (INT64_MAX, READ_BATCH_ROWS, column_names, first_true, flatten_id_lists, has_column,
+                      iter_batches, lookup, match_type, open_parquet)
 
 
 LOOKUP_GROUP_VALUES = 1 << 22
@@ -79,9 +79,8 @@ def pairs_column(pf: pq.ParquetFile, path: str, what: str) -> str:
     """"item_id" (one pair per row) or "item_ids" (a list per row): which form a pairs file has. InputError naming
     the columns found and expected."""
     schema = pf.schema_arrow
-    names = set(schema.names)
-    has_pair, has_list = "item_id" in names, "item_ids" in names
-    if "user_id" not in names or has_pair == has_list:
+    has_user, has_pair, has_list = (has_column(schema, path, col) for col in ("user_id", "item_id", "item_ids"))
+    if not has_user or has_pair == has_list:
         raise InputError(
             f"{path}: {what} columns are {column_names(schema)}; expected 'user_id' with 'item_id' "
             f"(one pair per row) or 'user_id' with 'item_ids' (a list of item ids per row)"
@@ -280,7 +279,7 @@ def inspect_item_set(path: str | os.PathLike, what: str = "allow") -> None:
 
 def _open_item_set(path: str, what: str) -> pq.ParquetFile:
     pf = open_parquet(path, f"{what} items")
-    if "item_id" not in pf.schema_arrow.names:
+    if not has_column(pf.schema_arrow, path, "item_id"):
         raise InputError(f"{path}: {what} file columns are {column_names(pf.schema_arrow)}; expected an 'item_id' "
                          f"column")
     return pf

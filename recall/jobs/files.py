@@ -576,8 +576,9 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
         raise InputError(f"{spec.users_path}: row 0 (id {fmt_id(users.ids[0])}) has dimension {users.dim}, expected "
                          f"{engine.dim} ({spec.dim_source})")
     cands = read_pairs(candidates_path, users.ids, items.ids, what="candidate", sort_unique=False)
-    if cands.n_pairs and cands.n_unknown == cands.n_pairs:
-        # Every user would get an empty list: ids of another catalogue or users file, a mistake to stop on.
+    if cands.n_pairs and cands.n_unknown == cands.n_pairs and len(users):
+        # Every user would get an empty list: ids of another catalogue or users file, a mistake to stop on (an empty
+        # users file, which got here with allow_empty, names nobody: its empty output is what was asked for).
         raise InputError(f"{candidates_path}: no candidate pair names a user of the users file and an item of the "
                          f"items file ({cands.n_pairs:,} pairs, all unknown): every user would get no candidates")
     side = _read_side(spec, users.ids, items.ids)
