@@ -16,7 +16,7 @@ pass's candidates in their first pass (``FastState.margins``, ``stats["first_mar
 float16 pass, not two or three.
 
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`, lower
-where the float16 pass keeps float16 score tiles):
+above :data:`LARGE_K` and where the float16 pass keeps float16 score tiles):
 it then costs more than exact mode's whole search, whatever the certificate does; and where the search is small
 (:data:`MIN_SCORES`). A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the
 certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full of exact ties), every user is searched
@@ -55,17 +55,25 @@ from ..core.exclusions import Exclusions
 DECLINE_COST = 0.75
 #: Candidates re-scored per user (k + m + 1) above this share of the items make fast mode slower than exact mode, even
 #: with every certificate holding: the re-scoring gathers each candidate's row, and the float16 pass keeps k + m + 1
-#: where the float32 search keeps k. Exact mode's certified route against its float32 search, H200, 2026-12-02 21:3x
-#: UTC (docs/benchmarks.md), after the threshold sample's margin took the shift column on its own: 1.25% of the
-#: items -> 0.80x the float32 search's time (200k x 100k x 32, k = 1,000, l2; 3.1x before, when the margin started
-#: every user below 93% of the items) and 0.94x under ip (64 dims), 1.9% -> 0.74x (100k x 65,536 x 64, cosine), 2.6%
-#: -> 0.84x (k = 2,048, l2). ip at 1.25% is near even: 2% keeps the route where it was measured to pay. That is where
+#: where the float32 search keeps k. Exact mode's certified route against its float32 search, H200, 2026-12-05
+#: 03:1x UTC (docs/benchmarks.md), k = 2,048 (2,561 candidates): 2.6% of the items -> 0.67-0.76x the float32
+#: search's time (200k x 100k, l2, 32 and 64 dims); 3.9% (65,536 items) -> 0.55x cosine, 0.57x l2, 0.87x ip (64
+#: dims) and 1.03x ip at 128 dims, whose float32 search is the GEMM's most efficient. 3% keeps the route where it was
+#: measured to pay at 2.6% and short of where rows of 128 break even. That is where
 #: the pass compares float32 sums (a fused kernel); where it keeps float16 score tiles (cuBLAS + filter: passes
 #: above fused.FUSED_HALF_SEEDED_MAX_K, rows wider than the float16 kernel multiplies) the limit is
 #: MAX_CANDIDATE_SHARE_TILES16: at 1.02% (10k x 1M x 64, k = 8,192) fast mode took 1.21x exact mode's time (0.108
-#: against 0.0894 s, H200 2026-12-02 21:4x UTC). A rough model
+#: against 0.0894 s, H200 2026-12-02 21:4x UTC); above LARGE_K it is MAX_CANDIDATE_SHARE_LARGE_K. A rough model
 #: (dims and shapes differ), so it acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells are.
-MAX_CANDIDATE_SHARE = 0.02
+MAX_CANDIDATE_SHARE = 0.03
+#: k above which the re-scoring's selection keeps 4,096 keys a user or more (a power of two at least k: the GPU's
+#: rescore.launch_config), in 118 KB of shared memory at k = 3,000, one block an SM on the H200, and the share the
+#: route pays at is lower: MAX_CANDIDATE_SHARE_LARGE_K. The route against its float32 search (H200, 2026-12-05
+#: 03:1x UTC): 0.5% -> 0.71x (20k x 1M x 64, l2, k = 4,000) and 0.84x (10k x 1M, ip, k = 4,096); 0.94% -> 1.09x
+#: (100k x 400k x 64, ip, k = 3,000), 0.98% -> 1.02x (d = 128, k = 2,500); 1.9% -> 1.37x and 1.55x (the same at
+#: 200k and 160k items), which the 2% limit had let through.
+LARGE_K = 2048
+MAX_CANDIDATE_SHARE_LARGE_K = 0.006
 #: The same limit where the float16 pass keeps float16 score tiles (``Backend.pass_score_dtype``): 0.26% of the items
 #: gave 0.86x exact mode's time there (20k x 1M x 64, k = 2,048, 2026-12-01), 1.02% 1.21x.
 MAX_CANDIDATE_SHARE_TILES16 = 0.005
@@ -224,7 +232,7 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
         else:
             # The limit where the pass keeps float16 tiles is asked for only above the lower one (it makes the
             # float16 copy of the items).
-            limit = MAX_CANDIDATE_SHARE
+            limit = MAX_CANDIDATE_SHARE if k <= LARGE_K else MAX_CANDIDATE_SHARE_LARGE_K
             if MAX_CANDIDATE_SHARE_TILES16 * engine.n_items < wide <= limit * engine.n_items and _tiles16(
                     engine, n_users, k):
                 limit = MAX_CANDIDATE_SHARE_TILES16

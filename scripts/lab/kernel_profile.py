@@ -50,6 +50,20 @@ CELLS = {
     "cos-k2048-130k": ("popular", 100_000, 130_000, 64, 2048, "cosine", 0),
     "cos-k1000-65k": ("skewed", 100_000, 65_536, 64, 1000, "cosine", 0),  # 1.9% of the smallest catalogue ruled on
     "uh-20k-k100": ("skewed", 200_000, 20_000, 64, 100, "ip", 0),  # a small catalogue's threshold sample at k = 100
+    # Re-scored shares between 2.6% and 4% (fast.MAX_CANDIDATE_SHARE), every pass on the fused float32-sum path:
+    "ip-k3000": ("skewed", 200_000, 100_000, 64, 3000, "ip", 0),  # 3,751 candidates a user: 3.75%
+    "cos-k2048-65k": ("skewed", 100_000, 65_536, 64, 2048, "cosine", 0),  # 3.9%
+    "l2-k2048-65k": ("popular", 200_000, 65_536, 32, 2048, "l2", 0),  # 3.9%
+    "d128-k2500-80k": ("clustered", 100_000, 80_000, 128, 2500, "ip", 0),  # 3.9% of rows of 128
+    "l2-k2048-d64": ("skewed", 200_000, 100_000, 64, 2048, "l2", 0),  # 2.6%
+    # k above 2,048 within 2% (the re-scoring keeps a K_pad of 4,096 keys a user: one block an SM)
+    "ip-k3000-200k": ("skewed", 200_000, 200_000, 64, 3000, "ip", 0),  # 1.9%
+    "d128-k2500-160k": ("clustered", 100_000, 160_000, 128, 2500, "ip", 0),  # 1.95%
+    "l2-k4000-1m": ("skewed", 20_000, 1_000_000, 64, 4000, "l2", 0),  # 0.5%
+    "ip-k3000-400k": ("skewed", 100_000, 400_000, 64, 3000, "ip", 0),  # 0.94%
+    "d128-k2500-320k": ("clustered", 50_000, 320_000, 128, 2500, "ip", 0),  # 0.98%
+    "ip-k2048-65k": ("skewed", 200_000, 65_536, 64, 2048, "ip", 0),  # 3.9%, k within 2,048
+    "d128-k2048-65k": ("clustered", 100_000, 65_536, 128, 2048, "ip", 0),  # 3.9%
     "ties": ("ties", 50_000, 1_000_000, 64, 100, "ip", 0),
     "d32-k10": ("normal", 20_000, 1_000_000, 32, 10, "ip", 0),
     "l2-adv": ("adversarial", 50_000, 1_000_000, 64, 100, "l2", 0),
@@ -398,14 +412,15 @@ def main() -> None:
     p.add_argument("--counts", action="store_true",
                    help="one more search (graphs off), every fused launch synchronised and its survivors counted")
     p.add_argument("--max-candidate-share", type=float, default=None,
-                   help="fast.MAX_CANDIDATE_SHARE and MAX_CANDIDATE_SHARE_TILES16 for this process (1.0: fast mode "
-                        "never declines for its share of re-scored candidates), to measure what the decline rule "
-                        "spares")
+                   help="fast.MAX_CANDIDATE_SHARE, MAX_CANDIDATE_SHARE_TILES16 and MAX_CANDIDATE_SHARE_LARGE_K for "
+                        "this process (1.0: fast mode never declines for its share of re-scored candidates), to "
+                        "measure what the decline rule spares")
     a = p.parse_args()
     if a.max_candidate_share is not None:
         from recall.engine import fast as fast_mode
 
         fast_mode.MAX_CANDIDATE_SHARE = fast_mode.MAX_CANDIDATE_SHARE_TILES16 = a.max_candidate_share
+        fast_mode.MAX_CANDIDATE_SHARE_LARGE_K = a.max_candidate_share
     from recall.backends.cupy import fused, selection
 
     from recall.core import certificate
