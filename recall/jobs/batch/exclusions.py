@@ -1,8 +1,8 @@
 """The batch job's exclusions: read and mapped to item rows once per job, by the parent, and shared with every worker.
 
 The parent maps the exclusion file with the item file's id column (:meth:`ExclusionIndex.read`: pairs keyed by the
-file's own distinct user ids, so no list of every user of the job is needed; on a thread of its own while it
-fingerprints the inputs, :class:`ExclusionRead`) and saves the index in the output
+file's own distinct user ids, so no list of every user of the job is needed; on a thread of its own, only once
+the job has shards to score, :class:`ExclusionRead`) and saves the index in the output
 directory as the job's temporary files (``.exclusions-<part>.tmp-<pid>``: what a killed run leaves there is removed
 by the next one), and lets it go. Every worker, in its process or another, or on another host of a Ray cluster
 (which writes into the same directory), maps those files read-only (:meth:`ExclusionFiles.open`): the pages are read
@@ -13,7 +13,7 @@ slice (:meth:`ExclusionIndex.for_shard`), and an item-shard worker only the pair
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,18 +69,25 @@ class ExclusionIndex:
 
 
 class ExclusionRead:
-    """The exclusion file read and mapped on a thread of its own, from the moment the job starts: while the parent
-    fingerprints the inputs and checks what an earlier run left. :meth:`save` waits for it; :meth:`close` (always)
-    waits for the thread and removes the files :meth:`save` wrote, whatever happened."""
+    """The exclusion file read and mapped on a thread of its own once :meth:`start` is called: only when the job has
+    shards to score and its workers are placed, so that a run with nothing to do, or refused, never reads a file of
+    billions of pairs (nor waits for that read before it exits on a signal). :meth:`save` waits for it; :meth:`close`
+    (always) waits for the thread and removes the files :meth:`save` wrote, whatever happened."""
 
     def __init__(self, path: str, user_ids_are_strings: bool, items_path: str, id_col: str, vec_col: str) -> None:
+        self._read = lambda: ExclusionIndex.read(path, user_ids_are_strings, read_ids(items_path, id_col, vec_col))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="recall-exclusions")
-        self._future = self._pool.submit(
-            lambda: ExclusionIndex.read(path, user_ids_are_strings, read_ids(items_path, id_col, vec_col)))
+        self._future: Future | None = None
         self._files: ExclusionFiles | None = None
+
+    def start(self) -> None:
+        """Start reading (once)."""
+        if self._future is None:
+            self._future = self._pool.submit(self._read)
 
     def save(self, out_dir: Path) -> "ExclusionFiles":
         """The index (or the error reading it raised), saved into ``out_dir``; the parent lets it go."""
+        self.start()
         self._files = self._future.result().save(out_dir)
         self._future = None
         return self._files

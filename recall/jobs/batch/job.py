@@ -597,7 +597,7 @@ def _different_job(req: BatchRequest, old: dict, new: dict) -> InputError:
 
 def _run_locked(req: BatchRequest, shards: list[Shard], progress: BatchProgress, say: Callable[[str], None],
                 notices: list[str], t_start: float) -> BatchSummary:
-    # The exclusions are read and mapped meanwhile (they are needed only once workers are given shards).
+    # The exclusions are read and mapped once the job knows it has shards to score (``_run_job``).
     good = [s for s in shards if s.error is None]
     reading = None
     if req.exclude_path is not None and good:
@@ -638,6 +638,7 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
             first_write()
         if not (out / SUCCESS).exists():
             atomic.write_json(out / MANIFEST, manifest)
+            outdir.mark_succeeded(out / METRICS, _now())
             atomic.write_bytes(out / SUCCESS, b"")
         return BatchSummary(shards_scored=0, users_scored=0, seconds=time.perf_counter() - t_start, device="",
                             workers=0, **base)
@@ -647,6 +648,8 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
     executor = executors.make_executor(req.engine, device=req.device, gpus=req.gpus, workers=req.workers,
                                        ray_address=req.ray_address, say=say,
                                        item_shards=req.item_shards) if good else None
+    if executor is not None and reading is not None:
+        reading.start()
     metrics = {
         "job": {"status": "running", "started_at": _now(), "engine": req.engine, "device_requested": req.device,
                 "shards_total": len(shards), "shards_skipped": len(outputs), "shards_todo": len(todo),

@@ -207,6 +207,22 @@ def earlier_shard_metrics(path: Path, kept: dict[str, dict]) -> dict[str, dict]:
             if name in kept and isinstance(entry, dict)}
 
 
+def mark_succeeded(path: Path, finished_at: str) -> None:
+    """``_metrics.json`` of the run a kill stopped just before its ``_SUCCESS``, marked ``succeeded`` (its error
+    dropped) by the rerun that writes that ``_SUCCESS``: beside it, the file must not say the job is still running,
+    or failed. Left as it is where there is none or it cannot be read."""
+    try:
+        metrics = json.loads(path.read_text())
+        job = metrics["job"]
+        if job.get("status") == "succeeded":
+            return
+        job.pop("error", None)
+        job.update(status="succeeded", finished_at=finished_at)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    atomic.write_json(path, metrics)
+
+
 def numerics(entry: dict[str, Any]) -> tuple:
     """What decides an output's last bits besides its inputs: the device, the tiling (batch size, budget) and the
     item shards it was merged from (1 when the entry does not say: an unsharded output)."""

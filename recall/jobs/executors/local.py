@@ -22,6 +22,7 @@ import os
 import signal
 import traceback
 from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -199,12 +200,28 @@ class ProcessExecutor:
             stop_workers([(procs[name], chans[name]) for name in procs])
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread for the length of a ``Process.start()``: the child is born with it blocked, so a
+    Ctrl-C (the terminal sends it to the whole process group) while the child still imports is not delivered there,
+    where it would print a KeyboardInterrupt traceback beside the job's one line; :func:`_worker_signals` then
+    ignores it. This process loses nothing: a SIGINT meanwhile goes to another of its threads or waits for the
+    unblocking."""
+    # Started by the first child otherwise, after which it unblocks SIGINT and SIGTERM in this thread.
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def start_worker(ctx: Any, slot: WorkerSlot, target: Callable[..., None], prefix: str,
                  spec: JobSpec) -> tuple[Any, Channel]:
     """Spawn ``target(slot.name, spec, slot.device, slot.cores, conn, parent pid)`` with the slot's environment from
     birth; (the process, the parent's channel to it)."""
     parent_end, child_end = ctx.Pipe(duplex=True)
-    with _environ(slot.env):
+    with _environ(slot.env), _sigint_blocked():
         proc = ctx.Process(target=target, name=f"{prefix}-{slot.name}", daemon=True,
                            args=(slot.name, spec, slot.device, slot.cores, child_end, os.getpid()))
         proc.start()

@@ -1,0 +1,99 @@
+"""Audit of ``recall batch``'s crash, signal and published-state guarantees (docs/batch.md, docs/errors.md): each test
+failed before the fix it names."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_batch import K, _run, _write_job
+
+from recall.backends.placement import WorkerSlot
+from recall.core.errors import InputError
+from recall.jobs.batch import METRICS, SUCCESS, BatchProgress
+from recall.jobs.executors.local import start_worker, stop_workers
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> dict:
+    return _write_job(tmp_path)
+
+
+def _sigint_at_birth(name: str, spec: object, device: str, cores: object, conn, parent_pid: int) -> None:
+    """A worker that gets SIGINT before it sets its own signal handlers, as a Ctrl-C at the terminal (sent to the
+    whole process group) reaches one that is still importing; then says whether it lived through it."""
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    conn.send("alive")
+
+
+def test_a_ctrl_c_while_a_worker_starts_does_not_reach_it() -> None:
+    """Ctrl-C during the second or so a spawned worker spends importing printed its KeyboardInterrupt traceback on
+    the job's stderr beside the one ``error: interrupted by SIGINT`` line: a worker must be born deaf to SIGINT (the
+    parent stops it)."""
+    proc, chan = start_worker(mp.get_context("spawn"), WorkerSlot("cpu0", "cpu"), _sigint_at_birth, "audit", None)
+    try:
+        assert chan.recv(timeout=60) == "alive"
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        stop_workers([(proc, chan)])
+
+
+def test_a_rerun_that_writes_the_missing_success_marks_the_metrics_succeeded(job: dict, tmp_path: Path) -> None:
+    """A run stopped after its last shard was recorded but before ``_SUCCESS`` (kill -9, SIGTERM) leaves
+    ``_metrics.json`` at ``running`` or ``failed``; the rerun finds nothing to do and writes ``_SUCCESS``: the metrics
+    beside it said the job was still running, or had failed."""
+
+    class StopAtTheLast(BatchProgress):
+        def shard_done(self, done: int, total: int) -> None:
+            if done == total:
+                raise KeyboardInterrupt  # as SIGTERM there
+
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        _run(job, out, progress=StopAtTheLast())
+    assert not (out / SUCCESS).exists() and _status(out) == "failed"
+    summary = _run(job, out)
+    assert summary.shards_scored == 0 and (out / SUCCESS).exists()
+    metrics = json.loads((out / METRICS).read_text())
+    assert metrics["job"]["status"] == "succeeded" and "error" not in metrics["job"]
+    assert len(metrics["shards"]) == len(job["shards"])
+
+
+def _status(out: Path) -> str:
+    return json.loads((out / METRICS).read_text())["job"]["status"]
+
+
+def test_a_run_with_no_shard_to_score_does_not_read_the_exclusions(job: dict, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent read and mapped the whole exclusions file (billions of pairs at night: minutes, gigabytes) from the
+    moment it took the lock, before it knew whether anything was to be scored: a rerun with nothing to do, and a
+    refused one (another job in --out), paid for it, and a SIGTERM meanwhile waited for the read to end."""
+    from recall.jobs.batch import exclusions as batch_exclusions
+
+    excl = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array(job["user_ids"][:30]), "item_id": pa.array(job["item_ids"][:30])}),
+                   excl)
+    out = tmp_path / "out"
+    _run(job, out, exclude=excl)
+    reads: list[str] = []
+    read = batch_exclusions.ExclusionIndex.read.__func__
+
+    def counted(cls, path, *args):
+        reads.append(path)
+        return read(cls, path, *args)
+
+    monkeypatch.setattr(batch_exclusions.ExclusionIndex, "read", classmethod(counted))
+    assert _run(job, out, exclude=excl).shards_scored == 0
+    with pytest.raises(InputError, match="holds the output of a different job"):
+        _run(job, out, exclude=excl, k=K + 1)
+    assert reads == []
+    (out / job["shards"][0][0].name).unlink()  # a shard to score again: the file is read, once
+    assert _run(job, out, exclude=excl).shards_scored == 1 and reads == [str(excl)]
