@@ -15,12 +15,12 @@ from typing import Annotated, Any
 
 import typer
 
-from ..core.errors import InputError
+from ..core.checks import check_batch_size
 from ..jobs import JobOptions
 from ..jobs.batch import BatchError, BatchProgress, run_batch
 from .common import (EXIT_OS_ERROR, AllowOption, BatchSizeOption, DenyOption, Device, ExcludeOption, IdColOption,
                      Interrupted, ItemMemoryOption, MemoryBudgetOption, Metric, MetricOption, QuietOption, VecColOption, errors_to_exit,
-                     interruptible, log, logging_to_stderr, parse_bytes, say_first_run, show_progress)
+                     input_file, interruptible, log, logging_to_stderr, parse_bytes, say_first_run, show_progress)
 
 
 def _resume_line(exc: Interrupted) -> str:
@@ -86,8 +86,7 @@ def batch(
     users: Annotated[str, typer.Option(
         "--users", help="Directory of user embedding Parquet shards (*.parquet), a glob ('data/users/part-*.parquet', "
                         "quoted), or one file.", show_default=False)],
-    items: Annotated[Path, typer.Option("--items", help="Item embeddings Parquet (id + vector columns).",
-                                        show_default=False)],
+    items: Annotated[Path, input_file("--items", "Item embeddings Parquet (id + vector columns).")],
     k: Annotated[int, typer.Option("--k", help="Items per user (>= 1).", show_default=False)],
     out: Annotated[Path, typer.Option(
         "--out", help="Output directory: one candidates Parquet per shard (same name), _manifest.json, "
@@ -136,8 +135,8 @@ def batch(
     every bad shard, without _SUCCESS.
     """
     with logging_to_stderr(quiet, verbose), errors_to_exit(), interruptible(_resume_line):
-        if batch_size is not None and batch_size < 1:
-            raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+        if batch_size is not None:
+            check_batch_size(batch_size, "--batch-size")
         progress = _RichProgress() if show_progress(quiet) else None
         say_first_run(quiet, device.value)
         try:

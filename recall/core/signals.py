@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 class Interrupted(SystemExit):
@@ -24,13 +26,17 @@ class Interrupted(SystemExit):
 
 
 @contextmanager
-def raising_signals() -> Iterator[None]:
-    """For the length of the block, SIGTERM and SIGINT raise :class:`Interrupted` in the main thread (a Ctrl-C that
-    reached Python first, as ``KeyboardInterrupt``, comes out as one too); the previous handlers are back after.
+def raising_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[None]:
+    """For the length of the block, ``signals`` (SIGTERM and SIGINT) raise :class:`Interrupted` in the main thread (a
+    Ctrl-C that reached Python first, as ``KeyboardInterrupt``, comes out as one too); the previous handlers are back
+    after.
 
     A second signal while the first unwinds exits at once (a temporary file may then stay: the next run into the
-    directory removes it). Outside the main thread (an embedding that runs commands on a thread) signals are left
-    alone.
+    directory removes it). A signal that arrives while a C library runs a Python callback (numba compiling, through
+    llvmlite's ctypes callbacks) raises there, where Python only reports the exception ("Exception ignored on calling
+    ctypes callback function") and goes on: it is sent again a moment later, from another thread, so that it
+    unwinds the command at its next line outside the callback, and nothing is printed for it. Outside the main
+    thread (an embedding that runs commands on a thread) signals are left alone.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -43,7 +49,17 @@ def raising_signals() -> Iterator[None]:
         pending.append(signum)
         raise Interrupted(signum)
 
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def unraisable(info: Any) -> None:
+        exc = info.exc_value
+        if isinstance(exc, Interrupted) and pending:
+            pending.clear()  # not a second signal: the first, again
+            threading.Timer(_RESEND_S, os.kill, (os.getpid(), exc.signum)).start()
+            return
+        previous_hook(info)
+
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable
+    old = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     except KeyboardInterrupt:
@@ -51,3 +67,8 @@ def raising_signals() -> Iterator[None]:
     finally:
         for sig, previous in old.items():
             signal.signal(sig, previous)
+        sys.unraisablehook = previous_hook
+
+
+#: Seconds after which a signal swallowed by a C callback is sent again (:func:`raising_signals`).
+_RESEND_S = 0.001

@@ -156,3 +156,19 @@ def test_rescore_says_on_a_terminal_that_the_first_run_compiles(files: dict, mon
               "under /some/where)")
     assert result.stderr.splitlines() == [notice]
     assert runner.invoke(app, _rescore(files, "--quiet")).stderr == ""
+
+
+def test_batch_items_unreadable_and_batch_size_as_score_says_them(files: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """recall batch's --items had click's readability check (its usage error), and --batch-size a check of its own."""
+    secret = files["dir"] / "secret.parquet"
+    secret.write_bytes(files["items"].read_bytes())
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *a, **kw: False if os.fspath(path) == str(secret)
+                        else real_access(path, mode, *a, **kw))
+    out = files["dir"] / "job"
+    base = ["batch", "--users", str(files["users"]), "--k", "3", "--out", str(out), "--device", "cpu"]
+    result = runner.invoke(app, base + ["--items", str(secret)])
+    assert "Usage" not in result.output and "not readable" not in result.output, result.output
+    result = runner.invoke(app, base + ["--items", str(files["items"]), "--batch-size", "0"])
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        "error: --batch-size must be an integer >= 1, got 0"], result.stderr

@@ -21,6 +21,7 @@ from oracle import as_numpy
 from parquet_data import write_embeddings
 from recall import Engine, InputError, SearchResult, EngineOptions
 from recall.cli.app import app
+from recall.backends.cupy import rescore
 from recall.backends.cupy.rescore import lanes, launch_config, smem_bytes, takes_warp, warp_smem_bytes
 from recall.io import read_pairs
 from recall.jobs import rescore_files
@@ -179,6 +180,18 @@ def test_long_lists_and_tiny_budget_agree(device, path):
     np.testing.assert_array_equal(as_numpy(tiny.scores), as_numpy(want.scores))
 
 
+def test_k_above_4096_keys_in_one_chunk(device, path):
+    """k = 3,000 (K_pad 4,096): lists that fit in one chunk of K_pad keys (with duplicates, ties and a list as long
+    as the chunk), and one a key longer, which takes two."""
+    rng = np.random.default_rng(15)
+    items, users = _ints(rng, 6000, 8, -3, 3), _ints(rng, 5, 8, -3, 3)
+    lists = [rng.integers(0, 6000, 3751), rng.permutation(6000)[:4096], rng.integers(0, 6000, 2999), [3, 3, 2],
+             rng.integers(0, 6000, 4097)]
+    one = Engine(items, device=device, options=path).rescore(users[:4], lists[:4], 3000)
+    _check(one, users[:4], items, lists[:4], 3000, "ip")
+    _check(Engine(items, device=device, options=path).rescore(users, lists, 3000), users, items, lists, 3000, "ip")
+
+
 def test_large_k_beyond_the_kernel_falls_back(device, path):
     rng = np.random.default_rng(6)
     items, users = _ints(rng, 45_000, 4), _ints(rng, 3, 4)
@@ -274,7 +287,7 @@ def test_lanes_cover_a_row_in_one_round():
         assert g in (1, 2, 4, 8, 16, 32) and (2 * g >= chunks or g == 32)
 
 
-def test_ordered_sums_of_float4_rows_reserve_each_warps_stage():
+def test_ordered_sums_of_float4_rows_reserve_each_warps_stage(monkeypatch):
     # rescore.cu's layout: ordered sums stage 32 rows' pieces of 32 columns (a row every 36 floats for float4 rows,
     # 33 for float rows) per warp of the 128-thread block, between the control words and the user's vector; nothing
     # else does. The duplicate flags (SZ bytes) then take the stage's room: the select and the gather never use it
@@ -289,6 +302,14 @@ def test_ordered_sums_of_float4_rows_reserve_each_warps_stage():
     # smaller than the flags grows to hold them.
     assert smem_bytes(16384, 256, ordered=True) <= 227 * 1024 < smem_bytes(16384, 256) + stage
     assert smem_bytes(32768, 64, ordered=True) - smem_bytes(32768, 64) == 0
+    # From K_pad = 4,096, lists that all fit in K_pad keys take one chunk of K_pad keys (the selected keys then
+    # outgrow the rows' scratch): two blocks an SM at k = 3,000 instead of one; longer lists keep two chunks' room.
+    monkeypatch.setattr(rescore, "_max_smem", lambda: 227 * 1024)  # a Hopper block's (no device here to ask)
+    k_pad, sz, smem = launch_config(3000, 64, 3751, ordered=True)
+    assert (k_pad, sz) == (4096, 4096) and smem == smem_bytes(8192, 64, ordered=True) - 8 * 4096  # the scratch stays 32 KiB
+    assert 2 * smem <= 228 * 1024
+    assert launch_config(3000, 64, 4097, ordered=True)[:2] == (4096, 8192)
+    assert launch_config(2048, 64, 2048, ordered=True)[:2] == (2048, 4096)  # below ONE_CHUNK_MIN_K_PAD: as before
 
 
 def test_short_ordered_lists_take_a_warp_a_user():
@@ -405,7 +426,7 @@ def test_cli_bad_inputs_exit_2_with_one_line(files):
         (["--k", "0"], "k must be an integer >= 1"),
         (["--candidates", str(files["dir"] / "nope.parquet")], "no such file"),
         (["--candidates", str(files["users"])], "candidate columns are"),
-        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
         (["--memory-budget", "lots"], "--memory-budget must be a positive number"),
     ]
     for extra, message in cases:

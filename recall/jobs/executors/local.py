@@ -28,6 +28,7 @@ from typing import Any
 
 from ...backends.placement import WorkerSlot, plan_workers
 from ...core.errors import BackendUnavailable, InputError, ResourceError, one_line
+from ...core.signals import raising_signals
 from ..batch.worker import BatchError, JobSpec, ShardScorer, ShardTask
 from .channel import Channel
 
@@ -85,20 +86,17 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
 @contextlib.contextmanager
 def _worker_signals() -> Iterator[None]:
-    """SIGTERM (the parent stopping its workers) unwinds the worker, so that the shard being written leaves no
-    temporary file; SIGINT (Ctrl-C reaches the whole process group) is the parent's to handle. Once the worker's
-    work is over, SIGTERM has nothing left to unwind: it ends the process quietly (raised in an exit hook, as
-    numba's, it would print "Exception ignored in atexit callback" on the job's stderr)."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    """SIGTERM (the parent stopping its workers) unwinds the worker (``raising_signals``: also where it arrives in
+    numba's compiler callbacks), so that the shard being written leaves no temporary file; SIGINT (Ctrl-C reaches the
+    whole process group) is the parent's to handle. Once the worker's work is over, SIGTERM has nothing left to
+    unwind: it ends the process quietly (raised in an exit hook, as numba's, it would print "Exception ignored in
+    atexit callback" on the job's stderr)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        yield
+        with raising_signals((signal.SIGTERM,)):
+            yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
