@@ -109,6 +109,8 @@ _SHORT = [(64, 40), (37, 100), (68, 128), (1, 7), (33, 1), (257, 128), (3, 126)]
     (4, "fused", 300, 40), (100, "fused", 300, 40), (33, "fused", 300, 40), (1, "fused", 300, 40),
     (3, "fused", 300, 40), (17, "fused", 300, 40), (65, "fused", 300, 40), (257, "fused", 300, 40),
     (64, "gemm", 300, 40), (37, "gemm", 300, 40),
+    # k = 3,000 (K_pad 4,096): lists of at most 4,096 in one chunk of 4,096 keys (rescore.ONE_CHUNK_MIN_K_PAD).
+    (64, "fused", 4000, 3000), (37, "fused", 4000, 2500),
     # Lists of at most 128 and k <= 128: a warp a user (rescore.takes_warp), float4 and float rows.
     *[(dim, "fused", 128, k) for dim, k in _SHORT]])
 def test_ordered_rescore_equals_the_emulation(dim, path, longest, k):

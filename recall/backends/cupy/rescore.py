@@ -76,15 +76,16 @@ def lanes(dim: int, ordered: bool = False) -> int:
 _ORD_STAGE = 32 * (32 + 4)  # floats a warp stages for ordered sums (RS_ORD_STAGE in rescore.cu)
 
 
-def smem_bytes(sz: int, dim: int, ordered: bool = False) -> int:
+def smem_bytes(sz: int, dim: int, ordered: bool = False, k_pad: int = 0) -> int:
     """Dynamic shared memory of one block (the layout in rescore.cu): SZ keys and 6 control words (8 bytes each),
     for ordered sums each warp's stage of 32 rows' pieces (at least SZ bytes: the duplicate flags reuse it), the
-    user's vector, a 4 * SZ byte scratch (staged rows, then the selected keys), a 256-bin histogram, SZ duplicate
-    flags (where there is no stage)."""
+    user's vector, a scratch of 4 * SZ bytes or the selected K_pad keys if more (staged rows, then the selected
+    keys), a 256-bin histogram, SZ duplicate flags (where there is no stage)."""
     staged = ordered  # (the launcher never gives ordered sums precomputed scores)
     flags = -(-sz // 16) * 16
     stage = max(4 * _ORD_STAGE * (THREADS // 32), flags) if staged else 0
-    return 8 * (sz + 6) + stage + 4 * ((dim + 3) // 4 * 4) + 4 * sz + 4 * 256 + (0 if staged else sz)
+    scratch = max(4 * sz, 8 * k_pad)
+    return 8 * (sz + 6) + stage + 4 * ((dim + 3) // 4 * 4) + scratch + 4 * 256 + (0 if staged else sz)
 
 
 def _max_smem() -> int:
@@ -97,11 +98,20 @@ def _max_smem() -> int:
         return _DEFAULT_SMEM
 
 
+#: K_pad from which a launch whose lists all fit in K_pad keys holds SZ = K_pad keys, not 2 * K_pad: at k = 3,000
+#: (lists of 3,751) that is 85 KB of shared memory a block instead of 118 KB, two blocks an SM on the H200 instead of
+#: one. (Below it, the two-chunk layout already leaves an SM three blocks or more.)
+ONE_CHUNK_MIN_K_PAD = 4096
+
+
 def launch_config(k: int, dim: int, longest: int, ordered: bool = False) -> tuple[int, int, int] | None:
     """(K_pad, SZ, shared bytes) for a launch, or None when k needs more shared memory than the device has."""
     k_pad = _pow2(k)
-    sz = max(2 * k_pad, min(_pow2(max(longest, 1)), _SZ_TARGET))
-    smem = smem_bytes(sz, dim, ordered)
+    if k_pad >= ONE_CHUNK_MIN_K_PAD and longest <= k_pad:
+        sz = k_pad  # every list in one chunk: no room kept for the best so far beside a second
+    else:
+        sz = max(2 * k_pad, min(_pow2(max(longest, 1)), _SZ_TARGET))
+    smem = smem_bytes(sz, dim, ordered, k_pad)
     if smem > _DEFAULT_SMEM and smem > _max_smem():
         return None
     return k_pad, sz, smem

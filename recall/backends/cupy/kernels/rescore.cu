@@ -8,9 +8,9 @@
 //   low 32 bits:  ~item_row, so that a lower row (the winner of a tie) gives a larger key.
 // Real keys are never 0, so 0 marks an empty slot.
 //
-// Shared memory holds SZ keys (SZ a power of two >= 2 * K_pad). The first chunk of a user's list fills slots
-// [0, SZ); every later chunk fills [K_pad, SZ) while slots [0, K_pad) hold the best keys so far (distinct, best
-// first, zero-padded). After each chunk a radix select finds the K-th largest key counted with multiplicity, the K
+// Shared memory holds SZ keys (SZ a power of two >= 2 * K_pad, or K_pad where every list fits in one chunk). The
+// first chunk of a user's list fills slots [0, SZ); every later chunk fills [K_pad, SZ) while slots [0, K_pad) hold
+// the best keys so far (distinct, best first, zero-padded). After each chunk a radix select finds the K-th largest key counted with multiplicity, the K
 // keys at or above it are compacted into a K_pad buffer and only those are sorted (a full bitonic sort of 1,024 keys
 // is 55 phases and ~12,000 shared-memory wavefronts per user, during which the block issues no loads; the select
 // reads the keys about 4 times and sorts K_pad = 128). If the K compacted keys are distinct they are the answer (any
@@ -456,7 +456,7 @@ __device__ __forceinline__ void rs_gather_ordered_scalar(const float* __restrict
 // Bytes of dynamic shared memory (recall/backends/cupy/rescore.py's smem_bytes mirrors this):
 //   keys: SZ u64 | ctrl: RS_CTRL_WORDS u64 | stage: RS_ORD_STAGE floats a warp, or SZ bytes (rounded up to 16) if
 //   more, ORD only (16-byte aligned: SZ is even) | uvec: dim_pad floats (16-byte aligned) |
-//   scratch: 4 * SZ bytes (the chunk's rows as int32 during the gather, then the select's K_pad u64: SZ >= 2 K_pad) |
+//   scratch: max(4 * SZ, 8 * K_pad) bytes (the chunk's rows as int32 during the gather, then the select's K_pad u64) |
 //   hist: 256 u32 | dup: SZ bytes, except where there is a stage, which the duplicate flags then take: the select
 //   that writes them and the gather that stages rows are separated by a barrier on either side. (So K = 8,192 at
 //   SZ = 16,384 fits in the 227 KB of a Hopper block: the stage's 18 KB would not fit beside the flags' 16 KB.)
@@ -482,7 +482,7 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
     unsigned char* scratch = reinterpret_cast<unsigned char*>(uvec + dim_pad);
     int* rows32 = reinterpret_cast<int*>(scratch);
     u64* sel = reinterpret_cast<u64*>(scratch);
-    u32* hist = reinterpret_cast<u32*>(scratch + 4 * SZ);
+    u32* hist = reinterpret_cast<u32*>(scratch + max(4 * SZ, 8 * K_pad));
     unsigned char* dup = ORD ? reinterpret_cast<unsigned char*>(stage) : reinterpret_cast<unsigned char*>(hist + 256);
 
     const int u = blockIdx.x;
