@@ -16,7 +16,7 @@ pass's candidates in their first pass (``FastState.margins``, ``stats["first_mar
 float16 pass, not two or three.
 
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`, lower
-above :data:`LARGE_K` and where the float16 pass keeps float16 score tiles):
+above :data:`LARGE_K` (``_share_limit``) and where the float16 pass keeps float16 score tiles):
 it then costs more than exact mode's whole search, whatever the certificate does; and where the search is small
 (:data:`MIN_SCORES`). A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the
 certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full of exact ties), every user is searched
@@ -63,17 +63,22 @@ DECLINE_COST = 0.75
 #: the pass compares float32 sums (a fused kernel); where it keeps float16 score tiles (cuBLAS + filter: passes
 #: above fused.FUSED_HALF_SEEDED_MAX_K, rows wider than the float16 kernel multiplies) the limit is
 #: MAX_CANDIDATE_SHARE_TILES16: at 1.02% (10k x 1M x 64, k = 8,192) fast mode took 1.21x exact mode's time (0.108
-#: against 0.0894 s, H200 2026-12-02 21:4x UTC); above LARGE_K it is MAX_CANDIDATE_SHARE_LARGE_K. A rough model
+#: against 0.0894 s, H200 2026-12-02 21:4x UTC); above LARGE_K it is lower (``_share_limit``). A rough model
 #: (dims and shapes differ), so it acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells are.
 MAX_CANDIDATE_SHARE = 0.03
 #: k above which the re-scoring's selection keeps 4,096 keys a user or more (a power of two at least k: the GPU's
-#: rescore.launch_config), in 118 KB of shared memory at k = 3,000, one block an SM on the H200, and the share the
-#: route pays at is lower: MAX_CANDIDATE_SHARE_LARGE_K. The route against its float32 search (H200, 2026-12-05
-#: 03:1x UTC): 0.5% -> 0.71x (20k x 1M x 64, l2, k = 4,000) and 0.84x (10k x 1M, ip, k = 4,096); 0.94% -> 1.09x
-#: (100k x 400k x 64, ip, k = 3,000), 0.98% -> 1.02x (d = 128, k = 2,500); 1.9% -> 1.37x and 1.55x (the same at
-#: 200k and 160k items), which the 2% limit had let through.
+#: rescore.launch_config), and the share the route pays at is lower: MAX_CANDIDATE_SHARE_LARGE_K where the k + m + 1
+#: candidates fit in one chunk of those keys (ONE_CHUNK_WIDE: 85 KB of shared memory at k = 3,000, two blocks an SM
+#: on the H200), MAX_CANDIDATE_SHARE_TWO_CHUNKS where they do not (118 KB, one block an SM). The route against its
+#: float32 search, H200, 2026-12-05 (docs/benchmarks.md): in one chunk (03:52 UTC), 0.94-0.98% -> 0.67-0.74x
+#: (100k x 400k x 64 ip, k = 3,000; 50k x 320k x 128, k = 2,500), 1.9-1.95% -> 0.90-0.93x (200k and 160k items),
+#: 3.75% -> 1.02x; in two chunks (as every k above 2,048 took before, 03:1x UTC), 0.5% -> 0.71x (20k x 1M x 64, l2,
+#: k = 4,000) and 0.85x (10k x 1M, ip, k = 4,096), 0.94-0.98% -> 1.02-1.09x, 1.9% -> 1.37-1.55x, which the 2%
+#: limit then in place had let through.
 LARGE_K = 2048
-MAX_CANDIDATE_SHARE_LARGE_K = 0.006
+MAX_CANDIDATE_SHARE_LARGE_K = 0.02
+ONE_CHUNK_WIDE = 4096
+MAX_CANDIDATE_SHARE_TWO_CHUNKS = 0.006
 #: The same limit where the float16 pass keeps float16 score tiles (``Backend.pass_score_dtype``): 0.26% of the items
 #: gave 0.86x exact mode's time there (20k x 1M x 64, k = 2,048, 2026-12-01), 1.02% 1.21x.
 MAX_CANDIDATE_SHARE_TILES16 = 0.005
@@ -232,7 +237,7 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
         else:
             # The limit where the pass keeps float16 tiles is asked for only above the lower one (it makes the
             # float16 copy of the items).
-            limit = MAX_CANDIDATE_SHARE if k <= LARGE_K else MAX_CANDIDATE_SHARE_LARGE_K
+            limit = _share_limit(k, wide)
             if MAX_CANDIDATE_SHARE_TILES16 * engine.n_items < wide <= limit * engine.n_items and _tiles16(
                     engine, n_users, k):
                 limit = MAX_CANDIDATE_SHARE_TILES16
@@ -336,6 +341,14 @@ def _narrow_margin(k: int, n_items: int) -> int | None:
     if least >= 1 << (k + certificate.margin(k)).bit_length() or least >= n_items:
         return None
     return least - k - 1
+
+
+def _share_limit(k: int, wide: int) -> float:
+    """The share of the items ``wide`` candidates a user of a search of ``k`` may be (where the pass compares
+    float32 sums): MAX_CANDIDATE_SHARE, lower above LARGE_K, lower still beyond ONE_CHUNK_WIDE candidates."""
+    if k <= LARGE_K:
+        return MAX_CANDIDATE_SHARE
+    return MAX_CANDIDATE_SHARE_LARGE_K if wide <= ONE_CHUNK_WIDE else MAX_CANDIDATE_SHARE_TWO_CHUNKS
 
 
 def _within_share(engine: Any, wide: int) -> bool:

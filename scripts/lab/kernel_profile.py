@@ -412,7 +412,7 @@ def main() -> None:
     p.add_argument("--counts", action="store_true",
                    help="one more search (graphs off), every fused launch synchronised and its survivors counted")
     p.add_argument("--max-candidate-share", type=float, default=None,
-                   help="fast.MAX_CANDIDATE_SHARE, MAX_CANDIDATE_SHARE_TILES16 and MAX_CANDIDATE_SHARE_LARGE_K for "
+                   help="fast.MAX_CANDIDATE_SHARE and its lower limits (_TILES16, _LARGE_K, _TWO_CHUNKS) for "
                         "this process (1.0: fast mode never declines for its share of re-scored candidates), to "
                         "measure what the decline rule spares")
     a = p.parse_args()
@@ -420,7 +420,7 @@ def main() -> None:
         from recall.engine import fast as fast_mode
 
         fast_mode.MAX_CANDIDATE_SHARE = fast_mode.MAX_CANDIDATE_SHARE_TILES16 = a.max_candidate_share
-        fast_mode.MAX_CANDIDATE_SHARE_LARGE_K = a.max_candidate_share
+        fast_mode.MAX_CANDIDATE_SHARE_LARGE_K = fast_mode.MAX_CANDIDATE_SHARE_TWO_CHUNKS = a.max_candidate_share
     from recall.backends.cupy import fused, selection
 
     from recall.core import certificate

@@ -304,7 +304,7 @@ def test_gpu_route_at_k_8192_equals_the_fused_search_bit_for_bit(metric, device,
     if device != "gpu":
         pytest.skip("GPU only")
     monkeypatch.setattr(fast, "MIN_SCORES", 1)
-    monkeypatch.setattr(fast, "MAX_CANDIDATE_SHARE_LARGE_K", 1.0)
+    monkeypatch.setattr(fast, "MAX_CANDIDATE_SHARE_TWO_CHUNKS", 1.0)
     monkeypatch.setattr(fast, "MAX_CANDIDATE_SHARE_TILES16", 1.0)
     users, items = clustered_data(400, 300_000, 32, seed=81)
     rng = np.random.default_rng(81)

@@ -635,25 +635,32 @@ def test_the_share_limit_is_lower_where_the_pass_keeps_float16_tiles(monkeypatch
         oracle.assert_topk_close(res.indices, res.scores, users, items, k, "ip")
 
 
-def test_the_share_limit_is_lower_above_large_k(monkeypatch) -> None:
-    # Above LARGE_K the re-scoring keeps twice the keys a user (the GPU's: one block an SM) and the route pays only
-    # within MAX_CANDIDATE_SHARE_LARGE_K: a share that runs fast mode at k = LARGE_K declines at LARGE_K + 1.
+@pytest.mark.parametrize("n_items, runs, declines", [
+    # Above LARGE_K the re-scoring keeps twice the keys a user (the GPU's), and the route pays only within
+    # MAX_CANDIDATE_SHARE_LARGE_K; beyond ONE_CHUNK_WIDE candidates (two chunks: one block an SM) within
+    # MAX_CANDIDATE_SHARE_TWO_CHUNKS.
+    (100_000, 2048, 2049),  # 2.56% of the items: within 3%, above 2%
+    (400_000, 3276, 3277),  # 4,096 and 4,097 candidates, 1.02% of the items: within 2%, above 0.6%
+])
+def test_the_share_limit_is_lower_above_large_k(monkeypatch, n_items, runs, declines) -> None:
     from recall.engine import fast as fast_mode
 
     monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)
+    def wide(k):
+        return k + fast.margin(k) + 1
+
+    assert wide(runs) <= fast_mode._share_limit(runs, wide(runs)) * n_items
+    limit = fast_mode._share_limit(declines, wide(declines))
+    assert limit * n_items < wide(declines) <= fast_mode.MAX_CANDIDATE_SHARE * n_items
     rng = np.random.default_rng(14)
-    n_items = 200_000
     items = rng.standard_normal((n_items, 4)).astype(np.float32)
     users = rng.standard_normal((8, 4)).astype(np.float32)
-    for k in (fast_mode.LARGE_K, fast_mode.LARGE_K + 1):
-        wide = k + fast.margin(k) + 1
-        assert fast_mode.MAX_CANDIDATE_SHARE_LARGE_K * n_items < wide <= fast_mode.MAX_CANDIDATE_SHARE * n_items
     engine = Engine(items, device="cpu", precision="fast")
-    engine.search(users, fast_mode.LARGE_K)
+    engine.search(users, runs)
     assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats
-    res = engine.search(users, fast_mode.LARGE_K + 1)
-    assert engine.stats["precision"] == "exact" and "above 0.6%" in engine.stats["fast_declined"]
-    oracle.assert_same_result(Engine(items, device="cpu").search(users, fast_mode.LARGE_K + 1), res)
+    res = engine.search(users, declines)
+    assert engine.stats["precision"] == "exact" and "re-scored" in engine.stats["fast_declined"]
+    oracle.assert_same_result(Engine(items, device="cpu").search(users, declines), res)
 
 
 def test_declines_a_small_search_of_a_large_catalogue(device: str, monkeypatch) -> None:
