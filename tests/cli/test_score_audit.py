@@ -4,6 +4,7 @@ was; what the docs say each command does)."""
 from __future__ import annotations
 
 import builtins
+import errno
 import os
 from pathlib import Path
 
@@ -172,3 +173,25 @@ def test_batch_items_unreadable_and_batch_size_as_score_says_them(files: dict, m
     result = runner.invoke(app, base + ["--items", str(files["items"]), "--batch-size", "0"])
     assert result.exit_code == 2 and result.stderr.splitlines() == [
         "error: --batch-size must be an integer >= 1, got 0"], result.stderr
+
+
+@pytest.mark.parametrize("code, exit_code", [(errno.ENOSPC, 1), (errno.EDQUOT, 1), (errno.EACCES, 2)])
+def test_creating_the_output_fails_with_the_system_or_the_path(files: dict, monkeypatch: pytest.MonkeyPatch,
+                                                              code: int, exit_code: int) -> None:
+    """A disk full while the output's temporary file is created was exit 2 (bad input); it is the system's: exit 1,
+    one line naming the output, the previous file kept. A path that cannot take a file stays exit 2."""
+    real_open = builtins.open
+
+    def failing_open(path: object, *args: object, **kwargs: object) -> object:
+        if ".tmp-" in os.fspath(path):
+            raise OSError(code, os.strerror(code), os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("recall.io.writer.open", failing_open, raising=False)
+    files["out"].write_bytes(b"yesterday")
+    result = runner.invoke(app, _score(files))
+    assert result.exit_code == exit_code, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {files['out']}") and os.strerror(code) in lines[0], lines
+    assert "cannot create" in lines[0]
+    assert files["out"].read_bytes() == b"yesterday"
