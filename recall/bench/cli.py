@@ -16,8 +16,8 @@ import typer
 
 from recall import BackendUnavailable, InputError
 from recall.core.errors import one_line, os_error_line
-from recall.io.atomic import make_output_dir
 from recall.core.signals import Interrupted, raising_signals
+from recall.io.atomic import make_output_dir
 
 from . import layouts as lay
 from . import matrix as mx

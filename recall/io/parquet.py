@@ -145,6 +145,7 @@ def prefetched(batches: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa
 def column_names(schema: pa.Schema) -> str:
     return ", ".join(repr(n) for n in schema.names) or "(none)"
 
+
 def has_column(schema: pa.Schema, path: str, col: str) -> bool:
     """Whether the file has a column named ``col``; InputError where it has several (pyarrow would read them all,
     and which one a reader took would be anyone's guess)."""
@@ -153,6 +154,7 @@ def has_column(schema: pa.Schema, path: str, col: str) -> bool:
         raise InputError(f"{path}: {len(found)} columns are named {col!r} (the columns are {column_names(schema)}); "
                          f"expected one")
     return bool(found)
+
 
 def id_type_of(path: str, col: str, t: pa.DataType) -> pa.DataType:
     """The type ids of Arrow type ``t`` are returned as: int64 or string. InputError for anything else."""
