@@ -128,6 +128,11 @@ WIDE_FIRST = 0.5
 #: margin: a widened pass costs milliseconds whatever its users (20k x 1M x 64 cosine at k = 1,000: 13 users
 #: widened, 0.0332 s against 0.0297 s), more than the narrower pass saves them.
 NARROW_MIN_USERS = 65_536
+#: The narrower margin a probe tries where no smaller power of two holds k + 17 candidates and k/4 is at least twice
+#: as wide (k from 512 on, k = 2,048 for instance): a margin of 64, a fifth fewer rows re-scored at k = 2,048. The certificate's margin
+#: follows the density of the scores at the k-th place, not k: 50k x 1M x 64 at k = 2,048 on the H200 (2026-12-04,
+#: docs/benchmarks.md), exact mode's route 0.0878 s with a margin of 64 against 0.0949 s with 512, no user widened.
+NARROW_FLAT = 64
 #: A search at a narrowed first margin that widened more than this share of its users hands the next searches of
 #: that k the default margin back (their sample's probe then finds out afresh).
 NARROW_MISS = 0.001
@@ -336,11 +341,18 @@ def _first_margin(engine: Any, k: int) -> int:
 def _narrow_margin(k: int, n_items: int) -> int | None:
     """The narrower first margin a sample's probe tries for ``k`` (NARROW_MIN_USERS): the most that keeps k + m + 1
     candidates within the power of two that holds k + 17 (the least margin, 16), where that power is smaller than
-    the one the default margin's candidates need; else None (k = 100: 126 candidates, within 128 already)."""
+    the one the default margin's candidates need; else NARROW_FLAT where the default is at least twice that (k from
+    512 on; k = 2,048: 2,113 candidates, not 2,561); else None (k = 100: 126 candidates, 25 of margin already). None
+    too where the narrower pass would keep the whole catalogue."""
+    default = certificate.margin(k)
     least = 1 << (k + 16).bit_length()
-    if least >= 1 << (k + certificate.margin(k)).bit_length() or least >= n_items:
+    if least < 1 << (k + default).bit_length():
+        narrow = least - k - 1
+    elif default >= 2 * NARROW_FLAT:
+        narrow = NARROW_FLAT
+    else:
         return None
-    return least - k - 1
+    return narrow if k + narrow + 1 < n_items else None
 
 
 def _share_limit(k: int, wide: int) -> float:
@@ -584,9 +596,10 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
             return certificate.certified(xp, vals[:, k - 1], outside, fast_users, state.items)
 
         least = approx_vals.min(axis=1)
-        if left is not None:
-            run_stats = {**run_stats, "estimate_short_users": int((left > least).sum())}
+        short = None if left is None else (left > least).sum()  # read once the certificates are fetched: one wait
         failed = np.flatnonzero(backend.to_host(~certifies(least)))
+        if short is not None:
+            run_stats = {**run_stats, "estimate_short_users": int(short)}
         if narrow is not None and k + narrow + 1 < wide:
             held = certifies(-xp.sort(-approx_vals, axis=1)[:, k + narrow])  # the narrower pass's least kept score
             run_stats = {**run_stats, "narrow_certified": int(backend.to_host(held.sum()))}

@@ -120,6 +120,8 @@ VARIANTS = {
     # HOOKS: the first pass's margin (certificate.margin) narrowed: 16 at every k, 64, or where k + 17 candidates fit
     # a smaller power of two than k + k/4 + 1, up to that power (k = 1,000: 23).
     "m16": {}, "m64": {}, "m-pow2": {},
+    # HOOKS: a probe that narrows only within a smaller power of two (before fast.NARROW_FLAT, 2026-12-05).
+    "narrow-pow2": {},
     # HOOKS: the threshold sample's select one block a user at every rank (before the warp-a-user select of ranks up
     # to selection.SEED_WARP_RANK), also in the float32 search alone.
     "seed-block": {}, "float32-seed-block": {"certified_exact": "off"},
@@ -183,6 +185,12 @@ def _pow2_margin(k):
     return p - k - 1 if p < 1 << (k + m).bit_length() else m
 
 
+def _narrow_pow2_only(engine):
+    from recall.engine import fast as fast_mode
+
+    fast_mode.NARROW_FLAT = 1 << 30
+
+
 def _seed_select(rank, size):
     def hook(engine):
         from recall.backends.cupy import selection
@@ -244,7 +252,7 @@ def _block_rescore(engine):
 HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "direct-append-block-rescore": lambda engine: (_direct_append(engine), _block_rescore(engine)),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
-         "m-pow2": _margin(_pow2_margin),
+         "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
          "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
@@ -438,6 +446,7 @@ def main() -> None:
     from recall.backends.cupy import rescore as gpu_rescore
 
     shipped_takes_warp = gpu_rescore.takes_warp
+    shipped_flat = fast_mode.NARROW_FLAT
     prec = a.precision
     out = []
     for cell in a.cells.split(","):
@@ -464,6 +473,7 @@ def main() -> None:
             fast_mode._prepare, fast_mode._prepare_users = shipped_prepare
             gpu_backend.FUSED_USER_BLOCK = shipped_block
             gpu_rescore.takes_warp = shipped_takes_warp
+            fast_mode.NARROW_FLAT = shipped_flat
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -489,10 +499,10 @@ def main() -> None:
             print(f"| {cell} | {vname} | {t:.4f} s | x shipped {t / base:.3f} | fused {st.get('fused')} tiles "
                   f"{st.get('tiles')} seed {st.get('seed_sample')} busy {st.get('gpu_busy_s', 0):.4f} | scores "
                   f"{st.get('score_dtype')} precision {st.get('precision')} fallbacks {st.get('fallback_users')} "
-                  f"widened {st.get('widened_users')} estimate {st.get('seed_estimate')} short "
+                  f"widened {st.get('widened_users')} margin {st.get('first_margin')} estimate {st.get('seed_estimate')} short "
                   f"{st.get('estimate_short_users')}{same} |", flush=True)
             keys = ("fused", "tiles", "seed_sample", "gpu_busy_s", "blocks", "score_dtype", "precision",
-                    "fallback_users", "widened_users", "seed_estimate", "estimate_short_users", "route")
+                    "fallback_users", "widened_users", "first_margin", "seed_estimate", "estimate_short_users", "route")
             out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})
             del engine
         selection.ESTIMATE_SIGMAS = shipped_sigmas
@@ -502,6 +512,7 @@ def main() -> None:
         fast_mode._prepare, fast_mode._prepare_users = shipped_prepare
         gpu_backend.FUSED_USER_BLOCK = shipped_block
         gpu_rescore.takes_warp = shipped_takes_warp
+        fast_mode.NARROW_FLAT = shipped_flat
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()

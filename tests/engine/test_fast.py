@@ -866,9 +866,13 @@ def _half_plateau(n_users, seed, plateau=130):
     (900, 1_000_000, 123),
     (110, 3000, 17),  # 138 -> 128
     (100, 1_000_000, None),  # 126 candidates, within 128 already
-    (2048, 1_000_000, None),  # 2,561: the least margin's 2,065 need 4,096 too
+    (2048, 1_000_000, 64),  # 2,561: the least margin's 2,065 need 4,096 too, so NARROW_FLAT
+    (300, 1_000_000, None),  # 376 candidates within 512 like 317, and a margin of 75 too near NARROW_FLAT to pay
+    (512, 1_000_000, 64),  # 641 -> 577 candidates (1,024 slots either way)
     (10, 1_000_000, None),  # the least margin is the default
     (1000, 1024, None),  # 1,024 candidates would be the whole catalogue
+    (2048, 2113, None),  # 2,113 too
+    (2048, 2114, 64),
 ])
 def test_narrow_margin(k, n_items, narrow):
     from recall.engine import fast as fast_search
