@@ -111,6 +111,9 @@ _SHORT = [(64, 40), (37, 100), (68, 128), (1, 7), (33, 1), (257, 128), (3, 126)]
     (64, "gemm", 300, 40), (37, "gemm", 300, 40),
     # k = 3,000 (K_pad 4,096): lists of at most 4,096 in one chunk of 4,096 keys (rescore.ONE_CHUNK_MIN_K_PAD).
     (64, "fused", 4000, 3000), (37, "fused", 4000, 2500),
+    # K_pad of 512 and 1,024, sorted with the phases of stride < 128 in registers (rescore.cu's rs_sort_desc): lists
+    # of up to 5,000 rows drawn with repeats, two chunks of 4,096 keys (the second after the best 300 so far).
+    (64, "fused", 5000, 300), (37, "fused", 2000, 1000),
     # Lists of at most 128 and k <= 128: a warp a user (rescore.takes_warp), float4 and float rows.
     *[(dim, "fused", 128, k) for dim, k in _SHORT]])
 def test_ordered_rescore_equals_the_emulation(dim, path, longest, k):
