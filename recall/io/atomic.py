@@ -10,6 +10,7 @@ left on device" always says where.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -66,18 +67,31 @@ def with_path(exc: OSError, path: os.PathLike | str, doing: str | None = None, n
     return new
 
 
+#: Errors creating an output (its directory, its temporary file) that say the path given cannot take it:
+#: permissions, a read-only file system, a missing, non-directory or existing component, a name too long, a loop of
+#: links. The caller's to change: InputError, exit 2. Any other (no space, quota, I/O) is the system's: an OSError
+#: naming the path, exit 1.
+PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
+                         errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP})
+
+
 def make_output_dir(path: Path, label: str) -> None:
     """Create the output directory ``path`` (and its parents) and check that it can be written.
 
     Raises
     ------
     InputError
-        Naming ``label`` (e.g. ``--out DIR``), when it cannot be created or written to.
+        Naming ``label`` (e.g. ``--out DIR``), when it cannot be created (PATH_ERRNOS: a file in the way, no
+        permission...) or written to.
+    OSError
+        Naming ``path``, when the system failed to create it (no space, quota, I/O).
     """
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise InputError(f"{label}: cannot create the output directory: {exc.strerror or exc}") from None
+        if exc.errno in PATH_ERRNOS:
+            raise InputError(f"{label}: cannot create the output directory: {exc.strerror or exc}") from None
+        raise with_path(exc, path, "cannot create the output directory") from exc
     if not os.access(path, os.W_OK | os.X_OK):
         raise InputError(f"{label}: the output directory is not writable")
 

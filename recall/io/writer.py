@@ -1,7 +1,6 @@
 """Candidates Parquet out: encoded on several threads, written to a temporary file, renamed into place when complete."""
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from collections import deque
@@ -15,12 +14,6 @@ import pyarrow.parquet as pq
 
 from ..core.errors import InputError
 from . import atomic, parquet_footer
-
-#: Errors creating the output's temporary file that say the path cannot take a file (permissions, a read-only file
-#: system, a missing or non-directory component): InputError, exit 2. Any other (no space, quota, I/O) is the
-#: system's: an OSError naming the output, exit 1.
-_PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
-                          errno.ENAMETOOLONG, errno.ELOOP})
 
 #: Parquet codecs a candidates file may be compressed with. The pairs are mostly random bits (ids spread over the
 #: catalogue, float32 scores), so codecs gain little: on 10^7 pairs, snappy and lz4 save ~27% of the bytes at half the
@@ -173,7 +166,7 @@ class CandidateWriter:
         try:
             self._file = open(self.tmp_path, "wb")
         except OSError as exc:
-            if exc.errno in _PATH_ERRNOS:  # the path given cannot take a file: the caller's to change (exit 2)
+            if exc.errno in atomic.PATH_ERRNOS:  # the path given cannot take a file: the caller's to change (exit 2)
                 raise InputError(f"{self.out_path}: cannot create {self.tmp_path.name}: {exc.strerror or exc}") from exc
             raise atomic.with_path(exc, self.out_path, f"cannot create {self.tmp_path.name}") from exc  # disk full...
         import fcntl

@@ -195,3 +195,26 @@ def test_creating_the_output_fails_with_the_system_or_the_path(files: dict, monk
     assert len(lines) == 1 and lines[0].startswith(f"error: {files['out']}") and os.strerror(code) in lines[0], lines
     assert "cannot create" in lines[0]
     assert files["out"].read_bytes() == b"yesterday"
+
+
+@pytest.mark.parametrize("code, exit_code", [(errno.ENOSPC, 1), (errno.EIO, 1), (errno.EACCES, 2), (errno.EEXIST, 2)])
+def test_creating_the_job_directory_fails_with_the_system_or_the_path(files: dict, monkeypatch: pytest.MonkeyPatch,
+                                                                      code: int, exit_code: int) -> None:
+    """recall batch's output directory: every mkdir error was exit 2 (bad input); a disk full or an I/O error is the
+    system's, exit 1; a path that cannot take one stays exit 2; either way one line naming the directory."""
+    out = files["dir"] / "job"
+    real_mkdir = Path.mkdir
+
+    def failing_mkdir(self: Path, *args: object, **kwargs: object) -> None:
+        if self == out:
+            raise OSError(code, os.strerror(code))
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", failing_mkdir)
+    result = runner.invoke(app, ["batch", "--users", str(files["users"]), "--items", str(files["items"]), "--k", "3",
+                                 "--out", str(out), "--device", "cpu"])
+    assert result.exit_code == exit_code, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "cannot create the output directory" in lines[0] and os.strerror(code) in lines[0]
+    assert lines[0].startswith(f"error: {out}: "), lines
+    assert not out.exists()
