@@ -143,6 +143,11 @@ class Backend(Protocol):
         by then) and returns its stats; asynchronous backends return once the work is queued.
         """
 
+    def queue_after(self, wait: Wait) -> None:
+        """Order the backend's work queued from now on after the search that ``wait`` (``run_blocks``') waits for,
+        without waiting for it on the host: fast mode queues a pass's re-scoring behind it this way, and the host
+        prepares the launches while the pass runs. ``wait()`` still returns the search's stats afterwards."""
+
     def rescore(self, users: Any, items: Any, indptr: Any, rows: Any, k: int, budget: int,
                 options: EngineOptions, ordered: bool = False) -> tuple[Any, Any, str]:
         """Each user's best ``k`` among its own candidate item rows (CSR: ``rows[indptr[u]:indptr[u+1]]``, host

@@ -129,9 +129,11 @@ WIDE_FIRST = 0.5
 #: widened, 0.0332 s against 0.0297 s), more than the narrower pass saves them.
 NARROW_MIN_USERS = 65_536
 #: The narrower margin a probe tries where no smaller power of two holds k + 17 candidates and k/4 is at least twice
-#: as wide (k from 512 on, k = 2,048 for instance): a margin of 64, a fifth fewer rows re-scored at k = 2,048. The certificate's margin
-#: follows the density of the scores at the k-th place, not k: 50k x 1M x 64 at k = 2,048 on the H200 (2026-12-04,
-#: docs/benchmarks.md), exact mode's route 0.0878 s with a margin of 64 against 0.0949 s with 512, no user widened.
+#: as wide (k from 512 on, k = 2,048 for instance): a margin of 64, a fifth fewer rows re-scored at k = 2,048. The
+#: certificate's margin follows the density of the scores at the k-th place, not k. Exact mode's route on the H200
+#: (docs/benchmarks.md), with a margin of 64 against 512 at k = 2,048: 50k x 1M x 64 0.0878 s against 0.0949 s
+#: (2026-12-04); 100k x 130k x 64 cosine 0.0663 against 0.0719, 200k x 100k x 32 l2 0.1316 against 0.1464
+#: (2026-12-05, this rule), no user widened.
 NARROW_FLAT = 64
 #: A search at a narrowed first margin that widened more than this share of its users hands the next searches of
 #: that k the default margin back (their sample's probe then finds out afresh).
@@ -574,19 +576,21 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     # Where every item is a candidate there is nothing to estimate: the certificate has nothing left out.
     left = backend.empty_out((n_users,), np.float32, False) if estimate and wide < n_items else None
     # In no order (``best_first``): the re-scoring ranks the candidates itself, and the bound below takes the least.
-    run_stats = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident,
-                           left_out=left, best_first=False)()
+    wait = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident, left_out=left,
+                      best_first=False)
+    # Every one of the ``wide`` kept is re-scored (one more than the certificate needs: which one is the least is
+    # not known without a sort), queued behind the pass without waiting for it: on the H200 the host's wait and then
+    # its launches left the GPU idle 0.8-1.5 ms between the two (docs/benchmarks.md).
+    backend.queue_after(wait)
+    cand_rows = approx_rows.reshape(-1)
+    vals, rows, path = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * wide,
+                                       cand_rows, k, engine.memory_budget, engine.options, ordered)
+    run_stats = {**wait(), "rescore_path": path}
     # The backend says what its scores were kept in: float16 score tiles (the GPU's cuBLAS path), or float32 (its
     # fused kernel, the CPU), which the certificate reads without the tiles' rounding.
     tiles16 = _kept16(backend, run_stats)
     if tiles16 != fast_users.half_scores:
         fast_users = replace(fast_users, half_scores=tiles16)
-    # Every one of the ``wide`` kept is re-scored (one more than the certificate needs: which one is the least is
-    # not known without a sort).
-    cand_rows = approx_rows.reshape(-1)
-    vals, rows, path = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * wide,
-                                       cand_rows, k, engine.memory_budget, engine.options, ordered)
-    run_stats = {**run_stats, "rescore_path": path}
     if wide < n_items:
         # The best score left out is at most the pass's least kept one (an empty slot's -inf where it kept fewer),
         # or where it started above that (an estimate that held fewer than ``wide`` items above it), its start:

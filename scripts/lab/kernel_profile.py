@@ -499,8 +499,8 @@ def main() -> None:
             print(f"| {cell} | {vname} | {t:.4f} s | x shipped {t / base:.3f} | fused {st.get('fused')} tiles "
                   f"{st.get('tiles')} seed {st.get('seed_sample')} busy {st.get('gpu_busy_s', 0):.4f} | scores "
                   f"{st.get('score_dtype')} precision {st.get('precision')} fallbacks {st.get('fallback_users')} "
-                  f"widened {st.get('widened_users')} margin {st.get('first_margin')} estimate {st.get('seed_estimate')} short "
-                  f"{st.get('estimate_short_users')}{same} |", flush=True)
+                  f"widened {st.get('widened_users')} margin {st.get('first_margin')} estimate "
+                  f"{st.get('seed_estimate')} short {st.get('estimate_short_users')}{same} |", flush=True)
             keys = ("fused", "tiles", "seed_sample", "gpu_busy_s", "blocks", "score_dtype", "precision",
                     "fallback_users", "widened_users", "first_margin", "seed_estimate", "estimate_short_users", "route")
             out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})

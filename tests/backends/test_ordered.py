@@ -109,11 +109,14 @@ _SHORT = [(64, 40), (37, 100), (68, 128), (1, 7), (33, 1), (257, 128), (3, 126)]
     (4, "fused", 300, 40), (100, "fused", 300, 40), (33, "fused", 300, 40), (1, "fused", 300, 40),
     (3, "fused", 300, 40), (17, "fused", 300, 40), (65, "fused", 300, 40), (257, "fused", 300, 40),
     (64, "gemm", 300, 40), (37, "gemm", 300, 40),
-    # k = 3,000 (K_pad 4,096): lists of at most 4,096 in one chunk of 4,096 keys (rescore.ONE_CHUNK_MIN_K_PAD).
+    # k = 3,000 (K_pad 4,096): lists of at most 4,000 in one chunk of their longest rounded up (rescore.SZ_STEP).
     (64, "fused", 4000, 3000), (37, "fused", 4000, 2500),
     # K_pad of 512 and 1,024, sorted with the phases of stride < 128 in registers (rescore.cu's rs_sort_desc): lists
     # of up to 5,000 rows drawn with repeats, two chunks of 4,096 keys (the second after the best 300 so far).
     (64, "fused", 5000, 300), (37, "fused", 2000, 1000),
+    # One chunk of the longest list rounded up to 128 keys (rescore.launch_config): 1,536 keys, not a power of two,
+    # sorted the long way at any length where rows repeat; 768 keys, fewer than K_pad's 1,024.
+    (64, "fused", 1500, 1000), (37, "fused", 700, 1000),
     # Lists of at most 128 and k <= 128: a warp a user (rescore.takes_warp), float4 and float rows.
     *[(dim, "fused", 128, k) for dim, k in _SHORT]])
 def test_ordered_rescore_equals_the_emulation(dim, path, longest, k):

@@ -302,14 +302,24 @@ def test_ordered_sums_of_float4_rows_reserve_each_warps_stage(monkeypatch):
     # smaller than the flags grows to hold them.
     assert smem_bytes(16384, 256, ordered=True) <= 227 * 1024 < smem_bytes(16384, 256) + stage
     assert smem_bytes(32768, 64, ordered=True) - smem_bytes(32768, 64) == 0
-    # From K_pad = 4,096, lists that all fit in K_pad keys take one chunk of K_pad keys (the selected keys then
-    # outgrow the rows' scratch): two blocks an SM at k = 3,000 instead of one; longer lists keep two chunks' room.
+    # Lists that all fit in the chunked layout's keys take one chunk of the longest rounded up to SZ_STEP (the
+    # selected keys may then outgrow the rows' scratch): at k = 2,048 (lists of 2,113) four blocks an SM on a Hopper
+    # instead of three, at k = 3,000 two instead of one; longer lists keep chunks of a power of two >= 2 K_pad.
     monkeypatch.setattr(rescore, "_max_smem", lambda: 227 * 1024)  # a Hopper block's (no device here to ask)
+    per_sm = 228 * 1024
+    k_pad, sz, smem = launch_config(2048, 64, 2113, ordered=True)
+    assert (k_pad, sz) == (2048, 2176) and smem == smem_bytes(2176, 64, ordered=True, k_pad=2048)
+    assert 4 * (smem + 1024) <= per_sm < 4 * (smem_bytes(4096, 64, ordered=True, k_pad=2048) + 1024)
     k_pad, sz, smem = launch_config(3000, 64, 3751, ordered=True)
-    assert (k_pad, sz) == (4096, 4096) and smem == smem_bytes(8192, 64, ordered=True) - 8 * 4096  # the scratch stays 32 KiB
-    assert 2 * smem <= 228 * 1024
-    assert launch_config(3000, 64, 4097, ordered=True)[:2] == (4096, 8192)
-    assert launch_config(2048, 64, 2048, ordered=True)[:2] == (2048, 4096)  # below ONE_CHUNK_MIN_K_PAD: as before
+    assert (k_pad, sz) == (4096, 3840) and smem == smem_bytes(8192, 64, ordered=True) - 8 * (8192 - 3840)
+    assert 2 * (smem + 1024) <= per_sm
+    assert launch_config(3000, 64, 8192, ordered=True)[:2] == (4096, 8192)
+    assert launch_config(3000, 64, 8193, ordered=True)[:2] == (4096, 8192)  # two chunks and more
+    assert launch_config(2048, 64, 2048, ordered=True)[:2] == (2048, 2048)
+    assert launch_config(1000, 64, 300, ordered=True)[:2] == (1024, 384)  # fewer keys than K_pad: one chunk
+    assert launch_config(100, 64, 5000, ordered=True)[:2] == (128, 4096)  # chunks of _SZ_TARGET
+    # The duplicate flags cover the K_pad selected keys where SZ is smaller.
+    assert smem_bytes(384, 0, k_pad=1024) - smem_bytes(384, 0, k_pad=384) == 8 * (1024 - 384) + (1024 - 384)
 
 
 def test_short_ordered_lists_take_a_warp_a_user():
@@ -522,6 +532,15 @@ def test_gpu_device_arrays_in_place_equal_cpu(path):
     want = Engine(items, device="cpu", options=path).rescore(users, matrix, 7)
     np.testing.assert_array_equal(as_numpy(got.indices), want.indices)
     np.testing.assert_array_equal(as_numpy(got.scores), want.scores)
+    # k = 1,000 over lists of up to 1,450 rows with repeats: one chunk of 1,536 keys, not a power of two
+    # (rescore.launch_config), sorted the long way at any length; lists of up to 700: fewer keys than K_pad.
+    for longest in (1450, 700):
+        lists = _lists(rng, 300, 5000, longest)
+        indptr, rows = _csr(lists)
+        want = Engine(items, device="cpu", options=path).rescore(users, lists, 1000)
+        got = gpu.rescore(cupy.asarray(users), (indptr, cupy.asarray(rows)), 1000)
+        np.testing.assert_array_equal(as_numpy(got.indices), want.indices)
+        np.testing.assert_array_equal(as_numpy(got.scores), want.scores)
 
 
 def test_rescore_job_refuses_candidates_that_name_nothing_it_knows(files):

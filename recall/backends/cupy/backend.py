@@ -28,7 +28,7 @@ from ..numpy.backend import tune_band
 from ..protocol import PASS_SHARE
 from . import blas, fused, kernels, rescore
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
-from .pipeline import BlockPipeline
+from .pipeline import BlockPipeline, PendingSearch
 from .selection import GpuTopK, Selection, fused_capacity, pow2
 
 WIDE_PASS_SHARE = 0.25
@@ -262,6 +262,16 @@ class CupyBackend:
                    left_out: Any = None, best_first: bool = True) -> Any:
         return self.pipeline.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor,
                                         left_out, best_first)
+
+    def queue_after(self, wait: Any) -> None:
+        # The current stream waits for the search's events on the device; a wait without them (a streamed search's,
+        # done when it returned) is called.
+        if not isinstance(wait, PendingSearch):
+            wait()
+            return
+        stream = self.xp.cuda.get_current_stream()
+        for event in wait.events:
+            stream.wait_event(event)
 
     def rescore(self, users: Any, items: DeviceItems, indptr: np.ndarray, rows: Any, k: int, budget: int,
                 options: EngineOptions, ordered: bool = False) -> tuple[Any, Any, str]:

@@ -70,6 +70,18 @@ class _Workspace:
     nbytes: int = 0  # what its buffers take, about (the eviction rule's measure)
 
 
+class PendingSearch:
+    """What ``run_blocks`` returns: called, it waits for the search on the host and returns its stats (``Wait``);
+    ``events``, recorded on each of the pipeline's streams after the search's last work there, order later work
+    after it on the device alone (``CupyBackend.queue_after``)."""
+
+    def __init__(self, finish: Any, events: tuple) -> None:
+        self._finish, self.events = finish, events
+
+    def __call__(self) -> dict:
+        return self._finish()
+
+
 class BlockPipeline:
     """Streams, workspaces and graphs of one backend; ``backend`` provides the primitives of the tiled loop."""
 
@@ -241,7 +253,7 @@ class BlockPipeline:
                          tiles=(plan.user_block, plan.item_tile, plan.tiles_per_call))
             return stats
 
-        return finish
+        return PendingSearch(finish, done)
 
     def _workspace(self, plan: TilePlan, k: int, dim: int, max_excl: int, dtype: Any, fused: bool = False,
                    score_width: int | None = None) -> _Workspace:

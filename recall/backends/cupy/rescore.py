@@ -82,10 +82,10 @@ def smem_bytes(sz: int, dim: int, ordered: bool = False, k_pad: int = 0) -> int:
     user's vector, a scratch of 4 * SZ bytes or the selected K_pad keys if more (staged rows, then the selected
     keys), a 256-bin histogram, SZ duplicate flags (where there is no stage)."""
     staged = ordered  # (the launcher never gives ordered sums precomputed scores)
-    flags = -(-sz // 16) * 16
+    flags = -(-max(sz, k_pad) // 16) * 16  # the duplicate flags of the select's keys or of the K_pad selected
     stage = max(4 * _ORD_STAGE * (THREADS // 32), flags) if staged else 0
     scratch = max(4 * sz, 8 * k_pad)
-    return 8 * (sz + 6) + stage + 4 * ((dim + 3) // 4 * 4) + scratch + 4 * 256 + (0 if staged else sz)
+    return 8 * (sz + 6) + stage + 4 * ((dim + 3) // 4 * 4) + scratch + 4 * 256 + (0 if staged else flags)
 
 
 def _max_smem() -> int:
@@ -98,19 +98,20 @@ def _max_smem() -> int:
         return _DEFAULT_SMEM
 
 
-#: K_pad from which a launch whose lists all fit in K_pad keys holds SZ = K_pad keys, not 2 * K_pad: at k = 3,000
-#: (lists of 3,751) that is 85 KB of shared memory a block instead of 118 KB, two blocks an SM on the H200 instead of
-#: one. (Below it, the two-chunk layout already leaves an SM three blocks or more.)
-ONE_CHUNK_MIN_K_PAD = 4096
+#: Keys a launch holds where every list fits in one chunk: the longest list rounded up to a multiple of this (the
+#: kernel's sort takes any length there). At k = 2,048 the certified route's lists of 2,113 then take 2,176 keys,
+#: 53 KB of shared memory a block instead of 67 KB: four blocks an SM on the H200 instead of three.
+SZ_STEP = 128
 
 
 def launch_config(k: int, dim: int, longest: int, ordered: bool = False) -> tuple[int, int, int] | None:
-    """(K_pad, SZ, shared bytes) for a launch, or None when k needs more shared memory than the device has."""
+    """(K_pad, SZ, shared bytes) for a launch, or None when k needs more shared memory than the device has. SZ: the
+    keys held at once, every list in one chunk where they fit in SZ_STEP-rounded room no larger than the chunked
+    layout's (a power of two, at least 2 K_pad: the best so far beside the next chunk)."""
     k_pad = _pow2(k)
-    if k_pad >= ONE_CHUNK_MIN_K_PAD and longest <= k_pad:
-        sz = k_pad  # every list in one chunk: no room kept for the best so far beside a second
-    else:
-        sz = max(2 * k_pad, min(_pow2(max(longest, 1)), _SZ_TARGET))
+    chunked = max(2 * k_pad, min(_pow2(max(longest, 1)), _SZ_TARGET))
+    whole = -(-max(longest, 1) // SZ_STEP) * SZ_STEP
+    sz = min(whole, chunked)  # whole <= chunked: one chunk; else chunks of `chunked` keys
     smem = smem_bytes(sz, dim, ordered, k_pad)
     if smem > _DEFAULT_SMEM and smem > _max_smem():
         return None

@@ -432,6 +432,9 @@ class NumpyBackend:
     def synchronize(self) -> None:
         pass
 
+    def queue_after(self, wait: Any) -> None:
+        pass  # run_blocks is done when it returns
+
     # -- primitives of the shared tiled loop (recall.backends.tiled) and candidate scoring -------------------------
     def gemm_strided_batched(self, users: np.ndarray, items: np.ndarray, out: np.ndarray) -> None:
         if users.dtype == np.float16:

@@ -8,9 +8,11 @@
 //   low 32 bits:  ~item_row, so that a lower row (the winner of a tie) gives a larger key.
 // Real keys are never 0, so 0 marks an empty slot.
 //
-// Shared memory holds SZ keys (SZ a power of two >= 2 * K_pad, or K_pad where every list fits in one chunk). The
-// first chunk of a user's list fills slots [0, SZ); every later chunk fills [K_pad, SZ) while slots [0, K_pad) hold
-// the best keys so far (distinct, best first, zero-padded). After each chunk a radix select finds the K-th largest key counted with multiplicity, the K
+// Shared memory holds SZ keys: where every list of the launch fits in one chunk, the longest list's length rounded up
+// to 128 (rescore.py's launch_config: at k = 2,048, lists of 2,113 take 2,176 keys, not 4,096, and four blocks an
+// SM on the H200 instead of three); else a power of two >= 2 * K_pad. The first chunk of a user's list fills slots
+// [0, SZ); every later chunk fills [K_pad, SZ) while slots [0, K_pad) hold the best keys so far (distinct, best
+// first, zero-padded). After each chunk a radix select finds the K-th largest key counted with multiplicity, the K
 // keys at or above it are compacted into a K_pad buffer and only those are sorted (a full bitonic sort of 1,024 keys
 // is 55 phases and ~12,000 shared-memory wavefronts per user, during which the block issues no loads; the select
 // reads the keys about 4 times and sorts K_pad = 128). If the K compacted keys are distinct they are the answer (any
@@ -162,7 +164,8 @@ __device__ void rs_sort_desc(u64* keys, int n) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) a[i] = keys[base + 32 * i + lane];
 #pragma unroll
-                for (int stride = RS_REG_BLOCK >> 1; stride > 0; stride >>= 1) rs_reg_phase(a, lane, base, stride, size);
+                for (int stride = RS_REG_BLOCK >> 1; stride > 0; stride >>= 1)
+                    rs_reg_phase(a, lane, base, stride, size);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) keys[base + 32 * i + lane] = a[i];
             }
@@ -195,11 +198,37 @@ __device__ __forceinline__ int rs_pow2(int n) {
     return n <= 1 ? 1 : 1 << (32 - __clz(n - 1));
 }
 
-// The long way: sort keys[0, pow2(n)) (zeros past n), drop duplicates, sort again. Every thread calls it.
+// Bitonic sort of keys[0, n), descending, for any n, in shared memory: the network whose every comparator puts the
+// larger key first (the first phase of each size compares mirror places, lo ^ (size - 1)), over pow2(n) places of
+// which those past n hold zeros that are never stored: a comparator whose second place is past n would keep a key
+// >= 0 where it is, so it is skipped, and nothing is read or written past n. Every thread calls it (the long way
+// only: a barrier every phase).
+__device__ void rs_sort_desc_any(u64* keys, int n) {
+    const int np = rs_pow2(n);
+    for (int size = 2; size <= np; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < (np >> 1); i += blockDim.x) {
+                const int lo = 2 * i - (i & (stride - 1));
+                const int hi = stride == (size >> 1) ? lo ^ (size - 1) : lo + stride;
+                if (hi < n) {
+                    const u64 a = keys[lo], b = keys[hi];
+                    if (a < b) { keys[lo] = b; keys[hi] = a; }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// The long way: sort keys[0, n), drop duplicates, sort again. Every thread calls it.
 __device__ void rs_sort_dedup(u64* keys, unsigned char* dup, int n) {
-    const int n_sort = rs_pow2(n);
-    rs_sort_desc(keys, n_sort);
-    if (rs_drop_duplicates(keys, dup, n_sort)) rs_sort_desc(keys, n_sort);
+    if ((n & (n - 1)) == 0) {
+        rs_sort_desc(keys, n);
+        if (rs_drop_duplicates(keys, dup, n)) rs_sort_desc(keys, n);
+        return;
+    }
+    rs_sort_desc_any(keys, n);
+    if (rs_drop_duplicates(keys, dup, n)) rs_sort_desc_any(keys, n);
 }
 
 // Control words of the select, in shared memory: ctrl[0] the largest key, ctrl[1] the smallest non-empty key, then
@@ -540,12 +569,13 @@ __device__ __forceinline__ void rs_gather_ordered_scalar(const float* __restrict
 }
 
 // Bytes of dynamic shared memory (recall/backends/cupy/rescore.py's smem_bytes mirrors this):
-//   keys: SZ u64 | ctrl: RS_CTRL_WORDS u64 | stage: RS_ORD_STAGE floats a warp, or SZ bytes (rounded up to 16) if
-//   more, ORD only (16-byte aligned: SZ is even) | uvec: dim_pad floats (16-byte aligned) |
+//   keys: SZ u64 | ctrl: RS_CTRL_WORDS u64 | stage: RS_ORD_STAGE floats a warp, or max(SZ, K_pad) bytes (rounded up
+//   to 16) if more, ORD only (16-byte aligned: SZ is even) | uvec: dim_pad floats (16-byte aligned) |
 //   scratch: max(4 * SZ, 8 * K_pad) bytes (the chunk's rows as int32 during the gather, then the select's K_pad u64) |
-//   hist: 256 u32 | dup: SZ bytes, except where there is a stage, which the duplicate flags then take: the select
-//   that writes them and the gather that stages rows are separated by a barrier on either side. (So K = 8,192 at
-//   SZ = 16,384 fits in the 227 KB of a Hopper block: the stage's 18 KB would not fit beside the flags' 16 KB.)
+//   hist: 256 u32 | dup: max(SZ, K_pad) bytes (rounded up to 16), except where there is a stage, which the
+//   duplicate flags then take: the select that writes them and the gather that stages rows are separated by a
+//   barrier on either side. (So K = 8,192 at SZ = 16,384 fits in the 227 KB of a Hopper block: the stage's 18 KB
+//   would not fit beside the flags' 16 KB.)
 //
 // Grid: one block per user (blockIdx.x = user of this launch). users: (n_users, dim) float32; items: (n_items, dim)
 // float32; indptr: (n_users + 1,) int64 positions into rows (and scores); rows: int64 item rows (a negative row is an
@@ -562,7 +592,7 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
     u64* ctrl = rs_smem + SZ;
     float* stage = reinterpret_cast<float*>(ctrl + RS_CTRL_WORDS);
     // Ordered sums stage their rows (the launcher never gives them precomputed scores).
-    const int stage_floats = ORD ? max((int)(blockDim.x >> 5) * RS_ORD_STAGE, ((SZ + 15) & ~15) >> 2) : 0;
+    const int stage_floats = ORD ? max((int)(blockDim.x >> 5) * RS_ORD_STAGE, ((max(SZ, K_pad) + 15) & ~15) >> 2) : 0;
     float* uvec = stage + stage_floats;
     const int dim_pad = (dim + 3) & ~3;
     unsigned char* scratch = reinterpret_cast<unsigned char*>(uvec + dim_pad);
@@ -632,8 +662,11 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
         }
     } while (pos < hi);
 
+    // keys holds SZ slots, which may be fewer than K where every list is shorter than k (an empty list leaves the
+    // select unasked and `best` at keys); sel holds K_pad.
+    const int best_n = best == keys ? SZ : K_pad;
     for (int r = threadIdx.x; r < K; r += blockDim.x) {
-        const u64 key = best[r];
+        const u64 key = r < best_n ? best[r] : 0ull;
         const long long o = (long long)u * K + r;
         if (key == 0ull) {
             out_vals[o] = RS_NEG_INF;

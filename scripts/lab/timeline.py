@@ -1,0 +1,105 @@
+"""Lab (GPU): where a search leaves the GPU idle. One search of a cell (after a warm-up) is traced with torch's
+profiler (CUPTI: every kernel and copy of the process, CuPy's included, graphs replayed or not); the script prints the
+search's span on the GPU, the time some kernel or copy ran, the largest idle gaps with what ran either side of them,
+and the busy time per kernel name. Writes JSON (and the Chrome trace with ``--trace``).
+
+    PYTHONPATH=. python3 scripts/lab/timeline.py --cells uh-20k-k100,uh-ip-k1000 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_profile import VARIANTS, cell_spec  # the lab's cells and variants
+
+
+def _events(trace: Path):
+    """(name, start µs, end µs) of every GPU kernel, copy and memset of a Chrome trace, by start."""
+    out = []
+    for ev in json.loads(trace.read_text()).get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            out.append((ev["name"], float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))))
+    return sorted(out, key=lambda e: e[1])
+
+
+def main() -> None:
+    import dataclasses
+
+    import cupy
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from recall import Engine
+    from recall.bench.workloads import generate
+    from recall.core.options import EngineOptions
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", default="uh-20k-k100")
+    p.add_argument("--variants", default="shipped")
+    p.add_argument("--gaps", type=int, default=12, help="the largest idle gaps printed")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--trace", type=Path, default=None, help="a folder for each search's Chrome trace")
+    a = p.parse_args()
+    assert torch.cuda.is_available()
+    out = []
+    for cell in a.cells.split(","):
+        kind, nu, ni, dim, k, metric, per = cell_spec(cell)
+        assert per == 0, "cells with exclusions are not traced here"
+        users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
+        for vname in a.variants.split(","):
+            opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
+            engine = Engine(items, metric=metric, device="gpu", options=opts)
+            engine.search(users, k)
+            engine.search(users, k)  # the second: the probe skipped, graphs captured
+            cupy.cuda.Device().synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                engine.search(users, k)
+                cupy.cuda.Device().synchronize()
+            folder = a.trace or Path(tempfile.mkdtemp())
+            folder.mkdir(parents=True, exist_ok=True)
+            trace = folder / f"{cell}-{vname}.json"
+            prof.export_chrome_trace(str(trace))
+            evs = _events(trace)
+            if not evs:
+                print(f"| {cell} | {vname} | no GPU events traced |", flush=True)
+                continue
+            span = evs[-1][2] - evs[0][1]
+            busy, gaps, end, last = 0.0, [], evs[0][1], evs[0][0]
+            per_name = defaultdict(float)
+            for name, s, e in evs:
+                per_name[name] += e - s
+                if s > end:
+                    gaps.append((s - end, last, name, s - evs[0][1]))
+                    busy += e - s
+                elif e > end:
+                    busy += e - end
+                if e > end:
+                    end, last = e, name
+            gaps.sort(reverse=True)
+            idle = span - busy
+            print(f"| {cell} | {vname} | span {span / 1e3:.3f} ms | busy {busy / 1e3:.3f} ms | idle {idle / 1e3:.3f} "
+                  f"ms in {len(gaps)} gaps | {len(evs)} GPU events | stats route {engine.stats.get('route')} |",
+                  flush=True)
+            for g, before, after, at in gaps[:a.gaps]:
+                print(f"|   gap {g / 1e3:.3f} ms at {at / 1e3:.3f} ms | after {before[:70]} | before {after[:70]} |")
+            top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
+            print("|   busy by name | " + " ; ".join(f"{n[:50]} {t / 1e3:.3f} ms" for n, t in top) + " |", flush=True)
+            out.append({"cell": cell, "variant": vname, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
+                        "idle_ms": idle / 1e3, "gaps": [{"ms": g / 1e3, "at_ms": at / 1e3, "after": b, "before": f}
+                                                        for g, b, f, at in gaps[:50]],
+                        "by_name_ms": {n: t / 1e3 for n, t in per_name.items()}})
+            del engine
+        del users, items
+        cupy.get_default_memory_pool().free_all_blocks()
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
