@@ -1,3 +1,3 @@
-from recall.cli.app import main
+from recall.cli import main
 
 main()
