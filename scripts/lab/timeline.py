@@ -19,13 +19,63 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_profile import VARIANTS, cell_spec  # the lab's cells and variants
 
 
-def _events(trace: Path):
-    """(name, start µs, end µs) of every GPU kernel, copy and memset of a Chrome trace, by start."""
+def _events(trace: Path, cats: tuple = ("kernel", "gpu_memcpy", "gpu_memset"), prefix: str = ""):
+    """(name, start µs, end µs) of every event of a Chrome trace in ``cats`` (default: GPU kernels, copies and memsets)
+    whose name starts with ``prefix``, by start."""
     out = []
     for ev in json.loads(trace.read_text()).get("traceEvents", []):
-        if ev.get("ph") == "X" and ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+        if ev.get("ph") == "X" and ev.get("cat") in cats and str(ev.get("name", "")).startswith(prefix):
             out.append((ev["name"], float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))))
     return sorted(out, key=lambda e: e[1])
+
+
+#: Host functions marked in the trace (``--host``): (module, attribute path, label). A gap is then reported with the
+#: innermost of them the host was in when the GPU went idle.
+_HOST = (
+    ("recall.engine.engine", "Engine._check_users", "check users"),
+    ("recall.engine.fast", "_search", "fast._search"),
+    ("recall.engine.fast", "_prepare", "users' float16 copies"),
+    ("recall.engine.fast", "_certified_pass", "certified pass"),
+    ("recall.backends.cupy.pipeline", "BlockPipeline._run_blocks", "run_blocks (queueing)"),
+    ("recall.backends.cupy.pipeline", "BlockPipeline._search_slot", "a block's launches"),
+    ("recall.backends.cupy.pipeline", "BlockPipeline._refresh_sample", "threshold sample rows"),
+    ("recall.backends.cupy.fused", "multiplied_width", "multiplied_width"),
+    ("recall.backends.cupy.backend", "CupyBackend.rescore", "rescore (launch)"),
+    ("recall.backends.cupy.backend", "CupyBackend.to_host", "to_host (waits)"),
+    ("recall.backends.cupy.backend", "CupyBackend.queue_after", "queue_after"),
+)
+_MARK = "recall: "
+
+
+def _mark_host() -> None:
+    """Wrap every function of _HOST in a ``torch.profiler.record_function`` range labelled _MARK + its label."""
+    import functools
+    import importlib
+
+    import torch
+
+    for module_name, path, label in _HOST:
+        owner = importlib.import_module(module_name)
+        *parents, attr = path.split(".")
+        for name in parents:
+            owner = getattr(owner, name)
+        fn = getattr(owner, attr, None)
+        if fn is None or getattr(fn, "_timeline_marked", False):
+            continue
+
+        def wrapped(*args, __fn=fn, __label=_MARK + label, **kwargs):
+            with torch.profiler.record_function(__label):
+                return __fn(*args, **kwargs)
+
+        functools.update_wrapper(wrapped, fn)
+        wrapped._timeline_marked = True
+        setattr(owner, attr, wrapped)
+
+
+def _host_at(marks: list, at: float) -> str:
+    """The innermost marked host range that holds time ``at`` (µs), or "-"."""
+    inside = [(e - s, name) for name, s, e in marks if s <= at < e]
+    return min(inside)[1][len(_MARK):] if inside else "-"
 
 
 def main() -> None:
@@ -45,8 +95,12 @@ def main() -> None:
     p.add_argument("--gaps", type=int, default=12, help="the largest idle gaps printed")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="a folder for each search's Chrome trace")
+    p.add_argument("--host", action="store_true",
+                   help="mark the host's functions (_HOST) in the trace and name, for each gap, the one the host was in")
     a = p.parse_args()
     assert torch.cuda.is_available()
+    if a.host:
+        _mark_host()
     out = []
     for cell in a.cells.split(","):
         kind, nu, ni, dim, k, metric, per = cell_spec(cell)
@@ -58,14 +112,16 @@ def main() -> None:
             engine.search(users, k)
             engine.search(users, k)  # the second: the probe skipped, graphs captured
             cupy.cuda.Device().synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                engine.search(users, k)
-                cupy.cuda.Device().synchronize()
+            for _ in range(2):  # the second trace is kept: a process's first carries the profiler's own start-up
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    engine.search(users, k)
+                    cupy.cuda.Device().synchronize()
             folder = a.trace or Path(tempfile.mkdtemp())
             folder.mkdir(parents=True, exist_ok=True)
             trace = folder / f"{cell}-{vname}.json"
             prof.export_chrome_trace(str(trace))
             evs = _events(trace)
+            marks = _events(trace, ("user_annotation", "cpu_op", "python_function"), _MARK) if a.host else []
             if not evs:
                 print(f"| {cell} | {vname} | no GPU events traced |", flush=True)
                 continue
@@ -87,7 +143,8 @@ def main() -> None:
                   f"ms in {len(gaps)} gaps | {len(evs)} GPU events | stats route {engine.stats.get('route')} |",
                   flush=True)
             for g, before, after, at in gaps[:a.gaps]:
-                print(f"|   gap {g / 1e3:.3f} ms at {at / 1e3:.3f} ms | after {before[:70]} | before {after[:70]} |")
+                host = f" | host in {_host_at(marks, evs[0][1] + at - g)}" if a.host else ""
+                print(f"|   gap {g / 1e3:.3f} ms at {at / 1e3:.3f} ms | after {before[:70]} | before {after[:70]}{host} |")
             top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
             print("|   busy by name | " + " ; ".join(f"{n[:50]} {t / 1e3:.3f} ms" for n, t in top) + " |", flush=True)
             out.append({"cell": cell, "variant": vname, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
