@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _python(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
 
 
 def test_import_recall_loads_nothing_heavy_and_names_resolve():
@@ -72,5 +73,5 @@ def test_sigterm_while_the_command_line_loads():
 
 def test_python_dash_m_recall_runs_the_command_line():
     done = subprocess.run([sys.executable, "-m", "recall", "--version"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, check=False)
     assert done.returncode == 0 and done.stdout.startswith("recall "), done.stderr

@@ -880,6 +880,20 @@ def test_narrow_margin(k, n_items, narrow):
     assert fast_search._narrow_margin(k, n_items) == narrow
 
 
+@settings(max_examples=300, deadline=None)
+@given(k=st.integers(1, 20_000), n_items=st.integers(1, 2_000_000))
+def test_a_narrowed_margin_is_narrower_and_leaves_items_out(k, n_items):
+    from recall.engine import fast as fast_search
+
+    narrow = fast_search._narrow_margin(k, n_items)
+    if narrow is None:
+        return
+    assert 16 <= narrow < fast.margin(k) and k + narrow + 1 < n_items
+    # Within a smaller power of two than the default's candidates, or NARROW_FLAT where that is half the default.
+    fits = 1 << (k + narrow).bit_length() < 1 << (k + fast.margin(k)).bit_length()
+    assert fits or (narrow == fast_search.NARROW_FLAT and fast.margin(k) >= 2 * narrow)
+
+
 @pytest.mark.parametrize("ordered", [False, True])
 def test_narrow_certified_counts_what_the_narrower_pass_certifies(device, ordered):
     # The first pass's count of the users a narrower pass would certify, against that narrower pass run: users near

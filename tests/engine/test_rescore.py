@@ -322,6 +322,27 @@ def test_ordered_sums_of_float4_rows_reserve_each_warps_stage(monkeypatch):
     assert smem_bytes(384, 0, k_pad=1024) - smem_bytes(384, 0, k_pad=384) == 8 * (1024 - 384) + (1024 - 384)
 
 
+@settings(max_examples=200, deadline=None)
+@given(k=st.integers(1, 8192), longest=st.integers(0, 40_000), dim=st.sampled_from([0, 3, 64, 256]),
+       ordered=st.booleans())
+def test_launch_config_holds_every_list(monkeypatch, k, longest, dim, ordered):
+    # One chunk of the longest list rounded up to SZ_STEP where that is no more than the chunked layout's keys (a
+    # power of two, at least 2 K_pad, so that the best so far sit beside each next chunk); the shared memory is what
+    # smem_bytes says, and within the device's.
+    monkeypatch.setattr(rescore, "_max_smem", lambda: 227 * 1024)
+    cfg = launch_config(k, dim, longest, ordered)
+    k_pad = 1 << max(0, (k - 1).bit_length())
+    chunked = max(2 * k_pad, min(1 << max(0, (max(longest, 1) - 1).bit_length()), 4096))
+    whole = -(-max(longest, 1) // rescore.SZ_STEP) * rescore.SZ_STEP
+    sz = min(whole, chunked)
+    if cfg is None:
+        assert smem_bytes(sz, dim, ordered, k_pad) > 227 * 1024
+        return
+    assert cfg == (k_pad, sz, smem_bytes(sz, dim, ordered, k_pad)) and cfg[2] <= 227 * 1024
+    assert sz >= longest or (sz & (sz - 1) == 0 and sz >= 2 * k_pad)  # one chunk, or chunks beside the best K_pad
+    assert sz % 2 == 0  # the stage after the keys stays 16-byte aligned
+
+
 def test_short_ordered_lists_take_a_warp_a_user():
     # Exact mode's certified route re-scores k + m + 1 candidates a user: 126 at k = 100, a warp a user; longer lists,
     # larger k and fast mode's unordered sums keep the block kernel.
