@@ -19,7 +19,7 @@
 #   wcheck    scripts/lab/fused_w_check.py: Hopper's wgmma kernel against float64 products, then timed against
 #             the mma.sync kernel                                                         -> $OUT/fused_w.log
 #   ncu       Nsight Compute on both float16 fused kernels at S1's shape (scripts/lab/fused_ncu.py 72 262144 126)
-#             and gpu-quick 19's (48 100000 1900)                                          -> $OUT/ncu-*.log
+#             and gpu-quick 19's (48 100000 1900), or NCU_SHAPES with NCU_KERNELS            -> $OUT/ncu-*.log
 #   seeds     kernel_profile.py: the threshold sample's size (EngineOptions.seed_sample) on the user-heavy and
 #             large-k cells, fast then exact mode                                             -> $OUT/seeds.log
 #   state     scripts/lab/state_effects.py: what earlier searches of the process change in a later one's time
@@ -186,18 +186,21 @@ fi
 
 if has ncu; then
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-    for shape in "72 262144 126" "48 100000 1900"; do
-        for kernel in mma wgmma; do
+    # NCU_SHAPES: "WIDTH ITEMS RANK" triples separated by ";" (the route's pass at k = 1,000 on 200k x 100k x 64:
+    # "80 100000 760", about its 1.2% of survivors a launch; "80 100000 8": the loop with few); NCU_KERNELS: mma wgmma
+    IFS=';' read -r -a NCU_SHAPE_LIST <<<"${NCU_SHAPES:-72 262144 126;48 100000 1900}"
+    for shape in "${NCU_SHAPE_LIST[@]}"; do
+        for kernel in ${NCU_KERNELS:-mma wgmma}; do
             # shellcheck disable=SC2086
             set -- $shape
             flag=$([ "$kernel" = wgmma ] && echo --wgmma || true)
             PYTHONPATH=$NEW_PATH timeout "${NCU_TIMEOUT:-150}" "$NCU" --clock-control none -k regex:recall_fused_filter_ \
                 -s 2 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
                 --section SchedulerStats --section Occupancy --section InstructionStats \
-                python3 scripts/lab/fused_ncu.py "$1" "$2" "$3" $flag >"$OUT/ncu-$kernel-$1.log" 2>&1
+                python3 scripts/lab/fused_ncu.py "$1" "$2" "$3" $flag >"$OUT/ncu-$kernel-$1-$3.log" 2>&1
             echo "== ncu $kernel $shape (rc $?)"
             grep -E "Duration|Issue Slots Busy|Eligible Warps|Stall|Executed Ipc Active|Registers Per" \
-                "$OUT/ncu-$kernel-$1.log" | head -n 12
+                "$OUT/ncu-$kernel-$1-$3.log" | head -n 12
         done
     done
 fi
