@@ -154,13 +154,17 @@ def batch(
                 typer.echo(rest, err=True)
             typer.echo(f"error: {first}", err=True)
             raise typer.Exit(EXIT_OS_ERROR) from None
-    for warning in summary.warnings():
-        typer.echo(warning, err=True)
-    typer.echo(summary.line())
-    if verbose:
-        for w in summary.worker_infos:
-            rows = f" (item rows {w.item_rows[0]:,}-{w.item_rows[1]:,}, {w.n_items:,} searched)" if w.item_rows else ""
-            typer.echo(f"worker {w.worker}: {w.device_detail} on {w.host} (pid {w.pid}), items{rows} loaded and "
-                       f"prepared in {w.items_load_s:.2f} s")
-        typer.echo(f"metrics: {Path(summary.out_dir) / '_metrics.json'}")
+    # The job is complete (_SUCCESS written): a signal while its summary prints says so, not "rerun to resume".
+    with interruptible(lambda exc: f"{exc}: the job is complete ({Path(summary.out_dir) / '_SUCCESS'}); its summary "
+                                   f"was not printed"):
+        for warning in summary.warnings():
+            typer.echo(warning, err=True)
+        typer.echo(summary.line())
+        if verbose:
+            for w in summary.worker_infos:
+                rows = (f" (item rows {w.item_rows[0]:,}-{w.item_rows[1]:,}, {w.n_items:,} searched)" if w.item_rows
+                        else "")
+                typer.echo(f"worker {w.worker}: {w.device_detail} on {w.host} (pid {w.pid}), items{rows} loaded and "
+                           f"prepared in {w.items_load_s:.2f} s")
+            typer.echo(f"metrics: {Path(summary.out_dir) / '_metrics.json'}")
 

@@ -218,3 +218,31 @@ def test_creating_the_job_directory_fails_with_the_system_or_the_path(files: dic
     assert len(lines) == 1 and "cannot create the output directory" in lines[0] and os.strerror(code) in lines[0]
     assert lines[0].startswith(f"error: {out}: "), lines
     assert not out.exists()
+
+
+def test_a_signal_after_the_job_is_complete_says_so(files: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM while recall batch prints its summary (the job complete, _SUCCESS written) killed it silently (-15);
+    now one line says the job is complete, exit 143, and a rerun has nothing to do."""
+    import signal
+
+    from recall.jobs.batch.job import BatchSummary
+
+    real_line = BatchSummary.line
+
+    def killed(self: BatchSummary) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_line(self)
+
+    monkeypatch.setattr(BatchSummary, "line", killed)
+    out = files["dir"] / "job"
+    args = ["batch", "--users", str(files["users"]), "--items", str(files["items"]), "--k", "3", "--out", str(out),
+            "--device", "cpu", "--quiet"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 143, result.output
+    assert result.stderr.splitlines()[-1] == (f"terminated by SIGTERM: the job is complete ({out / '_SUCCESS'}); its "
+                                              f"summary was not printed"), result.stderr
+    assert (out / "_SUCCESS").exists()
+    monkeypatch.setattr(BatchSummary, "line", real_line)
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert again.stdout.startswith("batch: all 1 shard "), again.stdout  # nothing scored again
