@@ -78,9 +78,10 @@ _ORD_STAGE = 32 * (32 + 4)  # floats a warp stages for ordered sums (RS_ORD_STAG
 
 def smem_bytes(sz: int, dim: int, ordered: bool = False, k_pad: int = 0) -> int:
     """Dynamic shared memory of one block (the layout in rescore.cu): SZ keys and 6 control words (8 bytes each),
-    for ordered sums each warp's stage of 32 rows' pieces (at least SZ bytes: the duplicate flags reuse it), the
-    user's vector, a scratch of 4 * SZ bytes or the selected K_pad keys if more (staged rows, then the selected
-    keys), a 256-bin histogram, SZ duplicate flags (where there is no stage)."""
+    for ordered sums each warp's stage of 32 rows' pieces (at least max(SZ, K_pad) bytes: the duplicate flags reuse
+    it), the user's vector, a scratch of 4 * SZ bytes or the selected K_pad keys if more (staged rows, then the
+    selected keys), a 256-bin histogram, max(SZ, K_pad) duplicate flags (where there is no stage; SZ may be fewer
+    than K_pad where every list is shorter than k)."""
     staged = ordered  # (the launcher never gives ordered sums precomputed scores)
     flags = -(-max(sz, k_pad) // 16) * 16  # the duplicate flags of the select's keys or of the K_pad selected
     stage = max(4 * _ORD_STAGE * (THREADS // 32), flags) if staged else 0
