@@ -429,24 +429,23 @@ def main() -> None:
 
         fast_mode.MAX_CANDIDATE_SHARE = fast_mode.MAX_CANDIDATE_SHARE_TILES16 = a.max_candidate_share
         fast_mode.MAX_CANDIDATE_SHARE_LARGE_K = fast_mode.MAX_CANDIDATE_SHARE_TWO_CHUNKS = a.max_candidate_share
+    from recall.backends.cupy import backend as gpu_backend
     from recall.backends.cupy import fused, selection
-
+    from recall.backends.cupy import rescore as gpu_rescore
     from recall.core import certificate
-
     from recall.engine import fast as fast_mode
 
-    shipped_margin = certificate.margin
-    shipped_select = selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE
-    shipped_prepare = fast_mode._prepare, fast_mode._prepare_users
-    shipped_sigmas = selection.ESTIMATE_SIGMAS
-    shipped_max_k = fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K
-    from recall.backends.cupy import backend as gpu_backend
+    # What a variant's hook may change: (module, attribute) and the shipped value, put back before every variant.
+    shipped = [(m, name, getattr(m, name)) for m, name in (
+        (certificate, "margin"), (selection, "SEED_WARP_RANK"), (selection, "SEED_WARP_MAX_SIZE"),
+        (selection, "ESTIMATE_SIGMAS"), (fused, "FUSED_SEEDED_MAX_K"), (fused, "FUSED_HALF_SEEDED_MAX_K"),
+        (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
+        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"))]
 
-    shipped_block = gpu_backend.FUSED_USER_BLOCK
-    from recall.backends.cupy import rescore as gpu_rescore
+    def restore_shipped():
+        for module, name, value in shipped:
+            setattr(module, name, value)
 
-    shipped_takes_warp = gpu_rescore.takes_warp
-    shipped_flat = fast_mode.NARROW_FLAT
     prec = a.precision
     out = []
     for cell in a.cells.split(","):
@@ -466,14 +465,7 @@ def main() -> None:
             out.append({"cell": cell, "variant": "exact", "median_s": t_exact})
             del exact
         for vname in a.variants.split(","):
-            selection.ESTIMATE_SIGMAS = shipped_sigmas
-            fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
-            certificate.margin = shipped_margin
-            selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = shipped_select
-            fast_mode._prepare, fast_mode._prepare_users = shipped_prepare
-            gpu_backend.FUSED_USER_BLOCK = shipped_block
-            gpu_rescore.takes_warp = shipped_takes_warp
-            fast_mode.NARROW_FLAT = shipped_flat
+            restore_shipped()
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
@@ -505,14 +497,7 @@ def main() -> None:
                     "fallback_users", "widened_users", "first_margin", "seed_estimate", "estimate_short_users", "route")
             out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})
             del engine
-        selection.ESTIMATE_SIGMAS = shipped_sigmas
-        fused.FUSED_SEEDED_MAX_K, fused.FUSED_HALF_SEEDED_MAX_K = shipped_max_k
-        certificate.margin = shipped_margin
-        selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = shipped_select
-        fast_mode._prepare, fast_mode._prepare_users = shipped_prepare
-        gpu_backend.FUSED_USER_BLOCK = shipped_block
-        gpu_rescore.takes_warp = shipped_takes_warp
-        fast_mode.NARROW_FLAT = shipped_flat
+        restore_shipped()
         if a.no_per_kernel:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()
