@@ -7,6 +7,10 @@ them after its first merge: each user's RANK-th best of the first 65,536 items),
 Run from the project root on an H200 (or any compute capability 9.0 GPU)::
 
     PYTHONPATH=. python3 scripts/lab/fused_w_check.py [--json $OUT/fused_w.json] [--no-timing] [--appends]
+        [--defines "-DRW_SBO_PAD=16"] [--per-cta 8,16,32]
+
+``--defines``: the kernel built with these options is checked too, then timed against the shipped one (both at each
+``--per-cta``: the item tiles a thread block walks, EngineOptions.fused_tiles_per_block).
 
 Exits 1 if a check fails. The bound a score must meet: |score - exact| <= 2 Wp 2^-24 sum_i |u_i v_i| (float32 sums
 of exact products in any order), the same the certificate takes.
@@ -50,9 +54,11 @@ def launch(fn, smem, users, items, width, padded, thr, cand, cnt, per_cta=8, seg
     cupy.cuda.Device().synchronize()
 
 
-def kernel_w(mod, padded):
+def kernel_w(mod, padded, pad=0):
+    """fused_w.cu's kernel for ``padded`` columns of module ``mod`` and its shared memory; ``pad``: the module's
+    RW_SBO_PAD (bytes after each row group of 8 rows, in the users' tile and each item tile in flight)."""
     fn = mod.get_function(f"recall_fused_filter_w{padded // 16}")
-    smem = wgmma_smem(padded)
+    smem = wgmma_smem(padded) + ((1 + (2 if padded > 96 else 3)) * 16 * pad - 8 * 128 if pad else 0)
     fn.max_dynamic_shared_size_bytes = smem
     return fn, smem
 
@@ -64,7 +70,7 @@ def kernel_h(mod, padded):
     return fn, smem
 
 
-def check(mod, label, rng) -> list[str]:
+def check(mod, label, rng, pad=0) -> list[str]:
     """Every (width, columns multiplied) case on 300 users x 1,037 items: every score passes a -inf threshold, and
     the 50th (200th) best's threshold passes exactly the scores above it (up to the bound): 50 fit a user's stage in
     shared memory, 200 send it to the buffer mid-way. Returns the failures."""
@@ -81,7 +87,7 @@ def check(mod, label, rng) -> list[str]:
             uf, vf = u[:, :cols].astype(np.float64), v[:, :cols].astype(np.float64)
             exact = uf @ vf.T
             bound = 2 * padded * 2.0 ** -24 * (np.abs(uf) @ np.abs(vf).T)
-            fn, smem = kernel_w(mod, padded)
+            fn, smem = kernel_w(mod, padded, pad)
             du, dv = cupy.asarray(u), cupy.asarray(v)
             # "overflow": every score passes into buffers of 300 (each user's count must still be every item, and
             # the 300 keys kept distinct items with their scores).
@@ -117,7 +123,7 @@ def check(mod, label, rng) -> list[str]:
 
 
 def _compare(shapes, contenders, out) -> None:
-    """Each (width, items, rank) of ``shapes`` timed for every (name, (kernel, shared memory)) of
+    """Each (width, items, rank) of ``shapes`` timed for every (name, (kernel, shared memory)[, tiles a block]) of
     ``contenders(padded)``: 16,384 users in blocks of 2,048, thresholds at each user's RANK-th best of the first
     65,536 items (or of all where fewer), candidate counts reset per segment; median of 3."""
     import cupy
@@ -134,11 +140,11 @@ def _compare(shapes, contenders, out) -> None:
         cand = cupy.zeros((cap, c), cupy.uint64)
         cnt = cupy.zeros(cap, cupy.int32)
         row = {"width": width, "items": n_items, "rank": rank}
-        for name, (fn, smem) in contenders(padded):
+        for name, (fn, smem), *per_cta in contenders(padded):
             def run():
                 for u0 in range(0, n_users, cap):
                     launch(fn, smem, users[u0:u0 + cap], items, width, padded, thr[u0:u0 + cap], cand, cnt,
-                           reset=True)
+                           per_cta=per_cta[0] if per_cta else 8, reset=True)
             t = sorted(device_times(run))[1]
             rate = 2.0 * n_users * n_items * padded / t / 1e12
             row[name] = t
@@ -165,11 +171,23 @@ def append_timing(mod_old, mod_new, out) -> None:
                              ("staged (shipped)", kernel_w(mod_new, padded))), out)
 
 
+def variant_timing(mod_w, mod_v, defines, per_ctas, pad, out) -> None:
+    """The kernel as shipped against the one built with ``defines``, each at every item-tile count a block walks of
+    ``per_ctas``, on the shapes of the route's passes (k = 100 to 2,048) and of S1's."""
+    _compare(((72, 1_000_000, 126), (64, 100_000, 760), (80, 100_000, 760), (64, 20_000, 250),
+              (48, 100_000, 1900), (80, 100_000, 2300), (128, 1_000_000, 126)),
+             lambda padded: [(f"{label} / {n} tiles a block", kernel_w(mod, padded, p), n)
+                             for label, mod, p in (("shipped", mod_w, 0), (defines, mod_v, pad))
+                             if mod is not None for n in per_ctas], out)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--no-timing", action="store_true")
     p.add_argument("--appends", action="store_true", help="time the survivors' appends against the kernel before")
+    p.add_argument("--defines", default="", help="NVRTC options of a variant of fused_w.cu, e.g. -DRW_SBO_PAD=16")
+    p.add_argument("--per-cta", default="8", help="item tiles a block walks, timed with --defines")
     a = p.parse_args()
     mod_w = kernels.hopper_fused_module()
     if mod_w is None:
@@ -180,11 +198,18 @@ def main() -> int:
     mod_old = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRW_DIRECT_APPEND",)) if a.appends else None
     if mod_old is not None:
         failures += check(mod_old, "a global atomic a survivor", rng)
+    defines = tuple(a.defines.split())
+    mod_v = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, defines) if defines else None
+    pad = next((int(d.split("=", 1)[1]) for d in defines if d.startswith("-DRW_SBO_PAD=")), 0)
+    if mod_v is not None:
+        failures += check(mod_v, a.defines, rng, pad)
     if failures:
         print("FAILED:", *failures, sep="\n  ")
         return 1
     out: list = []
-    if a.appends:
+    if defines or a.per_cta != "8":
+        variant_timing(mod_w, mod_v, a.defines, [int(n) for n in a.per_cta.split(",")], pad, out)
+    elif a.appends:
         append_timing(mod_old, mod_w, out)
     elif not a.no_timing:
         timing(kernels.selection_module(), mod_w, out)

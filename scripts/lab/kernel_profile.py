@@ -95,6 +95,8 @@ VARIANTS = {
     "seg16k": {"fused_segment": 16_384},
     "cta4": {"fused_tiles_per_block": 4},
     "cta16": {"fused_tiles_per_block": 16},
+    "cta32": {"fused_tiles_per_block": 32},
+    "cta64": {"fused_tiles_per_block": 64},
     "mma": {"warpgroup_mma": False},  # the float16 fused kernel on mma.sync (fused_h.cu) on Hopper too
     # Threshold samples of 2k to 128k items; from 64k on, a segment of the cuBLAS path is widened to hold one.
     **{f"seed{n >> 10}k": {"seed_sample": n, **({"tiles": (2048, n // 4, 4)} if n > 32768 else {})}
@@ -134,10 +136,13 @@ VARIANTS = {
     # HOOKS: fused searches' user blocks (cupy.backend.FUSED_USER_BLOCK) of 4,096 users (before 2026-12-04), 8,192
     # or 16,384, in both searches.
     **{f"{pre}users{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
-       for n in (4096, 8192, 16384)},
+       for n in (4096, 8192, 16384, 32768, 65536)},
     # HOOKS: fused_w.cu built with -DRW_DIRECT_APPEND: a global atomic a survivor (before commit 2d5939c,
     # 2026-12-04), where the kernel now keeps each user's survivors in shared memory and asks one atomic for many.
     "direct-append": {},
+    # HOOKS: fused_w.cu built with -DRW_SBO_PAD=16: each row group of 8 rows of a tile 16 bytes further on, so that
+    # the row groups start on other shared-memory banks (shipped: 16 * columns bytes apart, a multiple of 128).
+    "sbo-pad16": {}, "sbo-pad16-cta32": {"fused_tiles_per_block": 32},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
@@ -243,6 +248,20 @@ def _direct_append(engine):
     engine.backend.selection._fused_w = {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}") for ks in range(1, 10)}
 
 
+def _sbo_pad(pad):
+    def hook(engine):
+        from recall.backends.cupy import fused, kernels
+
+        mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, (f"-DRW_SBO_PAD={pad}",))
+        engine.backend.selection._fused_w = {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}")
+                                             for ks in range(1, 10)}
+        shipped = fused.wgmma_smem
+        # The padded tiles, less one survivor's stage a user (fused_w.cu's STAGED): no more than shipped.
+        fused.wgmma_smem = lambda padded: shipped(padded) + (1 + (2 if padded > 96 else 3)) * 16 * pad - 8 * 128
+
+    return hook
+
+
 def _block_rescore(engine):
     from recall.backends.cupy import rescore
 
@@ -251,6 +270,7 @@ def _block_rescore(engine):
 
 HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "direct-append-block-rescore": lambda engine: (_direct_append(engine), _block_rescore(engine)),
+         "sbo-pad16": _sbo_pad(16), "sbo-pad16-cta32": _sbo_pad(16),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
@@ -258,7 +278,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
          "float32-seed-block": _seed_select(0, 0),
          "shift32": _shift_float32, "users-arrays": _users_by_arrays,
-         **{f"{pre}users{n}": _user_block(n) for pre in ("", "float32-") for n in (4096, 8192, 16384)}}
+         **{f"{pre}users{n}": _user_block(n) for pre in ("", "float32-") for n in (4096, 8192, 16384, 32768, 65536)}}
 
 
 def cell_spec(name):
@@ -440,7 +460,7 @@ def main() -> None:
         (certificate, "margin"), (selection, "SEED_WARP_RANK"), (selection, "SEED_WARP_MAX_SIZE"),
         (selection, "ESTIMATE_SIGMAS"), (fused, "FUSED_SEEDED_MAX_K"), (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
-        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"))]
+        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (fused, "wgmma_smem"))]
 
     def restore_shipped():
         for module, name, value in shipped:

@@ -30,6 +30,13 @@
 // a key for 128 users (1,024 S bytes) and a count a user (512 bytes): 32 up to 80 columns (112.5 KB a block at 80),
 // 16 at 96 and 128, 24 at 112, 4 at 144 (fused.py's wgmma_smem follows).
 #define RW_STAGED_OF(KS) ((KS) <= 5 ? 32 : (KS) == 7 ? 24 : (KS) <= 8 ? 16 : 4)
+// Measurement only (scripts/lab/kernel_profile.py's `sbo-pad16`, fused_w_check.py --defines): bytes of padding after
+// each row group of 8 rows, so that the row groups of a tile start on other banks (a multiple of 16, at most 64; the
+// stages then hold one survivor fewer a user, so that the kernel takes no more shared memory: fused.py's wgmma_smem
+// counts neither).
+#ifndef RW_SBO_PAD
+#define RW_SBO_PAD 0
+#endif
 
 // A block's survivors kept in shared memory a user until the block is done (`out`): a survivor takes the next of
 // its user's S slots with a shared-memory atomic; past S it goes to the candidate buffer as fused.cu's RecallPending
@@ -111,10 +118,11 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
                                                     int* __restrict__ cnt, half_bits* smem) {
     constexpr int CH = 16 * KS;
     constexpr int STAGES = RW_STAGES_OF(KS);
-    constexpr int STAGED = RW_STAGED_OF(KS);  // survivors a user's stage holds
+    constexpr int STAGED = RW_STAGED_OF(KS) - (RW_SBO_PAD > 0);  // survivors a user's stage holds (one fewer
+    // where row groups are padded: the same shared memory, two blocks an SM)
     constexpr int PIECES = CH / 8;                        // 16-byte pieces of a row
-    constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH;    // a tile of 128 rows (users or items)
-    constexpr unsigned SBO = 16u * CH;                    // bytes from a row group of 8 to the next
+    constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH + 16u * RW_SBO_PAD;  // a tile of 128 rows (users or items)
+    constexpr unsigned SBO = 16u * CH + RW_SBO_PAD;                         // bytes from a row group of 8 to the next
     constexpr int LOADS = RW_TILE * PIECES / RW_THREADS;  // pieces of a tile each thread copies (KS)
     static_assert(RW_THREADS == 2 * RW_TILE, "a thread copies half a row");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -130,7 +138,11 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
     // pieces tid % 2, tid % 2 + 2, ..., piece c of row r to core matrix (r / 8, c). Rows past n and pieces past W
     // are zeros.
     const int lr = tid >> 1, lc = tid & 1;
+#if RW_SBO_PAD
+    const unsigned l_off = (unsigned)(lr >> 3) * SBO + ((unsigned)lc << 7) + ((unsigned)(lr & 7) << 4);
+#else
     const unsigned l_off = ((unsigned)((lr >> 3) * PIECES + lc) << 7) + ((unsigned)(lr & 7) << 4);
+#endif
     auto load_tile = [&](unsigned dst, const half_bits* __restrict__ M, long long row0, int n) {
         const bool row_ok = row0 + lr < n;
         const half_bits* src = row_ok ? M + (row0 + lr) * W + lc * 8 : M;
