@@ -74,16 +74,22 @@ __device__ __forceinline__ u64 rs_shr(u64 x, int s) { return s >= 64 ? 0ull : x 
 // phase (blockDim.x is a multiple of 32). Between two such phases the warp's own barrier orders its reads after its
 // writes; the whole block meets only around a phase of stride > 32 (before it and after it) and at the end: 15 block
 // barriers instead of 55 for 1,024 keys.
+// One phase of that network (compare distance `stride`, bitonic size `size`) over keys[0, n), in shared memory: pair i
+// by thread i mod blockDim.x.
+__device__ __forceinline__ void rs_smem_phase(u64* keys, int n, int size, int stride) {
+    for (int i = threadIdx.x; i < (n >> 1); i += blockDim.x) {
+        const int lo = 2 * i - (i & (stride - 1));
+        const int hi = lo + stride;
+        const bool desc = (lo & size) == 0;
+        const u64 a = keys[lo], b = keys[hi];
+        if ((a < b) == desc) { keys[lo] = b; keys[hi] = a; }
+    }
+}
+
 __device__ void rs_sort_desc_smem(u64* keys, int n) {
     for (int size = 2; size <= n; size <<= 1) {
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int i = threadIdx.x; i < (n >> 1); i += blockDim.x) {
-                const int lo = 2 * i - (i & (stride - 1));
-                const int hi = lo + stride;
-                const bool desc = (lo & size) == 0;
-                const u64 a = keys[lo], b = keys[hi];
-                if ((a < b) == desc) { keys[lo] = b; keys[hi] = a; }
-            }
+            rs_smem_phase(keys, n, size, stride);
             const int next = stride > 1 ? stride >> 1 : size;  // the next phase's stride (size: the next size's first)
             if (stride > 32 || next > 32 || (stride == 1 && size == n)) {
                 __syncthreads();
@@ -150,13 +156,7 @@ __device__ void rs_sort_desc(u64* keys, int n) {
         __syncthreads();
         for (int size = RS_REG_BLOCK_PAIR; size <= n; size <<= 1) {
             for (int stride = size >> 1; stride >= RS_REG_BLOCK; stride >>= 1) {
-                for (int i = threadIdx.x; i < (n >> 1); i += blockDim.x) {
-                    const int lo = 2 * i - (i & (stride - 1));
-                    const int hi = lo + stride;
-                    const bool desc = (lo & size) == 0;
-                    const u64 x = keys[lo], y = keys[hi];
-                    if ((x < y) == desc) { keys[lo] = y; keys[hi] = x; }
-                }
+                rs_smem_phase(keys, n, size, stride);
                 __syncthreads();
             }
             for (int base = warp * RS_REG_BLOCK; base < n; base += warps * RS_REG_BLOCK) {
