@@ -116,6 +116,9 @@ VARIANTS = {
     # HOOKS: the estimate's rank at 3 or 4 standard deviations above its expected count (selection.ESTIMATE_SIGMAS,
     # 5 as shipped), alone and with a threshold sample of 32k items.
     "sigma3": {}, "sigma4": {}, "sigma3-seed32k": {"seed_sample": 32768},
+    # HOOKS: at k = 2,048 of 100k items the rule's sample of 8,192 puts the estimate at rank 236 (the block-a-user
+    # select); 4,096 items at 4 standard deviations put it at 124, within the warp-a-user select's 128.
+    "sigma4-seed4k": {"seed_sample": 4096},
     # HOOKS: seeded searches on the fused path up to k = 4,096 only, float32 and float16 passes alike (before
     # fused.FUSED_SEEDED_MAX_K / FUSED_HALF_SEEDED_MAX_K took k = 8,192): as shipped, and the float32 search alone.
     "seeded-k4k": {}, "float32-k4k": {"certified_exact": "off"},
@@ -274,7 +277,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
-         "sigma3-seed32k": _sigmas(3.0), "seeded-k4k": _fused_seeded_max_k(4096),
+         "sigma3-seed32k": _sigmas(3.0), "sigma4-seed4k": _sigmas(4.0), "seeded-k4k": _fused_seeded_max_k(4096),
          "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
          "float32-seed-block": _seed_select(0, 0),
          "shift32": _shift_float32, "users-arrays": _users_by_arrays,
