@@ -146,6 +146,9 @@ VARIANTS = {
     # HOOKS: fused_w.cu built with -DRW_SBO_PAD=16: each row group of 8 rows of a tile 16 bytes further on, so that
     # the row groups start on other shared-memory banks (shipped: 16 * columns bytes apart, a multiple of 128).
     "sbo-pad16": {}, "sbo-pad16-cta32": {"fused_tiles_per_block": 32},
+    # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
+    # reading only the items' tile from shared memory.
+    "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
@@ -251,16 +254,19 @@ def _direct_append(engine):
     engine.backend.selection._fused_w = {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}") for ks in range(1, 10)}
 
 
-def _sbo_pad(pad):
+def _fused_w_built(*defines, pad=0):
+    """A hook: the engine's wgmma kernels built with ``defines`` (fused_w.cu's measurement macros); ``pad``: their
+    RW_SBO_PAD, whose shared memory fused.wgmma_smem is told of."""
     def hook(engine):
         from recall.backends.cupy import fused, kernels
 
-        mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, (f"-DRW_SBO_PAD={pad}",))
+        mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, defines)
         engine.backend.selection._fused_w = {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}")
                                              for ks in range(1, 10)}
-        shipped = fused.wgmma_smem
-        # The padded tiles, less one survivor's stage a user (fused_w.cu's STAGED): no more than shipped.
-        fused.wgmma_smem = lambda padded: shipped(padded) + (1 + (2 if padded > 96 else 3)) * 16 * pad - 8 * 128
+        if pad:
+            shipped = fused.wgmma_smem
+            # The padded tiles, less one survivor's stage a user (fused_w.cu's STAGED): no more than shipped.
+            fused.wgmma_smem = lambda padded: shipped(padded) + (1 + (2 if padded > 96 else 3)) * 16 * pad - 8 * 128
 
     return hook
 
@@ -273,7 +279,9 @@ def _block_rescore(engine):
 
 HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "direct-append-block-rescore": lambda engine: (_direct_append(engine), _block_rescore(engine)),
-         "sbo-pad16": _sbo_pad(16), "sbo-pad16-cta32": _sbo_pad(16),
+         "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
+         "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
+         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),

@@ -37,6 +37,9 @@
 #ifndef RW_SBO_PAD
 #define RW_SBO_PAD 0
 #endif
+#ifndef RW_A_REGS
+#define RW_A_REGS 0
+#endif
 
 // A block's survivors kept in shared memory a user until the block is done (`out`): a survivor takes the next of
 // its user's S slots with a shared-memory atomic; past S it goes to the candidate buffer as fused.cu's RecallPending
@@ -107,6 +110,37 @@ __device__ __forceinline__ void recall_wgmma_64x128(float* d, u64 desc_a, u64 de
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
+
+#if RW_A_REGS
+// Measurement only (fused_w_check.py --defines -DRW_A_REGS=1, kernel_profile.py's `a-regs`): the users' operand
+// from registers (wgmma's RS form), loaded once from their tile by ldmatrix, so that each product reads only the items'
+// tile from shared memory. a[0..3]: the warp's m16k16 fragment of the k-step (mma.m16n8k16's A layout).
+__device__ __forceinline__ void recall_wgmma_64x128_rs(float* d, const unsigned (&a)[4], u64 desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void recall_ldmatrix_x4(unsigned (&a)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(addr));
+}
+#endif
 
 // Dynamic shared memory: 128 users' rows, then RW_STAGES(KS) item tiles, each 128 rows of CH = 16 KS halves in the
 // canonical layout above (fused.py's wgmma_smem).
@@ -179,6 +213,20 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
                                     reinterpret_cast<int*>(tail + 8 * RW_TILE * STAGED), u0, {nullptr, 0, 0ull}};
     if (tid < RW_TILE) pending.count[tid] = 0;
 #endif
+#if RW_A_REGS
+    // The users' tile (in the first group) landed, then the warp's fragments of every k-step read from it: lane l
+    // gives the address of row l % 8 of 8 x 8 matrix l / 8 (rows + 8 for odd l / 8, columns + 8 from l / 8 = 2).
+    recall_cp_wait<STAGES - 2>();
+    __syncthreads();
+    unsigned ua[KS][4];
+    {
+        const int m = lane >> 3;
+        const unsigned row_addr = u_base + (unsigned)((wrow >> 3) + (m & 1)) * SBO + ((unsigned)(m >> 1) << 7) +
+                                  ((unsigned)(lane & 7) << 4);
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) recall_ldmatrix_x4(ua[ks], row_addr + ks * 256u);
+    }
+#endif
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.0f;
@@ -194,8 +242,12 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
         recall_wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks)
+#if RW_A_REGS
+            recall_wgmma_64x128_rs(d, ua[ks], recall_wgmma_desc<SBO>(b_base + ks * 256u), ks);
+#else
             recall_wgmma_64x128(d, recall_wgmma_desc<SBO>(a_base + ks * 256u), recall_wgmma_desc<SBO>(b_base + ks * 256u),
                                 ks);
+#endif
         recall_wgmma_commit();
         recall_wgmma_wait0();
 
