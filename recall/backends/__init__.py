@@ -54,9 +54,9 @@ def cpu_kernels_cache() -> tuple[bool, str] | None:
         from numba.core.registry import CPUDispatcher
 
         from ..core import exclusions
-        from .numpy import heap
+        from .numpy import heap, ordered
 
-        kernels = [obj for module in (heap, exclusions) for obj in vars(module).values()
+        kernels = [obj for module in (heap, exclusions, ordered) for obj in vars(module).values()
                    if isinstance(obj, CPUDispatcher) and hasattr(obj._cache, "_cache_file")]
         folder = os.path.commonpath([k.stats.cache_path for k in kernels]) if kernels else ""
         return all(os.path.exists(k._cache._cache_file._index_path) for k in kernels), folder

@@ -25,7 +25,7 @@ from ...core.tiling import TilePlan
 from .. import candidates, tiled
 from ..protocol import PASS_SHARE
 from . import heap
-from .ordered import ordered_dots
+from .ordered import ordered_dots, ordered_products
 
 # Tilings `recall tune` tries on the CPU: score tiles (4 bytes a score) of 256 KiB - 4 MiB bracket a core's L2.
 _TUNE_USERS = (128, 256, 512, 1024)
@@ -70,10 +70,40 @@ _RANKED_ARRAYS = 8
 """Item arrays whose norms a CPU backend keeps for its threshold samples."""
 
 
+class _MatrixVector:
+    """A backend whose products are NumPy's as it calls BLAS (one row: the matrix-vector kernel, whose sums are
+    within the same bound as the ordered ones but not equal to them), the rest its own: ``NumpyBackend._one_user``'s
+    first pass."""
+
+    def __init__(self, backend: "NumpyBackend") -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    @staticmethod
+    def gemm_strided_batched(users: np.ndarray, items: np.ndarray, out: np.ndarray) -> None:
+        np.matmul(users, items.transpose(0, 2, 1), out=out)
+
+
 def _memory_key(arr: np.ndarray) -> tuple:
     return (arr.__array_interface__["data"][0], arr.shape, arr.strides)
 
 
+SMALL_PRODUCT = 1 << 18
+"""Products of one row (a user against its own candidates, a block's last user) or of at most this many
+multiply-adds (rows x items x dimensions) are summed by ``ordered.ordered_products``, larger ones by BLAS. Every
+score is then the same float32 sum of its user and item wherever it is computed (identical items score alike, and
+the tie rule holds between them; the re-scoring's scores are the search's): BLAS's blocked kernels add the
+dimensions in order, one FMA each, as the ordered products do, while its matrix-vector kernel (one row) and its
+small-matrix kernels (up to 32,768 multiply-adds, OpenBLAS 0.3.31 on the development machine) sum in an order that
+depends on the item's place in the product (docs/reference.md, "Scores"). The bound is 8 times that; the ordered
+kernel runs at about 3.9 G multiply-adds a second on a core of the development machine, against BLAS's
+matrix-vector kernel's 12 G and its blocked kernels' more (``scripts/lab/cpu_sums.py``). A search of one user takes
+the matrix-vector kernel and re-scores what it keeps (``NumpyBackend._one_user``)."""
+ONE_USER_MARGIN = 16
+"""Items a search of one user keeps beyond k from its matrix-vector scores, re-scored with the ordered sums
+(``NumpyBackend._one_user``)."""
 SEED_SCRATCH_VALUES = 1 << 18
 """Sampled scores a worker holds at once (1 MiB), whatever the sample's size."""
 SEED_MIN_K = 300
@@ -214,6 +244,7 @@ class NumpyBackend:
         # gets rows ranked by stale norms, and any rows of real items still make a valid seed.
         self._ranked: dict[tuple, dict[tuple[int, int], np.ndarray]] = {}
         self._ranked_lock = threading.Lock()  # engines searched from several threads load items (filtered views)
+        self._norms: dict[tuple, float] = {}  # _largest_norm's, by item array
 
     def __getstate__(self) -> dict:
         """Pickled (an Engine sent to a spawned process, a Spark executor) without what belongs to this process: its
@@ -352,13 +383,62 @@ class NumpyBackend:
             raise ResourceError(f"the CPU backend searches at most {heap.MAX_ROWS + 1:,} items at once, got "
                                 f"{n_items:,}; split the catalogue (recall batch --item-shards)")
         wall = time.perf_counter()
-        seed = self._seed(plan, items, n_items, k, options) if users.dtype == np.float32 else None
-        tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows, seed)
+        stats: dict = {}
+        if users.shape[0] == 1 and users.dtype == np.float32 and plan.interests is None and k < n_items:
+            seed = self._one_user(plan, users, items, n_items, k, excl, out_vals, out_rows, options, stats)
+        else:
+            seed = self._seed(plan, items, n_items, k, options) if users.dtype == np.float32 else None
+            tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows, seed)
         return _done({"blocks": -(-users.shape[0] // plan.user_block), "workers": plan.workers,
                       "seed_sample": 0 if seed is None else int(seed.rows.size),
                       "item_parts": len(tiled.item_ranges(n_items, plan)) if plan.interests is None else 1,
                       "wall_s": time.perf_counter() - wall,
-                      "tiles": (plan.user_block, plan.item_tile, plan.tiles_per_call)})
+                      "tiles": (plan.user_block, plan.item_tile, plan.tiles_per_call), **stats})
+
+    def _one_user(self, plan: TilePlan, users: np.ndarray, items: np.ndarray, n_items: int, k: int,
+                  excl: Exclusions, out_vals: np.ndarray, out_rows: np.ndarray, options: EngineOptions,
+                  stats: dict) -> Any:
+        """The search of one user: its tiles scored by BLAS's matrix-vector kernel (a third of the time its ordered
+        sums take: ``scripts/lab/cpu_sums.py``), keeping ONE_USER_MARGIN more than k; those re-scored with the ordered
+        sums (``gemm_strided_batched``'s) and the best k taken, where a bound proves that no item left out could
+        reach them: each of the two sums is within gamma_D |u| |v| of the exact product (any order of summation,
+        Higham's bound), so an item left out scores at most the least kept one plus twice that, with |v| the
+        items' largest norm. Where that does not hold (scores that close: ties, duplicated items), the user is
+        searched again with the ordered sums. ``stats["one_user"]`` says which. Returns the threshold sample."""
+        wide = min(k + ONE_USER_MARGIN, n_items)
+        vals = np.empty((1, wide), np.float32)
+        rows = np.empty((1, wide), np.int64)
+        seed = self._seed(plan, items, n_items, wide, options)
+        tiled.run_blocks_threaded(_MatrixVector(self), plan, users, items, n_items, wide, excl, vals, rows, seed)
+        kept = rows[0][rows[0] >= 0]
+        exact = ordered_dots(users, np.ascontiguousarray(items[kept])[None])
+        best_vals, best_rows = keys.select(np, exact, kept[None], k)
+        if kept.size == wide:  # else every item the user may get was kept: nothing left out
+            dim = int(users.shape[1])
+            gamma = dim * 2.0 ** -24 / (1 - dim * 2.0 ** -24)
+            bound = 2 * gamma * float(np.linalg.norm(users[0].astype(np.float64))) * self._largest_norm(
+                items, n_items) + 2 * dim * 2.0 ** -149  # products that underflow
+            if not float(best_vals[0, k - 1]) > float(vals[0, -1]) + bound:
+                stats["one_user"] = "ordered"
+                seed = self._seed(plan, items, n_items, k, options)
+                tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows, seed)
+                return seed
+        stats["one_user"] = "certified"
+        out_vals[:] = best_vals
+        out_rows[:] = best_rows
+        return seed
+
+    def _largest_norm(self, items: np.ndarray, n_items: int) -> float:
+        """The largest norm of the first ``n_items`` items (float64), kept for the next search of the same array."""
+        key = (_memory_key(items), n_items)
+        got = self._norms.get(key)
+        if got is None:
+            got = float(row_norms(np, items[:n_items]).max()) * (1 + 2.0 ** -20)  # above its own rounding
+            with self._ranked_lock:
+                self._norms[key] = got
+                while len(self._norms) > _RANKED_ARRAYS:
+                    self._norms.pop(next(iter(self._norms)))
+        return got
 
     def _seed(self, plan: TilePlan, items: np.ndarray, n_items: int, k: int, options: EngineOptions) -> Any:
         size = 0 if plan.interests is not None or plan.item_parts > 1 else seed_size(
@@ -440,7 +520,11 @@ class NumpyBackend:
         if users.dtype == np.float16:
             # Fast mode's arithmetic, emulated: float16 inputs, exact products, float32 accumulation.
             users, items = users.astype(np.float32), items.astype(np.float32)
-        np.matmul(users, items.transpose(0, 2, 1), out=out)
+        rows, width, dim = users.shape[-2], items.shape[-2], items.shape[-1]
+        if rows == 1 or rows * width * dim <= SMALL_PRODUCT:
+            ordered_products(users, items, out)
+        else:
+            np.matmul(users, items.transpose(0, 2, 1), out=out)
 
     def topk_new(self, n_users: int, k: int) -> _HeapState:
         if k >= heap.BUFFER_MIN_K:

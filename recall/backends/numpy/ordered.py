@@ -1,39 +1,91 @@
-"""The fused exact kernel's float32 sums, emulated on the CPU: ``fma(u_0, v_0, 0)``, then ``fma(u_d, v_d, s)`` for
-every further dimension in order, each rounded once to float32 (round to nearest even), as ``fmaf`` does.
+"""The fused exact kernel's float32 sums on the CPU: ``fma(u_0, v_0, 0)``, then ``fma(u_d, v_d, s)`` for every
+further dimension in order, each rounded once to float32 (round to nearest even), as ``fmaf`` does.
 
-NumPy has no fused multiply-add. A product of two float32 values is exact in float64 (24 + 24 significant bits), but
-the sum with the running float32 ``s`` may round in float64 and then again to float32, which can land on the wrong
-side of a float32 midpoint. So the float64 sum is rounded *to odd* (the exact sum truncated toward zero, its last bit
-set where anything was cut off, from TwoSum's exact error term): with 53 >= 24 + 2 bits, rounding that to float32
-gives the correctly rounded sum (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums: proved
-algorithms using rounding to odd", IEEE Trans. Computers 57(4), 2008).
+Compiled by numba around LLVM's ``llvm.fma.f32`` (a fused multiply-add, correctly rounded on every target: the
+processor's instruction where it has one). These are the sums of the GPU's fused kernel (``kernels/fused.cu``'s
+``RecallDotTile``) bit for bit, and of BLAS's matrix products on the CPU where a product is large enough for its
+blocked kernels (OpenBLAS on x86 keeps one accumulator per score and adds the dimensions to it in order, one FMA
+each); its matrix-vector and small-matrix kernels sum in another order, which depends on the item's place in the
+product (``NumpyBackend.gemm_strided_batched`` leaves those products to :func:`ordered_products`).
 """
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
+from numba import njit, types, vectorize
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 
-def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+@intrinsic
+def _fma(typingctx, a, b, c):  # noqa: ARG001 (numba's signature)
+    """``fmaf(a, b, c)``: float32 arguments, one rounding."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):  # noqa: ARG001
+        f32 = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@vectorize(["float32(float32, float32, float32)"], nopython=True, cache=True)
+def fma32(a, b, c):
     """``fmaf(a, b, c)`` elementwise: float32 ``a``, ``b``, ``c`` (broadcast) -> float32, rounded once."""
-    p = np.asarray(a, np.float64) * np.asarray(b, np.float64)  # exact
-    c64 = np.asarray(c, np.float32).astype(np.float64)
-    s = p + c64
-    bb = s - p
-    err = (p - (s - bb)) + (c64 - bb)  # TwoSum: p + c == s + err exactly
-    # The exact sum truncated toward zero: s where err points away from zero (or is 0), else s's neighbour towards 0.
-    # (A float64 sum that rounds to 0 is exact, so s != 0 wherever err != 0.)
-    trunc = np.where((err == 0) | ((err > 0) == (s > 0)), s, np.nextafter(s, 0.0))
-    odd = (trunc.view(np.int64) & 1) == 1
-    ro = np.where((err == 0) | odd, trunc, np.nextafter(trunc, np.copysign(np.inf, trunc)))
-    with np.errstate(over="ignore"):
-        return ro.astype(np.float32)
+    return _fma(a, b, c)
+
+
+@njit(nogil=True, cache=True)
+def _products(users, items, out):
+    """out[t, i, j] = the FMA chain of users[t or 0, i] and items[t, j] (users (1 or b, n, D), items (b, w, D),
+    out (b, n, w), all float32). Eight items at a time: eight independent chains, so that the FMAs' latency is
+    hidden."""
+    b, w, dim = items.shape
+    n = users.shape[1]
+    shared = users.shape[0] == 1
+    for t in range(b):
+        ut = 0 if shared else t
+        for i in range(n):
+            j0 = 0
+            while j0 + 8 <= w:
+                a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+                for d in range(dim):
+                    x = users[ut, i, d]
+                    a0 = _fma(x, items[t, j0, d], a0)
+                    a1 = _fma(x, items[t, j0 + 1, d], a1)
+                    a2 = _fma(x, items[t, j0 + 2, d], a2)
+                    a3 = _fma(x, items[t, j0 + 3, d], a3)
+                    a4 = _fma(x, items[t, j0 + 4, d], a4)
+                    a5 = _fma(x, items[t, j0 + 5, d], a5)
+                    a6 = _fma(x, items[t, j0 + 6, d], a6)
+                    a7 = _fma(x, items[t, j0 + 7, d], a7)
+                out[t, i, j0] = a0
+                out[t, i, j0 + 1] = a1
+                out[t, i, j0 + 2] = a2
+                out[t, i, j0 + 3] = a3
+                out[t, i, j0 + 4] = a4
+                out[t, i, j0 + 5] = a5
+                out[t, i, j0 + 6] = a6
+                out[t, i, j0 + 7] = a7
+                j0 += 8
+            for j in range(j0, w):
+                a = np.float32(0.0)
+                for d in range(dim):
+                    a = _fma(users[ut, i, d], items[t, j, d], a)
+                out[t, i, j] = a
+
+
+def ordered_products(users: np.ndarray, items: np.ndarray, out: np.ndarray) -> None:
+    """``out[t] = users[t or 0] @ items[t].T`` as the FMA chains: users (1 or b, n, D), items (b, w, D) float32,
+    out (b, n, w) float32."""
+    _products(users, items, out)  # from +0: a chain never ends at -0 (an exact cancellation gives +0)
 
 
 def ordered_dots(users: np.ndarray, vecs: np.ndarray) -> np.ndarray:
-    """users (n, D) float32, vecs (n, w, D) float32 -> (n, w) float32: each user's float32 sum with each of its w
-    vectors, the products added in order of dimension by :func:`fma32` from 0."""
-    n, w, dim = vecs.shape
-    acc = np.zeros((n, w), np.float32)
-    for d in range(dim):
-        acc = fma32(users[:, d, None], vecs[:, :, d], acc)
-    return acc + np.float32(0.0)  # -0.0 -> +0.0: the kernels' keys fold the two
+    """users (n, D) float32, vecs (n, w, D) float32 -> (n, w) float32: each user's FMA chain with each of its w
+    vectors."""
+    n, w, _ = vecs.shape
+    out = np.empty((n, 1, w), np.float32)
+    ordered_products(np.ascontiguousarray(users, np.float32)[:, None, :], np.ascontiguousarray(vecs, np.float32), out)
+    return out.reshape(n, w)

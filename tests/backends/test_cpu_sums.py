@@ -1,0 +1,140 @@
+"""The CPU's scores are one float32 sum per (user, item), wherever it is computed: identical items score alike and
+tie by row (the lower first), a search of one user scores as a search of many, and the re-scoring's scores are the
+search's, whatever the lists' lengths and the batches they are cut into. BLAS's matrix-vector and small-matrix
+kernels sum in an order that depends on the item's place in the product; the backend leaves those products to the
+ordered kernel (``recall.backends.numpy.ordered``), whose sums are the blocked kernels' (and the GPU's fused
+kernel's): every dimension in order, one FMA each."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import oracle
+from recall import Engine
+from recall.backends.numpy.backend import SMALL_PRODUCT, NumpyBackend
+from recall.backends.numpy.ordered import ordered_dots, ordered_products
+
+METRICS = ["ip", "cosine", "l2"]
+
+
+def _duplicated(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    """2n items: row r + n a copy of row r."""
+    base = rng.standard_normal((n, dim)).astype(np.float32)
+    return np.concatenate([base, base])
+
+
+def _copies_follow_originals(indices: np.ndarray, scores: np.ndarray, n: int) -> None:
+    """In every list, row r + n (a copy of row r) has row r's score and comes right after it or later."""
+    for idx, val in zip(indices, scores):
+        where = {int(r): j for j, r in enumerate(idx) if r >= 0}
+        for r, j in where.items():
+            if r < n and r + n in where:
+                assert val[j] == val[where[r + n]], (r, val[j], val[where[r + n]])
+                assert j < where[r + n], (r, j, where[r + n])
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("n_items", [21, 300, 40_000])
+@pytest.mark.parametrize("n_users", [1, 2, 5, 64])
+def test_identical_items_score_alike_and_tie_by_row(metric, n_items, n_users):
+    rng = np.random.default_rng(n_items + n_users)
+    items = _duplicated(rng, n_items, 32)
+    users = rng.standard_normal((n_users, 32)).astype(np.float32)
+    engine = Engine(items, metric=metric, device="cpu")
+    res = engine.search(users, min(60, 2 * n_items))
+    _copies_follow_originals(res.indices, res.scores, n_items)
+    # k cutting between a row and its copy keeps the row.
+    first = res.indices[:, :1]
+    cut = engine.search(users, int((res.indices[0] < n_items).sum()))
+    assert np.isin(first, cut.indices).all()
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_one_user_scores_as_in_a_block_of_many(metric):
+    rng = np.random.default_rng(3)
+    items = rng.standard_normal((20_000, 48)).astype(np.float32)
+    users = rng.standard_normal((40, 48)).astype(np.float32)
+    engine = Engine(items, metric=metric, device="cpu")
+    many = engine.search(users, 50)
+    for u in (0, 17, 39):
+        one = engine.search(users[u:u + 1], 50)
+        np.testing.assert_array_equal(one.indices[0], many.indices[u])
+        np.testing.assert_array_equal(one.scores[0], many.scores[u])
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_rescore_scores_are_the_search_scores_whatever_the_batch(metric):
+    rng = np.random.default_rng(5)
+    n = 600
+    items = _duplicated(rng, n, 24)
+    users = rng.standard_normal((30, 24)).astype(np.float32)
+    engine = Engine(items, metric=metric, device="cpu")
+    lists = [rng.choice(2 * n, int(rng.integers(1, 400)), replace=False) for _ in range(30)]
+    whole = engine.rescore(users, lists, 40)
+    _copies_follow_originals(whole.indices, whole.scores, n)
+    for lo, hi in ((0, 1), (3, 4), (5, 17), (17, 30)):  # other batches: other padded blocks
+        part = engine.rescore(users[lo:hi], lists[lo:hi], 40)
+        np.testing.assert_array_equal(part.indices, whole.indices[lo:hi])
+        np.testing.assert_array_equal(part.scores, whole.scores[lo:hi])
+    # Each re-scored item's score is the one a search gives it.
+    full = engine.search(users, 2 * n)
+    for u in range(30):
+        search_score = dict(zip(full.indices[u].tolist(), full.scores[u].tolist()))
+        for r, s in zip(whole.indices[u], whole.scores[u]):
+            if r >= 0:
+                assert search_score[int(r)] == s
+
+
+def test_ordered_products_broadcast_users_are_the_fma_chain():
+    rng = np.random.default_rng(9)
+    users = (rng.standard_normal((1, 3, 19)) * np.exp2(rng.integers(-6, 6, (1, 3, 19)))).astype(np.float32)
+    items = (rng.standard_normal((2, 13, 19)) * np.exp2(rng.integers(-6, 6, (2, 13, 19)))).astype(np.float32)
+    out = np.empty((2, 3, 13), np.float32)
+    ordered_products(users, items, out)
+    for t in range(2):
+        np.testing.assert_array_equal(out[t], ordered_dots(users[0], np.broadcast_to(items[t], (3, 13, 19))))
+
+
+@pytest.mark.parametrize("shape", [(1, 42, 16), (2, 42, 32), (3, 1000, 64), (64, 4096, 64), (16, 8192, 130)])
+def test_every_product_is_the_ordered_sum(shape):
+    # Small products are the ordered kernel's by construction; larger ones BLAS's blocked kernels, which add the
+    # dimensions in order, one FMA each (OpenBLAS on x86): a BLAS that sums otherwise fails here.
+    n, w, dim = shape
+    rng = np.random.default_rng(n * w + dim)
+    users = rng.standard_normal((1, n, dim)).astype(np.float32)
+    items = rng.standard_normal((3, w, dim)).astype(np.float32)
+    out = np.empty((3, n, w), np.float32)
+    NumpyBackend().gemm_strided_batched(users, items, out)
+    want = np.stack([ordered_dots(users[0], np.broadcast_to(items[t], (n, w, dim))) for t in range(3)])
+    assert (max(n, 2) * w * dim <= SMALL_PRODUCT) or n * w * dim > 1 << 20  # both routes are covered
+    np.testing.assert_array_equal(out, want)
+
+
+def test_ties_on_duplicates_match_the_oracle_tie_rule():
+    rng = np.random.default_rng(11)
+    items = _duplicated(rng, 21, 16)
+    users = rng.standard_normal((1, 16)).astype(np.float32)
+    res = Engine(items, device="cpu").search(users, 21)
+    want, _ = oracle.topk(users, items, 21, "ip")
+    np.testing.assert_array_equal(res.indices, want)
+
+
+def test_one_user_search_is_certified_or_searched_again_with_the_ordered_sums():
+    rng = np.random.default_rng(13)
+    items = rng.standard_normal((30_000, 40)).astype(np.float32)
+    user = rng.standard_normal((1, 40)).astype(np.float32)
+    engine = Engine(items, device="cpu")
+    res = engine.search(user, 25)
+    assert engine.stats["one_user"] == "certified"
+    want, _ = oracle.topk(user, items, 25, "ip")
+    np.testing.assert_array_equal(res.indices, want)
+    # 100 more copies of the user's best item, spread over the catalogue: the 25 + 16 kept all score alike, no bound
+    # separates them from the copies left out, and the user is searched again: the 25 lowest rows of the copies.
+    best = items[int(want[0, 0])].copy()
+    where = np.union1d(rng.choice(30_000, 100, replace=False), want[0, :1])  # the best item among its copies
+    items[where] = best
+    engine = Engine(items, device="cpu")
+    res = engine.search(user, 25)
+    assert engine.stats["one_user"] == "ordered"
+    np.testing.assert_array_equal(res.indices[0], where[:25])
+    assert (res.scores[0] == res.scores[0, 0]).all()
