@@ -3,18 +3,26 @@ from __future__ import annotations
 
 import sys
 
-from ..core.signals import Interrupted, raising_signals
+from ..core.signals import Interrupted, after_command, command_line_starts, exit_on_signal, raising_signals
 
 
 def main() -> None:
     """Entry point of the ``recall`` console script and of ``python -m recall``. Loading the command line
-    (``recall.cli.app``: typer, NumPy, pyarrow, the engine) takes most of a second; a SIGTERM or a Ctrl-C meanwhile
-    stops it with one line and the signal's exit status (143 or 130), as it stops a command (docs/errors.md), where
-    it printed a traceback (or, for SIGTERM, nothing)."""
+    (``recall.cli.app``: typer, NumPy, pyarrow, the engine) takes most of a second, and parsing the arguments some
+    more; a SIGTERM or a Ctrl-C meanwhile stops it with one line and the signal's exit status (143 or 130), as it
+    stops a command (docs/errors.md), where it printed a traceback (or, for SIGTERM, nothing). So does one while the
+    process shuts down after its command (``exit_on_signal``)."""
+    command_line_starts()
     try:
         with raising_signals():
             from .app import main as run
+
+            run()
     except Interrupted as exc:
-        print(f"{exc}: nothing done", file=sys.stderr)
+        # A command handles its own signals (``recall.cli.common.interruptible``): this one came before it began, or
+        # after it ended.
+        print(after_command(exc), file=sys.stderr)
         raise SystemExit(exc.code) from None
-    run()
+    except SystemExit:  # the command line's own exit, every time: the process shuts down from here
+        exit_on_signal()
+        raise

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from ..core.checks import check_batch_size
+from ..core.signals import when_done
 from ..jobs import JobOptions
 from ..jobs.batch import BatchError, BatchProgress, run_batch
 from .common import (EXIT_OS_ERROR, AllowOption, BatchSizeOption, DenyOption, Device, ExcludeOption, IdColOption,
@@ -26,6 +27,11 @@ from .common import (EXIT_OS_ERROR, AllowOption, BatchSizeOption, DenyOption, De
 def _resume_line(exc: Interrupted) -> str:
     """SIGTERM / SIGINT: the job recorded its failure, stopped its workers and removed its temporary files."""
     return f"error: {exc}; rerun the same command to resume"
+
+
+def _complete_line(exc: Interrupted, summary: Any) -> str:
+    """SIGTERM / SIGINT once the job is complete (its _SUCCESS written)."""
+    return f"{exc}: the job is complete ({Path(summary.out_dir) / '_SUCCESS'})"
 
 
 class EngineName(str, Enum):
@@ -134,7 +140,14 @@ def batch(
     shard regenerated since its output was written. A bad shard does not stop the others: the job exits 2 naming
     every bad shard, without _SUCCESS.
     """
-    with logging_to_stderr(quiet, verbose), errors_to_exit(), interruptible(_resume_line):
+    done: list = []  # the summary once the job is complete, then True once its line is printed
+
+    def interrupted_line(exc: Interrupted) -> str:
+        if not done:
+            return _resume_line(exc)
+        return _complete_line(exc, done[0]) + ("" if len(done) > 1 else "; its summary was not printed")
+
+    with logging_to_stderr(quiet, verbose), errors_to_exit(), interruptible(interrupted_line):
         if batch_size is not None:
             check_batch_size(batch_size, "--batch-size")
         progress = _RichProgress() if show_progress(quiet) else None
@@ -154,12 +167,14 @@ def batch(
                 typer.echo(rest, err=True)
             typer.echo(f"error: {first}", err=True)
             raise typer.Exit(EXIT_OS_ERROR) from None
-    # The job is complete (_SUCCESS written): a signal while its summary prints says so, not "rerun to resume".
-    with interruptible(lambda exc: f"{exc}: the job is complete ({Path(summary.out_dir) / '_SUCCESS'}); its summary "
-                                   f"was not printed"):
+        # The job is complete (_SUCCESS written): a signal from here on says so, not "rerun to resume", and after
+        # the command too (the process shutting down).
+        done.append(summary)
+        when_done(lambda exc: _complete_line(exc, summary))
         for warning in summary.warnings():
             typer.echo(warning, err=True)
         typer.echo(summary.line())
+        done.append(True)
         if verbose:
             for w in summary.worker_infos:
                 rows = (f" (item rows {w.item_rows[0]:,}-{w.item_rows[1]:,}, {w.n_items:,} searched)" if w.item_rows

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import typer
 
 from ..core.errors import BackendUnavailable, InputError, ResourceError, one_line, os_error_line
-from ..core.signals import Interrupted, raising_signals
+from ..core.signals import Interrupted, command_began, raising_signals
 from ..core.version import __version__
 
 #: Exit code for bad input (data, arguments), an unmet memory budget or a missing GPU: the user can fix these.
@@ -130,6 +130,7 @@ def interruptible(message: Callable[[Interrupted], str]) -> Iterator[None]:
     """Every command's signal policy (``recall.core.signals.raising_signals``): SIGTERM and SIGINT raise
     :class:`Interrupted` in the main thread; once the command has unwound, ``message(exc)`` is printed as one line on
     stderr and the command exits with 143 / 130."""
+    command_began()
     try:
         with raising_signals():
             yield

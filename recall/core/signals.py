@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -72,3 +72,52 @@ def raising_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) 
 
 #: Seconds after which a signal swallowed by a C callback is sent again (:func:`raising_signals`).
 _RESEND_S = 0.001
+
+
+#: What a signal after a command's work says (:func:`after_command`): set by :func:`when_done`, and by
+#: :func:`command_began` to a neutral line.
+_done_line: list = []
+
+
+def command_line_starts() -> None:
+    """``recall.cli.main`` starts: no command has begun yet (a process that ran commands before, in tests)."""
+    _done_line.clear()
+
+
+def command_began() -> None:
+    """A command has begun (``recall.cli.common.interruptible``): a signal after it is no longer "nothing done"."""
+    if not _done_line:
+        _done_line.append(lambda exc: f"{exc}, after the command had ended")
+
+
+def when_done(message: Callable[[Interrupted], str]) -> None:
+    """The line a signal prints once the running command has finished its work (:func:`after_command`): the batch
+    job's "the job is complete (…/_SUCCESS)"."""
+    _done_line[:] = [message]
+
+
+def after_command(exc: Interrupted) -> str:
+    """The line of a signal that arrived outside a command's own handling: before it began ("nothing done"), or
+    after it ended (:func:`when_done`'s)."""
+    return _done_line[0](exc) if _done_line else f"{exc}: nothing done"
+
+
+def exit_on_signal() -> None:
+    """From now until the process exits, SIGTERM and SIGINT print :func:`after_command`'s line on stderr and exit at
+    once with 128 + the signal: for a process whose command has returned and which is only shutting down (joining
+    its threads, flushing), where the signals' defaults would kill it without a word (SIGTERM) or print a traceback
+    (SIGINT). Outside the main thread, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    message = after_command
+
+    def handler(signum: int, frame: object) -> None:
+        try:
+            sys.stderr.write(message(Interrupted(signum)) + "\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+

@@ -467,9 +467,17 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
         raise InputError(f"{req.users}: every shard is empty ({len(shards)} shard{'s' if len(shards) != 1 else ''}, "
                          f"0 users), so the job would publish only empty candidate files; pass --allow-empty "
                          f"(allow_empty=True) if that is what you want")
+    created = not os.path.lexists(req.out)
     _prepare_out_dir(req, shards)
     with outdir.lock(req.out):
-        return _run_locked(req, shards, progress or BatchProgress(), say, notices, t_start)
+        try:
+            return _run_locked(req, shards, progress or BatchProgress(), say, notices, t_start)
+        except BaseException:
+            if created:
+                # A job-wide input refused (or a signal) before the job's first write: the directory it made goes
+                # again, as the docs promise ("leaves the directory as it was").
+                outdir.remove_if_unwritten(req.out)
+            raise
 
 
 def _request(users: Any, items: Any, out_dir: Any, k: Any, metric: str, exclude: Any, id_col: str, vec_col: str,
@@ -478,6 +486,9 @@ def _request(users: Any, items: Any, out_dir: Any, k: Any, metric: str, exclude:
              after_batch: Callable[[], None] | None, allow: Any = None, deny: Any = None,
              item_shards: Any = 1) -> BatchRequest:
     """The arguments of :func:`run_batch`, validated."""
+    if os.fspath(out_dir) in ("", "-"):
+        # An unset variable in `--out "$OUT"` would otherwise be the current directory.
+        raise InputError(f"--out {os.fspath(out_dir)!r}: expected the path of the output directory")
     k = check_k(k)
     _metrics.check_metric(metric)
     check_choice(device, DEVICES, "device")
@@ -513,6 +524,8 @@ def _request(users: Any, items: Any, out_dir: Any, k: Any, metric: str, exclude:
 def _prepare_out_dir(req: BatchRequest, shards: list[Shard]) -> None:
     """Create ``--out`` (refusing one that holds an input or cannot be written)."""
     out = req.out
+    if out.is_symlink() and not out.exists():
+        raise InputError(f"{req.out_label}: is a symbolic link to {os.readlink(out)}, which does not exist")
     if out.exists() and not out.is_dir():
         raise InputError(f"{req.out_label}: exists and is not a directory")
     # Where the directories really are: an --out reached through ".." or a symbolic link may be an input's folder,
@@ -563,6 +576,10 @@ def _resume(req: BatchRequest, shards: list[Shard], job: dict,
     removed = outdir.remove_leftovers(out)
     if removed:
         say(atomic.describe_removed(removed, req.out_label))
+    if old is not None and foreign:
+        say(f"{req.out_label}: holds {len(foreign)} file(s) recall batch did not write ({', '.join(foreign[:5])}"
+            f"{' ...' if len(foreign) > 5 else ''}); they are left as they are, and a reader of the directory as one "
+            f"dataset reads them too: move them out")
     if old is None:
         # A new job: its manifest is written once its job-wide inputs have been read, so that a bad one leaves the
         # directory as it was (and the same command, fixed, is not refused as another job's).

@@ -13,6 +13,7 @@ outputs are scored again, since nothing says they were computed from today's sha
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -179,6 +180,21 @@ def start_over(out_dir: Path, old: dict | None, names: set[str], foreign: list[s
     if foreign:
         say(f"{label}: --overwrite left {len(foreign)} file(s) recall batch did not write: "
             f"{', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}")
+
+
+def remove_if_unwritten(out_dir: Path) -> None:
+    """Remove a directory the job created, where it holds nothing but the job's lock and temporary files (a job-wide
+    input refused, or a signal, before the job's first write); anything else there and it stays. Called with the lock
+    held: its file goes by name, and the lock itself when the job lets go of it."""
+    try:
+        names = os.listdir(out_dir)
+        if any(name != LOCK and not atomic.TMP_NAME.match(name) for name in names):
+            return
+        for name in names:
+            os.unlink(out_dir / name)
+        os.rmdir(out_dir)
+    except OSError:
+        pass  # the directory stays: the same command, fixed, runs in it all the same
 
 
 def remove_leftovers(out_dir: Path) -> list[tuple[str, int]]:

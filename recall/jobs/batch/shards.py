@@ -68,13 +68,20 @@ def discover_shards(users: str | os.PathLike) -> list[Path]:
         raise InputError(f"{spec}: cannot open: {exc.strerror or exc}") from exc
     if is_dir:
         # A *.parquet entry that is not a directory is a shard, even a dangling or looping link: it is reported as a
-        # bad shard rather than silently left out.
-        files = sorted(q for q in p.iterdir() if q.suffix == ".parquet" and not _hidden(q.name) and not _is_dir(q))
+        # bad shard rather than silently left out. One that is a directory (a dataset written as a folder of files,
+        # as Spark writes one) holds users the job would not read: refused, not skipped.
+        entries = sorted(q for q in p.iterdir() if q.suffix == ".parquet" and not _hidden(q.name))
+        _refuse_folders([q for q in entries if _is_dir(q)], f"'{os.path.join(spec, '**', '*.parquet')}'")
+        files = [q for q in entries if not _is_dir(q)]
         if not files:
             raise InputError(f"{spec}: no *.parquet files in this directory")
     elif any(c in spec for c in "*?["):
-        files = sorted(Path(m) for m in glob.glob(spec, recursive=True)
-                       if not _is_dir(Path(m)) and not _hidden(Path(m).name))
+        matches = sorted(Path(m) for m in glob.glob(spec, recursive=True) if not _hidden(Path(m).name))
+        # A folder the pattern matches is read through the files the pattern matches in it: a '**' pattern's.
+        if "**" not in spec:
+            _refuse_folders([m for m in matches if _is_dir(m) and m.suffix == ".parquet"],
+                            "a pattern with '**' that matches their files")
+        files = [m for m in matches if not _is_dir(m)]
         if not files:
             raise InputError(f"{spec}: no files match this pattern")
     elif p.is_file():
@@ -94,6 +101,15 @@ def discover_shards(users: str | os.PathLike) -> list[Path]:
                              f"so shard names must be unique")
         seen[f.name] = f
     return files
+
+
+def _refuse_folders(folders: list[Path], instead: str) -> None:
+    """Refuse user shards that are folders named ``*.parquet``: the job reads files, not recursively."""
+    if folders:
+        shown = ", ".join(str(f) for f in folders[:3]) + (f" and {len(folders) - 3} more" if len(folders) > 3 else "")
+        raise InputError(f"{shown}: {'is a directory' if len(folders) == 1 else 'are directories'} (a dataset "
+                         f"written as a folder of files?); --users takes files, not the files inside folders: pass "
+                         f"{instead} to read them")
 
 
 def fingerprint(path: str, strict: bool = True) -> dict:
@@ -126,11 +142,13 @@ def inspect_shards(files: list[Path], id_col: str, vec_col: str, dim: int | None
     ``error`` set (the job scores the others, then reports it); shards of two id types are an InputError at once.
     """
     shards = []
+    other_dims = set()  # the dimensions of the shards whose vectors are not the items'
     for f in files:
         path = str(f)
         try:
             info = inspect_embeddings(path, id_col, vec_col)
             if dim is not None and info.dim is not None and info.dim != dim:
+                other_dims.add(info.dim)
                 raise InputError(f"{path}: vectors have dimension {info.dim}, but the items ({items_path}) have "
                                  f"dimension {dim}")
         except InputError as exc:
@@ -138,6 +156,13 @@ def inspect_shards(files: list[Path], id_col: str, vec_col: str, dim: int | None
             continue
         id_type = "string" if info.id_type == pa.string() else "int64"
         shards.append(Shard(f.name, path, info.n_rows, _size(path), id_type))
+    mismatched = sum(1 for s in shards if s.error is not None and s.error.startswith(f"{s.path}: vectors have "))
+    if len(other_dims) == 1 and mismatched == len(shards):
+        # Every shard disagrees with the items the same way: the item file is the odd one (a job-wide error, before
+        # anything is written to --out, so that the same command with the right items runs).
+        raise InputError(f"{items_path}: the items have dimension {dim}, but every user shard's vectors have "
+                         f"dimension {other_dims.pop()} ({len(shards):,} shard{'s' if len(shards) != 1 else ''}, "
+                         f"{shards[0].path} first): users and items must come from the same model; check --items")
     good = [s for s in shards if s.error is None]
     kinds = {s.id_type for s in good}
     if len(kinds) > 1:
