@@ -154,3 +154,19 @@ def test_a_signal_once_the_job_is_complete_says_so(job: dict, tmp_path: Path, wh
     assert done.stderr.splitlines()[-1] == f"terminated by SIGTERM: the job is complete ({out / SUCCESS}){tail}", \
         done.stderr
     assert "Traceback" not in done.stderr and (out / SUCCESS).exists()
+
+
+@pytest.mark.parametrize("out", ["", "-"])
+def test_the_command_line_passes_an_empty_out_as_typed(job: dict, out: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # click's Path type would make "" the current directory before the job saw it.
+    from typer.testing import CliRunner
+
+    from recall.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["batch", "--users", str(job["users"]), "--items", str(job["items"]), "--k",
+                                      str(K), "--out", out, "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"error: --out {out!r}: expected the path of the output directory"
+    assert not (tmp_path / SUCCESS).exists()
