@@ -141,12 +141,10 @@ def batch(
     shard regenerated since its output was written. A bad shard does not stop the others: the job exits 2 naming
     every bad shard, without _SUCCESS.
     """
-    done: list = []  # the summary once the job is complete, then True once its line is printed
+    done: list = []  # the summary, once the job is complete
 
     def interrupted_line(exc: Interrupted) -> str:
-        if not done:
-            return _resume_line(exc)
-        return _complete_line(exc, done[0]) + ("" if len(done) > 1 else "; its summary was not printed")
+        return _complete_line(exc, done[0]) if done else _resume_line(exc)
 
     with logging_to_stderr(quiet, verbose), errors_to_exit(), interruptible(interrupted_line):
         if batch_size is not None:
@@ -175,7 +173,6 @@ def batch(
         for warning in summary.warnings():
             typer.echo(warning, err=True)
         typer.echo(summary.line())
-        done.append(True)
         if verbose:
             for w in summary.worker_infos:
                 rows = (f" (item rows {w.item_rows[0]:,}-{w.item_rows[1]:,}, {w.n_items:,} searched)" if w.item_rows

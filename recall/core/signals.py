@@ -102,13 +102,13 @@ def after_command(exc: Interrupted) -> str:
     return _done_line[0](exc) if _done_line else f"{exc}: nothing done"
 
 
-def exit_on_signal() -> None:
+def exit_on_signal() -> dict:
     """From now until the process exits, SIGTERM and SIGINT print :func:`after_command`'s line on stderr and exit at
     once with 128 + the signal: for a process whose command has returned and which is only shutting down (joining
     its threads, flushing), where the signals' defaults would kill it without a word (SIGTERM) or print a traceback
-    (SIGINT). Outside the main thread, nothing."""
+    (SIGINT). Returns the handlers it replaced (:func:`restore_signals`). Outside the main thread, nothing."""
     if threading.current_thread() is not threading.main_thread():
-        return
+        return {}
     message = after_command
 
     def handler(signum: int, frame: object) -> None:
@@ -118,6 +118,11 @@ def exit_on_signal() -> None:
         finally:
             os._exit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def restore_signals(handlers: dict) -> None:
+    """Put back handlers :func:`exit_on_signal` replaced."""
+    for sig, previous in handlers.items():
+        signal.signal(sig, previous)
 
