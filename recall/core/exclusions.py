@@ -201,7 +201,7 @@ def normalise(exclude: Any, n_users: int, n_items: int) -> Exclusions:
             raise InputError(f"exclude: covers {exclude.indptr.size - 1} users, expected {n_users}")
         return exclude
     if isinstance(exclude, Mapping):
-        users, items = [], []
+        users, items, given = [], [], []
         for user, rows in exclude.items():
             if isinstance(user, (bool, np.bool_)) or not isinstance(user, (int, np.integer)):
                 raise InputError(f"exclude: user key {user!r} is not an integer row position")
@@ -213,12 +213,20 @@ def normalise(exclude: Any, n_users: int, n_items: int) -> Exclusions:
                 except TypeError:
                     raise InputError(f"exclude: the items of user row {user} must be an iterable of item rows, got "
                                      f"{type(rows).__name__}") from None
+            given.append(rows)
             rows = _int_array(rows, f"items of user row {user}")
             users.append(np.full(rows.size, user, np.int64))
             items.append(rows)
         user_of = np.concatenate(users) if users else np.zeros(0, np.int64)
         item_rows = np.concatenate(items) if items else np.zeros(0, np.int64)
-        _check_items(item_rows, n_items, lambda pos: int(user_of[pos]))
+
+        def as_given(pos: int) -> int:
+            # The users' rows were concatenated in order: the position within the bad row's own user.
+            starts = np.cumsum([0] + [part.size for part in items])
+            part = int(np.searchsorted(starts, pos, side="right") - 1)
+            return _as_given(given[part], pos - int(starts[part]))
+
+        _check_items(item_rows, n_items, lambda pos: int(user_of[pos]), as_given)
         return Exclusions(*group(user_of, item_rows, n_users, sort_unique=True))
     if isinstance(exclude, tuple) and len(exclude) == 2:
         indptr = _int_array(exclude[0], "indptr")
@@ -231,8 +239,8 @@ def normalise(exclude: Any, n_users: int, n_items: int) -> Exclusions:
         bad, sorted_unique = _scan(indptr, item_rows, int(n_items))
         if bad >= 0:
             user = int(np.searchsorted(indptr, bad, side="right") - 1)
-            raise InputError(f"exclude: item row {int(item_rows[bad])} (user row {user}) is out of range for "
-                             f"{n_items} items")
+            raise InputError(f"exclude: item row {_as_given(exclude[1], bad)} (user row {user}) is out of range "
+                             f"for {n_items} items")
         if sorted_unique:
             return Exclusions(indptr, item_rows)
         return Exclusions(*_sort_unique(indptr, item_rows.copy()))
@@ -242,12 +250,19 @@ def normalise(exclude: Any, n_users: int, n_items: int) -> Exclusions:
     )
 
 
-def _check_items(item_rows: np.ndarray, n_items: int, user_at: Any) -> None:
-    """InputError naming the first item row out of range and its user."""
+def _check_items(item_rows: np.ndarray, n_items: int, user_at: Any, given_at: Any) -> None:
+    """InputError naming the first item row out of range (as the caller gave it: ``given_at(pos)``) and its
+    user."""
     if not item_rows.size:
         return
     bad = (item_rows < 0) | (item_rows >= n_items)
     if bad.any():
         pos = int(np.argmax(bad))
-        raise InputError(f"exclude: item row {int(item_rows[pos])} (user row {user_at(pos)}) is out of range for "
+        raise InputError(f"exclude: item row {given_at(pos)} (user row {user_at(pos)}) is out of range for "
                          f"{n_items} items")
+
+
+def _as_given(values: Any, pos: int) -> int:
+    """Entry ``pos`` of the caller's integer rows ``values`` as the caller gave it: a uint64 row beyond the int64
+    range is negative once cast, and a message must not name a row the caller never gave."""
+    return int(to_numpy(values).ravel()[pos])

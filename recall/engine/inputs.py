@@ -25,8 +25,9 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
            first_row: int = 0, finite: bool = True) -> Any:
     """``arr`` as a C-contiguous float32 (n, dim) array of module ``xp`` (the backend's own, or NumPy), checked:
     2-d, real, the expected dimension, finite (the first bad row named, counted from ``first_row``: ``arr`` may be
-    a slice of the caller's array). ``own``: never the caller's memory. ``finite=False``: the caller checks
-    finiteness itself (:func:`check_overflow`, from the rows' norms)."""
+    a slice of the caller's array; a float64 value beyond float32's range named as such). ``own``: never the
+    caller's memory. ``finite=False``: the caller checks finiteness itself (:func:`check_overflow`, from the rows'
+    norms), except for inputs wider than float32."""
     shape = getattr(arr, "shape", None)
     if shape is None:
         try:
@@ -42,18 +43,40 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
         raise InputError(f"{what}: dimension {shape[1]} does not match the items' dimension {dim}")
     if shape[1] < 1:
         raise InputError(f"{what}: vectors have dimension 0")
+    given = arr
     if xp is np:
-        host = to_numpy(arr)
-        out = np.array(host, dtype=np.float32, order="C", copy=True) if own else \
-            np.ascontiguousarray(host, dtype=np.float32)
+        given = host = to_numpy(arr)
+        # A float64 value beyond float32's range becomes an infinity here and is named below: no RuntimeWarning.
+        with np.errstate(over="ignore"):
+            out = np.array(host, dtype=np.float32, order="C", copy=True) if own else \
+                np.ascontiguousarray(host, dtype=np.float32)
     else:
         out = backend.ingest(arr, own=own)
-    if finite:
+    # Values wider than float32 are checked here even where the caller checks finiteness from the norms: there a
+    # value beyond float32's range would be reported as an infinity the caller never gave.
+    if finite or _wider_than_float32(given):
         ok = xp.isfinite(out).all(axis=1)
         if not bool(ok.all()):
             row = int(xp.argmax(~ok))
-            raise InputError(f"{what}: row {first_row + row} has a NaN or infinite value")
+            reason = "a value beyond the float32 range" if _finite_row(given, row) else "a NaN or infinite value"
+            raise InputError(f"{what}: row {first_row + row} has {reason}")
     return out
+
+
+def _wider_than_float32(arr: Any) -> bool:
+    """Whether ``arr`` may hold finite values beyond float32's range: float64 and wider (a dtype without NumPy's
+    ``kind``, such as torch's, counts as a float)."""
+    dtype = getattr(arr, "dtype", None)
+    return getattr(dtype, "kind", "f") == "f" and getattr(dtype, "itemsize", 8) > 4
+
+
+def _finite_row(arr: Any, row: int) -> bool:
+    """Whether row ``row`` of the caller's array is finite as given (its float32 copy is not); False where the row
+    cannot be read on the host (a device array of a library NumPy cannot read)."""
+    try:
+        return bool(np.isfinite(to_numpy(arr[row])).all())
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
@@ -61,24 +84,21 @@ def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
     unique."""
     if ids is None:
         return None
+    given = ids
     ids = np.array(to_numpy(ids), copy=True)
     if ids.shape != (n_items,):
         raise InputError(f"ids: expected {n_items} ids (one per item row), got shape {ids.shape}")
+    if isinstance(given, (list, tuple)):
+        # NumPy turns integers mixed with strings into strings, and bools into integers: a list's values are checked
+        # as the caller gave them, as those of an object array are.
+        values = np.empty(n_items, dtype=object)
+        values[:] = given
+        _id_kind(values)
     if ids.dtype.kind in "US":
         ids = ids.astype(object)
     if ids.dtype.kind == "O":
         # Python objects (a pandas object column, pyarrow's strings): all strings, or all integers (made int64).
-        def kind(v: Any) -> str:
-            if isinstance(v, str):
-                return "string"
-            return "integer" if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) else ""
-
-        first = kind(ids[0]) if ids.size else "string"
-        row = next((i for i, v in enumerate(ids) if kind(v) != first or not first), None)
-        if row is not None:
-            what = "integers or strings" if not first or row == 0 else f"{first}s like row 0"
-            raise InputError(f"ids: row {row} holds {ids[row]!r} ({type(ids[row]).__name__}); ids must all be {what}")
-        if first == "integer":
+        if _id_kind(ids) == "integer":
             try:
                 ids = ids.astype(np.int64)
             except OverflowError:
@@ -95,6 +115,22 @@ def item_ids(ids: Any, n_items: int) -> np.ndarray | None:
         dup = ids[second].item() if hasattr(ids[second], "item") else ids[second]
         raise InputError(f"ids: duplicate item id {dup!r} at rows {first} and {second}")
     return ids
+
+
+def _id_kind(ids: np.ndarray) -> str:
+    """``"integer"`` or ``"string"``: the kind of every id of an object array of ids; InputError naming the first
+    row of another kind (bools are not integers)."""
+    def kind(v: Any) -> str:
+        if isinstance(v, str):
+            return "string"
+        return "integer" if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) else ""
+
+    first = kind(ids[0]) if ids.size else "string"
+    row = next((i for i, v in enumerate(ids) if kind(v) != first or not first), None)
+    if row is not None:
+        what = "integers or strings" if not first or row == 0 else f"{first}s like row 0"
+        raise InputError(f"ids: row {row} holds {ids[row]!r} ({type(ids[row]).__name__}); ids must all be {what}")
+    return first
 
 
 def check_item_norm(item_norm: float, metric: str, row: Any = None) -> None:

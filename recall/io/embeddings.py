@@ -82,8 +82,8 @@ def check_columns(pf: pq.ParquetFile, path: str, id_col: str, vec_col: str) -> t
     ok_list = pa.types.is_fixed_size_list(vt) or pa.types.is_list(vt) or pa.types.is_large_list(vt)
     if not ok_list or not pa.types.is_floating(vt.value_type):
         raise InputError(
-            f"{path}: vector column {vec_col!r} has type {vt}, expected fixed_size_list<float32>[dim] or "
-            f"list<float32|float64>"
+            f"{path}: vector column {vec_col!r} has type {vt}, expected fixed_size_list<float16|float32|float64>[dim] "
+            f"or list<float16|float32|float64>"
         )
     dim = vt.list_size if pa.types.is_fixed_size_list(vt) else None
     if dim == 0:
@@ -294,7 +294,8 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
     ----------
     path : str or PathLike
         A Parquet file with an id column (integers, or strings) and a vector column
-        (``fixed_size_list<float32|float64>[dim]`` or ``list<float32|float64>``, every row the same length).
+        (``fixed_size_list<float16|float32|float64>[dim]`` or ``list<float16|float32|float64>``, every row the
+        same length; read as float32, float64 values rounded).
     id_col, vec_col : str
         Column names.
     allow_empty : bool

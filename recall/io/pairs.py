@@ -155,10 +155,11 @@ def read_pairs(path: str | os.PathLike, user_ids: np.ndarray, item_ids: np.ndarr
     row = 0
     for batch in iter_batches(pf, path, ["user_id", col], READ_BATCH_ROWS):
         users, items = batch.column(0), batch.column(1)
-        for c, name in ((users, "user_id"), (items, col)):
-            if c.null_count:
-                raise InputError(f"{path}: row {row + first_true(c.is_null().to_numpy(zero_copy_only=False))} "
-                                 f"has a null {name}")
+        if users.null_count or items.null_count:
+            # The first row with a null in either column (user_id where both are): not the user column's first.
+            user_null = users.is_null().to_numpy(zero_copy_only=False)
+            pos = first_true(user_null | items.is_null().to_numpy(zero_copy_only=False))
+            raise InputError(f"{path}: row {row + pos} has a null {'user_id' if user_null[pos] else col}")
         pending_users.append(match_type(path, "user_id", users, user_ids, "users'", row))
         if has_list:
             items, lengths = flatten_id_lists(path, items, row)
