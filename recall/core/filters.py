@@ -34,7 +34,8 @@ def _mask(spec: Any, n_items: int, what: str) -> np.ndarray:
     rows = arr.astype(np.int64, copy=False).ravel()
     bad = (rows < 0) | (rows >= n_items)
     if bad.any():
-        raise InputError(f"{what}: item row {int(rows[np.argmax(bad)])} is out of range for {n_items} items")
+        # Named as given: a uint64 row beyond int64's range is negative once cast.
+        raise InputError(f"{what}: item row {int(arr.ravel()[np.argmax(bad)])} is out of range for {n_items} items")
     mask = np.zeros(n_items, bool)
     mask[rows] = True
     return mask

@@ -48,8 +48,10 @@ def _int_rows(xp: Any, arr: Any, what: str) -> Any:
         raise InputError(f"candidates: {what} must be integer item rows, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise InputError(f"candidates: {what} must be 1-d, got shape {tuple(arr.shape)}")
-    if arr.dtype == np.uint64 and bool((arr > np.iinfo(np.int64).max).any()):
-        arr = xp.minimum(arr, np.iinfo(np.int64).max)  # beyond any item row: reported as out of range below
+    beyond = arr > np.iinfo(np.int64).max if arr.dtype == np.uint64 else None
+    if beyond is not None and bool(beyond.any()):
+        pos = int(xp.argmax(beyond))
+        raise InputError(f"candidates: {what} has item row {int(arr[pos])} at position {pos}, beyond any item row")
     return xp.ascontiguousarray(arr.astype(xp.int64, copy=False))  # the GPU kernel reads it as flat memory
 
 

@@ -74,7 +74,16 @@ def _finite_row(arr: Any, row: int) -> bool:
     """Whether row ``row`` of the caller's array is finite as given (its float32 copy is not); False where the row
     cannot be read on the host (a device array of a library NumPy cannot read)."""
     try:
-        return bool(np.isfinite(to_numpy(arr[row])).all())
+        return finite_as_given(arr[row])
+    except (TypeError, ValueError, RuntimeError, IndexError):
+        return False
+
+
+def finite_as_given(values: Any) -> bool:
+    """Whether every one of the caller's ``values`` (a vector, host or device) is finite as given; False where they
+    cannot be read on the host."""
+    try:
+        return bool(np.isfinite(np.asarray(to_numpy(values), dtype=np.float64)).all())
     except (TypeError, ValueError, RuntimeError):
         return False
 

@@ -32,7 +32,7 @@ from ..core.errors import InputError, ResourceError
 from ..core.exclusions import normalise
 from ..core.results import SearchResult, to_numpy
 from ..core.tiling import InterestPlan, plan_tiles
-from .inputs import check_kind, check_overflow
+from .inputs import check_kind, check_overflow, finite_as_given
 
 AGGREGATES = ("max", "sum")
 
@@ -84,8 +84,9 @@ def _flatten(engine: Any, user_vecs: Any) -> tuple[Any, Any, np.ndarray]:
         if m < 1 and n > 0:
             raise InputError("user_vecs: every user needs at least one interest vector, got shape "
                              f"{tuple(arr.shape)}")
-        flat = engine.backend.ingest(arr).reshape(n * m, d) if xp is not np else \
-            np.ascontiguousarray(arr.reshape(n * m, d), dtype=np.float32)
+        with np.errstate(over="ignore"):  # a float64 value beyond float32's range: named below, no warning
+            flat = engine.backend.ingest(arr).reshape(n * m, d) if xp is not np else \
+                np.ascontiguousarray(arr.reshape(n * m, d), dtype=np.float32)
         indptr = np.arange(n + 1, dtype=np.int64) * m
     else:
         parts = list(user_vecs)
@@ -103,14 +104,17 @@ def _flatten(engine: Any, user_vecs: Any) -> tuple[Any, Any, np.ndarray]:
                 raise InputError(f"user_vecs: user {u} has no interest vectors; every user needs at least one")
             if p.shape[1] != dim:
                 raise InputError(f"user_vecs: user {u} has dimension {p.shape[1]}, the items have {dim}")
-            arrays.append(np.asarray(p, dtype=np.float32) if xp is np else engine.backend.ingest(p))
+            with np.errstate(over="ignore"):
+                arrays.append(np.asarray(p, dtype=np.float32) if xp is np else engine.backend.ingest(p))
         indptr = np.zeros(len(arrays) + 1, np.int64)
         np.cumsum([a.shape[0] for a in arrays], out=indptr[1:])
         flat = xp.ascontiguousarray(xp.concatenate(arrays)) if arrays else xp.zeros((0, dim), xp.float32)
     finite = xp.isfinite(flat).all(axis=1)
     if not bool(finite.all()):
         user, interest = _where(indptr, int(xp.argmax(~finite)))
-        raise InputError(f"user_vecs: user {user}, interest {interest} has a NaN or infinite value")
+        given = user_vecs[user][interest]  # as the caller gave it: finite there, it was beyond float32's range
+        reason = "a value beyond the float32 range" if finite_as_given(given) else "a NaN or infinite value"
+        raise InputError(f"user_vecs: user {user}, interest {interest} has {reason}")
     return xp, flat, indptr
 
 

@@ -546,9 +546,9 @@ def inspect_interest_users(path: str | os.PathLike, id_col: str = "id", vec_col:
     nested = _list_like(vt) and _list_like(vt.value_type)
     inner = vt.value_type.value_type if nested else (vt.value_type if _list_like(vt) else None)
     if inner is None or not pa.types.is_floating(inner):
-        raise InputError(f"{path}: vector column {vec_col!r} has type {vt}, expected fixed_size_list<float32>[dim] "
-                         f"(one interest per row, user ids repeated) or list<fixed_size_list<float32>[dim]> (a list "
-                         f"of interests per row)")
+        raise InputError(f"{path}: vector column {vec_col!r} has type {vt}, expected fixed_size_list<float>[dim] "
+                         f"(one interest per row, user ids repeated) or list<fixed_size_list<float>[dim]> (a list "
+                         f"of interests per row; float: float16, float32 or float64)")
     return nested
 
 

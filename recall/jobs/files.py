@@ -278,7 +278,7 @@ def score_files(users_path: str | os.PathLike, items_path: str | os.PathLike, ou
     ----------
     users_path, items_path : str or PathLike
         Embedding Parquet files: an id column (integers or strings) and a vector column
-        (``fixed_size_list<float32>[dim]`` or ``list<float32|float64>``), with the same dimension in both. With
+        (``fixed_size_list<float16|float32|float64>[dim]`` or ``list`` of those), with the same dimension in both. With
         ``aggregate``, users have several vectors: one per row with the id repeated, or a list of vectors per row.
     out_path : str or PathLike
         The candidates Parquet file: ``user_id``, ``item_ids`` list<item id type>, ``scores`` list<float32>, one row

@@ -100,3 +100,31 @@ def test_the_first_bad_row_is_named(device):
     users[1, 0] = np.nan
     with pytest.raises(InputError, match=r"row 0 has a value beyond the float32 range"):
         engine.search(users, 2)
+
+
+def test_multi_interest_users_beyond_float32_are_named_as_such():
+    items = np.random.default_rng(0).standard_normal((30, 4)).astype(np.float32)
+    engine = Engine(items, device="cpu")
+    users = np.ones((3, 2, 4))
+    users[1, 1, 2] = 1e39
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no NumPy overflow warning either
+        with pytest.raises(InputError, match=r"user_vecs: user 1, interest 1 has a value beyond the float32 range"):
+            engine.search(users, 3)
+        with pytest.raises(InputError, match=r"user_vecs: user 1, interest 1 has a value beyond the float32 range"):
+            engine.search([users[0], users[1], users[2]], 3)
+    users[1, 1, 2] = np.nan
+    with pytest.raises(InputError, match=r"user_vecs: user 1, interest 1 has a NaN or infinite value"):
+        engine.search(users, 3)
+
+
+def test_uint64_rows_beyond_int64_are_named_as_given():
+    items = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    engine = Engine(items, device="cpu")
+    users = np.ones((1, 3), np.float32)
+    big = np.array([2**64 - 1], np.uint64)
+    with pytest.raises(InputError, match=r"allow: item row 18446744073709551615 is out of range for 4 items"):
+        engine.search(users, 2, allow=big)
+    with pytest.raises(InputError, match=r"candidates: the list of user row 0 has item row 18446744073709551615 at "
+                                         r"position 0, beyond any item row"):
+        engine.rescore(users, [big], 2)

@@ -281,7 +281,7 @@ def test_read_errors_name_file_row_and_id(tmp_path):
     with pytest.raises(InputError, match="has dimension 2, expected 3"):
         read_interest_users(p, dim=3)
     pq.write_table(pa.table({"id": [1], "embedding": [["x"]]}), p)
-    with pytest.raises(InputError, match="expected fixed_size_list<float32>"):
+    with pytest.raises(InputError, match=r"expected fixed_size_list<float>\[dim\]"):
         read_interest_users(p)
     with pytest.raises(InputError, match="no vector column 'vec'"):
         read_interest_users(p, vec_col="vec")
