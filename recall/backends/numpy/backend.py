@@ -244,7 +244,7 @@ class NumpyBackend:
         # gets rows ranked by stale norms, and any rows of real items still make a valid seed.
         self._ranked: dict[tuple, dict[tuple[int, int], np.ndarray]] = {}
         self._ranked_lock = threading.Lock()  # engines searched from several threads load items (filtered views)
-        self._norms: dict[tuple, float] = {}  # _largest_norm's, by item array
+        self._norms: dict[tuple, float] = {}  # _largest_norm's, by (id of a live item array, items)
 
     def __getstate__(self) -> dict:
         """Pickled (an Engine sent to a spawned process, a Spark executor) without what belongs to this process: its
@@ -429,16 +429,24 @@ class NumpyBackend:
         return seed
 
     def _largest_norm(self, items: np.ndarray, n_items: int) -> float:
-        """The largest norm of the first ``n_items`` items (float64), kept for the next search of the same array."""
-        key = (_memory_key(items), n_items)
+        """The largest norm of the first ``n_items`` items (float64, rounded up), kept for the next search of the
+        same array object for as long as it lives (by its id, which no other array takes while it lives: unlike
+        the threshold samples' key, an address and shape that a new array may reuse, a stale norm here would make
+        the bound wrong)."""
+        key = (id(items), n_items)
         got = self._norms.get(key)
         if got is None:
             got = float(row_norms(np, items[:n_items]).max()) * (1 + 2.0 ** -20)  # above its own rounding
             with self._ranked_lock:
+                if not any(k[0] == key[0] for k in self._norms):
+                    weakref.finalize(items, self._forget_norms, key[0])
                 self._norms[key] = got
-                while len(self._norms) > _RANKED_ARRAYS:
-                    self._norms.pop(next(iter(self._norms)))
         return got
+
+    def _forget_norms(self, array_id: int) -> None:
+        with self._ranked_lock:
+            for key in [k for k in self._norms if k[0] == array_id]:
+                del self._norms[key]
 
     def _seed(self, plan: TilePlan, items: np.ndarray, n_items: int, k: int, options: EngineOptions) -> Any:
         size = 0 if plan.interests is not None or plan.item_parts > 1 else seed_size(
