@@ -27,6 +27,14 @@ def metrics(out: Path) -> dict:
         return {}
 
 
+def python_code(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -c code`` with this checkout first on the path: its exit status, stdout and stderr."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout,
+                          check=False)
+
+
 def paced(args: list[str], repo: Path, tests: Path) -> subprocess.Popen:
     """``recall ARGS`` in a child process, slowed between batches (``tests/pacing.py``), its output captured."""
     env = {**os.environ, "PYTHONPATH": f"{repo}:{tests}"}

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import python_code
 
 import recall
 from recall.cli import main
@@ -17,14 +18,8 @@ from recall.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                          check=False)
-
-
 def test_import_recall_loads_nothing_heavy_and_names_resolve():
-    done = _python("import sys, recall; heavy = [m for m in ('numpy', 'pyarrow', 'typer', 'recall.engine') "
+    done = python_code("import sys, recall; heavy = [m for m in ('numpy', 'pyarrow', 'typer', 'recall.engine') "
                    "if m in sys.modules]; print(heavy); from recall import Engine, InputError, read_embeddings; "
                    "print(Engine.__module__, InputError.__module__, recall.__version__)")
     assert done.returncode == 0, done.stderr
@@ -55,7 +50,7 @@ def test_ctrl_c_while_the_command_line_loads(monkeypatch: pytest.MonkeyPatch, ca
 
 def test_sigterm_while_the_command_line_loads():
     # The signal arrives (sent to itself) while recall.cli.app is imported: one line, exit 143.
-    done = _python("import builtins, os, signal\n"
+    done = python_code("import builtins, os, signal\n"
                    "real = builtins.__import__\n"
                    "def imp(name, globals=None, locals=None, fromlist=(), level=0):\n"
                    "    if name == 'app' and level == 1:\n"
@@ -69,6 +64,23 @@ def test_sigterm_while_the_command_line_loads():
     assert done.returncode == 143, (done.returncode, done.stderr)
     assert done.stderr.splitlines() == ["terminated by SIGTERM: nothing done"], done.stderr
     assert done.stdout == ""
+
+
+def test_a_signal_before_the_command_begins_is_one_line():
+    # SIGTERM once the command line is loaded, before a command's own handling (the arguments being parsed): one
+    # line, 143.
+    done = python_code("import os, signal, sys\n"
+                       "import recall.cli.app as app\n"
+                       "real = app.app\n"
+                       "def started(*a, **k):\n"
+                       "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                       "    return real(*a, **k)\n"
+                       "app.app = started\n"
+                       "sys.argv = ['recall', '--version']\n"
+                       "from recall.cli import main\n"
+                       "main()\n")
+    assert done.returncode == 143, (done.returncode, done.stderr)
+    assert done.stderr.splitlines() == ["terminated by SIGTERM: nothing done"], done.stderr
 
 
 def test_python_dash_m_recall_runs_the_command_line():

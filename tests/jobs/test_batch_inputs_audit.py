@@ -4,23 +4,17 @@ job-wide input refused into a new directory, a stray file beside the outputs; an
 begins or once the job is complete."""
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from parquet_data import write_embeddings
+from processes import python_code
 from test_batch import DIM, K, _run, _write_job
 
 from recall.core.errors import InputError
-
 from recall.jobs.batch import SUCCESS
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -104,28 +98,6 @@ def test_a_stray_file_in_a_finished_out_is_named(job: dict, tmp_path: Path) -> N
     assert any("holds 1 file(s) recall batch did not write (zz-extra.parquet)" in n for n in notices), notices
 
 
-def _script(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180,
-                          check=False)
-
-
-def test_a_signal_before_the_command_begins_is_one_line(job: dict, tmp_path: Path) -> None:
-    # SIGTERM once the command line is loaded, before the command's own handling: one line, 143.
-    done = _script("import os, signal, sys\n"
-                   "import recall.cli.app as app\n"
-                   "real = app.app\n"
-                   "def started(*a, **k):\n"
-                   "    os.kill(os.getpid(), signal.SIGTERM)\n"
-                   "    return real(*a, **k)\n"
-                   "app.app = started\n"
-                   "sys.argv = ['recall', '--version']\n"
-                   "from recall.cli import main\n"
-                   "main()\n")
-    assert done.returncode == 143, (done.returncode, done.stderr)
-    assert done.stderr.splitlines() == ["terminated by SIGTERM: nothing done"], done.stderr
-
-
 @pytest.mark.parametrize("when", ["while the summary prints", "while the process shuts down"])
 def test_a_signal_once_the_job_is_complete_says_so(job: dict, tmp_path: Path, when: str) -> None:
     out = tmp_path / "out"
@@ -147,7 +119,7 @@ def test_a_signal_once_the_job_is_complete_says_so(job: dict, tmp_path: Path, wh
                "except SystemExit:\n"
                "    os.kill(os.getpid(), signal.SIGTERM)\n"
                "    time.sleep(30)\n")
-    done = _script(f"import os, signal, sys, time\n{setup}sys.argv = {argv!r}\nfrom recall.cli import main\n{run}")
+    done = python_code(f"import os, signal, sys, time\n{setup}sys.argv = {argv!r}\nfrom recall.cli import main\n{run}")
     assert done.returncode == 143, (done.returncode, done.stderr)
     assert done.stderr.splitlines()[-1] == f"terminated by SIGTERM: the job is complete ({out / SUCCESS})", \
         done.stderr
