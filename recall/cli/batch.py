@@ -95,7 +95,7 @@ def batch(
     items: Annotated[Path, input_file("--items", "Item embeddings Parquet (id + vector columns).")],
     k: Annotated[int, typer.Option("--k", help="Items per user (>= 1).", show_default=False)],
     out: Annotated[str, typer.Option(  # as typed: click's Path would turn "" (an unset $OUT) into "."
-        "--out", metavar="PATH", help="Output directory: one candidates Parquet per shard (same name), "
+        "--out", metavar="<path>", help="Output directory: one candidates Parquet per shard (same name), "
                                       "_manifest.json, _metrics.json, _SUCCESS. Created if missing.",
         show_default=False)],
     exclude: ExcludeOption = None,
