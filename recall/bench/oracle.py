@@ -5,14 +5,19 @@ top-k, so its memory stays under a budget whatever the workload's size: on the h
 float64 matmuls, with only the items that can still enter a user's top-k carried from chunk to chunk) when the items
 live there. A contender's answer for those users is then judged item by item against the true scores:
 
-    an item counts when its true score >= (true k-th best score) - tol,    tol = rtol * scale
+    an item counts when its true score >= (true k-th best score) - tol,    tol = min(rtol * scale, cap)
 
 where ``scale`` is, per user, the largest magnitude among its true top-k scores (the size of the scores that decide
 the ranking) and ``rtol`` defaults to 1e-4. Why that tolerance: a float32 dot product of length d carries an error of
 up to about d * 2**-24 * ||u|| * ||v||, i.e. ~1e-5 of the score scale for d = 256 on typical data, so an exact float32
 engine may legitimately swap items whose true scores differ by less than that. 1e-4 admits those swaps and nothing
 coarser: bf16 (8-bit mantissa, error ~4e-3) and TF32 (~5e-4) answers show up as recall < 1. Ties are therefore free:
-any of several items with the k-th score counts.
+any of several items with the k-th score counts. Under ``ip`` and ``cosine`` the tolerance is also capped by that
+rounding bound itself (``cap`` = (4 d + 16) 2**-24 ||u|| max ||v||: both items' sums, any order of summation, and the
+normalisation's rounding, with room to spare): on data far from the origin (``offset=``) the scores are many times the
+gaps between them, and 1e-4 of the scores would admit items ranked hundreds deep. Where even that bound spans a
+user's whole top k (float32 cannot tell its items apart: cosine on data far from the origin), the check cannot
+either: ``Check.users_within_rounding`` counts those users, so that a recall of 1 there is not read as a proof.
 
 Each returned item is counted once (duplicates do not count twice), padding (-1) and out-of-range rows count as
 misses, and recall is hits / min(k, n_items).
@@ -136,6 +141,9 @@ class Truth:
         The sampled users' exclusions as host CSR over ``rows`` (None without exclusions).
     allowed : array of int64, optional
         The rows of a shared allow-set (increasing): an item outside it is no answer (None: every item).
+    tol_cap : array of float64, shape (n_sample,), optional
+        Per user, the float32 rounding bound that caps the tolerance (see the module docstring); None: no cap
+        (``l2``, whose engines round by the vectors' norms, not the distances).
     """
 
     rows: np.ndarray
@@ -151,6 +159,7 @@ class Truth:
     excl_indptr: np.ndarray | None = None
     excl_items: np.ndarray | None = None
     allowed: np.ndarray | None = None
+    tol_cap: np.ndarray | None = None
 
     @property
     def k_eff(self) -> int:
@@ -185,6 +194,9 @@ class Check:
     per_user : array of float64, shape (n_sample,)
     excluded_returned : int
         Returned slots holding an item excluded for that user (0 without exclusions).
+    users_within_rounding : int
+        Sampled users whose true top k holds different scores that all lie within the tolerance of their k-th: the
+        check accepts any item of that window, so their recall proves nothing (see the module docstring).
     """
 
     recall: float
@@ -196,6 +208,7 @@ class Check:
     n_sample: int
     per_user: np.ndarray = field(repr=False)
     excluded_returned: int = 0
+    users_within_rounding: int = 0
 
     @property
     def exact(self) -> bool:
@@ -205,7 +218,8 @@ class Check:
     def as_dict(self) -> dict[str, Any]:
         return {"recall": self.recall, "min_recall": self.min_recall, "users_short": self.users_short,
                 "invalid": self.invalid, "max_score_error": self.max_score_error, "rtol": self.rtol,
-                "n_sample": self.n_sample, "exact": self.exact, "excluded_returned": self.excluded_returned}
+                "n_sample": self.n_sample, "exact": self.exact, "excluded_returned": self.excluded_returned,
+                "users_within_rounding": self.users_within_rounding}
 
 
 def sample_rows(n_users: int, n_sample: int, seed: int = 0) -> np.ndarray:
@@ -359,9 +373,27 @@ def exact_topk(user_vecs: Any, item_vecs: Any, k: int, rows: np.ndarray, metric:
     with np.errstate(invalid="ignore"):
         scale = np.maximum(np.abs(best_s[:, 0]), np.where(np.isfinite(kth), np.abs(kth), 0.0))
     scale[~(np.isfinite(scale) & (scale > 0))] = 1.0
+    tol_cap = None
+    if metric != "l2":
+        # The float32 rounding bound of a score (module docstring): the normalised vectors' norms are 1.
+        largest = 1.0 if metric == "cosine" else _largest_norm(item_vecs)
+        tol_cap = (4 * dim + 16) * 2.0 ** -24 * np.linalg.norm(u, axis=1) * largest
     return Truth(rows=rows, user_vecs=u, k=int(k), top_scores=best_s, top_items=best_i, kth=kth, scale=scale,
                  metric=metric, n_items=n_items, k_user=k_user,
-                 excl_indptr=None if excl is None else excl[0], excl_items=None if excl is None else excl[1])
+                 excl_indptr=None if excl is None else excl[0], excl_items=None if excl is None else excl[1],
+                 tol_cap=tol_cap)
+
+
+def _largest_norm(item_vecs: Any) -> float:
+    """The largest norm of the items (float64), host or device, a chunk of rows at a time."""
+    n = int(item_vecs.shape[0])
+    chunk = max(1, DEFAULT_BUDGET // (8 * max(1, int(item_vecs.shape[1]))))
+    largest = 0.0
+    for a in range(0, n, chunk):
+        part = item_vecs[a:a + chunk]
+        sq = (part.astype(np.float64) ** 2).sum(axis=1).max() if n else 0.0
+        largest = max(largest, float(to_host(sq)))
+    return largest ** 0.5
 
 
 def _topk_host(u: np.ndarray, item_vecs: Any, k_eff: int, metric: str, ex_rows: np.ndarray, ex_items: np.ndarray,
@@ -562,6 +594,8 @@ def check_from_true_scores(truth: Truth, valid: np.ndarray, true_s: np.ndarray, 
     ok = valid if excluded is None else valid & ~excluded
     true_s = np.where(ok, true_s, -np.inf)
     tol = rtol * truth.scale
+    if truth.tol_cap is not None:
+        tol = np.minimum(tol, truth.tol_cap)
     wanted = truth.wanted()
     with np.errstate(invalid="ignore"):  # kth - tol is -inf - tol for a user with nothing allowed
         hits = (ok & (true_s >= (truth.kth - tol)[:, None])).sum(axis=1)
@@ -586,9 +620,14 @@ def check_from_true_scores(truth: Truth, valid: np.ndarray, true_s: np.ndarray, 
             max_err = float(np.max(np.abs(sc[good] - true_s[good]) / scale[good]))
         elif ok.any():
             max_err = float("inf")
+    # Users whose top k holds different scores that all lie within the tolerance (not exact ties, which the check
+    # tells from the rest as well as any score): any item of that window passes.
+    with np.errstate(invalid="ignore"):  # a user with nothing allowed: -inf - -inf
+        spread = truth.top_scores[:, 0] - truth.kth
+        within = int(((spread > 0) & (spread <= tol)).sum())
     return Check(recall=float(per_user.mean()), min_recall=float(per_user.min()),
                  users_short=int((per_user < 1).sum()), invalid=invalid, max_score_error=max_err, rtol=rtol,
-                 n_sample=n, per_user=per_user, excluded_returned=int(n_excl.sum()))
+                 n_sample=n, per_user=per_user, excluded_returned=int(n_excl.sum()), users_within_rounding=within)
 
 
 def _index_rows(arr: Any, rows: np.ndarray) -> Any:

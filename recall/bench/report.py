@@ -49,6 +49,9 @@ def _note(row: dict[str, Any], repeats: bool) -> str:
     if row["status"] != "ok":
         return f"{row['status']}: {row['reason']}"
     notes = []
+    within = (row.get("check") or {}).get("users_within_rounding")
+    if within:
+        notes.append(f"{within} sampled users' top k within float32's rounding: recall cannot be checked for them")
     if row.get("excl_per_user"):
         notes.append(f"{row['excl_per_user']} exclusions per user")
         if row.get("check") and row["check"].get("excluded_returned"):

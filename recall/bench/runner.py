@@ -218,7 +218,9 @@ def _time_contender(c: cont.Contender, w: Workload, users: Any, items: Any, trut
         row["engine_stats"] = c.stats()  # e.g. GPU busy time / wall time of the last timed search
         indices, scores = answer
         row["check"] = w.check(truth, users, items, indices, scores, rtol=s.rtol).as_dict()
-        log(f"  {c.name}: median {row['median_s']:.4g} s, recall@{w.k} {row['check']['recall']:.4f}")
+        within = row["check"].get("users_within_rounding")
+        log(f"  {c.name}: median {row['median_s']:.4g} s, recall@{w.k} {row['check']['recall']:.4f}"
+            + (f" ({within} sampled users' top k within float32's rounding: unchecked)" if within else ""))
     except (BackendUnavailable, ImportError) as exc:
         row.update(status="skipped", reason=f"{type(exc).__name__}: {exc}")
         log(f"  {c.name}: skipped ({row['reason']})")

@@ -208,3 +208,26 @@ def test_a_cpu_estimate_counts_only_contenders_that_can_run_here():
     names = matrix.contender_names(list(contenders.FAMILIES), "cpu")
     assert "recall" in names and "cuvs" not in names
     assert "cuvs" in matrix.contender_names(list(contenders.FAMILIES), "gpu")  # a GPU grid's estimate is the H200's
+
+
+@pytest.mark.parametrize("metric", ["ip", "cosine"])
+def test_the_oracle_tells_wrong_answers_on_data_far_from_the_origin(metric):
+    """1e-4 of scores made of a large common offset admitted items ranked hundreds deep (the third audit,
+    2026-12-05): the tolerance is capped by float32's rounding bound, and where even that spans a user's whole top k
+    (cosine far from the origin) the check says so instead of passing any answer silently."""
+    from recall.bench import oracle
+    from recall.bench.workloads import generate
+
+    users, items = generate("normal:offset=3000", 300, 4000, 32, seed=0)
+    rows = np.arange(100)
+    truth = oracle.exact_topk(users, items, 10, rows, metric)
+    scores = oracle._metric_scores(metric, truth.user_vecs, np.asarray(items, np.float64))
+    ranked = np.argsort(-scores, axis=1, kind="stable")
+    right = oracle.check(truth, items, ranked[:, :10], rows_are_sampled=True)
+    deep = oracle.check(truth, items, ranked[:, 200:210], rows_are_sampled=True)
+    assert right.exact
+    if metric == "ip":
+        assert deep.recall == 0.0 and right.users_within_rounding == 0
+    else:  # float32 cannot tell these cosines apart: the check cannot either, and says so
+        assert right.users_within_rounding == deep.users_within_rounding == rows.size
+        assert deep.as_dict()["users_within_rounding"] == rows.size
