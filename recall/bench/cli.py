@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from recall import BackendUnavailable, InputError
-from recall.core.errors import one_line, os_error_line
+from recall.core.errors import EXIT_STDOUT_CLOSED, one_line, os_error_line, stdout_closed
 from recall.core.signals import Interrupted, raising_signals
 from recall.io.atomic import make_output_dir
 
@@ -144,8 +144,8 @@ def bench(
     repeat: Annotated[Optional[int], typer.Option(
         min=1, help="Timed runs per contender (median reported), after a warm-up; default 3 (a matrix: its "
         "grid's; --cell: 2); up to 2 more where the slowest took over 1.1x the fastest.")] = None,
-    out: Annotated[Path, typer.Option(file_okay=False, help="Folder for results.json, results.md and the PNGs.")]
-    = Path("bench-out"),
+    out: Annotated[str, typer.Option(metavar="<path>", help="Folder for results.json, results.md and the PNGs.")]
+    = "bench-out",
     sample_users: Annotated[Optional[int], typer.Option(
         min=1, help="Users checked against the float64 oracle (default 1,000; >= 1,000 recommended).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the generated data and of the user sample.")] = 0,
@@ -170,8 +170,8 @@ def bench(
     max_minutes: Annotated[Optional[float], typer.Option(
         help="Start no further workload or cell once the run has taken this long (the rest: skipped).")] = None,
     users: Annotated[Optional[Path], typer.Option(
-        dir_okay=False, help="Your own users Parquet (id, embedding); needs --items and --k.")] = None,
-    items: Annotated[Optional[Path], typer.Option(dir_okay=False, help="Your own items Parquet.")] = None,
+        help="Your own users Parquet (id, embedding); needs --items and --k.")] = None,
+    items: Annotated[Optional[Path], typer.Option(help="Your own items Parquet.")] = None,
     k: Annotated[Optional[int], typer.Option(help="k for --users/--items, or to override the workloads' k.")] = None,
     list_: Annotated[bool, typer.Option(
         "--list", help="Print the workload table (with --matrix: that grid's cells) and exit.")] = False,
@@ -180,7 +180,12 @@ def bench(
     from . import report, runner
 
     console = report.make_console()
+    if out in ("", "-"):
+        # An unset variable in `--out "$OUT"` would otherwise be the current directory, whose pictures a run removes.
+        _fail(f"--out {out!r}: expected the path of a folder", 2)
     out = Path(out)
+    if out.is_file():
+        _fail(f"--out {out}: is a file, expected a folder", 2)
     partial = out / report.PARTIAL_NAME
     created: Path | None = None
     checkpoints = 0
@@ -189,7 +194,10 @@ def bench(
         """What a run that stops early leaves behind, for its last line (an --out folder it created and left empty
         is removed)."""
         if checkpoints:
-            return f"the finished workloads are in {partial}; {report.JSON_NAME} not written"
+            earlier = [n for n in (report.JSON_NAME, report.MD_NAME) if (out / n).exists()]
+            return (f"the finished workloads are in {partial}; {report.JSON_NAME} not written"
+                    + (f" (the {' and '.join(earlier)} there {'are' if len(earlier) > 1 else 'is'} an earlier run's)"
+                       if earlier else ""))
         _remove_if_empty(out, created)
         return f"nothing written to {out}"
 
@@ -232,6 +240,9 @@ def bench(
     except MemoryError as exc:
         _fail(f"out of host memory ({one_line(exc)}); {left()}", 1)
     except OSError as exc:
+        if stdout_closed(exc):  # the reader of stdout has gone (`| head`): as every command, 141 and no line
+            left()
+            raise typer.Exit(EXIT_STDOUT_CLOSED) from None
         _fail(f"{os_error_line(exc)}; {left()}", 1)
     except Interrupted as exc:
         typer.echo(f"{exc}: {left()}", err=True)

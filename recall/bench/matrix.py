@@ -247,10 +247,14 @@ def parse_cell(text: str) -> Cell:
         elif tok in METRICS:
             put("metric", tok)
         else:
+            if "kind" in found:  # the kind is there: a token after it is one too many, not another kind
+                raise InputError(f"cell {text!r}: {tok!r} is one token too many: a cell is "
+                                 f"'<shape>[:<users>] d<dim> k<k> <metric> <kind> [x<exclusions>]'")
             try:
                 parse_kind(tok)
             except InputError as exc:
-                raise InputError(f"cell {text!r}: {exc}") from None
+                metric = "" if "metric" in found else f"; or the metric, one of {', '.join(METRICS)}"
+                raise InputError(f"cell {text!r}: {exc}{metric}") from None
             put("kind", tok)
     missing = [key for key in ("dim", "k", "metric", "kind") if key not in found]
     if missing:
@@ -283,6 +287,8 @@ def parse_cells(spec: str | None, n: int) -> list[int]:
             a = int(m.group(1)) if m.group(1) else 0
             b = int(m.group(3)) if m.group(3) else n
             chosen = list(range(n))[slice(a, b)]
+            if not chosen:  # one part that selects nothing is a mistake even where another part selects cells
+                raise InputError(f"--cells: {part!r} selects no cell of this grid's {n}")
         else:
             i = int(m.group(1))
             if not -n <= i < n:

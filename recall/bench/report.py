@@ -6,6 +6,7 @@ exact's time over each anchor's, per cell (matrix.png).
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 from pathlib import Path
@@ -159,6 +160,13 @@ def make_console() -> Any:
     if not console.is_terminal and console.width < 160:
         # Logs and pipes get rich's 80-column default, which folds every cell; a log line may be long.
         console = Console(width=160)
+
+    def broken_pipe() -> None:
+        # rich exits with 1 where stdout's reader has gone (`| head`); the command exits as every command does then
+        # (recall.core.errors.stdout_closed: 141, no line), after saying what it left.
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    console.on_broken_pipe = broken_pipe
     return console
 
 
@@ -204,8 +212,11 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += [f"- {f}" for f in floors]
     s = doc["settings"]
     lines.append("")
+    checked = sorted({r["check"]["n_sample"] for r in doc.get("results", []) if r.get("check")})
+    users = (f"{checked[0]:,}" if len(checked) == 1 else f"{checked[0]:,} to {checked[-1]:,}") if checked else \
+        f"up to {s['sample_users']:,}"
     lines.append(f"Median of {s['repeat']} timed runs after one warm-up; recall@k against a float64 oracle on "
-                 f"{s['sample_users']} sampled users (tie-aware, rtol {s['rtol']:g}); seed {s['seed']}.")
+                 f"{users} sampled users (tie-aware, rtol {s['rtol']:g}); seed {s['seed']}.")
     return "\n".join(lines) + "\n"
 
 
@@ -282,10 +293,24 @@ def write(doc: dict[str, Any], out_dir: Path) -> dict[str, str]:
     for name, what in ((PNG_NAME, doc["plot"]), (HEATMAP_NAME, heatmap_status)):
         if not what.startswith("wrote"):
             (out_dir / name).unlink(missing_ok=True)
-    (out_dir / JSON_NAME).write_text(json.dumps(_jsonable(doc), indent=2) + "\n")
-    status[JSON_NAME] = f"wrote {out_dir / JSON_NAME}"
-    (out_dir / MD_NAME).write_text(markdown(doc))
-    status[MD_NAME] = f"wrote {out_dir / MD_NAME}"
+    # Both files to temporary ones first, then both renamed into place: a full disk leaves neither half-written, nor
+    # one of this run beside the other of an earlier one.
+    from recall.io import atomic
+
+    texts = {JSON_NAME: json.dumps(_jsonable(doc), indent=2) + "\n", MD_NAME: markdown(doc)}
+    temps = {name: atomic.temporary_path(out_dir / name) for name in texts}
+    try:
+        for name, text in texts.items():
+            try:
+                temps[name].write_text(text)
+            except OSError as exc:
+                raise atomic.with_path(exc, out_dir / name, "cannot write") from exc
+        for name in texts:
+            atomic.replace(temps[name], out_dir / name)
+            status[name] = f"wrote {out_dir / name}"
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
     return status
 
 
@@ -371,7 +396,9 @@ def matrix_markdown(doc: dict[str, Any]) -> list[str]:
     lines.append("")
     lines += [f"- {line}" for line in matrix_reasons(doc)]
     lines.append("")
-    lines.append("Median seconds of the timed searches. FAISS: the faster of GpuIndexFlat and knn_gpu (\"knn\"). "
+    faiss = ("the faster of GpuIndexFlat and knn_gpu (\"knn\")" if doc["settings"]["device"] == "gpu"
+             else "IndexFlat on the CPU")
+    lines.append(f"Median seconds of the timed searches. FAISS: {faiss}. "
                  "Best anchor: the fastest of FAISS, cuVS and torch fp32 whose answer was exact; recall / anchor "
                  "below 1 means recall is faster (speed-up = anchor / recall). \"fb\": users for which fast mode fell "
                  "back to the exact search. " + (f"Estimated {mx['estimate_s']:.0f} s, took "

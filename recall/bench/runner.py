@@ -537,6 +537,8 @@ def _read_vectors(path: Path, vec_col: str) -> np.ndarray:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, expected a Parquet file")
     if not path.is_file():
         raise InputError(f"{path}: no such file")
     try:

@@ -8,9 +8,7 @@ stderr, and only when stderr is a terminal; the final summary goes to stdout.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -21,7 +19,8 @@ from typing import Annotated, Any
 
 import typer
 
-from ..core.errors import BackendUnavailable, InputError, ResourceError, one_line, os_error_line
+from ..core.errors import (EXIT_STDOUT_CLOSED, BackendUnavailable, InputError, ResourceError, one_line,
+                           os_error_line, stdout_closed)
 from ..core.signals import Interrupted, command_began, raising_signals
 from ..core.version import __version__
 
@@ -29,8 +28,6 @@ from ..core.version import __version__
 EXIT_BAD_INPUT = 2
 #: Exit code for operating-system failures that are not the input's fault (disk full, I/O error).
 EXIT_OS_ERROR = 1
-#: Exit code where stdout's reader went away (``recall demo | head -1``): a writer killed by SIGPIPE's, 128 + 13.
-EXIT_STDOUT_CLOSED = 141
 
 log = logging.getLogger("recall")
 
@@ -94,16 +91,6 @@ def logging_to_stderr(quiet: bool, verbose: bool) -> Iterator[None]:
     finally:
         log.removeHandler(handler)
         log.setLevel(old_level)
-
-
-def stdout_closed(exc: OSError) -> bool:
-    """Whether ``exc`` is stdout's reader gone (a broken pipe without a path: the command's files are written by
-    path). If so, stdout is pointed at the null device, so that nothing more is said to it, not even at exit."""
-    if not isinstance(exc, BrokenPipeError) or exc.filename is not None:
-        return False
-    with contextlib.suppress(OSError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return True
 
 
 @contextmanager

@@ -2,7 +2,9 @@
 reads on one line."""
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 
 class RecallError(Exception):
@@ -32,3 +34,18 @@ def os_error_line(exc: OSError) -> str:
     if exc.filename is not None and exc.strerror:
         return one_line(f"{os.fsdecode(exc.filename)}: {exc.strerror}")
     return one_line(exc)
+
+
+#: The exit status of a command whose stdout's reader has gone (``recall demo | head -1``): 128 + SIGPIPE, as a shell
+#: reports a process killed by it.
+EXIT_STDOUT_CLOSED = 141
+
+
+def stdout_closed(exc: OSError) -> bool:
+    """Whether ``exc`` is stdout's reader gone (a broken pipe without a path: the command's files are written by
+    path). If so, stdout is pointed at the null device, so that nothing more is said to it, not even at exit."""
+    if not isinstance(exc, BrokenPipeError) or exc.filename is not None:
+        return False
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return True

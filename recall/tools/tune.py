@@ -25,12 +25,8 @@ def _load_side(path: Path, id_col: str, vec_col: str, what: str) -> Any:
 
 def _data(users: int | None, items: int | None, dim: int | None, users_file: Path | None, items_file: Path | None,
           id_col: str, vec_col: str, kind: Kind, seed: int, device: str) -> tuple[Any, Any, str]:
-    """(users, items, description): generated on ``device`` (CuPy on the GPU) or read from Parquet."""
-    for flag, n, path in (("--users", users, users_file), ("--items", items, items_file)):
-        if (n is None) == (path is None):
-            raise InputError(f"give exactly one of {flag} N and {flag}-file PATH")
-        if n is not None and n < 1:
-            raise InputError(f"{flag} must be >= 1, got {n}")
+    """(users, items, description): generated on ``device`` (CuPy on the GPU) or read from Parquet (the arguments
+    checked first: :func:`_check_arguments`)."""
     user_vecs = _load_side(users_file, id_col, vec_col, "users") if users_file else None
     item_vecs = _load_side(items_file, id_col, vec_col, "items") if items_file else None
     file_dims = {v.shape[1] for v in (user_vecs, item_vecs) if v is not None}
@@ -43,8 +39,6 @@ def _data(users: int | None, items: int | None, dim: int | None, users_file: Pat
         dim = file_dim
     if dim is None:
         raise InputError("--dim is needed to generate data")
-    if dim < 1:
-        raise InputError(f"--dim must be >= 1, got {dim}")
     parts = []
     if user_vecs is None or item_vecs is None:
         gen_users, gen_items = generate(kind, users or 1, items or 1, dim, seed=seed, device=device)
@@ -54,6 +48,26 @@ def _data(users: int | None, items: int | None, dim: int | None, users_file: Pat
     if users_file or items_file:
         parts.append("read from " + " and ".join(str(p) for p in (users_file, items_file) if p))
     return user_vecs, item_vecs, "; ".join(parts)
+
+
+def _check_arguments(k: int, repeat: int, users: int | None, items: int | None, dim: int | None,
+                     users_file: Path | None, items_file: Path | None, seed: int) -> None:
+    """The arguments that need no data, refused before anything happens (no notice of the device, no cache folder)."""
+    if k < 1:
+        raise InputError(f"--k must be >= 1, got {k}")
+    if repeat < 1:
+        raise InputError(f"--repeat must be >= 1, got {repeat}")
+    for flag, n, path in (("--users", users, users_file), ("--items", items, items_file)):
+        if (n is None) == (path is None):
+            raise InputError(f"give exactly one of {flag} N and {flag}-file PATH")
+        if n is not None and n < 1:
+            raise InputError(f"{flag} must be >= 1, got {n}")
+    if dim is not None and dim < 1:
+        raise InputError(f"--dim must be >= 1, got {dim}")
+    if dim is None and not (users_file or items_file):  # a file gives the dimension
+        raise InputError("--dim is needed to generate data")
+    if seed < 0:
+        raise InputError(f"--seed must be >= 0, got {seed}")
 
 
 def report_lines(out: dict[str, Any]) -> list[str]:
@@ -109,10 +123,7 @@ def run(k: int, users: int | None, items: int | None, dim: int | None, users_fil
     from .. import backends
 
     started = time.perf_counter()
-    if k < 1:
-        raise InputError(f"--k must be >= 1, got {k}")
-    if repeat < 1:
-        raise InputError(f"--repeat must be >= 1, got {repeat}")
+    _check_arguments(k, repeat, users, items, dim, users_file, items_file, seed)
     # Where the result goes, found before the data and the trials: a cache that cannot be written fails now, not
     # after minutes of timing.
     cache = tuning.cache_path() if save else None

@@ -231,3 +231,52 @@ def test_the_oracle_tells_wrong_answers_on_data_far_from_the_origin(metric):
     else:  # float32 cannot tell these cosines apart: the check cannot either, and says so
         assert right.users_within_rounding == deep.users_within_rounding == rows.size
         assert deep.as_dict()["users_within_rounding"] == rows.size
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--out", ""], "error: --out '': expected the path of a folder"),
+    (["--out", "-"], "error: --out '-': expected the path of a folder"),
+    (["--users", ".", "--items", ".", "--k", "3", "--contenders", "recall"],
+     "error: .: is a directory, expected a Parquet file"),
+    (["--matrix", "tiny", "--cells", "0,50:"], "error: --cells: '50:' selects no cell of this grid's 12"),
+    (["--cell", "tiny d32 k10 dot normal"], "error: cell 'tiny d32 k10 dot normal': unknown data kind 'dot': "
+     "expected one of normal, clustered, adversarial, ties, skewed, popular, int8; or the metric, one of ip, "
+     "cosine, l2"),
+    (["--cell", "tiny d32 k10 ip normal extra"], "error: cell 'tiny d32 k10 ip normal extra': 'extra' is one token "
+     "too many: a cell is '<shape>[:<users>] d<dim> k<k> <metric> <kind> [x<exclusions>]'"),
+])
+def test_bad_bench_arguments_are_one_line(args, line, tmp_path, monkeypatch):
+    """The third audit (2026-12-05): an empty --out ran into the current directory and removed its pictures; a
+    folder as --users, a slice past the grid and a bad metric in --cell got the parser's block or the wrong field."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "matrix.png").write_bytes(b"mine")
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == line
+    assert (tmp_path / "matrix.png").read_bytes() == b"mine" and not (tmp_path / "results.json").exists()
+
+
+def test_an_out_that_is_a_file_is_one_line(tmp_path):
+    target = tmp_path / "afile"
+    target.write_text("x")
+    result = CliRunner().invoke(app, ["bench", "-w", "tiny", "--contenders", "recall", "--out", str(target)])
+    assert result.exit_code == 2 and result.stderr.strip() == f"error: --out {target}: is a file, expected a folder"
+
+
+def test_results_are_written_both_or_neither(tmp_path, monkeypatch):
+    """A full disk while results.md was written left it empty beside a complete results.json: both go to temporary
+    files first, and a failure leaves the folder as it was, with no temporary file."""
+    w = workloads.get("tiny")
+    doc = runner.run(runner.Settings([w], device="cpu", families=["recall"], repeat=1, sample_users=50))
+    report.write(doc, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def full(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    real = type(tmp_path).write_text
+    monkeypatch.setattr(type(tmp_path), "write_text",
+                        lambda self, *a, **k: full() if self.name.startswith(".results.md") else real(self, *a, **k))
+    with pytest.raises(OSError, match="results.md"):
+        report.write({**doc, "argv": ["recall", "bench", "changed"]}, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

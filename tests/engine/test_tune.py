@@ -398,6 +398,21 @@ def test_cli_tune_bad_arguments(args: list, message: str) -> None:
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--users", "0", "--items", "100", "--dim", "4"], "error: --users must be >= 1, got 0"),
+    (["--users", "5", "--items", "100", "--dim", "0"], "error: --dim must be >= 1, got 0"),
+    (["--users", "5", "--items", "100", "--dim", "4", "--seed", "-1"], "error: --seed must be >= 0, got -1"),
+])
+def test_cli_tune_refuses_arguments_before_the_device_and_the_cache(args: list, message: str,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    # The third audit (2026-12-05): refused arguments said the device's notice first and made the cache's folder.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    result = runner.invoke(app, ["tune", "--k", "3", *args])
+    assert result.exit_code == 2 and result.stderr.strip() == message, result.stderr
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.gpu
 def test_tune_engine_on_the_gpu(cache_home: Path, plan_spy: list) -> None:
     import cupy
