@@ -61,6 +61,10 @@ class Check:
 _SONAME = re.compile(r"(lib[A-Za-z0-9_+-]+?)\.so(?:\.(\d+))?")
 
 
+#: The reason a machine without NVIDIA hardware gives (doctor's GPU line leads with it).
+_NO_GPU = "no NVIDIA GPU on this machine"
+
+
 @functools.lru_cache(maxsize=1)
 def _cupy_dist() -> str | None:
     """The installed CuPy distribution's name (e.g. "cupy-cuda12x"), without importing CuPy."""
@@ -524,7 +528,7 @@ def run(device: str = "auto") -> dict[str, Any]:
         report["gpu_usable"], report["gpu_status"] = usable, reason
         if not usable:
             present = _gpu_hardware_present()
-            hint = explain(reason) if present else "no NVIDIA GPU on this machine"
+            hint = explain(reason) if present else _NO_GPU
             report["gpu_hint"] = hint
             if device == "gpu" or (present and report["versions"]["cupy"]):
                 # Asked for, or there is a GPU and CuPy but they do not work together: that is a failure.
@@ -585,8 +589,12 @@ def render(report: dict[str, Any]) -> list[str]:
                          f"{_gib(g['memory_total'])} total, {_gib(g['memory_free'])} free · tensor cores "
                          f"{'yes' if g['tensor_cores'] else 'no'} · bf16 {'yes' if g['bf16'] else 'no'}")
     elif report["gpu_status"] is not None:
-        hint = f" [{report['gpu_hint']}]" if report["gpu_hint"] else ""
-        lines.append(f"GPU: none usable ({report['gpu_status']}){hint}; checking the CPU backend")
+        # The machine's own reason first: advice to install the gpu extra cannot help where there is no GPU.
+        if report["gpu_hint"] == _NO_GPU:
+            lines.append(f"GPU: none usable ({_NO_GPU}; {report['gpu_status']}); checking the CPU backend")
+        else:
+            hint = f" [{report['gpu_hint']}]" if report["gpu_hint"] else ""
+            lines.append(f"GPU: none usable ({report['gpu_status']}){hint}; checking the CPU backend")
     else:
         lines.append("GPU: not checked (--device cpu)")
     t = report["tune_cache"]
