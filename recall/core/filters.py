@@ -31,6 +31,9 @@ def _mask(spec: Any, n_items: int, what: str) -> np.ndarray:
         return arr
     if arr.size and arr.dtype.kind not in "iu":
         raise InputError(f"{what}: expected item rows (integers) or a boolean mask, got dtype {arr.dtype}")
+    if arr.ndim > 1:  # a (users, k) matrix passed by mistake would become one filter for every user
+        raise InputError(f"{what}: expected a 1-d array of item rows or an ({n_items},) boolean mask, got shape "
+                         f"{arr.shape}")
     rows = arr.astype(np.int64, copy=False).ravel()
     bad = (rows < 0) | (rows >= n_items)
     if bad.any():

@@ -573,7 +573,7 @@ class TopK:
 
 class PendingSearch:
     """A search started by :meth:`Engine.search_async`; :meth:`result` waits for it (once) and returns it.
-    ``stats`` holds what the search did (as ``Engine.stats``) once it is done."""
+    ``stats`` holds what the search did (as ``Engine.stats``) once :meth:`result` has returned."""
 
     def __init__(self, finish: Callable[[], SearchResult] | None, stats: dict | None = None) -> None:
         self._finish = finish

@@ -128,3 +128,15 @@ def test_uint64_rows_beyond_int64_are_named_as_given():
     with pytest.raises(InputError, match=r"candidates: the list of user row 0 has item row 18446744073709551615 at "
                                          r"position 0, beyond any item row"):
         engine.rescore(users, [big], 2)
+
+
+@pytest.mark.parametrize("flt", ["allow", "deny"])
+def test_a_filter_of_more_than_one_dimension_is_refused(flt):
+    # A (users, k) matrix of item rows passed by mistake was flattened into one filter for every user.
+    engine = Engine(np.eye(6, dtype=np.float32), device="cpu")
+    rows = np.array([[0, 1], [2, 3]])
+    with pytest.raises(InputError, match=rf"{flt}: expected a 1-d array of item rows or an \(6,\) boolean mask, got "
+                                         rf"shape \(2, 2\)"):
+        engine.search(np.ones((1, 6), np.float32), 2, **{flt: rows})
+    with pytest.raises(InputError, match=r"shape \(2, 2\)"):
+        engine.set_item_filter(**{flt: rows})
