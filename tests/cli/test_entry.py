@@ -48,39 +48,32 @@ def test_ctrl_c_while_the_command_line_loads(monkeypatch: pytest.MonkeyPatch, ca
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # the handlers restored
 
 
-def test_sigterm_while_the_command_line_loads():
-    # The signal arrives (sent to itself) while recall.cli.app is imported: one line, exit 143.
-    done = python_code("import builtins, os, signal\n"
-                   "real = builtins.__import__\n"
-                   "def imp(name, globals=None, locals=None, fromlist=(), level=0):\n"
-                   "    if name == 'app' and level == 1:\n"
-                   "        os.kill(os.getpid(), signal.SIGTERM)\n"
-                   "    return real(name, globals, locals, fromlist, level)\n"
-                   "builtins.__import__ = imp\n"
-                   "import sys\n"
-                   "sys.argv = ['recall', '--version']\n"
-                   "from recall.cli import main\n"
-                   "main()\n")
+# SIGTERM sent by the process to itself while recall.cli.app is imported, or once it is, as the arguments are parsed
+# (before any command's own handling): one line, exit 143.
+_SIGTERM_AT = {
+    "while the command line loads": ("import builtins\n"
+                                     "real = builtins.__import__\n"
+                                     "def imp(name, globals=None, locals=None, fromlist=(), level=0):\n"
+                                     "    if name == 'app' and level == 1:\n"
+                                     "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                                     "    return real(name, globals, locals, fromlist, level)\n"
+                                     "builtins.__import__ = imp\n"),
+    "before the command begins": ("import recall.cli.app as app\n"
+                                  "real = app.app\n"
+                                  "def started(*a, **k):\n"
+                                  "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                                  "    return real(*a, **k)\n"
+                                  "app.app = started\n"),
+}
+
+
+@pytest.mark.parametrize("when", list(_SIGTERM_AT))
+def test_a_sigterm_before_any_command_is_one_line(when: str):
+    done = python_code(f"import os, signal, sys\n{_SIGTERM_AT[when]}sys.argv = ['recall', '--version']\n"
+                       "from recall.cli import main\nmain()\n")
     assert done.returncode == 143, (done.returncode, done.stderr)
     assert done.stderr.splitlines() == ["terminated by SIGTERM: nothing done"], done.stderr
     assert done.stdout == ""
-
-
-def test_a_signal_before_the_command_begins_is_one_line():
-    # SIGTERM once the command line is loaded, before a command's own handling (the arguments being parsed): one
-    # line, 143.
-    done = python_code("import os, signal, sys\n"
-                       "import recall.cli.app as app\n"
-                       "real = app.app\n"
-                       "def started(*a, **k):\n"
-                       "    os.kill(os.getpid(), signal.SIGTERM)\n"
-                       "    return real(*a, **k)\n"
-                       "app.app = started\n"
-                       "sys.argv = ['recall', '--version']\n"
-                       "from recall.cli import main\n"
-                       "main()\n")
-    assert done.returncode == 143, (done.returncode, done.stderr)
-    assert done.stderr.splitlines() == ["terminated by SIGTERM: nothing done"], done.stderr
 
 
 def test_python_dash_m_recall_runs_the_command_line():
