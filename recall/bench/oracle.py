@@ -391,8 +391,7 @@ def _largest_norm(item_vecs: Any) -> float:
     largest = 0.0
     for a in range(0, n, chunk):
         part = item_vecs[a:a + chunk]
-        sq = (part.astype(np.float64) ** 2).sum(axis=1).max() if n else 0.0
-        largest = max(largest, float(to_host(sq)))
+        largest = max(largest, float(to_host((part.astype(np.float64) ** 2).sum(axis=1).max())))
     return largest ** 0.5
 
 

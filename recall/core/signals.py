@@ -65,8 +65,7 @@ def raising_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) 
     except KeyboardInterrupt:
         raise Interrupted(signal.SIGINT) from None
     finally:
-        for sig, previous in old.items():
-            signal.signal(sig, previous)
+        restore_signals(old)
         sys.unraisablehook = previous_hook
 
 
@@ -109,11 +108,10 @@ def exit_on_signal() -> dict:
     (SIGINT). Returns the handlers it replaced (:func:`restore_signals`). Outside the main thread, nothing."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    message = after_command
 
     def handler(signum: int, frame: object) -> None:
         try:
-            sys.stderr.write(message(Interrupted(signum)) + "\n")
+            sys.stderr.write(after_command(Interrupted(signum)) + "\n")
             sys.stderr.flush()
         finally:
             os._exit(128 + signum)
@@ -122,7 +120,7 @@ def exit_on_signal() -> dict:
 
 
 def restore_signals(handlers: dict) -> None:
-    """Put back handlers :func:`exit_on_signal` replaced."""
+    """Put back the handlers :func:`exit_on_signal` (or :func:`raising_signals`) replaced."""
     for sig, previous in handlers.items():
         signal.signal(sig, previous)
 

@@ -58,7 +58,7 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
         ok = xp.isfinite(out).all(axis=1)
         if not bool(ok.all()):
             row = int(xp.argmax(~ok))
-            reason = "a value beyond the float32 range" if _finite_row(given, row) else "a NaN or infinite value"
+            reason = "a value beyond the float32 range" if finite_as_given(given[row]) else "a NaN or infinite value"
             raise InputError(f"{what}: row {first_row + row} has {reason}")
     return out
 
@@ -68,15 +68,6 @@ def _wider_than_float32(arr: Any) -> bool:
     ``kind``, such as torch's, counts as a float)."""
     dtype = getattr(arr, "dtype", None)
     return getattr(dtype, "kind", "f") == "f" and getattr(dtype, "itemsize", 8) > 4
-
-
-def _finite_row(arr: Any, row: int) -> bool:
-    """Whether row ``row`` of the caller's array is finite as given (its float32 copy is not); False where the row
-    cannot be read on the host (a device array of a library NumPy cannot read)."""
-    try:
-        return finite_as_given(arr[row])
-    except (TypeError, ValueError, RuntimeError, IndexError):
-        return False
 
 
 def finite_as_given(values: Any) -> bool:

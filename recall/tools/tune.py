@@ -37,8 +37,6 @@ def _data(users: int | None, items: int | None, dim: int | None, users_file: Pat
         if dim is not None and dim != file_dim:
             raise InputError(f"--dim {dim} does not match the files' dimension {file_dim}")
         dim = file_dim
-    if dim is None:
-        raise InputError("--dim is needed to generate data")
     parts = []
     if user_vecs is None or item_vecs is None:
         gen_users, gen_items = generate(kind, users or 1, items or 1, dim, seed=seed, device=device)

@@ -37,10 +37,10 @@ def fma32(a, b, c):
 
 
 @njit(nogil=True, cache=True)
-def _products(users, items, out):
-    """out[t, i, j] = the FMA chain of users[t or 0, i] and items[t, j] (users (1 or b, n, D), items (b, w, D),
-    out (b, n, w), all float32). Eight items at a time: eight independent chains, so that the FMAs' latency is
-    hidden."""
+def ordered_products(users, items, out):
+    """``out[t] = users[t or 0] @ items[t].T`` as the FMA chains, from +0 (a chain never ends at -0: an exact
+    cancellation gives +0): users (1 or b, n, D), items (b, w, D), out (b, n, w), all float32. Eight items at a
+    time: eight independent chains, so that the FMAs' latency is hidden."""
     b, w, dim = items.shape
     n = users.shape[1]
     shared = users.shape[0] == 1
@@ -74,12 +74,6 @@ def _products(users, items, out):
                 for d in range(dim):
                     a = _fma(users[ut, i, d], items[t, j, d], a)
                 out[t, i, j] = a
-
-
-def ordered_products(users: np.ndarray, items: np.ndarray, out: np.ndarray) -> None:
-    """``out[t] = users[t or 0] @ items[t].T`` as the FMA chains: users (1 or b, n, D), items (b, w, D) float32,
-    out (b, n, w) float32."""
-    _products(users, items, out)  # from +0: a chain never ends at -0 (an exact cancellation gives +0)
 
 
 def ordered_dots(users: np.ndarray, vecs: np.ndarray) -> np.ndarray:

@@ -142,13 +142,14 @@ def inspect_shards(files: list[Path], id_col: str, vec_col: str, dim: int | None
     ``error`` set (the job scores the others, then reports it); shards of two id types are an InputError at once.
     """
     shards = []
-    other_dims = set()  # the dimensions of the shards whose vectors are not the items'
+    other_dims, mismatched = set(), 0  # the dimensions of the shards whose vectors are not the items', how many
     for f in files:
         path = str(f)
         try:
             info = inspect_embeddings(path, id_col, vec_col)
             if dim is not None and info.dim is not None and info.dim != dim:
                 other_dims.add(info.dim)
+                mismatched += 1
                 raise InputError(f"{path}: vectors have dimension {info.dim}, but the items ({items_path}) have "
                                  f"dimension {dim}")
         except InputError as exc:
@@ -156,7 +157,6 @@ def inspect_shards(files: list[Path], id_col: str, vec_col: str, dim: int | None
             continue
         id_type = "string" if info.id_type == pa.string() else "int64"
         shards.append(Shard(f.name, path, info.n_rows, _size(path), id_type))
-    mismatched = sum(1 for s in shards if s.error is not None and s.error.startswith(f"{s.path}: vectors have "))
     if len(other_dims) == 1 and mismatched == len(shards):
         # Every shard disagrees with the items the same way: the item file is the odd one (a job-wide error, before
         # anything is written to --out, so that the same command with the right items runs).
