@@ -54,6 +54,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+#: Fast precision's own passes on every backend: the CPU emulates the GPU's float16 arithmetic only when asked (it
+#: searches in exact precision otherwise), and the GPU ignores it.
+def emulated(**fields: object) -> "EngineOptions":
+    from recall import EngineOptions
+
+    return EngineOptions(fast_emulation=True, **fields)
+
+
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def device(request: pytest.FixtureRequest) -> str:
     """The backend to run an Engine test on: "cpu", or "gpu" (skipped cleanly without a usable GPU)."""

@@ -165,6 +165,11 @@ class Backend(Protocol):
         library GEMM's, chosen per shape: the ordered sums are then as exact), and, under "auto", where a float16
         pass is faster."""
 
+    def float16_faster(self) -> bool:
+        """Whether this backend's float16 arithmetic (fast mode's passes) is faster than its float32 search: tensor
+        cores. Where not (the CPU, which emulates it), fast precision searches in exact precision unless
+        ``options.fast_emulation`` asks for the emulation (``recall.engine.engine``)."""
+
     def float16_pass_share(self, n_users: int, n_items: int, k: int, width: int, options: EngineOptions) -> float:
         """The modelled time of a float16 pass of a search (fast mode's, on float16 copies of users whose prepared
         float32 vectors are ``width`` columns wide) as a share of that float32 search's:

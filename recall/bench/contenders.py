@@ -144,7 +144,7 @@ class Contender:
 
 def engine_precisions(device: str = "gpu") -> list[str | None]:
     """The engine's precision modes to benchmark: ["exact", "fast"] on a GPU when ``Engine`` takes ``precision``
-    (on the CPU "fast" only emulates the GPU's arithmetic, for tests: not worth timing), else [None]."""
+    (on the CPU "fast" searches in exact precision: no float16 arithmetic faster there), else [None]."""
     from recall import Engine
 
     if "precision" in inspect.signature(Engine).parameters:

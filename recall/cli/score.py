@@ -61,7 +61,7 @@ def score(
     precision: Annotated[Precision, typer.Option(
         "--precision", help="exact: float32 scores (on a GPU, large searches find their candidates on tensor "
         "cores and re-score them with the exact kernel's sums: the same bits); fast: the same search, re-scored "
-        "in its own order (same answer but for float32 near-ties).")] = Precision.exact,
+        "in its own order (same answer but for float32 near-ties); on the CPU, exact.")] = Precision.exact,
     interests: Annotated[Aggregate | None, typer.Option(
         "--interests", help="Users have several vectors (ids repeated, or a list of vectors per row): an item's "
         "score is the max or the sum over them.", show_default=False)] = None,

@@ -82,6 +82,12 @@ class EngineOptions:
         ordered sums are exact float32 sums as much as cuBLAS's are, and may differ from them in the last bit);
         "on": wherever the backend can repeat its exact arithmetic (the CPU emulates the fused kernel's sums: for
         tests); "off": never. The float16 copy of the items (half the float32 matrix) is kept by the engine.
+    fast_emulation : bool
+        Fast precision on a backend whose float16 arithmetic is no faster than its float32 search (the CPU:
+        ``Backend.float16_faster``): True runs fast mode's passes there, the GPU's float16 arithmetic emulated, with
+        their certificates, widened passes and fallbacks (for tests and for studying the certificate: about twice
+        exact precision's time). False (the default): such a backend searches in exact precision, whose answer fast
+        mode certifies equal, at exact precision's speed, and ``stats["fast_declined"]`` says so.
     """
 
     tiles: tuple[int, int, int] | None = None
@@ -98,6 +104,7 @@ class EngineOptions:
     seed_sample: int = 0
     fast_sample: int = 2048
     certified_exact: str = "auto"
+    fast_emulation: bool = False
 
     def __post_init__(self) -> None:
         if self.tiles is not None:
@@ -113,7 +120,8 @@ class EngineOptions:
         check_choice(self.certified_exact, CERTIFIED_EXACT_MODES, "options.certified_exact mode")
         check_int(self.fast_sample, "options.fast_sample", 0)
         check_int(self.seed_sample, "options.seed_sample", 0)
-        for name in ("cuda_graphs", "seed_thresholds", "seed_estimate", "few_user_tiles", "warpgroup_mma"):
+        for name in ("cuda_graphs", "seed_thresholds", "seed_estimate", "few_user_tiles", "warpgroup_mma",
+                     "fast_emulation"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"options.{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -6,7 +6,6 @@ same code runs on the CPU and the GPU; nothing here asks which one it is.
 """
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable
@@ -27,7 +26,6 @@ from ..core.tiling import plan_tiles
 from . import fast, inputs, interests, streamed, tuning
 from .candidates import normalise_candidates
 
-log = logging.getLogger("recall")
 
 _views_lock = threading.Lock()  # guards every engine's ``_views`` (searched from several threads at once)
 
@@ -66,8 +64,9 @@ class Engine:
         candidates on tensor cores and re-score them with that kernel's own sums: the same answer, bit for bit
         (``EngineOptions.certified_exact``, ``stats["route"]``). "fast" scores float16 inputs on tensor cores,
         re-ranks k + max(16, k/4) candidates in float32 and proves from an error bound that the answer equals exact
-        mode's, falling back to exact mode for the users where the proof fails (``stats["fallback_users"]``); on
-        the CPU it emulates the same arithmetic and is for testing only (no faster).
+        mode's, falling back to exact mode for the users where the proof fails (``stats["fallback_users"]``). The
+        CPU has no faster float16 arithmetic: there "fast" searches in exact precision (``stats["fast_declined"]``),
+        unless ``EngineOptions.fast_emulation`` asks for the emulation (for tests: slower than exact).
     tune : {"auto", "force", "off"}
         Tiling: "auto" takes a matching entry of the ``recall tune`` cache, else the backend's heuristic; "force"
         tunes each new shape on its first search (and caches it); "off" always uses the heuristic.
@@ -112,10 +111,6 @@ class Engine:
         self.item_memory = check_budget(item_memory, "item_memory")
         self.backend = backends.resolve(device)
         xp = self.backend.xp
-        if self.precision == "fast" and self.backend.score_dtype(np.float16) != np.float16:
-            # A backend without float16 score tiles (the CPU) emulates fast mode's arithmetic, for tests: slower.
-            log.warning("recall: precision 'fast' on the %s backend emulates the GPU's float16 arithmetic (for "
-                        "tests) and is slower than exact precision there", self.backend.name)
         self.memory_budget = budget if budget is not None else self.backend.default_budget()
         shape = tuple(getattr(item_vecs, "shape", ()))
         cap = None
@@ -367,7 +362,8 @@ class Engine:
             vals, rows = xp.full((0, k_sel), -np.inf, dtype=np.float32), xp.full((0, k_sel), -1, dtype=np.int64)
             return PendingSearch(lambda: self._result(xp, users, vals, rows))
         certified = self.precision == "exact" and fast.certifies_exact(self, prepared, k_sel)
-        if (self.precision == "fast" and not self.streamed) or certified:
+        declined = self._fast_declined()
+        if (self.precision == "fast" and declined is None) or certified:
             vals, rows = fast.search(self, prepared, k_sel, excl, ordered=certified)
             done = self._result(xp, users, vals, rows)
             return PendingSearch(lambda: done, self.stats)
@@ -379,13 +375,28 @@ class Engine:
 
         def finish() -> SearchResult:
             stats = wait()
-            if self.precision == "fast":
-                stats = {**stats, "precision": "exact", "fast_declined": "items streamed from host memory"}
+            if declined is not None:
+                stats = {**stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
+                         "fallback_fraction": 0.0, "fast_declined": declined}
             pending.stats = self.stats = stats
             return self._result(xp, users, vals, rows)
 
         pending._finish = finish
         return pending
+
+    def _fast_declined(self) -> str | None:
+        """Why fast precision searches in exact precision on this engine whatever the search (None: it does not, or
+        the engine is exact): items streamed from host memory, or a backend whose float16 arithmetic is no faster
+        than its float32 search (the CPU, unless ``options.fast_emulation``)."""
+        if self.precision != "fast":
+            return None
+        if self.streamed:
+            return "items streamed from host memory"
+        if not (self.backend.float16_faster() or self.options.fast_emulation):
+            return (f"the {self.backend.name} backend's float16 arithmetic is no faster than its float32 search "
+                    f"(it would be emulated: EngineOptions.fast_emulation): exact precision, the answer fast mode "
+                    f"certifies, at its speed")
+        return None
 
     def _search_filtered_async(self, flt: ItemFilter, user_vecs: Any, k: int, exclude: Any) -> "PendingSearch":
         """:meth:`search_async` against the catalogue ``flt`` passes, rows mapped back when the result is taken."""

@@ -327,7 +327,8 @@ def test_progress_bar_only_on_a_terminal_without_quiet(files: dict, monkeypatch:
 
 
 def test_score_precision_fast_gives_the_exact_answer(tmp_path):
-    # --precision fast scores in (emulated, on the CPU) float16 and certifies the exact top-k: same file content.
+    # --precision fast certifies the exact top-k (on a GPU from float16 scores; the CPU, with no faster float16
+    # arithmetic, searches in exact precision): the same file content.
     from typer.testing import CliRunner
 
     from recall.cli.app import app

@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import clustered_data, normal_data, plateau_data, ties_data
+from conftest import clustered_data, emulated, normal_data, plateau_data, ties_data
 from oracle import as_numpy
 from recall import Engine, EngineOptions
 from recall.backends.numpy.ordered import ordered_dots
@@ -226,7 +226,7 @@ def test_the_probe_weighs_widened_users_by_the_pass_share(monkeypatch, certified
         return vals, rows, {**stats, "widened_users": n, "fallback_users": 0, "widened_passes": passes}
 
     monkeypatch.setattr(fast, "_search_fast", all_widened)
-    engine = Engine(items, device="cpu", precision="fast")
+    engine = Engine(items, device="cpu", precision="fast", options=emulated())
     monkeypatch.setattr(engine.backend, "float16_pass_share", lambda *args: share)
     engine.search(users, 20)
     if not runs:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oracle
-from conftest import clustered_data, normal_data, plateau_data, ties_data
+from conftest import clustered_data, emulated, normal_data, plateau_data, ties_data
 from oracle import as_numpy
 from recall import Engine, EngineOptions, InputError
 from recall.core import certificate as fast
@@ -27,7 +27,7 @@ def test_fast_equals_exact_on_integer_data(device, metric):
     excl = {u: rng.choice(3000, 30, replace=False).tolist() for u in range(0, 300, 4)}
     excl[5] = list(range(3000))
     want = Engine(items, metric=metric, device=device).search(users, 40, exclude=excl)
-    engine = Engine(items, metric=metric, device=device, precision="fast")
+    engine = Engine(items, metric=metric, device=device, precision="fast", options=emulated())
     got = engine.search(users, 40, exclude=excl)
     np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
     np.testing.assert_array_equal(as_numpy(got.scores), as_numpy(want.scores))
@@ -38,7 +38,7 @@ def test_fast_equals_exact_on_integer_data(device, metric):
 def test_fast_is_exact_on_float_data(device, kind, make_normal, make_clustered):
     make = make_normal if kind == "normal" else make_clustered
     users, items = make(400, 6000, 32, seed=3)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     res = engine.search(users, 50)
     idx, val = as_numpy(res.indices), as_numpy(res.scores)
     oracle.assert_topk_close(idx, val, users, items, 50)
@@ -51,7 +51,7 @@ def test_fast_k_at_least_the_catalogue(device):
     items, users = _ints(rng, 50, 6), _ints(rng, 20, 6)
     for k in (40, 50, 70):
         want = Engine(items, device=device).search(users, k)
-        got = Engine(items, device=device, precision="fast").search(users, k)
+        got = Engine(items, device=device, precision="fast", options=emulated()).search(users, k)
         np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
 
 
@@ -61,7 +61,7 @@ def test_failed_certificates_fall_back_to_exact(device, monkeypatch):
     rng = np.random.default_rng(2)
     items = rng.integers(-1, 2, size=(2000, 4)).astype(np.float32)
     users = rng.integers(-1, 2, size=(200, 4)).astype(np.float32)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     got = engine.search(users, 10)
     assert engine.stats["fallback_users"] > 100
     assert engine.stats["widened_users"] >= engine.stats["fallback_users"]
@@ -81,7 +81,7 @@ def test_failed_certificates_are_widened_before_falling_back(device, monkeypatch
     users, base = normal_data(200, 700, 32, seed=4)
     rng = np.random.default_rng(5)
     items = (np.repeat(base, 7, axis=0) * (1 + 1e-6 * rng.standard_normal((4900, 32)))).astype(np.float32)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     res = engine.search(users, 10)
     oracle.assert_topk_close(as_numpy(res.indices), as_numpy(res.scores), users, items, 10)
     assert engine.stats["widened_users"] > 20
@@ -102,7 +102,7 @@ def test_a_budget_that_holds_exact_mode_but_not_the_wider_passes(device):
     budget = TilePlan(1, 256, 1).workspace_bytes(1, first, state_bytes(first))
     assert TilePlan(1, 1, 1).workspace_bytes(1, widened, state_bytes(widened)) > budget
     want = Engine(items, metric="cosine", device=device, memory_budget=budget).search(users, 1000)
-    engine = Engine(items, metric="cosine", device=device, precision="fast", memory_budget=budget)
+    engine = Engine(items, metric="cosine", device=device, precision="fast", memory_budget=budget, options=emulated())
     got = engine.search(users, 1000)
     np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
     np.testing.assert_array_equal(as_numpy(got.scores), as_numpy(want.scores))
@@ -120,7 +120,7 @@ def test_a_pass_in_no_order_certifies_as_a_sorted_one(monkeypatch):
     rng = np.random.default_rng(21)
     items, users = _ints(rng, 2000, 8), _ints(rng, 120, 8)
     excl = {u: rng.choice(2000, 1990, replace=False).tolist() for u in range(0, 120, 9)}
-    sorted_engine = Engine(items, device="cpu", precision="fast")
+    sorted_engine = Engine(items, device="cpu", precision="fast", options=emulated())
     want = sorted_engine.search(users, 12, exclude=excl)
     real = NumpyBackend.run_blocks
     asked = []
@@ -136,7 +136,7 @@ def test_a_pass_in_no_order_certifies_as_a_sorted_one(monkeypatch):
         return lambda: stats
 
     monkeypatch.setattr(NumpyBackend, "run_blocks", shuffled)
-    engine = Engine(items, device="cpu", precision="fast")
+    engine = Engine(items, device="cpu", precision="fast", options=emulated())
     got = engine.search(users, 12, exclude=excl)
     assert False in asked and engine.stats["widened_users"] > 10
     oracle.assert_same_result(got, want)
@@ -174,7 +174,7 @@ def test_fast_on_each_data_kind(device, kind):
     make, metric = KINDS[kind]
     users, items = make()
     k = 50
-    engine = Engine(items, metric=metric, device=device, precision="fast")
+    engine = Engine(items, metric=metric, device=device, precision="fast", options=emulated())
     got = engine.search(users, k)
     want = Engine(items, metric=metric, device=device).search(users, k)
     if kind == "ties":
@@ -209,7 +209,7 @@ def test_fast_on_each_data_kind_with_float16_tiles(float16_tiles, kind):
     # The same, on the CPU emulating the GPU's float16 score tiles (and so its shifted scores).
     make, metric = KINDS[kind]
     users, items = make()
-    engine = Engine(items, metric=metric, device="cpu", precision="fast")
+    engine = Engine(items, metric=metric, device="cpu", precision="fast", options=emulated())
     got = engine.search(users, 50)
     want = Engine(items, metric=metric, device="cpu").search(users, 50)
     if kind == "ties":
@@ -260,7 +260,7 @@ def _planted(similar_norms: bool, n_decoys: int = 100):
 @pytest.mark.parametrize("similar_norms, n_decoys", [(True, 100), (True, 300), (False, 100)])
 def test_item_hidden_at_the_bounds_edge_is_found(device, similar_norms, n_decoys):
     users, items = _planted(similar_norms, n_decoys)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     got = engine.search(users, 1)
     want = Engine(items, device=device).search(users, 1)
     oracle.assert_same_result(got, want)
@@ -309,7 +309,7 @@ def _fast_equals_exact_and_oracle(device, options, seed, n_items, n_users, dim, 
 @settings(max_examples=25, deadline=None)
 @given(**_DYADIC)
 def test_fast_equals_exact_and_the_oracle(seed, n_items, n_users, dim, k, metric, exp, tie_range, excluded):
-    _fast_equals_exact_and_oracle("cpu", None, seed, n_items, n_users, dim, k, metric, exp, tie_range, excluded)
+    _fast_equals_exact_and_oracle("cpu", emulated(), seed, n_items, n_users, dim, k, metric, exp, tie_range, excluded)
 
 
 def _spy_fast_searches(monkeypatch):
@@ -336,7 +336,7 @@ def test_fast_declines_where_the_certificate_cannot_pay(device, monkeypatch):
     # mode (every user: the sample is a probe).
     calls = _spy_fast_searches(monkeypatch)
     users, items = ties_data(6400, 3000, 6, low=-1, high=1, seed=13)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     got = engine.search(users, 50)
     oracle.assert_same_result(got, Engine(items, device=device).search(users, 50))
     stats = engine.stats
@@ -356,7 +356,7 @@ def test_fast_keeps_going_where_the_certificate_pays(device, monkeypatch):
                         or real_prepare(engine, users, k, margin))
     users, items = normal_data(6400, 2000, 16, seed=14)
     exclude = {u: list(range(u % 7)) for u in range(0, 6400, 3)}
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     got = engine.search(users, 20, exclude=exclude)
     oracle.assert_topk_close(as_numpy(got.indices), as_numpy(got.scores), users, items, 20, exclude=exclude)
     want = Engine(items, device=device).search(users, 20, exclude=exclude)
@@ -396,7 +396,7 @@ def test_a_trusted_k_probes_again_once_a_search_does_not_pay(device, monkeypatch
     # and the users the widened pass certified teach a wider first pass, at which fast mode still pays)
     ties, items = ties_data(6400, 3000, 12, low=0, high=1, seed=13)
     users = normal_data(6400, 10, 12, seed=17)[0]  # continuous scores against the same items
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     got = engine.search(users, 50)
     assert engine.stats["probe"] == "sampled" and engine.stats["precision"] == "fast", engine.stats
     oracle.assert_topk_close(as_numpy(got.indices)[::50], as_numpy(got.scores)[::50], users[::50], items, 50)
@@ -424,7 +424,7 @@ def test_a_k_whose_users_were_widened_starts_wider(device):
     # k = 20: m = 16, a first pass of 37 candidates inside the plateau of 60 fails for every user, the widened pass
     # of 85 certifies every one. The next search of k = 20 starts at 85 (one float16 pass); another k does not.
     users, items = plateau_data(600, seed=31)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     _assert_plateau_exact(engine.search(users, 20), users, items, 20)
     m = fast.margin(20)
     assert engine.stats["first_margin"] == m and engine.stats["widened_users"] == 600, engine.stats
@@ -446,7 +446,7 @@ def test_a_second_widened_pass_certifies_and_is_learned(device):
     # A plateau of 150 items: the first pass (37 candidates) and the widened one (85) fail for every user, the second
     # widened pass (20 + 16m + 1 = 277) certifies every one; the next search of k = 20 starts there.
     users, items = plateau_data(600, seed=35, plateau=150)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     _assert_plateau_exact(engine.search(users, 20), users, items, 20)
     m = fast.margin(20)
     stats = engine.stats
@@ -484,7 +484,7 @@ def test_no_second_widened_pass_beyond_the_candidate_share(monkeypatch):
     monkeypatch.setattr(fast_search, "MIN_SCORES", 0)
     monkeypatch.setattr(fast_search, "MAX_CANDIDATE_SHARE_TILES16", 0.004)
     users, items = plateau_data(200, seed=35, n_items=65_536, plateau=150)
-    engine = Engine(items, device="cpu", precision="fast")
+    engine = Engine(items, device="cpu", precision="fast", options=emulated())
     _assert_plateau_exact(engine.search(users, 20), users, items, 20)
     m = fast.margin(20)
     stats = engine.stats
@@ -497,7 +497,7 @@ def test_the_probe_sets_the_first_margin_of_the_whole_search(device, monkeypatch
     # whole search then starts wider, and so does the next (the probe skipped: the last search paid).
     calls = _spy_fast_searches(monkeypatch)
     users, items = plateau_data(6400, seed=33)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     # The fast pass modelled at a quarter of an exact search (as where both searches are GEMMs): the probe's 128
     # widened users cost a modelled 0.5 and fast mode runs. At the fused kernels' 0.5 it declines (1.0).
     monkeypatch.setattr(engine.backend, "float16_pass_share", lambda *args: 0.25)
@@ -563,7 +563,7 @@ def test_the_samples_float16_copies_are_rows_of_everyones():
     rng = np.random.default_rng(21)
     users, items = normal_data(3000, 500, 24, seed=21)
     users = users * np.exp(rng.normal(0, 2, (3000, 1))).astype(np.float32)  # norms over many binades
-    engine = Engine(items, metric="l2", device="cpu", precision="fast")
+    engine = Engine(items, metric="l2", device="cpu", precision="fast", options=emulated())
     prepared = metrics.prepare_users("l2", np, users)
     state = fast_search._state(engine)
     shift = rng.normal(0, 50, 3000)
@@ -580,7 +580,7 @@ def test_the_samples_float16_copies_are_rows_of_everyones():
 def test_fast_sample_option(monkeypatch):
     calls = _spy_fast_searches(monkeypatch)
     users, items = ties_data(6400, 500, 6, low=-1, high=1, seed=15)
-    engine = Engine(items, device="cpu", precision="fast", options=EngineOptions(fast_sample=0))
+    engine = Engine(items, device="cpu", precision="fast", options=emulated(fast_sample=0))
     got = engine.search(users, 10)
     oracle.assert_same_result(got, Engine(items, device="cpu").search(users, 10))
     assert engine.stats["precision"] == "fast" and "fast_sample" not in engine.stats
@@ -599,7 +599,7 @@ def test_declines_where_it_would_rescore_too_large_a_share_of_the_items(device: 
     items = rng.standard_normal((n_items, 4)).astype(np.float32)
     users = rng.standard_normal((40, 4)).astype(np.float32)
     exact = Engine(items, device=device)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     share = fast_mode.MAX_CANDIDATE_SHARE * n_items
     big = next(k for k in range(1, 10_000) if k + fast.margin(k) + 1 > share)
     res = engine.search(users, big)
@@ -625,7 +625,7 @@ def test_the_share_limit_is_lower_where_the_pass_keeps_float16_tiles(monkeypatch
     low, high = fast_mode.MAX_CANDIDATE_SHARE_TILES16 * n_items, fast_mode.MAX_CANDIDATE_SHARE * n_items
     k = next(k for k in range(1, 10_000) if k + fast.margin(k) + 1 > low)
     assert k + fast.margin(k) + 1 <= high
-    engine = Engine(items, device="cpu", precision="fast")
+    engine = Engine(items, device="cpu", precision="fast", options=emulated())
     res = engine.search(users, k)
     if tiles == "float16":
         assert engine.stats["precision"] == "exact" and "above 0.5%" in engine.stats["fast_declined"]
@@ -655,7 +655,7 @@ def test_the_share_limit_is_lower_above_large_k(monkeypatch, n_items, runs, decl
     rng = np.random.default_rng(14)
     items = rng.standard_normal((n_items, 4)).astype(np.float32)
     users = rng.standard_normal((8, 4)).astype(np.float32)
-    engine = Engine(items, device="cpu", precision="fast")
+    engine = Engine(items, device="cpu", precision="fast", options=emulated())
     engine.search(users, runs)
     assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats
     res = engine.search(users, declines)
@@ -672,7 +672,7 @@ def test_declines_a_small_search_of_a_large_catalogue(device: str, monkeypatch) 
     n_items = fast_mode.SHARE_MIN_ITEMS + 100
     items = rng.standard_normal((n_items, 8)).astype(np.float32)
     users = rng.standard_normal((30, 8)).astype(np.float32)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     res = engine.search(users, 10)
     assert engine.stats["precision"] == "exact" and "under" in engine.stats["fast_declined"], engine.stats
     oracle.assert_same_result(Engine(items, device=device).search(users, 10), res)
@@ -682,25 +682,37 @@ def test_declines_a_small_search_of_a_large_catalogue(device: str, monkeypatch) 
     monkeypatch.setattr(fast_mode, "MIN_SCORES", 30 * n_items)
     engine.search(users, 10)
     assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats
-    small = Engine(items[:1000], device=device, precision="fast")
+    small = Engine(items[:1000], device=device, precision="fast", options=emulated())
     monkeypatch.setattr(fast_mode, "MIN_SCORES", 1 << 30)
     small.search(users, 10)
     assert small.stats["precision"] == "fast"
 
 
-def test_cpu_fast_mode_says_it_is_an_emulation(caplog):
-    # The CPU has no float16 score tiles: fast mode there is the GPU's arithmetic emulated (for tests), and slower
-    # than exact mode; a user who asks for it is told so once, when the engine is made.
-    users, items = normal_data(50, 300, 8, seed=21)
+def test_cpu_fast_mode_searches_in_exact_precision_unless_emulation_is_asked(caplog):
+    # The CPU has no float16 arithmetic faster than its float32 search: fast precision there searches in exact
+    # precision (the answer fast mode certifies, at exact mode's speed) and says why in its stats, for a plain
+    # search, an asynchronous one and a filtered one alike; EngineOptions.fast_emulation runs the emulation.
+    users, items = normal_data(300, 2000, 8, seed=21)
+    exact = Engine(items, device="cpu")
     with caplog.at_level("WARNING", logger="recall"):
         engine = Engine(items, device="cpu", precision="fast")
-    assert any("emulates the GPU's float16 arithmetic" in r.getMessage() for r in caplog.records)
-    oracle.assert_topk_close(as_numpy(engine.search(users, 5).indices), as_numpy(engine.search(users, 5).scores),
-                             users, items, 5)
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="recall"):
-        Engine(items, device="cpu")
     assert not caplog.records
+    want = exact.search(users, 7)
+    for got in (engine.search(users, 7), engine.search_async(users, 7).result()):
+        np.testing.assert_array_equal(got.indices, want.indices)
+        np.testing.assert_array_equal(got.scores, want.scores)
+        stats = engine.stats
+        assert stats["precision"] == "exact" and stats["fallback_users"] == 0, stats
+        assert "no faster than its float32 search" in stats["fast_declined"] and "fast_sample" not in stats, stats
+    allow = np.arange(0, 2000, 3)
+    got = engine.search(users, 7, allow=allow)
+    want = exact.search(users, 7, allow=allow)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    assert engine.stats["precision"] == "exact" and "fast_declined" in engine.stats, engine.stats
+    emulating = Engine(items, device="cpu", precision="fast", options=emulated())
+    got = emulating.search(users, 7)
+    assert emulating.stats["precision"] == "fast" and "fast_declined" not in emulating.stats, emulating.stats
+    oracle.assert_topk_close(got.indices, got.scores, users, items, 7)
 
 
 # The GPU's fused float16 kernel (tensor cores, scores kept in float32 in its registers) on each data kind: forced on
@@ -828,7 +840,7 @@ def test_users_are_shifted_only_where_score_tiles_are_float16(monkeypatch):
         if tiles16:
             monkeypatch.setattr(NumpyBackend, "pass_score_dtype", lambda self, plan, n_users, n_items, k, width, dtype,
                                 options: asked.append((n_users, k, width)) or np.dtype(np.float16))
-        engine = Engine(items, device="cpu", precision="fast")
+        engine = Engine(items, device="cpu", precision="fast", options=emulated())
         prepared = fast_mode._prepare(engine, users, 10)
         state = fast_mode._state(engine)
         assert prepared.half_scores == tiles16
@@ -843,7 +855,7 @@ def test_users_are_shifted_only_where_score_tiles_are_float16(monkeypatch):
     rng = np.random.default_rng(35)
     exact16 = (rng.integers(-100, 101, (3000, 32)) * 2.0 ** rng.integers(-3, 4, (3000, 1))).astype(np.float32)
     for items, held in ((_lognormal(200, 3000, 32, seed=34)[1], True), (exact16, False)):
-        engine = Engine(items, device="cpu", precision="fast")
+        engine = Engine(items, device="cpu", precision="fast", options=emulated())
         prepared = fast_mode._prepare(engine, users, 10)
         state = fast_mode._state(engine)
         assert state.items.norms_at is not None and not prepared.half_scores
@@ -903,7 +915,7 @@ def test_narrow_certified_counts_what_the_narrower_pass_certifies(device, ordere
     from recall.engine import fast as fast_search
 
     users, items = _half_plateau(400, seed=41)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     state = fast_search._state(engine)
     prepared = engine.backend.ingest(metrics.prepare_users("ip", np, users))
     k, m, narrow = 110, fast.margin(110), fast_search._narrow_margin(110, 3000)
@@ -925,11 +937,11 @@ def test_a_large_search_narrows_its_first_margin(device, monkeypatch):
 
     users, items = normal_data(6400, 3000, 16, seed=42)
     want = Engine(items, device=device).search(users, 110)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     got = engine.search(users, 110)
     assert engine.stats["first_margin"] == fast.margin(110), engine.stats  # 6,400 users: too few to narrow
     monkeypatch.setattr(fast_search, "NARROW_MIN_USERS", 6400)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     for probe in ("sampled", "skipped"):
         got = engine.search(users, 110)
         stats = engine.stats
@@ -946,7 +958,7 @@ def test_a_sample_that_needs_the_margin_keeps_it(device, monkeypatch):
 
     monkeypatch.setattr(fast_search, "NARROW_MIN_USERS", 6400)
     users, items = _half_plateau(6400, seed=43)
-    engine = Engine(items, device=device, precision="fast")
+    engine = Engine(items, device=device, precision="fast", options=emulated())
     got = engine.search(users, 110)
     stats = engine.stats
     assert stats["probe"] == "sampled" and stats["first_margin"] == fast.margin(110), stats
@@ -987,7 +999,7 @@ def test_narrow_certified_is_the_narrower_pass_count(seed, n_items, n_users, dim
         users = rng.standard_normal((n_users, dim)).astype(np.float32)
     m = fast.margin(k)
     narrow = data.draw(st.integers(0, m - 1))
-    engine = Engine(items, metric=metric, device="cpu", precision="fast")
+    engine = Engine(items, metric=metric, device="cpu", precision="fast", options=emulated())
     state = fast_search._state(engine)
     prepared = metrics.prepare_users(metric, np, users)
     exclude = {u: rng.choice(n_items, int(rng.integers(0, n_items)), replace=False).tolist()

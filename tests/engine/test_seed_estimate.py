@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import oracle
-from conftest import normal_data
+from conftest import emulated, normal_data
 from oracle import as_numpy
 from recall import Engine, EngineOptions
 
@@ -60,7 +60,7 @@ def test_users_short_of_their_estimate_are_widened_not_certified(monkeypatch, me
     users, items = _lognormal(90, 3000, 16, seed=41)
     k = 20
     calls = _simulate_estimates(monkeypatch, k)
-    engine = Engine(items, metric=metric, device="cpu", precision="fast")
+    engine = Engine(items, metric=metric, device="cpu", precision="fast", options=emulated())
     got = engine.search(users, k)
     # The first pass asked for the bound; the widened pass (lower bounds only) did not.
     assert calls[0] and not all(calls), calls

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from conftest import emulated
 from recall import Engine, InputError
 from recall.backends import resolve
 from recall.core import metrics
@@ -89,12 +90,12 @@ def test_interests_rescore_fast_and_async(device: str) -> None:
     cands = [rng.choice(250, size=int(rng.integers(0, 120)), replace=True) for _ in range(30)]
     assert_same_result(resident.rescore(users, cands, 15), streaming.rescore(users, cands, 15))
     assert_same_result(resident.search(users, 9), streaming.search_async(users, 9).result())
-    fast = Engine(items, device=device, precision="fast", item_memory=_memory(device, 6, "ip", 31))
+    fast = Engine(items, device=device, precision="fast", item_memory=_memory(device, 6, "ip", 31), options=emulated())
     assert_same_result(resident.search(users, 9), fast.search(users, 9))
     assert fast.stats["precision"] == "exact" and "streamed" in fast.stats["fast_declined"]
     # A filter whose rows fit makes a resident catalogue (on the CPU; the GPU's padded copy keeps this one
     # streamed): fast mode runs there, with the same answer.
-    fast_resident = Engine(items, device=device, precision="fast")
+    fast_resident = Engine(items, device=device, precision="fast", options=emulated())
     allow = np.arange(0, 250, 5)
     got = fast.search(users, 9, allow=allow)
     assert next(iter(fast._views.values())).streamed == (device == "gpu")

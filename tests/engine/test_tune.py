@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 import oracle
+from conftest import emulated
 from parquet_data import int_data, write_embeddings
 from recall import Engine, EngineOptions, InputError
 from recall.backends.cupy import backend as cupy_backend
@@ -287,7 +288,7 @@ def test_tune_force_with_fast_precision_reads_the_cache(monkeypatch: pytest.Monk
                                                          caplog: pytest.LogCaptureFixture) -> None:
     users, items = make_normal(60, 900, 8, seed=9)
     monkeypatch.setattr(tuning, "tune_engine", lambda *a, **kw: pytest.fail("fast precision must not tune inline"))
-    engine = Engine(items, device="cpu", tune="force", precision="fast")
+    engine = Engine(items, device="cpu", tune="force", precision="fast", options=emulated())
     with caplog.at_level(logging.WARNING, logger="recall"):
         got = engine.search(users, 5)
         engine.search(users, 5)
@@ -316,7 +317,7 @@ def test_tune_engine_dedupes_candidates_and_keeps_the_heuristic_within_noise(mon
 
 def test_tune_engine_keys_the_fast_precision_pass(cache_home: Path, make_normal) -> None:
     users, items = make_normal(50, 800, 8, seed=8)
-    engine = Engine(items, device="cpu", tune="off", precision="fast")
+    engine = Engine(items, device="cpu", tune="off", precision="fast", options=emulated())
     result = tuning.tune_engine(engine, users, 5, repeat=1)
     # Fast mode's first tiled pass scores float16 inputs for more than k candidates: that is the pass tuned.
     assert result.key["dtype"] == "float16" and result.shape["k"] > 5

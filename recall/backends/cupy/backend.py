@@ -341,6 +341,9 @@ class CupyBackend:
         return (not fused.covers(width, np.float32)
                 or self.fused_applies(plan, n_users, n_items, k, width, np.float32, options))
 
+    def float16_faster(self) -> bool:
+        return True  # tensor cores (fused_h.cu, fused_w.cu; cuBLAS's half GEMM where neither applies)
+
     def float16_pass_share(self, n_users: int, n_items: int, k: int, width: int, options: EngineOptions) -> float:
         # Rows wider than the fused float32 kernel takes: both searches are GEMMs, the float16 one on tensor cores
         # (0.11-0.15 of the float32 search's time measured, d = 384 and 1,024; WIDE_PASS_SHARE leaves room).

@@ -508,8 +508,11 @@ class NumpyBackend:
         # certified route (the fused kernel's sums) for tests; "auto" never takes it (no tensor cores to gain from).
         return options.certified_exact == "on"
 
+    def float16_faster(self) -> bool:
+        return False  # float16 inputs are widened to float32 and multiplied by the same BLAS (gemm_strided_batched)
+
     def float16_pass_share(self, n_users: int, n_items: int, k: int, width: int, options: EngineOptions) -> float:
-        return PASS_SHARE  # fast mode here emulates the GPU's arithmetic, for tests: no faster pass to model
+        return PASS_SHARE  # fast mode here emulates the GPU's arithmetic (options.fast_emulation): no pass to model
 
     def select(self, scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return keys.select(np, scores, rows, k)
