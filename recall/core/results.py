@@ -6,11 +6,15 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from numba import njit, prange
 
 from . import keys
 from .errors import InputError
 
 _MAX_LIST_VALUES = 1 << 30
+#: Gathers of at least this many ids run on every core (:func:`take_ids`); smaller ones by NumPy, whose single call
+#: costs less than starting the threads (an embedded engine's few users).
+PARALLEL_TAKE = 1 << 16
 
 
 def to_numpy(arr: Any) -> np.ndarray:
@@ -68,6 +72,44 @@ def merge_topk(xp: Any, parts: list[tuple[Any, Any]], k: int) -> tuple[Any, Any]
     out_scores = xp.where(found, xp.take_along_axis(scores, safe, axis=1), xp.float32(-np.inf)).astype(xp.float32)
     out_rows = xp.where(found, xp.take_along_axis(rows, safe, axis=1), -1).astype(xp.int64)
     return out_scores, out_rows
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _take(ids: np.ndarray, rows: np.ndarray, pad: Any, out: np.ndarray) -> tuple[int, int]:
+    """``out[i] = ids[rows[i]]``, ``pad`` where ``rows[i] < 0``, on every core without the GIL: (rows below 0, rows
+    beyond ``ids``, left unset)."""
+    n = ids.shape[0]
+    below = 0
+    beyond = 0
+    for i in prange(rows.shape[0]):
+        r = rows[i]
+        if r < 0:
+            out[i] = pad
+            below += 1
+        elif r >= n:
+            beyond += 1
+        else:
+            out[i] = ids[r]
+    return below, beyond
+
+
+def take_ids(ids: np.ndarray, rows: np.ndarray, pad: Any = None) -> np.ndarray:
+    """Item ids of item rows: ``ids[rows]`` for a numeric host ``ids`` (n_items,) and host int64 ``rows`` of any
+    shape, with ``pad`` where a row is negative (None: no row is). Large gathers run on every core without the GIL
+    (a Parquet job's writer maps each batch's millions of rows while the searching thread runs Python); small ones
+    by NumPy. A row beyond ``ids`` raises NumPy's IndexError."""
+    if rows.size < PARALLEL_TAKE or ids.dtype.kind not in "iuf" or rows.dtype != np.int64:
+        if pad is None:
+            return ids[rows]
+        out = ids[np.maximum(rows, 0)]
+        out[rows < 0] = pad
+        return out
+    flat = np.ascontiguousarray(rows).reshape(-1)
+    out = np.empty(flat.size, ids.dtype)
+    below, beyond = _take(ids, flat, ids.dtype.type(0 if pad is None else pad), out)
+    if beyond or (below and pad is None):
+        return ids[rows]  # NumPy's own answer: its IndexError, or its negative indexing
+    return out.reshape(rows.shape)
 
 
 def id_lookup(ids: np.ndarray) -> np.ndarray | pa.Array:
@@ -164,7 +206,7 @@ class SearchResult:
         if isinstance(item_ids, pa.Array):
             flat_ids = item_ids.take(pa.array(flat_values))
         elif item_ids is not None:
-            flat_ids = np.asarray(item_ids)[flat_values]
+            flat_ids = take_ids(np.asarray(item_ids), flat_values)
         else:
             flat_ids = flat_values
         if isinstance(flat_ids, np.ndarray) and flat_ids.dtype == object:

@@ -21,7 +21,7 @@ from ..core.errors import InputError
 from ..core.exclusions import Exclusions, normalise
 from ..core.filters import ItemFilter
 from ..core.options import DEFAULT_OPTIONS, EngineOptions
-from ..core.results import SearchResult, pad
+from ..core.results import SearchResult, pad, take_ids
 from ..core.tiling import plan_tiles
 from . import fast, inputs, interests, streamed, tuning
 from .candidates import normalise_candidates
@@ -342,7 +342,8 @@ class Engine:
         Where the engine is :attr:`asynchronous` (a GPU) and the precision exact, the search runs on the device
         while the caller goes on (reads the next batch, starts the next search: the device then runs one search
         after the other without a gap); ``result()`` waits for it. ``user_vecs`` and ``exclude`` are copied before
-        this returns, so the caller may reuse them. Elsewhere the search runs here and ``result()`` returns at once.
+        this returns, so the caller may reuse them. Elsewhere the search runs here and ``result()`` only fetches its
+        results to the host (for host users) and finishes their scores.
         Parameters and errors as for :meth:`search` (errors in the input are raised here; a device failure is raised
         by ``result()``).
         """
@@ -365,8 +366,9 @@ class Engine:
         declined = self._fast_declined()
         if (self.precision == "fast" and declined is None) or certified:
             vals, rows = fast.search(self, prepared, k_sel, excl, ordered=certified)
-            done = self._result(xp, users, vals, rows)
-            return PendingSearch(lambda: done, self.stats)
+            # The results are fetched and finished when they are taken: by a job's writer thread, while this one
+            # starts the next batch's search (users here is the engine's copy where finishing reads it: l2).
+            return PendingSearch(lambda: self._result(xp, users, vals, rows), self.stats)
         vals = self.backend.empty_out((users.shape[0], k_sel), np.float32, host)
         rows = self.backend.empty_out((users.shape[0], k_sel), np.int64, host)
         wait = self.run(prepared, k_sel, excl, vals, rows)
@@ -485,8 +487,7 @@ class Engine:
             valid = host_rows >= 0
             out[valid] = self.ids[host_rows[valid]]
             return out
-        out = self.ids[np.maximum(host_rows, 0)]
-        out[host_rows < 0] = np.iinfo(out.dtype).max if out.dtype.kind == "u" else -1
+        out = take_ids(self.ids, host_rows, np.iinfo(self.ids.dtype).max if self.ids.dtype.kind == "u" else -1)
         return out if host_rows is rows else self.backend.xp.asarray(out)
 
     # -- re-scoring -----------------------------------------------------------------------------------------------

@@ -77,6 +77,29 @@ def test_route_gives_the_fused_sums_answer_bit_for_bit(device, metric, kind):
     _assert_reference(engine, res, users, 25, exclude)
 
 
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_route_results_taken_later_are_the_search_s(device, metric):
+    # search_async on the route returns once the search ran; its results are fetched and finished (l2's scores from
+    # the users' norms) when they are taken: from the engine's own copy of the users, so a caller reusing its array
+    # meanwhile (a job's next batch) changes nothing, and the stats are there with them.
+    users, items = clustered_data(300, 4000, 24, seed=8)
+    engine = Engine(items, metric=metric, device=device, options=_options(device))
+    want = engine.search(users, 20)
+    batch = users.copy()
+    taken = []
+    finish = engine._result
+    engine._result = lambda *args: taken.append(args[1].shape[0]) or finish(*args)
+    pending = engine.search_async(batch, 20)
+    assert taken == []  # not fetched nor finished yet
+    batch[:] = 7.0
+    engine.search(batch[:5], 3)  # another search in between: its stats are the engine's now
+    got = pending.result()
+    assert taken == [5, 300]
+    assert pending.stats["route"] == "certified" and pending.stats["precision"] == "exact", pending.stats
+    np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
+    np.testing.assert_array_equal(as_numpy(got.scores), as_numpy(want.scores))
+
+
 @pytest.mark.parametrize("k", [1, 3, 59, 60, 100])
 def test_route_small_catalogue_and_k_at_its_size(device, k):
     users, items = clustered_data(150, 60, 24, seed=k)
