@@ -384,7 +384,9 @@ def embedding_dim(path: str | os.PathLike, id_col: str = "id", vec_col: str = "e
     _, dim = check_columns(pf, path, id_col, vec_col)
     if dim is not None or pf.metadata.num_rows == 0:
         return dim
-    for batch in iter_batches(pf, path, [vec_col], 1, [0]):
+    # Row 0 is the first row of the first row group that holds any (a streaming writer may begin with an empty one).
+    first = next(g for g in range(pf.metadata.num_row_groups) if pf.metadata.row_group(g).num_rows)
+    for batch in iter_batches(pf, path, [vec_col], 1, [first]):
         col = batch.column(0)
         if len(col) and col.null_count == 0:
             got = len(col[0].as_py())

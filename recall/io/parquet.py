@@ -7,6 +7,7 @@ names the file, the row (counted from 0 over the whole file, whatever the row gr
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections import deque
 from collections.abc import Iterator
@@ -182,7 +183,29 @@ def ids_from_arrow(path: str, col: pa.Array, row0: int) -> np.ndarray:
             pos = first_true(ids > INT64_MAX)
             raise InputError(f"{at(path, row0 + pos)} has id {int(ids[pos])}, beyond the int64 range")
         return ids.astype(np.int64, copy=False)
+    bad = first_invalid_utf8(col)
+    if bad is not None:
+        raise InputError(f"{at(path, row0 + bad)} has an id that is not valid UTF-8 "
+                         f"({col.cast(pa.binary())[bad].as_py()!r}): string ids must be UTF-8 text")
     return col.to_numpy(zero_copy_only=False).astype(object, copy=False)
+
+def first_invalid_utf8(col: pa.Array) -> int | None:
+    """The position of the first string of ``col`` that is not valid UTF-8 (a STRING column as Hive or Spark may write
+    it, with Latin-1 bytes), or None where every one is."""
+    try:
+        col.validate(full=True)
+        return None
+    except pa.ArrowInvalid as exc:
+        found = re.search(r"string index (\d+)", str(exc))
+        if found is not None:
+            return int(found.group(1))
+    for pos, raw in enumerate(col.cast(pa.binary()).to_pylist()):  # the message named no position: look for it
+        if raw is not None:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return pos
+    return None
 
 def flatten_id_lists(path: str, lists: pa.Array, row0: int) -> tuple[pa.Array, np.ndarray]:
     """A column of item-id lists (rows ``row0`` on of ``path``) as (flat ids, list lengths); InputError naming the

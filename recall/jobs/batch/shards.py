@@ -53,7 +53,8 @@ def _is_dir(p: Path) -> bool:
 
 def discover_shards(users: str | os.PathLike) -> list[Path]:
     """The user shards named by ``users``: a directory (its ``*.parquet`` files, not recursive), a glob pattern
-    (``**`` recurses), or one file. Names starting with ``.`` or ``_`` are skipped. Sorted by path.
+    (``**`` recurses), or one file. Names starting with ``.`` or ``_`` are skipped (under a pattern, files inside
+    folders so named that the pattern reaches into too). Sorted by path.
 
     Raises
     ------
@@ -76,7 +77,11 @@ def discover_shards(users: str | os.PathLike) -> list[Path]:
         if not files:
             raise InputError(f"{spec}: no *.parquet files in this directory")
     elif any(c in spec for c in "*?["):
-        matches = sorted(Path(m) for m in glob.glob(spec, recursive=True) if not _hidden(Path(m).name))
+        # Hidden names are skipped in every part the pattern matched, folders too: a Spark dataset's _temporary/
+        # holds failed or speculative task attempts' files, copies of users the dataset's own files hold.
+        wild = next((i for i, part in enumerate(Path(spec).parts) if any(c in part for c in "*?[")), 0)
+        matches = sorted(Path(m) for m in glob.glob(spec, recursive=True)
+                         if not any(_hidden(part) for part in Path(m).parts[wild:]))
         # A folder the pattern matches is read through the files the pattern matches in it: a '**' pattern's.
         if "**" not in spec:
             _refuse_folders([m for m in matches if _is_dir(m) and m.suffix == ".parquet"],
