@@ -62,7 +62,8 @@ def normalise_candidates(candidates: Any, n_users: int, n_items: int, backend: A
     ----------
     candidates : (indptr, item_rows) tuple, a sequence of ``n_users`` integer arrays, or an (n_users, width) matrix
         CSR: ``indptr`` (n_users + 1,) and ``item_rows`` (nnz,) integer arrays; or one array (or list) of item rows
-        per user; or a 2-d integer matrix, one row of candidates per user. Host arrays, or the backend's own device
+        per user; or a 2-d integer matrix, one row of candidates per user, -1 where there is none (a search's
+        ``indices``, padding included). Host arrays, or the backend's own device
         arrays (they then stay on the device).
     n_users, n_items : int
     backend : Backend
@@ -95,6 +96,13 @@ def normalise_candidates(candidates: Any, n_users: int, n_items: int, backend: A
             raise InputError(f"candidates: a matrix of {arr.shape[0]} rows for {n_users} users (one row per user)")
         rows = _int_rows(xp, xp.ascontiguousarray(arr).reshape(-1), "item_rows")
         indptr = np.arange(n_users + 1, dtype=np.int64) * int(arr.shape[1])
+        padded = rows == -1
+        if rows.size and bool(padded.any()):
+            # -1 is no candidate: a SearchResult's padding, so that a search's indices can be re-scored as they are.
+            kept = to_numpy((~padded).reshape(n_users, -1).sum(axis=1))
+            indptr = np.zeros(n_users + 1, np.int64)
+            np.cumsum(kept, out=indptr[1:])
+            rows = rows[~padded]
     elif isinstance(candidates, (list, tuple)) or (hasattr(candidates, "__len__") and not hasattr(candidates, "shape")):
         lists = list(candidates)
         if len(lists) != n_users:

@@ -250,7 +250,12 @@ def _run(engine: Any, users: Any, m: int, rows: int, aggregate: str, bias: bool,
     # score buffer the plan sizes (user_block x item_tile x tiles_per_call floats) is exactly what the block uses.
     # The tiling of an unfused pass: interest rows are multiplied by GEMM calls, never by a fused kernel.
     unfused = replace(engine.options, fused="off")
-    preferred = engine.options.tiles or backend.preferred_tiles(width, k_sel, users.dtype, n_users, n_items, unfused)
+    if engine.options.tiles is not None:
+        # Tiles asked for count items (EngineOptions.tiles); the plan counts score rows, `parts` of them an item.
+        block, items_per_tile, per_call = engine.options.tiles
+        preferred = (block, items_per_tile * parts, per_call)
+    else:
+        preferred = backend.preferred_tiles(width, k_sel, users.dtype, n_users, n_items, unfused)
     plan = plan_tiles(n_users, n_items * parts, rows * width, k_sel, engine.memory_budget, preferred,
                       backend.state_bytes(k_sel), backend.workers)
     tile = plan.item_tile // parts

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 
 from ..core import exclusions
 from ..core.errors import InputError
-from .parquet import (INT64_MAX, READ_BATCH_ROWS, column_names, first_invalid_utf8, first_true, flatten_id_lists,
-                      has_column, iter_batches, lookup, match_type, open_parquet)
+from .parquet import (INT64_MAX, READ_BATCH_ROWS, as_text, column_names, first_invalid_utf8, first_true,
+                      flatten_id_lists, has_column, is_text, iter_batches, lookup, match_type, open_parquet)
 
 
 LOOKUP_GROUP_VALUES = 1 << 22
@@ -232,8 +232,8 @@ def distinct_users(path: str | os.PathLike, want_strings: bool) -> np.ndarray:
         col = col.dictionary_decode()
     col = pc.unique(col.drop_null())
     t = col.type
-    if want_strings and (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)):
-        col = col.cast(pa.string())
+    if want_strings and is_text(t):
+        col = as_text(col)
         while (bad := first_invalid_utf8(col)) is not None:  # not UTF-8: no user's id, as unknown as any other
             col = pa.concat_arrays([col.slice(0, bad), col.slice(bad + 1)])
         return col.to_numpy(zero_copy_only=False).astype(object)

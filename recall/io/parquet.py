@@ -157,13 +157,28 @@ def has_column(schema: pa.Schema, path: str, col: str) -> bool:
     return bool(found)
 
 
+def is_text(t: pa.DataType) -> bool:
+    """Whether ids of Arrow type ``t`` are strings: UTF-8 string types, and binary ones (a STRING column as Impala
+    and older Hive write it, without the UTF-8 annotation; read as text, every value checked to be UTF-8)."""
+    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+            or pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t))
+
+
+def as_text(col: pa.Array) -> pa.Array:
+    """A column of a text type (:func:`is_text`) as Arrow strings: binary values taken as they are (not checked:
+    see :func:`first_invalid_utf8`)."""
+    if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type) or pa.types.is_binary_view(col.type):
+        return col.cast(pa.binary()).view(pa.string())
+    return col.cast(pa.string())
+
+
 def id_type_of(path: str, col: str, t: pa.DataType) -> pa.DataType:
     """The type ids of Arrow type ``t`` are returned as: int64 or string. InputError for anything else."""
     if pa.types.is_dictionary(t):
         t = t.value_type
     if pa.types.is_integer(t):
         return pa.int64()
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+    if is_text(t):
         return pa.string()
     raise InputError(f"{path}: id column {col!r} has type {t}, expected integers or strings")
 
@@ -183,6 +198,7 @@ def ids_from_arrow(path: str, col: pa.Array, row0: int) -> np.ndarray:
             pos = first_true(ids > INT64_MAX)
             raise InputError(f"{at(path, row0 + pos)} has id {int(ids[pos])}, beyond the int64 range")
         return ids.astype(np.int64, copy=False)
+    col = as_text(col)
     bad = first_invalid_utf8(col)
     if bad is not None:
         raise InputError(f"{at(path, row0 + bad)} has an id that is not valid UTF-8 "
@@ -266,8 +282,8 @@ def match_type(path: str, col: str, values: pa.Array, ids: np.ndarray, whose: st
     if pa.types.is_dictionary(t):
         values, t = values.dictionary_decode(), t.value_type
     want_str = ids.dtype == object
-    if want_str and (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)):
-        return values.cast(pa.string())
+    if want_str and is_text(t):
+        return as_text(values)
     if not want_str and pa.types.is_integer(t):
         if pa.types.is_uint64(t):
             big = pc.greater(values, pa.scalar(INT64_MAX, pa.uint64())).to_numpy(zero_copy_only=False)

@@ -120,6 +120,21 @@ def test_tiny_budget_and_many_blocks_agree(device, aggregate):
     np.testing.assert_array_equal(as_numpy(tiny.scores), as_numpy(want.scores))
 
 
+@pytest.mark.parametrize("metric, aggregate", [("ip", "max"), ("l2", "max"), ("l2", "sum")])
+@pytest.mark.parametrize("tiles", [(1, 1, 1), (3, 5, 2), (16, 7, 1)])
+def test_tiles_asked_for_count_items_whatever_the_interests(device, metric, aggregate, tiles):
+    # EngineOptions.tiles counts items a tile: a tile of fewer items than a user has interest rows is a tiling like
+    # any (it raised ResourceError: the plan counts score rows, several an item), and no tiling changes an answer.
+    rng = np.random.default_rng(7)
+    items, users = _ints(rng, (300, 8)), _ragged(rng, 40, 8, most=6)
+    want = Engine(items, metric=metric, device=device).search(users, 12, aggregate=aggregate)
+    engine = Engine(items, metric=metric, device=device, options=EngineOptions(tiles=tiles))
+    got = engine.search(users, 12, aggregate=aggregate)
+    np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
+    np.testing.assert_array_equal(as_numpy(got.scores), as_numpy(want.scores))
+    assert engine.stats["item_tile"] == tiles[1], engine.stats  # as asked: the memory budget is ample
+
+
 def test_one_interest_per_user_is_the_plain_search(device):
     rng = np.random.default_rng(5)
     items, users = _ints(rng, (200, 6)), _ints(rng, (8, 6))

@@ -167,6 +167,29 @@ def test_csr_lists_and_matrix_agree(device, path):
     _check(a, users, items, list(matrix), 6, "ip")
 
 
+def test_a_search_s_padded_indices_are_candidates_as_they_are(device, path):
+    # A search's indices, -1 where it found fewer than k (an allow filter), re-scored as they are: -1 is no
+    # candidate in a matrix; any other row out of range is still refused.
+    rng = np.random.default_rng(9)
+    items, users = _ints(rng, 60, 8), _ints(rng, 7, 8)
+    engine = Engine(items, device=device, options=path)
+    found = engine.search(users, 10, allow=np.arange(0, 60, 10))  # 6 pass: 4 slots of padding a user
+    indices = as_numpy(found.indices)
+    assert (indices[:, 6:] == -1).all()
+    got = engine.rescore(users, indices, 10)
+    np.testing.assert_array_equal(as_numpy(got.indices), indices)
+    np.testing.assert_array_equal(as_numpy(got.scores), as_numpy(found.scores))
+    mixed = indices.copy()
+    mixed[2, 0], mixed[3] = -1, -1  # padding anywhere, a user with none
+    want = engine.rescore(users, [row[row >= 0] for row in mixed], 10)
+    got = engine.rescore(users, mixed, 10)
+    np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
+    assert (as_numpy(got.indices)[3] == -1).all()
+    mixed[4, 1] = -2
+    with pytest.raises(InputError, match="user row 4 has item row -2"):
+        engine.rescore(users, mixed, 10)
+
+
 def test_long_lists_and_tiny_budget_agree(device, path):
     """Lists longer than one sort chunk of the GPU kernel (4,096) and than a whole CPU block under a tiny budget."""
     rng = np.random.default_rng(5)

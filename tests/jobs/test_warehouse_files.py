@@ -121,3 +121,40 @@ def test_a_pattern_skips_the_hidden_folders_it_reaches_into(tmp_path: Path):
     shutil.copytree(dataset, under)
     assert _run({**job, "users": str(under / "**" / "*.parquet")}, tmp_path / "out2").shards_total == len(
         job["shards"])
+
+
+def test_binary_id_columns_are_read_as_text(tmp_path: Path):
+    # Impala and older Hive write STRING columns as BYTE_ARRAY without the UTF-8 annotation: Arrow reads binary.
+    rng = np.random.default_rng(4)
+    users, items = rng.standard_normal((30, 8)), rng.standard_normal((50, 8))
+    uids, iids = [f"u{i}" for i in range(30)], [f"item-{i}" for i in range(50)]
+    b = {}
+    for name, ids, vecs in (("users", uids, users), ("items", iids, items)):
+        b[name] = write_embeddings(tmp_path / f"{name}-b.parquet", None, vecs,
+                                   id_array=pa.array([s.encode() for s in ids], pa.binary()))
+        write_embeddings(tmp_path / f"{name}-s.parquet", ids, vecs)
+    pq.write_table(pa.table({"user_id": pa.array([b"u0", b"u0", b"u3"], pa.large_binary()),
+                             "item_id": pa.array([b"item-1", b"item-2", b"item-9"], pa.binary())}),
+                   tmp_path / "excl-b.parquet")
+    pq.write_table(pa.table({"user_id": ["u0", "u0", "u3"], "item_id": ["item-1", "item-2", "item-9"]}),
+                   tmp_path / "excl-s.parquet")
+    pq.write_table(pa.table({"item_id": pa.array([f"item-{i}".encode() for i in range(0, 50, 2)], pa.binary())}),
+                   tmp_path / "allow-b.parquet")
+    pq.write_table(pa.table({"item_id": [f"item-{i}" for i in range(0, 50, 2)]}), tmp_path / "allow-s.parquet")
+    outs = {}
+    for kind in ("b", "s"):
+        out = tmp_path / f"out-{kind}.parquet"
+        result = runner.invoke(app, ["score", "--users", str(tmp_path / f"users-{kind}.parquet"), "--items",
+                                     str(tmp_path / f"items-{kind}.parquet"), "--k", "5", "--out", str(out),
+                                     "--exclude", str(tmp_path / f"excl-{kind}.parquet"), "--allow",
+                                     str(tmp_path / f"allow-{kind}.parquet"), "--device", "cpu", "-q"])
+        assert result.exit_code == 0, result.output
+        outs[kind] = pq.read_table(out)
+    assert outs["b"].equals(outs["s"]) and outs["b"].schema.field("user_id").type == pa.string()
+    # A binary value that is not UTF-8 is refused as a string one is.
+    bad = write_embeddings(tmp_path / "bad.parquet", None, users,
+                           id_array=pa.array([s.encode() for s in uids[:11]] + [b"\xe9"] + [s.encode() for s in
+                                                                                           uids[12:]], pa.binary()))
+    result = runner.invoke(app, ["score", "--users", str(bad), "--items", str(b["items"]), "--k", "5", "--out",
+                                 str(tmp_path / "o.parquet"), "--device", "cpu", "-q"])
+    assert result.exit_code == 2 and f"{bad}: row 11 has an id that is not valid UTF-8" in result.output
