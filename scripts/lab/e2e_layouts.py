@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--certified", default="auto", help="certified_exact modes to run, comma-separated")
     parser.add_argument("--early", default="auto,off", help="JobOptions.early modes to run, comma-separated")
+    parser.add_argument("--batch-size", type=int, default=None, help="users a batch (default: the job's own)")
     args = parser.parse_args()
     routes = args.certified.split(",")
     users, items = generate("clustered", args.users, args.items, args.dim, seed=0, device="cpu")
@@ -69,7 +70,8 @@ def main() -> None:
                     for i in range(args.repeat + 1):  # the first run warms the page cache and the kernels
                         out = Path(tmp) / "out.parquet"
                         t0 = time.perf_counter()
-                        summary = score_files(up, ip, out, args.k, device=args.device, options=opts)
+                        summary = score_files(up, ip, out, args.k, device=args.device, options=opts,
+                                              batch_size=args.batch_size)
                         if i:
                             times.append(time.perf_counter() - t0)
                         early_users = summary.early_users
