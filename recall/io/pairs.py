@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from ..core import exclusions
 from ..core.errors import InputError
 from .parquet import (INT64_MAX, READ_BATCH_ROWS, as_text, column_names, first_invalid_utf8, first_true,
-                      flatten_id_lists, has_column, is_text, iter_batches, lookup, match_type, open_parquet)
+                      flatten_id_lists, has_column, is_text, is_utf8, iter_batches, lookup, match_type, open_parquet)
 
 
 LOOKUP_GROUP_VALUES = 1 << 22
@@ -234,8 +234,8 @@ def distinct_users(path: str | os.PathLike, want_strings: bool) -> np.ndarray:
     t = col.type
     if want_strings and is_text(t):
         col = as_text(col)
-        while (bad := first_invalid_utf8(col)) is not None:  # not UTF-8: no user's id, as unknown as any other
-            col = pa.concat_arrays([col.slice(0, bad), col.slice(bad + 1)])
+        if first_invalid_utf8(col) is not None:  # values that are not UTF-8 name no user: as unknown as any other
+            col = col.filter(pa.array([is_utf8(raw) for raw in col.cast(pa.binary()).to_pylist()]))
         return col.to_numpy(zero_copy_only=False).astype(object)
     if not want_strings and pa.types.is_integer(t):
         if pa.types.is_uint64(t):

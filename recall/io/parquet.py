@@ -216,12 +216,17 @@ def first_invalid_utf8(col: pa.Array) -> int | None:
         if found is not None:
             return int(found.group(1))
     for pos, raw in enumerate(col.cast(pa.binary()).to_pylist()):  # the message named no position: look for it
-        if raw is not None:
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return pos
+        if raw is not None and not is_utf8(raw):
+            return pos
     return None
+
+def is_utf8(raw: bytes) -> bool:
+    """Whether ``raw`` decodes as UTF-8."""
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 def flatten_id_lists(path: str, lists: pa.Array, row0: int) -> tuple[pa.Array, np.ndarray]:
     """A column of item-id lists (rows ``row0`` on of ``path``) as (flat ids, list lengths); InputError naming the
