@@ -1,6 +1,7 @@
 """The result of a search: per-user top-k item rows, ids and scores, best first."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,10 +75,9 @@ def merge_topk(xp: Any, parts: list[tuple[Any, Any]], k: int) -> tuple[Any, Any]
     return out_scores, out_rows
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _take(ids: np.ndarray, rows: np.ndarray, pad: Any, out: np.ndarray) -> tuple[int, int]:
-    """``out[i] = ids[rows[i]]``, ``pad`` where ``rows[i] < 0``, on every core without the GIL: (rows below 0, rows
-    beyond ``ids``, left unset)."""
+def _take_kernel(ids: np.ndarray, rows: np.ndarray, pad: Any, out: np.ndarray) -> tuple[int, int]:
+    """``out[i] = ids[rows[i]]``, ``pad`` where ``rows[i] < 0``, without the GIL: (rows below 0, rows beyond ``ids``,
+    left unset)."""
     n = ids.shape[0]
     below = 0
     beyond = 0
@@ -93,11 +93,28 @@ def _take(ids: np.ndarray, rows: np.ndarray, pad: Any, out: np.ndarray) -> tuple
     return below, beyond
 
 
+def _threadsafe_pool() -> bool:
+    """Whether numba has a threading layer that parallel kernels may share between threads (TBB or OpenMP; its
+    fallback, the workqueue, aborts the process when two threads run parallel kernels at once, as a job's writer
+    and searching threads may)."""
+    for layer in ("numba.np.ufunc.tbbpool", "numba.np.ufunc.omppool"):
+        try:
+            importlib.import_module(layer)
+            return True
+        except ImportError:
+            continue
+    return False
+
+
+#: On every core where numba's threads may be shared by the job's threads, else on one (still without the GIL).
+_take = njit(parallel=_threadsafe_pool(), nogil=True, cache=True)(_take_kernel)
+
+
 def take_ids(ids: np.ndarray, rows: np.ndarray, pad: Any = None) -> np.ndarray:
     """Item ids of item rows: ``ids[rows]`` for a numeric host ``ids`` (n_items,) and host int64 ``rows`` of any
     shape, with ``pad`` where a row is negative (None: no row is). Large gathers run on every core without the GIL
-    (a Parquet job's writer maps each batch's millions of rows while the searching thread runs Python); small ones
-    by NumPy. A row beyond ``ids`` raises NumPy's IndexError."""
+    (a Parquet job's writer maps each batch's millions of rows while the searching thread runs Python; on one core
+    where numba's threading layer cannot be shared between threads); small ones by NumPy. A row beyond ``ids`` raises NumPy's IndexError."""
     if rows.size < PARALLEL_TAKE or ids.dtype.kind not in "iuf" or rows.dtype != np.int64:
         if pad is None:
             return ids[rows]

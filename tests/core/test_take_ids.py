@@ -82,3 +82,21 @@ def test_to_arrow_and_map_ids_through_the_kernel_give_numpys_ids():
     want = [ids[r[r >= 0]].tolist() for r in plain.indices]
     assert table.column("item_ids").to_pylist() == want
     assert SearchResult(plain.indices, plain.scores, plain.ids).to_arrow(None, ids).equals(table)
+
+
+def test_one_core_where_numba_s_threads_cannot_be_shared(monkeypatch):
+    # Without TBB or OpenMP, numba's workqueue aborts when two threads run parallel kernels at once: the gather then
+    # runs on one core, with the same answer.
+    def no_pool(name):
+        raise ImportError(name)
+
+    monkeypatch.setattr(results.importlib, "import_module", no_pool)
+    assert not results._threadsafe_pool()
+    from numba import njit
+
+    serial = njit(nogil=True)(results._take_kernel)
+    ids = np.arange(500, dtype=np.int64) * 3
+    rows = np.random.default_rng(2).integers(-1, 500, 1000).astype(np.int64)
+    out = np.empty(rows.size, np.int64)
+    assert serial(ids, rows, np.int64(-1), out) == (int((rows < 0).sum()), 0)
+    np.testing.assert_array_equal(out, _numpy(ids, rows, -1))
