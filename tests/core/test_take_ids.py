@@ -87,11 +87,12 @@ def test_to_arrow_and_map_ids_through_the_kernel_give_numpys_ids():
 def test_one_core_where_numba_s_threads_cannot_be_shared(monkeypatch):
     # Without TBB or OpenMP, numba's workqueue aborts when two threads run parallel kernels at once: the gather then
     # runs on one core, with the same answer.
-    def no_pool(name):
+    def no_pool(name, *args):
         raise ImportError(name)
 
-    monkeypatch.setattr(results.importlib, "import_module", no_pool)
-    assert not results._threadsafe_pool()
+    with monkeypatch.context() as patch:
+        patch.setattr(results.importlib, "import_module", no_pool)
+        assert not results._threadsafe_pool()
     from numba import njit
 
     serial = njit(nogil=True)(results._take_kernel)
