@@ -326,6 +326,25 @@ def test_gpu_matches_oracle_exactly_with_queued_batches(tmp_path: Path, metric: 
     assert summary.device == "gpu" and summary.device_busy_s > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_gpu_route_results_fetched_by_the_writer_are_exact(tmp_path: Path, metric: str, precision: str) -> None:
+    """The certified route (and fast mode) leave each batch's results on the device; the writer thread fetches them
+    while the next batch is searched: every batch's file rows are still the oracle's."""
+    route = EngineOptions(certified_exact="on", fused="force", tiles=(128, 8, 2))
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path, n_users=701, n_items=300, dim=6)
+    excl = tmp_path / "excl.parquet"
+    pq.write_table(pa.table({"user_id": pa.array(user_ids[:50], pa.int64()),
+                             "item_id": pa.array(item_ids[:50], pa.int64())}), excl)
+    out = tmp_path / "out.parquet"
+    score_files(up, ip, out, 9, metric=metric, device="gpu", batch_size=97, exclude_path=excl,
+                precision=precision, options=JobOptions(early="off", engine=route))
+    banned = np.zeros((701, 300), bool)
+    banned[np.arange(50), np.arange(50)] = True
+    _check_against_oracle(out, users, items, user_ids, item_ids, 9, metric, banned)
+
+
 def test_an_l2_item_whose_norm_overflows_is_named_by_file_row_and_id(tmp_path: Path) -> None:
     up, ip, users, items, user_ids, item_ids = _files(tmp_path)
     items = items.copy()
