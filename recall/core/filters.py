@@ -35,6 +35,11 @@ def _mask(spec: Any, n_items: int, what: str) -> np.ndarray:
         raise InputError(f"{what}: expected a 1-d array of item rows or an ({n_items},) boolean mask, got shape "
                          f"{arr.shape}")
     rows = arr.astype(np.int64, copy=False).ravel()
+    if n_items >= 8 and rows.size == n_items and bool(((rows == 0) | (rows == 1)).all()):
+        # One 0 or 1 per item: a mask as integers (a DataFrame's 0/1 column), which as rows would pass items 0 and 1
+        # alone, silently. (Rows drawn at random from 8 or more items are all 0 or 1 once in 4^8 draws at most.)
+        raise InputError(f"{what}: {n_items} integers, each 0 or 1, one per item: a mask given as integers? pass it "
+                         f"as booleans (.astype(bool)), or the item rows it marks (np.flatnonzero)")
     bad = (rows < 0) | (rows >= n_items)
     if bad.any():
         # Named as given: a uint64 row beyond int64's range is negative once cast.

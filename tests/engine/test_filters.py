@@ -121,6 +121,17 @@ def test_bad_filters_are_refused(device):
         engine.set_item_filter(deny=np.ones(3, bool))
     with pytest.raises(InputError, match="expected item rows"):
         engine.search(np.eye(4, dtype=np.float32), 2, allow=np.array([0.5]))
+    # A 0/1 mask given as integers would, read as rows, pass items 0 and 1 alone: refused, saying how to pass it.
+    wide = Engine(np.eye(9, dtype=np.float32), device=device)
+    mask = np.array([1, 0, 1, 1, 0, 0, 1, 0, 1], np.int8)
+    with pytest.raises(InputError, match=r"allow: 9 integers, each 0 or 1, one per item: a mask given as integers\?"):
+        wide.search(np.eye(9, dtype=np.float32), 2, allow=mask)
+    with pytest.raises(InputError, match="deny: 9 integers"):
+        wide.set_item_filter(deny=mask.tolist())
+    got = wide.search(np.eye(9, dtype=np.float32), 2, allow=mask.astype(bool))
+    assert set(as_numpy(got.indices).ravel().tolist()) <= {0, 2, 3, 6, 8, -1}
+    assert as_numpy(wide.search(np.eye(9, dtype=np.float32), 1, allow=[0, 1, 1]).indices).ravel().tolist() == [
+        0, 1, 0, 0, 0, 0, 0, 0, 0]  # rows with repeats, fewer than the items: rows
 
 
 @settings(max_examples=40)
