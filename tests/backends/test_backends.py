@@ -80,6 +80,23 @@ def test_describe_and_budgets(backend):
     assert len(tiles) == 3 and all(isinstance(t, int) and t >= 1 for t in tiles)
 
 
+@pytest.mark.parametrize("workers, n_users, dim, k, want", [
+    (2, 5_000, 64, 100, 834),  # 6 blocks, 3 a core (not 5 of 1,024: 3 on one core, 2 on the other)
+    (2, 2_000, 768, 100, 1_000),  # wide vectors keep large blocks (the rule before: 128 users at d = 768)
+    (2, 20_000, 64, 100, 1_000),
+    (4, 20_000, 64, 100, 1_000),  # 20 blocks, 5 a core
+    (2, 900, 64, 100, 1_024),  # one block's worth: the tiling plan shares it out
+    (2, 5_000, 64, 200, 500),  # heaps of 1 MiB a block at most, then the same share-out (10 blocks)
+])
+def test_cpu_user_blocks_are_even_and_as_many_on_every_core(workers, n_users, dim, k, want):
+    backend = NumpyBackend()
+    backend.workers = workers
+    users, items, per_call = backend.preferred_tiles(dim, k, np.float32, n_users, 100_000, EngineOptions())
+    assert users == want and per_call == 1 and items == max(512, (1 << 18) // users)
+    if n_users > users:
+        assert -(-n_users // users) % workers == 0
+
+
 @pytest.mark.parametrize("n_users, n_items, dim, dtype, k, fused, want", [
     (100_000, 1_000_000, 64, np.float32, 100, "auto", 16384),  # seeded: the fused kernel
     (100_000, 1_000_000, 64, np.float32, 100, "off", 4096),

@@ -324,11 +324,18 @@ class NumpyBackend:
         # (k=8,192 on 2,000 users: 1.24 s against 1.32 s for 32 x 8,192; docs/benchmarks.md).
         if k >= heap.BUFFER_MIN_K:
             return 128, 2048, 1
-        # Wide vectors: the block's users (user_block x dim floats) also stay within 512 KiB (d=256, 5,000 users:
-        # 512 x 512 0.72-0.74 s against 0.83-0.86 s for 1,024 x 512).
         user_block = 1024
-        while user_block > 128 and (user_block * 8 * k > 1 << 20 or user_block * dim > 1 << 17):
+        while user_block > 128 and user_block * 8 * k > 1 << 20:
             user_block //= 2
+        if n_users > user_block:
+            # Blocks of one size, as many on every core: one block a core more than the others leaves the other
+            # cores idle for a block's time (5,000 users in blocks of 1,024: three blocks on one core, two on the
+            # other). Wide vectors keep blocks this large: halving the block for each doubling of d above 128 (to 128
+            # users at d = 768), as this rule did, re-packed each item tile for every 128 users (development
+            # machine, 2 cores, 2026-12-05, docs/benchmarks.md: 2,000 x 100k x 768, 1.39 s in blocks of 128 against
+            # 1.02 s in two of 1,000).
+            per_core = -(-n_users // (user_block * self.workers))
+            user_block = -(-n_users // (per_core * self.workers))
         return user_block, max(512, (1 << 18) // user_block), 1
 
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
