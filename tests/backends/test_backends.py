@@ -10,7 +10,7 @@ import pytest
 import oracle
 from oracle import as_numpy
 from recall import BackendUnavailable, EngineOptions, InputError, backends
-from recall.backends.numpy import NumpyBackend
+from recall.backends.numpy import NumpyBackend, heap
 from recall.backends import cuda_status
 
 
@@ -87,12 +87,15 @@ def test_describe_and_budgets(backend):
     (4, 20_000, 64, 100, 1_000),  # 20 blocks, 5 a core
     (2, 900, 64, 100, 1_024),  # one block's worth: the tiling plan shares it out
     (2, 5_000, 64, 200, 500),  # heaps of 1 MiB a block at most, then the same share-out (10 blocks)
+    (2, 500, 256, 2_048, 250),  # large k: buffers, blocks of about 256 users (2 of 250, not 4 of 128)
+    (2, 20_000, 64, 1_000, 250),
+    (2, 200, 64, 8_192, 256),
 ])
 def test_cpu_user_blocks_are_even_and_as_many_on_every_core(workers, n_users, dim, k, want):
     backend = NumpyBackend()
     backend.workers = workers
     users, items, per_call = backend.preferred_tiles(dim, k, np.float32, n_users, 100_000, EngineOptions())
-    assert users == want and per_call == 1 and items == max(512, (1 << 18) // users)
+    assert users == want and per_call == 1 and items == (2048 if k >= heap.BUFFER_MIN_K else max(512, (1 << 18) // users))
     if n_users > users:
         assert -(-n_users // users) % workers == 0
 

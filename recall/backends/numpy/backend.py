@@ -320,13 +320,16 @@ class NumpyBackend:
         # block's heaps (8 bytes a kept pair) crowd its score tile out of the core's cache: up to 1,024 users while
         # their heaps fit in 1 MiB, and a score tile of at least 1 MiB (cpu-small, 2 cores, 2026-12-01: k=100
         # 1,024 x 512 1.10 s against 1.19 s for 512 x 512). From heap.BUFFER_MIN_K on, the users' buffers are
-        # written in order rather than sifted, and 128 x 2,048 was the best tiling measured for k = 1,000 to 8,192
-        # (k=8,192 on 2,000 users: 1.24 s against 1.32 s for 32 x 8,192; docs/benchmarks.md).
+        # written in order rather than sifted, and blocks of about 256 users with tiles of 2,048 items did best for
+        # k = 1,000 to 8,192 (development machine, 2026-12-05, docs/benchmarks.md: 500 x 1M x 256 at k = 2,048,
+        # 1.17 s in blocks of 250 against 1.35-1.47 s in blocks of 128; 5,000 x 100k x 64 at k = 1,000, 0.71
+        # against 0.78 s; at k = 4,096 and 8,192 within 5% of each other from 64 to 500 users).
         if k >= heap.BUFFER_MIN_K:
-            return 128, 2048, 1
-        user_block = 1024
-        while user_block > 128 and user_block * 8 * k > 1 << 20:
-            user_block //= 2
+            user_block, item_tile = 256, 2048
+        else:
+            user_block, item_tile = 1024, 0
+            while user_block > 128 and user_block * 8 * k > 1 << 20:
+                user_block //= 2
         if n_users > user_block:
             # Blocks of one size, as many on every core: one block a core more than the others leaves the other
             # cores idle for a block's time (5,000 users in blocks of 1,024: three blocks on one core, two on the
@@ -336,7 +339,7 @@ class NumpyBackend:
             # 1.02 s in two of 1,000).
             per_core = -(-n_users // (user_block * self.workers))
             user_block = -(-n_users // (per_core * self.workers))
-        return user_block, max(512, (1 << 18) // user_block), 1
+        return user_block, item_tile or max(512, (1 << 18) // user_block), 1
 
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         return tune_band(_TUNE_USERS, _TUNE_ITEMS, _TUNE_BAND, heuristic)
