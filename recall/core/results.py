@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import numba
 from numba import njit, prange
 
 from . import keys
@@ -94,28 +95,35 @@ def _take_kernel(ids: np.ndarray, rows: np.ndarray, pad: Any, out: np.ndarray) -
 
 
 def _threadsafe_pool() -> bool:
-    """Whether numba has a threading layer that parallel kernels may share between threads (TBB or OpenMP; its
-    fallback, the workqueue, aborts the process when two threads run parallel kernels at once, as a job's writer
-    and searching threads may)."""
-    for layer in ("numba.np.ufunc.tbbpool", "numba.np.ufunc.omppool"):
-        try:
-            importlib.import_module(layer)
-            return True
-        except ImportError:
-            continue
-    return False
+    """Whether numba's parallel kernels may run from two threads at once here (a job's writer and searching threads):
+    under OpenMP or TBB, not under its fallback, the workqueue, which aborts the process then. OpenMP where it loads
+    (TBB only where asked for by name: an installed TBB of another version is passed over for the workqueue)."""
+    layer = numba.config.THREADING_LAYER
+    if layer in ("workqueue", "forksafe"):  # forksafe may take the workqueue
+        return False
+    if layer in ("tbb", "safe", "threadsafe"):  # thread-safe layers by numba's own choice (or none at all)
+        return True
+    try:
+        importlib.import_module("numba.np.ufunc.omppool")
+        return True
+    except ImportError:
+        return False
 
 
-#: On every core where numba's threads may be shared by the job's threads, else on one (still without the GIL).
-_take = njit(parallel=_threadsafe_pool(), nogil=True, cache=True)(_take_kernel)
+#: On every core where numba's threads may be shared by a job's threads, else on one, still without the GIL (that
+#: build not cached: numba's cache keys a function by its source, not by ``parallel``, and would hand one build to
+#: the other).
+_take = (njit(parallel=True, nogil=True, cache=True) if _threadsafe_pool() else njit(nogil=True))(_take_kernel)
 
 
 def take_ids(ids: np.ndarray, rows: np.ndarray, pad: Any = None) -> np.ndarray:
     """Item ids of item rows: ``ids[rows]`` for a numeric host ``ids`` (n_items,) and host int64 ``rows`` of any
     shape, with ``pad`` where a row is negative (None: no row is). Large gathers run on every core without the GIL
     (a Parquet job's writer maps each batch's millions of rows while the searching thread runs Python; on one core
-    where numba's threading layer cannot be shared between threads); small ones by NumPy. A row beyond ``ids`` raises NumPy's IndexError."""
-    if rows.size < PARALLEL_TAKE or ids.dtype.kind not in "iuf" or rows.dtype != np.int64:
+    where numba's threading layer cannot be shared between threads); small ones, and id dtypes numba does not take
+    (another byte order, float16), by NumPy. A row beyond ``ids`` raises NumPy's IndexError."""
+    compiled = ids.dtype.isnative and (ids.dtype.kind in "iu" or ids.dtype in (np.float32, np.float64))
+    if rows.size < PARALLEL_TAKE or not compiled or rows.dtype != np.int64:
         if pad is None:
             return ids[rows]
         out = ids[np.maximum(rows, 0)]

@@ -96,13 +96,16 @@ def normalise_candidates(candidates: Any, n_users: int, n_items: int, backend: A
             raise InputError(f"candidates: a matrix of {arr.shape[0]} rows for {n_users} users (one row per user)")
         rows = _int_rows(xp, xp.ascontiguousarray(arr).reshape(-1), "item_rows")
         indptr = np.arange(n_users + 1, dtype=np.int64) * int(arr.shape[1])
+        # -1 is no candidate: a SearchResult's padding, so that a search's indices can be re-scored as they are.
+        # Dropped once the rows are checked, so that an error names the matrix's own column.
         padded = rows == -1
+        _check_range(xp, rows, indptr, n_items, padded)
         if rows.size and bool(padded.any()):
-            # -1 is no candidate: a SearchResult's padding, so that a search's indices can be re-scored as they are.
             kept = to_numpy((~padded).reshape(n_users, -1).sum(axis=1))
             indptr = np.zeros(n_users + 1, np.int64)
             np.cumsum(kept, out=indptr[1:])
             rows = rows[~padded]
+        return Candidates(indptr, rows)
     elif isinstance(candidates, (list, tuple)) or (hasattr(candidates, "__len__") and not hasattr(candidates, "shape")):
         lists = list(candidates)
         if len(lists) != n_users:
@@ -121,11 +124,19 @@ def normalise_candidates(candidates: Any, n_users: int, n_items: int, backend: A
     else:
         raise InputError(f"candidates must be a CSR pair (indptr, item_rows) or a list of item-row arrays, one per "
                          f"user; got {type(candidates).__name__}")
+    _check_range(xp, rows, indptr, n_items)
+    return Candidates(indptr, rows)
+
+
+def _check_range(xp: Any, rows: Any, indptr: np.ndarray, n_items: int, allowed: Any = None) -> None:
+    """InputError naming the user, the position in its list and the row of the first row outside the items (but
+    where ``allowed``, a mask of rows that may be -1)."""
     if rows.size:
         bad = (rows < 0) | (rows >= n_items)
+        if allowed is not None:
+            bad &= ~allowed
         if bool(bad.any()):
             pos = int(xp.argmax(bad))
             user = int(np.searchsorted(indptr, pos, side="right") - 1)
             raise InputError(f"candidates: user row {user} has item row {int(rows[pos])} at position "
                              f"{pos - int(indptr[user])} of its list, out of range for {n_items} items")
-    return Candidates(indptr, rows)

@@ -524,10 +524,11 @@ def preferred_tiles(engine: Any, users: Any, n_items: int, k: int) -> Tiles:
         return heuristic()
     key = make_key(backend, engine.metric, dim, k, n_users, engine.n_items, dtype)
     if mode == "force":
-        # Tuning re-runs whole searches of these users; only in exact precision is a float32 tiled pass a whole
-        # search (fast mode's passes, and exact mode's certified route's, score float16 copies and fallback
-        # subsets), so those read the cache as "auto" does.
-        if engine.precision == "exact" and dtype == "float32":
+        # Tuning re-runs whole searches of these users; only in exact precision (and fast precision where it
+        # declines at once: the CPU, streamed items) is a float32 tiled pass a whole search (fast mode's passes,
+        # and exact mode's certified route's, score float16 copies and fallback subsets), so those read the cache
+        # as "auto" does.
+        if (engine.precision == "exact" or engine._fast_declined() is not None) and dtype == "float32":
             return _force(engine, users, k, key)
         _warn_once(_usable_cache_path() or Path(), "force-fast", "tune='force' tunes exact-precision engines "
                    "only; for precision='fast' run `recall tune --precision fast` once (its result is used here)")

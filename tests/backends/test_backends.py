@@ -90,13 +90,16 @@ def test_describe_and_budgets(backend):
     (2, 500, 256, 2_048, 250),  # large k: buffers, blocks of about 256 users (2 of 250, not 4 of 128)
     (2, 20_000, 64, 1_000, 250),
     (2, 200, 64, 8_192, 256),
+    (16, 257, 64, 1_000, 256),  # 16 even blocks would hold 17 users: the plan shares the users out instead
+    (16, 2_600, 64, 100, 163),
 ])
 def test_cpu_user_blocks_are_even_and_as_many_on_every_core(workers, n_users, dim, k, want):
     backend = NumpyBackend()
     backend.workers = workers
     users, items, per_call = backend.preferred_tiles(dim, k, np.float32, n_users, 100_000, EngineOptions())
-    assert users == want and per_call == 1 and items == (2048 if k >= heap.BUFFER_MIN_K else max(512, (1 << 18) // users))
-    if n_users > users:
+    assert users == want and per_call == 1
+    assert items == (2048 if k >= heap.BUFFER_MIN_K else max(512, (1 << 18) // users))
+    if n_users > users and n_users >= 128 * workers:  # blocks of at least 128 users, as many on every core
         assert -(-n_users // users) % workers == 0
 
 

@@ -85,14 +85,17 @@ def test_to_arrow_and_map_ids_through_the_kernel_give_numpys_ids():
 
 
 def test_one_core_where_numba_s_threads_cannot_be_shared(monkeypatch):
-    # Without TBB or OpenMP, numba's workqueue aborts when two threads run parallel kernels at once: the gather then
-    # runs on one core, with the same answer.
+    # Without OpenMP (or a layer asked for by name that is thread-safe), numba's workqueue aborts when two threads
+    # run parallel kernels at once: the gather then runs on one core, with the same answer.
     def no_pool(name, *args):
         raise ImportError(name)
 
     with monkeypatch.context() as patch:
         patch.setattr(results.importlib, "import_module", no_pool)
         assert not results._threadsafe_pool()
+        for layer, safe in (("workqueue", False), ("forksafe", False), ("tbb", True), ("threadsafe", True)):
+            patch.setattr(results.numba.config, "THREADING_LAYER", layer)
+            assert results._threadsafe_pool() is safe
     from numba import njit
 
     serial = njit(nogil=True)(results._take_kernel)
@@ -101,3 +104,12 @@ def test_one_core_where_numba_s_threads_cannot_be_shared(monkeypatch):
     out = np.empty(rows.size, np.int64)
     assert serial(ids, rows, np.int64(-1), out) == (int((rows < 0).sum()), 0)
     np.testing.assert_array_equal(out, _numpy(ids, rows, -1))
+
+
+@pytest.mark.parametrize("dtype", [">i8", ">u8", ">f8", np.float16, np.longdouble, np.int8, np.uint16])
+def test_id_dtypes_numba_does_not_take_go_to_numpy(dtype):
+    ids = (np.arange(300) * 3).astype(dtype)
+    rows = np.random.default_rng(5).integers(0, 300, PARALLEL_TAKE + 5).astype(np.int64)
+    got = take_ids(ids, rows)
+    assert got.dtype == ids.dtype
+    np.testing.assert_array_equal(got, ids[rows])

@@ -186,7 +186,10 @@ def test_a_search_s_padded_indices_are_candidates_as_they_are(device, path):
     np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
     assert (as_numpy(got.indices)[3] == -1).all()
     mixed[4, 1] = -2
-    with pytest.raises(InputError, match="user row 4 has item row -2"):
+    with pytest.raises(InputError, match="user row 4 has item row -2 at position 1 of its list"):
+        engine.rescore(users, mixed, 10)
+    mixed[4, 1], mixed[5, :2], mixed[5, 3] = 1, -1, 60  # positions count the matrix's columns, padding included
+    with pytest.raises(InputError, match="user row 5 has item row 60 at position 3 of its list"):
         engine.rescore(users, mixed, 10)
 
 

@@ -297,6 +297,22 @@ def test_tune_force_with_fast_precision_reads_the_cache(monkeypatch: pytest.Monk
     np.testing.assert_array_equal(got.indices, want)
 
 
+def test_tune_force_tunes_a_cpu_fast_engine_s_exact_search(monkeypatch: pytest.MonkeyPatch, make_normal,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    # Fast precision on the CPU searches in exact precision (no emulation asked for): its float32 pass is the whole
+    # search, tuned as an exact engine's is.
+    users, items = make_normal(60, 900, 8, seed=9)
+    tuned = []
+    monkeypatch.setattr(tuning, "_force", lambda engine, users, k, key: tuned.append(key) or (32, 512, 1))
+    engine = Engine(items, device="cpu", tune="force", precision="fast")
+    with caplog.at_level(logging.WARNING, logger="recall"):
+        got = engine.search(users, 5)
+    assert len(tuned) == 1 and not any("exact-precision engines only" in r.getMessage() for r in caplog.records)
+    assert engine.stats["precision"] == "exact" and "fast_declined" in engine.stats
+    want, _ = oracle.topk(users, items, 5)
+    np.testing.assert_array_equal(got.indices, want)
+
+
 def test_tune_engine_dedupes_candidates_and_keeps_the_heuristic_within_noise(monkeypatch: pytest.MonkeyPatch,
                                                                              make_normal) -> None:
     users, items = make_normal(10, 5000, 4, seed=7)

@@ -158,3 +158,17 @@ def test_binary_id_columns_are_read_as_text(tmp_path: Path):
     result = runner.invoke(app, ["score", "--users", str(bad), "--items", str(b["items"]), "--k", "5", "--out",
                                  str(tmp_path / "o.parquet"), "--device", "cpu", "-q"])
     assert result.exit_code == 2 and f"{bad}: row 11 has an id that is not valid UTF-8" in result.output
+
+
+@pytest.mark.parametrize("pattern, hidden", [
+    ("d/**/*.parquet", {"d/_temporary/0/a.parquet": True, "d/x/a.parquet": False, "d/a.parquet": False,
+                        "d/x/_a.parquet": True, "d/.staging/a.parquet": True}),
+    ("d/_exports*/*.parquet", {"d/_exports1/a.parquet": False, "d/_exports1/_a.parquet": True}),
+    ("_d/*/x.parquet", {"_d/p/x.parquet": False, "_d/_p/x.parquet": True}),
+    ("**/_x/*.parquet", {"a/_x/b.parquet": False, "_a/_x/b.parquet": True, "_x/b.parquet": False}),
+])
+def test_hidden_names_a_pattern_did_not_ask_for(pattern, hidden):
+    from recall.jobs.batch.shards import _hidden_match
+
+    for match, want in hidden.items():
+        assert _hidden_match(pattern, match) is want, (pattern, match)

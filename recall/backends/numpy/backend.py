@@ -337,8 +337,10 @@ class NumpyBackend:
             # users at d = 768), as this rule did, re-packed each item tile for every 128 users (development
             # machine, 2 cores, 2026-12-05, docs/benchmarks.md: 2,000 x 100k x 768, 1.39 s in blocks of 128 against
             # 1.02 s in two of 1,000).
+            # Not below 128 users (a few hundred users on many cores: the tiling plan shares those out itself).
             per_core = -(-n_users // (user_block * self.workers))
-            user_block = -(-n_users // (per_core * self.workers))
+            even = -(-n_users // (per_core * self.workers))
+            user_block = even if even >= min(user_block, 128) else user_block
         return user_block, item_tile or max(512, (1 << 18) // user_block), 1
 
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:

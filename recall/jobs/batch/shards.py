@@ -44,6 +44,23 @@ def _hidden(name: str) -> bool:
     return name.startswith((".", "_"))
 
 
+def _hidden_match(pattern: str, match: str) -> bool:
+    """Whether a path a glob ``pattern`` matched passes through a hidden name (``_hidden``) the pattern did not ask
+    for by name: folders too, since a Spark dataset's ``_temporary/`` holds failed or speculative task attempts'
+    files, copies of users the dataset's own files hold. A pattern part that itself starts with ``_`` or ``.``
+    (``'data/_exports*/x.parquet'``) asks for such names; the folders a ``**`` reaches into are never asked for."""
+    want, got = Path(pattern).parts, Path(match).parts
+    if "**" in want:
+        deep = want.index("**")
+        tail = len(want) - deep - 1
+        pairs = list(zip(want[:deep], got[:deep])) + list(zip(want[deep + 1:], got[len(got) - tail:]))
+        spanned = got[deep:len(got) - tail]
+    else:
+        pairs, spanned = list(zip(want, got)), ()
+    return any(_hidden(part) for part in spanned) or any(_hidden(part) and not _hidden(asked)
+                                                          for asked, part in pairs)
+
+
 def _is_dir(p: Path) -> bool:
     try:
         return p.is_dir()
@@ -77,11 +94,7 @@ def discover_shards(users: str | os.PathLike) -> list[Path]:
         if not files:
             raise InputError(f"{spec}: no *.parquet files in this directory")
     elif any(c in spec for c in "*?["):
-        # Hidden names are skipped in every part the pattern matched, folders too: a Spark dataset's _temporary/
-        # holds failed or speculative task attempts' files, copies of users the dataset's own files hold.
-        wild = next((i for i, part in enumerate(Path(spec).parts) if any(c in part for c in "*?[")), 0)
-        matches = sorted(Path(m) for m in glob.glob(spec, recursive=True)
-                         if not any(_hidden(part) for part in Path(m).parts[wild:]))
+        matches = sorted(Path(m) for m in glob.glob(spec, recursive=True) if not _hidden_match(spec, m))
         # A folder the pattern matches is read through the files the pattern matches in it: a '**' pattern's.
         if "**" not in spec:
             _refuse_folders([m for m in matches if _is_dir(m) and m.suffix == ".parquet"],
