@@ -39,7 +39,9 @@ class EngineOptions:
         inner-product passes where it is tight) rather than a lower bound, so that fewer items a user pass the
         filter (at k = 2,048 of 1M items, about 4,100 expected instead of 78,000). The certificate checks every user
         as before, counting the items below the estimate as left out; a user whose estimate was too high is widened.
-        False: lower bounds only.
+        CPU, exact searches seeded from a sample (k >= 300): start each user at an estimate of its k-th best over as
+        many evenly spaced items (``NumpyBackend._estimate``); a user left with fewer than k items above it is
+        searched again from the lower bound, so the answer is the same. False: lower bounds only.
     fused : {"auto", "force", "off"}
         GPU: score and filter in one kernel where it applies ("auto": seeded searches of exact mode's float32
         vectors of at most 256 dimensions (``fused.cu``, k up to 8,192) or fast mode's float16 ones of at most 128

@@ -272,3 +272,35 @@ def test_item_ranges_are_not_seeded():
     assert seeded.stats["item_parts"] > 1 and seeded.stats["seed_sample"] == 0
     np.testing.assert_array_equal(a.indices, b.indices)
     np.testing.assert_array_equal(a.scores, b.scores)
+
+
+@pytest.mark.parametrize("k", [300, 700])  # a heap, a buffer
+@pytest.mark.parametrize("sigmas", [4, -3])  # the rule; estimates far above most users' k-th best
+def test_estimated_thresholds_give_the_bound_s_answer(monkeypatch, k, sigmas):
+    """Exact search seeded at an estimate of each user's k-th best (``seed_estimate``): a user left with fewer than k
+    items above it is searched again from the bound, so the answer is the unseeded one, ties, exclusions and users
+    with fewer than k items left included."""
+    from recall.backends.numpy import backend as cpu
+
+    monkeypatch.setattr(cpu, "ESTIMATE_SIGMAS", sigmas)
+    rng = np.random.default_rng(21)
+    n_items = 60_000
+    items = rng.integers(-2, 3, (n_items, 6)).astype(np.float32)  # ties by the thousand
+    users = rng.integers(-2, 3, (150, 6)).astype(np.float32)
+    users[users.sum(axis=1) == 0, 0] = 1.0
+    lists = [np.sort(rng.choice(n_items, 40, replace=False)) for _ in range(150)]
+    lists[5] = np.arange(n_items - k // 3, dtype=np.int64)  # fewer than k items left: padded either way
+    excl = _pairs(lists)
+    estimated = Engine(items, device="cpu")
+    bound = Engine(items, device="cpu", options=EngineOptions(seed_estimate=False))
+    plain = Engine(items, device="cpu", options=EngineOptions(seed_thresholds=False))
+    a, b, c = (e.search(users, k, exclude=excl) for e in (estimated, bound, plain))
+    for other in (b, c):
+        np.testing.assert_array_equal(a.indices, other.indices)
+        np.testing.assert_array_equal(a.scores, other.scores)
+    stats = estimated.stats
+    assert 0 < stats["seed_estimate"] < k and "seed_estimate" not in bound.stats, stats
+    assert stats["estimate_short_users"] >= 1  # user 5 at least
+    if sigmas < 0:
+        assert stats["estimate_short_users"] > 75, stats  # most users searched again
+    assert np.all(a.indices[5, k // 3:] == -1)

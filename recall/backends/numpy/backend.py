@@ -107,6 +107,9 @@ ONE_USER_MARGIN = 16
 SEED_SCRATCH_VALUES = 1 << 18
 """Sampled scores a worker holds at once (1 MiB), whatever the sample's size."""
 SEED_MIN_K = 300
+#: An estimate of a user's k-th best (``NumpyBackend._estimate``) allows for this many standard deviations of the
+#: number of sampled items above it (about Poisson): a user whose estimate lies above its k-th best is searched again.
+ESTIMATE_SIGMAS = 4
 """Searches of smaller k are not seeded on the CPU: a heap's threshold rises with its first k items anyway, and at
 k = 100-256 a seed costs what it saves (docs/benchmarks.md)."""
 
@@ -145,6 +148,7 @@ class _Seed:
     norms: np.ndarray
     a: float
     z: float
+    rank: int = 0  # the sampled rank a user's threshold starts at: an estimate of its k-th best (0: k, a bound)
 
 
 @dataclass
@@ -400,7 +404,21 @@ class NumpyBackend:
             seed = self._one_user(plan, users, items, n_items, k, excl, out_vals, out_rows, options, stats)
         else:
             seed = self._seed(plan, items, n_items, k, options) if users.dtype == np.float32 else None
-            tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows, seed)
+            estimate = self._estimate(seed, items, n_items, k, options)
+            tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows,
+                                      seed if estimate is None else estimate)
+            if estimate is not None:
+                # A user whose threshold started at an estimate and that holds k items above it has its k best: any
+                # item left out scored at most the threshold, below all of them. One that holds fewer (the estimate
+                # lay above its k-th best, or fewer than k items are left to it) is searched again from the bound.
+                short = np.flatnonzero(out_rows[:, k - 1] < 0)
+                if short.size:
+                    vals = np.empty((short.size, k), np.float32)
+                    rows = np.empty((short.size, k), np.int64)
+                    tiled.run_blocks_threaded(self, plan, np.ascontiguousarray(users[short]), items, n_items, k,
+                                              excl.subset(short), vals, rows, seed)
+                    out_vals[short], out_rows[short] = vals, rows
+                stats.update(seed_estimate=estimate.rank, estimate_short_users=int(short.size))
         return _done({"blocks": -(-users.shape[0] // plan.user_block), "workers": plan.workers,
                       "seed_sample": 0 if seed is None else int(seed.rows.size),
                       "item_parts": len(tiled.item_ranges(n_items, plan)) if plan.interests is None else 1,
@@ -460,6 +478,22 @@ class NumpyBackend:
             for key in [k for k in self._norms if k[0] == array_id]:
                 del self._norms[key]
 
+    def _estimate(self, seed: Any, items: np.ndarray, n_items: int, k: int, options: EngineOptions) -> Any:
+        """Where ``seed`` (a lower bound's sample) is taken, the same number of evenly spread items ranked at an
+        estimate of each user's k-th best (``options.seed_estimate``): about k·size/n_items of a sample of ``size``
+        score above the k-th best, ESTIMATE_SIGMAS standard deviations more are allowed for; None where that rank is
+        not below k (no fewer scores would pass)."""
+        if seed is None or not options.seed_estimate:
+            return None
+        size = int(seed.rows.size)
+        mean = k * size / n_items
+        rank = max(1, int(np.ceil(mean + ESTIMATE_SIGMAS * np.sqrt(mean) + ESTIMATE_SIGMAS)))
+        if rank >= k:
+            return None
+        rows = tiled.sample_rows(np, n_items, size)
+        vecs = np.ascontiguousarray(items[rows])
+        return _Seed(rows, vecs, row_norms(np, vecs), seed.a, seed.z, rank)
+
     def _seed(self, plan: TilePlan, items: np.ndarray, n_items: int, k: int, options: EngineOptions) -> Any:
         size = 0 if plan.interests is not None or plan.item_parts > 1 else seed_size(
             n_items, k, options.seed_thresholds, options.seed_sample)
@@ -497,7 +531,7 @@ class NumpyBackend:
             hi = min(n, lo + scratch.shape[0])
             scores = scratch[:hi - lo]
             np.matmul(users[lo:hi], seed.vecs.T, out=scores)
-            heap.seed_buffers(scores, seed.rows, seed.norms, norms[lo:hi], seed.a, seed.z, state.k,
+            heap.seed_buffers(scores, seed.rows, seed.norms, norms[lo:hi], seed.a, seed.z, seed.rank or state.k,
                               excl_indptr[lo:hi + 1], excl_items, state.thr[lo:hi])
         if state.counts is None:
             heap.seed_heaps(state.keys[:n], state.thr[:n])
