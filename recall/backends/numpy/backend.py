@@ -107,11 +107,11 @@ ONE_USER_MARGIN = 16
 SEED_SCRATCH_VALUES = 1 << 18
 """Sampled scores a worker holds at once (1 MiB), whatever the sample's size."""
 SEED_MIN_K = 300
-#: An estimate of a user's k-th best (``NumpyBackend._estimate``) allows for this many standard deviations of the
-#: number of sampled items above it (about Poisson): a user whose estimate lies above its k-th best is searched again.
-ESTIMATE_SIGMAS = 4
 """Searches of smaller k are not seeded on the CPU: a heap's threshold rises with its first k items anyway, and at
 k = 100-256 a seed costs what it saves (docs/benchmarks.md)."""
+ESTIMATE_SIGMAS = 4
+"""An estimate of a user's k-th best (``NumpyBackend._estimate``) allows for this many standard deviations of the
+number of sampled items above it (about Poisson): a user whose estimate lies above its k-th best is searched again."""
 
 
 def seed_size(n_items: int, k: int, seeded: bool = True, requested: int = 0) -> int:
