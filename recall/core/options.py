@@ -40,7 +40,7 @@ class EngineOptions:
         filter (at k = 2,048 of 1M items, about 4,100 expected instead of 78,000). The certificate checks every user
         as before, counting the items below the estimate as left out; a user whose estimate was too high is widened.
         CPU, exact searches seeded from a sample (k >= 300): start each user at an estimate of its k-th best over as
-        many evenly spaced items (``NumpyBackend._estimate``); a user left with fewer than k items above it is
+        many evenly spaced items (``NumpyBackend._seed``); a user left with fewer than k items above it is
         searched again from the lower bound, so the answer is the same. False: lower bounds only.
     fused : {"auto", "force", "off"}
         GPU: score and filter in one kernel where it applies ("auto": seeded searches of exact mode's float32

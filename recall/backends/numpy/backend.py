@@ -110,7 +110,7 @@ SEED_MIN_K = 300
 """Searches of smaller k are not seeded on the CPU: a heap's threshold rises with its first k items anyway, and at
 k = 100-256 a seed costs what it saves (docs/benchmarks.md)."""
 ESTIMATE_SIGMAS = 4
-"""An estimate of a user's k-th best (``NumpyBackend._estimate``) allows for this many standard deviations of the
+"""An estimate of a user's k-th best (``NumpyBackend._seed``) allows for this many standard deviations of the
 number of sampled items above it (about Poisson): a user whose estimate lies above its k-th best is searched again."""
 
 
@@ -403,11 +403,9 @@ class NumpyBackend:
         if users.shape[0] == 1 and users.dtype == np.float32 and plan.interests is None and k < n_items:
             seed = self._one_user(plan, users, items, n_items, k, excl, out_vals, out_rows, options, stats)
         else:
-            seed = self._seed(plan, items, n_items, k, options) if users.dtype == np.float32 else None
-            estimate = self._estimate(seed, items, n_items, k, options)
-            tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows,
-                                      seed if estimate is None else estimate)
-            if estimate is not None:
+            seed = self._seed(plan, items, n_items, k, options, estimate=True) if users.dtype == np.float32 else None
+            tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows, seed)
+            if seed is not None and seed.rank:
                 # A user whose threshold started at an estimate and that holds k items above it has its k best: any
                 # item left out scored at most the threshold, below all of them. One that holds fewer (the estimate
                 # lay above its k-th best, or fewer than k items are left to it) is searched again from the bound.
@@ -416,9 +414,10 @@ class NumpyBackend:
                     vals = np.empty((short.size, k), np.float32)
                     rows = np.empty((short.size, k), np.int64)
                     tiled.run_blocks_threaded(self, plan, np.ascontiguousarray(users[short]), items, n_items, k,
-                                              excl.subset(short), vals, rows, seed)
+                                              excl.subset(short), vals, rows, self._seed(plan, items, n_items, k,
+                                                                                         options))
                     out_vals[short], out_rows[short] = vals, rows
-                stats.update(seed_estimate=estimate.rank, estimate_short_users=int(short.size))
+                stats.update(seed_estimate=seed.rank, estimate_short_users=int(short.size))
         return _done({"blocks": -(-users.shape[0] // plan.user_block), "workers": plan.workers,
                       "seed_sample": 0 if seed is None else int(seed.rows.size),
                       "item_parts": len(tiled.item_ranges(n_items, plan)) if plan.interests is None else 1,
@@ -478,31 +477,25 @@ class NumpyBackend:
             for key in [k for k in self._norms if k[0] == array_id]:
                 del self._norms[key]
 
-    def _estimate(self, seed: Any, items: np.ndarray, n_items: int, k: int, options: EngineOptions) -> Any:
-        """Where ``seed`` (a lower bound's sample) is taken, the same number of evenly spread items ranked at an
-        estimate of each user's k-th best (``options.seed_estimate``): about k·size/n_items of a sample of ``size``
-        score above the k-th best, ESTIMATE_SIGMAS standard deviations more are allowed for; None where that rank is
-        not below k (no fewer scores would pass)."""
-        if seed is None or not options.seed_estimate:
-            return None
-        size = int(seed.rows.size)
-        mean = k * size / n_items
-        rank = max(1, int(np.ceil(mean + ESTIMATE_SIGMAS * np.sqrt(mean) + ESTIMATE_SIGMAS)))
-        if rank >= k:
-            return None
-        rows = tiled.sample_rows(np, n_items, size)
-        vecs = np.ascontiguousarray(items[rows])
-        return _Seed(rows, vecs, row_norms(np, vecs), seed.a, seed.z, rank)
-
-    def _seed(self, plan: TilePlan, items: np.ndarray, n_items: int, k: int, options: EngineOptions) -> Any:
+    def _seed(self, plan: TilePlan, items: np.ndarray, n_items: int, k: int, options: EngineOptions,
+              estimate: bool = False) -> Any:
+        """The search's threshold sample (None: unseeded): ranked at k, a lower bound of each user's k-th best; or,
+        with ``estimate`` (and ``options.seed_estimate``), as many evenly spread items ranked at an estimate of it:
+        about k·size/n_items of a sample of ``size`` score above the k-th best, ESTIMATE_SIGMAS standard deviations
+        more are allowed for (a bound's sample where that rank is not below k: no fewer scores would pass)."""
         size = 0 if plan.interests is not None or plan.item_parts > 1 else seed_size(
             n_items, k, options.seed_thresholds, options.seed_sample)
         if not size:
             return None
-        rows = self._sample_rows(items, n_items, size)
+        rank = 0
+        if estimate and options.seed_estimate:
+            mean = k * size / n_items
+            rank = max(1, int(np.ceil(mean + ESTIMATE_SIGMAS * np.sqrt(mean) + ESTIMATE_SIGMAS)))
+            rank = rank if rank < k else 0
+        rows = tiled.sample_rows(np, n_items, size) if rank else self._sample_rows(items, n_items, size)
         vecs = np.ascontiguousarray(items[rows])
         a, _r, z = seed_margin(int(items.shape[1]), False, False)
-        return _Seed(rows, vecs, row_norms(np, vecs), a, z)
+        return _Seed(rows, vecs, row_norms(np, vecs), a, z, rank)
 
     def _sample_rows(self, items: np.ndarray, n_items: int, size: int) -> np.ndarray:
         """``tiled.sample_rows`` of the first ``n_items`` items: for items loaded with ``norms_rank``, half the
