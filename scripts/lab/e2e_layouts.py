@@ -4,11 +4,12 @@
 Run on a GPU machine, from the project root::
 
     PYTHONPATH=. python3 scripts/lab/e2e_layouts.py --users 1000000 --items 1000000 --dim 64 --k 100 \
-        --layout pyarrow --layout warehouse [--repeat 3] [--json $OUT/e2e_layouts.json]
+        --layout pyarrow --layout warehouse [--repeat 3] [--batch-size auto,131072] [--json $OUT/e2e_layouts.json]
 
 Data: the bench's ``clustered`` kind, generated on the host from the seed (so every layout holds the same rows).
-Prints one table (median seconds of each mode and layout, the early users, the ratio to the resident search) and
-writes every run to JSON.
+Prints one table (median seconds of each mode, layout and batch size, the early users, the ratio to the resident
+search) and writes every run to JSON, with the job's stage times (``JobSummary``: start, read, search, write, device
+busy).
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--certified", default="auto", help="certified_exact modes to run, comma-separated")
     parser.add_argument("--early", default="auto,off", help="JobOptions.early modes to run, comma-separated")
-    parser.add_argument("--batch-size", type=int, default=None, help="users a batch (default: the job's own)")
+    parser.add_argument("--batch-size", default="auto",
+                        help="users a batch, comma-separated sizes run in turn within each repeat ('auto': the "
+                             "job's own)")
     args = parser.parse_args()
     routes = args.certified.split(",")
     users, items = generate("clustered", args.users, args.items, args.dim, seed=0, device="cpu")
@@ -65,27 +68,42 @@ def main() -> None:
             layouts.write(items, ip, layout)
             for mode in args.early.split(","):
                 for route in routes:
-                    times, early_users = [], 0
                     opts = JobOptions(early=mode, engine=EngineOptions(certified_exact=route))
-                    for i in range(args.repeat + 1):  # the first run warms the page cache and the kernels
-                        out = Path(tmp) / "out.parquet"
-                        t0 = time.perf_counter()
-                        summary = score_files(up, ip, out, args.k, device=args.device, options=opts,
-                                              batch_size=args.batch_size)
-                        if i:
-                            times.append(time.perf_counter() - t0)
-                        early_users = summary.early_users
-                        out.unlink()
-                    runs.append({"layout": layout, "early": mode, "certified_exact": route, "times_s": times,
-                                 "median_s": statistics.median(times), "early_users": early_users})
-                    print(f"{layout} early={mode} certified_exact={route}: {statistics.median(times):.3f} s",
-                          flush=True)
+                    sizes = [None if b == "auto" else int(b) for b in str(args.batch_size).split(",")]
+                    times = {b: [] for b in sizes}
+                    stages = {b: [] for b in sizes}
+                    early_users = {}
+                    # The first round warms the page cache and the kernels; the sizes then run in turn, so that a
+                    # drift of the machine's speed over the rounds falls on every size alike.
+                    for i in range(args.repeat + 1):
+                        for b in sizes:
+                            out = Path(tmp) / "out.parquet"
+                            t0 = time.perf_counter()
+                            summary = score_files(up, ip, out, args.k, device=args.device, options=opts,
+                                                  batch_size=b)
+                            if i:
+                                times[b].append(time.perf_counter() - t0)
+                                stages[b].append({key: getattr(summary, key) for key in (
+                                    "start_s", "read_s", "search_s", "write_s", "device_busy_s", "batch_size")})
+                            early_users[b] = summary.early_users
+                            out.unlink()
+                    for b in sizes:
+                        runs.append({"layout": layout, "early": mode, "certified_exact": route,
+                                     "batch_size": b or "auto", "times_s": times[b],
+                                     "median_s": statistics.median(times[b]), "early_users": early_users[b],
+                                     "stages": stages[b]})
+                        last = stages[b][-1]
+                        print(f"{layout} early={mode} certified_exact={route} batch={b or 'auto'} "
+                              f"({last['batch_size']:,}): {statistics.median(times[b]):.3f} s; last run: start "
+                              f"{last['start_s']:.3f} read {last['read_s']:.3f} search {last['search_s']:.3f} "
+                              f"write {last['write_s']:.3f} device busy {last['device_busy_s']:.3f}", flush=True)
     base = statistics.median(resident)
     print(f"resident search: {base:.3f} s (median of {args.repeat}); {args.users:,} users x {args.items:,} items x "
           f"{args.dim}, k={args.k}")
-    print(f"{'layout':<16}{'early':<8}{'certified':<10}{'median s':>10}{'x resident':>12}{'early users':>14}")
+    print(f"{'layout':<16}{'early':<8}{'certified':<10}{'batch':>8}{'median s':>10}{'x resident':>12}"
+          f"{'early users':>14}")
     for r in runs:
-        print(f"{r['layout']:<16}{r['early']:<8}{r['certified_exact']:<10}{r['median_s']:>10.3f}"
+        print(f"{r['layout']:<16}{r['early']:<8}{r['certified_exact']:<10}{r['batch_size']:>8}{r['median_s']:>10.3f}"
               f"{r['median_s'] / base:>12.2f}{r['early_users']:>14,}")
     if args.json:
         args.json.write_text(json.dumps({"resident_s": resident, "resident_by_route": resident_by_route,
