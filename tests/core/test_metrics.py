@@ -210,13 +210,35 @@ def test_l2_centre_only_far_from_the_origin():
     far = near + np.float32(300.0)
     c = metrics.l2_centre(far)
     assert c is not None and c.dtype == np.float32 and c.shape == (8,)
-    np.testing.assert_allclose(c, far.astype(np.float64).mean(axis=0), atol=0.07)
-    # At most 12 significant bits a coordinate: 300.x steps by 2^-3, so an integer minus it stays exact.
-    np.testing.assert_array_equal(c * 8, np.round(c * 8))
+    # Each coordinate within half its quantum of the mean: the largest power of two not above its spread.
+    rows = far.astype(np.float64)
+    quantum = np.exp2(np.floor(np.log2(rows.std(axis=0))))
+    assert (np.abs(c - rows.mean(axis=0)) <= quantum / 2).all()
+    np.testing.assert_array_equal(c / quantum, np.round(c / quantum))
     assert metrics.l2_centre(np.zeros((0, 8), np.float32)) is None
     bad = far.copy()
     bad[3, 2] = np.nan
     assert metrics.l2_centre(bad) is None  # the engine's checks name the row
+
+
+@pytest.mark.parametrize("offset", [3e3, 1e5, 1e6, 1e7, 3e7])
+def test_l2_centre_keeps_integer_data_far_from_the_origin_integer_valued(offset):
+    # Small integers around the offset: the centre is an integer (each coordinate's spread is about 2), so the
+    # centred vectors are the small integers again, and their distances exact in float32 whatever the offset (a
+    # centre rounded to 12 significant bits left 10^7 about 1,200 from it: every list of a search wrong).
+    rng = np.random.default_rng(10)
+    items = (rng.integers(-3, 4, (2000, 16)) + offset).astype(np.float32)
+    c = metrics.l2_centre(items)
+    np.testing.assert_array_equal(c, np.round(c))
+    assert np.abs(c.astype(np.float64) - offset).max() <= 1
+    np.testing.assert_array_equal((items - c).astype(np.float64), items.astype(np.float64) - c.astype(np.float64))
+
+
+def test_l2_centre_of_a_coordinate_every_row_holds_alike_is_that_value():
+    items = np.full((100, 3), 5e6, np.float32)
+    items[:, 0] += np.arange(100, dtype=np.float32) % 7
+    c = metrics.l2_centre(items)
+    assert c[1] == c[2] == np.float32(5e6)
 
 
 def test_l2_centre_is_taken_from_the_first_rows_only():

@@ -485,6 +485,21 @@ def test_l2_items_whose_norm_overflows_are_refused_at_construction(device, make_
     Engine(items, metric="ip", device=device)  # under ip the bound is the product with each user's norm
 
 
+@pytest.mark.parametrize("offset", [3e3, 1e6, 1e7])
+def test_l2_far_from_the_origin_is_exact_on_small_integers(device, offset):
+    # Vectors at `offset` + small integers: their distances are small integers, exact in float32 once the centre is
+    # taken off; each user's list and scores are the float64 oracle's, ties by row. (At 10^7 a centre rounded to 12
+    # significant bits left the vectors ~1,200 from it, where float32's products lost the distances: every list wrong.)
+    rng = np.random.default_rng(10)
+    items = (rng.integers(-3, 4, (2000, 16)) + offset).astype(np.float32)
+    users = (rng.integers(-3, 4, (150, 16)) + offset).astype(np.float32)
+    res = Engine(items, metric="l2", device=device).search(users, 7)
+    dist = ((users.astype(np.float64)[:, None, :] - items.astype(np.float64)[None]) ** 2).sum(axis=2)
+    want = np.argsort(dist, axis=1, kind="stable")[:, :7]
+    np.testing.assert_array_equal(as_numpy(res.indices), want)
+    np.testing.assert_array_equal(as_numpy(res.scores), -np.take_along_axis(dist, want, axis=1))
+
+
 def test_ids_of_wrong_length(device, make_normal):
     _, items = make_normal(1, 5, 4, seed=26)
     with pytest.raises(InputError, match="expected 5 ids"):
