@@ -11,6 +11,11 @@ import pytest
 
 import oracle
 from recall import Engine
+from threadpoolctl import threadpool_limits
+
+from recall import EngineOptions
+from recall.backends.numpy import backend as numpy_backend
+from recall.backends.numpy import ordered
 from recall.backends.numpy.backend import SMALL_PRODUCT, NumpyBackend
 from recall.backends.numpy.ordered import ordered_dots, ordered_products
 
@@ -138,3 +143,77 @@ def test_one_user_search_is_certified_or_searched_again_with_the_ordered_sums():
     assert engine.stats["one_user"] == "ordered"
     np.testing.assert_array_equal(res.indices[0], where[:25])
     assert (res.scores[0] == res.scores[0, 0]).all()
+
+
+def _blas_depth() -> int:
+    numpy_backend._deeper_than_blas_panels(ordered.PROBED_FROM + 1)  # probed once, at one BLAS thread
+    return numpy_backend._blas_depth
+
+
+def _blocked(users: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """users (n, D) @ items (w, D).T as one product of BLAS's blocked kernels at one thread (rows repeated up to a
+    product no other kernel takes)."""
+    n, w, dim = users.shape[0], items.shape[0], users.shape[1]
+    reps = -(-ordered.blocked_rows(n, max(w, 2), dim) // n)
+    wide = np.concatenate([items, np.zeros((max(0, 2 - w), dim), np.float32)])  # one column: NumPy's matrix-vector
+    with threadpool_limits(1, "blas"):
+        return np.matmul(np.concatenate([users] * reps), wide.T)[:n, :w]
+
+
+@pytest.mark.parametrize("dim", [300, 448, 449, 700])
+@pytest.mark.parametrize("shape", [(1, 300), (2, 64), (17, 64), (35, 32), (128, 8), (40, 100), (64, 1), (600, 300)])
+def test_every_product_is_the_cpu_score_whatever_its_shape(dim, shape):
+    # OpenBLAS takes products of up to 1,200 scores (rows x items) and 10^6 multiply-adds to small-matrix kernels
+    # whose sums are not the blocked kernels' (17 users x 64 items x 300 dimensions among them), and sums products
+    # deeper than its panels panel by panel (448 dimensions here): every product is the ordered sums up to the probed
+    # depth, and BLAS's blocked sums at one thread beyond, whatever its rows and items.
+    n, w = shape
+    rng = np.random.default_rng(n * w + dim)
+    users = (rng.standard_normal((n, dim)) * np.exp2(rng.integers(-6, 6, (n, dim)))).astype(np.float32)
+    items = rng.standard_normal((w, dim)).astype(np.float32)
+    out = np.empty((1, n, w), np.float32)
+    NumpyBackend().gemm_strided_batched(users[None], items[None], out)
+    if dim <= _blas_depth():
+        want = ordered_dots(users, np.broadcast_to(items, (n, w, dim)))
+    else:
+        want = _blocked(users, items)
+    np.testing.assert_array_equal(out[0], want)
+
+
+def test_blas_depth_is_where_blas_stops_summing_in_order():
+    depth = _blas_depth()
+    assert ordered.PROBED_FROM <= depth <= ordered.DEPTH_CAP
+    with threadpool_limits(1, "blas"):
+        assert ordered._blas_equals_ordered(depth)
+        if depth < ordered.DEPTH_CAP:
+            assert not ordered._blas_equals_ordered(depth + 1)
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("dim", [520, 1025])
+def test_wide_rows_score_alike_in_a_block_alone_rescored_and_certified(metric, dim):
+    # Rows deeper than BLAS's panels: a block's scores (BLAS's panel sums), a user searched alone (the
+    # matrix-vector kernel re-scored), the re-scoring, the certified route and another tiling all give every item
+    # the same float32 score (before, only the first: 28 of 64 users' top 5 changed with the tiling at d = 512).
+    rng = np.random.default_rng(dim)
+    base = rng.standard_normal((1, dim)).astype(np.float32)
+    items = (base + 1e-3 * rng.standard_normal((300, dim))).astype(np.float32)
+    users = rng.standard_normal((40, dim)).astype(np.float32)
+    engine = Engine(items, metric=metric, device="cpu")
+    block = engine.search(users, 20)
+    for other in (Engine(items, metric=metric, device="cpu", options=EngineOptions(certified_exact="on")),
+                  Engine(items, metric=metric, device="cpu", options=EngineOptions(tiles=(7, 33, 1)))):
+        res = other.search(users, 20)
+        np.testing.assert_array_equal(res.indices, block.indices)
+        np.testing.assert_array_equal(res.scores, block.scores)
+    for u in (0, 13, 39):
+        alone = engine.search(users[u:u + 1], 20)
+        np.testing.assert_array_equal(alone.indices[0], block.indices[u])
+        np.testing.assert_array_equal(alone.scores[0], block.scores[u])
+    again = engine.rescore(users, [rng.permutation(300)[:150] for _ in range(40)], 300)
+    full = engine.search(users, 300)
+    for u in range(40):
+        score = dict(zip(full.indices[u].tolist(), full.scores[u].tolist()))
+        for r, v in zip(again.indices[u], again.scores[u]):
+            if r >= 0:
+                assert score[int(r)] == v

@@ -25,7 +25,7 @@ from ...core.tiling import TilePlan
 from .. import candidates, tiled
 from ..protocol import PASS_SHARE
 from . import heap
-from .ordered import ordered_dots, ordered_products
+from .ordered import PROBED_FROM, SMALL_OUTPUTS, blas_depth, blas_products, ordered_dots, ordered_products
 
 # Tilings `recall tune` tries on the CPU: score tiles (4 bytes a score) of 256 KiB - 4 MiB bracket a core's L2.
 _TUNE_USERS = (128, 256, 512, 1024)
@@ -91,16 +91,18 @@ def _memory_key(arr: np.ndarray) -> tuple:
 
 
 SMALL_PRODUCT = 1 << 18
-"""Products of one row (a user against its own candidates, a block's last user) or of at most this many
-multiply-adds (rows x items x dimensions) are summed by ``ordered.ordered_products``, larger ones by BLAS. Every
-score is then the same float32 sum of its user and item wherever it is computed (identical items score alike, and
-the tie rule holds between them; the re-scoring's scores are the search's): BLAS's blocked kernels add the
-dimensions in order, one FMA each, as the ordered products do, while its matrix-vector kernel (one row) and its
-small-matrix kernels (up to 32,768 multiply-adds, OpenBLAS 0.3.31 on the development machine) sum in an order that
-depends on the item's place in the product (docs/reference.md, "Scores"). The bound is 8 times that; the ordered
-kernel runs at about 3.9 G multiply-adds a second on a core of the development machine, against BLAS's
-matrix-vector kernel's 12 G and its blocked kernels' more (``scripts/lab/cpu_sums.py``). A search of one user takes
-the matrix-vector kernel and re-scores what it keeps (``NumpyBackend._one_user``)."""
+"""Products of one row (a user against its own candidates, a block's last user), of at most this many multiply-adds
+(rows x items x dimensions) or of at most ``ordered.SMALL_OUTPUTS`` scores are summed by
+``ordered.ordered_products``, larger ones by BLAS. Every score is then the same float32 sum of its user and item
+wherever it is computed (identical items score alike, and the tie rule holds between them; the re-scoring's scores
+are the search's): BLAS's blocked kernels add the dimensions in order, one FMA each, as the ordered products do (up
+to the depth of their panels: ``ordered.blas_depth``; deeper rows take BLAS's blocked sums everywhere,
+``ordered.blas_products``), while its matrix-vector kernel (one row) and its small-matrix kernels (OpenBLAS 0.3.31 on
+the development machine: products of up to 1,200 scores and 10^6 multiply-adds, and of up to 32,768 multiply-adds)
+sum in an order that depends on the item's place in the product (docs/reference.md, "Scores"). The ordered kernel
+runs at about 3.9 G multiply-adds a second on a core of the development machine, against BLAS's matrix-vector
+kernel's 12 G and its blocked kernels' more (``scripts/lab/cpu_sums.py``). A search of one user takes the
+matrix-vector kernel and re-scores what it keeps (``NumpyBackend._one_user``)."""
 ONE_USER_MARGIN = 16
 """Items a search of one user keeps beyond k from its matrix-vector scores, re-scored with the ordered sums
 (``NumpyBackend._one_user``)."""
@@ -204,6 +206,33 @@ def _one_blas_thread() -> Any:
             if _limit_users == 0:
                 limiter, _limiter = _limiter, None
                 limiter.restore_original_limits()
+
+
+_blas_depth: int | None = None  # ordered.blas_depth() at one BLAS thread, once probed
+
+
+def _deeper_than_blas_panels(dim: int) -> bool:
+    """Whether products of ``dim`` dimensions are deeper than BLAS's panels at one thread (``ordered.blas_depth``,
+    probed once, at one thread as the searches run BLAS)."""
+    global _blas_depth
+    if _blas_depth is None:
+        with _one_blas_thread():
+            _blas_depth = blas_depth()
+    return dim > _blas_depth
+
+
+def _cpu_dots(users: np.ndarray, vecs: np.ndarray) -> np.ndarray:
+    """Each user's scores with its own vectors, as the search scores them: users (n, D), vecs (n, w, D) float32 ->
+    (n, w) float32; the ordered sums, or above BLAS's panel depth its blocked kernels' at one thread."""
+    dim = int(vecs.shape[-1])
+    if dim <= PROBED_FROM or not _deeper_than_blas_panels(dim):
+        return ordered_dots(users, vecs)
+    n, w, _ = vecs.shape
+    out = np.empty((n, 1, w), np.float32)
+    with _one_blas_thread():
+        blas_products(np.ascontiguousarray(users, np.float32)[:, None, :], np.ascontiguousarray(vecs, np.float32),
+                      out)
+    return out.reshape(n, w)
 
 
 def _after_fork_in_child() -> None:
@@ -440,7 +469,7 @@ class NumpyBackend:
         seed = self._seed(plan, items, n_items, wide, options)
         tiled.run_blocks_threaded(_MatrixVector(self), plan, users, items, n_items, wide, excl, vals, rows, seed)
         kept = rows[0][rows[0] >= 0]
-        exact = ordered_dots(users, np.ascontiguousarray(items[kept])[None])
+        exact = _cpu_dots(users, np.ascontiguousarray(items[kept])[None])
         best_vals, best_rows = keys.select(np, exact, kept[None], k)
         if kept.size == wide:  # else every item the user may get was kept: nothing left out
             dim = int(users.shape[1])
@@ -535,7 +564,7 @@ class NumpyBackend:
         vals = np.full((n, k), -np.inf, dtype=np.float32)
         out = np.full((n, k), -1, dtype=np.int64)
         candidates.rescore_gemm(self, users, items, indptr, self.asarray(rows), k, budget, vals, out,
-                                ordered_dots if ordered else None)
+                                _cpu_dots if ordered else None)
         return vals, out, "gemm"
 
     def fast_users(self, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
@@ -571,7 +600,12 @@ class NumpyBackend:
             # Fast mode's arithmetic, emulated: float16 inputs, exact products, float32 accumulation.
             users, items = users.astype(np.float32), items.astype(np.float32)
         rows, width, dim = users.shape[-2], items.shape[-2], items.shape[-1]
-        if rows == 1 or rows * width * dim <= SMALL_PRODUCT:
+        if dim > PROBED_FROM and _deeper_than_blas_panels(dim):
+            # Deeper than BLAS's panels: its blocked kernels' sums for every product (docs/reference.md, "Scores"),
+            # at one thread, as a search runs them (how OpenBLAS splits the dimensions depends on its threads).
+            with _one_blas_thread():
+                blas_products(users, items, out)
+        elif rows == 1 or rows * width * dim <= SMALL_PRODUCT or rows * width <= SMALL_OUTPUTS:
             ordered_products(users, items, out)
         else:
             np.matmul(users, items.transpose(0, 2, 1), out=out)

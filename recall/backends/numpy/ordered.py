@@ -1,6 +1,13 @@
 """The fused exact kernel's float32 sums on the CPU: ``fma(u_0, v_0, 0)``, then ``fma(u_d, v_d, s)`` for every
 further dimension in order, each rounded once to float32 (round to nearest even), as ``fmaf`` does.
 
+Up to its panel depth, that is: BLAS's blocked kernels keep the dimensions of one panel in one accumulator, and a
+product of more dimensions than a panel holds (448 with OpenBLAS 0.3.31 on an AVX-512 Xeon) is summed panel by
+panel, each panel's sum added to the score. :func:`blas_depth` finds that depth; above it the CPU scores every
+product with BLAS's blocked kernels (:func:`blas_products`: rows padded where BLAS would take another
+kernel), so that every score is still one float32 sum of its user and item wherever it is computed (then not the
+GPU's in-order sum: the last bits may differ).
+
 Compiled by numba around LLVM's ``llvm.fma.f32`` (a fused multiply-add, correctly rounded on every target: the
 processor's instruction where it has one). These are the sums of the GPU's fused kernel (``kernels/fused.cu``'s
 ``RecallDotTile``) bit for bit, and of BLAS's matrix products on the CPU where a product is large enough for its
@@ -83,3 +90,68 @@ def ordered_dots(users: np.ndarray, vecs: np.ndarray) -> np.ndarray:
     out = np.empty((n, 1, w), np.float32)
     ordered_products(np.ascontiguousarray(users, np.float32)[:, None, :], np.ascontiguousarray(vecs, np.float32), out)
     return out.reshape(n, w)
+
+
+PROBED_FROM = 128
+"""Products of at most this many dimensions are taken to be the ordered sums where BLAS's blocked kernels compute
+them (``tests/backends/test_cpu_sums.py`` holds any BLAS to it); :func:`blas_depth` probes above."""
+DEPTH_CAP = 8192
+"""The deepest product :func:`blas_depth` probes."""
+BLOCKED_PRODUCT = 1 << 20
+"""Multiply-adds above which a product of two or more rows and more than SMALL_OUTPUTS scores takes BLAS's blocked
+kernels (OpenBLAS's small-matrix kernels take products of up to 10^6)."""
+SMALL_OUTPUTS = 2048
+"""Scores (rows x items) up to which BLAS may take a product to its small-matrix kernels whatever the multiply-adds
+(OpenBLAS 0.3.31 on an AVX-512 Xeon: up to 1,200 scores of at least 32 dimensions, whose sums depend on the item's
+place in the product)."""
+
+
+def blocked_rows(n: int, w: int, dim: int) -> int:
+    """Rows that a product of ``n`` rows against ``w`` items of ``dim`` dimensions needs for BLAS's blocked kernels:
+    ``n`` itself where it is blocked already, else more (zero rows padded)."""
+    return max(2, n, -(-(BLOCKED_PRODUCT + 1) // max(1, w * dim)), -(-(SMALL_OUTPUTS + 1) // max(1, w)))
+
+
+def _blas_equals_ordered(dim: int) -> bool:
+    """Whether BLAS's blocked product of 64 items of ``dim`` dimensions with enough rows is the ordered sums, bit for
+    bit (values of many exponents, so that another order of summation shows)."""
+    rng = np.random.default_rng(dim)
+    rows = blocked_rows(64, 64, dim)
+    users = (rng.standard_normal((1, rows, dim)) * np.exp2(rng.integers(-8, 8, (1, rows, dim)))).astype(np.float32)
+    items = (rng.standard_normal((1, 64, dim)) * np.exp2(rng.integers(-8, 8, (1, 64, dim)))).astype(np.float32)
+    by_blas = np.matmul(users, items.transpose(0, 2, 1))
+    ordered = np.empty_like(by_blas)
+    ordered_products(users, items, ordered)
+    return bool(np.array_equal(by_blas, ordered))
+
+
+def blas_depth() -> int:
+    """The most dimensions BLAS's blocked kernels sum in order (the ordered sums, bit for bit), between PROBED_FROM
+    and DEPTH_CAP, at the number of threads BLAS has now (OpenBLAS splits the dimensions by its threads too): a
+    bisection of 64 x 64 products, tens of milliseconds. ``NumpyBackend`` probes once, at the searches' one thread."""
+    if _blas_equals_ordered(DEPTH_CAP):
+        return DEPTH_CAP
+    lo, hi = PROBED_FROM, DEPTH_CAP  # equal at lo, not at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _blas_equals_ordered(mid) else (lo, mid)
+    return lo
+
+
+def blas_products(users, items, out) -> None:
+    """``out[t] = users[t or 0] @ items[t].T`` by BLAS's blocked kernels whatever the shape: users (1 or b, n, D),
+    items (b, w, D), out (b, n, w), float32. A product BLAS would give its matrix-vector or small-matrix kernels
+    (whose sums depend on the item's place in the product) is computed with zero rows padded up to a blocked one
+    (:func:`blocked_rows`; one item: two)."""
+    b, w, dim = items.shape
+    n = users.shape[1]
+    rows = blocked_rows(n, w, dim)
+    if rows == n and w >= 2:
+        np.matmul(users, items.transpose(0, 2, 1), out=out)
+        return
+    padded = np.zeros((users.shape[0], rows, dim), np.float32)
+    padded[:, :n] = users
+    if w < 2:
+        items = np.concatenate([items, np.zeros((b, 2 - w, dim), np.float32)], axis=1)
+    full = np.matmul(padded, items.transpose(0, 2, 1))
+    out[...] = full[:, :n, :w]
