@@ -17,6 +17,7 @@ from test_batch import K, _run, _write_job
 from recall.backends.placement import WorkerSlot
 from recall.core.errors import InputError
 from recall.jobs.batch import METRICS, SUCCESS, BatchProgress
+from recall.jobs.batch.outdir import MANIFEST
 from recall.jobs.executors.local import start_worker, stop_workers
 
 
@@ -97,3 +98,65 @@ def test_a_run_with_no_shard_to_score_does_not_read_the_exclusions(job: dict, tm
     assert reads == []
     (out / job["shards"][0][0].name).unlink()  # a shard to score again: the file is read, once
     assert _run(job, out, exclude=excl).shards_scored == 1 and reads == [str(excl)]
+
+
+def test_overwrite_removes_the_output_of_a_shard_the_manifest_lists_only_under_the_job(job: dict,
+                                                                                        tmp_path: Path) -> None:
+    """A kill between an output's rename and the manifest's update leaves the output listed under the job's shards
+    only; its shard then dropped, ``--overwrite`` called that output "not written by recall batch", left it in the
+    dataset and wrote ``_SUCCESS`` beside it."""
+    out = tmp_path / "out"
+    _run(job, out)
+    last = job["shards"][-1][0].name
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["outputs"][last]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / SUCCESS).unlink()
+    job["shards"][-1][0].unlink()
+    notices: list[str] = []
+    _run(job, out, overwrite=True, notice=notices.append)
+    assert not (out / last).exists() and (out / SUCCESS).exists()
+    assert not any("did not write" in n for n in notices)
+
+
+@pytest.mark.parametrize("edit", ["bytes", "outputs", "shards", "sha256"])
+def test_an_edited_manifest_is_refused_naming_it(job: dict, tmp_path: Path, edit: str) -> None:
+    """A manifest edited into another shape (an output without its size, outputs or shards as lists) crashed the
+    rerun with a TypeError or AttributeError traceback and exit 1, whose advice is to rerun."""
+    out = tmp_path / "out"
+    _run(job, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    first = job["shards"][0][0].name
+    if edit == "bytes":
+        del manifest["outputs"][first]["bytes"]
+    elif edit == "sha256":
+        manifest["outputs"][first]["sha256"] = 7
+    elif edit == "outputs":
+        manifest["outputs"] = []
+    else:
+        manifest["job"]["shards"] = list(manifest["job"]["shards"])
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match=r"_manifest\.json: cannot be read as a recall batch manifest.*--overwrite"):
+        _run(job, out)
+    assert _run(job, out, overwrite=True).shards_scored == len(job["shards"])
+
+
+def test_the_metrics_describe_every_shard_the_manifest_keeps(job: dict, tmp_path: Path) -> None:
+    """A shard recorded in the manifest but not in ``_metrics.json`` (a kill between the two writes; a metrics file
+    removed or damaged) was left out of the rerun's metrics; a finished job whose metrics were removed got none."""
+    out = tmp_path / "out"
+    _run(job, out)
+    names = sorted(p.name for p, _, _ in job["shards"])
+    (out / METRICS).unlink()
+    assert _run(job, out).shards_scored == 0
+    metrics = json.loads((out / METRICS).read_text())
+    assert sorted(metrics["shards"]) == names and metrics["job"]["status"] == "succeeded"
+    assert all(e["metrics_lost"] and e["rows"] == n for (p, _, n), e in
+               zip(sorted(job["shards"]), (metrics["shards"][nm] for nm in names)))
+    (out / METRICS).write_text("{not json")
+    (out / names[0]).unlink()  # one shard to score again, the others kept
+    assert _run(job, out).shards_scored == 1
+    metrics = json.loads((out / METRICS).read_text())
+    assert sorted(metrics["shards"]) == names
+    assert metrics["shards"][names[1]]["earlier_run"] and metrics["shards"][names[1]]["metrics_lost"]
+    assert "earlier_run" not in metrics["shards"][names[0]]

@@ -653,6 +653,10 @@ def _run_job(req: BatchRequest, shards: list[Shard], progress: BatchProgress, sa
         # Idempotent: nothing is rewritten, unless a kill landed between the last manifest update and _SUCCESS.
         if first_write is not None:
             first_write()
+        if first_write is None and outputs:  # a metrics file lost or damaged since: what the manifest says
+            outdir.complete_metrics(out / METRICS, outputs, {"shards_total": len(shards), "k": req.k,
+                                                              "metric": req.metric, "users_total": users_total},
+                                    _now())
         if not (out / SUCCESS).exists():
             atomic.write_json(out / MANIFEST, manifest)
             outdir.mark_succeeded(out / METRICS, _now())

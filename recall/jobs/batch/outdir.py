@@ -66,14 +66,38 @@ def read_manifest(path: Path, overwrite: bool) -> dict | None:
         return None
     try:
         old = json.loads(path.read_text())
-        if old.get("format") not in (FORMAT, *OLD_FORMATS) or not isinstance(old.get("job"), dict):
-            raise ValueError(f"format {old.get('format')!r}, expected {FORMAT!r}")
+        if not isinstance(old, dict) or old.get("format") not in (FORMAT, *OLD_FORMATS) or \
+                not isinstance(old.get("job"), dict):
+            raise ValueError(f"format {old.get('format') if isinstance(old, dict) else None!r}, expected {FORMAT!r}")
+        _check_sections(old)
         return old
     except (ValueError, OSError) as exc:
         if not overwrite:
             raise InputError(f"{path}: cannot be read as a recall batch manifest ({exc}); pass --overwrite to start "
                              f"this directory over") from None
         return {"job": {}, "outputs": {}}
+
+
+def _check_sections(old: dict) -> None:
+    """ValueError where a manifest's sections are not what a run writes (an edited or damaged file): the shards and
+    the outputs as objects by name, each output with its integer size and its sha256."""
+    shards, outputs = old["job"].get("shards", {}), old.get("outputs", {})
+    if not isinstance(shards, dict) or not all(isinstance(e, dict) for e in shards.values()):
+        raise ValueError("its job's shards are not an object of shard fingerprints")
+    if not isinstance(outputs, dict):
+        raise ValueError("its outputs are not an object of output entries")
+    for name, entry in outputs.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+                and isinstance(entry.get("sha256"), str)):
+            raise ValueError(f"its output entry of {name!r} has no integer bytes and sha256")
+
+
+def previous_names(old: dict | None) -> set[str]:
+    """The files a manifest's job wrote or would write: its outputs and its shards' (an output is named after its
+    shard; a kill between an output's rename and the manifest's update leaves it listed under the shards only)."""
+    if not old:
+        return set()
+    return set(old.get("outputs", {})) | set(old.get("job", {}).get("shards") or {})
 
 
 def describe_difference(old: dict, new: dict) -> str:
@@ -162,9 +186,10 @@ def kept_outputs(out_dir: Path, old: dict, names: set[str], say: Callable[[str],
 
 def foreign_files(out_dir: Path, old: dict | None, names: set[str]) -> list[str]:
     """Files in the directory that neither this job nor the manifest's job would write."""
+    earlier = previous_names(old)
     return sorted(p.name for p in out_dir.iterdir()
                   if p.name not in OWN_NAMES and not atomic.TMP_NAME.match(p.name)
-                  and (old is None or p.name not in old.get("outputs", {})) and p.name not in names)
+                  and p.name not in earlier and p.name not in names)
 
 
 def start_over(out_dir: Path, old: dict | None, names: set[str], foreign: list[str], label: str,
@@ -173,7 +198,7 @@ def start_over(out_dir: Path, old: dict | None, names: set[str], foreign: list[s
     # _SUCCESS goes first: from here on the directory is not a finished dataset. The old manifest goes last, so a
     # kill in between leaves a directory that the same --overwrite command starts over again.
     atomic.remove(out_dir / SUCCESS)
-    for name in sorted(set(names) | set((old or {}).get("outputs", {}))):
+    for name in sorted(set(names) | previous_names(old)):
         atomic.remove(out_dir / name)
     atomic.remove(out_dir / METRICS)
     atomic.remove(out_dir / MANIFEST)
@@ -214,13 +239,42 @@ def remove_leftovers(out_dir: Path) -> list[tuple[str, int]]:
 
 def earlier_shard_metrics(path: Path, kept: dict[str, dict]) -> dict[str, dict]:
     """The previous ``_metrics.json`` entries of the shards a resumed run keeps, marked ``"earlier_run": true``, so
-    the file still describes every shard of the job."""
+    the file still describes every shard of the job. A kept shard the file does not describe (a kill between the
+    manifest's update and the metrics', a metrics file removed or damaged) gets what the manifest says of its output,
+    marked ``"metrics_lost": true``."""
     try:
         shards = json.loads(path.read_text()).get("shards", {})
+        if not isinstance(shards, dict):
+            shards = {}
     except (OSError, ValueError, AttributeError):
-        return {}
-    return {name: {**entry, "earlier_run": True} for name, entry in shards.items()
-            if name in kept and isinstance(entry, dict)}
+        shards = {}
+    out = {}
+    for name, entry in kept.items():
+        if isinstance(shards.get(name), dict):
+            out[name] = {**shards[name], "earlier_run": True}
+        else:
+            out[name] = {**{key: entry.get(key) for key in ("rows", "device", "batch_size", "memory_budget")},
+                         "earlier_run": True, "metrics_lost": True}
+    return out
+
+
+def complete_metrics(path: Path, kept: dict[str, dict], job: dict, finished_at: str) -> None:
+    """A finished job's ``_metrics.json`` where a rerun has nothing to score: left as it is where it describes every
+    kept shard; else those it misses added (:func:`earlier_shard_metrics`), or, where it is missing or cannot be
+    read, written again from ``job`` (the job's totals) and the manifest, marked ``"metrics_rebuilt": true``."""
+    try:
+        metrics = json.loads(path.read_text())
+        readable = isinstance(metrics, dict) and isinstance(metrics.get("job"), dict) and \
+            isinstance(metrics.get("shards"), dict)
+    except (OSError, ValueError):
+        readable = False
+    if readable and all(name in metrics["shards"] for name in kept):
+        return
+    if not readable:
+        metrics = {"job": {**job, "status": "succeeded", "finished_at": finished_at, "metrics_rebuilt": True},
+                   "workers": [], "shards": {}}
+    metrics["shards"] = {**earlier_shard_metrics(path, kept), **metrics["shards"]}
+    atomic.write_json(path, metrics)
 
 
 def mark_succeeded(path: Path, finished_at: str) -> None:
