@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -160,3 +161,37 @@ def test_the_metrics_describe_every_shard_the_manifest_keeps(job: dict, tmp_path
     assert sorted(metrics["shards"]) == names
     assert metrics["shards"][names[1]]["earlier_run"] and metrics["shards"][names[1]]["metrics_lost"]
     assert "earlier_run" not in metrics["shards"][names[0]]
+
+
+@pytest.mark.parametrize("change", ["dimension", "id_type", "folder"])
+def test_shards_refused_as_a_whole_withdraw_the_outputs_of_those_that_changed(job: dict, tmp_path: Path,
+                                                                              change: str) -> None:
+    """Shards regenerated in place and then refused as a whole (every shard of another dimension than the items, a
+    shard of string ids among integer ones, a shard that became a folder) left their outputs, computed from vectors
+    that are gone, and ``_SUCCESS`` in --out: a reader took yesterday's candidates of today's users. The one shard
+    changed alone was already withdrawn (its output removed before it is scored again)."""
+    from parquet_data import write_embeddings
+
+    out = tmp_path / "out"
+    _run(job, out)
+    names = [p.name for p, _, _ in job["shards"]]
+    first, start, n = job["shards"][0]
+    if change == "dimension":
+        for path, s0, m in job["shards"]:
+            write_embeddings(path, job["user_ids"][s0:s0 + m], np.ones((m, 3), np.float32))
+        changed = names
+    elif change == "id_type":
+        write_embeddings(first, [f"u{i}" for i in job["user_ids"][start:start + n]], job["user_vecs"][start:start + n],
+                         id_array=pa.array([f"u{i}" for i in job["user_ids"][start:start + n]], pa.string()))
+        changed = names[:1]
+    else:
+        first.unlink()
+        first.mkdir()
+        (first / "part-0.parquet").write_bytes(b"")
+        changed = names[:1]
+    notices: list[str] = []
+    with pytest.raises(InputError):
+        _run(job, out, notice=notices.append)
+    assert not (out / SUCCESS).exists()
+    assert sorted(p.name for p in out.glob("*.parquet")) == sorted(set(names) - set(changed))
+    assert len([m for m in notices if "its output is removed" in m]) == len(changed)

@@ -47,7 +47,7 @@ from ..summary import unknown_id_warnings
 from . import outdir
 from .exclusions import ExclusionFiles, ExclusionRead
 from .outdir import MANIFEST, METRICS, SUCCESS
-from .shards import Shard, discover_shards, fingerprint_all, inspect_shards
+from .shards import Shard, discover_shards, fingerprint, fingerprint_all, inspect_shards
 from .worker import JobSpec, ShardResult, ShardTask, WorkerInfo
 
 log = logging.getLogger("recall")
@@ -449,7 +449,11 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
     req = _request(users, items, out_dir, k, metric, exclude, id_col, vec_col, device, gpus, workers, engine,
                    ray_address, overwrite, batch_size, memory_budget, options, after_batch, allow, deny,
                    item_shards)
-    files = discover_shards(users)
+    try:
+        files = discover_shards(users)
+    except InputError:
+        _withdraw_changed(req, None, say)
+        raise
     # Cheap checks first (footers only), so that a typo costs no item read and touches no output.
     items_info = inspect_embeddings(req.items_path, id_col, vec_col)
     if items_info.n_rows == 0:
@@ -462,7 +466,11 @@ def run_batch(users: str | os.PathLike, items: str | os.PathLike, out_dir: str |
     for path, what in ((req.allow_path, "allow"), (req.deny_path, "deny")):
         if path is not None:
             inspect_item_set(path, what)
-    shards = inspect_shards(files, id_col, vec_col, items_info.dim, req.items_path)
+    try:
+        shards = inspect_shards(files, id_col, vec_col, items_info.dim, req.items_path)
+    except InputError:
+        _withdraw_changed(req, files, say)
+        raise
     if not allow_empty and all(s.error is None for s in shards) and sum(s.rows for s in shards) == 0:
         raise InputError(f"{req.users}: every shard is empty ({len(shards)} shard{'s' if len(shards) != 1 else ''}, "
                          f"0 users), so the job would publish only empty candidate files; pass --allow-empty "
@@ -519,6 +527,43 @@ def _request(users: Any, items: Any, out_dir: Any, k: Any, metric: str, exclude:
         options=options or DEFAULT_JOB_OPTIONS, after_batch=after_batch,
         allow_path=os.fspath(allow) if allow is not None else None,
         deny_path=os.fspath(deny) if deny is not None else None, item_shards=item_shards)
+
+
+def _withdraw_changed(req: BatchRequest, files: list[Path] | None, say: Callable[[str], None]) -> None:
+    """The shards refused as a whole (shards of two id types, every shard of another dimension than the items, a
+    shard that became a folder): where ``--out`` holds this job's output, the outputs of the shards that changed
+    since they were computed go, and ``_SUCCESS`` first, as a resume would remove them (the directory must not serve
+    candidates of vectors that are gone); the rest stays as it was. Nothing where another job holds the lock, or the
+    manifest cannot be read. ``files``: today's shards (None: the shards' names under a ``--users`` folder)."""
+    out = req.out
+    if not (out / MANIFEST).is_file():
+        return
+    try:
+        with outdir.lock(out):
+            old = outdir.read_manifest(out / MANIFEST, overwrite=False)
+            recorded = old["job"].get("shards") or {}
+            if files is not None:
+                paths = {f.name: str(f) for f in files}
+            elif Path(req.users).is_dir():
+                paths = {name: str(Path(req.users) / name) for name in recorded}
+            else:
+                return
+            changed = {}
+            for name, before in recorded.items():
+                if name in paths and os.path.lexists(paths[name]):
+                    now = fingerprint(paths[name], strict=False)
+                    if any(now.get(key) != before.get(key) for key in ("size", atomic.CONTENT_HASH)):
+                        changed[name] = outdir.describe_change(before, now)
+            if not changed:
+                return
+            atomic.remove(out / SUCCESS)
+            for name, what in sorted(changed.items()):
+                if (out / name).exists():
+                    atomic.remove(out / name)
+                    say(f"{paths[name]}: the shard changed since its output was computed ({what}); its output is "
+                        f"removed, with {SUCCESS}, before the job stops")
+    except (InputError, OSError):
+        return  # another job holds the directory, or it cannot be read: it stays as it is
 
 
 def _prepare_out_dir(req: BatchRequest, shards: list[Shard]) -> None:
