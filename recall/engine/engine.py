@@ -169,7 +169,11 @@ class Engine:
             vec = np.asarray(centre)
             if vec.shape != (dim,) or vec.dtype.kind not in "fiu" or not np.isfinite(vec).all():
                 raise InputError(f"l2_centre: expected {dim} finite numbers, got shape {vec.shape} of {vec.dtype}")
-            self.l2_centre = vec.astype(np.float32)
+            with np.errstate(over="ignore"):
+                self.l2_centre = vec.astype(np.float32)
+            if not np.isfinite(self.l2_centre).all():
+                raise InputError(f"l2_centre: coordinate {int(np.flatnonzero(~np.isfinite(self.l2_centre))[0])} is "
+                                 f"beyond the float32 range")
         self._centre_on = None if self.l2_centre is None else self.backend.xp.asarray(self.l2_centre)
 
     def centred(self, xp: Any, vecs: Any) -> Any:

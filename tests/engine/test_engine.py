@@ -884,3 +884,9 @@ def test_search_async_equals_search_with_several_queued(device, metric, make_nor
         assert p.result() is p.result()
     with pytest.raises(InputError, match="k must be"):
         engine.search_async(users, 0)
+
+
+def test_an_l2_centre_beyond_float32_is_refused_naming_it(device, make_normal):
+    _, items = make_normal(1, 6, 4, seed=25)
+    with pytest.raises(InputError, match="l2_centre: coordinate 0 is beyond the float32 range"):
+        Engine(items, metric="l2", device=device, l2_centre=np.full(4, 1e39))
