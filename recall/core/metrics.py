@@ -108,6 +108,8 @@ CENTRE_ROWS = 4096
 #: origin are centred under l2: there the float32 products u·v and |v|²/2 are that ratio squared times larger than
 #: the distances that tell the items apart, and lose their digits (at 1,000 times, every list is wrong).
 FAR = 8.0
+
+
 def l2_centre(items: np.ndarray) -> np.ndarray | None:
     """The point ``l2`` subtracts from items and users before scoring, from the first CENTRE_ROWS rows of host
     ``items`` (n, dim): their mean, where it lies more than FAR times the rows' spread from the origin; None where it

@@ -81,7 +81,7 @@ def read_manifest(path: Path, overwrite: bool) -> dict | None:
 def _check_sections(old: dict) -> None:
     """ValueError where a manifest's sections are not what a run writes (an edited or damaged file): the shards and
     the outputs as objects by name, each output with its integer size and its sha256."""
-    shards, outputs = old["job"].get("shards", {}), old.get("outputs", {})
+    shards, outputs = old["job"].get("shards") or {}, old.get("outputs", {})
     if not isinstance(shards, dict) or not all(isinstance(e, dict) for e in shards.values()):
         raise ValueError("its job's shards are not an object of shard fingerprints")
     if not isinstance(outputs, dict):
