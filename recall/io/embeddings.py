@@ -322,7 +322,7 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
         lengths, NaN/Inf, float64 values beyond float32, duplicate ids, no rows when ``allow_empty`` is False.
     """
     path = os.fspath(path)
-    pf = open_parquet(path, "embeddings", whole=True)
+    pf = open_parquet(path, "embeddings")
     id_type, fixed_dim = check_columns(pf, path, id_col, vec_col)
     n_rows = pf.metadata.num_rows
     if n_rows == 0 and not allow_empty:
@@ -435,7 +435,7 @@ def read_embedding_rows(path: str | os.PathLike, start: int, stop: int, id_col: 
         As :func:`read_embeddings`, naming the file, row and id; a range outside the file.
     """
     path = os.fspath(path)
-    pf = open_parquet(path, "embeddings", whole=True)
+    pf = open_parquet(path, "embeddings")
     id_type, fixed_dim = check_columns(pf, path, id_col, vec_col)
     n_rows = pf.metadata.num_rows
     if not 0 <= start <= stop <= n_rows:

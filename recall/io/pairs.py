@@ -223,14 +223,20 @@ def distinct_users(path: str | os.PathLike, want_strings: bool) -> np.ndarray:
     users file (the batch job's exclusions, cut per shard). An unreadable file or a type mismatch gives no keys:
     :func:`read_pairs` then reads the file again and names the problem (file, row, column)."""
     empty = np.zeros(0, object if want_strings else np.int64)
+    # Batch by batch, each batch's distinct ids kept: the column is never held whole (10^9 pairs at night).
+    parts = []
     try:
-        col = pq.read_table(os.fspath(path), columns=["user_id"], page_checksum_verification=True) \
-            .column("user_id").combine_chunks()
-    except (pa.ArrowException, OSError, KeyError):
+        pf = open_parquet(path, "exclusion")
+        for batch in pf.iter_batches(batch_size=1 << 20, columns=["user_id"], use_threads=True):
+            col = batch.column(0)
+            if pa.types.is_dictionary(col.type):
+                col = col.dictionary_decode()
+            parts.append(pc.unique(col.drop_null()))
+    except (pa.ArrowException, OSError, KeyError, ValueError, InputError):
         return empty
-    if pa.types.is_dictionary(col.type):
-        col = col.dictionary_decode()
-    col = pc.unique(col.drop_null())
+    if not parts:
+        return empty
+    col = pc.unique(pa.chunked_array(parts).combine_chunks())
     t = col.type
     if want_strings and is_text(t):
         col = as_text(col)

@@ -59,7 +59,7 @@ from .summary import JobSummary
 #: being written): bounds the automatic batch size, so that a large k gets smaller batches.
 INFLIGHT_BYTES = 512 << 20
 _MAX_BATCH = 65_536
-_MIN_BATCH = 256
+_MIN_BATCH = 16  # a batch of k = 50,000 results holds 1.6 MB a user: the bound holds to k of about 200,000
 
 #: ``progress(done_users, total_users)``; called from the writer thread after each batch is handed to the Parquet
 #: writer (whose encoding threads may still hold the last few).
@@ -419,6 +419,10 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
         pool.shutdown(wait=True)
     start_s = time.perf_counter() - spec.t_start
     item_read_s += time.perf_counter() - t0
+    # The engine holds its own copy of the vectors: the file's go now (a second catalogue in host memory for the
+    # whole job otherwise); the ids stay, for the writer.
+    item_ids = items.ids
+    del items
     batch_size = batch_size or auto_batch_size(k, engine.dim)
     excl = side.excl
 
@@ -435,8 +439,8 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
         batches = user_batches(spec.users_path, batch_size, spec.id_col, spec.vec_col, engine.dim, metric,
                                spec.dim_source)
     try:
-        with CandidateWriter(spec.out, _id_type(user_ids), _id_type(items.ids), spec.compression) as writer:
-            output = _Output(writer, items.ids, int(user_ids.size), spec.progress)
+        with CandidateWriter(spec.out, _id_type(user_ids), _id_type(item_ids), spec.compression) as writer:
+            output = _Output(writer, item_ids, int(user_ids.size), spec.progress)
             stream = run_stream(batches, query, lambda batch, res: output.write(batch.ids, res), overlap=overlap,
                                 first=first, read_all=started is not None and started.users_done)
             output.check_complete()
@@ -484,6 +488,8 @@ def _score_interests(spec: _Spec, aggregate: str) -> JobSummary:
     items, engine, _ = load_engine(spec.items_path, spec.id_col, spec.vec_col, spec.metric, spec.backend,
                                    spec.memory_budget, "exact", spec.options.engine,
                                    item_memory=spec.options.item_memory)
+    item_ids = items.ids  # the engine holds its own copy of the vectors
+    del items
     users = read_interest_users(spec.users_path, spec.id_col, spec.vec_col, dim=engine.dim,
                                 dim_source=spec.dim_source)
     if spec.metric == "cosine" and users.vectors.shape[0]:
@@ -493,7 +499,7 @@ def _score_interests(spec: _Spec, aggregate: str) -> JobSummary:
             user = int(np.searchsorted(users.indptr, pos, side="right") - 1)
             raise InputError(f"{spec.users_path}: row {int(users.file_rows[pos])} (id {fmt_id(users.ids[user])}) has "
                              f"a zero vector, which has no direction for metric 'cosine'")
-    side = _read_side(spec, users.ids, items.ids)
+    side = _read_side(spec, users.ids, item_ids)
     side.apply(engine)
     excl = side.excl
     read_s = time.perf_counter() - t0
@@ -511,8 +517,8 @@ def _score_interests(spec: _Spec, aggregate: str) -> JobSummary:
             raise
         return Done(res, engine.stats)
 
-    with CandidateWriter(spec.out, _id_type(users.ids), _id_type(items.ids), spec.compression) as writer:
-        output = _Output(writer, items.ids, n, spec.progress)
+    with CandidateWriter(spec.out, _id_type(users.ids), _id_type(item_ids), spec.compression) as writer:
+        output = _Output(writer, item_ids, n, spec.progress)
         stream = run_stream(_slices(n, batch), query, lambda span, res: output.write(users.ids[span[0]:span[1]], res))
         output.check_complete()
     return _summary(spec, "interests", engine, n, stream, read_s, start_s, batch, side,
@@ -571,17 +577,19 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     t0 = time.perf_counter()
     items, engine, _ = load_engine(spec.items_path, id_col, vec_col, metric, spec.backend, spec.memory_budget,
                                    options=spec.options.engine, item_memory=spec.options.item_memory)
+    item_ids = items.ids  # the engine holds its own copy of the vectors
+    del items
     users = read_embeddings(spec.users_path, id_col, vec_col)
     if len(users) and users.dim != engine.dim:
         raise InputError(f"{spec.users_path}: row 0 (id {fmt_id(users.ids[0])}) has dimension {users.dim}, expected "
                          f"{engine.dim} ({spec.dim_source})")
-    cands = read_pairs(candidates_path, users.ids, items.ids, what="candidate", sort_unique=False)
+    cands = read_pairs(candidates_path, users.ids, item_ids, what="candidate", sort_unique=False)
     if cands.n_pairs and cands.n_unknown == cands.n_pairs and len(users):
         # Every user would get an empty list: ids of another catalogue or users file, a mistake to stop on (an empty
         # users file, which got here with allow_empty, names nobody: its empty output is what was asked for).
         raise InputError(f"{candidates_path}: no candidate pair names a user of the users file and an item of the "
                          f"items file ({cands.n_pairs:,} pairs, all unknown): every user would get no candidates")
-    side = _read_side(spec, users.ids, items.ids)
+    side = _read_side(spec, users.ids, item_ids)
     side.apply(engine)
     present = np.flatnonzero(cands.named)  # a named user gets a (maybe empty) row of output
     if metric == "cosine" and present.size:
@@ -602,8 +610,8 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
             raise
         return Done(res, engine.stats)
 
-    with CandidateWriter(spec.out, _id_type(users.ids), _id_type(items.ids), spec.compression) as writer:
-        output = _Output(writer, items.ids, n, spec.progress)
+    with CandidateWriter(spec.out, _id_type(users.ids), _id_type(item_ids), spec.compression) as writer:
+        output = _Output(writer, item_ids, n, spec.progress)
         stream = run_stream(_slices(n, batch), query,
                             lambda span, res: output.write(users.ids[present[span[0]:span[1]]], res))
         output.check_complete()

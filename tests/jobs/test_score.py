@@ -169,7 +169,11 @@ def test_compression(tmp_path: Path, compression: str) -> None:
 def test_auto_batch_size_shrinks_with_k() -> None:
     assert auto_batch_size(10, 64) == 65_536
     assert auto_batch_size(1000, 64) < auto_batch_size(100, 64) <= 65_536
-    assert auto_batch_size(10**6, 64) == 256
+    assert auto_batch_size(10**6, 64) == 16
+    # The batches in flight (5 of them, 4 dim + 32 k bytes a user) stay within INFLIGHT_BYTES up to k = 200,000.
+    from recall.jobs.files import INFLIGHT_BYTES
+    for k in (1000, 13_000, 50_000, 200_000):
+        assert 5 * auto_batch_size(k, 64) * (4 * 64 + 32 * k) <= INFLIGHT_BYTES
 
 
 # ---- errors: raised before anything is published -----------------------------------------------------------------
