@@ -139,7 +139,7 @@ class Engine:
             if self.metric != "cosine":
                 norms = metrics.row_norms(xp, self.prepared_items[:, :self.dim])  # the vectors as scored
                 self.item_norm = float(norms.max())
-                inputs.check_item_norm(self.item_norm, self.metric, lambda: int(xp.argmax(norms)))
+                inputs.check_item_norm(self.item_norm, self.metric, lambda: int(xp.argmax(norms)), self.l2_centre)
             self._items = self.backend.load_items(self.prepared_items, metrics.norms_rank(self.metric))
         self.ids = inputs.item_ids(ids, self.n_items)
         self._fast: fast.FastState | None = None
@@ -465,7 +465,8 @@ class Engine:
         # Finiteness is checked from the rows' norms, with the overflow bound: one transfer from the device.
         users = inputs.matrix(self.backend, xp, user_vecs, "user_vecs", self.dim, finite=False)
         moved = self.centred(xp, users)
-        inputs.check_overflow(xp, metrics.row_norms(xp, moved), self.item_norm, self.metric, lambda r: f"row {r}")
+        inputs.check_overflow(xp, metrics.row_norms(xp, moved), self.item_norm, self.metric, lambda r: f"row {r}",
+                              centre=self.l2_centre)
         return xp, moved if centred else users, normalise(exclude, int(users.shape[0]), self.n_items)
 
     def check_users(self, user_vecs: Any) -> None:

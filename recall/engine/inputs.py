@@ -140,14 +140,21 @@ def _id_kind(ids: np.ndarray) -> str:
     return first
 
 
-def check_item_norm(item_norm: float, metric: str, row: Any = None) -> None:
+def check_item_norm(item_norm: float, metric: str, row: Any = None, centre: Any = None) -> None:
     """Refuse items whose own squared norm overflows the float32 arithmetic under ``l2`` (the prepared items hold
     -|v|²/2: it would be -inf, and every later search refused for its users); ``row()`` names the item of the
-    largest norm."""
+    largest norm. ``centre``: the l2 centre the norm is measured from (said in the message), or None."""
     if metric == "l2" and _score_bound(0.0, item_norm, metric) > SCORE_LIMIT:
         at = f"row {row()} " if row is not None else "an item "
-        raise InputError(f"item_vecs: {at}has norm {item_norm:.3g}: metric 'l2' scores could overflow float32; "
-                         f"rescale the vectors")
+        raise InputError(f"item_vecs: {at}has norm {item_norm:.3g}{_from_centre(centre)}: metric 'l2' scores could "
+                         f"overflow float32; rescale the vectors")
+
+
+def _from_centre(centre: Any) -> str:
+    """`` from the l2 centre (norm N)`` where the norms of a message are measured from a centre, else ``""``."""
+    if centre is None:
+        return ""
+    return f" from the l2 centre (whose own norm is {float(np.linalg.norm(np.asarray(centre, np.float64))):.3g})"
 
 
 def _score_bound(norm: Any, item_norm: float, metric: str) -> Any:
@@ -159,14 +166,14 @@ def _score_bound(norm: Any, item_norm: float, metric: str) -> Any:
 
 
 def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: Any,
-                   what: str | None = "user_vecs") -> None:
+                   what: str | None = "user_vecs", centre: Any = None) -> None:
     """Refuse user vectors with a NaN or an infinity, and those whose scores could overflow float32 (they would come
     out as +-inf or NaN and be lost); the first such row is named.
 
     norms : (n,) float64 bound on each user's |u| (times its interest count for a sum): NaN or infinite exactly where
     a row holds a NaN or an infinity (float64 squares of float32 values do not overflow); ``where(row)`` names a
     row in the message, after ``what`` (the argument's name; None when ``where`` names the file, the row and the
-    id, as the Parquet jobs do). One transfer from the device where every row is good (the largest norm), two where
+    id, as the Parquet jobs do); ``centre``: the l2 centre the norms are measured from, or None. One transfer from the device where every row is good (the largest norm), two where
     one is not."""
     if norms.shape[0] == 0:
         return
@@ -186,4 +193,5 @@ def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: An
         raise InputError(f"{prefix}{where(int(first_bad))} has a NaN or infinite value")
     if bound > SCORE_LIMIT:
         raise InputError(f"{prefix}{where(int(worst))} has norm {norm:.3g} and the largest item norm is "
-                         f"{item_norm:.3g}: metric {metric!r} scores could overflow float32; rescale the vectors")
+                         f"{item_norm:.3g}{_from_centre(centre)}: metric {metric!r} scores could overflow float32; "
+                         f"rescale the vectors")

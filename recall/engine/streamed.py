@@ -135,7 +135,7 @@ def prepare(backend: Any, metric: str, item_vecs: Any, cap: int,
                 item_norm, worst = float(norms[top]), lo + top
         host[lo:hi] = backend.to_host(prepared)
     # Named here, where the row of the largest norm is known (the resident engine names it too).
-    inputs.check_item_norm(item_norm, metric, lambda: worst)
+    inputs.check_item_norm(item_norm, metric, lambda: worst, centre)
     return StreamedItems(host, min(n, _aligned(segment_rows)), cap), (item_norm if metric != "cosine" else 1.0)
 
 

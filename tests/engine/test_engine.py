@@ -890,3 +890,17 @@ def test_an_l2_centre_beyond_float32_is_refused_naming_it(device, make_normal):
     _, items = make_normal(1, 6, 4, seed=25)
     with pytest.raises(InputError, match="l2_centre: coordinate 0 is beyond the float32 range"):
         Engine(items, metric="l2", device=device, l2_centre=np.full(4, 1e39))
+
+
+def test_norms_measured_from_the_l2_centre_say_so(device):
+    # An explicit centre far from the data: the norms that overflow are the vectors' distances from it, and the
+    # message says so (it named a norm the caller's vectors do not have).
+    items = np.random.default_rng(3).standard_normal((50, 4)).astype(np.float32)
+    with pytest.raises(InputError, match=r"item_vecs: row \d+ has norm 2e\+20 from the l2 centre \(whose own norm is "
+                                         r"2e\+20\)"):
+        Engine(items, metric="l2", device=device, l2_centre=np.full(4, 1e20))
+    engine = Engine(np.full((50, 4), 1e18, np.float32), metric="l2", device=device)
+    assert engine.l2_centre is not None
+    with pytest.raises(InputError, match=r"user_vecs: row 0 has norm 2\.2e\+19 and the largest item norm is 0 from the "
+                                         r"l2 centre"):
+        engine.search(np.full((1, 4), -1e19, np.float32), 3)
