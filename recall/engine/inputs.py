@@ -21,6 +21,10 @@ def check_kind(arr: Any, what: str) -> None:
         raise InputError(f"{what}: expected real numbers, got dtype {arr.dtype}")
 
 
+#: Rows whose finiteness :func:`matrix` checks at once.
+_FINITE_BLOCK_ROWS = 1 << 16
+
+
 def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, own: bool = False,
            first_row: int = 0, finite: bool = True) -> Any:
     """``arr`` as a C-contiguous float32 (n, dim) array of module ``xp`` (the backend's own, or NumPy), checked:
@@ -65,9 +69,6 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
                 raise InputError(f"{what}: row {first_row + row} has {reason}")
     return out
 
-
-#: Rows whose finiteness :func:`matrix` checks at once.
-_FINITE_BLOCK_ROWS = 1 << 16
 
 
 def _wider_than_float32(arr: Any) -> bool:
@@ -151,7 +152,8 @@ def check_item_norm(item_norm: float, metric: str, row: Any = None, centre: Any 
 
 
 def _from_centre(centre: Any) -> str:
-    """`` from the l2 centre (norm N)`` where the norms of a message are measured from a centre, else ``""``."""
+    """`` from the l2 centre (whose own norm is N)`` where a message's norms are measured from ``centre``, else
+    ``""``."""
     if centre is None:
         return ""
     return f" from the l2 centre (whose own norm is {float(np.linalg.norm(np.asarray(centre, np.float64))):.3g})"
@@ -173,8 +175,8 @@ def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: An
     norms : (n,) float64 bound on each user's |u| (times its interest count for a sum): NaN or infinite exactly where
     a row holds a NaN or an infinity (float64 squares of float32 values do not overflow); ``where(row)`` names a
     row in the message, after ``what`` (the argument's name; None when ``where`` names the file, the row and the
-    id, as the Parquet jobs do); ``centre``: the l2 centre the norms are measured from, or None. One transfer from the device where every row is good (the largest norm), two where
-    one is not."""
+    id, as the Parquet jobs do); ``centre``: the l2 centre the norms are measured from, or None. One transfer from
+    the device where every row is good (the largest norm), two where one is not."""
     if norms.shape[0] == 0:
         return
     # The common case in one reduction and one transfer: the largest norm is finite (a NaN or an infinity anywhere

@@ -227,7 +227,7 @@ def distinct_users(path: str | os.PathLike, want_strings: bool) -> np.ndarray:
     parts = []
     try:
         pf = open_parquet(path, "exclusion")
-        for batch in pf.iter_batches(batch_size=1 << 20, columns=["user_id"], use_threads=True):
+        for batch in iter_batches(pf, os.fspath(path), ["user_id"], 1 << 20):
             col = batch.column(0)
             if pa.types.is_dictionary(col.type):
                 col = col.dictionary_decode()

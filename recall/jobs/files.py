@@ -399,16 +399,17 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
                                        device=backend, memory_budget=spec.memory_budget,
                                        options=spec.options.engine)
             started.start()
-        items, engine, item_read_s = load_engine(spec.items_path, spec.id_col, spec.vec_col, metric, backend,
-                                                 spec.memory_budget, precision, spec.options.engine,
-                                                 on_rows=started.on_rows if started else None,
-                                                 item_memory=spec.options.item_memory, info=items_info)
+        item_ids, vectors, engine, item_read_s = load_engine(
+            spec.items_path, spec.id_col, spec.vec_col, metric, backend, spec.memory_budget, precision,
+            spec.options.engine, on_rows=started.on_rows if started else None, item_memory=spec.options.item_memory,
+            info=items_info, keep_vectors=started is not None)
         t0 = time.perf_counter()
         user_ids = ids_read.result()
         side = side_read.result() if side_read is not None else _Side()
         side.apply(engine)
         if started is not None:
-            first = started.finish(items.vectors, engine)
+            first = started.finish(vectors, engine)
+            vectors = None
     except BaseException:
         if started is not None:
             started.cancel()  # a search waiting for the exclusions gets them, or their error, from the pool
@@ -419,10 +420,6 @@ def _score_single(spec: _Spec, precision: str, items_info: Any) -> JobSummary:
         pool.shutdown(wait=True)
     start_s = time.perf_counter() - spec.t_start
     item_read_s += time.perf_counter() - t0
-    # The engine holds its own copy of the vectors: the file's go now (a second catalogue in host memory for the
-    # whole job otherwise); the ids stay, for the writer.
-    item_ids = items.ids
-    del items
     batch_size = batch_size or auto_batch_size(k, engine.dim)
     excl = side.excl
 
@@ -485,11 +482,9 @@ def _score_interests(spec: _Spec, aggregate: str) -> JobSummary:
     batches through the runner."""
     t0 = time.perf_counter()
     k = spec.k
-    items, engine, _ = load_engine(spec.items_path, spec.id_col, spec.vec_col, spec.metric, spec.backend,
-                                   spec.memory_budget, "exact", spec.options.engine,
-                                   item_memory=spec.options.item_memory)
-    item_ids = items.ids  # the engine holds its own copy of the vectors
-    del items
+    item_ids, _, engine, _ = load_engine(spec.items_path, spec.id_col, spec.vec_col, spec.metric, spec.backend,
+                                         spec.memory_budget, "exact", spec.options.engine,
+                                         item_memory=spec.options.item_memory)
     users = read_interest_users(spec.users_path, spec.id_col, spec.vec_col, dim=engine.dim,
                                 dim_source=spec.dim_source)
     if spec.metric == "cosine" and users.vectors.shape[0]:
@@ -575,10 +570,8 @@ def rescore_files(users_path: str | os.PathLike, items_path: str | os.PathLike,
     remove_leftovers(spec.out)
 
     t0 = time.perf_counter()
-    items, engine, _ = load_engine(spec.items_path, id_col, vec_col, metric, spec.backend, spec.memory_budget,
-                                   options=spec.options.engine, item_memory=spec.options.item_memory)
-    item_ids = items.ids  # the engine holds its own copy of the vectors
-    del items
+    item_ids, _, engine, _ = load_engine(spec.items_path, id_col, vec_col, metric, spec.backend, spec.memory_budget,
+                                         options=spec.options.engine, item_memory=spec.options.item_memory)
     users = read_embeddings(spec.users_path, id_col, vec_col)
     if len(users) and users.dim != engine.dim:
         raise InputError(f"{spec.users_path}: row 0 (id {fmt_id(users.ids[0])}) has dimension {users.dim}, expected "

@@ -12,7 +12,7 @@ from ..core import metrics
 from ..core.errors import InputError
 from ..engine import Engine, streamed
 from ..engine.inputs import check_item_norm
-from ..io import Embeddings, inspect_embeddings, read_embeddings
+from ..io import inspect_embeddings, read_embeddings
 from ..io.parquet import fmt_id
 
 
@@ -71,7 +71,8 @@ def streams(backend: Any, n_items: int, dim: int, metric: str, memory_budget: in
 def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, backend: Any, memory_budget: int | None,
                 precision: str = "exact", options: Any = None,
                 on_rows: Callable[[Any, int], None] | None = None,
-                item_memory: int | None = None, info: Any = None) -> tuple[Embeddings, Engine, float]:
+                item_memory: int | None = None, info: Any = None,
+                keep_vectors: bool = False) -> tuple[np.ndarray, Any, Engine, float]:
     """Read and validate an item file into ``backend``'s memory and build the resident engine on it.
 
     The engine gets no ids: its results hold item rows, which the job maps to ids as it writes them
@@ -81,7 +82,10 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, backend
     ``read_embeddings``). Items beyond ``item_memory`` (see :func:`streams`) are read into host memory and streamed.
     ``info``: the item file's ``inspect_embeddings``, where the caller has it already.
 
-    Returns (items, engine, seconds spent reading). Raises InputError naming the file, row and id of a bad item.
+    Returns (item ids, the file's vectors where ``keep_vectors`` else None, engine, seconds spent reading): the
+    engine holds its own copy of the vectors, so a caller that does not need the file's lets them go at once (a
+    second catalogue in host memory for the whole job otherwise). Raises InputError naming the file, row and id of
+    a bad item.
     """
     t0 = time.perf_counter()
     info = info or inspect_embeddings(items_path, id_col, vec_col)
@@ -95,4 +99,4 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, backend
     read_s = time.perf_counter() - t0
     engine = item_engine(items.vectors, items.ids, items_path, metric=metric, device=backend,
                          memory_budget=memory_budget, precision=precision, options=options, item_memory=item_memory)
-    return items, engine, read_s
+    return items.ids, items.vectors if keep_vectors else None, engine, read_s

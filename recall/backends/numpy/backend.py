@@ -25,7 +25,7 @@ from ...core.tiling import TilePlan
 from .. import candidates, tiled
 from ..protocol import PASS_SHARE
 from . import heap
-from .ordered import PROBED_FROM, SMALL_OUTPUTS, blas_depth, blas_products, ordered_dots, ordered_products
+from .ordered import PROBED_FROM, SMALL_OUTPUTS, blas_depth, blas_products, ordered_products
 
 # Tilings `recall tune` tries on the CPU: score tiles (4 bytes a score) of 256 KiB - 4 MiB bracket a core's L2.
 _TUNE_USERS = (128, 256, 512, 1024)
@@ -213,26 +213,14 @@ _blas_depth: int | None = None  # ordered.blas_depth() at one BLAS thread, once 
 
 def _deeper_than_blas_panels(dim: int) -> bool:
     """Whether products of ``dim`` dimensions are deeper than BLAS's panels at one thread (``ordered.blas_depth``,
-    probed once, at one thread as the searches run BLAS)."""
+    probed once, at one thread as the searches run BLAS; never for PROBED_FROM dimensions or fewer)."""
     global _blas_depth
+    if dim <= PROBED_FROM:
+        return False
     if _blas_depth is None:
         with _one_blas_thread():
             _blas_depth = blas_depth()
     return dim > _blas_depth
-
-
-def _cpu_dots(users: np.ndarray, vecs: np.ndarray) -> np.ndarray:
-    """Each user's scores with its own vectors, as the search scores them: users (n, D), vecs (n, w, D) float32 ->
-    (n, w) float32; the ordered sums, or above BLAS's panel depth its blocked kernels' at one thread."""
-    dim = int(vecs.shape[-1])
-    if dim <= PROBED_FROM or not _deeper_than_blas_panels(dim):
-        return ordered_dots(users, vecs)
-    n, w, _ = vecs.shape
-    out = np.empty((n, 1, w), np.float32)
-    with _one_blas_thread():
-        blas_products(np.ascontiguousarray(users, np.float32)[:, None, :], np.ascontiguousarray(vecs, np.float32),
-                      out)
-    return out.reshape(n, w)
 
 
 def _after_fork_in_child() -> None:
@@ -469,7 +457,9 @@ class NumpyBackend:
         seed = self._seed(plan, items, n_items, wide, options)
         tiled.run_blocks_threaded(_MatrixVector(self), plan, users, items, n_items, wide, excl, vals, rows, seed)
         kept = rows[0][rows[0] >= 0]
-        exact = _cpu_dots(users, np.ascontiguousarray(items[kept])[None])
+        exact = np.empty((1, 1, kept.size), np.float32)  # the search's own sums of the kept items
+        self.gemm_strided_batched(users[:, None, :], np.ascontiguousarray(items[kept])[None], exact)
+        exact = exact.reshape(1, -1)
         best_vals, best_rows = keys.select(np, exact, kept[None], k)
         if kept.size == wide:  # else every item the user may get was kept: nothing left out
             dim = int(users.shape[1])
@@ -563,8 +553,9 @@ class NumpyBackend:
         n = int(indptr.size) - 1
         vals = np.full((n, k), -np.inf, dtype=np.float32)
         out = np.full((n, k), -1, dtype=np.int64)
-        candidates.rescore_gemm(self, users, items, indptr, self.asarray(rows), k, budget, vals, out,
-                                _cpu_dots if ordered else None)
+        # Ordered or not: each user's candidates are one product of one row, which gemm_strided_batched sums as the
+        # search does (the ordered kernel, or BLAS's blocked sums deeper than its panels).
+        candidates.rescore_gemm(self, users, items, indptr, self.asarray(rows), k, budget, vals, out)
         return vals, out, "gemm"
 
     def fast_users(self, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
@@ -600,7 +591,7 @@ class NumpyBackend:
             # Fast mode's arithmetic, emulated: float16 inputs, exact products, float32 accumulation.
             users, items = users.astype(np.float32), items.astype(np.float32)
         rows, width, dim = users.shape[-2], items.shape[-2], items.shape[-1]
-        if dim > PROBED_FROM and _deeper_than_blas_panels(dim):
+        if _deeper_than_blas_panels(dim):
             # Deeper than BLAS's panels: its blocked kernels' sums for every product (docs/reference.md, "Scores"),
             # at one thread, as a search runs them (how OpenBLAS splits the dimensions depends on its threads).
             with _one_blas_thread():

@@ -198,13 +198,13 @@ class ShardScorer:
     def __init__(self, spec: JobSpec, device: str = "auto", worker: str = "0") -> None:
         t0 = time.perf_counter()
         self.spec, self.worker = spec, worker
-        items, self.engine, _ = load_engine(spec.items_path, spec.id_col, spec.vec_col, spec.metric,
-                                            backends.resolve(device), spec.memory_budget,
-                                            options=spec.options.engine, item_memory=spec.options.item_memory)
-        self.item_id_type = pa.string() if items.ids.dtype == object else pa.int64()
-        self.item_ids = id_lookup(items.ids)
+        item_ids, _, self.engine, _ = load_engine(spec.items_path, spec.id_col, spec.vec_col, spec.metric,
+                                                  backends.resolve(device), spec.memory_budget,
+                                                  options=spec.options.engine, item_memory=spec.options.item_memory)
+        self.item_id_type = pa.string() if item_ids.dtype == object else pa.int64()
+        self.item_ids = id_lookup(item_ids)
         self.exclusions = spec.exclusions.open() if spec.exclusions is not None else None
-        allow, deny = read_item_filter(spec.allow_path, spec.deny_path, items.ids)
+        allow, deny = read_item_filter(spec.allow_path, spec.deny_path, item_ids)
         if allow is not None or deny is not None:
             self.engine.set_item_filter(allow=None if allow is None else allow.rows,
                                         deny=None if deny is None else deny.rows)
