@@ -195,3 +195,19 @@ def test_shards_refused_as_a_whole_withdraw_the_outputs_of_those_that_changed(jo
     assert not (out / SUCCESS).exists()
     assert sorted(p.name for p in out.glob("*.parquet")) == sorted(set(names) - set(changed))
     assert len([m for m in notices if "its output is removed" in m]) == len(changed)
+
+
+def test_a_shard_that_became_unreadable_is_not_reported_as_empty(job: dict, tmp_path: Path) -> None:
+    """A shard overwritten with bytes that are not Parquet was reported as having changed from its 400 rows to
+    "rows 400 -> 0": the shard was not read, its rows are not known."""
+    out = tmp_path / "out"
+    _run(job, out)
+    first, _, n = job["shards"][0]
+    first.write_bytes(b"not parquet at all")
+    notices: list[str] = []
+    with pytest.raises(InputError):
+        _run(job, out, notice=notices.append)
+    said = [m for m in notices if "the shard changed" in m]
+    assert len(said) == 1 and f"rows {n:,} -> ?" in said[0] and "-> 0" not in said[0], notices
+    assert "cannot be scored" in said[0] and "scored again" not in said[0]
+    assert not (out / first.name).exists() and not (out / SUCCESS).exists()

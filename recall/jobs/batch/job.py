@@ -198,7 +198,8 @@ class BatchRequest:
         job = {
             "k": self.k, "metric": self.metric, "id_col": self.id_col, "vec_col": self.vec_col,
             "items": items, "exclude": side.get("exclude"),
-            "shards": {s.name: {"rows": s.rows, **fp} for s, fp in zip(shards, rest)},
+            # (A bad shard's rows are not known: it was not read.)
+            "shards": {s.name: {"rows": s.rows if s.error is None else None, **fp} for s, fp in zip(shards, rest)},
         }
         job.update({key: side[key] for key in ("allow", "deny") if key in side})
         return job
@@ -631,6 +632,7 @@ def _resume(req: BatchRequest, shards: list[Shard], job: dict,
         return {}, lambda: None
     changed = outdir.changed_shards(old["job"], job)
     paths = {s.name: s.path for s in shards}
+    bad = {s.name for s in shards if s.error is not None}  # reported with the job's other bad shards, not scored
     if changed:
         # The directory stops being a finished dataset before any of its outputs goes (a failure between here and
         # the scoring must not leave _SUCCESS beside a manifest that lists a removed file).
@@ -639,9 +641,10 @@ def _resume(req: BatchRequest, shards: list[Shard], job: dict,
         if (out / name).exists():
             # Its output was computed from other vectors: it goes now, so that the directory never serves it.
             atomic.remove(out / name)
+            then = "it cannot be scored (below)" if name in bad else "the shard is scored again"
             say(f"{paths[name]}: the shard changed since its output was computed ({what}); its output is removed "
-                f"and the shard is scored again")
-        else:
+                f"and {then}")
+        elif name not in bad:
             say(f"{paths[name]}: the shard changed since the last run ({what}); scoring it")
     outputs = outdir.kept_outputs(out, old, names - set(changed), say)
     prev, now = old.get("versions", {}), outdir.versions()

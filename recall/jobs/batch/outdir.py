@@ -147,9 +147,16 @@ def describe_change(a: dict, b: dict) -> str:
     parts = [f"{key} {str(a.get(key, '?'))[:12]} -> {str(b.get(key, '?'))[:12]}"]
     for field in ("size", "rows"):
         if field in a or field in b:
-            parts.append(f"{field} {a.get(field, '?'):,} -> {b.get(field, '?'):,}" if isinstance(a.get(field), int)
-                         and isinstance(b.get(field), int) else f"{field} {a.get(field)} -> {b.get(field)}")
+            parts.append(f"{field} {_count(a.get(field))} -> {_count(b.get(field))}")
+    if b.get("unreadable"):
+        parts.append(f"now unreadable: {b['unreadable']}")
     return ", ".join(parts)
+
+
+def _count(value: Any) -> str:
+    """A fingerprint's count for a message: ``1,024``, or ``?`` where it is not known (a shard that could not be
+    read)."""
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else "?"
 
 
 def verify(out_dir: Path, name: str, entry: dict) -> str | None:
