@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 import oracle
 from oracle import as_numpy
 from recall import BackendUnavailable, Engine, InputError, ResourceError, SearchResult
-from recall.core import metrics
 
 METRICS = ["ip", "cosine", "l2"]
 
