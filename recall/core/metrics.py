@@ -88,12 +88,18 @@ def row_norms(xp: Any, vecs: Any) -> Any:
     return xp.sqrt(out, out=out)
 
 
+#: Why cosine refuses a row (after "row N "): every value is 0 once in float32, where a float64 value below float32's
+#: smallest (about 1.4e-45) becomes 0 too.
+ZERO_VECTOR = ("is a zero vector in float32 (every value 0, or too small for float32), which has no direction for "
+               "metric 'cosine'")
+
+
 def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0) -> Any:
     norms = row_norms(xp, vecs)
     zero = norms == 0
     if bool(zero.any()):
         row = first_row + int(xp.argmax(zero))
-        raise InputError(f"{what}: row {row} is a zero vector, which has no direction for metric 'cosine'")
+        raise InputError(f"{what}: row {row} {ZERO_VECTOR}")
     if _host_loop(xp, vecs):
         out = np.empty(vecs.shape, dtype=np.float32)
         _host_scale(vecs, norms, out)

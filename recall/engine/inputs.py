@@ -82,7 +82,9 @@ def finite_as_given(values: Any) -> bool:
     """Whether every one of the caller's ``values`` (a vector, host or device) is finite as given; False where they
     cannot be read on the host."""
     try:
-        return bool(np.isfinite(np.asarray(to_numpy(values), dtype=np.float64)).all())
+        host = np.asarray(to_numpy(values))
+        # In the caller's own float type where NumPy has it: a longdouble beyond float64's range is finite too.
+        return bool(np.isfinite(host if host.dtype.kind == "f" else host.astype(np.float64)).all())
     except (TypeError, ValueError, RuntimeError):
         return False
 

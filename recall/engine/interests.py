@@ -137,8 +137,7 @@ def _check_values(engine: Any, xp: Any, flat: Any, indptr: np.ndarray, aggregate
         zero = sq == 0
         if bool(zero.any()):
             user, interest = _where(indptr, int(xp.argmax(zero)))
-            raise InputError(f"user_vecs: user {user}, interest {interest} is a zero vector, which has no direction "
-                             f"for metric 'cosine'")
+            raise InputError(f"user_vecs: user {user}, interest {interest} {metrics.ZERO_VECTOR}")
         return sq
     if not flat.shape[0]:
         return sq

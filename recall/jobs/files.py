@@ -492,8 +492,8 @@ def _score_interests(spec: _Spec, aggregate: str) -> JobSummary:
         if zero.any():
             pos = int(np.argmax(zero))
             user = int(np.searchsorted(users.indptr, pos, side="right") - 1)
-            raise InputError(f"{spec.users_path}: row {int(users.file_rows[pos])} (id {fmt_id(users.ids[user])}) has "
-                             f"a zero vector, which has no direction for metric 'cosine'")
+            raise InputError(f"{spec.users_path}: row {int(users.file_rows[pos])} (id {fmt_id(users.ids[user])}) "
+                             f"{metrics.ZERO_VECTOR}")
     side = _read_side(spec, users.ids, item_ids)
     side.apply(engine)
     excl = side.excl

@@ -24,8 +24,7 @@ def check_nonzero(vectors: Any, ids: np.ndarray, path: str, row_start: int = 0,
     if bool(zero.any()):
         pos = int(zero.argmax())  # host or device vectors
         row = int(file_rows[pos]) if file_rows is not None else row_start + pos
-        raise InputError(f"{path}: row {row} (id {fmt_id(ids[pos])}) is a zero vector, which has no "
-                         f"direction for metric 'cosine'")
+        raise InputError(f"{path}: row {row} (id {fmt_id(ids[pos])}) {metrics.ZERO_VECTOR}")
 
 
 def check_item_norm_row(norm: float, metric: str, path: str, row: int, item_id: Any) -> None:

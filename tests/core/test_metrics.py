@@ -246,3 +246,15 @@ def test_l2_centre_is_taken_from_the_first_rows_only():
     head = (rng.standard_normal((metrics.CENTRE_ROWS, 4)) + 100).astype(np.float32)
     tail = (rng.standard_normal((50, 4)) - 5000).astype(np.float32)
     np.testing.assert_array_equal(metrics.l2_centre(np.vstack([head, tail])), metrics.l2_centre(head))
+
+
+def test_a_float64_row_that_rounds_to_zero_in_float32_is_named_as_such() -> None:
+    """A cosine user of float64 values below float32's smallest was refused as "a zero vector": the caller gave
+    none."""
+    from recall import Engine
+
+    engine = Engine(np.eye(3, dtype=np.float32), metric="cosine", device="cpu")
+    users = np.array([[1.0, 0.0, 0.0], [1e-50, 2e-50, 0.0]])
+    with pytest.raises(InputError, match=r"user_vecs: row 1 is a zero vector in float32 \(every value 0, or too "
+                                         r"small for float32\)"):
+        engine.search(users, 2)

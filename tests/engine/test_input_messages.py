@@ -67,6 +67,19 @@ def test_user_value_beyond_float32_in_a_list(device):
             engine.search(_users_beyond_float32().tolist(), 2)
 
 
+@pytest.mark.skipif(np.finfo(np.longdouble).max <= np.finfo(np.float64).max, reason="longdouble is float64 here")
+def test_a_longdouble_beyond_float64_is_named_beyond_float32_not_infinite(device):
+    """A longdouble value beyond float64's range (finite as given) was reported as "a NaN or infinite value"."""
+    engine = Engine(np.eye(4, dtype=np.float32), device=device)
+    users = np.ones((3, 4), np.longdouble)
+    users[1, 2] = np.longdouble(1e308) * np.longdouble(1e10)
+    assert np.isfinite(users).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InputError, match=r"^user_vecs: row 1 has a value beyond the float32 range$"):
+            engine.search(users, 2)
+
+
 @pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
 def test_item_value_beyond_float32_is_named_so(device, metric):
     items = np.eye(8)
