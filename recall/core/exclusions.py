@@ -29,7 +29,7 @@ def _group(users: np.ndarray, items: np.ndarray, n_users: int) -> tuple[np.ndarr
     for u in range(n_users):
         indptr[u + 1] += indptr[u]
     pos = indptr[:-1].copy()
-    out = np.empty(indptr[n_users], np.int64)
+    out = np.empty(indptr[n_users], items.dtype)
     for i in range(users.size):
         u = users[i]
         if u >= 0 and items[i] >= 0:
@@ -62,7 +62,7 @@ def _sort_unique(indptr: np.ndarray, items: np.ndarray) -> tuple[np.ndarray, np.
         keep[u + 1] = n
     for u in range(n_users):
         keep[u + 1] += keep[u]
-    out = np.empty(keep[n_users], np.int64)
+    out = np.empty(keep[n_users], items.dtype)
     for u in prange(n_users):
         w = keep[u]
         for j in range(indptr[u], indptr[u + 1]):
@@ -105,9 +105,10 @@ def _is_sorted_unique(indptr: np.ndarray, items: np.ndarray) -> bool:
 
 
 def group(users: np.ndarray, items: np.ndarray, n_users: int, sort_unique: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(indptr (n_users + 1,), int64 item rows) of pairs ``users[i], items[i]`` (integer rows of any width, users
+    """(indptr (n_users + 1,) int64, item rows) of pairs ``users[i], items[i]`` (integer rows of any width, users
     below ``n_users``; a pair with a negative row on either side is skipped, without a filtered copy): each user's
-    items in input order, or sorted and unique."""
+    items in input order, or sorted and unique. The item rows are int32 where both inputs are (a job's pairs: 4
+    bytes a pair, in memory and in a batch job's mapped files, rather than 8), else int64."""
     users, items = np.ascontiguousarray(users), np.ascontiguousarray(items)
     if users.dtype != items.dtype or users.dtype not in (np.int32, np.int64):
         users, items = users.astype(np.int64), items.astype(np.int64)

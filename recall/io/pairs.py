@@ -35,7 +35,7 @@ class IdPairs:
     Attributes
     ----------
     indptr : np.ndarray of int64, shape (n_users + 1,)
-    item_rows : np.ndarray of int64, shape (nnz,)
+    item_rows : np.ndarray of int32 (int64 for more than 2^31 - 1 users or items), shape (nnz,)
         User ``u``'s items are ``item_rows[indptr[u]:indptr[u + 1]]`` (sorted and unique for exclusions, file order
         for candidates).
     named : np.ndarray of bool, shape (n_users,)

@@ -701,6 +701,7 @@ def test_exclusions_read_once_for_the_job(tmp_path: Path, monkeypatch: pytest.Mo
 
     def once(cls, path, *args):
         index = read(cls, path, *args)
+        assert index.pairs.item_rows.dtype == np.int32  # 4 bytes a pair, in the parent and in the mapped files
         reads.append(path)
         hashed.wait(60)
         os.remove(path)
