@@ -87,6 +87,11 @@ class Engine:
         times the items' spread: there float32 products would lose the digits that tell the distances apart), and
         none elsewhere. Engines whose search results are merged (``merge_topk``: each over a part of a catalogue)
         must share it: give each the whole catalogue's (:attr:`l2_centre`). Ignored under ``ip`` and ``cosine``.
+    copy : bool
+        False: where the engine would keep an exact copy of ``item_vecs`` (float32, C-contiguous, ``ip``, on the
+        backend that holds the array), it keeps the array itself, and the caller must not change it afterwards: a
+        catalogue the caller lets go is then held once, not twice while the engine is built. Under ``cosine`` and
+        ``l2`` the engine keeps vectors it derived either way. Default True.
 
     Raises
     ------
@@ -100,7 +105,7 @@ class Engine:
     def __init__(self, item_vecs: Any, ids: Any = None, metric: str = "ip", device: Any = "auto",
                  memory_budget: int | None = None, precision: str = "exact", tune: str = "auto",
                  options: EngineOptions | None = None, item_memory: int | None = None,
-                 l2_centre: Any = "auto") -> None:
+                 l2_centre: Any = "auto", copy: bool = True) -> None:
         self.metric = metrics.check_metric(metric)
         self.tune_mode = tuning.check_mode(tune)
         self.precision = check_choice(precision, PRECISIONS, "precision")
@@ -128,7 +133,7 @@ class Engine:
         else:
             # Checked and prepared where the engine keeps them: on a GPU after one upload (a host array's checks,
             # norms included, cost a million-item job a fraction of a second of CPU before its first search).
-            items = inputs.matrix(self.backend, xp, item_vecs, "item_vecs", own=self.metric == "ip")
+            items = inputs.matrix(self.backend, xp, item_vecs, "item_vecs", own=self.metric == "ip" and bool(copy))
             if items.shape[0] < 1:
                 raise InputError("item_vecs: there are no items")
             self.n_items, self.dim = int(items.shape[0]), int(items.shape[1])

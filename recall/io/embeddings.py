@@ -360,6 +360,7 @@ def read_embeddings(path: str | os.PathLike, id_col: str = "id", vec_col: str = 
         if row == 0 and not allow_empty:
             raise InputError(f"{path}: the file has no rows, at least one is required")
         unique.result()
+    pa.default_memory_pool().release_unused()  # (as iter_batches does: the batches of both threads are gone now)
     ids = np.concatenate(id_parts) if id_parts else np.zeros(0, np.int64 if id_type == pa.int64() else object)
     if ids.size == 0:
         ids = ids.astype(np.int64 if id_type == pa.int64() else object)

@@ -38,11 +38,11 @@ def check_item_norm_row(norm: float, metric: str, path: str, row: int, item_id: 
 
 def item_engine(vectors: Any, ids: np.ndarray, path: str, file_rows: np.ndarray | None = None,
                 **engine_args: Any) -> Engine:
-    """``Engine(vectors, **engine_args)`` over rows of an item file (vector i is file row ``file_rows[i]``, default
-    i), whose refusal of an item row (an l2 norm that would overflow float32) names the file, the row and the id, as
+    """``Engine(vectors, copy=False, **engine_args)`` over rows of an item file (vector i is file row
+    ``file_rows[i]``, default i; ``vectors`` the job's own, which it does not change afterwards), whose refusal of an item row (an l2 norm that would overflow float32) names the file, the row and the id, as
     the reader's messages do."""
     try:
-        return Engine(vectors, **engine_args)
+        return Engine(vectors, copy=False, **engine_args)  # the job's own array, which it never changes
     except InputError as exc:
         raise _named(exc, path, ids, file_rows) from None
 
@@ -82,8 +82,9 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, backend
     ``info``: the item file's ``inspect_embeddings``, where the caller has it already.
 
     Returns (item ids, the file's vectors where ``keep_vectors`` else None, engine, seconds spent reading): the
-    engine holds its own copy of the vectors, so a caller that does not need the file's lets them go at once (a
-    second catalogue in host memory for the whole job otherwise). Raises InputError naming the file, row and id of
+    engine holds the vectors (under ``ip`` on the CPU the file's own array, ``Engine(copy=False)``; else its own
+    copy), so a caller that does not need the file's lets them go at once (a second catalogue in host memory for
+    the whole job otherwise). The early start reads the ones it keeps and never changes them. Raises InputError naming the file, row and id of
     a bad item.
     """
     t0 = time.perf_counter()

@@ -58,7 +58,9 @@ def run(tree: str, data: Path, case: tuple) -> dict:
                *[str(data / a) if a.endswith(".parquet") else a for a in extra]]
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        # Run from the temporary folder: ``python -m`` puts the working directory first on sys.path, ahead of
+        # PYTHONPATH, which would run the current folder's tree whatever ``tree`` names.
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
         wall = time.perf_counter() - t0
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
     return {"rc": proc.returncode, "peak_mib": int(m.group(1)) >> 10 if m else None, "wall_s": round(wall, 2),

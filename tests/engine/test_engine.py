@@ -196,6 +196,25 @@ def test_one_item(device, metric, make_normal):
     np.testing.assert_allclose(val[:, 0], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("metric", METRICS)
+def test_copy_false_keeps_the_callers_array_under_ip_only(device, metric, make_normal):
+    """``copy=False``: the engine holds an ip catalogue in the caller's own array (on the CPU, or a device array on
+    the GPU), and answers as a copying engine does; cosine and l2 keep vectors they derived either way."""
+    users, items = make_normal(9, 400, 16, seed=11)
+    xp = np
+    if device == "gpu":
+        import cupy as xp
+    given = xp.asarray(items)
+    kept, copied = Engine(given, metric=metric, device=device, copy=False), Engine(given, metric=metric,
+                                                                                    device=device)
+    assert xp.shares_memory(kept.prepared_items, given) == (metric == "ip")
+    assert not xp.shares_memory(copied.prepared_items, given)
+    a, b = kept.search(users, 20), copied.search(users, 20)
+    np.testing.assert_array_equal(as_numpy(a.indices), as_numpy(b.indices))
+    np.testing.assert_array_equal(as_numpy(a.scores), as_numpy(b.scores))
+    oracle.assert_topk_close(as_numpy(a.indices), as_numpy(a.scores), users, items, 20, metric=metric)
+
+
 def test_zero_users(device, make_normal):
     _, items = make_normal(1, 50, 8, seed=10)
     engine = Engine(items, ids=np.arange(50) * 3, device=device)

@@ -357,3 +357,20 @@ def test_an_l2_item_whose_norm_overflows_is_named_by_file_row_and_id(tmp_path: P
     with pytest.raises(InputError, match=rf"items\.parquet: row 13 \(id {item_ids[13]}\) has norm .* metric 'l2'"):
         score_files(up, ip, tmp_path / "out.parquet", 3, metric="l2", device="cpu")
     assert not (tmp_path / "out.parquet").exists()
+
+
+def test_the_job_engine_holds_the_files_ip_vectors_once(tmp_path) -> None:
+    """A job's ip engine on the CPU keeps the file's own array (``Engine(copy=False)``): the catalogue is held once
+    while the engine is built, not twice; cosine keeps its normalised copy."""
+    from parquet_data import write_embeddings
+
+    from recall.backends import resolve
+    from recall.jobs.items import load_engine
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "items.parquet"
+    write_embeddings(path, np.arange(50), rng.standard_normal((50, 8)).astype(np.float32))
+    for metric, shared in (("ip", True), ("cosine", False)):
+        _, vectors, engine, _ = load_engine(str(path), "id", "embedding", metric, resolve("cpu"), None,
+                                            keep_vectors=True)
+        assert np.shares_memory(vectors, engine.prepared_items) == shared
