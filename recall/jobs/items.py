@@ -39,8 +39,9 @@ def check_item_norm_row(norm: float, metric: str, path: str, row: int, item_id: 
 def item_engine(vectors: Any, ids: np.ndarray, path: str, file_rows: np.ndarray | None = None,
                 **engine_args: Any) -> Engine:
     """``Engine(vectors, copy=False, **engine_args)`` over rows of an item file (vector i is file row
-    ``file_rows[i]``, default i; ``vectors`` the job's own, which it does not change afterwards), whose refusal of an item row (an l2 norm that would overflow float32) names the file, the row and the id, as
-    the reader's messages do."""
+    ``file_rows[i]``, default i; ``vectors`` the job's own, which it does not change afterwards), whose refusal of
+    an item row (an l2 norm that would overflow float32) names the file, the row and the id, as the reader's
+    messages do."""
     try:
         return Engine(vectors, copy=False, **engine_args)  # the job's own array, which it never changes
     except InputError as exc:
@@ -82,10 +83,10 @@ def load_engine(items_path: str, id_col: str, vec_col: str, metric: str, backend
     ``info``: the item file's ``inspect_embeddings``, where the caller has it already.
 
     Returns (item ids, the file's vectors where ``keep_vectors`` else None, engine, seconds spent reading): the
-    engine holds the vectors (under ``ip`` on the CPU the file's own array, ``Engine(copy=False)``; else its own
-    copy), so a caller that does not need the file's lets them go at once (a second catalogue in host memory for
-    the whole job otherwise). The early start reads the ones it keeps and never changes them. Raises InputError naming the file, row and id of
-    a bad item.
+    engine holds the vectors (under ``ip`` the file's own array, on the host or the device: ``Engine(copy=False)``;
+    else vectors it derived), so a caller that does not need the file's lets them go at once (a second catalogue in
+    host memory for the whole job otherwise). The early start reads the ones it keeps and never changes them.
+    Raises InputError naming the file, row and id of a bad item.
     """
     t0 = time.perf_counter()
     info = info or inspect_embeddings(items_path, id_col, vec_col)
