@@ -27,12 +27,14 @@
 #   fastx     kernel_profile.py on the exclusion cells (FASTX_CELLS, default S1-x200 x20), each cell in three fresh
 #             processes: exact mode alone, fast mode alone, exact then fast (gpu-quick 03:59: fast 1.14x / 1.06x
 #             exact there, 1.04x / 1.02x at 02:40)                                                 -> $OUT/fastx.log
+#   timeline  scripts/lab/timeline.py: where the route and the float32 search leave the GPU idle, with the host's
+#             function at each gap (TIMELINE_CELLS, default uh-20k-k100,uh-l2-k2048)            -> $OUT/timeline.log
 #   trees     for each folder of .trees/ (carried; a branch exported there: `git archive BRANCH recall tests
 #             scripts | tar -x -C .trees/BRANCH`), its GPU tests (TREE_TESTS) and its kernel profile (PROBE_CELLS,
 #             PROBE_PRECISION), then this tree's profile of the same cells              -> $OUT/trees.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT, NCU_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
+# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT, NCU_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), EARLY_BATCH_SIZES (early: e.g. "auto,131072"), TIMELINE_TIMEOUT, TIMELINE_CELLS, TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
 # (compare: the bench's workload arguments, e.g. "--matrix gpu-quick --cells 0,2,7").
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -91,7 +93,7 @@ fi
 if has early; then
     PYTHONPATH=$NEW_PATH timeout "${EARLY_TIMEOUT:-240}" python3 scripts/lab/e2e_layouts.py --users 1000000 \
         --items 1000000 --dim 64 --k 100 $(for l in ${EARLY_LAYOUTS:-pyarrow warehouse}; do printf -- '--layout %s ' "$l"; done) --repeat 2 \
-        --json "$OUT/early.json" >"$OUT/early.log" 2>&1
+        --batch-size "${EARLY_BATCH_SIZES:-auto}" --json "$OUT/early.json" >"$OUT/early.log" 2>&1
     echo "== early searches on / off (rc $?)"; tail -n 8 "$OUT/early.log"
 fi
 
@@ -234,6 +236,13 @@ if has fastx; then
         done
     ) >"$OUT/fastx.log" 2>&1
     echo "== fast against exact on the exclusion cells"; cat "$OUT/fastx.log"
+fi
+
+if has timeline; then
+    PYTHONPATH=$NEW_PATH timeout "${TIMELINE_TIMEOUT:-200}" python3 scripts/lab/timeline.py \
+        --cells "${TIMELINE_CELLS:-uh-20k-k100,uh-l2-k2048}" --variants shipped,float32 --host --gaps 10 \
+        --json "$OUT/timeline.json" >"$OUT/timeline.log" 2>&1
+    echo "== timeline (rc $?)"; grep -v Warning "$OUT/timeline.log"
 fi
 
 if has trees; then
