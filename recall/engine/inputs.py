@@ -70,7 +70,6 @@ def matrix(backend: Any, xp: Any, arr: Any, what: str, dim: int | None = None, o
     return out
 
 
-
 def _wider_than_float32(arr: Any) -> bool:
     """Whether ``arr`` may hold finite values beyond float32's range: float64 and wider (a dtype without NumPy's
     ``kind``, such as torch's, counts as a float)."""

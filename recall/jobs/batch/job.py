@@ -555,14 +555,7 @@ def _withdraw_changed(req: BatchRequest, files: list[Path] | None, say: Callable
                     now = fingerprint(paths[name], strict=False)
                     if any(now.get(key) != before.get(key) for key in ("size", atomic.CONTENT_HASH)):
                         changed[name] = outdir.describe_change(before, now)
-            if not changed:
-                return
-            atomic.remove(out / SUCCESS)
-            for name, what in sorted(changed.items()):
-                if (out / name).exists():
-                    atomic.remove(out / name)
-                    say(f"{paths[name]}: the shard changed since its output was computed ({what}); its output is "
-                        f"removed, with {SUCCESS}, before the job stops")
+            outdir.withdraw(out, changed, paths, say, lambda _: f", with {SUCCESS}, before the job stops")
     except (InputError, OSError):
         return  # another job holds the directory, or it cannot be read: it stays as it is
 
@@ -633,18 +626,10 @@ def _resume(req: BatchRequest, shards: list[Shard], job: dict,
     changed = outdir.changed_shards(old["job"], job)
     paths = {s.name: s.path for s in shards}
     bad = {s.name for s in shards if s.error is not None}  # reported with the job's other bad shards, not scored
-    if changed:
-        # The directory stops being a finished dataset before any of its outputs goes (a failure between here and
-        # the scoring must not leave _SUCCESS beside a manifest that lists a removed file).
-        atomic.remove(out / SUCCESS)
+    gone = outdir.withdraw(out, changed, paths, say, lambda name: " and it cannot be scored (below)" if name in bad
+                           else " and the shard is scored again")
     for name, what in changed.items():
-        if (out / name).exists():
-            # Its output was computed from other vectors: it goes now, so that the directory never serves it.
-            atomic.remove(out / name)
-            then = "it cannot be scored (below)" if name in bad else "the shard is scored again"
-            say(f"{paths[name]}: the shard changed since its output was computed ({what}); its output is removed "
-                f"and {then}")
-        elif name not in bad:
+        if name not in gone and name not in bad:
             say(f"{paths[name]}: the shard changed since the last run ({what}); scoring it")
     outputs = outdir.kept_outputs(out, old, names - set(changed), say)
     prev, now = old.get("versions", {}), outdir.versions()

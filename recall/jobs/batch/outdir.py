@@ -153,6 +153,26 @@ def describe_change(a: dict, b: dict) -> str:
     return ", ".join(parts)
 
 
+def withdraw(out_dir: Path, changed: dict[str, str], paths: dict[str, str], say: Callable[[str], None],
+             after: Callable[[str], str]) -> set[str]:
+    """Withdraw the outputs of the shards that changed since they were computed (``changed``: name -> what changed,
+    :func:`describe_change`): ``_SUCCESS`` first (the directory stops being a finished dataset before any output goes:
+    a failure in between must not leave it beside a manifest that lists a removed file), then each such output, said
+    with the shard's path (``paths``) and ``after(name)`` (what happens next). Returns the names whose output went."""
+    if not changed:
+        return set()
+    atomic.remove(out_dir / SUCCESS)
+    gone = set()
+    for name, what in sorted(changed.items()):
+        if (out_dir / name).exists():
+            # Its output was computed from other vectors: it goes now, so that the directory never serves it.
+            atomic.remove(out_dir / name)
+            gone.add(name)
+            say(f"{paths[name]}: the shard changed since its output was computed ({what}); its output is removed"
+                f"{after(name)}")
+    return gone
+
+
 def _count(value: Any) -> str:
     """A fingerprint's count for a message: ``1,024``, or ``?`` where it is not known (a shard that could not be
     read)."""
