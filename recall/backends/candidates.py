@@ -25,6 +25,14 @@ _SLOT_BYTES_FIXED = 4 + 8 + 8 + 16
 Dots = Callable[[Any, Any], Any]
 
 
+def csr_indptr(indptr: Any, n_users: int) -> np.ndarray:
+    """``Backend.rescore``'s ``indptr`` as a host int64 (n_users + 1,) array: an int w is every user's list w rows
+    long."""
+    if isinstance(indptr, (int, np.integer)):
+        return np.arange(n_users + 1, dtype=np.int64) * int(indptr)
+    return indptr
+
+
 def rescore_gemm(backend: Any, users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int, budget: int,
                  out_vals: Any, out_rows: Any, dots: Dots | None = None) -> None:
     """Fill ``out_vals`` / ``out_rows`` ((n, k) backend arrays, padded on entry) with each user's best ``k`` among

@@ -60,6 +60,11 @@ class Backend(Protocol):
         """``arr`` (any real dtype; host, CuPy or ``__dlpack__``) as a C-contiguous float32 array on this backend,
         without a copy where it already is one, unless ``own``: then never the caller's memory."""
 
+    def largest_norm(self, vecs: Any) -> float:
+        """The largest Euclidean norm of the rows of ``vecs`` ((n, dim) float32, this backend's array or a NumPy one),
+        in float64; NaN or +inf where some row holds a NaN or an infinity, 0.0 without rows: the users' check before
+        a search, in one pass (``metrics.row_norms``' largest, its squares summed maybe in another order)."""
+
     def to_host(self, arr: Any) -> Any:
         """A NumPy copy of a backend array (NumPy arrays are returned as they are)."""
 
@@ -151,7 +156,8 @@ class Backend(Protocol):
     def rescore(self, users: Any, items: Any, indptr: Any, rows: Any, k: int, budget: int,
                 options: EngineOptions, ordered: bool = False) -> tuple[Any, Any, str]:
         """Each user's best ``k`` among its own candidate item rows (CSR: ``rows[indptr[u]:indptr[u+1]]``, host
-        int64 ``indptr``; ``rows`` host or backend int64, duplicates allowed and counted once): (scores, rows)
+        int64 ``indptr``, or an int w: every user's list is w rows long, ``rows[u * w:(u + 1) * w]``; ``rows`` host or
+        backend int64, duplicates allowed and counted once): (scores, rows)
         (n, k) backend arrays, inner-product space, ready when this returns, and the path taken ("fused" or
         "gemm"). ``budget`` bounds the working memory. ``ordered``: every score is the float32 sum of the products
         in order of dimension, one FMA each from 0 (``fma(u_0, v_0, 0)``, then ``fma(u_d, v_d, s)``): the sums

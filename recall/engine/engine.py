@@ -467,11 +467,13 @@ class Engine:
         if isinstance(user_vecs, (list, tuple)) and len(user_vecs) == 0:
             user_vecs = np.zeros((0, self.dim), np.float32)  # no users: what a (0, dim) array gives
         xp = self.backend.module_of(user_vecs)
-        # Finiteness is checked from the rows' norms, with the overflow bound: one transfer from the device.
+        # Finiteness is checked from the rows' norms, with the overflow bound: the largest in one pass and one
+        # transfer from the device; every row's, to name the first bad one, only where that is not clearly fine.
         users = inputs.matrix(self.backend, xp, user_vecs, "user_vecs", self.dim, finite=False)
         moved = self.centred(xp, users)
-        inputs.check_overflow(xp, metrics.row_norms(xp, moved), self.item_norm, self.metric, lambda r: f"row {r}",
-                              centre=self.l2_centre)
+        if not inputs.clearly_fine(self.backend.largest_norm(moved), self.item_norm, self.metric):
+            inputs.check_overflow(xp, metrics.row_norms(xp, moved), self.item_norm, self.metric, lambda r: f"row {r}",
+                                  centre=self.l2_centre)
         return xp, moved if centred else users, normalise(exclude, int(users.shape[0]), self.n_items)
 
     def check_users(self, user_vecs: Any) -> None:

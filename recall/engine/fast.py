@@ -585,8 +585,8 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     # its launches left the GPU idle 0.8-1.5 ms between the two (docs/benchmarks.md).
     backend.queue_after(wait)
     cand_rows = approx_rows.reshape(-1)
-    vals, rows, path = backend.rescore(users, engine.resident_items, np.arange(n_users + 1, dtype=np.int64) * wide,
-                                       cand_rows, k, engine.memory_budget, engine.options, ordered)
+    vals, rows, path = backend.rescore(users, engine.resident_items, wide, cand_rows, k, engine.memory_budget,
+                                       engine.options, ordered)
     run_stats = {**wait(), "rescore_path": path}
     # The backend says what its scores were kept in: float16 score tiles (the GPU's cuBLAS path), or float32 (its
     # fused kernel, the CPU), which the certificate reads without the tiles' rounding.

@@ -168,6 +168,13 @@ def _score_bound(norm: Any, item_norm: float, metric: str) -> Any:
     return (norm + item_norm) ** 2 if metric == "l2" else norm * item_norm
 
 
+def clearly_fine(top: float, item_norm: float, metric: str) -> bool:
+    """Whether users whose largest norm is ``top`` (float64, NaN or inf where a row is not finite) pass
+    :func:`check_overflow` whatever the order their norms were summed in: finite, and scores bounded below
+    SCORE_LIMIT with room for a relative 2^-30. Where not, :func:`check_overflow` decides from the rows' norms."""
+    return math.isfinite(top) and _score_bound(top * (1 + 2.0 ** -30), item_norm, metric) <= SCORE_LIMIT
+
+
 def check_overflow(xp: Any, norms: Any, item_norm: float, metric: str, where: Any,
                    what: str | None = "user_vecs", centre: Any = None) -> None:
     """Refuse user vectors with a NaN or an infinity, and those whose scores could overflow float32 (they would come

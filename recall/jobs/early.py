@@ -243,7 +243,7 @@ class EarlyStart:
             # that the parts' lists merge as one search's.
             backend = self._engine_args["device"]
             self._engine_args["l2_centre"] = metrics.l2_centre(backend.to_host(matrix[:metrics.CENTRE_ROWS]))
-        engine = Engine(matrix[lo:hi], **self._engine_args)
+        engine = Engine(matrix[lo:hi], copy=False, **self._engine_args)  # rows that are not written again
         self._parts.append((lo, engine))
         self._lo = hi
         self._part_rows = -(-self.n_items // self._n_parts)
@@ -282,7 +282,7 @@ class EarlyStart:
             return []  # another stage failed: the job is over
         if not self.abandoned:
             try:
-                rest = Engine(matrix[self._lo:], **self._engine_args) if self._lo < self.n_items else None
+                rest = Engine(matrix[self._lo:], copy=False, **self._engine_args) if self._lo < self.n_items else None
                 if rest is not None:
                     self._parts.append((self._lo, rest))
                 out = []

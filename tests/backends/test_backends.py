@@ -267,3 +267,79 @@ def test_cpu_thread_pool_is_kept_and_remade_after_a_fork():
     parts, rows = parent.recv()
     proc.join(10)
     assert proc.exitcode == 0 and parts == 2 and rows == want.indices.tolist()
+
+
+# ---- candidate lists of one length, the users' largest norm ----------------------------------------------------------
+
+def _best_distinct(users: np.ndarray, items: np.ndarray, rows: np.ndarray, width: int, k: int):
+    """float64 oracle of ``rescore``: each user's best k distinct rows of its list by (score desc, row asc)."""
+    vals = np.full((len(users), k), -np.inf)
+    got = np.full((len(users), k), -1)
+    for u, user in enumerate(users.astype(np.float64)):
+        mine = np.unique(rows[u * width:(u + 1) * width])
+        scores = items[mine].astype(np.float64) @ user
+        order = np.lexsort((mine, -scores))[:k]
+        vals[u, :order.size], got[u, :order.size] = scores[order], mine[order]
+    return vals, got
+
+
+@pytest.mark.parametrize("rescore_path", ["fused", "gemm"])
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("width, k", [(1, 1), (7, 3), (5, 9), (40, 40), (300, 17)])
+def test_rescore_lists_of_one_length_given_as_an_int(backend, rescore_path, ordered, width, k):
+    # The certified route gives every list's length (an int) rather than offsets, its rows on the device as its pass
+    # left them: the same answer as the offsets give, and the oracle's (integer data: exact float32 sums).
+    rng = np.random.default_rng(width * 31 + k)
+    users = rng.integers(-3, 4, (9, 6)).astype(np.float32)
+    items = rng.integers(-3, 4, (50, 6)).astype(np.float32)
+    rows = rng.integers(0, 50, 9 * width)  # duplicates within a list count once
+    store = backend.load_items(backend.ingest(items))
+    opts = EngineOptions(rescore=rescore_path)
+    by_int = backend.rescore(backend.ingest(users), store, width, backend.asarray(rows), k, 1 << 30, opts, ordered)
+    offsets = np.arange(10, dtype=np.int64) * width
+    by_csr = backend.rescore(backend.ingest(users), store, offsets, backend.asarray(rows), k, 1 << 30, opts, ordered)
+    host_rows = backend.rescore(backend.ingest(users), store, width, rows, k, 1 << 30, opts, ordered)
+    assert by_int[2] == by_csr[2] == host_rows[2]
+    want_vals, want_rows = _best_distinct(users, items, rows, width, k)
+    for vals, got, _ in (by_int, by_csr, host_rows):
+        np.testing.assert_array_equal(as_numpy(got), want_rows)
+        np.testing.assert_array_equal(as_numpy(vals), want_vals.astype(np.float32))
+
+
+def test_rescore_no_users_given_a_length(backend):
+    store = backend.load_items(backend.ingest(np.ones((4, 3), np.float32)))
+    vals, rows, _ = backend.rescore(backend.ingest(np.zeros((0, 3), np.float32)), store, 5,
+                                    backend.asarray(np.zeros(0, np.int64)), 2, 1 << 20, EngineOptions())
+    assert vals.shape == rows.shape == (0, 2)
+
+
+@pytest.mark.parametrize("n, dim", [(1, 1), (3, 5), (257, 64), (70_001, 3)])
+def test_largest_norm_is_the_largest_row_norm(backend, n, dim):
+    rng = np.random.default_rng(n)
+    vecs = (rng.standard_normal((n, dim)) * np.exp(rng.normal(0, 3, (n, 1)))).astype(np.float32)
+    want = float(np.sqrt((vecs.astype(np.float64) ** 2).sum(axis=1)).max())
+    got = backend.largest_norm(backend.ingest(vecs))
+    assert got == pytest.approx(want, rel=2.0 ** -45)
+    # A row view (every other column: not unit stride) and host rows on any backend.
+    assert backend.largest_norm(backend.ingest(vecs)[:, ::2]) == pytest.approx(
+        float(np.sqrt((vecs[:, ::2].astype(np.float64) ** 2).sum(axis=1)).max()), rel=2.0 ** -45)
+    assert backend.largest_norm(vecs) == pytest.approx(want, rel=2.0 ** -45)
+
+
+@pytest.mark.parametrize("bad, want", [(np.nan, "nan"), (np.inf, "inf"), (-np.inf, "inf"), (3e38, "finite")])
+@pytest.mark.parametrize("row", [0, 5, 999])
+def test_largest_norm_of_rows_not_finite(backend, bad, want, row):
+    vecs = np.ones((1000, 8), np.float32)
+    vecs[row, 3] = bad
+    got = backend.largest_norm(backend.ingest(vecs))
+    if want == "nan":
+        assert np.isnan(got)
+    elif want == "inf":
+        assert got == np.inf
+    else:  # beyond float32 once squared and summed, not in float64
+        assert got == pytest.approx(3e38, rel=1e-6)
+
+
+def test_largest_norm_of_no_rows_and_zero_rows(backend):
+    assert backend.largest_norm(backend.ingest(np.zeros((0, 4), np.float32))) == 0.0
+    assert backend.largest_norm(backend.ingest(np.zeros((3, 4), np.float32))) == 0.0

@@ -2,6 +2,8 @@
 backend here and on the GPU backend on a GPU machine (``-m gpu``)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -403,6 +405,43 @@ def test_float32_overflow_is_not_silently_dropped(device, metric, item, user):
     except InputError:
         return
     assert np.all(idx >= 0), f"an existing item was silently dropped: indices {idx.tolist()}"
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_users_check_at_the_overflow_limit(device, metric, where):
+    """The users' check takes the largest norm in one pass where every row is clearly within float32; at the limit's
+    edge the rows' own norms decide, as before: a user whose bound is the limit searches, one just above is refused
+    by its row (the first of two, after 70,000 good rows)."""
+    from recall.engine.inputs import SCORE_LIMIT
+
+    xp = np
+    if where == "device":
+        if device == "cpu":
+            pytest.skip("device users on the GPU only")
+        import cupy as xp
+    items = np.array([[1e18, 0.0], [0.0, 1.0]], np.float32)
+    engine = Engine(items, metric=metric, device=device)
+    users = np.ones((70_003, 2), np.float32)
+    item_norm = engine.item_norm
+    edge = SCORE_LIMIT / item_norm if metric == "ip" else math.sqrt(SCORE_LIMIT) - item_norm
+    # The largest float32 norm at or below the edge (a user [x, 0]), and the next float32 above.
+    at = np.float32(edge)
+    while (float(at) * item_norm if metric == "ip" else (float(at) + item_norm) ** 2) > SCORE_LIMIT:
+        at = np.nextafter(at, np.float32(0))
+    if metric == "l2":
+        engine_centre = engine.l2_centre
+        assert engine_centre is None or not np.any(engine_centre), "the check below assumes no l2 centre"
+    users[70_001] = [at, 0.0]
+    res = engine.search(xp.asarray(users), 1)
+    assert as_numpy(res.indices)[70_001, 0] >= 0
+    users[70_002] = [np.nextafter(at, np.float32(np.inf)) * np.float32(1.001), 0.0]
+    users[70_000] = users[70_002]
+    with pytest.raises(InputError, match=r"user_vecs: row 70000 has norm .* could overflow float32"):
+        engine.search(xp.asarray(users), 1)
+    users[70_000] = [np.nan, 0.0]
+    with pytest.raises(InputError, match=r"user_vecs: row 70000 has a NaN or infinite value"):
+        engine.search(xp.asarray(users), 1)
 
 
 def test_dimension_mismatch(device, make_normal):

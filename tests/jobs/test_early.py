@@ -81,6 +81,28 @@ def test_matches_oracle_exactly(forced, tmp_path: Path, metric: str, k: int) -> 
     assert _no_threads_left()
 
 
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_parts_hold_views_of_the_jobs_matrix(forced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             metric: str) -> None:
+    # Each part's engine is built over rows of the job's matrix that are not written again (``copy=False``): under ip
+    # it holds them rather than a copy of them; the answers are the oracle's.
+    up, ip, users, items, user_ids, item_ids = _files(tmp_path)
+    built = []
+
+    class Recording(Engine):
+        def __init__(self, vectors, *args, **kwargs):
+            super().__init__(vectors, *args, **kwargs)
+            built.append((vectors, kwargs.get("copy"), self))
+
+    monkeypatch.setattr(early, "Engine", Recording)
+    score_files(up, ip, tmp_path / "out.parquet", 4, metric=metric, device="cpu", batch_size=5, options=ON)
+    assert len(built) >= (2 if metric == "ip" else 1)  # l2's first part holds the rows of its centre: all 90 here
+    for vectors, copy, engine in built:
+        assert copy is False
+        assert np.shares_memory(engine.prepared_items, vectors) == (metric == "ip")
+    _check(tmp_path / "out.parquet", users, items, user_ids, item_ids, 4, metric)
+
+
 def test_list_columns_declare_no_dimension_and_still_search_early(forced, tmp_path: Path) -> None:
     # list<float> columns (as Spark and DuckDB write them): the dimension comes with the first decoded item rows.
     up, ip, users, items, user_ids, item_ids = _files(tmp_path, layout="list32")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...core import keys
+from .. import candidates
 from . import kernels
 
 THREADS = 128
@@ -147,26 +148,34 @@ def rescore_fused(users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int,
                   budget: int, ordered: bool = False) -> bool:
     """Score and select on the GPU in one kernel per block of users; False when k or n_items is beyond the kernel.
 
-    users : (n, dim) float32 device; items : (n_items, dim) float32 device; indptr : host int64 (n + 1,); rows :
-    int64 item rows, host or device; out_vals / out_rows : (n, k) device arrays, C-contiguous. Device rows are read
-    in place; host rows are uploaded in blocks of users whose rows fit in ``budget``. ``ordered``: every score is
-    the fused exact kernel's sum (``Backend.rescore``).
+    users : (n, dim) float32 device; items : (n_items, dim) float32 device; indptr : host int64 (n + 1,), or an int
+    w (every list w rows long); rows : int64 item rows, host or device; out_vals / out_rows : (n, k) device arrays,
+    C-contiguous. Device rows are read in place; host rows are uploaded in blocks of users whose rows fit in
+    ``budget``. ``ordered``: every score is the fused exact kernel's sum (``Backend.rescore``).
     """
     import cupy
 
     n_items, dim = int(items.shape[0]), int(items.shape[1])
-    lengths = np.diff(indptr)
-    longest = int(lengths.max()) if lengths.size else 1
+    n = int(users.shape[0])
+    width = int(indptr) if isinstance(indptr, (int, np.integer)) else None
+    if width is None:
+        lengths = np.diff(indptr)
+        longest = int(lengths.max()) if lengths.size else 1
+    else:
+        longest = max(width, 1) if n else 1
     warp = takes_warp(k, longest, dim, ordered)
     cfg = None if warp else launch_config(k, dim, longest, ordered)
     if (cfg is None and not warp) or n_items >= 2 ** 31:
         return False
     if not isinstance(rows, np.ndarray):
-        _launch(users, items, dim, None, cupy.asarray(indptr), rows, k, cfg, out_vals, out_rows, ordered)
+        # Lists of one length (the certified route's) have their offsets made on the device: the launch, queued
+        # behind the pass that writes ``rows``, then waits for no copy from the host.
+        offsets = (cupy.arange(n + 1, dtype=cupy.int64) * width if width is not None else cupy.asarray(indptr))
+        _launch(users, items, dim, None, offsets, rows, k, cfg, out_vals, out_rows, ordered)
         return True
+    indptr = candidates.csr_indptr(indptr, n)
     per_block = max(1, budget // 8)
     start = 0
-    n = lengths.size
     while start < n:
         # The most users from `start` whose candidate rows fit in the budget (at least one user).
         stop = int(np.searchsorted(indptr, indptr[start] + per_block, side="right")) - 1

@@ -292,6 +292,9 @@ class NumpyBackend:
         arr = to_numpy(arr)
         return np.ascontiguousarray(arr, dtype=np.int64 if arr.dtype.kind in "iu" else np.float32)
 
+    def largest_norm(self, vecs: Any) -> float:
+        return float(row_norms(np, vecs).max()) if vecs.shape[0] else 0.0
+
     def to_host(self, arr: Any) -> np.ndarray:
         return to_numpy(arr)
 
@@ -550,7 +553,8 @@ class NumpyBackend:
 
     def rescore(self, users: Any, items: np.ndarray, indptr: np.ndarray, rows: Any, k: int, budget: int,
                 options: EngineOptions, ordered: bool = False) -> tuple[np.ndarray, np.ndarray, str]:
-        n = int(indptr.size) - 1
+        n = int(users.shape[0])
+        indptr = candidates.csr_indptr(indptr, n)
         vals = np.full((n, k), -np.inf, dtype=np.float32)
         out = np.full((n, k), -1, dtype=np.int64)
         # Ordered or not: each user's candidates are one product of one row, which gemm_strided_batched sums as the

@@ -1,0 +1,25 @@
+// The users' check before a search (CupyBackend.largest_norm): the largest squared Euclidean norm of the rows of a
+// float32 (n, dim) matrix of unit column stride, in one launch. One warp a row (rows strided over the grid's warps),
+// the squares summed in float64 (exact products of float32 values; the sum's order is this kernel's own), the warp's
+// largest kept as the bits of a double: non-negative doubles order as their bit patterns, and a NaN's bits (either
+// sign) exceed +inf's, so that a row with a NaN or an infinity makes the result NaN or +inf. *out starts at 0.
+extern "C" __global__ void __launch_bounds__(256)
+recall_largest_norm_sq(const float* __restrict__ vecs, long long stride, long long n, int dim,
+                       unsigned long long* __restrict__ out) {
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    unsigned long long best = 0ull;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n; r += warps) {
+        const float* row = vecs + r * stride;
+        double s = 0.0;
+        for (int i = lane; i < dim; i += 32) {
+            const double v = (double)row[i];
+            s += v * v;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        const unsigned long long bits = (unsigned long long)__double_as_longlong(s);
+        best = bits > best ? bits : best;
+    }
+    if (lane == 0 && best != 0ull) atomicMax(out, best);
+}

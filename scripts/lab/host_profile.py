@@ -1,0 +1,75 @@
+"""Lab (GPU): where the host's time goes in one search of a cell, and when the GPU starts its pass. Times N searches
+(after warm-ups) from the call to the first block's launch on the GPU and to the result, then runs N more under
+cProfile and prints the functions of ``recall`` by their own time and by cumulative time, per search.
+
+    PYTHONPATH=. python3 scripts/lab/host_profile.py --cells uh-20k-k100 --variants shipped,float32 [--top 25]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_profile import VARIANTS, cell_spec  # the lab's cells and variants
+
+
+def main() -> None:
+    import cupy
+
+    from recall import Engine
+    from recall.bench.workloads import generate
+    from recall.core.options import EngineOptions
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", default="uh-20k-k100")
+    p.add_argument("--variants", default="shipped,float32")
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--top", type=int, default=25)
+    a = p.parse_args()
+    for cell in a.cells.split(","):
+        kind, nu, ni, dim, k, metric, per = cell_spec(cell)
+        users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
+        for vname in a.variants.split(","):
+            opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
+            engine = Engine(items, metric=metric, device="gpu", options=opts)
+            for _ in range(3):
+                engine.search(users, k)
+            cupy.cuda.Device().synchronize()
+            walls, queued = [], []
+            for _ in range(a.repeat):
+                t0 = time.perf_counter()
+                pending = engine.search_async(users, k)
+                queued.append(time.perf_counter() - t0)
+                pending.result()
+                cupy.cuda.Device().synchronize()
+                walls.append(time.perf_counter() - t0)
+            print(f"| {cell} | {vname} | wall {statistics.median(walls) * 1e3:.2f} ms | search_async returned after "
+                  f"{statistics.median(queued) * 1e3:.2f} ms | route {engine.stats.get('route')} |", flush=True)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(a.repeat):
+                engine.search(users, k)
+                cupy.cuda.Device().synchronize()
+            prof.disable()
+            for key in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                st = pstats.Stats(prof, stream=buf)
+                st.sort_stats(key).print_stats("recall|cupy", a.top)
+                print(f"--- {cell} {vname} by {key}, over {a.repeat} searches ---")
+                print("\n".join(line for line in buf.getvalue().splitlines()
+                                 if line.strip() and not line.startswith(("   Ordered", "   List"))))
+            del engine
+        del users, items
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
