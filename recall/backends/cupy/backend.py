@@ -292,7 +292,7 @@ class CupyBackend:
         for event in wait.events:
             stream.wait_event(event)
 
-    def rescore(self, users: Any, items: DeviceItems, indptr: np.ndarray, rows: Any, k: int, budget: int,
+    def rescore(self, users: Any, items: DeviceItems, indptr: np.ndarray | int, rows: Any, k: int, budget: int,
                 options: EngineOptions, ordered: bool = False) -> tuple[Any, Any, str]:
         cupy = self.xp
         n = int(users.shape[0])

@@ -144,7 +144,7 @@ def _launch(users: Any, items: Any, dim: int, scores: Any, indptr: Any, rows: An
          shared_mem=smem)
 
 
-def rescore_fused(users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int, out_vals: Any, out_rows: Any,
+def rescore_fused(users: Any, items: Any, indptr: np.ndarray | int, rows: Any, k: int, out_vals: Any, out_rows: Any,
                   budget: int, ordered: bool = False) -> bool:
     """Score and select on the GPU in one kernel per block of users; False when k or n_items is beyond the kernel.
 

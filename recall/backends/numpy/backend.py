@@ -551,7 +551,7 @@ class NumpyBackend:
         if state.counts is None:
             heap.seed_heaps(state.keys[:n], state.thr[:n])
 
-    def rescore(self, users: Any, items: np.ndarray, indptr: np.ndarray, rows: Any, k: int, budget: int,
+    def rescore(self, users: Any, items: np.ndarray, indptr: np.ndarray | int, rows: Any, k: int, budget: int,
                 options: EngineOptions, ordered: bool = False) -> tuple[np.ndarray, np.ndarray, str]:
         n = int(users.shape[0])
         indptr = candidates.csr_indptr(indptr, n)
