@@ -33,18 +33,19 @@ def csr_indptr(indptr: Any, n_users: int) -> np.ndarray:
     return indptr
 
 
-def rescore_gemm(backend: Any, users: Any, items: Any, indptr: np.ndarray, rows: Any, k: int, budget: int,
+def rescore_gemm(backend: Any, users: Any, items: Any, indptr: np.ndarray | int, rows: Any, k: int, budget: int,
                  out_vals: Any, out_rows: Any, dots: Dots | None = None) -> None:
     """Fill ``out_vals`` / ``out_rows`` ((n, k) backend arrays, padded on entry) with each user's best ``k`` among
     ``rows[indptr[u]:indptr[u + 1]]``.
 
     users : (n, dim) float32, host or backend; items : (n_items, dim) float32 on the backend; indptr : host int64
-    (n + 1,); rows : int64 item rows, host or backend, duplicates allowed (counted once); budget : bytes; dots:
-    the scores of a block (default: one strided-batched GEMM).
+    (n + 1,), or an int w (:func:`csr_indptr`); rows : int64 item rows, host or backend, duplicates allowed (counted
+    once); budget : bytes; dots: the scores of a block (default: one strided-batched GEMM).
     """
     xp = backend.xp
     dim = int(items.shape[1])
     users_b = backend.asarray(users)
+    indptr = csr_indptr(indptr, int(users.shape[0]))
     lengths = np.diff(indptr)
     rxp = np if isinstance(rows, np.ndarray) else xp
     slot_bytes = 4 * dim + _SLOT_BYTES_FIXED

@@ -88,6 +88,11 @@ def row_norms(xp: Any, vecs: Any) -> Any:
     return xp.sqrt(out, out=out)
 
 
+def largest_row_norm(xp: Any, vecs: Any) -> float:
+    """The largest of :func:`row_norms` as a float: 0.0 without rows, NaN or inf where a row is not finite."""
+    return float(row_norms(xp, vecs).max()) if vecs.shape[0] else 0.0
+
+
 #: Why cosine refuses a row (after "row N "): every value is 0 once in float32, where a float64 value below float32's
 #: smallest (about 1.4e-45) becomes 0 too.
 ZERO_VECTOR = ("is a zero vector in float32 (every value 0, or too small for float32), which has no direction for "

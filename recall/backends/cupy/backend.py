@@ -22,9 +22,8 @@ from ...core import keys
 from ...core.certificate import FastItems, FastUsers, output_scale, prepare_users, user_terms
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
-from ...core.metrics import row_norms
+from ...core.metrics import largest_row_norm
 from ...core.options import EngineOptions
-from ...core.results import to_numpy
 from ...core.tiling import TilePlan, plan_tiles
 from .. import candidates
 from ..numpy.backend import tune_band
@@ -153,7 +152,7 @@ class CupyBackend:
 
     def largest_norm(self, vecs: Any) -> float:
         if isinstance(vecs, np.ndarray) or vecs.dtype != self.xp.float32 or (vecs.size and vecs.strides[1] != 4):
-            return float(to_numpy(row_norms(self.xp.get_array_module(vecs), vecs).max())) if vecs.shape[0] else 0.0
+            return largest_row_norm(self.xp.get_array_module(vecs), vecs)
         # One launch and one 8-byte transfer, on the caller's stream as the users' checks were (for 200k users x 64
         # metrics.row_norms' array operations cost 17 launches: float64 copies, squares and sums a block of 65,536 rows,
         # then the largest).
@@ -307,7 +306,7 @@ class CupyBackend:
             return vals, out, "fused"
         vals.fill(-cupy.inf)
         out.fill(-1)
-        candidates.rescore_gemm(self, users_d, items.vecs, candidates.csr_indptr(indptr, n), rows, k, budget, vals, out,
+        candidates.rescore_gemm(self, users_d, items.vecs, indptr, rows, k, budget, vals, out,
                                 rescore.ordered_dots if ordered else None)
         return vals, out, "gemm"
 

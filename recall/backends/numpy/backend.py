@@ -18,7 +18,7 @@ from ...core import keys
 from ...core.certificate import FastItems, FastUsers, prepare_users, seed_margin
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
-from ...core.metrics import row_norms
+from ...core.metrics import largest_row_norm, row_norms
 from ...core.options import EngineOptions
 from ...core.results import to_numpy
 from ...core.tiling import TilePlan
@@ -293,7 +293,7 @@ class NumpyBackend:
         return np.ascontiguousarray(arr, dtype=np.int64 if arr.dtype.kind in "iu" else np.float32)
 
     def largest_norm(self, vecs: Any) -> float:
-        return float(row_norms(np, vecs).max()) if vecs.shape[0] else 0.0
+        return largest_row_norm(np, vecs)
 
     def to_host(self, arr: Any) -> np.ndarray:
         return to_numpy(arr)
@@ -554,7 +554,6 @@ class NumpyBackend:
     def rescore(self, users: Any, items: np.ndarray, indptr: np.ndarray | int, rows: Any, k: int, budget: int,
                 options: EngineOptions, ordered: bool = False) -> tuple[np.ndarray, np.ndarray, str]:
         n = int(users.shape[0])
-        indptr = candidates.csr_indptr(indptr, n)
         vals = np.full((n, k), -np.inf, dtype=np.float32)
         out = np.full((n, k), -1, dtype=np.int64)
         # Ordered or not: each user's candidates are one product of one row, which gemm_strided_batched sums as the
