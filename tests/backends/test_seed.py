@@ -169,6 +169,47 @@ def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k)
         _check_threshold(got[u], rows[u].astype(np.float32), norms, users[u], k, dtype, dtype, u)
 
 
+@pytest.mark.parametrize("size, want", [(8192, 256), (8196, 512), (16384, 512), (16388, 1024), (32768, 1024),
+                                        (32772, 256), (65536, 256), (16387, 256), (301, 256), (4, 256)])
+def test_seed_block_holds_rows_of_up_to_32_keys_a_thread(size, want):
+    # The block-a-user select takes the fewest threads that hold a row of a multiple of 4 in registers (32 keys a
+    # thread, up to 1,024 threads); longer rows and rows of other lengths are streamed by 256.
+    from recall.backends.cupy.selection import seed_threads
+
+    assert seed_threads(size) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
+@pytest.mark.parametrize("size, k, ke", [(8196, 1000, 0), (16384, 2048, 443), (16384, 1000, 0), (24576, 2048, 0),
+                                         (32768, 2048, 700), (32768, 1000, 0)])
+def test_held_rows_of_wide_blocks_select_what_streamed_rows_do(monkeypatch, dtype, vectors, size, k, ke):
+    # Rows of 8,193 to 32,768 scores are held by blocks of 512 or 1,024 threads; the same rows streamed by 256
+    # threads (every pass reading the row again) go through the same select of the same keys: the same thresholds,
+    # bit for bit, and each within the select's bracket of the oracle's.
+    from recall.backends import cuda_status
+    from recall.backends.cupy import selection
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    rows, users, norms = _seed_rows(size, k, dtype)
+    users = users.astype(vectors)
+    assert selection.seed_threads(size) > selection.SEED_THREADS
+    held = _thresholds(rows, users, norms, k, ke)
+    monkeypatch.setattr(selection, "SEED_BLOCKS", (selection.SEED_THREADS,))
+    assert selection.seed_threads(size) == selection.SEED_THREADS
+    streamed = _thresholds(rows, users, norms, k, ke)
+    np.testing.assert_array_equal(held, streamed)
+    rank = ke if 0 < ke < k else k
+    for u in range(rows.shape[0]):
+        sampled = rows[u].astype(np.float32)
+        if np.sum(sampled > -np.inf) < k:
+            assert held[u] == -np.inf, (u, held[u])
+            continue
+        _check_threshold(held[u], sampled, norms, users[u], rank, dtype, vectors, u)
+
+
 def _lane_rows(size, k, dtype):
     """_seed_rows, and rows whose best scores all sit in one lane's share of the warp-a-user select (lane 0: columns
     4j..4j+3 of every 128 where size is a multiple of 4, else every 32nd), so that lane keeps fewer of them than the

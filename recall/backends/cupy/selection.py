@@ -16,6 +16,12 @@ log = logging.getLogger("recall")
 MERGE_THREADS = 256
 FILTER_THREADS = 256
 SEED_THREADS = 256  # RECALL_SEED_THREADS in topk.cu
+#: Block sizes of the block-a-user select (``recall_seed``, ``recall_seed512``, ``recall_seed1024``): each thread holds
+#: 32 keys in registers (RECALL_SEED_HELD float4 loads) where the row is a multiple of 4 long, so a row of up to 32
+#: times the block's threads is read once; a longer one (or one not a multiple of 4) is read again for every pass of
+#: the select (``seed_threads``).
+SEED_BLOCKS = (256, 512, 1024)
+SEED_HELD_PER_THREAD = 32
 SEED_WARP_USERS = 8  # RECALL_SEED_WARP_USERS in topk.cu
 #: Threshold samples whose rank (k, or the estimate's) is at most this and whose rows hold at most SEED_WARP_MAX_SIZE
 #: scores are selected one warp a user (``recall_seed_warp*``), larger ranks one block a user (``recall_seed``). On the
@@ -24,6 +30,17 @@ SEED_WARP_USERS = 8  # RECALL_SEED_WARP_USERS in topk.cu
 #: 65,536 (the longest either takes) were tested, not timed.
 SEED_WARP_RANK = 128
 SEED_WARP_MAX_SIZE = 65_536
+
+
+def seed_threads(size: int) -> int:
+    """Threads of the block-a-user select of a row of ``size`` sampled scores: the fewest of SEED_BLOCKS that hold the
+    row in registers (a multiple of 4 up to 32,768 scores), else SEED_THREADS, which streams it. A row of 16,384
+    (the certified route's sample at k = 2,048 on 100k items) streamed at 256 threads was read three times or more."""
+    if size % 4 == 0:
+        for threads in SEED_BLOCKS:
+            if size <= SEED_HELD_PER_THREAD * threads:
+                return threads
+    return SEED_THREADS
 
 
 def candidate_capacity(k: int) -> int:
@@ -189,9 +206,10 @@ class Selection:
                              np.dtype(np.float16): mod.get_function("recall_mask_sampled_h")}
         f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
         # By (score type, vector type): exact mode; fast mode's cuBLAS path; fast mode's fused path (float32 scores
-        # of its samples).
-        self.seed_kth = {(f32, f32): mod.get_function("recall_seed"), (f16, f16): mod.get_function("recall_seed_h"),
-                         (f32, f16): mod.get_function("recall_seed_fh")}
+        # of its samples). The block-a-user select also by its block size (seed_threads; the kernel's suffix).
+        self.seed_kth = {(t, s, v): mod.get_function(f"recall_seed{name}{'' if t == SEED_THREADS else t}")
+                         for t in SEED_BLOCKS for (s, v), name in (((f32, f32), ""), ((f16, f16), "_h"),
+                                                                   ((f32, f16), "_fh"))}
         # The same by type, one warp a user: the select of small ranks (SEED_WARP_RANK).
         self.seed_warp = {(f32, f32): mod.get_function("recall_seed_warp"),
                           (f16, f16): mod.get_function("recall_seed_warp_h"),
@@ -261,8 +279,9 @@ class Selection:
                                                         (32 * SEED_WARP_USERS,),
                                                         (scores, np.int32(n), np.int32(size), np.int32(state.k), *args))
         else:
-            self.seed_kth[(scores.dtype, users.dtype)]((n,), (SEED_THREADS,),
-                                                       (scores, np.int32(size), np.int32(state.k), *args))
+            threads = seed_threads(size)
+            self.seed_kth[(threads, scores.dtype, users.dtype)]((n,), (threads,),
+                                                                (scores, np.int32(size), np.int32(state.k), *args))
 
     def result(self, state: GpuTopK, best_first: bool = True) -> tuple[Any, Any]:
         """The final merge: results of the block's users in ``state.out_vals`` / ``out_rows``, sorted best first, or

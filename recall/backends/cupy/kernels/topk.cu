@@ -137,7 +137,8 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
     recall_mask_sampled_body(scores, U, T, rows, ex_ptr, ex_items);
 }
 
-// A block's threshold sample: grid (U), RECALL_SEED_THREADS threads a user. The K-th best of the user's sampled scores
+// A block's threshold sample: grid (U), THREADS threads a user (256, or 512 or 1,024 for held rows longer than
+// 256 threads hold: selection.seed_threads). The K-th best of the user's sampled scores
 // (a row of T, excluded items already -inf) is the score of K real items, so the final K-th best is >= it, up to
 // the rounding by which the search's own score of an item may lie below the sample's (another GEMM, another order of
 // the sums): each sampled score s of item j is first lowered by that much, A P_j + R |s| + Z with P_j >= sum_i
@@ -160,8 +161,9 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 // warp shuffles, and stops at the first digit that brings it within K / 8 keys of the K-th: the threshold then lies below
 // the K-th best lowered sampled score, with at most K + K / 8 sampled scores at or above it (one digit below the
 // shared bits is nearly always that close). The paths differ only in where the keys come from:
-//   held     rows of T <= RECALL_SEED_HELD_MAX scores, T a multiple of 4 (RecallSeedHeld): each thread reads and
-//            lowers its scores once, 4 at a time, and keeps its 32 keys in registers for every pass;
+//   held     rows of T <= 32 THREADS scores, T a multiple of 4 (RecallSeedHeld): each thread reads and lowers its
+//            scores once, 4 at a time, and keeps its 32 keys in registers for every pass (rows of 8,193 to 32,768
+//            take blocks of 512 or 1,024 threads for it: a 16,384-score row streamed was read three times or more);
 //   streamed longer rows (up to 65,536 scores: large-k samples) and rows of T not a multiple of 4 (RecallSeedRow):
 //            every pass (the range's, then one a digit, usually one or two) reads the row from global memory again
 //            and lowers it again, 4 scores a thread at a time where T is a multiple of 4, else 1; no key is held.
@@ -173,9 +175,7 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 // the estimate was too high ends with fewer than K items, and its caller knows its start (Backend.run_blocks'
 // left_out). The same select, at another rank.
 #define RECALL_SEED_THREADS 256
-#define RECALL_SEED_WARPS (RECALL_SEED_THREADS / 32)
 #define RECALL_SEED_HELD 8  // 16-byte loads a thread holds: 32 keys
-#define RECALL_SEED_HELD_MAX (4 * RECALL_SEED_HELD * RECALL_SEED_THREADS)
 
 // A sampled score lowered by its margin, rounding down (-inf, +inf and NaN as they are).
 __device__ __forceinline__ float recall_seed_lower(float s, float vn, float au, float R, float Z) {
@@ -231,7 +231,8 @@ struct RecallSeedDigit {
 // Where a thread's keys come from. A source's each(f) calls f(key) on every key of the thread, and on 0 (no key) for
 // the places past the row's end (every f ignores key 0).
 //
-// The held path's: 4 * RECALL_SEED_HELD keys in registers, read and lowered once by load().
+// The held path's: 4 * RECALL_SEED_HELD keys in registers, read and lowered once by load() (THREADS: the block's).
+template <int THREADS>
 struct RecallSeedHeld {
     u32 keys[4 * RECALL_SEED_HELD];
 
@@ -240,7 +241,7 @@ struct RecallSeedHeld {
                                          float z32) {
 #pragma unroll
         for (int r = 0; r < RECALL_SEED_HELD; ++r) {
-            const int i = (r * RECALL_SEED_THREADS + (int)threadIdx.x) * 4;
+            const int i = (r * THREADS + (int)threadIdx.x) * 4;
             float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
             if (i < T) recall_seed_load4(row, vnorm, i, au, r32, z32, v);
 #pragma unroll
@@ -257,14 +258,14 @@ struct RecallSeedHeld {
 
 // The streamed path's: the row itself, read and lowered again on every call, 4 scores a thread at a time where T is
 // a multiple of 4 (16-byte loads of float32, 8-byte of float16), 1 otherwise; the trip count depends on T alone.
-template <typename S>
+template <typename S, int THREADS>
 struct RecallSeedRow {
     const S* row; const float* vnorm; int T; float au, r32, z32;
 
     template <typename F>
     __device__ __forceinline__ void each(F& f) const {
         if ((T & 3) == 0) {
-            for (int i0 = 0; i0 < T; i0 += 4 * RECALL_SEED_THREADS) {
+            for (int i0 = 0; i0 < T; i0 += 4 * THREADS) {
                 const int i = i0 + 4 * (int)threadIdx.x;
                 float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
                 if (i < T) recall_seed_load4(row, vnorm, i, au, r32, z32, v);
@@ -272,7 +273,7 @@ struct RecallSeedRow {
                 for (int q = 0; q < 4; ++q) f(recall_seed_key(v[q]));
             }
         } else {
-            for (int i0 = 0; i0 < T; i0 += RECALL_SEED_THREADS) {
+            for (int i0 = 0; i0 < T; i0 += THREADS) {
                 const int i = i0 + (int)threadIdx.x;
                 f(i < T ? recall_seed_key(recall_seed_lower(recall_load(row, i), vnorm[i], au, r32, z32)) : 0u);
             }
@@ -286,7 +287,7 @@ struct RecallSeedRow {
 // at most K / 8 keys below it, and returns that bin's lowest key (a threshold sample is a lower bound, and one digit
 // of 12 bits below the shared ones is nearly always that close); past the last digit it is the K-th key itself. Every
 // thread calls it; the result is every thread's. hist: 4,096 ints of shared memory, part: one int per warp.
-template <typename Keys>
+template <int THREADS, typename Keys>
 __device__ __forceinline__ u32 recall_seed_select(const Keys& keys, u32 kmax, u32 kmin, int K, int* hist, int* part,
                                                   u32* s_prefix, int* s_want, int* s_below) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -300,14 +301,14 @@ __device__ __forceinline__ u32 recall_seed_select(const Keys& keys, u32 kmax, u3
         const int shift = remaining - digit;
         const int bins = 1 << digit;
         const u32 high = remaining == 32 ? 0u : ~((1u << remaining) - 1u);  // the bits fixed so far
-        for (int b = tid; b < bins; b += RECALL_SEED_THREADS) hist[b] = 0;
+        for (int b = tid; b < bins; b += THREADS) hist[b] = 0;
         __syncthreads();
         const RecallSeedDigit add = {hist, kmin, prefix, high, shift, bins};
         keys.each(add);
         __syncthreads();
         // Thread t sums its share of the bins, counted from the top bin down; a scan (warp shuffles, then the warps'
         // totals) says where each share starts, and the thread whose share holds rank `want` walks its bins.
-        const int per = (bins + RECALL_SEED_THREADS - 1) / RECALL_SEED_THREADS;
+        const int per = (bins + THREADS - 1) / THREADS;
         const int hi = bins - 1 - tid * per;  // this thread's bins: hi, hi - 1, ..., down to 0 at most
         int sum = 0;
         for (int j = 0; j < per && hi - j >= 0; ++j) sum += hist[hi - j];
@@ -349,7 +350,7 @@ __device__ __forceinline__ u32 recall_seed_select(const Keys& keys, u32 kmax, u3
 // warp in shared memory, hist being free until the select clears it; every thread combines the warps'), then -inf
 // where fewer than K keys, else the float just below the selected key: the K-th best's (a lower bound), or with
 // 0 < KE < K the KE-th best's (the estimate, above).
-template <typename Keys>
+template <int THREADS, typename Keys>
 __device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSeedRange range, int K, int KE,
                                                       float* __restrict__ thr, int* hist, int* part, u32* s_prefix,
                                                       int* s_want, int* s_below) {
@@ -362,16 +363,16 @@ __device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSe
     }
     if (lane == 0) {
         hist[tid >> 5] = (int)range.kmax;
-        hist[RECALL_SEED_WARPS + (tid >> 5)] = (int)range.kmin;
-        hist[2 * RECALL_SEED_WARPS + (tid >> 5)] = range.count;
+        hist[THREADS / 32 + (tid >> 5)] = (int)range.kmin;
+        hist[2 * (THREADS / 32) + (tid >> 5)] = range.count;
     }
     __syncthreads();
     u32 kmax = 0u, kmin = 0xffffffffu;
     int count = 0;
-    for (int w = 0; w < RECALL_SEED_WARPS; ++w) {
+    for (int w = 0; w < THREADS / 32; ++w) {
         kmax = max(kmax, (u32)hist[w]);
-        kmin = min(kmin, (u32)hist[RECALL_SEED_WARPS + w]);
-        count += hist[2 * RECALL_SEED_WARPS + w];
+        kmin = min(kmin, (u32)hist[THREADS / 32 + w]);
+        count += hist[2 * (THREADS / 32) + w];
     }
     __syncthreads();  // hist is cleared by the select
     if (count < K) {  // fewer than K finite sampled scores
@@ -379,26 +380,26 @@ __device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSe
         return;
     }
     const int rank = KE > 0 && KE < K ? KE : K;
-    u32 low = recall_seed_select(keys, kmax, kmin, rank, hist, part, s_prefix, s_want, s_below);
+    u32 low = recall_seed_select<THREADS>(keys, kmax, kmin, rank, hist, part, s_prefix, s_want, s_below);
     // A bin's lowest key may lie below every finite float's (the bins of the most negative scores): -FLT_MAX.
     low = max(low, recall_f2ord(-3.402823466e38f));
     if (tid == 0) *thr = nextafterf(recall_ord2f(low), RECALL_NEG_INF);
 }
 
-template <typename S, typename V>
+template <int THREADS, typename S, typename V>
 __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, float* __restrict__ thr,
                                  const V* __restrict__ users, int W, const float* __restrict__ vnorm, int CC,
                                  double CV, double A, double R, double Z, int KE) {
     __shared__ int hist[4096];
-    __shared__ int part[RECALL_SEED_WARPS];
+    __shared__ int part[THREADS / 32];
     __shared__ u32 s_prefix;
     __shared__ int s_want, s_below;
-    __shared__ double s_sq[RECALL_SEED_WARPS];
+    __shared__ double s_sq[THREADS / 32];
     __shared__ float s_au, s_z;
     const int u = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     const S* row = scores + (long long)u * T;
     double sq = 0.0;  // the user's squared norm but column CC's, in float64 (each square and sum of float values)
-    for (int i = tid; i < W; i += RECALL_SEED_THREADS) {
+    for (int i = tid; i < W; i += THREADS) {
         const double x = recall_load(users + (long long)u * W, i);
         if (i != CC) sq += x * x;
     }
@@ -408,7 +409,7 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
     __syncthreads();
     if (tid == 0) {
         double norm2 = 0.0;
-        for (int w = 0; w < RECALL_SEED_WARPS; ++w) norm2 += s_sq[w];
+        for (int w = 0; w < THREADS / 32; ++w) norm2 += s_sq[w];
         s_au = __double2float_ru(A * sqrt(norm2));  // A |u|, rounded up (A carries the float64 steps' slack)
         // Column CC's product, the same for every item: Z grows by it (rounded up, as every step of the margin).
         const double uc = CC >= 0 && CC < W ? fabs((double)recall_load(users + (long long)u * W, CC)) : 0.0;
@@ -417,40 +418,44 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
     __syncthreads();
     const float au = s_au, r32 = __double2float_ru(R), z32 = s_z;
     RecallSeedRange range = {0u, 0xffffffffu, 0};
-    if ((T & 3) == 0 && T <= RECALL_SEED_HELD_MAX) {
-        RecallSeedHeld held;
+    if ((T & 3) == 0 && T <= 4 * RECALL_SEED_HELD * THREADS) {
+        RecallSeedHeld<THREADS> held;
         held.load(row, vnorm, T, au, r32, z32);
         held.each(range);
-        recall_seed_threshold(held, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
+        recall_seed_threshold<THREADS>(held, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     } else {
-        const RecallSeedRow<S> streamed = {row, vnorm, T, au, r32, z32};
+        const RecallSeedRow<S, THREADS> streamed = {row, vnorm, T, au, r32, z32};
         streamed.each(range);
-        recall_seed_threshold(streamed, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
+        recall_seed_threshold<THREADS>(streamed, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     }
 }
 
 // By the type of the sampled scores and of the users' vectors: float32 and float32 (exact mode), float16 tiles of
-// float16 vectors (fast mode's cuBLAS path), float32 scores of float16 vectors (fast mode's fused path). KE: the
-// estimate's rank (0: the K-th best, a lower bound).
-extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
-recall_seed(const float* __restrict__ scores, int T, int K, float* __restrict__ thr, const float* __restrict__ users,
-            int W, const float* __restrict__ vnorm, int CC, double CV, double A, double R, double Z, int KE) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);
-}
-
-extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
-recall_seed_h(const half_bits* __restrict__ scores, int T, int K, float* __restrict__ thr,
-              const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, int CC, double CV,
-              double A, double R, double Z, int KE) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);
-}
-
-extern "C" __global__ void __launch_bounds__(RECALL_SEED_THREADS)
-recall_seed_fh(const float* __restrict__ scores, int T, int K, float* __restrict__ thr,
-               const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, int CC, double CV,
-               double A, double R, double Z, int KE) {
-    recall_seed_body(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);
-}
+// float16 vectors (fast mode's cuBLAS path), float32 scores of float16 vectors (fast mode's fused path); by the
+// block's threads (the suffix: none 256, else 512 or 1,024), so that rows of up to 32 keys a thread are held (the
+// launcher's selection.seed_threads). KE: the estimate's rank (0: the K-th best, a lower bound).
+#define RECALL_SEED_KERNELS(SUFFIX, THREADS)                                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
+    recall_seed##SUFFIX(const float* __restrict__ scores, int T, int K, float* __restrict__ thr,                      \
+                        const float* __restrict__ users, int W, const float* __restrict__ vnorm, int CC, double CV,   \
+                        double A, double R, double Z, int KE) {                                                       \
+        recall_seed_body<THREADS>(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);                           \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
+    recall_seed_h##SUFFIX(const half_bits* __restrict__ scores, int T, int K, float* __restrict__ thr,                \
+                          const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, int CC,        \
+                          double CV, double A, double R, double Z, int KE) {                                          \
+        recall_seed_body<THREADS>(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);                           \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
+    recall_seed_fh##SUFFIX(const float* __restrict__ scores, int T, int K, float* __restrict__ thr,                   \
+                           const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, int CC,       \
+                           double CV, double A, double R, double Z, int KE) {                                         \
+        recall_seed_body<THREADS>(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);                           \
+    }
+RECALL_SEED_KERNELS(, RECALL_SEED_THREADS)
+RECALL_SEED_KERNELS(512, 512)
+RECALL_SEED_KERNELS(1024, 1024)
 
 // The same threshold for a small rank (K, or KE where it estimates, at most 8 M = 128), one warp a user
 // (RECALL_SEED_WARP_USERS users a block: grid ceil(U / that)): a block a user spends most of a short row's time in
