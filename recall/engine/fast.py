@@ -75,7 +75,7 @@ MAX_CANDIDATE_SHARE = 0.03
 #: 3.75% -> 1.02x; in two chunks (as every k above 2,048 took before, 03:1x UTC), 0.5% -> 0.71x (20k x 1M x 64, l2,
 #: k = 4,000) and 0.85x (10k x 1M, ip, k = 4,096), 0.94-0.98% -> 1.02-1.09x, 1.9% -> 1.37-1.55x, which the 2%
 #: limit then in place had let through. Since 2026-12-05 (rescore.SZ_STEP) lists of up to 2 K_pad keys take one chunk
-#: of their length rounded up to 128 keys, no more shared memory than those two chunks took: the limits, measured
+#: of their length rounded up to 32 keys, no more shared memory than those two chunks took: the limits, measured
 #: before, can only err towards declining.
 LARGE_K = 2048
 MAX_CANDIDATE_SHARE_LARGE_K = 0.02

@@ -114,9 +114,12 @@ _SHORT = [(64, 40), (37, 100), (68, 128), (1, 7), (33, 1), (257, 128), (3, 126)]
     # K_pad of 512 and 1,024, sorted with the phases of stride < 128 in registers (rescore.cu's rs_sort_desc): lists
     # of up to 5,000 rows drawn with repeats, two chunks of 4,096 keys (the second after the best 300 so far).
     (64, "fused", 5000, 300), (37, "fused", 2000, 1000),
-    # One chunk of the longest list rounded up to 128 keys (rescore.launch_config): 1,536 keys, not a power of two,
-    # sorted the long way at any length where rows repeat; 768 keys, fewer than K_pad's 1,024.
+    # One chunk of the longest list rounded up to 32 keys (rescore.SZ_STEP): 1,504 keys, not a power of two,
+    # sorted the long way at any length where rows repeat; 704 keys, fewer than K_pad's 1,024.
     (64, "fused", 1500, 1000), (37, "fused", 700, 1000),
+    # k = 2,048 over lists of up to 2,113 (the certified route's at k = 2,048): 2,144 keys, the selected 2,048 in the
+    # warps' stage and the duplicate flags in the rows' scratch (rescore.smem_bytes), float4 and float rows.
+    (64, "fused", 2113, 2048), (65, "fused", 2113, 2048),
     # Lists of at most 128 and k <= 128: a warp a user (rescore.takes_warp), float4 and float rows.
     *[(dim, "fused", 128, k) for dim, k in _SHORT]])
 def test_ordered_rescore_equals_the_emulation(dim, path, longest, k):

@@ -323,26 +323,33 @@ def test_ordered_sums_of_float4_rows_reserve_each_warps_stage(monkeypatch):
     assert smem_bytes(256, 37, ordered=True) - smem_bytes(256, 37) == stage - 256  # rows read as floats: staged too
     assert smem_bytes(256, 0) == 8 * 262 + 4 * 256 + 4 * 256 + 256  # precomputed scores: no rows, no stage
     k_pad, sz, smem = launch_config(100, 64, 130, ordered=True)  # under the 48 KiB every device has
-    assert (k_pad, sz) == (128, 256) and smem == smem_bytes(256, 64) + stage - 256
+    assert (k_pad, sz) == (128, 160) and smem == smem_bytes(160, 64) + stage - 160
     # k = 8,192 (SZ 16,384 keys) fits in a Hopper block's 227 KiB with the stage, up to 256 dimensions; a stage
     # smaller than the flags grows to hold them.
-    assert smem_bytes(16384, 256, ordered=True) <= 227 * 1024 < smem_bytes(16384, 256) + stage
-    assert smem_bytes(32768, 64, ordered=True) - smem_bytes(32768, 64) == 0
+    assert smem_bytes(16384, 256, True, 8192) <= 227 * 1024 < smem_bytes(16384, 256, k_pad=8192) + stage
+    assert smem_bytes(32768, 64, True, 16384) - smem_bytes(32768, 64, k_pad=16384) == 0
+    # Selected keys that fit in the stage (8 K_pad bytes: K_pad up to 2,048) take it, and the flags the scratch: the
+    # scratch then holds 4 SZ bytes (or the flags' if more), not 8 K_pad.
+    for sz, k_pad in ((2144, 2048), (256, 128), (320, 1024), (4096, 2048)):
+        assert smem_bytes(sz, 64, True, k_pad) == 8 * (sz + 6) + stage + 256 + max(4 * sz, max(sz, k_pad)) + 1024
+    assert smem_bytes(4096, 64, True, 4096) == 8 * (4096 + 6) + stage + 256 + 8 * 4096 + 1024
     # Lists that all fit in the chunked layout's keys take one chunk of the longest rounded up to SZ_STEP (the
-    # selected keys may then outgrow the rows' scratch): at k = 2,048 (lists of 2,113) four blocks an SM on a Hopper
-    # instead of three, at k = 3,000 two instead of one; longer lists keep chunks of a power of two >= 2 K_pad.
+    # selected keys may then outgrow the rows' scratch): at k = 2,048 (lists of 2,113: 2,144 keys, the selected ones
+    # in the stage) five blocks an SM on a Hopper, where 2,176 keys would allow four and 4,096 three; at k = 3,000
+    # two instead of one; longer lists keep chunks of a power of two >= 2 K_pad.
     monkeypatch.setattr(rescore, "_max_smem", lambda: 227 * 1024)  # a Hopper block's (no device here to ask)
     per_sm = 228 * 1024
     k_pad, sz, smem = launch_config(2048, 64, 2113, ordered=True)
-    assert (k_pad, sz) == (2048, 2176) and smem == smem_bytes(2176, 64, ordered=True, k_pad=2048)
-    assert 4 * (smem + 1024) <= per_sm < 4 * (smem_bytes(4096, 64, ordered=True, k_pad=2048) + 1024)
+    assert (k_pad, sz) == (2048, 2144) and smem == smem_bytes(2144, 64, ordered=True, k_pad=2048) == 45_488
+    assert 5 * (smem + 1024) <= per_sm < 5 * (smem_bytes(2176, 64, ordered=True, k_pad=2048) + 1024)
+    assert 3 * (smem_bytes(4096, 64, ordered=True, k_pad=2048) + 1024) <= per_sm
     k_pad, sz, smem = launch_config(3000, 64, 3751, ordered=True)
-    assert (k_pad, sz) == (4096, 3840) and smem == smem_bytes(8192, 64, ordered=True) - 8 * (8192 - 3840)
+    assert (k_pad, sz) == (4096, 3776) and smem == smem_bytes(8192, 64, True, 4096) - 8 * (8192 - 3776)
     assert 2 * (smem + 1024) <= per_sm
     assert launch_config(3000, 64, 8192, ordered=True)[:2] == (4096, 8192)
     assert launch_config(3000, 64, 8193, ordered=True)[:2] == (4096, 8192)  # two chunks and more
     assert launch_config(2048, 64, 2048, ordered=True)[:2] == (2048, 2048)
-    assert launch_config(1000, 64, 300, ordered=True)[:2] == (1024, 384)  # fewer keys than K_pad: one chunk
+    assert launch_config(1000, 64, 300, ordered=True)[:2] == (1024, 320)  # fewer keys than K_pad: one chunk
     assert launch_config(100, 64, 5000, ordered=True)[:2] == (128, 4096)  # chunks of _SZ_TARGET
     # The duplicate flags cover the K_pad selected keys where SZ is smaller.
     assert smem_bytes(384, 0, k_pad=1024) - smem_bytes(384, 0, k_pad=384) == 8 * (1024 - 384) + (1024 - 384)

@@ -82,11 +82,15 @@ def smem_bytes(sz: int, dim: int, ordered: bool = False, k_pad: int = 0) -> int:
     for ordered sums each warp's stage of 32 rows' pieces (at least max(SZ, K_pad) bytes: the duplicate flags reuse
     it), the user's vector, a scratch of 4 * SZ bytes or the selected K_pad keys if more (staged rows, then the
     selected keys), a 256-bin histogram, max(SZ, K_pad) duplicate flags (where there is no stage; SZ may be fewer
-    than K_pad where every list is shorter than k)."""
+    than K_pad where every list is shorter than k). Ordered sums whose K_pad selected keys fit in the stage (K_pad up
+    to 2,048) keep them there and the flags in the scratch, of 4 * SZ bytes or the flags' if more."""
     staged = ordered  # (the launcher never gives ordered sums precomputed scores)
     flags = -(-max(sz, k_pad) // 16) * 16  # the duplicate flags of the select's keys or of the K_pad selected
-    stage = max(4 * _ORD_STAGE * (THREADS // 32), flags) if staged else 0
-    scratch = max(4 * sz, 8 * k_pad)
+    room = 4 * _ORD_STAGE * (THREADS // 32)
+    if staged and 8 * k_pad <= room:  # the selected keys in the stage, the flags in the scratch
+        stage, scratch = room, max(4 * sz, flags)
+    else:
+        stage, scratch = (max(room, flags) if staged else 0), max(4 * sz, 8 * k_pad)
     return 8 * (sz + 6) + stage + 4 * ((dim + 3) // 4 * 4) + scratch + 4 * 256 + (0 if staged else flags)
 
 
@@ -101,9 +105,11 @@ def _max_smem() -> int:
 
 
 #: Keys a launch holds where every list fits in one chunk: the longest list rounded up to a multiple of this (the
-#: kernel's sort takes any length there). At k = 2,048 the certified route's lists of 2,113 then take 2,176 keys,
-#: 53 KB of shared memory a block instead of 67 KB: four blocks an SM on the H200 instead of three.
-SZ_STEP = 128
+#: kernel's sort takes any length there). At k = 2,048 the certified route's lists of 2,113 then take 2,144 keys:
+#: with the selected keys in the stage (smem_bytes), 45,488 bytes of shared memory a block, five blocks an SM on a
+#: Hopper (228 KB, 1 KB reserved a block), where 2,176 keys (a multiple of 128) would need 45,872 bytes and allow
+#: four; 67 KB at 4,096 keys allowed three.
+SZ_STEP = 32
 
 
 def launch_config(k: int, dim: int, longest: int, ordered: bool = False) -> tuple[int, int, int] | None:

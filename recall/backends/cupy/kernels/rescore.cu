@@ -9,8 +9,8 @@
 // Real keys are never 0, so 0 marks an empty slot.
 //
 // Shared memory holds SZ keys: where every list of the launch fits in one chunk, the longest list's length rounded up
-// to 128 (rescore.py's launch_config: at k = 2,048, lists of 2,113 take 2,176 keys, not 4,096, and four blocks an
-// SM on the H200 instead of three); else a power of two >= 2 * K_pad. The first chunk of a user's list fills slots
+// to 32 (rescore.py's launch_config and SZ_STEP: at k = 2,048, lists of 2,113 take 2,144 keys, not 4,096, and with
+// the selected keys in the stage five blocks an SM on a Hopper instead of three); else a power of two >= 2 * K_pad. The first chunk of a user's list fills slots
 // [0, SZ); every later chunk fills [K_pad, SZ) while slots [0, K_pad) hold the best keys so far (distinct, best
 // first, zero-padded). After each chunk a radix select finds the K-th largest key counted with multiplicity, the K
 // keys at or above it are compacted into a K_pad buffer and only those are sorted (a full bitonic sort of 1,024 keys
@@ -576,6 +576,13 @@ __device__ __forceinline__ void rs_gather_ordered_scalar(const float* __restrict
 //   duplicate flags then take: the select that writes them and the gather that stages rows are separated by a
 //   barrier on either side. (So K = 8,192 at SZ = 16,384 fits in the 227 KB of a Hopper block: the stage's 18 KB
 //   would not fit beside the flags' 16 KB.)
+// Where the stage holds the select's K_pad keys (ORD, 8 K_pad bytes within the warps' RS_ORD_STAGE floats: K_pad up
+// to 2,048 at 128 threads), they take it instead, the duplicate flags take the scratch (the chunk's rows are not
+// needed once the gather's barrier passed), and the scratch is max(4 * SZ, the flags' bytes): at k = 2,048 with
+// lists of 2,113 (SZ 2,144) 45,488 bytes a block instead of 53,552 (SZ 2,176 in the layout above), five blocks an SM
+// on a Hopper instead of four.
+// The best so far move to the front of keys before the next chunk's gather stages rows over them, as they do from
+// the scratch.
 //
 // Grid: one block per user (blockIdx.x = user of this launch). users: (n_users, dim) float32; items: (n_items, dim)
 // float32; indptr: (n_users + 1,) int64 positions into rows (and scores); rows: int64 item rows (a negative row is an
@@ -592,14 +599,18 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
     u64* ctrl = rs_smem + SZ;
     float* stage = reinterpret_cast<float*>(ctrl + RS_CTRL_WORDS);
     // Ordered sums stage their rows (the launcher never gives them precomputed scores).
-    const int stage_floats = ORD ? max((int)(blockDim.x >> 5) * RS_ORD_STAGE, ((max(SZ, K_pad) + 15) & ~15) >> 2) : 0;
+    const int flag_bytes = (max(SZ, K_pad) + 15) & ~15;
+    const int stage_room = ORD ? (int)(blockDim.x >> 5) * RS_ORD_STAGE * 4 : 0;
+    const bool sel_staged = ORD && 8 * K_pad <= stage_room;  // the selected keys in the stage, the flags in scratch
+    const int stage_floats = ORD ? (sel_staged ? stage_room : max(stage_room, flag_bytes)) >> 2 : 0;
     float* uvec = stage + stage_floats;
     const int dim_pad = (dim + 3) & ~3;
     unsigned char* scratch = reinterpret_cast<unsigned char*>(uvec + dim_pad);
     int* rows32 = reinterpret_cast<int*>(scratch);
-    u64* sel = reinterpret_cast<u64*>(scratch);
-    u32* hist = reinterpret_cast<u32*>(scratch + max(4 * SZ, 8 * K_pad));
-    unsigned char* dup = ORD ? reinterpret_cast<unsigned char*>(stage) : reinterpret_cast<unsigned char*>(hist + 256);
+    u64* sel = sel_staged ? reinterpret_cast<u64*>(stage) : reinterpret_cast<u64*>(scratch);
+    u32* hist = reinterpret_cast<u32*>(scratch + (sel_staged ? max(4 * SZ, flag_bytes) : max(4 * SZ, 8 * K_pad)));
+    unsigned char* dup = !ORD ? reinterpret_cast<unsigned char*>(hist + 256)
+                              : sel_staged ? scratch : reinterpret_cast<unsigned char*>(stage);
 
     const int u = blockIdx.x;
     const long long lo = indptr[u], hi = indptr[u + 1];
@@ -655,7 +666,8 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
         pos += cnt;
         start = K_pad;
         if (pos < hi && best != keys) {
-            // The next chunk's rows are staged where `sel` lives: the best so far move to the front of keys first.
+            // The next chunk's rows are staged where `sel` lives (the scratch, or the stage): the best so far move to
+            // the front of keys first.
             for (int i = threadIdx.x; i < K_pad; i += blockDim.x) keys[i] = best[i];
             __syncthreads();
             best = keys;
