@@ -109,6 +109,10 @@ _SHORT = [(64, 40), (37, 100), (68, 128), (1, 7), (33, 1), (257, 128), (3, 126)]
     (4, "fused", 300, 40), (100, "fused", 300, 40), (33, "fused", 300, 40), (1, "fused", 300, 40),
     (3, "fused", 300, 40), (17, "fused", 300, 40), (65, "fused", 300, 40), (257, "fused", 300, 40),
     (64, "gemm", 300, 40), (37, "gemm", 300, 40),
+    # Float4 rows whose last piece is short: 1 float4 (36: l2's rows at d = 32; 68, 100, 4 above), 2 (40), 3 (12), 4
+    # (48) and 6 (56) float4 columns, read by a power of two of lanes a row, more rows an instruction.
+    (36, "fused", 300, 40), (40, "fused", 300, 40), (12, "fused", 300, 40), (48, "fused", 300, 40),
+    (56, "fused", 300, 40),
     # k = 3,000 (K_pad 4,096): lists of at most 4,000 in one chunk of their longest rounded up (rescore.SZ_STEP).
     (64, "fused", 4000, 3000), (37, "fused", 4000, 2500),
     # K_pad of 512 and 1,024, sorted with the phases of stride < 128 in registers (rescore.cu's rs_sort_desc): lists
@@ -119,12 +123,13 @@ _SHORT = [(64, 40), (37, 100), (68, 128), (1, 7), (33, 1), (257, 128), (3, 126)]
     (64, "fused", 1500, 1000), (37, "fused", 700, 1000),
     # k = 2,048 over lists of up to 2,113 (the certified route's at k = 2,048): 2,144 keys, the selected 2,048 in the
     # warps' stage and the duplicate flags in the rows' scratch (rescore.smem_bytes), float4 and float rows.
-    (64, "fused", 2113, 2048), (65, "fused", 2113, 2048),
+    (64, "fused", 2113, 2048), (65, "fused", 2113, 2048), (68, "fused", 2113, 2048), (36, "fused", 2113, 2048),
     # Lists of at most 128 and k <= 128: a warp a user (rescore.takes_warp), float4 and float rows.
     *[(dim, "fused", 128, k) for dim, k in _SHORT]])
 def test_ordered_rescore_equals_the_emulation(dim, path, longest, k):
     # Rows are read by the candidate's warp, a piece of 32 columns at a time: float4 rows where dim % 4 == 0 (68,
-    # 100: a last piece of 4 columns; 4: one short piece), float rows otherwise (37: a last piece of 5 columns, 33
+    # 100, 36: a last piece of 4 columns; 4, 12: one short piece; 40, 48, 56: last pieces of 8, 16, 24), float rows
+    # otherwise (37: a last piece of 5 columns, 33
     # and 65 of 1; 1 and 3: one short piece; 17; 257: nine pieces); lists of every length around a
     # warp's 32 candidates, an empty slot (-1), a list of one repeated row, and two rows of one vector (a tie).
     if not gpu_usable:
