@@ -110,7 +110,7 @@ _SHORT = [(64, 40), (37, 100), (68, 128), (1, 7), (33, 1), (257, 128), (3, 126)]
     (3, "fused", 300, 40), (17, "fused", 300, 40), (65, "fused", 300, 40), (257, "fused", 300, 40),
     (64, "gemm", 300, 40), (37, "gemm", 300, 40),
     # Float4 rows whose last piece is short: 1 float4 (36: l2's rows at d = 32; 68, 100, 4 above), 2 (40), 3 (12), 4
-    # (48) and 6 (56) float4 columns, read by a power of two of lanes a row, more rows an instruction.
+    # (48) and 6 (56) float4 columns.
     (36, "fused", 300, 40), (40, "fused", 300, 40), (12, "fused", 300, 40), (48, "fused", 300, 40),
     (56, "fused", 300, 40),
     # k = 3,000 (K_pad 4,096): lists of at most 4,000 in one chunk of their longest rounded up (rescore.SZ_STEP).

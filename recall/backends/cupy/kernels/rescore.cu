@@ -37,7 +37,7 @@
 //          are then exact mode's, bit for bit. The rows are not read by the lane that sums them: a warp reads its
 //          32 candidates' rows a piece of RS_ORD_PIECE columns at a time into shared memory, and each lane then sums
 //          its own row from there. With VEC (rs_gather_ordered) each load instruction reads four whole 128-byte
-//          pieces of rows (a short last piece: more rows an instruction, one round of loads); without (dim % 4 != 0, e.g. ip at d = 50, where l2 pads its rows to 4 columns:
+//          pieces of rows; without (dim % 4 != 0, e.g. ip at d = 50, where l2 pads its rows to 4 columns:
 //          rs_gather_ordered_scalar) one row's piece, a float a lane (a short last piece: several rows an
 //          instruction). One lane reading a whole row would make
 //          each load instruction touch 32 rows' lines, 16 bytes (or 4) of each (measured on the H200: exact mode's
@@ -475,12 +475,9 @@ __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int d
 
 // ORD with VEC (above): the candidates of each warp are its 32 lanes' (j = j0 + lane), a piece of RS_ORD_PIECE
 // columns of their rows at a time staged in the warp's RS_ORD_STAGE floats of `stage` (a row every RS_ORD_STRIDE
-// floats: an 8-lane phase of a 16-byte shared access then meets 32 distinct banks, reading or writing). A piece of
-// w4 float4 columns takes wp load instructions a warp (wp the power of two at least w4, lanes a row), instruction t
-// reading rows t (32 / wp) .. (t + 1)(32 / wp) - 1, wp lanes a row; four such loads are in flight per lane before
-// the first store (the memory-level parallelism of rs_gather's U = C = 2). A whole piece (wp = 8: four rows an
-// instruction) takes two rounds of four; a short last piece one: l2's rows of 68 and 36 columns (a norm column and
-// padding) end in a piece of one float4, which took two rounds of four loads, one lane in eight loading.
+// floats: an 8-lane phase of a 16-byte shared access then meets 32 distinct banks, reading or writing). Load
+// instruction i of a round reads candidates 4 i .. 4 i + 3, eight lanes a row; four such loads are in flight per
+// lane before the first store (the memory-level parallelism of rs_gather's U = C = 2).
 #define RS_ORD_PIECE 32
 #define RS_ORD_STRIDE (RS_ORD_PIECE + 4)
 #define RS_ORD_STAGE (32 * RS_ORD_STRIDE)
@@ -496,23 +493,20 @@ __device__ __forceinline__ void rs_gather_ordered(const float* __restrict__ item
         float acc = 0.0f;
         for (int p0 = 0; p0 < dim; p0 += RS_ORD_PIECE) {
             const int w4 = min(RS_ORD_PIECE, dim - p0) >> 2;  // float4 columns of this piece
-            const int wp = w4 > 4 ? 8 : w4 > 2 ? 4 : w4 > 1 ? 2 : 1;  // lanes a row, instructions a piece
-            const int per = 32 / wp;  // rows a load instruction reads
-            const int c = lane & (wp - 1), sub = lane / wp;  // this lane's float4 column, and its row in the instruction
+            const int c = lane & 7;
 #pragma unroll 1
-            for (int h = 0; h < wp; h += 4) {  // not unrolled: four loads in flight, not eight (registers)
+            for (int h = 0; h < 32 / 16; ++h) {  // not unrolled: four loads in flight, not eight (registers)
                 float4 b[4];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int rr = __shfl_sync(RS_FULL, r, ((h + i) * per + sub) & 31);
-                    b[i] = h + i < wp && rr >= 0 && c < w4
+                    const int rr = __shfl_sync(RS_FULL, r, (4 * h + i) * 4 + (lane >> 3));
+                    b[i] = rr >= 0 && c < w4
                                ? __ldg(reinterpret_cast<const float4*>(items + (long long)rr * dim + p0) + c)
                                : zero;
                 }
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
-                    if (h + i < wp)
-                        *reinterpret_cast<float4*>(st + ((h + i) * per + sub) * RS_ORD_STRIDE + 4 * c) = b[i];
+                    *reinterpret_cast<float4*>(st + ((4 * h + i) * 4 + (lane >> 3)) * RS_ORD_STRIDE + 4 * c) = b[i];
             }
             __syncwarp();
             const float4* u4 = reinterpret_cast<const float4*>(uvec + p0);
