@@ -35,7 +35,8 @@ SEED_WARP_MAX_SIZE = 65_536
 def seed_threads(size: int) -> int:
     """Threads of the block-a-user select of a row of ``size`` sampled scores: the fewest of SEED_BLOCKS that hold the
     row in registers (a multiple of 4 up to 32,768 scores), else SEED_THREADS, which streams it. A row of 16,384
-    (the certified route's sample at k = 2,048 on 100k items) streamed at 256 threads was read three times or more."""
+    (the certified route's sample at k = 2,048 on 100k items) streamed at 256 threads was read twice or more (its
+    range, then a digit or two)."""
     if size % 4 == 0:
         for threads in SEED_BLOCKS:
             if size <= SEED_HELD_PER_THREAD * threads:

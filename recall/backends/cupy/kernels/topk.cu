@@ -163,7 +163,7 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 // shared bits is nearly always that close). The paths differ only in where the keys come from:
 //   held     rows of T <= 32 THREADS scores, T a multiple of 4 (RecallSeedHeld): each thread reads and lowers its
 //            scores once, 4 at a time, and keeps its 32 keys in registers for every pass (rows of 8,193 to 32,768
-//            take blocks of 512 or 1,024 threads for it: a 16,384-score row streamed was read three times or more);
+//            take blocks of 512 or 1,024 threads for it: a 16,384-score row streamed was read twice or more);
 //   streamed longer rows (up to 65,536 scores: large-k samples) and rows of T not a multiple of 4 (RecallSeedRow):
 //            every pass (the range's, then one a digit, usually one or two) reads the row from global memory again
 //            and lowers it again, 4 scores a thread at a time where T is a multiple of 4, else 1; no key is held.
