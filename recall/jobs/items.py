@@ -43,7 +43,7 @@ def item_engine(vectors: Any, ids: np.ndarray, path: str, file_rows: np.ndarray 
     an item row (an l2 norm that would overflow float32) names the file, the row and the id, as the reader's
     messages do."""
     try:
-        return Engine(vectors, copy=False, **engine_args)  # the job's own array, which it never changes
+        return Engine(vectors, copy=False, **engine_args)
     except InputError as exc:
         raise _named(exc, path, ids, file_rows) from None
 

@@ -1,6 +1,7 @@
-"""Lab (GPU): where the host's time goes in one search of a cell, and when the GPU starts its pass. Times N searches
-(after warm-ups) from the call to the first block's launch on the GPU and to the result, then runs N more under
-cProfile and prints the functions of ``recall`` by their own time and by cumulative time, per search.
+"""Lab (GPU): where the host's time goes in one search of a cell. Times N searches (after warm-ups) from the call to
+``search_async``'s return (for the certified route, which waits for its certificates, the whole search) and to the
+synchronised result, then runs N more under cProfile and prints the functions of ``recall`` and CuPy by their own
+time and by cumulative time, over the N searches.
 
     PYTHONPATH=. python3 scripts/lab/host_profile.py --cells uh-20k-k100 --variants shipped,float32 [--top 25]
 """
