@@ -120,7 +120,8 @@ class Backend(Protocol):
 
     # -- the work -------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False,
-                   constant_column: tuple[int, float] | None = None) -> Any:
+                   constant_column: tuple[int, float] | None = None,
+                   bias_columns: tuple[int, int] | None = None) -> Any:
         """The resident form of prepared items ((n_items, dim) float32, or float16 for fast mode, on this
         backend): what ``run_blocks`` and ``rescore`` take as ``items``. Keeps whatever the backend derives from
         the items (the GPU's transposed copy for its fused kernel) for as long as the engine holds it.
@@ -129,7 +130,9 @@ class Backend(Protocol):
         value): every item holds ``value`` in that column (fast mode's shift column,
         ``certificate.FastItems.constant_column``), so that a backend that lowers sampled scores by a bound of the
         sum of |products| (``certificate.seed_margin``) may take that column's product on its own rather than through
-        the rows' whole norms."""
+        the rows' whole norms. ``bias_columns`` (first, end): columns where every user holds one value and each item
+        its own (fast mode's l2 bias parts, ``certificate.FastItems.bias_columns``), whose products such a bound may
+        take on their own too."""
 
     def run_blocks(self, plan: TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,

@@ -241,6 +241,12 @@ class FastItems:
         return None if self.shift_at is None else (self.shift_at, _SHIFT_ITEM)
 
     @property
+    def bias_columns(self) -> tuple[int, int] | None:
+        """(first, end): the columns of the bias parts h₁, h₂, where every user holds one value (``Backend.load_items``:
+        a threshold sample's margin bounds their products on their own), or None without a bias."""
+        return None if self.bias_at is None else (self.bias_at, self.bias_at + _BIAS_PARTS)
+
+    @property
     def unshifted_width(self) -> int:
         """The columns users hold values in when their scores are not shifted: the dot part alone (rounded up to 8)
         where the items have no bias and no bound columns, else every column."""

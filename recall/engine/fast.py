@@ -168,7 +168,8 @@ def _state(engine: Any) -> FastState:
         fast_items = certificate.prepare_items(backend.xp, engine.prepared_items,
                                                metrics.bias_column(engine.metric, engine.dim))
         engine._fast = FastState(fast_items, backend.load_items(fast_items.vecs16, metrics.norms_rank(engine.metric),
-                                                                fast_items.constant_column))
+                                                                fast_items.constant_column,
+                                                                fast_items.bias_columns))
     return engine._fast
 
 

@@ -49,10 +49,10 @@ __device__ void lab_body(const float* __restrict__ scores, int U, int T, int K, 
     const int u = blockIdx.x * 8 + (int)(threadIdx.x >> 5);
     if (u >= U) return;
     const float* row = scores + (long long)u * T;
-    const float au = 1e-6f, z32 = 1e-30f, r32 = 0.0f;
+    const RecallSeedMargin mg = {vnorm, nullptr, 1e-6f, 0.0f, 0.0f, 1e-30f};  // au, ab, r32, z32
     if (STEP == 1) {
         LabCount c = {0, 0u};
-        recall_seed_lane_each(row, vnorm, T, au, r32, z32, lane, c);
+        recall_seed_lane_each(row, mg, T, lane, c);
         const int n = recall_warp_sum(c.count);
         const u32 b = recall_warp_max(c.best);
         if (lane == 0) thr[u] = recall_ord2f(b) + (float)n;
@@ -62,7 +62,7 @@ __device__ void lab_body(const float* __restrict__ scores, int U, int T, int K, 
 #pragma unroll
     for (int j = 0; j < 16; ++j) top.key[j] = 0u;
     top.count = 0;
-    recall_seed_lane_each(row, vnorm, T, au, r32, z32, lane, top);
+    recall_seed_lane_each(row, mg, T, lane, top);
     if (STEP == 2) {
         const u32 b = recall_warp_max(top.key[15]);
         if (lane == 0) thr[u] = recall_ord2f(b);

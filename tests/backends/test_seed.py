@@ -132,7 +132,7 @@ def _seed_rows(size, k, dtype):
     return rows, users, norms
 
 
-def _thresholds(rows, users, norms, k, ke=0, constant=None):
+def _thresholds(rows, users, norms, k, ke=0, constant=None, bias=None):
     """recall_seed's thresholds (host) of a block of users whose sample is every one of ``rows``' columns (scores
     (n, size), no exclusions); the state is left empty."""
     import cupy
@@ -144,7 +144,8 @@ def _thresholds(rows, users, norms, k, ke=0, constant=None):
     state = GpuTopK.allocate(n, k)
     resolve("gpu").selection.seed(state, cupy.asarray(rows).reshape(1, n, size), cupy.arange(size, dtype=cupy.int64),
                                   cupy.asarray(users), cupy.asarray(norms), cupy.zeros(n + 1, cupy.int64),
-                                  cupy.zeros(0, cupy.int64), ke, constant)
+                                  cupy.zeros(0, cupy.int64), ke, constant,
+                                  None if bias is None else (bias[0], bias[1], cupy.asarray(bias[2])))
     assert not cupy.asnumpy(state.n_valid).any() and not cupy.asnumpy(state.cnt).any()
     return cupy.asnumpy(state.thr)
 
@@ -325,6 +326,96 @@ def test_seed_margin_takes_a_constant_column_on_its_own(dtype, vectors, size, k,
             continue
         products = rest[u] * vnorm.astype(np.float64) + abs(u64[u, col]) * 2.0 ** 15
         _check_threshold(got[u], sampled, vnorm, users[u], ke or k, dtype, vectors, u, products)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, vectors", [("float32", "float16"), ("float16", "float16"), ("float32", "float32")])
+@pytest.mark.parametrize("size, k, ke", [(8192, 126, 0), (8192, 126, 40), (16384, 2113, 443), (301, 37, 0),
+                                         (302, 37, 20)])
+def test_seed_margin_takes_the_bias_columns_on_their_own(dtype, vectors, size, k, ke):
+    # Fast mode's l2 rows: every user holds one large value in both bias columns (8,192, as float16 users of l2 do),
+    # each item its own small bias parts there; the shift column as above. Each sampled score is lowered by
+    # A (|u'| |v'_j| + max |u_b| sum |v_jb| + |u_c| 2^15), the norms without the bias and shift columns: held, streamed
+    # (301: one score at a time; 302: 4 at a time, a warp a user at the small rank), a bound and an estimate. Through
+    # the rows' norms the users' bias values would multiply the items' bound columns: far below this check's bracket.
+    from recall.backends import cuda_status
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    rows, _, _ = _seed_rows(size, k, dtype)
+    n = rows.shape[0]
+    rng = np.random.default_rng(size + k + 7)
+    col, lo, hi, width = 32, 33, 35, 40
+    users = rng.standard_normal((n, width)).astype(np.float32)
+    users[:, col] = rng.uniform(-2.0 ** -6, 2.0 ** -6, n)
+    users[:, lo:hi] = (8192.0 * rng.choice([-1.0, 1.0], n))[:, None]
+    users[2, lo] *= 0.5          # the larger of the two counts
+    users[0] = 0                 # no margin but the underflow's
+    users[1, lo:hi] = 0          # no bias value
+    users = users.astype(vectors)
+    vnorm = rng.lognormal(0, 1, size).astype(np.float32)       # the items' norms without those columns
+    vnorm[: size // 5] = 0
+    sums = (rng.lognormal(0, 2, size) * 1e-3).astype(np.float32)  # the items' sums of |bias parts|
+    sums[size // 3: size // 2] = 0
+    got = _thresholds(rows, users, vnorm, k, ke, (col, 2.0 ** 15), (lo, hi, sums))
+    u64 = users.astype(np.float64)
+    rest = np.sqrt(np.sum(np.delete(u64, [col, lo, lo + 1], axis=1) ** 2, axis=1))
+    for u in range(n):
+        sampled = rows[u].astype(np.float32)
+        if np.sum(sampled > -np.inf) < k:
+            assert got[u] == -np.inf, (u, got[u])
+            continue
+        products = (rest[u] * vnorm.astype(np.float64) + np.abs(u64[u, lo:hi]).max() * sums.astype(np.float64)
+                    + abs(u64[u, col]) * 2.0 ** 15)
+        _check_threshold(got[u], sampled, vnorm, users[u], ke or k, dtype, vectors, u, products)
+
+
+@pytest.mark.gpu
+def test_item_samples_split_the_bias_columns_norms_off():
+    # DeviceItems with bias columns: each sampled item's norm without the shift and bias columns and its sum of
+    # |bias parts|, rounded up to float32 (at or above the float64 values, by less than a float32 step); without
+    # bias columns the whole rows' norms (the shift column left out) and no sums.
+    from recall.backends import cuda_status
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    from recall.backends.cupy.items import DeviceItems
+
+    rng = np.random.default_rng(11)
+    vecs = (rng.standard_normal((5000, 40)) * rng.lognormal(0, 2, (5000, 1))).astype(np.float16)
+    vecs[:, 32] = 2.0 ** 15
+    v64 = vecs.astype(np.float64)
+    for bias in (None, (33, 35)):
+        items = DeviceItems(cupy.asarray(vecs), constant_column=(32, 2.0 ** 15), bias_columns=bias)
+        rows, norms, sums = items.sample(1024, 5000, cupy.cuda.get_current_stream(), even=True)
+        rows = cupy.asnumpy(rows)
+        drop = [32] + ([] if bias is None else [33, 34])
+        want = np.sqrt(np.sum(np.delete(v64[rows], drop, axis=1) ** 2, axis=1))
+        got = cupy.asnumpy(norms).astype(np.float64)
+        assert (got >= want).all() and (got <= want * (1 + 2.0 ** -23)).all()
+        if bias is None:
+            assert sums is None
+            continue
+        want_sums = np.abs(v64[rows, 33:35]).sum(axis=1)
+        got_sums = cupy.asnumpy(sums).astype(np.float64)
+        assert (got_sums >= want_sums).all() and (got_sums <= want_sums * (1 + 2.0 ** -23)).all()
+
+
+def test_fast_items_name_their_bias_columns():
+    # l2's float16 items carry the bias in two columns after the shift column (certificate.prepare_items): the
+    # columns a threshold sample's margin bounds on their own; none without a bias.
+    from recall.core.certificate import prepare_items
+
+    rng = np.random.default_rng(2)
+    items = rng.standard_normal((50, 9)).astype(np.float32)
+    biased = prepare_items(np, items, bias_col=8)
+    assert biased.bias_columns == (biased.bias_at, biased.bias_at + 2) == (9, 11)
+    assert biased.constant_column[0] == 8
+    assert prepare_items(np, items[:, :8]).bias_columns is None
 
 
 def test_seed_margin_bounds_two_sums_of_the_same_products():

@@ -272,8 +272,9 @@ class CupyBackend:
 
     # -- the work --------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False,
-                   constant_column: tuple[int, float] | None = None) -> DeviceItems:
-        return DeviceItems(prepared, norms_rank, constant_column)
+                   constant_column: tuple[int, float] | None = None,
+                   bias_columns: tuple[int, int] | None = None) -> DeviceItems:
+        return DeviceItems(prepared, norms_rank, constant_column, bias_columns)
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,

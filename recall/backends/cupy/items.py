@@ -18,14 +18,18 @@ class DeviceItems:
     and kept as long as the engine holds this object, their transposed copy for the fused kernel, their norms and
     their threshold samples. ``norms_rank``: an item's norm bounds its score (the inner product), so that samples
     take half their rows from the largest norms (``tiled.sample_rows``). ``constant_column`` (column, value): a column
-    every item holds that value in, left out of the norms (``Backend.load_items``)."""
+    every item holds that value in, left out of the norms; ``bias_columns`` (first, end): columns whose products a
+    threshold sample's margin bounds on their own (``Backend.load_items``)."""
 
-    def __init__(self, vecs: Any, norms_rank: bool = False, constant_column: tuple[int, float] | None = None) -> None:
+    def __init__(self, vecs: Any, norms_rank: bool = False, constant_column: tuple[int, float] | None = None,
+                 bias_columns: tuple[int, int] | None = None) -> None:
         self.vecs = vecs
         self.norms_rank = norms_rank
         self.constant_column = constant_column
+        self.bias_columns = bias_columns
         self._transposed: Any = None
         self._norms: Any = None
+        self._split: Any = None  # DeviceItems._split_norms, made once where there are bias columns
         self._samples: dict[tuple[int, int, bool], Any] = {}
 
     @property
@@ -50,12 +54,13 @@ class DeviceItems:
             self._transposed = items_t
         return self._transposed
 
-    def sample(self, size: int, n_items: int, stream: Any, even: bool = False) -> tuple[Any, Any]:
+    def sample(self, size: int, n_items: int, stream: Any, even: bool = False) -> tuple[Any, Any, Any]:
         """The threshold sample of ``size`` of the first ``n_items`` items: (its sorted int64 device rows,
         ``tiled.sample_rows``, half of them the largest norms where ``norms_rank`` unless ``even``; their float32
-        norms, rounded up, for ``certificate.seed_margin``, the ``constant_column`` left out), computed on ``stream``
-        the first time; the same arrays (so the same addresses, which a captured graph reads) for as long as this
-        object lives."""
+        norms, rounded up, for ``certificate.seed_margin``, the ``constant_column`` and the ``bias_columns`` left out;
+        their sums of |v| over the ``bias_columns``, rounded up, or None without them), computed on ``stream`` the
+        first time; the same arrays (so the same addresses, which a captured graph reads) for as long as this object
+        lives."""
         ranked = self.norms_rank and not even
         key = (size, n_items, ranked)
         got = self._samples.get(key)
@@ -72,8 +77,34 @@ class DeviceItems:
                                                  row_norms(cupy, self.vecs[:, col + 1:]))
                 norms = self._norms[:n_items]
                 rows = sample_rows(cupy, n_items, size, norms if ranked else None)
-                exact = norms[rows]
-                rounded = exact.astype(cupy.float32)
-                got = (rows, cupy.where(rounded < exact, cupy.nextafter(rounded, cupy.float32(np.inf)), rounded))
+                if self.bias_columns is None:
+                    got = (rows, _up32(cupy, norms[rows]), None)
+                else:
+                    if self._split is None:
+                        self._split = self._split_norms(cupy)
+                    rest, sums = self._split
+                    got = (rows, _up32(cupy, rest[rows]), _up32(cupy, sums[rows]))
             self._samples[key] = got
         return got
+
+    def _split_norms(self, cupy: Any) -> tuple[Any, Any]:
+        """(each row's norm without the constant column and the bias columns, its sum of |v| over the bias columns),
+        in float64."""
+        lo, hi = self.bias_columns
+        skip = set(range(lo, hi)) | ({self.constant_column[0]} if self.constant_column is not None else set())
+        squares = cupy.zeros(self.vecs.shape[0], cupy.float64)
+        start = 0
+        for stop in sorted(skip | {self.vecs.shape[1]}):  # the runs of kept columns, block by block (row_norms)
+            if stop > start:
+                squares += row_norms(cupy, self.vecs[:, start:stop]) ** 2
+            start = stop + 1
+        sums = cupy.zeros(self.vecs.shape[0], cupy.float64)
+        for c in range(lo, hi):
+            sums += cupy.abs(self.vecs[:, c].astype(cupy.float64))
+        return cupy.sqrt(squares), sums
+
+
+def _up32(xp: Any, exact: Any) -> Any:
+    """float64 values as the float32 values at or above them."""
+    rounded = exact.astype(xp.float32)
+    return xp.where(rounded < exact, xp.nextafter(rounded, xp.float32(np.inf)), rounded)

@@ -322,16 +322,16 @@ class BlockPipeline:
                      staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
 
     def _refresh_sample(self, ws: _Workspace, items: DeviceItems, n_items: int, size: int, dim: int,
-                        even: bool = False) -> tuple[Any, Any, Any]:
+                        even: bool = False) -> tuple[Any, Any, Any, Any]:
         """Gather this search's threshold sample of ``size`` rows (``seed_size``; which rows: ``sample_rows``,
         evenly spaced only where ``even``) into the workspace's buffer, on the compute stream: (the sample, its rows,
-        their norms)."""
+        their norms, their bias columns' sums or None: ``DeviceItems.sample``)."""
         if ws.sample is None or ws.sample.shape != (size, dim):
             ws.sample = self.backend.xp.empty((size, dim), items.dtype)
-        rows, norms = items.sample(size, n_items, self.compute_stream, even)
+        rows, norms, sums = items.sample(size, n_items, self.compute_stream, even)
         with self.compute_stream:
             self.backend.xp.take(items.vecs, rows, axis=0, out=ws.sample)
-        return ws.sample, rows, norms
+        return ws.sample, rows, norms, sums
 
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
@@ -355,13 +355,14 @@ class BlockPipeline:
                 # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed.
                 state.thr[:rows] = slot.floor[:rows]
             elif seed is not None:
-                sample, sample_rows, sample_norms = seed
+                sample, sample_rows, sample_norms, sample_sums = seed
                 size = sample.shape[0]
                 scores = scores_buf[: rows * size].reshape(1, rows, size)
                 backend.gemm_strided_batched(users.reshape(1, rows, users.shape[1]), sample.reshape(1, size, -1),
                                              scores)
+                bias = None if sample_sums is None else (*items.bias_columns, sample_sums)
                 sel.seed(state, scores, sample_rows, users, sample_norms, slot.ex_ptr, ex_items, estimate,
-                         items.constant_column)
+                         items.constant_column, bias)
             if keep_seed:
                 state.seed_thr[:rows] = state.thr[:rows]
             if fused_ws is None:
@@ -377,7 +378,7 @@ class BlockPipeline:
         # object is freed after its search and its id() taken by the next one, which lives at other addresses (the
         # sample's rows and norms too, which its mask and seed read).
         vecs = items.vecs
-        sample_ptr = None if seed is None else (seed[1].data.ptr, seed[2].data.ptr)
+        sample_ptr = None if seed is None else tuple(a.data.ptr for a in seed[1:] if a is not None)
         key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
                None if items_t is None else items_t.data.ptr, has_floor, options, multiplied, estimate, keep_seed,
                best_first)

@@ -252,7 +252,8 @@ class Selection:
         self._merge(state, scores, n, width, tiles, item_start, n_items, final=0)
 
     def seed(self, state: GpuTopK, scores: Any, rows: Any, users: Any, item_norms: Any, excl_indptr: Any,
-             excl_items: Any, estimate: int = 0, constant: tuple[int, float] | None = None) -> None:
+             excl_items: Any, estimate: int = 0, constant: tuple[int, float] | None = None,
+             bias: tuple[int, int, Any] | None = None) -> None:
         """Start every user's threshold just below its k-th best score over the sample whose scores are ``scores`` (1,
         n, size) (column j: item row ``rows[j]``, ``tiled.sample_rows``, of norm ``item_norms[j]``, float32 rounded
         up), each lowered by what the search's own score of that item may lie below it (``certificate.seed_margin``;
@@ -264,7 +265,9 @@ class Selection:
         0 < estimate < k): start instead at the estimate-th best of a sample of evenly spaced rows, an estimate of the
         k-th best and not a bound, for a caller that checks its users (fast mode's certificate). ``constant`` (column,
         value): a column every item holds that value in (``DeviceItems.constant_column``; ``item_norms`` then leave it
-        out), whose product the margin takes on its own."""
+        out), whose product the margin takes on its own. ``bias`` (first, end, sums): columns whose products the margin
+        bounds on their own, the user's largest |value| there times each sampled item's sum of |v| over them (``sums``,
+        (size,) float32 rounded up; ``item_norms`` then leave those columns out too: ``DeviceItems.bias_columns``)."""
         _, n, size = scores.shape
         if excl_items.size:
             self.mask_sampled[scores.dtype](((n + 127) // 128,), (128,),
@@ -272,8 +275,9 @@ class Selection:
         width = int(users.shape[1])
         a, r, z = seed_margin(width, users.dtype == np.float16, scores.dtype == np.float16)
         col, value = constant if constant is not None else (-1, 0.0)
-        args = (state.thr, users, np.int32(width), item_norms, np.int32(col), np.float64(value), np.float64(a),
-                np.float64(r), np.float64(z), np.int32(estimate))
+        lo, hi, sums = bias if bias is not None else (0, 0, item_norms)  # hi == lo: no bias columns, sums unread
+        args = (state.thr, users, np.int32(width), item_norms, sums, np.int32(lo), np.int32(hi), np.int32(col),
+                np.float64(value), np.float64(a), np.float64(r), np.float64(z), np.int32(estimate))
         rank = estimate if 0 < estimate < state.k else state.k
         if rank <= SEED_WARP_RANK and size <= SEED_WARP_MAX_SIZE:
             self.seed_warp[(scores.dtype, users.dtype)](((n + SEED_WARP_USERS - 1) // SEED_WARP_USERS,),

@@ -395,9 +395,10 @@ class NumpyBackend:
 
     # -- the work ------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False,
-                   constant_column: tuple[int, float] | None = None) -> np.ndarray:
-        # constant_column: unused, the CPU seeds float32 searches only (``_seed``), whose vectors hold no such
-        # column (fast mode's float16 rows are not seeded here).
+                   constant_column: tuple[int, float] | None = None,
+                   bias_columns: tuple[int, int] | None = None) -> np.ndarray:
+        # constant_column, bias_columns: unused, the CPU seeds float32 searches only (``_seed``), whose vectors hold
+        # no such columns (fast mode's float16 rows are not seeded here).
         if norms_rank:
             key = _memory_key(prepared)
             with self._ranked_lock:

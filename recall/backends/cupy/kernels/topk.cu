@@ -148,7 +148,13 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 // (fast mode's shift column, 2^15: certificate.FastItems.shift_at; CC < 0: none), whose product |u_CC| CV is taken on
 // its own (added to Z), |u| and |v_j| then the norms of the rows without it: through the whole rows the shift column
 // multiplied the user's whole norm, and on 200k x 100k x 32 l2 with heavy-tailed item norms every user started below
-// 93% of the items (H200, docs/benchmarks.md). The threshold starts at the float just below a key at or below that
+// 93% of the items (H200, docs/benchmarks.md). Likewise the columns [BL, BH) (fast mode's l2 bias parts,
+// certificate.FastItems.bias_columns; BL == BH: none), where every user holds one large value and each item its own
+// small bias: their products are bounded on their own by Hölder, max_i |u_i| times sum_i |v_ji| (vbias[j], rounded
+// up), and |u|, |v_j| are the norms without them. Through the whole rows the users' bias entries (8,192 scaled, against
+// dot entries near 3) multiplied the items' bound columns (thousands): on 200k x 100k x 32 l2 with heavy-tailed item
+// norms P_j was about 590 times sum_i |u_i v_ji|, and about 4,070 items a user passed the float16 pass's filter where
+// its estimate's rank meant about 2,700. The threshold starts at the float just below a key at or below that
 // K-th best, so that scores equal to it pass the strict `score > threshold` test until K items are held. A user with
 // fewer than K finite sampled scores keeps -inf. Nothing goes through the candidate buffers, and the state is left
 // empty.
@@ -177,22 +183,57 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 #define RECALL_SEED_THREADS 256
 #define RECALL_SEED_HELD 8  // 16-byte loads a thread holds: 32 keys
 
-// A sampled score lowered by its margin, rounding down (-inf, +inf and NaN as they are).
-__device__ __forceinline__ float recall_seed_lower(float s, float vn, float au, float R, float Z) {
-    if (!(s > RECALL_NEG_INF) || isinf(s)) return s;
-    return __fsub_rd(s, __fmaf_ru(au, vn, __fmaf_ru(R, fabsf(s), Z)));
+// What a user's sampled score of item j is lowered by (above): au vnorm[j] + ab vbias[j] + r32 |s| + z32, each step
+// rounded up, au = A |u|, ab = A max |u_b| (0 and vbias unread without a bias group), z32 = Z + A |u_CC| CV.
+struct RecallSeedMargin {
+    const float* __restrict__ vnorm;
+    const float* __restrict__ vbias;  // nullptr: no bias group
+    float au, ab, r32, z32;
+
+    // A sampled score lowered by its margin, rounding down (-inf, +inf and NaN as they are).
+    __device__ __forceinline__ float lower(float s, float vn, float vb) const {
+        if (!(s > RECALL_NEG_INF) || isinf(s)) return s;
+        return __fsub_rd(s, __fmaf_ru(au, vn, __fmaf_ru(ab, vb, __fmaf_ru(r32, fabsf(s), z32))));
+    }
+
+    __device__ __forceinline__ float lower(float s, int i) const {
+        return lower(s, vnorm[i], vbias != nullptr ? vbias[i] : 0.0f);
+    }
+
+    // Sampled scores i .. i + 3 of a row (16-byte aligned), each lowered by its margin.
+    template <typename S>
+    __device__ __forceinline__ void load4(const S* row, int i, float v[4]) const {
+        recall_load4(row, i, v);
+        const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
+        const float4 b4 = vbias != nullptr ? *reinterpret_cast<const float4*>(vbias + i) : make_float4(0, 0, 0, 0);
+        v[0] = lower(v[0], n4.x, b4.x);
+        v[1] = lower(v[1], n4.y, b4.y);
+        v[2] = lower(v[2], n4.z, b4.z);
+        v[3] = lower(v[3], n4.w, b4.w);
+    }
+};
+
+// A user's margin (RecallSeedMargin) from its row of W in `users`: |u| and max |u_b| in float64 (each square and sum
+// of float values), then A times each rounded up; A |u_CC| CV added to Z. Each thread of the group of `threads`
+// (a block, or a warp: the caller reduces) sums its share, columns i = first, first + step, ...
+template <typename V>
+__device__ __forceinline__ void recall_seed_user_part(const V* __restrict__ urow, int W, int CC, int BL, int BH,
+                                                      int first, int step, double& sq, double& ub) {
+    for (int i = first; i < W; i += step) {
+        const double x = recall_load(urow, i);
+        if (i >= BL && i < BH) ub = fmax(ub, fabs(x));
+        else if (i != CC) sq += x * x;
+    }
 }
 
-// Sampled scores i .. i + 3 of a row (16-byte aligned), each lowered by its margin.
-template <typename S>
-__device__ __forceinline__ void recall_seed_load4(const S* row, const float* __restrict__ vnorm, int i, float au,
-                                                  float r32, float z32, float v[4]) {
-    recall_load4(row, i, v);
-    const float4 n4 = *reinterpret_cast<const float4*>(vnorm + i);
-    v[0] = recall_seed_lower(v[0], n4.x, au, r32, z32);
-    v[1] = recall_seed_lower(v[1], n4.y, au, r32, z32);
-    v[2] = recall_seed_lower(v[2], n4.z, au, r32, z32);
-    v[3] = recall_seed_lower(v[3], n4.w, au, r32, z32);
+template <typename V>
+__device__ __forceinline__ RecallSeedMargin recall_seed_margin(const V* __restrict__ urow, int W, const float* vnorm,
+                                                               const float* vbias, int CC, double CV, int BL, int BH,
+                                                               double A, double R, double Z, double sq, double ub) {
+    const double uc = CC >= 0 && CC < W ? fabs((double)recall_load(urow, CC)) : 0.0;
+    const bool bias = BH > BL;
+    return {vnorm, bias ? vbias : nullptr, __double2float_ru(A * sqrt(sq)), bias ? __double2float_ru(A * ub) : 0.0f,
+            __double2float_ru(R), __double2float_ru(Z + A * uc * CV)};
 }
 
 // A lowered score's key; 0 (no key) for -inf and NaN.
@@ -237,13 +278,12 @@ struct RecallSeedHeld {
     u32 keys[4 * RECALL_SEED_HELD];
 
     template <typename S>
-    __device__ __forceinline__ void load(const S* row, const float* __restrict__ vnorm, int T, float au, float r32,
-                                         float z32) {
+    __device__ __forceinline__ void load(const S* row, const RecallSeedMargin& mg, int T) {
 #pragma unroll
         for (int r = 0; r < RECALL_SEED_HELD; ++r) {
             const int i = (r * THREADS + (int)threadIdx.x) * 4;
             float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
-            if (i < T) recall_seed_load4(row, vnorm, i, au, r32, z32, v);
+            if (i < T) mg.load4(row, i, v);
 #pragma unroll
             for (int q = 0; q < 4; ++q) keys[4 * r + q] = recall_seed_key(v[q]);
         }
@@ -260,7 +300,7 @@ struct RecallSeedHeld {
 // a multiple of 4 (16-byte loads of float32, 8-byte of float16), 1 otherwise; the trip count depends on T alone.
 template <typename S, int THREADS>
 struct RecallSeedRow {
-    const S* row; const float* vnorm; int T; float au, r32, z32;
+    const S* row; RecallSeedMargin mg; int T;
 
     template <typename F>
     __device__ __forceinline__ void each(F& f) const {
@@ -268,14 +308,14 @@ struct RecallSeedRow {
             for (int i0 = 0; i0 < T; i0 += 4 * THREADS) {
                 const int i = i0 + 4 * (int)threadIdx.x;
                 float v[4] = {RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF, RECALL_NEG_INF};
-                if (i < T) recall_seed_load4(row, vnorm, i, au, r32, z32, v);
+                if (i < T) mg.load4(row, i, v);
 #pragma unroll
                 for (int q = 0; q < 4; ++q) f(recall_seed_key(v[q]));
             }
         } else {
             for (int i0 = 0; i0 < T; i0 += THREADS) {
                 const int i = i0 + (int)threadIdx.x;
-                f(i < T ? recall_seed_key(recall_seed_lower(recall_load(row, i), vnorm[i], au, r32, z32)) : 0u);
+                f(i < T ? recall_seed_key(mg.lower(recall_load(row, i), i)) : 0u);
             }
         }
     }
@@ -388,43 +428,44 @@ __device__ __forceinline__ void recall_seed_threshold(const Keys& keys, RecallSe
 
 template <int THREADS, typename S, typename V>
 __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, float* __restrict__ thr,
-                                 const V* __restrict__ users, int W, const float* __restrict__ vnorm, int CC,
-                                 double CV, double A, double R, double Z, int KE) {
+                                 const V* __restrict__ users, int W, const float* __restrict__ vnorm,
+                                 const float* __restrict__ vbias, int BL, int BH, int CC, double CV, double A,
+                                 double R, double Z, int KE) {
     __shared__ int hist[4096];
     __shared__ int part[THREADS / 32];
     __shared__ u32 s_prefix;
     __shared__ int s_want, s_below;
-    __shared__ double s_sq[THREADS / 32];
-    __shared__ float s_au, s_z;
+    __shared__ double s_sq[THREADS / 32], s_ub[THREADS / 32];
     const int u = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     const S* row = scores + (long long)u * T;
-    double sq = 0.0;  // the user's squared norm but column CC's, in float64 (each square and sum of float values)
-    for (int i = tid; i < W; i += THREADS) {
-        const double x = recall_load(users + (long long)u * W, i);
-        if (i != CC) sq += x * x;
-    }
+    const V* urow = users + (long long)u * W;
+    double sq = 0.0, ub = 0.0;  // the user's squared norm but columns CC's and [BL, BH)'s; its largest |u_b|
+    recall_seed_user_part(urow, W, CC, BL, BH, tid, THREADS, sq, ub);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, o);
-    if (lane == 0) s_sq[tid >> 5] = sq;
-    __syncthreads();
-    if (tid == 0) {
-        double norm2 = 0.0;
-        for (int w = 0; w < THREADS / 32; ++w) norm2 += s_sq[w];
-        s_au = __double2float_ru(A * sqrt(norm2));  // A |u|, rounded up (A carries the float64 steps' slack)
-        // Column CC's product, the same for every item: Z grows by it (rounded up, as every step of the margin).
-        const double uc = CC >= 0 && CC < W ? fabs((double)recall_load(users + (long long)u * W, CC)) : 0.0;
-        s_z = __double2float_ru(Z + A * uc * CV);
+    for (int o = 16; o > 0; o >>= 1) {
+        sq += __shfl_down_sync(0xffffffffu, sq, o);
+        ub = fmax(ub, __shfl_down_sync(0xffffffffu, ub, o));
+    }
+    if (lane == 0) {
+        s_sq[tid >> 5] = sq;
+        s_ub[tid >> 5] = ub;
     }
     __syncthreads();
-    const float au = s_au, r32 = __double2float_ru(R), z32 = s_z;
+    sq = 0.0;
+    ub = 0.0;
+    for (int w = 0; w < THREADS / 32; ++w) {  // every thread, in the same order: the same margin everywhere
+        sq += s_sq[w];
+        ub = fmax(ub, s_ub[w]);
+    }
+    const RecallSeedMargin mg = recall_seed_margin(urow, W, vnorm, vbias, CC, CV, BL, BH, A, R, Z, sq, ub);
     RecallSeedRange range = {0u, 0xffffffffu, 0};
     if ((T & 3) == 0 && T <= 4 * RECALL_SEED_HELD * THREADS) {
         RecallSeedHeld<THREADS> held;
-        held.load(row, vnorm, T, au, r32, z32);
+        held.load(row, mg, T);
         held.each(range);
         recall_seed_threshold<THREADS>(held, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     } else {
-        const RecallSeedRow<S, THREADS> streamed = {row, vnorm, T, au, r32, z32};
+        const RecallSeedRow<S, THREADS> streamed = {row, mg, T};
         streamed.each(range);
         recall_seed_threshold<THREADS>(streamed, range, K, KE, thr + u, hist, part, &s_prefix, &s_want, &s_below);
     }
@@ -434,25 +475,17 @@ __device__ void recall_seed_body(const S* __restrict__ scores, int T, int K, flo
 // float16 vectors (fast mode's cuBLAS path), float32 scores of float16 vectors (fast mode's fused path); by the
 // block's threads (the suffix: none 256, else 512 or 1,024), so that rows of up to 32 keys a thread are held (the
 // launcher's selection.seed_threads). KE: the estimate's rank (0: the K-th best, a lower bound).
-#define RECALL_SEED_KERNELS(SUFFIX, THREADS)                                                                         \
+#define RECALL_SEED_KERNEL(NAME, S, V, THREADS)                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
-    recall_seed##SUFFIX(const float* __restrict__ scores, int T, int K, float* __restrict__ thr,                      \
-                        const float* __restrict__ users, int W, const float* __restrict__ vnorm, int CC, double CV,   \
-                        double A, double R, double Z, int KE) {                                                       \
-        recall_seed_body<THREADS>(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);                           \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
-    recall_seed_h##SUFFIX(const half_bits* __restrict__ scores, int T, int K, float* __restrict__ thr,                \
-                          const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, int CC,        \
-                          double CV, double A, double R, double Z, int KE) {                                          \
-        recall_seed_body<THREADS>(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);                           \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                                             \
-    recall_seed_fh##SUFFIX(const float* __restrict__ scores, int T, int K, float* __restrict__ thr,                   \
-                           const half_bits* __restrict__ users, int W, const float* __restrict__ vnorm, int CC,       \
-                           double CV, double A, double R, double Z, int KE) {                                         \
-        recall_seed_body<THREADS>(scores, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);                           \
+    NAME(const S* __restrict__ scores, int T, int K, float* __restrict__ thr, const V* __restrict__ users, int W,      \
+         const float* __restrict__ vnorm, const float* __restrict__ vbias, int BL, int BH, int CC, double CV,         \
+         double A, double R, double Z, int KE) {                                                                      \
+        recall_seed_body<THREADS>(scores, T, K, thr, users, W, vnorm, vbias, BL, BH, CC, CV, A, R, Z, KE);            \
     }
+#define RECALL_SEED_KERNELS(SUFFIX, THREADS)                                                                         \
+    RECALL_SEED_KERNEL(recall_seed##SUFFIX, float, float, THREADS)                                                   \
+    RECALL_SEED_KERNEL(recall_seed_h##SUFFIX, half_bits, half_bits, THREADS)                                         \
+    RECALL_SEED_KERNEL(recall_seed_fh##SUFFIX, float, half_bits, THREADS)
 RECALL_SEED_KERNELS(, RECALL_SEED_THREADS)
 RECALL_SEED_KERNELS(512, 512)
 RECALL_SEED_KERNELS(1024, 1024)
@@ -519,45 +552,43 @@ struct RecallSeedCount {
 
 // A lane's share of the row: f(key) on every lowered score's key (0 for -inf and NaN).
 template <typename S, typename F>
-__device__ __forceinline__ void recall_seed_lane_each(const S* row, const float* __restrict__ vnorm, int T, float au,
-                                                      float r32, float z32, int lane, F& f) {
+__device__ __forceinline__ void recall_seed_lane_each(const S* row, const RecallSeedMargin& mg, int T, int lane,
+                                                      F& f) {
     if ((T & 3) == 0) {
         for (int i = 4 * lane; i < T; i += 128) {
             float v[4];
-            recall_seed_load4(row, vnorm, i, au, r32, z32, v);
+            mg.load4(row, i, v);
 #pragma unroll
             for (int q = 0; q < 4; ++q) f(recall_seed_key(v[q]));
         }
     } else {
-        for (int i = lane; i < T; i += 32) f(recall_seed_key(recall_seed_lower(recall_load(row, i), vnorm[i], au, r32,
-                                                                                z32)));
+        for (int i = lane; i < T; i += 32) f(recall_seed_key(mg.lower(recall_load(row, i), i)));
     }
 }
 
 template <typename S, typename V, int M>
 __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T, int K, float* __restrict__ thr,
-                                      const V* __restrict__ users, int W, const float* __restrict__ vnorm, int CC,
-                                      double CV, double A, double R, double Z, int KE) {
+                                      const V* __restrict__ users, int W, const float* __restrict__ vnorm,
+                                      const float* __restrict__ vbias, int BL, int BH, int CC, double CV, double A,
+                                      double R, double Z, int KE) {
     const int lane = threadIdx.x & 31;
     const int u = blockIdx.x * RECALL_SEED_WARP_USERS + (int)(threadIdx.x >> 5);
     if (u >= U) return;  // the whole warp
     const S* row = scores + (long long)u * T;
     const V* urow = users + (long long)u * W;
-    double sq = 0.0;  // the user's squared norm but column CC's, in float64, as recall_seed_body's
-    for (int i = lane; i < W; i += 32) {
-        const double x = recall_load(urow, i);
-        if (i != CC) sq += x * x;
-    }
+    double sq = 0.0, ub = 0.0;  // as recall_seed_body's (the sum in another order: a margin of its own)
+    recall_seed_user_part(urow, W, CC, BL, BH, lane, 32, sq, ub);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-    const float au = __double2float_ru(A * sqrt(sq));
-    const double uc = CC >= 0 && CC < W ? fabs((double)recall_load(urow, CC)) : 0.0;
-    const float z32 = __double2float_ru(Z + A * uc * CV), r32 = __double2float_ru(R);
+    for (int o = 16; o > 0; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        ub = fmax(ub, __shfl_xor_sync(0xffffffffu, ub, o));
+    }
+    const RecallSeedMargin mg = recall_seed_margin(urow, W, vnorm, vbias, CC, CV, BL, BH, A, R, Z, sq, ub);
     RecallSeedLaneTop<M> top;
 #pragma unroll
     for (int j = 0; j < M; ++j) top.key[j] = 0u;
     top.count = 0;
-    recall_seed_lane_each(row, vnorm, T, au, r32, z32, lane, top);
+    recall_seed_lane_each(row, mg, T, lane, top);
     if (recall_warp_sum(top.count) < K) {  // fewer than K finite sampled scores
         if (lane == 0) thr[u] = RECALL_NEG_INF;
         return;
@@ -581,7 +612,7 @@ __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T
         while (hi - lo > 1ull) {
             const u32 mid = lo + (u32)((hi - lo) >> 1);
             RecallSeedCount c = {mid, 0};
-            recall_seed_lane_each(row, vnorm, T, au, r32, z32, lane, c);
+            recall_seed_lane_each(row, mg, T, lane, c);
             if (recall_warp_sum(c.count) >= rank) lo = mid; else hi = mid;
         }
     }
@@ -596,8 +627,9 @@ __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T
 #define RECALL_SEED_WARP(name, S, V)                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * RECALL_SEED_WARP_USERS)                                        \
     name(const S* __restrict__ scores, int U, int T, int K, float* __restrict__ thr, const V* __restrict__ users,    \
-         int W, const float* __restrict__ vnorm, int CC, double CV, double A, double R, double Z, int KE) {          \
-        recall_seed_warp_body<S, V, 16>(scores, U, T, K, thr, users, W, vnorm, CC, CV, A, R, Z, KE);                 \
+         int W, const float* __restrict__ vnorm, const float* __restrict__ vbias, int BL, int BH, int CC, double CV, \
+         double A, double R, double Z, int KE) {                                                                      \
+        recall_seed_warp_body<S, V, 16>(scores, U, T, K, thr, users, W, vnorm, vbias, BL, BH, CC, CV, A, R, Z, KE);   \
     }
 RECALL_SEED_WARP(recall_seed_warp, float, float)
 RECALL_SEED_WARP(recall_seed_warp_h, half_bits, half_bits)
