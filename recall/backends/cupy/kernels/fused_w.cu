@@ -61,24 +61,17 @@ struct RecallStaged {
         else
             pending.push(cand, cnt, C, user, key);
     }
-    // After every thread's last push and a __syncthreads: each warp sends the stages of 16 users out, a user at a
-    // time, lane i its key i (S <= 32), so that a user's keys are read from consecutive banks and written to
-    // consecutive addresses (lanes 0-15 first take the 16 users' slots, a global atomic each); then each thread its
-    // pending key. (Thread pairs a user, as before 2026-12-05, read 16 users' stages 256 bytes apart in one
-    // instruction: 16-way bank conflicts, and stores of 16 bytes a user.)
+    // After every thread's last push and a __syncthreads: thread pairs send each user's stage out (RW_THREADS = 2
+    // users' worth of threads), and each thread its pending key.
     __device__ __forceinline__ void out(u64* __restrict__ cand, int* __restrict__ cnt, int C, int tid) {
-        static_assert(S <= 32 && RW_THREADS == 2 * RW_TILE, "a lane a key of a stage, 16 users a warp");
-        const int lane = tid & 31, r0 = (tid >> 5) * 16;
-        int n = 0, base = 0;
-        if (lane < 16) {
-            n = min(count[r0 + lane], S);
-            if (n > 0) base = atomicAdd(&cnt[u0 + r0 + lane], n);  // n > 0: a real user (others pass nothing)
-        }
-#pragma unroll 4
-        for (int j = 0; j < 16; ++j) {
-            const int nj = __shfl_sync(0xffffffffu, n, j), bj = __shfl_sync(0xffffffffu, base, j);
-            if (lane < nj && bj + lane < C) cand[(long long)(u0 + r0 + j) * C + bj + lane] = stage[(r0 + j) * S + lane];
-        }
+        const int r = tid >> 1, half = tid & 1;
+        const int n = min(count[r], S);
+        int base = 0;
+        if (n > 0 && half == 0) base = atomicAdd(&cnt[u0 + r], n);  // n > 0: a real user (others pass nothing)
+        base = __shfl_sync(0xffffffffu, base, (tid & 31) & ~1);
+        u64* dst = cand + (long long)(u0 + r) * C;
+        for (int i = half; i < n; i += 2)
+            if (base + i < C) dst[base + i] = stage[r * S + i];
         pending.flush(C);
     }
 };
