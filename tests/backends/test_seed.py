@@ -294,12 +294,17 @@ def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, wh
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
-@pytest.mark.parametrize("size, k, ke", [(8192, 126, 0), (8192, 1251, 280), (16384, 1251, 280), (301, 37, 0)])
-def test_seed_margin_takes_a_constant_column_on_its_own(dtype, vectors, size, k, ke):
+@pytest.mark.parametrize("bias, size, k, ke", [
+    (False, 8192, 126, 0), (False, 8192, 1251, 280), (False, 16384, 1251, 280), (False, 301, 37, 0),
+    (True, 8192, 126, 0), (True, 8192, 126, 40), (True, 16384, 2113, 443), (True, 301, 37, 0), (True, 302, 37, 20)])
+def test_seed_margin_takes_the_constant_and_bias_columns_on_their_own(dtype, vectors, bias, size, k, ke):
     # Rows with a column that every item holds at 2^15 (fast mode's shift column) and users at a shift of their own:
-    # each sampled score is lowered by A (|u'| |v'_j| + |u_c| 2^15), the norms without that column, held (8,192) and
-    # streamed rows, a bound and an estimate. Through the whole rows' norms the column would multiply every user's
-    # whole norm: a lowering far below this check's bracket.
+    # each sampled score is lowered by A (|u'| |v'_j| + |u_c| 2^15), the norms without that column. With ``bias``,
+    # fast mode's l2 rows: every user holds one large value in both bias columns (8,192, as float16 users of l2 do),
+    # each item its own small bias parts there, and the margin adds max |u_b| sum |v_jb|, the norms leaving those
+    # columns out too. Held (8,192) and streamed rows (301: one score at a time; 302: 4 at a time, a warp a user at the
+    # small rank), a bound and an estimate. Through the whole rows' norms the shift column would multiply every user's
+    # whole norm, and the users' bias values the items' bound columns: a lowering far below this check's bracket.
     from recall.backends import cuda_status
 
     usable, reason = cuda_status()
@@ -307,67 +312,34 @@ def test_seed_margin_takes_a_constant_column_on_its_own(dtype, vectors, size, k,
         pytest.skip(f"no usable GPU: {reason}")
     rows, _, _ = _seed_rows(size, k, dtype)
     n = rows.shape[0]
-    rng = np.random.default_rng(size + k + 5)
-    col, width = 32, 40
+    rng = np.random.default_rng(size + k + (7 if bias else 5))
+    col, lo, hi, width = 32, 33, 35, 40
     users = rng.standard_normal((n, width)).astype(np.float32)
     users[:, col] = rng.uniform(-2.0 ** -6, 2.0 ** -6, n)  # a shift of the user's own
+    if bias:
+        users[:, lo:hi] = (8192.0 * rng.choice([-1.0, 1.0], n))[:, None]
+        users[2, lo] *= 0.5                                # the larger of the two counts
     users[0] = 0                                           # no margin but the underflow's
-    users[1, col] = 0                                      # no shift
+    if bias:
+        users[1, lo:hi] = 0                                # no bias value
+    else:
+        users[1, col] = 0                                  # no shift
     users = users.astype(vectors)
-    vnorm = rng.lognormal(0, 1, size).astype(np.float32)   # the items' norms without the column
+    vnorm = rng.lognormal(0, 1, size).astype(np.float32)   # the items' norms without those columns
     vnorm[: size // 5] = 0
-    got = _thresholds(rows, users, vnorm, k, ke, (col, 2.0 ** 15))
+    sums = (rng.lognormal(0, 2, size) * 1e-3).astype(np.float32) if bias else np.zeros(size)  # sums of |bias parts|
+    sums[size // 3: size // 2] = 0
+    got = _thresholds(rows, users, vnorm, k, ke, (col, 2.0 ** 15), (lo, hi, sums) if bias else None)
     u64 = users.astype(np.float64)
-    rest = np.sqrt(np.sum(np.delete(u64, col, axis=1) ** 2, axis=1))
+    rest = np.sqrt(np.sum(np.delete(u64, [col, lo, lo + 1] if bias else [col], axis=1) ** 2, axis=1))
     for u in range(n):
         sampled = rows[u].astype(np.float32)
         if np.sum(sampled > -np.inf) < k:  # fewer than k finite, estimate or not: -inf
             assert got[u] == -np.inf, (u, got[u])
             continue
         products = rest[u] * vnorm.astype(np.float64) + abs(u64[u, col]) * 2.0 ** 15
-        _check_threshold(got[u], sampled, vnorm, users[u], ke or k, dtype, vectors, u, products)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype, vectors", [("float32", "float16"), ("float16", "float16"), ("float32", "float32")])
-@pytest.mark.parametrize("size, k, ke", [(8192, 126, 0), (8192, 126, 40), (16384, 2113, 443), (301, 37, 0),
-                                         (302, 37, 20)])
-def test_seed_margin_takes_the_bias_columns_on_their_own(dtype, vectors, size, k, ke):
-    # Fast mode's l2 rows: every user holds one large value in both bias columns (8,192, as float16 users of l2 do),
-    # each item its own small bias parts there; the shift column as above. Each sampled score is lowered by
-    # A (|u'| |v'_j| + max |u_b| sum |v_jb| + |u_c| 2^15), the norms without the bias and shift columns: held, streamed
-    # (301: one score at a time; 302: 4 at a time, a warp a user at the small rank), a bound and an estimate. Through
-    # the rows' norms the users' bias values would multiply the items' bound columns: far below this check's bracket.
-    from recall.backends import cuda_status
-
-    usable, reason = cuda_status()
-    if not usable:
-        pytest.skip(f"no usable GPU: {reason}")
-    rows, _, _ = _seed_rows(size, k, dtype)
-    n = rows.shape[0]
-    rng = np.random.default_rng(size + k + 7)
-    col, lo, hi, width = 32, 33, 35, 40
-    users = rng.standard_normal((n, width)).astype(np.float32)
-    users[:, col] = rng.uniform(-2.0 ** -6, 2.0 ** -6, n)
-    users[:, lo:hi] = (8192.0 * rng.choice([-1.0, 1.0], n))[:, None]
-    users[2, lo] *= 0.5          # the larger of the two counts
-    users[0] = 0                 # no margin but the underflow's
-    users[1, lo:hi] = 0          # no bias value
-    users = users.astype(vectors)
-    vnorm = rng.lognormal(0, 1, size).astype(np.float32)       # the items' norms without those columns
-    vnorm[: size // 5] = 0
-    sums = (rng.lognormal(0, 2, size) * 1e-3).astype(np.float32)  # the items' sums of |bias parts|
-    sums[size // 3: size // 2] = 0
-    got = _thresholds(rows, users, vnorm, k, ke, (col, 2.0 ** 15), (lo, hi, sums))
-    u64 = users.astype(np.float64)
-    rest = np.sqrt(np.sum(np.delete(u64, [col, lo, lo + 1], axis=1) ** 2, axis=1))
-    for u in range(n):
-        sampled = rows[u].astype(np.float32)
-        if np.sum(sampled > -np.inf) < k:
-            assert got[u] == -np.inf, (u, got[u])
-            continue
-        products = (rest[u] * vnorm.astype(np.float64) + np.abs(u64[u, lo:hi]).max() * sums.astype(np.float64)
-                    + abs(u64[u, col]) * 2.0 ** 15)
+        if bias:
+            products = products + np.abs(u64[u, lo:hi]).max() * sums.astype(np.float64)
         _check_threshold(got[u], sampled, vnorm, users[u], ke or k, dtype, vectors, u, products)
 
 
