@@ -213,9 +213,9 @@ struct RecallSeedMargin {
     }
 };
 
-// A user's margin (RecallSeedMargin) from its row of W in `users`: |u| and max |u_b| in float64 (each square and sum
-// of float values), then A times each rounded up; A |u_CC| CV added to Z. Each thread of the group of `threads`
-// (a block, or a warp: the caller reduces) sums its share, columns i = first, first + step, ...
+// A thread's share of a user's row of W in `users` (columns first, first + step, ...; the caller reduces over its
+// block or warp): the squares of its columns but CC and [BL, BH), summed in float64 (each square and sum of float
+// values), and its largest |u_i| in [BL, BH).
 template <typename V>
 __device__ __forceinline__ void recall_seed_user_part(const V* __restrict__ urow, int W, int CC, int BL, int BH,
                                                       int first, int step, double& sq, double& ub) {
@@ -226,6 +226,8 @@ __device__ __forceinline__ void recall_seed_user_part(const V* __restrict__ urow
     }
 }
 
+// A user's margin from the reduced sums: A |u| and A max |u_b| (0 without bias columns), each rounded up, and Z
+// grown by A |u_CC| CV.
 template <typename V>
 __device__ __forceinline__ RecallSeedMargin recall_seed_margin(const V* __restrict__ urow, int W, const float* vnorm,
                                                                const float* vbias, int CC, double CV, int BL, int BH,
