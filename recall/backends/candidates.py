@@ -25,12 +25,16 @@ _SLOT_BYTES_FIXED = 4 + 8 + 8 + 16
 Dots = Callable[[Any, Any], Any]
 
 
+def list_width(indptr: Any) -> int | None:
+    """The one length of every list where ``Backend.rescore``'s ``indptr`` is an int w, else None (CSR offsets)."""
+    return int(indptr) if isinstance(indptr, (int, np.integer)) else None
+
+
 def csr_indptr(indptr: Any, n_users: int) -> np.ndarray:
     """``Backend.rescore``'s ``indptr`` as a host int64 (n_users + 1,) array: an int w is every user's list w rows
     long."""
-    if isinstance(indptr, (int, np.integer)):
-        return np.arange(n_users + 1, dtype=np.int64) * int(indptr)
-    return indptr
+    width = list_width(indptr)
+    return indptr if width is None else np.arange(n_users + 1, dtype=np.int64) * width
 
 
 def rescore_gemm(backend: Any, users: Any, items: Any, indptr: np.ndarray | int, rows: Any, k: int, budget: int,

@@ -377,6 +377,22 @@ def test_item_samples_split_the_bias_columns_norms_off():
         assert (got_sums >= want_sums).all() and (got_sums <= want_sums * (1 + 2.0 ** -23)).all()
 
 
+@pytest.mark.parametrize("skip", [set(), {0}, {39}, {32}, {32, 33, 34}, {0, 1, 38, 39}, set(range(40))])
+def test_norms_without_columns(skip):
+    # The rows' norms over the columns kept (runs combined by hypot), float64, against NumPy over the columns deleted;
+    # without a skipped column exactly row_norms, with every column skipped zeros.
+    from recall.backends.cupy.items import norms_without
+    from recall.core.metrics import row_norms
+
+    rng = np.random.default_rng(len(skip))
+    vecs = (rng.standard_normal((300, 40)) * rng.lognormal(0, 2, (300, 1))).astype(np.float16)
+    got = norms_without(np, vecs, skip)
+    want = np.linalg.norm(np.delete(vecs.astype(np.float64), sorted(skip), axis=1), axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-14, atol=0)
+    if not skip:
+        np.testing.assert_array_equal(got, row_norms(np, vecs))
+
+
 def test_fast_items_name_their_bias_columns():
     # l2's float16 items carry the bias in two columns after the shift column (certificate.prepare_items): the
     # columns a threshold sample's margin bounds on their own; none without a bias.

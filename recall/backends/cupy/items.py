@@ -68,40 +68,34 @@ class DeviceItems:
             import cupy
 
             with stream:
+                constant = set() if self.constant_column is None else {self.constant_column[0]}
                 if self._norms is None:
-                    if self.constant_column is None:
-                        self._norms = row_norms(cupy, self.vecs)
-                    else:  # the two sides of the column, each in float64
-                        col = self.constant_column[0]
-                        self._norms = cupy.hypot(row_norms(cupy, self.vecs[:, :col]),
-                                                 row_norms(cupy, self.vecs[:, col + 1:]))
+                    self._norms = norms_without(cupy, self.vecs, constant)
                 norms = self._norms[:n_items]
                 rows = sample_rows(cupy, n_items, size, norms if ranked else None)
                 if self.bias_columns is None:
                     got = (rows, _up32(cupy, norms[rows]), None)
                 else:
-                    if self._split is None:
-                        self._split = self._split_norms(cupy)
+                    if self._split is None:  # each row's norm without those columns too, its sum of |v| over them
+                        lo, hi = self.bias_columns
+                        self._split = (norms_without(cupy, self.vecs, constant | set(range(lo, hi))),
+                                       cupy.abs(self.vecs[:, lo:hi]).astype(cupy.float64).sum(axis=1))
                     rest, sums = self._split
                     got = (rows, _up32(cupy, rest[rows]), _up32(cupy, sums[rows]))
             self._samples[key] = got
         return got
 
-    def _split_norms(self, cupy: Any) -> tuple[Any, Any]:
-        """(each row's norm without the constant column and the bias columns, its sum of |v| over the bias columns),
-        in float64."""
-        lo, hi = self.bias_columns
-        skip = set(range(lo, hi)) | ({self.constant_column[0]} if self.constant_column is not None else set())
-        squares = cupy.zeros(self.vecs.shape[0], cupy.float64)
-        start = 0
-        for stop in sorted(skip | {self.vecs.shape[1]}):  # the runs of kept columns, block by block (row_norms)
-            if stop > start:
-                squares += row_norms(cupy, self.vecs[:, start:stop]) ** 2
-            start = stop + 1
-        sums = cupy.zeros(self.vecs.shape[0], cupy.float64)
-        for c in range(lo, hi):
-            sums += cupy.abs(self.vecs[:, c].astype(cupy.float64))
-        return cupy.sqrt(squares), sums
+
+def norms_without(xp: Any, vecs: Any, skip: set) -> Any:
+    """Each row's Euclidean norm over the columns not in ``skip``, float64 (``metrics.row_norms`` of each run of
+    kept columns, the runs' norms combined by ``hypot``; no column skipped: ``row_norms`` itself)."""
+    out, start = None, 0
+    for stop in sorted(set(skip) | {vecs.shape[1]}):
+        if stop > start:
+            run = row_norms(xp, vecs[:, start:stop])
+            out = run if out is None else xp.hypot(out, run)
+        start = stop + 1
+    return xp.zeros(vecs.shape[0], xp.float64) if out is None else out
 
 
 def _up32(xp: Any, exact: Any) -> Any:

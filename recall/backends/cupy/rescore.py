@@ -163,7 +163,7 @@ def rescore_fused(users: Any, items: Any, indptr: np.ndarray | int, rows: Any, k
 
     n_items, dim = int(items.shape[0]), int(items.shape[1])
     n = int(users.shape[0])
-    width = int(indptr) if isinstance(indptr, (int, np.integer)) else None
+    width = candidates.list_width(indptr)
     if width is None:
         lengths = np.diff(indptr)
         longest = int(lengths.max()) if lengths.size else 1

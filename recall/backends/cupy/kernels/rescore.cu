@@ -9,17 +9,18 @@
 // Real keys are never 0, so 0 marks an empty slot.
 //
 // Shared memory holds SZ keys: where every list of the launch fits in one chunk, the longest list's length rounded up
-// to 32 (rescore.py's launch_config and SZ_STEP: at k = 2,048, lists of 2,113 take 2,144 keys, not 4,096, and with
-// the selected keys in the stage five blocks an SM on a Hopper instead of three); else a power of two >= 2 * K_pad. The first chunk of a user's list fills slots
-// [0, SZ); every later chunk fills [K_pad, SZ) while slots [0, K_pad) hold the best keys so far (distinct, best
-// first, zero-padded). After each chunk a radix select finds the K-th largest key counted with multiplicity, the K
-// keys at or above it are compacted into a K_pad buffer and only those are sorted (a full bitonic sort of 1,024 keys
-// is 55 phases and ~12,000 shared-memory wavefronts per user, during which the block issues no loads; the select
-// reads the keys about 4 times and sorts K_pad = 128). If the K compacted keys are distinct they are the answer (any
-// distinct key above the K-th is among them); a duplicate among them sends the chunk down the exact long way: a
-// bitonic sort of the buffer, equal adjacent keys dropped, sorted again (rare: only duplicate candidate rows make
-// equal keys). De-duplication by key is exact because a duplicate row gets the same score from the same arithmetic
-// (the dot product below is computed the same way for every position within one kernel), so its key is identical.
+// to 32 (rescore.py's launch_config and SZ_STEP: at k = 2,048, lists of 2,113 take 2,144 keys, not 4,096, and with the
+// selected keys in the stage five blocks an SM on a Hopper instead of three); else a power of two >= 2 * K_pad. The
+// first chunk of a user's list fills slots [0, SZ); every later chunk fills [K_pad, SZ) while slots [0, K_pad) hold the
+// best keys so far (distinct, best first, zero-padded). After each chunk a radix select finds the K-th largest key
+// counted with multiplicity, the K keys at or above it are compacted into a K_pad buffer and only those are sorted (a
+// full bitonic sort of 1,024 keys is 55 phases and ~12,000 shared-memory wavefronts per user, during which the block
+// issues no loads; the select reads the keys about 4 times and sorts K_pad = 128). If the K compacted keys are distinct
+// they are the answer (any distinct key above the K-th is among them); a duplicate among them sends the chunk down the
+// exact long way: a bitonic sort of the buffer, equal adjacent keys dropped, sorted again (rare: only duplicate
+// candidate rows make equal keys). De-duplication by key is exact because a duplicate row gets the same score from the
+// same arithmetic (the dot product below is computed the same way for every position within one kernel), so its key is
+// identical.
 //
 // recall_rescore_t computes the scores itself (gather fused with the dot product: every candidate vector is read
 // once from the item matrix, nothing is written but the K results) when `scores` is null; otherwise it takes the
