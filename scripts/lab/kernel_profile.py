@@ -122,6 +122,9 @@ VARIANTS = {
     # HOOKS: seeded searches on the fused path up to k = 4,096 only, float32 and float16 passes alike (before
     # fused.FUSED_SEEDED_MAX_K / FUSED_HALF_SEEDED_MAX_K took k = 8,192): as shipped, and the float32 search alone.
     "seeded-k4k": {}, "float32-k4k": {"certified_exact": "off"},
+    # HOOKS: passes that may start at an estimate (not ``bound``) with the rule's whole threshold sample (before
+    # selection.ESTIMATE_SAMPLE_SHARE, 2026-12-05), or a quarter of it, where the estimate applies.
+    "est-whole": {}, "est-quarter": {},
     # HOOKS: the first pass's margin (certificate.margin) narrowed: 16 at every k, 64, or where k + 17 candidates fit
     # a smaller power of two than k + k/4 + 1, up to that power (k = 1,000: 23).
     "m16": {}, "m64": {}, "m-pow2": {},
@@ -172,6 +175,15 @@ def _sigmas(n):
 
 #: Variants that change an engine (or a constant of the process) once it is made (lab only): what a rule of the
 #: product would choose. Every variant starts from the shipped constants (``main`` restores them).
+def _estimate_share(share):
+    def hook(engine):
+        from recall.backends.cupy import selection
+
+        selection.ESTIMATE_SAMPLE_SHARE = share
+
+    return hook
+
+
 def _fused_seeded_max_k(k):
     def hook(engine):
         from recall.backends.cupy import fused
@@ -284,6 +296,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
+         "est-whole": _estimate_share(1), "est-quarter": _estimate_share(4),
          "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
          "sigma3-seed32k": _sigmas(3.0), "sigma4-seed4k": _sigmas(4.0), "seeded-k4k": _fused_seeded_max_k(4096),
          "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
@@ -469,7 +482,8 @@ def main() -> None:
     # What a variant's hook may change: (module, attribute) and the shipped value, put back before every variant.
     shipped = [(m, name, getattr(m, name)) for m, name in (
         (certificate, "margin"), (selection, "SEED_WARP_RANK"), (selection, "SEED_WARP_MAX_SIZE"),
-        (selection, "ESTIMATE_SIGMAS"), (fused, "FUSED_SEEDED_MAX_K"), (fused, "FUSED_HALF_SEEDED_MAX_K"),
+        (selection, "ESTIMATE_SIGMAS"), (selection, "ESTIMATE_SAMPLE_SHARE"), (fused, "FUSED_SEEDED_MAX_K"),
+        (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
         (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (fused, "wgmma_smem"))]
 

@@ -33,6 +33,11 @@ def _events(trace: Path, cats: tuple = ("kernel", "gpu_memcpy", "gpu_memset"), p
 #: innermost of them the host was in when the GPU went idle.
 _HOST = (
     ("recall.engine.engine", "Engine._check_users", "check users"),
+    ("recall.engine.inputs", "matrix", "inputs.matrix"),
+    ("recall.backends.cupy.backend", "CupyBackend.largest_norm", "largest_norm"),
+    ("recall.engine.fast", "certifies_exact", "certifies_exact"),
+    ("recall.engine.engine", "Engine.plan", "Engine.plan"),
+    ("recall.engine.fast", "_tiles16", "fast._tiles16"),
     ("recall.engine.fast", "_search", "fast._search"),
     ("recall.engine.fast", "_prepare", "users' float16 copies"),
     ("recall.engine.fast", "_certified_pass", "certified pass"),
@@ -72,6 +77,93 @@ def _mark_host() -> None:
         setattr(owner, attr, wrapped)
 
 
+def _stamp_host(totals: dict) -> None:
+    """Wrap every function of _HOST so that its calls and inclusive perf_counter time add up in ``totals`` (label ->
+    [calls, seconds]): the host's own costs without a profiler's."""
+    import functools
+    import importlib
+    import time
+
+    for module_name, path, label in _HOST:
+        owner = importlib.import_module(module_name)
+        *parents, attr = path.split(".")
+        for name in parents:
+            owner = getattr(owner, name)
+        fn = getattr(owner, attr, None)
+        if fn is None:
+            continue
+        slot = totals.setdefault(label, [0, 0.0])
+
+        def wrapped(*args, __fn=fn, __slot=slot, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return __fn(*args, **kwargs)
+            finally:
+                __slot[0] += 1
+                __slot[1] += time.perf_counter() - t0
+
+        functools.update_wrapper(wrapped, fn)
+        setattr(owner, attr, wrapped)
+
+
+def _stamps(a, cells: list) -> None:
+    """``--stamps N``: N searches of each cell untraced, the host's time in each _HOST function (inclusive, per
+    search) and the GPU's wait from the search's call to its first block's launches (a CUDA event recorded at both)."""
+    import dataclasses
+    import statistics
+    import time
+
+    import cupy
+
+    from recall import Engine
+    from recall.backends.cupy import pipeline
+    from recall.bench.workloads import generate
+    from recall.core.options import EngineOptions
+
+    totals: dict = {}
+    _stamp_host(totals)
+    first: list = []
+    slot_fn = pipeline.BlockPipeline._search_slot
+
+    def search_slot(self, *args, **kwargs):
+        if not first:
+            first.append(cupy.cuda.Event())
+            first[0].record(self.compute_stream)
+        return slot_fn(self, *args, **kwargs)
+
+    pipeline.BlockPipeline._search_slot = search_slot
+    for cell in cells:
+        kind, nu, ni, dim, k, metric, _ = cell_spec(cell)
+        users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
+        for vname in a.variants.split(","):
+            opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
+            engine = Engine(items, metric=metric, device="gpu", options=opts)
+            for _ in range(3):
+                engine.search(users, k)
+            cupy.cuda.Device().synchronize()
+            for v in totals.values():
+                v[0], v[1] = 0, 0.0
+            walls, waits = [], []
+            for _ in range(a.stamps):
+                first.clear()
+                start = cupy.cuda.Event()
+                t0 = time.perf_counter()
+                start.record()
+                engine.search(users, k)
+                cupy.cuda.Device().synchronize()
+                walls.append(time.perf_counter() - t0)
+                waits.append(cupy.cuda.get_elapsed_time(start, first[0]) if first else float("nan"))
+            n = a.stamps
+            print(f"| {cell} | {vname} | wall {statistics.median(walls) * 1e3:.3f} ms | call to the first block's "
+                  f"launches on the GPU {statistics.median(waits):.3f} ms |", flush=True)
+            for label, (calls, secs) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+                if calls:
+                    print(f"|   {label} | {calls / n:g} calls | {secs / n * 1e3:.3f} ms a search |")
+            del engine
+        del users, items
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def _host_at(marks: list, at: float) -> str:
     """The innermost marked host range that holds time ``at`` (µs), or "-"."""
     inside = [(e - s, name) for name, s, e in marks if s <= at < e]
@@ -95,10 +187,16 @@ def main() -> None:
     p.add_argument("--gaps", type=int, default=12, help="the largest idle gaps printed")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="a folder for each search's Chrome trace")
+    p.add_argument("--stamps", type=int, default=0,
+                   help="no trace: N searches, the host's time in each marked function and the wait for the first block")
+    p.add_argument("--events", type=int, default=0, help="print the first N GPU events and the host's ranges then")
     p.add_argument("--host", action="store_true",
                    help="mark the host's functions (_HOST) in the trace and name, for each gap, the one the host was in")
     a = p.parse_args()
     assert torch.cuda.is_available()
+    if a.stamps:
+        _stamps(a, a.cells.split(","))
+        return
     if a.host:
         _mark_host()
     out = []
@@ -145,6 +243,14 @@ def main() -> None:
             for g, before, after, at in gaps[:a.gaps]:
                 host = f" | host in {_host_at(marks, evs[0][1] + at - g)}" if a.host else ""
                 print(f"|   gap {g / 1e3:.3f} ms at {at / 1e3:.3f} ms | after {before[:70]} | before {after[:70]}{host} |")
+            t0 = evs[0][1]
+            for name, s, e in evs[:a.events]:
+                host = f" | host in {_host_at(marks, s)}" if a.host else ""
+                print(f"|   event {name[:60]} | {(s - t0) / 1e3:.3f} ms | {(e - s) / 1e3:.3f} ms{host} |")
+            if a.events and a.host:
+                for name, s, e in marks:
+                    if s - t0 < 5e3:
+                        print(f"|   host {name[len(_MARK):]} | {(s - t0) / 1e3:.3f} ms | {(e - s) / 1e3:.3f} ms |")
             top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
             print("|   busy by name | " + " ; ".join(f"{n[:50]} {t / 1e3:.3f} ms" for n, t in top) + " |", flush=True)
             out.append({"cell": cell, "variant": vname, "span_ms": span / 1e3, "busy_ms": busy / 1e3,

@@ -10,23 +10,24 @@ from recall.backends.cupy.selection import seed_size
 
 
 @pytest.mark.parametrize("n_items, k, capacity, want", [
-    (1_000_000, 100, 32_768, 8_192),     # S1: the full sample
-    (1_000_000, 2_048, 32_768, 32_768),  # large k: 32k items, capped by the score buffer
+    (1_000_000, 100, 32_768, 8_192),     # S1: the full sample (the estimate would not apply to half of it)
+    (1_000_000, 2_048, 32_768, 16_384),  # large k: 32k items, capped by the score buffer, halved for the estimate
     (1_000_000, 8_192, 8_192, 0),        # the buffer cannot hold 4k sampled items
-    (1_000_000, 8_192, 65_536, 65_536),  # k = 8,192 in 4 tiles of 16,384 (the GPU's preferred tiles): 8 k items
+    (1_000_000, 8_192, 65_536, 32_768),  # k = 8,192 in 4 tiles of 16,384 (the GPU's preferred tiles): 8 k, halved
     (100_000, 100, 32_768, 8_192),       # 8 x 8,192 <= 100k: the full sample
     (60_000, 100, 32_768, 0),            # fewer than 8 x 8,192 items, k small for them: no seed
     # A catalogue of fewer than 8 samples where k is large for it: a power of two, at most a quarter of it; for a
-    # search that may start at an estimate (these: not ``bound``) half that, where it still holds 4 k items.
-    (100_000, 1_000, 32_768, 8_192),
-    (65_536, 1_024, 32_768, 8_192),
-    (100_000, 2_048, 32_768, 8_192),     # 4 k still
-    (100_000, 2_561, 32_768, 16_384),    # 8,192 < 4 k: not halved
-    (100_000, 4_000, 32_768, 16_384),
+    # search that may start at an estimate (these: not ``bound``) half that, where it still holds 4 k items; then
+    # half again where that holds 2 k and the estimate applies (ESTIMATE_SAMPLE_SHARE).
+    (100_000, 1_000, 32_768, 4_096),
+    (65_536, 1_024, 32_768, 4_096),
+    (100_000, 2_048, 32_768, 4_096),     # 4 k, then 2 k
+    (100_000, 2_561, 32_768, 8_192),     # 8,192 < 4 k: not halved by the first rule, by the estimate's
+    (100_000, 4_000, 32_768, 8_192),
     (100_000, 5_000, 32_768, 0),         # 16,384 < 4 k
-    (100_000, 1_000, 8_192, 8_192),      # capped by the buffer
-    (100_000, 1_000, 4_096, 4_096),
-    (20_000, 300, 24_576, 2_048),
+    (100_000, 1_000, 8_192, 4_096),      # capped by the buffer
+    (100_000, 1_000, 4_096, 2_048),
+    (20_000, 300, 24_576, 2_048),        # half of it: mu = 15.4 sampled items above the k-th, under 16
     (5_000, 1_000, 32_768, 0),
     (20_000, 37, 900, 900),              # small tiles (the tests' plans): the buffer's width
 ])
@@ -64,6 +65,24 @@ def test_bound_sample_size(n_items, k, capacity, want):
 ])
 def test_requested_sample_size(n_items, k, capacity, requested, want):
     assert seed_size(n_items, k, capacity, requested=requested) == want
+
+
+@pytest.mark.parametrize("n_items, k, capacity", [
+    (1_000_000, 100, 32_768), (1_000_000, 2_048, 32_768), (100_000, 1_000, 32_768), (100_000, 2_561, 32_768),
+    (100_000, 1_000, 4_096), (20_000, 300, 24_576), (1_000_000, 8_192, 65_536), (65_536, 1_024, 32_768),
+])
+def test_estimate_sample_is_a_share_of_the_rule_where_the_estimate_applies(monkeypatch, n_items, k, capacity):
+    from recall.backends.cupy import selection
+
+    got = seed_size(n_items, k, capacity)
+    monkeypatch.setattr(selection, "ESTIMATE_SAMPLE_SHARE", 1)
+    whole = seed_size(n_items, k, capacity)
+    assert seed_size(n_items, k, capacity, bound=True) >= whole  # a bound's sample is never halved for an estimate
+    if got != whole:  # halved only where half still holds 2 k items and the estimate applies to it
+        assert got == whole // 2 and got >= 2 * k
+        assert selection.estimate_rank(k, got, n_items, ranked=True) > 0
+    else:
+        assert whole // 2 < 2 * k or selection.estimate_rank(k, whole // 2, n_items, ranked=True) == 0
 
 
 def _independent_sample(n_items, size, norms):

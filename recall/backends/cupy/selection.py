@@ -64,6 +64,15 @@ def fused_capacity(k: int) -> int:
 #: 2026-12-04, docs/benchmarks.md). Passes that estimate keep the rule's sample (k = 1,000 there: 0.104 s from
 #: 16,384, 0.124 s from 32,768).
 BOUND_SAMPLE_PER_K = 16
+#: A search that may start at an estimate (not ``bound``) takes this fraction of the rule's sample where the smaller
+#: one still holds 2 k items and the estimate applies to it (``estimate_rank`` of it, counted as if half its rows came
+#: from the largest norms: mu >= ESTIMATE_EVEN_MU and a rank under k): the estimate's rank, not k, is selected from it,
+#: and its few more survivors cost less than the sample's GEMM and select. The certified route on the H100
+#: (2026-12-05, docs/benchmarks.md), half the sample against the whole: 0.964x the time on 200k x 100k x 64 l2 at
+#: k = 2,048 (8,192 items from 16,384), 0.965x on 200k x 100k x 32 l2, 0.955x on 100k x 130k x 64 cosine, 0.948x on
+#: 200k x 100k x 64 ip at k = 1,000 (4,096 from 8,192), 0.972x on 20k x 1M x 64 l2 at k = 2,048 (16,384 from
+#: 32,768); a quarter took 0.950x, 1.00x and 1.11x of those it changed.
+ESTIMATE_SAMPLE_SHARE = 2
 
 
 def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requested: int = 0,
@@ -80,8 +89,9 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     survivors cost less than the larger sample's select (the certified route on the H200, 2026-12-04,
     docs/benchmarks.md: 8,192 items against 16,384 took 0.875x the time on 200k x 100k x 64 ip at k = 1,000, 0.928x
     under l2 at d = 32, 0.926x on 100k x 65,536 x 64 cosine). Capped by ``capacity``, the score room a block has; at
-    least 4 k items or none. ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from catalogues of at
-    least twice it."""
+    least 4 k items or none. Then a search that may start at an estimate takes a smaller share of it where the
+    estimate applies (ESTIMATE_SAMPLE_SHARE). ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from
+    catalogues of at least twice it."""
     if not seeded:
         return 0
     if requested:
@@ -96,7 +106,12 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
             if (bound and 4 * k <= size < BOUND_SAMPLE_PER_K * k and 2 * size <= capacity
                     and n_items >= 6 * size):
                 size, least = 2 * size, 3
-    return size if size >= 4 * k and n_items >= least * size else 0
+    if size < 4 * k or n_items < least * size:
+        return 0
+    smaller = size // ESTIMATE_SAMPLE_SHARE
+    if not bound and not requested and smaller >= 2 * k and estimate_rank(k, smaller, n_items, ranked=True):
+        return smaller
+    return size
 
 
 def search_seed_size(plan: Any, n_items: int, k: int, options: Any, bound: bool = False) -> int:
