@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -511,6 +512,10 @@ def main() -> None:
             del exact
         for vname in a.variants.split(","):
             restore_shipped()
+            # The last variant's engine freed first: the default memory budget is a share of the free memory, and a
+            # smaller one halves the plan's user block.
+            gc.collect()
+            cupy.get_default_memory_pool().free_all_blocks()
             opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)

@@ -188,7 +188,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="a folder for each search's Chrome trace")
     p.add_argument("--stamps", type=int, default=0,
-                   help="no trace: N searches, the host's time in each marked function and the wait for the first block")
+                   help="no trace: N searches, the host's time in each marked function, the wait for the first block")
     p.add_argument("--events", type=int, default=0, help="print the first N GPU events and the host's ranges then")
     p.add_argument("--host", action="store_true",
                    help="mark the host's functions (_HOST) in the trace and name, for each gap, the one the host was in")

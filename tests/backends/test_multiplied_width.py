@@ -1,5 +1,5 @@
-"""The columns a fused float16 pass multiplies (``recall.backends.cupy.fused.multiplied_width``), on host arrays: the
-rule the GPU applies to device arrays in the same function."""
+"""The columns a fused float16 pass multiplies (``recall.backends.cupy.fused.multiplied_width``): the rule on host
+arrays, and the GPU's count of device arrays (``recall_last_column``) against it."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,6 +26,29 @@ def test_zeros_and_negative_zeros_multiply_nothing():
     users[:, :20] = 1
     assert multiplied_width(users) == 32
     assert multiplied_width(np.zeros((0, 72), np.float16)) == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, width", [(1, 8), (50, 72), (5000, 40), (100_003, 80), (3, 136)])
+def test_the_gpus_count_is_the_rule(n, width):
+    # Every rows' last used column placed apart, the one that decides in the last row (a grid-stride loop's far end),
+    # -0 beyond it, and all-zero rows: the device's count against the host rule, column by column.
+    import cupy
+
+    from recall.backends.cupy.fused import count_multiplied
+
+    rng = np.random.default_rng(n + width)
+    for last in sorted({1, 2, width // 2, width - 1, width}):
+        users = np.zeros((n, width), np.float16)
+        used = rng.integers(0, last, n)
+        users[np.arange(n), used] = rng.choice([-1.0, 6.0e-8, 2.0], n)  # 6e-8: float16's least subnormal, not 0
+        users[:, last:] = -0.0
+        users[rng.integers(0, n, max(1, n // 10))] = 0.0
+        users[n - 1, last - 1] = -0.5
+        want = multiplied_width(users)
+        assert count_multiplied(cupy.asarray(users))() == want == max(16, -(-last // 16) * 16)
+    assert count_multiplied(cupy.zeros((n, width), cupy.float16))() == 16
+    assert count_multiplied(cupy.asarray(np.full((n, width), -0.0, np.float16)))() == 16
 
 
 def test_the_widest_rows_a_float16_kernel_takes():

@@ -324,7 +324,7 @@ class CupyBackend:
             t = user_terms(items)
             sc = (*items.aux_scales, 1.0, 1.0, 1.0)[:3]
             top = (*items.aux_max, 0.0, 0.0, 0.0)[:3]
-            kernel = kernels.module(("fast16.cu",), ("--fmad=false",)).get_function("recall_prepare_users")
+            kernel = kernels.fast16_module().get_function("recall_prepare_users")
             at = [-1 if c is None else c for c in (items.shift_at, items.bias_at, items.norms_at)]
             # (Without a shift the kernel reads none: any float64 array stands in for the pointer.)
             shift_d = alpha if shift is None else cupy.ascontiguousarray(shift, dtype=cupy.float64)

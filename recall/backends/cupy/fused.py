@@ -5,12 +5,14 @@ a user whose candidate buffer overflowed (float32: with the same FMA sequence, s
 the same; float16: in order, within the certificate's bound like the tensor cores' sums)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ...core.options import EngineOptions
 from ...core.tiling import TilePlan
+from . import kernels
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
 from .selection import MERGE_THREADS, GpuTopK, Selection, final_code, fused_capacity, search_seed_size
 
@@ -41,36 +43,39 @@ _H_WHOLE_MAX = 96  # rows of at most this many columns multiplied come in one ch
 _H_THREADS = 256  # fused_h.cu's RH_THREADS: 8 warps of 64 users x 32 items (RH_WN = 32)
 
 
-_FOLD = 1024  # multiplied_width's row groups
-
-
 def multiplied_width(users: Any) -> int:
-    """The columns a fused float16 pass multiplies for ``users`` ((n, W) float16 on the device, one reduction and one
-    transfer; host arrays too, slowly, for tests): up to the last column in which some user holds a value other than
-    0, rounded up to the tensor cores' 16 (at least 16), at most W rounded up. Beyond it every product is 0 whatever
-    the item holds (items are finite), so leaving those columns out changes no sum: fast mode's users hold zeros in
-    the columns of a shift and of bound factors they do not use (d = 64: 64 columns multiplied instead of 80,
-    d = 32: 32 instead of 48)."""
+    """The columns a fused float16 pass multiplies for ``users`` ((n, W) float16, on the device or, for tests, the
+    host): up to the last column in which some user holds a value other than 0, rounded up to the tensor cores' 16
+    (at least 16), at most W rounded up. Beyond it every product is 0 whatever the item holds (items are finite), so
+    leaving those columns out changes no sum: fast mode's users hold zeros in the columns of a shift and of bound
+    factors they do not use (d = 64: 64 columns multiplied instead of 80, d = 32: 32 instead of 48)."""
+    return count_multiplied(users)()
+
+
+def count_multiplied(users: Any) -> Callable[[], int]:
+    """Start :func:`multiplied_width` of ``users``: device users take one launch on the current stream
+    (``recall_last_column``, kernels/fast16.cu), and the callable returned waits for it and reads its 4 bytes, so that
+    a caller may queue other work before it waits (the array operations it replaced cost 0.42 ms of host time a search,
+    H100, docs/benchmarks.md). Host users are counted at once."""
     n, width = users.shape
     if n == 0 or width == 0:
-        return 16
-    mags = abs(users)  # -0 counts as 0
-    if isinstance(mags, np.ndarray):
-        top = mags.max(axis=0)
-    else:
-        import cupy
+        return lambda: 16
+    if isinstance(users, np.ndarray):
+        used = np.flatnonzero(abs(users).max(axis=0) > 0)  # -0 counts as 0
+        last = int(used[-1]) + 1 if used.size else 0
+        return lambda: _rounded(last)
+    import cupy
 
-        # A reduction over the rows of a tall array gives each of its W columns one thread block: for 1M users that
-        # took 48 ms on the H200. Rows folded into _FOLD groups first give W * _FOLD outputs, side by side.
-        rows = n // _FOLD * _FOLD
-        top = mags[rows:].max(axis=0) if rows < n else cupy.zeros(width, mags.dtype)
-        if rows:
-            top = cupy.maximum(top, mags[:rows].reshape(rows // _FOLD, _FOLD * width).max(axis=0)
-                               .reshape(_FOLD, width).max(axis=0))
-        top = cupy.asnumpy(top)
-    used = np.flatnonzero(top > 0)
-    last = int(used[-1]) + 1 if used.size else 1
-    return max(16, -(-last // 16) * 16)
+    rows = cupy.ascontiguousarray(users).view(cupy.uint16)
+    last_d = cupy.zeros(1, dtype=cupy.int32)
+    kernel = kernels.fast16_module().get_function("recall_last_column")
+    kernel((min(-(-n // 8), 2048),), (256,), (rows, np.int64(n), np.int32(width), last_d))
+    return lambda: _rounded(int(last_d.get()[0]))
+
+
+def _rounded(last: int) -> int:
+    """One more than the last column used (0: none) -> the columns multiplied: a multiple of 16, at least 16."""
+    return max(16, -(-max(last, 1) // 16) * 16)
 
 
 def wgmma_smem(padded: int) -> int:

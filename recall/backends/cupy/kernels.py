@@ -42,6 +42,12 @@ def selection_module() -> Any:
     return module(SELECTION_SOURCES)
 
 
+def fast16_module() -> Any:
+    """Fast mode's users' kernels (``fast16.cu``): built with ``--fmad=false``, so that the certificate's float64
+    steps round as the reference's do (no product and sum fused)."""
+    return module(("fast16.cu",), ("--fmad=false",))
+
+
 #: The options CuPy's own run-time compilation passes (``cupy.RawModule``), which :func:`hopper_module` repeats.
 _NVRTC_OPTIONS = ("--std=c++14", "-ftz=true", "--device-as-default-execution-space")
 

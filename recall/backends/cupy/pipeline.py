@@ -149,9 +149,15 @@ class BlockPipeline:
         # A float16 pass of device users multiplies the columns they hold values in (fused_path.multiplied_width): a
         # fused kernel then covers rows wider than it would multiply whole. Host users are multiplied whole: NumPy's
         # float16 pass over them would cost more than it saves (0.35 s for 1M x 72 on a development machine).
+        # The count is started here and read once the search's setup is queued (a pass the whole rows would not
+        # take fused reads it now: narrower ones may be).
         half = np.dtype(users.dtype) == np.float16 and n_users > 0 and options.fused != "off" and not host_users
-        multiplied = fused_path.multiplied_width(users) if half else 0
-        fused = self.backend.fused_applies(plan, n_users, n_items, k, multiplied or dim, users.dtype, options)
+        counted = fused_path.count_multiplied(users) if half else None
+        fused = self.backend.fused_applies(plan, n_users, n_items, k, dim, users.dtype, options)
+        multiplied = 0
+        if counted is not None and not fused:
+            multiplied = counted()
+            fused = self.backend.fused_applies(plan, n_users, n_items, k, multiplied, users.dtype, options)
         # The fused path keeps score room for the threshold sample only. A pass that may start at an estimate of each
         # user's k-th best (below) takes the rule's sample; one that starts at a bound, a larger one where k is large.
         may_estimate = left_out is not None and floor is None and options.seed_estimate
@@ -159,8 +165,6 @@ class BlockPipeline:
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused, max(1, sample) if fused else None)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
-        if half and fused:
-            stats["multiplied_columns"] = multiplied
         compute, copy, fetch = self.compute_stream, self.copy_stream, self.fetch_stream
         host_out = isinstance(out_vals, np.ndarray)  # page-locked host results (empty_out), filled block by block
         # Our streams do not synchronise with the caller's: order them after whatever produced the inputs and
@@ -179,6 +183,9 @@ class BlockPipeline:
             stats["seed_estimate"] = estimate
         items_t = fused_path.operand(items, compute) if fused else None
         stats["fused"] = fused
+        if half and fused:
+            multiplied = multiplied or counted()
+            stats["multiplied_columns"] = multiplied
         # What the search's scores were compared and kept in: the fused kernels keep float32 (fast mode's float16
         # inputs too); the cuBLAS path selects from score tiles of the backend's score_dtype.
         stats["score_dtype"] = "float32" if fused else str(self.backend.score_dtype(users.dtype))

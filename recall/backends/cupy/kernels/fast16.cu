@@ -144,3 +144,20 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     }
     bound_out[u] = fits ? safety * (rest + gamma16 * largest) : through_max;
 }
+
+// One more than the last column in which some row of `h` (n rows of w float16, C order) holds a value other than
+// +-0, into *last (atomicMax; 0 before the launch; left 0 where every value is 0): the columns a fused float16 pass
+// multiplies (fused.multiplied_width). One warp a row at a time, each lane every 32nd column.
+extern "C" __global__ void __launch_bounds__(256)
+recall_last_column(const unsigned short* __restrict__ h, long long n, int w, int* __restrict__ last) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    int best = 0;
+    for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < n; r += warps) {
+        const unsigned short* row = h + r * w;
+        for (int c = lane; c < w; c += 32)
+            if (row[c] & 0x7fffu) best = max(best, c + 1);
+    }
+    for (int o = 16; o; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+    if (lane == 0 && best) atomicMax(last, best);
+}
