@@ -1,7 +1,9 @@
 """Lab (GPU): where the host's time goes in one search of a cell. Times N searches (after warm-ups) from the call to
 ``search_async``'s return (for the certified route, which waits for its certificates, the whole search) and to the
 synchronised result, then runs N more under cProfile and prints the functions of ``recall`` and CuPy by their own
-time and by cumulative time, over the N searches.
+time and by cumulative time, over the N searches. ``--stamps``: instead of cProfile, the N searches untraced with
+each function of ``timeline._HOST`` timed (its calls and inclusive time a search, without a profiler's overhead) and
+the GPU's wait from the call to the first block's launches (CUDA events recorded at both).
 
     PYTHONPATH=. python3 scripts/lab/host_profile.py --cells uh-20k-k100 --variants shipped,float32 [--top 25]
 """
@@ -20,6 +22,64 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_profile import VARIANTS, cell_spec  # the lab's cells and variants
+from timeline import wrap_host  # the host functions a trace marks
+
+
+def _stamp_host() -> tuple[dict, list]:
+    """Time every function of ``timeline._HOST`` (label -> [calls, seconds], inclusive) and record a CUDA event on the
+    compute stream at the first block's launches of a search while the list returned is empty: (totals, that list)."""
+    import cupy
+
+    from recall.backends.cupy import pipeline
+
+    totals: dict = {}
+
+    def make(fn, label):
+        slot = totals.setdefault(label, [0, 0.0])
+
+        def wrapped(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                slot[0] += 1
+                slot[1] += time.perf_counter() - t0
+
+        return wrapped
+
+    wrap_host(make)
+    first: list = []
+    search_slot = pipeline.BlockPipeline._search_slot
+
+    def first_block(self, *args, **kwargs):
+        if not first:
+            first.append(cupy.cuda.Event())
+            first[0].record(self.compute_stream)
+        return search_slot(self, *args, **kwargs)
+
+    pipeline.BlockPipeline._search_slot = first_block
+    return totals, first
+
+
+def _stamped(engine, users, k: int, repeat: int, totals: dict, first: list) -> list[str]:
+    """``repeat`` searches timed by :func:`_stamp_host`'s wrappers: the lines to print."""
+    import cupy
+
+    for v in totals.values():
+        v[0], v[1] = 0, 0.0
+    waits = []
+    for _ in range(repeat):
+        first.clear()
+        start = cupy.cuda.Event()
+        start.record()
+        engine.search(users, k)
+        cupy.cuda.Device().synchronize()
+        waits.append(cupy.cuda.get_elapsed_time(start, first[0]) if first else float("nan"))
+    lines = [f"|   the call to the first block's launches on the GPU | {statistics.median(waits):.3f} ms |"]
+    for label, (calls, secs) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        if calls:
+            lines.append(f"|   {label} | {calls / repeat:g} calls | {secs / repeat * 1e3:.3f} ms a search |")
+    return lines
 
 
 def main() -> None:
@@ -34,7 +94,9 @@ def main() -> None:
     p.add_argument("--variants", default="shipped,float32")
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--stamps", action="store_true", help="time the marked host functions instead of cProfile")
     a = p.parse_args()
+    stamps = _stamp_host() if a.stamps else None
     for cell in a.cells.split(","):
         kind, nu, ni, dim, k, metric, per = cell_spec(cell)
         users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
@@ -54,6 +116,10 @@ def main() -> None:
                 walls.append(time.perf_counter() - t0)
             print(f"| {cell} | {vname} | wall {statistics.median(walls) * 1e3:.2f} ms | search_async returned after "
                   f"{statistics.median(queued) * 1e3:.2f} ms | route {engine.stats.get('route')} |", flush=True)
+            if stamps is not None:
+                print("\n".join(_stamped(engine, users, k, a.repeat, *stamps)), flush=True)
+                del engine
+                continue
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(a.repeat):

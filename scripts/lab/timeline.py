@@ -52,116 +52,36 @@ _HOST = (
 _MARK = "recall: "
 
 
+def wrap_host(make) -> None:
+    """Replace every function of _HOST with ``make(fn, label)`` (a function already wrapped so is left as it is)."""
+    import functools
+    import importlib
+
+    for module_name, path, label in _HOST:
+        owner = importlib.import_module(module_name)
+        *parents, attr = path.split(".")
+        for name in parents:
+            owner = getattr(owner, name)
+        fn = getattr(owner, attr, None)
+        if fn is None or getattr(fn, "_lab_wrapped", False):
+            continue
+        wrapped = functools.update_wrapper(make(fn, label), fn)
+        wrapped._lab_wrapped = True
+        setattr(owner, attr, wrapped)
+
+
 def _mark_host() -> None:
     """Wrap every function of _HOST in a ``torch.profiler.record_function`` range labelled _MARK + its label."""
-    import functools
-    import importlib
-
     import torch
 
-    for module_name, path, label in _HOST:
-        owner = importlib.import_module(module_name)
-        *parents, attr = path.split(".")
-        for name in parents:
-            owner = getattr(owner, name)
-        fn = getattr(owner, attr, None)
-        if fn is None or getattr(fn, "_timeline_marked", False):
-            continue
+    def make(fn, label):
+        def wrapped(*args, **kwargs):
+            with torch.profiler.record_function(_MARK + label):
+                return fn(*args, **kwargs)
 
-        def wrapped(*args, __fn=fn, __label=_MARK + label, **kwargs):
-            with torch.profiler.record_function(__label):
-                return __fn(*args, **kwargs)
+        return wrapped
 
-        functools.update_wrapper(wrapped, fn)
-        wrapped._timeline_marked = True
-        setattr(owner, attr, wrapped)
-
-
-def _stamp_host(totals: dict) -> None:
-    """Wrap every function of _HOST so that its calls and inclusive perf_counter time add up in ``totals`` (label ->
-    [calls, seconds]): the host's own costs without a profiler's."""
-    import functools
-    import importlib
-    import time
-
-    for module_name, path, label in _HOST:
-        owner = importlib.import_module(module_name)
-        *parents, attr = path.split(".")
-        for name in parents:
-            owner = getattr(owner, name)
-        fn = getattr(owner, attr, None)
-        if fn is None:
-            continue
-        slot = totals.setdefault(label, [0, 0.0])
-
-        def wrapped(*args, __fn=fn, __slot=slot, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return __fn(*args, **kwargs)
-            finally:
-                __slot[0] += 1
-                __slot[1] += time.perf_counter() - t0
-
-        functools.update_wrapper(wrapped, fn)
-        setattr(owner, attr, wrapped)
-
-
-def _stamps(a, cells: list) -> None:
-    """``--stamps N``: N searches of each cell untraced, the host's time in each _HOST function (inclusive, per
-    search) and the GPU's wait from the search's call to its first block's launches (a CUDA event recorded at both)."""
-    import dataclasses
-    import statistics
-    import time
-
-    import cupy
-
-    from recall import Engine
-    from recall.backends.cupy import pipeline
-    from recall.bench.workloads import generate
-    from recall.core.options import EngineOptions
-
-    totals: dict = {}
-    _stamp_host(totals)
-    first: list = []
-    slot_fn = pipeline.BlockPipeline._search_slot
-
-    def search_slot(self, *args, **kwargs):
-        if not first:
-            first.append(cupy.cuda.Event())
-            first[0].record(self.compute_stream)
-        return slot_fn(self, *args, **kwargs)
-
-    pipeline.BlockPipeline._search_slot = search_slot
-    for cell in cells:
-        kind, nu, ni, dim, k, metric, _ = cell_spec(cell)
-        users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
-        for vname in a.variants.split(","):
-            opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
-            engine = Engine(items, metric=metric, device="gpu", options=opts)
-            for _ in range(3):
-                engine.search(users, k)
-            cupy.cuda.Device().synchronize()
-            for v in totals.values():
-                v[0], v[1] = 0, 0.0
-            walls, waits = [], []
-            for _ in range(a.stamps):
-                first.clear()
-                start = cupy.cuda.Event()
-                t0 = time.perf_counter()
-                start.record()
-                engine.search(users, k)
-                cupy.cuda.Device().synchronize()
-                walls.append(time.perf_counter() - t0)
-                waits.append(cupy.cuda.get_elapsed_time(start, first[0]) if first else float("nan"))
-            n = a.stamps
-            print(f"| {cell} | {vname} | wall {statistics.median(walls) * 1e3:.3f} ms | call to the first block's "
-                  f"launches on the GPU {statistics.median(waits):.3f} ms |", flush=True)
-            for label, (calls, secs) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
-                if calls:
-                    print(f"|   {label} | {calls / n:g} calls | {secs / n * 1e3:.3f} ms a search |")
-            del engine
-        del users, items
-        cupy.get_default_memory_pool().free_all_blocks()
+    wrap_host(make)
 
 
 def _host_at(marks: list, at: float) -> str:
@@ -187,16 +107,11 @@ def main() -> None:
     p.add_argument("--gaps", type=int, default=12, help="the largest idle gaps printed")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="a folder for each search's Chrome trace")
-    p.add_argument("--stamps", type=int, default=0,
-                   help="no trace: N searches, the host's time in each marked function, the wait for the first block")
     p.add_argument("--events", type=int, default=0, help="print the first N GPU events and the host's ranges then")
     p.add_argument("--host", action="store_true",
                    help="mark the host's functions (_HOST) in the trace and name, for each gap, the one the host was in")
     a = p.parse_args()
     assert torch.cuda.is_available()
-    if a.stamps:
-        _stamps(a, a.cells.split(","))
-        return
     if a.host:
         _mark_host()
     out = []
