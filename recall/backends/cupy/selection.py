@@ -68,10 +68,11 @@ BOUND_SAMPLE_PER_K = 16
 #: one still holds 2 k items and the estimate applies to it (``estimate_rank`` of it, counted as if half its rows came
 #: from the largest norms: mu >= ESTIMATE_EVEN_MU and a rank under k): the estimate's rank, not k, is selected from it,
 #: and its few more survivors cost less than the sample's GEMM and select. The certified route on the H100
-#: (2026-12-05, docs/benchmarks.md), half the sample against the whole: 0.964x the time on 200k x 100k x 64 l2 at
-#: k = 2,048 (8,192 items from 16,384), 0.965x on 200k x 100k x 32 l2, 0.955x on 100k x 130k x 64 cosine, 0.948x on
-#: 200k x 100k x 64 ip at k = 1,000 (4,096 from 8,192), 0.972x on 20k x 1M x 64 l2 at k = 2,048 (16,384 from
-#: 32,768); a quarter took 0.950x, 1.00x and 1.11x of those it changed.
+#: (2026-12-05, docs/benchmarks.md), half the sample against the whole, side by side: 0.98x the time on 200k x 100k x
+#: 64 l2 at k = 2,048 (8,192 items from 16,384), 0.95-0.97x at d = 32, 0.95x on 100k x 130k x 64 cosine, 0.96-0.98x
+#: on 200k x 100k x 64 ip at k = 1,000 (4,096 from 8,192), 0.94x on 100k x 400k at k = 3,000, 0.95-0.97x on 10k x 1M
+#: at k = 4,096, 0.97-1.01x on 20k x 1M at k = 1,000 and 2,048 (16,384 from 32,768); a quarter took 0.95x on the ip
+#: cell and 1.11x on 20k x 1M l2.
 ESTIMATE_SAMPLE_SHARE = 2
 
 
