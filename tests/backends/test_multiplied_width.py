@@ -31,8 +31,8 @@ def test_zeros_and_negative_zeros_multiply_nothing():
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, width", [(1, 8), (50, 72), (5000, 40), (100_003, 80), (3, 136)])
 def test_the_gpus_count_is_the_rule(n, width):
-    # Every rows' last used column placed apart, the one that decides in the last row (a grid-stride loop's far end),
-    # -0 beyond it, and all-zero rows: the device's count against the host rule, column by column.
+    # Each row's last used column drawn below `last`, the deciding one in the last row (the grid-stride loop's far
+    # end), -0 beyond it and some all-zero rows: the device's count against the host rule, for each `last`.
     import cupy
 
     from recall.backends.cupy.fused import count_multiplied

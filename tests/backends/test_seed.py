@@ -22,7 +22,7 @@ from recall.backends.cupy.selection import seed_size
     (100_000, 1_000, 32_768, 4_096),
     (65_536, 1_024, 32_768, 4_096),
     (100_000, 2_048, 32_768, 4_096),     # 4 k, then 2 k
-    (100_000, 2_561, 32_768, 8_192),     # 8,192 < 4 k: not halved by the first rule, by the estimate's
+    (100_000, 2_561, 32_768, 8_192),     # 8,192 < 4 k: not halved by the first rule; by the estimate's share
     (100_000, 4_000, 32_768, 8_192),
     (100_000, 5_000, 32_768, 0),         # 16,384 < 4 k
     (100_000, 1_000, 8_192, 4_096),      # capped by the buffer
