@@ -178,11 +178,7 @@ def test_seed_threshold_is_just_below_the_kth_best_sampled_score(dtype, size, k)
     # recall_seed's radix select against numpy's sort, on _seed_rows: rows of 4n scores, up to 8,192 held in
     # registers (loaded 4 at a time) and longer ones streamed from global memory (16,384 to 65,536: large-k samples),
     # and rows of 301 and 16,387 scores (streamed, 1 at a time). Every path may stop within k / 8 of the k-th.
-    from recall.backends import cuda_status
 
-    usable, reason = cuda_status()
-    if not usable:
-        pytest.skip(f"no usable GPU: {reason}")
     rows, users, norms = _seed_rows(size, k, dtype)
     got = _thresholds(rows, users, norms, k)
     for u in range(rows.shape[0]):
@@ -207,12 +203,8 @@ def test_held_rows_of_wide_blocks_select_what_streamed_rows_do(monkeypatch, dtyp
     # Rows of 8,193 to 32,768 scores are held by blocks of 512 or 1,024 threads; the same rows streamed by 256
     # threads (every pass reading the row again) go through the same select of the same keys: the same thresholds,
     # bit for bit, and each within the select's bracket of the oracle's.
-    from recall.backends import cuda_status
     from recall.backends.cupy import selection
 
-    usable, reason = cuda_status()
-    if not usable:
-        pytest.skip(f"no usable GPU: {reason}")
     rows, users, norms = _seed_rows(size, k, dtype)
     users = users.astype(vectors)
     assert selection.seed_threads(size) > selection.SEED_THREADS
@@ -221,13 +213,7 @@ def test_held_rows_of_wide_blocks_select_what_streamed_rows_do(monkeypatch, dtyp
     assert selection.seed_threads(size) == selection.SEED_THREADS
     streamed = _thresholds(rows, users, norms, k, ke)
     np.testing.assert_array_equal(held, streamed)
-    rank = ke if 0 < ke < k else k
-    for u in range(rows.shape[0]):
-        sampled = rows[u].astype(np.float32)
-        if np.sum(sampled > -np.inf) < k:
-            assert held[u] == -np.inf, (u, held[u])
-            continue
-        _check_threshold(held[u], sampled, norms, users[u], rank, dtype, vectors, u)
+    _check_rows(held, rows, norms, users, k, ke, dtype, vectors)
 
 
 def _lane_rows(size, k, dtype):
@@ -256,25 +242,31 @@ def test_warp_seed_select_is_exact_whatever_a_lane_holds(monkeypatch, dtype, vec
     # score (no early stop), also where one lane holds the row's best scores (its M kept keys fall short: the
     # bisection goes on over the whole row) or its only finite ones; never below the block-a-user select's threshold
     # of the same rows, which may stop within rank / 8.
-    from recall.backends import cuda_status
     from recall.backends.cupy import selection
 
-    usable, reason = cuda_status()
-    if not usable:
-        pytest.skip(f"no usable GPU: {reason}")
     rows, users, norms = _lane_rows(size, k, dtype)
     users = users.astype(vectors)
     got = {True: _thresholds(rows, users, norms, k, ke)}
     monkeypatch.setattr(selection, "SEED_WARP_RANK", 0)  # the block-a-user select, on the same rows
     got[False] = _thresholds(rows, users, norms, k, ke)
+    held = _check_rows(got[True], rows, norms, users, k, ke, dtype, vectors, exact=True)
+    for u in np.flatnonzero(held):
+        assert got[True][u] >= got[False][u], (u, got[True][u], got[False][u])
+
+
+def _check_rows(got, rows, norms, users, k, ke, dtype, vectors, exact=False):
+    """Each user's threshold of a seed select of rank ``ke`` (where 0 < ke < k, else k): -inf where fewer than k of
+    its sampled scores are finite, else within :func:`_check_threshold`'s bracket. Returns which users held k."""
     rank = ke if 0 < ke < k else k
+    held = np.zeros(rows.shape[0], bool)
     for u in range(rows.shape[0]):
         sampled = rows[u].astype(np.float32)
         if np.sum(sampled > -np.inf) < k:
-            assert got[True][u] == -np.inf, (u, got[True][u])
+            assert got[u] == -np.inf, (u, got[u])
             continue
-        _check_threshold(got[True][u], sampled, norms, users[u], rank, dtype, vectors, u, exact=True)
-        assert got[True][u] >= got[False][u], (u, got[True][u], got[False][u])
+        held[u] = True
+        _check_threshold(got[u], sampled, norms, users[u], rank, dtype, vectors, u, exact=exact)
+    return held
 
 
 def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, where, products=None, exact=False):
@@ -324,11 +316,7 @@ def test_seed_margin_takes_the_constant_and_bias_columns_on_their_own(dtype, vec
     # columns out too. Held (8,192) and streamed rows (301: one score at a time; 302: 4 at a time, a warp a user at the
     # small rank), a bound and an estimate. Through the whole rows' norms the shift column would multiply every user's
     # whole norm, and the users' bias values the items' bound columns: a lowering far below this check's bracket.
-    from recall.backends import cuda_status
 
-    usable, reason = cuda_status()
-    if not usable:
-        pytest.skip(f"no usable GPU: {reason}")
     rows, _, _ = _seed_rows(size, k, dtype)
     n = rows.shape[0]
     rng = np.random.default_rng(size + k + (7 if bias else 5))
@@ -367,11 +355,7 @@ def test_item_samples_split_the_bias_columns_norms_off():
     # DeviceItems with bias columns: each sampled item's norm without the shift and bias columns and its sum of
     # |bias parts|, rounded up to float32 (at or above the float64 values, by less than a float32 step); without
     # bias columns the whole rows' norms (the shift column left out) and no sums.
-    from recall.backends import cuda_status
 
-    usable, reason = cuda_status()
-    if not usable:
-        pytest.skip(f"no usable GPU: {reason}")
     import cupy
 
     from recall.backends.cupy.items import DeviceItems
@@ -451,12 +435,9 @@ def test_seed_margin_bounds_two_sums_of_the_same_products():
 def test_seed_masks_the_excluded_rows_of_any_sample(dtype, vectors):
     # A sample of scattered rows (as the largest norms leave it): each user's excluded items, sampled or not, in and
     # past the rows' range, the first and last sampled rows, every sampled row for one user, none for another.
-    from recall.backends import cuda_status, resolve
+    from recall.backends import resolve
     from recall.backends.cupy.selection import GpuTopK
 
-    usable, reason = cuda_status()
-    if not usable:
-        pytest.skip(f"no usable GPU: {reason}")
     import cupy
 
     rng = np.random.default_rng(11)
@@ -540,11 +521,7 @@ def test_estimate_rank_is_rarely_reached_and_passes_fewer(k, size, n_items):
 def test_seed_estimate_is_the_ke_th_best_sampled_score(dtype, vectors, size, k, ke):
     # recall_seed with an estimate rank KE: the KE-th best lowered sampled score where KE < k (else the k-th, a
     # bound); -inf still where fewer than k sampled scores are finite. The select may stop within KE / 8, as before.
-    from recall.backends import cuda_status
 
-    usable, reason = cuda_status()
-    if not usable:
-        pytest.skip(f"no usable GPU: {reason}")
     rows, users, norms = _seed_rows(size, k, dtype)
     users = users.astype(vectors)
     got = _thresholds(rows, users, norms, k, ke)
