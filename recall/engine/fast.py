@@ -64,7 +64,10 @@ DECLINE_COST = 0.75
 #: above fused.FUSED_HALF_SEEDED_MAX_K, rows wider than the float16 kernel multiplies) the limit is
 #: MAX_CANDIDATE_SHARE_TILES16: at 1.02% (10k x 1M x 64, k = 8,192) fast mode took 1.21x exact mode's time (0.108
 #: against 0.0894 s, H200 2026-12-02 21:4x UTC); above LARGE_K it is lower (``_share_limit``). A rough model
-#: (dims and shapes differ), so it acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells are.
+#: (dims and shapes differ), so it acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells are, and
+#: on smaller ones searched by at least MIN_SCORES scores (MAX_CANDIDATE_SHARE there, not the float16 tiles' limit):
+#: 200k x 20k x 64 ip at k = 1,000 (6.25% of the items) took the route 0.150 s against 0.062 s for the float32 search
+#: (H100, 2026-12-05, docs/benchmarks.md); 400k x 10k at k = 100 (1.26%) 0.020 s against 0.029 s.
 MAX_CANDIDATE_SHARE = 0.03
 #: k above which the re-scoring's selection keeps 4,096 keys a user or more (a power of two at least k: the GPU's
 #: rescore.launch_config), and the share the route pays at is lower: MAX_CANDIDATE_SHARE_LARGE_K where the k + m + 1
@@ -240,7 +243,10 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     n_users = int(users.shape[0])
     wide = k + certificate.margin(k) + 1
     declined = None
-    if engine.n_items >= SHARE_MIN_ITEMS:  # both rough models act on catalogues of the measured cells' size
+    # Both rough models act on catalogues of the measured cells' size; the share limit of a pass comparing float32
+    # sums also on a smaller catalogue searched by enough users (MIN_SCORES).
+    small = engine.n_items < SHARE_MIN_ITEMS
+    if not small or n_users * engine.n_items >= MIN_SCORES:
         if n_users * engine.n_items < MIN_SCORES:
             declined = (f"{n_users:,} users x {engine.n_items:,} items is under {MIN_SCORES:,} scores: fast "
                         f"mode's extra passes would cost more than its float16 products save")
@@ -248,8 +254,8 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
             # The limit where the pass keeps float16 tiles is asked for only above the lower one (it makes the
             # float16 copy of the items).
             limit = _share_limit(k, wide)
-            if MAX_CANDIDATE_SHARE_TILES16 * engine.n_items < wide <= limit * engine.n_items and _tiles16(
-                    engine, n_users, k):
+            if (not small and MAX_CANDIDATE_SHARE_TILES16 * engine.n_items < wide <= limit * engine.n_items
+                    and _tiles16(engine, n_users, k)):
                 limit = MAX_CANDIDATE_SHARE_TILES16
             if wide > limit * engine.n_items:
                 declined = (f"{wide:,} candidates per user would be re-scored, {wide / engine.n_items:.2%} of the "

@@ -101,7 +101,9 @@ VARIANTS = {
     "mma": {"warpgroup_mma": False},  # the float16 fused kernel on mma.sync (fused_h.cu) on Hopper too
     # Threshold samples of 2k to 128k items; from 64k on, a segment of the cuBLAS path is widened to hold one.
     **{f"seed{n >> 10}k": {"seed_sample": n, **({"tiles": (2048, n // 4, 4)} if n > 32768 else {})}
-       for n in (2048, 4096, 8192, 16384, 32768, 65536, 131072)},
+       for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)},
+    # The same samples in the float32 search alone.
+    **{f"float32-seed{n >> 10}k": {"seed_sample": n, "certified_exact": "off"} for n in (1024, 2048, 4096, 8192, 16384)},
     # The cuBLAS path seeded on a catalogue of fewer than 8 samples (a requested sample needs only 2).
     **{f"cublas-seed{n >> 10}k": {"seed_sample": n, "fused": "off"} for n in (8192, 16384, 32768)},
     "ub4096": {"tiles": (4096, 8192, 4)},  # blocks of 4,096 users: half the launches of a user-heavy search
@@ -307,10 +309,15 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
 
 
 def cell_spec(name):
-    """A cell of CELLS, or of a bench matrix grid as ``GRID:INDEX`` (e.g. ``gpu-fast:4``): (kind, users, items, dim, k,
-    metric, exclusions per user)."""
+    """A cell of CELLS, of a bench matrix grid as ``GRID:INDEX`` (e.g. ``gpu-fast:4``), or spelled out as
+    ``KIND:USERS:ITEMS:DIM:K:METRIC`` (e.g. ``skewed:200000:20000:32:10:l2``): (kind, users, items, dim, k, metric,
+    exclusions per user)."""
     if name in CELLS:
         return CELLS[name]
+    parts = name.split(":")
+    if len(parts) == 6:
+        kind, nu, ni, dim, k, metric = parts
+        return kind, int(nu), int(ni), int(dim), int(k), metric, 0
     from recall.bench import matrix
 
     grid, _, index = name.rpartition(":")

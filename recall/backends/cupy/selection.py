@@ -74,6 +74,16 @@ BOUND_SAMPLE_PER_K = 16
 #: at k = 4,096, 0.97-1.01x on 20k x 1M at k = 1,000 and 2,048 (16,384 from 32,768); a quarter took 0.95x on the ip
 #: cell and 1.11x on 20k x 1M l2.
 ESTIMATE_SAMPLE_SHARE = 2
+#: A catalogue of fewer than 8 rule samples where k is small for it (at most a 256th of it) samples the largest power
+#: of two at most a SMALL_K_SAMPLE_SHARE-th of it or SMALL_K_SAMPLE_PER_K k, whichever is more, of at least
+#: SMALL_K_MIN_SAMPLE items (else it is not seeded). Unseeded, such a search took the cuBLAS path, every score a
+#: tile: 200k x 20k x 32 l2 at k = 10 0.083 s, seeded from 1,024 items 0.017 s (2,048: 0.017, 4,096: 0.026); 500k x
+#: 20k x 64 cosine at k = 50 0.223 s, from 2,048 0.058 s (1,024: 0.061, 4,096: 0.062); 200k x 50k x 128 ip at k =
+#: 100 0.251 s, from 2,048 0.070 s (4,096: 0.073, 8,192: 0.081); 1M x 20k x 32 at k = 10 0.391 s, from 1,024 0.061 s
+#: (H100, 2026-12-05, docs/benchmarks.md).
+SMALL_K_SAMPLE_SHARE = 16
+SMALL_K_SAMPLE_PER_K = 32
+SMALL_K_MIN_SAMPLE = 1024
 
 
 def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requested: int = 0,
@@ -89,7 +99,9 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     that may start at an estimate (not ``bound``: fast mode's float16 passes, ``estimate_rank``), whose few more
     survivors cost less than the larger sample's select (the certified route on the H200, 2026-12-04,
     docs/benchmarks.md: 8,192 items against 16,384 took 0.875x the time on 200k x 100k x 64 ip at k = 1,000, 0.928x
-    under l2 at d = 32, 0.926x on 100k x 65,536 x 64 cosine). Capped by ``capacity``, the score room a block has; at
+    under l2 at d = 32, 0.926x on 100k x 65,536 x 64 cosine). From a smaller catalogue where k is small for it, a
+    smaller sample (SMALL_K_SAMPLE_SHARE), where that holds SMALL_K_MIN_SAMPLE items. Capped by ``capacity``, the
+    score room a block has; at
     least 4 k items or none. Then a search that may start at an estimate takes a smaller share of it where the
     estimate applies (ESTIMATE_SAMPLE_SHARE). ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from
     catalogues of at least twice it."""
@@ -107,6 +119,11 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
             if (bound and 4 * k <= size < BOUND_SAMPLE_PER_K * k and 2 * size <= capacity
                     and n_items >= 6 * size):
                 size, least = 2 * size, 3
+        elif n_items < 8 * size:
+            share = max(n_items // SMALL_K_SAMPLE_SHARE, SMALL_K_SAMPLE_PER_K * k)
+            size = min(capacity, 1 << (share.bit_length() - 1))
+            if size < SMALL_K_MIN_SAMPLE:
+                return 0
     if size < 4 * k or n_items < least * size:
         return 0
     smaller = size // ESTIMATE_SAMPLE_SHARE
