@@ -7,8 +7,10 @@ explicit list of cells, each one chosen for what it shows. A cell is written as 
 
 e.g. ``S1:50k d64 k1000 cosine skewed x200``: the S1 catalogue (1M items) with 50,000 users (a cell whose point does
 not need the full 100,000), dimension 64, top-1,000, cosine, the ``skewed`` kind, 200 exclusions per user. Numbers
-take k/M suffixes. Shapes (users x items): ``tiny`` 2,000 x 5,000; ``cpu-small`` 20,000 x 100,000; ``S1`` 100,000 x 1,000,000; ``S4`` 1,000,000 x
-1,000,000; ``item-heavy`` 10,000 x 10,000,000; ``user-heavy`` 1,000,000 x 100,000.
+take k/M suffixes. Shapes (users x items): ``tiny`` 2,000 x 5,000; ``cpu-small`` 20,000 x 100,000; ``S1`` 100,000 x
+1,000,000; ``S4`` 1,000,000 x 1,000,000; ``item-heavy`` 10,000 x 10,000,000; ``user-heavy`` 1,000,000 x 100,000;
+``small-catalogue`` 200,000 x 20,000 (a day's fresh items, say: a catalogue smaller than the threshold samples of a
+large one).
 
 Grids
 -----
@@ -91,6 +93,7 @@ about 6.5 minutes on the H200 (printed before a run; the lead's per-search times
 21   S1:20k d64 k100 ip skewed x20
 22   S1:10k d96 k100 ip clustered
 23   S1:20k d128 k100 l2 clustered
+24   small-catalogue d32 k10 l2 skewed
 ===  ==================================================
 
 ``gpu-fast`` (one H200 run of about 7 minutes): the cells in which fast mode was measured slower than exact mode
@@ -141,6 +144,7 @@ SHAPES: dict[str, tuple[int, int]] = {
     "S4": (1_000_000, 1_000_000),
     "item-heavy": (10_000, 10_000_000),
     "user-heavy": (1_000_000, 100_000),
+    "small-catalogue": (200_000, 20_000),
 }
 """Shape families: (users, items)."""
 
@@ -391,6 +395,7 @@ GPU_QUICK = [
     "S1:20k d64 k100 ip skewed x20",
     "S1:10k d96 k100 ip clustered",
     "S1:20k d128 k100 l2 clustered",
+    "small-catalogue d32 k10 l2 skewed",
 ]
 
 
@@ -412,10 +417,10 @@ GPU_FAST = [
 def _gpu_full() -> list[str]:
     """Full-size cells: every shape family at each dim for the common k, then k, metric, kind and exclusion sweeps."""
     cells = []
-    for shape in ("S1", "S4", "item-heavy", "user-heavy"):
+    for shape in ("S1", "S4", "item-heavy", "user-heavy", "small-catalogue"):
         for dim in (32, 64, 96, 128, 256):
             cells.append(f"{shape} d{dim} k100 ip clustered")
-    for shape in ("S1", "item-heavy", "user-heavy"):
+    for shape in ("S1", "item-heavy", "user-heavy", "small-catalogue"):
         for k in (1, 10, 1000, 2048, 8192):
             cells.append(f"{shape} d64 k{k} ip skewed")
     for metric in ("cosine", "l2"):
