@@ -5,7 +5,8 @@ are wrapped in this process only.
 
 Run from the project root on a GPU machine::
 
-    PYTHONPATH=. python3 scripts/lab/kernel_profile.py [--cells k8192,d256,gpu-fast:4,...] [--precision fast]
+    PYTHONPATH=. python3 scripts/lab/kernel_profile.py [--cells k8192,gpu-fast:4,skewed:200000:20000:32:10:l2,...]
+        [--precision fast]
         [--counts] [--json $OUT/kernel_profile.json]
 
 ``--counts``: one more search, every fused launch synchronised and the survivors it appended counted per user
