@@ -9,8 +9,8 @@ e.g. ``S1:50k d64 k1000 cosine skewed x200``: the S1 catalogue (1M items) with 5
 not need the full 100,000), dimension 64, top-1,000, cosine, the ``skewed`` kind, 200 exclusions per user. Numbers
 take k/M suffixes. Shapes (users x items): ``tiny`` 2,000 x 5,000; ``cpu-small`` 20,000 x 100,000; ``S1`` 100,000 x
 1,000,000; ``S4`` 1,000,000 x 1,000,000; ``item-heavy`` 10,000 x 10,000,000; ``user-heavy`` 1,000,000 x 100,000;
-``small-catalogue`` 200,000 x 20,000 (a day's fresh items, say: a catalogue smaller than the threshold samples of a
-large one).
+``small-catalogue`` 200,000 x 20,000 (a day's fresh items, say: fewer than the 65,536 items from which a search
+samples 8,192 for its thresholds).
 
 Grids
 -----

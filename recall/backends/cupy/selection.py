@@ -103,10 +103,9 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     docs/benchmarks.md: 8,192 items against 16,384 took 0.875x the time on 200k x 100k x 64 ip at k = 1,000, 0.928x
     under l2 at d = 32, 0.926x on 100k x 65,536 x 64 cosine). From a smaller catalogue where k is small for it, a
     smaller sample (SMALL_K_SAMPLE_SHARE), where that holds SMALL_K_MIN_SAMPLE items. Capped by ``capacity``, the
-    score room a block has; at
-    least 4 k items or none. Then a search that may start at an estimate takes a smaller share of it where the
-    estimate applies (ESTIMATE_SAMPLE_SHARE). ``requested``: ``EngineOptions.seed_sample`` (0: the rule), taken from
-    catalogues of at least twice it."""
+    score room a block has; at least 4 k items or none. Then a search that may start at an estimate takes a smaller
+    share of it where the estimate applies (ESTIMATE_SAMPLE_SHARE). ``requested``: ``EngineOptions.seed_sample`` (0:
+    the rule), taken from catalogues of at least twice it."""
     if not seeded:
         return 0
     if requested:
