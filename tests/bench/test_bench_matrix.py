@@ -123,7 +123,8 @@ def test_grids_are_documented_and_gpu_quick_fits_its_budget():
     assert 20 <= len(g.cells) <= 30 and g.repeat == 2
     assert total < 7 * 60 and len(per) == len(g.cells)
     covered = {(c.shape, c.n_users == matrix.SHAPES[c.shape][0]) for c in g.cells}
-    assert {("S1", True), ("S4", True), ("item-heavy", True), ("user-heavy", True), ("small-catalogue", True)} <= covered
+    shapes = ("S1", "S4", "item-heavy", "user-heavy", "small-catalogue")
+    assert {(shape, True) for shape in shapes} <= covered
     assert {c.k for c in g.cells} >= {1, 10, 1000, 2048, 8192} and {c.dim for c in g.cells} >= {32, 256}
     assert {c.metric for c in g.cells} == {"ip", "cosine", "l2"}
     assert {c.kind for c in g.cells} >= {"skewed", "ties", "popular", "adversarial", "normal"}
