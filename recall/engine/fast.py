@@ -246,20 +246,20 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     # Both rough models act on catalogues of the measured cells' size; the share limit of a pass comparing float32
     # sums also on a smaller catalogue searched by enough users (MIN_SCORES).
     small = engine.n_items < SHARE_MIN_ITEMS
-    if not small or n_users * engine.n_items >= MIN_SCORES:
-        if n_users * engine.n_items < MIN_SCORES:
-            declined = (f"{n_users:,} users x {engine.n_items:,} items is under {MIN_SCORES:,} scores: fast "
-                        f"mode's extra passes would cost more than its float16 products save")
-        else:
-            # The limit where the pass keeps float16 tiles is asked for only above the lower one (it makes the
-            # float16 copy of the items).
-            limit = _share_limit(k, wide)
-            if (not small and MAX_CANDIDATE_SHARE_TILES16 * engine.n_items < wide <= limit * engine.n_items
-                    and _tiles16(engine, n_users, k)):
-                limit = MAX_CANDIDATE_SHARE_TILES16
-            if wide > limit * engine.n_items:
-                declined = (f"{wide:,} candidates per user would be re-scored, {wide / engine.n_items:.2%} of the "
-                            f"{engine.n_items:,} items (above {limit:.1%}): exact mode is faster")
+    many = n_users * engine.n_items >= MIN_SCORES
+    if not small and not many:
+        declined = (f"{n_users:,} users x {engine.n_items:,} items is under {MIN_SCORES:,} scores: fast "
+                    f"mode's extra passes would cost more than its float16 products save")
+    elif many:
+        # The limit where the pass keeps float16 tiles is asked for only above the lower one (it makes the float16
+        # copy of the items).
+        limit = _share_limit(k, wide)
+        if (not small and MAX_CANDIDATE_SHARE_TILES16 * engine.n_items < wide <= limit * engine.n_items
+                and _tiles16(engine, n_users, k)):
+            limit = MAX_CANDIDATE_SHARE_TILES16
+        if wide > limit * engine.n_items:
+            declined = (f"{wide:,} candidates per user would be re-scored, {wide / engine.n_items:.2%} of the "
+                        f"{engine.n_items:,} items (above {limit:.1%}): exact mode is faster")
     if declined is not None:
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
         engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
