@@ -107,10 +107,10 @@ VARIANTS = {
     "mma": {"warpgroup_mma": False},  # the float16 fused kernel on mma.sync (fused_h.cu) on Hopper too
     # Threshold samples of 2k to 128k items; from 64k on, a segment of the cuBLAS path is widened to hold one.
     **{f"seed{_size(n)}": {"seed_sample": n, **({"tiles": (2048, n // 4, 4)} if n > 32768 else {})}
-       for n in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)},
+       for n in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)},
     # The same samples in the float32 search alone.
     **{f"float32-seed{_size(n)}": {"seed_sample": n, "certified_exact": "off"}
-       for n in (256, 512, 1024, 2048, 4096, 8192, 16384)},
+       for n in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)},
     # The cuBLAS path seeded on a catalogue of fewer than 8 samples (a requested sample needs only 2).
     **{f"cublas-seed{n >> 10}k": {"seed_sample": n, "fused": "off"} for n in (8192, 16384, 32768)},
     "ub4096": {"tiles": (4096, 8192, 4)},  # blocks of 4,096 users: half the launches of a user-heavy search

@@ -16,14 +16,21 @@ from recall.backends.cupy.selection import seed_size
     (1_000_000, 8_192, 65_536, 32_768),  # k = 8,192 in 4 tiles of 16,384 (the GPU's preferred tiles): 8 k, halved
     (100_000, 100, 32_768, 8_192),       # 8 x 8,192 <= 100k: the full sample
     # Fewer than 8 x 8,192 items, k small for them (at most a 256th): the largest power of two at most a sixteenth of
-    # them or 32 k, where that holds 512 items (SMALL_K_MIN_SAMPLE).
+    # them or 32 k, under 8,192 items at most an eighth of them up to 512 (SMALL_K_MIN_SAMPLE), where that holds 128
+    # items (SMALL_K_LEAST_SAMPLE).
     (60_000, 100, 32_768, 2_048),
     (20_000, 10, 24_576, 1_024),
     (20_000, 50, 24_576, 1_024),
     (16_384, 10, 24_576, 1_024),
     (16_383, 10, 24_576, 512),
     (8_192, 10, 24_576, 512),
-    (8_191, 10, 24_576, 0),              # a sixteenth is 511
+    (8_191, 10, 24_576, 512),            # a sixteenth is 511, an eighth 1,023
+    (8_000, 10, 24_576, 512),
+    (4_096, 10, 24_576, 512),            # an eighth
+    (4_096, 1, 24_576, 512),
+    (2_048, 5, 24_576, 256),
+    (1_024, 1, 24_576, 128),
+    (1_023, 1, 24_576, 0),               # an eighth is 127
     (4_096, 16, 24_576, 512),            # 32 k, an eighth of the catalogue
     (8_192, 32, 24_576, 1_024),          # 32 k
     (20_000, 78, 24_576, 2_048),
@@ -489,7 +496,8 @@ def test_seed_masks_the_excluded_rows_of_any_sample(dtype, vectors):
     ((2048, 8192, 1), 10_000, 1_000_000, 8192, 64, "float32", {}, True),      # unseeded (no room), k = 8,192: fused
     ((4096, 8192, 4), 200_000, 100_000, 1000, 32, "float32", {}, True),       # a small catalogue, seeded: fused
     ((2048, 8192, 4), 100_000, 60_000, 100, 64, "float32", {}, True),         # k small for it, seeded: fused
-    ((2048, 8192, 4), 100_000, 8_000, 10, 64, "float32", {}, False),          # unseeded (under 512 sampled): cuBLAS
+    ((2048, 8192, 4), 100_000, 8_000, 10, 64, "float32", {}, True),           # under 8,192 items, seeded: fused
+    ((2048, 8192, 4), 100_000, 1_000, 1, 64, "float32", {}, False),           # unseeded (under 128 sampled): cuBLAS
     ((2048, 8192, 4), 100, 1_000_000, 100, 64, "float32", {}, False),         # fewer users than a kernel tile
     ((2048, 8192, 4), 100, 1_000_000, 100, 64, "float32", {"fused": "force"}, True),
     ((2048, 8192, 4), 100_000, 1_000_000, 100, 64, "float32", {"fused": "off"}, False),
