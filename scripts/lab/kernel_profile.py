@@ -114,10 +114,10 @@ VARIANTS = {
     # The cuBLAS path seeded on a catalogue of fewer than 8 samples (a requested sample needs only 2).
     **{f"cublas-seed{n >> 10}k": {"seed_sample": n, "fused": "off"} for n in (8192, 16384, 32768)},
     "ub4096": {"tiles": (4096, 8192, 4)},  # blocks of 4,096 users: half the launches of a user-heavy search
-    # Blocks of 8,192 and 16,384 users with 3 or 4 tiles of 8,192 items a call, pinned for every pass (the plan's
+    # Blocks of 8,192-65,536 users with 3 or 4 tiles of 8,192 items a call, pinned for every pass (the plan's
     # block was 4,096 users before 2026-12-04; 200k x 20k takes 3 tiles), in the route and the float32 search alone.
     **{f"{pre}ub{n}-{t}": {"tiles": (n, 8192, t), **({"certified_exact": "off"} if pre else {})}
-       for pre in ("", "float32-") for n in (8192, 16384) for t in (3, 4)},
+       for pre in ("", "float32-") for n in (8192, 16384, 32768, 65536) for t in (3, 4)},
     "nosample": {"fast_sample": 0},  # fast mode without its sample of users searched first
     "float32": {"certified_exact": "off"},  # exact mode's float32 search only
     "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it

@@ -110,7 +110,8 @@ def test_cpu_user_blocks_are_even_and_as_many_on_every_core(workers, n_users, di
     (100_000, 1_000_000, 264, np.float32, 100, "auto", 4096),  # wider than the float32 kernel takes
     (200_000, 20_000, 64, np.float32, 100, "auto", 16384),  # a small catalogue, seeded
     (33_000, 30_000, 16, np.float32, 20, "auto", 16384),  # k small for a small catalogue: seeded from 1,024 items
-    (33_000, 8_000, 16, np.float32, 10, "auto", 4096),  # unseeded (a sixteenth of it is under 512): cuBLAS
+    (33_000, 8_000, 16, np.float32, 10, "auto", 16384),  # under 8,192 items: seeded from 512 of them
+    (33_000, 1_000, 16, np.float32, 1, "auto", 4096),  # unseeded (an eighth of it is under 128): cuBLAS
     (100_000, 1_000_000, 128, np.float16, 100, "auto", 16384),
     (100_000, 1_000_000, 264, np.float16, 100, "auto", 4096),  # fast mode's d = 256: cuBLAS
     (100, 1_000_000, 64, np.float32, 100, "auto", 4096),  # fewer users than a kernel's tile
