@@ -149,6 +149,10 @@ VARIANTS = {
     # HOOKS: the users' float16 copies by certificate.prepare_users' array operations (before Backend.fast_users'
     # kernel).
     "users-arrays": {},
+    # HOOKS: the fused path's merge of a small state (fused.MERGE_SMALL_K) in blocks of 32, 128 or 256 threads (64
+    # shipped; 256 before 2026-12-05), in both searches.
+    **{f"{pre}merge{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
+       for n in (32, 128, 256)},
     # HOOKS: fused searches' user blocks (cupy.backend.FUSED_USER_BLOCK) of 4,096 users (before 2026-12-04), 8,192
     # or 16,384, in both searches.
     **{f"{pre}users{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
@@ -293,6 +297,15 @@ def _fused_w_built(*defines, pad=0):
     return hook
 
 
+def _merge_threads(n):
+    def hook(engine):
+        from recall.backends.cupy import fused
+
+        fused.MERGE_SMALL_THREADS = n
+
+    return hook
+
+
 def _block_rescore(engine):
     from recall.backends.cupy import rescore
 
@@ -312,7 +325,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
          "float32-seed-block": _seed_select(0, 0),
          "shift32": _shift_float32, "users-arrays": _users_by_arrays,
-         **{f"{pre}users{n}": _user_block(n) for pre in ("", "float32-") for n in (4096, 8192, 16384, 32768, 65536)}}
+         **{f"{pre}users{n}": _user_block(n) for pre in ("", "float32-") for n in (4096, 8192, 16384, 32768, 65536)},
+         **{f"{pre}merge{n}": _merge_threads(n) for pre in ("", "float32-") for n in (32, 128, 256)}}
 
 
 def cell_spec(name):
@@ -500,7 +514,8 @@ def main() -> None:
         (selection, "ESTIMATE_SIGMAS"), (selection, "ESTIMATE_SAMPLE_SHARE"), (fused, "FUSED_SEEDED_MAX_K"),
         (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
-        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (fused, "wgmma_smem"))]
+        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (fused, "wgmma_smem"),
+        (fused, "MERGE_SMALL_THREADS"))]
 
     def restore_shipped():
         for module, name, value in shipped:

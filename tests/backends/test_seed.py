@@ -553,3 +553,11 @@ def test_seed_estimate_is_the_ke_th_best_sampled_score(dtype, vectors, size, k, 
             assert got[u] == -np.inf, (u, got[u])
             continue
         _check_threshold(got[u], sampled, norms, users[u], min(k, ke), dtype, vectors, u)
+
+
+@pytest.mark.parametrize("k_pad, want", [(1, 64), (16, 64), (64, 64), (128, 256), (2048, 256)])
+def test_merge_blocks_shrink_for_small_states(k_pad, want):
+    # The fused path's merge: 64 threads a user where it keeps at most 64 keys (the kernel takes any multiple of 32).
+    from recall.backends.cupy import fused
+
+    assert fused.merge_threads(k_pad) == want

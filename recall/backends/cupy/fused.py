@@ -149,6 +149,20 @@ def operand(items: DeviceItems, stream: Any) -> Any:
     return items.vecs if items.dtype == np.float16 else items.transposed(stream)
 
 
+#: The fused path's merge takes a block of MERGE_SMALL_THREADS threads a user where the user keeps at most
+#: MERGE_SMALL_K keys (K rounded up to a power of two), else MERGE_THREADS: at small k a user holds few keys besides
+#: its candidates, and the radix select's loops over them, its histogram and its barriers cost a 256-thread block
+#: the same however few there are.
+MERGE_SMALL_K = 64
+MERGE_SMALL_THREADS = 64
+
+
+def merge_threads(k_pad: int) -> int:
+    """Threads of a fused-path merge block of a state of ``k_pad`` keys a user (the kernel takes any multiple of
+    32)."""
+    return MERGE_SMALL_THREADS if k_pad <= MERGE_SMALL_K else MERGE_THREADS
+
+
 def merge_high_water(state: GpuTopK) -> int:
     """Candidates a user holds before the merge after a segment folds them in. Early merges raise the threshold: the
     seed's k-th best sampled score is about the (k * n_items / sample)-th best overall, while after one merge the
@@ -179,6 +193,7 @@ class FusedSearch:
         else:
             launch, merge, operands = self._single(users_t, users, items_t, n_items, state)
         k_pad, merge_smem = self.sel.merge_smem(state.k)
+        threads = merge_threads(k_pad)
         # The merge's arguments around its operands: the state, then the segment and the search's constants.
         head = (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, *operands)
         tail = (np.int32(state.k), np.int32(k_pad), np.int32(state.cand_capacity),
@@ -186,7 +201,7 @@ class FusedSearch:
         done = (state.out_vals, state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0))
 
         def merged(start: int, n_tile: int, final: bool) -> None:
-            merge((n,), (MERGE_THREADS,), (*head, np.int32(start), np.int32(n_tile), np.int32(n_items), *tail,
+            merge((n,), (threads,), (*head, np.int32(start), np.int32(n_tile), np.int32(n_items), *tail,
                                            np.int32(final_code(final, best_first)), *done), shared_mem=merge_smem)
 
         tiles = -(-n_items // FUSED_TILE)
