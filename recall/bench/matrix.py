@@ -10,7 +10,8 @@ not need the full 100,000), dimension 64, top-1,000, cosine, the ``skewed`` kind
 take k/M suffixes. Shapes (users x items): ``tiny`` 2,000 x 5,000; ``cpu-small`` 20,000 x 100,000; ``S1`` 100,000 x
 1,000,000; ``S4`` 1,000,000 x 1,000,000; ``item-heavy`` 10,000 x 10,000,000; ``user-heavy`` 1,000,000 x 100,000;
 ``small-catalogue`` 200,000 x 20,000 (a day's fresh items, say: fewer than the 65,536 items from which a search
-samples 8,192 for its thresholds).
+samples 8,192 for its thresholds); ``few-items`` 1,000,000 x 4,096 (a category's items: under the 8,192 items from
+which the threshold sample's share stops shrinking, where fixed costs a user take the time).
 
 Grids
 -----
@@ -94,6 +95,7 @@ about 6.5 minutes on the H200 (printed before a run; the lead's per-search times
 22   S1:10k d96 k100 ip clustered
 23   S1:20k d128 k100 l2 clustered
 24   small-catalogue d32 k10 l2 skewed
+25   few-items d64 k10 ip skewed
 ===  ==================================================
 
 ``gpu-fast`` (one H200 run of about 7 minutes): the cells in which fast mode was measured slower than exact mode
@@ -147,6 +149,7 @@ SHAPES: dict[str, tuple[int, int]] = {
     "item-heavy": (10_000, 10_000_000),
     "user-heavy": (1_000_000, 100_000),
     "small-catalogue": (200_000, 20_000),
+    "few-items": (1_000_000, 4_096),
 }
 """Shape families: (users, items)."""
 
@@ -398,6 +401,7 @@ GPU_QUICK = [
     "S1:10k d96 k100 ip clustered",
     "S1:20k d128 k100 l2 clustered",
     "small-catalogue d32 k10 l2 skewed",
+    "few-items d64 k10 ip skewed",
 ]
 
 
@@ -420,12 +424,14 @@ GPU_FAST = [
 def _gpu_full() -> list[str]:
     """Full-size cells: every shape family at each dim for the common k, then k, metric, kind and exclusion sweeps."""
     cells = []
-    for shape in ("S1", "S4", "item-heavy", "user-heavy", "small-catalogue"):
+    for shape in ("S1", "S4", "item-heavy", "user-heavy", "small-catalogue", "few-items"):
         for dim in (32, 64, 96, 128, 256):
             cells.append(f"{shape} d{dim} k100 ip clustered")
-    for shape in ("S1", "item-heavy", "user-heavy", "small-catalogue"):
+    for shape in ("S1", "item-heavy", "user-heavy", "small-catalogue", "few-items"):
         for k in (1, 10, 1000, 2048, 8192):
-            cells.append(f"{shape} d64 k{k} ip skewed")
+            if k <= SHAPES[shape][1] // 2:  # k of at most half the catalogue
+                cells.append(f"{shape} d64 k{k} ip skewed")
+    cells += ["few-items d32 k10 l2 skewed", "few-items d128 k5 cosine normal"]
     for metric in ("cosine", "l2"):
         for shape in ("S1", "S4"):
             cells.append(f"{shape} d64 k100 {metric} skewed")

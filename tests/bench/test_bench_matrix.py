@@ -123,7 +123,7 @@ def test_grids_are_documented_and_gpu_quick_fits_its_budget():
     assert 20 <= len(g.cells) <= 30 and g.repeat == 2
     assert total < 7 * 60 and len(per) == len(g.cells)
     covered = {(c.shape, c.n_users == matrix.SHAPES[c.shape][0]) for c in g.cells}
-    shapes = ("S1", "S4", "item-heavy", "user-heavy", "small-catalogue")
+    shapes = ("S1", "S4", "item-heavy", "user-heavy", "small-catalogue", "few-items")
     assert {(shape, True) for shape in shapes} <= covered
     assert {c.k for c in g.cells} >= {1, 10, 1000, 2048, 8192} and {c.dim for c in g.cells} >= {32, 256}
     assert {c.metric for c in g.cells} == {"ip", "cosine", "l2"}
