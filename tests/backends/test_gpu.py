@@ -154,6 +154,25 @@ def test_small_catalogue_large_k_is_seeded_and_exact(fused):
     _same(got, Engine(items, device="cpu").search(users, k, exclude=excl))
 
 
+@pytest.mark.parametrize("n_items, k, size", [(4_096, 1, 512), (2_048, 5, 256), (8_000, 10, 512)])
+def test_catalogues_under_8192_items_at_small_k_are_seeded_and_exact(n_items, k, size):
+    # Under 8,192 items at k of at most a 256th of them the threshold sample is an eighth of the catalogue, up to 512
+    # items (selection.SMALL_K_MIN_SAMPLE): such searches went unseeded onto cuBLAS before. Integer data ties
+    # everywhere; one user has every sampled row excluded, one all but k - 1 items (none at k = 1), some a tenth.
+    rng = np.random.default_rng(n_items + k)
+    items, users = _ints(rng, n_items, 16), _ints(rng, 700, 16)
+    sample = _sample_rows(items, k, n_items, bound=True)
+    assert sample.size == size
+    excl = {0: sample.tolist(), 1: list(range(k - 1, n_items))}
+    for u in range(2, 700, 5):
+        excl[u] = rng.choice(n_items, n_items // 10, replace=False).tolist()
+    want = Engine(items, device="cpu").search(users, k, exclude=excl)
+    gpu = Engine(items, device="gpu", options=EngineOptions(certified_exact="off"))
+    _same(gpu.search(users, k, exclude=excl), want)
+    assert gpu.stats["seed_sample"] == size and gpu.stats["fused"], gpu.stats
+    _same(Engine(items, device="gpu").search(users, k, exclude=excl), want)  # the certified route where it applies
+
+
 @pytest.mark.parametrize("fused", ["auto", "off"])
 def test_small_catalogue_bound_search_doubles_its_sample_and_is_exact(fused):
     # 50,000 items at k = 600: the rule's sample (8,192 items) holds fewer than 16 k, so the float32 search, which

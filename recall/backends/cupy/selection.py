@@ -74,18 +74,18 @@ BOUND_SAMPLE_PER_K = 16
 #: at k = 4,096, 0.97-1.01x on 20k x 1M at k = 1,000 and 2,048 (16,384 from 32,768); a quarter took 0.95x on the ip
 #: cell and 1.11x on 20k x 1M l2.
 ESTIMATE_SAMPLE_SHARE = 2
-#: A catalogue of fewer than 8 rule samples where k is small for it (at most a 256th of it) samples the largest power
-#: of two at most a SMALL_K_SAMPLE_SHARE-th of it or SMALL_K_SAMPLE_PER_K k, whichever is more, and at most a
+#: A catalogue of fewer than 8 rule samples where k is small for it (at most a 256th of it) samples the largest power of
+#: two at most a SMALL_K_SAMPLE_SHARE-th of it or SMALL_K_SAMPLE_PER_K k, whichever is more, and at most a
 #: SMALL_K_TINY_SHARE-th of it up to SMALL_K_MIN_SAMPLE items where that is more (catalogues under 8,192 items), of at
-#: least SMALL_K_LEAST_SAMPLE items (else it is not seeded). Unseeded, such a search took the cuBLAS path, every
-#: score a tile: 200k x 20k x 32 l2 at k = 10 0.083 s, seeded from 1,024 items 0.017 s (2,048: 0.017, 4,096: 0.026); 500k x
-#: 20k x 64 cosine at k = 50 0.223 s, from 2,048 0.058 s (1,024: 0.061, 4,096: 0.062); 200k x 50k x 128 ip at k =
-#: 100 0.251 s, from 2,048 0.070 s (4,096: 0.073, 8,192: 0.081); 1M x 20k x 32 at k = 10 0.391 s, from 1,024 0.061 s
-#: (H100, 2026-12-05, docs/benchmarks.md). From 512 items on: 1M x 8,192 x 64 at k = 10 took 0.208 s unseeded, the
-#: float32 search from 512 items 0.048 s (256: 0.050, 1,024: 0.050), the route 0.036 s; 300k x 16,000 x 128 at k =
-#: 16 0.128 s, 0.037 s, the route 0.015 s. Under 8,192 items (H100, 2026-12-05): 1M x 8,000 x 64 at k = 10 0.195 s
-#: unseeded, the route from 512 items 0.027 s (256: 0.029, 128: 0.043); 1M x 4,096 x 64 at k = 1 0.088 s, from 512
-#: 0.023 s (256: 0.023, 128: 0.026); 100k x 4,096 x 128 cosine at k = 5 0.0114 s, from 64-512 0.0052-0.0055 s.
+#: least SMALL_K_LEAST_SAMPLE items (else it is not seeded). Unseeded, such a search took the cuBLAS path, every score a
+#: tile: 200k x 20k x 32 l2 at k = 10 0.083 s, seeded from 1,024 items 0.017 s (2,048: 0.017, 4,096: 0.026); 500k x 20k
+#: x 64 cosine at k = 50 0.223 s, from 2,048 0.058 s (1,024: 0.061, 4,096: 0.062); 200k x 50k x 128 ip at k = 100 0.251
+#: s, from 2,048 0.070 s (4,096: 0.073, 8,192: 0.081); 1M x 20k x 32 at k = 10 0.391 s, from 1,024 0.061 s (H100,
+#: 2026-12-05, docs/benchmarks.md). From 512 items on: 1M x 8,192 x 64 at k = 10 took 0.208 s unseeded, the float32
+#: search from 512 items 0.048 s (256: 0.050, 1,024: 0.050), the route 0.036 s; 300k x 16,000 x 128 at k = 16 0.128 s,
+#: 0.037 s, the route 0.015 s. Under 8,192 items (H100, 2026-12-05): 1M x 8,000 x 64 at k = 10 0.195 s unseeded, the
+#: route from 512 items 0.027 s (256: 0.029, 128: 0.043); 1M x 4,096 x 64 at k = 1 0.088 s, from 512 0.023 s (256:
+#: 0.023, 128: 0.026); 100k x 4,096 x 128 cosine at k = 5 0.0114 s, from 64-512 0.0052-0.0055 s.
 SMALL_K_SAMPLE_SHARE = 16
 SMALL_K_SAMPLE_PER_K = 32
 SMALL_K_TINY_SHARE = 8
@@ -108,8 +108,8 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     docs/benchmarks.md: 8,192 items against 16,384 took 0.875x the time on 200k x 100k x 64 ip at k = 1,000, 0.928x
     under l2 at d = 32, 0.926x on 100k x 65,536 x 64 cosine). From a smaller catalogue where k is small for it, a
     smaller sample (SMALL_K_SAMPLE_SHARE; under 8,192 items up to SMALL_K_MIN_SAMPLE, at most an eighth of them),
-    where that holds SMALL_K_LEAST_SAMPLE items. Capped by ``capacity``, the
-    score room a block has; at least 4 k items or none. Then a search that may start at an estimate takes a smaller
+    where that holds SMALL_K_LEAST_SAMPLE items. Capped by ``capacity``, the score room a block has; at least 4 k
+    items or none. Then a search that may start at an estimate takes a smaller
     share of it where the estimate applies (ESTIMATE_SAMPLE_SHARE). ``requested``: ``EngineOptions.seed_sample`` (0:
     the rule), taken from catalogues of at least twice it."""
     if not seeded:
