@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib
 import json
 import statistics
 import time
@@ -178,31 +179,14 @@ def _uniform_samples(engine):
     fast_mode._state(engine).resident.norms_rank = False
 
 
-def _sigmas(n):
-    def hook(engine):
-        from recall.backends.cupy import selection
-
-        selection.ESTIMATE_SIGMAS = n
-
-    return hook
-
-
 #: Variants that change an engine (or a constant of the process) once it is made (lab only): what a rule of the
 #: product would choose. Every variant starts from the shipped constants (``main`` restores them).
-def _estimate_share(share):
+def _setting(module, **values):
+    """A hook: constants of ``recall.<module>`` set to ``values``."""
     def hook(engine):
-        from recall.backends.cupy import selection
-
-        selection.ESTIMATE_SAMPLE_SHARE = share
-
-    return hook
-
-
-def _fused_seeded_max_k(k):
-    def hook(engine):
-        from recall.backends.cupy import fused
-
-        fused.FUSED_SEEDED_MAX_K = fused.FUSED_HALF_SEEDED_MAX_K = k
+        mod = importlib.import_module(f"recall.{module}")
+        for name, value in values.items():
+            setattr(mod, name, value)
 
     return hook
 
@@ -226,15 +210,6 @@ def _narrow_pow2_only(engine):
     from recall.engine import fast as fast_mode
 
     fast_mode.NARROW_FLAT = 1 << 30
-
-
-def _seed_select(rank, size):
-    def hook(engine):
-        from recall.backends.cupy import selection
-
-        selection.SEED_WARP_RANK, selection.SEED_WARP_MAX_SIZE = rank, size
-
-    return hook
 
 
 def _shift_float32(engine):
@@ -264,15 +239,6 @@ def _users_by_arrays(engine):
     fast_mode._prepare_users = prepare_users
 
 
-def _user_block(n):
-    def hook(engine):
-        from recall.backends.cupy import backend
-
-        backend.FUSED_USER_BLOCK = n
-
-    return hook
-
-
 def _direct_append(engine):
     from recall.backends.cupy import kernels
 
@@ -297,21 +263,16 @@ def _fused_w_built(*defines, pad=0):
     return hook
 
 
-def _merge_threads(n):
-    def hook(engine):
-        from recall.backends.cupy import fused
-
-        fused.MERGE_SMALL_THREADS = n
-
-    return hook
-
-
 def _block_rescore(engine):
     from recall.backends.cupy import rescore
 
     rescore.takes_warp = lambda *args: False
 
 
+SELECTION, FUSED = "backends.cupy.selection", "backends.cupy.fused"
+SIGMA3, SIGMA4 = _setting(SELECTION, ESTIMATE_SIGMAS=3.0), _setting(SELECTION, ESTIMATE_SIGMAS=4.0)
+K4K = _setting(FUSED, FUSED_SEEDED_MAX_K=4096, FUSED_HALF_SEEDED_MAX_K=4096)
+BLOCK_SELECT = _setting(SELECTION, SEED_WARP_RANK=0, SEED_WARP_MAX_SIZE=0)
 HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "direct-append-block-rescore": lambda engine: (_direct_append(engine), _block_rescore(engine)),
          "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
@@ -319,14 +280,15 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
-         "est-whole": _estimate_share(1), "est-quarter": _estimate_share(4),
-         "ip-uniform": _uniform_samples, "sigma3": _sigmas(3.0), "sigma4": _sigmas(4.0),
-         "sigma3-seed32k": _sigmas(3.0), "sigma4-seed4k": _sigmas(4.0), "seeded-k4k": _fused_seeded_max_k(4096),
-         "float32-k4k": _fused_seeded_max_k(4096), "seed-block": _seed_select(0, 0),
-         "float32-seed-block": _seed_select(0, 0),
-         "shift32": _shift_float32, "users-arrays": _users_by_arrays,
-         **{f"{pre}users{n}": _user_block(n) for pre in ("", "float32-") for n in (4096, 8192, 16384, 32768, 65536)},
-         **{f"{pre}merge{n}": _merge_threads(n) for pre in ("", "float32-") for n in (32, 128, 256)}}
+         "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
+         "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
+         "ip-uniform": _uniform_samples, "sigma3": SIGMA3, "sigma4": SIGMA4, "sigma3-seed32k": SIGMA3,
+         "sigma4-seed4k": SIGMA4, "seeded-k4k": K4K, "float32-k4k": K4K, "seed-block": BLOCK_SELECT,
+         "float32-seed-block": BLOCK_SELECT, "shift32": _shift_float32, "users-arrays": _users_by_arrays,
+         **{f"{pre}users{n}": _setting("backends.cupy.backend", FUSED_USER_BLOCK=n)
+            for pre in ("", "float32-") for n in (4096, 8192, 16384, 32768, 65536)},
+         **{f"{pre}merge{n}": _setting(FUSED, MERGE_SMALL_THREADS=n)
+            for pre in ("", "float32-") for n in (32, 128, 256)}}
 
 
 def cell_spec(name):
