@@ -101,6 +101,10 @@ VARIANTS = {
     "cublas": {"fused": "off"},
     "seg256k": {"fused_segment": 262_144},
     "seg16k": {"fused_segment": 16_384},
+    # Fused searches in segments of 4,096 or 8,192 items, each followed by a merge that raises the thresholds (one
+    # segment of 65,536 as shipped), in the route and the float32 search alone.
+    **{f"{pre}seg{n >> 10}k": {"fused_segment": n, **({"certified_exact": "off"} if pre else {})}
+       for pre in ("", "float32-") for n in (2048, 4096, 8192)},
     "cta4": {"fused_tiles_per_block": 4},
     "cta16": {"fused_tiles_per_block": 16},
     "cta32": {"fused_tiles_per_block": 32},
@@ -158,6 +162,12 @@ VARIANTS = {
     # or 16,384, in both searches.
     **{f"{pre}users{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
        for n in (4096, 8192, 16384, 32768, 65536)},
+    # A seeded fused search's first launch over 2,048-16,384 items (EngineOptions.fused_first_segment; shipped: a
+    # whole segment), then the rest in launches of fused_segment: the first launch's merge raises the thresholds from
+    # the sample's k-th best to those items' k-th best. sqrt(sample x items) would pass the fewest scores in all
+    # (about 2 k sqrt(items / sample) a user, against k items / sample in one launch), in both searches.
+    **{f"{pre}first{n >> 10}k": {"fused_first_segment": n, **({"certified_exact": "off"} if pre else {})}
+       for pre in ("", "float32-") for n in (2048, 4096, 8192, 16384)},
     # HOOKS: fused_w.cu built with -DRW_DIRECT_APPEND: a global atomic a survivor (before commit 2d5939c,
     # 2026-12-04), where the kernel now keeps each user's survivors in shared memory and asks one atomic for many.
     "direct-append": {},

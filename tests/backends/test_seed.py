@@ -561,3 +561,29 @@ def test_merge_blocks_shrink_for_small_states(k_pad, want):
     from recall.backends.cupy import fused
 
     assert fused.merge_threads(k_pad) == want
+
+
+@pytest.mark.parametrize("tiles, seg, first, want", [
+    (157, 512, 0, [(0, 157)]),                   # one launch, as without a first segment
+    (157, 512, 36, [(0, 36), (36, 121)]),        # 4,608 items, then the other 20,096
+    (10, 512, 36, [(0, 10)]),                    # a first segment past the catalogue: one launch
+    (1000, 512, 36, [(0, 36), (36, 512), (548, 452)]),
+    (1024, 512, 0, [(0, 512), (512, 512)]),
+    (1024, 512, 600, [(0, 512), (512, 512)]),    # never longer than a segment
+    (0, 512, 0, []), (0, 512, 8, []),           # no items: no launch (the final merge of nothing runs alone)
+])
+def test_fused_launches_cover_every_tile_once(tiles, seg, first, want):
+    # EngineOptions.fused_first_segment: the first launch's tiles, then segments; every tile in exactly one launch.
+    from recall.backends.cupy import fused
+
+    got = fused.segments(tiles, seg, first)
+    assert got == want
+    assert [t for t0, nt in got for t in range(t0, t0 + nt)] == list(range(tiles))
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "4096", None])
+def test_first_segment_option_is_a_count_of_items(value):
+    from recall import EngineOptions, InputError
+
+    with pytest.raises(InputError, match=r"options.fused_first_segment must be an integer >= 0"):
+        EngineOptions(fused_first_segment=value)

@@ -171,6 +171,13 @@ def merge_high_water(state: GpuTopK) -> int:
     return min(max(state.k, 256), state.cand_capacity // 2)
 
 
+def segments(tiles: int, seg: int, first: int = 0) -> list[tuple[int, int]]:
+    """(first tile, tiles) of each launch of a fused search over ``tiles`` item tiles: ``first`` tiles (0: ``seg``),
+    then ``seg`` tiles a launch."""
+    first = min(first or seg, seg, tiles)
+    return [(0, first)] * (tiles > 0) + [(t0, min(seg, tiles - t0)) for t0 in range(first, tiles, seg)]
+
+
 class FusedSearch:
     """The fused kernels' launches for one device (their shared-memory limits raised once)."""
 
@@ -180,13 +187,15 @@ class FusedSearch:
 
     def search(self, users_t: Any, users: Any, items_t: Any, n_items: int, state: GpuTopK, ex_ptr: Any,
                ex_items: Any, has_excl: bool, options: EngineOptions, multiplied: int = 0,
-               best_first: bool = True) -> None:
+               best_first: bool = True, first: int = 0) -> None:
         """Score one block's n users against every item, a segment of items per launch, each followed by a merge;
         the last merge sorts. float32: ``users_t`` is the workspace's (padded dim, padded capacity) buffer for the
         block's users transposed (zero beyond them), ``items_t`` the items transposed (:func:`operand`); float16:
         ``users`` (n, W) and ``items_t`` the items (n_items, W) themselves, ``users_t`` unused, ``multiplied`` the
         columns multiplied (:func:`multiplied_width` of the search's users; 0: all of them). ``best_first``: the
-        last merge sorts each user's results (else they are written in no order, ``selection.final_code``)."""
+        last merge sorts each user's results (else they are written in no order, ``selection.final_code``);
+        ``first``: the items of the first launch (``EngineOptions.fused_first_segment`` where the search is seeded
+        from a sample; 0: a whole segment)."""
         n = users.shape[0]
         if users.dtype == np.float16:
             launch, merge, operands = self._half(users, items_t, n_items, state, multiplied, options.warpgroup_mma)
@@ -210,11 +219,10 @@ class FusedSearch:
         # The last segment's merge is the final one: it folds that segment's candidates in (recomputing the segment
         # where a user's buffer overflowed) and writes the results, one launch where a merge and then a final merge
         # of nothing new took two.
-        for t0 in range(0, tiles, seg):
-            nt = min(seg, tiles - t0)
+        for t0, nt in segments(tiles, seg, -(-first // FUSED_TILE)):
             launch((-(-nt // per_cta), -(-n // FUSED_TILE)), t0, nt, per_cta)
             start = t0 * FUSED_TILE
-            merged(start, min(nt * FUSED_TILE, n_items - start), t0 + seg >= tiles)
+            merged(start, min(nt * FUSED_TILE, n_items - start), t0 + nt >= tiles)
         if not tiles:
             merged(0, 0, True)
 

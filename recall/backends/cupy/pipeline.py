@@ -377,8 +377,10 @@ class BlockPipeline:
                                    ex_items)
                 sel.result(state, best_first)
             else:
+                # A sample's k-th best seeds the first launch; the merge after it, the rest.
+                first = options.fused_first_segment if seed is not None and not has_floor else 0
                 self.fused.search(fused_ws.users_t, users, items_t, n_items, state, slot.ex_ptr, slot.ex_items,
-                                  has_excl, options, multiplied, best_first)
+                                  has_excl, options, multiplied, best_first, first)
 
         # The workspace (and so every other pointer, the sample buffer included) is fixed per slot; the items are
         # keyed by the device memory the launches read, not by the Python object: a segment or filtered view's
