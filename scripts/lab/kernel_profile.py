@@ -25,6 +25,7 @@ import dataclasses
 import gc
 import importlib
 import json
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -168,6 +169,15 @@ VARIANTS = {
     # (about 2 k sqrt(items / sample) a user, against k items / sample in one launch), in both searches.
     **{f"{pre}first{n >> 10}k": {"fused_first_segment": n, **({"certified_exact": "off"} if pre else {})}
        for pre in ("", "float32-") for n in (2048, 4096, 8192, 16384)},
+    # The same at sqrt(sample x items) where the pass starts from evenly spaced sampled rows (l2, cosine, and an
+    # inner-product pass that starts at an estimate; scripts/lab/pass_counts.py counts what passes on the CPU).
+    "first-rule": lambda *cell: _first_rule(*cell, bound=False),
+    "float32-first-rule": lambda *cell: {**_first_rule(*cell, bound=True), "certified_exact": "off"},
+    # HOOKS (l2 only): the float32 search's samples half from the items nearest the items' centroid, as ip's from
+    # the largest norms (scripts/lab/pass_counts.py: 1.3-2.9x fewer scores pass on the CPU's count), alone and with
+    # a first launch of sqrt(sample x items).
+    "float32-l2-centroid": {"certified_exact": "off"},
+    "float32-l2-centroid-first-rule": lambda *cell: {**_first_rule(*cell, bound=True), "certified_exact": "off"},
     # HOOKS: fused_w.cu built with -DRW_DIRECT_APPEND: a global atomic a survivor (before commit 2d5939c,
     # 2026-12-04), where the kernel now keeps each user's survivors in shared memory and asks one atomic for many.
     "direct-append": {},
@@ -181,6 +191,36 @@ VARIANTS = {
     "block-rescore": {},
     "direct-append-block-rescore": {},
 }
+
+
+def _first_rule(n_users, n_items, dim, k, metric, bound):
+    """``fused_first_segment`` at sqrt(sample x items) for a pass whose sample is evenly spaced (``bound``: the
+    float32 search's sample, which starts at the sample's k-th best; else the float16 pass's, which may start at an
+    estimate), else one launch. The sample is the rule's for the preferred tiles (``selection.seed_size``)."""
+    from recall.backends.cupy.selection import estimate_rank, seed_size
+
+    capacity = 4 * max(16384 if dim >= 128 else 8192, 1 << (2 * k - 1).bit_length())
+    m = seed_size(n_items, k, capacity, bound=bound)
+    even = metric != "ip" or (not bound and estimate_rank(k, m, n_items, True) > 0)
+    first = math.isqrt(m * n_items) if m and even else 0
+    return {"fused_first_segment": first if 0 < first <= n_items // 2 else 0}
+
+
+def _l2_centroid(engine):
+    """A hook (l2 engines): exact mode's threshold samples (the float32 search's, which start at a bound) take half
+    their rows from the items nearest the items' centroid (the largest 2 c.v - |v|^2), as ip's take the largest
+    norms. The float16 passes keep theirs: evenly spaced, where they start at an estimate, passed fewer scores on the
+    CPU's count than ranked rows at a bound (scripts/lab/pass_counts.py)."""
+    import cupy
+
+    from recall.backends import tiled
+    from recall.backends.cupy import items as device_items
+
+    vecs = cupy.asarray(engine.prepared_items)[:, :engine.dim].astype(cupy.float64)
+    key = -((vecs - vecs.mean(axis=0)) ** 2).sum(axis=1)
+    device_items.sample_rows = lambda xp, n, size, norms=None: tiled.sample_rows(
+        xp, n, size, None if norms is None else key[:n])
+    engine._items.norms_rank = True
 
 
 def _uniform_samples(engine):
@@ -298,7 +338,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          **{f"{pre}users{n}": _setting("backends.cupy.backend", FUSED_USER_BLOCK=n)
             for pre in ("", "float32-") for n in (4096, 8192, 16384, 32768, 65536)},
          **{f"{pre}merge{n}": _setting(FUSED, MERGE_SMALL_THREADS=n)
-            for pre in ("", "float32-") for n in (32, 128, 256)}}
+            for pre in ("", "float32-") for n in (32, 128, 256)},
+         **{v: _l2_centroid for v in ("float32-l2-centroid", "float32-l2-centroid-first-rule")}}
 
 
 def cell_spec(name):
@@ -476,6 +517,7 @@ def main() -> None:
         fast_mode.MAX_CANDIDATE_SHARE_LARGE_K = fast_mode.MAX_CANDIDATE_SHARE_TWO_CHUNKS = a.max_candidate_share
     from recall.backends.cupy import backend as gpu_backend
     from recall.backends.cupy import fused, selection
+    from recall.backends.cupy import items as device_items
     from recall.backends.cupy import rescore as gpu_rescore
     from recall.core import certificate
     from recall.engine import fast as fast_mode
@@ -487,7 +529,7 @@ def main() -> None:
         (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
         (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (fused, "wgmma_smem"),
-        (fused, "MERGE_SMALL_THREADS"))]
+        (fused, "MERGE_SMALL_THREADS"), (device_items, "sample_rows"))]
 
     def restore_shipped():
         for module, name, value in shipped:
@@ -517,7 +559,9 @@ def main() -> None:
             # smaller one halves the plan's user block.
             gc.collect()
             cupy.get_default_memory_pool().free_all_blocks()
-            opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
+            spec = VARIANTS[vname]
+            spec = spec(nu, ni, dim, k, metric) if callable(spec) else spec  # a rule of the cell's shape
+            opts = dataclasses.replace(EngineOptions(), **spec)
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
                 if vname in HOOKS:
