@@ -184,6 +184,10 @@ VARIANTS = {
     # HOOKS: fused_w.cu built with -DRW_SBO_PAD=16: each row group of 8 rows of a tile 16 bytes further on, so that
     # the row groups start on other shared-memory banks (shipped: 16 * columns bytes apart, a multiple of 128).
     "sbo-pad16": {}, "sbo-pad16-cta32": {"fused_tiles_per_block": 32},
+    # HOOKS: fused_w.cu built with -DRW_WARP_STAGE=1 (rows of up to 80 columns): a group of 8 scores with a
+    # survivor is copied into its warp's ring in shared memory and the whole warp appends the ring's survivors, a lane
+    # a score, instead of the lanes with a survivor in their divergent branches; alone and with the first-rule launch.
+    "warp-stage": {}, "warp-stage-first-rule": lambda *cell: _first_rule(*cell, bound=False),
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
@@ -327,6 +331,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "direct-append-block-rescore": lambda engine: (_direct_append(engine), _block_rescore(engine)),
          "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
+         **{v: _fused_w_built("-DRW_WARP_STAGE=1") for v in ("warp-stage", "warp-stage-first-rule")},
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
