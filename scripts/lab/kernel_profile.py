@@ -184,6 +184,10 @@ VARIANTS = {
     # HOOKS: fused_w.cu built with -DRW_SBO_PAD=16: each row group of 8 rows of a tile 16 bytes further on, so that
     # the row groups start on other shared-memory banks (shipped: 16 * columns bytes apart, a multiple of 128).
     "sbo-pad16": {}, "sbo-pad16-cta32": {"fused_tiles_per_block": 32},
+    # HOOKS: the warp-a-user threshold select built with -DRECALL_SEED_POP=32 (topk.cu): up to rank 32, the rank-th
+    # largest kept key popped off the lanes' sorted keys (rank warp maxima) instead of 32 bisection steps; in both
+    # searches.
+    "seed-pop": {}, "float32-seed-pop": {"certified_exact": "off"},
     # HOOKS: fused_w.cu built with -DRW_WARP_STAGE=1 (rows of up to 80 columns): a group of 8 scores with a
     # survivor is copied into its warp's ring in shared memory and the whole warp appends the ring's survivors, a lane
     # a score, instead of the lanes with a survivor in their divergent branches; alone and with the first-rule launch.
@@ -300,6 +304,20 @@ def _direct_append(engine):
     engine.backend.selection._fused_w = {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}") for ks in range(1, 10)}
 
 
+def _seed_pop(engine):
+    """A hook: the warp-a-user threshold select (``recall_seed_warp*``) built with -DRECALL_SEED_POP=32: up to rank 32
+    the rank-th largest kept key is popped off the lanes' sorted keys rather than found by bisection."""
+    import numpy as np
+
+    from recall.backends.cupy import kernels
+
+    mod = kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_SEED_POP=32",))
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+    engine.backend.selection.seed_warp = {(f32, f32): mod.get_function("recall_seed_warp"),
+                                          (f16, f16): mod.get_function("recall_seed_warp_h"),
+                                          (f32, f16): mod.get_function("recall_seed_warp_fh")}
+
+
 def _fused_w_built(*defines, pad=0):
     """A hook: the engine's wgmma kernels built with ``defines`` (fused_w.cu's measurement macros); ``pad``: their
     RW_SBO_PAD, whose shared memory fused.wgmma_smem is told of."""
@@ -332,6 +350,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          **{v: _fused_w_built("-DRW_WARP_STAGE=1") for v in ("warp-stage", "warp-stage-first-rule")},
+         "seed-pop": _seed_pop, "float32-seed-pop": _seed_pop,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,

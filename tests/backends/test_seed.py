@@ -274,6 +274,25 @@ def test_warp_seed_select_is_exact_whatever_a_lane_holds(monkeypatch, dtype, vec
         assert got[True][u] >= got[False][u], (u, got[True][u], got[False][u])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
+@pytest.mark.parametrize("size, k, ke", [(1024, 10, 0), (1024, 10, 8), (2048, 32, 0), (2048, 100, 30), (301, 37, 0),
+                                         (302, 37, 9), (1000, 1, 0), (4096, 33, 0), (16384, 16, 0)])
+def test_popping_warp_select_equals_the_bisection(monkeypatch, dtype, vectors, size, k, ke):
+    # The warp-a-user select built with -DRECALL_SEED_POP=32 (measurement only: kernel_profile.py's `seed-pop`) pops
+    # ranks up to 32 off the lanes' kept keys; its thresholds must be the shipped bisection's, bit for bit, on the
+    # rows that hurt the select (ties, one value everywhere, short and masked rows, best scores in one lane's share)
+    # and at ranks above 32 (the bisection in both builds).
+    from recall.backends.cupy import kernels
+
+    rows, users, norms = _lane_rows(size, k, dtype)
+    users = users.astype(vectors)
+    want = _thresholds(rows, users, norms, k, ke)
+    monkeypatch.setattr(kernels, "selection_module",
+                        lambda: kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_SEED_POP=32",)))
+    np.testing.assert_array_equal(_thresholds(rows, users, norms, k, ke), want)
+
+
 def _check_rows(got, rows, norms, users, k, ke, dtype, vectors, exact=False):
     """Each user's threshold of a seed select of rank ``ke`` (where 0 < ke < k, else k): -inf where fewer than k of
     its sampled scores are finite, else within :func:`_check_threshold`'s bracket. Returns which users held k."""
