@@ -606,3 +606,40 @@ def test_first_segment_option_is_a_count_of_items(value):
 
     with pytest.raises(InputError, match=r"options.fused_first_segment must be an integer >= 0"):
         EngineOptions(fused_first_segment=value)
+
+
+@pytest.mark.parametrize("n_items, first, seg, want", [
+    (20_000, 0, 65_536, [(0, 157, True, 256)]),                         # one launch, the final merge
+    (20_000, 4_525, 65_536, [(0, 36, False, 0), (36, 121, True, 256)]),  # the first merge folds all it passed
+    (200_000, 4_096, 65_536, [(0, 32, False, 0), (32, 512, False, 256), (544, 512, False, 256),
+                              (1056, 507, True, 256)]),
+    (3_000, 4_096, 65_536, [(0, 24, True, 256)]),                        # a first launch past the catalogue
+])
+def test_fused_launches_and_their_merges(n_items, first, seg, want):
+    # FusedSearch.search's schedule with the kernels stood in for: each launch's tiles, then its merge; a shorter
+    # first launch's merge takes high water 0 (the merge kernel otherwise leaves up to merge_high_water candidates a
+    # user in the buffer and the thresholds where they were), later merges fold only past merge_high_water.
+    from types import SimpleNamespace
+
+    from recall import EngineOptions
+    from recall.backends.cupy import fused
+
+    calls = []
+    k, capacity = 10, 16_384
+    state = SimpleNamespace(top=0, n_valid=0, thr=0, cand=0, cnt=0, base=0, k=k, cand_capacity=capacity,
+                            out_vals=0, out_rows=0)
+    launch = lambda grid, t0, nt, per_cta: calls.append(("launch", t0, nt))  # noqa: E731
+    # The merge's arguments: the state's six arrays (no operands here), start, n_tile, n_items, k, K_pad, capacity,
+    # high water, final code, then the outputs and exclusions.
+    merge = lambda grid, block, args, shared_mem: calls.append(("merge", int(args[6]), int(args[7]), int(args[12]),
+                                                                 int(args[13])))  # noqa: E731
+    search = fused.FusedSearch(SimpleNamespace(merge_smem=lambda k: (16, 8 * 16)))
+    search._single = lambda *a: (launch, merge, ())
+    users = np.zeros((300, 24), np.float32)
+    search.search(None, users, None, n_items, state, None, None, False, EngineOptions(fused_segment=seg), first=first)
+    got = []
+    for i in range(0, len(calls), 2):
+        (_, t0, nt), (_, start, n_tile, high_water, final) = calls[i], calls[i + 1]
+        assert start == t0 * 128 and n_tile == min(nt * 128, n_items - start)
+        got.append((t0, nt, final == 1, high_water))
+    assert got == want

@@ -205,26 +205,28 @@ class FusedSearch:
         threads = merge_threads(k_pad)
         # The merge's arguments around its operands: the state, then the segment and the search's constants.
         head = (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, *operands)
-        tail = (np.int32(state.k), np.int32(k_pad), np.int32(state.cand_capacity),
-                np.int32(merge_high_water(state)))
+        sizes = (np.int32(state.k), np.int32(k_pad), np.int32(state.cand_capacity))
         done = (state.out_vals, state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0))
 
-        def merged(start: int, n_tile: int, final: bool) -> None:
-            merge((n,), (threads,), (*head, np.int32(start), np.int32(n_tile), np.int32(n_items), *tail,
-                                           np.int32(final_code(final, best_first)), *done), shared_mem=merge_smem)
+        def merged(start: int, n_tile: int, final: bool, high_water: int) -> None:
+            merge((n,), (threads,), (*head, np.int32(start), np.int32(n_tile), np.int32(n_items), *sizes,
+                                           np.int32(high_water), np.int32(final_code(final, best_first)), *done),
+                  shared_mem=merge_smem)
 
         tiles = -(-n_items // FUSED_TILE)
         seg = max(1, options.fused_segment // FUSED_TILE)
         per_cta = max(1, options.fused_tiles_per_block)
         # The last segment's merge is the final one: it folds that segment's candidates in (recomputing the segment
         # where a user's buffer overflowed) and writes the results, one launch where a merge and then a final merge
-        # of nothing new took two.
-        for t0, nt in segments(tiles, seg, -(-first // FUSED_TILE)):
+        # of nothing new took two. A shorter first launch's merge folds whatever it passed (high water 0), so that
+        # the thresholds rise before the rest; later ones only past merge_high_water.
+        for i, (t0, nt) in enumerate(segments(tiles, seg, -(-first // FUSED_TILE))):
             launch((-(-nt // per_cta), -(-n // FUSED_TILE)), t0, nt, per_cta)
-            start = t0 * FUSED_TILE
-            merged(start, min(nt * FUSED_TILE, n_items - start), t0 + nt >= tiles)
+            start, final = t0 * FUSED_TILE, t0 + nt >= tiles
+            raising = i == 0 and first > 0 and not final
+            merged(start, min(nt * FUSED_TILE, n_items - start), final, 0 if raising else merge_high_water(state))
         if not tiles:
-            merged(0, 0, True)
+            merged(0, 0, True, merge_high_water(state))
 
     def _single(self, users_t: Any, users: Any, items_t: Any, n_items: int, state: GpuTopK) -> tuple:
         """(launch of a segment, merge kernel, the merge's operands) of float32 vectors (fused.cu); the block's users
