@@ -102,8 +102,9 @@ VARIANTS = {
     "cublas": {"fused": "off"},
     "seg256k": {"fused_segment": 262_144},
     "seg16k": {"fused_segment": 16_384},
-    # Fused searches in segments of 4,096 or 8,192 items, each followed by a merge that raises the thresholds (one
-    # segment of 65,536 as shipped), in the route and the float32 search alone.
+    # Fused searches in segments of 2,048-8,192 items (one of 65,536 as shipped), each followed by a merge that folds
+    # the candidates in (and raises the thresholds) only past fused.merge_high_water a user, in the route and the
+    # float32 search alone.
     **{f"{pre}seg{n >> 10}k": {"fused_segment": n, **({"certified_exact": "off"} if pre else {})}
        for pre in ("", "float32-") for n in (2048, 4096, 8192)},
     "cta4": {"fused_tiles_per_block": 4},
