@@ -291,6 +291,7 @@ def test_popping_warp_select_equals_the_bisection(monkeypatch, dtype, vectors, s
     monkeypatch.setattr(kernels, "selection_module",
                         lambda: kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_SEED_POP=32",)))
     np.testing.assert_array_equal(_thresholds(rows, users, norms, k, ke), want)
+    assert any("-DRECALL_SEED_POP=32" in key[2] for key in kernels._modules)  # the second select was the pop build's
 
 
 def _check_rows(got, rows, norms, users, k, ke, dtype, vectors, exact=False):
