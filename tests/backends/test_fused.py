@@ -107,7 +107,7 @@ def test_first_segment_equals_cpu_exactly(first, certified, metric):
     options = EngineOptions(fused_first_segment=first, fused_segment=8192, certified_exact=certified)
     gpu = Engine(items, metric=metric, device="gpu", options=options)
     got = gpu.search(users, 10, exclude=excl)
-    assert gpu.stats["fused"] and gpu.stats["seed_sample"] > 0, gpu.stats
+    assert gpu.stats["fused"] and gpu.stats["seed_sample"] > 0 and gpu.stats["fused_first_segment"] == first, gpu.stats
     assert gpu.stats.get("route") == ("certified" if certified == "on" else None), gpu.stats
     _same(got, Engine(items, metric=metric, device="cpu").search(users, 10, exclude=excl))
     assert (as_numpy(got.indices)[1] == -1).all() and (as_numpy(got.indices)[3][5:] == -1).all()

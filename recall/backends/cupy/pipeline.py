@@ -354,6 +354,10 @@ class BlockPipeline:
         ex_items = slot.ex_items if has_excl else slot.ex_items[:0]
         cap = slot.users.shape[0]
         rows = n if fused_ws is not None else cap
+        # A sample's k-th best seeds a fused search's first launch; the merge after it, the rest.
+        first = options.fused_first_segment if fused_ws is not None and seed is not None and not has_floor else 0
+        if first:
+            stats["fused_first_segment"] = first
 
         def launches() -> None:
             users = slot.users[:rows]
@@ -377,8 +381,6 @@ class BlockPipeline:
                                    ex_items)
                 sel.result(state, best_first)
             else:
-                # A sample's k-th best seeds the first launch; the merge after it, the rest.
-                first = options.fused_first_segment if seed is not None and not has_floor else 0
                 self.fused.search(fused_ws.users_t, users, items_t, n_items, state, slot.ex_ptr, slot.ex_items,
                                   has_excl, options, multiplied, best_first, first)
 
