@@ -17,7 +17,9 @@ product's take the largest norms; the float16 pass so ranked then estimates only
 (``estimate_rank``'s ``ranked``), which loses the estimate where it counted fewer.
 
 A count, not a timing: the kernels' work per survivor (its append, a divergent branch of its warp, and the merge's
-selection) grows with it. Exact scores: fast mode's float16 pass keeps scores within its certificate's bound of the
+selection) grows with it. The last column counts what the float16 kernel's epilogue meets (fused_w.cu): the share
+of a warp's groups of 8 users x 32 items that hold a survivor, each taking the warp into its appending branch, and
+the rounds that branch goes (the most survivors a lane holds), per group. Exact scores: fast mode's float16 pass keeps scores within its certificate's bound of the
 threshold too, so its counts are somewhat higher. No GPU needed::
 
     python3 scripts/lab/pass_counts.py [--cells skewed:2000:20000:32:10:l2,...] [--json out.json]
@@ -53,7 +55,20 @@ def _kth(s: np.ndarray, k: int) -> np.ndarray:
     return -np.partition(-s, k - 1, axis=1)[:, k - 1] if s.shape[1] >= k else np.full(s.shape[0], -np.inf)
 
 
-def count(spec: str, firsts: tuple[int, ...] = FIRSTS, chunk: int = 250) -> dict:
+def _patches(passed: np.ndarray) -> tuple[int, int, int]:
+    """(patches with a survivor, the divergent appends' rounds, patches) of a block of users' pass mask (rows a
+    multiple of 8) as fused_w.cu's epilogue meets them: a warp's group of 8 scores a lane covers 8 users (consecutive
+    rows) x 32 consecutive items, lane (g, t) holding user g's items 8j + 2t + c (j < 4, c < 2); a patch with a
+    survivor takes the warp into the branch that appends, which goes round as often as its lane with the most."""
+    n, ni = passed.shape
+    pad = -ni % 32
+    p = np.pad(passed, ((0, 0), (0, pad))).reshape(n // 8, 8, (ni + pad) // 32, 4, 4, 2)
+    per_lane = p.sum(axis=(3, 5))  # (user groups, g, patches, t)
+    rounds = per_lane.max(axis=(1, 3))
+    return int((rounds > 0).sum()), int(rounds.sum()), rounds.size
+
+
+def count(spec: str, firsts: tuple[int, ...] = FIRSTS, chunk: int = 256) -> dict:
     kind, nu, ni, dim, k, metric = spec.split(":")
     nu, ni, dim, k = int(nu), int(ni), int(dim), int(k)
     users, items = generate(kind, nu, ni, dim, seed=0)
@@ -80,22 +95,29 @@ def count(spec: str, firsts: tuple[int, ...] = FIRSTS, chunk: int = 250) -> dict
         firsts_here = sorted({min(ni, -(-f // 128) * 128) for f in (*firsts, rule)})
         passes[name] = (m, ke or k, rows, rule, firsts_here)
     got: dict[tuple, list] = {}
+    patches: dict[tuple, np.ndarray] = {}
+    nu -= nu % 8  # whole warps' groups of 8 users
     for u0 in range(0, nu, chunk):
-        s = _scores(users[u0:u0 + chunk], items, metric)
+        s = _scores(users[u0:min(u0 + chunk, nu)], items, metric)
         for name, (m, rank, rows, rule, firsts_here) in passes.items():
             seed = _kth(s[:, rows], rank)
-            got.setdefault((name, 0), []).append((s >= seed[:, None]).sum(1))
-            for f in firsts_here:
-                head = (s[:, :f] >= seed[:, None]).sum(1)
-                raised = np.maximum(seed, _kth(s[:, :f], k))
-                got.setdefault((name, f), []).append(head + (s[:, f:] >= raised[:, None]).sum(1))
+            for f in (0, *firsts_here):
+                if f:
+                    raised = np.maximum(seed, _kth(s[:, :f], k))
+                    passed = np.concatenate([s[:, :f] >= seed[:, None], s[:, f:] >= raised[:, None]], axis=1)
+                else:
+                    passed = s >= seed[:, None]
+                got.setdefault((name, f), []).append(passed.sum(1))
+                patches[(name, f)] = patches.get((name, f), np.zeros(3, np.int64)) + _patches(passed)
     out = {"cell": spec, "passes": {}}
     for name, (m, rank, rows, rule, firsts_here) in passes.items():
         sched = {}
         for f in (0, *firsts_here):
             c = np.concatenate(got[(name, f)])
-            sched["one launch" if f == 0 else f"first {f}"] = {"mean": float(c.mean()),
-                                                               "p99": float(np.percentile(c, 99))}
+            hit, rounds, total = patches[(name, f)]
+            sched["one launch" if f == 0 else f"first {f}"] = {
+                "mean": float(c.mean()), "p99": float(np.percentile(c, 99)), "patches_hit": float(hit / total),
+                "rounds_per_patch": float(rounds / total)}
         out["passes"][name] = {"sample": m, "start_rank": rank, "rule_first": min(ni, -(-rule // 128) * 128),
                                "schedules": sched}
     return out
@@ -107,8 +129,9 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     results = []
-    print("| cell | search | sample | starts at rank | one launch | first launch of F items: F = passed (mean / p99) |")
-    print("| --- | --- | ---: | ---: | ---: | --- |")
+    print("| cell | search | sample | starts at rank | one launch | first launch of F items: F = passed (mean / p99) "
+          "| warp groups with a survivor (rounds a group): one launch; F* |")
+    print("| --- | --- | ---: | ---: | ---: | --- | --- |")
     for spec in a.cells.split(","):
         r = count(spec)
         results.append(r)
@@ -116,8 +139,10 @@ def main() -> None:
             one = ps["schedules"]["one launch"]
             firsts = [f"{f.split()[1]}{'*' if int(f.split()[1]) == ps['rule_first'] else ''} = {c['mean']:.0f} / "
                       f"{c['p99']:.0f}" for f, c in ps["schedules"].items() if f != "one launch"]
+            rule = ps["schedules"][f"first {ps['rule_first']}"]
             print(f"| {spec} | {name} | {ps['sample']} | {ps['start_rank']} | {one['mean']:.0f} / {one['p99']:.0f} "
-                  f"| {'; '.join(firsts)} |", flush=True)
+                  f"| {'; '.join(firsts)} | {one['patches_hit']:.1%} ({one['rounds_per_patch']:.2f}); "
+                  f"{rule['patches_hit']:.1%} ({rule['rounds_per_patch']:.2f}) |", flush=True)
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
 
