@@ -19,8 +19,9 @@ product's take the largest norms; the float16 pass so ranked then estimates only
 A count, not a timing: the kernels' work per survivor (its append, a divergent branch of its warp, and the merge's
 selection) grows with it. The last column counts what the float16 kernel's epilogue meets (fused_w.cu): the share
 of a warp's groups of 8 users x 32 items that hold a survivor, each taking the warp into its appending branch, and
-the rounds that branch goes (the most survivors a lane holds), per group. Exact scores: fast mode's float16 pass keeps scores within its certificate's bound of the
-threshold too, so its counts are somewhat higher. No GPU needed::
+the rounds that branch goes (the most survivors a lane holds), per group. Exact scores: fast mode's float16 pass
+keeps scores within its certificate's bound of the threshold too, so its counts are somewhat higher. No GPU
+needed::
 
     python3 scripts/lab/pass_counts.py [--cells skewed:2000:20000:32:10:l2,...] [--json out.json]
 """
