@@ -52,8 +52,8 @@ class EngineOptions:
     fused_first_segment : int
         GPU fused path, searches seeded from a threshold sample: items of the first launch, whose merge raises each
         user's threshold from the sample's k-th best (about the (k x items / sample)-th best of the catalogue) to
-        the k-th best of those items before the rest are scored (0: a whole segment). Fewer scores then pass the
-        filter, at the cost of one more merge.
+        the k-th best of those items before the rest are scored (0: a whole segment; rounded up to whole tiles of
+        128 items, at most a segment). Fewer scores then pass the filter, at the cost of one more merge.
     fused_tiles_per_block : int
         GPU fused path: item tiles of 128 rows each thread block walks.
     warpgroup_mma : bool
