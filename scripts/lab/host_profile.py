@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import io
 import pstats
 import statistics
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_profile import VARIANTS, cell_spec  # the lab's cells and variants
+from kernel_profile import cell_spec, variant_options  # the lab's cells and variants
 from timeline import wrap_host  # the host functions a trace marks
 
 
@@ -87,7 +86,6 @@ def main() -> None:
 
     from recall import Engine
     from recall.bench.workloads import generate
-    from recall.core.options import EngineOptions
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", default="uh-20k-k100")
@@ -101,7 +99,7 @@ def main() -> None:
         kind, nu, ni, dim, k, metric, per = cell_spec(cell)
         users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
         for vname in a.variants.split(","):
-            opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
+            opts = variant_options(vname, nu, ni, dim, k, metric)
             engine = Engine(items, metric=metric, device="gpu", options=opts)
             for _ in range(3):
                 engine.search(users, k)

@@ -202,6 +202,13 @@ VARIANTS = {
 }
 
 
+def variant_options(vname, n_users, n_items, dim, k, metric):
+    """EngineOptions of variant ``vname`` for a cell of that shape (a variant may be a rule of the cell's shape)."""
+    spec = VARIANTS[vname]
+    spec = spec(n_users, n_items, dim, k, metric) if callable(spec) else spec
+    return dataclasses.replace(EngineOptions(), **spec)
+
+
 def _first_rule(n_users, n_items, dim, k, metric, bound):
     """``fused_first_segment`` at sqrt(sample x items) for a pass whose sample is evenly spaced (``bound``: the
     float32 search's sample, which starts at the sample's k-th best; else the float16 pass's, which may start at an
@@ -584,9 +591,7 @@ def main() -> None:
             # smaller one halves the plan's user block.
             gc.collect()
             cupy.get_default_memory_pool().free_all_blocks()
-            spec = VARIANTS[vname]
-            spec = spec(nu, ni, dim, k, metric) if callable(spec) else spec  # a rule of the cell's shape
-            opts = dataclasses.replace(EngineOptions(), **spec)
+            opts = variant_options(vname, nu, ni, dim, k, metric)
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
                 if vname in HOOKS:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_profile import VARIANTS, cell_spec  # the lab's cells and variants
+from kernel_profile import cell_spec, variant_options  # the lab's cells and variants
 
 
 def _events(trace: Path, cats: tuple = ("kernel", "gpu_memcpy", "gpu_memset"), prefix: str = ""):
@@ -91,7 +91,6 @@ def _host_at(marks: list, at: float) -> str:
 
 
 def main() -> None:
-    import dataclasses
 
     import cupy
     import torch
@@ -99,7 +98,6 @@ def main() -> None:
 
     from recall import Engine
     from recall.bench.workloads import generate
-    from recall.core.options import EngineOptions
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", default="uh-20k-k100")
@@ -120,7 +118,7 @@ def main() -> None:
         assert per == 0, "cells with exclusions are not traced here"
         users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
         for vname in a.variants.split(","):
-            opts = dataclasses.replace(EngineOptions(), **VARIANTS[vname])
+            opts = variant_options(vname, nu, ni, dim, k, metric)
             engine = Engine(items, metric=metric, device="gpu", options=opts)
             engine.search(users, k)
             engine.search(users, k)  # the second: the probe skipped, graphs captured
