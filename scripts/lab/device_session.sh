@@ -34,7 +34,7 @@
 #             PROBE_PRECISION), then this tree's profile of the same cells              -> $OUT/trees.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT, NCU_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_TREES (probe; "old new" runs .oldtree/ first), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), EARLY_BATCH_SIZES (early: e.g. "auto,131072"), TIMELINE_TIMEOUT, TIMELINE_CELLS, TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
+# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT, NCU_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_ARGS (probe: more of kernel_profile.py's arguments, e.g. --no-per-kernel), PROBE_TREES (probe; "old new" runs .oldtree/ first), WCHECK_ARGS (wcheck: e.g. --defines=-DRW_WARP_STAGE=1), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), EARLY_BATCH_SIZES (early: e.g. "auto,131072"), TIMELINE_TIMEOUT, TIMELINE_CELLS, TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
 # (compare: the bench's workload arguments, e.g. "--matrix gpu-quick --cells 0,2,7").
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -157,7 +157,7 @@ if has probe; then
         echo "### $tree tree"
         PYTHONPATH=$path timeout "${PROBE_TIMEOUT:-300}" python3 scripts/lab/kernel_profile.py \
             ${PROBE_CELLS:+--cells "$PROBE_CELLS"} ${PROBE_VARIANTS:+--variants "$PROBE_VARIANTS"} \
-            ${PROBE_PRECISION:+--precision "$PROBE_PRECISION"} \
+            ${PROBE_PRECISION:+--precision "$PROBE_PRECISION"} ${PROBE_ARGS:-} \
             --json "$OUT/probe-$tree.json" 2>&1
         echo "rc $?"
     done >"$OUT/probe.log"
@@ -181,7 +181,8 @@ if has micro; then
 fi
 
 if has wcheck; then
-    PYTHONPATH=$NEW_PATH timeout "${WCHECK_TIMEOUT:-150}" python3 scripts/lab/fused_w_check.py \
+    # shellcheck disable=SC2086
+    PYTHONPATH=$NEW_PATH timeout "${WCHECK_TIMEOUT:-150}" python3 scripts/lab/fused_w_check.py ${WCHECK_ARGS:-} \
         --json "$OUT/fused_w.json" >"$OUT/fused_w.log" 2>&1
     echo "== wgmma kernel (rc $?)"; grep -v "users wrong 0 of" "$OUT/fused_w.log" | tail -n 30
 fi
