@@ -213,10 +213,10 @@ def _first_rule(n_users, n_items, dim, k, metric, bound):
     """``fused_first_segment`` at sqrt(sample x items) for a pass whose sample is evenly spaced (``bound``: the
     float32 search's sample, which starts at the sample's k-th best; else the float16 pass's, which may start at an
     estimate), else one launch. The sample is the rule's for the preferred tiles (``selection.seed_size``)."""
+    from recall.backends.cupy.backend import preferred_width
     from recall.backends.cupy.selection import estimate_rank, seed_size
 
-    capacity = 4 * max(16384 if dim >= 128 else 8192, 1 << (2 * k - 1).bit_length())
-    m = seed_size(n_items, k, capacity, bound=bound)
+    m = seed_size(n_items, k, 4 * preferred_width(dim, k), bound=bound)
     even = metric != "ip" or (not bound and estimate_rank(k, m, n_items, True) > 0)
     first = math.isqrt(m * n_items) if m and even else 0
     return {"fused_first_segment": first if 0 < first <= n_items // 2 else 0}

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from recall.backends.cupy.backend import preferred_width
 from recall.backends.cupy.selection import estimate_rank, seed_size
 from recall.backends.tiled import sample_rows
 from recall.bench.workloads import generate
@@ -77,7 +78,7 @@ def count(spec: str, firsts: tuple[int, ...] = FIRSTS, chunk: int = 256) -> dict
     if metric == "cosine":
         users = users / np.maximum(np.linalg.norm(users, axis=1, keepdims=True), 1e-300)
         items = items / np.maximum(np.linalg.norm(items, axis=1, keepdims=True), 1e-300)
-    capacity = 4 * max(16384 if dim >= 128 else 8192, 1 << (2 * k - 1).bit_length())  # one GEMM call's tiles
+    capacity = 4 * preferred_width(dim, k)  # one GEMM call's tiles
     ranked = metric == "ip"
     norms = np.linalg.norm(items, axis=1) if ranked else None
     # The float32 search starts at a bound; the float16 pass at an estimate where one applies (over evenly spaced

@@ -56,6 +56,12 @@ kernels, merges, the route's re-scoring), which a larger block shares out over m
 the noise."""
 
 
+def preferred_width(dim: int, k: int) -> int:
+    """Items per tile of the preferred tiling (:meth:`CupyBackend.preferred_tiles`, 4 tiles a GEMM call): 8,192, 16,384
+    for vectors of 128 dimensions or more, at least 2 k rounded up to a power of two."""
+    return max(16384 if dim >= 128 else 8192, pow2(2 * k))
+
+
 def tune_candidates(heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
     """The tilings ``recall tune`` tries on the GPU, the heuristic first."""
     return tune_band(_TUNE_USERS, _TUNE_ITEMS, _TUNE_BAND, heuristic)
@@ -249,7 +255,7 @@ class CupyBackend:
         # Above k = 4,096, tiles of at least 2 k items: a call's four tiles are the fused path's room for a
         # threshold sample of 8 k items (selection.seed_size). At k = 8,192 on 10k x 1M x 64 that sample took the
         # search from 0.173 s (unseeded) to 0.115 s (docs/benchmarks.md).
-        width = max(16384 if dim >= 128 else 8192, pow2(2 * k))
+        width = preferred_width(dim, k)
         # Whether the pass is fused does not hang on its user block (fused.applies): asked of the larger block's
         # plan before any budget.
         probe = plan_tiles(n_users, n_items, dim, k, 1 << 62, (FUSED_USER_BLOCK, width, 4), 0)

@@ -601,13 +601,13 @@ __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T
     u32 lo = 1u;
     const unsigned long long past = (unsigned long long)recall_warp_max(top.key[0]) + 1ull;  // the row's largest key
     unsigned long long hi = past;
-#if defined(RECALL_SEED_POP)
-    // Measurement only (kernel_profile.py's `seed-pop`): up to rank RECALL_SEED_POP, the rank-th largest kept key
-    // taken by popping the warp's largest kept key rank times (a warp max, and the lowest lane holding it shifts its
-    // keys up a place) instead of about 32 bisection steps of M comparisons and a warp sum each. The same key: the
-    // rank-th largest of the kept keys, ties counted.
-    const u32 smallest_kept = top.key[M - 1];
+    const u32 smallest_kept = top.key[M - 1];  // read before RECALL_SEED_POP's pops shift the keys
     if (recall_warp_sum(top.at_least(1u)) >= rank) {
+#if defined(RECALL_SEED_POP)
+        // Measurement only (kernel_profile.py's `seed-pop`): up to rank RECALL_SEED_POP, the rank-th largest kept key
+        // taken by popping the warp's largest kept key rank times (a warp max, and the lowest lane holding it shifts
+        // its keys up a place) instead of about 32 bisection steps of M comparisons and a warp sum each. The same
+        // key: the rank-th largest of the kept keys, ties counted.
         if (rank <= RECALL_SEED_POP) {
             for (int r = 0; r < rank; ++r) {
                 lo = recall_warp_max(top.key[0]);
@@ -617,25 +617,18 @@ __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T
                     top.key[M - 1] = 0u;
                 }
             }
-        } else {
+        } else
+#endif
+        {
             while (hi - lo > 1ull) {
                 const u32 mid = lo + (u32)((hi - lo) >> 1);
                 if (recall_warp_sum(top.at_least(mid)) >= rank) lo = mid; else hi = mid;
             }
         }
     }
-    if (__any_sync(0xffffffffu, smallest_kept >= lo)) {
-#else
-    if (recall_warp_sum(top.at_least(1u)) >= rank) {
-        while (hi - lo > 1ull) {
-            const u32 mid = lo + (u32)((hi - lo) >> 1);
-            if (recall_warp_sum(top.at_least(mid)) >= rank) lo = mid; else hi = mid;
-        }
-    }
     // A lane that dropped a key at or above lo (its M-th kept key is): the kept keys' count may be short there, so
     // the bisection goes on over the whole row (lo holds rank keys of the row as it held them of the subset).
-    if (__any_sync(0xffffffffu, top.key[M - 1] >= lo)) {
-#endif
+    if (__any_sync(0xffffffffu, smallest_kept >= lo)) {
         hi = past;
         while (hi - lo > 1ull) {
             const u32 mid = lo + (u32)((hi - lo) >> 1);
