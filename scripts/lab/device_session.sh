@@ -4,6 +4,8 @@
 #
 #   setup     FAISS (.device/) and cuVS (.device-cuvs/) staged by ../shared/device (skipped where absent)
 #   tests     the GPU tests of this tree (pytest -m gpu)                                   -> $OUT/gpu-tests.log
+#   sweep     scripts/lab/soundness_sweep.py --device gpu: random cells of hard data against the float64 oracle,
+#             small (SWEEP_MINUTES, 2) then GPU-sized (SWEEP_LARGE_MINUTES, 2)               -> $OUT/sweep*.log
 #   compare   `recall bench -w S1..S4 --contenders recall` (or COMPARE_ARGS) of the previous commit (.oldtree/,
 #             carried) and of this tree, alternating, in one run                            -> $OUT/compare.log
 #   early     scripts/lab/e2e_layouts.py: the S4 job with early searches on and off, two layouts -> $OUT/early.log
@@ -63,6 +65,15 @@ if has tests; then
         ${TEST_ARGS:-} >"$OUT/gpu-tests.log" 2>&1
     echo "== gpu tests (rc $?): $(tail -n 1 "$OUT/gpu-tests.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 20
+fi
+
+if has sweep; then
+    PYTHONPATH=$NEW_PATH:tests timeout 300 python3 scripts/lab/soundness_sweep.py --device gpu \
+        --minutes "${SWEEP_MINUTES:-2}" --json "$OUT/sweep.json" >"$OUT/sweep.log" 2>&1
+    echo "== sweep, small cells (rc $?)"; tail -n 14 "$OUT/sweep.log"
+    PYTHONPATH=$NEW_PATH:tests timeout 300 python3 scripts/lab/soundness_sweep.py --device gpu --large \
+        --minutes "${SWEEP_LARGE_MINUTES:-2}" --json "$OUT/sweep-large.json" >"$OUT/sweep-large.log" 2>&1
+    echo "== sweep, GPU-sized cells (rc $?)"; tail -n 14 "$OUT/sweep-large.log"
 fi
 
 if has compare; then
