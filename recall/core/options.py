@@ -49,11 +49,13 @@ class EngineOptions:
         buffer holds two segments; "force": also other unseeded ones; "off": cuBLAS + filter).
     fused_segment : int
         GPU fused path: items per launch (each followed by a merge of the candidates).
-    fused_first_segment : int
+    fused_first_segment : int or "auto"
         GPU fused path, searches seeded from a threshold sample: items of the first launch, whose merge raises each
         user's threshold from the sample's k-th best (about the (k x items / sample)-th best of the catalogue) to
         the k-th best of those items before the rest are scored (0: a whole segment; rounded up to whole tiles of
-        128 items, at most a segment). Fewer scores then pass the filter, at the cost of one more merge.
+        128 items, at most a segment). Fewer scores then pass the filter, at the cost of one more merge. "auto":
+        sqrt(sample x items) where the sample is evenly spaced and that is at most half the catalogue, else a whole
+        segment (``fused.first_launch``: the fewest scores passed on the CPU's count; not yet timed on a GPU).
     fused_tiles_per_block : int
         GPU fused path: item tiles of 128 rows each thread block walks.
     warpgroup_mma : bool
@@ -104,7 +106,7 @@ class EngineOptions:
     seed_estimate: bool = True
     fused: str = "auto"
     fused_segment: int = 65_536
-    fused_first_segment: int = 0
+    fused_first_segment: int | str = 0
     fused_tiles_per_block: int = 8
     warpgroup_mma: bool = True
     rescore: str = "fused"
@@ -123,7 +125,10 @@ class EngineOptions:
         check_int(self.min_user_block, "options.min_user_block", 0)
         check_choice(self.fused, FUSED_MODES, "options.fused mode")
         check_int(self.fused_segment, "options.fused_segment")
-        check_int(self.fused_first_segment, "options.fused_first_segment", 0)
+        if self.fused_first_segment != "auto" and not (is_int(self.fused_first_segment)
+                                                       and self.fused_first_segment >= 0):
+            raise InputError(f"options.fused_first_segment must be an integer >= 0 or 'auto', got "
+                             f"{self.fused_first_segment!r}")
         check_int(self.fused_tiles_per_block, "options.fused_tiles_per_block")
         check_choice(self.rescore, RESCORE_PATHS, "options.rescore path")
         check_choice(self.certified_exact, CERTIFIED_EXACT_MODES, "options.certified_exact mode")

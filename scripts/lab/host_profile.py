@@ -99,7 +99,7 @@ def main() -> None:
         kind, nu, ni, dim, k, metric, per = cell_spec(cell)
         users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
         for vname in a.variants.split(","):
-            opts = variant_options(vname, nu, ni, dim, k, metric)
+            opts = variant_options(vname)
             engine = Engine(items, metric=metric, device="gpu", options=opts)
             for _ in range(3):
                 engine.search(users, k)

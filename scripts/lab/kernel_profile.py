@@ -25,7 +25,6 @@ import dataclasses
 import gc
 import importlib
 import json
-import math
 import statistics
 import time
 from collections import defaultdict
@@ -171,14 +170,15 @@ VARIANTS = {
     **{f"{pre}first{n >> 10}k": {"fused_first_segment": n, **({"certified_exact": "off"} if pre else {})}
        for pre in ("", "float32-") for n in (2048, 4096, 8192, 16384)},
     # The same at sqrt(sample x items) where the pass starts from evenly spaced sampled rows (l2, cosine, and an
-    # inner-product pass that starts at an estimate; scripts/lab/pass_counts.py counts what passes on the CPU).
-    "first-rule": lambda *cell: _first_rule(*cell, bound=False),
-    "float32-first-rule": lambda *cell: {**_first_rule(*cell, bound=True), "certified_exact": "off"},
+    # inner-product pass that starts at an estimate; fused_first_segment="auto", fused.first_launch;
+    # scripts/lab/pass_counts.py counts what passes on the CPU).
+    "first-rule": {"fused_first_segment": "auto"},
+    "float32-first-rule": {"fused_first_segment": "auto", "certified_exact": "off"},
     # HOOKS (l2 only): the float32 search's samples half from the items nearest the items' centroid, as ip's from
     # the largest norms (scripts/lab/pass_counts.py: 1.3-2.9x fewer scores pass on the CPU's count), alone and with
     # a first launch of sqrt(sample x items).
     "float32-l2-centroid": {"certified_exact": "off"},
-    "float32-l2-centroid-first-rule": lambda *cell: {**_first_rule(*cell, bound=True), "certified_exact": "off"},
+    "float32-l2-centroid-first-rule": {"fused_first_segment": "auto", "certified_exact": "off"},
     # HOOKS: fused_w.cu built with -DRW_DIRECT_APPEND: a global atomic a survivor (before commit 2d5939c,
     # 2026-12-04), where the kernel now keeps each user's survivors in shared memory and asks one atomic for many.
     "direct-append": {},
@@ -192,7 +192,7 @@ VARIANTS = {
     # HOOKS: fused_w.cu built with -DRW_WARP_STAGE=1 (rows of up to 80 columns): a group of 8 scores with a
     # survivor is copied into its warp's ring in shared memory and the whole warp appends the ring's survivors, a lane
     # a score, instead of the lanes with a survivor in their divergent branches; alone and with the first-rule launch.
-    "warp-stage": {}, "warp-stage-first-rule": lambda *cell: _first_rule(*cell, bound=False),
+    "warp-stage": {}, "warp-stage-first-rule": {"fused_first_segment": "auto"},
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
@@ -202,24 +202,9 @@ VARIANTS = {
 }
 
 
-def variant_options(vname, n_users, n_items, dim, k, metric):
-    """EngineOptions of variant ``vname`` for a cell of that shape (a variant may be a rule of the cell's shape)."""
-    spec = VARIANTS[vname]
-    spec = spec(n_users, n_items, dim, k, metric) if callable(spec) else spec
-    return dataclasses.replace(EngineOptions(), **spec)
-
-
-def _first_rule(n_users, n_items, dim, k, metric, bound):
-    """``fused_first_segment`` at sqrt(sample x items) for a pass whose sample is evenly spaced (``bound``: the
-    float32 search's sample, which starts at the sample's k-th best; else the float16 pass's, which may start at an
-    estimate), else one launch. The sample is the rule's for the preferred tiles (``selection.seed_size``)."""
-    from recall.backends.cupy.backend import preferred_width
-    from recall.backends.cupy.selection import estimate_rank, seed_size
-
-    m = seed_size(n_items, k, 4 * preferred_width(dim, k), bound=bound)
-    even = metric != "ip" or (not bound and estimate_rank(k, m, n_items, True) > 0)
-    first = math.isqrt(m * n_items) if m and even else 0
-    return {"fused_first_segment": first if 0 < first <= n_items // 2 else 0}
+def variant_options(vname):
+    """EngineOptions of variant ``vname``."""
+    return dataclasses.replace(EngineOptions(), **VARIANTS[vname])
 
 
 def _l2_centroid(engine):
@@ -591,7 +576,7 @@ def main() -> None:
             # smaller one halves the plan's user block.
             gc.collect()
             cupy.get_default_memory_pool().free_all_blocks()
-            opts = variant_options(vname, nu, ni, dim, k, metric)
+            opts = variant_options(vname)
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
                 if vname in HOOKS:

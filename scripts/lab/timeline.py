@@ -118,7 +118,7 @@ def main() -> None:
         assert per == 0, "cells with exclusions are not traced here"
         users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
         for vname in a.variants.split(","):
-            opts = variant_options(vname, nu, ni, dim, k, metric)
+            opts = variant_options(vname)
             engine = Engine(items, metric=metric, device="gpu", options=opts)
             engine.search(users, k)
             engine.search(users, k)  # the second: the probe skipped, graphs captured

@@ -93,21 +93,26 @@ def test_seeded_auto_on_rising_order_against_oracle():
     assert_topk_close(got.indices, got.scores, users, items, 100, exclude=excl)
 
 
-@pytest.mark.parametrize("first", [128, 1000, 4096])
+@pytest.mark.parametrize("first", [128, 1000, 4096, "auto"])
 @pytest.mark.parametrize("certified", ["off", "on"])
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_first_segment_equals_cpu_exactly(first, certified, metric):
     # A seeded search's first launch over `first` items (EngineOptions.fused_first_segment; 1,000 rounds up to 8
-    # tiles), whose merge raises the thresholds, then segments of 8,192: the float32 search and the certified route
-    # (float16 pass and re-scoring). Integer data (ties), a user with every item excluded, one with half, one left with
-    # fewer than k items: the CPU's answer bit for bit.
-    rng = np.random.default_rng(first)
+    # tiles; "auto": sqrt(sample x items) where the sample is evenly spaced, as l2's is), whose merge raises the
+    # thresholds, then segments of 8,192: the float32 search and the certified route (float16 pass and
+    # re-scoring). Integer data (ties), a user with every item excluded, one with half, one left with fewer than k
+    # items: the CPU's answer bit for bit.
+    rng = np.random.default_rng(7 if first == "auto" else first)
     items, users = _ints(rng, 20000, 24), _ints(rng, 300, 24)
     excl = {1: list(range(20000)), 2: list(range(0, 20000, 2)), 3: list(range(20000 - 5))}
     options = EngineOptions(fused_first_segment=first, fused_segment=8192, certified_exact=certified)
     gpu = Engine(items, metric=metric, device="gpu", options=options)
     got = gpu.search(users, 10, exclude=excl)
-    assert gpu.stats["fused"] and gpu.stats["seed_sample"] > 0 and gpu.stats["fused_first_segment"] == first, gpu.stats
+    assert gpu.stats["fused"] and gpu.stats["seed_sample"] > 0, gpu.stats
+    if first != "auto":
+        assert gpu.stats["fused_first_segment"] == first, gpu.stats
+    elif metric == "l2":
+        assert 0 < gpu.stats["fused_first_segment"] <= 10000, gpu.stats
     assert gpu.stats.get("route") == ("certified" if certified == "on" else None), gpu.stats
     _same(got, Engine(items, metric=metric, device="cpu").search(users, 10, exclude=excl))
     assert (as_numpy(got.indices)[1] == -1).all() and (as_numpy(got.indices)[3][5:] == -1).all()

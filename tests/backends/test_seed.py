@@ -601,12 +601,31 @@ def test_fused_launches_cover_every_tile_once(tiles, seg, first, want):
     assert [t for t0, nt in got for t in range(t0, t0 + nt)] == list(range(tiles))
 
 
-@pytest.mark.parametrize("value", [-1, 1.5, "4096", None])
+@pytest.mark.parametrize("value", [-1, 1.5, "4096", "Auto", None, True])
 def test_first_segment_option_is_a_count_of_items(value):
     from recall import EngineOptions, InputError
 
-    with pytest.raises(InputError, match=r"options.fused_first_segment must be an integer >= 0"):
+    with pytest.raises(InputError, match=r"options.fused_first_segment must be an integer >= 0 or 'auto'"):
         EngineOptions(fused_first_segment=value)
+    assert EngineOptions(fused_first_segment="auto").fused_first_segment == "auto"
+
+
+@pytest.mark.parametrize("option, sample, n_items, even, want", [
+    (0, 1024, 20_000, True, 0),              # a number is the number, the rule or not
+    (4096, 1024, 20_000, False, 4096),
+    ("auto", 1024, 20_000, True, 4525),      # sqrt(1,024 x 20,000) = 4,525.5: the isqrt
+    ("auto", 1024, 20_000, False, 0),        # half the sample from the largest norms: one launch
+    ("auto", 0, 20_000, True, 0),            # no sample, no rule
+    ("auto", 8192, 16_384, True, 0),         # sqrt = 11,585 > half the catalogue: one launch
+    ("auto", 4096, 16_384, True, 8192),      # exactly half: taken
+    ("auto", 8192, 1_000_000, True, 90_509),  # past a segment: segments() caps it at one
+])
+def test_first_launch_rule(option, sample, n_items, even, want):
+    # EngineOptions.fused_first_segment="auto": sqrt(sample x items) where the sample is evenly spaced and that is at
+    # most half the catalogue (fused.first_launch).
+    from recall.backends.cupy import fused
+
+    assert fused.first_launch(option, sample, n_items, even) == want
 
 
 @pytest.mark.parametrize("n_items, first, seg, want", [

@@ -5,6 +5,7 @@ a user whose candidate buffer overflowed (float32: with the same FMA sequence, s
 the same; float16: in order, within the certificate's bound like the tensor cores' sums)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -176,6 +177,21 @@ def segments(tiles: int, seg: int, first: int = 0) -> list[tuple[int, int]]:
     then ``seg`` tiles a launch."""
     first = min(first or seg, seg, tiles)
     return [(0, first)] * (tiles > 0) + [(t0, min(seg, tiles - t0)) for t0 in range(first, tiles, seg)]
+
+
+def first_launch(option: int | str, sample: int, n_items: int, even: bool) -> int:
+    """Items of a seeded fused search's first launch (``EngineOptions.fused_first_segment``; 0: a whole segment).
+    "auto": sqrt(sample x items) where the threshold sample is ``even`` (evenly spaced rows, not half the largest
+    norms) and that is at most half the catalogue, else 0. Why: a sample of s evenly spaced items puts each user's
+    threshold near the (k x items / s)-th best score, so one launch passes about k x items / s scores a user; a first
+    launch of F items whose merge raises the threshold to their k-th best passes about k F / s, then k items / F, in
+    all least at F = sqrt(s x items): 2.0-2.8x fewer on the CPU's count (scripts/lab/pass_counts.py,
+    docs/benchmarks.md) for l2 and cosine, and for the float16 pass at k = 10 where it starts at an estimate; a
+    sample half from the largest norms (the inner product) already starts near the k-th best."""
+    if option != "auto":
+        return int(option)
+    first = math.isqrt(sample * n_items) if sample and even else 0
+    return first if first <= n_items // 2 else 0
 
 
 class FusedSearch:

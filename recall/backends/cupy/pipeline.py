@@ -355,7 +355,10 @@ class BlockPipeline:
         cap = slot.users.shape[0]
         rows = n if fused_ws is not None else cap
         # A sample's k-th best seeds a fused search's first launch; the merge after it, the rest.
-        first = options.fused_first_segment if fused_ws is not None and seed is not None and not has_floor else 0
+        first = 0
+        if fused_ws is not None and seed is not None and not has_floor:
+            even = estimate > 0 or not items.norms_rank  # the rows _refresh_sample took
+            first = fused_path.first_launch(options.fused_first_segment, seed[0].shape[0], n_items, even)
         if first:
             stats["fused_first_segment"] = first
 
