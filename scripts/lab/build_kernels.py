@@ -31,6 +31,8 @@ BUILDS = (
     ("fused_w RW_DIRECT_APPEND", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_DIRECT_APPEND",)),
     ("fused_w RW_SBO_PAD", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_SBO_PAD=16",)),
     ("fused_w RW_A_REGS", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_A_REGS=1",)),
+    ("fused_w RECALL_TIGHT_BITS", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRECALL_TIGHT_BITS",)),
+    ("selection RECALL_TIGHT_BITS", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_TIGHT_BITS",)),
     ("fast16", ("fast16.cu",), "sm_90", ("--fmad=false",)),
     ("rescore", ("rescore.cu",), "sm_90", ()),
     ("norms", ("norms.cu",), "sm_90", ()),

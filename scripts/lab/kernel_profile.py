@@ -193,6 +193,11 @@ VARIANTS = {
     # survivor is copied into its warp's ring in shared memory and the whole warp appends the ring's survivors, a lane
     # a score, instead of the lanes with a survivor in their divergent branches; alone and with the first-rule launch.
     "warp-stage": {}, "warp-stage-first-rule": {"fused_first_segment": "auto"},
+    # HOOKS: fused_w.cu (and fused_h.cu) built with -DRECALL_TIGHT_BITS: a passing group's survivors' bits from the
+    # comparisons alone (rows past the catalogue taken off in the last tile only) and each survivor's score selected
+    # by a tree on its index's bits: 24 instructions a passing group where the shipped build takes 48, about 33 a
+    # survivor where it takes 41 (nvcc 13.0, sm_90a, d = 32); alone and with the first-rule launch.
+    "tight-bits": {}, "tight-bits-first-rule": {"fused_first_segment": "auto"},
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
@@ -343,6 +348,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          **{v: _fused_w_built("-DRW_WARP_STAGE=1") for v in ("warp-stage", "warp-stage-first-rule")},
+         **{v: _fused_w_built("-DRECALL_TIGHT_BITS") for v in ("tight-bits", "tight-bits-first-rule")},
          "seed-pop": _seed_pop, "float32-seed-pop": _seed_pop,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
