@@ -33,6 +33,8 @@ BUILDS = (
     ("fused_w RW_A_REGS", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_A_REGS=1",)),
     ("fused_w RECALL_TIGHT_BITS", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRECALL_TIGHT_BITS",)),
     ("selection RECALL_TIGHT_BITS", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_TIGHT_BITS",)),
+    ("selection RECALL_MERGE_WARP=8", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_MERGE_WARP=8",)),
+    ("selection RECALL_MERGE_WARP=16", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_MERGE_WARP=16",)),
     ("fast16", ("fast16.cu",), "sm_90", ("--fmad=false",)),
     ("rescore", ("rescore.cu",), "sm_90", ()),
     ("norms", ("norms.cu",), "sm_90", ()),

@@ -19,7 +19,7 @@
 #   latency   scripts/lab/embedded_latency.py: 1, 32 and 1,024 users against 1M items, every contender -> $OUT/latency.log
 #   micro     scripts/lab/fused_h_micro.py: fast mode's fused kernel alone, at each of MICRO_WIDTHS (72 136 264) -> $OUT/micro.log
 #   wcheck    scripts/lab/fused_w_check.py: Hopper's wgmma kernel against float64 products, then timed against
-#             the mma.sync kernel                                                         -> $OUT/fused_w.log
+#             the mma.sync kernel, and each build of WCHECK_DEFINES against it              -> $OUT/fused_wN.log
 #   ncu       Nsight Compute on both float16 fused kernels at S1's shape (scripts/lab/fused_ncu.py 72 262144 126)
 #             and gpu-quick 19's (48 100000 1900), or NCU_SHAPES with NCU_KERNELS            -> $OUT/ncu-*.log
 #   seeds     kernel_profile.py: the threshold sample's size (EngineOptions.seed_sample) on the user-heavy and
@@ -36,7 +36,7 @@
 #             PROBE_PRECISION), then this tree's profile of the same cells              -> $OUT/trees.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT, NCU_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_ARGS (probe: more of kernel_profile.py's arguments, e.g. --no-per-kernel), PROBE_TREES (probe; "old new" runs .oldtree/ first), WCHECK_ARGS (wcheck: e.g. --defines=-DRW_WARP_STAGE=1), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), EARLY_BATCH_SIZES (early: e.g. "auto,131072"), TIMELINE_TIMEOUT, TIMELINE_CELLS, TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
+# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT, NCU_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_ARGS (probe: more of kernel_profile.py's arguments, e.g. --no-per-kernel), PROBE_TREES (probe; "old new" runs .oldtree/ first), WCHECK_ARGS (wcheck: e.g. --per-cta 8,16), WCHECK_DEFINES (wcheck: builds, a run each), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), EARLY_BATCH_SIZES (early: e.g. "auto,131072"), TIMELINE_TIMEOUT, TIMELINE_CELLS, TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
 # (compare: the bench's workload arguments, e.g. "--matrix gpu-quick --cells 0,2,7").
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -192,10 +192,17 @@ if has micro; then
 fi
 
 if has wcheck; then
-    # shellcheck disable=SC2086
-    PYTHONPATH=$NEW_PATH timeout "${WCHECK_TIMEOUT:-150}" python3 scripts/lab/fused_w_check.py ${WCHECK_ARGS:-} \
-        --json "$OUT/fused_w.json" >"$OUT/fused_w.log" 2>&1
-    echo "== wgmma kernel (rc $?)"; grep -v "users wrong 0 of" "$OUT/fused_w.log" | tail -n 30
+    # One run a build of WCHECK_DEFINES (space-separated, e.g. "-DRW_WARP_STAGE=1 -DRECALL_TIGHT_BITS"), each
+    # checked and timed against the shipped kernel; without it, one run of WCHECK_ARGS.
+    n=0
+    for defines in ${WCHECK_DEFINES:-shipped}; do
+        n=$((n + 1))
+        [ "$defines" = shipped ] && defines=""
+        # shellcheck disable=SC2086
+        PYTHONPATH=$NEW_PATH timeout "${WCHECK_TIMEOUT:-150}" python3 scripts/lab/fused_w_check.py ${WCHECK_ARGS:-} \
+            ${defines:+--defines=$defines} --json "$OUT/fused_w$n.json" >"$OUT/fused_w$n.log" 2>&1
+        echo "== wgmma kernel ${defines:-as shipped} (rc $?)"; grep -v "users wrong 0 of" "$OUT/fused_w$n.log" | tail -n 30
+    done
 fi
 
 if has ncu; then

@@ -198,6 +198,12 @@ VARIANTS = {
     # by a tree on its index's bits: 24 instructions a passing group where the shipped build takes 48, about 33 a
     # survivor where it takes 41 (nvcc 13.0, sm_90a, d = 32); alone and with the first-rule launch.
     "tight-bits": {}, "tight-bits-first-rule": {"fused_first_segment": "auto"},
+    # HOOKS: the merges built with -DRECALL_MERGE_WARP=8 or 16 (topk.cu): at most 256 or 512 keys at k <= 32 merged
+    # by one warp (sorted in its lanes' registers, the k largest popped) instead of the block's radix select; alone,
+    # with the first-rule launch and with the tight bits, in both searches.
+    **{f"{pre}merge-warp{n}{post}": {**({"certified_exact": "off"} if pre else {}),
+                                     **({"fused_first_segment": "auto"} if "first" in post else {})}
+       for pre in ("", "float32-") for n in (8, 16) for post in ("", "-first-rule", "-tight-bits")},
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
@@ -316,6 +322,25 @@ def _seed_pop(engine):
                                           (f32, f16): mod.get_function("recall_seed_warp_fh")}
 
 
+def _merge_warp(keys, *hooks):
+    """A hook: the merges (``recall_merge*``) built with -DRECALL_MERGE_WARP=``keys``, then ``hooks``."""
+    def hook(engine):
+        import numpy as np
+
+        from recall.backends.cupy import kernels
+
+        mod = kernels.module(kernels.SELECTION_SOURCES, (f"-DRECALL_MERGE_WARP={keys}",))
+        sel = engine.backend.selection
+        sel.merge = {np.dtype(np.float32): mod.get_function("recall_merge"),
+                     np.dtype(np.float16): mod.get_function("recall_merge_h")}
+        sel.merge_fused, sel.merge_fused_h = mod.get_function("recall_merge_fused"), mod.get_function(
+            "recall_merge_fused_h")
+        for h in hooks:
+            h(engine)
+
+    return hook
+
+
 def _fused_w_built(*defines, pad=0):
     """A hook: the engine's wgmma kernels built with ``defines`` (fused_w.cu's measurement macros); ``pad``: their
     RW_SBO_PAD, whose shared memory fused.wgmma_smem is told of."""
@@ -349,6 +374,9 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          **{v: _fused_w_built("-DRW_WARP_STAGE=1") for v in ("warp-stage", "warp-stage-first-rule")},
          **{v: _fused_w_built("-DRECALL_TIGHT_BITS") for v in ("tight-bits", "tight-bits-first-rule")},
+         **{f"{pre}merge-warp{n}{post}": _merge_warp(n, *((_fused_w_built("-DRECALL_TIGHT_BITS"),)
+                                                          if post == "-tight-bits" else ()))
+            for pre in ("", "float32-") for n in (8, 16) for post in ("", "-first-rule", "-tight-bits")},
          "seed-pop": _seed_pop, "float32-seed-pop": _seed_pop,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),

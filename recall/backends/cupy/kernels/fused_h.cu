@@ -106,6 +106,7 @@ __device__ __forceinline__ void recall_append_group(const float (&s)[N], float t
         const int row = row0 + 8 * (q >> 1) + (q & 1);
 #if defined(RECALL_TIGHT_BITS)
         // s[q] selected in registers by q's bits, lowest first: N - 1 selects on log2 N tests, not N - 1 on N - 1.
+        static_assert((N & (N - 1)) == 0, "a tree over a power of two of scores");
         float t[N];
 #pragma unroll
         for (int r = 0; r < N; ++r) t[r] = s[r];
