@@ -141,7 +141,8 @@ def run_cell(seed: int, device: str = "cpu", large: bool = False) -> dict:
         n_users = int(rng.choice([1000, 20000, 100000]))
         k = int(rng.choice([1, 10, 100, 1000, 2048, 4096]))
     else:
-        n_items = int(rng.choice([1, 2, 7, 64, 500, 2048, 3000, 8000]))
+        # Catalogues of 1-64 items in a fifth of the cells (k past them in most), larger ones in the rest.
+        n_items = int(rng.choice([1, 2, 7, 64, 500, 2048, 3000, 8000], p=[0.05] * 4 + [0.2] * 4))
         n_users = int(rng.choice([1, 3, 64, 257, 600]))
         k = int(rng.choice([1, 2, 10, 50, 100, 300, 1000, max(1, n_items - 1), n_items, n_items + 7]))
     shared: dict = {}

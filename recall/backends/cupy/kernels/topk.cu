@@ -761,7 +761,7 @@ __device__ __forceinline__ u64 recall_key_at(const RecallSources<Tile>& s, int i
 }
 
 #if defined(RECALL_MERGE_WARP)
-// Measurement only (kernel_profile.py's `merge-warp`): a merge of at most 32 RECALL_MERGE_WARP keys (the user's
+// Measurement only (kernel_profile.py's `merge-warp`): a merge of at most 32 x RECALL_MERGE_WARP keys (the user's
 // kept keys and its candidates, no overflow) and k <= 32 by the block's first warp alone: each lane's keys (lane +
 // 32 j) sorted in its registers, then the k largest popped off the lanes' largest (a warp max, and the lane holding
 // it shifts its keys up a place), lane r keeping the r-th: one pass over the keys and no barrier, where the block's
