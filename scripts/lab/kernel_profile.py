@@ -199,11 +199,9 @@ VARIANTS = {
     # survivor where it takes 41 (nvcc 13.0, sm_90a, d = 32); alone and with the first-rule launch.
     "tight-bits": {}, "tight-bits-first-rule": {"fused_first_segment": "auto"},
     # HOOKS: the merges built with -DRECALL_MERGE_WARP=8 or 16 (topk.cu): at most 256 or 512 keys at k <= 32 merged
-    # by one warp (sorted in its lanes' registers, the k largest popped) instead of the block's radix select; alone,
-    # with the first-rule launch and with the tight bits, in both searches.
-    **{f"{pre}merge-warp{n}{post}": {**({"certified_exact": "off"} if pre else {}),
-                                     **({"fused_first_segment": "auto"} if "first" in post else {})}
-       for pre in ("", "float32-") for n in (8, 16) for post in ("", "-first-rule", "-tight-bits")},
+    # by one warp (sorted in its lanes' registers, the k largest popped) instead of the block's radix select, in both
+    # searches (with the other builds and rules: "merge-warp8+tight-bits+first-rule", variant_options).
+    **{f"{pre}merge-warp{n}": {"certified_exact": "off"} if pre else {} for pre in ("", "float32-") for n in (8, 16)},
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
@@ -213,9 +211,32 @@ VARIANTS = {
 }
 
 
+def _parts(vname):
+    """The variants a variant name combines ("a+b+c"; most names are one)."""
+    parts = vname.split("+")
+    unknown = [p for p in parts if p not in VARIANTS]
+    if unknown:
+        raise KeyError(f"unknown variant {', '.join(unknown)} (in {vname!r})")
+    return parts
+
+
 def variant_options(vname):
-    """EngineOptions of variant ``vname``."""
-    return dataclasses.replace(EngineOptions(), **VARIANTS[vname])
+    """EngineOptions of variant ``vname``; of "a+b", a's options and then b's (the later part's value of an option
+    wins)."""
+    spec = {}
+    for part in _parts(vname):
+        spec.update(VARIANTS[part])
+    return dataclasses.replace(EngineOptions(), **spec)
+
+
+def variant_hooks(vname):
+    """The hooks of ``vname``'s parts, in order. Two parts that rebuild the same kernels (each hook's ``builds``: two
+    fused_w.cu builds, say) do not combine: the later would replace the earlier's kernels, so that is an error."""
+    hooks = [HOOKS[p] for p in _parts(vname) if p in HOOKS]
+    built = [h.builds for h in hooks if getattr(h, "builds", None)]
+    if len(built) != len(set(built)):
+        raise ValueError(f"{vname!r}: two of its parts rebuild the same kernels ({', '.join(built)})")
+    return hooks
 
 
 def _l2_centroid(engine):
@@ -308,6 +329,9 @@ def _direct_append(engine):
     engine.backend.selection._fused_w = {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}") for ks in range(1, 10)}
 
 
+_direct_append.builds = "fused_w"
+
+
 def _seed_pop(engine):
     """A hook: the warp-a-user threshold select (``recall_seed_warp*``) built with -DRECALL_SEED_POP=32: up to rank 32
     the rank-th largest kept key is popped off the lanes' sorted keys rather than found by bisection."""
@@ -322,8 +346,11 @@ def _seed_pop(engine):
                                           (f32, f16): mod.get_function("recall_seed_warp_fh")}
 
 
-def _merge_warp(keys, *hooks):
-    """A hook: the merges (``recall_merge*``) built with -DRECALL_MERGE_WARP=``keys``, then ``hooks``."""
+_seed_pop.builds = "seed_warp"
+
+
+def _merge_warp(keys):
+    """A hook: the merges (``recall_merge*``) built with -DRECALL_MERGE_WARP=``keys``."""
     def hook(engine):
         import numpy as np
 
@@ -335,9 +362,8 @@ def _merge_warp(keys, *hooks):
                      np.dtype(np.float16): mod.get_function("recall_merge_h")}
         sel.merge_fused, sel.merge_fused_h = mod.get_function("recall_merge_fused"), mod.get_function(
             "recall_merge_fused_h")
-        for h in hooks:
-            h(engine)
 
+    hook.builds = "merges"
     return hook
 
 
@@ -355,6 +381,7 @@ def _fused_w_built(*defines, pad=0):
             # The padded tiles, less one survivor's stage a user (fused_w.cu's STAGED): no more than shipped.
             fused.wgmma_smem = lambda padded: shipped(padded) + (1 + (2 if padded > 96 else 3)) * 16 * pad - 8 * 128
 
+    hook.builds = "fused_w"
     return hook
 
 
@@ -374,9 +401,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          **{v: _fused_w_built("-DRW_WARP_STAGE=1") for v in ("warp-stage", "warp-stage-first-rule")},
          **{v: _fused_w_built("-DRECALL_TIGHT_BITS") for v in ("tight-bits", "tight-bits-first-rule")},
-         **{f"{pre}merge-warp{n}{post}": _merge_warp(n, *((_fused_w_built("-DRECALL_TIGHT_BITS"),)
-                                                          if post == "-tight-bits" else ()))
-            for pre in ("", "float32-") for n in (8, 16) for post in ("", "-first-rule", "-tight-bits")},
+         **{f"{pre}merge-warp{n}": _merge_warp(n) for pre in ("", "float32-") for n in (8, 16)},
          "seed-pop": _seed_pop, "float32-seed-pop": _seed_pop,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
@@ -613,8 +638,8 @@ def main() -> None:
             opts = variant_options(vname)
             try:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
-                if vname in HOOKS:
-                    HOOKS[vname](engine)
+                for hook in variant_hooks(vname):
+                    hook(engine)
                 t, res = timed(engine, users, k, excl)
             except Exception as exc:  # a variant that cannot run this cell says why
                 print(f"| {cell} | {vname} | error {type(exc).__name__}: {exc} |", flush=True)
