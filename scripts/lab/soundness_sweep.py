@@ -122,10 +122,12 @@ def _against_oracle(got: object, users: np.ndarray, items: np.ndarray, k: int, m
     rows, scores = oracle.as_numpy(got.indices), oracle.as_numpy(got.scores)
     take = np.arange(users.shape[0]) if users.shape[0] <= most else \
         np.linspace(0, users.shape[0] - 1, most).astype(np.int64)
-    off = set() if passing is None else set(np.flatnonzero(~passing).tolist())
+    off = np.zeros(0, np.int64) if passing is None else np.flatnonzero(~passing)
     sub = None
-    if excl is not None or off:
-        sub = {i: sorted(set((excl or {}).get(int(u), [])) | off) for i, u in enumerate(take)}
+    if excl is not None or off.size:  # CSR (indptr, rows): the oracle's mask is then built without a Python loop
+        lists = [np.unique(np.concatenate([np.asarray((excl or {}).get(int(u), []), np.int64), off]))
+                 for u in take]
+        sub = (np.concatenate([[0], np.cumsum([a.size for a in lists])]), np.concatenate(lists))
     oracle.assert_topk_close(rows[take], scores[take], users[take], items, k, metric, sub)
 
 
