@@ -195,8 +195,8 @@ VARIANTS = {
     "warp-stage": {}, "warp-stage-first-rule": {"fused_first_segment": "auto"},
     # HOOKS: fused_w.cu (and fused_h.cu) built with -DRECALL_TIGHT_BITS: a passing group's survivors' bits from the
     # comparisons alone (rows past the catalogue taken off in the last tile only) and each survivor's score selected
-    # by a tree on its index's bits: 24 instructions a passing group where the shipped build takes 48, about 33 a
-    # survivor where it takes 41 (nvcc 13.0, sm_90a, d = 32); alone and with the first-rule launch.
+    # by a tree on its index's bits: 27 instructions a passing group where the shipped build runs 49, 33 a survivor
+    # where it runs 41 (scripts/lab/sass_epilogue.py: nvcc 13.0, sm_90a, d = 32); alone and with the first-rule launch.
     "tight-bits": {}, "tight-bits-first-rule": {"fused_first_segment": "auto"},
     # HOOKS: the merges built with -DRECALL_MERGE_WARP=8 or 16 (topk.cu): at most 256 or 512 keys at k <= 32 merged
     # by one warp (sorted in its lanes' registers, the k largest popped) instead of the block's radix select, in both
