@@ -24,17 +24,13 @@ from recall.backends.cupy import kernels
 # (name, sources, architecture, options): the modules kernels.py builds, then the measurement-only builds.
 BUILDS = (
     ("selection", kernels.SELECTION_SOURCES, "sm_90", ()),
-    ("selection RECALL_SEED_POP", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_SEED_POP=32",)),
+    ("selection RECALL_SEED_BISECT", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_SEED_BISECT",)),
     ("selection RH_EACH_SCORE", kernels.SELECTION_SOURCES, "sm_90", ("-DRH_EACH_SCORE",)),
     ("fused_w", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ()),
     ("fused_w RW_WARP_STAGE", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_WARP_STAGE=1",)),
     ("fused_w RW_DIRECT_APPEND", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_DIRECT_APPEND",)),
     ("fused_w RW_SBO_PAD", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_SBO_PAD=16",)),
     ("fused_w RW_A_REGS", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_A_REGS=1",)),
-    ("fused_w RECALL_TIGHT_BITS", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRECALL_TIGHT_BITS",)),
-    ("selection RECALL_TIGHT_BITS", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_TIGHT_BITS",)),
-    ("selection RECALL_MERGE_WARP=8", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_MERGE_WARP=8",)),
-    ("selection RECALL_MERGE_WARP=16", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_MERGE_WARP=16",)),
     ("fast16", ("fast16.cu",), "sm_90", ("--fmad=false",)),
     ("rescore", ("rescore.cu",), "sm_90", ()),
     ("norms", ("norms.cu",), "sm_90", ()),

@@ -185,23 +185,13 @@ VARIANTS = {
     # HOOKS: fused_w.cu built with -DRW_SBO_PAD=16: each row group of 8 rows of a tile 16 bytes further on, so that
     # the row groups start on other shared-memory banks (shipped: 16 * columns bytes apart, a multiple of 128).
     "sbo-pad16": {}, "sbo-pad16-cta32": {"fused_tiles_per_block": 32},
-    # HOOKS: the warp-a-user threshold select built with -DRECALL_SEED_POP=32 (topk.cu): up to rank 32, the rank-th
-    # largest kept key popped off the lanes' sorted keys (rank warp maxima) instead of 32 bisection steps; in both
-    # searches.
-    "seed-pop": {}, "float32-seed-pop": {"certified_exact": "off"},
+    # HOOKS: the warp-a-user threshold select built with -DRECALL_SEED_BISECT (topk.cu): the bisection at every rank
+    # (before 2026-12-05, when ranks up to 32 took the pops), in both searches.
+    "seed-bisect": {}, "float32-seed-bisect": {"certified_exact": "off"},
     # HOOKS: fused_w.cu built with -DRW_WARP_STAGE=1 (rows of up to 80 columns): a group of 8 scores with a
     # survivor is copied into its warp's ring in shared memory and the whole warp appends the ring's survivors, a lane
     # a score, instead of the lanes with a survivor in their divergent branches; alone and with the first-rule launch.
     "warp-stage": {}, "warp-stage-first-rule": {"fused_first_segment": "auto"},
-    # HOOKS: fused_w.cu (and fused_h.cu) built with -DRECALL_TIGHT_BITS: a passing group's survivors' bits from the
-    # comparisons alone (rows past the catalogue taken off in the last tile only) and each survivor's score selected
-    # by a tree on its index's bits: 27 instructions a passing group where the shipped build runs 49, 33 a survivor
-    # where it runs 41 (scripts/lab/sass_epilogue.py: nvcc 13.0, sm_90a, d = 32); alone and with the first-rule launch.
-    "tight-bits": {}, "tight-bits-first-rule": {"fused_first_segment": "auto"},
-    # HOOKS: the merges built with -DRECALL_MERGE_WARP=8 or 16 (topk.cu): at most 256 or 512 keys at k <= 32 merged
-    # by one warp (sorted in its lanes' registers, the k largest popped) instead of the block's radix select, in both
-    # searches (with the other builds and rules: "merge-warp8+tight-bits+first-rule", variant_options).
-    **{f"{pre}merge-warp{n}": {"certified_exact": "off"} if pre else {} for pre in ("", "float32-") for n in (8, 16)},
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
@@ -332,39 +322,21 @@ def _direct_append(engine):
 _direct_append.builds = "fused_w"
 
 
-def _seed_pop(engine):
-    """A hook: the warp-a-user threshold select (``recall_seed_warp*``) built with -DRECALL_SEED_POP=32: up to rank 32
-    the rank-th largest kept key is popped off the lanes' sorted keys rather than found by bisection."""
+def _seed_bisect(engine):
+    """A hook: the warp-a-user threshold select (``recall_seed_warp*``) built with -DRECALL_SEED_BISECT: the rank-th
+    largest kept key found by bisection at every rank, where the shipped select pops ranks up to 32."""
     import numpy as np
 
     from recall.backends.cupy import kernels
 
-    mod = kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_SEED_POP=32",))
+    mod = kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_SEED_BISECT",))
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
     engine.backend.selection.seed_warp = {(f32, f32): mod.get_function("recall_seed_warp"),
                                           (f16, f16): mod.get_function("recall_seed_warp_h"),
                                           (f32, f16): mod.get_function("recall_seed_warp_fh")}
 
 
-_seed_pop.builds = "seed_warp"
-
-
-def _merge_warp(keys):
-    """A hook: the merges (``recall_merge*``) built with -DRECALL_MERGE_WARP=``keys``."""
-    def hook(engine):
-        import numpy as np
-
-        from recall.backends.cupy import kernels
-
-        mod = kernels.module(kernels.SELECTION_SOURCES, (f"-DRECALL_MERGE_WARP={keys}",))
-        sel = engine.backend.selection
-        sel.merge = {np.dtype(np.float32): mod.get_function("recall_merge"),
-                     np.dtype(np.float16): mod.get_function("recall_merge_h")}
-        sel.merge_fused, sel.merge_fused_h = mod.get_function("recall_merge_fused"), mod.get_function(
-            "recall_merge_fused_h")
-
-    hook.builds = "merges"
-    return hook
+_seed_bisect.builds = "seed_warp"
 
 
 def _fused_w_built(*defines, pad=0):
@@ -400,9 +372,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          **{v: _fused_w_built("-DRW_WARP_STAGE=1") for v in ("warp-stage", "warp-stage-first-rule")},
-         **{v: _fused_w_built("-DRECALL_TIGHT_BITS") for v in ("tight-bits", "tight-bits-first-rule")},
-         **{f"{pre}merge-warp{n}": _merge_warp(n) for pre in ("", "float32-") for n in (8, 16)},
-         "seed-pop": _seed_pop, "float32-seed-pop": _seed_pop,
+         "seed-bisect": _seed_bisect, "float32-seed-bisect": _seed_bisect,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,

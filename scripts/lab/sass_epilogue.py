@@ -8,7 +8,7 @@ survivor, the survivors' bits (up to the survivors' loop; a whole tile's path), 
 survivor its user's stage in shared memory holds). Static counts along those paths of the tile's first group: what
 the warp issues when it takes them, not a timing.
 
-    python3 scripts/lab/sass_epilogue.py --nvdisasm /path/to/nvdisasm [--defines -DRECALL_TIGHT_BITS] [--ks 2]
+    python3 scripts/lab/sass_epilogue.py --nvdisasm /path/to/nvdisasm [--defines=-DRH_EACH_SCORE] [--ks 2]
 """
 from __future__ import annotations
 

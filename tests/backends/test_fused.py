@@ -118,34 +118,6 @@ def test_first_segment_equals_cpu_exactly(first, certified, metric):
     assert (as_numpy(got.indices)[1] == -1).all() and (as_numpy(got.indices)[3][5:] == -1).all()
 
 
-@pytest.mark.parametrize("keys", [8, 16])
-@pytest.mark.parametrize("k", [1, 10, 32, 40])
-@pytest.mark.parametrize("certified", ["off", "on"])
-def test_warp_merge_equals_cpu_exactly(keys, k, certified):
-    # The measurement-only build whose merges of at most 32 x keys keys at k <= 32 run on the block's first warp
-    # (topk.cu's RECALL_MERGE_WARP), in the float32 search and the certified route: a first launch of 2,048 items
-    # (its merge not final), then segments of 8,192 (merges past the high water, the final one sorting). Integer data
-    # (ties; users whose candidates overflow the warp's keys take the block's merge), a user with every item
-    # excluded, one with half, one left with fewer than k items: the CPU's answer bit for bit. k = 40: the block's.
-    from recall.backends.cupy import kernels
-
-    mod = kernels.module(kernels.SELECTION_SOURCES, (f"-DRECALL_MERGE_WARP={keys}",))
-    rng = np.random.default_rng(keys + k)
-    items, users = _ints(rng, 20000, 24), _ints(rng, 300, 24)
-    excl = {1: list(range(20000)), 2: list(range(0, 20000, 2)), 3: list(range(20000 - 5))}
-    options = EngineOptions(fused_first_segment=2048, fused_segment=8192, certified_exact=certified)
-    gpu = Engine(items, metric="l2", device="gpu", options=options)
-    sel = gpu.backend.selection
-    sel.merge = {np.dtype(np.float32): mod.get_function("recall_merge"),
-                 np.dtype(np.float16): mod.get_function("recall_merge_h")}
-    sel.merge_fused = mod.get_function("recall_merge_fused")
-    sel.merge_fused_h = mod.get_function("recall_merge_fused_h")
-    got = gpu.search(users, k, exclude=excl)
-    assert gpu.stats["fused"] and gpu.stats["fused_first_segment"] == 2048, gpu.stats
-    _same(got, Engine(items, metric="l2", device="cpu").search(users, k, exclude=excl))
-    assert (as_numpy(got.indices)[1] == -1).all() and (as_numpy(got.indices)[3][5:] == -1).all()
-
-
 def test_overflow_recompute_equals_cpu(fused):
     # Unseeded, one segment of 128-item tiles per merge and k close to the item count: every user's buffer overflows
     # (a buffer holds 16384 candidates; a segment passes all of its 20480 scores), so each merge recomputes.
@@ -500,15 +472,14 @@ def test_half_fused_multiplies_only_the_columns_some_user_holds(fused, width, ze
 
 @pytest.mark.parametrize("width", [32, 48, 64, 80, 96, 112, 128, 144])
 @pytest.mark.parametrize("rank,capacity", [(3, 4096), (40, 4096), (150, 4096), (600, 4096), (600, 200)])
-@pytest.mark.parametrize("defines", [(), ("-DRW_WARP_STAGE=1",), ("-DRECALL_TIGHT_BITS",)])
+@pytest.mark.parametrize("defines", [(), ("-DRW_WARP_STAGE=1",)])
 def test_wgmma_kernel_keeps_every_survivor_past_its_stage(width, rank, capacity, defines):
     # fused_w.cu keeps a block's survivors of a user in shared memory (RW_STAGED_OF: 4 to 32 of them), past that in
     # the buffer by a global atomic, and sends the stage out at the block's end. Thresholds from a few survivors a
     # block's user to hundreds (8 tiles of 128 items a block), into buffers that hold them all or overflow: every
     # user's count must be every score above its threshold, and the keys kept exactly such items, once each. Also
-    # the measurement-only builds whose warps pass survivors through a ring in shared memory (RW_WARP_STAGE, rows of
-    # up to 80 columns; wider rows build as shipped) and whose groups take their survivors' bits and scores with
-    # fewer instructions (RECALL_TIGHT_BITS; 3,001 items: the last tile's rows past the catalogue taken off).
+    # the measurement-only build whose warps pass survivors through a ring in shared memory (RW_WARP_STAGE, rows of
+    # up to 80 columns; wider rows build as shipped). 3,001 items: the last tile's rows past the catalogue taken off.
     import cupy
 
     from recall.backends.cupy import kernels

@@ -279,19 +279,19 @@ def test_warp_seed_select_is_exact_whatever_a_lane_holds(monkeypatch, dtype, vec
 @pytest.mark.parametrize("size, k, ke", [(1024, 10, 0), (1024, 10, 8), (2048, 32, 0), (2048, 100, 30), (301, 37, 0),
                                          (302, 37, 9), (1000, 1, 0), (4096, 33, 0), (16384, 16, 0)])
 def test_popping_warp_select_equals_the_bisection(monkeypatch, dtype, vectors, size, k, ke):
-    # The warp-a-user select built with -DRECALL_SEED_POP=32 (measurement only: kernel_profile.py's `seed-pop`) pops
-    # ranks up to 32 off the lanes' kept keys; its thresholds must be the shipped bisection's, bit for bit, on the
-    # rows that hurt the select (ties, one value everywhere, short and masked rows, best scores in one lane's share)
-    # and at ranks above 32 (the bisection in both builds).
+    # The warp-a-user select pops ranks up to RECALL_SEED_POP_RANK (32) off the lanes' kept keys; its thresholds must
+    # be the bisection's (the build with -DRECALL_SEED_BISECT, measurement only: as before 2026-12-05), bit for bit,
+    # on the rows that hurt the select (ties, one value everywhere, short and masked rows, best scores in one lane's
+    # share) and at ranks above 32 (the bisection in both builds).
     from recall.backends.cupy import kernels
 
     rows, users, norms = _lane_rows(size, k, dtype)
     users = users.astype(vectors)
-    want = _thresholds(rows, users, norms, k, ke)
+    got = _thresholds(rows, users, norms, k, ke)
     monkeypatch.setattr(kernels, "selection_module",
-                        lambda: kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_SEED_POP=32",)))
-    np.testing.assert_array_equal(_thresholds(rows, users, norms, k, ke), want)
-    assert any("-DRECALL_SEED_POP=32" in key[2] for key in kernels._modules)  # the second select was the pop build's
+                        lambda: kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_SEED_BISECT",)))
+    np.testing.assert_array_equal(got, _thresholds(rows, users, norms, k, ke))
+    assert any("-DRECALL_SEED_BISECT" in key[2] for key in kernels._modules)  # the second select was the bisection's
 
 
 def _check_rows(got, rows, norms, users, k, ke, dtype, vectors, exact=False):

@@ -80,11 +80,11 @@ __device__ __forceinline__ void recall_append_group(const float (&s)[N], float t
         if (s[q] > th && (whole || row < n_items)) pending.push(cand, cnt, C, user, recall_key(s[q], row));
     }
 #else
+    // The comparisons alone, a set and a select a score; the rows past n_items taken off after, in the last tile only
+    // (`whole` is the same in every thread of a block). Testing each score's row in every tile took 5 instructions a
+    // score: 49 a passing group against 27, and 41 a survivor's round against 33 with the tree below (nvcc 13.0,
+    // sm_90a, scripts/lab/sass_epilogue.py); the kernel 3-12% faster, the route 4-8% (H100, docs/benchmarks.md).
     unsigned bits = 0u;
-#if defined(RECALL_TIGHT_BITS)
-    // Measurement only (kernel_profile.py's `tight-bits`): the comparisons alone, a set and an or a score; the rows
-    // past n_items taken off after, in the last tile only (`whole` is the same in every thread of a block), where
-    // the shipped loop tests each score's row in every tile (5 instructions a score, 2 here: nvcc 13.0, sm_90a).
 #pragma unroll
     for (int q = 0; q < N; ++q) bits |= (s[q] > th ? 1u : 0u) << q;
     if (!whole) {
@@ -92,20 +92,12 @@ __device__ __forceinline__ void recall_append_group(const float (&s)[N], float t
         for (int q = 0; q < N; ++q)
             if (row0 + 8 * (q >> 1) + (q & 1) >= n_items) bits &= ~(1u << q);
     }
-#else
-#pragma unroll
-    for (int q = 0; q < N; ++q) {
-        const int row = row0 + 8 * (q >> 1) + (q & 1);
-        if (s[q] > th && (whole || row < n_items)) bits |= 1u << q;
-    }
-#endif
 #pragma unroll 1
     while (bits) {
         const int q = __ffs(bits) - 1;
         bits &= bits - 1u;
         const int row = row0 + 8 * (q >> 1) + (q & 1);
-#if defined(RECALL_TIGHT_BITS)
-        // s[q] selected in registers by q's bits, lowest first: N - 1 selects on log2 N tests, not N - 1 on N - 1.
+        // s[q] selected in registers by q's bits, lowest first: N - 1 selects on log2 N tests.
         static_assert((N & (N - 1)) == 0, "a tree over a power of two of scores");
         float t[N];
 #pragma unroll
@@ -117,12 +109,6 @@ __device__ __forceinline__ void recall_append_group(const float (&s)[N], float t
             for (int r = 0; r < N; r += 2 * w) t[r] = upper ? t[r + w] : t[r];
         }
         const float v = t[0];
-#else
-        float v = s[0];  // s[q], selected in registers
-#pragma unroll
-        for (int r = 1; r < N; ++r)
-            if (q == r) v = s[r];
-#endif
 #if defined(RH_INLINE_APPEND)  // measurement only: the key stored as soon as its slot comes back
         const int pos = atomicAdd(&cnt[user], 1);
         if (pos < C) cand[(long long)user * C + pos] = recall_key(v, row);

@@ -568,6 +568,9 @@ __device__ __forceinline__ void recall_seed_lane_each(const S* row, const Recall
     }
 }
 
+// Ranks a warp-a-user select takes by popping its lanes' largest keys (recall_seed_warp_body), above it by bisection.
+#define RECALL_SEED_POP_RANK 32
+
 template <typename S, typename V, int M>
 __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T, int K, float* __restrict__ thr,
                                       const V* __restrict__ users, int W, const float* __restrict__ vnorm,
@@ -601,14 +604,14 @@ __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T
     u32 lo = 1u;
     const unsigned long long past = (unsigned long long)recall_warp_max(top.key[0]) + 1ull;  // the row's largest key
     unsigned long long hi = past;
-    const u32 smallest_kept = top.key[M - 1];  // read before RECALL_SEED_POP's pops shift the keys
+    const u32 smallest_kept = top.key[M - 1];  // read before the pops shift the keys
     if (recall_warp_sum(top.at_least(1u)) >= rank) {
-#if defined(RECALL_SEED_POP)
-        // Measurement only (kernel_profile.py's `seed-pop`): up to rank RECALL_SEED_POP, the rank-th largest kept key
-        // taken by popping the warp's largest kept key rank times (a warp max, and the lowest lane holding it shifts
-        // its keys up a place) instead of about 32 bisection steps of M comparisons and a warp sum each. The same
-        // key: the rank-th largest of the kept keys, ties counted.
-        if (rank <= RECALL_SEED_POP) {
+#if !defined(RECALL_SEED_BISECT)  // measurement only (tests): the bisection at every rank, as before 2026-12-05
+        // Up to rank RECALL_SEED_POP_RANK, the rank-th largest kept key taken by popping the warp's largest kept key
+        // rank times (a warp max, and the lowest lane holding it shifts its keys up a place) instead of about 32
+        // bisection steps of M comparisons and a warp sum each. The same key: the rank-th largest of the kept keys,
+        // ties counted. The route 0.5-4% faster at k = 10 and 100 (H100, docs/benchmarks.md).
+        if (rank <= RECALL_SEED_POP_RANK) {
             for (int r = 0; r < rank; ++r) {
                 lo = recall_warp_max(top.key[0]);
                 if (lane == __ffs(__ballot_sync(0xffffffffu, top.key[0] == lo)) - 1) {
@@ -760,85 +763,6 @@ __device__ __forceinline__ u64 recall_key_at(const RecallSources<Tile>& s, int i
     return (v > s.thr && !recall_excluded(s.ex, s.n_ex, row)) ? recall_key(v, row) : 0ull;
 }
 
-#if defined(RECALL_MERGE_WARP)
-// Measurement only (kernel_profile.py's `merge-warp`): a merge of at most 32 x RECALL_MERGE_WARP keys (the user's
-// kept keys and its candidates, no overflow) and k <= 32 by the block's first warp alone: each lane's keys (lane +
-// 32 j) sorted in its registers, then the k largest popped off the lanes' largest (a warp max, and the lane holding
-// it shifts its keys up a place), lane r keeping the r-th: one pass over the keys and no barrier, where the block's
-// radix select reads them once a digit with two barriers each (a 64-thread block a user took 112 us a launch of
-// 16,384 users at 1M x 20k x 32, k = 10, 76% issue-busy, a third of its stalls at barriers: docs/benchmarks.md).
-// The same keys kept (they are unique), sorted best first as the block's final pass sorts them.
-template <int KEYS, typename Tile>
-__device__ __forceinline__ void recall_merge_warp(const RecallSources<Tile>& src, int total, int u, int K,
-                                                  int final_pass, u64* __restrict__ top, int* __restrict__ n_valid,
-                                                  float* __restrict__ thr, int* __restrict__ cnt,
-                                                  int* __restrict__ base, float* __restrict__ out_vals,
-                                                  long long* __restrict__ out_rows) {
-    static_assert((KEYS & (KEYS - 1)) == 0, "a bitonic sort of a power of two of keys");
-    const int lane = threadIdx.x & 31;
-    const unsigned full = 0xffffffffu;
-    u64 key[KEYS];
-    int n = 0;
-#pragma unroll
-    for (int j = 0; j < KEYS; ++j) {
-        const int i = lane + 32 * j;
-        key[j] = i < total ? recall_key_at(src, i) : 0ull;
-        n += key[j] != 0ull ? 1 : 0;
-    }
-    // Largest first (bitonic; every index known at compile time, so the keys stay in registers).
-#pragma unroll
-    for (int size = 2; size <= KEYS; size <<= 1)
-#pragma unroll
-        for (int stride = size >> 1; stride > 0; stride >>= 1)
-#pragma unroll
-            for (int i = 0; i < KEYS; ++i) {
-                const int j = i ^ stride;
-                if (j > i) {
-                    const u64 a = key[i], b = key[j];
-                    if ((a < b) == ((i & size) == 0)) { key[i] = b; key[j] = a; }
-                }
-            }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(full, n, o);
-    const int take = min(n, K);
-    u64 mine = 0ull, last = 0ull;
-    for (int r = 0; r < take; ++r) {
-        u64 m = key[0];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(full, m, o));
-        if (lane == r) mine = m;
-        last = m;
-        if (lane == __ffs(__ballot_sync(full, key[0] == m)) - 1) {
-#pragma unroll
-            for (int j = 0; j < KEYS - 1; ++j) key[j] = key[j + 1];
-            key[KEYS - 1] = 0ull;
-        }
-    }
-    if (!final_pass) {
-        if (lane < take) top[(long long)u * K + lane] = mine;
-        if (lane == 0) {
-            n_valid[u] = take;
-            // Fewer than K held: the threshold stays (-inf, or the block's seed from its threshold sample).
-            if (take == K) thr[u] = recall_ord2f((u32)(last >> 32));
-            cnt[u] = 0;
-            base[u] = 0;
-        }
-        return;
-    }
-    if (lane < K) {
-        const long long o = (long long)u * K + lane;
-        out_vals[o] = lane < take ? recall_ord2f((u32)(mine >> 32)) : RECALL_NEG_INF;
-        out_rows[o] = lane < take ? (long long)(~(u32)(mine & 0xffffffffull)) : -1ll;
-    }
-    if (lane == 0) {
-        n_valid[u] = 0;
-        thr[u] = RECALL_NEG_INF;
-        cnt[u] = 0;
-        base[u] = 0;
-    }
-}
-#endif
-
 // One block per user. Dynamic shared memory: K_pad keys (K_pad = next power of two >= K). The tile (the last
 // n_tile items from item_start) is rescanned only when the candidate buffer overflowed. With ex_ptr set (the fused
 // path, whose scores were never masked), candidates of excluded items are dropped here.
@@ -886,14 +810,6 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
         __syncthreads();
     }
 
-#if defined(RECALL_MERGE_WARP)
-    if (src.n_tile == 0 && total <= 32 * RECALL_MERGE_WARP && K <= 32) {  // the same in every thread of the block
-        if (threadIdx.x < 32)
-            recall_merge_warp<RECALL_MERGE_WARP>(src, total, u, K, final_pass, top, n_valid, thr, cnt, base,
-                                                 out_vals, out_rows);
-        return;
-    }
-#endif
     const int lane = threadIdx.x & 31;
     const unsigned full = 0xffffffffu;
     if (threadIdx.x == 0) { s_lo = ~0ull; s_hi = 0; s_n = 0; s_want = K; s_done = 0; s_count = 0; s_min = ~0ull; }
