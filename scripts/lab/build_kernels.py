@@ -27,7 +27,6 @@ BUILDS = (
     ("selection RECALL_SEED_BISECT", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_SEED_BISECT",)),
     ("selection RH_EACH_SCORE", kernels.SELECTION_SOURCES, "sm_90", ("-DRH_EACH_SCORE",)),
     ("fused_w", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ()),
-    ("fused_w RW_WARP_STAGE", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_WARP_STAGE=1",)),
     ("fused_w RW_DIRECT_APPEND", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_DIRECT_APPEND",)),
     ("fused_w RW_SBO_PAD", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_SBO_PAD=16",)),
     ("fused_w RW_A_REGS", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_A_REGS=1",)),

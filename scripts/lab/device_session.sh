@@ -192,7 +192,7 @@ if has micro; then
 fi
 
 if has wcheck; then
-    # One run a build of WCHECK_DEFINES (space-separated, e.g. "-DRW_WARP_STAGE=1 -DRW_SBO_PAD=16"), each
+    # One run a build of WCHECK_DEFINES (space-separated, e.g. "-DRW_SBO_PAD=16 -DRW_A_REGS=1"), each
     # checked and timed against the shipped kernel; without it, one run of WCHECK_ARGS.
     n=0
     for defines in ${WCHECK_DEFINES:-shipped}; do

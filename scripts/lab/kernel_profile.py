@@ -188,10 +188,6 @@ VARIANTS = {
     # HOOKS: the warp-a-user threshold select built with -DRECALL_SEED_BISECT (topk.cu): the bisection at every rank
     # (before 2026-12-05, when ranks up to 32 took the pops), in both searches.
     "seed-bisect": {}, "float32-seed-bisect": {"certified_exact": "off"},
-    # HOOKS: fused_w.cu built with -DRW_WARP_STAGE=1 (rows of up to 80 columns): a group of 8 scores with a
-    # survivor is copied into its warp's ring in shared memory and the whole warp appends the ring's survivors, a lane
-    # a score, instead of the lanes with a survivor in their divergent branches; alone and with the first-rule launch.
-    "warp-stage": {}, "warp-stage-first-rule": {"fused_first_segment": "auto"},
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
@@ -371,7 +367,6 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "direct-append-block-rescore": lambda engine: (_direct_append(engine), _block_rescore(engine)),
          "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
-         **{v: _fused_w_built("-DRW_WARP_STAGE=1") for v in ("warp-stage", "warp-stage-first-rule")},
          "seed-bisect": _seed_bisect, "float32-seed-bisect": _seed_bisect,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),

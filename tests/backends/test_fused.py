@@ -472,23 +472,18 @@ def test_half_fused_multiplies_only_the_columns_some_user_holds(fused, width, ze
 
 @pytest.mark.parametrize("width", [32, 48, 64, 80, 96, 112, 128, 144])
 @pytest.mark.parametrize("rank,capacity", [(3, 4096), (40, 4096), (150, 4096), (600, 4096), (600, 200)])
-@pytest.mark.parametrize("defines", [(), ("-DRW_WARP_STAGE=1",)])
-def test_wgmma_kernel_keeps_every_survivor_past_its_stage(width, rank, capacity, defines):
+def test_wgmma_kernel_keeps_every_survivor_past_its_stage(width, rank, capacity):
     # fused_w.cu keeps a block's survivors of a user in shared memory (RW_STAGED_OF: 4 to 32 of them), past that in
     # the buffer by a global atomic, and sends the stage out at the block's end. Thresholds from a few survivors a
     # block's user to hundreds (8 tiles of 128 items a block), into buffers that hold them all or overflow: every
-    # user's count must be every score above its threshold, and the keys kept exactly such items, once each. Also
-    # the measurement-only build whose warps pass survivors through a ring in shared memory (RW_WARP_STAGE, rows of
-    # up to 80 columns; wider rows build as shipped). 3,001 items: the last tile's rows past the catalogue taken off.
+    # user's count must be every score above its threshold, and the keys kept exactly such items, once each. 3,001
+    # items: the last tile's rows past the catalogue taken off.
     import cupy
 
     from recall.backends.cupy import kernels
     from recall.backends.cupy.fused import wgmma_smem
 
-    if "-DRW_WARP_STAGE=1" in defines and width > 80:
-        pytest.skip("RW_WARP_STAGE changes rows of up to 80 columns only")
-    mod = kernels.hopper_fused_module() if not defines else (
-        kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, defines) if kernels.on_hopper() else None)
+    mod = kernels.hopper_fused_module()
     if mod is None:
         pytest.skip("fused_w.cu is built for compute capability 9.0 only")
     rng = np.random.default_rng(width + rank)

@@ -40,18 +40,6 @@
 #ifndef RW_A_REGS
 #define RW_A_REGS 0
 #endif
-// Measurement only (kernel_profile.py's `warp-stage`, fused_w_check.py --defines -DRW_WARP_STAGE=1), rows of up to
-// 80 columns: a group of 8 scores with a survivor is copied whole into its warp's ring of RW_WARP_SLOTS slots in
-// shared memory (the scores, the user, the first row and the survivors' bits), a slot a lane taken in ballot order;
-// when the ring could not take another 32, the whole warp appends the survivors of every slot, a lane a score, so
-// that the appends run with the warp's lanes busy instead of in the divergent branches of the few lanes with a
-// survivor (10.2 active threads a warp at d = 32, docs/benchmarks.md). The ring takes RW_WARP_STAGE_TAKES of the
-// users' stages' survivors, so that the kernel takes no more shared memory (fused.py's wgmma_smem counts neither).
-#ifndef RW_WARP_STAGE
-#define RW_WARP_STAGE 0
-#endif
-#define RW_WARP_SLOTS 48
-#define RW_WARP_STAGE_TAKES 15  // 8 warps x 48 slots x 40 bytes = 128 users x 15 keys x 8 bytes
 
 // A block's survivors kept in shared memory a user until the block is done (`out`): a survivor takes the next of
 // its user's S slots with a shared-memory atomic; past S it goes to the candidate buffer as fused.cu's RecallPending
@@ -161,11 +149,8 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
                                                     int* __restrict__ cnt, half_bits* smem) {
     constexpr int CH = 16 * KS;
     constexpr int STAGES = RW_STAGES_OF(KS);
-    constexpr bool WARP_STAGE = RW_WARP_STAGE && KS <= 5;
-    constexpr int STAGED = RW_STAGED_OF(KS) - (RW_SBO_PAD > 0) - (WARP_STAGE ? RW_WARP_STAGE_TAKES : 0);
-    // survivors a user's stage holds (one fewer where row groups are padded, RW_WARP_STAGE_TAKES fewer for the
-    // warps' rings: the same shared memory, two blocks an SM)
-    static_assert(STAGED > 0, "a user's stage holds a survivor");
+    constexpr int STAGED = RW_STAGED_OF(KS) - (RW_SBO_PAD > 0);  // survivors a user's stage holds (one fewer
+    // where row groups are padded: the same shared memory, two blocks an SM)
     constexpr int PIECES = CH / 8;                        // 16-byte pieces of a row
     constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH + 16u * RW_SBO_PAD;  // a tile of 128 rows (users or items)
     constexpr unsigned SBO = 16u * CH + RW_SBO_PAD;                         // bytes from a row group of 8 to the next
@@ -226,25 +211,6 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
     RecallStaged<STAGED> pending = {reinterpret_cast<u64*>(tail),
                                     reinterpret_cast<int*>(tail + 8 * RW_TILE * STAGED), u0, {nullptr, 0, 0ull}};
     if (tid < RW_TILE) pending.count[tid] = 0;
-    // The warps' rings (WARP_STAGE) after the counts: each warp's RW_WARP_SLOTS groups of 8 scores, then every
-    // warp's slots' (first row, user in the block | survivors' bits << 8).
-    float* ring = reinterpret_cast<float*>(tail + 8 * RW_TILE * STAGED + 4 * RW_TILE) + warp * (RW_WARP_SLOTS * 8);
-    uint2* ring_meta = reinterpret_cast<uint2*>(tail + 8 * RW_TILE * STAGED + 4 * RW_TILE +
-                                                32 * 8 * RW_WARP_SLOTS) + warp * RW_WARP_SLOTS;
-    int ring_used = 0;  // the same in every lane of the warp
-    // Every slot's survivors appended, a lane a score, the warp's lanes in step; then the ring is empty.
-    auto flush_ring = [&]() {
-        __syncwarp();
-        for (int e = lane; e < 8 * ring_used; e += 32) {
-            const uint2 meta = ring_meta[e >> 3];
-            const int q = e & 7;
-            if ((meta.y >> (8 + q)) & 1u)
-                pending.push(cand, cnt, C, u0 + (int)(meta.y & 0xffu),
-                             recall_key(ring[e], (int)meta.x + 8 * (q >> 1) + (q & 1)));
-        }
-        __syncwarp();
-        ring_used = 0;
-    };
 #endif
 #if RW_A_REGS
     // The users' tile (in the first group) landed, then the warp's fragments of every k-step read from it: lane l
@@ -293,34 +259,6 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
                 float s8[8];
 #pragma unroll
                 for (int q = 0; q < 8; ++q) s8[q] = d[16 * grp + 4 * (q >> 1) + 2 * h + (q & 1)];
-#if !defined(RW_DIRECT_APPEND)
-                if (WARP_STAGE) {
-                    // The group's maximum first, its survivors' bits only where it passes; then a slot of the ring
-                    // for each lane with a survivor, in lane order.
-                    const float m = fmaxf(fmaxf(fmaxf(s8[0], s8[1]), fmaxf(s8[2], s8[3])),
-                                          fmaxf(fmaxf(s8[4], s8[5]), fmaxf(s8[6], s8[7])));
-                    const int row0 = j0 + 32 * grp;
-                    unsigned bits = 0u;
-                    if (m > th[h]) {
-#pragma unroll
-                        for (int q = 0; q < 8; ++q)
-                            if (s8[q] > th[h] && (whole || row0 + 8 * (q >> 1) + (q & 1) < n_items)) bits |= 1u << q;
-                    }
-                    const unsigned lanes = __ballot_sync(0xffffffffu, bits != 0u);
-                    if (lanes != 0u) {  // the same in every lane
-                        if (ring_used + 32 > RW_WARP_SLOTS) flush_ring();
-                        if (bits != 0u) {
-                            const int slot = ring_used + __popc(lanes & ((1u << lane) - 1u));
-                            float4* dst = reinterpret_cast<float4*>(ring + 8 * slot);
-                            dst[0] = make_float4(s8[0], s8[1], s8[2], s8[3]);
-                            dst[1] = make_float4(s8[4], s8[5], s8[6], s8[7]);
-                            ring_meta[slot] = make_uint2((unsigned)row0, (unsigned)(wrow + g + 8 * h) | (bits << 8));
-                        }
-                        ring_used += __popc(lanes);
-                    }
-                    continue;
-                }
-#endif
                 recall_append_group(s8, th[h], u0 + wrow + g + 8 * h, j0 + 32 * grp, whole, n_items, pending, cand,
                                     cnt, C);
             }
@@ -328,7 +266,6 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
 #if defined(RW_DIRECT_APPEND)
     pending.flush(C);
 #else
-    if (WARP_STAGE) flush_ring();
     __syncthreads();  // every survivor staged
     pending.out(cand, cnt, C, tid);
 #endif
