@@ -22,7 +22,8 @@ it then costs more than exact mode's whole search, whatever the certificate does
 certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full of exact ties), every user is searched
 in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
 user, the sampled ones too, is searched in fast mode. The next search of the same k skips the sample where this one
-paid (``FastState.trusted``).
+paid (``FastState.trusted``); a search too small to sample declines where the engine's last one of its k did not pay,
+and runs fast mode again at every :data:`RECHECK_EVERY`-th such search (``FastState.unpaid``).
 
 Exact precision takes the same search where the backend says it pays (``certifies_exact``: the *certified route*):
 the candidates are then re-scored with the exact search's own float32 sums (``Backend.rescore``'s ``ordered``: every
@@ -98,6 +99,14 @@ MIN_SCORES = 1 << 30
 #: search that small gains or loses little either way.
 SAMPLE_DIVISOR = 50
 SAMPLE_MIN = 128
+#: A search too small to sample (under SAMPLE_MIN x SAMPLE_DIVISOR users) searches in exact mode where the engine's
+#: last fast search of the same k did not pay (its modelled cost above DECLINE_COST: a sample's probe that declined,
+#: or a whole search whose users fell back), so that an embedded pipeline's small calls on data the certificate
+#: cannot order (exact ties) pay for the fallbacks once, not at every call (``FastState.unpaid``,
+#: ``stats["fast_declined"]``). Every RECHECK_EVERY-th such search runs fast mode again and finds out afresh: where the
+#: data is still tie-heavy that one costs about what a fallen-back search does (at most the float16 pass and one exact
+#: search), 1/RECHECK_EVERY of it over the calls declined in between.
+RECHECK_EVERY = 16
 #: Searches of at most this many users make every user's float16 copy before the sample's probe (which takes its rows
 #: of them); larger ones let the probe make its own (see ``search``).
 PREPARE_ALL_FIRST = 65_536
@@ -155,7 +164,8 @@ _SHIFT_BLOCK = 16_384
 @dataclass
 class FastState:
     """What a fast engine prepares once: the float16 items (resident) and the maxima the bound needs; and the k of
-    the searches whose certificates paid last time (``trusted``: the next search of that k needs no probe), and the
+    the searches whose certificates paid last time (``trusted``: the next search of that k needs no probe), of those
+    whose did not (``unpaid``: the next search of that k too small to sample declines, RECHECK_EVERY), and the
     first-pass margins learned for a k (``margins``: see WIDE_FIRST)."""
 
     items: certificate.FastItems
@@ -163,6 +173,8 @@ class FastState:
     trusted: set = field(default_factory=set)
     margins: dict = field(default_factory=dict)  # k -> the first pass's margin, where not certificate.margin(k)
     # (learned wider, WIDE_FIRST, or narrower, NARROW_MIN_USERS)
+    unpaid: dict = field(default_factory=dict)  # k -> small searches declined since its last fast search that did
+    # not pay (RECHECK_EVERY)
 
 
 def _state(engine: Any) -> FastState:
@@ -268,8 +280,20 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     sample = _sample_rows(n_users, engine.options.fast_sample)
     share = _pass_share(engine, n_users, k)
     if sample is None:
+        skipped = None if engine._fast is None or engine.options.fast_sample == 0 else engine._fast.unpaid.get(k)
+        if skipped is not None and skipped + 1 < RECHECK_EVERY:
+            engine._fast.unpaid[k] = skipped + 1
+            vals, rows, run_stats = _search_exact(engine, users, k, excl)
+            engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
+                            "fallback_fraction": 0.0, "fast_declined": (
+                                f"the engine's last fast search of k = {k} did not pay (too many of its users fell "
+                                f"back to exact search or were widened), and {n_users:,} users are too few to "
+                                f"sample (under {SAMPLE_MIN * SAMPLE_DIVISOR:,}): fast mode is tried again at every "
+                                f"{RECHECK_EVERY}th such search")}
+            return vals, rows
         vals, rows, engine.stats = _search_fast(engine, users, k, excl, None, ordered, _first_margin(engine, k))
         _learn_margin(engine, k, engine.stats, n_users)
+        _remember_cost(engine, k, engine.stats, n_users, share)
         return vals, rows
     if engine._fast is not None and k in engine._fast.trusted:
         # The engine's last search of this k ran fast mode and its certificates paid: this one skips the probe (a
@@ -301,6 +325,7 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     cost = _taught_cost(engine, k, s_stats, sample.size, share)
     if cost > DECLINE_COST:
         engine._fast.trusted.discard(k)
+        engine._fast.unpaid[k] = 0
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
         stats = {**run_stats, "precision": "exact",
                  "fast_declined": (f"a sample of {sample.size:,} users: {s_stats['fallback_fraction']:.0%} fell "
@@ -417,12 +442,24 @@ def _pass_share(engine: Any, n_users: int, k: int) -> float:
 
 def _trust(engine: Any, k: int, stats: dict, n_users: int, share: float) -> None:
     """Remember whether a whole fast search of ``n_users`` at ``k`` paid (its modelled cost at most DECLINE_COST, at
-    the first margin it teaches the next search), for the next search of that k."""
-    trusted = engine._fast.trusted
-    if _taught_cost(engine, k, stats, n_users, share) <= DECLINE_COST:
-        trusted.add(k)
+    the first margin it teaches the next search), for the next search of that k: one large enough to sample skips
+    its probe where it did (``trusted``), one too small to sample declines where it did not (``unpaid``)."""
+    if _remember_cost(engine, k, stats, n_users, share):
+        engine._fast.trusted.add(k)
     else:
-        trusted.discard(k)
+        engine._fast.trusted.discard(k)
+
+
+def _remember_cost(engine: Any, k: int, stats: dict, n_users: int, share: float) -> bool:
+    """Whether a whole fast search of ``n_users`` at ``k`` paid; remembered for the next search of k too small to
+    sample (``FastState.unpaid``, RECHECK_EVERY). A search too small to sample teaches nothing else: its users are too
+    few to let a large search skip its probe."""
+    paid = _taught_cost(engine, k, stats, n_users, share) <= DECLINE_COST
+    if paid:
+        engine._fast.unpaid.pop(k, None)
+    else:
+        engine._fast.unpaid[k] = 0
+    return paid
 
 
 def _search_exact(engine: Any, users: Any, k: int, excl: Exclusions, options: Any = None) -> tuple[Any, Any, dict]:

@@ -36,7 +36,8 @@
 #             PROBE_PRECISION), then this tree's profile of the same cells              -> $OUT/trees.log
 #
 # Knobs: STEPS (default "setup tests compare"), TEST_TIMEOUT, COMPARE_TIMEOUT, EARLY_TIMEOUT, QUICK_TIMEOUT,
-# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT, NCU_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_ARGS (probe: more of kernel_profile.py's arguments, e.g. --no-per-kernel), PROBE_TREES (probe; "old new" runs .oldtree/ first), WCHECK_ARGS (wcheck: e.g. --per-cta 8,16), WCHECK_DEFINES (wcheck: builds, a run each), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), EARLY_BATCH_SIZES (early: e.g. "auto,131072"), TIMELINE_TIMEOUT, TIMELINE_CELLS, TEST_ARGS (extra pytest arguments, e.g. -x), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
+# FILTERS_TIMEOUT, STATE_TIMEOUT, TREE_TIMEOUT, WCHECK_TIMEOUT, NCU_TIMEOUT (seconds), TREE_TESTS (trees: test paths), PROBE_CELLS, PROBE_VARIANTS, PROBE_PRECISION, PROBE_ARGS (probe: more of kernel_profile.py's arguments, e.g. --no-per-kernel), PROBE_TREES (probe; "old new" runs .oldtree/ first), WCHECK_ARGS (wcheck: e.g. --per-cta 8,16), WCHECK_DEFINES (wcheck: builds, a run each), LATENCY_ARGS (latency), QUICK_MINUTES, EARLY_LAYOUTS (default "pyarrow warehouse"), EARLY_BATCH_SIZES (early: e.g. "auto,131072"), TIMELINE_TIMEOUT, TIMELINE_CELLS, TEST_ARGS (extra pytest arguments, e.g. -x), TEST_FIRST (tests: paths run first, then the
+# rest without them, each under TEST_TIMEOUT: what a short device lease should check first), ROUNDS (compare: rounds of old, new; 2), COMPARE_ARGS
 # (compare: the bench's workload arguments, e.g. "--matrix gpu-quick --cells 0,2,7").
 set -u -o pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -60,10 +61,20 @@ NEW_PATH=".${PYTHONPATH:+:$PYTHONPATH}"
 OLD_PATH=".oldtree${PYTHONPATH:+:$PYTHONPATH}"
 
 if has tests; then
+    ignore=""
+    if [ -n "${TEST_FIRST:-}" ]; then
+        # shellcheck disable=SC2086
+        PYTHONPATH=$NEW_PATH timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+            ${TEST_ARGS:-} $TEST_FIRST >"$OUT/gpu-tests-first.log" 2>&1
+        echo "== gpu tests first: $TEST_FIRST (rc $?, ${SECONDS} s): $(tail -n 1 "$OUT/gpu-tests-first.log")"
+        grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests-first.log" | head -n 20
+        ignore="tests"
+        for path in $TEST_FIRST; do ignore="$ignore --ignore=$path"; done
+    fi
     # shellcheck disable=SC2086
     PYTHONPATH=$NEW_PATH timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-        ${TEST_ARGS:-} >"$OUT/gpu-tests.log" 2>&1
-    echo "== gpu tests (rc $?): $(tail -n 1 "$OUT/gpu-tests.log")"
+        ${TEST_ARGS:-} $ignore >"$OUT/gpu-tests.log" 2>&1
+    echo "== gpu tests (rc $?, ${SECONDS} s): $(tail -n 1 "$OUT/gpu-tests.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 20
 fi
 

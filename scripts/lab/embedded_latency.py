@@ -36,8 +36,8 @@ def main() -> None:
     p.add_argument("--contenders", default="recall,faiss,cuvs,torch")
     p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
     p.add_argument("--variants", default="",
-                   help="comma-separated EngineOptions overrides, each an extra recall contender: fused=force,"
-                        "few_user_tiles=False")
+                   help="comma-separated EngineOptions overrides, each an extra recall contender (fields of one joined "
+                        "by +): fused=force,few_user_tiles=False,certified_exact=on+fast_sample=0")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
@@ -71,7 +71,7 @@ def main() -> None:
             if engine is not None:  # how this engine searched the batch
                 st = engine.stats
                 entry.setdefault("stats", {})[b] = {key: st.get(key) for key in ("fused", "tiles", "graph_blocks",
-                                                                                 "seed_sample", "precision")}
+                                                                                 "seed_sample", "precision", "route")}
             times.sort()
             med, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
             cells.append(f"{med:.2f} / {p90:.2f}")
@@ -87,18 +87,20 @@ def main() -> None:
 
 
 class _Variant(bench_contenders.RecallContender):
-    """Exact recall with one EngineOptions field overridden (``name=value``, value read as a Python literal or a
-    string)."""
+    """Exact recall with EngineOptions fields overridden (``name=value``, several joined by "+", each value read as a
+    Python literal or a string)."""
 
     def __init__(self, device: str, spec: str) -> None:
         from recall import EngineOptions
 
-        field, _, raw = spec.partition("=")
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            value = raw
-        super().__init__(device, options=EngineOptions(**{field: value}))
+        fields = {}
+        for part in spec.split("+"):
+            field, _, raw = part.partition("=")
+            try:
+                fields[field] = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                fields[field] = raw
+        super().__init__(device, options=EngineOptions(**fields))
         self.name = f"recall ({spec})"
 
 

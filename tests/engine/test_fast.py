@@ -414,6 +414,54 @@ def test_a_trusted_k_probes_again_once_a_search_does_not_pay(device, monkeypatch
     assert calls == [128] and engine.stats["precision"] == "exact" and "fast_declined" in engine.stats
 
 
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_a_small_search_declines_where_the_last_one_of_its_k_did_not_pay(device, monkeypatch, precision):
+    # 400 users are too few to sample (under 128 x 50): the first search of k = 50 on 0/1 vectors runs fast mode and
+    # most of its users fall back; the next ones of that k search in exact mode at once, but for every
+    # RECHECK_EVERY-th, which runs fast mode again. A recheck that pays (continuous users) forgets the debt; another
+    # k, and an engine that never samples, keep running fast mode. Exact precision's certified route the same.
+    from recall.backends.protocol import PASS_SHARE
+    from recall.engine import fast as fast_search
+
+    calls = _spy_fast_searches(monkeypatch)
+    monkeypatch.setattr(fast_search, "RECHECK_EVERY", 3)
+    ties, items = ties_data(400, 3000, 12, low=0, high=1, seed=13)
+    users = normal_data(400, 10, 12, seed=17)[0]
+    options = emulated() if precision == "fast" else EngineOptions(certified_exact="on")
+    engine = Engine(items, device=device, precision=precision, options=options)
+    want = Engine(items, device=device).search(ties, 50)
+    declined_key = "fast_declined" if precision == "fast" else "certified_declined"
+
+    got = engine.search(ties, 50)
+    oracle.assert_same_result(got, want)
+    assert calls == [400] and fast_search._cost(engine.stats, 400, PASS_SHARE) > fast_search.DECLINE_COST, (
+        engine.stats)
+    for _ in range(2):  # declined: the last search of k = 50 did not pay
+        calls.clear()
+        got = engine.search(ties, 50)
+        oracle.assert_same_result(got, want)
+        assert calls == [] and engine.stats["precision"] == "exact", engine.stats
+        assert "did not pay" in engine.stats[declined_key] and "400 users" in engine.stats[declined_key]
+    calls.clear()
+    other = engine.search(ties, 49)  # another k: no debt
+    oracle.assert_same_result(other, Engine(items, device=device).search(ties, 49))
+    assert calls == [400], engine.stats
+    calls.clear()
+    got = engine.search(users, 50)  # the third search of k = 50 since: fast mode again, and it pays
+    oracle.assert_topk_close(as_numpy(got.indices), as_numpy(got.scores), users, items, 50)
+    assert calls == [400] and declined_key not in engine.stats, engine.stats
+    calls.clear()
+    engine.search(users, 50)
+    assert calls == [400] and declined_key not in engine.stats, engine.stats
+
+    never = Engine(items, device=device, precision=precision, options=(
+        emulated(fast_sample=0) if precision == "fast" else EngineOptions(certified_exact="on", fast_sample=0)))
+    calls.clear()
+    never.search(ties, 50)
+    never.search(ties, 50)
+    assert calls == [400, 400], never.stats
+
+
 def _assert_plateau_exact(res, users, items, k):
     # Against the float64 oracle to a millionth of |u|·|v|: a tenth of the plateau's spacing, so that a wrong item
     # fails while a swap of two scores a float32 rounding apart (fast mode's sums are in its own order) passes.
