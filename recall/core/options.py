@@ -80,8 +80,9 @@ class EngineOptions:
         Fast precision: the most users a large search scores first, to find out whether the certificate pays (1/50
         of the users, at most this many, when that is at least 128); where too many of them fall back, the other
         users are searched in exact mode (``stats["fast_declined"]``). A search too small to sample declines where
-        the engine's last fast search of the same k did not pay, but for every 16th such search, which finds out
-        afresh. 0: never sample, nor decline for the last search.
+        the engine's last fast search of the same k did not pay, but for a recheck after 16 such searches (twice as
+        many after each recheck that did not pay, up to 256), which finds out afresh. 0: never sample, nor decline
+        for the last search.
     certified_exact : {"auto", "on", "off"}
         Exact precision: find each user's candidates with fast mode's certified float16 pass and re-score them with
         the exact search's own float32 arithmetic (every dimension in order, one FMA each: the fused kernel's sums,

@@ -23,7 +23,8 @@ certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full of exact 
 in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
 user, the sampled ones too, is searched in fast mode. The next search of the same k skips the sample where this one
 paid (``FastState.trusted``); a search too small to sample declines where the engine's last one of its k did not pay,
-and runs fast mode again at every :data:`RECHECK_EVERY`-th such search (``FastState.unpaid``).
+and runs fast mode again after :data:`RECHECK_EVERY` such searches, twice as many after each that did not pay
+(``FastState.unpaid``).
 
 Exact precision takes the same search where the backend says it pays (``certifies_exact``: the *certified route*):
 the candidates are then re-scored with the exact search's own float32 sums (``Backend.rescore``'s ``ordered``: every
@@ -103,10 +104,13 @@ SAMPLE_MIN = 128
 #: last fast search of the same k did not pay (its modelled cost above DECLINE_COST: a sample's probe that declined,
 #: or a whole search whose users fell back), so that an embedded pipeline's small calls on data the certificate
 #: cannot order (exact ties) pay for the fallbacks once, not at every call (``FastState.unpaid``,
-#: ``stats["fast_declined"]``). Every RECHECK_EVERY-th such search runs fast mode again and finds out afresh: where the
-#: data is still tie-heavy that one costs about what a fallen-back search does (at most the float16 pass and one exact
-#: search), 1/RECHECK_EVERY of it over the calls declined in between.
+#: ``stats["fast_declined"]``). The RECHECK_EVERY-th such search runs fast mode again and finds out afresh; where that
+#: one does not pay either, the next recheck comes after twice as many, up to RECHECK_MOST. A recheck on data still
+#: tie-heavy costs what a fallen-back search does (modelled as DECLINE_COST models it: the float16 passes and an exact
+#: search for most users, 1.5-2 exact searches), spread over the searches declined before it: 3-6% at first, under 1%
+#: from the fourth recheck on, while data that turns continuous again is found within RECHECK_MOST searches.
 RECHECK_EVERY = 16
+RECHECK_MOST = 256
 #: Searches of at most this many users make every user's float16 copy before the sample's probe (which takes its rows
 #: of them); larger ones let the probe make its own (see ``search``).
 PREPARE_ALL_FIRST = 65_536
@@ -173,8 +177,8 @@ class FastState:
     trusted: set = field(default_factory=set)
     margins: dict = field(default_factory=dict)  # k -> the first pass's margin, where not certificate.margin(k)
     # (learned wider, WIDE_FIRST, or narrower, NARROW_MIN_USERS)
-    unpaid: dict = field(default_factory=dict)  # k -> small searches declined since its last fast search that did
-    # not pay (RECHECK_EVERY)
+    unpaid: dict = field(default_factory=dict)  # k -> (small searches declined since its last fast search, which did
+    # not pay; the searches until the next recheck: RECHECK_EVERY)
 
 
 def _state(engine: Any) -> FastState:
@@ -280,16 +284,16 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     sample = _sample_rows(n_users, engine.options.fast_sample)
     share = _pass_share(engine, n_users, k)
     if sample is None:
-        skipped = None if engine._fast is None or engine.options.fast_sample == 0 else engine._fast.unpaid.get(k)
-        if skipped is not None and skipped + 1 < RECHECK_EVERY:
-            engine._fast.unpaid[k] = skipped + 1
+        debt = None if engine._fast is None or engine.options.fast_sample == 0 else engine._fast.unpaid.get(k)
+        if debt is not None and debt[0] + 1 < debt[1]:
+            engine._fast.unpaid[k] = (debt[0] + 1, debt[1])
             vals, rows, run_stats = _search_exact(engine, users, k, excl)
             engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
                             "fallback_fraction": 0.0, "fast_declined": (
                                 f"the engine's last fast search of k = {k} did not pay (too many of its users fell "
                                 f"back to exact search or were widened), and {n_users:,} users are too few to "
-                                f"sample (under {SAMPLE_MIN * SAMPLE_DIVISOR:,}): fast mode is tried again at every "
-                                f"{RECHECK_EVERY}th such search")}
+                                f"sample (under {SAMPLE_MIN * SAMPLE_DIVISOR:,}): fast mode is tried again after "
+                                f"{debt[1] - debt[0] - 2} more such searches")}
             return vals, rows
         vals, rows, engine.stats = _search_fast(engine, users, k, excl, None, ordered, _first_margin(engine, k))
         _learn_margin(engine, k, engine.stats, n_users)
@@ -325,7 +329,7 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     cost = _taught_cost(engine, k, s_stats, sample.size, share)
     if cost > DECLINE_COST:
         engine._fast.trusted.discard(k)
-        engine._fast.unpaid[k] = 0
+        _owe(engine, k)
         vals, rows, run_stats = _search_exact(engine, users, k, excl)
         stats = {**run_stats, "precision": "exact",
                  "fast_declined": (f"a sample of {sample.size:,} users: {s_stats['fallback_fraction']:.0%} fell "
@@ -458,8 +462,16 @@ def _remember_cost(engine: Any, k: int, stats: dict, n_users: int, share: float)
     if paid:
         engine._fast.unpaid.pop(k, None)
     else:
-        engine._fast.unpaid[k] = 0
+        _owe(engine, k)
     return paid
+
+
+def _owe(engine: Any, k: int) -> None:
+    """A fast search of ``k`` did not pay: the next ones too small to sample decline, until a recheck after
+    RECHECK_EVERY of them, or twice as many as before where the last recheck did not pay either (RECHECK_MOST)."""
+    unpaid = engine._fast.unpaid
+    before = unpaid.get(k)
+    unpaid[k] = (0, RECHECK_EVERY if before is None else min(2 * before[1], RECHECK_MOST))
 
 
 def _search_exact(engine: Any, users: Any, k: int, excl: Exclusions, options: Any = None) -> tuple[Any, Any, dict]:

@@ -425,6 +425,7 @@ def test_a_small_search_declines_where_the_last_one_of_its_k_did_not_pay(device,
 
     calls = _spy_fast_searches(monkeypatch)
     monkeypatch.setattr(fast_search, "RECHECK_EVERY", 3)
+    monkeypatch.setattr(fast_search, "RECHECK_MOST", 6)
     ties, items = ties_data(400, 3000, 12, low=0, high=1, seed=13)
     users = normal_data(400, 10, 12, seed=17)[0]
     options = emulated() if precision == "fast" else EngineOptions(certified_exact="on")
@@ -446,8 +447,18 @@ def test_a_small_search_declines_where_the_last_one_of_its_k_did_not_pay(device,
     other = engine.search(ties, 49)  # another k: no debt
     oracle.assert_same_result(other, Engine(items, device=device).search(ties, 49))
     assert calls == [400], engine.stats
+    # The third search of k = 50 since: fast mode again. On ties it does not pay either: the next recheck comes after
+    # twice as many (6), and each after that after RECHECK_MOST (6).
+    for _ in range(3):
+        calls.clear()
+        got = engine.search(ties, 50)
+        oracle.assert_same_result(got, want)
+        assert calls == [400] and declined_key not in engine.stats, engine.stats
+        for left in range(4, -1, -1):
+            engine.search(ties, 50)
+            assert calls == [400] and f"after {left} more" in engine.stats[declined_key], engine.stats
     calls.clear()
-    got = engine.search(users, 50)  # the third search of k = 50 since: fast mode again, and it pays
+    got = engine.search(users, 50)  # a recheck, on continuous users: it pays, and the debt is forgotten
     oracle.assert_topk_close(as_numpy(got.indices), as_numpy(got.scores), users, items, 50)
     assert calls == [400] and declined_key not in engine.stats, engine.stats
     calls.clear()
