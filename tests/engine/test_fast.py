@@ -473,6 +473,28 @@ def test_a_small_search_declines_where_the_last_one_of_its_k_did_not_pay(device,
     assert calls == [400, 400], never.stats
 
 
+@settings(max_examples=12, deadline=None)
+@given(searches=st.lists(st.tuples(st.booleans(), st.sampled_from([20, 50]), st.integers(1, 300)), min_size=2,
+                         max_size=7), recheck=st.integers(1, 3))
+def test_the_small_search_memory_never_changes_an_answer(monkeypatch, searches, recheck):
+    # Exact precision's certified route on one engine through any run of small searches, tie-heavy or continuous,
+    # at two k, declined or not: every answer is exact mode's, bit for bit.
+    from recall.engine import fast as fast_search
+
+    monkeypatch.setattr(fast_search, "RECHECK_EVERY", recheck)
+    monkeypatch.setattr(fast_search, "RECHECK_MOST", 2 * recheck)
+    ties, items = ties_data(300, 3000, 12, low=0, high=1, seed=13)
+    users = normal_data(300, 10, 12, seed=4)[0]
+    engine = Engine(items, device="cpu", options=EngineOptions(certified_exact="on"))
+    exact = Engine(items, device="cpu")
+    routes = set()
+    for tie, k, n in searches:
+        q = (ties if tie else users)[:n]
+        oracle.assert_same_result(engine.search(q, k), exact.search(q, k))
+        routes.add(engine.stats["route"])
+    assert routes <= {"certified", "float32"}, routes
+
+
 def _assert_plateau_exact(res, users, items, k):
     # Against the float64 oracle to a millionth of |u|·|v|: a tenth of the plateau's spacing, so that a wrong item
     # fails while a swap of two scores a float32 rounding apart (fast mode's sums are in its own order) passes.
