@@ -227,10 +227,8 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool = Fa
     except ResourceError as exc:
         # Fast mode's passes keep more candidates a user than exact mode's k (k + m + 1, and more where widened):
         # a memory budget can hold exact mode's search and not those.
-        vals, rows, run_stats = _search_exact(engine, users, k, excl)
-        engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
-                        "fallback_fraction": 0.0,
-                        "fast_declined": f"the memory budget holds exact mode's search, not fast mode's passes: {exc}"}
+        vals, rows = _declined_search(engine, users, k, excl, (
+            f"the memory budget holds exact mode's search, not fast mode's passes: {exc}"))
     if ordered:
         engine.stats = _as_exact(engine.stats)
     return vals, rows
@@ -276,25 +274,13 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
         if wide > limit * engine.n_items:
             declined = (f"{wide:,} candidates per user would be re-scored, {wide / engine.n_items:.2%} of the "
                         f"{engine.n_items:,} items (above {limit:.1%}): exact mode is faster")
-    if declined is not None:
-        vals, rows, run_stats = _search_exact(engine, users, k, excl)
-        engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
-                        "fallback_fraction": 0.0, "fast_declined": declined}
-        return vals, rows
     sample = _sample_rows(n_users, engine.options.fast_sample)
+    if declined is None and sample is None:
+        declined = _owed(engine, k, n_users)
+    if declined is not None:
+        return _declined_search(engine, users, k, excl, declined)
     share = _pass_share(engine, n_users, k)
     if sample is None:
-        debt = None if engine._fast is None or engine.options.fast_sample == 0 else engine._fast.unpaid.get(k)
-        if debt is not None and debt[0] + 1 < debt[1]:
-            engine._fast.unpaid[k] = (debt[0] + 1, debt[1])
-            vals, rows, run_stats = _search_exact(engine, users, k, excl)
-            engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
-                            "fallback_fraction": 0.0, "fast_declined": (
-                                f"the engine's last fast search of k = {k} did not pay (too many of its users fell "
-                                f"back to exact search or were widened), and {n_users:,} users are too few to "
-                                f"sample (under {SAMPLE_MIN * SAMPLE_DIVISOR:,}): fast mode is tried again after "
-                                f"{debt[1] - debt[0] - 2} more such searches")}
-            return vals, rows
         vals, rows, engine.stats = _search_fast(engine, users, k, excl, None, ordered, _first_margin(engine, k))
         _learn_margin(engine, k, engine.stats, n_users)
         _remember_cost(engine, k, engine.stats, n_users, share)
@@ -472,6 +458,26 @@ def _owe(engine: Any, k: int) -> None:
     unpaid = engine._fast.unpaid
     before = unpaid.get(k)
     unpaid[k] = (0, RECHECK_EVERY if before is None else min(2 * before[1], RECHECK_MOST))
+
+
+def _owed(engine: Any, k: int, n_users: int) -> str | None:
+    """Why a search of ``n_users`` too small to sample declines (RECHECK_EVERY): the engine's last fast search of
+    ``k`` did not pay and no recheck is due (the search is counted); None where it runs fast mode."""
+    debt = None if engine._fast is None or engine.options.fast_sample == 0 else engine._fast.unpaid.get(k)
+    if debt is None or debt[0] + 1 >= debt[1]:
+        return None
+    engine._fast.unpaid[k] = (debt[0] + 1, debt[1])
+    return (f"the engine's last fast search of k = {k} did not pay (too many of its users fell back to exact search "
+            f"or were widened), and {n_users:,} users are too few to sample (under {SAMPLE_MIN * SAMPLE_DIVISOR:,}): "
+            f"fast mode is tried again after {debt[1] - debt[0] - 2} more such searches")
+
+
+def _declined_search(engine: Any, users: Any, k: int, excl: Exclusions, why: str) -> tuple[Any, Any]:
+    """Exact mode's search of prepared ``users`` where fast mode declined before any pass, ``why`` in the stats."""
+    vals, rows, run_stats = _search_exact(engine, users, k, excl)
+    engine.stats = {**run_stats, "precision": "exact", "fallback_users": 0, "widened_users": 0,
+                    "fallback_fraction": 0.0, "fast_declined": why}
+    return vals, rows
 
 
 def _search_exact(engine: Any, users: Any, k: int, excl: Exclusions, options: Any = None) -> tuple[Any, Any, dict]:
