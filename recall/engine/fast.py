@@ -213,14 +213,15 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool = Fa
     """Fast mode's search of prepared ``users`` (n, dim) float32 (host or backend): (scores, rows) (n, k) backend
     arrays, inner-product space, exactly exact mode's answer; sets ``engine.stats``. ``ordered``: exact precision's
     certified route (the module docstring): exact mode's scores bit for bit."""
-    if ordered:
-        if engine._fast is None and not _room_for_copy(engine):
-            vals, rows, run_stats = _search_exact(engine, users, k, excl)
-            engine.stats = _as_exact({**run_stats, "precision": "exact", "fast_declined": (
-                "no room on the device for a float16 copy of the items beside the memory budget")})
-            return vals, rows
+    if ordered and engine._fast is None and not _room_for_copy(engine):
+        vals, rows, run_stats = _search_exact(engine, users, k, excl)
+        engine.stats = _as_exact({**run_stats, "precision": "exact", "fast_declined": (
+            "no room on the device for a float16 copy of the items beside the memory budget")})
+        return vals, rows
+    if ordered or (isinstance(users, np.ndarray) and users.nbytes <= engine.memory_budget):
         # Host users go to the backend first: their float16 copies and certificates are made there, not on the host
-        # (for 1M users a second or more of NumPy, against a search of a fraction of that).
+        # (for 1M users a second or more of NumPy, against a search of a fraction of that). The route's users fit
+        # the budget (``certifies_exact``) unless it was forced on; fast mode's larger ones stay where they are.
         users = engine.backend.ingest(users)
     try:
         vals, rows = _search(engine, users, k, excl, ordered)

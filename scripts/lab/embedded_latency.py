@@ -4,11 +4,12 @@ in the same process, each with its items prepared once (not timed).
 Run from the project root on a GPU machine (FAISS and cuVS staged as for ``recall bench``)::
 
     PYTHONPATH=. python3 scripts/lab/embedded_latency.py [--items 1000000] [--dim 64] [--k 100]
-        [--batches 1,32,1024] [--contenders recall,faiss,cuvs,torch] [--variants fused=force]
+        [--batches 1,32,1024] [--contenders recall,faiss,cuvs,torch] [--variants fused=force] [--host]
         [--json $OUT/latency.json]
 
 For every batch size: 5 warm-up calls, then ``--calls`` timed calls, each a search of the same users (arrays on the
-``--device``, generated from seed 0 with the items, clustered) between two synchronisations; the median and the 90th
+``--device``, or NumPy arrays with ``--host``, as a job's batches come; generated from seed 0 with the items,
+clustered) between two synchronisations; the median and the 90th
 percentile in milliseconds. Contenders that cannot run are listed with the reason.
 """
 from __future__ import annotations
@@ -38,10 +39,13 @@ def main() -> None:
     p.add_argument("--variants", default="",
                    help="comma-separated EngineOptions overrides, each an extra recall contender (fields of one joined "
                         "by +): fused=force,few_user_tiles=False,certified_exact=on+fast_sample=0")
+    p.add_argument("--host", action="store_true", help="users as NumPy arrays (a job's batches), not the device's")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     users, items = generate(a.kind, max(batches), a.items, a.dim, seed=0, device=a.device)
+    if a.host and hasattr(users, "get"):
+        users = users.get()
     rows = []
     print(f"| contender | {' | '.join(f'{b} users: median / p90 ms' for b in batches)} |", flush=True)
     contenders = bench_contenders.build(a.contenders.split(","), a.device, inexact=False)
@@ -82,7 +86,8 @@ def main() -> None:
             print(f"  {c.name}: {entry['stats']}", flush=True)
         rows.append(entry)
     if a.json:
-        a.json.write_text(json.dumps({"items": a.items, "dim": a.dim, "k": a.k, "kind": a.kind, "rows": rows},
+        a.json.write_text(json.dumps({"items": a.items, "dim": a.dim, "k": a.k, "kind": a.kind, "host": a.host,
+                                      "rows": rows},
                                      indent=2))
 
 

@@ -151,7 +151,7 @@ def test_ordered_rescore_equals_the_emulation(dim, path, longest, k):
     rows[indptr[9] + 3] = -1  # an empty slot
     rows[indptr[2]:indptr[2] + 2] = (4001, 4000)  # a tie: the lower row first
     rows[indptr[3] + 5] = rows[indptr[3] + 9]  # a repeated row among others
-    assert rescore.takes_warp(k, int(lengths.max()), dim, True) == (longest <= 128 and path == "fused")
+    assert rescore.takes_warp(k, int(lengths.max()), dim) == (longest <= 128 and path == "fused")
     backend = resolve("gpu")
     loaded = backend.load_items(cupy.asarray(items))
     vals, got, taken = backend.rescore(users, loaded, indptr, cupy.asarray(rows), k, 1 << 28,

@@ -376,16 +376,15 @@ def test_launch_config_holds_every_list(monkeypatch, k, longest, dim, ordered):
     assert sz % 2 == 0  # the stage after the keys stays 16-byte aligned
 
 
-def test_short_ordered_lists_take_a_warp_a_user():
-    # Exact mode's certified route re-scores k + m + 1 candidates a user: 126 at k = 100, a warp a user; longer lists,
-    # larger k and fast mode's unordered sums keep the block kernel.
-    assert takes_warp(100, 126, 64, True) and takes_warp(128, 128, 257, True) and takes_warp(1, 1, 1, True)
-    assert not takes_warp(100, 126, 64, False)
-    assert not takes_warp(129, 129, 64, True) and not takes_warp(100, 129, 64, True)
-    assert not takes_warp(100, 126, 0, True)  # precomputed scores (select): no vectors to sum
+def test_short_lists_take_a_warp_a_user():
+    # The certified route and fast mode re-score k + m + 1 candidates a user: 126 at k = 100, a warp a user; longer
+    # lists and larger k keep the block kernel.
+    assert takes_warp(100, 126, 64) and takes_warp(128, 128, 257) and takes_warp(1, 1, 1)
+    assert not takes_warp(129, 129, 64) and not takes_warp(100, 129, 64)
+    assert not takes_warp(100, 126, 0)  # precomputed scores (select): no vectors to sum
     # Four warps' keys, stages, vectors and rows: 28,736 bytes at d = 257; past the 48 KiB every device has, the block.
     assert warp_smem_bytes(257) == 4 * (8 * 128 + 4 * 32 * 36 + 4 * 260 + 4 * 128) == 28_736
-    assert warp_smem_bytes(1536) <= 48 * 1024 < warp_smem_bytes(1540) and not takes_warp(100, 126, 1540, True)
+    assert warp_smem_bytes(1536) <= 48 * 1024 < warp_smem_bytes(1540) and not takes_warp(100, 126, 1540)
 
 
 def test_wgmma_kernels_keep_two_blocks_an_sm():

@@ -41,7 +41,7 @@ def _kernel(vec: bool, ordered: bool = False) -> Any:
     return mod.get_function(expr)
 
 
-#: Ordered re-scoring of lists of at most this many candidates, for k up to it, takes a warp a user
+#: Re-scoring of lists of at most this many candidates, for k up to it, takes a warp a user
 #: (``recall_rescore_warp_t``, rescore.cu's RS_WARP_KEYS) instead of a block.
 WARP_KEYS = 128
 _WARP_THREADS = 128  # four users a block
@@ -58,10 +58,13 @@ def warp_smem_bytes(dim: int) -> int:
     return (_WARP_THREADS // 32) * (8 * WARP_KEYS + 4 * _ORD_STAGE + 4 * ((dim + 3) // 4 * 4) + 4 * WARP_KEYS)
 
 
-def takes_warp(k: int, longest: int, dim: int, ordered: bool) -> bool:
-    """Whether a launch re-scores a warp a user: ordered sums of at most WARP_KEYS candidates a user, k <= WARP_KEYS,
-    and the warps' shared memory within a block's default (dim up to 1,536)."""
-    return ordered and dim > 0 and k <= WARP_KEYS and longest <= WARP_KEYS and warp_smem_bytes(dim) <= _DEFAULT_SMEM
+def takes_warp(k: int, longest: int, dim: int) -> bool:
+    """Whether a launch re-scores a warp a user: at most WARP_KEYS candidates a user, k <= WARP_KEYS, and the warps'
+    shared memory within a block's default (dim up to 1,536). The warp sums in exact mode's order, so an unordered
+    launch gets ordered sums there (float32 sums as exact): on 1M users x 4,096 items x 64 at k = 10 (27 candidates
+    a user) fast mode took 0.0226 s in the block kernel where exact precision's route, the same passes with the warp,
+    took 0.0207 s (H100, gpu-quick cell 25, docs/benchmarks.md)."""
+    return dim > 0 and k <= WARP_KEYS and longest <= WARP_KEYS and warp_smem_bytes(dim) <= _DEFAULT_SMEM
 
 
 def lanes(dim: int, ordered: bool = False) -> int:
@@ -169,7 +172,7 @@ def rescore_fused(users: Any, items: Any, indptr: np.ndarray | int, rows: Any, k
         longest = int(lengths.max()) if lengths.size else 1
     else:
         longest = max(width, 1) if n else 1
-    warp = takes_warp(k, longest, dim, ordered)
+    warp = takes_warp(k, longest, dim)
     cfg = None if warp else launch_config(k, dim, longest, ordered)
     if (cfg is None and not warp) or n_items >= 2 ** 31:
         return False
