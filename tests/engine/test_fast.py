@@ -238,6 +238,30 @@ def test_fast_with_device_users(device):
     assert engine.stats["fallback_fraction"] < 0.01, engine.stats
 
 
+@pytest.mark.gpu
+def test_fast_prepares_host_users_on_the_device(device, monkeypatch):
+    # GPU: host users (a job's batches) go to the device before their float16 copies and certificates are made, as
+    # the certified route's do: made by NumPy they took a second or more for 1M users.
+    if device != "gpu":
+        pytest.skip("the host and the device are one on the CPU")
+    made_by = []
+    prepare = fast.prepare_users
+
+    def spy(xp, *args, **kwargs):
+        made_by.append(xp.__name__)
+        return prepare(xp, *args, **kwargs)
+
+    monkeypatch.setattr(fast, "prepare_users", spy)
+    users, items = clustered_data(6400, 20000, 64, seed=16)
+    engine = Engine(items, device="gpu", precision="fast")
+    got = engine.search(users, 50)
+    assert isinstance(got.indices, np.ndarray) and "numpy" not in made_by, made_by
+    assert engine.stats["precision"] == "fast" and engine.stats["fast_sample"] == 128
+    want = Engine(items, device="gpu").search(users, 50)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5, atol=1e-5)
+    oracle.assert_topk_close(got.indices[:300], got.scores[:300], users[:300], items, 50)
+
+
 def _planted(similar_norms: bool, n_decoys: int = 100):
     # One user direction (all ones, exact in float16). The planted item's components sit just below a float16
     # rounding midpoint: it rounds down by almost the whole error bound and its approximate score (8) falls below
