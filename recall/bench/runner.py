@@ -77,7 +77,8 @@ SCHEMA = 2
 ``excl_nnz``, ``exclusions_s`` and ``cell``; checks gain ``excluded_returned``; a matrix run adds ``matrix`` (the grid,
 its cells and one summary row per cell). Every key of schema 1 is still there with the same meaning. Added within 2
 (readers must not require them): rows' ``extra_runs`` (timed runs beyond ``repeat``) and ``gc_s`` (each timed run's
-seconds of garbage collection)."""
+seconds of garbage collection); end-to-end rows for each precision of the engine's rows (contender ``recall-fast``:
+the job in fast precision)."""
 
 
 @dataclass
@@ -272,9 +273,10 @@ def _read_candidates(path: Path, rows: np.ndarray, k: int) -> tuple[np.ndarray, 
 
 
 def _e2e(w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings, log: Callable[[str], None],
-         metric: str = "ip", excl: Any = None) -> list[dict[str, Any]]:
-    """Parquet to Parquet through ``recall.jobs.score_files``, once per layout of ``s.layouts``, with the files in
-    the page cache; the exclusions (if any) go in as a Parquet of (user_id, item_ids)."""
+         metric: str = "ip", excl: Any = None, precisions: Any = (None,)) -> list[dict[str, Any]]:
+    """Parquet to Parquet through ``recall.jobs.score_files``, once per layout of ``s.layouts`` and engine precision
+    of ``precisions`` (None: the job's default), with the files in the page cache; the exclusions (if any) go in as a
+    Parquet of (user_id, item_ids)."""
     from recall.jobs import score_files
 
     rows = []
@@ -286,15 +288,18 @@ def _e2e(w: Workload, users: Any, items: Any, truth: oracle.Truth, s: Settings, 
             excl_path = tmp_path / "exclusions.parquet"
             lay.write_exclusions(*excl.host(), excl_path)
         for layout in s.layouts:
-            rows.append(_e2e_layout(w, host_users, host_items, items, truth, s, log, metric, layout, tmp_path,
-                                    excl_path, score_files))
+            for precision in precisions:
+                rows.append(_e2e_layout(w, host_users, host_items, items, truth, s, log, metric, layout, tmp_path,
+                                        excl_path, score_files, precision))
     return rows
 
 
 def _e2e_layout(w: Workload, host_users: np.ndarray, host_items: np.ndarray, items: Any, truth: oracle.Truth,
                 s: Settings, log: Callable[[str], None], metric: str, layout: str, tmp_path: Path,
-                excl_path: Path | None, score_files: Callable[..., Any]) -> dict[str, Any]:
-    row = _row(w, "recall", "recall", s.device, True, mode="e2e", metric=metric)
+                excl_path: Path | None, score_files: Callable[..., Any],
+                precision: str | None = None) -> dict[str, Any]:
+    name = "recall" if precision in (None, "exact") else f"recall-{precision}"
+    row = _row(w, name, "recall", s.device, True, mode="e2e", metric=metric)
     row["layout"] = layout
     try:
         users_path, items_path = tmp_path / f"users-{layout}.parquet", tmp_path / f"items-{layout}.parquet"
@@ -304,6 +309,8 @@ def _e2e_layout(w: Workload, host_users: np.ndarray, host_items: np.ndarray, ite
 
         def once(out: Path) -> float:
             kwargs: dict[str, Any] = {"metric": metric, "device": s.device, "memory_budget": s.memory_budget}
+            if precision is not None:
+                kwargs["precision"] = precision
             if excl_path is not None:
                 kwargs["exclude_path"] = str(excl_path)
             t0 = _clock()
@@ -333,10 +340,10 @@ def _e2e_layout(w: Workload, host_users: np.ndarray, host_items: np.ndarray, ite
         row["check"] = oracle.check(truth, items, idx, sc, rtol=s.rtol, rows_are_sampled=True).as_dict()
         for p in (users_path, items_path, out):
             os.remove(p)
-        log(f"  e2e ({layout}): median {row['median_s']:.4g} s, recall@{w.k} {row['check']['recall']:.4f}")
+        log(f"  {name} e2e ({layout}): median {row['median_s']:.4g} s, recall@{w.k} {row['check']['recall']:.4f}")
     except Exception as exc:
         row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
-        log(f"  e2e ({layout}): ERROR {row['reason']}")
+        log(f"  {name} e2e ({layout}): ERROR {row['reason']}")
     return row
 
 
@@ -346,14 +353,14 @@ def _same_cell(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
     """vs_faiss = FAISS median time / contender median time, within the same workload, device and mode (the
-    GpuIndexFlat row, else knn_gpu); for an end-to-end row (one per file layout), vs_resident = its median / the
-    median of the engine's own search of resident data (the "recall" row of the same workload), the cost of the
-    files around the search."""
+    GpuIndexFlat row, else knn_gpu); for an end-to-end row (one per file layout and precision), vs_resident = its
+    median / the median of the engine's own search of resident data in that precision (the row of the same
+    contender and workload), the cost of the files around the search."""
     for r in rows:
         if r["mode"] != "kernel":
             # An end-to-end job and a resident-data kernel are different things to compare with FAISS.
-            own = next((b for b in rows if b["contender"] == "recall" and b["mode"] == "kernel" and _same_cell(r, b)
-                        and b["median_s"]), None)
+            own = next((b for b in rows if b["contender"] == r["contender"] and b["mode"] == "kernel"
+                        and _same_cell(r, b) and b["median_s"]), None)
             if own is not None and r["median_s"]:
                 r["vs_resident"] = r["median_s"] / own["median_s"]
             continue
@@ -476,7 +483,9 @@ def run(s: Settings, log: Callable[[str], None] = lambda msg: None, argv: list[s
         truth, excl = _truth_and_exclusions(w, users, items, s, metric, winfo)
         results = [_time_contender(c, w, users, items, truth, s, log, excl, metric) for c in built]
         if s.e2e and not (w.candidates or w.interests):  # score_files runs full single-vector searches
-            results.extend(_e2e(w, users, items, truth, s, log, metric, excl))
+            # One job per precision the engine runs here: fast mode's job (host batches) is not its resident search.
+            precisions = [c.precision for c in built if isinstance(c, cont.RecallContender)] or [None]
+            results.extend(_e2e(w, users, items, truth, s, log, metric, excl, precisions))
         _ratios(results)
         doc["results"].extend(results)
         del users, items, truth, excl

@@ -69,6 +69,34 @@ def test_cli_tiny_cpu_writes_every_field(tmp_path):
     assert doc["plot"].startswith("wrote") or doc["plot"].startswith("skipped")
 
 
+def test_e2e_rows_for_each_precision(tmp_path, monkeypatch):
+    # Where the engine runs fast mode too (the GPU), the job runs in it too: fast mode's job hands the engine host
+    # batches, which its resident search never sees. Each row is measured against its own precision's search.
+    monkeypatch.setattr(contenders, "engine_precisions", lambda device="gpu": ["exact", "fast"])
+    from recall import jobs
+
+    precisions, score_files = [], jobs.score_files
+
+    def spy(*args, **kwargs):
+        precisions.append(kwargs.get("precision"))
+        return score_files(*args, **kwargs)
+
+    monkeypatch.setattr(jobs, "score_files", spy)
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(app, ["bench", "--workload", "tiny", "--device", "cpu", "--contenders", "recall",
+                                      "--repeat", "1", "--sample-users", "200", "--out", str(out), "--e2e"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "results.json").read_text())
+    kernel = {r["contender"]: r for r in doc["results"] if r["mode"] == "kernel"}
+    e2e = {r["contender"]: r for r in doc["results"] if r["mode"] == "e2e"}
+    assert set(kernel) == set(e2e) == {"recall", "recall-fast"}
+    assert set(precisions) == {"exact", "fast"}
+    for name, r in e2e.items():
+        assert r["status"] == "ok" and r["check"]["recall"] == 1.0, r
+        assert r["vs_resident"] == pytest.approx(r["median_s"] / kernel[name]["median_s"])
+    assert "recall-fast (e2e)" in (out / "results.md").read_text()
+
+
 def test_missing_contender_is_reported_as_skipped_with_reason(monkeypatch, tmp_path):
     monkeypatch.setattr(contenders, "_import_torch", lambda: (None, "torch is not installed (test)"))
     out = tmp_path / "bench"
