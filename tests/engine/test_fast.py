@@ -262,6 +262,23 @@ def test_fast_prepares_host_users_on_the_device(device, monkeypatch):
     oracle.assert_topk_close(got.indices[:300], got.scores[:300], users[:300], items, 50)
 
 
+@pytest.mark.gpu
+def test_fast_declines_host_users_beyond_the_memory_budget(device):
+    # GPU: host users more than the memory budget holds are not copied to the device at once; fast mode would make
+    # their float16 copies on the host instead, so it declines to exact mode, which stages them block by block.
+    if device != "gpu":
+        pytest.skip("the host and the device are one on the CPU")
+    users, items = clustered_data(40_000, 20_000, 64, seed=17)
+    budget = 8 << 20
+    assert users.nbytes > budget
+    want = Engine(items, device="gpu", memory_budget=budget).search(users, 50)
+    engine = Engine(items, device="gpu", precision="fast", memory_budget=budget)
+    got = engine.search(users, 50)
+    assert engine.stats["precision"] == "exact" and "host users" in engine.stats["fast_declined"], engine.stats
+    np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_array_equal(got.scores, want.scores)
+
+
 def _planted(similar_norms: bool, n_decoys: int = 100):
     # One user direction (all ones, exact in float16). The planted item's components sit just below a float16
     # rounding midpoint: it rounds down by almost the whole error bound and its approximate score (8) falls below
