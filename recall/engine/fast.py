@@ -218,16 +218,17 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool = Fa
         engine.stats = _as_exact({**run_stats, "precision": "exact", "fast_declined": (
             "no room on the device for a float16 copy of the items beside the memory budget")})
         return vals, rows
-    if engine.backend.module_of(users) is not engine.backend.xp:
-        # Host users of a device backend go to it first: their float16 copies and certificates are made there, not
-        # on the host (1M users x 64 against 4,096 items: 1.53 s with NumPy's copies, 0.115 s without,
-        # docs/benchmarks.md). The route's users fit the memory budget (``certifies_exact``) unless it was forced
-        # on; where fast mode's do not, exact mode stages them block by block, as the route declines to.
-        if not ordered and users.nbytes > engine.memory_budget:
-            return _declined_search(engine, users, k, excl, (
-                f"{int(users.shape[0]):,} host users ({users.nbytes:,} bytes) are more than the memory budget "
-                f"({engine.memory_budget:,} bytes) holds: exact mode stages them block by block, where fast mode "
-                f"would make their float16 copies on the host"))
+    # Host users of a device backend go to it first: their float16 copies and certificates are made there, not on
+    # the host (1M users x 64 against 4,096 items: 1.53 s with NumPy's copies, 0.115 s without, docs/benchmarks.md).
+    # The route's users fit the memory budget (``certifies_exact``) unless it was forced on; where fast mode's do
+    # not, exact mode stages them block by block, as the route declines to.
+    host = engine.backend.module_of(users) is not engine.backend.xp
+    if host and not ordered and users.nbytes > engine.memory_budget:
+        return _declined_search(engine, users, k, excl, (
+            f"{int(users.shape[0]):,} host users ({users.nbytes:,} bytes) are more than the memory budget "
+            f"({engine.memory_budget:,} bytes) holds: exact mode stages them block by block, where fast mode would "
+            f"make their float16 copies on the host"))
+    if ordered or host:
         users = engine.backend.ingest(users)
     try:
         vals, rows = _search(engine, users, k, excl, ordered)
