@@ -213,30 +213,30 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool = Fa
     """Fast mode's search of prepared ``users`` (n, dim) float32 (host or backend): (scores, rows) (n, k) backend
     arrays, inner-product space, exactly exact mode's answer; sets ``engine.stats``. ``ordered``: exact precision's
     certified route (the module docstring): exact mode's scores bit for bit."""
-    if ordered and engine._fast is None and not _room_for_copy(engine):
-        vals, rows, run_stats = _search_exact(engine, users, k, excl)
-        engine.stats = _as_exact({**run_stats, "precision": "exact", "fast_declined": (
-            "no room on the device for a float16 copy of the items beside the memory budget")})
-        return vals, rows
     # Host users of a device backend go to it first: their float16 copies and certificates are made there, not on
     # the host (1M users x 64 against 4,096 items: 1.53 s with NumPy's copies, 0.115 s without, docs/benchmarks.md).
     # The route's users fit the memory budget (``certifies_exact``) unless it was forced on; where fast mode's do
     # not, exact mode stages them block by block, as the route declines to.
     host = engine.backend.module_of(users) is not engine.backend.xp
-    if host and not ordered and users.nbytes > engine.memory_budget:
-        return _declined_search(engine, users, k, excl, (
-            f"{int(users.shape[0]):,} host users ({users.nbytes:,} bytes) are more than the memory budget "
-            f"({engine.memory_budget:,} bytes) holds: exact mode stages them block by block, where fast mode would "
-            f"make their float16 copies on the host"))
-    if ordered or host:
-        users = engine.backend.ingest(users)
-    try:
-        vals, rows = _search(engine, users, k, excl, ordered)
-    except ResourceError as exc:
-        # Fast mode's passes keep more candidates a user than exact mode's k (k + m + 1, and more where widened):
-        # a memory budget can hold exact mode's search and not those.
-        vals, rows = _declined_search(engine, users, k, excl, (
-            f"the memory budget holds exact mode's search, not fast mode's passes: {exc}"))
+    declined = None
+    if ordered and engine._fast is None and not _room_for_copy(engine):
+        declined = "no room on the device for a float16 copy of the items beside the memory budget"
+    elif host and not ordered and users.nbytes > engine.memory_budget:
+        declined = (f"{int(users.shape[0]):,} host users ({users.nbytes:,} bytes) are more than the memory budget "
+                    f"({engine.memory_budget:,} bytes) holds: exact mode stages them block by block, where fast mode "
+                    f"would make their float16 copies on the host")
+    if declined is not None:
+        vals, rows = _declined_search(engine, users, k, excl, declined)
+    else:
+        if ordered or host:
+            users = engine.backend.ingest(users)
+        try:
+            vals, rows = _search(engine, users, k, excl, ordered)
+        except ResourceError as exc:
+            # Fast mode's passes keep more candidates a user than exact mode's k (k + m + 1, and more where
+            # widened): a memory budget can hold exact mode's search and not those.
+            vals, rows = _declined_search(engine, users, k, excl, (
+                f"the memory budget holds exact mode's search, not fast mode's passes: {exc}"))
     if ordered:
         engine.stats = _as_exact(engine.stats)
     return vals, rows
