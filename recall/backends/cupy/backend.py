@@ -49,11 +49,13 @@ USER_BLOCK = 4096
 """Users a block on the cuBLAS path, whose score tiles grow with the block: larger blocks were slower there (d = 256
 fast mode's float16 GEMMs, 20k x 1M: 0.0452 s at 4,096, 0.0563 at 8,192, 0.0779 at 16,384; docs/benchmarks.md,
 "Larger user blocks")."""
-FUSED_USER_BLOCK = 16384
-"""Users a block where the pass takes a fused kernel: each block pays its own launches (threshold sample, fused
-kernels, merges, the route's re-scoring), which a larger block shares out over more users (200k x 20k x 64, k = 100:
-0.0174 s at 4,096, 0.0144 s at 16,384; S1 0.0788 and 0.0711 s); no fused cell measured was slower at 16,384 beyond
-the noise."""
+FUSED_USER_BLOCK = 32768
+"""Users a block where the pass takes a fused kernel (the memory budget halves it where a block's state does not
+fit: S1 and 1M x 100k keep 16,384): each block pays its own launches (threshold sample, fused kernels, merges, the
+route's re-scoring), which a larger block shares out over more users (200k x 20k x 64, k = 100: 0.0174 s at 4,096,
+0.0144 s at 16,384; S1 0.0788 and 0.0711 s). 32,768 against 16,384 (H100, 2026-12-06): the route 0.88-0.95x on
+1M x 4,096 and 2M x 4,096, 1M x 20k x 32, 300k-500k x 20k, 20k x 20k; 0.96-0.98x on 200k x 20k and 100k x 4,096;
+no cell slower beyond the noise (docs/benchmarks.md)."""
 
 
 def preferred_width(dim: int, k: int) -> int:
