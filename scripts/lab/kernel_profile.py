@@ -188,6 +188,8 @@ VARIANTS = {
     # HOOKS: the warp-a-user threshold select built with -DRECALL_SEED_BISECT (topk.cu): the bisection at every rank
     # (before 2026-12-05, when ranks up to 32 took the pops), in both searches.
     "seed-bisect": {}, "float32-seed-bisect": {"certified_exact": "off"},
+    # HOOKS: the warp-a-user select keeping 16 keys a lane at every rank (before 2026-12-06: 8 up to rank 16 since)
+    "seed-m16": {}, "float32-seed-m16": {"certified_exact": "off"},
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
@@ -327,9 +329,9 @@ def _seed_bisect(engine):
 
     mod = kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_SEED_BISECT",))
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
-    engine.backend.selection.seed_warp = {(f32, f32): mod.get_function("recall_seed_warp"),
-                                          (f16, f16): mod.get_function("recall_seed_warp_h"),
-                                          (f32, f16): mod.get_function("recall_seed_warp_fh")}
+    types = (((f32, f32), ""), ((f16, f16), "_h"), ((f32, f16), "_fh"))
+    engine.backend.selection.seed_warp = {(s, v, m): mod.get_function(f"recall_seed_warp{name}{'' if m == 16 else m}")
+                                          for (s, v), name in types for m in (8, 16)}
 
 
 _seed_bisect.builds = "seed_warp"
@@ -368,6 +370,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "seed-bisect": _seed_bisect, "float32-seed-bisect": _seed_bisect,
+         **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=0) for v in ("seed-m16", "float32-seed-m16")},
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
@@ -566,6 +569,7 @@ def main() -> None:
     # What a variant's hook may change: (module, attribute) and the shipped value, put back before every variant.
     shipped = [(m, name, getattr(m, name)) for m, name in (
         (certificate, "margin"), (selection, "SEED_WARP_RANK"), (selection, "SEED_WARP_MAX_SIZE"),
+        (selection, "SEED_WARP_SMALL_RANK"),
         (selection, "ESTIMATE_SIGMAS"), (selection, "ESTIMATE_SAMPLE_SHARE"), (fused, "FUSED_SEEDED_MAX_K"),
         (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),

@@ -171,9 +171,10 @@ def _seed_rows(size, k, dtype):
     return rows, users, norms
 
 
-def _thresholds(rows, users, norms, k, ke=0, constant=None, bias=None):
+def _thresholds(rows, users, norms, k, ke=0, constant=None, bias=None, sel=None):
     """recall_seed's thresholds (host) of a block of users whose sample is every one of ``rows``' columns (scores
-    (n, size), no exclusions); the state is left empty."""
+    (n, size), no exclusions), by ``sel`` (a GPU backend's ``Selection``; a new backend's by default); the state is
+    left empty."""
     import cupy
 
     from recall.backends import resolve
@@ -181,10 +182,10 @@ def _thresholds(rows, users, norms, k, ke=0, constant=None, bias=None):
 
     n, size = rows.shape
     state = GpuTopK.allocate(n, k)
-    resolve("gpu").selection.seed(state, cupy.asarray(rows).reshape(1, n, size), cupy.arange(size, dtype=cupy.int64),
-                                  cupy.asarray(users), cupy.asarray(norms), cupy.zeros(n + 1, cupy.int64),
-                                  cupy.zeros(0, cupy.int64), ke, constant,
-                                  None if bias is None else (bias[0], bias[1], cupy.asarray(bias[2])))
+    (sel or resolve("gpu").selection).seed(
+        state, cupy.asarray(rows).reshape(1, n, size), cupy.arange(size, dtype=cupy.int64), cupy.asarray(users),
+        cupy.asarray(norms), cupy.zeros(n + 1, cupy.int64), cupy.zeros(0, cupy.int64), ke, constant,
+        None if bias is None else (bias[0], bias[1], cupy.asarray(bias[2])))
     assert not cupy.asnumpy(state.n_valid).any() and not cupy.asnumpy(state.cnt).any()
     return cupy.asnumpy(state.thr)
 
@@ -272,6 +273,39 @@ def test_warp_seed_select_is_exact_whatever_a_lane_holds(monkeypatch, dtype, vec
     held = _check_rows(got[True], rows, norms, users, k, ke, dtype, vectors, exact=True)
     for u in np.flatnonzero(held):
         assert got[True][u] >= got[False][u], (u, got[True][u], got[False][u])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
+@pytest.mark.parametrize("size, k, ke", [(512, 10, 0), (1024, 10, 0), (1024, 16, 0), (2048, 100, 12), (301, 16, 0),
+                                         (302, 37, 9), (1000, 1, 0), (4096, 16, 9), (16384, 10, 0), (65536, 16, 0)])
+def test_warp_select_keeping_8_keys_a_lane_equals_16(dtype, vectors, size, k, ke):
+    # Ranks up to SEED_WARP_SMALL_RANK (16) take the warp-a-user select whose lanes keep 8 keys (recall_seed_warp*8);
+    # its thresholds must be the 16-key select's, bit for bit, on the rows that hurt it: one lane holding the row's
+    # best (its 8 kept fall short: the bisection goes on over the whole row), ties, short and masked rows.
+    from recall.backends import resolve
+    from recall.backends.cupy import selection
+
+    rows, users, norms = _lane_rows(size, k, dtype)
+    users = users.astype(vectors)
+    sel, used = resolve("gpu").selection, []
+
+    def recorded(key, kernel):
+        def launch(*args):
+            used.append(key[2])
+            return kernel(*args)
+        return launch
+
+    sel.seed_warp = {key: recorded(key, kernel) for key, kernel in sel.seed_warp.items()}
+    got = _thresholds(rows, users, norms, k, ke, sel=sel)
+    assert used == [8]
+    small, selection.SEED_WARP_SMALL_RANK = selection.SEED_WARP_SMALL_RANK, 0
+    try:
+        np.testing.assert_array_equal(got, _thresholds(rows, users, norms, k, ke, sel=sel))
+    finally:
+        selection.SEED_WARP_SMALL_RANK = small
+    assert used == [8, 16]
+    _check_rows(got, rows, norms, users, k, ke, dtype, vectors, exact=True)
 
 
 @pytest.mark.gpu

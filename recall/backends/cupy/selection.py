@@ -30,6 +30,10 @@ SEED_WARP_USERS = 8  # RECALL_SEED_WARP_USERS in topk.cu
 #: 65,536 (the longest either takes) were tested, not timed.
 SEED_WARP_RANK = 128
 SEED_WARP_MAX_SIZE = 65_536
+#: Ranks at most this take the warp-a-user select whose lanes keep 8 keys each (``recall_seed_warp*8``), not 16: each
+#: key a lane reads costs a place of the ones it keeps. At k = 10 (H100, 2026-12-06, docs/benchmarks.md) the route
+#: 0-3.8% faster on 200k-1M users x 20k items (the same on 1M x 4,096, within the noise), the float32 search 1.3-2.7%.
+SEED_WARP_SMALL_RANK = 16
 
 
 def seed_threads(size: int) -> int:
@@ -253,9 +257,10 @@ class Selection:
                          for t in SEED_BLOCKS for (s, v), name in (((f32, f32), ""), ((f16, f16), "_h"),
                                                                    ((f32, f16), "_fh"))}
         # The same by type, one warp a user: the select of small ranks (SEED_WARP_RANK).
-        self.seed_warp = {(f32, f32): mod.get_function("recall_seed_warp"),
-                          (f16, f16): mod.get_function("recall_seed_warp_h"),
-                          (f32, f16): mod.get_function("recall_seed_warp_fh")}
+        # By (score type, vector type, keys a lane keeps: 16, or 8 for ranks up to SEED_WARP_SMALL_RANK).
+        self.seed_warp = {(s, v, m): mod.get_function(f"recall_seed_warp{name}{'' if m == 16 else m}")
+                          for (s, v), name in (((f32, f32), ""), ((f16, f16), "_h"), ((f32, f16), "_fh"))
+                          for m in (8, 16)}
         self.fused = mod.get_function("recall_fused_filter")
         self.merge_fused = mod.get_function("recall_merge_fused")
         # fused_h.cu's kernels by the halves of an item row a pipeline stage holds (fused.half_chunk).
@@ -321,9 +326,10 @@ class Selection:
                 np.float64(value), np.float64(a), np.float64(r), np.float64(z), np.int32(estimate))
         rank = estimate if 0 < estimate < state.k else state.k
         if rank <= SEED_WARP_RANK and size <= SEED_WARP_MAX_SIZE:
-            self.seed_warp[(scores.dtype, users.dtype)](((n + SEED_WARP_USERS - 1) // SEED_WARP_USERS,),
-                                                        (32 * SEED_WARP_USERS,),
-                                                        (scores, np.int32(n), np.int32(size), np.int32(state.k), *args))
+            kept = 8 if rank <= SEED_WARP_SMALL_RANK else 16
+            self.seed_warp[(scores.dtype, users.dtype, kept)](
+                ((n + SEED_WARP_USERS - 1) // SEED_WARP_USERS,), (32 * SEED_WARP_USERS,),
+                (scores, np.int32(n), np.int32(size), np.int32(state.k), *args))
         else:
             threads = seed_threads(size)
             self.seed_kth[(threads, scores.dtype, users.dtype)]((n,), (threads,),

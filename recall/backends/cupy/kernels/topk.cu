@@ -647,17 +647,22 @@ __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T
 
 // M = 16 (ranks up to 128), by the type of the sampled scores and of the users' vectors, as recall_seed's. (M = 32,
 // for ranks up to 256, was slower than the block select: 200k users x 8,192 sampled scores at rank 131 8.0 ms
-// against 6.4-6.7 ms, 20k x 16,384 at rank 256 1.54 against 1.49-1.51 ms; H200, docs/benchmarks.md.)
-#define RECALL_SEED_WARP(name, S, V)                                                                                 \
+// against 6.4-6.7 ms, 20k x 16,384 at rank 256 1.54 against 1.49-1.51 ms; H200, docs/benchmarks.md.) The suffix 8:
+// M = 8, for small ranks (selection.SEED_WARP_SMALL_RANK): each key a lane keeps costs M places, and a lane holds
+// more than 8 of a row's best 16 rarely (the whole-row bisection above covers it when it does).
+#define RECALL_SEED_WARP(name, S, V, M)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * RECALL_SEED_WARP_USERS)                                        \
     name(const S* __restrict__ scores, int U, int T, int K, float* __restrict__ thr, const V* __restrict__ users,    \
          int W, const float* __restrict__ vnorm, const float* __restrict__ vbias, int BL, int BH, int CC, double CV, \
          double A, double R, double Z, int KE) {                                                                      \
-        recall_seed_warp_body<S, V, 16>(scores, U, T, K, thr, users, W, vnorm, vbias, BL, BH, CC, CV, A, R, Z, KE);   \
+        recall_seed_warp_body<S, V, M>(scores, U, T, K, thr, users, W, vnorm, vbias, BL, BH, CC, CV, A, R, Z, KE);    \
     }
-RECALL_SEED_WARP(recall_seed_warp, float, float)
-RECALL_SEED_WARP(recall_seed_warp_h, half_bits, half_bits)
-RECALL_SEED_WARP(recall_seed_warp_fh, float, half_bits)
+RECALL_SEED_WARP(recall_seed_warp, float, float, 16)
+RECALL_SEED_WARP(recall_seed_warp_h, half_bits, half_bits, 16)
+RECALL_SEED_WARP(recall_seed_warp_fh, float, half_bits, 16)
+RECALL_SEED_WARP(recall_seed_warp8, float, float, 8)
+RECALL_SEED_WARP(recall_seed_warp_h8, half_bits, half_bits, 8)
+RECALL_SEED_WARP(recall_seed_warp_fh8, float, half_bits, 8)
 
 // Grid (U, B): one block scans one user's row of one tile. Survivors are appended with one atomic per warp.
 template <typename S>
