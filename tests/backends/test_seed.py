@@ -279,7 +279,7 @@ def test_warp_seed_select_is_exact_whatever_a_lane_holds(monkeypatch, dtype, vec
 @pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
 @pytest.mark.parametrize("size, k, ke", [(512, 10, 0), (1024, 10, 0), (1024, 16, 0), (2048, 100, 12), (301, 16, 0),
                                          (302, 37, 9), (1000, 1, 0), (4096, 16, 9), (16384, 10, 0), (65536, 16, 0)])
-def test_warp_select_keeping_8_keys_a_lane_equals_16(dtype, vectors, size, k, ke):
+def test_warp_select_keeping_8_keys_a_lane_equals_16(monkeypatch, dtype, vectors, size, k, ke):
     # Ranks up to SEED_WARP_SMALL_RANK (16) take the warp-a-user select whose lanes keep 8 keys (recall_seed_warp*8);
     # its thresholds must be the 16-key select's, bit for bit, on the rows that hurt it: one lane holding the row's
     # best (its 8 kept fall short: the bisection goes on over the whole row), ties, short and masked rows.
@@ -299,11 +299,8 @@ def test_warp_select_keeping_8_keys_a_lane_equals_16(dtype, vectors, size, k, ke
     sel.seed_warp = {key: recorded(key, kernel) for key, kernel in sel.seed_warp.items()}
     got = _thresholds(rows, users, norms, k, ke, sel=sel)
     assert used == [8]
-    small, selection.SEED_WARP_SMALL_RANK = selection.SEED_WARP_SMALL_RANK, 0
-    try:
-        np.testing.assert_array_equal(got, _thresholds(rows, users, norms, k, ke, sel=sel))
-    finally:
-        selection.SEED_WARP_SMALL_RANK = small
+    monkeypatch.setattr(selection, "SEED_WARP_SMALL_RANK", 0)  # the 16-key select, on the same rows
+    np.testing.assert_array_equal(got, _thresholds(rows, users, norms, k, ke, sel=sel))
     assert used == [8, 16]
     _check_rows(got, rows, norms, users, k, ke, dtype, vectors, exact=True)
 

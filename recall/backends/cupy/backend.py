@@ -54,8 +54,8 @@ FUSED_USER_BLOCK = 32768
 fit: S1 and 1M x 100k keep 16,384): each block pays its own launches (threshold sample, fused kernels, merges, the
 route's re-scoring), which a larger block shares out over more users (200k x 20k x 64, k = 100: 0.0174 s at 4,096,
 0.0144 s at 16,384; S1 0.0788 and 0.0711 s). 32,768 against 16,384 (H100, 2026-12-06): the route 0.88-0.95x on
-1M x 4,096 and 2M x 4,096, 1M x 20k x 32, 300k-500k x 20k, 20k x 20k; 0.96-0.98x on 200k x 20k and 100k x 4,096;
-no cell slower beyond the noise (docs/benchmarks.md)."""
+1M x 4,096 and 2M x 4,096, 1M x 20k x 32, 300k-500k x 20k, 20k x 20k; 0.93-1.01x on 200k x 20k, 100k x 4,096 and
+50k x 20k; no cell slower beyond the noise (docs/benchmarks.md)."""
 
 
 def preferred_width(dim: int, k: int) -> int:
