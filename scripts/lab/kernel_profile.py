@@ -7,7 +7,7 @@ Run from the project root on a GPU machine::
 
     PYTHONPATH=. python3 scripts/lab/kernel_profile.py [--cells k8192,gpu-fast:4,skewed:200000:20000:32:10:l2,...]
         [--precision fast]
-        [--counts] [--json $OUT/kernel_profile.json]
+        [--counts] [--host-users] [--json $OUT/kernel_profile.json]
 
 ``--counts``: one more search, every fused launch synchronised and the survivors it appended counted per user
 (mean, max, users over the buffer's capacity) with the users' mean finite threshold: where a seed starts too low.
@@ -16,7 +16,8 @@ With ``--precision fast`` every variant also runs exact mode once (as shipped) f
 mode are compared with exact mode's (rows equal, share of users); ``--no-exact-first`` leaves that search out, so
 that fast mode runs first in the process.
 
-Median of 3 timed searches after a warm-up (device users and results, data from ``recall.bench.workloads`` seed 0).
+Median of 3 timed searches after a warm-up (device users and results, or with ``--host-users`` host ones; data from
+``recall.bench.workloads`` seed 0).
 """
 from __future__ import annotations
 
@@ -547,6 +548,9 @@ def main() -> None:
     p.add_argument("--no-exact-first", action="store_true",
                    help="with --precision fast: no exact-mode search before the variants (fast mode first in the "
                         "process; the first variant is then the reference)")
+    p.add_argument("--host-users", action="store_true",
+                   help="users (and results) in host memory, as a job's batches and `recall score` give them: the "
+                        "route uploads them whole, the float32 search stages them block by block")
     p.add_argument("--counts", action="store_true",
                    help="one more search (graphs off), every fused launch synchronised and its survivors counted")
     p.add_argument("--max-candidate-share", type=float, default=None,
@@ -589,6 +593,8 @@ def main() -> None:
         if per:
             ex = bench_exclusions.generate(users, items, per, k=k, seed=0, metric=metric)
             excl = ex.host()
+        if a.host_users:
+            users = cupy.asnumpy(users)
         base = None
         want = None
         if prec == "fast" and not a.no_exact_first:
