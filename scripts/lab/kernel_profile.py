@@ -324,15 +324,10 @@ _direct_append.builds = "fused_w"
 def _seed_bisect(engine):
     """A hook: the warp-a-user threshold select (``recall_seed_warp*``) built with -DRECALL_SEED_BISECT: the rank-th
     largest kept key found by bisection at every rank, where the shipped select pops ranks up to 32."""
-    import numpy as np
-
-    from recall.backends.cupy import kernels
+    from recall.backends.cupy import kernels, selection
 
     mod = kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_SEED_BISECT",))
-    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
-    types = (((f32, f32), ""), ((f16, f16), "_h"), ((f32, f16), "_fh"))
-    engine.backend.selection.seed_warp = {(s, v, m): mod.get_function(f"recall_seed_warp{name}{'' if m == 16 else m}")
-                                          for (s, v), name in types for m in (8, 16)}
+    engine.backend.selection.seed_warp = selection.seed_warp_kernels(mod)
 
 
 _seed_bisect.builds = "seed_warp"

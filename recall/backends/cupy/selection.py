@@ -36,6 +36,19 @@ SEED_WARP_MAX_SIZE = 65_536
 SEED_WARP_SMALL_RANK = 16
 
 
+#: The threshold selects' (score type, vector type) and their kernels' suffix: exact mode; fast mode's cuBLAS path;
+#: fast mode's fused path (float32 scores of its samples).
+_SEED_TYPES = (((np.dtype(np.float32), np.dtype(np.float32)), ""), ((np.dtype(np.float16), np.dtype(np.float16)), "_h"),
+               ((np.dtype(np.float32), np.dtype(np.float16)), "_fh"))
+
+
+def seed_warp_kernels(mod: Any) -> dict:
+    """The warp-a-user select of small ranks (SEED_WARP_RANK) of a built selection module, by (score type, vector
+    type, keys a lane keeps: 16, or 8 for ranks up to SEED_WARP_SMALL_RANK)."""
+    return {(s, v, m): mod.get_function(f"recall_seed_warp{name}{'' if m == 16 else m}")
+            for (s, v), name in _SEED_TYPES for m in (8, 16)}
+
+
 def seed_threads(size: int) -> int:
     """Threads of the block-a-user select of a row of ``size`` sampled scores: the fewest of SEED_BLOCKS that hold the
     row in registers (a multiple of 4 up to 32,768 scores), else SEED_THREADS, which streams it. A row of 16,384
@@ -250,17 +263,10 @@ class Selection:
                       np.dtype(np.float16): mod.get_function("recall_merge_h")}
         self.mask_sampled = {np.dtype(np.float32): mod.get_function("recall_mask_sampled"),
                              np.dtype(np.float16): mod.get_function("recall_mask_sampled_h")}
-        f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
-        # By (score type, vector type): exact mode; fast mode's cuBLAS path; fast mode's fused path (float32 scores
-        # of its samples). The block-a-user select also by its block size (seed_threads; the kernel's suffix).
+        # By (score type, vector type) (_SEED_TYPES), and by the block's size (seed_threads; the kernel's suffix).
         self.seed_kth = {(t, s, v): mod.get_function(f"recall_seed{name}{'' if t == SEED_THREADS else t}")
-                         for t in SEED_BLOCKS for (s, v), name in (((f32, f32), ""), ((f16, f16), "_h"),
-                                                                   ((f32, f16), "_fh"))}
-        # The same by type, one warp a user: the select of small ranks (SEED_WARP_RANK).
-        # By (score type, vector type, keys a lane keeps: 16, or 8 for ranks up to SEED_WARP_SMALL_RANK).
-        self.seed_warp = {(s, v, m): mod.get_function(f"recall_seed_warp{name}{'' if m == 16 else m}")
-                          for (s, v), name in (((f32, f32), ""), ((f16, f16), "_h"), ((f32, f16), "_fh"))
-                          for m in (8, 16)}
+                         for t in SEED_BLOCKS for (s, v), name in _SEED_TYPES}
+        self.seed_warp = seed_warp_kernels(mod)
         self.fused = mod.get_function("recall_fused_filter")
         self.merge_fused = mod.get_function("recall_merge_fused")
         # fused_h.cu's kernels by the halves of an item row a pipeline stage holds (fused.half_chunk).
