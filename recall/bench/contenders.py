@@ -152,6 +152,11 @@ def engine_precisions(device: str = "gpu") -> list[str | None]:
     return [None]
 
 
+def recall_name(precision: str | None) -> str:
+    """The contender name of recall in ``precision`` (None: the engine's default), in tables and end-to-end rows."""
+    return "recall" if precision in (None, "exact") else f"recall-{precision}"
+
+
 class RecallContender(Contender):
     """``recall.Engine`` on the CPU or the GPU, in one precision mode (None: the engine has no such parameter).
 
@@ -167,7 +172,7 @@ class RecallContender(Contender):
         self.precision = precision
         self.memory_budget = memory_budget
         self.options = options  # EngineOptions, or None for the defaults
-        self.name = "recall" if precision in (None, "exact") else f"recall-{precision}"
+        self.name = recall_name(precision)
         self.exact = True  # "fast" is certified exact too: it must score recall 1.0 like "exact"
         self._engine = None
 

@@ -298,7 +298,7 @@ def _e2e_layout(w: Workload, host_users: np.ndarray, host_items: np.ndarray, ite
                 s: Settings, log: Callable[[str], None], metric: str, layout: str, tmp_path: Path,
                 excl_path: Path | None, score_files: Callable[..., Any],
                 precision: str | None = None) -> dict[str, Any]:
-    name = "recall" if precision in (None, "exact") else f"recall-{precision}"
+    name = cont.recall_name(precision)
     row = _row(w, name, "recall", s.device, True, mode="e2e", metric=metric)
     row["layout"] = layout
     try:
