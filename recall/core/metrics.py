@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from . import host_threads
 from .errors import InputError
 
 METRICS = ("ip", "cosine", "l2")
@@ -30,8 +31,9 @@ def check_metric(metric: str) -> str:
 _NORM_BLOCK_ROWS = 65_536
 #: Host arrays of at least this many values take the compiled loops below: one pass over the rows and no float64
 #: copy (NumPy's way makes one, squares it and sums it: 1M users x 64, 0.14-0.18 s -> 0.02-0.03 s on 2 cores,
-#: docs/benchmarks.md). Single-threaded and without the GIL: callers on other threads (a job's reader, a search) run
-#: beside it, and no thread pool is started inside a worker that was given its share of the cores.
+#: docs/benchmarks.md). Without the GIL, split by rows across ``host_threads``' few threads (a thread's loop took
+#: 55 ms for 1M x 64 on the GPU machine's host, more than the search it checked): callers on other threads (a job's
+#: reader, a search) run beside it.
 _HOST_LOOP_VALUES = 1 << 16
 
 
@@ -79,7 +81,8 @@ def row_norms(xp: Any, vecs: Any) -> Any:
     # in took seconds of engine start-up; each row's sum is the same either way.
     out = xp.empty(vecs.shape[0], dtype=xp.float64)
     if _host_loop(xp, vecs):
-        _host_norms(vecs, out)
+        host_threads.over_rows(lambda start, stop: _host_norms(vecs[start:stop], out[start:stop]), vecs.shape[0],
+                               vecs.shape[1] * vecs.itemsize)
         return out
     for start in range(0, vecs.shape[0], _NORM_BLOCK_ROWS):
         block = vecs[start:start + _NORM_BLOCK_ROWS].astype(xp.float64)
@@ -107,7 +110,8 @@ def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0) -> Any:
         raise InputError(f"{what}: row {row} {ZERO_VECTOR}")
     if _host_loop(xp, vecs):
         out = np.empty(vecs.shape, dtype=np.float32)
-        _host_scale(vecs, norms, out)
+        host_threads.over_rows(lambda start, stop: _host_scale(vecs[start:stop], norms[start:stop], out[start:stop]),
+                               vecs.shape[0], vecs.shape[1] * vecs.itemsize)
         return out
     return (vecs / norms[:, None]).astype(xp.float32)
 
@@ -171,6 +175,15 @@ def scored_width(metric: str, dim: int) -> int:
     return _augmented_width(dim) if metric == "l2" else dim
 
 
+def _copy_into(xp: Any, dest: Any, src: Any) -> None:
+    """``dest[...] = src``: host arrays by ``host_threads`` (1M users x 64 into l2's wider rows: one thread's copy
+    is a third of a GPU search's host time)."""
+    if xp is np:
+        host_threads.copy_rows(dest, src)
+    else:
+        dest[...] = src
+
+
 def prepare_items(metric: str, xp: Any, item_vecs: Any, first_row: int = 0, centre: Any = None) -> Any:
     """Item vectors (n_items, dim) float32 -> the float32 matrix the backend scores against (a zero vector under
     cosine is named by its row, counted from ``first_row``). ``centre`` (l2; module ``xp``): subtracted first, in the
@@ -180,7 +193,7 @@ def prepare_items(metric: str, xp: Any, item_vecs: Any, first_row: int = 0, cent
     if metric == "l2":
         n, dim = item_vecs.shape
         out = xp.zeros((n, _augmented_width(dim)), dtype=xp.float32)
-        out[:, :dim] = item_vecs
+        _copy_into(xp, out[:, :dim], item_vecs)
         if centre is not None:
             out[:, :dim] -= centre
         with np.errstate(over="ignore"):  # an overflowing norm is refused by the engine, naming the row
@@ -196,7 +209,7 @@ def prepare_users(metric: str, xp: Any, user_vecs: Any) -> Any:
     if metric == "l2":
         n, dim = user_vecs.shape
         out = xp.zeros((n, _augmented_width(dim)), dtype=xp.float32)
-        out[:, :dim] = user_vecs
+        _copy_into(xp, out[:, :dim], user_vecs)
         out[:, dim] = 1.0
         return out
     return user_vecs

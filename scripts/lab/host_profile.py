@@ -93,11 +93,15 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--stamps", action="store_true", help="time the marked host functions instead of cProfile")
+    p.add_argument("--host-users", action="store_true",
+                   help="users (and results) in host memory, as `recall score` and a job's batches give them")
     a = p.parse_args()
     stamps = _stamp_host() if a.stamps else None
     for cell in a.cells.split(","):
         kind, nu, ni, dim, k, metric, per = cell_spec(cell)
         users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
+        if a.host_users:
+            users = cupy.asnumpy(users)
         for vname in a.variants.split(","):
             opts = variant_options(vname)
             engine = Engine(items, metric=metric, device="gpu", options=opts)

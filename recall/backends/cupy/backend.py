@@ -28,7 +28,7 @@ from ...core.tiling import TilePlan, plan_tiles
 from .. import candidates
 from ..numpy.backend import tune_band
 from ..protocol import PASS_SHARE
-from . import blas, fused, kernels, rescore
+from . import blas, fused, kernels, rescore, transfers
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
 from .pipeline import BlockPipeline, PendingSearch
 from .selection import GpuTopK, Selection, fused_capacity, pow2
@@ -127,6 +127,7 @@ class CupyBackend:
         self.device = cupy.cuda.Device()
         self.selection = Selection()
         self.pipeline = BlockPipeline(self)
+        self.transfers = transfers.HostTransfers()
         self._alphas: dict[int, np.ndarray] = {}  # the fp16 GEMM's output scale per dimension (host scalars)
         self._identity: dict[str, str] | None = None
 
@@ -144,6 +145,9 @@ class CupyBackend:
         if device and not hasattr(arr, "__cuda_array_interface__"):
             arr = cupy.from_dlpack(arr)  # e.g. a torch CUDA tensor, read in place
         try:
+            if (isinstance(arr, np.ndarray) and arr.nbytes >= transfers.MIN_BYTES and arr.dtype.kind == "f"
+                    and arr.ndim):
+                return self.transfers.upload(arr, cupy.float32)  # a large host array: through pinned chunks
             out = cupy.ascontiguousarray(cupy.asarray(arr), dtype=cupy.float32)  # host arrays: one upload
             # A device input may come back as itself (or a view of the caller's memory): copy it when asked to own.
             return out.copy() if own and device and _shares(out, arr) else out
@@ -180,6 +184,8 @@ class CupyBackend:
         # Not while another thread captures a block's graph on the compute stream: synchronising a capturing stream
         # (or copying on the legacy stream meanwhile) fails that call and the capture.
         with self.pipeline.capture_lock:
+            if arr.nbytes >= transfers.MIN_BYTES and arr.ndim:
+                return self.transfers.download(arr, self.compute_stream)
             self.compute_stream.synchronize()
             return arr.get()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ...core import host_threads
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
 from ...core.options import EngineOptions
@@ -207,7 +208,7 @@ class BlockPipeline:
             with copy:
                 if host_users:
                     ev[0].record(copy)
-                    slot.host_users[:n] = users[start:stop]
+                    host_threads.copy_rows(slot.host_users[:n], users[start:stop])
                     slot.users.set(slot.host_users, stream=copy)
                 else:
                     copy.wait_event(compute.record())  # device users may come from work queued on compute
