@@ -6,7 +6,8 @@ to check and 28 ms to upload, two thirds of a search whose GPU work takes 12 ms 
 in compiled loops and NumPy copies that release the GIL, so Python threads run it in parallel. The pool's size is a
 share of the cores this process may use (a job's worker is pinned to its own, ``backends.placement``), at most
 MAX_THREADS: memory bandwidth, not cores, bounds such passes beyond that. A pass called from a pool thread runs in
-that thread (no pool task waits on another). The pool lives as long as the process, as the CPU backend's does
+that thread (no pool task waits on another), as does one called from the CPU backend's workers
+(:func:`run_passes_here`). The pool lives as long as the process, as the CPU backend's does
 (its threads are named ``recall_host_N``, not ``recall-...`` as a job's own threads, which end with the job).
 """
 from __future__ import annotations
@@ -40,11 +41,14 @@ def _executor() -> ThreadPoolExecutor:
     with _lock:
         if _pool is None or _pool[0] != os.getpid():
             _pool = (os.getpid(), ThreadPoolExecutor(threads(), thread_name_prefix="recall_host",
-                                                     initializer=_mark_worker))
+                                                     initializer=run_passes_here))
         return _pool[1]
 
 
-def _mark_worker() -> None:
+def run_passes_here() -> None:
+    """Mark the calling thread as one that runs host passes in itself: this pool's threads, and a pool's of its own
+    that already keeps every core busy (the CPU backend's workers: their blocks' norms split again would only
+    oversubscribe the cores). A thread initializer."""
     _local.worker = True
 
 

@@ -109,3 +109,13 @@ def test_split_norms_and_prepared_users_equal_one_threads(four_parts, monkeypatc
         np.testing.assert_array_equal(split[m], whole[m])
     np.testing.assert_array_equal(split["l2"][:, :37], np.nan_to_num(vecs, nan=1.0, posinf=2.0))
     assert (split["l2"][:, 37] == 1.0).all() and (split["l2"][:, 38:] == 0.0).all()
+
+
+def test_the_cpu_backends_workers_run_passes_in_themselves(four_parts):
+    """The CPU backend's pool keeps every core busy with its blocks: a host pass inside one of its tasks runs in that
+    thread, not split again across the host pool."""
+    from recall.backends.numpy.backend import NumpyBackend
+
+    pool = NumpyBackend().executor()
+    names = pool.submit(lambda: host_threads.over_rows(lambda s, e: threading.current_thread().name, 1000, 64)).result()
+    assert len(names) == 1 and not names[0].startswith("recall_host")

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...core import keys
+from ...core import host_threads, keys
 from ...core.certificate import FastItems, FastUsers, prepare_users, seed_margin
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
@@ -390,7 +390,8 @@ class NumpyBackend:
         A process forked from this one makes its own: a pool's threads do not survive a fork."""
         with self._pool_lock:
             if self._pool is None or self._pool[0] != os.getpid():
-                self._pool = (os.getpid(), ThreadPoolExecutor(self.workers, thread_name_prefix="recall"))
+                self._pool = (os.getpid(), ThreadPoolExecutor(self.workers, thread_name_prefix="recall",
+                                                              initializer=host_threads.run_passes_here))
             return self._pool[1]
 
     # -- the work ------------------------------------------------------------------------------------------------
