@@ -78,13 +78,16 @@ def over_rows(fn: Callable[[int, int], Any], n_rows: int, row_bytes: int) -> lis
     return [first] + [f.result() for f in futures]
 
 
+def copy_part(dest: np.ndarray, src: np.ndarray) -> None:
+    """``dest[...] = src`` in this thread, with NumPy's casting: a float64 value beyond float32's range becomes an
+    infinity without a warning (from a pool thread it would reach no caller); the callers' checks name such rows."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.copyto(dest, src, casting="unsafe")
+
+
 def copy_rows(dest: np.ndarray, src: np.ndarray) -> None:
-    """``dest[:] = src`` (same number of rows; NumPy's casting from ``src``'s dtype) by :func:`over_rows`."""
+    """:func:`copy_part` of the same number of rows by :func:`over_rows`."""
     if dest.shape[0] != src.shape[0]:
         raise ValueError(f"copy_rows: {src.shape[0]} rows into {dest.shape[0]}")
     row_bytes = dest.itemsize * (int(np.prod(dest.shape[1:])) if dest.ndim > 1 else 1)
-
-    def part(start: int, stop: int) -> None:
-        np.copyto(dest[start:stop], src[start:stop], casting="unsafe")
-
-    over_rows(part, dest.shape[0], row_bytes)
+    over_rows(lambda start, stop: copy_part(dest[start:stop], src[start:stop]), dest.shape[0], row_bytes)

@@ -119,3 +119,20 @@ def test_the_cpu_backends_workers_run_passes_in_themselves(four_parts):
     pool = NumpyBackend().executor()
     names = pool.submit(lambda: host_threads.over_rows(lambda s, e: threading.current_thread().name, 1000, 64)).result()
     assert len(names) == 1 and not names[0].startswith("recall_host")
+
+
+def test_copies_beyond_float32_become_infinities_silently(four_parts):
+    """A float64 value beyond float32's range is copied as an infinity without a warning (a pool thread's would reach
+    no caller; the engine's checks name the row)."""
+    import warnings
+
+    src = np.ones((300, 4))
+    src[123, 2] = 1e300
+    src[200, 0] = -1e300
+    dest = np.empty((300, 4), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        host_threads.copy_rows(dest, src)
+        host_threads.copy_part(dest[:1], src[123:124])
+    assert dest[123, 2] == np.inf and dest[200, 0] == -np.inf and dest[0, 2] == np.inf  # the last: copy_part's
+    assert np.isfinite(np.delete(dest.ravel(), [2, 123 * 4 + 2, 800])).all()

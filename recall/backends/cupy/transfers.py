@@ -91,7 +91,7 @@ class HostTransfers:
                     events[j].synchronize()
                 start = starts[i]
                 view = _view(buffers[j], min(n, start + rows) - start, host.shape, out.dtype)
-                np.copyto(view, host[start:start + view.shape[0]], casting="unsafe")
+                host_threads.copy_part(view, host[start:start + view.shape[0]])
                 return view
 
             filled = {i: host_threads.submit(fill, i) for i in range(min(size, len(starts)))}
