@@ -1,5 +1,5 @@
-"""Passes over large host arrays split by rows across a few threads: the users' norms a search checks, and the
-copies through pinned memory that move host users to a device and results back.
+"""Passes over large host arrays split by rows across a few threads: the users' norms a search checks, their
+prepared copies, and the copies into pinned memory that move host users to a device.
 
 One such pass of one thread runs at 6-9 GB/s on the GPU machine's host; 1M users x 64 float32 (256 MB) cost 55 ms
 to check and 28 ms to upload, two thirds of a search whose GPU work takes 12 ms (docs/benchmarks.md). The work runs

@@ -95,12 +95,17 @@ class HostTransfers:
                 return view
 
             filled = {i: host_threads.submit(fill, i) for i in range(min(size, len(starts)))}
-            for i, start in enumerate(starts):
-                view = filled.pop(i).result()
-                out[start:start + view.shape[0]].set(view, stream=stream)
-                events[i % size] = stream.record()
-                if i + size < len(starts):
-                    filled[i + size] = host_threads.submit(fill, i + size)
+            try:
+                for i, start in enumerate(starts):
+                    view = filled.pop(i).result()
+                    out[start:start + view.shape[0]].set(view, stream=stream)
+                    events[i % size] = stream.record()
+                    if i + size < len(starts):
+                        filled[i + size] = host_threads.submit(fill, i + size)
+            finally:
+                # Interrupted (an error, ^C): the fills still running must not write into the next upload's chunks.
+                for future in filled.values():
+                    future.exception()
             caller.wait_event(stream.record())
         return out
 
