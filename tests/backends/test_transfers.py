@@ -71,7 +71,8 @@ def test_download_equals_the_device_array(small_chunks, backend, what):
 
 
 def test_large_arrays_take_the_chunks_unpatched(backend):
-    """At the shipped sizes: an array past MIN_BYTES crosses in several chunks both ways."""
+    """At the shipped sizes: an array past MIN_BYTES (up in several chunks of the ring, down in one page-locked
+    copy) comes back equal."""
     from recall.backends.cupy import transfers
 
     n = transfers.MIN_BYTES // (4 * 64) + 777
