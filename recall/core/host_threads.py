@@ -78,6 +78,14 @@ def over_rows(fn: Callable[[int, int], Any], n_rows: int, row_bytes: int) -> lis
     return [first] + [f.result() for f in futures]
 
 
+def by_rows(fn: Callable[..., Any], *arrays: np.ndarray) -> list:
+    """``fn(*(a[start:stop] for a in arrays))`` over the arrays' rows by :func:`over_rows`, the parts' size measured
+    on the first array (the one the pass reads or writes most)."""
+    first = arrays[0]
+    row_bytes = first.itemsize * (int(np.prod(first.shape[1:])) if first.ndim > 1 else 1)
+    return over_rows(lambda start, stop: fn(*(a[start:stop] for a in arrays)), first.shape[0], row_bytes)
+
+
 def copy_part(dest: np.ndarray, src: np.ndarray) -> None:
     """``dest[...] = src`` in this thread, with NumPy's casting: a float64 value beyond float32's range becomes an
     infinity without a warning (from a pool thread it would reach no caller); the callers' checks name such rows."""
@@ -89,5 +97,4 @@ def copy_rows(dest: np.ndarray, src: np.ndarray) -> None:
     """:func:`copy_part` of the same number of rows by :func:`over_rows`."""
     if dest.shape[0] != src.shape[0]:
         raise ValueError(f"copy_rows: {src.shape[0]} rows into {dest.shape[0]}")
-    row_bytes = dest.itemsize * (int(np.prod(dest.shape[1:])) if dest.ndim > 1 else 1)
-    over_rows(lambda start, stop: copy_part(dest[start:stop], src[start:stop]), dest.shape[0], row_bytes)
+    by_rows(copy_part, dest, src)

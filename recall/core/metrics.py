@@ -81,8 +81,7 @@ def row_norms(xp: Any, vecs: Any) -> Any:
     # in took seconds of engine start-up; each row's sum is the same either way.
     out = xp.empty(vecs.shape[0], dtype=xp.float64)
     if _host_loop(xp, vecs):
-        host_threads.over_rows(lambda start, stop: _host_norms(vecs[start:stop], out[start:stop]), vecs.shape[0],
-                               vecs.shape[1] * vecs.itemsize)
+        host_threads.by_rows(_host_norms, vecs, out)
         return out
     for start in range(0, vecs.shape[0], _NORM_BLOCK_ROWS):
         block = vecs[start:start + _NORM_BLOCK_ROWS].astype(xp.float64)
@@ -110,8 +109,7 @@ def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0) -> Any:
         raise InputError(f"{what}: row {row} {ZERO_VECTOR}")
     if _host_loop(xp, vecs):
         out = np.empty(vecs.shape, dtype=np.float32)
-        host_threads.over_rows(lambda start, stop: _host_scale(vecs[start:stop], norms[start:stop], out[start:stop]),
-                               vecs.shape[0], vecs.shape[1] * vecs.itemsize)
+        host_threads.by_rows(_host_scale, vecs, norms, out)
         return out
     return (vecs / norms[:, None]).astype(xp.float32)
 

@@ -21,8 +21,8 @@ MIN_BYTES = 16 << 20
 
 
 class _Ring:
-    """The pinned chunks of uploads (a chunk a host thread, at least two) and a stream of one direction, used by one
-    transfer at a time; an event a chunk marks its last copy on the bus."""
+    """The pinned chunks of uploads (a chunk a host thread, at least two) and their stream, used by one upload at a
+    time; an event a chunk marks its last copy on the bus."""
 
     def __init__(self) -> None:
         import cupy
@@ -43,12 +43,12 @@ class _Ring:
         return self.buffers
 
 
-def _chunks(shape: tuple, itemsize: int) -> tuple[list, int]:
-    """(the first row of each chunk, rows a chunk) of an array of ``shape``: rows of at most CHUNK_BYTES together,
-    at least one."""
+def _chunks(shape: tuple, itemsize: int) -> tuple[list, int, int]:
+    """(the first row of each chunk, rows a chunk, bytes a chunk) of an array of ``shape``: rows of at most
+    CHUNK_BYTES together, at least one."""
     row_bytes = itemsize * int(np.prod(shape[1:], dtype=np.int64))
     rows = max(1, CHUNK_BYTES // max(1, row_bytes))
-    return list(range(0, int(shape[0]), rows)), rows
+    return list(range(0, int(shape[0]), rows)), rows, rows * row_bytes
 
 
 def _view(buffer: np.ndarray, rows: int, shape: tuple, dtype: Any) -> np.ndarray:
@@ -57,17 +57,14 @@ def _view(buffer: np.ndarray, rows: int, shape: tuple, dtype: Any) -> np.ndarray
 
 
 class HostTransfers:
-    """Uploads and downloads of one backend's large host arrays (``CupyBackend.ingest``, ``to_host``)."""
+    """Uploads and downloads of one backend's large host arrays (``CupyBackend.ingest``, ``to_host``), each
+    direction on a stream of its own."""
 
     def __init__(self) -> None:
-        self._rings: dict[str, _Ring] = {}
-        self._made = threading.Lock()
+        import cupy
 
-    def _ring(self, direction: str) -> _Ring:
-        with self._made:
-            if direction not in self._rings:
-                self._rings[direction] = _Ring()
-            return self._rings[direction]
+        self._ring = _Ring()
+        self._down = cupy.cuda.Stream(non_blocking=True)
 
     def upload(self, host: np.ndarray, dtype: Any) -> Any:
         """A new C-contiguous device array of ``dtype`` holding ``host`` (n, ...) (any strides; NumPy's casting),
@@ -76,11 +73,11 @@ class HostTransfers:
 
         out = cupy.empty(host.shape, dtype)
         n = int(host.shape[0])
-        starts, rows = _chunks(host.shape, out.itemsize)
+        starts, rows, chunk_bytes = _chunks(host.shape, out.itemsize)
         caller = cupy.cuda.get_current_stream()
-        ring = self._ring("up")
+        ring = self._ring
         with ring.lock:
-            buffers = ring.take(rows * out.itemsize * (out.size // max(1, n)))
+            buffers = ring.take(chunk_bytes)
             stream, events, size = ring.stream, ring.events, len(buffers)
             stream.wait_event(caller.record())  # out's memory may be freed work's of the caller's stream
 
@@ -127,10 +124,9 @@ class HostTransfers:
             # No page-locked memory of that size to be had: the driver's own copy into pageable memory.
             after.synchronize()
             return src.get()
-        ring = self._ring("down")
-        with ring.lock:
-            ring.stream.wait_event(after.record())
-            src.get(stream=ring.stream, out=out, blocking=False)
-            # src (maybe a contiguous copy) is freed on ``after``'s pool and read on this stream: kept until read.
-            ring.stream.synchronize()
+        self._down.wait_event(after.record())
+        src.get(stream=self._down, out=out, blocking=False)
+        # src (maybe a contiguous copy) is freed on ``after``'s pool and read on this stream: kept until read. An
+        # event, not the stream: another thread's download queued meanwhile is not waited for.
+        self._down.record().synchronize()
         return out
