@@ -54,12 +54,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-#: Fast precision's own passes on every backend: the CPU emulates the GPU's float16 arithmetic only when asked (it
-#: searches in exact precision otherwise), and the GPU ignores it.
+#: Fast precision's own passes on every backend and at any size: the CPU emulates the GPU's float16 arithmetic only
+#: when asked (it searches in exact precision otherwise), and the GPU ignores it; test-sized searches are under the
+#: scores a float16 pass is run for (``fast.min_scores``) unless ``float16_min_scores`` says otherwise.
 def emulated(**fields: object) -> "EngineOptions":
     from recall import EngineOptions
 
-    return EngineOptions(fast_emulation=True, **fields)
+    return EngineOptions(**{"fast_emulation": True, "float16_min_scores": 0, **fields})
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])

@@ -89,11 +89,18 @@ class EngineOptions:
         bit for bit), so that the answer is exact mode's, scores included (``stats["route"]`` says "certified").
         "auto": where the backend finds it faster (the GPU: wherever exact mode's search would run its fused
         kernel, and wherever the vectors are wider than that kernel takes, more than 256 dimensions, in searches of
-        at least 2^30 scores whose users are on the device or fit in the memory budget; above 256 dimensions exact
+        at least ``float16_min_scores`` scores whose users are on the device or fit in the memory budget; above 256 dimensions exact
         mode's other search is cuBLAS's GEMM, whose order of summation is its own choice per shape: the route's
         ordered sums are exact float32 sums as much as cuBLAS's are, and may differ from them in the last bit);
         "on": wherever the backend can repeat its exact arithmetic (the CPU emulates the fused kernel's sums: for
         tests); "off": never. The float16 copy of the items (half the float32 matrix) is kept by the engine.
+    float16_min_scores : int, optional
+        Searches of fewer user x item scores than this run no float16 pass: fast precision searches in exact
+        precision (``stats["fast_declined"]`` says why) and exact precision's "auto" keeps its float32 search. None
+        (the default): the measured rule (``fast.min_scores``): 2^29 scores on catalogues of fewer than 65,536 items,
+        2^30 on larger ones, below which the float16 pass's own steps (its threshold sample, the users' float16
+        copies, the re-scoring, the certificate's checks) cost more than its products save. 0: every search (tests,
+        and studying the route on small data).
     fast_emulation : bool
         Fast precision on a backend whose float16 arithmetic is no faster than its float32 search (the CPU:
         ``Backend.float16_faster``): True runs fast mode's passes there, the GPU's float16 arithmetic emulated, with
@@ -117,6 +124,7 @@ class EngineOptions:
     seed_sample: int = 0
     fast_sample: int = 2048
     certified_exact: str = "auto"
+    float16_min_scores: int | None = None
     fast_emulation: bool = False
 
     def __post_init__(self) -> None:
@@ -137,6 +145,8 @@ class EngineOptions:
         check_choice(self.certified_exact, CERTIFIED_EXACT_MODES, "options.certified_exact mode")
         check_int(self.fast_sample, "options.fast_sample", 0)
         check_int(self.seed_sample, "options.seed_sample", 0)
+        if self.float16_min_scores is not None:
+            check_int(self.float16_min_scores, "options.float16_min_scores", 0)
         for name in ("cuda_graphs", "seed_thresholds", "seed_estimate", "few_user_tiles", "warpgroup_mma",
                      "fast_emulation"):
             if not isinstance(getattr(self, name), bool):

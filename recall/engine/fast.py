@@ -18,7 +18,7 @@ float16 pass, not two or three.
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`, lower
 above :data:`LARGE_K` (``_share_limit``) and where the float16 pass keeps float16 score tiles):
 it then costs more than exact mode's whole search, whatever the certificate does; and where the search is small
-(:data:`MIN_SCORES`). A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the
+(:func:`min_scores`). A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the
 certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full of exact ties), every user is searched
 in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
 user, the sampled ones too, is searched in fast mode. The next search of the same k skips the sample where this one
@@ -95,6 +95,14 @@ SHARE_MIN_ITEMS = 65_536
 #: search. An embedded engine against 1M x 64 items at k = 100 (H200, docs/benchmarks.md, 2026-12-01): 256 users
 #: 4.10 ms fast against 2.19 ms exact, 1,024 users 4.97 against 4.94 ms.
 MIN_SCORES = 1 << 30
+#: The same on catalogues of fewer than SHARE_MIN_ITEMS items, for fast mode and exact precision's route alike. The
+#: route's own steps (its threshold sample, the users' float16 copies, the re-scoring, the certificate's checks and
+#: their round trips to the host) take 1.4-2.2 ms whatever the search's size, where the float32 search of a small
+#: catalogue takes 0.6 ms up. The route against the float32 search (H100, 2026-12-06, docs/benchmarks.md; d = 64,
+#: k = 10 and 100, skewed norms): 8M-33M scores 0.27-0.58x its time, 100M-131M 0.64-0.83x, 400M-524M 0.98-1.39x
+#: (exact ties 0.98x), 1.0G-1.6G 1.7-2.5x. Before, exact precision took the route from MIN_SCORES on (it missed
+#: 1.8x on 50k x 20k) and fast mode at any size (3.7x slower than exact mode on 2,000 users x 4,096 items).
+SMALL_CATALOGUE_MIN_SCORES = 1 << 29
 #: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
 #: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
 #: search that small gains or loses little either way.
@@ -195,18 +203,37 @@ def _state(engine: Any) -> FastState:
 def certifies_exact(engine: Any, users: Any, k: int) -> bool:
     """Whether an exact search of prepared ``users`` takes the certified route (``EngineOptions.certified_exact``):
     items resident, a backend that repeats the search's exact sums (``Backend.certify_exact``) and, under "auto", a
-    search of at least MIN_SCORES scores (below, the extra passes cost more than the float16 products save) whose
+    search of at least ``min_scores`` scores (below, the extra passes cost more than the float16 products save) whose
     users are on the backend or fit in the memory budget there (``search`` moves them: their float16 copies are made
     where the items are; a larger host array is staged block by block by exact mode's own search)."""
     options = engine.options
     n_users, n_items = int(users.shape[0]), engine.n_items
     if options.certified_exact == "off" or engine.streamed or n_users == 0:
         return False
-    if options.certified_exact == "auto" and (n_users * n_items < MIN_SCORES or (
+    if options.certified_exact == "auto" and (_too_small(engine, n_users) is not None or (
             isinstance(users, np.ndarray) and users.nbytes > engine.memory_budget)):
         return False
     return engine.backend.certify_exact(engine.plan(users, n_items, k), n_users, n_items, k,
                                         int(users.shape[1]), options)
+
+
+def min_scores(engine: Any) -> int:
+    """The fewest user x item scores a search of this engine runs a float16 pass for (fast mode, and exact
+    precision's route under "auto"): ``EngineOptions.float16_min_scores``, else SMALL_CATALOGUE_MIN_SCORES on a
+    catalogue of fewer than SHARE_MIN_ITEMS items and MIN_SCORES on a larger one."""
+    asked = engine.options.float16_min_scores
+    if asked is not None:
+        return asked
+    return SMALL_CATALOGUE_MIN_SCORES if engine.n_items < SHARE_MIN_ITEMS else MIN_SCORES
+
+
+def _too_small(engine: Any, n_users: int) -> str | None:
+    """Why a search of ``n_users`` is too small for a float16 pass (``min_scores``), or None."""
+    least = min_scores(engine)
+    if n_users * engine.n_items >= least:
+        return None
+    return (f"{n_users:,} users x {engine.n_items:,} items is under {least:,} scores: the float16 pass's own "
+            f"steps would cost more than its products save")
 
 
 def search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool = False) -> tuple[Any, Any]:
@@ -264,15 +291,13 @@ def _as_exact(stats: dict) -> dict:
 def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) -> tuple[Any, Any]:
     n_users = int(users.shape[0])
     wide = k + certificate.margin(k) + 1
-    declined = None
-    # Both rough models act on catalogues of the measured cells' size; the share limit of a pass comparing float32
-    # sums also on a smaller catalogue searched by enough users (MIN_SCORES).
+    # Too small a search (min_scores); then the share models, which act on catalogues of the measured cells' size,
+    # the share limit of a pass comparing float32 sums also on a smaller catalogue searched by MIN_SCORES scores.
     small = engine.n_items < SHARE_MIN_ITEMS
     many = n_users * engine.n_items >= MIN_SCORES
-    if not small and not many:
-        declined = (f"{n_users:,} users x {engine.n_items:,} items is under {MIN_SCORES:,} scores: fast "
-                    f"mode's extra passes would cost more than its float16 products save")
-    elif many:
+    # (Exact precision's route was sized by ``certifies_exact`` under "auto"; "on" takes it at any size.)
+    declined = None if ordered else _too_small(engine, n_users)
+    if declined is None and (many or not small):
         # The limit where the pass keeps float16 tiles is asked for only above the lower one (it makes the float16
         # copy of the items).
         limit = _share_limit(k, wide)

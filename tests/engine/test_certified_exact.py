@@ -180,15 +180,28 @@ def test_off_and_auto_on_the_cpu_take_the_float32_search():
 
 
 def test_auto_takes_the_route_only_for_large_searches(monkeypatch):
+    # The size rule (fast.min_scores): SMALL_CATALOGUE_MIN_SCORES under SHARE_MIN_ITEMS items, MIN_SCORES from there
+    # on, float16_min_scores in place of either where the options give it.
     users, items = clustered_data(100, 500, 8, seed=14)
     engine = Engine(items, device="cpu", options=EngineOptions(certified_exact="auto"))
     monkeypatch.setattr(engine.backend, "certify_exact", lambda *args: True)
     assert not fast.certifies_exact(engine, users, 5)  # 50,000 scores
-    monkeypatch.setattr(fast, "MIN_SCORES", 50_000)
+    monkeypatch.setattr(fast, "MIN_SCORES", 50_000)  # a large catalogue's limit: not this one's
+    assert not fast.certifies_exact(engine, users, 5)
+    monkeypatch.setattr(fast, "SMALL_CATALOGUE_MIN_SCORES", 50_000)
     assert fast.certifies_exact(engine, users, 5)
     assert not fast.certifies_exact(engine, users[:99], 5)
+    engine.options = EngineOptions(certified_exact="auto", float16_min_scores=50_001)
+    assert not fast.certifies_exact(engine, users, 5)
+    engine.options = EngineOptions(certified_exact="auto", float16_min_scores=0)
+    assert fast.certifies_exact(engine, users[:1], 5)
     engine.options = EngineOptions(certified_exact="off")
     assert not fast.certifies_exact(engine, users, 5)
+    rng = np.random.default_rng(15)
+    large = Engine(rng.standard_normal((fast.SHARE_MIN_ITEMS, 8)).astype(np.float32), device="cpu")
+    monkeypatch.setattr(large.backend, "certify_exact", lambda *args: True)
+    monkeypatch.setattr(fast, "MIN_SCORES", 3 * fast.SHARE_MIN_ITEMS)
+    assert fast.certifies_exact(large, users[:3], 5) and not fast.certifies_exact(large, users[:2], 5)
 
 
 def _stand_in_gpu(warpgroup: bool = True):
@@ -375,25 +388,30 @@ def test_gpu_auto_rule(device):
     engine = Engine(items, metric="l2", device="gpu", options=EngineOptions(certified_exact="off"))
     engine.search(users, 10)
     assert "route" not in engine.stats and not engine.stats["fused"]
+    # A catalogue of fewer than 65,536 items: the route from 2^29 scores on (fast.SMALL_CATALOGUE_MIN_SCORES).
+    small = Engine(items[:20000, :64], device="gpu")
+    small.search(users[:, :64], 10)  # 400M scores
+    assert "route" not in small.stats, small.stats
+    small.search(np.concatenate([users[:, :64], users[:7000, :64]]), 10)  # 540M
+    assert small.stats["route"] == "certified", small.stats
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("metric,dim,k", [("ip", 384, 100), ("cosine", 300, 10), ("l2", 256, 50)])
 def test_gpu_route_above_256_dims_is_the_ordered_sums_top_k(metric, dim, k, device, monkeypatch):
     # Rows wider than the fused float32 kernel takes (l2 at 256 dimensions: 260 prepared columns): exact mode's
-    # float32 search is cuBLAS's GEMM, and "auto" takes the route (MIN_SCORES lifted for a test-sized search). Each
+    # float32 search is cuBLAS's GEMM, and "auto" takes the route (the size limit lifted for a test-sized search). Each
     # certified user's list is the top k of the ordered float32 sums over every item, scores bit for bit; the cuBLAS
     # search finds the same lists up to near-ties a rounding step apart, both exact against the float64 oracle.
     if device != "gpu":
         pytest.skip("GPU only")
     import oracle
 
-    monkeypatch.setattr(fast, "MIN_SCORES", 1)
     users, items = clustered_data(1500, 20000, dim, seed=dim)
     rng = np.random.default_rng(dim)
     users *= np.exp2(rng.integers(-3, 3, (1500, 1))).astype(np.float32)
     exclude = {u: rng.choice(20000, 100, replace=False).tolist() for u in range(0, 1500, 3)}
-    engine = Engine(items, metric=metric, device="gpu")
+    engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(float16_min_scores=0))
     got = engine.search(users, k, exclude=exclude)
     assert engine.stats["route"] == "certified" and engine.stats["fallback_users"] == 0, engine.stats
     sel = np.arange(0, 1500, 71)

@@ -228,7 +228,7 @@ def test_fast_with_device_users(device):
     import cupy
 
     users, items = clustered_data(6400, 20000, 64, seed=16)
-    engine = Engine(items, device="gpu", precision="fast")
+    engine = Engine(items, device="gpu", precision="fast", options=EngineOptions(float16_min_scores=0))
     got = engine.search(cupy.asarray(users), 50)
     assert isinstance(got.indices, cupy.ndarray)
     want = Engine(items, device="gpu").search(cupy.asarray(users), 50)
@@ -253,7 +253,7 @@ def test_fast_prepares_host_users_on_the_device(device, monkeypatch):
 
     monkeypatch.setattr(fast, "prepare_users", spy)
     users, items = clustered_data(6400, 20000, 64, seed=16)
-    engine = Engine(items, device="gpu", precision="fast")
+    engine = Engine(items, device="gpu", precision="fast", options=EngineOptions(float16_min_scores=0))
     got = engine.search(users, 50)
     assert isinstance(got.indices, np.ndarray) and "numpy" not in made_by, made_by
     assert engine.stats["precision"] == "fast" and engine.stats["fast_sample"] == 128
@@ -812,29 +812,37 @@ def test_the_share_limit_is_lower_above_large_k(monkeypatch, n_items, runs, decl
     oracle.assert_same_result(Engine(items, device="cpu").search(users, declines), res)
 
 
-def test_declines_a_small_search_of_a_large_catalogue(device: str, monkeypatch) -> None:
-    # Fewer than MIN_SCORES user x item scores on a catalogue of at least SHARE_MIN_ITEMS: exact mode, said so; the
-    # same search above the limit runs fast mode; a small catalogue is never declined for its size.
+@pytest.mark.parametrize("large", [True, False])
+def test_declines_a_search_under_the_scores_a_float16_pass_pays_for(device: str, large: bool, monkeypatch) -> None:
+    # Fewer user x item scores than fast.min_scores (MIN_SCORES on a catalogue of at least SHARE_MIN_ITEMS,
+    # SMALL_CATALOGUE_MIN_SCORES on a smaller one): exact mode, said so; the same search at the limit runs fast mode;
+    # the limit of the other size of catalogue does not act; EngineOptions.float16_min_scores replaces the rule.
     from recall.engine import fast as fast_mode
 
     rng = np.random.default_rng(12)
-    n_items = fast_mode.SHARE_MIN_ITEMS + 100
+    n_items = fast_mode.SHARE_MIN_ITEMS + 100 if large else 1000
+    own, other = ("MIN_SCORES", "SMALL_CATALOGUE_MIN_SCORES") if large else ("SMALL_CATALOGUE_MIN_SCORES", "MIN_SCORES")
     items = rng.standard_normal((n_items, 8)).astype(np.float32)
     users = rng.standard_normal((30, 8)).astype(np.float32)
-    engine = Engine(items, device=device, precision="fast", options=emulated())
+    engine = Engine(items, device=device, precision="fast", options=emulated(float16_min_scores=None))
     res = engine.search(users, 10)
     assert engine.stats["precision"] == "exact" and "under" in engine.stats["fast_declined"], engine.stats
     oracle.assert_same_result(Engine(items, device=device).search(users, 10), res)
-    monkeypatch.setattr(fast_mode, "MIN_SCORES", 30 * n_items + 1)
+    monkeypatch.setattr(fast_mode, own, 30 * n_items + 1)
+    monkeypatch.setattr(fast_mode, other, 0)
     engine.search(users, 10)
     assert engine.stats["precision"] == "exact"  # one score under
-    monkeypatch.setattr(fast_mode, "MIN_SCORES", 30 * n_items)
-    engine.search(users, 10)
+    monkeypatch.setattr(fast_mode, own, 30 * n_items)
+    monkeypatch.setattr(fast_mode, other, 1 << 40)
+    res = engine.search(users, 10)
     assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats
-    small = Engine(items[:1000], device=device, precision="fast", options=emulated())
-    monkeypatch.setattr(fast_mode, "MIN_SCORES", 1 << 30)
-    small.search(users, 10)
-    assert small.stats["precision"] == "fast"
+    oracle.assert_same_result(Engine(items, device=device).search(users, 10), res)
+    monkeypatch.setattr(fast_mode, own, 1 << 40)
+    asked = Engine(items, device=device, precision="fast", options=emulated(float16_min_scores=30 * n_items))
+    asked.search(users, 10)
+    assert asked.stats["precision"] == "fast"
+    asked.search(users[:29], 10)
+    assert asked.stats["precision"] == "exact" and "under" in asked.stats["fast_declined"]
 
 
 def test_cpu_fast_mode_searches_in_exact_precision_unless_emulation_is_asked(caplog):
@@ -869,7 +877,7 @@ def test_cpu_fast_mode_searches_in_exact_precision_unless_emulation_is_asked(cap
 # The GPU's fused float16 kernel (tensor cores, scores kept in float32 in its registers) on each data kind: forced on
 # these small catalogues (which would take the cuBLAS path with float16 score tiles), in segments of 1,024 items so
 # that thresholds rise between launches. The answer is exact mode's; the certificate reads float32 scores.
-FUSED_H = EngineOptions(fused="force", fused_segment=1024, tiles=(256, 1024, 2))
+FUSED_H = EngineOptions(fused="force", fused_segment=1024, tiles=(256, 1024, 2), float16_min_scores=0)
 
 
 @pytest.mark.gpu

@@ -336,7 +336,7 @@ def test_gpu_matches_oracle_exactly_with_queued_batches(tmp_path: Path, metric: 
 def test_gpu_route_results_fetched_by_the_writer_are_exact(tmp_path: Path, metric: str, precision: str) -> None:
     """The certified route (and fast mode) leave each batch's results on the device; the writer thread fetches them
     while the next batch is searched: every batch's file rows are still the oracle's."""
-    route = EngineOptions(certified_exact="on", fused="force", tiles=(128, 8, 2))
+    route = EngineOptions(certified_exact="on", fused="force", tiles=(128, 8, 2), float16_min_scores=0)
     up, ip, users, items, user_ids, item_ids = _files(tmp_path, n_users=701, n_items=300, dim=6)
     excl = tmp_path / "excl.parquet"
     pq.write_table(pa.table({"user_id": pa.array(user_ids[:50], pa.int64()),
