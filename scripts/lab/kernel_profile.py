@@ -189,10 +189,11 @@ VARIANTS = {
     # HOOKS: the warp-a-user threshold select built with -DRECALL_SEED_BISECT (topk.cu): the bisection at every rank
     # (before 2026-12-05, when ranks up to 32 took the pops), in both searches.
     "seed-bisect": {}, "float32-seed-bisect": {"certified_exact": "off"},
-    # HOOKS: the warp-a-user select keeping 16 keys a lane at every rank (before 2026-12-06: 8 up to rank 16 since)
+    # HOOKS: the warp-a-user select keeping 16 keys a lane at every rank (before 2026-12-06: 8 up to rank 64 since)
     "seed-m16": {}, "float32-seed-m16": {"certified_exact": "off"},
-    # HOOKS: the 8-key warp select up to rank 32 or 64 (the route's rank at k = 10 is 27: k + its margin + 1)
-    "seed-m8r32": {}, "seed-m8r64": {}, "float32-seed-m8r32": {"certified_exact": "off"},
+    # HOOKS: the 8-key warp select up to rank 16 or 32 only (64 since 2026-12-06 07:xx; the route's rank at k = 10 is
+    # 27: k + its margin + 1)
+    "seed-m8r16": {}, "seed-m8r32": {}, "float32-seed-m8r16": {"certified_exact": "off"},
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
@@ -369,8 +370,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "seed-bisect": _seed_bisect, "float32-seed-bisect": _seed_bisect,
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=0) for v in ("seed-m16", "float32-seed-m16")},
-         **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=32) for v in ("seed-m8r32", "float32-seed-m8r32")},
-         "seed-m8r64": _setting(SELECTION, SEED_WARP_SMALL_RANK=64),
+         **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=16) for v in ("seed-m8r16", "float32-seed-m8r16")},
+         "seed-m8r32": _setting(SELECTION, SEED_WARP_SMALL_RANK=32),
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,

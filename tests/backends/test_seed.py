@@ -278,9 +278,11 @@ def test_warp_seed_select_is_exact_whatever_a_lane_holds(monkeypatch, dtype, vec
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
 @pytest.mark.parametrize("size, k, ke", [(512, 10, 0), (1024, 10, 0), (1024, 16, 0), (2048, 100, 12), (301, 16, 0),
-                                         (302, 37, 9), (1000, 1, 0), (4096, 16, 9), (16384, 10, 0), (65536, 16, 0)])
+                                         (302, 37, 9), (1000, 1, 0), (4096, 16, 9), (16384, 10, 0), (65536, 16, 0),
+                                         (512, 27, 0), (302, 37, 0), (1024, 64, 0), (2048, 100, 40), (4096, 50, 0),
+                                         (65536, 64, 0)])
 def test_warp_select_keeping_8_keys_a_lane_equals_16(monkeypatch, dtype, vectors, size, k, ke):
-    # Ranks up to SEED_WARP_SMALL_RANK (16) take the warp-a-user select whose lanes keep 8 keys (recall_seed_warp*8);
+    # Ranks up to SEED_WARP_SMALL_RANK (64) take the warp-a-user select whose lanes keep 8 keys (recall_seed_warp*8);
     # its thresholds must be the 16-key select's, bit for bit, on the rows that hurt it: one lane holding the row's
     # best (its 8 kept fall short: the bisection goes on over the whole row), ties, short and masked rows.
     from recall.backends import resolve

@@ -31,9 +31,12 @@ SEED_WARP_USERS = 8  # RECALL_SEED_WARP_USERS in topk.cu
 SEED_WARP_RANK = 128
 SEED_WARP_MAX_SIZE = 65_536
 #: Ranks at most this take the warp-a-user select whose lanes keep 8 keys each (``recall_seed_warp*8``), not 16: each
-#: key a lane reads costs a place of the ones it keeps. At k = 10 (H100, 2026-12-06, docs/benchmarks.md) the route
-#: 0-3.8% faster on 200k-1M users x 20k items (the same on 1M x 4,096, within the noise), the float32 search 1.3-2.7%.
-SEED_WARP_SMALL_RANK = 16
+#: key a lane reads costs a place of the ones it keeps, and a lane holds more than 8 of a row's best 64 rarely (the
+#: whole-row bisection covers it when it does). At k = 10 (H100, 2026-12-06, docs/benchmarks.md) ranks up to 16 made
+#: the route 0-3.8% faster on 200k-1M users x 20k items, the float32 search 1.3-2.7%; up to 64 (the route's rank at
+#: k = 10 is 27: k + its margin + 1) the route a further 4-6% on 1M x 4,096, 200k x 20k l2 and 100k x 20k (0.0195
+#: -> 0.0183 s, 0.0098 -> 0.0093, 0.0046 -> 0.0044), the same elsewhere.
+SEED_WARP_SMALL_RANK = 64
 
 
 #: The threshold selects' (score type, vector type) and their kernels' suffix: exact mode; fast mode's cuBLAS path;

@@ -649,7 +649,7 @@ __device__ void recall_seed_warp_body(const S* __restrict__ scores, int U, int T
 // for ranks up to 256, was slower than the block select: 200k users x 8,192 sampled scores at rank 131 8.0 ms
 // against 6.4-6.7 ms, 20k x 16,384 at rank 256 1.54 against 1.49-1.51 ms; H200, docs/benchmarks.md.) The suffix 8:
 // M = 8, for small ranks (selection.SEED_WARP_SMALL_RANK): each key a lane keeps costs M places, and a lane holds
-// more than 8 of a row's best 16 rarely (the whole-row bisection above covers it when it does).
+// more than 8 of a row's best 64 rarely (the whole-row bisection above covers it when it does).
 #define RECALL_SEED_WARP(name, S, V, M)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * RECALL_SEED_WARP_USERS)                                        \
     name(const S* __restrict__ scores, int U, int T, int K, float* __restrict__ thr, const V* __restrict__ users,    \
