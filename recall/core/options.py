@@ -89,9 +89,10 @@ class EngineOptions:
         bit for bit), so that the answer is exact mode's, scores included (``stats["route"]`` says "certified").
         "auto": where the backend finds it faster (the GPU: wherever exact mode's search would run its fused
         kernel, and wherever the vectors are wider than that kernel takes, more than 256 dimensions, in searches of
-        at least ``float16_min_scores`` scores whose users are on the device or fit in the memory budget; above 256 dimensions exact
-        mode's other search is cuBLAS's GEMM, whose order of summation is its own choice per shape: the route's
-        ordered sums are exact float32 sums as much as cuBLAS's are, and may differ from them in the last bit);
+        at least ``float16_min_scores`` scores whose users are on the device or fit in the memory budget; above 256
+        dimensions exact mode's other search is cuBLAS's GEMM, whose order of summation is its own choice per shape:
+        the route's ordered sums are exact float32 sums as much as cuBLAS's are, and may differ from them in the
+        last bit);
         "on": wherever the backend can repeat its exact arithmetic (the CPU emulates the fused kernel's sums: for
         tests); "off": never. The float16 copy of the items (half the float32 matrix) is kept by the engine.
     float16_min_scores : int, optional

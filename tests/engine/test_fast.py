@@ -843,6 +843,9 @@ def test_declines_a_search_under_the_scores_a_float16_pass_pays_for(device: str,
     assert asked.stats["precision"] == "fast"
     asked.search(users[:29], 10)
     assert asked.stats["precision"] == "exact" and "under" in asked.stats["fast_declined"]
+    for bad in (-1, 2.5, "many", True):
+        with pytest.raises(InputError, match="float16_min_scores"):
+            EngineOptions(float16_min_scores=bad)
 
 
 def test_cpu_fast_mode_searches_in_exact_precision_unless_emulation_is_asked(caplog):
