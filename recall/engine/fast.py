@@ -101,7 +101,7 @@ MIN_SCORES = 1 << 30
 #: catalogue takes 0.6 ms up. The route against the float32 search (H100, 2026-12-06, docs/benchmarks.md; d = 64,
 #: k = 10 and 100, skewed norms): 8M-33M scores 0.27-0.58x its time, 100M-131M 0.64-0.83x, 400M-524M 0.98-1.39x
 #: (exact ties 0.98x), 1.0G-1.6G 1.7-2.5x. Before, exact precision took the route from MIN_SCORES on (it missed
-#: 1.8x on 50k x 20k) and fast mode at any size (3.7x slower than exact mode on 2,000 users x 4,096 items).
+#: 1.8x on 50k x 20k) and fast mode at any size (2.1x exact mode's time on 2,000 users x 4,096 items).
 SMALL_CATALOGUE_MIN_SCORES = 1 << 29
 #: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
 #: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
