@@ -697,13 +697,33 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
             return certificate.certified(xp, vals[:, k - 1], outside, fast_users, state.items)
 
         least = approx_vals.min(axis=1)
-        short = None if left is None else (left > least).sum()  # read once the certificates are fetched: one wait
-        failed = np.flatnonzero(backend.to_host(~certifies(least)))
+        failed, short = _failed_rows(backend, xp, ~certifies(least), None if left is None else left > least)
         if short is not None:
-            run_stats = {**run_stats, "estimate_short_users": int(short)}
+            run_stats = {**run_stats, "estimate_short_users": short}
         if narrow is not None and k + narrow + 1 < wide:
             held = certifies(-xp.sort(-approx_vals, axis=1)[:, k + narrow])  # the narrower pass's least kept score
             run_stats = {**run_stats, "narrow_certified": int(backend.to_host(held.sum()))}
     else:
         failed = np.zeros(0, np.int64)  # every item was a candidate: nothing left out to certify against
     return vals, rows, failed, run_stats, wide
+
+
+def _failed_rows(backend: Any, xp: Any, failed: Any, short: Any = None) -> tuple[np.ndarray, int | None]:
+    """(host int64 rows where the (n,) bool ``failed`` holds, how many of ``short`` (n,) bool, or None, hold), from
+    one small transfer where no user failed: their count first, the rows only where there are some (1M users'
+    flags fetched and scanned on the host cost 1.3 ms of GPU idle time at the end of the route,
+    docs/benchmarks.md)."""
+    counts = [failed.sum(dtype=xp.int64)] + ([] if short is None else [short.sum(dtype=xp.int64)])
+    counts = backend.to_host(xp.stack(counts))
+    n_failed = int(counts[0])
+    n_short = None if short is None else int(counts[1])
+    if n_failed == 0:
+        return np.zeros(0, np.int64), n_short
+    # Their rows by a scatter (a mask's own indexing would wait for the device outside ``to_host``): row r goes to
+    # the number of failed rows before it; the rows that did not fail, to one slot past them.
+    n = int(failed.shape[0])
+    at = xp.where(failed, xp.cumsum(failed, dtype=xp.int64) - 1, n_failed)
+    rows = xp.empty(n_failed + 1, xp.int64)
+    rows[at] = xp.arange(n, dtype=xp.int64)
+    return backend.to_host(rows[:n_failed]).astype(np.int64, copy=False), n_short
+

@@ -60,6 +60,20 @@ def test_workspace_and_graphs_reused_across_searches(small_tiles):
         _same(engine.search(users, 20, exclude=excl), cpu.search(users, 20, exclude=excl))
 
 
+@pytest.mark.parametrize("options", [EngineOptions(tiles=(64, 300, 3)), EngineOptions(fused="force"),
+                                     EngineOptions(certified_exact="on")], ids=["blocks", "fused", "route"])
+def test_a_search_without_exclusions_after_one_with_them_excludes_nothing(options):
+    # A search without exclusions stages no CSR: its slots must hold zeros again after a search that wrote some.
+    # The first search excludes every user's 30 best items, so a slot left as it was would change every row.
+    rng = np.random.default_rng(3)
+    items, users = _ints(rng, 2500, 12), _ints(rng, 700, 12)
+    gpu, cpu = Engine(items, device="gpu", options=options), Engine(items, device="cpu")
+    plain = cpu.search(users, 30)
+    best = {u: row.tolist() for u, row in enumerate(as_numpy(plain.indices))}
+    for exclude in (best, None, best, None):
+        _same(gpu.search(users, 30, exclude=exclude), cpu.search(users, 30, exclude=exclude))
+
+
 def test_the_most_recent_workspaces_are_kept(small_tiles):
     # A fast search runs up to four shapes every time (its sample, all users, the widened users, the exact fallback):
     # searches of three shapes in turn keep all three workspaces, the same objects, and stay exact.

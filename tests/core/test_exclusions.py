@@ -23,6 +23,20 @@ def test_none_is_empty():
     assert ex.indptr.dtype == np.int64 and ex.items.dtype == np.int64
 
 
+def test_no_exclusions_hold_no_per_user_memory_and_block_as_zeros():
+    ex = normalise(None, 1_000_000, 10)
+    assert ex.indptr.shape == (1_000_001,) and ex.indptr.nbytes == 8_000_008
+    assert ex.indptr.base is not None and ex.indptr.strides == (0,)  # a view of one zero, not 8 MB of them
+    with pytest.raises(ValueError):
+        ex.indptr[5] = 1  # read-only: nothing may write through it
+    ptr, items = ex.block(32_768, 65_536)
+    np.testing.assert_array_equal(ptr, np.zeros(32_769))
+    assert ptr.flags.writeable and items.size == 0
+    sub = ex.subset(np.array([3, -1, 999_999]))
+    np.testing.assert_array_equal(sub.indptr, [0, 0, 0, 0])
+    assert ex.count(12) == 0 and ex.window(2, 5) is ex
+
+
 def test_mapping_sorted_and_deduplicated():
     ex = normalise({2: [9, 1, 9, 4], 0: (3, 3), 3: []}, 4, 10)
     assert _as_lists(ex) == [[3], [], [1, 4, 9], []]

@@ -69,6 +69,24 @@ def test_failed_certificates_fall_back_to_exact(device, monkeypatch):
     np.testing.assert_array_equal(as_numpy(got.indices), as_numpy(want.indices))
 
 
+def test_failed_users_come_to_the_host_in_order_with_the_short_count(device):
+    # The certificate's verdicts come back as a count (one small transfer) and, only where some failed, their rows.
+    from recall.engine import fast as fast_search
+
+    backend = Engine(np.eye(4, dtype=np.float32), device=device).backend
+    xp = backend.xp
+    rng = np.random.default_rng(7)
+    for n, p in [(0, 0.5), (1, 1.0), (1, 0.0), (1000, 0.0), (1000, 0.01), (1000, 1.0), (70_001, 0.3)]:
+        failed, short = rng.random(n) < p, rng.random(n) < 0.5
+        rows, n_short = fast_search._failed_rows(backend, xp, xp.asarray(failed), xp.asarray(short))
+        assert isinstance(rows, np.ndarray) and rows.dtype == np.int64
+        np.testing.assert_array_equal(rows, np.flatnonzero(failed))
+        assert n_short == int(short.sum())
+        rows, n_short = fast_search._failed_rows(backend, xp, xp.asarray(failed))
+        np.testing.assert_array_equal(rows, np.flatnonzero(failed))
+        assert n_short is None
+
+
 def test_failed_certificates_are_widened_before_falling_back(device, monkeypatch):
     # Items in groups of 7 near-duplicates (closer than float16 can tell apart): with k = 10 and a margin of 2, the
     # item left out is a near-twin of candidates inside the top k, so the first certificate fails; the widened pass

@@ -56,6 +56,7 @@ class _Slot:
     staged: Any  # event: this slot's uploads are done
     consumed: Any  # event: the compute stream no longer reads this slot
     graphs: dict = field(default_factory=dict)  # captured graphs by what they baked in (items, options...)
+    ptr_zero: bool = True  # ex_ptr holds zeros: a block without exclusions stages nothing for them
 
 
 @dataclass
@@ -201,10 +202,11 @@ class BlockPipeline:
             ev = [cupy.cuda.Event() for _ in range(4)]
             # Stage: wait until the compute stream is done with this slot (block i - SLOTS), then upload.
             slot.consumed.synchronize()  # the pinned buffers are rewritten by the host below
-            ptr, ex_items = excl.block(start, stop)
-            slot.host_ptr[: n + 1] = ptr
-            slot.host_ptr[n + 1:] = ptr[-1]  # rows past the block's end are empty
-            slot.host_items[: ex_items.size] = ex_items
+            if has_excl:
+                ptr, ex_items = excl.block(start, stop)
+                slot.host_ptr[: n + 1] = ptr
+                slot.host_ptr[n + 1:] = ptr[-1]  # rows past the block's end are empty
+                slot.host_items[: ex_items.size] = ex_items
             with copy:
                 if host_users:
                     ev[0].record(copy)
@@ -214,9 +216,15 @@ class BlockPipeline:
                     copy.wait_event(compute.record())  # device users may come from work queued on compute
                     ev[0].record(copy)  # after the wait: h2d_s times the copies, not the wait
                     slot.users[:n] = users[start:stop]
-                slot.ex_ptr.set(slot.host_ptr, stream=copy)
+                # A search without exclusions leaves the slot's CSR at zeros (every user's count 0), writing it
+                # only after one that had some: 32,768 users' staged offsets cost the host 0.1 ms a block.
                 if has_excl:
+                    slot.ex_ptr.set(slot.host_ptr, stream=copy)
                     slot.ex_items.set(slot.host_items, stream=copy)
+                    slot.ptr_zero = False
+                elif not slot.ptr_zero:
+                    slot.ex_ptr.fill(0)
+                    slot.ptr_zero = True
                 if floor is not None:
                     slot.floor[:n] = floor[start:stop]
                 ev[1].record(copy)
