@@ -99,9 +99,9 @@ class EngineOptions:
         Searches of fewer user x item scores than this run no float16 pass: fast precision searches in exact
         precision (``stats["fast_declined"]`` says why) and exact precision's "auto" keeps its float32 search. None
         (the default): the measured rule (``fast.min_scores``): 2^29 scores on catalogues of fewer than 65,536 items,
-        2^30 on larger ones, below which the float16 pass's own steps (its threshold sample, the users' float16
-        copies, the re-scoring, the certificate's checks) cost more than its products save. 0: every search (tests,
-        and studying the route on small data).
+        2^30 on larger ones, at up to 64 dimensions (lower for wider rows: 2^27 from 256 on), below which the
+        float16 pass's own steps (its threshold sample, the users' float16 copies, the re-scoring, the certificate's
+        checks) cost more than its products save. 0: every search (tests, and studying the route on small data).
     fast_emulation : bool
         Fast precision on a backend whose float16 arithmetic is no faster than its float32 search (the CPU:
         ``Backend.float16_faster``): True runs fast mode's passes there, the GPU's float16 arithmetic emulated, with

@@ -103,6 +103,15 @@ MIN_SCORES = 1 << 30
 #: (exact ties 0.98x), 1.0G-1.6G 1.7-2.5x. Before, exact precision took the route from MIN_SCORES on (it missed
 #: 1.8x on 50k x 20k) and fast mode at any size (2.1x exact mode's time on 2,000 users x 4,096 items).
 SMALL_CATALOGUE_MIN_SCORES = 1 << 29
+#: Both limits were measured at 64 dimensions. Rows wider than that lower them: the float32 search's cost grows with
+#: the dimension while most of the route's own steps do not. The route against the float32 search (H100, 2026-12-06,
+#: docs/benchmarks.md; skewed norms, k = 10 and 100) breaks even at about 800M scores at d = 32, 450M at 64, 250M at
+#: 128 and 140M at 256 on catalogues of fewer than SHARE_MIN_ITEMS items (the limit scaled by 64 / d), and at about
+#: 1G at 64 dimensions, 200-400M at 128 and 150-200M at 256 on 100k and 1M items (scaled by (64 / d)^1.5). Rows of
+#: fewer than 64 dimensions keep the limits (d = 32 broke even near them: 0.96-1.20x from 524M to 1G), rows of more
+#: than ROUTE_DIM_MAX take that width's (unmeasured beyond it; the float32 search there is cuBLAS's GEMM, slower still).
+ROUTE_DIM_BASE = 64
+ROUTE_DIM_MAX = 256
 #: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
 #: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
 #: search that small gains or loses little either way.
@@ -220,11 +229,15 @@ def certifies_exact(engine: Any, users: Any, k: int) -> bool:
 def min_scores(engine: Any) -> int:
     """The fewest user x item scores a search of this engine runs a float16 pass for (fast mode, and exact
     precision's route under "auto"): ``EngineOptions.float16_min_scores``, else SMALL_CATALOGUE_MIN_SCORES on a
-    catalogue of fewer than SHARE_MIN_ITEMS items and MIN_SCORES on a larger one."""
+    catalogue of fewer than SHARE_MIN_ITEMS items and MIN_SCORES on a larger one, lowered for rows of more than
+    ROUTE_DIM_BASE dimensions."""
     asked = engine.options.float16_min_scores
     if asked is not None:
         return asked
-    return SMALL_CATALOGUE_MIN_SCORES if engine.n_items < SHARE_MIN_ITEMS else MIN_SCORES
+    wider = min(max(engine.dim, ROUTE_DIM_BASE), ROUTE_DIM_MAX) / ROUTE_DIM_BASE
+    if engine.n_items < SHARE_MIN_ITEMS:
+        return int(SMALL_CATALOGUE_MIN_SCORES / wider)
+    return int(MIN_SCORES / wider ** 1.5)
 
 
 def _too_small(engine: Any, n_users: int) -> str | None:

@@ -204,6 +204,25 @@ def test_auto_takes_the_route_only_for_large_searches(monkeypatch):
     assert fast.certifies_exact(large, users[:3], 5) and not fast.certifies_exact(large, users[:2], 5)
 
 
+def test_the_size_rule_is_lower_for_wider_rows():
+    # fast.min_scores: the limits as measured at 64 dimensions (and kept below), scaled by 64 / d on a catalogue of
+    # fewer than SHARE_MIN_ITEMS items and by (64 / d)^1.5 on a larger one, up to ROUTE_DIM_MAX dimensions.
+    from types import SimpleNamespace
+
+    def limit(dim: int, n_items: int, asked: int | None = None) -> int:
+        options = EngineOptions(float16_min_scores=asked)
+        return fast.min_scores(SimpleNamespace(dim=dim, n_items=n_items, options=options))
+
+    small, large = fast.SHARE_MIN_ITEMS - 1, fast.SHARE_MIN_ITEMS
+    for dim in (1, 32, 64):
+        assert limit(dim, small) == 1 << 29 and limit(dim, large) == 1 << 30
+    assert limit(96, small) == int((1 << 29) / 1.5)
+    assert limit(128, small) == 1 << 28 and limit(256, small) == 1 << 27 and limit(1536, small) == 1 << 27
+    assert 1 << 28 < limit(128, large) == int((1 << 30) / 2 ** 1.5) < 1 << 29
+    assert limit(256, large) == 1 << 27 and limit(1536, large) == 1 << 27
+    assert limit(256, small, asked=5) == 5 and limit(32, large, asked=0) == 0
+
+
 def _stand_in_gpu(warpgroup: bool = True):
     """The GPU backend's route rules without a GPU: a CupyBackend holding only what they read."""
     from types import SimpleNamespace
@@ -394,6 +413,17 @@ def test_gpu_auto_rule(device):
     assert "route" not in small.stats, small.stats
     small.search(np.concatenate([users[:, :64], users[:7000, :64]]), 10)  # 540M
     assert small.stats["route"] == "certified", small.stats
+    # Wider rows take it from fewer scores: 2^28 on that catalogue at 128 dimensions, 2^27 on 70,000 items at 256.
+    small = Engine(items[:20000, :128], device="gpu")
+    small.search(users[:13421, :128], 10)  # 268,420,000 scores
+    assert "route" not in small.stats, small.stats
+    small.search(users[:13422, :128], 10)  # 268,440,000
+    assert small.stats["route"] == "certified", small.stats
+    engine = Engine(items, device="gpu")
+    engine.search(users[:1917], 10)  # 134,190,000
+    assert "route" not in engine.stats, engine.stats
+    engine.search(users[:1918], 10)  # 134,260,000
+    assert engine.stats["route"] == "certified", engine.stats
 
 
 @pytest.mark.gpu
