@@ -67,7 +67,8 @@ DECLINE_COST = 0.75
 #: MAX_CANDIDATE_SHARE_TILES16: at 1.02% (10k x 1M x 64, k = 8,192) fast mode took 1.21x exact mode's time (0.108
 #: against 0.0894 s, H200 2026-12-02 21:4x UTC); above LARGE_K it is lower (``_share_limit``). A rough model
 #: (dims and shapes differ), so it acts only on catalogues of at least SHARE_MIN_ITEMS, the size those cells are, and
-#: on smaller ones searched by at least MIN_SCORES scores (MAX_CANDIDATE_SHARE there, not the float16 tiles' limit):
+#: on smaller ones searched by as many scores as the size rule routes (``measured_min_scores``; MAX_CANDIDATE_SHARE
+#: there, not the float16 tiles' limit; MIN_SCORES until 2026-12-06, when the rule took smaller searches):
 #: 200k x 20k x 64 ip at k = 1,000 (6.25% of the items) took the route 0.150 s against 0.062 s for the float32 search
 #: (H100, 2026-12-05, docs/benchmarks.md); 400k x 10k at k = 100 (1.26%) 0.020 s against 0.029 s.
 MAX_CANDIDATE_SHARE = 0.03
@@ -232,8 +233,11 @@ def min_scores(engine: Any) -> int:
     catalogue of fewer than SHARE_MIN_ITEMS items and MIN_SCORES on a larger one, lowered for rows of more than
     ROUTE_DIM_BASE dimensions."""
     asked = engine.options.float16_min_scores
-    if asked is not None:
-        return asked
+    return measured_min_scores(engine) if asked is None else asked
+
+
+def measured_min_scores(engine: Any) -> int:
+    """``min_scores``' measured rule, whatever the options ask for."""
     wider = min(max(engine.dim, ROUTE_DIM_BASE), ROUTE_DIM_MAX) / ROUTE_DIM_BASE
     if engine.n_items < SHARE_MIN_ITEMS:
         return int(SMALL_CATALOGUE_MIN_SCORES / wider)
@@ -305,9 +309,10 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     n_users = int(users.shape[0])
     wide = k + certificate.margin(k) + 1
     # Too small a search (min_scores); then the share models, which act on catalogues of the measured cells' size,
-    # the share limit of a pass comparing float32 sums also on a smaller catalogue searched by MIN_SCORES scores.
+    # the share limit of a pass comparing float32 sums also on a smaller catalogue searched by as many scores as the
+    # measured size rule routes (not the options' limit: tests run fast mode's passes on small data at any share).
     small = engine.n_items < SHARE_MIN_ITEMS
-    many = n_users * engine.n_items >= MIN_SCORES
+    many = n_users * engine.n_items >= measured_min_scores(engine)
     # (Exact precision's route was sized by ``certifies_exact`` under "auto"; "on" takes it at any size.)
     declined = None if ordered else _too_small(engine, n_users)
     if declined is None and (many or not small):

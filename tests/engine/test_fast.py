@@ -752,9 +752,10 @@ def test_declines_where_it_would_rescore_too_large_a_share_of_the_items(device: 
 
 
 def test_the_share_limit_acts_on_a_small_catalogue_searched_by_many_users(device: str, monkeypatch) -> None:
-    # Under SHARE_MIN_ITEMS items the share limit acts only on a search of at least MIN_SCORES scores (one score
-    # fewer: fast mode runs, as the tests' small searches do), and only MAX_CANDIDATE_SHARE's (this GPU pass keeps
-    # float16 tiles: fewer users than a fused kernel's tile).
+    # Under SHARE_MIN_ITEMS items the share limit acts only on a search of at least the measured size rule's scores
+    # (SMALL_CATALOGUE_MIN_SCORES at 4 dimensions, whatever float16_min_scores says; one score fewer: fast mode
+    # runs, as the tests' small searches do), and only MAX_CANDIDATE_SHARE's (this GPU pass keeps float16 tiles:
+    # fewer users than a fused kernel's tile).
     from recall.engine import fast as fast_mode
 
     rng = np.random.default_rng(15)
@@ -764,16 +765,22 @@ def test_the_share_limit_acts_on_a_small_catalogue_searched_by_many_users(device
     users = rng.standard_normal((n_users, 4)).astype(np.float32)
     big = next(k for k in range(1, 1000) if k + fast.margin(k) + 1 > fast_mode.MAX_CANDIDATE_SHARE * n_items)
     engine = Engine(items, device=device, precision="fast", options=emulated())
-    monkeypatch.setattr(fast_mode, "MIN_SCORES", n_users * n_items)
+    monkeypatch.setattr(fast_mode, "SMALL_CATALOGUE_MIN_SCORES", n_users * n_items)
     res = engine.search(users, big)
     assert engine.stats["precision"] == "exact" and "re-scored" in engine.stats["fast_declined"], engine.stats
     oracle.assert_same_result(Engine(items, device=device).search(users, big), res)
     engine.search(users, big - 1)  # the largest k within the share
     assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats, engine.stats
-    monkeypatch.setattr(fast_mode, "MIN_SCORES", n_users * n_items + 1)
+    monkeypatch.setattr(fast_mode, "SMALL_CATALOGUE_MIN_SCORES", n_users * n_items + 1)
     res = engine.search(users, big)
     assert engine.stats["precision"] == "fast" and "fast_declined" not in engine.stats, engine.stats
     oracle.assert_topk_close(res.indices, res.scores, users, items, big, "ip")
+    # The rule's limit at 128 dimensions is half of it: the share limit acts from there.
+    wide = Engine(rng.standard_normal((n_items, 128)).astype(np.float32), device=device, precision="fast",
+                  options=emulated())
+    monkeypatch.setattr(fast_mode, "SMALL_CATALOGUE_MIN_SCORES", 2 * n_users * n_items)
+    wide.search(rng.standard_normal((n_users, 128)).astype(np.float32), big)
+    assert wide.stats["precision"] == "exact" and "re-scored" in wide.stats["fast_declined"], wide.stats
 
 
 @pytest.mark.parametrize("tiles", ["float16", "float32"])
