@@ -743,5 +743,5 @@ def _failed_rows(backend: Any, xp: Any, failed: Any, short: Any = None) -> tuple
     at = xp.where(failed, xp.cumsum(failed, dtype=xp.int64) - 1, n_failed)
     rows = xp.empty(n_failed + 1, xp.int64)
     rows[at] = xp.arange(n, dtype=xp.int64)
-    return backend.to_host(rows[:n_failed]).astype(np.int64, copy=False), n_short
+    return backend.to_host(rows[:n_failed]), n_short
 
