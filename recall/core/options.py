@@ -61,6 +61,13 @@ class EngineOptions:
     warpgroup_mma : bool
         GPU fused path of float16 rows: on Hopper (compute capability 9.0), the kernel on the warpgroup tensor-core
         instruction (``fused_w.cu``, wgmma); False: ``fused_h.cu``'s mma.sync kernel, which other GPUs run.
+    fused_walk : bool
+        GPU fused path on Hopper, for development: True takes *the walk* for float16 passes of fast mode and the
+        certified route that keep at most 32 candidates a user (k up to 15) of rows of at most 80 columns, in
+        searches of at least 16,384 users: each block of 128 users scores the whole catalogue in one kernel and
+        keeps its candidates in shared memory (``walk_w.cu``), with no threshold sample and no merges. The answers
+        are the same; as of 2026-12-06 the walk is slower than the sampled, segmented search (False, the default)
+        in every cell measured (docs/benchmarks.md).
     rescore : {"fused", "gemm"}
         GPU re-scoring: one fused gather + dot + select kernel, or gather + strided-batched GEMM + select (the
         CPU's path).
@@ -120,6 +127,7 @@ class EngineOptions:
     fused_first_segment: int | str = 0
     fused_tiles_per_block: int = 8
     warpgroup_mma: bool = True
+    fused_walk: bool = False
     rescore: str = "fused"
     few_user_tiles: bool = True
     seed_sample: int = 0
@@ -149,7 +157,7 @@ class EngineOptions:
         if self.float16_min_scores is not None:
             check_int(self.float16_min_scores, "options.float16_min_scores", 0)
         for name in ("cuda_graphs", "seed_thresholds", "seed_estimate", "few_user_tiles", "warpgroup_mma",
-                     "fast_emulation"):
+                     "fused_walk", "fast_emulation"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"options.{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -127,6 +127,7 @@ VARIANTS = {
        for pre in ("", "float32-") for n in (8192, 16384, 32768, 65536) for t in (3, 4)},
     "nosample": {"fast_sample": 0},  # fast mode without its sample of users searched first
     "float32": {"certified_exact": "off"},  # exact mode's float32 search only
+    "walk": {"fused_walk": True},  # float16 passes of k + m + 1 <= 32 walked (walk_w.cu), not sampled and segmented
     "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it
     "no-estimate": {"seed_estimate": False},  # the float16 passes seeded from lower bounds only
     "ip-uniform": {},  # HOOKS: an inner-product engine's float16 passes sampled evenly, so that they estimate

@@ -39,6 +39,16 @@ FUSED_SEEDED_MAX_K = 8192
 #: route took 0.0871 s, its re-scoring 0.041 s of it (one block an SM: 8,192 keys a user fill a block's shared
 #: memory), against 0.0737 s for the float32 search: that pass keeps cuBLAS + filter, and the route declines there.
 FUSED_HALF_SEEDED_MAX_K = 5121
+#: The walk (kernels/walk_w.cu, Hopper, ``EngineOptions.fused_walk``, off by default): a float16 pass that keeps at
+#: most WALK_MAX_K candidates a user (k + margin + 1: k up to 15) of rows of at most WALK_MAX_WIDTH columns
+#: multiplied, in searches of at least WALK_MIN_USERS users, takes one kernel in which each block of 128 users scores
+#: every item and keeps their candidates in shared memory: no threshold sample, no merges (:func:`walks`). Slower than
+#: the segmented search as of 2026-12-06: the route on 1M users x 4,096 items 24.8 ms against 15.7 ms; the kernel
+#: alone 16.8 ms, of which its products and filter 2.8 ms and its selections (7 a user) 11.7 ms (H100,
+#: docs/benchmarks.md).
+WALK_MAX_K = 32
+WALK_MAX_WIDTH = 80
+WALK_MIN_USERS = 16_384
 _H_CHUNK, _H_STAGES = 64, 3  # fused_h.cu's RH_CHUNK and RH_STAGES
 _H_WHOLE_MAX = 96  # rows of at most this many columns multiplied come in one chunk a tile (fused_h.cu)
 _H_THREADS = 256  # fused_h.cu's RH_THREADS: 8 warps of 64 users x 32 items (RH_WN = 32)
@@ -86,6 +96,25 @@ def wgmma_smem(padded: int) -> int:
     ks = padded // 16
     staged = 32 if ks <= 5 else 24 if ks == 7 else 16 if ks <= 8 else 4
     return 2 * FUSED_TILE * padded * (1 + (2 if padded > 96 else 3)) + FUSED_TILE * (8 * staged + 4)
+
+
+def walk_smem(padded: int) -> int:
+    """Dynamic shared memory of walk_w.cu's kernel for rows of ``padded`` columns multiplied (at most
+    WALK_MAX_WIDTH): the users' tile and the item tiles in flight (three up to 48 columns, two above: RK_STAGES_OF),
+    128 rows each, then each user's stage of 60 keys (52 at 80 columns: RK_STAGE_OF), 8 bytes a key."""
+    ks = padded // 16
+    return 2 * FUSED_TILE * padded * (1 + (3 if ks <= 3 else 2)) + FUSED_TILE * 8 * (60 if ks <= 4 else 52)
+
+
+def walks(n_users: int, k: int, width: int, best_first: bool, has_floor: bool, options: EngineOptions) -> bool:
+    """Whether a float16 fused pass of ``n_users`` keeping ``k`` candidates a user, of rows ``width`` halves wide,
+    takes the walk (where ``EngineOptions.fused_walk`` asks for it and Hopper's kernels are built, which the caller
+    asks): a pass
+    whose candidates come in no order (``best_first`` False: fast mode's and the certified route's), not starting
+    from floors, with rows of at most WALK_MAX_WIDTH columns once rounded up to 16 and k at most WALK_MAX_K, and
+    at least WALK_MIN_USERS users (a kernel's blocks are 128 users each: fewer leave most of the GPU idle)."""
+    return (options.fused_walk and not best_first and not has_floor and 0 < k <= WALK_MAX_K
+            and -(-width // 16) * 16 <= WALK_MAX_WIDTH and n_users >= WALK_MIN_USERS)
 
 
 def half_smem(padded: int, chunk: int = 0) -> int:
@@ -243,6 +272,20 @@ class FusedSearch:
             merged(start, min(nt * FUSED_TILE, n_items - start), final, 0 if raising else merge_high_water(state))
         if not tiles:
             merged(0, 0, True, merge_high_water(state))
+
+    def walk(self, users: Any, items: Any, n_items: int, state: GpuTopK, ex_ptr: Any, ex_items: Any,
+             has_excl: bool, multiplied: int = 0) -> None:
+        """The walk (:func:`walks`) of one block's n users ((n, W) float16) against the float16 ``items`` (n_items,
+        W): each user's ``state.k`` best scores, in no order, into ``state.out_vals`` / ``out_rows`` (-inf and -1
+        past its candidates), excluded items (``ex_ptr`` / ``ex_items``, where ``has_excl``) left out; the state's
+        other arrays are not touched."""
+        n, width = users.shape
+        padded = min(multiplied or width + 15, width + 15) // 16 * 16
+        kernel, smem = self.sel.walk_w[padded], walk_smem(padded)
+        self._allow_smem(kernel, smem)
+        kernel((-(-n // FUSED_TILE),), (_H_THREADS,),
+               (users, np.int32(n), items, np.int32(n_items), np.int32(width), np.int32(state.k), state.out_vals,
+                state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0)), shared_mem=smem)
 
     def _single(self, users_t: Any, users: Any, items_t: Any, n_items: int, state: GpuTopK) -> tuple:
         """(launch of a segment, merge kernel, the merge's operands) of float32 vectors (fused.cu); the block's users

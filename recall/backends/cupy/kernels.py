@@ -105,8 +105,16 @@ def _hopper_cubin(names: tuple[str, ...], options: tuple[str, ...]) -> Path:
 
 #: fused_w.cu's kernels are built with these sources before them (the helpers and candidate layout they share).
 HOPPER_FUSED_SOURCES = (*SELECTION_SOURCES, "fused_w.cu")
+#: The walk's kernels (walk_w.cu, ``EngineOptions.fused_walk``) after fused_w.cu's helpers, in a module of their own:
+#: built only where a search asks for them.
+HOPPER_WALK_SOURCES = (*HOPPER_FUSED_SOURCES, "walk_w.cu")
 
 
 def hopper_fused_module() -> Any:
     """fused_w.cu's module for the current device (:func:`hopper_module`), or None off Hopper."""
     return hopper_module(HOPPER_FUSED_SOURCES)
+
+
+def hopper_walk_module() -> Any:
+    """walk_w.cu's module for the current device (:func:`hopper_module`), or None off Hopper."""
+    return hopper_module(HOPPER_WALK_SOURCES)

@@ -163,7 +163,11 @@ class BlockPipeline:
         # The fused path keeps score room for the threshold sample only. A pass that may start at an estimate of each
         # user's k-th best (below) takes the rule's sample; one that starts at a bound, a larger one where k is large.
         may_estimate = left_out is not None and floor is None and options.seed_estimate
-        sample = search_seed_size(plan, n_items, k, options, bound=not may_estimate)
+        # The walk (fused_path.walks) needs no sample: each block of users scores every item in one kernel.
+        walk = (np.dtype(users.dtype) == np.float16 and fused and options.warpgroup_mma
+                and fused_path.walks(n_users, k, dim, best_first, floor is not None, options)
+                and bool(self.backend.selection.walk_w))
+        sample = 0 if walk else search_seed_size(plan, n_items, k, options, bound=not may_estimate)
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused, max(1, sample) if fused else None)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
@@ -185,6 +189,7 @@ class BlockPipeline:
             stats["seed_estimate"] = estimate
         items_t = fused_path.operand(items, compute) if fused else None
         stats["fused"] = fused
+        stats["walk"] = walk
         if half and fused:
             multiplied = multiplied or counted()
             stats["multiplied_columns"] = multiplied
@@ -236,7 +241,7 @@ class BlockPipeline:
                 ev[2].record(compute)
                 self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
                                   ws if fused else None, items_t, floor is not None, options, multiplied, estimate,
-                                  left_out is not None, best_first)
+                                  left_out is not None, best_first, walk)
                 if left_out is not None:
                     left_out[start:stop] = state.seed_thr[:n]
                 if not host_out:
@@ -352,10 +357,11 @@ class BlockPipeline:
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
                      has_floor: bool, options: EngineOptions, multiplied: int = 0, estimate: int = 0,
-                     keep_seed: bool = False, best_first: bool = True) -> None:
+                     keep_seed: bool = False, best_first: bool = True, walk: bool = False) -> None:
         """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all; ``estimate``:
         the seed's estimate rank, 0: a lower bound; ``keep_seed``: each user's starting threshold is kept in
-        ``state.seed_thr``; ``best_first``: results sorted, else in no order). The cuBLAS
+        ``state.seed_thr``; ``best_first``: results sorted, else in no order; ``walk``: the fused pass is the walk,
+        unseeded, whose users keep -inf there). The cuBLAS
         path always runs over the slot's full capacity of rows (rows past the real users are ignored), so that every
         block runs the same launches and the graph captured for a slot replays for each of its blocks; the fused
         path (``fused_ws`` set) scores the real rows only, and runs a short last block eagerly."""
@@ -392,6 +398,8 @@ class BlockPipeline:
                 tiled.search_block(backend, plan, users, items.vecs, n_items, state, scores_buf, slot.ex_ptr,
                                    ex_items)
                 sel.result(state, best_first)
+            elif walk:
+                self.fused.walk(users, items_t, n_items, state, slot.ex_ptr, slot.ex_items, has_excl, multiplied)
             else:
                 self.fused.search(fused_ws.users_t, users, items_t, n_items, state, slot.ex_ptr, slot.ex_items,
                                   has_excl, options, multiplied, best_first, first)
@@ -404,7 +412,7 @@ class BlockPipeline:
         sample_ptr = None if seed is None else tuple(a.data.ptr for a in seed[1:] if a is not None)
         key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
                None if items_t is None else items_t.data.ptr, has_floor, options, multiplied, estimate, keep_seed,
-               best_first)
+               best_first, walk)
         graph = slot.graphs.get(key)
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
         # From the second on (the next block, or the next search of one block: an embedded engine answering one

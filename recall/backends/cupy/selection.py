@@ -277,6 +277,7 @@ class Selection:
                         **{ch: mod.get_function(f"recall_fused_filter_h{ch}") for ch in (16, 32, 48, 80, 96)}}
         self.merge_fused_h = mod.get_function("recall_merge_fused_h")
         self._fused_w: dict[int, Any] | None = None
+        self._walk_w: dict[int, Any] | None = None
         self._merge_smem_limit = 0
 
     @property
@@ -292,6 +293,17 @@ class Selection:
             self._fused_w = {} if mod is None else {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}")
                                                     for ks in range(1, 10)}
         return self._fused_w
+
+    @property
+    def walk_w(self) -> dict[int, Any]:
+        """walk_w.cu's kernels by the columns multiplied (16 to 80, fused.WALK_MAX_WIDTH), built on first use (a
+        search asking for the walk: ``EngineOptions.fused_walk``); empty off Hopper or where :attr:`fused_w`'s
+        module could not be built."""
+        if self._walk_w is None:
+            mod = kernels.hopper_walk_module() if self.fused_w else None
+            self._walk_w = {} if mod is None else {16 * ks: mod.get_function(f"recall_walk_w{ks}")
+                                                   for ks in range(1, 6)}
+        return self._walk_w
 
     def update(self, state: GpuTopK, scores: Any, item_start: int, n_items: int, excl_indptr: Any,
                excl_items: Any) -> None:
