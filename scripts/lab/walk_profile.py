@@ -19,24 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from _timing import device_times
+
 
 def _rows(cp, rng, n, width):
     x = rng.standard_normal((n, width), dtype=np.float32) * rng.lognormal(0, 0.6, (n, 1)).astype(np.float32)
     return cp.asarray(x.astype(np.float16))
-
-
-def _time(cp, fn, repeat=5):
-    fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -86,7 +74,7 @@ def main() -> int:
                 counts = ", ".join(f"{x:.1f}" for x in per)
                 t = float("nan")
             else:
-                t = _time(cp, run)
+                t = statistics.median(device_times(run, 5))
             print(f"| {shape} | {define or 'shipped'} | {t * 1e3:.2f} ms | {counts} |", flush=True)
             rows.append({"shape": shape, "build": define or "shipped", "time_s": t, "counts_per_user": counts})
     if a.json:

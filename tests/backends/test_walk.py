@@ -16,6 +16,7 @@ from recall.backends import cuda_status
 from recall.backends.cupy import fused as fused_path
 
 from oracle import as_numpy, assert_topk_close, int_matrix as _ints
+from test_fused import _best_first, _run_half
 
 usable, reason = cuda_status()
 on_gpu = pytest.mark.skipif(not usable, reason=f"no usable GPU: {reason}")
@@ -29,26 +30,6 @@ def walk_any_size(monkeypatch):
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the walk is built for compute capability 9.0 only")
     monkeypatch.setattr(fused_path, "WALK_MIN_USERS", 1)
-
-
-def _run(device, items16, users16, k, exclude=None, options=None, best_first=False):
-    from recall.core.exclusions import normalise
-
-    engine = Engine(items16.astype(np.float32), device=device, options=options)
-    backend = engine.backend
-    resident = backend.load_items(backend.xp.asarray(items16))
-    n = users16.shape[0]
-    vals = backend.empty_out((n, k), np.float32, False)
-    rows = backend.empty_out((n, k), np.int64, False)
-    stats = engine.run(users16, k, normalise(exclude, n, items16.shape[0]), vals, rows, items=resident,
-                       best_first=best_first)()
-    return as_numpy(vals), as_numpy(rows), stats
-
-
-def _best_first(vals, rows):
-    """Each row's (score, item row) pairs sorted as results are: score descending, lower row first, empty last."""
-    order = np.lexsort((np.where(rows < 0, np.iinfo(np.int64).max, rows), -vals), axis=1)
-    return np.take_along_axis(vals, order, 1), np.take_along_axis(rows, order, 1)
 
 
 def test_the_rule():
@@ -90,15 +71,15 @@ def test_equals_the_cpu_exactly(walk_any_size, n_users, n_items, width, k, value
     excl = {u: rng.choice(n_items, (2 * n_items) // 3, replace=False).tolist() for u in range(1, n_users, 5)}
     excl[0] = list(range(n_items))
     options = EngineOptions(fused="force", certified_exact="off", fused_walk=True)
-    got_vals, got_rows, stats = _run("gpu", items, users, k, excl, options)
+    got_vals, got_rows, stats = _run_half("gpu", items, users, k, excl, options, best_first=False)
     assert stats["walk"] and stats["fused"] and stats["seed_sample"] == 0
-    want_vals, want_rows, _ = _run("cpu", items, users, k, excl, best_first=True)
+    want_vals, want_rows, _ = _run_half("cpu", items, users, k, excl)
     got_vals, got_rows = _best_first(got_vals, got_rows)
     np.testing.assert_array_equal(got_rows, want_rows)
     np.testing.assert_array_equal(got_vals, want_vals)
     assert (got_rows[0] == -1).all()
     # The same search without the walk (the sample, the segments and their merges): the same pairs.
-    seg_vals, seg_rows, seg = _run("gpu", items, users, k, excl, EngineOptions(fused="force", fused_walk=False))
+    seg_vals, seg_rows, seg = _run_half("gpu", items, users, k, excl, EngineOptions(fused="force"), best_first=False)
     assert not seg["walk"]
     seg_vals, seg_rows = _best_first(seg_vals, seg_rows)
     np.testing.assert_array_equal(seg_rows, got_rows)
@@ -121,9 +102,10 @@ def test_scores_rising_or_falling_along_the_rows(walk_any_size, order):
     users[:, 0] = 1
     users[:, 1] = 2048
     users[:, 2:] = _ints(rng, 300, width - 2, 0, 1)  # zeros: every user's scores are the items' rank
-    got_vals, got_rows, stats = _run("gpu", items, users, 27, None, EngineOptions(fused="force", fused_walk=True))
+    got_vals, got_rows, stats = _run_half("gpu", items, users, 27, None, EngineOptions(fused="force", fused_walk=True),
+                                         best_first=False)
     assert stats["walk"]
-    want_vals, want_rows, _ = _run("cpu", items, users, 27, None, best_first=True)
+    want_vals, want_rows, _ = _run_half("cpu", items, users, 27)
     got_vals, got_rows = _best_first(got_vals, got_rows)
     np.testing.assert_array_equal(got_rows, want_rows)
     np.testing.assert_array_equal(got_vals, want_vals)
