@@ -44,7 +44,7 @@ FUSED_HALF_SEEDED_MAX_K = 5121
 #: multiplied, in searches of at least WALK_MIN_USERS users, takes one kernel in which each block of 128 users scores
 #: every item and keeps their candidates in shared memory: no threshold sample, no merges (:func:`walks`). Slower than
 #: the segmented search as of 2026-12-06: the route on 1M users x 4,096 items 24.8 ms against 15.7 ms; the kernel
-#: alone 16.8 ms, of which its products and filter 2.8 ms and its selections (7 a user) 11.7 ms (H100,
+#: alone 16.8-17.3 ms, of which its products and filter 2.8 ms and its selections (5.5-7 a user) about 12 ms (H100,
 #: docs/benchmarks.md).
 WALK_MAX_K = 32
 WALK_MAX_WIDTH = 80
@@ -108,11 +108,11 @@ def walk_smem(padded: int) -> int:
 
 def walks(n_users: int, k: int, width: int, best_first: bool, has_floor: bool, options: EngineOptions) -> bool:
     """Whether a float16 fused pass of ``n_users`` keeping ``k`` candidates a user, of rows ``width`` halves wide,
-    takes the walk (where ``EngineOptions.fused_walk`` asks for it and Hopper's kernels are built, which the caller
-    asks): a pass
-    whose candidates come in no order (``best_first`` False: fast mode's and the certified route's), not starting
-    from floors, with rows of at most WALK_MAX_WIDTH columns once rounded up to 16 and k at most WALK_MAX_K, and
-    at least WALK_MIN_USERS users (a kernel's blocks are 128 users each: fewer leave most of the GPU idle)."""
+    takes the walk (where ``EngineOptions.fused_walk`` asks for it; the caller checks that Hopper's kernels are
+    built): a pass whose candidates come in no order (``best_first`` False: fast mode's and the certified route's),
+    not starting from floors, with rows of at most WALK_MAX_WIDTH columns once rounded up to 16 and k at most
+    WALK_MAX_K, and at least WALK_MIN_USERS users (a kernel's blocks are 128 users each: fewer leave most of the GPU
+    idle)."""
     return (options.fused_walk and not best_first and not has_floor and 0 < k <= WALK_MAX_K
             and -(-width // 16) * 16 <= WALK_MAX_WIDTH and n_users >= WALK_MIN_USERS)
 
