@@ -2,8 +2,10 @@
 // RK_MAX_K) in which each block of 128 users scores the whole catalogue and keeps its users' K best in shared memory.
 // No threshold sample, no candidate buffers, no merges: fused_w.cu's search of a million users against 4,096 items
 // spent more of its time in the sample's GEMM and select and in the merges than in its products and filter. Compiled
-// after fused_w.cu (its wgmma helpers and tile layout) in the Hopper module; the results are the merge's final
-// pass 2 (out_vals / out_rows of K a user, in no order, -inf and -1 past a user's candidates).
+// after fused_w.cu (its wgmma helpers and tile layout) in a Hopper module of its own (kernels.hopper_walk_module),
+// only where a search asks for the walk (EngineOptions.fused_walk, off by default: slower than the segmented search
+// as of 2026-12-06, docs/benchmarks.md); the results are the merge's final pass 2 (out_vals / out_rows of K a user,
+// in no order, -inf and -1 past a user's candidates).
 //
 // The products are fused_w.cu's, tile by tile in the same wgmma sequence (the same float32 sums), and the block walks
 // its tiles in order of rows. A thread holds 2 users' (h = 0, 1) 32 scores of each tile; the 4 lanes of a quad
@@ -13,9 +15,8 @@
 // survivors to the stage through a prefix sum of their counts. Where they do not fit, the warp selects a key at or
 // below the stage's K-th best, with at most (B - K) / 3 more above it (recall_walk_compact: a radix select, half a
 // warp on a user), keeps the keys at or above it, raises the threshold to its score, and tests the survivors left
-// against it. Rows rise tile after tile,
-// so a later item whose score equals the threshold's is never needed: keys order equal scores by row, lowest first,
-// as the merge's do. The last step selects K again: the same K keys the segmented search's merges keep (the largest
+// against it. Rows rise tile after tile, so a later item whose score equals the threshold's is never needed: keys
+// order equal scores by row, lowest first, as the merge's do. The last step selects K again: the same K keys the segmented search's merges keep (the largest
 // keys: ties by row).
 //
 // Excluded items (ex_ptr / ex_items, a user's sorted rows) are dropped before they are staged: the stage holds no
@@ -23,7 +24,7 @@
 #define RK_MAX_K 32
 // Stage slots a user: what two blocks an SM leave beside the users' tile and the item tiles (fused.py's walk_smem).
 // An odd multiple of 4 (60 = 28 mod 32, 52 = 20 mod 32): the 8 users of a warp's call (rows g = 0..7 of 8) start on
-// banks 4 apart, so that the quads' lanes (slots t, t + 4, ...) read 32 different banks; at 64 they shared one.
+// banks 4 apart, so that the quads' lanes, writing neighbouring slots, mostly meet other banks; at 64 they shared one.
 #define RK_STAGE_OF(KS) ((KS) <= 4 ? 60 : 52)
 #if defined(RK_COUNT)  // measurement only (scripts/lab/walk_profile.py): take calls, selections, -, keys staged
 __device__ unsigned long long recall_walk_counts[4];
@@ -34,22 +35,7 @@ __device__ unsigned long long recall_walk_counts[4];
 // Item tiles in flight: three up to 48 columns, two above.
 #define RK_STAGES_OF(KS) ((KS) <= 3 ? 3 : 2)
 
-// Sums, maxima and minima over each quad of a warp (lanes 4 g .. 4 g + 3), every lane of the warp taking part.
 #define RK_ALL 0xffffffffu
-__device__ __forceinline__ int recall_quad_sum(int x) {
-    x += __shfl_xor_sync(RK_ALL, x, 1);
-    return x + __shfl_xor_sync(RK_ALL, x, 2);
-}
-
-__device__ __forceinline__ u32 recall_quad_max(u32 x) {
-    x = max(x, __shfl_xor_sync(RK_ALL, x, 1));
-    return max(x, __shfl_xor_sync(RK_ALL, x, 2));
-}
-
-__device__ __forceinline__ u32 recall_quad_min(u32 x) {
-    x = min(x, __shfl_xor_sync(RK_ALL, x, 1));
-    return min(x, __shfl_xor_sync(RK_ALL, x, 2));
-}
 
 // The filter's threshold for keys above `lo` (an order-preserving key of a finite float): a score passes where it
 // is above it. -0 becomes the largest negative float, so that +0 (whose key is above -0's) passes; -0 passing too is
@@ -59,8 +45,8 @@ __device__ __forceinline__ float recall_walk_threshold(u32 lo) {
     return __float_as_uint(f) == 0x80000000u ? __uint_as_float(0x80000001u) : f;
 }
 
-// One user's stage: `cnt` keys in slots 0 .. cnt - 1 (the same in each lane of its quad); lane t of the quad reads
-// slots t, t + 4, ...
+// One user's stage: `cnt` keys in slots 0 .. cnt - 1 (the same in each lane of its quad), appended by the quad's
+// lanes in the order of their prefix sum.
 struct RecallWalkStage {
     u32* ord;   // recall_f2ord of each score
     u32* nrow;  // ~row
