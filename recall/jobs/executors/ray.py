@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,7 @@ class RayExecutor:
             except ray.exceptions.RayError as exc:  # a node was lost, the object store ran out...
                 raise ray_failed(exc) from None
             except BaseException:
-                kill_actors(ray, actors)
+                kill_actors(ray, actors, KILL_WAIT_S)  # gone before their files are: they may still open one
                 actors = []
                 remove_partials(tasks)  # what the killed actors were writing (they do not unwind)
                 raise
@@ -285,12 +286,31 @@ def remove_partials(tasks: list[ShardTask]) -> None:
                     path.unlink()
 
 
-def kill_actors(ray: Any, actors: list[Any]) -> None:
+#: Seconds ``kill_actors`` waits at most for killed actors to be reported dead before their partial files are removed.
+KILL_WAIT_S = 10.0
+
+
+def kill_actors(ray: Any, actors: list[Any], wait_s: float = 0.0) -> None:
+    """Kill ``actors``; with ``wait_s``, then wait up to that long until Ray reports each one dead (a call on it
+    fails), so that none still creates or writes a file once this returns. ``ray.kill`` only asks: an actor killed
+    while it opened its next shard's temporary file created it after the driver had removed the others (1 run in 4
+    of tests/jobs/test_executors.py's SIGTERM test left one)."""
     for actor in actors:
         try:
             ray.kill(actor)
         except Exception:  # already dead
             pass
+    deadline = time.monotonic() + wait_s
+    for actor in actors if wait_s > 0 else ():
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=left)
+            except Exception:  # dead (or the wait ran out)
+                break
+            time.sleep(0.01)  # it still answers: the kill has not reached it yet
 
 
 # -- item shards (``--item-shards N``) -------------------------------------------------------------------------------
