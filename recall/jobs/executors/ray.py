@@ -293,8 +293,8 @@ KILL_WAIT_S = 10.0
 def kill_actors(ray: Any, actors: list[Any], wait_s: float = 0.0) -> None:
     """Kill ``actors``; with ``wait_s``, then wait up to that long until Ray reports each one dead (a call on it
     fails), so that none still creates or writes a file once this returns. ``ray.kill`` only asks: an actor killed
-    while it opened its next shard's temporary file created it after the driver had removed the others (1 run in 4
-    of tests/jobs/test_executors.py's SIGTERM test left one)."""
+    while it opened its next shard's temporary file created it after the driver had removed the partial files (one
+    of four CI runs of tests/jobs/test_executors.py's SIGTERM test, 2026-12-06, found it left)."""
     for actor in actors:
         try:
             ray.kill(actor)
