@@ -41,7 +41,7 @@ def main() -> int:
     a = p.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    print("| shape | build | time a pass | per user: takes, selections, -, keys staged |")
+    print("| shape | build | time a pass | per user: takes, selections, keys staged |")
     print("| --- | --- | ---: | --- |")
     for shape in a.shapes.split(","):
         n_users, n_items, width, k = (int(x) for x in shape.split(":"))
@@ -66,7 +66,7 @@ def main() -> int:
             counts = ""
             if "RK_COUNT" in define:
                 glob = mod.get_global("recall_walk_counts")
-                c = cp.ndarray((4,), cp.uint64, glob)
+                c = cp.ndarray((3,), cp.uint64, glob)
                 c.fill(0)
                 run()
                 cp.cuda.Device().synchronize()

@@ -108,13 +108,19 @@ def walk_smem(padded: int) -> int:
 
 def walks(n_users: int, k: int, width: int, best_first: bool, has_floor: bool, options: EngineOptions) -> bool:
     """Whether a float16 fused pass of ``n_users`` keeping ``k`` candidates a user, of rows ``width`` halves wide,
-    takes the walk (where ``EngineOptions.fused_walk`` asks for it; the caller checks that Hopper's kernels are
-    built): a pass whose candidates come in no order (``best_first`` False: fast mode's and the certified route's),
-    not starting from floors, with rows of at most WALK_MAX_WIDTH columns once rounded up to 16 and k at most
-    WALK_MAX_K, and at least WALK_MIN_USERS users (a kernel's blocks are 128 users each: fewer leave most of the GPU
-    idle)."""
-    return (options.fused_walk and not best_first and not has_floor and 0 < k <= WALK_MAX_K
-            and -(-width // 16) * 16 <= WALK_MAX_WIDTH and n_users >= WALK_MIN_USERS)
+    takes the walk (where ``EngineOptions.fused_walk`` asks for it, and ``warpgroup_mma`` for Hopper's kernels,
+    whose building the caller checks): a pass whose candidates come in no order (``best_first`` False: fast mode's
+    and the certified route's), not starting from floors, with rows of at most WALK_MAX_WIDTH columns once rounded
+    up to 16 and k at most WALK_MAX_K, and at least WALK_MIN_USERS users (a kernel's blocks are 128 users each:
+    fewer leave most of the GPU idle)."""
+    return (options.fused_walk and options.warpgroup_mma and not best_first and not has_floor and 0 < k <= WALK_MAX_K
+            and padded_width(width) <= WALK_MAX_WIDTH and n_users >= WALK_MIN_USERS)
+
+
+def padded_width(width: int, multiplied: int = 0) -> int:
+    """The columns a float16 kernel multiplies of rows ``width`` halves wide: ``multiplied`` (a multiple of 16;
+    0: the rows' width rounded up to 16), at most that."""
+    return min(multiplied or width + 15, width + 15) // 16 * 16
 
 
 def half_smem(padded: int, chunk: int = 0) -> int:
@@ -280,7 +286,7 @@ class FusedSearch:
         past its candidates), excluded items (``ex_ptr`` / ``ex_items``, where ``has_excl``) left out; the state's
         other arrays are not touched."""
         n, width = users.shape
-        padded = min(multiplied or width + 15, width + 15) // 16 * 16
+        padded = padded_width(width, multiplied)
         kernel, smem = self.sel.walk_w[padded], walk_smem(padded)
         self._allow_smem(kernel, smem)
         kernel((-(-n // FUSED_TILE),), (_H_THREADS,),
@@ -314,7 +320,7 @@ class FusedSearch:
         width. On Hopper (``warpgroup``, ``EngineOptions.warpgroup_mma``) fused_w.cu's kernel (wgmma), elsewhere
         fused_h.cu's (mma.sync): the same arguments and candidates."""
         n, width = users.shape
-        padded = min(multiplied or width + 15, width + 15) // 16 * 16
+        padded = padded_width(width, multiplied)
         wide = self.sel.fused_w.get(padded) if warpgroup else None
         if wide is not None:
             fused, smem = wide, wgmma_smem(padded)

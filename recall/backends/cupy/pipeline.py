@@ -164,7 +164,7 @@ class BlockPipeline:
         # user's k-th best (below) takes the rule's sample; one that starts at a bound, a larger one where k is large.
         may_estimate = left_out is not None and floor is None and options.seed_estimate
         # The walk (fused_path.walks) needs no sample: each block of users scores every item in one kernel.
-        walk = (np.dtype(users.dtype) == np.float16 and fused and options.warpgroup_mma
+        walk = (np.dtype(users.dtype) == np.float16 and fused
                 and fused_path.walks(n_users, k, dim, best_first, floor is not None, options)
                 and bool(self.backend.selection.walk_w))
         sample = 0 if walk else search_seed_size(plan, n_items, k, options, bound=not may_estimate)

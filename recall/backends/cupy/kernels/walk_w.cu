@@ -1,5 +1,5 @@
 // The walk: a float16 pass of a small K (fast mode's and the certified route's k + margin + 1 candidates, at most
-// RK_MAX_K) in which each block of 128 users scores the whole catalogue and keeps its users' K best in shared memory.
+// fused.py's WALK_MAX_K = 32) in which each block of 128 users scores the whole catalogue and keeps its users' K best in shared memory.
 // No threshold sample, no candidate buffers, no merges: fused_w.cu's search of a million users against 4,096 items
 // spent more of its time in the sample's GEMM and select and in the merges than in its products and filter. Compiled
 // after fused_w.cu (its wgmma helpers and tile layout) in a Hopper module of its own (kernels.hopper_walk_module),
@@ -21,13 +21,12 @@
 //
 // Excluded items (ex_ptr / ex_items, a user's sorted rows) are dropped before they are staged: the stage holds no
 // key that the results could not.
-#define RK_MAX_K 32
 // Stage slots a user: what two blocks an SM leave beside the users' tile and the item tiles (fused.py's walk_smem).
 // An odd multiple of 4 (60 = 28 mod 32, 52 = 20 mod 32): the 8 users of a warp's call (rows g = 0..7 of 8) start on
 // banks 4 apart, so that the quads' lanes, writing neighbouring slots, mostly meet other banks; at 64 they shared one.
 #define RK_STAGE_OF(KS) ((KS) <= 4 ? 60 : 52)
-#if defined(RK_COUNT)  // measurement only (scripts/lab/walk_profile.py): take calls, selections, -, keys staged
-__device__ unsigned long long recall_walk_counts[4];
+#if defined(RK_COUNT)  // measurement only (scripts/lab/walk_profile.py): take calls, selections, keys staged
+__device__ unsigned long long recall_walk_counts[3];
 #define RK_COUNT_ADD(i, n) (t == 0 ? (void)atomicAdd(&recall_walk_counts[i], (unsigned long long)(n)) : (void)0)
 #else
 #define RK_COUNT_ADD(i, n) ((void)0)
@@ -232,7 +231,7 @@ __device__ __forceinline__ void recall_walk_take(const float (&s)[8], unsigned b
         }
         __syncwarp(RK_ALL);
         st.cnt = min(B, st.cnt + tot);
-        RK_COUNT_ADD(3, min(tot, room));
+        RK_COUNT_ADD(2, min(tot, room));
         const bool over = tot > room;  // the same in the quad's lanes
 #if defined(RK_SKIP_COMPACT)  // measurement only: survivors past a full stage dropped, no selection
         if (over) bits = 0u;
