@@ -68,6 +68,11 @@ class EngineOptions:
         keeps its candidates in shared memory (``walk_w.cu``), with no threshold sample and no merges. The answers
         are the same; as of 2026-12-06 the walk is slower than the sampled, segmented search (False, the default)
         in every cell measured (docs/benchmarks.md).
+    fused_seed : bool
+        GPU fused path on Hopper: float16 passes of fast mode and the certified route that keep at most 32
+        candidates a user (k up to 15) score their threshold sample and select each user's threshold in one kernel
+        (``seed_w.cu``), no sampled score written to memory. False: cuBLAS's GEMM writes the sample's scores and a
+        select reads them back (other GPUs, larger k). The thresholds are lower bounds either way.
     rescore : {"fused", "gemm"}
         GPU re-scoring: one fused gather + dot + select kernel, or gather + strided-batched GEMM + select (the
         CPU's path).
@@ -128,6 +133,7 @@ class EngineOptions:
     fused_tiles_per_block: int = 8
     warpgroup_mma: bool = True
     fused_walk: bool = False
+    fused_seed: bool = True
     rescore: str = "fused"
     few_user_tiles: bool = True
     seed_sample: int = 0
@@ -157,7 +163,7 @@ class EngineOptions:
         if self.float16_min_scores is not None:
             check_int(self.float16_min_scores, "options.float16_min_scores", 0)
         for name in ("cuda_graphs", "seed_thresholds", "seed_estimate", "few_user_tiles", "warpgroup_mma",
-                     "fused_walk", "fast_emulation"):
+                     "fused_walk", "fused_seed", "fast_emulation"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"options.{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -128,6 +128,9 @@ VARIANTS = {
     "nosample": {"fast_sample": 0},  # fast mode without its sample of users searched first
     "float32": {"certified_exact": "off"},  # exact mode's float32 search only
     "walk": {"fused_walk": True},  # float16 passes of k + m + 1 <= 32 walked (walk_w.cu), not sampled and segmented
+    # float16 passes of k + m + 1 <= 32 seeded by cuBLAS's GEMM and a select of its scores (as before seed_w.cu)
+    "gemm-seed": {"fused_seed": False},
+    "gemm-seed-float32": {"fused_seed": False, "certified_exact": "off"},
     "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it
     "no-estimate": {"seed_estimate": False},  # the float16 passes seeded from lower bounds only
     "ip-uniform": {},  # HOOKS: an inner-product engine's float16 passes sampled evenly, so that they estimate
@@ -319,6 +322,7 @@ def _direct_append(engine):
     from recall.backends.cupy import kernels
 
     mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRW_DIRECT_APPEND",))
+    assert engine.backend.selection.fused_w  # the shipped module's kernels first (seed_w's stay)
     engine.backend.selection._fused_w = {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}") for ks in range(1, 10)}
 
 
@@ -344,6 +348,7 @@ def _fused_w_built(*defines, pad=0):
         from recall.backends.cupy import fused, kernels
 
         mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, defines)
+        assert engine.backend.selection.fused_w  # the shipped module's kernels first (seed_w's stay)
         engine.backend.selection._fused_w = {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}")
                                              for ks in range(1, 10)}
         if pad:
@@ -390,14 +395,14 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
 
 def cell_spec(name):
     """A cell of CELLS, of a bench matrix grid as ``GRID:INDEX`` (e.g. ``gpu-fast:4``), or spelled out as
-    ``KIND:USERS:ITEMS:DIM:K:METRIC`` (e.g. ``skewed:200000:20000:32:10:l2``): (kind, users, items, dim, k, metric,
-    exclusions per user)."""
+    ``KIND:USERS:ITEMS:DIM:K:METRIC[:EXCLUSIONS]`` (e.g. ``skewed:200000:20000:32:10:l2``, or with 50 exclusions a
+    user ``skewed:200000:20000:32:10:l2:50``): (kind, users, items, dim, k, metric, exclusions per user)."""
     if name in CELLS:
         return CELLS[name]
     parts = name.split(":")
-    if len(parts) == 6:
-        kind, nu, ni, dim, k, metric = parts
-        return kind, int(nu), int(ni), int(dim), int(k), metric, 0
+    if len(parts) in (6, 7):
+        kind, nu, ni, dim, k, metric = parts[:6]
+        return kind, int(nu), int(ni), int(dim), int(k), metric, int(parts[6]) if len(parts) == 7 else 0
     from recall.bench import matrix
 
     grid, _, index = name.rpartition(":")
@@ -443,7 +448,7 @@ def instrument(backend, log):
         setattr(sel, name, Timed(getattr(sel, name), name, log))
     if not isinstance(sel.fused_h, dict):  # an older tree's selection (.oldtree/): one float16 kernel
         sel.fused_h = Timed(sel.fused_h, "fused_h", log)
-    for table in ("mask", "filter", "merge", "seed_kth", "seed_warp", "fused_h", "fused_w"):
+    for table in ("mask", "filter", "merge", "seed_kth", "seed_warp", "fused_h", "fused_w", "seed_w"):
         d = getattr(sel, table, None)
         if not isinstance(d, dict):  # an older tree's selection (.oldtree/)
             continue
@@ -546,6 +551,8 @@ def main() -> None:
     p.add_argument("--precision", default="exact", choices=("exact", "fast"))
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--no-per-kernel", action="store_true", help="skip the run with every launch timed")
+    p.add_argument("--per-kernel-variants", default="shipped",
+                   help="the variants whose launches are each timed (graphs off), comma-separated")
     p.add_argument("--no-exact-first", action="store_true",
                    help="with --precision fast: no exact-mode search before the variants (fast mode first in the "
                         "process; the first variant is then the reference)")
@@ -647,25 +654,27 @@ def main() -> None:
             del users, items, excl, want
             cupy.get_default_memory_pool().free_all_blocks()
             continue
-        # One search with graphs off, every launch timed.
-        engine = Engine(items, metric=metric, device="gpu", options=EngineOptions(cuda_graphs=False), precision=prec)
-        engine.search(users, k, exclude=excl)
-        log = []
-        instrument(engine.backend, log)
-        cupy.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        engine.search(users, k, exclude=excl)
-        cupy.cuda.Device().synchronize()
-        wall = time.perf_counter() - t0
-        per_kernel = defaultdict(lambda: [0, 0.0])
-        for name, ev_a, ev_b in log:
-            per_kernel[name][0] += 1
-            per_kernel[name][1] += cupy.cuda.get_elapsed_time(ev_a, ev_b) / 1e3
-        print(f"| {cell} | launches timed, graphs off | wall {wall:.4f} s | "
-              + " ; ".join(f"{n} x{c} {s:.4f} s" for n, (c, s) in sorted(per_kernel.items(), key=lambda x: -x[1][1]))
-              + " |", flush=True)
-        out.append({"cell": cell, "variant": "per-kernel", "wall_s": wall,
-                    "kernels": {n: {"launches": c, "s": s} for n, (c, s) in per_kernel.items()}})
+        # One search with graphs off, every launch timed (of each of --per-kernel-variants).
+        for vname in a.per_kernel_variants.split(","):
+            engine = Engine(items, metric=metric, device="gpu", precision=prec,
+                            options=dataclasses.replace(variant_options(vname), cuda_graphs=False))
+            engine.search(users, k, exclude=excl)
+            log = []
+            instrument(engine.backend, log)
+            cupy.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            engine.search(users, k, exclude=excl)
+            cupy.cuda.Device().synchronize()
+            wall = time.perf_counter() - t0
+            per_kernel = defaultdict(lambda: [0, 0.0])
+            for name, ev_a, ev_b in log:
+                per_kernel[name][0] += 1
+                per_kernel[name][1] += cupy.cuda.get_elapsed_time(ev_a, ev_b) / 1e3
+            print(f"| {cell} | {vname}: launches timed, graphs off | wall {wall:.4f} s | "
+                  + " ; ".join(f"{n} x{c} {s:.4f} s"
+                               for n, (c, s) in sorted(per_kernel.items(), key=lambda x: -x[1][1])) + " |", flush=True)
+            out.append({"cell": cell, "variant": f"per-kernel {vname}", "wall_s": wall,
+                        "kernels": {n: {"launches": c, "s": s} for n, (c, s) in per_kernel.items()}})
         if prec == "fast":  # once more, its phases bracketed by synchronisations
             plog = []
             undo = phases(plog)

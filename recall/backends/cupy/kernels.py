@@ -103,8 +103,9 @@ def _hopper_cubin(names: tuple[str, ...], options: tuple[str, ...]) -> Path:
     return path
 
 
-#: fused_w.cu's kernels are built with these sources before them (the helpers and candidate layout they share).
-HOPPER_FUSED_SOURCES = (*SELECTION_SOURCES, "fused_w.cu")
+#: fused_w.cu's kernels are built with these sources before them (the helpers and candidate layout they share), and
+#: seed_w.cu's after them (fused_w.cu's tiles and products, topk.cu's margins).
+HOPPER_FUSED_SOURCES = (*SELECTION_SOURCES, "fused_w.cu", "seed_w.cu")
 #: The walk's kernels (walk_w.cu, ``EngineOptions.fused_walk``) after fused_w.cu's helpers, in a module of their own:
 #: built only where a search asks for them.
 HOPPER_WALK_SOURCES = (*HOPPER_FUSED_SOURCES, "walk_w.cu")

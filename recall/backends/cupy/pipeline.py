@@ -168,7 +168,11 @@ class BlockPipeline:
                 and fused_path.walks(n_users, k, dim, best_first, floor is not None, options)
                 and bool(self.backend.selection.walk_w))
         sample = 0 if walk else search_seed_size(plan, n_items, k, options, bound=not may_estimate)
-        ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused, max(1, sample) if fused else None)
+        # A float16 pass of a small k on Hopper scores and selects its sample in one kernel (fused_path.seeds_fused).
+        seed_fused = (bool(sample) and floor is None and np.dtype(users.dtype) == np.float16 and fused
+                      and fused_path.seeds_fused(k, options) and bool(self.backend.selection.seed_w))
+        ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused,
+                             max(1, 0 if seed_fused else sample) if fused else None)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
         compute, copy, fetch = self.compute_stream, self.copy_stream, self.fetch_stream
@@ -185,6 +189,7 @@ class BlockPipeline:
         estimate = estimate_rank(k, sample, n_items, items.norms_rank) if sample and may_estimate else 0
         seed = self._refresh_sample(ws, items, n_items, sample, dim, estimate > 0) if sample else None
         stats["seed_sample"] = sample
+        stats["seed_fused"] = seed_fused
         if left_out is not None:
             stats["seed_estimate"] = estimate
         items_t = fused_path.operand(items, compute) if fused else None
@@ -241,7 +246,7 @@ class BlockPipeline:
                 ev[2].record(compute)
                 self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
                                   ws if fused else None, items_t, floor is not None, options, multiplied, estimate,
-                                  left_out is not None, best_first, walk)
+                                  left_out is not None, best_first, walk, seed_fused)
                 if left_out is not None:
                     left_out[start:stop] = state.seed_thr[:n]
                 if not host_out:
@@ -357,11 +362,13 @@ class BlockPipeline:
     def _search_slot(self, slot: _Slot, plan: TilePlan, items: DeviceItems, n_items: int, state: GpuTopK,
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
                      has_floor: bool, options: EngineOptions, multiplied: int = 0, estimate: int = 0,
-                     keep_seed: bool = False, best_first: bool = True, walk: bool = False) -> None:
+                     keep_seed: bool = False, best_first: bool = True, walk: bool = False,
+                     seed_fused: bool = False) -> None:
         """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all; ``estimate``:
         the seed's estimate rank, 0: a lower bound; ``keep_seed``: each user's starting threshold is kept in
         ``state.seed_thr``; ``best_first``: results sorted, else in no order; ``walk``: the fused pass is the walk,
-        unseeded, whose users keep -inf there). The cuBLAS
+        unseeded, whose users keep -inf there; ``seed_fused``: the sample is scored and selected in one kernel,
+        ``FusedSearch.seed``). The cuBLAS
         path always runs over the slot's full capacity of rows (rows past the real users are ignored), so that every
         block runs the same launches and the graph captured for a slot replays for each of its blocks; the fused
         path (``fused_ws`` set) scores the real rows only, and runs a short last block eagerly."""
@@ -385,13 +392,17 @@ class BlockPipeline:
                 state.thr[:rows] = slot.floor[:rows]
             elif seed is not None:
                 sample, sample_rows, sample_norms, sample_sums = seed
-                size = sample.shape[0]
-                scores = scores_buf[: rows * size].reshape(1, rows, size)
-                backend.gemm_strided_batched(users.reshape(1, rows, users.shape[1]), sample.reshape(1, size, -1),
-                                             scores)
                 bias = None if sample_sums is None else (*items.bias_columns, sample_sums)
-                sel.seed(state, scores, sample_rows, users, sample_norms, slot.ex_ptr, ex_items, estimate,
-                         items.constant_column, bias)
+                if seed_fused:
+                    self.fused.seed(state, users, sample, sample_rows, sample_norms, slot.ex_ptr, ex_items, estimate,
+                                    items.constant_column, bias, multiplied)
+                else:
+                    size = sample.shape[0]
+                    scores = scores_buf[: rows * size].reshape(1, rows, size)
+                    backend.gemm_strided_batched(users.reshape(1, rows, users.shape[1]),
+                                                 sample.reshape(1, size, -1), scores)
+                    sel.seed(state, scores, sample_rows, users, sample_norms, slot.ex_ptr, ex_items, estimate,
+                             items.constant_column, bias)
             if keep_seed:
                 state.seed_thr[:rows] = state.thr[:rows]
             if fused_ws is None:
@@ -412,7 +423,7 @@ class BlockPipeline:
         sample_ptr = None if seed is None else tuple(a.data.ptr for a in seed[1:] if a is not None)
         key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
                None if items_t is None else items_t.data.ptr, has_floor, options, multiplied, estimate, keep_seed,
-               best_first, walk)
+               best_first, walk, seed_fused)
         graph = slot.graphs.get(key)
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
         # From the second on (the next block, or the next search of one block: an embedded engine answering one

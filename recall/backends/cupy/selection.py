@@ -277,12 +277,24 @@ class Selection:
                         **{ch: mod.get_function(f"recall_fused_filter_h{ch}") for ch in (16, 32, 48, 80, 96)}}
         self.merge_fused_h = mod.get_function("recall_merge_fused_h")
         self._fused_w: dict[int, Any] | None = None
+        self._seed_w: dict[int, Any] = {}
         self._walk_w: dict[int, Any] | None = None
         self._merge_smem_limit = 0
 
     @property
     def fused_w(self) -> dict[int, Any]:
         """fused_w.cu's kernels (wgmma) by the columns multiplied (16 to 144), built on first use; empty off Hopper."""
+        self._hopper()
+        return self._fused_w
+
+    @property
+    def seed_w(self) -> dict[int, Any]:
+        """seed_w.cu's threshold selects (wgmma), by the columns multiplied (16 to 144), built with :attr:`fused_w`'s
+        module; empty off Hopper."""
+        self._hopper()
+        return self._seed_w
+
+    def _hopper(self) -> None:
         if self._fused_w is None:
             try:
                 mod = kernels.hopper_fused_module()
@@ -290,9 +302,10 @@ class Selection:
                 log.warning("recall: Hopper's wgmma kernels could not be built (%s); the mma.sync kernel runs "
                             "instead", str(exc).splitlines()[0])
                 mod = None
+            widths = range(1, 10)
             self._fused_w = {} if mod is None else {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}")
-                                                    for ks in range(1, 10)}
-        return self._fused_w
+                                                    for ks in widths}
+            self._seed_w = {} if mod is None else {16 * ks: mod.get_function(f"recall_seed_w{ks}") for ks in widths}
 
     @property
     def walk_w(self) -> dict[int, Any]:
@@ -339,12 +352,7 @@ class Selection:
         if excl_items.size:
             self.mask_sampled[scores.dtype](((n + 127) // 128,), (128,),
                                             (scores, np.int32(n), np.int32(size), rows, excl_indptr, excl_items))
-        width = int(users.shape[1])
-        a, r, z = seed_margin(width, users.dtype == np.float16, scores.dtype == np.float16)
-        col, value = constant if constant is not None else (-1, 0.0)
-        lo, hi, sums = bias if bias is not None else (0, 0, item_norms)  # hi == lo: no bias columns, sums unread
-        args = (state.thr, users, np.int32(width), item_norms, sums, np.int32(lo), np.int32(hi), np.int32(col),
-                np.float64(value), np.float64(a), np.float64(r), np.float64(z), np.int32(estimate))
+        args = self.seed_args(state, users, item_norms, scores.dtype == np.float16, estimate, constant, bias)
         rank = estimate if 0 < estimate < state.k else state.k
         if rank <= SEED_WARP_RANK and size <= SEED_WARP_MAX_SIZE:
             kept = 8 if rank <= SEED_WARP_SMALL_RANK else 16
@@ -355,6 +363,19 @@ class Selection:
             threads = seed_threads(size)
             self.seed_kth[(threads, scores.dtype, users.dtype)]((n,), (threads,),
                                                                 (scores, np.int32(size), np.int32(state.k), *args))
+
+    @staticmethod
+    def seed_args(state: GpuTopK, users: Any, item_norms: Any, half_scores: bool, estimate: int = 0,
+                  constant: tuple[int, float] | None = None, bias: tuple[int, int, Any] | None = None) -> tuple:
+        """The arguments every threshold select takes after the scores (``recall_seed*``'s, ``recall_seed_w*``'s):
+        the thresholds, the users and their margin's terms (:meth:`seed`'s ``users``, ``item_norms``, ``constant``
+        and ``bias``; ``half_scores``: the sampled scores were rounded to float16), the estimate's rank."""
+        width = int(users.shape[1])
+        a, r, z = seed_margin(width, users.dtype == np.float16, half_scores)
+        col, value = constant if constant is not None else (-1, 0.0)
+        lo, hi, sums = bias if bias is not None else (0, 0, item_norms)  # hi == lo: no bias columns, sums unread
+        return (state.thr, users, np.int32(width), item_norms, sums, np.int32(lo), np.int32(hi), np.int32(col),
+                np.float64(value), np.float64(a), np.float64(r), np.float64(z), np.int32(estimate))
 
     def result(self, state: GpuTopK, best_first: bool = True) -> tuple[Any, Any]:
         """The final merge: results of the block's users in ``state.out_vals`` / ``out_rows``, sorted best first, or

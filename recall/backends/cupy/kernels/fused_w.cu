@@ -139,6 +139,35 @@ __device__ __forceinline__ void recall_ldmatrix_x4(unsigned (&a)[4], unsigned ad
 }
 #endif
 
+// 128 rows of M (n rows, W halves each) from row `row0` into the tile at `dst` in the layout above: thread tid copies
+// row tid / 2's pieces tid % 2, tid % 2 + 2, ..., piece c of row r to core matrix (r / 8, c). Rows past n and pieces
+// past W are zeros. fused_w.cu's, walk_w.cu's and seed_w.cu's tiles alike (rows of CH = 16 KS halves).
+template <int KS>
+struct RecallWLoader {
+    int lr, lc, W;
+    unsigned l_off;
+
+    __device__ __forceinline__ RecallWLoader(int tid, int W_) : lr(tid >> 1), lc(tid & 1), W(W_) {
+        static_assert(RW_THREADS == 2 * RW_TILE, "a thread copies half a row");
+#if RW_SBO_PAD
+        l_off = (unsigned)(lr >> 3) * (16u * 16 * KS + RW_SBO_PAD) + ((unsigned)lc << 7) + ((unsigned)(lr & 7) << 4);
+#else
+        l_off = ((unsigned)((lr >> 3) * 2 * KS + lc) << 7) + ((unsigned)(lr & 7) << 4);  // 2 KS pieces a row
+#endif
+    }
+
+    __device__ __forceinline__ void operator()(unsigned dst, const half_bits* __restrict__ M, long long row0,
+                                               int n) const {
+        const bool row_ok = row0 + lr < n;
+        const half_bits* src = row_ok ? M + (row0 + lr) * W + lc * 8 : M;
+#pragma unroll
+        for (int q = 0; q < KS; ++q) {  // KS pieces of 2 KS a thread
+            const bool ok = row_ok && (lc + 2 * q) * 8 < W;
+            recall_cp16_or_zero(dst + l_off + q * 256u, ok ? src + q * 16 : M, ok);
+        }
+    }
+};
+
 // Dynamic shared memory: 128 users' rows, then RW_STAGES(KS) item tiles, each 128 rows of CH = 16 KS halves in the
 // canonical layout above (fused.py's wgmma_smem).
 template <int KS>
@@ -151,11 +180,8 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
     constexpr int STAGES = RW_STAGES_OF(KS);
     constexpr int STAGED = RW_STAGED_OF(KS) - (RW_SBO_PAD > 0);  // survivors a user's stage holds (one fewer
     // where row groups are padded: the same shared memory, two blocks an SM)
-    constexpr int PIECES = CH / 8;                        // 16-byte pieces of a row
     constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH + 16u * RW_SBO_PAD;  // a tile of 128 rows (users or items)
     constexpr unsigned SBO = 16u * CH + RW_SBO_PAD;                         // bytes from a row group of 8 to the next
-    constexpr int LOADS = RW_TILE * PIECES / RW_THREADS;  // pieces of a tile each thread copies (KS)
-    static_assert(RW_THREADS == 2 * RW_TILE, "a thread copies half a row");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int u0 = blockIdx.y * RW_TILE;
@@ -165,24 +191,7 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
     const unsigned u_base = recall_smem_addr(smem);
     const unsigned i_base = u_base + TILE_BYTES;
 
-    // 128 rows of M (n rows, W halves each) from row `row0` into the tile at `dst`: thread tid copies row tid / 2's
-    // pieces tid % 2, tid % 2 + 2, ..., piece c of row r to core matrix (r / 8, c). Rows past n and pieces past W
-    // are zeros.
-    const int lr = tid >> 1, lc = tid & 1;
-#if RW_SBO_PAD
-    const unsigned l_off = (unsigned)(lr >> 3) * SBO + ((unsigned)lc << 7) + ((unsigned)(lr & 7) << 4);
-#else
-    const unsigned l_off = ((unsigned)((lr >> 3) * PIECES + lc) << 7) + ((unsigned)(lr & 7) << 4);
-#endif
-    auto load_tile = [&](unsigned dst, const half_bits* __restrict__ M, long long row0, int n) {
-        const bool row_ok = row0 + lr < n;
-        const half_bits* src = row_ok ? M + (row0 + lr) * W + lc * 8 : M;
-#pragma unroll
-        for (int q = 0; q < LOADS; ++q) {
-            const bool ok = row_ok && (lc + 2 * q) * 8 < W;
-            recall_cp16_or_zero(dst + l_off + q * 256u, ok ? src + q * 16 : M, ok);
-        }
-    };
+    const RecallWLoader<KS> load_tile(tid, W);
     load_tile(u_base, U, u0, n_users);  // with the first tile's group
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {

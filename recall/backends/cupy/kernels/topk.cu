@@ -227,15 +227,22 @@ __device__ __forceinline__ void recall_seed_user_part(const V* __restrict__ urow
 }
 
 // A user's margin from the reduced sums: A |u| and A max |u_b| (0 without bias columns), each rounded up, and Z
-// grown by A |u_CC| CV.
+// grown by A |u_CC| CV (uc: |u_CC|, 0 without a constant column).
+__device__ __forceinline__ RecallSeedMargin recall_seed_margin_of(const float* vnorm, const float* vbias, int BL,
+                                                                  int BH, double CV, double A, double R, double Z,
+                                                                  double sq, double ub, double uc) {
+    const bool bias = BH > BL;
+    return {vnorm, bias ? vbias : nullptr, __double2float_ru(A * sqrt(sq)), bias ? __double2float_ru(A * ub) : 0.0f,
+            __double2float_ru(R), __double2float_ru(Z + A * uc * CV)};
+}
+
+// The same, |u_CC| read from the user's row `urow` of W.
 template <typename V>
 __device__ __forceinline__ RecallSeedMargin recall_seed_margin(const V* __restrict__ urow, int W, const float* vnorm,
                                                                const float* vbias, int CC, double CV, int BL, int BH,
                                                                double A, double R, double Z, double sq, double ub) {
     const double uc = CC >= 0 && CC < W ? fabs((double)recall_load(urow, CC)) : 0.0;
-    const bool bias = BH > BL;
-    return {vnorm, bias ? vbias : nullptr, __double2float_ru(A * sqrt(sq)), bias ? __double2float_ru(A * ub) : 0.0f,
-            __double2float_ru(R), __double2float_ru(Z + A * uc * CV)};
+    return recall_seed_margin_of(vnorm, vbias, BL, BH, CV, A, R, Z, sq, ub, uc);
 }
 
 // A lowered score's key; 0 (no key) for -inf and NaN.

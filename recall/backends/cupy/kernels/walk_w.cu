@@ -276,11 +276,8 @@ __device__ __forceinline__ void recall_walk_w_body(const half_bits* __restrict__
     constexpr int CH = 16 * KS;
     constexpr int STAGES = RK_STAGES_OF(KS);
     constexpr int B = RK_STAGE_OF(KS);
-    constexpr int PIECES = CH / 8;
     constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH;
     constexpr unsigned SBO = 16u * CH;
-    constexpr int LOADS = RW_TILE * PIECES / RW_THREADS;
-    static_assert(RW_THREADS == 2 * RW_TILE, "a thread copies half a row");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int u0 = blockIdx.x * RW_TILE;
@@ -288,19 +285,7 @@ __device__ __forceinline__ void recall_walk_w_body(const half_bits* __restrict__
     const unsigned u_base = recall_smem_addr(smem);
     const unsigned i_base = u_base + TILE_BYTES;
 
-    // As fused_w.cu's load_tile: thread tid copies row tid / 2's pieces tid % 2, tid % 2 + 2, ...; zeros past the
-    // rows and past W.
-    const int lr = tid >> 1, lc = tid & 1;
-    const unsigned l_off = ((unsigned)((lr >> 3) * PIECES + lc) << 7) + ((unsigned)(lr & 7) << 4);
-    auto load_tile = [&](unsigned dst, const half_bits* __restrict__ M, long long row0, int n) {
-        const bool row_ok = row0 + lr < n;
-        const half_bits* src = row_ok ? M + (row0 + lr) * W + lc * 8 : M;
-#pragma unroll
-        for (int q = 0; q < LOADS; ++q) {
-            const bool ok = row_ok && (lc + 2 * q) * 8 < W;
-            recall_cp16_or_zero(dst + l_off + q * 256u, ok ? src + q * 16 : M, ok);
-        }
-    };
+    const RecallWLoader<KS> load_tile(tid, W);  // fused_w.cu's tiles
     load_tile(u_base, U, u0, n_users);
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {

@@ -1,0 +1,258 @@
+// The threshold sample of a float16 pass on Hopper, scored and selected in one kernel: recall_seed's threshold (just
+// below each user's rank-th best sampled score, each lowered by its margin: topk.cu's RecallSeedMargin) from the
+// users' and the sample's float16 rows themselves, where the pass keeps at most RS_MAX_K candidates a user (fused.py's
+// SEED_W_MAX_K: fast mode's and the certified route's k + margin + 1, k up to 15). cuBLAS's GEMM wrote the sample's
+// float32 scores to memory and recall_seed_warp read them back: for a million users and 512 sampled items, 2 GB each
+// way, 3.3 ms of the certified route's 15.7 on 1M x 4,096 x 64 (H100, docs/benchmarks.md). Compiled after fused_w.cu
+// (its wgmma helpers, tile layout and loader), in its module.
+//
+// A block of RW_THREADS owns 128 users and multiplies them by the sample a tile of 128 items at a time, as fused_w.cu
+// does (the same wgmma sequence: float32 sums of exact products, which seed_margin's bound covers in any order). A
+// thread holds 2 users' (h = 0, 1) 32 scores of each tile, the 4 lanes of a quad (t = lane % 4) a user's 128; each
+// lane lowers its scores by their margins and keeps its RS_KEPT largest keys (recall_f2ord) of each user in
+// registers, sorted, largest first: a key moves every smaller one down a place, two comparisons a place and no
+// branch. An excluded sampled item (ex_ptr / ex_items, a user's sorted rows; `rows` the sample's) is looked up only
+// where its key is above the least key the lane kept before the tile. Then the quad pops its largest kept key `rank`
+// times: the rank-th largest of the 4 RS_KEPT kept keys, ties counted, which is the rank-th largest of the row unless
+// a lane dropped a key at or above it (it held more than RS_KEPT of the row's best), and never above it: a lower
+// bound of the search's k-th best all the same (recall_seed_warp would go on over the whole row, which this kernel
+// does not keep). -inf where the quad kept fewer than K keys (fewer than K finite, unexcluded sampled scores:
+// recall_seed's rule, counted on what was kept).
+#define RS_MAX_K 32
+// Keys a lane keeps of each user: 16 spilled registers at every width (nvcc 13.0, 128 a thread for two blocks an SM),
+// 12 none up to 64 columns (4 to 24 bytes above). A simulated rank of 27 (k = 10's) of 512 Gaussian scores: 97.7% of
+// users exact with 12, the rest within a place or two of it (mean 27.04 places); 99.99% with 16; 26% with 8 (mean
+// 29.7). -DRS_KEPT=n: measurement only.
+#ifndef RS_KEPT
+#define RS_KEPT 12
+#endif
+
+// A lane's RS_KEPT largest keys of a user, largest first (0: an empty place).
+struct RecallSeedKept {
+    u32 key[RS_KEPT];
+
+    __device__ __forceinline__ void clear() {
+#pragma unroll
+        for (int j = 0; j < RS_KEPT; ++j) key[j] = 0u;
+    }
+
+    __device__ __forceinline__ void push(u32 k) {  // k <= key[RS_KEPT - 1] (0 too) changes nothing
+#if defined(RS_NO_KEEP)  // measurement only (scripts/lab/seed_w_profile.py): the largest key alone
+        key[0] = max(key[0], k);
+        return;
+#endif
+#pragma unroll
+        for (int j = RS_KEPT - 1; j > 0; --j) key[j] = key[j] >= k ? key[j] : (key[j - 1] >= k ? k : key[j - 1]);
+        key[0] = max(key[0], k);
+    }
+
+    __device__ __forceinline__ int held() const {
+        int c = 0;
+#pragma unroll
+        for (int j = 0; j < RS_KEPT; ++j) c += key[j] != 0u ? 1 : 0;
+        return c;
+    }
+};
+
+__device__ __forceinline__ u32 recall_quad_max(u32 x) {
+    x = max(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ int recall_quad_sum(int x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <int KS>
+__device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__ S, int T, int K, int n_users,
+                                                   float* __restrict__ thr, const half_bits* __restrict__ U, int W,
+                                                   const float* __restrict__ vnorm, const float* __restrict__ vbias,
+                                                   int BL, int BH, int CC, double CV, double A, double R, double Z,
+                                                   int KE, const long long* __restrict__ rows,
+                                                   const long long* __restrict__ ex_ptr,
+                                                   const long long* __restrict__ ex_items, int has_excl,
+                                                   half_bits* smem) {
+    constexpr int CH = 16 * KS;
+    constexpr int STAGES = RW_STAGES_OF(KS);
+    constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH;
+    constexpr unsigned SBO = 16u * CH;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int u0 = blockIdx.x * RW_TILE;
+    const int n_tiles = (T + RW_TILE - 1) / RW_TILE;
+    const unsigned u_base = recall_smem_addr(smem);
+    const unsigned i_base = u_base + TILE_BYTES;
+
+    const RecallWLoader<KS> load_tile(tid, W);
+    load_tile(u_base, U, u0, n_users);
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < n_tiles) load_tile(i_base + st * TILE_BYTES, S, (long long)st * RW_TILE, T);
+        recall_cp_commit();
+    }
+    const int wrow = (warp >> 2) * 64 + (warp & 3) * 16;
+    const unsigned a_base = u_base + (unsigned)(warp >> 2) * 8u * SBO;
+
+    // Each user's margin (recall_seed_user_part's sums and recall_seed_margin's terms, as recall_seed_warp's), from
+    // the users' tile once it has landed: the quad's lanes read 16-byte pieces t, t + 4, ... of the row (columns
+    // past W are zeros), and sum over the quad. Only the user's own terms are kept (au, ab, z; r is every user's),
+    // so that the registers the products need are not spilled. Reading the row from global memory one column at a
+    // time held each block up as long as its products (scripts/lab/seed_w_profile.py).
+    recall_cp_wait<STAGES - 2>();  // the users' tile (with item tile 0)
+    __syncthreads();
+    const bool bias = BH > BL;  // vbias read only then (recall_seed's sums stand in for it otherwise)
+    float au[2], ab[2], z[2], r = 0.0f;
+    int n_ex[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = wrow + g + 8 * h;
+        double sq = 0.0, ub = 0.0, uc = 0.0;
+#pragma unroll
+        for (int pc = t; pc < 2 * KS; pc += 4) {
+            const uint4 q = *reinterpret_cast<const uint4*>(
+                reinterpret_cast<const unsigned char*>(smem) + ((row >> 3) * 2 * KS + pc) * 128 + (row & 7) * 16);
+            const half_bits piece[8] = {(half_bits)(q.x & 0xffffu), (half_bits)(q.x >> 16), (half_bits)(q.y & 0xffffu),
+                                        (half_bits)(q.y >> 16), (half_bits)(q.z & 0xffffu), (half_bits)(q.z >> 16),
+                                        (half_bits)(q.w & 0xffffu), (half_bits)(q.w >> 16)};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int col = 8 * pc + e;
+                const double x = recall_load(piece, e);
+                if (col >= BL && col < BH) ub = fmax(ub, fabs(x));
+                else if (col == CC) uc = fabs(x);
+                else sq += x * x;
+            }
+        }
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            ub = fmax(ub, __shfl_xor_sync(0xffffffffu, ub, o));
+            uc = fmax(uc, __shfl_xor_sync(0xffffffffu, uc, o));
+        }
+        const RecallSeedMargin m = recall_seed_margin_of(vnorm, vbias, BL, BH, CV, A, R, Z, sq, ub, uc);
+        au[h] = m.au;
+        ab[h] = m.ab;
+        z[h] = m.z32;
+        r = m.r32;
+        const int user = min(u0 + row, n_users - 1);
+        n_ex[h] = has_excl ? (int)(ex_ptr[user + 1] - ex_ptr[user]) : 0;
+    }
+    RecallSeedKept kept[2];
+    kept[0].clear();
+    kept[1].clear();
+
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    for (int s = 0; s < n_tiles; ++s) {
+        recall_cp_wait<STAGES - 2>();
+        recall_fence_proxy_async();
+        __syncthreads();  // tile s landed for every thread; nobody still reads the buffer refilled next
+        if (s + STAGES - 1 < n_tiles)
+            load_tile(i_base + (unsigned)((s + STAGES - 1) % STAGES) * TILE_BYTES, S,
+                      (long long)(s + STAGES - 1) * RW_TILE, T);
+        recall_cp_commit();
+        const unsigned b_base = i_base + (unsigned)(s % STAGES) * TILE_BYTES;
+        recall_wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            recall_wgmma_64x128(d, recall_wgmma_desc<SBO>(a_base + ks * 256u),
+                                recall_wgmma_desc<SBO>(b_base + ks * 256u), ks);
+        recall_wgmma_commit();
+        recall_wgmma_wait0();
+
+        const int j0 = s * RW_TILE + 2 * t;  // d[4j + 2h + c] is item j0 + 8j + c
+        // A user's excluded sampled items among the tile's scores that could enter its kept keys (above the least
+        // it kept before the tile; bit 2j + c): found by one binary search each, in a loop (64 inlined searches a
+        // tile made the kernel many times the size of its products, as walk_w.cu's recall_walk_unexcluded says).
+        unsigned out[2] = {0u, 0u};
+        if (has_excl) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (n_ex[h] == 0) continue;
+                const RecallSeedMargin m = {vnorm, nullptr, au[h], ab[h], r, z[h]};
+                const u32 least = kept[h].key[RS_KEPT - 1];
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int item = j0 + 8 * j + c;
+                        const float vb = item < T && bias ? __ldg(vbias + item) : 0.0f;
+                        const float vn = item < T ? __ldg(vnorm + item) : 0.0f;
+                        const u32 key = item < T ? recall_seed_key(m.lower(d[4 * j + 2 * h + c], vn, vb)) : 0u;
+                        out[h] |= (key > least ? 1u : 0u) << (2 * j + c);
+                    }
+                const int user = min(u0 + wrow + g + 8 * h, n_users - 1);
+                const long long* ex = ex_items + ex_ptr[user];
+                for (unsigned b = out[h]; b != 0u; b &= b - 1u) {
+                    const int q = __ffs(b) - 1;
+                    if (!recall_excluded(ex, n_ex[h], rows[j0 + 8 * (q >> 1) + (q & 1)])) out[h] &= ~(1u << q);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int item = j0 + 8 * j + c;
+                const bool in = item < T;
+                const float vn = in ? __ldg(vnorm + item) : 0.0f;
+                const float vb = in && bias ? __ldg(vbias + item) : 0.0f;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const RecallSeedMargin m = {vnorm, nullptr, au[h], ab[h], r, z[h]};
+                    const bool drop = !in || ((out[h] >> (2 * j + c)) & 1u);
+                    kept[h].push(drop ? 0u : recall_seed_key(m.lower(d[4 * j + 2 * h + c], vn, vb)));
+                }
+            }
+    }
+
+    const int rank = KE > 0 && KE < K ? KE : K;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int user = u0 + wrow + g + 8 * h;
+        const bool enough = recall_quad_sum(kept[h].held()) >= K;
+        // The quad's largest kept key, `rank` times: each time the lowest lane holding it drops it. Every lane of
+        // the warp pops (the shuffles take the whole warp): a quad short of keys pops zeros, unused.
+        u32 lo = 0u;
+        for (int p = 0; p < rank; ++p) {
+            lo = recall_quad_max(kept[h].key[0]);
+            const unsigned mine = (__ballot_sync(0xffffffffu, kept[h].key[0] == lo) >> (lane & ~3)) & 0xfu;
+            if (t == __ffs(mine) - 1) {
+#pragma unroll
+                for (int j = 0; j < RS_KEPT - 1; ++j) kept[h].key[j] = kept[h].key[j + 1];
+                kept[h].key[RS_KEPT - 1] = 0u;
+            }
+        }
+        // A key below every finite float's (the most negative scores' bins): -FLT_MAX, as recall_seed_warp.
+        const u32 low = max(lo, recall_f2ord(-3.402823466e38f));
+        if (t == 0 && user < n_users)
+            thr[user] = enough ? nextafterf(recall_ord2f(low), RECALL_NEG_INF) : RECALL_NEG_INF;
+    }
+}
+
+// recall_seed_w<KS>: rows of 16 KS columns multiplied (KS = 1 .. 9, as fused_w.cu's); grid ceil(n_users / 128)
+// blocks of RW_THREADS; shared memory fused.py's seed_w_smem. The sample's T rows S (T, W) and K, then the users'
+// count and recall_seed_warp's arguments from thr on (selection.py's Selection.seed_args), then the sample's item
+// rows and the users' exclusions.
+#define RECALL_SEED_W_KERNEL(KS)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(RW_THREADS, 2)                                                    \
+    recall_seed_w##KS(const half_bits* __restrict__ S, int T, int K, int n_users, float* __restrict__ thr,         \
+                      const half_bits* __restrict__ U, int W, const float* __restrict__ vnorm,                     \
+                      const float* __restrict__ vbias, int BL, int BH, int CC, double CV, double A, double R,      \
+                      double Z, int KE, const long long* __restrict__ rows, const long long* __restrict__ ex_ptr,  \
+                      const long long* __restrict__ ex_items, int has_excl) {                                      \
+        extern __shared__ float4 recall_seed_w_smem[];                                                            \
+        recall_seed_w_body<KS>(S, T, K, n_users, thr, U, W, vnorm, vbias, BL, BH, CC, CV, A, R, Z, KE, rows,        \
+                               ex_ptr, ex_items, has_excl, reinterpret_cast<half_bits*>(recall_seed_w_smem));     \
+    }
+RECALL_SEED_W_KERNEL(1)
+RECALL_SEED_W_KERNEL(2)
+RECALL_SEED_W_KERNEL(3)
+RECALL_SEED_W_KERNEL(4)
+RECALL_SEED_W_KERNEL(5)
+RECALL_SEED_W_KERNEL(6)
+RECALL_SEED_W_KERNEL(7)
+RECALL_SEED_W_KERNEL(8)
+RECALL_SEED_W_KERNEL(9)

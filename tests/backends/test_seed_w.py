@@ -1,0 +1,243 @@
+"""The threshold sample of a float16 pass scored and selected in one kernel (recall/backends/cupy/kernels/seed_w.cu,
+``EngineOptions.fused_seed``, Hopper): each lane of a quad keeps its RS_KEPT largest lowered keys of a user, and the
+quad's rank-th largest kept key is the threshold.
+
+Integer-valued data makes every float32 sum exact whatever its order, so the kernel's sampled scores are those of
+cuBLAS's GEMM bit for bit: its thresholds must be ``Selection.seed``'s of the same scores with each lane's share cut to
+the keys it keeps (exactly, where a lowered score's order is its score's: items of one norm), never above the
+uncut select's, and equal to it wherever no lane held more than RS_KEPT of a user's best.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from recall import Engine, EngineOptions
+from recall.backends import cuda_status
+from recall.backends.cupy import fused as fused_path
+
+from oracle import as_numpy, assert_topk_close, int_matrix as _ints
+from test_fused import _best_first, _run_half
+
+usable, reason = cuda_status()
+on_gpu = pytest.mark.skipif(not usable, reason=f"no usable GPU: {reason}")
+KEPT = 12  # seed_w.cu's RS_KEPT
+
+
+def test_the_rule():
+    assert fused_path.seeds_fused(27, EngineOptions())  # d = 64, k = 10: the route's pass keeps 27
+    assert fused_path.seeds_fused(32, EngineOptions())
+    assert fused_path.seeds_fused(1, EngineOptions())
+    assert not fused_path.seeds_fused(33, EngineOptions())  # k = 100's pass: cuBLAS's GEMM and a select
+    assert not fused_path.seeds_fused(27, EngineOptions(fused_seed=False))
+    assert not fused_path.seeds_fused(27, EngineOptions(warpgroup_mma=False))  # the mma.sync kernels' GPUs
+
+
+def test_two_blocks_an_sm():
+    # fused_w.cu's tiles only: at every width the wgmma kernels take, two blocks an SM fit an H100/H200 SM's 228 KiB
+    # (less the 1 KiB the device reserves a block).
+    for padded in range(16, fused_path.FUSED_W_MAX_WIDTH + 1, 16):
+        assert 2 * (fused_path.seed_w_smem(padded) + 1024) <= 228 * 1024, padded
+        assert fused_path.seed_w_smem(padded) < fused_path.wgmma_smem(padded)
+    assert fused_path.seed_w_smem(64) == 2 * 128 * 64 * 4
+
+
+@pytest.fixture
+def hopper():
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("seed_w.cu is built for compute capability 9.0 only")
+
+
+def _lane(size):
+    """The lane of a quad (t = 0..3) whose share holds each sampled item: item 8j + 2t + c of every tile of 128."""
+    return (np.arange(size) % 8) // 2
+
+
+def _thresholds(users, sample, k, estimate=0, constant=None, bias_columns=None, exclude=None, multiplied=0,
+                scores=None):
+    """(seed_w.cu's thresholds, Selection.seed's) of float16 ``users`` (n, W) over the float16 ``sample`` (T, W)
+    (item rows 0 .. T - 1); ``scores`` (n, T) float32: what Selection.seed selects from instead of the exact
+    products (-inf: left out)."""
+    import cupy
+
+    from recall.backends import resolve
+    from recall.backends.cupy.items import DeviceItems
+    from recall.backends.cupy.selection import GpuTopK
+    from recall.core.exclusions import normalise
+
+    n, size = users.shape[0], sample.shape[0]
+    backend = resolve("gpu")
+    sel = backend.selection
+    items = DeviceItems(cupy.asarray(sample), constant_column=constant, bias_columns=bias_columns)
+    rows, norms, sums = items.sample(size, size, cupy.cuda.get_current_stream(), even=True)
+    np.testing.assert_array_equal(cupy.asnumpy(rows), np.arange(size))
+    bias = None if sums is None else (*bias_columns, sums)
+    excl = normalise(exclude, n, size)
+    ex_ptr, ex_items = (cupy.asarray(np.ascontiguousarray(a)) for a in (excl.indptr, excl.items))
+    users_d = cupy.asarray(users)
+    got = {}
+    state = GpuTopK.allocate(n, k)
+    fused_path.FusedSearch(sel).seed(state, users_d, items.vecs, rows, norms, ex_ptr, ex_items, estimate, constant,
+                                     bias, multiplied)
+    got["fused"] = cupy.asnumpy(state.thr)
+    if scores is None:
+        scores = users.astype(np.float32) @ sample.astype(np.float32).T  # exact: small integers
+    state = GpuTopK.allocate(n, k)
+    sel.seed(state, cupy.asarray(scores, dtype=cupy.float32).reshape(1, n, size), rows, users_d, norms, ex_ptr,
+             ex_items, estimate, constant, bias)
+    got["select"] = cupy.asnumpy(state.thr)
+    return got["fused"], got["select"]
+
+
+def _one_norm(rng, size, width, lead=0, bias=0):
+    """float16 integer rows of one norm: signed permutations of one row, but for the first ``lead`` columns (0, for
+    the caller to fill with values of one magnitude) and the last ``bias`` (2 in each): a lowered score's order is
+    its score's."""
+    n = width - lead - bias
+    base = rng.integers(1, 5, n).astype(np.float32)
+    out = np.zeros((size, width), np.float32)
+    for i in range(size):
+        out[i, lead: lead + n] = rng.permutation(base) * rng.choice([-1, 1], n)
+    out[:, width - bias:] = 2
+    return out.astype(np.float16)
+
+
+def _cut(scores, exclude, kept=KEPT):
+    """Each user's scores with each lane's share cut to its ``kept`` best (the rest, and the excluded, -inf)."""
+    out = np.full_like(scores, -np.inf)
+    lane = _lane(scores.shape[1])
+    for u in range(scores.shape[0]):
+        row = scores[u].copy()
+        row[list((exclude or {}).get(u, []))] = -np.inf
+        for t in range(4):
+            share = np.flatnonzero(lane == t)
+            best = share[np.argsort(-row[share], kind="stable")[:kept]]
+            out[u, best] = row[best]
+    return out
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("n_users,size,width,k,estimate", [
+    (1, 128, 16, 1, 0), (130, 512, 64, 27, 0), (300, 300, 72, 27, 9), (257, 1024, 32, 32, 0), (129, 700, 40, 20, 5),
+    (200, 128, 144, 16, 0), (260, 2048, 128, 10, 3), (140, 256, 80, 32, 31), (3, 129, 56, 5, 0), (1000, 512, 24, 27, 0),
+])
+@pytest.mark.parametrize("best", ["spread", "one lane"])
+def test_thresholds_are_the_select_of_what_each_lane_keeps(hopper, n_users, size, width, k, estimate, best):
+    # Sampled items of one norm (the lowered keys in the scores' order): the kernel's thresholds equal Selection.seed's
+    # of the same exact scores cut to each lane's KEPT best, bit for bit, and are never above the uncut select's.
+    # "one lane": every user's best scores in lane 0's share (its KEPT kept fall short of the rank: strictly lower);
+    # exclusions: every sampled item for one user, most for others, none for the rest; samples off the tile of 128;
+    # every width the kernel is built for (16 to 144 columns multiplied); ranks 1 to 32 and estimates below them.
+    rng = np.random.default_rng(n_users + size + width + k)
+    sample = _one_norm(rng, size, width, lead=1)
+    users = _ints(rng, n_users, width, -3, 4).astype(np.float16)
+    sample[:, 0] = rng.choice([-1, 1], size)
+    if best == "one lane":
+        users[:, 0] = 64  # 3,840 above the rest, whose products sum to at most 1,716 (143 columns of 3 x 4)
+        sample[:, 0] = np.where(_lane(size) == 0, 60, -60)
+    exclude = {u: rng.choice(size, (2 * size) // 3, replace=False).tolist() for u in range(1, n_users, 5)}
+    exclude[0] = list(range(size))
+    exact = users.astype(np.float32) @ sample.astype(np.float32).T
+    fused, uncut = _thresholds(users, sample, k, estimate, exclude=exclude)
+    _, cut = _thresholds(users, sample, k, estimate, exclude=exclude, scores=_cut(exact, exclude))
+    np.testing.assert_array_equal(fused, cut)
+    assert (fused <= uncut).all()
+    assert fused[0] == -np.inf  # every sampled item excluded
+    rank = estimate if 0 < estimate < k else k
+    if best == "one lane" and rank > KEPT:
+        full = [u for u in range(n_users) if u not in exclude]
+        assert (fused[full] < uncut[full]).all()  # lane 0 held the rank's best; the others' kept stood in
+    elif best == "spread":
+        assert np.mean(fused == uncut) >= 0.9
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("size,width,k,estimate", [(512, 72, 27, 0), (1024, 40, 32, 12), (384, 136, 10, 0)])
+def test_margins_take_the_constant_and_bias_columns_on_their_own(hopper, size, width, k, estimate):
+    # A constant column (fast mode's shift: every item holds one value there) and bias columns (l2's) left out of
+    # the norms and bounded on their own, as Selection.seed bounds them: the same thresholds on items of one norm
+    # outside the bias columns (alike in each), cut to each lane's kept keys.
+    rng = np.random.default_rng(size + width)
+    sample = _one_norm(rng, size, width, lead=1, bias=2)
+    sample[:, 0] = 4  # the constant column
+    users = _ints(rng, 400, width, -3, 4).astype(np.float16)
+    constant, bias_columns = (0, 4.0), (width - 2, width)
+    exact = users.astype(np.float32) @ sample.astype(np.float32).T
+    fused, uncut = _thresholds(users, sample, k, estimate, constant, bias_columns)
+    _, cut = _thresholds(users, sample, k, estimate, constant, bias_columns, scores=_cut(exact, None))
+    np.testing.assert_array_equal(fused, cut)
+    assert (fused <= uncut).all() and np.mean(fused == uncut) >= 0.9
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_real_valued_thresholds_stay_below_the_kth_best(hopper):
+    # Real-valued rows of skewed norms (the margins differ by item): every threshold is at most the user's k-th best
+    # exact (float64) score over the sample, and at most the GEMM path's select (whose sums differ in order only
+    # within the margin both take).
+    rng = np.random.default_rng(7)
+    size, width, k = 512, 64, 27
+    sample = (rng.standard_normal((size, width)) * rng.lognormal(0, 1, (size, 1))).astype(np.float16)
+    users = (rng.standard_normal((2000, width)) * rng.lognormal(0, 1, (2000, 1))).astype(np.float16)
+    scores = users.astype(np.float32) @ sample.astype(np.float32).T
+    fused, select = _thresholds(users, sample, k, scores=scores)
+    kth = -np.sort(-(users.astype(np.float64) @ sample.astype(np.float64).T), axis=1)[:, k - 1]
+    assert (fused <= kth).all()
+    close = np.isclose(fused, select, rtol=1e-3, atol=0)  # the rest: a lane held more than KEPT of the best
+    assert np.mean(close) >= 0.95
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("n_users,n_items,width,k", [
+    (130, 1000, 24, 10), (300, 3001, 72, 27), (257, 2500, 64, 32), (1000, 4096, 32, 27), (200, 1300, 136, 16),
+])
+def test_passes_seeded_in_one_kernel_equal_the_cpu_exactly(hopper, n_users, n_items, width, k):
+    # Fused float16 passes seeded by seed_w.cu (stats["seed_fused"]) and by cuBLAS's GEMM and a select: the CPU's
+    # pairs exactly, ties decided by the row, exclusions (every item for one user).
+    rng = np.random.default_rng(n_users + n_items + width + k)
+    items = _ints(rng, n_items, width, -3, 4).astype(np.float16)
+    users = _ints(rng, n_users, width, -3, 4).astype(np.float16)
+    excl = {u: rng.choice(n_items, (2 * n_items) // 3, replace=False).tolist() for u in range(1, n_users, 5)}
+    excl[0] = list(range(n_items))
+    want_vals, want_rows, _ = _run_half("cpu", items, users, k, excl)
+    for seed_fused in (True, False):
+        options = EngineOptions(fused="force", fused_seed=seed_fused, seed_sample=256)
+        vals, rows, stats = _run_half("gpu", items, users, k, excl, options, best_first=False)
+        assert stats["fused"] and stats["seed_sample"] > 0 and stats["seed_fused"] == seed_fused
+        vals, rows = _best_first(vals, rows)
+        np.testing.assert_array_equal(rows, want_rows)
+        np.testing.assert_array_equal(vals, want_vals)
+    _, _, stats = _run_half("gpu", items, users, 33, excl, EngineOptions(fused="force", seed_sample=256),
+                            best_first=False)
+    assert stats["seed_sample"] == 256 and not stats["seed_fused"]  # above SEED_W_MAX_K
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+@pytest.mark.parametrize("dim,k", [(32, 10), (64, 10), (64, 1), (128, 15)])
+def test_fast_and_certified_answers_are_the_oracles(hopper, metric, dim, k):
+    # Real-valued, skewed-norm data through fast mode and exact mode's certified route, seeded in one kernel: the
+    # answers equal the float64 oracle's, ties aware, and exact mode's equal its float32 search's bit for bit.
+    rng = np.random.default_rng(dim + k)
+    items = (rng.standard_normal((10_000, dim)) * rng.lognormal(0, 0.6, (10_000, 1))).astype(np.float32)
+    users = (rng.standard_normal((700, dim)) * rng.lognormal(0, 0.6, (700, 1))).astype(np.float32)
+    exclude = {u: rng.choice(10_000, 300, replace=False).tolist() for u in range(0, 700, 3)}
+    options = EngineOptions(certified_exact="on", float16_min_scores=0, fast_sample=0)
+    answers = {}
+    for precision in ("fast", "exact"):
+        engine = Engine(items, device="gpu", metric=metric, precision=precision, options=options)
+        got = engine.search(users, k, exclude=exclude)
+        assert engine.stats.get("seed_fused"), engine.stats
+        idx, val = as_numpy(got.indices), as_numpy(got.scores)
+        assert_topk_close(idx, val, users, items, k, metric=metric, exclude=exclude)
+        answers[precision] = (idx, val)
+    plain = Engine(items, device="gpu", metric=metric, options=EngineOptions(certified_exact="off"))
+    want = plain.search(users, k, exclude=exclude)
+    np.testing.assert_array_equal(answers["exact"][0], as_numpy(want.indices))
+    np.testing.assert_array_equal(answers["exact"][1], as_numpy(want.scores))
