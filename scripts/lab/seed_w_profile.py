@@ -2,8 +2,8 @@
 reading them (``Selection.seed``), against seed_w.cu's one kernel (``FusedSearch.seed``) as built and with
 measurement-only defines (``-DRS_KEPT=n``: n keys a lane keeps; ``-DRS_NO_KEEP``: the largest key alone, the
 products and the lowering without the kept keys' cost). Random float16 rows with log-normal norms, thresholds of
-the pass's K (no estimate), blocks of 32,768 users (the pipeline's fused user block), each a launch; the median of
-5 timed runs. Run from the project root on a Hopper GPU::
+the pass's K (no estimate), blocks of 32,768 users (the pipeline's fused user block), each a launch, or with
+``--block 0`` all in one; the median of 5 timed runs. Run from the project root on a Hopper GPU::
 
     PYTHONPATH=. python3 scripts/lab/seed_w_profile.py [--shapes 1000000:512:80:27,200000:1024:48:27]
         [--defines ",-DRS_KEPT=8,-DRS_KEPT=16,-DRS_NO_KEEP"] [--json out.json]
@@ -40,7 +40,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="1000000:512:80:27,200000:1024:48:27,100000:1024:80:27")
     p.add_argument("--defines", default=",-DRS_KEPT=8,-DRS_KEPT=16,-DRS_NO_KEEP")
-    p.add_argument("--block", type=int, default=32768)
+    p.add_argument("--block", type=int, default=32768,
+                   help="users a launch (0: every user in one launch: the kernels' own time, no host between them)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     rng = np.random.default_rng(0)
@@ -55,14 +56,15 @@ def main() -> int:
         users, sample = _rows(cp, rng, n_users, width), _rows(cp, rng, size, width)
         items = DeviceItems(sample)
         srows, norms, _ = items.sample(size, size, stream, even=True)
-        state = GpuTopK.allocate(a.block, k)
-        scores = cp.empty((1, a.block, size), cp.float32)
-        ex_ptr, ex_items = cp.zeros(a.block + 1, cp.int64), cp.zeros(0, cp.int64)
+        block = a.block or n_users
+        state = GpuTopK.allocate(block, k, 1)
+        scores = cp.empty((1, block, size), cp.float32)
+        ex_ptr, ex_items = cp.zeros(block + 1, cp.int64), cp.zeros(0, cp.int64)
         thr = {}
 
         def gemm_select():
-            for s in range(0, n_users, a.block):
-                n = min(a.block, n_users - s)
+            for s in range(0, n_users, block):
+                n = min(block, n_users - s)
                 backend.gemm_strided_batched(users[s:s + n].reshape(1, n, width), sample.reshape(1, size, -1),
                                              scores[:, :n])
                 sel.seed(state, scores[:, :n], srows, users[s:s + n], norms, ex_ptr, ex_items)
@@ -75,16 +77,16 @@ def main() -> int:
             search = fused_path.FusedSearch(shim)
 
             def one_kernel(search=search):
-                for s in range(0, n_users, a.block):
-                    n = min(a.block, n_users - s)
-                    search.seed(state, users[s:s + n], sample, srows, norms, ex_ptr, ex_items)
+                for s in range(0, n_users, block):
+                    n = min(block, n_users - s)
+                    search.seed(state, users[s:s + n], sample, norms)
 
             runs[f"seed_w {define}".strip()] = (one_kernel, define)
         for name, (run, _) in runs.items():
             t = statistics.median(device_times(run, 5))
             # The thresholds of the last block, against the GEMM path's.
             run()
-            thr[name] = state.thr[: min(a.block, n_users - (n_users - 1) // a.block * a.block)].get()
+            thr[name] = state.thr[: n_users - (n_users - 1) // block * block].get()
             ref = thr["gemm + select"]
             same, below = float((thr[name] == ref).mean()), float((thr[name] < ref).mean())
             print(f"| {shape} | {name} | {t * 1e3:.3f} ms | {same:.4f} | {below:.4f} |", flush=True)

@@ -5,7 +5,8 @@ quad's rank-th largest kept key is the threshold.
 Integer-valued data makes every float32 sum exact whatever its order, so the kernel's sampled scores are those of
 cuBLAS's GEMM bit for bit: its thresholds must be ``Selection.seed``'s of the same scores with each lane's share cut to
 the keys it keeps (exactly, where a lowered score's order is its score's: items of one norm), never above the
-uncut select's, and equal to it wherever no lane held more than RS_KEPT of a user's best.
+uncut select's, and equal to it wherever no lane held more than RS_KEPT of a user's best. Searches with exclusions
+keep cuBLAS's GEMM and the select (``fused.seeds_fused``).
 """
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ KEPT = 12  # seed_w.cu's RS_KEPT
 
 
 def test_the_rule():
-    assert fused_path.seeds_fused(27, EngineOptions())  # d = 64, k = 10: the route's pass keeps 27
-    assert fused_path.seeds_fused(32, EngineOptions())
-    assert fused_path.seeds_fused(1, EngineOptions())
-    assert not fused_path.seeds_fused(33, EngineOptions())  # k = 100's pass: cuBLAS's GEMM and a select
-    assert not fused_path.seeds_fused(27, EngineOptions(fused_seed=False))
-    assert not fused_path.seeds_fused(27, EngineOptions(warpgroup_mma=False))  # the mma.sync kernels' GPUs
+    assert fused_path.seeds_fused(27, False, EngineOptions())  # d = 64, k = 10: the route's pass keeps 27
+    assert fused_path.seeds_fused(32, False, EngineOptions())
+    assert fused_path.seeds_fused(1, False, EngineOptions())
+    assert not fused_path.seeds_fused(27, True, EngineOptions())  # exclusions: the GEMM, the mask and the select
+    assert not fused_path.seeds_fused(33, False, EngineOptions())  # k = 100's pass: cuBLAS's GEMM and a select
+    assert not fused_path.seeds_fused(27, False, EngineOptions(fused_seed=False))
+    assert not fused_path.seeds_fused(27, False, EngineOptions(warpgroup_mma=False))  # the mma.sync kernels' GPUs
 
 
 def test_two_blocks_an_sm():
@@ -55,8 +57,7 @@ def _lane(size):
     return (np.arange(size) % 8) // 2
 
 
-def _thresholds(users, sample, k, estimate=0, constant=None, bias_columns=None, exclude=None, multiplied=0,
-                scores=None):
+def _thresholds(users, sample, k, estimate=0, constant=None, bias_columns=None, multiplied=0, scores=None):
     """(seed_w.cu's thresholds, Selection.seed's) of float16 ``users`` (n, W) over the float16 ``sample`` (T, W)
     (item rows 0 .. T - 1); ``scores`` (n, T) float32: what Selection.seed selects from instead of the exact
     products (-inf: left out)."""
@@ -65,8 +66,6 @@ def _thresholds(users, sample, k, estimate=0, constant=None, bias_columns=None, 
     from recall.backends import resolve
     from recall.backends.cupy.items import DeviceItems
     from recall.backends.cupy.selection import GpuTopK
-    from recall.core.exclusions import normalise
-
     n, size = users.shape[0], sample.shape[0]
     backend = resolve("gpu")
     sel = backend.selection
@@ -74,13 +73,11 @@ def _thresholds(users, sample, k, estimate=0, constant=None, bias_columns=None, 
     rows, norms, sums = items.sample(size, size, cupy.cuda.get_current_stream(), even=True)
     np.testing.assert_array_equal(cupy.asnumpy(rows), np.arange(size))
     bias = None if sums is None else (*bias_columns, sums)
-    excl = normalise(exclude, n, size)
-    ex_ptr, ex_items = (cupy.asarray(np.ascontiguousarray(a)) for a in (excl.indptr, excl.items))
+    ex_ptr, ex_items = cupy.zeros(n + 1, cupy.int64), cupy.zeros(0, cupy.int64)  # nothing excluded
     users_d = cupy.asarray(users)
     got = {}
     state = GpuTopK.allocate(n, k)
-    fused_path.FusedSearch(sel).seed(state, users_d, items.vecs, rows, norms, ex_ptr, ex_items, estimate, constant,
-                                     bias, multiplied)
+    fused_path.FusedSearch(sel).seed(state, users_d, items.vecs, norms, estimate, constant, bias, multiplied)
     got["fused"] = cupy.asnumpy(state.thr)
     if scores is None:
         scores = users.astype(np.float32) @ sample.astype(np.float32).T  # exact: small integers
@@ -104,13 +101,12 @@ def _one_norm(rng, size, width, lead=0, bias=0):
     return out.astype(np.float16)
 
 
-def _cut(scores, exclude, kept=KEPT):
-    """Each user's scores with each lane's share cut to its ``kept`` best (the rest, and the excluded, -inf)."""
+def _cut(scores, kept=KEPT):
+    """Each user's scores with each lane's share cut to its ``kept`` best (the rest -inf)."""
     out = np.full_like(scores, -np.inf)
     lane = _lane(scores.shape[1])
     for u in range(scores.shape[0]):
-        row = scores[u].copy()
-        row[list((exclude or {}).get(u, []))] = -np.inf
+        row = scores[u]
         for t in range(4):
             share = np.flatnonzero(lane == t)
             best = share[np.argsort(-row[share], kind="stable")[:kept]]
@@ -123,14 +119,15 @@ def _cut(scores, exclude, kept=KEPT):
 @pytest.mark.parametrize("n_users,size,width,k,estimate", [
     (1, 128, 16, 1, 0), (130, 512, 64, 27, 0), (300, 300, 72, 27, 9), (257, 1024, 32, 32, 0), (129, 700, 40, 20, 5),
     (200, 128, 144, 16, 0), (260, 2048, 128, 10, 3), (140, 256, 80, 32, 31), (3, 129, 56, 5, 0), (1000, 512, 24, 27, 0),
+    (2, 20, 16, 27, 0),
 ])
 @pytest.mark.parametrize("best", ["spread", "one lane"])
 def test_thresholds_are_the_select_of_what_each_lane_keeps(hopper, n_users, size, width, k, estimate, best):
     # Sampled items of one norm (the lowered keys in the scores' order): the kernel's thresholds equal Selection.seed's
     # of the same exact scores cut to each lane's KEPT best, bit for bit, and are never above the uncut select's.
     # "one lane": every user's best scores in lane 0's share (its KEPT kept fall short of the rank: strictly lower);
-    # exclusions: every sampled item for one user, most for others, none for the rest; samples off the tile of 128;
-    # every width the kernel is built for (16 to 144 columns multiplied); ranks 1 to 32 and estimates below them.
+    # samples off the tile of 128, and one shorter than K (fewer than K kept: -inf); every width the kernel is built
+    # for (16 to 144 columns multiplied); ranks 1 to 32 and estimates below them.
     rng = np.random.default_rng(n_users + size + width + k)
     sample = _one_norm(rng, size, width, lead=1)
     users = _ints(rng, n_users, width, -3, 4).astype(np.float16)
@@ -138,18 +135,16 @@ def test_thresholds_are_the_select_of_what_each_lane_keeps(hopper, n_users, size
     if best == "one lane":
         users[:, 0] = 64  # 3,840 above the rest, whose products sum to at most 1,716 (143 columns of 3 x 4)
         sample[:, 0] = np.where(_lane(size) == 0, 60, -60)
-    exclude = {u: rng.choice(size, (2 * size) // 3, replace=False).tolist() for u in range(1, n_users, 5)}
-    exclude[0] = list(range(size))
     exact = users.astype(np.float32) @ sample.astype(np.float32).T
-    fused, uncut = _thresholds(users, sample, k, estimate, exclude=exclude)
-    _, cut = _thresholds(users, sample, k, estimate, exclude=exclude, scores=_cut(exact, exclude))
+    fused, uncut = _thresholds(users, sample, k, estimate)
+    _, cut = _thresholds(users, sample, k, estimate, scores=_cut(exact))
     np.testing.assert_array_equal(fused, cut)
     assert (fused <= uncut).all()
-    assert fused[0] == -np.inf  # every sampled item excluded
     rank = estimate if 0 < estimate < k else k
-    if best == "one lane" and rank > KEPT:
-        full = [u for u in range(n_users) if u not in exclude]
-        assert (fused[full] < uncut[full]).all()  # lane 0 held the rank's best; the others' kept stood in
+    if size < k:
+        assert (fused == -np.inf).all()
+    elif best == "one lane" and rank > KEPT:
+        assert (fused < uncut).all()  # lane 0 held the rank's best; the others' kept stood in
     elif best == "spread":
         assert np.mean(fused == uncut) >= 0.9
 
@@ -168,7 +163,7 @@ def test_margins_take_the_constant_and_bias_columns_on_their_own(hopper, size, w
     constant, bias_columns = (0, 4.0), (width - 2, width)
     exact = users.astype(np.float32) @ sample.astype(np.float32).T
     fused, uncut = _thresholds(users, sample, k, estimate, constant, bias_columns)
-    _, cut = _thresholds(users, sample, k, estimate, constant, bias_columns, scores=_cut(exact, None))
+    _, cut = _thresholds(users, sample, k, estimate, constant, bias_columns, scores=_cut(exact))
     np.testing.assert_array_equal(fused, cut)
     assert (fused <= uncut).all() and np.mean(fused == uncut) >= 0.9
 
@@ -198,21 +193,24 @@ def test_real_valued_thresholds_stay_below_the_kth_best(hopper):
 ])
 def test_passes_seeded_in_one_kernel_equal_the_cpu_exactly(hopper, n_users, n_items, width, k):
     # Fused float16 passes seeded by seed_w.cu (stats["seed_fused"]) and by cuBLAS's GEMM and a select: the CPU's
-    # pairs exactly, ties decided by the row, exclusions (every item for one user).
+    # pairs exactly, ties decided by the row. With exclusions (every item for one user, most for others) the pass
+    # keeps the GEMM and the select, whatever the option says.
     rng = np.random.default_rng(n_users + n_items + width + k)
     items = _ints(rng, n_items, width, -3, 4).astype(np.float16)
     users = _ints(rng, n_users, width, -3, 4).astype(np.float16)
     excl = {u: rng.choice(n_items, (2 * n_items) // 3, replace=False).tolist() for u in range(1, n_users, 5)}
     excl[0] = list(range(n_items))
-    want_vals, want_rows, _ = _run_half("cpu", items, users, k, excl)
-    for seed_fused in (True, False):
-        options = EngineOptions(fused="force", fused_seed=seed_fused, seed_sample=256)
-        vals, rows, stats = _run_half("gpu", items, users, k, excl, options, best_first=False)
-        assert stats["fused"] and stats["seed_sample"] > 0 and stats["seed_fused"] == seed_fused
-        vals, rows = _best_first(vals, rows)
-        np.testing.assert_array_equal(rows, want_rows)
-        np.testing.assert_array_equal(vals, want_vals)
-    _, _, stats = _run_half("gpu", items, users, 33, excl, EngineOptions(fused="force", seed_sample=256),
+    for exclude in (None, excl):
+        want_vals, want_rows, _ = _run_half("cpu", items, users, k, exclude)
+        for seed_fused in (True, False):
+            options = EngineOptions(fused="force", fused_seed=seed_fused, seed_sample=256)
+            vals, rows, stats = _run_half("gpu", items, users, k, exclude, options, best_first=False)
+            assert stats["fused"] and stats["seed_sample"] > 0
+            assert stats["seed_fused"] == (seed_fused and exclude is None)
+            vals, rows = _best_first(vals, rows)
+            np.testing.assert_array_equal(rows, want_rows)
+            np.testing.assert_array_equal(vals, want_vals)
+    _, _, stats = _run_half("gpu", items, users, 33, None, EngineOptions(fused="force", seed_sample=256),
                             best_first=False)
     assert stats["seed_sample"] == 256 and not stats["seed_fused"]  # above SEED_W_MAX_K
 
@@ -222,22 +220,22 @@ def test_passes_seeded_in_one_kernel_equal_the_cpu_exactly(hopper, n_users, n_it
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 @pytest.mark.parametrize("dim,k", [(32, 10), (64, 10), (64, 1), (128, 15)])
 def test_fast_and_certified_answers_are_the_oracles(hopper, metric, dim, k):
-    # Real-valued, skewed-norm data through fast mode and exact mode's certified route, seeded in one kernel: the
-    # answers equal the float64 oracle's, ties aware, and exact mode's equal its float32 search's bit for bit.
+    # Real-valued, skewed-norm data through fast mode and exact mode's certified route, seeded in one kernel (no
+    # exclusions): the answers equal the float64 oracle's, ties aware, and exact mode's equal its float32 search's bit
+    # for bit.
     rng = np.random.default_rng(dim + k)
     items = (rng.standard_normal((10_000, dim)) * rng.lognormal(0, 0.6, (10_000, 1))).astype(np.float32)
     users = (rng.standard_normal((700, dim)) * rng.lognormal(0, 0.6, (700, 1))).astype(np.float32)
-    exclude = {u: rng.choice(10_000, 300, replace=False).tolist() for u in range(0, 700, 3)}
     options = EngineOptions(certified_exact="on", float16_min_scores=0, fast_sample=0)
     answers = {}
     for precision in ("fast", "exact"):
         engine = Engine(items, device="gpu", metric=metric, precision=precision, options=options)
-        got = engine.search(users, k, exclude=exclude)
+        got = engine.search(users, k)
         assert engine.stats.get("seed_fused"), engine.stats
         idx, val = as_numpy(got.indices), as_numpy(got.scores)
-        assert_topk_close(idx, val, users, items, k, metric=metric, exclude=exclude)
+        assert_topk_close(idx, val, users, items, k, metric=metric)
         answers[precision] = (idx, val)
     plain = Engine(items, device="gpu", metric=metric, options=EngineOptions(certified_exact="off"))
-    want = plain.search(users, k, exclude=exclude)
+    want = plain.search(users, k)
     np.testing.assert_array_equal(answers["exact"][0], as_numpy(want.indices))
     np.testing.assert_array_equal(answers["exact"][1], as_numpy(want.scores))

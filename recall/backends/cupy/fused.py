@@ -47,8 +47,8 @@ FUSED_HALF_SEEDED_MAX_K = 5121
 #: alone 16.8-17.3 ms, of which its products and filter 2.8 ms and its selections (5.5-7 a user) about 12 ms (H100,
 #: docs/benchmarks.md).
 #: A float16 pass on Hopper that keeps at most SEED_W_MAX_K candidates a user (k + margin + 1: k up to 15) scores and
-#: selects its threshold sample in one kernel (kernels/seed_w.cu, ``EngineOptions.fused_seed``): no sampled score
-#: goes through memory (:func:`seeds_fused`).
+#: selects its threshold sample in one kernel (kernels/seed_w.cu, ``EngineOptions.fused_seed``) where the search
+#: excludes nothing: no sampled score goes through memory (:func:`seeds_fused`).
 SEED_W_MAX_K = 32
 WALK_MAX_K = 32
 WALK_MAX_WIDTH = 80
@@ -108,11 +108,12 @@ def seed_w_smem(padded: int) -> int:
     return 2 * FUSED_TILE * padded * (1 + (2 if padded > 96 else 3))
 
 
-def seeds_fused(k: int, options: EngineOptions) -> bool:
+def seeds_fused(k: int, has_excl: bool, options: EngineOptions) -> bool:
     """Whether a float16 fused pass keeping ``k`` candidates a user scores and selects its threshold sample in one
     kernel (seed_w.cu, where Hopper's kernels are built: the caller checks): ``EngineOptions.fused_seed`` and
-    ``warpgroup_mma``, and k at most SEED_W_MAX_K."""
-    return options.fused_seed and options.warpgroup_mma and 0 < k <= SEED_W_MAX_K
+    ``warpgroup_mma``, k at most SEED_W_MAX_K, and a search without exclusions (``has_excl`` False: with them,
+    cuBLAS's GEMM, the mask and the select took less GPU time, docs/benchmarks.md)."""
+    return options.fused_seed and options.warpgroup_mma and 0 < k <= SEED_W_MAX_K and not has_excl
 
 
 def walk_smem(padded: int) -> int:
@@ -310,22 +311,21 @@ class FusedSearch:
                (users, np.int32(n), items, np.int32(n_items), np.int32(width), np.int32(state.k), state.out_vals,
                 state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0)), shared_mem=smem)
 
-    def seed(self, state: GpuTopK, users: Any, sample: Any, rows: Any, item_norms: Any, ex_ptr: Any,
-             ex_items: Any, estimate: int = 0, constant: tuple[int, float] | None = None,
-             bias: tuple[int, int, Any] | None = None, multiplied: int = 0) -> None:
+    def seed(self, state: GpuTopK, users: Any, sample: Any, item_norms: Any, estimate: int = 0,
+             constant: tuple[int, float] | None = None, bias: tuple[int, int, Any] | None = None,
+             multiplied: int = 0) -> None:
         """``Selection.seed``'s thresholds for one block's n float16 users (n, W) from the sample's float16 rows
-        ``sample`` (size, W) themselves (:func:`seeds_fused`): seed_w.cu scores and selects them in one kernel, each
-        user's rank-th best of the rows its lanes kept (a lower bound all the same: see the kernel). ``rows``,
-        ``item_norms``, ``estimate``, ``constant``, ``bias``: ``Selection.seed``'s; ``ex_items`` empty: no
-        exclusions; ``multiplied``: :meth:`search`'s."""
+        ``sample`` (size, W) themselves, in a search without exclusions (:func:`seeds_fused`): seed_w.cu scores and
+        selects them in one kernel, each user's rank-th best of the keys its lanes kept (a lower bound all the same:
+        see the kernel). ``item_norms``, ``estimate``, ``constant``, ``bias``: ``Selection.seed``'s;
+        ``multiplied``: :meth:`search`'s."""
         n, width = users.shape
         padded = padded_width(width, multiplied)
         kernel, smem = self.sel.seed_w[padded], seed_w_smem(padded)
         self._allow_smem(kernel, smem)
         args = self.sel.seed_args(state, users, item_norms, False, estimate, constant, bias)
         kernel((-(-n // FUSED_TILE),), (_H_THREADS,),
-               (sample, np.int32(sample.shape[0]), np.int32(state.k), np.int32(n), *args, rows, ex_ptr, ex_items,
-                np.int32(1 if ex_items.size else 0)), shared_mem=smem)
+               (sample, np.int32(sample.shape[0]), np.int32(state.k), np.int32(n), *args), shared_mem=smem)
 
     def _single(self, users_t: Any, users: Any, items_t: Any, n_items: int, state: GpuTopK) -> tuple:
         """(launch of a segment, merge kernel, the merge's operands) of float32 vectors (fused.cu); the block's users

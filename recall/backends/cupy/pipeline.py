@@ -168,9 +168,10 @@ class BlockPipeline:
                 and fused_path.walks(n_users, k, dim, best_first, floor is not None, options)
                 and bool(self.backend.selection.walk_w))
         sample = 0 if walk else search_seed_size(plan, n_items, k, options, bound=not may_estimate)
-        # A float16 pass of a small k on Hopper scores and selects its sample in one kernel (fused_path.seeds_fused).
+        # A float16 pass of a small k on Hopper without exclusions scores and selects its sample in one kernel
+        # (fused_path.seeds_fused).
         seed_fused = (bool(sample) and floor is None and np.dtype(users.dtype) == np.float16 and fused
-                      and fused_path.seeds_fused(k, options) and bool(self.backend.selection.seed_w))
+                      and fused_path.seeds_fused(k, has_excl, options) and bool(self.backend.selection.seed_w))
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused,
                              max(1, 0 if seed_fused else sample) if fused else None)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
@@ -394,8 +395,8 @@ class BlockPipeline:
                 sample, sample_rows, sample_norms, sample_sums = seed
                 bias = None if sample_sums is None else (*items.bias_columns, sample_sums)
                 if seed_fused:
-                    self.fused.seed(state, users, sample, sample_rows, sample_norms, slot.ex_ptr, ex_items, estimate,
-                                    items.constant_column, bias, multiplied)
+                    self.fused.seed(state, users, sample, sample_norms, estimate, items.constant_column, bias,
+                                    multiplied)
                 else:
                     size = sample.shape[0]
                     scores = scores_buf[: rows * size].reshape(1, rows, size)

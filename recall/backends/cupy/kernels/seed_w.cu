@@ -11,18 +11,20 @@
 // thread holds 2 users' (h = 0, 1) 32 scores of each tile, the 4 lanes of a quad (t = lane % 4) a user's 128; each
 // lane lowers its scores by their margins and keeps its RS_KEPT largest keys (recall_f2ord) of each user in
 // registers, sorted, largest first: a key moves every smaller one down a place, two comparisons a place and no
-// branch. An excluded sampled item (ex_ptr / ex_items, a user's sorted rows; `rows` the sample's) is looked up only
-// where its key is above the least key the lane kept before the tile. Then the quad pops its largest kept key `rank`
-// times: the rank-th largest of the 4 RS_KEPT kept keys, ties counted, which is the rank-th largest of the row unless
+// branch. Then the quad pops its largest kept key `rank` times: the rank-th largest of the 4 RS_KEPT kept keys, ties counted, which is the rank-th largest of the row unless
 // a lane dropped a key at or above it (it held more than RS_KEPT of the row's best), and never above it: a lower
 // bound of the search's k-th best all the same (recall_seed_warp would go on over the whole row, which this kernel
-// does not keep). -inf where the quad kept fewer than K keys (fewer than K finite, unexcluded sampled scores:
-// recall_seed's rule, counted on what was kept).
+// does not keep). -inf where the quad kept fewer than K keys (fewer than K finite sampled scores: recall_seed's
+// rule, counted on what was kept).
+//
+// Searches without exclusions only (the pipeline's rule): with 50 excluded items a user, each key that might enter
+// a lane's kept keys looked up among them, the route on 1M users x 4,096 items took 15.0 ms of GPU time against 13.1
+// with cuBLAS's GEMM, recall_mask_sampled and recall_seed_warp (H100, docs/benchmarks.md).
 #define RS_MAX_K 32
-// Keys a lane keeps of each user: 16 spilled registers at every width (nvcc 13.0, 128 a thread for two blocks an SM),
-// 12 none up to 64 columns (4 to 24 bytes above). A simulated rank of 27 (k = 10's) of 512 Gaussian scores: 97.7% of
-// users exact with 12, the rest within a place or two of it (mean 27.04 places); 99.99% with 16; 26% with 8 (mean
-// 29.7). -DRS_KEPT=n: measurement only.
+// Keys a lane keeps of each user. 1M users x 512 sampled items x 80 columns at rank 27 (k = 10's pass), in launches
+// of 32,768 users (H100, scripts/lab/seed_w_profile.py, a build that also looked exclusions up): 12 keys 2.49 ms,
+// 98.1% of users at the GEMM path's threshold (the rest a place or two below); 16 keys 2.79 ms, 99.99%; 8 keys 2.38
+// ms, 28%; cuBLAS's GEMM and recall_seed_warp 3.49 ms. -DRS_KEPT=n: measurement only.
 #ifndef RS_KEPT
 #define RS_KEPT 12
 #endif
@@ -69,10 +71,7 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
                                                    float* __restrict__ thr, const half_bits* __restrict__ U, int W,
                                                    const float* __restrict__ vnorm, const float* __restrict__ vbias,
                                                    int BL, int BH, int CC, double CV, double A, double R, double Z,
-                                                   int KE, const long long* __restrict__ rows,
-                                                   const long long* __restrict__ ex_ptr,
-                                                   const long long* __restrict__ ex_items, int has_excl,
-                                                   half_bits* smem) {
+                                                   int KE, half_bits* smem) {
     constexpr int CH = 16 * KS;
     constexpr int STAGES = RW_STAGES_OF(KS);
     constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH;
@@ -103,7 +102,6 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
     __syncthreads();
     const bool bias = BH > BL;  // vbias read only then (recall_seed's sums stand in for it otherwise)
     float au[2], ab[2], z[2], r = 0.0f;
-    int n_ex[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = wrow + g + 8 * h;
@@ -135,8 +133,6 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
         ab[h] = m.ab;
         z[h] = m.z32;
         r = m.r32;
-        const int user = min(u0 + row, n_users - 1);
-        n_ex[h] = has_excl ? (int)(ex_ptr[user + 1] - ex_ptr[user]) : 0;
     }
     RecallSeedKept kept[2];
     kept[0].clear();
@@ -163,34 +159,6 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
         recall_wgmma_wait0();
 
         const int j0 = s * RW_TILE + 2 * t;  // d[4j + 2h + c] is item j0 + 8j + c
-        // A user's excluded sampled items among the tile's scores that could enter its kept keys (above the least
-        // it kept before the tile; bit 2j + c): found by one binary search each, in a loop (64 inlined searches a
-        // tile made the kernel many times the size of its products, as walk_w.cu's recall_walk_unexcluded says).
-        unsigned out[2] = {0u, 0u};
-        if (has_excl) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (n_ex[h] == 0) continue;
-                const RecallSeedMargin m = {vnorm, nullptr, au[h], ab[h], r, z[h]};
-                const u32 least = kept[h].key[RS_KEPT - 1];
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int item = j0 + 8 * j + c;
-                        const float vb = item < T && bias ? __ldg(vbias + item) : 0.0f;
-                        const float vn = item < T ? __ldg(vnorm + item) : 0.0f;
-                        const u32 key = item < T ? recall_seed_key(m.lower(d[4 * j + 2 * h + c], vn, vb)) : 0u;
-                        out[h] |= (key > least ? 1u : 0u) << (2 * j + c);
-                    }
-                const int user = min(u0 + wrow + g + 8 * h, n_users - 1);
-                const long long* ex = ex_items + ex_ptr[user];
-                for (unsigned b = out[h]; b != 0u; b &= b - 1u) {
-                    const int q = __ffs(b) - 1;
-                    if (!recall_excluded(ex, n_ex[h], rows[j0 + 8 * (q >> 1) + (q & 1)])) out[h] &= ~(1u << q);
-                }
-            }
-        }
 #pragma unroll
         for (int j = 0; j < 16; ++j)
 #pragma unroll
@@ -202,8 +170,7 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const RecallSeedMargin m = {vnorm, nullptr, au[h], ab[h], r, z[h]};
-                    const bool drop = !in || ((out[h] >> (2 * j + c)) & 1u);
-                    kept[h].push(drop ? 0u : recall_seed_key(m.lower(d[4 * j + 2 * h + c], vn, vb)));
+                    kept[h].push(in ? recall_seed_key(m.lower(d[4 * j + 2 * h + c], vn, vb)) : 0u);
                 }
             }
     }
@@ -234,18 +201,16 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
 
 // recall_seed_w<KS>: rows of 16 KS columns multiplied (KS = 1 .. 9, as fused_w.cu's); grid ceil(n_users / 128)
 // blocks of RW_THREADS; shared memory fused.py's seed_w_smem. The sample's T rows S (T, W) and K, then the users'
-// count and recall_seed_warp's arguments from thr on (selection.py's Selection.seed_args), then the sample's item
-// rows and the users' exclusions.
+// count and recall_seed_warp's arguments from thr on (selection.py's Selection.seed_args).
 #define RECALL_SEED_W_KERNEL(KS)                                                                                   \
     extern "C" __global__ void __launch_bounds__(RW_THREADS, 2)                                                    \
     recall_seed_w##KS(const half_bits* __restrict__ S, int T, int K, int n_users, float* __restrict__ thr,         \
                       const half_bits* __restrict__ U, int W, const float* __restrict__ vnorm,                     \
                       const float* __restrict__ vbias, int BL, int BH, int CC, double CV, double A, double R,      \
-                      double Z, int KE, const long long* __restrict__ rows, const long long* __restrict__ ex_ptr,  \
-                      const long long* __restrict__ ex_items, int has_excl) {                                      \
+                      double Z, int KE) {                                                                          \
         extern __shared__ float4 recall_seed_w_smem[];                                                            \
-        recall_seed_w_body<KS>(S, T, K, n_users, thr, U, W, vnorm, vbias, BL, BH, CC, CV, A, R, Z, KE, rows,        \
-                               ex_ptr, ex_items, has_excl, reinterpret_cast<half_bits*>(recall_seed_w_smem));     \
+        recall_seed_w_body<KS>(S, T, K, n_users, thr, U, W, vnorm, vbias, BL, BH, CC, CV, A, R, Z, KE,              \
+                               reinterpret_cast<half_bits*>(recall_seed_w_smem));                                 \
     }
 RECALL_SEED_W_KERNEL(1)
 RECALL_SEED_W_KERNEL(2)
