@@ -168,6 +168,32 @@ struct RecallWLoader {
     }
 };
 
+// A step of the walk and of seed_w.cu's sample over n_tiles item tiles of M (n rows) from row 0, through a ring of
+// STAGES tile buffers at i_base that the caller primed with the first STAGES - 1: waits for tile s (every thread),
+// queues tile s + STAGES - 1, and sets d (a warpgroup's 64 x 128) to the users' tile at a_base times tile s.
+template <int KS, int STAGES>
+__device__ __forceinline__ void recall_w_step(float* d, const RecallWLoader<KS>& load_tile, unsigned a_base,
+                                              unsigned i_base, const half_bits* __restrict__ M, int n, int s,
+                                              int n_tiles) {
+    constexpr unsigned TILE_BYTES = 2u * RW_TILE * 16 * KS + 16u * RW_SBO_PAD;
+    constexpr unsigned SBO = 16u * 16 * KS + RW_SBO_PAD;
+    recall_cp_wait<STAGES - 2>();
+    recall_fence_proxy_async();
+    __syncthreads();  // tile s landed for every thread; nobody still reads the buffer refilled next
+    if (s + STAGES - 1 < n_tiles)
+        load_tile(i_base + (unsigned)((s + STAGES - 1) % STAGES) * TILE_BYTES, M, (long long)(s + STAGES - 1) * RW_TILE,
+                  n);
+    recall_cp_commit();
+    const unsigned b_base = i_base + (unsigned)(s % STAGES) * TILE_BYTES;
+    recall_wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+        recall_wgmma_64x128(d, recall_wgmma_desc<SBO>(a_base + ks * 256u), recall_wgmma_desc<SBO>(b_base + ks * 256u),
+                            ks);
+    recall_wgmma_commit();
+    recall_wgmma_wait0();
+}
+
 // Dynamic shared memory: 128 users' rows, then RW_STAGES(KS) item tiles, each 128 rows of CH = 16 KS halves in the
 // canonical layout above (fused.py's wgmma_smem).
 template <int KS>

@@ -1,26 +1,26 @@
 // The threshold sample of a float16 pass on Hopper, scored and selected in one kernel: recall_seed's threshold (just
 // below each user's rank-th best sampled score, each lowered by its margin: topk.cu's RecallSeedMargin) from the
-// users' and the sample's float16 rows themselves, where the pass keeps at most RS_MAX_K candidates a user (fused.py's
-// SEED_W_MAX_K: fast mode's and the certified route's k + margin + 1, k up to 15). cuBLAS's GEMM wrote the sample's
-// float32 scores to memory and recall_seed_warp read them back: for a million users and 512 sampled items, 2 GB each
-// way, 3.3 ms of the certified route's 15.7 on 1M x 4,096 x 64 (H100, docs/benchmarks.md). Compiled after fused_w.cu
-// (its wgmma helpers, tile layout and loader), in its module.
+// users' and the sample's float16 rows themselves, where the pass keeps at most 32 candidates a user (fused.py's
+// SEED_W_MAX_K: fast mode's and the certified route's k + margin + 1, k up to 15) and the search excludes nothing.
+// cuBLAS's GEMM wrote the sample's float32 scores to memory and recall_seed_warp read them back: for a million users
+// and 512 sampled items, 2 GB each way, 3.1-3.2 ms against this kernel's 2.1 (H100, docs/benchmarks.md). Compiled
+// after fused_w.cu (its wgmma helpers, tile layout, loader and product step), in its module.
 //
 // A block of RW_THREADS owns 128 users and multiplies them by the sample a tile of 128 items at a time, as fused_w.cu
 // does (the same wgmma sequence: float32 sums of exact products, which seed_margin's bound covers in any order). A
 // thread holds 2 users' (h = 0, 1) 32 scores of each tile, the 4 lanes of a quad (t = lane % 4) a user's 128; each
 // lane lowers its scores by their margins and keeps its RS_KEPT largest keys (recall_f2ord) of each user in
 // registers, sorted, largest first: a key moves every smaller one down a place, two comparisons a place and no
-// branch. Then the quad pops its largest kept key `rank` times: the rank-th largest of the 4 RS_KEPT kept keys, ties counted, which is the rank-th largest of the row unless
-// a lane dropped a key at or above it (it held more than RS_KEPT of the row's best), and never above it: a lower
-// bound of the search's k-th best all the same (recall_seed_warp would go on over the whole row, which this kernel
-// does not keep). -inf where the quad kept fewer than K keys (fewer than K finite sampled scores: recall_seed's
+// branch. Then the quad pops its largest kept key `rank` times: the rank-th largest of the 4 RS_KEPT kept keys, ties
+// counted, which is the rank-th largest of the row unless a lane dropped a key at or above it (it held more than
+// RS_KEPT of the row's best), and never above it: a lower bound of the search's k-th best all the same
+// (recall_seed_warp would go on over the whole row, which this kernel does not keep). -inf where the quad kept fewer
+// than K keys (fewer than K finite sampled scores: recall_seed's
 // rule, counted on what was kept).
 //
 // Searches without exclusions only (the pipeline's rule): with 50 excluded items a user, each key that might enter
 // a lane's kept keys looked up among them, the route on 1M users x 4,096 items took 15.0 ms of GPU time against 13.1
 // with cuBLAS's GEMM, recall_mask_sampled and recall_seed_warp (H100, docs/benchmarks.md).
-#define RS_MAX_K 32
 // Keys a lane keeps of each user. 1M users x 512 sampled items x 80 columns at rank 27 (k = 10's pass), in launches
 // of 32,768 users (H100, scripts/lab/seed_w_profile.py, a build that also looked exclusions up): 12 keys 2.49 ms,
 // 98.1% of users at the GEMM path's threshold (the rest a place or two below); 16 keys 2.79 ms, 99.99%; 8 keys 2.38
@@ -74,8 +74,8 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
                                                    int KE, half_bits* smem) {
     constexpr int CH = 16 * KS;
     constexpr int STAGES = RW_STAGES_OF(KS);
-    constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH;
-    constexpr unsigned SBO = 16u * CH;
+    constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH + 16u * RW_SBO_PAD;
+    constexpr unsigned SBO = 16u * CH + RW_SBO_PAD;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int u0 = blockIdx.x * RW_TILE;
@@ -108,8 +108,10 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
         double sq = 0.0, ub = 0.0, uc = 0.0;
 #pragma unroll
         for (int pc = t; pc < 2 * KS; pc += 4) {
-            const uint4 q = *reinterpret_cast<const uint4*>(
-                reinterpret_cast<const unsigned char*>(smem) + ((row >> 3) * 2 * KS + pc) * 128 + (row & 7) * 16);
+            // Row group row >> 3 starts SBO (2 KS pieces of 128 bytes, and any padding) after the one before.
+            const uint4 q = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(smem)
+                                                            + ((row >> 3) * 2 * KS + pc) * 128
+                                                            + (row >> 3) * RW_SBO_PAD + (row & 7) * 16);
             const half_bits piece[8] = {(half_bits)(q.x & 0xffffu), (half_bits)(q.x >> 16), (half_bits)(q.y & 0xffffu),
                                         (half_bits)(q.y >> 16), (half_bits)(q.z & 0xffffu), (half_bits)(q.z >> 16),
                                         (half_bits)(q.w & 0xffffu), (half_bits)(q.w >> 16)};
@@ -142,21 +144,7 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.0f;
     for (int s = 0; s < n_tiles; ++s) {
-        recall_cp_wait<STAGES - 2>();
-        recall_fence_proxy_async();
-        __syncthreads();  // tile s landed for every thread; nobody still reads the buffer refilled next
-        if (s + STAGES - 1 < n_tiles)
-            load_tile(i_base + (unsigned)((s + STAGES - 1) % STAGES) * TILE_BYTES, S,
-                      (long long)(s + STAGES - 1) * RW_TILE, T);
-        recall_cp_commit();
-        const unsigned b_base = i_base + (unsigned)(s % STAGES) * TILE_BYTES;
-        recall_wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-            recall_wgmma_64x128(d, recall_wgmma_desc<SBO>(a_base + ks * 256u),
-                                recall_wgmma_desc<SBO>(b_base + ks * 256u), ks);
-        recall_wgmma_commit();
-        recall_wgmma_wait0();
+        recall_w_step<KS, STAGES>(d, load_tile, a_base, i_base, S, T, s, n_tiles);
 
         const int j0 = s * RW_TILE + 2 * t;  // d[4j + 2h + c] is item j0 + 8j + c
 #pragma unroll

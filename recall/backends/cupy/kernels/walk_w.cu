@@ -276,8 +276,8 @@ __device__ __forceinline__ void recall_walk_w_body(const half_bits* __restrict__
     constexpr int CH = 16 * KS;
     constexpr int STAGES = RK_STAGES_OF(KS);
     constexpr int B = RK_STAGE_OF(KS);
-    constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH;
-    constexpr unsigned SBO = 16u * CH;
+    constexpr unsigned TILE_BYTES = 2u * RW_TILE * CH + 16u * RW_SBO_PAD;  // as fused_w.cu's (recall_w_step)
+    constexpr unsigned SBO = 16u * CH + RW_SBO_PAD;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int u0 = blockIdx.x * RW_TILE;
@@ -318,21 +318,7 @@ __device__ __forceinline__ void recall_walk_w_body(const half_bits* __restrict__
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.0f;
     for (int s = 0; s < n_tiles; ++s) {
-        recall_cp_wait<STAGES - 2>();
-        recall_fence_proxy_async();
-        __syncthreads();  // tile s landed for every thread; nobody still reads the buffer refilled next
-        if (s + STAGES - 1 < n_tiles)
-            load_tile(i_base + (unsigned)((s + STAGES - 1) % STAGES) * TILE_BYTES, I,
-                      (long long)(s + STAGES - 1) * RW_TILE, n_items);
-        recall_cp_commit();
-        const unsigned b_base = i_base + (unsigned)(s % STAGES) * TILE_BYTES;
-        recall_wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-            recall_wgmma_64x128(d, recall_wgmma_desc<SBO>(a_base + ks * 256u),
-                                recall_wgmma_desc<SBO>(b_base + ks * 256u), ks);
-        recall_wgmma_commit();
-        recall_wgmma_wait0();
+        recall_w_step<KS, STAGES>(d, load_tile, a_base, i_base, I, n_items, s, n_tiles);
 
         const int j0 = s * RW_TILE + 2 * t;  // d[4j + 2h + c] is item j0 + 8j + c
         const bool whole = s * RW_TILE + RW_TILE <= n_items;
