@@ -168,6 +168,22 @@ struct RecallWLoader {
     }
 };
 
+// The walk's and seed_w.cu's first copies: the block's 128 users' rows of U (n_users) from row u0 into the users'
+// tile at u_base, and item tiles 0 .. STAGES - 2 of M (n rows, n_tiles tiles) into the ring at i_base, a commit group
+// each (the users' tile with the first), for recall_w_step.
+template <int KS, int STAGES>
+__device__ __forceinline__ void recall_w_prime(const RecallWLoader<KS>& load_tile, unsigned u_base, unsigned i_base,
+                                               const half_bits* __restrict__ U, int u0, int n_users,
+                                               const half_bits* __restrict__ M, int n, int n_tiles) {
+    constexpr unsigned TILE_BYTES = 2u * RW_TILE * 16 * KS + 16u * RW_SBO_PAD;
+    load_tile(u_base, U, u0, n_users);
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < n_tiles) load_tile(i_base + st * TILE_BYTES, M, (long long)st * RW_TILE, n);
+        recall_cp_commit();
+    }
+}
+
 // A step of the walk and of seed_w.cu's sample over n_tiles item tiles of M (n rows) from row 0, through a ring of
 // STAGES tile buffers at i_base that the caller primed with the first STAGES - 1: waits for tile s (every thread),
 // queues tile s + STAGES - 1, and sets d (a warpgroup's 64 x 128) to the users' tile at a_base times tile s.

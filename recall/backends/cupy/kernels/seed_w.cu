@@ -84,12 +84,7 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
     const unsigned i_base = u_base + TILE_BYTES;
 
     const RecallWLoader<KS> load_tile(tid, W);
-    load_tile(u_base, U, u0, n_users);
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_tiles) load_tile(i_base + st * TILE_BYTES, S, (long long)st * RW_TILE, T);
-        recall_cp_commit();
-    }
+    recall_w_prime<KS, STAGES>(load_tile, u_base, i_base, U, u0, n_users, S, T, n_tiles);
     const int wrow = (warp >> 2) * 64 + (warp & 3) * 16;
     const unsigned a_base = u_base + (unsigned)(warp >> 2) * 8u * SBO;
 

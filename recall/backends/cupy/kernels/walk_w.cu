@@ -286,12 +286,7 @@ __device__ __forceinline__ void recall_walk_w_body(const half_bits* __restrict__
     const unsigned i_base = u_base + TILE_BYTES;
 
     const RecallWLoader<KS> load_tile(tid, W);  // fused_w.cu's tiles
-    load_tile(u_base, U, u0, n_users);
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_tiles) load_tile(i_base + st * TILE_BYTES, I, (long long)st * RW_TILE, n_items);
-        recall_cp_commit();
-    }
+    recall_w_prime<KS, STAGES>(load_tile, u_base, i_base, U, u0, n_users, I, n_items, n_tiles);
 
     const int wrow = (warp >> 2) * 64 + (warp & 3) * 16;
     const unsigned a_base = u_base + (unsigned)(warp >> 2) * 8u * SBO;
