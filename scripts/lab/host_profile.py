@@ -60,7 +60,7 @@ def _stamp_host() -> tuple[dict, list]:
     return totals, first
 
 
-def _stamped(engine, users, k: int, repeat: int, totals: dict, first: list) -> list[str]:
+def _stamped(engine, users, k: int, excl, repeat: int, totals: dict, first: list) -> list[str]:
     """``repeat`` searches timed by :func:`_stamp_host`'s wrappers: the lines to print."""
     import cupy
 
@@ -71,7 +71,7 @@ def _stamped(engine, users, k: int, repeat: int, totals: dict, first: list) -> l
         first.clear()
         start = cupy.cuda.Event()
         start.record()
-        engine.search(users, k)
+        engine.search(users, k, exclude=excl)
         cupy.cuda.Device().synchronize()
         waits.append(cupy.cuda.get_elapsed_time(start, first[0]) if first else float("nan"))
     lines = [f"|   the call to the first block's launches on the GPU | {statistics.median(waits):.3f} ms |"]
@@ -85,6 +85,7 @@ def main() -> None:
     import cupy
 
     from recall import Engine
+    from recall.bench import exclusions as bench_exclusions
     from recall.bench.workloads import generate
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -100,18 +101,20 @@ def main() -> None:
     for cell in a.cells.split(","):
         kind, nu, ni, dim, k, metric, per = cell_spec(cell)
         users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
+        # The cell's exclusions a user, as kernel_profile.py passes them: host CSR, normalised by every search.
+        excl = bench_exclusions.generate(users, items, per, k=k, seed=0, metric=metric).host() if per else None
         if a.host_users:
             users = cupy.asnumpy(users)
         for vname in a.variants.split(","):
             opts = variant_options(vname)
             engine = Engine(items, metric=metric, device="gpu", options=opts)
             for _ in range(3):
-                engine.search(users, k)
+                engine.search(users, k, exclude=excl)
             cupy.cuda.Device().synchronize()
             walls, queued = [], []
             for _ in range(a.repeat):
                 t0 = time.perf_counter()
-                pending = engine.search_async(users, k)
+                pending = engine.search_async(users, k, exclude=excl)
                 queued.append(time.perf_counter() - t0)
                 pending.result()
                 cupy.cuda.Device().synchronize()
@@ -119,13 +122,13 @@ def main() -> None:
             print(f"| {cell} | {vname} | wall {statistics.median(walls) * 1e3:.2f} ms | search_async returned after "
                   f"{statistics.median(queued) * 1e3:.2f} ms | route {engine.stats.get('route')} |", flush=True)
             if stamps is not None:
-                print("\n".join(_stamped(engine, users, k, a.repeat, *stamps)), flush=True)
+                print("\n".join(_stamped(engine, users, k, excl, a.repeat, *stamps)), flush=True)
                 del engine
                 continue
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(a.repeat):
-                engine.search(users, k)
+                engine.search(users, k, exclude=excl)
                 cupy.cuda.Device().synchronize()
             prof.disable()
             for key in ("tottime", "cumulative"):
@@ -136,7 +139,7 @@ def main() -> None:
                 print("\n".join(line for line in buf.getvalue().splitlines()
                                  if line.strip() and not line.startswith(("   Ordered", "   List"))))
             del engine
-        del users, items
+        del users, items, excl
         cupy.get_default_memory_pool().free_all_blocks()
 
 
