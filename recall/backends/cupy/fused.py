@@ -39,6 +39,10 @@ FUSED_SEEDED_MAX_K = 8192
 #: route took 0.0871 s, its re-scoring 0.041 s of it (one block an SM: 8,192 keys a user fill a block's shared
 #: memory), against 0.0737 s for the float32 search: that pass keeps cuBLAS + filter, and the route declines there.
 FUSED_HALF_SEEDED_MAX_K = 5121
+#: A float16 pass on Hopper that keeps at most SEED_W_MAX_K candidates a user (k + margin + 1: k up to 15) scores and
+#: selects its threshold sample in one kernel (kernels/seed_w.cu, ``EngineOptions.fused_seed``) where the search
+#: excludes nothing: no sampled score goes through memory (:func:`seeds_fused`).
+SEED_W_MAX_K = 32
 #: The walk (kernels/walk_w.cu, Hopper, ``EngineOptions.fused_walk``, off by default): a float16 pass that keeps at
 #: most WALK_MAX_K candidates a user (k + margin + 1: k up to 15) of rows of at most WALK_MAX_WIDTH columns
 #: multiplied, in searches of at least WALK_MIN_USERS users, takes one kernel in which each block of 128 users scores
@@ -46,10 +50,6 @@ FUSED_HALF_SEEDED_MAX_K = 5121
 #: the segmented search as of 2026-12-06: the route on 1M users x 4,096 items 24.8 ms against 15.7 ms; the kernel
 #: alone 16.8-17.3 ms, of which its products and filter 2.8 ms and its selections (5.5-7 a user) about 12 ms (H100,
 #: docs/benchmarks.md).
-#: A float16 pass on Hopper that keeps at most SEED_W_MAX_K candidates a user (k + margin + 1: k up to 15) scores and
-#: selects its threshold sample in one kernel (kernels/seed_w.cu, ``EngineOptions.fused_seed``) where the search
-#: excludes nothing: no sampled score goes through memory (:func:`seeds_fused`).
-SEED_W_MAX_K = 32
 WALK_MAX_K = 32
 WALK_MAX_WIDTH = 80
 WALK_MIN_USERS = 16_384
