@@ -21,11 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from _timing import device_times
-
-
-def _rows(cp, rng, n, width):
-    x = rng.standard_normal((n, width), dtype=np.float32) * rng.lognormal(0, 0.6, (n, 1)).astype(np.float32)
-    return cp.asarray(x.astype(np.float16))
+from walk_profile import _rows  # random float16 rows with log-normal norms, as the walk's profile takes
 
 
 def main() -> int:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from recall import Engine, EngineOptions
+from recall import EngineOptions
 from recall.backends import cuda_status
 from recall.backends.cupy import fused as fused_path
 
-from oracle import as_numpy, assert_topk_close, int_matrix as _ints
+from oracle import int_matrix as _ints
 from test_fused import _best_first, _run_half
+from test_walk import check_fast_and_certified
 
 usable, reason = cuda_status()
 on_gpu = pytest.mark.skipif(not usable, reason=f"no usable GPU: {reason}")
@@ -227,15 +228,4 @@ def test_fast_and_certified_answers_are_the_oracles(hopper, metric, dim, k):
     items = (rng.standard_normal((10_000, dim)) * rng.lognormal(0, 0.6, (10_000, 1))).astype(np.float32)
     users = (rng.standard_normal((700, dim)) * rng.lognormal(0, 0.6, (700, 1))).astype(np.float32)
     options = EngineOptions(certified_exact="on", float16_min_scores=0, fast_sample=0)
-    answers = {}
-    for precision in ("fast", "exact"):
-        engine = Engine(items, device="gpu", metric=metric, precision=precision, options=options)
-        got = engine.search(users, k)
-        assert engine.stats.get("seed_fused"), engine.stats
-        idx, val = as_numpy(got.indices), as_numpy(got.scores)
-        assert_topk_close(idx, val, users, items, k, metric=metric)
-        answers[precision] = (idx, val)
-    plain = Engine(items, device="gpu", metric=metric, options=EngineOptions(certified_exact="off"))
-    want = plain.search(users, k)
-    np.testing.assert_array_equal(answers["exact"][0], as_numpy(want.indices))
-    np.testing.assert_array_equal(answers["exact"][1], as_numpy(want.scores))
+    check_fast_and_certified(items, users, metric, k, options, "seed_fused")

@@ -123,11 +123,17 @@ def test_fast_and_certified_answers_are_the_oracles(walk_any_size, metric, dim, 
     users = (rng.standard_normal((700, dim)) * rng.lognormal(0, 0.6, (700, 1))).astype(np.float32)
     exclude = {u: rng.choice(6000, 300, replace=False).tolist() for u in range(0, 700, 3)}
     options = EngineOptions(certified_exact="on", float16_min_scores=0, fast_sample=0, fused_walk=True)
+    check_fast_and_certified(items, users, metric, k, options, "walk", exclude)
+
+
+def check_fast_and_certified(items, users, metric, k, options, stat, exclude=None):
+    """Fast mode and exact mode's certified route with ``options``, each search's ``stats[stat]`` true: the answers
+    (re-scored) equal the float64 oracle's, ties aware, and exact mode's equal its float32 search's bit for bit."""
     answers = {}
     for precision in ("fast", "exact"):
         engine = Engine(items, device="gpu", metric=metric, precision=precision, options=options)
         got = engine.search(users, k, exclude=exclude)
-        assert engine.stats.get("walk"), engine.stats
+        assert engine.stats.get(stat), engine.stats
         idx, val = as_numpy(got.indices), as_numpy(got.scores)
         assert_topk_close(idx, val, users, items, k, metric=metric, exclude=exclude)
         answers[precision] = (idx, val)
@@ -135,4 +141,3 @@ def test_fast_and_certified_answers_are_the_oracles(walk_any_size, metric, dim, 
     want = plain.search(users, k, exclude=exclude)
     np.testing.assert_array_equal(answers["exact"][0], as_numpy(want.indices))
     np.testing.assert_array_equal(answers["exact"][1], as_numpy(want.scores))
-

@@ -41,11 +41,9 @@ struct RecallSeedKept {
     __device__ __forceinline__ void push(u32 k) {  // k <= key[RS_KEPT - 1] (0 too) changes nothing
 #if defined(RS_NO_KEEP)  // measurement only (scripts/lab/seed_w_profile.py): the largest key alone
         key[0] = max(key[0], k);
-        return;
+#else
+        recall_seed_push(key, k);
 #endif
-#pragma unroll
-        for (int j = RS_KEPT - 1; j > 0; --j) key[j] = key[j] >= k ? key[j] : (key[j - 1] >= k ? k : key[j - 1]);
-        key[0] = max(key[0], k);
     }
 
     __device__ __forceinline__ int held() const {
@@ -88,7 +86,7 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
     const int wrow = (warp >> 2) * 64 + (warp & 3) * 16;
     const unsigned a_base = u_base + (unsigned)(warp >> 2) * 8u * SBO;
 
-    // Each user's margin (recall_seed_user_part's sums and recall_seed_margin's terms, as recall_seed_warp's), from
+    // Each user's margin (recall_seed_column of each column, then recall_seed_margin_of, as recall_seed_warp's), from
     // the users' tile once it has landed: the quad's lanes read 16-byte pieces t, t + 4, ... of the row (columns
     // past W are zeros), and sum over the quad. Only the user's own terms are kept (au, ab, z; r is every user's),
     // so that the registers the products need are not spilled. Reading the row from global memory one column at a
@@ -113,10 +111,7 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const int col = 8 * pc + e;
-                const double x = recall_load(piece, e);
-                if (col >= BL && col < BH) ub = fmax(ub, fabs(x));
-                else if (col == CC) uc = fabs(x);
-                else sq += x * x;
+                recall_seed_column(col, recall_load(piece, e), CC, BL, BH, sq, ub, uc);
             }
         }
 #pragma unroll

@@ -213,17 +213,22 @@ struct RecallSeedMargin {
     }
 };
 
+// A user's value x in column i into the margin's terms: its largest |u_i| in the bias columns [BL, BH), |u_CC| (uc),
+// the sum of squares (float64: each square and sum of float values) of the other columns.
+__device__ __forceinline__ void recall_seed_column(int i, double x, int CC, int BL, int BH, double& sq, double& ub,
+                                                   double& uc) {
+    if (i >= BL && i < BH) ub = fmax(ub, fabs(x));
+    else if (i == CC) uc = fabs(x);
+    else sq += x * x;
+}
+
 // A thread's share of a user's row of W in `users` (columns first, first + step, ...; the caller reduces over its
-// block or warp): the squares of its columns but CC and [BL, BH), summed in float64 (each square and sum of float
-// values), and its largest |u_i| in [BL, BH).
+// block or warp): recall_seed_column's sums of its columns (|u_CC| is recall_seed_margin's to read).
 template <typename V>
 __device__ __forceinline__ void recall_seed_user_part(const V* __restrict__ urow, int W, int CC, int BL, int BH,
                                                       int first, int step, double& sq, double& ub) {
-    for (int i = first; i < W; i += step) {
-        const double x = recall_load(urow, i);
-        if (i >= BL && i < BH) ub = fmax(ub, fabs(x));
-        else if (i != CC) sq += x * x;
-    }
+    double uc = 0.0;
+    for (int i = first; i < W; i += step) recall_seed_column(i, recall_load(urow, i), CC, BL, BH, sq, ub, uc);
 }
 
 // A user's margin from the reduced sums: A |u| and A max |u_b| (0 without bias columns), each rounded up, and Z
@@ -525,8 +530,17 @@ __device__ __forceinline__ u32 recall_warp_max(u32 x) {
     return x;
 }
 
+// Key k into M keys sorted largest first: it moves every smaller one down a place, each place set by two comparisons
+// and no branch (k at or below key[M - 1], 0 too, changes nothing). recall_seed_warp's lanes and seed_w.cu's.
+template <int M>
+__device__ __forceinline__ void recall_seed_push(u32 (&key)[M], u32 k) {
+#pragma unroll
+    for (int j = M - 1; j > 0; --j) key[j] = key[j] >= k ? key[j] : (key[j - 1] >= k ? k : key[j - 1]);
+    key[0] = max(key[0], k);
+}
+
 // A lane's M largest keys, largest first (0: an empty place), and how many non-zero keys it was given. A key that
-// enters moves every smaller one down a place, each place set by two comparisons and no branch: a bubble that
+// enters moves every smaller one down a place (recall_seed_push): a bubble that
 // stopped where the key belonged (a data-dependent exit at each place) took 3.4 ms to keep 200k users' 16 of 64
 // keys a lane, this 1.0 ms (reading and lowering alone 0.38 ms; H200, scripts/lab/seed_warp_variants.py).
 template <int M>
@@ -538,9 +552,7 @@ struct RecallSeedLaneTop {
         if (k == 0u) return;
         ++count;
         if (k <= key[M - 1]) return;
-#pragma unroll
-        for (int j = M - 1; j > 0; --j) key[j] = key[j] >= k ? key[j] : (key[j - 1] >= k ? k : key[j - 1]);
-        key[0] = max(key[0], k);
+        recall_seed_push(key, k);
     }
 
     __device__ __forceinline__ int at_least(u32 x) const {
