@@ -123,7 +123,7 @@ class Exclusions:
     """CSR of excluded item rows: user ``u`` excludes ``items[indptr[u]:indptr[u+1]]``, sorted and unique."""
 
     indptr: np.ndarray  # (n_users + 1,) int64
-    items: np.ndarray  # (nnz,) int64
+    items: np.ndarray  # (nnz,) int64, or int32 as given (a job's pairs, a CSR pair of int32 rows)
 
     @classmethod
     def empty(cls, n_users: int) -> "Exclusions":
@@ -174,12 +174,16 @@ def take(indptr: np.ndarray, items: np.ndarray, users: np.ndarray) -> tuple[np.n
     return out_ptr, items[np.repeat(starts - out_ptr[:-1], counts) + np.arange(total, dtype=np.int64)]
 
 
-def _int_array(values: Any, what: str) -> np.ndarray:
+def _int_array(values: Any, what: str, keep_int32: bool = False) -> np.ndarray:
+    """``values`` on the host as int64, or as they are where ``keep_int32`` and they are int32 (item rows: a job's
+    pairs are int32, and widening 50M of them cost 200 MB and a copy before every search)."""
     arr = to_numpy(values)  # device arrays (CuPy) come to the host once: the blocks are staged from there
     if arr.size == 0:
         return np.zeros(0, np.int64)
     if arr.dtype.kind not in "iu":
         raise InputError(f"exclude: {what} must be integers, got dtype {arr.dtype}")
+    if keep_int32 and arr.dtype == np.int32:
+        return arr.ravel()
     return arr.astype(np.int64, copy=False).ravel()
 
 
@@ -234,7 +238,7 @@ def normalise(exclude: Any, n_users: int, n_items: int) -> Exclusions:
         return Exclusions(*group(user_of, item_rows, n_users, sort_unique=True))
     if isinstance(exclude, tuple) and len(exclude) == 2:
         indptr = _int_array(exclude[0], "indptr")
-        item_rows = _int_array(exclude[1], "item rows")
+        item_rows = _int_array(exclude[1], "item rows", keep_int32=True)
         if indptr.shape != (n_users + 1,):
             raise InputError(f"exclude: indptr has {indptr.size} entries, expected n_users + 1 = {n_users + 1}")
         if indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] != item_rows.size:

@@ -59,6 +59,23 @@ def test_csr_sorted_and_deduplicated_within_users():
     np.testing.assert_array_equal(ex.indptr, [0, 2, 2, 4])
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint32, np.int16])
+def test_csr_item_rows_keep_int32_and_widen_the_rest(dtype):
+    """A CSR pair of int32 item rows (a job's) stays int32, taken as it is where already sorted and unique; other
+    widths become int64. Range errors name the row either way."""
+    indptr = np.array([0, 2, 2, 5], np.int32)
+    rows = np.array([1, 7, 0, 3, 9], dtype)
+    ex = normalise((indptr, rows), 3, 10)
+    want = np.int32 if dtype == np.int32 else np.int64
+    assert ex.items.dtype == want and ex.indptr.dtype == np.int64
+    assert np.shares_memory(ex.items, rows) == (dtype in (np.int32, np.int64))  # no copy
+    assert _as_lists(ex) == [[1, 7], [], [0, 3, 9]]
+    unsorted = normalise((indptr, np.array([7, 1, 9, 0, 9], dtype)), 3, 10)
+    assert unsorted.items.dtype == want and _as_lists(unsorted) == [[1, 7], [], [0, 9]]
+    with pytest.raises(InputError, match=r"item row 10 \(user row 2\)"):
+        normalise((indptr, np.array([1, 7, 0, 3, 10], dtype)), 3, 10)
+
+
 def test_same_pairs_in_dict_and_csr_are_equal():
     d = {0: [4, 2], 2: [1, 1, 0]}
     c = (np.array([0, 2, 2, 5]), np.array([2, 4, 1, 1, 0]))

@@ -243,11 +243,11 @@ class BlockPipeline:
                 # only after one that had some: 32,768 users' staged offsets cost the host 0.1 ms a block.
                 if has_excl:
                     slot.ex_ptr.set(slot.host_ptr, stream=copy)
-                    if slot.wire_items is None:
-                        slot.ex_items[:n_excl].set(slot.host_items[:n_excl], stream=copy)
-                    else:  # widened to the kernels' int64 on the device, on the copy stream
-                        slot.wire_items[:n_excl].set(slot.host_items[:n_excl], stream=copy)
-                        slot.ex_items[:n_excl] = slot.wire_items[:n_excl]
+                    if n_excl:  # (a block whose users exclude nothing sends its offsets only)
+                        wire = slot.ex_items if slot.wire_items is None else slot.wire_items
+                        wire[:n_excl].set(slot.host_items[:n_excl], stream=copy)
+                        if wire is not slot.ex_items:  # widened to the kernels' int64 on the copy stream
+                            slot.ex_items[:n_excl] = wire[:n_excl]
                     slot.ptr_zero = False
                 elif not slot.ptr_zero:
                     slot.ex_ptr.fill(0)
