@@ -94,17 +94,18 @@ def _rounded(last: int) -> int:
 
 
 def wgmma_smem(padded: int) -> int:
-    """Dynamic shared memory of fused_w.cu's kernel for rows of ``padded`` columns multiplied: the users' tile and
-    its item tiles in flight (three up to 96 columns, two above: fused_w.cu's RW_STAGES_OF), 128 rows each, then
-    each user's stage of survivors (8-byte keys, RW_STAGED_OF of them a user) and its count."""
+    """Dynamic shared memory of fused_w.cu's kernel for rows of ``padded`` columns multiplied: its tiles
+    (:func:`seed_w_smem`), then each user's stage of survivors (8-byte keys, RW_STAGED_OF of them a user) and its
+    count."""
     ks = padded // 16
     staged = 32 if ks <= 5 else 24 if ks == 7 else 16 if ks <= 8 else 4
-    return 2 * FUSED_TILE * padded * (1 + (2 if padded > 96 else 3)) + FUSED_TILE * (8 * staged + 4)
+    return seed_w_smem(padded) + FUSED_TILE * (8 * staged + 4)
 
 
 def seed_w_smem(padded: int) -> int:
-    """Dynamic shared memory of seed_w.cu's kernel for rows of ``padded`` columns multiplied: fused_w.cu's users'
-    tile and item tiles in flight, nothing after them."""
+    """Dynamic shared memory of seed_w.cu's kernel for rows of ``padded`` columns multiplied, fused_w.cu's tiles
+    and nothing after them: the users' tile and its item tiles in flight (three up to 96 columns, two above:
+    fused_w.cu's RW_STAGES_OF), 128 rows each."""
     return 2 * FUSED_TILE * padded * (1 + (2 if padded > 96 else 3))
 
 
