@@ -94,7 +94,10 @@ def copy_part(dest: np.ndarray, src: np.ndarray) -> None:
 
 
 def copy_rows(dest: np.ndarray, src: np.ndarray) -> None:
-    """:func:`copy_part` of the same number of rows by :func:`over_rows`."""
+    """:func:`copy_part` of the same number of rows by :func:`over_rows`, the parts' size measured on the bytes a
+    row reads and writes (a 1.6M-row block of excluded item rows, int64 to int32: 8 parts, not the 3 its written
+    bytes alone would make)."""
     if dest.shape[0] != src.shape[0]:
         raise ValueError(f"copy_rows: {src.shape[0]} rows into {dest.shape[0]}")
-    by_rows(copy_part, dest, src)
+    row_bytes = (dest.nbytes + src.nbytes) // max(1, dest.shape[0])
+    over_rows(lambda start, stop: copy_part(dest[start:stop], src[start:stop]), dest.shape[0], row_bytes)

@@ -37,6 +37,32 @@ def test_many_blocks_equal_cpu_exactly(small_tiles):
     assert gpu.stats["blocks"] == 11 and gpu.stats["graph_blocks"] >= 9
 
 
+@pytest.mark.parametrize("wire_rows", [2 ** 31, 0], ids=["int32-wire", "int64-wire"])
+@pytest.mark.parametrize("fused", ["auto", "off"])
+def test_exclusions_staged_in_either_wire_dtype_equal_cpu(small_tiles, monkeypatch, wire_rows, fused):
+    """Excluded rows cross to the device as int32 (widened there) or int64 (WIRE32_ROWS): blocks with many, then
+    few, then no exclusions reuse the slots' buffers (rows past a block's own are stale), a user excludes every
+    item, another the last row."""
+    from recall.backends.cupy import pipeline
+
+    monkeypatch.setattr(pipeline, "WIRE32_ROWS", wire_rows)
+    rng = np.random.default_rng(3)
+    n_items = 900
+    items, users = _ints(rng, n_items, 12), _ints(rng, 700, 12)
+    excl = {u: rng.choice(n_items, 300, replace=False).tolist() for u in range(0, 128)}  # blocks 0-1: many
+    excl.update({u: rng.choice(n_items, 3, replace=False).tolist() for u in range(200, 400, 7)})  # then few
+    excl[5] = list(range(n_items))  # every item
+    excl[250] = [n_items - 1]
+    options = replace(small_tiles, fused=fused)
+    gpu = Engine(items, device="gpu", options=options)
+    cpu = Engine(items, device="cpu")
+    for k in (1, 37):
+        got = gpu.search(users, k, exclude=excl)
+        _same(got, cpu.search(users, k, exclude=excl))
+        assert np.all(as_numpy(got.indices)[5] == -1)
+    assert gpu.stats["blocks"] == 11
+
+
 def test_graph_replay_equals_eager_launches(small_tiles):
     rng = np.random.default_rng(1)
     items, users = rng.standard_normal((3000, 16), dtype=np.float32), rng.standard_normal((500, 16), dtype=np.float32)

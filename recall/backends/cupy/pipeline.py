@@ -40,6 +40,14 @@ _GRAPHS_PER_SLOT = 16
 #: the main pass's, and every search allocated its buffers and captured its graphs again.
 _WORKSPACES = 4
 WORKSPACE_SPREAD = 2.5
+#: Catalogues of fewer rows stage and upload their excluded item rows as int32 (half the host's copies and the
+#: bus's bytes of int64), widened on the device to the int64 the kernels read.
+WIRE32_ROWS = 2 ** 31
+
+
+def _wire_dtype(n_items: int) -> Any:
+    """The dtype a search of ``n_items`` items stages its excluded item rows in (WIRE32_ROWS)."""
+    return np.int32 if n_items < WIRE32_ROWS else np.int64
 
 
 @dataclass
@@ -49,10 +57,11 @@ class _Slot:
     users: Any  # device (capacity, dim)
     floor: Any  # device (capacity,) float32: the block's score floors, when the search has them
     ex_ptr: Any  # device (capacity + 1,) int64
-    ex_items: Any  # device (max exclusions per block,) int64
+    ex_items: Any  # device (max exclusions per block,) int64: what the kernels read
     host_users: Any  # pinned (capacity, dim)
     host_ptr: Any  # pinned (capacity + 1,) int64
-    host_items: Any  # pinned, like ex_items
+    host_items: Any  # pinned (max exclusions per block,) of the wire's dtype (_wire_dtype)
+    wire_items: Any  # device, like host_items, where that dtype is not int64 (else None: host_items go to ex_items)
     staged: Any  # event: this slot's uploads are done
     consumed: Any  # event: the compute stream no longer reads this slot
     graphs: dict = field(default_factory=dict)  # captured graphs by what they baked in (items, options...)
@@ -173,7 +182,7 @@ class BlockPipeline:
         seed_fused = (bool(sample) and floor is None and np.dtype(users.dtype) == np.float16 and fused
                       and fused_path.seeds_fused(k, has_excl, options) and bool(self.backend.selection.seed_w))
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused,
-                             max(1, 0 if seed_fused else sample) if fused else None)
+                             max(1, 0 if seed_fused else sample) if fused else None, _wire_dtype(n_items))
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
         compute, copy, fetch = self.compute_stream, self.copy_stream, self.fetch_stream
@@ -217,7 +226,10 @@ class BlockPipeline:
                 ptr, ex_items = excl.block(start, stop)
                 slot.host_ptr[: n + 1] = ptr
                 slot.host_ptr[n + 1:] = ptr[-1]  # rows past the block's end are empty
-                slot.host_items[: ex_items.size] = ex_items
+                # The host's threads copy the rows (cast to the wire's dtype): one thread's copy of 1M users' 50
+                # exclusions each took 48 ms a search, four times the GPU's work (docs/benchmarks.md).
+                n_excl = ex_items.size
+                host_threads.copy_rows(slot.host_items[:n_excl], ex_items)
             with copy:
                 if host_users:
                     ev[0].record(copy)
@@ -231,7 +243,11 @@ class BlockPipeline:
                 # only after one that had some: 32,768 users' staged offsets cost the host 0.1 ms a block.
                 if has_excl:
                     slot.ex_ptr.set(slot.host_ptr, stream=copy)
-                    slot.ex_items.set(slot.host_items, stream=copy)
+                    if n_excl:  # (a block whose users exclude nothing sends its offsets only)
+                        wire = slot.ex_items if slot.wire_items is None else slot.wire_items
+                        wire[:n_excl].set(slot.host_items[:n_excl], stream=copy)
+                        if wire is not slot.ex_items:  # widened to the kernels' int64 on the copy stream
+                            slot.ex_items[:n_excl] = wire[:n_excl]
                     slot.ptr_zero = False
                 elif not slot.ptr_zero:
                     slot.ex_ptr.fill(0)
@@ -283,12 +299,13 @@ class BlockPipeline:
         return PendingSearch(finish, done)
 
     def _workspace(self, plan: TilePlan, k: int, dim: int, max_excl: int, dtype: Any, fused: bool = False,
-                   score_width: int | None = None) -> _Workspace:
+                   score_width: int | None = None, wire: Any = np.int64) -> _Workspace:
         """The device and pinned buffers of a search, kept for the next search of the same shape. The fused path
-        needs score room for the threshold sample only, and a larger candidate buffer."""
+        needs score room for the threshold sample only, and a larger candidate buffer. ``wire``: the dtype its
+        excluded item rows are staged and uploaded in (``_wire_dtype``)."""
         import cupy
 
-        key = (plan, k, dim, np.dtype(dtype), fused, score_width)
+        key = (plan, k, dim, np.dtype(dtype), fused, score_width, np.dtype(wire))
         ws = self._ws.get(key)
         if ws is not None and ws.max_excl >= max_excl:
             self._ws[key] = self._ws.pop(key)  # the most recently used last
@@ -317,7 +334,7 @@ class BlockPipeline:
                 # The fused path's buffer holds the threshold sample's scores, in the kernels' float32.
                 scores = cupy.empty(plan.user_block * width,
                                     np.float32 if fused else self.backend.score_dtype(dtype))
-                slots = [self._slot(plan.user_block, dim, max_excl, dtype) for _ in range(SLOTS)]
+                slots = [self._slot(plan.user_block, dim, max_excl, dtype, wire) for _ in range(SLOTS)]
                 break
             except cupy.cuda.memory.OutOfMemoryError as exc:
                 if self._ws:  # the kept shapes' buffers first: a new shape must not fail for an old one's
@@ -337,15 +354,17 @@ class BlockPipeline:
         return ws
 
     @staticmethod
-    def _slot(cap: int, dim: int, max_excl: int, dtype: Any) -> _Slot:
+    def _slot(cap: int, dim: int, max_excl: int, dtype: Any, wire: Any = np.int64) -> _Slot:
         import cupy
         import cupyx
 
+        narrow = np.dtype(wire) != np.int64
         return _Slot(users=cupy.zeros((cap, dim), dtype), floor=cupy.full(cap, -np.inf, np.float32),
                      ex_ptr=cupy.zeros(cap + 1, cupy.int64),
                      ex_items=cupy.zeros(max_excl, cupy.int64),
                      host_users=cupyx.zeros_pinned((cap, dim), dtype),
-                     host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, np.int64),
+                     host_ptr=cupyx.zeros_pinned(cap + 1, np.int64), host_items=cupyx.zeros_pinned(max_excl, wire),
+                     wire_items=cupy.zeros(max_excl, wire) if narrow else None,
                      staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
 
     def _refresh_sample(self, ws: _Workspace, items: DeviceItems, n_items: int, size: int, dim: int,
