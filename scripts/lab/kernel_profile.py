@@ -550,6 +550,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--precision", default="exact", choices=("exact", "fast"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--repeat", type=int, default=3, help="searches timed per variant (their median is reported)")
     p.add_argument("--no-per-kernel", action="store_true", help="skip the run with every launch timed")
     p.add_argument("--per-kernel-variants", default="shipped",
                    help="the variants whose launches are each timed (graphs off), comma-separated")
@@ -623,7 +624,7 @@ def main() -> None:
                 engine = Engine(items, metric=metric, device="gpu", options=opts, precision=prec)
                 for hook in variant_hooks(vname):
                     hook(engine)
-                t, res = timed(engine, users, k, excl)
+                t, res = timed(engine, users, k, excl, a.repeat)
             except Exception as exc:  # a variant that cannot run this cell says why
                 print(f"| {cell} | {vname} | error {type(exc).__name__}: {exc} |", flush=True)
                 continue

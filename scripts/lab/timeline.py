@@ -1,7 +1,9 @@
 """Lab (GPU): where a search leaves the GPU idle. One search of a cell (after a warm-up) is traced with torch's
 profiler (CUPTI: every kernel and copy of the process, CuPy's included, graphs replayed or not); the script prints the
 search's span on the GPU, the time some kernel or copy ran, the largest idle gaps with what ran either side of them,
-and the busy time per kernel name. Writes JSON (and the Chrome trace with ``--trace``).
+and the busy time per kernel name (a cell's exclusions passed as host pairs, as kernel_profile.py passes them; with
+``--host``, how long the GPU works after the host's last block loop). Writes JSON (and the Chrome trace with
+``--trace``).
 
     PYTHONPATH=. python3 scripts/lab/timeline.py --cells uh-20k-k100,uh-ip-k1000 --json out.json
 """
@@ -97,6 +99,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from recall import Engine
+    from recall.bench import exclusions as bench_exclusions
     from recall.bench.workloads import generate
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -115,17 +118,18 @@ def main() -> None:
     out = []
     for cell in a.cells.split(","):
         kind, nu, ni, dim, k, metric, per = cell_spec(cell)
-        assert per == 0, "cells with exclusions are not traced here"
         users, items = generate(kind, nu, ni, dim, seed=0, device="gpu")
+        # A cell's exclusions as kernel_profile.py passes them: host pairs.
+        excl = bench_exclusions.generate(users, items, per, k=k, seed=0, metric=metric).host() if per else None
         for vname in a.variants.split(","):
             opts = variant_options(vname)
             engine = Engine(items, metric=metric, device="gpu", options=opts)
-            engine.search(users, k)
-            engine.search(users, k)  # the second: the probe skipped, graphs captured
+            engine.search(users, k, exclude=excl)
+            engine.search(users, k, exclude=excl)  # the second: the probe skipped, graphs captured
             cupy.cuda.Device().synchronize()
             for _ in range(2):  # the second trace is kept: a process's first carries the profiler's own start-up
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    engine.search(users, k)
+                    engine.search(users, k, exclude=excl)
                     cupy.cuda.Device().synchronize()
             folder = a.trace or Path(tempfile.mkdtemp())
             folder.mkdir(parents=True, exist_ok=True)
@@ -153,6 +157,14 @@ def main() -> None:
             print(f"| {cell} | {vname} | span {span / 1e3:.3f} ms | busy {busy / 1e3:.3f} ms | idle {idle / 1e3:.3f} "
                   f"ms in {len(gaps)} gaps | {len(evs)} GPU events | stats route {engine.stats.get('route')} |",
                   flush=True)
+            tail = None
+            loops = [e for name, s, e in marks if name == _MARK + "run_blocks (queueing)"]
+            if loops:
+                # The GPU's work after the host queued its last block: what the search adds once the host's own
+                # loop is done (where the host is the slower of the two, the part of the search nothing hides).
+                tail = (evs[-1][2] - max(loops)) / 1e3
+                print(f"|   GPU work ends {tail:.3f} ms after the host's last block loop "
+                      f"({len(loops)} loops, the first from {(min(loops) - evs[0][1]) / 1e3:.3f} ms) |")
             for g, before, after, at in gaps[:a.gaps]:
                 host = f" | host in {_host_at(marks, evs[0][1] + at - g)}" if a.host else ""
                 print(f"|   gap {g / 1e3:.3f} ms at {at / 1e3:.3f} ms | after {before[:70]} | before {after[:70]}{host} |")
@@ -164,11 +176,23 @@ def main() -> None:
                 for name, s, e in marks:
                     if s - t0 < 5e3:
                         print(f"|   host {name[len(_MARK):]} | {(s - t0) / 1e3:.3f} ms | {(e - s) / 1e3:.3f} ms |")
+            # Each copy's bytes and rate: a copy slower than its link says what else holds the link or the host.
+            copies = defaultdict(lambda: [0, 0, 0.0])
+            for ev in json.loads(trace.read_text()).get("traceEvents", []):
+                if ev.get("ph") == "X" and ev.get("cat") == "gpu_memcpy":
+                    c = copies[ev["name"]]
+                    c[0] += 1
+                    c[1] += int(ev.get("args", {}).get("bytes", 0))
+                    c[2] += float(ev.get("dur", 0.0))
+            for name, (n, nbytes, us) in sorted(copies.items()):
+                print(f"|   copies {name} | {n} | {nbytes / 1e6:.1f} MB | {us / 1e3:.3f} ms | "
+                      f"{nbytes / max(us, 1e-9) / 1e3:.1f} GB/s |")
             top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
             print("|   busy by name | " + " ; ".join(f"{n[:50]} {t / 1e3:.3f} ms" for n, t in top) + " |", flush=True)
             out.append({"cell": cell, "variant": vname, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
-                        "idle_ms": idle / 1e3, "gaps": [{"ms": g / 1e3, "at_ms": at / 1e3, "after": b, "before": f}
-                                                        for g, b, f, at in gaps[:50]],
+                        "idle_ms": idle / 1e3, "tail_ms": tail,
+                        "gaps": [{"ms": g / 1e3, "at_ms": at / 1e3, "after": b, "before": f}
+                                 for g, b, f, at in gaps[:50]],
                         "by_name_ms": {n: t / 1e3 for n, t in per_name.items()}})
             del engine
         del users, items
