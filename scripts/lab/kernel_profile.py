@@ -204,6 +204,10 @@ VARIANTS = {
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
+    # HOOKS: the host's passes (core.host_threads: the pipeline's copies of excluded rows into pinned memory) on at
+    # most 1, 2 or 4 threads (8 shipped), in both searches: whether those copies and the uploads from pinned memory
+    # slow each other.
+    **{f"{pre}copy{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-") for n in (1, 2, 4)},
 }
 
 
@@ -390,7 +394,9 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
             for pre in ("", "float32-") for n in (4096, 8192, 16384, 32768, 65536)},
          **{f"{pre}merge{n}": _setting(FUSED, MERGE_SMALL_THREADS=n)
             for pre in ("", "float32-") for n in (32, 128, 256)},
-         **{v: _l2_centroid for v in ("float32-l2-centroid", "float32-l2-centroid-first-rule")}}
+         **{v: _l2_centroid for v in ("float32-l2-centroid", "float32-l2-centroid-first-rule")},
+         **{f"{pre}copy{n}": _setting("core.host_threads", MAX_THREADS=n)
+            for pre in ("", "float32-") for n in (1, 2, 4)}}
 
 
 def cell_spec(name):
@@ -576,7 +582,7 @@ def main() -> None:
     from recall.backends.cupy import fused, selection
     from recall.backends.cupy import items as device_items
     from recall.backends.cupy import rescore as gpu_rescore
-    from recall.core import certificate
+    from recall.core import certificate, host_threads
     from recall.engine import fast as fast_mode
 
     # What a variant's hook may change: (module, attribute) and the shipped value, put back before every variant.
@@ -587,7 +593,7 @@ def main() -> None:
         (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
         (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (fused, "wgmma_smem"),
-        (fused, "MERGE_SMALL_THREADS"), (device_items, "sample_rows"))]
+        (fused, "MERGE_SMALL_THREADS"), (device_items, "sample_rows"), (host_threads, "MAX_THREADS"))]
 
     def restore_shipped():
         for module, name, value in shipped:

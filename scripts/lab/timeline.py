@@ -50,6 +50,8 @@ _HOST = (
     ("recall.backends.cupy.backend", "CupyBackend.rescore", "rescore (launch)"),
     ("recall.backends.cupy.backend", "CupyBackend.to_host", "to_host (waits)"),
     ("recall.backends.cupy.backend", "CupyBackend.queue_after", "queue_after"),
+    ("recall.core.host_threads", "copy_rows", "copy_rows (host threads)"),
+    ("recall.core.exclusions", "Exclusions.block", "exclusions' block"),
 )
 _MARK = "recall: "
 
