@@ -192,8 +192,6 @@ class BlockPipeline:
         ready = cupy.cuda.get_current_stream().record()
         compute.wait_event(ready)
         copy.wait_event(ready)
-        if floor is not None:
-            copy.wait_event(compute.record())  # floors come from merges queued on the compute stream
         # An estimate is taken over evenly spaced rows (selection.estimate_rank); an inner-product search samples
         # them for it where it is tight enough, and half from the largest norms otherwise.
         estimate = estimate_rank(k, sample, n_items, items.norms_rank) if sample and may_estimate else 0
@@ -231,14 +229,9 @@ class BlockPipeline:
                 n_excl = ex_items.size
                 host_threads.copy_rows(slot.host_items[:n_excl], ex_items)
             with copy:
-                if host_users:
-                    ev[0].record(copy)
-                    host_threads.copy_rows(slot.host_users[:n], users[start:stop])
-                    slot.users.set(slot.host_users, stream=copy)
-                else:
-                    copy.wait_event(compute.record())  # device users may come from work queued on compute
-                    ev[0].record(copy)  # after the wait: h2d_s times the copies, not the wait
-                    slot.users[:n] = users[start:stop]
+                # Nothing here waits for the compute stream (the host waited above for the block that last read the
+                # slot): the uploads go up while it finishes the blocks before this one.
+                ev[0].record(copy)
                 # A search without exclusions leaves the slot's CSR at zeros (every user's count 0), writing it
                 # only after one that had some: 32,768 users' staged offsets cost the host 0.1 ms a block.
                 if has_excl:
@@ -252,8 +245,9 @@ class BlockPipeline:
                 elif not slot.ptr_zero:
                     slot.ex_ptr.fill(0)
                     slot.ptr_zero = True
-                if floor is not None:
-                    slot.floor[:n] = floor[start:stop]
+                if host_users:
+                    host_threads.copy_rows(slot.host_users[:n], users[start:stop])
+                    slot.users.set(slot.host_users, stream=copy)
                 ev[1].record(copy)
                 slot.staged.record(copy)
             with compute:
@@ -261,6 +255,14 @@ class BlockPipeline:
                 if fetched is not None:
                     compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
+                # Device users (and floors) may come from work queued on this stream: they are copied into the slot
+                # here, in order. On the copy stream they made it wait for the blocks before, and the slot's
+                # excluded rows with them (the route's uploads of 1M users' 50 exclusions took 24 ms of copy time
+                # against the float32 search's 8, docs/benchmarks.md).
+                if not host_users:
+                    slot.users[:n] = users[start:stop]
+                if floor is not None:
+                    slot.floor[:n] = floor[start:stop]
                 self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
                                   ws if fused else None, items_t, floor is not None, options, multiplied, estimate,
                                   left_out is not None, best_first, walk, seed_fused)
