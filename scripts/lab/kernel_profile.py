@@ -16,8 +16,10 @@ With ``--precision fast`` every variant also runs exact mode once (as shipped) f
 mode are compared with exact mode's (rows equal, share of users); ``--no-exact-first`` leaves that search out, so
 that fast mode runs first in the process.
 
-Median of 3 timed searches after a warm-up (device users and results, or with ``--host-users`` host ones; data from
-``recall.bench.workloads`` seed 0).
+Median of 3 timed searches after a warm-up (``--repeat``; device users and results, or with ``--host-users`` host
+ones; data from ``recall.bench.workloads`` seed 0). ``--interleave``: every variant's engine made first, then rounds of
+one search of each in turn, each variant's ratio to the first's taken round by round: for host-bound cells, whose
+medians drift by more than the differences measured.
 """
 from __future__ import annotations
 
@@ -548,6 +550,54 @@ def timed(engine, users, k, excl, repeat=3):
     return statistics.median(times), result
 
 
+def interleaved(cell, names, items, users, k, excl, metric, prec, rounds, restore):
+    """``--interleave``: each variant's engine made once (every one with the first one's memory budget: a later
+    engine's default, a share of the memory left, would halve its plan's user block) and warmed up; then ``rounds``
+    rounds of one search of every variant in turn, its hooks applied before each, so that the process's drift
+    (a host-bound cell's medians moved 3-6 ms within one process, docs/benchmarks.md) falls on every variant
+    alike. Prints and returns, per variant, the median time and the median and range of its ratio to the first
+    variant's search of the same round."""
+    import cupy
+
+    names = list(dict.fromkeys(names))  # a name given twice is one engine
+    engines, budget = {}, None
+    for name in names:
+        if any(getattr(h, "builds", None) for h in variant_hooks(name)):
+            raise ValueError(f"{name!r} rebuilds kernels for the process: it cannot be interleaved")
+        restore()
+        engine = Engine(items, metric=metric, device="gpu", options=variant_options(name), precision=prec,
+                        memory_budget=budget)
+        budget = budget or engine.memory_budget
+        for hook in variant_hooks(name):
+            hook(engine)
+        engine.search(users, k, exclude=excl)  # the warm-up: kernels built, graphs captured
+        engines[name] = engine
+    times = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            restore()
+            for hook in variant_hooks(name):
+                hook(engines[name])
+            cupy.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            engines[name].search(users, k, exclude=excl)
+            cupy.cuda.Device().synchronize()
+            times[name].append(time.perf_counter() - t0)
+    restore()
+    out = []
+    for name in names:
+        ratios = [t / b for t, b in zip(times[name], times[names[0]])]
+        st = engines[name].stats
+        print(f"| {cell} | {name} | interleaved, {rounds} rounds | median {statistics.median(times[name]):.4f} s | "
+              f"x {names[0]} median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}) | "
+              f"route {st.get('route')} busy {st.get('gpu_busy_s', 0):.4f} |", flush=True)
+        out.append({"cell": cell, "variant": name, "interleaved": rounds, "median_s": statistics.median(times[name]),
+                    "ratio_to_first": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+                    "times_s": times[name], "stats": {"route": st.get("route"), "gpu_busy_s": st.get("gpu_busy_s"),
+                                                     "tiles": st.get("tiles")}})
+    return out
+
+
 def main() -> None:
     import cupy
 
@@ -557,6 +607,9 @@ def main() -> None:
     p.add_argument("--precision", default="exact", choices=("exact", "fast"))
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--repeat", type=int, default=3, help="searches timed per variant (their median is reported)")
+    p.add_argument("--interleave", action="store_true",
+                   help="make every variant's engine first, then time --repeat rounds of one search of each in "
+                        "turn, with each variant's ratio to the first's per round (no per-kernel run)")
     p.add_argument("--no-per-kernel", action="store_true", help="skip the run with every launch timed")
     p.add_argument("--per-kernel-variants", default="shipped",
                    help="the variants whose launches are each timed (graphs off), comma-separated")
@@ -619,6 +672,13 @@ def main() -> None:
             print(f"| {cell} | exact mode | {t_exact:.4f} s |", flush=True)
             out.append({"cell": cell, "variant": "exact", "median_s": t_exact})
             del exact
+        if a.interleave:
+            out.extend(interleaved(cell, a.variants.split(","), items, users, k, excl, metric, prec, a.repeat,
+                                   restore_shipped))
+            del users, items, excl, want
+            gc.collect()
+            cupy.get_default_memory_pool().free_all_blocks()
+            continue
         for vname in a.variants.split(","):
             restore_shipped()
             # The last variant's engine freed first: the default memory budget is a share of the free memory, and a
