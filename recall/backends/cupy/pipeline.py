@@ -256,9 +256,8 @@ class BlockPipeline:
                     compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
                 # Device users (and floors) may come from work queued on this stream: they are copied into the slot
-                # here, in order. On the copy stream they made it wait for the blocks before, and the slot's
-                # excluded rows with them (the route's uploads of 1M users' 50 exclusions took 24 ms of copy time
-                # against the float32 search's 8, docs/benchmarks.md).
+                # here, in order. On the copy stream they made it wait for the blocks before this one, and the
+                # slot's excluded rows queued behind them with it.
                 if not host_users:
                     slot.users[:n] = users[start:stop]
                 if floor is not None:
