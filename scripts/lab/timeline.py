@@ -166,7 +166,7 @@ def main() -> None:
                 # loop is done (where the host is the slower of the two, the part of the search nothing hides).
                 tail = (evs[-1][2] - max(loops)) / 1e3
                 print(f"|   GPU work ends {tail:.3f} ms after the host's last block loop "
-                      f"({len(loops)} loops, the first from {(min(loops) - evs[0][1]) / 1e3:.3f} ms) |")
+                      f"({len(loops)} loops, the first ending at {(min(loops) - evs[0][1]) / 1e3:.3f} ms) |")
             for g, before, after, at in gaps[:a.gaps]:
                 host = f" | host in {_host_at(marks, evs[0][1] + at - g)}" if a.host else ""
                 print(f"|   gap {g / 1e3:.3f} ms at {at / 1e3:.3f} ms | after {before[:70]} | before {after[:70]}{host} |")
