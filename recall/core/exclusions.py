@@ -176,7 +176,7 @@ def take(indptr: np.ndarray, items: np.ndarray, users: np.ndarray) -> tuple[np.n
 
 def _int_array(values: Any, what: str, keep_int32: bool = False) -> np.ndarray:
     """``values`` on the host as int64, or as they are where ``keep_int32`` and they are int32 (item rows: a job's
-    pairs are int32: widened, each search's cost 4 more bytes a pair and a copy of them all)."""
+    pairs are int32, and widening them cost each search a copy of them all, 4 more bytes a pair)."""
     arr = to_numpy(values)  # device arrays (CuPy) come to the host once: the blocks are staged from there
     if arr.size == 0:
         return np.zeros(0, np.int64)

@@ -535,18 +535,24 @@ def phases(log):
     return undo
 
 
-def timed(engine, users, k, excl, repeat=3):
-    """(median seconds of ``repeat`` searches after a warm-up, the last search's rows)."""
+def timed_search(engine, users, k, excl):
+    """(seconds, result) of one search, the device idle before it and done after it."""
     import cupy
 
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    result = engine.search(users, k, exclude=excl)
+    cupy.cuda.Device().synchronize()
+    return time.perf_counter() - t0, result
+
+
+def timed(engine, users, k, excl, repeat=3):
+    """(median seconds of ``repeat`` searches after a warm-up, the last search's rows)."""
     engine.search(users, k, exclude=excl)
     times = []
     for _ in range(repeat):
-        cupy.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        result = engine.search(users, k, exclude=excl)
-        cupy.cuda.Device().synchronize()
-        times.append(time.perf_counter() - t0)
+        t, result = timed_search(engine, users, k, excl)
+        times.append(t)
     return statistics.median(times), result
 
 
@@ -557,8 +563,6 @@ def interleaved(cell, names, items, users, k, excl, metric, prec, rounds, restor
     (a host-bound cell's medians moved 3-6 ms within one process, docs/benchmarks.md) falls on every variant
     alike. Prints and returns, per variant, the median time and the median and range of its ratio to the first
     variant's search of the same round."""
-    import cupy
-
     names = list(dict.fromkeys(names))  # a name given twice is one engine
     engines, budget = {}, None
     for name in names:
@@ -578,11 +582,7 @@ def interleaved(cell, names, items, users, k, excl, metric, prec, rounds, restor
             restore()
             for hook in variant_hooks(name):
                 hook(engines[name])
-            cupy.cuda.Device().synchronize()
-            t0 = time.perf_counter()
-            engines[name].search(users, k, exclude=excl)
-            cupy.cuda.Device().synchronize()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(timed_search(engines[name], users, k, excl)[0])
     restore()
     out = []
     for name in names:

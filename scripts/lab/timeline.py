@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_profile import cell_spec, variant_options  # the lab's cells and variants
 
 
-def _events(trace: Path, cats: tuple = ("kernel", "gpu_memcpy", "gpu_memset"), prefix: str = ""):
-    """(name, start µs, end µs) of every event of a Chrome trace in ``cats`` (default: GPU kernels, copies and memsets)
-    whose name starts with ``prefix``, by start."""
+def _events(trace_events: list, cats: tuple = ("kernel", "gpu_memcpy", "gpu_memset"), prefix: str = ""):
+    """(name, start µs, end µs) of every event of a Chrome trace's ``traceEvents`` in ``cats`` (default: GPU kernels,
+    copies and memsets) whose name starts with ``prefix``, by start."""
     out = []
-    for ev in json.loads(trace.read_text()).get("traceEvents", []):
+    for ev in trace_events:
         if ev.get("ph") == "X" and ev.get("cat") in cats and str(ev.get("name", "")).startswith(prefix):
             out.append((ev["name"], float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))))
     return sorted(out, key=lambda e: e[1])
@@ -137,8 +137,9 @@ def main() -> None:
             folder.mkdir(parents=True, exist_ok=True)
             trace = folder / f"{cell}-{vname}.json"
             prof.export_chrome_trace(str(trace))
-            evs = _events(trace)
-            marks = _events(trace, ("user_annotation", "cpu_op", "python_function"), _MARK) if a.host else []
+            trace_events = json.loads(trace.read_text()).get("traceEvents", [])
+            evs = _events(trace_events)
+            marks = _events(trace_events, ("user_annotation", "cpu_op", "python_function"), _MARK) if a.host else []
             if not evs:
                 print(f"| {cell} | {vname} | no GPU events traced |", flush=True)
                 continue
@@ -180,7 +181,7 @@ def main() -> None:
                         print(f"|   host {name[len(_MARK):]} | {(s - t0) / 1e3:.3f} ms | {(e - s) / 1e3:.3f} ms |")
             # Each copy's bytes and rate: a copy slower than its link says what else holds the link or the host.
             copies = defaultdict(lambda: [0, 0, 0.0])
-            for ev in json.loads(trace.read_text()).get("traceEvents", []):
+            for ev in trace_events:
                 if ev.get("ph") == "X" and ev.get("cat") == "gpu_memcpy":
                     c = copies[ev["name"]]
                     c[0] += 1
