@@ -206,6 +206,11 @@ VARIANTS = {
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
+    # HOOKS: the fused path's merge one block a user at every k (before 2026-12-06 16:xx: fused.MERGE_WARP_K 0), or
+    # one warp a user holding 16 keys a lane in registers (MERGE_WARP_HELD; 8 shipped), in the route and the float32
+    # search alone.
+    **{f"{pre}merge-{v}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
+       for v in ("block", "held16")},
     # HOOKS: the host's passes (core.host_threads: the pipeline's copies of excluded rows into pinned memory) on at
     # most 1, 2 or 4 threads (8 shipped), in both searches: whether those copies and the uploads from pinned memory
     # slow each other.
@@ -396,6 +401,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
             for pre in ("", "float32-") for n in (4096, 8192, 16384, 32768, 65536)},
          **{f"{pre}merge{n}": _setting(FUSED, MERGE_SMALL_THREADS=n)
             for pre in ("", "float32-") for n in (32, 128, 256)},
+         **{f"{pre}merge-block": _setting(FUSED, MERGE_WARP_K=0) for pre in ("", "float32-")},
+         **{f"{pre}merge-held16": _setting(FUSED, MERGE_WARP_HELD=16) for pre in ("", "float32-")},
          **{v: _l2_centroid for v in ("float32-l2-centroid", "float32-l2-centroid-first-rule")},
          **{f"{pre}copy{n}": _setting("core.host_threads", MAX_THREADS=n)
             for pre in ("", "float32-") for n in (1, 2, 4)}}
@@ -456,7 +463,8 @@ def instrument(backend, log):
         setattr(sel, name, Timed(getattr(sel, name), name, log))
     if not isinstance(sel.fused_h, dict):  # an older tree's selection (.oldtree/): one float16 kernel
         sel.fused_h = Timed(sel.fused_h, "fused_h", log)
-    for table in ("mask", "filter", "merge", "seed_kth", "seed_warp", "fused_h", "fused_w", "seed_w"):
+    for table in ("mask", "filter", "merge", "seed_kth", "seed_warp", "fused_h", "fused_w", "seed_w",
+                  "merge_fused_warp", "merge_fused_h_warp"):
         d = getattr(sel, table, None)
         if not isinstance(d, dict):  # an older tree's selection (.oldtree/)
             continue
@@ -646,7 +654,9 @@ def main() -> None:
         (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
         (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (fused, "wgmma_smem"),
-        (fused, "MERGE_SMALL_THREADS"), (device_items, "sample_rows"), (host_threads, "MAX_THREADS"))]
+        (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
+        (device_items, "sample_rows"), (host_threads, "MAX_THREADS"))
+        if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():
         for module, name, value in shipped:

@@ -277,6 +277,52 @@ def test_a_pass_in_no_order_holds_the_sorted_passs_results(fused, dtype, mode, k
     np.testing.assert_array_equal(got_vals, want_vals)
 
 
+@pytest.mark.parametrize("held", [8, 16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("k", [1, 10, 27, 32])
+@pytest.mark.parametrize("best_first", [True, False])
+def test_warp_merge_equals_the_block_merge(monkeypatch, held, dtype, k, best_first):
+    # fused.MERGE_WARP_K: a user keeping at most 32 keys is merged by one warp, each lane holding `held` of its keys
+    # in registers; a user with more keys than the warp holds, or whose buffer overflowed, by the block merge's radix
+    # select run by that warp. Real-valued data; segments of 384 items seeded (folds of few candidates), unseeded
+    # (every merge takes 384 candidates and the state's keys: more than 8 x 32), unseeded segments of 20,480 (every
+    # buffer of 16,384 overflows and the segment is recomputed); exclusions, an all-excluded user, users left fewer
+    # items than k. The warp merges' results equal the block merge's bit for bit, sorted and in no order, and the
+    # warp kernels ran.
+    from recall.backends.cupy import fused as fused_module
+
+    rng = np.random.default_rng(k + held)
+    items = rng.standard_normal((41000, 24)).astype(dtype)
+    users = rng.standard_normal((90, 24)).astype(dtype)
+    excl = {u: rng.choice(41000, 500, replace=False).tolist() for u in range(2, 90, 5)}
+    excl[0] = list(range(41000))
+    excl[1] = list(range(3, 41000))  # 3 items left
+    excl[7] = list(range(k // 2, 41000))  # fewer than k left, where k > 1
+    backend = Engine(items[:1].astype(np.float32), device="gpu").backend  # one backend, its kernels counted
+    sel = backend.selection
+    calls = []
+    for table in (sel.merge_fused_warp, sel.merge_fused_h_warp):
+        for key, fn in list(table.items()):
+            monkeypatch.setitem(table, key, lambda *a, fn=fn, **kw: (calls.append(1), fn(*a, **kw))[1])
+    monkeypatch.setattr(fused_module, "MERGE_WARP_HELD", held)
+    for options in (EngineOptions(fused="force", fused_segment=384),
+                    EngineOptions(fused="force", fused_segment=384, seed_thresholds=False),
+                    EngineOptions(fused="force", fused_segment=20480, seed_thresholds=False)):
+        monkeypatch.setattr(fused_module, "MERGE_WARP_K", 0)
+        want_vals, want_rows, stats = _run_half(backend, items, users, k, excl, options, best_first=best_first)
+        assert stats["fused"] and not calls
+        monkeypatch.setattr(fused_module, "MERGE_WARP_K", 32)
+        got_vals, got_rows, _ = _run_half(backend, items, users, k, excl, options, best_first=best_first)
+        assert calls
+        calls.clear()
+        if not best_first:
+            want_vals, want_rows = _best_first(want_vals, want_rows)
+            got_vals, got_rows = _best_first(got_vals, got_rows)
+        np.testing.assert_array_equal(got_rows, want_rows)
+        np.testing.assert_array_equal(got_vals, want_vals)
+        assert (got_rows[0] == -1).all() and (got_rows[1][3:] == -1).all() and (got_rows[7][k // 2:] == -1).all()
+
+
 @pytest.mark.parametrize("n_users,n_items,width,k", [
     (1, 1, 8, 1), (3, 129, 16, 7), (130, 1000, 24, 10), (300, 3001, 72, 64), (257, 2500, 128, 100),
     (129, 700, 120, 30), (700, 5000, 40, 1000), (200, 1300, 112, 16), (60, 900, 56, 5), (150, 2000, 96, 20),

@@ -212,6 +212,18 @@ MERGE_SMALL_K = 64
 MERGE_SMALL_THREADS = 64
 
 
+#: Where a user keeps at most MERGE_WARP_K keys (K rounded up to a power of two; at most 32), the fused path's merge
+#: takes a warp a user, MERGE_WARP_USERS users a block (RECALL_MERGE_WARPS in topk.cu): each lane holds
+#: MERGE_WARP_HELD of the user's keys (8 or 16) in registers and the warp finds the K-th largest bit by bit, with no
+#: barrier and no shared memory; a user with more keys than the warp holds (or whose buffer overflowed) is merged
+#: by the block merge's radix select, run by its warp (``recall_merge_warp_body``). The block merge (64 threads a
+#: user) was issue-bound with a third of its stalls at barriers (1M x 20k x 32 l2, Nsight Compute,
+#: docs/benchmarks.md), and a user of k = 10 holds 27-60 keys. 0: the block merge at every k.
+MERGE_WARP_K = 32
+MERGE_WARP_HELD = 8
+MERGE_WARP_USERS = 8
+
+
 def merge_threads(k_pad: int) -> int:
     """Threads of a fused-path merge block of a state of ``k_pad`` keys a user (the kernel takes any multiple of
     32)."""
@@ -272,15 +284,20 @@ class FusedSearch:
         else:
             launch, merge, operands = self._single(users_t, users, items_t, n_items, state)
         k_pad, merge_smem = self.sel.merge_smem(state.k)
-        threads = merge_threads(k_pad)
         # The merge's arguments around its operands: the state, then the segment and the search's constants.
         head = (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, *operands)
         sizes = (np.int32(state.k), np.int32(k_pad), np.int32(state.cand_capacity))
         done = (state.out_vals, state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0))
+        if k_pad <= min(MERGE_WARP_K, 32):
+            merge = merge[1][MERGE_WARP_HELD]
+            grid, threads = (-(-n // MERGE_WARP_USERS),), 32 * MERGE_WARP_USERS
+            done, merge_smem = (*done, np.int32(n)), MERGE_WARP_USERS * merge_smem
+        else:
+            merge, grid, threads = merge[0], (n,), merge_threads(k_pad)
 
         def merged(start: int, n_tile: int, final: bool, high_water: int) -> None:
-            merge((n,), (threads,), (*head, np.int32(start), np.int32(n_tile), np.int32(n_items), *sizes,
-                                           np.int32(high_water), np.int32(final_code(final, best_first)), *done),
+            merge(grid, (threads,), (*head, np.int32(start), np.int32(n_tile), np.int32(n_items), *sizes,
+                                     np.int32(high_water), np.int32(final_code(final, best_first)), *done),
                   shared_mem=merge_smem)
 
         tiles = -(-n_items // FUSED_TILE)
@@ -329,7 +346,8 @@ class FusedSearch:
                (sample, np.int32(sample.shape[0]), np.int32(state.k), np.int32(n), *args), shared_mem=smem)
 
     def _single(self, users_t: Any, users: Any, items_t: Any, n_items: int, state: GpuTopK) -> tuple:
-        """(launch of a segment, merge kernel, the merge's operands) of float32 vectors (fused.cu); the block's users
+        """(launch of a segment, merge kernels (one block a user, and one warp a user by MERGE_WARP_HELD), the
+        merge's operands) of float32 vectors (fused.cu); the block's users
         are written transposed into ``users_t``."""
         n, dim = users.shape
         users_t[:dim, :n] = users.T
@@ -346,7 +364,7 @@ class FusedSearch:
                    state.cand, np.int32(state.cand_capacity), state.cnt), shared_mem=smem)
 
         operands = (users_t, np.int32(ldu), items_t, np.int64(items_t.shape[1]), np.int32(dk))
-        return launch, self.sel.merge_fused, operands
+        return launch, (self.sel.merge_fused, self.sel.merge_fused_warp), operands
 
     def _half(self, users: Any, items: Any, n_items: int, state: GpuTopK, multiplied: int = 0,
               warpgroup: bool = True) -> tuple:
@@ -369,7 +387,7 @@ class FusedSearch:
                    np.int32(nt), np.int32(per_cta), state.thr, state.cand, np.int32(state.cand_capacity),
                    state.cnt), shared_mem=smem)
 
-        return launch, self.sel.merge_fused_h, (users, items, np.int32(width))
+        return launch, (self.sel.merge_fused_h, self.sel.merge_fused_h_warp), (users, items, np.int32(width))
 
     def _allow_smem(self, kernel: Any, smem: int) -> None:
         """Let ``kernel`` take ``smem`` bytes of dynamic shared memory (raised once per kernel, never lowered)."""

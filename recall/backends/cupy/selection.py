@@ -276,6 +276,9 @@ class Selection:
         self.fused_h = {64: mod.get_function("recall_fused_filter_h"),
                         **{ch: mod.get_function(f"recall_fused_filter_h{ch}") for ch in (16, 32, 48, 80, 96)}}
         self.merge_fused_h = mod.get_function("recall_merge_fused_h")
+        # The same one warp a user (fused.MERGE_WARP_K), by the keys a lane holds in registers (MERGE_WARP_HELD).
+        self.merge_fused_warp = {held: mod.get_function(f"recall_merge_fused_w{held}") for held in (8, 16)}
+        self.merge_fused_h_warp = {held: mod.get_function(f"recall_merge_fused_hw{held}") for held in (8, 16)}
         self._fused_w: dict[int, Any] | None = None
         self._seed_w: dict[int, Any] = {}
         self._walk_w: dict[int, Any] | None = None

@@ -303,6 +303,27 @@ extern "C" __global__ void recall_merge_fused_h(u64* __restrict__ top, int* __re
                                                 const long long* __restrict__ ex_ptr,
                                                 const long long* __restrict__ ex_items, int has_excl) {
     const RecallDotTileH tile = {U, I, W, (int)blockIdx.x, item_start};
-    recall_merge_body(top, n_valid, thr, cand, cnt, base, tile, n_tile, item_start, n_items, K, K_pad, C, high_water,
-                      final_pass, out_vals, out_rows, has_excl ? ex_ptr : nullptr, ex_items);
+    recall_merge_body<RecallDotTileH, false>((int)blockIdx.x, top, n_valid, thr, cand, cnt, base, tile, n_tile,
+                                             item_start, n_items, K, K_pad, C, high_water, final_pass, out_vals,
+                                             out_rows, has_excl ? ex_ptr : nullptr, ex_items);
 }
+
+// The same one warp a user (topk.cu's recall_merge_warp_body), RECALL_MERGE_WARPS users a block of n_users, for
+// K_pad <= 32: HELD keys a lane in registers (the kernel's suffix).
+#define RECALL_MERGE_FUSED_H_WARP(NAME, HELD)                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * RECALL_MERGE_WARPS)                                            \
+    NAME(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr, u64* __restrict__ cand,          \
+         int* __restrict__ cnt, int* __restrict__ base, const half_bits* __restrict__ U,                             \
+         const half_bits* __restrict__ I, int W, int item_start, int n_tile, int n_items, int K, int K_pad, int C,   \
+         int high_water, int final_pass, float* __restrict__ out_vals, long long* __restrict__ out_rows,             \
+         const long long* __restrict__ ex_ptr, const long long* __restrict__ ex_items, int has_excl, int n_users) {  \
+        const int u = (int)blockIdx.x * RECALL_MERGE_WARPS + (int)(threadIdx.x >> 5);                                \
+        if (u >= n_users) return;                                                                                    \
+        const RecallDotTileH tile = {U, I, W, u, item_start};                                                        \
+        recall_merge_warp_body<RecallDotTileH, HELD>(u, top, n_valid, thr, cand, cnt, base, tile, n_tile,            \
+                                                     item_start, n_items, K, K_pad, C, high_water, final_pass,       \
+                                                     out_vals, out_rows, has_excl ? ex_ptr : nullptr, ex_items);     \
+    }
+
+RECALL_MERGE_FUSED_H_WARP(recall_merge_fused_hw8, 8)
+RECALL_MERGE_FUSED_H_WARP(recall_merge_fused_hw16, 16)

@@ -787,27 +787,49 @@ __device__ __forceinline__ u64 recall_key_at(const RecallSources<Tile>& s, int i
     return (v > s.thr && !recall_excluded(s.ex, s.n_ex, row)) ? recall_key(v, row) : 0ull;
 }
 
-// One block per user. Dynamic shared memory: K_pad keys (K_pad = next power of two >= K). The tile (the last
-// n_tile items from item_start) is rescanned only when the candidate buffer overflowed. With ex_ptr set (the fused
-// path, whose scores were never masked), candidates of excluded items are dropped here.
-template <typename Tile>
-__device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
+// The threads that merge one user: a whole block (WARP false), or one warp of a block of RECALL_MERGE_WARPS
+// (recall_merge_warp_body's users whose keys do not fit its registers).
+#define RECALL_MERGE_WARPS 8
+template <bool WARP>
+struct RecallMergeGroup {
+    static constexpr int SLOTS = WARP ? RECALL_MERGE_WARPS : 1;
+    __device__ __forceinline__ static int slot() { return WARP ? (int)(threadIdx.x >> 5) : 0; }
+    __device__ __forceinline__ static int rank() { return WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x; }
+    __device__ __forceinline__ static int size() { return WARP ? 32 : (int)blockDim.x; }
+    __device__ __forceinline__ static void sync() {
+        if (WARP) __syncwarp(); else __syncthreads();
+    }
+};
+
+struct RecallMergeShared {
+    u64 prefix, mask, min, lo, hi;
+    int want, done, count, n, shift;
+};
+
+// One group (a block, or a warp) per user u. Dynamic shared memory: K_pad keys a group (K_pad = next power of two
+// >= K). The tile (the last n_tile items from item_start) is rescanned only when the candidate buffer overflowed.
+// With ex_ptr set (the fused path, whose scores were never masked), candidates of excluded items are dropped here.
+template <typename Tile, bool WARP>
+__device__ void recall_merge_body(int u, u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
                                   u64* __restrict__ cand, int* __restrict__ cnt, int* __restrict__ base,
                                   Tile tile, int n_tile, int item_start, int n_items,
                                   int K, int K_pad, int C, int high_water, int final_pass,
                                   float* __restrict__ out_vals, long long* __restrict__ out_rows,
                                   const long long* __restrict__ ex_ptr, const long long* __restrict__ ex_items) {
-    extern __shared__ u64 sel[];
-    __shared__ u32 hist[256];
-    __shared__ u64 s_prefix, s_mask, s_min, s_lo, s_hi;
-    __shared__ int s_want, s_done, s_count, s_n, s_shift;
+    typedef RecallMergeGroup<WARP> G;
+    extern __shared__ u64 sel_all[];
+    __shared__ u32 hist_all[G::SLOTS][256];
+    __shared__ RecallMergeShared shared_all[G::SLOTS];
+    u64* sel = sel_all + (long long)G::slot() * K_pad;
+    u32* hist = hist_all[G::slot()];
+    RecallMergeShared& sh = shared_all[G::slot()];
+    const int tid = G::rank(), nthreads = G::size();
 
-    const int u = blockIdx.x;
     const int c = cnt[u];
     const bool overflow = c > C;
     if (!final_pass && !overflow && c <= high_water) {
         // Not worth a merge yet: the candidates stay, and the next tile appends after them.
-        if (threadIdx.x == 0) base[u] = c;
+        if (tid == 0) base[u] = c;
         return;
     }
     RecallSources<Tile> src;
@@ -828,23 +850,23 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
         src.ex = ex_items + ex_ptr[u];
         src.n_ex = ex_ptr[u + 1] - ex_ptr[u];
         u64* mine = cand + (long long)u * C;
-        for (int i = threadIdx.x; i < src.n_cand; i += blockDim.x) {
+        for (int i = tid; i < src.n_cand; i += nthreads) {
             if (recall_excluded(src.ex, src.n_ex, (long long)(~(u32)(mine[i] & 0xffffffffull)))) mine[i] = 0ull;
         }
-        __syncthreads();
+        G::sync();
     }
 
-    const int lane = threadIdx.x & 31;
+    const int lane = tid & 31;
     const unsigned full = 0xffffffffu;
-    if (threadIdx.x == 0) { s_lo = ~0ull; s_hi = 0; s_n = 0; s_want = K; s_done = 0; s_count = 0; s_min = ~0ull; }
-    __syncthreads();
+    if (tid == 0) { sh.lo = ~0ull; sh.hi = 0; sh.n = 0; sh.want = K; sh.done = 0; sh.count = 0; sh.min = ~0ull; }
+    G::sync();
     // Every loop over the keys runs the same trip count in every thread, so that warps vote and shuffle whole.
     // First: how many keys there are, and the lowest and highest; the digits they share need no histogram.
     {
         u64 lo = ~0ull, hi = 0ull;
         int n = 0;
-        for (int i0 = 0; i0 < total; i0 += blockDim.x) {
-            const u64 key = i0 + threadIdx.x < total ? recall_key_at(src, i0 + threadIdx.x) : 0ull;
+        for (int i0 = 0; i0 < total; i0 += nthreads) {
+            const u64 key = i0 + tid < total ? recall_key_at(src, i0 + tid) : 0ull;
             if (key != 0ull) { lo = min(lo, key); hi = max(hi, key); ++n; }
         }
         for (int off = 16; off > 0; off >>= 1) {
@@ -852,30 +874,30 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
             hi = max(hi, __shfl_xor_sync(full, hi, off));
             n += __shfl_xor_sync(full, n, off);
         }
-        if (lane == 0 && n > 0) { atomicMin(&s_lo, lo); atomicMax(&s_hi, hi); atomicAdd(&s_n, n); }
+        if (lane == 0 && n > 0) { atomicMin(&sh.lo, lo); atomicMax(&sh.hi, hi); atomicAdd(&sh.n, n); }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        if (s_n <= K) {
-            s_done = 2;  // every valid key is kept
+    G::sync();
+    if (tid == 0) {
+        if (sh.n <= K) {
+            sh.done = 2;  // every valid key is kept
         } else {
             // Keys are unique, so the lowest and highest differ: start at the digit of their highest differing bit.
-            const int top_bit = 63 - __clzll((long long)(s_lo ^ s_hi));
+            const int top_bit = 63 - __clzll((long long)(sh.lo ^ sh.hi));
             const int shift = top_bit & ~7;
-            s_mask = shift == 56 ? 0ull : ~((1ull << (shift + 8)) - 1ull);
-            s_prefix = s_hi & s_mask;
-            s_shift = shift;
+            sh.mask = shift == 56 ? 0ull : ~((1ull << (shift + 8)) - 1ull);
+            sh.prefix = sh.hi & sh.mask;
+            sh.shift = shift;
         }
     }
-    __syncthreads();
+    G::sync();
     // Radix select of the K-th largest key, 8 bits at a time; stops as soon as every key sharing the chosen prefix
     // is needed (keys are unique, so it stops at the latest on the last digit).
-    for (int shift = s_shift; !s_done && shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        const u64 prefix = s_prefix, mask = s_mask;
-        for (int i0 = 0; i0 < total; i0 += blockDim.x) {
-            const u64 key = i0 + threadIdx.x < total ? recall_key_at(src, i0 + threadIdx.x) : 0ull;
+    for (int shift = sh.shift; !sh.done && shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += nthreads) hist[i] = 0;
+        G::sync();
+        const u64 prefix = sh.prefix, mask = sh.mask;
+        for (int i0 = 0; i0 < total; i0 += nthreads) {
+            const u64 key = i0 + tid < total ? recall_key_at(src, i0 + tid) : 0ull;
             const bool match = key != 0ull && (key & mask) == prefix;
             const u32 bin = (u32)(key >> shift) & 255u;
             const unsigned voters = __ballot_sync(full, match);
@@ -886,8 +908,8 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
                 if (lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
             }
         }
-        __syncthreads();
-        if (threadIdx.x < 32) {
+        G::sync();
+        if (tid < 32) {
             // Warp 0 finds the digit: lane l sums bins 255 - 8l down to 248 - 8l, a scan over lanes adds up the keys
             // above, and the first lane to reach the wanted count walks its 8 bins.
             u32 c[8], sum = 0;
@@ -898,46 +920,46 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
                 const u32 v = __shfl_up_sync(full, incl, off);
                 if (lane >= off) incl += v;
             }
-            const int want = s_want;
+            const int want = sh.want;
             const int first = __ffs(__ballot_sync(full, incl >= (u32)want)) - 1;
             if (lane == first) {
                 u32 above = incl - sum;
                 int j = 0;
                 while (j < 7 && above + c[j] < (u32)want) above += c[j++];
                 const int digit = 255 - 8 * lane - j;
-                s_prefix = prefix | ((u64)digit << shift);
-                s_mask = mask | (0xffull << shift);
-                s_want = want - (int)above;
-                if (c[j] == (u32)(want - (int)above)) s_done = 1;
+                sh.prefix = prefix | ((u64)digit << shift);
+                sh.mask = mask | (0xffull << shift);
+                sh.want = want - (int)above;
+                if (c[j] == (u32)(want - (int)above)) sh.done = 1;
             }
         }
-        __syncthreads();
+        G::sync();
     }
-    const u64 prefix = s_prefix, mask = s_mask;
-    const bool take_all = s_done == 2;
-    for (int i0 = 0; i0 < total; i0 += blockDim.x) {
-        const u64 key = i0 + threadIdx.x < total ? recall_key_at(src, i0 + threadIdx.x) : 0ull;
+    const u64 prefix = sh.prefix, mask = sh.mask;
+    const bool take_all = sh.done == 2;
+    for (int i0 = 0; i0 < total; i0 += nthreads) {
+        const u64 key = i0 + tid < total ? recall_key_at(src, i0 + tid) : 0ull;
         const bool take = key != 0ull && (take_all || (key & mask) >= prefix);
         const unsigned takers = __ballot_sync(full, take);
         if (takers) {
             int pos = 0;
-            if (lane == 0) pos = atomicAdd(&s_count, __popc(takers));
+            if (lane == 0) pos = atomicAdd(&sh.count, __popc(takers));
             pos = __shfl_sync(full, pos, 0) + __popc(takers & ((1u << lane) - 1u));
             if (take) sel[pos] = key;
             u64 least = take ? key : ~0ull;
             for (int off = 16; off > 0; off >>= 1) least = min(least, __shfl_xor_sync(full, least, off));
-            if (lane == 0) atomicMin(&s_min, least);
+            if (lane == 0) atomicMin(&sh.min, least);
         }
     }
-    __syncthreads();
-    const int n_sel = s_count;
+    G::sync();
+    const int n_sel = sh.count;
 
     if (!final_pass) {
-        for (int i = threadIdx.x; i < n_sel; i += blockDim.x) top[(long long)u * K + i] = sel[i];
-        if (threadIdx.x == 0) {
+        for (int i = tid; i < n_sel; i += nthreads) top[(long long)u * K + i] = sel[i];
+        if (tid == 0) {
             n_valid[u] = n_sel;
             // Fewer than K held: the threshold stays (-inf, or the block's seed from its threshold sample).
-            if (n_sel == K) thr[u] = recall_ord2f((u32)(s_min >> 32));
+            if (n_sel == K) thr[u] = recall_ord2f((u32)(sh.min >> 32));
             cnt[u] = 0;
             base[u] = 0;
         }
@@ -948,22 +970,22 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
     // pass, whose candidates are re-scored; at K = 1,251 the sort is 66 phases of 2,048 keys a user).
     const bool best_first = final_pass == 1;
     if (best_first) {
-        for (int i = n_sel + threadIdx.x; i < K_pad; i += blockDim.x) sel[i] = 0ull;
-        __syncthreads();
+        for (int i = n_sel + tid; i < K_pad; i += nthreads) sel[i] = 0ull;
+        G::sync();
     }
     for (int size = 2; best_first && size <= K_pad; size <<= 1) {
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int i = threadIdx.x; i < (K_pad >> 1); i += blockDim.x) {
+            for (int i = tid; i < (K_pad >> 1); i += nthreads) {
                 const int lo = 2 * i - (i & (stride - 1));
                 const int hi = lo + stride;
                 const bool desc = (lo & size) == 0;
                 const u64 a = sel[lo], b2 = sel[hi];
                 if ((a < b2) == desc) { sel[lo] = b2; sel[hi] = a; }
             }
-            __syncthreads();
+            G::sync();
         }
     }
-    for (int r = threadIdx.x; r < K; r += blockDim.x) {
+    for (int r = tid; r < K; r += nthreads) {
         const u64 key = r < n_sel ? sel[r] : 0ull;
         const long long o = (long long)u * K + r;
         if (key == 0ull) {
@@ -974,7 +996,154 @@ __device__ void recall_merge_body(u64* __restrict__ top, int* __restrict__ n_val
             out_rows[o] = (long long)(~(u32)(key & 0xffffffffull));
         }
     }
-    if (threadIdx.x == 0) {
+    if (tid == 0) {
+        n_valid[u] = 0;
+        thr[u] = RECALL_NEG_INF;
+        cnt[u] = 0;
+        base[u] = 0;
+    }
+}
+
+// recall_merge_body one warp a user, for K_pad <= 32: where the user's buffer did not overflow and its keys (those it
+// keeps and its candidates) number at most 32 HELD, each lane holds HELD of them in registers and the warp finds the
+// K-th largest bit by bit (how many keys lie at or above each trial value: one warp-wide sum a bit), with no shared
+// memory but the sort of a final pass that writes best first; else recall_merge_body's radix select, one warp a user.
+// The same keys kept, the same threshold and results.
+template <typename Tile, int HELD>
+__device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __restrict__ n_valid,
+                                       float* __restrict__ thr, u64* __restrict__ cand, int* __restrict__ cnt,
+                                       int* __restrict__ base, Tile tile, int n_tile, int item_start, int n_items,
+                                       int K, int K_pad, int C, int high_water, int final_pass,
+                                       float* __restrict__ out_vals, long long* __restrict__ out_rows,
+                                       const long long* __restrict__ ex_ptr,
+                                       const long long* __restrict__ ex_items) {
+    const int lane = threadIdx.x & 31;
+    const unsigned full = 0xffffffffu;
+    const int c = cnt[u];
+    const int n_top = n_valid[u];
+    if (c > C || n_top + c > 32 * HELD || K_pad > 32) {
+        recall_merge_body<Tile, true>(u, top, n_valid, thr, cand, cnt, base, tile, n_tile, item_start, n_items, K,
+                                      K_pad, C, high_water, final_pass, out_vals, out_rows, ex_ptr, ex_items);
+        return;
+    }
+    if (!final_pass && c <= high_water) {
+        if (lane == 0) base[u] = c;
+        return;
+    }
+    const long long* ex = nullptr;
+    long long n_ex = 0;
+    if (ex_ptr != nullptr && ex_ptr[u + 1] > ex_ptr[u]) {
+        ex = ex_items + ex_ptr[u];
+        n_ex = ex_ptr[u + 1] - ex_ptr[u];
+    }
+    const int total = n_top + c;
+    const int rounds = (total + 31) >> 5;  // the registers in use, the same in every lane
+    const u64* kept = top + (long long)u * K;
+    const u64* fresh = cand + (long long)u * C;
+    u64 key[HELD];
+    u64 lo = ~0ull, hi = 0ull;
+    int held = 0;
+#pragma unroll
+    for (int r = 0; r < HELD; ++r) {
+        const int i = r * 32 + lane;
+        u64 k = 0ull;
+        if (i < n_top) {
+            k = kept[i];
+        } else if (i < total) {
+            k = fresh[i - n_top];
+            if (n_ex > 0 && recall_excluded(ex, n_ex, (long long)(~(u32)(k & 0xffffffffull)))) k = 0ull;
+        }
+        key[r] = k;
+        if (k != 0ull) { lo = min(lo, k); hi = max(hi, k); ++held; }
+    }
+    const int n = __reduce_add_sync(full, held);
+    // The least key kept: 1 (every valid key) where there are at most K; else the K-th largest, found from the
+    // highest bit in which the keys differ (keys are unique), stopping at the first trial value with exactly K keys
+    // at or above it.
+    u64 least = 1ull;
+    if (n > K) {
+        for (int off = 16; off > 0; off >>= 1) {
+            lo = min(lo, __shfl_xor_sync(full, lo, off));
+            hi = max(hi, __shfl_xor_sync(full, hi, off));
+        }
+        const int top_bit = 63 - __clzll((long long)(lo ^ hi));
+        least = top_bit == 63 ? 0ull : hi & ~((2ull << top_bit) - 1ull);
+        for (int b = top_bit; b >= 0; --b) {
+            const u64 trial = least | (1ull << b);
+            int above = 0;
+#pragma unroll
+            for (int r = 0; r < HELD; ++r) above += (r < rounds && key[r] >= trial) ? 1 : 0;
+            above = __reduce_add_sync(full, above);
+            if (above >= K) {
+                least = trial;
+                if (above == K) break;
+            }
+        }
+    }
+    // Each lane's kept keys at their places: in the state (a fold), in the results (a final pass in no order), or
+    // in shared memory to be sorted (best first).
+    extern __shared__ u64 sel_all[];
+    u64* sel = sel_all + (long long)(threadIdx.x >> 5) * K_pad;
+    const bool best_first = final_pass == 1;
+    int placed = 0;
+    u64 smallest = ~0ull;
+#pragma unroll
+    for (int r = 0; r < HELD; ++r) {
+        if (r < rounds) {
+            const bool take = key[r] >= least && key[r] != 0ull;
+            const unsigned takers = __ballot_sync(full, take);
+            const int pos = placed + __popc(takers & ((1u << lane) - 1u));
+            if (take) {
+                smallest = min(smallest, key[r]);
+                if (!final_pass) {
+                    top[(long long)u * K + pos] = key[r];
+                } else if (best_first) {
+                    sel[pos] = key[r];
+                } else {
+                    const long long o = (long long)u * K + pos;
+                    out_vals[o] = recall_ord2f((u32)(key[r] >> 32));
+                    out_rows[o] = (long long)(~(u32)(key[r] & 0xffffffffull));
+                }
+            }
+            placed += __popc(takers);
+        }
+    }
+    if (!final_pass) {
+        if (lane == 0) {
+            n_valid[u] = placed;
+            cnt[u] = 0;
+            base[u] = 0;
+        }
+        // Fewer than K held: the threshold stays (-inf, or the block's seed from its threshold sample).
+        if (placed == K) {
+            for (int off = 16; off > 0; off >>= 1) smallest = min(smallest, __shfl_xor_sync(full, smallest, off));
+            if (lane == 0) thr[u] = recall_ord2f((u32)(smallest >> 32));
+        }
+        return;
+    }
+    if (best_first) {
+        __syncwarp();
+        // A bitonic sort of one key a lane (K_pad <= 32), largest first, empty keys (0) last.
+        u64 mine = lane < placed ? sel[lane] : 0ull;
+        for (int size = 2; size <= 32; size <<= 1) {
+            for (int stride = size >> 1; stride > 0; stride >>= 1) {
+                const u64 other = __shfl_xor_sync(full, mine, stride);
+                const bool lower = (lane & stride) == 0, desc = (lane & size) == 0;
+                mine = lower == desc ? max(mine, other) : min(mine, other);
+            }
+        }
+        if (lane < K && mine != 0ull) {
+            const long long o = (long long)u * K + lane;
+            out_vals[o] = recall_ord2f((u32)(mine >> 32));
+            out_rows[o] = (long long)(~(u32)(mine & 0xffffffffull));
+        }
+    }
+    for (int r = placed + lane; r < K; r += 32) {
+        const long long o = (long long)u * K + r;
+        out_vals[o] = RECALL_NEG_INF;
+        out_rows[o] = -1;
+    }
+    if (lane == 0) {
         n_valid[u] = 0;
         thr[u] = RECALL_NEG_INF;
         cnt[u] = 0;
@@ -988,8 +1157,9 @@ extern "C" __global__ void recall_merge(u64* __restrict__ top, int* __restrict__
                                         int n_items, int K, int K_pad, int C, int high_water, int final_pass,
                                         float* __restrict__ out_vals, long long* __restrict__ out_rows) {
     const RecallScoreTile<float> tile = {scores, U, T, (int)blockIdx.x};
-    recall_merge_body(top, n_valid, thr, cand, cnt, base, tile, B * T, item_start, n_items, K, K_pad, C, high_water,
-                      final_pass, out_vals, out_rows, nullptr, nullptr);
+    recall_merge_body<RecallScoreTile<float>, false>((int)blockIdx.x, top, n_valid, thr, cand, cnt, base, tile, B * T,
+                                                     item_start, n_items, K, K_pad, C, high_water, final_pass,
+                                                     out_vals, out_rows, nullptr, nullptr);
 }
 
 extern "C" __global__ void recall_merge_h(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr,
@@ -998,8 +1168,9 @@ extern "C" __global__ void recall_merge_h(u64* __restrict__ top, int* __restrict
                                           int n_items, int K, int K_pad, int C, int high_water, int final_pass,
                                           float* __restrict__ out_vals, long long* __restrict__ out_rows) {
     const RecallScoreTile<half_bits> tile = {scores, U, T, (int)blockIdx.x};
-    recall_merge_body(top, n_valid, thr, cand, cnt, base, tile, B * T, item_start, n_items, K, K_pad, C, high_water,
-                      final_pass, out_vals, out_rows, nullptr, nullptr);
+    recall_merge_body<RecallScoreTile<half_bits>, false>((int)blockIdx.x, top, n_valid, thr, cand, cnt, base, tile,
+                                                         B * T, item_start, n_items, K, K_pad, C, high_water,
+                                                         final_pass, out_vals, out_rows, nullptr, nullptr);
 }
 
 // The merge of the fused path: the segment's n_tile items from item_start are recomputed on overflow, and excluded
@@ -1013,6 +1184,28 @@ extern "C" __global__ void recall_merge_fused(u64* __restrict__ top, int* __rest
                                               long long* __restrict__ out_rows, const long long* __restrict__ ex_ptr,
                                               const long long* __restrict__ ex_items, int has_excl) {
     const RecallDotTile tile = {uT, ldu, iT, ldi, Dk, (int)blockIdx.x, item_start};
-    recall_merge_body(top, n_valid, thr, cand, cnt, base, tile, n_tile, item_start, n_items, K, K_pad, C, high_water,
-                      final_pass, out_vals, out_rows, has_excl ? ex_ptr : nullptr, ex_items);
+    recall_merge_body<RecallDotTile, false>((int)blockIdx.x, top, n_valid, thr, cand, cnt, base, tile, n_tile,
+                                            item_start, n_items, K, K_pad, C, high_water, final_pass, out_vals,
+                                            out_rows, has_excl ? ex_ptr : nullptr, ex_items);
 }
+
+// The same one warp a user (recall_merge_warp_body), RECALL_MERGE_WARPS users a block of U, for K_pad <= 32: HELD
+// keys a lane in registers (the kernel's suffix).
+#define RECALL_MERGE_FUSED_WARP(NAME, HELD)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * RECALL_MERGE_WARPS)                                            \
+    NAME(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr, u64* __restrict__ cand,          \
+         int* __restrict__ cnt, int* __restrict__ base, const float* __restrict__ uT, int ldu,                       \
+         const float* __restrict__ iT, long long ldi, int Dk, int item_start, int n_tile, int n_items, int K,        \
+         int K_pad, int C, int high_water, int final_pass, float* __restrict__ out_vals,                             \
+         long long* __restrict__ out_rows, const long long* __restrict__ ex_ptr,                                     \
+         const long long* __restrict__ ex_items, int has_excl, int U) {                                              \
+        const int u = (int)blockIdx.x * RECALL_MERGE_WARPS + (int)(threadIdx.x >> 5);                                \
+        if (u >= U) return;                                                                                          \
+        const RecallDotTile tile = {uT, ldu, iT, ldi, Dk, u, item_start};                                            \
+        recall_merge_warp_body<RecallDotTile, HELD>(u, top, n_valid, thr, cand, cnt, base, tile, n_tile, item_start, \
+                                                    n_items, K, K_pad, C, high_water, final_pass, out_vals, out_rows,\
+                                                    has_excl ? ex_ptr : nullptr, ex_items);                          \
+    }
+
+RECALL_MERGE_FUSED_WARP(recall_merge_fused_w8, 8)
+RECALL_MERGE_FUSED_WARP(recall_merge_fused_w16, 16)
