@@ -733,8 +733,11 @@ def main() -> None:
             continue
         # One search with graphs off, every launch timed (of each of --per-kernel-variants).
         for vname in a.per_kernel_variants.split(","):
+            restore_shipped()
             engine = Engine(items, metric=metric, device="gpu", precision=prec,
                             options=dataclasses.replace(variant_options(vname), cuda_graphs=False))
+            for hook in variant_hooks(vname):
+                hook(engine)
             engine.search(users, k, exclude=excl)
             log = []
             instrument(engine.backend, log)
@@ -752,6 +755,7 @@ def main() -> None:
                                for n, (c, s) in sorted(per_kernel.items(), key=lambda x: -x[1][1])) + " |", flush=True)
             out.append({"cell": cell, "variant": f"per-kernel {vname}", "wall_s": wall,
                         "kernels": {n: {"launches": c, "s": s} for n, (c, s) in per_kernel.items()}})
+        restore_shipped()
         if prec == "fast":  # once more, its phases bracketed by synchronisations
             plog = []
             undo = phases(plog)
