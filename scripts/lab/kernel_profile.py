@@ -656,7 +656,8 @@ def main() -> None:
         (selection, "SEED_WARP_SMALL_RANK"),
         (selection, "ESTIMATE_SIGMAS"), (selection, "ESTIMATE_SAMPLE_SHARE"), (fused, "FUSED_SEEDED_MAX_K"),
         (fused, "FUSED_HALF_SEEDED_MAX_K"),
-        (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"), (fast_mode, "RESCORE_PARTS"),
+        (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
+        (fast_mode, "RESCORE_PARTS"),
         (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (fused, "wgmma_smem"),
         (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"))
