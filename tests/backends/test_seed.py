@@ -687,7 +687,7 @@ def test_fused_launches_and_their_merges(n_items, first, seg, want):
     merge = lambda grid, block, args, shared_mem: calls.append(("merge", int(args[6]), int(args[7]), int(args[12]),
                                                                  int(args[13])))  # noqa: E731
     search = fused.FusedSearch(SimpleNamespace(merge_smem=lambda k: (16, 8 * 16)))
-    search._single = lambda *a: (launch, merge, ())
+    search._single = lambda *a: (launch, (merge, {8: merge, 16: merge}), ())  # the block's and the warps' merges
     users = np.zeros((300, 24), np.float32)
     search.search(None, users, None, n_items, state, None, None, False, EngineOptions(fused_segment=seg), first=first)
     got = []
