@@ -1056,7 +1056,7 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
         key[r] = k;
         if (k != 0ull) { lo = min(lo, k); hi = max(hi, k); ++held; }
     }
-    const int n = __reduce_add_sync(full, held);
+    const int n = recall_warp_sum(held);
     // The least key kept: 1 (every valid key) where there are at most K; else the K-th largest, found from the
     // highest bit in which the keys differ (keys are unique), stopping at the first trial value with exactly K keys
     // at or above it.
@@ -1073,7 +1073,7 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
             int above = 0;
 #pragma unroll
             for (int r = 0; r < HELD; ++r) above += (r < rounds && key[r] >= trial) ? 1 : 0;
-            above = __reduce_add_sync(full, above);
+            above = recall_warp_sum(above);
             if (above >= K) {
                 least = trial;
                 if (above == K) break;
