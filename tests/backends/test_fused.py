@@ -279,10 +279,10 @@ def test_a_pass_in_no_order_holds_the_sorted_passs_results(fused, dtype, mode, k
 
 @pytest.mark.parametrize("held", [8, 16])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("k", [1, 10, 27, 32])
+@pytest.mark.parametrize("k", [1, 10, 27, 32, 33, 64])
 @pytest.mark.parametrize("best_first", [True, False])
 def test_warp_merge_equals_the_block_merge(monkeypatch, held, dtype, k, best_first):
-    # fused.MERGE_WARP_K: a user keeping at most 32 keys is merged by one warp, each lane holding `held` of its keys
+    # fused.MERGE_WARP_K: a user keeping at most 64 keys is merged by one warp, each lane holding `held` of its keys
     # in registers; a user with more keys than the warp holds, or whose buffer overflowed, by the block merge's radix
     # select run by that warp. Real-valued data; segments of 384 items seeded (folds of few candidates), unseeded
     # (every merge takes 384 candidates and the state's keys: more than 8 x 32), unseeded segments of 20,480 (every
@@ -311,7 +311,7 @@ def test_warp_merge_equals_the_block_merge(monkeypatch, held, dtype, k, best_fir
         monkeypatch.setattr(fused_module, "MERGE_WARP_K", 0)
         want_vals, want_rows, stats = _run_half(backend, items, users, k, excl, options, best_first=best_first)
         assert stats["fused"] and not calls
-        monkeypatch.setattr(fused_module, "MERGE_WARP_K", 32)
+        monkeypatch.setattr(fused_module, "MERGE_WARP_K", 64)
         got_vals, got_rows, _ = _run_half(backend, items, users, k, excl, options, best_first=best_first)
         assert calls
         calls.clear()

@@ -212,14 +212,14 @@ MERGE_SMALL_K = 64
 MERGE_SMALL_THREADS = 64
 
 
-#: Where a user keeps at most MERGE_WARP_K keys (K rounded up to a power of two; at most 32), the fused path's merge
-#: takes a warp a user, MERGE_WARP_USERS users a block (RECALL_MERGE_WARPS in topk.cu): each lane holds
-#: MERGE_WARP_HELD of the user's keys (8 or 16) in registers and the warp finds the K-th largest bit by bit, with no
-#: barrier and no shared memory; a user with more keys than the warp holds (or whose buffer overflowed) is merged
-#: by the block merge's radix select, run by its warp (``recall_merge_warp_body``). The block merge (64 threads a
-#: user) was issue-bound with a third of its stalls at barriers (1M x 20k x 32 l2, Nsight Compute,
-#: docs/benchmarks.md), and a user of k = 10 holds 27-60 keys. 0: the block merge at every k.
-MERGE_WARP_K = 32
+#: Where a user keeps at most MERGE_WARP_K keys (K rounded up to a power of two), the fused path's merge takes a warp
+#: a user, MERGE_WARP_USERS users a block (RECALL_MERGE_WARPS in topk.cu): each lane holds MERGE_WARP_HELD of the
+#: user's keys (8 or 16) in registers and the warp finds the K-th largest bit by bit, with no barrier and no shared
+#: memory (but a best-first final merge's sort); a user with more keys than the warp holds (or whose buffer
+#: overflowed) is merged by the block merge's radix select, run by its warp (``recall_merge_warp_body``). The block
+#: merge (64 threads a user) was issue-bound with a third of its stalls at barriers (1M x 20k x 32 l2, Nsight
+#: Compute, docs/benchmarks.md), where a user at k = 10 merges 27-60 keys. 0: the block merge at every k.
+MERGE_WARP_K = 64
 MERGE_WARP_HELD = 8
 MERGE_WARP_USERS = 8
 
@@ -288,7 +288,7 @@ class FusedSearch:
         head = (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, *operands)
         sizes = (np.int32(state.k), np.int32(k_pad), np.int32(state.cand_capacity))
         done = (state.out_vals, state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0))
-        if k_pad <= min(MERGE_WARP_K, 32):
+        if k_pad <= MERGE_WARP_K:
             merge = merge[1][MERGE_WARP_HELD]
             grid, threads = (-(-n // MERGE_WARP_USERS),), 32 * MERGE_WARP_USERS
             done, merge_smem = (*done, np.int32(n)), MERGE_WARP_USERS * merge_smem

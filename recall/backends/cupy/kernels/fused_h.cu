@@ -308,8 +308,8 @@ extern "C" __global__ void recall_merge_fused_h(u64* __restrict__ top, int* __re
                                              out_rows, has_excl ? ex_ptr : nullptr, ex_items);
 }
 
-// The same one warp a user (topk.cu's recall_merge_warp_body), RECALL_MERGE_WARPS users a block of n_users, for
-// K_pad <= 32: HELD keys a lane in registers (the kernel's suffix).
+// The same one warp a user (topk.cu's recall_merge_warp_body), RECALL_MERGE_WARPS users a block of n_users: HELD
+// keys a lane in registers (the kernel's suffix).
 #define RECALL_MERGE_FUSED_H_WARP(NAME, HELD)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * RECALL_MERGE_WARPS)                                            \
     NAME(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr, u64* __restrict__ cand,          \

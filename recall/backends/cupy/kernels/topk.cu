@@ -1004,11 +1004,11 @@ __device__ void recall_merge_body(int u, u64* __restrict__ top, int* __restrict_
     }
 }
 
-// recall_merge_body one warp a user, for K_pad <= 32: where the user's buffer did not overflow and its keys (those it
-// keeps and its candidates) number at most 32 HELD, each lane holds HELD of them in registers and the warp finds the
-// K-th largest bit by bit (how many keys lie at or above each trial value: one warp-wide sum a bit), with no shared
-// memory but the sort of a final pass that writes best first; else recall_merge_body's radix select, one warp a user.
-// The same keys kept, the same threshold and results.
+// recall_merge_body one warp a user: where the user's buffer did not overflow and its keys (those it keeps and its
+// candidates) number at most 32 HELD, each lane holds HELD of them in registers and the warp finds the K-th largest
+// bit by bit (how many keys lie at or above each trial value: one warp-wide sum a bit), with no shared memory but the
+// sort of a final pass that writes best first; else recall_merge_body's radix select, one warp a user. The same keys
+// kept, the same threshold and results. Dynamic shared memory: K_pad keys a warp.
 template <typename Tile, int HELD>
 __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __restrict__ n_valid,
                                        float* __restrict__ thr, u64* __restrict__ cand, int* __restrict__ cnt,
@@ -1021,7 +1021,7 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
     const unsigned full = 0xffffffffu;
     const int c = cnt[u];
     const int n_top = n_valid[u];
-    if (c > C || n_top + c > 32 * HELD || K_pad > 32) {
+    if (c > C || n_top + c > 32 * HELD) {
         recall_merge_body<Tile, true>(u, top, n_valid, thr, cand, cnt, base, tile, n_tile, item_start, n_items, K,
                                       K_pad, C, high_water, final_pass, out_vals, out_rows, ex_ptr, ex_items);
         return;
@@ -1122,20 +1122,25 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
         return;
     }
     if (best_first) {
+        // A bitonic sort of the K_pad keys in shared memory (recall_merge_body's), largest first, empty keys (0)
+        // last: at most a pair a lane a phase.
+        for (int i = placed + lane; i < K_pad; i += 32) sel[i] = 0ull;
         __syncwarp();
-        // A bitonic sort of one key a lane (K_pad <= 32), largest first, empty keys (0) last.
-        u64 mine = lane < placed ? sel[lane] : 0ull;
-        for (int size = 2; size <= 32; size <<= 1) {
+        for (int size = 2; size <= K_pad; size <<= 1) {
             for (int stride = size >> 1; stride > 0; stride >>= 1) {
-                const u64 other = __shfl_xor_sync(full, mine, stride);
-                const bool lower = (lane & stride) == 0, desc = (lane & size) == 0;
-                mine = lower == desc ? max(mine, other) : min(mine, other);
+                for (int i = lane; i < (K_pad >> 1); i += 32) {
+                    const int a = 2 * i - (i & (stride - 1)), b = a + stride;
+                    const bool desc = (a & size) == 0;
+                    const u64 x = sel[a], y = sel[b];
+                    if ((x < y) == desc) { sel[a] = y; sel[b] = x; }
+                }
+                __syncwarp();
             }
         }
-        if (lane < K && mine != 0ull) {
-            const long long o = (long long)u * K + lane;
-            out_vals[o] = recall_ord2f((u32)(mine >> 32));
-            out_rows[o] = (long long)(~(u32)(mine & 0xffffffffull));
+        for (int r = lane; r < placed; r += 32) {
+            const long long o = (long long)u * K + r;
+            out_vals[o] = recall_ord2f((u32)(sel[r] >> 32));
+            out_rows[o] = (long long)(~(u32)(sel[r] & 0xffffffffull));
         }
     }
     for (int r = placed + lane; r < K; r += 32) {
@@ -1189,8 +1194,8 @@ extern "C" __global__ void recall_merge_fused(u64* __restrict__ top, int* __rest
                                             out_rows, has_excl ? ex_ptr : nullptr, ex_items);
 }
 
-// The same one warp a user (recall_merge_warp_body), RECALL_MERGE_WARPS users a block of U, for K_pad <= 32: HELD
-// keys a lane in registers (the kernel's suffix).
+// The same one warp a user (recall_merge_warp_body), RECALL_MERGE_WARPS users a block of U: HELD keys a lane in
+// registers (the kernel's suffix).
 #define RECALL_MERGE_FUSED_WARP(NAME, HELD)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * RECALL_MERGE_WARPS)                                            \
     NAME(u64* __restrict__ top, int* __restrict__ n_valid, float* __restrict__ thr, u64* __restrict__ cand,          \
