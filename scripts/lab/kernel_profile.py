@@ -206,11 +206,11 @@ VARIANTS = {
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
-    # HOOKS: the fused path's merge one block a user at every k (before 2026-12-06 16:xx: fused.MERGE_WARP_K 0), or
-    # one warp a user holding 16 keys a lane in registers (MERGE_WARP_HELD; 8 shipped), in the route and the float32
-    # search alone.
+    # HOOKS: the fused path's merge one block a user at every k (before 2026-12-06 17:xx: fused.MERGE_WARP_K 0), or
+    # one warp a user holding 8 or 16 keys a lane in registers (MERGE_WARP_HELD), in the route and the float32 search
+    # alone.
     **{f"{pre}merge-{v}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
-       for v in ("block", "held16")},
+       for v in ("block", "held8", "held16")},
     # HOOKS: the certified pass re-scored in one part behind its last block (fast.RESCORE_PARTS 1; 4 shipped since
     # 2026-12-06 16:xx, each part behind the blocks that hold its users).
     "rescore-parts1": {},
@@ -406,7 +406,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
             for pre in ("", "float32-") for n in (32, 128, 256)},
          "rescore-parts1": _setting("engine.fast", RESCORE_PARTS=1),
          **{f"{pre}merge-block": _setting(FUSED, MERGE_WARP_K=0) for pre in ("", "float32-")},
-         **{f"{pre}merge-held16": _setting(FUSED, MERGE_WARP_HELD=16) for pre in ("", "float32-")},
+         **{f"{pre}merge-held{n}": _setting(FUSED, MERGE_WARP_HELD=n) for pre in ("", "float32-") for n in (8, 16)},
          **{v: _l2_centroid for v in ("float32-l2-centroid", "float32-l2-centroid-first-rule")},
          **{f"{pre}copy{n}": _setting("core.host_threads", MAX_THREADS=n)
             for pre in ("", "float32-") for n in (1, 2, 4)}}
