@@ -211,9 +211,6 @@ VARIANTS = {
     # alone.
     **{f"{pre}merge-{v}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
        for v in ("block", "held8", "held16")},
-    # HOOKS: the certified pass re-scored in one part behind its last block (fast.RESCORE_PARTS 1; 4 shipped since
-    # 2026-12-06 16:xx, each part behind the blocks that hold its users).
-    "rescore-parts1": {},
     # HOOKS: the host's passes (core.host_threads: the pipeline's copies of excluded rows into pinned memory) on at
     # most 1, 2 or 4 threads (8 shipped), in both searches: whether those copies and the uploads from pinned memory
     # slow each other.
@@ -404,7 +401,6 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
             for pre in ("", "float32-") for n in (4096, 8192, 16384, 32768, 65536)},
          **{f"{pre}merge{n}": _setting(FUSED, MERGE_SMALL_THREADS=n)
             for pre in ("", "float32-") for n in (32, 128, 256)},
-         "rescore-parts1": _setting("engine.fast", RESCORE_PARTS=1),
          **{f"{pre}merge-block": _setting(FUSED, MERGE_WARP_K=0) for pre in ("", "float32-")},
          **{f"{pre}merge-held{n}": _setting(FUSED, MERGE_WARP_HELD=n) for pre in ("", "float32-") for n in (8, 16)},
          **{v: _l2_centroid for v in ("float32-l2-centroid", "float32-l2-centroid-first-rule")},
@@ -657,7 +653,6 @@ def main() -> None:
         (selection, "ESTIMATE_SIGMAS"), (selection, "ESTIMATE_SAMPLE_SHARE"), (fused, "FUSED_SEEDED_MAX_K"),
         (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
-        (fast_mode, "RESCORE_PARTS"),
         (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (fused, "wgmma_smem"),
         (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"))
