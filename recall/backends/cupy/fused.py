@@ -204,10 +204,10 @@ def operand(items: DeviceItems, stream: Any) -> Any:
     return items.vecs if items.dtype == np.float16 else items.transposed(stream)
 
 
-#: The fused path's merge takes a block of MERGE_SMALL_THREADS threads a user where the user keeps at most
+#: The fused path's block merge takes a block of MERGE_SMALL_THREADS threads a user where the user keeps at most
 #: MERGE_SMALL_K keys (K rounded up to a power of two), else MERGE_THREADS: at small k a user holds few keys besides
 #: its candidates, and the radix select's loops over them, its histogram and its barriers cost a 256-thread block
-#: the same however few there are.
+#: the same however few there are. (Up to MERGE_WARP_K keys the warp merge below takes them.)
 MERGE_SMALL_K = 64
 MERGE_SMALL_THREADS = 64
 
