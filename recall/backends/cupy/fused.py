@@ -220,7 +220,7 @@ MERGE_SMALL_THREADS = 64
 #: merge (64 threads a user) was issue-bound with a third of its stalls at barriers (1M x 20k x 32 l2, Nsight
 #: Compute, docs/benchmarks.md), where a user at k = 10 merges 27-60 keys. 0: the block merge at every k.
 MERGE_WARP_K = 64
-MERGE_WARP_HELD = 16
+MERGE_WARP_HELD = 8
 MERGE_WARP_USERS = 8
 
 

@@ -1070,15 +1070,9 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
         least = top_bit == 63 ? 0ull : hi & ~((2ull << top_bit) - 1ull);
         for (int b = top_bit; b >= 0; --b) {
             const u64 trial = least | (1ull << b);
-            // Empty keys (0) never count; a user whose keys fill at most half the registers compares only those.
             int above = 0;
-            if (rounds <= HELD / 2) {
 #pragma unroll
-                for (int r = 0; r < HELD / 2; ++r) above += key[r] >= trial ? 1 : 0;
-            } else {
-#pragma unroll
-                for (int r = 0; r < HELD; ++r) above += key[r] >= trial ? 1 : 0;
-            }
+            for (int r = 0; r < HELD; ++r) above += (r < rounds && key[r] >= trial) ? 1 : 0;
             above = recall_warp_sum(above);
             if (above >= K) {
                 least = trial;
