@@ -696,3 +696,40 @@ def test_fused_launches_and_their_merges(n_items, first, seg, want):
         assert start == t0 * 128 and n_tile == min(nt * 128, n_items - start)
         got.append((t0, nt, final == 1, high_water))
     assert got == want
+
+
+@pytest.mark.parametrize("k_pad, warp_k, held, want", [
+    (16, 64, 8, ("warp", 8)), (64, 64, 16, ("warp", 16)), (128, 64, 8, ("block", 256)), (32, 0, 8, ("block", 64)),
+    (64, 32, 8, ("block", 64)),
+])
+def test_fused_merge_takes_a_warp_a_user_up_to_merge_warp_k(monkeypatch, k_pad, warp_k, held, want):
+    # fused.MERGE_WARP_K: a state of at most that many keys a user (K rounded up to a power of two) is merged one
+    # warp a user by the kernel keeping MERGE_WARP_HELD keys a lane: 8 users a block of 256 threads, 8 warps' shared
+    # memory, the block's users counted in its last argument; else one block a user (64 threads up to
+    # MERGE_SMALL_K keys, 256 past it). Kernels stood in for.
+    from types import SimpleNamespace
+
+    from recall import EngineOptions
+    from recall.backends.cupy import fused
+
+    monkeypatch.setattr(fused, "MERGE_WARP_K", warp_k)
+    monkeypatch.setattr(fused, "MERGE_WARP_HELD", held)
+    calls = []
+
+    def kernel(name):
+        return lambda grid, block, args, shared_mem: calls.append((name, grid, block, shared_mem, args))
+
+    state = SimpleNamespace(top=0, n_valid=0, thr=0, cand=0, cnt=0, base=0, k=k_pad, cand_capacity=16_384,
+                            out_vals=0, out_rows=0)
+    search = fused.FusedSearch(SimpleNamespace(merge_smem=lambda k: (k_pad, 8 * k_pad)))
+    merges = (kernel("block"), {8: kernel("warp8"), 16: kernel("warp16")})
+    search._single = lambda *a: (lambda *b: None, merges, ())
+    users = np.zeros((300, 24), np.float32)
+    search.search(None, users, None, 20_000, state, None, None, False, EngineOptions())
+    assert len(calls) == 1
+    name, grid, block, smem, args = calls[0]
+    if want[0] == "warp":
+        assert name == f"warp{want[1]}" and grid == (38,) and block == (256,) and smem == 8 * 8 * k_pad
+        assert int(args[-1]) == 300 and len(args) == 20  # (no operands here)
+    else:
+        assert name == "block" and grid == (300,) and block == (want[1],) and smem == 8 * k_pad and len(args) == 19
