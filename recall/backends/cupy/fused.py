@@ -280,20 +280,21 @@ class FusedSearch:
         from a sample; 0: a whole segment)."""
         n = users.shape[0]
         if users.dtype == np.float16:
-            launch, merge, operands = self._half(users, items_t, n_items, state, multiplied, options.warpgroup_mma)
+            launch, merges, operands = self._half(users, items_t, n_items, state, multiplied, options.warpgroup_mma)
         else:
-            launch, merge, operands = self._single(users_t, users, items_t, n_items, state)
+            launch, merges, operands = self._single(users_t, users, items_t, n_items, state)
+        block_merge, warp_merges = merges
         k_pad, merge_smem = self.sel.merge_smem(state.k)
         # The merge's arguments around its operands: the state, then the segment and the search's constants.
         head = (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, *operands)
         sizes = (np.int32(state.k), np.int32(k_pad), np.int32(state.cand_capacity))
         done = (state.out_vals, state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0))
         if k_pad <= MERGE_WARP_K:
-            merge = merge[1][MERGE_WARP_HELD]
+            merge = warp_merges[MERGE_WARP_HELD]
             grid, threads = (-(-n // MERGE_WARP_USERS),), 32 * MERGE_WARP_USERS
             done, merge_smem = (*done, np.int32(n)), MERGE_WARP_USERS * merge_smem
         else:
-            merge, grid, threads = merge[0], (n,), merge_threads(k_pad)
+            merge, grid, threads = block_merge, (n,), merge_threads(k_pad)
 
         def merged(start: int, n_tile: int, final: bool, high_water: int) -> None:
             merge(grid, (threads,), (*head, np.int32(start), np.int32(n_tile), np.int32(n_items), *sizes,
