@@ -174,6 +174,13 @@ class Backend(Protocol):
         library GEMM's, chosen per shape: the ordered sums are then as exact), and, under "auto", where a float16
         pass is faster."""
 
+    def staging_bound(self, n_users: int, n_items: int, width: int, pairs: int, itemsize: int) -> str | None:
+        """Why a search of ``n_users`` x ``n_items`` (prepared vectors ``width`` columns wide) excluding ``pairs``
+        (user, item) pairs, item rows of ``itemsize`` bytes as given, is bound by the host's staging of those pairs
+        rather than by the float32 search's work on the device, or None: there a float16 pass saves nothing (its
+        work hides under the same staging), and fast mode and exact precision's certified route under "auto"
+        decline to the float32 search (``recall.engine.fast``)."""
+
     def float16_faster(self) -> bool:
         """Whether this backend's float16 arithmetic (fast mode's passes) is faster than its float32 search: tensor
         cores. Where not (the CPU, which emulates it), fast precision searches in exact precision unless

@@ -17,8 +17,10 @@ float16 pass, not two or three.
 
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`, lower
 above :data:`LARGE_K` (``_share_limit``) and where the float16 pass keeps float16 score tiles):
-it then costs more than exact mode's whole search, whatever the certificate does; and where the search is small
-(:func:`min_scores`). A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the
+it then costs more than exact mode's whole search, whatever the certificate does; where the search is small
+(:func:`min_scores`); and where the host's staging of the search's excluded pairs outlasts the float32 search's work
+on the device (``Backend.staging_bound``: the float32 search hides under that staging, and the float16 pass would
+only add its re-scoring and certificates after it). A large search first runs on a sample of its users (``EngineOptions.fast_sample``): where the
 certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full of exact ties), every user is searched
 in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
 user, the sampled ones too, is searched in fast mode. The next search of the same k skips the sample where this one
@@ -269,6 +271,9 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool = Fa
         declined = (f"{int(users.shape[0]):,} host users ({users.nbytes:,} bytes) are more than the memory budget "
                     f"({engine.memory_budget:,} bytes) holds: exact mode stages them block by block, where fast mode "
                     f"would make their float16 copies on the host")
+    if declined is None and excl.items.size and not (ordered and engine.options.certified_exact != "auto"):
+        declined = engine.backend.staging_bound(int(users.shape[0]), engine.n_items, int(users.shape[1]),
+                                                int(excl.items.size), excl.items.itemsize)
     if declined is not None:
         vals, rows = _declined_search(engine, users, k, excl, declined)
     else:

@@ -129,6 +129,7 @@ VARIANTS = {
        for pre in ("", "float32-") for n in (8192, 16384, 32768, 65536) for t in (3, 4)},
     "nosample": {"fast_sample": 0},  # fast mode without its sample of users searched first
     "float32": {"certified_exact": "off"},  # exact mode's float32 search only
+    "route-on": {"certified_exact": "on"},  # the certified route whatever "auto" would choose (no staging decline)
     "walk": {"fused_walk": True},  # float16 passes of k + m + 1 <= 32 walked (walk_w.cu), not sampled and segmented
     # float16 passes of k + m + 1 <= 32 seeded by cuBLAS's GEMM and a select of its scores (as before seed_w.cu)
     "gemm-seed": {"fused_seed": False},
@@ -598,7 +599,7 @@ def interleaved(cell, names, items, users, k, excl, metric, prec, rounds, restor
         st = engines[name].stats
         print(f"| {cell} | {name} | interleaved, {rounds} rounds | median {statistics.median(times[name]):.4f} s | "
               f"x {names[0]} median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}) | "
-              f"route {st.get('route')} busy {st.get('gpu_busy_s', 0):.4f} |", flush=True)
+              f"route {st.get('route')} busy {st.get('gpu_busy_s', 0):.4f} tiles {st.get('tiles')} |", flush=True)
         out.append({"cell": cell, "variant": name, "interleaved": rounds, "median_s": statistics.median(times[name]),
                     "ratio_to_first": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
                     "times_s": times[name], "stats": {"route": st.get("route"), "gpu_busy_s": st.get("gpu_busy_s"),

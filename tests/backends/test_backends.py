@@ -345,3 +345,19 @@ def test_largest_norm_of_rows_not_finite(backend, bad, want, row):
 def test_largest_norm_of_no_rows_and_zero_rows(backend):
     assert backend.largest_norm(backend.ingest(np.zeros((0, 4), np.float32))) == 0.0
     assert backend.largest_norm(backend.ingest(np.zeros((3, 4), np.float32))) == 0.0
+
+
+def test_gpu_staging_model_declines_where_the_host_sets_the_pace():
+    # The model the GPU's fast mode and certified route decline by (backends.cupy.backend.staging_bound), on the
+    # cells it was measured on (docs/benchmarks.md, H100 2026-12-06): 1M users x 4,096 items x 64 with 50 pairs a
+    # user (int64 given, int32 sent) is bound by the staging (the route 58.6 ms, its float32 search 52.4); 1M x 20k
+    # x 32 l2 with as many is not (58.2 against 97.9); nor a few pairs, nor S1 with 200 a user.
+    from recall.backends.cupy import backend as gpu_backend
+
+    why = gpu_backend.staging_bound(1_000_000, 4096, 64, 50_000_000, 8)
+    assert why is not None and "50,000,000 excluded pairs (600,000,000 bytes" in why, why
+    assert gpu_backend.staging_bound(1_000_000, 20_000, 33, 50_000_000, 8) is None
+    assert gpu_backend.staging_bound(1_000_000, 4096, 64, 1_000_000, 8) is None  # under STAGING_MIN_S
+    assert gpu_backend.staging_bound(100_000, 1_000_000, 64, 20_000_000, 8) is None
+    # Catalogues of 2^31 rows or more send int64: 16 bytes a pair.
+    assert "(1,600,000,000 bytes" in gpu_backend.staging_bound(1, 1 << 31, 1, 100_000_000, 8)

@@ -1202,3 +1202,67 @@ def test_narrow_certified_is_the_narrower_pass_count(seed, n_items, n_users, dim
         engine, state, prepared, fast_search._prepare(engine, prepared, k, narrow), k, k + narrow, excl, ordered)
     assert stats["narrow_certified"] == n_users - narrow_failed.size
     assert set(failed.tolist()) <= set(narrow_failed.tolist())
+
+
+def test_a_search_bound_by_staging_its_excluded_pairs_declines_the_float16_pass(device, monkeypatch):
+    # Where the backend says the host's staging of a search's excluded pairs outlasts the float32 search's work on
+    # the device (Backend.staging_bound), fast mode searches in exact mode at once, the backend's reason in the
+    # stats, the answer exact mode's; a search without exclusions is not asked.
+    calls = _spy_fast_searches(monkeypatch)
+    users, items = normal_data(300, 2000, 16, seed=5)
+    exclude = {u: [(u * 7 + j * 13) % 2000 for j in range(20)] for u in range(300)}
+    engine = Engine(items, device=device, precision="fast", options=emulated())
+    asked = []
+
+    def bound(n_users, n_items, width, pairs, itemsize):
+        asked.append((n_users, n_items, width, pairs, itemsize))
+        return "the staging sets the pace"
+
+    monkeypatch.setattr(engine.backend, "staging_bound", bound)
+    got = engine.search(users, 10, exclude=exclude)
+    oracle.assert_same_result(got, Engine(items, device=device).search(users, 10, exclude=exclude))
+    assert calls == [] and engine.stats["precision"] == "exact", engine.stats
+    assert engine.stats["fast_declined"] == "the staging sets the pace"
+    assert asked == [(300, 2000, engine.prepared_items.shape[1], 6000, asked[0][4])] and asked[0][4] in (4, 8)
+    asked.clear()
+    got = engine.search(users, 10)
+    oracle.assert_same_result(got, Engine(items, device=device).search(users, 10))
+    assert asked == [] and calls and engine.stats["precision"] == "fast", engine.stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_gpu_staging_model_declines_fast_mode_and_the_route_where_it_outlasts_the_float32_work(device, monkeypatch,
+                                                                                            precision):
+    # The GPU's model (backends.cupy.backend.staging_bound) on a small search: with the measured rates the staging
+    # of 6,000 pairs is far under STAGING_MIN_S (fast mode and the route under "auto" run); with a host that stages
+    # a kilobyte a second it outlasts everything: both decline to the float32 search, saying why. The route forced
+    # "on" is never asked.
+    if device != "gpu":
+        pytest.skip("GPU only")
+    from recall.backends.cupy import backend as gpu_backend
+
+    users, items = normal_data(300, 2000, 16, seed=5)
+    exclude = {u: [(u * 7 + j * 13) % 2000 for j in range(20)] for u in range(300)}
+    want = Engine(items, device=device).search(users, 10, exclude=exclude)
+    key = "fast_declined" if precision == "fast" else "certified_declined"
+
+    def engine(mode="auto"):
+        options = (emulated() if precision == "fast"
+                   else EngineOptions(certified_exact=mode, fused="force", float16_min_scores=0))
+        return Engine(items, device=device, precision=precision, options=options)
+
+    def searched(e):
+        got = e.search(users, 10, exclude=exclude)
+        oracle.assert_same_result(got, want)
+        return e.stats
+
+    stats = searched(engine())
+    assert key not in stats and stats.get("route", "certified") == "certified", stats
+    monkeypatch.setattr(gpu_backend, "STAGING_BYTES_PER_S", 1e3)
+    stats = searched(engine())
+    assert stats["precision"] == "exact" and "6,000 excluded pairs" in stats[key], stats
+    if precision == "exact":
+        assert stats["route"] == "float32", stats
+        stats = searched(engine("on"))
+        assert stats["route"] == "certified" and key not in stats, stats

@@ -30,7 +30,7 @@ from ..numpy.backend import tune_band
 from ..protocol import PASS_SHARE
 from . import blas, fused, kernels, rescore, transfers
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
-from .pipeline import BlockPipeline, PendingSearch
+from .pipeline import BlockPipeline, PendingSearch, wire_dtype
 from .selection import GpuTopK, Selection, fused_capacity, pow2
 
 WIDE_PASS_SHARE = 0.25
@@ -56,6 +56,42 @@ route's re-scoring), which a larger block shares out over more users (200k x 20k
 0.0144 s at 16,384; S1 0.0788 and 0.0711 s). 32,768 against 16,384 (H100, 2026-12-06): the route 0.88-0.95x on
 1M x 4,096 and 2M x 4,096, 1M x 20k x 32, 300k-500k x 20k, 20k x 20k; 0.93-1.01x on 200k x 20k, 100k x 4,096 and
 50k x 20k; no cell slower beyond the noise (docs/benchmarks.md)."""
+
+STAGING_BYTES_PER_S = 13e9
+"""The host's pace staging a search's excluded pairs (``staging_bound``): each block's item rows read as given and
+written, in the wire's dtype, into pinned memory, then sent. Skewed 1M x 4,096 x 64 with 50 pairs a user (int64
+given, int32 sent: 600 MB) kept the block loop 43.5 ms (the float32 search) and 47 ms (the route) on the H100
+machine, 13-14 GB/s (2026-12-06 19:03 UTC, docs/benchmarks.md)."""
+FLOAT32_FLOPS_PER_S = 2.5e13
+"""The float32 search's pace on the device, two flops a column of a score (``staging_bound``): measured 2.1e13 on
+1M x 20k x 32 l2, 2.5e13 on 1M x 4,096 x 64 and 4.3e13 on S1 (H100, docs/benchmarks.md). The faster the model takes
+it, the shorter its float32 work and the sooner a float16 pass declines: it takes a middle value, and leaves the
+route where the two are close (STAGING_MARGIN)."""
+STAGING_MARGIN = 1.25
+"""How much longer than the float32 search's modelled work on the device the host's staging must take before a
+float16 pass declines for it (``staging_bound``)."""
+STAGING_MIN_S = 0.01
+"""Staging modelled shorter than this never declines a float16 pass: the route's own steps after its pass cost it
+less than that (3.2 ms for 1M users, docs/benchmarks.md)."""
+
+
+def staging_bound(n_users: int, n_items: int, width: int, pairs: int, itemsize: int) -> str | None:
+    """``Backend.staging_bound`` on the GPU. The pipeline stages each block's excluded rows on the host (pinned
+    copies) while the device searches the blocks before: where that staging outlasts the float32 search's own work,
+    the float32 search hides under it, and a float16 pass saves nothing but adds its re-scoring and certificates
+    after the host's last block. Skewed 1M x 4,096 x 64 ip with 50 pairs a user: the route 58.6 ms against the
+    float32 search's 52.4 (GPU busy 13.0 and 24.2 ms); 1M x 20k x 32 l2 with as many: 58.2 against 97.9
+    (docs/benchmarks.md). The model: the staged bytes (as given and as sent: ``pipeline.wire_dtype``) at
+    STAGING_BYTES_PER_S against the float32 search's flops at FLOAT32_FLOPS_PER_S, STAGING_MARGIN and
+    STAGING_MIN_S."""
+    staged = pairs * (itemsize + np.dtype(wire_dtype(n_items)).itemsize)
+    host_s = staged / STAGING_BYTES_PER_S
+    device_s = 2.0 * n_users * n_items * width / FLOAT32_FLOPS_PER_S
+    if host_s < STAGING_MIN_S or host_s < STAGING_MARGIN * device_s:
+        return None
+    return (f"the host stages {pairs:,} excluded pairs ({staged:,} bytes, about {host_s * 1e3:.0f} ms) while the "
+            f"float32 search's work on the device is about {device_s * 1e3:.0f} ms: the staging sets the pace, and a "
+            f"float16 pass would save nothing")
 
 
 def preferred_width(dim: int, k: int) -> int:
@@ -373,6 +409,9 @@ class CupyBackend:
             return False
         return (not fused.covers(width, np.float32)
                 or self.fused_applies(plan, n_users, n_items, k, width, np.float32, options))
+
+    def staging_bound(self, n_users: int, n_items: int, width: int, pairs: int, itemsize: int) -> str | None:
+        return staging_bound(n_users, n_items, width, pairs, itemsize)
 
     def float16_faster(self) -> bool:
         return True  # tensor cores (fused_h.cu, fused_w.cu; cuBLAS's half GEMM where neither applies)

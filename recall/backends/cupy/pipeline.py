@@ -45,7 +45,7 @@ WORKSPACE_SPREAD = 2.5
 WIRE32_ROWS = 2 ** 31
 
 
-def _wire_dtype(n_items: int) -> Any:
+def wire_dtype(n_items: int) -> Any:
     """The dtype a search of ``n_items`` items stages its excluded item rows in (WIRE32_ROWS)."""
     return np.int32 if n_items < WIRE32_ROWS else np.int64
 
@@ -60,7 +60,7 @@ class _Slot:
     ex_items: Any  # device (max exclusions per block,) int64: what the kernels read
     host_users: Any  # pinned (capacity, dim)
     host_ptr: Any  # pinned (capacity + 1,) int64
-    host_items: Any  # pinned (max exclusions per block,) of the wire's dtype (_wire_dtype)
+    host_items: Any  # pinned (max exclusions per block,) of the wire's dtype (wire_dtype)
     wire_items: Any  # device, like host_items, where that dtype is not int64 (else None: host_items go to ex_items)
     staged: Any  # event: this slot's uploads are done
     consumed: Any  # event: the compute stream no longer reads this slot
@@ -182,7 +182,7 @@ class BlockPipeline:
         seed_fused = (bool(sample) and floor is None and np.dtype(users.dtype) == np.float16 and fused
                       and fused_path.seeds_fused(k, has_excl, options) and bool(self.backend.selection.seed_w))
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused,
-                             max(1, 0 if seed_fused else sample) if fused else None, _wire_dtype(n_items))
+                             max(1, 0 if seed_fused else sample) if fused else None, wire_dtype(n_items))
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
         compute, copy, fetch = self.compute_stream, self.copy_stream, self.fetch_stream
@@ -303,7 +303,7 @@ class BlockPipeline:
                    score_width: int | None = None, wire: Any = np.int64) -> _Workspace:
         """The device and pinned buffers of a search, kept for the next search of the same shape. The fused path
         needs score room for the threshold sample only, and a larger candidate buffer. ``wire``: the dtype its
-        excluded item rows are staged and uploaded in (``_wire_dtype``)."""
+        excluded item rows are staged and uploaded in (``wire_dtype``)."""
         import cupy
 
         key = (plan, k, dim, np.dtype(dtype), fused, score_width, np.dtype(wire))

@@ -572,6 +572,9 @@ class NumpyBackend:
         # certified route (the fused kernel's sums) for tests; "auto" never takes it (no tensor cores to gain from).
         return options.certified_exact == "on"
 
+    def staging_bound(self, n_users: int, n_items: int, width: int, pairs: int, itemsize: int) -> str | None:
+        return None  # the workers read the pairs where they are: nothing staged
+
     def float16_faster(self) -> bool:
         return False  # float16 inputs are widened to float32 and multiplied by the same BLAS (gemm_strided_batched)
 
