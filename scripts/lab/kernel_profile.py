@@ -163,6 +163,9 @@ VARIANTS = {
     # HOOKS: the users' float16 copies by certificate.prepare_users' array operations (before Backend.fast_users'
     # kernel).
     "users-arrays": {},
+    # HOOKS: the warp re-scoring's lists of at most 32 sorted four keys a lane over 128, as every list was before
+    # rescore.cu's RS_WARP32 (2026-12-06).
+    "rescore-sort128": {},
     # HOOKS: the fused path's merge of a small state (fused.MERGE_SMALL_K) in blocks of 32, 128 or 256 threads (64
     # shipped; 256 before 2026-12-05), in both searches.
     **{f"{pre}merge{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
@@ -372,6 +375,18 @@ def _fused_w_built(*defines, pad=0):
     return hook
 
 
+def _rescore_sort128(engine):
+    """A hook: the warp re-scoring sorts every list four keys a lane over 128 (rescore.cu's RS_WARP32 0), as before
+    lists of at most 32 took one key a lane."""
+    from recall.backends.cupy import kernels, rescore
+
+    def built(vec):
+        expr = f"recall_rescore_warp_t<{int(vec)}>"
+        return kernels.module(("rescore.cu",), ("-DRS_WARP32=0",), (expr,)).get_function(expr)
+
+    rescore._warp_kernel = built
+
+
 def _block_rescore(engine):
     from recall.backends.cupy import rescore
 
@@ -383,6 +398,7 @@ SIGMA3, SIGMA4 = _setting(SELECTION, ESTIMATE_SIGMAS=3.0), _setting(SELECTION, E
 K4K = _setting(FUSED, FUSED_SEEDED_MAX_K=4096, FUSED_HALF_SEEDED_MAX_K=4096)
 BLOCK_SELECT = _setting(SELECTION, SEED_WARP_RANK=0, SEED_WARP_MAX_SIZE=0)
 HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
+         "rescore-sort128": _rescore_sort128,
          "direct-append-block-rescore": lambda engine: (_direct_append(engine), _block_rescore(engine)),
          "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
@@ -654,7 +670,7 @@ def main() -> None:
         (selection, "ESTIMATE_SIGMAS"), (selection, "ESTIMATE_SAMPLE_SHARE"), (fused, "FUSED_SEEDED_MAX_K"),
         (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
-        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (fused, "wgmma_smem"),
+        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (gpu_rescore, "_warp_kernel"), (fused, "wgmma_smem"),
         (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
