@@ -670,7 +670,8 @@ def main() -> None:
         (selection, "ESTIMATE_SIGMAS"), (selection, "ESTIMATE_SAMPLE_SHARE"), (fused, "FUSED_SEEDED_MAX_K"),
         (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
-        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (gpu_rescore, "_warp_kernel"), (fused, "wgmma_smem"),
+        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (gpu_rescore, "_warp_kernel"),
+        (fused, "wgmma_smem"),
         (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
