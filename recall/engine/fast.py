@@ -21,8 +21,8 @@ it then costs more than exact mode's whole search, whatever the certificate does
 (:func:`min_scores`); and where the host's staging of the search's excluded pairs outlasts the float32 search's work
 on the device (``Backend.staging_bound``: the float32 search hides under that staging, and the float16 pass would
 only add its re-scoring and certificates after it). A large search first runs on a sample of its users
-(``EngineOptions.fast_sample``): where the certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full of exact ties), every user is searched
-in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
+(``EngineOptions.fast_sample``): where the certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full
+of exact ties), every user is searched in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
 user, the sampled ones too, is searched in fast mode. The next search of the same k skips the sample where this one
 paid (``FastState.trusted``); a search too small to sample declines where the engine's last one of its k did not pay,
 and runs fast mode again after :data:`RECHECK_EVERY` such searches, twice as many after each that did not pay
