@@ -789,7 +789,8 @@ __global__ void recall_rescore_warp_t(const float* __restrict__ users, const flo
         // the four-a-lane network below takes 28 over 128 keys, 101 of them empty. The same keys, the same order.
         u64 a = lane < cnt ? keys[lane] : 0ull;
         rs_warp_sort32(a, lane);
-        const bool dup = a != 0ull && lane > 0 && a == __shfl_up_sync(RS_FULL, a, 1);
+        const u64 before = __shfl_up_sync(RS_FULL, a, 1);  // every lane: a shuffle's mask is the whole warp
+        const bool dup = a != 0ull && lane > 0 && a == before;
         if (__any_sync(RS_FULL, dup)) {
             if (dup) a = 0ull;
             rs_warp_sort32(a, lane);
