@@ -163,8 +163,8 @@ VARIANTS = {
     # HOOKS: the users' float16 copies by certificate.prepare_users' array operations (before Backend.fast_users'
     # kernel).
     "users-arrays": {},
-    # HOOKS: the warp re-scoring's lists of at most 32 sorted four keys a lane over 128, as every list was before
-    # rescore.cu's RS_WARP32 (2026-12-06).
+    # HOOKS: the warp re-scoring's short lists sorted four keys a lane over 128, as every list was before rescore.cu's
+    # RS_WARP_SHORT (2026-12-06).
     "rescore-sort128": {},
     # HOOKS: the fused path's merge of a small state (fused.MERGE_SMALL_K) in blocks of 32, 128 or 256 threads (64
     # shipped; 256 before 2026-12-05), in both searches.
@@ -376,13 +376,13 @@ def _fused_w_built(*defines, pad=0):
 
 
 def _rescore_sort128(engine):
-    """A hook: the warp re-scoring sorts every list four keys a lane over 128 (rescore.cu's RS_WARP32 0), as before
-    lists of at most 32 took one key a lane."""
+    """A hook: the warp re-scoring sorts every list four keys a lane over 128 (rescore.cu's RS_WARP_SHORT 0), as before
+    lists of at most 32 (64) at k <= 32 (64) took 1 (2) keys a lane."""
     from recall.backends.cupy import kernels, rescore
 
     def built(vec):
         expr = f"recall_rescore_warp_t<{int(vec)}>"
-        return kernels.module(("rescore.cu",), ("-DRS_WARP32=0",), (expr,)).get_function(expr)
+        return kernels.module(("rescore.cu",), ("-DRS_WARP_SHORT=0",), (expr,)).get_function(expr)
 
     rescore._warp_kernel = built
 

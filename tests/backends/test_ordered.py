@@ -125,9 +125,11 @@ _SHORT = [(64, 40), (37, 100), (68, 128), (1, 7), (33, 1), (257, 128), (3, 126)]
     # warps' stage and the duplicate flags in the rows' scratch (rescore.smem_bytes), float4 and float rows.
     (64, "fused", 2113, 2048), (65, "fused", 2113, 2048), (68, "fused", 2113, 2048), (36, "fused", 2113, 2048),
     # Lists of at most 128 and k <= 128: a warp a user (rescore.takes_warp), float4 and float rows; lists of at
-    # most 32 at k <= 32 sorted one key a lane (rescore.cu's RS_WARP32), beside longer ones in the same launch.
+    # most 32 (64) at k <= 32 (64) sorted 1 (2) keys a lane (rescore.cu's RS_WARP_SHORT), beside longer ones in the
+    # same launch.
     *[(dim, "fused", 128, k) for dim, k in _SHORT],
-    (64, "fused", 32, 10), (36, "fused", 32, 32), (37, "fused", 32, 27), (64, "fused", 27, 1)])
+    (64, "fused", 32, 10), (36, "fused", 32, 32), (37, "fused", 32, 27), (64, "fused", 27, 1),
+    (64, "fused", 64, 46), (37, "fused", 64, 64), (68, "fused", 50, 33), (36, "fused", 60, 20)])
 def test_ordered_rescore_equals_the_emulation(dim, path, longest, k):
     # Rows are read by the candidate's warp, a piece of 32 columns at a time: float4 rows where dim % 4 == 0 (68,
     # 100, 36: a last piece of 4 columns; 4, 12: one short piece; 40, 48, 56: last pieces of 8, 16, 24), float rows

@@ -703,26 +703,28 @@ recall_rescore_t(const float* __restrict__ users, const float* __restrict__ item
 // up to 4 floats), RS_WARP_KEYS int32 rows.
 #define RS_WARP_KEYS 128
 
-// keys a[0..3] of this lane: elements 4 lane + i of 128; sorted descending across the warp on return.
-__device__ __forceinline__ void rs_warp_sort128(u64 (&a)[4], int lane) {
+// keys a[0..N-1] of this lane: elements N lane + i of 32 N; sorted descending across the warp on return (a bitonic
+// network: exchanges of stride N or more are shuffles of one register, shorter ones within the lane).
+template <int N>
+__device__ __forceinline__ void rs_warp_sort(u64 (&a)[N], int lane) {
 #pragma unroll
-    for (int size = 2; size <= RS_WARP_KEYS; size <<= 1) {
+    for (int size = 2; size <= 32 * N; size <<= 1) {
 #pragma unroll
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            if (stride >= 4) {  // the partner is element e ^ stride: lane ^ (stride / 4), the same register
+            if (stride >= N) {  // the partner is element e ^ stride: lane ^ (stride / N), the same register
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int e = 4 * lane + i;
-                    const u64 b = __shfl_xor_sync(RS_FULL, a[i], stride >> 2);
+                for (int i = 0; i < N; ++i) {
+                    const int e = N * lane + i;
+                    const u64 b = __shfl_xor_sync(RS_FULL, a[i], stride / N);
                     const bool keep_max = ((e & stride) == 0) == ((e & size) == 0);
                     a[i] = keep_max ? (a[i] > b ? a[i] : b) : (a[i] < b ? a[i] : b);
                 }
             } else {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
+                for (int i = 0; i < N; ++i) {
                     const int p = i ^ stride;
                     if (p > i) {
-                        const bool desc = ((4 * lane + i) & size) == 0;
+                        const bool desc = ((N * lane + i) & size) == 0;
                         if ((a[i] < a[p]) == desc) {
                             const u64 t = a[i];
                             a[i] = a[p];
@@ -735,20 +737,48 @@ __device__ __forceinline__ void rs_warp_sort128(u64 (&a)[4], int lane) {
     }
 }
 
-#ifndef RS_WARP32
-#define RS_WARP32 1  // lists of at most 32 sorted one key a lane (0: the four-a-lane network for every list; the lab's)
+#ifndef RS_WARP_SHORT
+#define RS_WARP_SHORT 1  // lists of at most 32 (64) at k <= 32 (64) sorted 1 (2) keys a lane; 0: 4 keys a lane for
+                         // every list, as before 2026-12-06 (the lab's comparison)
 #endif
 
-// One key a lane, sorted descending across the warp: rs_warp_sort128's network over 32 elements, every
-// exchange a shuffle.
-__device__ __forceinline__ void rs_warp_sort32(u64& a, int lane) {
+// The warp's sort of its cnt keys (keys[0..cnt)), N a lane, a duplicate dropped and the rest sorted again, and the
+// best K written (-1 / -inf past the distinct keys).
+template <int N>
+__device__ __forceinline__ void rs_warp_finish(const u64* keys, int cnt, int K, int lane, long long u,
+                                               float* __restrict__ out_vals, long long* __restrict__ out_rows) {
+    u64 a[N];
 #pragma unroll
-    for (int size = 2; size <= 32; size <<= 1) {
+    for (int i = 0; i < N; ++i) a[i] = N * lane + i < cnt ? keys[N * lane + i] : 0ull;
+    rs_warp_sort<N>(a, lane);
+    // A key equal to the one before it (element N lane + i - 1) is a duplicate row: emptied, then sorted again.
+    const u64 before = __shfl_up_sync(RS_FULL, a[N - 1], 1);  // every lane: a shuffle's mask is the whole warp
+    bool dup[N];
+    bool any = false;
 #pragma unroll
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            const u64 b = __shfl_xor_sync(RS_FULL, a, stride);
-            const bool keep_max = ((lane & stride) == 0) == ((lane & size) == 0);
-            a = keep_max ? (a > b ? a : b) : (a < b ? a : b);
+    for (int i = 0; i < N; ++i) {
+        const u64 prev = i == 0 ? before : a[i - 1];
+        dup[i] = a[i] != 0ull && (i > 0 || lane > 0) && a[i] == prev;
+        any |= dup[i];
+    }
+    if (__any_sync(RS_FULL, any)) {
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+            if (dup[i]) a[i] = 0ull;
+        rs_warp_sort<N>(a, lane);
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int e = N * lane + i;
+        if (e < K) {
+            const long long o = u * K + e;
+            if (a[i] == 0ull) {
+                out_vals[o] = RS_NEG_INF;
+                out_rows[o] = -1;
+            } else {
+                out_vals[o] = rs_ord2f((u32)(a[i] >> 32));
+                out_rows[o] = (long long)(~(u32)(a[i] & 0xffffffffull));
+            }
         }
     }
 }
@@ -784,63 +814,15 @@ __global__ void recall_rescore_warp_t(const float* __restrict__ users, const flo
     else
         rs_gather_ordered_scalar(items, dim, uvec, rows32, cnt, st, keys, 0, 32);
     __syncwarp();
-    if (RS_WARP32 && cnt <= 32 && K <= 32) {
-        // A list of at most 32 (the route's k + m + 1 at k up to 21): one key a lane, sorted by 15 exchanges where
-        // the four-a-lane network below takes 28 over 128 keys, 101 of them empty. The same keys, the same order.
-        u64 a = lane < cnt ? keys[lane] : 0ull;
-        rs_warp_sort32(a, lane);
-        const u64 before = __shfl_up_sync(RS_FULL, a, 1);  // every lane: a shuffle's mask is the whole warp
-        const bool dup = a != 0ull && lane > 0 && a == before;
-        if (__any_sync(RS_FULL, dup)) {
-            if (dup) a = 0ull;
-            rs_warp_sort32(a, lane);
-        }
-        if (lane < K) {
-            const long long o = (long long)u * K + lane;
-            if (a == 0ull) {
-                out_vals[o] = RS_NEG_INF;
-                out_rows[o] = -1;
-            } else {
-                out_vals[o] = rs_ord2f((u32)(a >> 32));
-                out_rows[o] = (long long)(~(u32)(a & 0xffffffffull));
-            }
-        }
-        return;
-    }
-    u64 a[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = 4 * lane + i < cnt ? keys[4 * lane + i] : 0ull;
-    rs_warp_sort128(a, lane);
-    // A key equal to the one before it (element 4 lane + i - 1) is a duplicate row: emptied, then sorted again.
-    const u64 before = __shfl_up_sync(RS_FULL, a[3], 1);
-    bool dup[4];
-    bool any = false;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const u64 prev = i == 0 ? before : a[i - 1];
-        dup[i] = a[i] != 0ull && (i > 0 || lane > 0) && a[i] == prev;
-        any |= dup[i];
-    }
-    if (__any_sync(RS_FULL, any)) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            if (dup[i]) a[i] = 0ull;
-        rs_warp_sort128(a, lane);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int e = 4 * lane + i;
-        if (e < K) {
-            const long long o = (long long)u * K + e;
-            if (a[i] == 0ull) {
-                out_vals[o] = RS_NEG_INF;
-                out_rows[o] = -1;
-            } else {
-                out_vals[o] = rs_ord2f((u32)(a[i] >> 32));
-                out_rows[o] = (long long)(~(u32)(a[i] & 0xffffffffull));
-            }
-        }
-    }
+    // Short lists sort fewer keys a lane: the route's k + m + 1 candidates are 27 at k = 10 (one a lane: 15
+    // exchanges, not the 28 of four a lane over 128 keys, 101 of them empty) and 63 at k = 46 (two a lane).
+    const int longest = cnt > K ? cnt : K;
+    if (RS_WARP_SHORT && longest <= 32)
+        rs_warp_finish<1>(keys, cnt, K, lane, u, out_vals, out_rows);
+    else if (RS_WARP_SHORT && longest <= 64)
+        rs_warp_finish<2>(keys, cnt, K, lane, u, out_vals, out_rows);
+    else
+        rs_warp_finish<4>(keys, cnt, K, lane, u, out_vals, out_rows);
 }
 
 // The fused exact kernel's float32 sums of gathered vectors (ORD above, for re-scoring that takes the gather path):
