@@ -16,17 +16,17 @@ pass's candidates in their first pass (``FastState.margins``, ``stats["first_mar
 float16 pass, not two or three.
 
 Fast mode declines at once where it re-scores too large a share of the catalogue (:data:`MAX_CANDIDATE_SHARE`, lower
-above :data:`LARGE_K` (``_share_limit``) and where the float16 pass keeps float16 score tiles):
-it then costs more than exact mode's whole search, whatever the certificate does; where the search is small
-(:func:`min_scores`); and where the host's staging of the search's excluded pairs outlasts the float32 search's work
-on the device (``Backend.staging_bound``: the float32 search hides under that staging, and the float16 pass would
-only add its re-scoring and certificates after it). A large search first runs on a sample of its users
-(``EngineOptions.fast_sample``): where the certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full
-of exact ties), every user is searched in exact mode and ``stats["precision"]`` says "exact", with the reason in ``stats["fast_declined"]``; else every
-user, the sampled ones too, is searched in fast mode. The next search of the same k skips the sample where this one
-paid (``FastState.trusted``); a search too small to sample declines where the engine's last one of its k did not pay,
-and runs fast mode again after :data:`RECHECK_EVERY` such searches, twice as many after each that did not pay
-(``FastState.unpaid``).
+above :data:`LARGE_K` (``_share_limit``) and where the float16 pass keeps float16 score tiles): it then costs more
+than exact mode's whole search, whatever the certificate does; where the search is small (:func:`min_scores`); and
+where the host's staging of the search's excluded pairs outlasts the float32 search's work on the device
+(``Backend.staging_bound``: the float32 search hides under that staging, and the float16 pass would only add its
+re-scoring and certificates after it). A large search first runs on a sample of its users
+(``EngineOptions.fast_sample``): where the certificate does not pay on them (:data:`DECLINE_COST`, e.g. data full of
+exact ties), every user is searched in exact mode and ``stats["precision"]`` says "exact", with the reason in
+``stats["fast_declined"]``; else every user, the sampled ones too, is searched in fast mode. The next search of the
+same k skips the sample where this one paid (``FastState.trusted``); a search too small to sample declines where the
+engine's last one of its k did not pay, and runs fast mode again after :data:`RECHECK_EVERY` such searches, twice as
+many after each that did not pay (``FastState.unpaid``).
 
 Exact precision takes the same search where the backend says it pays (``certifies_exact``: the *certified route*):
 the candidates are then re-scored with the exact search's own float32 sums (``Backend.rescore``'s ``ordered``: every
