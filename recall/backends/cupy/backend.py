@@ -362,13 +362,13 @@ class CupyBackend:
         return vals, out, "gemm"
 
     def fast_users(self, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
-        # One warp a user, one launch (kernels/fast16.cu), for float32 rows of unit column stride; else the array
+        # One launch, a warp 32 users (kernels/fast16.cu), for float32 rows of unit column stride; else the array
         # operations of certificate.prepare_users.
         cupy = self.xp
         n = int(users.shape[0])
         if users.dtype != cupy.float32 or users.ndim != 2 or (n and users.strides[1] != 4):
             return prepare_users(cupy, users, items, half_scores, shift)
-        vecs16 = cupy.zeros((n, items.width), dtype=cupy.float16)
+        vecs16 = cupy.empty((n, items.width), dtype=cupy.float16)  # (the kernel writes every column)
         alpha, offset, bound = (cupy.empty(n, dtype=cupy.float64) for _ in range(3))
         if n:
             t = user_terms(items)
@@ -378,7 +378,7 @@ class CupyBackend:
             at = [-1 if c is None else c for c in (items.shift_at, items.bias_at, items.norms_at)]
             # (Without a shift the kernel reads none: any float64 array stands in for the pointer.)
             shift_d = alpha if shift is None else cupy.ascontiguousarray(shift, dtype=cupy.float64)
-            kernel(((n + 7) // 8,), (256,),
+            kernel(((n + 255) // 256,), (256,),
                    (users, np.int64(users.strides[0] // 4), np.int32(n), np.int32(items.dot_dim), vecs16,
                     np.int32(items.width), shift_d, np.int32(shift is not None), *(np.int32(c) for c in at),
                     np.int32(len(items.aux_scales)),

@@ -1,6 +1,7 @@
 // Fast mode's users in float16, with what their certificates need (certificate.prepare_users, the arithmetic of
-// record, whose symbols this follows): one warp a user, one launch for all. Per user u of n (rows of `users`, float32,
-// row stride ustride; the first D0 columns the dot part), with out16 (n, W) float16 zeroed by the caller:
+// record, whose symbols this follows): one launch for all (a warp 32 users, below). Per user u of n (rows of
+// `users`, float32, row stride ustride; the first D0 columns the dot part), into out16 (n, W) float16 (every column
+// written):
 //   alpha = 2^(13 - floor(log2 max|y_i|)) (1 for a zero row), capped at cap_bias (the bias's cap; +inf without) and,
 //           with a shift S_u, at 2^floor(shift_room - log2 max(|S_u|, 2^-900)) (exactly, from the exponents);
 //   the dot part fl16(alpha y_i) (one rounding, from float64), and in float64 |y|, |delta y|, |a|;
@@ -52,6 +53,11 @@ __device__ __forceinline__ double fast16_warp_sum(double x) {
     return x;
 }
 
+// A warp owns 32 users (a block 256): it converts their rows one at a time, all lanes over the columns, and lane i
+// keeps user i's maximum and sums; then each lane runs its own user's remaining steps (the shift, bias and bound
+// columns, alpha, offset, the bound) at once. A warp a user left those steps to lane 0 alone, 31 lanes idle through
+// some 400 float64 instructions: 0.78 ms for 1M users x 64 dimensions, mostly that tail (H100, docs/benchmarks.md).
+// The columns past D0 are written here too (zeros, then the tail's own), so the caller need not zero `out16`.
 extern "C" __global__ void __launch_bounds__(256)
 recall_prepare_users(const float* __restrict__ users, long long ustride, int n, int D0,
                      unsigned short* __restrict__ out16, int W, const double* __restrict__ shift, int shifted,
@@ -61,41 +67,64 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
                      double aux_user_max, double shift_item, double shift_user_max, int shift_room, double sc0,
                      double sc1, double sc2, double top0, double top1, double top2,
                      double* __restrict__ alpha_out, double* __restrict__ offset_out, double* __restrict__ bound_out) {
-    const int u = blockIdx.x * 8 + (int)(threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (u >= n) return;  // the whole warp
-    const float* row = users + (long long)u * ustride;
-    unsigned short* out = out16 + (long long)u * W;
-    double mx = 0.0;  // in float64, as every step below: no float32 operation flushes a subnormal to 0 (-ftz)
-    for (int i = lane; i < D0; i += 32) mx = fmax(mx, fabs(fast16_widen(row[i])));
+    const int lane = threadIdx.x & 31;
+    const int first = (blockIdx.x * 8 + (int)(threadIdx.x >> 5)) * 32;
+    if (first >= n) return;  // the whole warp
+    const int last = min(first + 32, n);
+    // This lane's user's (first + lane) sums and scale, kept as the warp passes it.
+    double my_sv = 0.0, my_se = 0.0, my_sa = 0.0, my_alpha = 1.0, my_s = 0.0;
+    for (int u = first; u < last; ++u) {
+        const float* row = users + (long long)u * ustride;
+        unsigned short* out = out16 + (long long)u * W;
+        double mx = 0.0;  // in float64, as every step below: no float32 operation flushes a subnormal to 0 (-ftz)
+        for (int i = lane; i < D0; i += 32) mx = fmax(mx, fabs(fast16_widen(row[i])));
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    double alpha = mx > 0.0 ? ldexp(1.0, 13 - fast16_floor_log2(mx)) : 1.0;
-    alpha = fmin(alpha, cap_bias);
-    const double s_u = shifted ? shift[u] : 0.0;
-    if (shifted) {
-        // floor(shift_room - log2 m) for m = max(|S_u|, 2^-900): shift_room - ceil(log2 m), capped at 1000.
-        const double m = fmax(fabs(s_u), ldexp(1.0, -900));
-        int e;
-        const double frac = frexp(m, &e);  // m = frac 2^e, frac in [0.5, 1): ceil(log2 m) = e - (frac == 0.5)
-        const int room = shift_room - (e - (frac == 0.5 ? 1 : 0));
-        alpha = fmin(alpha, ldexp(1.0, min(room, 1000)));
+        for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        double alpha = mx > 0.0 ? ldexp(1.0, 13 - fast16_floor_log2(mx)) : 1.0;
+        alpha = fmin(alpha, cap_bias);
+        const double s_u = shifted ? shift[u] : 0.0;
+        if (shifted) {
+            // floor(shift_room - log2 m) for m = max(|S_u|, 2^-900): shift_room - ceil(log2 m), capped at 1000.
+            const double m = fmax(fabs(s_u), ldexp(1.0, -900));
+            int e;
+            const double frac = frexp(m, &e);  // m = frac 2^e, frac in [0.5, 1): ceil(log2 m) = e - (frac == 0.5)
+            const int room = shift_room - (e - (frac == 0.5 ? 1 : 0));
+            alpha = fmin(alpha, ldexp(1.0, min(room, 1000)));
+        }
+        // a / alpha as a product where alpha is a power of two (always, but for a cap_bias that is not): its
+        // reciprocal is then exact (alpha lies within 2^-116..2^1000), and so is every quotient's rounding the same.
+        int e_alpha;
+        const bool pow2 = frexp(alpha, &e_alpha) == 0.5;
+        const double inv = 1.0 / alpha;
+        double sv = 0.0, se = 0.0, sa = 0.0;
+        for (int i = lane; i < D0; i += 32) {
+            const double v = fast16_widen(row[i]);
+            const unsigned short h = fast16_f16(v * alpha);
+            out[i] = h;
+            const double a = pow2 ? fast16_f64(h) * inv : fast16_f64(h) / alpha, e = a - v;
+            sv += v * v;
+            se += e * e;
+            sa += a * a;
+        }
+        for (int i = D0 + lane; i < W; i += 32) out[i] = 0;
+        sv = fast16_warp_sum(sv);
+        se = fast16_warp_sum(se);
+        sa = fast16_warp_sum(sa);
+        if (lane == u - first) {
+            my_sv = sv;
+            my_se = se;
+            my_sa = sa;
+            my_alpha = alpha;
+            my_s = s_u;
+        }
     }
+    __syncwarp();  // the zeros past D0 before the columns below
+    const int u = first + lane;
+    if (u >= last) return;
+    unsigned short* out = out16 + (long long)u * W;
+    const double alpha = my_alpha, s_u = my_s;
     const double ab = alpha * beta;
-    double sv = 0.0, se = 0.0, sa = 0.0;
-    for (int i = lane; i < D0; i += 32) {
-        const double v = fast16_widen(row[i]);
-        const unsigned short h = fast16_f16(v * alpha);
-        out[i] = h;
-        const double a = fast16_f64(h) / alpha, e = a - v;
-        sv += v * v;
-        se += e * e;
-        sa += a * a;
-    }
-    sv = fast16_warp_sum(sv);
-    se = fast16_warp_sum(se);
-    sa = fast16_warp_sum(sa);
-    if (lane != 0) return;
-    const double norm = sqrt(sv), resid = sqrt(se), norm16 = sqrt(sa);
+    const double norm = sqrt(my_sv), resid = sqrt(my_se), norm16 = sqrt(my_sa);
     const double p = resid + gamma16 * norm16 + gamma32 * norm;  // the factor of n_v
     const double q = norm + resid + gamma16 * norm16;              // the factor of r_v
     double rest = rest0, offset = 0.0;
