@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from recall import EngineOptions
+from recall import Engine, EngineOptions
 from recall.backends import cuda_status
 from recall.backends.cupy import fused as fused_path
 
-from oracle import int_matrix as _ints
+from oracle import as_numpy, assert_topk_close, int_matrix as _ints
 from test_fused import _best_first, _run_half
 from test_walk import check_fast_and_certified
 
@@ -218,6 +218,29 @@ def test_passes_seeded_in_one_kernel_equal_the_cpu_exactly(hopper, n_users, n_it
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("n_users,user_block", [(1000, 256), (700, 128), (129, 4096)])
+def test_device_users_are_seeded_all_at_once_as_each_block_would_be(hopper, n_users, user_block):
+    # Device users of a pass seeded in one kernel take the sample's thresholds for the whole search in one launch
+    # before the blocks (stats["seed_preseeded"]); host users, block by block. The same pairs either way and the CPU's,
+    # over blocks of 128-256 users (a short last one too) and one block; the estimate's rank and l2's bias columns
+    # are the kernel's arguments either way (test_fast_and_certified_answers_are_the_oracles: device users).
+    rng = np.random.default_rng(n_users + user_block)
+    items = _ints(rng, 3000, 40, -3, 4).astype(np.float16)
+    users = _ints(rng, n_users, 40, -3, 4).astype(np.float16)
+    k = 27
+    want_vals, want_rows, _ = _run_half("cpu", items, users, k)
+    options = EngineOptions(fused="force", seed_sample=256, tiles=(user_block, 1024, 4))
+    for device_users in (False, True):
+        vals, rows, stats = _run_half("gpu", items, users, k, None, options, device_users, best_first=False)
+        assert stats["seed_fused"] and stats["seed_preseeded"] == device_users
+        assert stats["blocks"] == -(-n_users // min(user_block, n_users)) or user_block > n_users
+        vals, rows = _best_first(vals, rows)
+        np.testing.assert_array_equal(rows, want_rows)
+        np.testing.assert_array_equal(vals, want_vals)
+
+
+@pytest.mark.gpu
+@on_gpu
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 @pytest.mark.parametrize("dim,k", [(32, 10), (64, 10), (64, 1), (128, 15)])
 def test_fast_and_certified_answers_are_the_oracles(hopper, metric, dim, k):
@@ -229,3 +252,30 @@ def test_fast_and_certified_answers_are_the_oracles(hopper, metric, dim, k):
     users = (rng.standard_normal((700, dim)) * rng.lognormal(0, 0.6, (700, 1))).astype(np.float32)
     options = EngineOptions(certified_exact="on", float16_min_scores=0, fast_sample=0)
     check_fast_and_certified(items, users, metric, k, options, "seed_fused")
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_device_users_of_the_certified_route_are_seeded_all_at_once(hopper, metric):
+    # Real-valued, skewed-norm device users (their float16 copies made on the device) through fast mode and exact
+    # mode's certified route in blocks of 256: seeded before the blocks (l2 with its bias columns), the answers the
+    # float64 oracle's, ties aware, and exact mode's its float32 search's bit for bit.
+    import cupy
+
+    rng = np.random.default_rng(len(metric))
+    items = (rng.standard_normal((6_000, 32)) * rng.lognormal(0, 0.6, (6_000, 1))).astype(np.float32)
+    users = (rng.standard_normal((900, 32)) * rng.lognormal(0, 0.6, (900, 1))).astype(np.float32)
+    options = EngineOptions(certified_exact="on", float16_min_scores=0, fast_sample=0, tiles=(256, 1024, 4))
+    plain = Engine(items, device="gpu", metric=metric, options=EngineOptions(certified_exact="off"))
+    want = plain.search(users, 10)
+    for precision in ("fast", "exact"):
+        engine = Engine(items, device="gpu", metric=metric, precision=precision, options=options)
+        got = engine.search(cupy.asarray(users), 10)
+        assert engine.stats.get("seed_preseeded") and engine.stats["blocks"] > 1, engine.stats
+        idx, val = as_numpy(got.indices), as_numpy(got.scores)
+        assert_topk_close(idx, val, users, items, 10, metric=metric)
+        if precision == "exact":
+            np.testing.assert_array_equal(idx, as_numpy(want.indices))
+            np.testing.assert_array_equal(val, as_numpy(want.scores))
+

@@ -332,17 +332,18 @@ class FusedSearch:
 
     def seed(self, state: GpuTopK, users: Any, sample: Any, item_norms: Any, estimate: int = 0,
              constant: tuple[int, float] | None = None, bias: tuple[int, int, Any] | None = None,
-             multiplied: int = 0) -> None:
-        """``Selection.seed``'s thresholds for one block's n float16 users (n, W) from the sample's float16 rows
-        ``sample`` (size, W) themselves, in a search without exclusions (:func:`seeds_fused`): seed_w.cu scores and
-        selects them in one kernel, each user's rank-th best of the keys its lanes kept (a lower bound all the same:
-        see the kernel). ``item_norms``, ``estimate``, ``constant``, ``bias``: ``Selection.seed``'s;
-        ``multiplied``: :meth:`search`'s."""
+             multiplied: int = 0, thr: Any = None) -> None:
+        """``Selection.seed``'s thresholds for n float16 users (n, W) from the sample's float16 rows ``sample``
+        (size, W) themselves, in a search without exclusions (:func:`seeds_fused`): seed_w.cu scores and selects them
+        in one kernel, each user's rank-th best of the keys its lanes kept (a lower bound all the same: see the
+        kernel). Into ``state.thr`` (one block's users), or ``thr`` (float32 (n,): a whole search's users at once,
+        the pipeline's ``preseeded``; ``state`` then gives only k). ``item_norms``, ``estimate``, ``constant``,
+        ``bias``: ``Selection.seed``'s; ``multiplied``: :meth:`search`'s."""
         n, width = users.shape
         padded = padded_width(width, multiplied)
         kernel, smem = self.sel.seed_w[padded], seed_w_smem(padded)
         self._allow_smem(kernel, smem)
-        args = self.sel.seed_args(state, users, item_norms, False, estimate, constant, bias)
+        args = self.sel.seed_args(state, users, item_norms, False, estimate, constant, bias, thr)
         kernel((-(-n // FUSED_TILE),), (_H_THREADS,),
                (sample, np.int32(sample.shape[0]), np.int32(state.k), np.int32(n), *args), shared_mem=smem)
 

@@ -206,6 +206,19 @@ class BlockPipeline:
         if half and fused:
             multiplied = multiplied or counted()
             stats["multiplied_columns"] = multiplied
+        # Device users seeded in one kernel (seed_w.cu) are seeded all at once, before the blocks: a launch a block
+        # of 32,768 users is 256 blocks of 128, under one wave of the GPU's (three an SM), and 1M users' sample took
+        # 2.49 ms so against 2.05-2.09 ms in one launch (H100, docs/benchmarks.md). Each block's thresholds then
+        # come in as a floor's do (slot.floor).
+        preseeded = None
+        if seed_fused and not host_users:
+            sample, _, sample_norms, sample_sums = seed
+            with compute:  # (allocated on the stream that uses it: the pool reuses it only after that work)
+                preseeded = cupy.empty(n_users, dtype=cupy.float32)
+                self.fused.seed(state, users, sample, sample_norms, estimate, items.constant_column,
+                                None if sample_sums is None else (*items.bias_columns, sample_sums), multiplied,
+                                thr=preseeded)
+        stats["seed_preseeded"] = preseeded is not None
         # What the search's scores were compared and kept in: the fused kernels keep float32 (fast mode's float16
         # inputs too); the cuBLAS path selects from score tiles of the backend's score_dtype.
         stats["score_dtype"] = "float32" if fused else str(self.backend.score_dtype(users.dtype))
@@ -260,11 +273,11 @@ class BlockPipeline:
                 # slot's excluded rows queued behind them with it.
                 if not host_users:
                     slot.users[:n] = users[start:stop]
-                if floor is not None:
-                    slot.floor[:n] = floor[start:stop]
+                if floor is not None or preseeded is not None:
+                    slot.floor[:n] = (floor if preseeded is None else preseeded)[start:stop]
                 self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
                                   ws if fused else None, items_t, floor is not None, options, multiplied, estimate,
-                                  left_out is not None, best_first, walk, seed_fused)
+                                  left_out is not None, best_first, walk, seed_fused, preseeded is not None)
                 if left_out is not None:
                     left_out[start:stop] = state.seed_thr[:n]
                 if not host_out:
@@ -384,12 +397,13 @@ class BlockPipeline:
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
                      has_floor: bool, options: EngineOptions, multiplied: int = 0, estimate: int = 0,
                      keep_seed: bool = False, best_first: bool = True, walk: bool = False,
-                     seed_fused: bool = False) -> None:
+                     seed_fused: bool = False, preseeded: bool = False) -> None:
         """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all; ``estimate``:
         the seed's estimate rank, 0: a lower bound; ``keep_seed``: each user's starting threshold is kept in
         ``state.seed_thr``; ``best_first``: results sorted, else in no order; ``walk``: the fused pass is the walk,
         unseeded, whose users keep -inf there; ``seed_fused``: the sample is scored and selected in one kernel,
-        ``FusedSearch.seed``). The cuBLAS
+        ``FusedSearch.seed``; ``preseeded``: that kernel ran for the whole search, and the block's thresholds wait
+        in ``slot.floor``). The cuBLAS
         path always runs over the slot's full capacity of rows (rows past the real users are ignored), so that every
         block runs the same launches and the graph captured for a slot replays for each of its blocks; the fused
         path (``fused_ws`` set) scores the real rows only, and runs a short last block eagerly."""
@@ -408,8 +422,9 @@ class BlockPipeline:
         def launches() -> None:
             users = slot.users[:rows]
             backend.topk_reset(state, rows)
-            if has_floor:
-                # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed.
+            if has_floor or preseeded:
+                # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed,
+                # or the seed was selected for the whole search before its blocks.
                 state.thr[:rows] = slot.floor[:rows]
             elif seed is not None:
                 sample, sample_rows, sample_norms, sample_sums = seed
@@ -444,7 +459,7 @@ class BlockPipeline:
         sample_ptr = None if seed is None else tuple(a.data.ptr for a in seed[1:] if a is not None)
         key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
                None if items_t is None else items_t.data.ptr, has_floor, options, multiplied, estimate, keep_seed,
-               best_first, walk, seed_fused)
+               best_first, walk, seed_fused, preseeded)
         graph = slot.graphs.get(key)
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
         # From the second on (the next block, or the next search of one block: an embedded engine answering one

@@ -369,16 +369,19 @@ class Selection:
 
     @staticmethod
     def seed_args(state: GpuTopK, users: Any, item_norms: Any, half_scores: bool, estimate: int = 0,
-                  constant: tuple[int, float] | None = None, bias: tuple[int, int, Any] | None = None) -> tuple:
+                  constant: tuple[int, float] | None = None, bias: tuple[int, int, Any] | None = None,
+                  thr: Any = None) -> tuple:
         """The arguments every threshold select takes after the scores (``recall_seed*``'s, ``recall_seed_w*``'s):
-        the thresholds, the users and their margin's terms (:meth:`seed`'s ``users``, ``item_norms``, ``constant``
-        and ``bias``; ``half_scores``: the sampled scores were rounded to float16), the estimate's rank."""
+        the thresholds (``state.thr``, or ``thr``: a float32 array of a row a user), the users and their margin's
+        terms (:meth:`seed`'s ``users``, ``item_norms``, ``constant`` and ``bias``; ``half_scores``: the sampled
+        scores were rounded to float16), the estimate's rank."""
         width = int(users.shape[1])
         a, r, z = seed_margin(width, users.dtype == np.float16, half_scores)
         col, value = constant if constant is not None else (-1, 0.0)
         lo, hi, sums = bias if bias is not None else (0, 0, item_norms)  # hi == lo: no bias columns, sums unread
-        return (state.thr, users, np.int32(width), item_norms, sums, np.int32(lo), np.int32(hi), np.int32(col),
-                np.float64(value), np.float64(a), np.float64(r), np.float64(z), np.int32(estimate))
+        return (state.thr if thr is None else thr, users, np.int32(width), item_norms, sums, np.int32(lo),
+                np.int32(hi), np.int32(col), np.float64(value), np.float64(a), np.float64(r), np.float64(z),
+                np.int32(estimate))
 
     def result(self, state: GpuTopK, best_first: bool = True) -> tuple[Any, Any]:
         """The final merge: results of the block's users in ``state.out_vals`` / ``out_rows``, sorted best first, or
