@@ -211,7 +211,7 @@ class BlockPipeline:
         # 2.49 ms so against 2.05-2.09 ms in one launch (H100, docs/benchmarks.md). Each block's thresholds then
         # come in as a floor's do (slot.floor).
         preseeded = None
-        if seed_fused and not host_users:
+        if seed_fused and not host_users and n_users:
             sample, _, sample_norms, sample_sums = seed
             with compute:  # (allocated on the stream that uses it: the pool reuses it only after that work)
                 preseeded = cupy.empty(n_users, dtype=cupy.float32)
