@@ -1058,12 +1058,8 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
     }
     const int n = recall_warp_sum(held);
     // The least key kept: 1 (every valid key) where there are at most K; else the K-th largest, found from the
-    // highest bit in which the keys differ (keys are unique), two bits a step, stopping at the first trial value
-    // with exactly K keys at or above it. A step counts the keys at or above its three trial values (the prefix
-    // with 01, 10 and 11 appended) in one warp-wide sum of three 10-bit fields (at most 32 HELD = 512 keys each),
-    // and takes the largest trial that leaves K or more; a bit a step (a sum each) took 1.34 ms of the route's
-    // 10.85 ms of GPU work on 1M users x 4,096 items (H100, docs/benchmarks.md). The keys kept are the same: those
-    // at or above a value with exactly K of them, or the K-th largest.
+    // highest bit in which the keys differ (keys are unique), stopping at the first trial value with exactly K keys
+    // at or above it.
     u64 least = 1ull;
     if (n > K) {
         for (int off = 16; off > 0; off >>= 1) {
@@ -1072,30 +1068,16 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
         }
         const int top_bit = 63 - __clzll((long long)(lo ^ hi));
         least = top_bit == 63 ? 0ull : hi & ~((2ull << top_bit) - 1ull);
-        int b = top_bit;
-        for (; b >= 1; b -= 2) {
-            const u64 t1 = least | (1ull << (b - 1)), t2 = least | (2ull << (b - 1)), t3 = least | (3ull << (b - 1));
-            unsigned packed = 0u;
-#pragma unroll
-            for (int r = 0; r < HELD; ++r)
-                if (r < rounds)
-                    packed += (key[r] >= t1 ? 1u : 0u) + (key[r] >= t2 ? 1u << 10 : 0u)
-                              + (key[r] >= t3 ? 1u << 20 : 0u);
-            packed = (unsigned)recall_warp_sum((int)packed);
-            const int a1 = (int)(packed & 1023u), a2 = (int)((packed >> 10) & 1023u), a3 = (int)(packed >> 20);
-            const int above = a3 >= K ? a3 : a2 >= K ? a2 : a1;
-            if (above >= K) {
-                least = a3 >= K ? t3 : a2 >= K ? t2 : t1;
-                if (above == K) break;
-            }
-        }
-        if (b == 0) {  // the last bit alone (an odd count of bits, and no exact count met before)
-            const u64 trial = least | 1ull;
+        for (int b = top_bit; b >= 0; --b) {
+            const u64 trial = least | (1ull << b);
             int above = 0;
 #pragma unroll
             for (int r = 0; r < HELD; ++r) above += (r < rounds && key[r] >= trial) ? 1 : 0;
             above = recall_warp_sum(above);
-            if (above >= K) least = trial;
+            if (above >= K) {
+                least = trial;
+                if (above == K) break;
+            }
         }
     }
     // Each lane's kept keys at their places: in the state (a fold), in the results (a final pass in no order), or
