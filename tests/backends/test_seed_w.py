@@ -222,8 +222,8 @@ def test_passes_seeded_in_one_kernel_equal_the_cpu_exactly(hopper, n_users, n_it
 def test_device_users_are_seeded_all_at_once_as_each_block_would_be(hopper, n_users, user_block):
     # Device users of a pass seeded in one kernel take the sample's thresholds for the whole search in one launch
     # before the blocks (stats["seed_preseeded"]); host users, block by block. The same pairs either way and the CPU's,
-    # over blocks of 128-256 users (a short last one too) and one block; the estimate's rank and l2's bias columns
-    # are the kernel's arguments either way (test_fast_and_certified_answers_are_the_oracles: device users).
+    # over blocks of 128-256 users (a short last one too) and one block (real-valued data, an estimate's rank and
+    # l2's bias columns: test_device_users_of_the_certified_route_are_seeded_all_at_once).
     rng = np.random.default_rng(n_users + user_block)
     items = _ints(rng, 3000, 40, -3, 4).astype(np.float16)
     users = _ints(rng, n_users, 40, -3, 4).astype(np.float16)

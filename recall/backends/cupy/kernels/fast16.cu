@@ -92,7 +92,8 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
             alpha = fmin(alpha, ldexp(1.0, min(room, 1000)));
         }
         // a / alpha as a product where alpha is a power of two (always, but for a cap_bias that is not): its
-        // reciprocal is then exact (alpha lies within 2^-116..2^1000), and so is every quotient's rounding the same.
+        // reciprocal is then exact (alpha, at most 2^1000, is a normal float64), and each product rounds the
+        // quotient's exact value as the division does.
         int e_alpha;
         const bool pow2 = frexp(alpha, &e_alpha) == 0.5;
         const double inv = 1.0 / alpha;
