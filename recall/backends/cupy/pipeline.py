@@ -93,6 +93,13 @@ class PendingSearch:
         return self._finish()
 
 
+def _sample_bias(items: DeviceItems, seed: tuple) -> tuple | None:
+    """A threshold select's ``bias`` argument for the sample ``seed`` (``BlockPipeline._refresh_sample``'s tuple):
+    the items' bias columns and the sampled rows' sums of them, or None where the items have none."""
+    sums = seed[3]
+    return None if sums is None else (*items.bias_columns, sums)
+
+
 class BlockPipeline:
     """Streams, workspaces and graphs of one backend; ``backend`` provides the primitives of the tiled loop."""
 
@@ -207,17 +214,15 @@ class BlockPipeline:
             multiplied = multiplied or counted()
             stats["multiplied_columns"] = multiplied
         # Device users seeded in one kernel (seed_w.cu) are seeded all at once, before the blocks: a launch a block
-        # of 32,768 users is 256 blocks of 128, under one wave of the GPU's (three an SM), and 1M users' sample took
-        # 2.49 ms so against 2.05-2.09 ms in one launch (H100, docs/benchmarks.md). Each block's thresholds then
-        # come in as a floor's do (slot.floor).
+        # of 32,768 users is 256 thread blocks of 128 users, under one wave of the GPU's, and 1M users' sample took
+        # 2.49 ms in such launches against 2.05-2.09 ms in one (H100, docs/benchmarks.md). Each block's thresholds
+        # then come in as a floor's do (slot.floor).
         preseeded = None
         if seed_fused and not host_users and n_users:
-            sample, _, sample_norms, sample_sums = seed
             with compute:  # (allocated on the stream that uses it: the pool reuses it only after that work)
                 preseeded = cupy.empty(n_users, dtype=cupy.float32)
-                self.fused.seed(state, users, sample, sample_norms, estimate, items.constant_column,
-                                None if sample_sums is None else (*items.bias_columns, sample_sums), multiplied,
-                                thr=preseeded)
+                self.fused.seed(state, users, seed[0], seed[2], estimate, items.constant_column,
+                                _sample_bias(items, seed), multiplied, thr=preseeded)
         stats["seed_preseeded"] = preseeded is not None
         # What the search's scores were compared and kept in: the fused kernels keep float32 (fast mode's float16
         # inputs too); the cuBLAS path selects from score tiles of the backend's score_dtype.
@@ -427,8 +432,8 @@ class BlockPipeline:
                 # or the seed was selected for the whole search before its blocks.
                 state.thr[:rows] = slot.floor[:rows]
             elif seed is not None:
-                sample, sample_rows, sample_norms, sample_sums = seed
-                bias = None if sample_sums is None else (*items.bias_columns, sample_sums)
+                sample, sample_rows, sample_norms, _ = seed
+                bias = _sample_bias(items, seed)
                 if seed_fused:
                     self.fused.seed(state, users, sample, sample_norms, estimate, items.constant_column, bias,
                                     multiplied)
