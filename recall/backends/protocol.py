@@ -121,7 +121,7 @@ class Backend(Protocol):
     # -- the work -------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False,
                    constant_column: tuple[int, float] | None = None,
-                   bias_columns: tuple[int, int] | None = None) -> Any:
+                   bias_columns: tuple[int, int] | None = None, ranks: Any = None) -> Any:
         """The resident form of prepared items ((n_items, dim) float32, or float16 for fast mode, on this
         backend): what ``run_blocks`` and ``rescore`` take as ``items``. Keeps whatever the backend derives from
         the items (the GPU's transposed copy for its fused kernel) for as long as the engine holds it.
@@ -132,20 +132,22 @@ class Backend(Protocol):
         sum of |products| (``certificate.seed_margin``) may take that column's product on its own rather than through
         the rows' whole norms. ``bias_columns`` (first, end): columns where every user holds one value and each item
         its own (fast mode's l2 bias parts, ``certificate.FastItems.bias_columns``), whose products such a bound may
-        take on their own too."""
+        take on their own too. ``ranks``: (n_items,) values of this backend's module (``metrics.centroid_ranks``)
+        that such a backend may prefer the largest of, as it would the norms (fast mode's l2 items)."""
 
     def run_blocks(self, plan: TilePlan, users: Any, items: Any, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
-                   left_out: Any = None, best_first: bool = True) -> Wait:
+                   left_out: Any = None, best_first: bool = True, need: int = 0) -> Wait:
         """Search every user block of ``plan`` and write each user's top-k (inner-product space, k <= n_items) into
         its row of ``out_vals`` / ``out_rows`` (arrays from ``empty_out``, on the host or the backend). ``users``:
         (n, dim) host or backend array. ``floor``: optional backend float32 (n,) scores; a user then gets only items
         scoring above it (an optimisation: a backend may return more). ``left_out``: optional backend float32 (n,),
         filled with a bound per user: every item a user is not given scores (in the pass's own arithmetic) at most
         the larger of it and the user's k-th result (-inf where it holds fewer than k). Given it, a backend may start
-        a user at an estimate of its k-th best rather than a lower bound (``EngineOptions.seed_estimate``), and
-        return fewer than k items where the estimate was too high: for a caller that checks every user (fast mode's
-        certificate). ``best_first`` False: each user's results may be written in any order (its k best all the
+        a user below its k-th best (``EngineOptions.seed_estimate``): at an estimate of its ``need``-th best (1 to k;
+        0: k), or at a lower bound of it where ``need`` is under k, and return fewer than k items: for a caller that
+        checks every user against its start (fast mode's certificate, which needs k + 1 of a pass that keeps more).
+        ``best_first`` False: each user's results may be written in any order (its k best all the
         same, the empty slots anywhere), for a caller that re-ranks them (fast mode's pass: a final sort of k = 1,251
         keys a user is most of its last merge). Returns a callable that waits for this search (the arrays are filled
         by then) and returns its stats; asynchronous backends return once the work is queued.

@@ -433,14 +433,14 @@ class Engine:
 
     def run(self, users: Any, k: int, excl: Exclusions, out_vals: Any, out_rows: Any, items: Any = None,
             floor: Any = None, plan: Any = None, options: EngineOptions | None = None,
-            left_out: Any = None, best_first: bool = True) -> Callable[[], dict]:
+            left_out: Any = None, best_first: bool = True, need: int = 0) -> Callable[[], dict]:
         """One tiled pass of prepared ``users`` (``metrics.prepare_users``) against resident items (default: the
         engine's; fast mode passes its float16 copy) into the (n, k) arrays ``out_vals`` / ``out_rows`` (from
         ``backend.empty_out``; k <= the items' rows); returns the backend's wait (see ``Backend.run_blocks``). The
         building block of every search mode; ``plan`` replaces the tiling the engine would choose, ``options`` the
-        engine's options; ``left_out`` (Backend.run_blocks) a pass checked user by user (fast mode's), ``best_first``
-        False a pass whose results are re-ranked (they may come in any order). Over streamed items (``item_memory``)
-        the search is done when this returns (and sorted)."""
+        engine's options; ``left_out`` and ``need`` (Backend.run_blocks) a pass checked user by user (fast mode's),
+        ``best_first`` False a pass whose results are re-ranked (they may come in any order). Over streamed items
+        (``item_memory``) the search is done when this returns (and sorted)."""
         if items is None and self.streamed:
             if left_out is not None:
                 left_out[:] = -np.inf  # the streamed search's thresholds are lower bounds
@@ -449,7 +449,7 @@ class Engine:
         n_items = int(items.shape[0])
         plan = plan or self.plan(users, n_items, k)
         return self.backend.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows,
-                                       options or self.options, floor, left_out, best_first)
+                                       options or self.options, floor, left_out, best_first, need)
 
     def plan(self, users: Any, n_items: int, k: int) -> Any:
         """The tiling of a pass of prepared ``users`` against ``n_items`` items keeping ``k``: the options' tiles, a

@@ -206,9 +206,12 @@ def _state(engine: Any) -> FastState:
         backend = engine.backend
         fast_items = certificate.prepare_items(backend.xp, engine.prepared_items,
                                                metrics.bias_column(engine.metric, engine.dim))
+        # Under l2 the float16 passes' samples take half their rows from the items nearest the centroid
+        # (metrics.centroid_ranks), from the exact prepared vectors.
+        ranks = metrics.centroid_ranks(backend.xp, engine.prepared_items, engine.metric, engine.dim)
         engine._fast = FastState(fast_items, backend.load_items(fast_items.vecs16, metrics.norms_rank(engine.metric),
                                                                 fast_items.constant_column,
-                                                                fast_items.bias_columns))
+                                                                fast_items.bias_columns, ranks))
     return engine._fast
 
 
@@ -696,8 +699,10 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     # Where every item is a candidate there is nothing to estimate: the certificate has nothing left out.
     left = backend.empty_out((n_users,), np.float32, False) if estimate and wide < n_items else None
     # In no order (``best_first``): the re-scoring ranks the candidates itself, and the bound below takes the least.
+    # A user whose pass holds k + 1 items above its start is certified against it (the start counts as left out,
+    # below), however few of the ``wide`` it holds: the pass may start where it is sure of only those (``need``).
     wait = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident, left_out=left,
-                      best_first=False)
+                      best_first=False, need=min(k + 1, wide))
     # Every one of the ``wide`` kept is re-scored (one more than the certificate needs: which one is the least is
     # not known without a sort), queued behind the pass without waiting for it: on the H200 the host's wait and then
     # its launches left the GPU idle 0.8-1.5 ms between the two (docs/benchmarks.md).

@@ -615,7 +615,9 @@ def interleaved(cell, names, items, users, k, excl, metric, prec, rounds, restor
         st = engines[name].stats
         print(f"| {cell} | {name} | interleaved, {rounds} rounds | median {statistics.median(times[name]):.4f} s | "
               f"x {names[0]} median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}) | "
-              f"route {st.get('route')} busy {st.get('gpu_busy_s', 0):.4f} tiles {st.get('tiles')} |", flush=True)
+              f"route {st.get('route')} busy {st.get('gpu_busy_s', 0):.4f} tiles {st.get('tiles')} | widened "
+              f"{st.get('widened_users')} fallbacks {st.get('fallback_users')} estimate {st.get('seed_estimate')} "
+              f"need {st.get('seed_need_rank')} short {st.get('estimate_short_users')} |", flush=True)
         out.append({"cell": cell, "variant": name, "interleaved": rounds, "median_s": statistics.median(times[name]),
                     "ratio_to_first": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
                     "times_s": times[name], "stats": {"route": st.get("route"), "gpu_busy_s": st.get("gpu_busy_s"),
@@ -739,9 +741,11 @@ def main() -> None:
                   f"{st.get('tiles')} seed {st.get('seed_sample')} busy {st.get('gpu_busy_s', 0):.4f} | scores "
                   f"{st.get('score_dtype')} precision {st.get('precision')} fallbacks {st.get('fallback_users')} "
                   f"widened {st.get('widened_users')} margin {st.get('first_margin')} estimate "
-                  f"{st.get('seed_estimate')} short {st.get('estimate_short_users')}{same} |", flush=True)
+                  f"{st.get('seed_estimate')} need {st.get('seed_need_rank')} short {st.get('estimate_short_users')}"
+                  f"{same} |", flush=True)
             keys = ("fused", "tiles", "seed_sample", "gpu_busy_s", "blocks", "score_dtype", "precision",
-                    "fallback_users", "widened_users", "first_margin", "seed_estimate", "estimate_short_users", "route")
+                    "fallback_users", "widened_users", "first_margin", "seed_estimate", "seed_need_rank",
+                    "estimate_short_users", "route")
             out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})
             del engine
         restore_shipped()

@@ -216,6 +216,30 @@ def test_seed_block_holds_rows_of_up_to_32_keys_a_thread(size, want):
     assert seed_threads(size) == want
 
 
+@pytest.mark.parametrize("k, need, size, n_items, ranked, want", [
+    (27, 11, 512, 4096, True, (11, False)),       # k = 10 in fast mode on 4,096 items: the 11th best of the sample
+    (27, 11, 512, 4096, False, (11, False)),      # evenly spaced: the estimate of 11 would be the 11th, no lower
+    (27, 0, 512, 4096, True, (0, False)),         # no need: the k-th best, as without one
+    (27, 27, 512, 4096, True, (0, False)),
+    (27, 40, 512, 4096, True, (0, False)),        # more than k: k
+    (126, 101, 8192, 1_000_000, False, (9, True)),  # an estimate of the need, not of k (mu 0.83: rank 9, not 10)
+    (126, 101, 8192, 1_000_000, True, (101, False)),  # ranked where the estimate is loose: a bound of the need
+    (1251, 1001, 16384, 100_000, True, (232, True)),  # tight enough for a ranked sample to estimate (mu 164)
+])
+def test_a_pass_starts_where_its_caller_needs(k, need, size, n_items, ranked, want):
+    # selection.start_rank: where a pass that may start below its k-th best (Backend.run_blocks' left_out) starts:
+    # an estimate of the caller's need where estimate_rank gives one for it, else that need's bound, never above k.
+    from recall.backends.cupy.selection import estimate_rank, start_rank
+
+    got = start_rank(k, need, size, n_items, ranked)
+    assert got == want
+    rank, estimated = got
+    if estimated:
+        assert rank == estimate_rank(min(need, k), size, n_items, ranked) and 0 < rank < min(need, k)
+    elif rank:
+        assert rank == need < k
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, vectors", [("float32", "float32"), ("float16", "float16"), ("float32", "float16")])
 @pytest.mark.parametrize("size, k, ke", [(8196, 1000, 0), (16384, 2048, 443), (16384, 1000, 0), (24576, 2048, 0),

@@ -258,3 +258,23 @@ def test_a_float64_row_that_rounds_to_zero_in_float32_is_named_as_such() -> None
     with pytest.raises(InputError, match=r"user_vecs: row 1 is a zero vector in float32 \(every value 0, or too "
                                          r"small for float32\)"):
         engine.search(users, 2)
+
+
+@pytest.mark.parametrize("centre", [False, True])
+def test_l2_items_rank_by_their_distance_to_the_centroid(centre):
+    # metrics.centroid_ranks: under l2 each item's score against a user at the items' centroid, in the order of its
+    # distance to it (nearest first), from the prepared vectors (the engine's centre taken off or not); None where
+    # the norms rank the items (ip) or nothing does (cosine).
+    from recall.core import metrics
+
+    rng = np.random.default_rng(3)
+    items = (rng.standard_normal((3000, 7)) * rng.lognormal(0, 1, (3000, 1)) + 2.0).astype(np.float32)
+    shift = items.mean(axis=0) if centre else None
+    prepared = metrics.prepare_items("l2", np, items, centre=shift)
+    got = metrics.centroid_ranks(np, prepared, "l2", 7)
+    x = items.astype(np.float64)
+    dist = ((x - x.mean(axis=0)) ** 2).sum(axis=1)
+    assert got.shape == (3000,) and got.dtype == np.float64
+    np.testing.assert_array_equal(np.argsort(-got, kind="stable")[:300], np.argsort(dist, kind="stable")[:300])
+    assert metrics.centroid_ranks(np, items, "ip", 7) is None
+    assert metrics.centroid_ranks(np, items, "cosine", 7) is None

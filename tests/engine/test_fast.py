@@ -144,7 +144,7 @@ def test_a_pass_in_no_order_certifies_as_a_sorted_one(monkeypatch):
     asked = []
 
     def shuffled(self, plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor=None,
-                 left_out=None, best_first=True):
+                 left_out=None, best_first=True, need=0):
         stats = real(self, plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor, left_out)()
         asked.append(best_first)
         if not best_first:

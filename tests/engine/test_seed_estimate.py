@@ -36,9 +36,9 @@ def _simulate_estimates(monkeypatch, k):
     calls = []
 
     def run_blocks(self, plan, users, items, n_items, k_pass, excl, out_vals, out_rows, options, floor=None,
-                   left_out=None, best_first=True):
+                   left_out=None, best_first=True, need=0):
         wait = real(self, plan, users, items, n_items, k_pass, excl, out_vals, out_rows, options, floor, left_out,
-                    best_first)
+                    best_first, need)
         calls.append(left_out is not None)
         if left_out is None:
             return wait
@@ -234,3 +234,46 @@ def test_gpu_starts_lie_near_the_kth_best_on_heavy_tailed_l2(gpu_available, monk
     sample = np.arange(0, 1000, 9)
     oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample], items, k,
                              "l2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, metric, dim", [("skewed", "ip", 64), ("skewed", "l2", 32), ("normal", "cosine", 48),
+                                               ("int8", "ip", 64)])
+def test_gpu_passes_start_at_what_the_certificate_needs(gpu_available, monkeypatch, kind, metric, dim):
+    # 4,096 items at k = 10: the float16 pass keeps 27 candidates a user but starts at what the certificate needs,
+    # 11 items above the start (selection.start_rank: the sample's 11th best, or an estimate of it), so that most users
+    # hold fewer than 27, each certified against its start. The answers: exact mode's float32 search's bit for bit
+    # on the certified route, the oracle's in fast mode, and both the same as passes that start at the 27th best
+    # (seed_estimate=False). Small integers (int8): tied scores at the start cannot be certified against it; those
+    # users widen, their answers exact all the same.
+    if not gpu_available:
+        pytest.skip("no usable GPU")
+    from recall.bench.workloads import generate
+    from recall.engine import fast as fast_mode
+
+    monkeypatch.setattr(fast_mode, "SMALL_CATALOGUE_MIN_SCORES", 0)  # 3,000 x 4,096 scores would take exact mode
+    monkeypatch.setattr(fast_mode, "SAMPLE_MIN", 1 << 30)  # no sample of users first: every user in one pass
+    users, items = generate(kind, 3000, 4096, dim, seed=7)
+    k = 10
+    want = Engine(items, metric=metric, device="gpu", options=EngineOptions(certified_exact="off")).search(users, k)
+    for precision, opts in (("exact", EngineOptions(certified_exact="on")), ("fast", EngineOptions())):
+        engine = Engine(items, metric=metric, device="gpu", precision=precision, options=opts)
+        got = engine.search(users, k)
+        st = engine.stats
+        assert st["seed_estimate"] + st["seed_need_rank"] > 0 and st["seed_need_rank"] in (0, k + 1), st
+        assert st["estimate_short_users"] > 0, st  # users that hold fewer than the pass keeps
+        if kind != "int8":
+            assert st["widened_users"] <= 30 and st["fallback_users"] == 0, st
+        bound = Engine(items, metric=metric, device="gpu", precision=precision,
+                       options=EngineOptions(seed_estimate=False, certified_exact=opts.certified_exact))
+        plain = bound.search(users, k)
+        assert bound.stats.get("seed_need_rank", 0) == 0 and bound.stats.get("seed_estimate", 0) == 0, bound.stats
+        if precision == "exact":
+            assert st["route"] == "certified", st
+            oracle.assert_same_result(got, want)
+            oracle.assert_same_result(plain, want)
+        else:
+            sample = np.arange(0, 3000, 11)
+            oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample],
+                                     items, k, metric)
+            assert (as_numpy(got.indices) == as_numpy(plain.indices)).all(axis=1).mean() >= 0.99

@@ -323,14 +323,14 @@ class CupyBackend:
     # -- the work --------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False,
                    constant_column: tuple[int, float] | None = None,
-                   bias_columns: tuple[int, int] | None = None) -> DeviceItems:
-        return DeviceItems(prepared, norms_rank, constant_column, bias_columns)
+                   bias_columns: tuple[int, int] | None = None, ranks: Any = None) -> DeviceItems:
+        return DeviceItems(prepared, norms_rank, constant_column, bias_columns, ranks)
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
-                   left_out: Any = None, best_first: bool = True) -> Any:
+                   left_out: Any = None, best_first: bool = True, need: int = 0) -> Any:
         return self.pipeline.run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor,
-                                        left_out, best_first)
+                                        left_out, best_first, need)
 
     def queue_after(self, wait: Any) -> None:
         # The current stream waits for the search's events on the device; a wait without them (a streamed search's,

@@ -17,20 +17,28 @@ class DeviceItems:
     """Items on the device: ``vecs`` (n_items, dim) (float32, or float16 for fast mode), and, built on first use
     and kept as long as the engine holds this object, their transposed copy for the fused kernel, their norms and
     their threshold samples. ``norms_rank``: an item's norm bounds its score (the inner product), so that samples
-    take half their rows from the largest norms (``tiled.sample_rows``). ``constant_column`` (column, value): a column
+    take half their rows from the largest norms (``tiled.sample_rows``); ``ranks`` (n_items,) device values: half
+    from the largest of those instead (``metrics.centroid_ranks``). ``constant_column`` (column, value): a column
     every item holds that value in, left out of the norms; ``bias_columns`` (first, end): columns whose products a
     threshold sample's margin bounds on their own (``Backend.load_items``)."""
 
     def __init__(self, vecs: Any, norms_rank: bool = False, constant_column: tuple[int, float] | None = None,
-                 bias_columns: tuple[int, int] | None = None) -> None:
+                 bias_columns: tuple[int, int] | None = None, ranks: Any = None) -> None:
         self.vecs = vecs
         self.norms_rank = norms_rank
+        self.ranks = ranks
         self.constant_column = constant_column
         self.bias_columns = bias_columns
         self._transposed: Any = None
         self._norms: Any = None
         self._split: Any = None  # DeviceItems._split_norms, made once where there are bias columns
         self._samples: dict[tuple[int, int, bool], Any] = {}
+
+    @property
+    def ranked(self) -> bool:
+        """Whether threshold samples take half their rows from the items ranked first (by ``ranks``, else by norm
+        where ``norms_rank``) unless asked for evenly spaced rows."""
+        return self.norms_rank or self.ranks is not None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,12 +64,12 @@ class DeviceItems:
 
     def sample(self, size: int, n_items: int, stream: Any, even: bool = False) -> tuple[Any, Any, Any]:
         """The threshold sample of ``size`` of the first ``n_items`` items: (its sorted int64 device rows,
-        ``tiled.sample_rows``, half of them the largest norms where ``norms_rank`` unless ``even``; their float32
+        ``tiled.sample_rows``, half of them those ranked first (``ranked``) unless ``even``; their float32
         norms, rounded up, for ``certificate.seed_margin``, the ``constant_column`` and the ``bias_columns`` left out;
         their sums of |v| over the ``bias_columns``, rounded up, or None without them), computed on ``stream`` the
         first time; the same arrays (so the same addresses, which a captured graph reads) for as long as this object
         lives."""
-        ranked = self.norms_rank and not even
+        ranked = self.ranked and not even
         key = (size, n_items, ranked)
         got = self._samples.get(key)
         if got is None:
@@ -72,7 +80,8 @@ class DeviceItems:
                 if self._norms is None:
                     self._norms = norms_without(cupy, self.vecs, constant)
                 norms = self._norms[:n_items]
-                rows = sample_rows(cupy, n_items, size, norms if ranked else None)
+                key = (self.ranks[:n_items] if self.ranks is not None else norms) if ranked else None
+                rows = sample_rows(cupy, n_items, size, key)
                 if self.bias_columns is None:
                     got = (rows, _up32(cupy, norms[rows]), None)
                 else:

@@ -24,7 +24,7 @@ from ...core.tiling import TilePlan
 from .. import tiled
 from . import fused as fused_path
 from .items import FUSED_CHUNK, FUSED_TILE, DeviceItems
-from .selection import GpuTopK, estimate_rank, fused_capacity, search_seed_size
+from .selection import GpuTopK, fused_capacity, search_seed_size, start_rank
 
 log = logging.getLogger("recall")
 
@@ -135,14 +135,14 @@ class BlockPipeline:
 
     def run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                    out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
-                   left_out: Any = None, best_first: bool = True) -> Any:
+                   left_out: Any = None, best_first: bool = True, need: int = 0) -> Any:
         with self.search_lock:
             return self._run_blocks(plan, users, items, n_items, k, excl, out_vals, out_rows, options, floor,
-                                    left_out, best_first)
+                                    left_out, best_first, need)
 
     def _run_blocks(self, plan: TilePlan, users: Any, items: DeviceItems, n_items: int, k: int, excl: Exclusions,
                     out_vals: Any, out_rows: Any, options: EngineOptions, floor: Any = None,
-                    left_out: Any = None, best_first: bool = True) -> Any:
+                    left_out: Any = None, best_first: bool = True, need: int = 0) -> Any:
         """Queue every block of the search and return a callable that waits for it and returns its stats (see
         ``Backend.run_blocks``).
 
@@ -151,10 +151,11 @@ class BlockPipeline:
         than k where fewer do): for a search of the rows after others whose k-th best is known, items at or below it
         cannot enter the top k.
 
-        ``left_out``: a device float32 (n_users,), or None. Given, a seeded search may start each user at an
-        *estimate* of its k-th best (``EngineOptions.seed_estimate``, ``selection.estimate_rank``) rather than a lower
-        bound, and each user's starting threshold is written there: every item a user is not given scores at most
-        the larger of that and its k-th result (-inf where it holds fewer than k)."""
+        ``left_out``: a device float32 (n_users,), or None. Given, a seeded search may start each user below its k-th
+        best (``EngineOptions.seed_estimate``, ``selection.start_rank``): at an *estimate* of its ``need``-th best
+        (``selection.estimate_rank``), or at a lower bound of it, and each user's starting threshold is written
+        there: every item a user is not given scores at most the larger of that and its k-th result (-inf where it
+        holds fewer than k)."""
         import cupy
 
         wall = time.perf_counter()
@@ -199,14 +200,16 @@ class BlockPipeline:
         ready = cupy.cuda.get_current_stream().record()
         compute.wait_event(ready)
         copy.wait_event(ready)
-        # An estimate is taken over evenly spaced rows (selection.estimate_rank); an inner-product search samples
-        # them for it where it is tight enough, and half from the largest norms otherwise.
-        estimate = estimate_rank(k, sample, n_items, items.norms_rank) if sample and may_estimate else 0
-        seed = self._refresh_sample(ws, items, n_items, sample, dim, estimate > 0) if sample else None
+        # A pass that may start below its k-th best starts at the rank of selection.start_rank: an estimate over
+        # evenly spaced rows, or a bound of the items a user needs (from a sample half of the items ranked first
+        # where the items are ranked, DeviceItems.ranked); ``rank`` 0: the k-th best, a bound.
+        rank, even = start_rank(k, need, sample, n_items, items.ranked) if sample and may_estimate else (0, False)
+        seed = self._refresh_sample(ws, items, n_items, sample, dim, even) if sample else None
         stats["seed_sample"] = sample
         stats["seed_fused"] = seed_fused
         if left_out is not None:
-            stats["seed_estimate"] = estimate
+            stats["seed_estimate"] = rank if even else 0
+            stats["seed_need_rank"] = 0 if even else rank
         items_t = fused_path.operand(items, compute) if fused else None
         stats["fused"] = fused
         stats["walk"] = walk
@@ -221,7 +224,7 @@ class BlockPipeline:
         if seed_fused and not host_users and n_users:
             with compute:  # (allocated on the stream that uses it: the pool reuses it only after that work)
                 preseeded = cupy.empty(n_users, dtype=cupy.float32)
-                self.fused.seed(state, users, seed[0], seed[2], estimate, items.constant_column,
+                self.fused.seed(state, users, seed[0], seed[2], rank, items.constant_column,
                                 _sample_bias(items, seed), multiplied, thr=preseeded)
         stats["seed_preseeded"] = preseeded is not None
         # What the search's scores were compared and kept in: the fused kernels keep float32 (fast mode's float16
@@ -281,8 +284,8 @@ class BlockPipeline:
                 if floor is not None or preseeded is not None:
                     slot.floor[:n] = (floor if preseeded is None else preseeded)[start:stop]
                 self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
-                                  ws if fused else None, items_t, floor is not None, options, multiplied, estimate,
-                                  left_out is not None, best_first, walk, seed_fused, preseeded is not None)
+                                  ws if fused else None, items_t, floor is not None, options, multiplied, rank,
+                                  left_out is not None, best_first, walk, seed_fused, preseeded is not None, even)
                 if left_out is not None:
                     left_out[start:stop] = state.seed_thr[:n]
                 if not host_out:
@@ -402,9 +405,10 @@ class BlockPipeline:
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
                      has_floor: bool, options: EngineOptions, multiplied: int = 0, estimate: int = 0,
                      keep_seed: bool = False, best_first: bool = True, walk: bool = False,
-                     seed_fused: bool = False, preseeded: bool = False) -> None:
+                     seed_fused: bool = False, preseeded: bool = False, even: bool = False) -> None:
         """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all; ``estimate``:
-        the seed's estimate rank, 0: a lower bound; ``keep_seed``: each user's starting threshold is kept in
+        the seed's rank where it is not k (``selection.start_rank``), 0: k; ``even``: its sample is of evenly spaced
+        rows where the items would rank it (an estimate); ``keep_seed``: each user's starting threshold is kept in
         ``state.seed_thr``; ``best_first``: results sorted, else in no order; ``walk``: the fused pass is the walk,
         unseeded, whose users keep -inf there; ``seed_fused``: the sample is scored and selected in one kernel,
         ``FusedSearch.seed``; ``preseeded``: that kernel ran for the whole search, and the block's thresholds wait
@@ -419,8 +423,8 @@ class BlockPipeline:
         # A sample's k-th best seeds a fused search's first launch; the merge after it, the rest.
         first = 0
         if fused_ws is not None and seed is not None and not has_floor:
-            even = estimate > 0 or not items.norms_rank  # the rows _refresh_sample took
-            first = fused_path.first_launch(options.fused_first_segment, seed[0].shape[0], n_items, even)
+            first = fused_path.first_launch(options.fused_first_segment, seed[0].shape[0], n_items,
+                                            even or not items.ranked)  # the rows _refresh_sample took
         if first:
             stats["fused_first_segment"] = first
 
@@ -464,7 +468,7 @@ class BlockPipeline:
         sample_ptr = None if seed is None else tuple(a.data.ptr for a in seed[1:] if a is not None)
         key = (vecs.data.ptr, vecs.shape, vecs.strides, n_items, has_excl, sample_ptr,
                None if items_t is None else items_t.data.ptr, has_floor, options, multiplied, estimate, keep_seed,
-               best_first, walk, seed_fused, preseeded)
+               best_first, walk, seed_fused, preseeded, even)
         graph = slot.graphs.get(key)
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
         # From the second on (the next block, or the next search of one block: an embedded engine answering one

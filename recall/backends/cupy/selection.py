@@ -203,6 +203,24 @@ def estimate_rank(k: int, size: int, n_items: int, ranked: bool = False) -> int:
     return ke if ke < k else 0
 
 
+def start_rank(k: int, need: int, size: int, n_items: int, ranked: bool = False) -> tuple[int, bool]:
+    """Where a seeded pass of ``k`` that may start each user below its k-th best (``Backend.run_blocks``'
+    ``left_out``) starts, in its threshold sample of ``size`` rows: (the rank, 0 for k; whether it is an estimate,
+    over evenly spaced rows, rather than a bound). ``need`` (1 to k; 0: k): the items above its start a user needs,
+    fewer than the pass keeps where the caller checks each user against its start (fast mode's certificate needs its
+    k plus one: every item left out then lies below the start, and the k best above it). The start is an estimate at
+    ``estimate_rank`` of need over evenly spaced rows where that applies, else the sample's need-th best: at least
+    need items score above it (a bound), however few of the k the pass keeps do. On 4,096 items at k = 10 (a pass of
+    27), counted on the CPU: 23 scores a user passed from the need-th best of a sample half of the largest norms where
+    55 passed from its 27th (skewed ip), 93 against 138 from evenly spaced rows (skewed l2), 43 from a sample half of
+    the items nearest the centroid (``metrics.centroid_ranks``; docs/benchmarks.md)."""
+    need = k if need <= 0 else min(need, k)
+    ke = estimate_rank(need, size, n_items, ranked)
+    if ke:
+        return ke, True
+    return (need if need < k else 0), False
+
+
 def final_code(final: bool, best_first: bool = True) -> int:
     """A merge kernel's ``final_pass``: 0 folds candidates in, 1 writes the results sorted best first, 2 writes the k
     kept in no order (for a caller that re-ranks them, fast mode's pass: the sort is most of a final merge at large k,

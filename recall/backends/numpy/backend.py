@@ -397,9 +397,9 @@ class NumpyBackend:
     # -- the work ------------------------------------------------------------------------------------------------
     def load_items(self, prepared: Any, norms_rank: bool = False,
                    constant_column: tuple[int, float] | None = None,
-                   bias_columns: tuple[int, int] | None = None) -> np.ndarray:
-        # constant_column, bias_columns: unused, the CPU seeds float32 searches only (``_seed``), whose vectors hold
-        # no such columns (fast mode's float16 rows are not seeded here).
+                   bias_columns: tuple[int, int] | None = None, ranks: Any = None) -> np.ndarray:
+        # constant_column, bias_columns, ranks: unused, the CPU seeds float32 searches only (``_seed``), whose vectors
+        # hold no such columns (fast mode's float16 rows are not seeded here).
         if norms_rank:
             key = _memory_key(prepared)
             with self._ranked_lock:
@@ -411,9 +411,10 @@ class NumpyBackend:
 
     def run_blocks(self, plan: TilePlan, users: np.ndarray, items: np.ndarray, n_items: int, k: int,
                    excl: Exclusions, out_vals: np.ndarray, out_rows: np.ndarray, options: EngineOptions,
-                   floor: Any = None, left_out: Any = None, best_first: bool = True) -> Any:
+                   floor: Any = None, left_out: Any = None, best_first: bool = True, need: int = 0) -> Any:
         # ``floor`` is an optimisation the heap search does without: every item above it is found either way. Its
-        # thresholds are lower bounds, so no item it leaves out scores above a user's k-th result: ``left_out`` -inf.
+        # thresholds are lower bounds, so no item it leaves out scores above a user's k-th result: ``left_out`` -inf
+        # (and ``need`` is not used).
         # Its heaps come out sorted whatever ``best_first`` asks.
         if left_out is not None:
             left_out[:] = -np.inf
