@@ -115,6 +115,11 @@ SMALL_CATALOGUE_MIN_SCORES = 1 << 29
 #: than ROUTE_DIM_MAX take that width's (unmeasured beyond it; the float32 search there is cuBLAS's GEMM, slower still).
 ROUTE_DIM_BASE = 64
 ROUTE_DIM_MAX = 256
+#: A first float16 pass may start each user where its threshold sample says only k + NEED_SLACK items score above it
+#: (``Backend.run_blocks``' ``need``), not the k + m + 1 it keeps: its certificate holds against the start wherever the
+#: user's exact k-th best lies above the start's bound (``certificate.certified``), with the slack's items between.
+#: Not at a margin learned wider than the first (``_search_fast``): there the scores crowd closer than the bound.
+NEED_SLACK = 1
 #: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
 #: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
 #: search that small gains or loses little either way.
@@ -615,8 +620,11 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
     if fast_users is None:
         fast_users = _prepare(engine, users, k, m)
     n_users, n_items = int(users.shape[0]), engine.n_items
+    # The first pass starts where its sample says k + NEED_SLACK items lie above each user; at a margin learned wider
+    # than the first (WIDE_FIRST: scores of a crowd closer than the certificate's bound), where its k + m + 1 do.
+    need = k + NEED_SLACK if m <= certificate.margin(k) else k + m + 1
     vals, rows, failed, run_stats, n_cand = _certified_pass(engine, state, users, fast_users, k, k + m, excl,
-                                                            ordered, estimate=True, narrow=narrow)
+                                                            ordered, estimate=True, narrow=narrow, need=need)
     half = _kept16(backend, run_stats)  # what the pass kept its scores in
     widened, passes, pass_m = failed, [], m
     # Once more with WIDEN times the margin; where score tiles are float16, each score shifted by the user's exact
@@ -679,11 +687,12 @@ def _sampled_best(engine: Any, users: Any, uxp: Any) -> Any:
 
 def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certificate.FastUsers, k: int,
                     n_keep: int, excl: Exclusions, ordered: bool = False, estimate: bool = False,
-                    narrow: int | None = None) -> tuple[Any, Any, np.ndarray, dict, int]:
+                    narrow: int | None = None, need: int = 0) -> tuple[Any, Any, np.ndarray, dict, int]:
     """One float16 pass keeping ``n_keep`` candidates per user, their float32 re-scoring (``ordered``: the exact
     search's own sums) and the certificate: (scores, rows, host rows of the users whose certificate failed, the
-    pass's stats, candidates per user). ``estimate``: the pass may start each user at an estimate of its last
-    candidate's score (``Backend.run_blocks``' ``left_out``), which the certificate then counts as left out.
+    pass's stats, candidates per user). ``estimate``: the pass may start each user below its last candidate's
+    score (``Backend.run_blocks``' ``left_out``: where its threshold sample says ``need`` items lie above, 0: all it
+    keeps), which the certificate then counts as left out.
 
     ``narrow`` (a margin m' below ``n_keep - k``): the stats' ``narrow_certified`` counts the users a pass keeping
     k + m' would have certified (one that starts at the same estimate). A user's certificate there holds exactly
@@ -699,10 +708,10 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     # Where every item is a candidate there is nothing to estimate: the certificate has nothing left out.
     left = backend.empty_out((n_users,), np.float32, False) if estimate and wide < n_items else None
     # In no order (``best_first``): the re-scoring ranks the candidates itself, and the bound below takes the least.
-    # A user whose pass holds k + 1 items above its start is certified against it (the start counts as left out,
-    # below), however few of the ``wide`` it holds: the pass may start where it is sure of only those (``need``).
+    # A user whose pass holds its k best clear of its start is certified against it (the start counts as left out,
+    # below), however few of the ``wide`` it holds.
     wait = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident, left_out=left,
-                      best_first=False, need=min(k + 1, wide))
+                      best_first=False, need=min(need, wide))
     # Every one of the ``wide`` kept is re-scored (one more than the certificate needs: which one is the least is
     # not known without a sort), queued behind the pass without waiting for it: on the H200 the host's wait and then
     # its launches left the GPU idle 0.8-1.5 ms between the two (docs/benchmarks.md).

@@ -136,6 +136,9 @@ VARIANTS = {
     "gemm-seed-float32": {"fused_seed": False, "certified_exact": "off"},
     "certified": {"certified_exact": "on"},  # exact mode's certified route wherever the backend can take it
     "no-estimate": {"seed_estimate": False},  # the float16 passes seeded from lower bounds only
+    # HOOKS: l2's float16 passes sampled evenly (before metrics.centroid_ranks); passes that start where k + n items
+    # lie above (fast.NEED_SLACK, 1 shipped), or at their k + m + 1 (before 2026-12-06 23:xx).
+    "l2-even": {}, **{f"need{n}": {} for n in (2, 3, 4, 6)}, "need-k": {},
     "ip-uniform": {},  # HOOKS: an inner-product engine's float16 passes sampled evenly, so that they estimate
     # HOOKS: the estimate's rank at 3 or 4 standard deviations above its expected count (selection.ESTIMATE_SIGMAS,
     # 5 as shipped), alone and with a threshold sample of 32k items.
@@ -271,6 +274,16 @@ def _uniform_samples(engine):
     from recall.engine import fast as fast_mode
 
     fast_mode._state(engine).resident.norms_rank = False
+
+
+def _l2_even(engine):
+    """A hook: an l2 engine's float16 passes sampled evenly (as before metrics.centroid_ranks, 2026-12-06)."""
+    from recall.engine import fast as fast_mode
+
+    resident = fast_mode._state(engine).resident
+    if resident.ranks is not None:  # (once: a later round's searches keep the same samples, and their graphs)
+        resident.ranks = None
+        resident._samples.clear()
 
 
 #: Variants that change an engine (or a constant of the process) once it is made (lab only): what a rule of the
@@ -411,6 +424,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
+         "l2-even": _l2_even, **{f"need{n}": _setting("engine.fast", NEED_SLACK=n) for n in (2, 3, 4, 6)},
+         "need-k": _setting("engine.fast", NEED_SLACK=1 << 20),
          "ip-uniform": _uniform_samples, "sigma3": SIGMA3, "sigma4": SIGMA4, "sigma3-seed32k": SIGMA3,
          "sigma4-seed4k": SIGMA4, "seeded-k4k": K4K, "float32-k4k": K4K, "seed-block": BLOCK_SELECT,
          "float32-seed-block": BLOCK_SELECT, "shift32": _shift_float32, "users-arrays": _users_by_arrays,
@@ -675,7 +690,7 @@ def main() -> None:
         (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (gpu_rescore, "_warp_kernel"),
         (fused, "wgmma_smem"),
         (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
-        (device_items, "sample_rows"), (host_threads, "MAX_THREADS"))
+        (device_items, "sample_rows"), (host_threads, "MAX_THREADS"), (fast_mode, "NEED_SLACK"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():

@@ -102,15 +102,15 @@ def test_the_cpu_backends_bounds_leave_nothing_out():
 # --- on the GPU: the seed kernel's estimate, for real -----------------------------------------------------------
 
 
-def _planted(n_users, n_items, dim, seed):
-    """Lognormal data whose sample rows (every stride-th row: the threshold sample's, tiled.sample_rows) are made the
-    best items of every user: users gathered around a centre c, those items near c (the nearest under l2, the
+def _planted(n_users, n_items, dim, seed, k_pass=126):
+    """Lognormal data whose sample rows (every stride-th row: the threshold sample's of a pass of ``k_pass`` where it
+    estimates, tiled.sample_rows) are made the best items of every user: users gathered around a centre c, those items near c (the nearest under l2, the
     closest in angle under cosine) and the others near -2 c. An estimate taken over them lies far above every
     user's k-th best."""
     users, items = _lognormal(n_users, n_items, dim, seed)
     from recall.backends.cupy.selection import seed_size
 
-    size = seed_size(n_items, 126, 1 << 20)  # k = 100 in fast mode keeps k + 25 + 1
+    size = seed_size(n_items, k_pass, 1 << 20)  # k = 100 in fast mode keeps k + 25 + 1
     stride = n_items // size
     planted = np.arange(stride // 2, n_items, stride)[:size]
     rng = np.random.default_rng(seed + 7)
@@ -124,14 +124,15 @@ def _planted(n_users, n_items, dim, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("metric, k, estimated", [("ip", 100, False), ("ip", 1000, True), ("l2", 100, True),
+@pytest.mark.parametrize("metric, k, estimated", [("ip", 100, False), ("ip", 1000, True), ("l2", 100, False),
                                                   ("cosine", 100, True), ("l2", 1000, True)])
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 def test_gpu_estimates_keep_every_answer(gpu_available, monkeypatch, metric, k, estimated, precision):
     # A seeded catalogue (70,000 items), the fused kernels: with the estimate and without, the same answer (exact
     # mode's route bit for bit; fast mode against the oracle), and the estimate taken where the sample is of evenly
-    # spaced rows: cosine and l2, and ip where the estimate is tight (selection.ESTIMATE_EVEN_MU: k = 1,000 here;
-    # at k = 100 half the sample is the largest norms, whose k-th best is the bound kept).
+    # spaced rows: cosine, and ip and l2 where the estimate is tight (selection.ESTIMATE_EVEN_MU: k = 1,000 here; at
+    # k = 100 half the sample is the largest norms (ip) or the items nearest the centroid (l2), whose (k + 1)-th best
+    # is the start: selection.start_rank).
     if not gpu_available:
         pytest.skip("no usable GPU")
     from recall.engine import fast as fast_mode
@@ -168,8 +169,8 @@ def test_gpu_estimates_keep_every_answer(gpu_available, monkeypatch, metric, k, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("metric, dim", [("l2", 48), ("cosine", 48), ("l2", 200)])
-def test_gpu_an_estimate_too_high_is_caught(gpu_available, monkeypatch, metric, dim):
+@pytest.mark.parametrize("metric, dim, k", [("l2", 48, 1000), ("cosine", 48, 100), ("l2", 200, 1000)])
+def test_gpu_an_estimate_too_high_is_caught(gpu_available, monkeypatch, metric, dim, k):
     # Items planted at the sample's rows outscore the rest for every user: the estimate over them lies above most
     # users' k-th best, those users end short, and the certificate sends them to the widened pass. dim 200: fast
     # mode's float16 rows of more than 128 columns take cuBLAS + filter (float16 tiles), the same seed.
@@ -178,8 +179,12 @@ def test_gpu_an_estimate_too_high_is_caught(gpu_available, monkeypatch, metric, 
     from recall.engine import fast as fast_mode
 
     monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)
-    users, items = _planted(1000, 70000, dim, 46)
-    k = 100
+    monkeypatch.setattr(fast_mode, "MAX_CANDIDATE_SHARE", 1.0)  # k = 1,000 would decline for its share of the items
+    # Under l2 a pass samples half its rows nearest the items' centroid, and estimates (from evenly spaced rows) only
+    # where the estimate is tight: at k = 1,000 here, not at k = 100.
+    from recall.core import certificate
+
+    users, items = _planted(1000, 70000, dim, 46, k + certificate.margin(k) + 1)
     want = Engine(items, metric=metric, device="gpu", options=EngineOptions(certified_exact="off")).search(users, k)
     for precision, opts in (("exact", EngineOptions(certified_exact="on")), ("fast", EngineOptions())):
         engine = Engine(items, metric=metric, device="gpu", precision=precision, options=opts)
@@ -224,7 +229,8 @@ def test_gpu_starts_lie_near_the_kth_best_on_heavy_tailed_l2(gpu_available, monk
     monkeypatch.setattr(engine, "run", run)
     got = engine.search(users, k)
     st = engine.stats
-    assert st["fallback_users"] == 0 and st["seed_estimate"] > 0, st
+    # The start: an estimate (evenly spaced rows) or the (k + 1)-th best of a sample half nearest the centroid.
+    assert st["fallback_users"] == 0 and st["seed_estimate"] + st["seed_need_rank"] > 0, st
     users16, wide, left = next(p for p in passes if p[2] is not None)
     vecs16 = fast_mode._state(engine).resident.vecs
     starts = cupy.asarray(left)[:200]
@@ -261,7 +267,8 @@ def test_gpu_passes_start_at_what_the_certificate_needs(gpu_available, monkeypat
         got = engine.search(users, k)
         st = engine.stats
         assert st["seed_estimate"] + st["seed_need_rank"] > 0 and st["seed_need_rank"] in (0, k + 1), st
-        assert st["estimate_short_users"] > 0, st  # users that hold fewer than the pass keeps
+        if metric != "cosine":  # a sample half of the items ranked first (ip, l2): most start near their k-th best
+            assert st["estimate_short_users"] > 0, st  # users that hold fewer than the pass keeps
         if kind != "int8":
             assert st["widened_users"] <= 30 and st["fallback_users"] == 0, st
         bound = Engine(items, metric=metric, device="gpu", precision=precision,

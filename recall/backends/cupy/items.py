@@ -80,8 +80,8 @@ class DeviceItems:
                 if self._norms is None:
                     self._norms = norms_without(cupy, self.vecs, constant)
                 norms = self._norms[:n_items]
-                key = (self.ranks[:n_items] if self.ranks is not None else norms) if ranked else None
-                rows = sample_rows(cupy, n_items, size, key)
+                order = (self.ranks[:n_items] if self.ranks is not None else norms) if ranked else None
+                rows = sample_rows(cupy, n_items, size, order)
                 if self.bias_columns is None:
                     got = (rows, _up32(cupy, norms[rows]), None)
                 else:
