@@ -119,7 +119,7 @@ ROUTE_DIM_MAX = 256
 #: (``Backend.run_blocks``' ``need``), not the k + m + 1 it keeps: its certificate holds against the start wherever the
 #: user's exact k-th best lies above the start's bound (``certificate.certified``), with the slack's items between.
 #: Not at a margin learned wider than the first (``_search_fast``): there the scores crowd closer than the bound.
-NEED_SLACK = 1
+NEED_SLACK = 2
 #: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
 #: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
 #: search that small gains or loses little either way.

@@ -208,12 +208,13 @@ def start_rank(k: int, need: int, size: int, n_items: int, ranked: bool = False)
     ``left_out``) starts, in its threshold sample of ``size`` rows: (the rank, 0 for k; whether it is an estimate,
     over evenly spaced rows, rather than a bound). ``need`` (1 to k; 0: k): the items above its start a user needs,
     fewer than the pass keeps where the caller checks each user against its start (fast mode's certificate needs its
-    k plus one: every item left out then lies below the start, and the k best above it). The start is an estimate at
-    ``estimate_rank`` of need over evenly spaced rows where that applies, else the sample's need-th best: at least
+    k best clear of the start, ``fast.NEED_SLACK``: every item left out then lies below it). The start is an estimate
+    at ``estimate_rank`` of need over evenly spaced rows where that applies, else the sample's need-th best: at least
     need items score above it (a bound), however few of the k the pass keeps do. On 4,096 items at k = 10 (a pass of
-    27), counted on the CPU: 23 scores a user passed from the need-th best of a sample half of the largest norms where
-    55 passed from its 27th (skewed ip), 93 against 138 from evenly spaced rows (skewed l2), 43 from a sample half of
-    the items nearest the centroid (``metrics.centroid_ranks``; docs/benchmarks.md)."""
+    27, need 12), counted on the CPU: 25 scores a user passed from the need-th best of a sample half of the largest
+    norms where 55 passed from its 27th (skewed ip), 46 from a sample half of the items nearest the centroid
+    (``metrics.centroid_ranks``) where 138 passed from an estimate over evenly spaced rows (skewed l2;
+    docs/benchmarks.md)."""
     need = k if need <= 0 else min(need, k)
     ke = estimate_rank(need, size, n_items, ranked)
     if ke:
