@@ -105,8 +105,8 @@ def test_the_cpu_backends_bounds_leave_nothing_out():
 def _planted(n_users, n_items, dim, seed, k_pass=126):
     """Lognormal data whose sample rows (every stride-th row: the threshold sample's of a pass of ``k_pass`` where it
     estimates, tiled.sample_rows) are made the best items of every user: users gathered around a centre c, those
-    items near c (the nearest under l2, the closest in angle under cosine) and the others near -2 c. An estimate taken over them lies far above every
-    user's k-th best."""
+    items near c (the nearest under l2, the closest in angle under cosine) and the others near -2 c. An estimate
+    taken over them lies far above every user's k-th best."""
     users, items = _lognormal(n_users, n_items, dim, seed)
     from recall.backends.cupy.selection import seed_size
 
@@ -250,8 +250,8 @@ def test_gpu_passes_start_at_what_the_certificate_needs(gpu_available, monkeypat
     # k + NEED_SLACK = 12 items above the start (selection.start_rank: the sample's 12th best, or an estimate of it),
     # so that most users hold fewer than 27, each certified against its start. The answers: exact mode's float32
     # search's bit for bit on the certified route, the oracle's in fast mode, and both the same as passes that start
-    # at the 27th best (seed_estimate=False). Small integers (int8): tied scores at the start cannot be certified against it; those
-    # users widen, their answers exact all the same.
+    # at the 27th best (seed_estimate=False). Small integers (int8): tied scores at the start cannot be certified
+    # against it; those users widen, their answers exact all the same.
     if not gpu_available:
         pytest.skip("no usable GPU")
     from recall.bench.workloads import generate
