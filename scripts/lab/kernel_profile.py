@@ -138,7 +138,7 @@ VARIANTS = {
     "no-estimate": {"seed_estimate": False},  # the float16 passes seeded from lower bounds only
     # HOOKS: l2's float16 passes sampled evenly (before metrics.centroid_ranks); passes that start where k + n items
     # lie above (fast.NEED_SLACK, 1 shipped), or at their k + m + 1 (before 2026-12-06 23:xx).
-    "l2-even": {}, **{f"need{n}": {} for n in (2, 3, 4, 6)}, "need-k": {},
+    "l2-even": {}, **{f"need{n}": {} for n in (1, 2, 3, 4, 6)}, "need-k": {},
     "ip-uniform": {},  # HOOKS: an inner-product engine's float16 passes sampled evenly, so that they estimate
     # HOOKS: the estimate's rank at 3 or 4 standard deviations above its expected count (selection.ESTIMATE_SIGMAS,
     # 5 as shipped), alone and with a threshold sample of 32k items.
@@ -424,7 +424,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
-         "l2-even": _l2_even, **{f"need{n}": _setting("engine.fast", NEED_SLACK=n) for n in (2, 3, 4, 6)},
+         "l2-even": _l2_even, **{f"need{n}": _setting("engine.fast", NEED_SLACK=n) for n in (1, 2, 3, 4, 6)},
          "need-k": _setting("engine.fast", NEED_SLACK=1 << 20),
          "ip-uniform": _uniform_samples, "sigma3": SIGMA3, "sigma4": SIGMA4, "sigma3-seed32k": SIGMA3,
          "sigma4-seed4k": SIGMA4, "seeded-k4k": K4K, "float32-k4k": K4K, "seed-block": BLOCK_SELECT,
