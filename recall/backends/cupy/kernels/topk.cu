@@ -174,12 +174,13 @@ extern "C" __global__ void recall_mask_sampled_h(half_bits* __restrict__ scores,
 //            every pass (the range's, then one a digit, usually one or two) reads the row from global memory again
 //            and lowers it again, 4 scores a thread at a time where T is a multiple of 4, else 1; no key is held.
 //
-// An *estimate* instead of a lower bound (KE > 0, KE < K: fast mode's float16 passes, whose certificate checks every
-// user anyway, over a sample of evenly spaced rows): the threshold starts at the KE-th best sampled score. KE is
-// chosen (selection.estimate_rank) so that for nearly every user at least K items of the whole catalogue score above
-// it: about KE n / size items pass the filter instead of the K n / size a lower bound lets through. A user for whom
-// the estimate was too high ends with fewer than K items, and its caller knows its start (Backend.run_blocks'
-// left_out). The same select, at another rank.
+// A smaller rank (KE > 0, KE < K: fast mode's float16 passes, whose certificate checks every user against its start,
+// selection.start_rank): the threshold starts at the KE-th best sampled score, a lower bound of the user's KE-th best
+// (the certificate's need, fewer than the K the pass keeps), or over a sample of evenly spaced rows an *estimate* of
+// its need-th best, KE chosen (selection.estimate_rank) so that for nearly every user at least that many items of the
+// whole catalogue score above it: about KE n / size items pass the filter instead of the K n / size a lower bound of
+// the K-th lets through. A user whose start lay above its K-th best ends with fewer than K items, and its caller
+// knows its start (Backend.run_blocks' left_out). The same select, at another rank.
 #define RECALL_SEED_THREADS 256
 #define RECALL_SEED_HELD 8  // 16-byte loads a thread holds: 32 keys
 
