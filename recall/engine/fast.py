@@ -118,8 +118,10 @@ ROUTE_DIM_MAX = 256
 #: A first float16 pass may start each user where its threshold sample says only k + NEED_SLACK items score above it
 #: (``Backend.run_blocks``' ``need``), not the k + m + 1 it keeps: its certificate holds against the start wherever the
 #: user's exact k-th best lies above the start's bound (``certificate.certified``), with the slack's items between.
-#: Not at a margin learned wider than the first (``_search_fast``): there the scores crowd closer than the bound.
-NEED_SLACK = 2
+#: Not at a margin learned wider than the first (``_search_fast``): there the scores crowd closer than the bound. On
+#: 2M users x 4,096 skewed items under l2 (H100, 2026-12-06, docs/benchmarks.md) a slack of 1 left 503 users to a
+#: widened pass, 2 left 9, 3 none: a widened pass costs its search about 2 ms, one more rank 1-2% (1M x 4,096 ip).
+NEED_SLACK = 3
 #: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
 #: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
 #: search that small gains or loses little either way.

@@ -131,7 +131,7 @@ def test_gpu_estimates_keep_every_answer(gpu_available, monkeypatch, metric, k, 
     # A seeded catalogue (70,000 items), the fused kernels: with the estimate and without, the same answer (exact
     # mode's route bit for bit; fast mode against the oracle), and the estimate taken where the sample is of evenly
     # spaced rows: cosine, and ip and l2 where the estimate is tight (selection.ESTIMATE_EVEN_MU: k = 1,000 here; at
-    # k = 100 half the sample is the largest norms (ip) or the items nearest the centroid (l2), whose (k + 2)-th best
+    # k = 100 half the sample is the largest norms (ip) or the items nearest the centroid (l2), whose (k + 3)-th best
     # is the start: selection.start_rank).
     if not gpu_available:
         pytest.skip("no usable GPU")
@@ -180,6 +180,7 @@ def test_gpu_an_estimate_too_high_is_caught(gpu_available, monkeypatch, metric, 
 
     monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)
     monkeypatch.setattr(fast_mode, "MAX_CANDIDATE_SHARE", 1.0)  # k = 1,000 would decline for its share of the items
+    monkeypatch.setattr(fast_mode, "MAX_CANDIDATE_SHARE_TILES16", 1.0)  # (d = 200: float16 score tiles)
     # Under l2 a pass samples half its rows nearest the items' centroid, and estimates (from evenly spaced rows) only
     # where the estimate is tight: at k = 1,000 here, not at k = 100.
     from recall.core import certificate
@@ -229,7 +230,7 @@ def test_gpu_starts_lie_near_the_kth_best_on_heavy_tailed_l2(gpu_available, monk
     monkeypatch.setattr(engine, "run", run)
     got = engine.search(users, k)
     st = engine.stats
-    # The start: an estimate (evenly spaced rows) or the (k + 2)-th best of a sample half nearest the centroid.
+    # The start: an estimate (evenly spaced rows) or the (k + 3)-th best of a sample half nearest the centroid.
     assert st["fallback_users"] == 0 and st["seed_estimate"] + st["seed_need_rank"] > 0, st
     users16, wide, left = next(p for p in passes if p[2] is not None)
     vecs16 = fast_mode._state(engine).resident.vecs
@@ -247,7 +248,7 @@ def test_gpu_starts_lie_near_the_kth_best_on_heavy_tailed_l2(gpu_available, monk
                                                ("int8", "ip", 64)])
 def test_gpu_passes_start_at_what_the_certificate_needs(gpu_available, monkeypatch, kind, metric, dim):
     # 4,096 items at k = 10: the float16 pass keeps 27 candidates a user but starts at what the certificate needs,
-    # k + NEED_SLACK = 12 items above the start (selection.start_rank: the sample's 12th best, or an estimate of it),
+    # k + NEED_SLACK = 13 items above the start (selection.start_rank: the sample's 13th best, or an estimate of it),
     # so that most users hold fewer than 27, each certified against its start. The answers: exact mode's float32
     # search's bit for bit on the certified route, the oracle's in fast mode, and both the same as passes that start
     # at the 27th best (seed_estimate=False). Small integers (int8): tied scores at the start cannot be certified
