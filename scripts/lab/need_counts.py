@@ -1,0 +1,104 @@
+"""Where fast mode's first float16 pass starts, counted on the CPU (no GPU needed): per cell, the scores a user passes
+at its start (exact float64 scores, mean / p99) for the start before 2026-12-06 (the threshold sample's (k + m + 1)-th
+best, or an estimate of it over evenly spaced rows) and for the need's (``selection.start_rank`` with need k + slack:
+under l2 from a sample half nearest the items' centroid, ``metrics.centroid_ranks``); and, with ``--certify``, the
+users whose certificate would fail against a start at the (ranked) sample's (k + slack)-th best, slacks 1-4: the pass's
+scores emulated from the float16 rows (their products summed in float64, rounded to float32), the certificate's own
+test (``certificate.certified``) of each user's exact k-th best against that start::
+
+    python3 scripts/lab/need_counts.py [--cells skewed:8000:4096:32:10:l2,...] [--certify]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from recall.backends.cupy.backend import preferred_width
+from recall.backends.cupy.selection import estimate_rank, seed_size, start_rank
+from recall.backends.tiled import sample_rows
+from recall.bench.workloads import generate
+from recall.core import certificate, metrics
+from recall.engine.fast import NEED_SLACK
+
+CELLS = ("skewed:8000:4096:32:10:l2", "skewed:4000:4096:64:10:ip", "skewed:2000:20000:32:10:l2",
+         "skewed:2000:20000:64:50:ip", "normal:3000:4096:32:10:l2", "clustered:3000:4096:64:10:l2")
+
+
+def _data(spec: str, seed: int):
+    kind, nu, ni, dim, k, metric = spec.split(":")
+    nu, ni, dim, k = int(nu), int(ni), int(dim), int(k)
+    users, items = generate(kind, nu, ni, dim, seed=seed)
+    return users, items, nu, ni, dim, k, metric
+
+
+def _kth(s: np.ndarray, r: int) -> np.ndarray:
+    return -np.partition(-s, r - 1, axis=1)[:, r - 1]
+
+
+def passed(spec: str, slack: int) -> dict:
+    users, items, nu, ni, dim, k, metric = _data(spec, 0)
+    pu = metrics.prepare_users(metric, np, users).astype(np.float64)
+    pi = metrics.prepare_items(metric, np, items).astype(np.float64)
+    wide = min(k + certificate.margin(k) + 1, ni)
+    size = seed_size(ni, wide, 4 * preferred_width(dim, wide), bound=False)
+    norms = np.linalg.norm(pi, axis=1) if metrics.norms_rank(metric) else None
+    ranks = metrics.centroid_ranks(np, pi, metric, dim)
+    before = estimate_rank(wide, size, ni, norms is not None)
+    rules = {"before": (sample_rows(np, ni, size, None if before else norms), before or wide)}
+    order = ranks if ranks is not None else norms
+    rank, even = start_rank(wide, k + slack, size, ni, order is not None)
+    rules["need"] = (sample_rows(np, ni, size, None if even else order), rank or wide)
+    got = {name: [] for name in rules}
+    for a in range(0, nu, 500):
+        s = pu[a:a + 500] @ pi.T
+        for name, (rows, r) in rules.items():
+            got[name].append((s >= _kth(s[:, rows], r)[:, None]).sum(axis=1))
+    return {name: (rules[name][1], np.concatenate(c)) for name, c in got.items()}
+
+
+def failures(spec: str, slacks=(1, 2, 3, 4)) -> dict:
+    users, items, nu, ni, dim, k, metric = _data(spec, 1)
+    pu = metrics.prepare_users(metric, np, users)
+    pi = metrics.prepare_items(metric, np, items)
+    fi = certificate.prepare_items(np, pi, metrics.bias_column(metric, dim))
+    fu = certificate.prepare_users(np, pu, fi)
+    order = metrics.centroid_ranks(np, pi, metric, dim)
+    if order is None and metrics.norms_rank(metric):
+        order = np.linalg.norm(pi.astype(np.float64), axis=1)
+    wide = min(k + certificate.margin(k) + 1, ni)
+    rows = sample_rows(np, ni, seed_size(ni, wide, 4 * preferred_width(dim, wide), bound=False), order)
+    v16 = fi.vecs16.astype(np.float64)
+    out = {s: 0 for s in slacks}
+    for a in range(0, nu, 2000):
+        t = (fu.vecs16[a:a + 2000].astype(np.float64) @ v16.T).astype(np.float32).astype(np.float64)
+        exact = pu[a:a + 2000].astype(np.float64) @ pi.astype(np.float64).T
+        ts = -np.sort(-t[:, rows], axis=1)
+        kth = _kth(exact, k)
+        sub = fu.take(np.arange(a, min(a + 2000, nu)))
+        for s in slacks:
+            out[s] += int((~certificate.certified(np, kth, ts[:, k + s - 1], sub, fi)).sum())
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", default=",".join(CELLS))
+    p.add_argument("--slack", type=int, default=NEED_SLACK)
+    p.add_argument("--certify", action="store_true")
+    a = p.parse_args()
+    print("| cell | start before: rank, passed mean / p99 | the need's start: rank, passed mean / p99 |"
+          + (" certificates failed at slack 1 / 2 / 3 / 4 |" if a.certify else ""))
+    print("| --- | --- | --- |" + (" --- |" if a.certify else ""))
+    for spec in a.cells.split(","):
+        got = passed(spec, a.slack)
+        cols = [f"{r}: {c.mean():.1f} / {np.percentile(c, 99):.0f}" for r, c in got.values()]
+        fails = ""
+        if a.certify:
+            f = failures(spec)
+            fails = f" {' / '.join(str(f[s]) for s in sorted(f))} of {spec.split(':')[1]} |"
+        print(f"| {spec} | {cols[0]} | {cols[1]} |{fails}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
