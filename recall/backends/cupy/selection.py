@@ -211,10 +211,10 @@ def start_rank(k: int, need: int, size: int, n_items: int, ranked: bool = False)
     k best clear of the start, ``fast.NEED_SLACK``: every item left out then lies below it). The start is an estimate
     at ``estimate_rank`` of need over evenly spaced rows where that applies, else the sample's need-th best: at least
     need items score above it (a bound), however few of the k the pass keeps do. On 4,096 items at k = 10 (a pass of
-    27; need 12), counted on the CPU: 25 scores a user passed from the need-th best of a sample half of the largest
-    norms where 55 passed from its 27th (skewed ip), 46 from a sample half of the items nearest the centroid
-    (``metrics.centroid_ranks``) where 138 passed from an estimate over evenly spaced rows (skewed l2;
-    docs/benchmarks.md)."""
+    27; need 13), counted on the CPU (``scripts/lab/need_counts.py``): 26 scores a user passed from the need-th best of
+    a sample half of the largest norms where 55 passed from its 27th (skewed ip), 48 from a sample half of the items
+    nearest the centroid (``metrics.centroid_ranks``) where 138 passed from an estimate over evenly spaced rows
+    (skewed l2; docs/benchmarks.md)."""
     need = k if need <= 0 else min(need, k)
     ke = estimate_rank(need, size, n_items, ranked)
     if ke:
