@@ -123,6 +123,23 @@ def _planted(n_users, n_items, dim, seed, k_pass=126):
     return users, items
 
 
+def _assert_as_from_bounds(precision, st, got, plain, want, users, items, k, metric, sample, excl=None):
+    """A search whose passes started below their last candidates (``got``, its stats ``st``) against the same search
+    from lower bounds (``plain``, seed_estimate=False) and the float32 search (``want``): on the certified route
+    (``precision`` "exact") both bit for bit the float32 search's; in fast mode ``got`` the oracle's for the users
+    ``sample``, and both passes' lists the same for nearly every user (both hold every user's top k before the
+    re-scoring; a user that fell back may differ by a rounding step's swap)."""
+    if precision == "exact":
+        assert st["route"] == "certified", st
+        oracle.assert_same_result(got, want)
+        oracle.assert_same_result(plain, want)
+        return
+    ex = None if excl is None else {i: excl[u] for i, u in enumerate(sample) if u in excl}
+    oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample], items, k,
+                             metric, exclude=ex)
+    assert (as_numpy(got.indices) == as_numpy(plain.indices)).all(axis=1).mean() >= 0.99
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("metric, k, estimated", [("ip", 100, False), ("ip", 1000, True), ("l2", 100, False),
                                                   ("cosine", 100, True), ("l2", 1000, True)])
@@ -154,18 +171,7 @@ def test_gpu_estimates_keep_every_answer(gpu_available, monkeypatch, metric, k, 
                  options=EngineOptions(seed_estimate=False, certified_exact=opts.certified_exact))
     plain = off.search(users, k, exclude=excl)
     assert "seed_estimate" not in off.stats or off.stats["seed_estimate"] == 0, off.stats
-    if precision == "exact":
-        assert st["route"] == "certified", st
-        oracle.assert_same_result(got, want)
-        oracle.assert_same_result(plain, want)
-    else:
-        sample = np.arange(0, 2000, 9)
-        ex = {i: excl[u] for i, u in enumerate(sample) if u in excl}
-        oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample], items,
-                                 k, metric, exclude=ex)
-        # Both passes hold every user's top k before re-scoring: the same lists (a user that fell back may differ
-        # by a rounding step's swap).
-        assert (as_numpy(got.indices) == as_numpy(plain.indices)).all(axis=1).mean() >= 0.99
+    _assert_as_from_bounds(precision, st, got, plain, want, users, items, k, metric, np.arange(0, 2000, 9), excl)
 
 
 @pytest.mark.gpu
@@ -277,12 +283,4 @@ def test_gpu_passes_start_at_what_the_certificate_needs(gpu_available, monkeypat
                        options=EngineOptions(seed_estimate=False, certified_exact=opts.certified_exact))
         plain = bound.search(users, k)
         assert bound.stats.get("seed_need_rank", 0) == 0 and bound.stats.get("seed_estimate", 0) == 0, bound.stats
-        if precision == "exact":
-            assert st["route"] == "certified", st
-            oracle.assert_same_result(got, want)
-            oracle.assert_same_result(plain, want)
-        else:
-            sample = np.arange(0, 3000, 11)
-            oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample],
-                                     items, k, metric)
-            assert (as_numpy(got.indices) == as_numpy(plain.indices)).all(axis=1).mean() >= 0.99
+        _assert_as_from_bounds(precision, st, got, plain, want, users, items, k, metric, np.arange(0, 3000, 11))
