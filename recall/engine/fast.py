@@ -122,6 +122,14 @@ ROUTE_DIM_MAX = 256
 #: 2M users x 4,096 skewed items under l2 (H100, 2026-12-06, docs/benchmarks.md) a slack of 1 left 503 users to a
 #: widened pass, 2 left 9, 3 none: a widened pass costs its search about 2 ms, one more rank 1-2% (1M x 4,096 ip).
 NEED_SLACK = 3
+#: Under l2 the float16 passes of catalogues of at most this many items take half their threshold sample from the
+#: items nearest the items' centroid (``metrics.centroid_ranks``), the rest evenly spaced, and start at the sample's
+#: need-th best (``selection.start_rank``); larger catalogues sample evenly and start at an estimate. Counted on the
+#: CPU (``scripts/lab/need_counts.py``, k = 10, docs/benchmarks.md): 4,096 and 8,192 items pass 0.3-0.7x the scores
+#: a user; 16,000 skewed items 0.9x on average but 1.8x at the 99th percentile; 100k items 1.7x, 1M 5x (the users
+#: far from the centre find none of their best items near it). On the H100, one process, 2M x 4,096 x 32 took
+#: 23.1 ms so (``NEED_SLACK`` 3) against 24.7 ms sampled evenly (slack 2; docs/benchmarks.md).
+CENTROID_MAX_ITEMS = 8192
 #: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
 #: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
 #: search that small gains or loses little either way.
@@ -213,9 +221,10 @@ def _state(engine: Any) -> FastState:
         backend = engine.backend
         fast_items = certificate.prepare_items(backend.xp, engine.prepared_items,
                                                metrics.bias_column(engine.metric, engine.dim))
-        # Under l2 the float16 passes' samples take half their rows from the items nearest the centroid
-        # (metrics.centroid_ranks), from the exact prepared vectors.
-        ranks = metrics.centroid_ranks(backend.xp, engine.prepared_items, engine.metric, engine.dim)
+        # Under l2 a small catalogue's float16 passes sample half their rows nearest the centroid
+        # (CENTROID_MAX_ITEMS, metrics.centroid_ranks), from the exact prepared vectors.
+        ranks = (metrics.centroid_ranks(backend.xp, engine.prepared_items, engine.metric, engine.dim)
+                 if engine.n_items <= CENTROID_MAX_ITEMS else None)
         engine._fast = FastState(fast_items, backend.load_items(fast_items.vecs16, metrics.norms_rank(engine.metric),
                                                                 fast_items.constant_column,
                                                                 fast_items.bias_columns, ranks))

@@ -1,10 +1,11 @@
 """Where fast mode's first float16 pass starts, counted on the CPU (no GPU needed): per cell, the scores a user passes
 at its start (exact float64 scores, mean / p99) for the start before 2026-12-06 (the threshold sample's (k + m + 1)-th
 best, or an estimate of it over evenly spaced rows) and for the need's (``selection.start_rank`` with need k + slack:
-under l2 from a sample half nearest the items' centroid, ``metrics.centroid_ranks``); and, with ``--certify``, the
-users whose certificate would fail against a start at the (ranked) sample's (k + slack)-th best, slacks 1-4: the pass's
-scores emulated from the float16 rows (their products summed in float64, rounded to float32), the certificate's own
-test (``certificate.certified``) of each user's exact k-th best against that start::
+under l2 both from a sample half nearest the items' centroid, ``metrics.centroid_ranks``, whatever the catalogue's
+size, and from evenly spaced rows); and, with ``--certify``, the users whose certificate would fail against a start
+at the (ranked) sample's (k + slack)-th best, slacks 1-4: the pass's scores emulated from the float16 rows (their
+products summed in float64, rounded to float32), the certificate's own test (``certificate.certified``) of each
+user's exact k-th best against that start::
 
     python3 scripts/lab/need_counts.py [--cells skewed:8000:4096:32:10:l2,...] [--certify]
 """
@@ -49,6 +50,9 @@ def passed(spec: str, slack: int) -> dict:
     order = ranks if ranks is not None else norms
     rank, even = start_rank(wide, k + slack, size, ni, order is not None)
     rules["need"] = (sample_rows(np, ni, size, None if even else order), rank or wide)
+    if ranks is not None:  # the need's start from evenly spaced rows (l2 without the centroid's half)
+        rank, even = start_rank(wide, k + slack, size, ni, False)
+        rules["need, even"] = (sample_rows(np, ni, size), rank or wide)
     got = {name: [] for name in rules}
     for a in range(0, nu, 500):
         s = pu[a:a + 500] @ pi.T
@@ -93,6 +97,7 @@ def main() -> None:
     for spec in a.cells.split(","):
         got = passed(spec, a.slack)
         cols = [f"{r}: {c.mean():.1f} / {np.percentile(c, 99):.0f}" for r, c in got.values()]
+        cols[1] += f"; evenly spaced {cols.pop(2)}" if len(cols) > 2 else ""
         fails = ""
         if a.certify:
             f = failures(spec)

@@ -99,6 +99,36 @@ def test_the_cpu_backends_bounds_leave_nothing_out():
     np.testing.assert_array_equal(rows, as_numpy(want.indices))
 
 
+@pytest.mark.parametrize("metric, n_items, ranked", [("l2", 4096, True), ("l2", 8192, True), ("l2", 8193, False),
+                                                    ("ip", 4096, False), ("cosine", 4096, False)])
+def test_small_l2_catalogues_rank_their_float16_samples_by_the_centroid(monkeypatch, metric, n_items, ranked):
+    # fast.CENTROID_MAX_ITEMS: an l2 engine of at most that many items hands its float16 items' centroid ranks
+    # (metrics.centroid_ranks, from the exact prepared vectors) to the backend with them; a larger one, and other
+    # metrics, none (their samples: evenly spaced, or by the largest norms under ip).
+    from recall.backends.numpy.backend import NumpyBackend
+    from recall.core import metrics
+    from recall.engine import fast as fast_mode
+
+    real = NumpyBackend.load_items
+    handed = []
+
+    def load_items(self, prepared, norms_rank=False, constant_column=None, bias_columns=None, ranks=None):
+        handed.append(ranks)
+        return real(self, prepared, norms_rank, constant_column, bias_columns, ranks)
+
+    monkeypatch.setattr(NumpyBackend, "load_items", load_items)
+    users, items = _lognormal(4, n_items, 6, seed=47)
+    engine = Engine(items, metric=metric, device="cpu", precision="fast")
+    handed.clear()
+    fast_mode._state(engine)
+    assert len(handed) == 1
+    if ranked:
+        want = metrics.centroid_ranks(np, engine.prepared_items, "l2", 6)
+        np.testing.assert_array_equal(handed[0], want)
+    else:
+        assert handed[0] is None
+
+
 # --- on the GPU: the seed kernel's estimate, for real -----------------------------------------------------------
 
 
@@ -141,15 +171,15 @@ def _assert_as_from_bounds(precision, st, got, plain, want, users, items, k, met
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("metric, k, estimated", [("ip", 100, False), ("ip", 1000, True), ("l2", 100, False),
+@pytest.mark.parametrize("metric, k, estimated", [("ip", 100, False), ("ip", 1000, True), ("l2", 100, True),
                                                   ("cosine", 100, True), ("l2", 1000, True)])
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 def test_gpu_estimates_keep_every_answer(gpu_available, monkeypatch, metric, k, estimated, precision):
     # A seeded catalogue (70,000 items), the fused kernels: with the estimate and without, the same answer (exact
     # mode's route bit for bit; fast mode against the oracle), and the estimate taken where the sample is of evenly
-    # spaced rows: cosine, and ip and l2 where the estimate is tight (selection.ESTIMATE_EVEN_MU: k = 1,000 here; at
-    # k = 100 half the sample is the largest norms (ip) or the items nearest the centroid (l2), whose (k + 3)-th best
-    # is the start: selection.start_rank).
+    # spaced rows: cosine and l2 (a catalogue past fast.CENTROID_MAX_ITEMS), and ip where the estimate is tight
+    # (selection.ESTIMATE_EVEN_MU: k = 1,000 here; at k = 100 half the sample is the largest norms, whose (k + 3)-th
+    # best is the start: selection.start_rank).
     if not gpu_available:
         pytest.skip("no usable GPU")
     from recall.engine import fast as fast_mode
@@ -187,8 +217,7 @@ def test_gpu_an_estimate_too_high_is_caught(gpu_available, monkeypatch, metric, 
     monkeypatch.setattr(fast_mode, "MIN_SCORES", 0)
     monkeypatch.setattr(fast_mode, "MAX_CANDIDATE_SHARE", 1.0)  # k = 1,000 would decline for its share of the items
     monkeypatch.setattr(fast_mode, "MAX_CANDIDATE_SHARE_TILES16", 1.0)  # (d = 200: float16 score tiles)
-    # Under l2 a pass samples half its rows nearest the items' centroid, and estimates (from evenly spaced rows) only
-    # where the estimate is tight: at k = 1,000 here, not at k = 100.
+    # (k = 1,000 under l2: its estimate applies whatever the catalogue's size, fast.CENTROID_MAX_ITEMS.)
     from recall.core import certificate
 
     users, items = _planted(1000, 70000, dim, 46, k + certificate.margin(k) + 1)
@@ -236,8 +265,8 @@ def test_gpu_starts_lie_near_the_kth_best_on_heavy_tailed_l2(gpu_available, monk
     monkeypatch.setattr(engine, "run", run)
     got = engine.search(users, k)
     st = engine.stats
-    # The start: an estimate (evenly spaced rows) or the (k + 3)-th best of a sample half nearest the centroid.
-    assert st["fallback_users"] == 0 and st["seed_estimate"] + st["seed_need_rank"] > 0, st
+    # The start: an estimate over evenly spaced rows (70,000 items: more than fast.CENTROID_MAX_ITEMS).
+    assert st["fallback_users"] == 0 and st["seed_estimate"] > 0, st
     users16, wide, left = next(p for p in passes if p[2] is not None)
     vecs16 = fast_mode._state(engine).resident.vecs
     starts = cupy.asarray(left)[:200]
