@@ -225,6 +225,7 @@ def test_seed_block_holds_rows_of_up_to_32_keys_a_thread(size, want):
     (126, 101, 8192, 1_000_000, False, (9, True)),  # an estimate of the need, not of k (mu 0.83: rank 9, not 10)
     (126, 101, 8192, 1_000_000, True, (101, False)),  # ranked where the estimate is loose: a bound of the need
     (1251, 1001, 16384, 100_000, True, (232, True)),  # tight enough for a ranked sample to estimate (mu 164)
+    (376, 303, 1024, 20_000, True, (39, True)),   # the pass's estimate is tight (mu 19 at 376), the need's less so
 ])
 def test_a_pass_starts_where_its_caller_needs(k, need, size, n_items, ranked, want):
     # selection.start_rank: where a pass that may start below its k-th best (Backend.run_blocks' left_out) starts:
@@ -235,7 +236,8 @@ def test_a_pass_starts_where_its_caller_needs(k, need, size, n_items, ranked, wa
     assert got == want
     rank, estimated = got
     if estimated:
-        assert rank == estimate_rank(min(need, k), size, n_items, ranked) and 0 < rank < min(need, k)
+        assert estimate_rank(k, size, n_items, ranked) > 0
+        assert rank == estimate_rank(min(need, k), size, n_items) and 0 < rank < min(need, k)
     elif rank:
         assert rank == need < k
 

@@ -209,14 +209,16 @@ def start_rank(k: int, need: int, size: int, n_items: int, ranked: bool = False)
     over evenly spaced rows, rather than a bound). ``need`` (1 to k; 0: k): the items above its start a user needs,
     fewer than the pass keeps where the caller checks each user against its start (fast mode's certificate needs its
     k best clear of the start, ``fast.NEED_SLACK``: every item left out then lies below it). The start is an estimate
-    at ``estimate_rank`` of need over evenly spaced rows where that applies, else the sample's need-th best: at least
-    need items score above it (a bound), however few of the k the pass keeps do. On 4,096 items at k = 10 (a pass of
-    27; need 13), counted on the CPU (``scripts/lab/need_counts.py``): 26 scores a user passed from the need-th best of
-    a sample half of the largest norms where 55 passed from its 27th (skewed ip), 48 from a sample half of the items
-    nearest the centroid (``metrics.centroid_ranks``) where 138 passed from an estimate over evenly spaced rows
-    (skewed l2; docs/benchmarks.md)."""
+    at ``estimate_rank`` of need over evenly spaced rows where the pass would estimate its k (for a ranked sample,
+    where that estimate is tight: ``estimate_rank``'s ``ranked``) and the need's rank is below the need, else the
+    sample's need-th best: at least need items score above it (a bound), however few of the k the pass keeps do. On
+    4,096 items at k = 10 (a pass of 27; need 13), counted on the CPU (``scripts/lab/need_counts.py``): 26 scores a
+    user passed from the need-th best of a sample half of the largest norms where 55 passed from its 27th (skewed
+    ip), 48 from a sample half of the items nearest the centroid (``metrics.centroid_ranks``) where 138 passed from an
+    estimate over evenly spaced rows (skewed l2; docs/benchmarks.md)."""
     need = k if need <= 0 else min(need, k)
-    ke = estimate_rank(need, size, n_items, ranked)
+    # Whether to estimate is the pass's own choice (its sample was sized for it, seed_size); then at the need's rank.
+    ke = estimate_rank(need, size, n_items) if estimate_rank(k, size, n_items, ranked) else 0
     if ke:
         return ke, True
     return (need if need < k else 0), False
