@@ -146,8 +146,8 @@ class Backend(Protocol):
         the larger of it and the user's k-th result (-inf where it holds fewer than k). Given it, a backend may start
         a user below its k-th best (``EngineOptions.seed_estimate``): at an estimate of its ``need``-th best (1 to k;
         0: k), or at a lower bound of it where ``need`` is under k, and return fewer than k items: for a caller that
-        checks every user against its start (fast mode's certificate, which needs k + 3 of a pass that keeps more).
-        ``best_first`` False: each user's results may be written in any order (its k best all the
+        checks every user against its start (fast mode's certificate, which needs k + ``fast.NEED_SLACK`` of a pass
+        that keeps more). ``best_first`` False: each user's results may be written in any order (its k best all the
         same, the empty slots anywhere), for a caller that re-ranks them (fast mode's pass: a final sort of k = 1,251
         keys a user is most of its last merge). Returns a callable that waits for this search (the arrays are filled
         by then) and returns its stats; asynchronous backends return once the work is queued.

@@ -167,8 +167,9 @@ def norms_rank(metric: str) -> bool:
 def centroid_ranks(xp: Any, prepared: Any, metric: str, dim: int) -> Any:
     """Per item (n,) float64 of module ``xp``: its score against a user at the items' centroid c, from its
     ``prepared`` vector (of ``dim`` input dimensions; l2: c·v - |v|²/2, the order of -|c - v|²), or None where the
-    norms rank the items (``norms_rank``) or no centre does (cosine). Under l2 the items near the centre are the ones
-    most users rank high, as the largest norms are under the inner product: a threshold sample half of them starts
+    norms rank the items (``norms_rank``) or no centre does (cosine). Under l2, on a small catalogue
+    (``fast.CENTROID_MAX_ITEMS``), the items near the centre are the ones most users rank high, as the largest norms
+    are under the inner product: a threshold sample half of them starts
     fast mode's float16 pass of k = 10 on 4,096 items with 48 scores a user above it, where its estimate over evenly
     spaced rows let 138 through (skewed norms, ``scripts/lab/need_counts.py``, docs/benchmarks.md)."""
     col = bias_column(metric, dim)
