@@ -7,7 +7,10 @@ at the (ranked) sample's (k + slack)-th best, slacks 1-4: the pass's scores emul
 products summed in float64, rounded to float32), the certificate's own test (``certificate.certified``) of each
 user's exact k-th best against that start::
 
-    python3 scripts/lab/need_counts.py [--cells skewed:8000:4096:32:10:l2,...] [--certify]
+    python3 scripts/lab/need_counts.py [--cells skewed:8000:4096:32:10:l2,...] [--certify | --margins]
+
+``--margins``: per first margin m (the shipped is ``certificate.margin(k)``, 16 at k = 10), the users whose
+certificate fails and the candidates a user holds, where the pass starts at the need.
 """
 from __future__ import annotations
 
@@ -85,12 +88,53 @@ def failures(spec: str, slacks=(1, 2, 3, 4)) -> dict:
     return out
 
 
+def margins(spec: str, slack: int, ms=(0, 1, 2, 4, 8, 16)) -> dict:
+    """Per first margin m: (the users whose certificate fails, candidates a user holds) for a pass of k + m + 1
+    that starts at the (ranked) sample's (k + slack)-th best: its candidates the items at or above the larger of the
+    start and the (k + m + 1)-th best pass score, the best left out the larger of the start and the (k + m + 2)-th."""
+    users, items, nu, ni, dim, k, metric = _data(spec, 1)
+    pu = metrics.prepare_users(metric, np, users)
+    pi = metrics.prepare_items(metric, np, items)
+    fi = certificate.prepare_items(np, pi, metrics.bias_column(metric, dim))
+    fu = certificate.prepare_users(np, pu, fi)
+    order = metrics.centroid_ranks(np, pi, metric, dim)
+    if order is None and metrics.norms_rank(metric):
+        order = np.linalg.norm(pi.astype(np.float64), axis=1)
+    wide = min(k + certificate.margin(k) + 1, ni)
+    rows = sample_rows(np, ni, seed_size(ni, wide, 4 * preferred_width(dim, wide), bound=False), order)
+    v16 = fi.vecs16.astype(np.float64)
+    fails, held = {m: 0 for m in ms}, {m: [] for m in ms}
+    for a in range(0, nu, 2000):
+        t = (fu.vecs16[a:a + 2000].astype(np.float64) @ v16.T).astype(np.float32).astype(np.float64)
+        exact = pu[a:a + 2000].astype(np.float64) @ pi.astype(np.float64).T
+        start = _kth(t[:, rows], k + slack)
+        ts = -np.sort(-t, axis=1)
+        sub = fu.take(np.arange(a, min(a + 2000, nu)))
+        for m in ms:
+            kept = t >= np.maximum(start, ts[:, k + m])[:, None]
+            kth = _kth(np.where(kept, exact, -np.inf), k)
+            outside = np.maximum(start, ts[:, k + m + 1])
+            fails[m] += int((~certificate.certified(np, kth, outside, sub, fi)).sum())
+            held[m].append(kept.sum(axis=1))
+    return {m: (fails[m], float(np.concatenate(held[m]).mean())) for m in ms}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", default=",".join(CELLS))
     p.add_argument("--slack", type=int, default=NEED_SLACK)
     p.add_argument("--certify", action="store_true")
+    p.add_argument("--margins", action="store_true",
+                   help="per first margin m, the users whose certificate fails and the candidates a user holds, for a "
+                        "pass that starts at the sample's (k + slack)-th best")
     a = p.parse_args()
+    if a.margins:
+        print("| cell | first margin m: certificates failed, candidates a user |")
+        print("| --- | --- |")
+        for spec in a.cells.split(","):
+            got = margins(spec, a.slack)
+            print(f"| {spec} | " + "; ".join(f"{m}: {f}, {c:.1f}" for m, (f, c) in got.items()) + " |", flush=True)
+        return
     print("| cell | start before: rank, passed mean / p99 | the need's start: rank, passed mean / p99 |"
           + (" certificates failed at slack 1 / 2 / 3 / 4 |" if a.certify else ""))
     print("| --- | --- | --- |" + (" --- |" if a.certify else ""))
