@@ -155,6 +155,9 @@ VARIANTS = {
     # HOOKS: the first pass's margin (certificate.margin) narrowed: 16 at every k, 64, or where k + 17 candidates fit
     # a smaller power of two than k + k/4 + 1, up to that power (k = 1,000: 23).
     "m16": {}, "m64": {}, "m-pow2": {},
+    # HOOKS: a first margin of 2, 4 or 8 up to k = 64 (16 from there, k/4 from k = 64 on as shipped), now that passes
+    # start at the need (scripts/lab/need_counts.py --margins: 2-4 certified every user counted at k = 10 and 50).
+    "m2-small": {}, "m4-small": {}, "m8-small": {},
     # HOOKS: a probe that narrows only within a smaller power of two (before fast.NARROW_FLAT, 2026-12-05).
     "narrow-pow2": {},
     # HOOKS: the threshold sample's select one block a user at every rank (before the warp-a-user select of ranks up
@@ -421,6 +424,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "seed-m8r32": _setting(SELECTION, SEED_WARP_SMALL_RANK=32),
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
+         **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
