@@ -64,7 +64,10 @@ def passed(spec: str, slack: int) -> dict:
     return {name: (rules[name][1], np.concatenate(c)) for name, c in got.items()}
 
 
-def failures(spec: str, slacks=(1, 2, 3, 4)) -> dict:
+def _emulated(spec: str):
+    """The cell's users (seed 1) in blocks of 2,000: per block (its float16 pass's scores, emulated from the float16
+    rows: products summed in float64, rounded to float32; its exact scores; its FastUsers), with (k, the sample's
+    rows: ranked as the pass ranks them, the FastItems)."""
     users, items, nu, ni, dim, k, metric = _data(spec, 1)
     pu = metrics.prepare_users(metric, np, users)
     pi = metrics.prepare_items(metric, np, items)
@@ -76,13 +79,22 @@ def failures(spec: str, slacks=(1, 2, 3, 4)) -> dict:
     wide = min(k + certificate.margin(k) + 1, ni)
     rows = sample_rows(np, ni, seed_size(ni, wide, 4 * preferred_width(dim, wide), bound=False), order)
     v16 = fi.vecs16.astype(np.float64)
+
+    def blocks():
+        for a in range(0, nu, 2000):
+            t = (fu.vecs16[a:a + 2000].astype(np.float64) @ v16.T).astype(np.float32).astype(np.float64)
+            exact = pu[a:a + 2000].astype(np.float64) @ pi.astype(np.float64).T
+            yield t, exact, fu.take(np.arange(a, min(a + 2000, nu)))
+
+    return blocks(), k, rows, fi
+
+
+def failures(spec: str, slacks=(1, 2, 3, 4)) -> dict:
+    blocks, k, rows, fi = _emulated(spec)
     out = {s: 0 for s in slacks}
-    for a in range(0, nu, 2000):
-        t = (fu.vecs16[a:a + 2000].astype(np.float64) @ v16.T).astype(np.float32).astype(np.float64)
-        exact = pu[a:a + 2000].astype(np.float64) @ pi.astype(np.float64).T
+    for t, exact, sub in blocks:
         ts = -np.sort(-t[:, rows], axis=1)
         kth = _kth(exact, k)
-        sub = fu.take(np.arange(a, min(a + 2000, nu)))
         for s in slacks:
             out[s] += int((~certificate.certified(np, kth, ts[:, k + s - 1], sub, fi)).sum())
     return out
@@ -92,24 +104,11 @@ def margins(spec: str, slack: int, ms=(0, 1, 2, 4, 8, 16)) -> dict:
     """Per first margin m: (the users whose certificate fails, candidates a user holds) for a pass of k + m + 1
     that starts at the (ranked) sample's (k + slack)-th best: its candidates the items at or above the larger of the
     start and the (k + m + 1)-th best pass score, the best left out the larger of the start and the (k + m + 2)-th."""
-    users, items, nu, ni, dim, k, metric = _data(spec, 1)
-    pu = metrics.prepare_users(metric, np, users)
-    pi = metrics.prepare_items(metric, np, items)
-    fi = certificate.prepare_items(np, pi, metrics.bias_column(metric, dim))
-    fu = certificate.prepare_users(np, pu, fi)
-    order = metrics.centroid_ranks(np, pi, metric, dim)
-    if order is None and metrics.norms_rank(metric):
-        order = np.linalg.norm(pi.astype(np.float64), axis=1)
-    wide = min(k + certificate.margin(k) + 1, ni)
-    rows = sample_rows(np, ni, seed_size(ni, wide, 4 * preferred_width(dim, wide), bound=False), order)
-    v16 = fi.vecs16.astype(np.float64)
+    blocks, k, rows, fi = _emulated(spec)
     fails, held = {m: 0 for m in ms}, {m: [] for m in ms}
-    for a in range(0, nu, 2000):
-        t = (fu.vecs16[a:a + 2000].astype(np.float64) @ v16.T).astype(np.float32).astype(np.float64)
-        exact = pu[a:a + 2000].astype(np.float64) @ pi.astype(np.float64).T
+    for t, exact, sub in blocks:
         start = _kth(t[:, rows], k + slack)
         ts = -np.sort(-t, axis=1)
-        sub = fu.take(np.arange(a, min(a + 2000, nu)))
         for m in ms:
             kept = t >= np.maximum(start, ts[:, k + m])[:, None]
             kth = _kth(np.where(kept, exact, -np.inf), k)
