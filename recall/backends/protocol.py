@@ -194,6 +194,12 @@ class Backend(Protocol):
         what fast mode's probe weighs its widened users by (``recall.engine.fast``). :data:`PASS_SHARE` where the
         backend knows no better."""
 
+    def starts_at_need(self, options: EngineOptions) -> bool:
+        """Whether fast mode's first float16 pass, seeded, starts each user where its threshold sample says only the
+        pass's ``need`` items lie above it (``run_blocks``' ``need``), rather than at a bound of its k + m + 1-th:
+        there the margin m decides only how many candidates are kept, merged and re-scored, and fast mode keeps
+        fewer below k = 64 (``recall.engine.fast.NEED_MARGIN``)."""
+
     def fast_users(self, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
         """``certificate.prepare_users`` of prepared ``users`` (n, D) float32 on this backend (``shift`` too): fast
         mode's float16 copies, with what their certificates need, as backend arrays (the same arithmetic, in as few

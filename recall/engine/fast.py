@@ -1,7 +1,8 @@
 """Fast precision: score float16 copies on tensor cores, re-rank the best candidates in float32, prove the answer.
 
-For every user the engine keeps the ``k + m + 1`` best *approximate* scores (m = ``certificate.margin(k)``), in no
-order (``Backend.run_blocks``' ``best_first``), re-scores them in float32 (``Backend.rescore``) and takes their exact
+For every user the engine keeps the ``k + m + 1`` best *approximate* scores (m = ``certificate.margin(k)``, or fewer
+below k = 64 where the pass starts at the need: :data:`NEED_MARGIN`), in no order (``Backend.run_blocks``'
+``best_first``), re-scores them in float32 (``Backend.rescore``) and takes their exact
 top k. The answer is certified when the exact k-th score beats an upper bound of every score left out, from the
 least kept approximate score (``recall.core.certificate``).
 A user whose certificate fails is tried once more with ``k + 4m`` candidates (where score tiles are float16, its
@@ -122,6 +123,15 @@ ROUTE_DIM_MAX = 256
 #: 2M users x 4,096 skewed items under l2 (H100, 2026-12-06, docs/benchmarks.md) a slack of 1 left 503 users to a
 #: widened pass, 2 left 9, 3 none: a widened pass costs its search about 2 ms, one more rank 1-2% (1M x 4,096 ip).
 NEED_SLACK = 3
+#: Where the backend's first pass starts at the need (``Backend.starts_at_need``), its margin decides only how many
+#: candidates each user keeps, merges and re-scores: below k = NEED_MARGIN_MAX_K the first pass keeps k + m + 1 within
+#: the power of two that holds k + NEED_MARGIN + 1 (:func:`_default_margin`; k = 50: 64 candidates, not 76; k = 20: 32,
+#: not 37), never more than ``certificate.margin(k)``. 64 keys a user are what the GPU's merges sort a warp a user
+#: (``fused.MERGE_WARP_K``). On the H100 (2026-12-07, docs/benchmarks.md, interleaved): 200k x 20k x 64 ip at k = 50
+#: 8.6 ms against 9.8 (2.0x the float32 search), 1M x 100k 128 against 135, 1M x 20k l2 at k = 20 27.3 against 29.4;
+#: clustered 500k x 50k cosine at k = 50 1.05x (one user widened). Margins of 4 and 6 widened users at k = 20.
+NEED_MARGIN = 8
+NEED_MARGIN_MAX_K = 64
 #: Under l2 the float16 passes of catalogues of at most this many items take half their threshold sample from the
 #: items nearest the items' centroid (``metrics.centroid_ranks``), the rest evenly spaced, and start at the sample's
 #: need-th best (``selection.start_rank``); larger catalogues sample evenly and start at an estimate. Counted on the
@@ -210,7 +220,7 @@ class FastState:
     items: certificate.FastItems
     resident: Any  # the backend's resident form of items.vecs16
     trusted: set = field(default_factory=set)
-    margins: dict = field(default_factory=dict)  # k -> the first pass's margin, where not certificate.margin(k)
+    margins: dict = field(default_factory=dict)  # k -> the first pass's margin, where not _default_margin's
     # (learned wider, WIDE_FIRST, or narrower, NARROW_MIN_USERS)
     unpaid: dict = field(default_factory=dict)  # k -> (small searches declined since its last fast search, which did
     # not pay; the searches until the next recheck: RECHECK_EVERY)
@@ -331,7 +341,7 @@ def _as_exact(stats: dict) -> dict:
 
 def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) -> tuple[Any, Any]:
     n_users = int(users.shape[0])
-    wide = k + certificate.margin(k) + 1
+    wide = k + _default_margin(engine, k) + 1
     # Too small a search (min_scores); then the share models, which act on catalogues of the measured cells' size,
     # the share limit of a pass comparing float32 sums also on a smaller catalogue searched by as many scores as the
     # measured size rule routes (not the options' limit: tests run fast mode's passes on small data at any share).
@@ -403,7 +413,7 @@ def _search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool) ->
     else:
         _learn_margin(engine, k, s_stats, sample.size, narrow)
         margin = _first_margin(engine, k)
-        if prepared is not None and margin != certificate.margin(k) and (
+        if prepared is not None and margin != _default_margin(engine, k) and (
                 prepared.half_scores != _tiles16(engine, n_users, k, margin)):
             prepared = None  # made for the probe's pass, whose score tiles were of another dtype than this one's
         vals, rows, stats = _search_fast(engine, users, k, excl, prepared, ordered, margin)
@@ -434,9 +444,19 @@ def _taught_cost(engine: Any, k: int, stats: dict, n_users: int, share: float) -
 
 def _first_margin(engine: Any, k: int) -> int:
     """The margin of the first float16 pass of a search at ``k``: the one learned for k (WIDE_FIRST,
-    NARROW_MIN_USERS), else ``certificate.margin(k)``."""
+    NARROW_MIN_USERS), else :func:`_default_margin`."""
     learned = None if engine._fast is None else engine._fast.margins.get(k)
-    return certificate.margin(k) if learned is None else learned
+    return _default_margin(engine, k) if learned is None else learned
+
+
+def _default_margin(engine: Any, k: int) -> int:
+    """The first pass's margin at ``k`` where none is learned: ``certificate.margin(k)``, or, below NEED_MARGIN_MAX_K
+    where the backend starts its passes at the need, the most that keeps k + m + 1 within the power of two holding
+    k + NEED_MARGIN + 1 (k = 50: 13, 64 candidates; k = 20: 11; k = 10: the certificate's 16), if less."""
+    default = certificate.margin(k)
+    if k >= NEED_MARGIN_MAX_K or not engine.backend.starts_at_need(engine.options):
+        return default
+    return min(default, (1 << (k + NEED_MARGIN).bit_length()) - k - 1)
 
 
 def _narrow_margin(k: int, n_items: int) -> int | None:
@@ -493,8 +513,8 @@ def _learn_margin(engine: Any, k: int, stats: dict, n_users: int, narrow: int | 
         engine._fast.margins[k] = stats["widened_passes"][learned][0]
     elif narrow is not None and stats.get("narrow_certified") == n_users:
         engine._fast.margins[k] = narrow
-    elif stats["first_margin"] == certificate.margin(k) or (
-            stats["first_margin"] < certificate.margin(k) and stats["widened_users"] > NARROW_MISS * n_users):
+    elif stats["first_margin"] == _default_margin(engine, k) or (
+            stats["first_margin"] < _default_margin(engine, k) and stats["widened_users"] > NARROW_MISS * n_users):
         engine._fast.margins.pop(k, None)
 
 
@@ -578,7 +598,7 @@ def _take(xp: Any, users: Any, rows: np.ndarray) -> Any:
 
 def _prepare(engine: Any, users: Any, k: int, margin: int | None = None) -> certificate.FastUsers:
     """The float16 copies of prepared ``users`` and what their certificates need (module of ``users``), for a
-    search of ``k`` whose first pass keeps ``margin`` more (default ``certificate.margin(k)``)."""
+    search of ``k`` whose first pass keeps ``margin`` more (default :func:`_default_margin`)."""
     backend = engine.backend
     uxp = np if isinstance(users, np.ndarray) else backend.xp
     # Where the pass keeps float16 score tiles, each user's scores are shifted near 0 (SHIFT_ITEMS). Where it keeps
@@ -604,10 +624,10 @@ def _prepare_users(engine: Any, users: Any, uxp: Any, half: bool, shift: Any) ->
 
 def _tiles16(engine: Any, n_users: int, k: int, margin: int | None = None) -> bool:
     """Whether the first float16 pass of a search of ``n_users`` at ``k`` (keeping ``margin`` more, default
-    ``certificate.margin(k)``) will keep float16 score tiles (``Backend.pass_score_dtype``), for users not shifted
+    :func:`_default_margin`) will keep float16 score tiles (``Backend.pass_score_dtype``), for users not shifted
     (their columns: ``FastItems.unshifted_width``)."""
     items = _state(engine).items
-    wide = min(k + (certificate.margin(k) if margin is None else margin) + 1, engine.n_items)
+    wide = min(k + (_default_margin(engine, k) if margin is None else margin) + 1, engine.n_items)
     # The pass's plan, from the shape and dtype of its users (a stand-in that holds no memory).
     spec = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (n_users, items.width), (0, 0))
     plan = engine.plan(spec, engine.n_items, wide)
@@ -621,13 +641,13 @@ def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
                  margin: int | None = None, narrow: int | None = None) -> tuple[Any, Any, dict]:
     """Fast mode on every one of ``users``: (scores, rows, stats), exactly exact mode's answer. ``fast_users``: their
     float16 copies (``_prepare``), when already made; ``ordered``: the certified route (``search``); ``margin``: the
-    first pass's (default ``certificate.margin(k)``; the widened pass keeps WIDEN times as many); ``narrow``: a
+    first pass's (default :func:`_default_margin`; the widened pass keeps WIDEN times as many); ``narrow``: a
     smaller margin whose first pass's certified users are counted too (``stats["narrow_certified"]``)."""
     backend = engine.backend
     xp = backend.xp
     state = _state(engine)
     uxp = np if isinstance(users, np.ndarray) else xp
-    m = certificate.margin(k) if margin is None else margin
+    m = _default_margin(engine, k) if margin is None else margin
     if fast_users is None:
         fast_users = _prepare(engine, users, k, m)
     n_users, n_items = int(users.shape[0]), engine.n_items

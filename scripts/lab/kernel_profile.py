@@ -158,6 +158,9 @@ VARIANTS = {
     # HOOKS: a first margin of 2, 4 or 8 up to k = 64 (16 from there, k/4 from k = 64 on as shipped), now that passes
     # start at the need (scripts/lab/need_counts.py --margins: 2-4 certified every user counted at k = 10 and 50).
     "m2-small": {}, "m4-small": {}, "m8-small": {},
+    # HOOKS: the first margin where passes start at the need below k = 64 (fast.NEED_MARGIN, 2026-12-07) off (the
+    # certificate's, as before), or within the power of two holding k + 5.
+    "need-margin-off": {}, "need-margin-4": {},
     # HOOKS: a probe that narrows only within a smaller power of two (before fast.NARROW_FLAT, 2026-12-05).
     "narrow-pow2": {},
     # HOOKS: the threshold sample's select one block a user at every rank (before the warp-a-user select of ranks up
@@ -425,6 +428,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},
+         "need-margin-off": _setting("engine.fast", NEED_MARGIN_MAX_K=0),
+         "need-margin-4": _setting("engine.fast", NEED_MARGIN=4),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
@@ -694,7 +699,8 @@ def main() -> None:
         (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (gpu_rescore, "_warp_kernel"),
         (fused, "wgmma_smem"),
         (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
-        (device_items, "sample_rows"), (host_threads, "MAX_THREADS"), (fast_mode, "NEED_SLACK"))
+        (device_items, "sample_rows"), (host_threads, "MAX_THREADS"), (fast_mode, "NEED_SLACK"),
+        (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():

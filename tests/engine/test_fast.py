@@ -14,6 +14,14 @@ from recall.core import certificate as fast
 from recall.core.tiling import TilePlan
 
 
+def first_margin(engine, k):
+    """The margin a search of ``k`` on ``engine`` starts with where none is learned: the certificate's, or fewer
+    below k = 64 where the backend starts its passes at the need (the GPU's; ``fast.NEED_MARGIN``)."""
+    from recall.engine import fast as fast_search
+
+    return fast_search._default_margin(engine, k)
+
+
 def _ints(rng, n, dim):
     return rng.integers(-3, 4, size=(n, dim)).astype(np.float32)
 
@@ -324,7 +332,7 @@ def test_item_hidden_at_the_bounds_edge_is_found(device, similar_norms, n_decoys
     want = Engine(items, device=device).search(users, 1)
     oracle.assert_same_result(got, want)
     assert (as_numpy(got.indices) == 100 + n_decoys).all()  # the planted item's row
-    m = fast.margin(1)
+    m = first_margin(engine, 1)
     if similar_norms:
         # Its approximate score left it outside the candidates, and the bound knew it might be better than the
         # k-th: the certificate must fail. The first pass keeps 1 + m + 1 candidates, the widened one 1 + 4m + 1,
@@ -390,14 +398,14 @@ def _spy_fast_searches(monkeypatch):
 
 def test_fast_declines_where_the_certificate_cannot_pay(device, monkeypatch):
     # Vectors of -1, 0, 1 in 6 dimensions: scores are integers in [-6, 6], so the k-th score ties with hundreds of
-    # items left out and most certificates cannot hold (the second widened pass, 307 candidates of the 3,000,
-    # holds some ties whole). The sample (1/50 of the users) finds that out; the other users are searched in exact
+    # items left out and most certificates cannot hold (the second widened pass, 317 candidates of the 3,000,
+    # holds some ties whole). k = 60: the certificate's margin of 16 on every backend (fast.NEED_MARGIN_MAX_K). The sample (1/50 of the users) finds that out; the other users are searched in exact
     # mode (every user: the sample is a probe).
     calls = _spy_fast_searches(monkeypatch)
     users, items = ties_data(6400, 3000, 6, low=-1, high=1, seed=13)
     engine = Engine(items, device=device, precision="fast", options=emulated())
-    got = engine.search(users, 50)
-    oracle.assert_same_result(got, Engine(items, device=device).search(users, 50))
+    got = engine.search(users, 60)
+    oracle.assert_same_result(got, Engine(items, device=device).search(users, 60))
     stats = engine.stats
     assert stats["precision"] == "exact" and "fast_declined" in stats, stats
     assert stats["fast_sample"] == 128 and stats["sample_fallback_fraction"] > 0.1
@@ -563,12 +571,13 @@ def _assert_plateau_exact(res, users, items, k):
 
 
 def test_a_k_whose_users_were_widened_starts_wider(device):
-    # k = 20: m = 16, a first pass of 37 candidates inside the plateau of 60 fails for every user, the widened pass
-    # of 85 certifies every one. The next search of k = 20 starts at 85 (one float16 pass); another k does not.
+    # k = 20: m = 16 (11 where passes start at the need: the GPU's), a first pass of 37 (32) candidates inside the
+    # plateau of 60 fails for every user, the widened pass of 85 (65) certifies every one. The next search of k = 20
+    # starts there (one float16 pass); another k does not.
     users, items = plateau_data(600, seed=31)
     engine = Engine(items, device=device, precision="fast", options=emulated())
     _assert_plateau_exact(engine.search(users, 20), users, items, 20)
-    m = fast.margin(20)
+    m = first_margin(engine, 20)
     assert engine.stats["first_margin"] == m and engine.stats["widened_users"] == 600, engine.stats
     assert engine.stats["fallback_users"] == 0 and engine._fast.margins == {20: 4 * m}
     _assert_plateau_exact(engine.search(users, 20), users, items, 20)
@@ -576,7 +585,8 @@ def test_a_k_whose_users_were_widened_starts_wider(device):
     assert stats["first_margin"] == 4 * m and stats["candidates"] == 20 + 4 * m + 1, stats
     assert stats["widened_users"] == 0 and stats["fallback_users"] == 0, stats
     engine.search(users, 21)  # another k starts at its own first margin (and learns its own)
-    assert engine.stats["first_margin"] == fast.margin(21) and engine.stats["widened_users"] == 600, engine.stats
+    assert engine.stats["first_margin"] == first_margin(engine, 21) and engine.stats["widened_users"] == 600, (
+        engine.stats)
     # Users whose scores are spread out again: a search that starts wider keeps its margin (only a search at the
     # first margin, a sample's probe among them, finds out afresh).
     spread = normal_data(600, 10, 16, seed=32)[0]
@@ -585,12 +595,13 @@ def test_a_k_whose_users_were_widened_starts_wider(device):
 
 
 def test_a_second_widened_pass_certifies_and_is_learned(device):
-    # A plateau of 150 items: the first pass (37 candidates) and the widened one (85) fail for every user, the second
-    # widened pass (20 + 16m + 1 = 277) certifies every one; the next search of k = 20 starts there.
+    # A plateau of 150 items: the first pass (37 candidates; 32 on the GPU) and the widened one (85; 65) fail for
+    # every user, the second widened pass (20 + 16m + 1 = 277; 197) certifies every one; the next search of k = 20
+    # starts there.
     users, items = plateau_data(600, seed=35, plateau=150)
     engine = Engine(items, device=device, precision="fast", options=emulated())
     _assert_plateau_exact(engine.search(users, 20), users, items, 20)
-    m = fast.margin(20)
+    m = first_margin(engine, 20)
     stats = engine.stats
     assert stats["widened_passes"] == [[4 * m, 600, 0], [16 * m, 600, 600]], stats
     assert stats["widened_users"] == 600 and stats["fallback_users"] == 0 and engine._fast.margins == {20: 16 * m}
@@ -645,7 +656,7 @@ def test_the_probe_sets_the_first_margin_of_the_whole_search(device, monkeypatch
     monkeypatch.setattr(engine.backend, "float16_pass_share", lambda *args: 0.25)
     got = engine.search(users, 20)
     _assert_plateau_exact(got, users, items, 20)
-    m = fast.margin(20)
+    m = first_margin(engine, 20)
     stats = engine.stats
     assert calls == [128, 6400] and stats["probe"] == "sampled" and stats["precision"] == "fast", stats
     assert stats["first_margin"] == 4 * m and stats["widened_users"] == 0, stats
@@ -669,7 +680,9 @@ def test_learned_margin_rule(widened, fell_back, n_items, learned):
     from recall.engine import fast as fast_search
 
     m = fast.margin(20)
-    engine = SimpleNamespace(n_items=n_items, _fast=SimpleNamespace(margins={20: 4 * m}))
+    # (a backend that keeps the certificate's margin at every k, as the CPU's)
+    engine = SimpleNamespace(n_items=n_items, _fast=SimpleNamespace(margins={20: 4 * m}), options=None,
+                             backend=SimpleNamespace(starts_at_need=lambda options: False))
     stats = {"first_margin": m, "widened_users": widened, "fallback_users": fell_back,
              "widened_passes": [[4 * m, widened, widened - fell_back]]}
     fast_search._learn_margin(engine, 20, stats, 600)
@@ -1266,3 +1279,66 @@ def test_gpu_staging_model_declines_fast_mode_and_the_route_where_it_outlasts_th
         assert stats["route"] == "float32", stats
         stats = searched(engine("on"))
         assert stats["route"] == "certified" and key not in stats, stats
+
+
+@pytest.mark.parametrize("k, want", [(1, 14), (5, 10), (10, 16), (20, 11), (50, 13), (55, 8), (56, 16), (63, 16),
+                                     (64, 16), (100, 25)])
+def test_a_pass_started_at_its_need_keeps_a_power_of_two(monkeypatch, k, want):
+    # Where the backend starts its first pass at the need, below k = 64 the pass keeps k + m + 1 within the power
+    # of two that holds k + NEED_MARGIN + 1 (never more than the certificate's margin); elsewhere, and on a
+    # backend that starts at a bound of the k + m + 1-th, the certificate's margin.
+    from types import SimpleNamespace
+
+    from recall.engine import fast as fast_search
+
+    at_need = SimpleNamespace(backend=SimpleNamespace(starts_at_need=lambda options: True), options=None)
+    at_bound = SimpleNamespace(backend=SimpleNamespace(starts_at_need=lambda options: False), options=None)
+    got = fast_search._default_margin(at_need, k)
+    assert got == want and got <= fast.margin(k)
+    if k < fast_search.NEED_MARGIN_MAX_K and got < fast.margin(k):
+        assert k + got + 1 == 1 << (k + fast_search.NEED_MARGIN).bit_length()
+    assert fast_search._default_margin(at_bound, k) == fast.margin(k)
+    assert Engine(np.eye(4, dtype=np.float32), device="cpu", precision="fast").backend.starts_at_need(
+        EngineOptions()) is False
+
+
+def test_a_search_at_the_need_margin_is_exact(monkeypatch):
+    # The CPU's emulation made to start at the need margin (as the GPU's seeded passes do): k = 50 keeps 64
+    # candidates a user, and the answer is still the float64 oracle's, fallbacks and widened passes included (the
+    # widened pass keeps k + 4 x 13 + 1 = 103).
+    from recall.backends.numpy.backend import NumpyBackend
+
+    monkeypatch.setattr(NumpyBackend, "starts_at_need", lambda self, options: True)
+    users, items = normal_data(300, 4000, 16, seed=41)
+    engine = Engine(items, device="cpu", precision="fast", options=emulated())
+    got = engine.search(users, 50)
+    assert engine.stats["first_margin"] == 13 and engine.stats["candidates"] == 64, engine.stats
+    oracle.assert_topk_close(as_numpy(got.indices), as_numpy(got.scores), users, items, 50)
+    users, items = plateau_data(300, seed=42, plateau=90)  # 64 candidates inside the plateau: every user widened
+    engine = Engine(items, device="cpu", precision="fast", options=emulated())
+    _assert_plateau_exact(engine.search(users, 50), users, items, 50)
+    assert engine.stats["widened_passes"][0][:2] == [52, 300], engine.stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_gpu_first_passes_keep_the_need_margin(gpu_available, metric):
+    # GPU: the seeded float16 passes start at the need, so below k = 64 they keep a power of two of candidates
+    # (k = 50: 64, k = 20: 32); with estimates off (passes seeded from a bound) the certificate's margin. Exact
+    # mode's answer either way.
+    if not gpu_available:
+        pytest.skip("no usable GPU")
+    users, items = clustered_data(6400, 20000, 64, seed=43)
+    exact = Engine(items, metric=metric, device="gpu")
+    for options, k, margin in ((EngineOptions(float16_min_scores=0), 50, 13),
+                               (EngineOptions(float16_min_scores=0), 20, 11),
+                               (EngineOptions(float16_min_scores=0), 10, 16),
+                               (EngineOptions(float16_min_scores=0, seed_estimate=False), 50, 16)):
+        engine = Engine(items, metric=metric, device="gpu", precision="fast", options=options)
+        got = engine.search(users, k)
+        assert engine.stats["precision"] == "fast" and engine.stats["first_margin"] == margin, engine.stats
+        want = exact.search(users, k)
+        np.testing.assert_allclose(as_numpy(got.scores), as_numpy(want.scores), rtol=1e-5, atol=1e-5)
+        sample = np.arange(0, 6400, 97)
+        oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample], items,
+                                 k, metric)

@@ -423,6 +423,10 @@ class CupyBackend:
             return WIDE_PASS_SHARE
         return PASS_SHARE
 
+    def starts_at_need(self, options: EngineOptions) -> bool:
+        # Seeded passes at an estimate of the need-th best (pipeline.py); the walk keeps its own start.
+        return options.seed_thresholds and options.seed_estimate and not options.fused_walk
+
     def select(self, scores: Any, rows: Any, k: int) -> tuple[Any, Any]:
         return rescore.select(scores, rows, k)
 

@@ -582,6 +582,9 @@ class NumpyBackend:
     def float16_pass_share(self, n_users: int, n_items: int, k: int, width: int, options: EngineOptions) -> float:
         return PASS_SHARE  # fast mode here emulates the GPU's arithmetic (options.fast_emulation): no pass to model
 
+    def starts_at_need(self, options: EngineOptions) -> bool:
+        return False  # the CPU keeps the certificate's margin: a smaller one saves the GPU's merges, not the CPU's work
+
     def select(self, scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return keys.select(np, scores, rows, k)
 
