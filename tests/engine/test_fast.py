@@ -399,8 +399,9 @@ def _spy_fast_searches(monkeypatch):
 def test_fast_declines_where_the_certificate_cannot_pay(device, monkeypatch):
     # Vectors of -1, 0, 1 in 6 dimensions: scores are integers in [-6, 6], so the k-th score ties with hundreds of
     # items left out and most certificates cannot hold (the second widened pass, 317 candidates of the 3,000,
-    # holds some ties whole). k = 60: the certificate's margin of 16 on every backend (fast.NEED_MARGIN_MAX_K). The sample (1/50 of the users) finds that out; the other users are searched in exact
-    # mode (every user: the sample is a probe).
+    # holds some ties whole). k = 60: the certificate's margin of 16 on every backend (fast.NEED_MARGIN_MAX_K). The
+    # sample (1/50 of the users) finds that out; the other users are searched in exact mode (every user: the sample
+    # is a probe).
     calls = _spy_fast_searches(monkeypatch)
     users, items = ties_data(6400, 3000, 6, low=-1, high=1, seed=13)
     engine = Engine(items, device=device, precision="fast", options=emulated())
