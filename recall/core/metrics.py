@@ -27,11 +27,8 @@ def check_metric(metric: str) -> str:
     return metric
 
 
-#: Rows per float64 block of :func:`row_norms`, at least: the transient squares stay at 32 MiB (dim 64) however many
-#: rows there are; blocks of narrower rows hold up to _NORM_BLOCK_VALUES values (64 MiB; 262,144 rows at dim 32), so
-#: that a device's million users take a few launches, not dozens.
+#: Rows per float64 block of :func:`row_norms`: the transient copy stays at 32 MiB (dim 64) however many rows there are.
 _NORM_BLOCK_ROWS = 65_536
-_NORM_BLOCK_VALUES = 1 << 23
 #: Host arrays of at least this many values take the compiled loops below: one pass over the rows and no float64
 #: copy (NumPy's way makes one, squares it and sums it: 1M users x 64, 0.14-0.18 s -> 0.02-0.03 s on 2 cores,
 #: docs/benchmarks.md). Without the GIL, split by rows across ``host_threads``' few threads (a thread's loop took
@@ -86,12 +83,10 @@ def row_norms(xp: Any, vecs: Any) -> Any:
     if _host_loop(xp, vecs):
         host_threads.by_rows(_host_norms, vecs, out)
         return out
-    # Each value squared in float64 as it is widened (one pass, no float64 copy first: on the H100 1M x 64 users'
-    # copy took 0.35 ms of a 13.6 ms search, docs/benchmarks.md), then summed; CuPy's einsum costs 0.2 ms a call.
-    rows = max(_NORM_BLOCK_ROWS, _NORM_BLOCK_VALUES // max(1, int(vecs.shape[1]) if vecs.ndim == 2 else 1))
-    for start in range(0, vecs.shape[0], rows):
-        block = xp.square(vecs[start:start + rows], dtype=xp.float64)
-        block.sum(axis=1, out=out[start:start + block.shape[0]])
+    for start in range(0, vecs.shape[0], _NORM_BLOCK_ROWS):
+        block = vecs[start:start + _NORM_BLOCK_ROWS].astype(xp.float64)
+        block *= block  # a fresh copy: squared in place (two launches on the GPU; CuPy's einsum costs 0.2 ms a call)
+        out[start:start + block.shape[0]] = block.sum(axis=1)
     return xp.sqrt(out, out=out)
 
 
@@ -116,9 +111,7 @@ def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0) -> Any:
         out = np.empty(vecs.shape, dtype=np.float32)
         host_threads.by_rows(_host_scale, vecs, norms, out)
         return out
-    # Divided in float64 and rounded to float32 as it is written: (vecs / norms).astype(float32) without the float64
-    # array between (1M x 64: 512 MiB written and read again on the device).
-    return xp.divide(vecs, norms[:, None], out=xp.empty(vecs.shape, dtype=xp.float32), dtype=xp.float64)
+    return (vecs / norms[:, None]).astype(xp.float32)
 
 
 #: The l2 centre (:func:`l2_centre`) is taken from the catalogue's first rows, at most this many: a function of the

@@ -161,8 +161,6 @@ VARIANTS = {
     # HOOKS: the first margin where passes start at the need below k = 64 (fast.NEED_MARGIN, 2026-12-07) off (the
     # certificate's, as before), or within the power of two holding k + 5.
     "need-margin-off": {}, "need-margin-4": {},
-    # HOOKS: row norms and cosine's scaling by float64 copies (before 2026-12-07), in the route and the float32 search.
-    "norms-copy": {}, "float32-norms-copy": {"certified_exact": "off"},
     # HOOKS: a probe that narrows only within a smaller power of two (before fast.NARROW_FLAT, 2026-12-05).
     "narrow-pow2": {},
     # HOOKS: the threshold sample's select one block a user at every rank (before the warp-a-user select of ranks up
@@ -344,26 +342,6 @@ def _shift_float32(engine):
     fast_mode._prepare = prepare
 
 
-def _norms_by_copies(engine):
-    """A hook: row norms and cosine's scaling by the array operations before 2026-12-07 (a float64 copy of each block
-    of 65,536 rows, squared in place, summed; a float64 quotient, then its float32 copy)."""
-    from recall.core import metrics
-
-    def row_norms(xp, vecs):
-        out = xp.empty(vecs.shape[0], dtype=xp.float64)
-        for start in range(0, vecs.shape[0], 65_536):
-            block = vecs[start:start + 65_536].astype(xp.float64)
-            block *= block
-            out[start:start + block.shape[0]] = block.sum(axis=1)
-        return xp.sqrt(out, out=out)
-
-    def normalise(xp, vecs, what, first_row=0):
-        norms = row_norms(xp, vecs)
-        return (vecs / norms[:, None]).astype(xp.float32)
-
-    metrics.row_norms, metrics._normalise = row_norms, normalise
-
-
 def _users_by_arrays(engine):
     from recall.core import certificate
     from recall.engine import fast as fast_mode
@@ -451,7 +429,6 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},
          "need-margin-off": _setting("engine.fast", NEED_MARGIN_MAX_K=0),
-         **{v: _norms_by_copies for v in ("norms-copy", "float32-norms-copy")},
          "need-margin-4": _setting("engine.fast", NEED_MARGIN=4),
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
@@ -709,7 +686,7 @@ def main() -> None:
     from recall.backends.cupy import fused, selection
     from recall.backends.cupy import items as device_items
     from recall.backends.cupy import rescore as gpu_rescore
-    from recall.core import certificate, host_threads, metrics
+    from recall.core import certificate, host_threads
     from recall.engine import fast as fast_mode
 
     # What a variant's hook may change: (module, attribute) and the shipped value, put back before every variant.
@@ -723,8 +700,7 @@ def main() -> None:
         (fused, "wgmma_smem"),
         (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"), (fast_mode, "NEED_SLACK"),
-        (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"),
-        (metrics, "row_norms"), (metrics, "_normalise"))
+        (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():
