@@ -125,11 +125,12 @@ ROUTE_DIM_MAX = 256
 NEED_SLACK = 3
 #: Where the backend's first pass starts at the need (``Backend.starts_at_need``), its margin decides only how many
 #: candidates each user keeps, merges and re-scores: below k = NEED_MARGIN_MAX_K the first pass keeps k + m + 1 within
-#: the power of two that holds k + NEED_MARGIN + 1 (:func:`_default_margin`; k = 50: 64 candidates, not 76; k = 20: 32,
+#: the power of two that holds k + NEED_MARGIN + 1 (:func:`_default_margin`; k = 50: 64 candidates, not 67; k = 20: 32,
 #: not 37), never more than ``certificate.margin(k)``. 64 keys a user are what the GPU's merges sort a warp a user
-#: (``fused.MERGE_WARP_K``). On the H100 (2026-12-07, docs/benchmarks.md, interleaved): 200k x 20k x 64 ip at k = 50
-#: 8.6 ms against 9.8 (2.0x the float32 search), 1M x 100k 128 against 135, 1M x 20k l2 at k = 20 27.3 against 29.4;
-#: clustered 500k x 50k cosine at k = 50 1.05x (one user widened). Margins of 4 and 6 widened users at k = 20.
+#: (``fused.MERGE_WARP_K``). On the H100 (2026-12-07 02:00 UTC, docs/benchmarks.md, interleaved): 200k x 20k x 64 ip
+#: at k = 50 8.0 ms against 9.3 (2.13x the float32 search), 1M x 100k 128 against 135, 500k x 8,192 x 128 at k = 20
+#: 12.1 against 13.5, 1M x 20k x 64 l2 at k = 20 31.7 against 33.6; clustered 500k x 50k cosine at k = 50 and
+#: k = 5 even. Margins of 4 and 6 widened users at k = 20.
 NEED_MARGIN = 8
 NEED_MARGIN_MAX_K = 64
 #: Under l2 the float16 passes of catalogues of at most this many items take half their threshold sample from the
