@@ -675,15 +675,19 @@ def test_the_probe_sets_the_first_margin_of_the_whole_search(device, monkeypatch
     (600, 0, 65_536, True),  # 0.13%, within MAX_CANDIDATE_SHARE_TILES16's 0.5%
     (600, 0, 16_000, True),  # under SHARE_MIN_ITEMS: the share models do not act
 ])
-def test_learned_margin_rule(widened, fell_back, n_items, learned):
+@pytest.mark.parametrize("at_need", [False, True])
+def test_learned_margin_rule(widened, fell_back, n_items, learned, at_need):
     from types import SimpleNamespace
 
     from recall.engine import fast as fast_search
 
-    m = fast.margin(20)
-    # (a backend that keeps the certificate's margin at every k, as the CPU's)
-    engine = SimpleNamespace(n_items=n_items, _fast=SimpleNamespace(margins={20: 4 * m}), options=None,
-                             backend=SimpleNamespace(starts_at_need=lambda options: False))
+    # A backend that keeps the certificate's margin at every k (the CPU's), or one that starts its passes at the need
+    # (the GPU's): there the first margin at k = 20 is 11, and a search that started at it forgets a learned one.
+    engine = SimpleNamespace(n_items=n_items, _fast=SimpleNamespace(margins={20: 4 * 16}), options=None,
+                             backend=SimpleNamespace(starts_at_need=lambda options: at_need))
+    m = fast_search._default_margin(engine, 20)
+    assert m == (11 if at_need else fast.margin(20))
+    engine._fast.margins = {20: 4 * m}
     stats = {"first_margin": m, "widened_users": widened, "fallback_users": fell_back,
              "widened_passes": [[4 * m, widened, widened - fell_back]]}
     fast_search._learn_margin(engine, 20, stats, 600)
