@@ -70,7 +70,7 @@ class EngineOptions:
         in every cell measured (docs/benchmarks.md).
     fused_seed : bool
         GPU fused path on Hopper: float16 passes of fast mode and the certified route that keep at most 32
-        candidates a user (k up to 20 where they start at the need, ``fast.NEED_MARGIN``; 15 otherwise), in
+        candidates a user (k up to 23 where they start at the need, ``fast.NEED_MARGIN``; 15 otherwise), in
         searches without exclusions, score their threshold sample and select each user's threshold in one kernel
         (``seed_w.cu``), no sampled score written to memory. False: cuBLAS's GEMM writes the sample's scores and a
         select reads them back (other GPUs, larger k, exclusions). The thresholds are lower bounds either way, and

@@ -39,7 +39,7 @@ FUSED_SEEDED_MAX_K = 8192
 #: route took 0.0871 s, its re-scoring 0.041 s of it (one block an SM: 8,192 keys a user fill a block's shared
 #: memory), against 0.0737 s for the float32 search: that pass keeps cuBLAS + filter, and the route declines there.
 FUSED_HALF_SEEDED_MAX_K = 5121
-#: A float16 pass on Hopper that keeps at most SEED_W_MAX_K candidates a user (k + margin + 1: k up to 20 where it
+#: A float16 pass on Hopper that keeps at most SEED_W_MAX_K candidates a user (k + margin + 1: k up to 23 where it
 #: starts at the need, fast.NEED_MARGIN; 15 otherwise) scores and selects its threshold sample in one kernel
 #: (kernels/seed_w.cu, ``EngineOptions.fused_seed``) where the search excludes nothing: no sampled score goes through
 #: memory (:func:`seeds_fused`).
