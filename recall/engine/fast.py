@@ -510,12 +510,12 @@ def _learn_margin(engine: Any, k: int, stats: dict, n_users: int, narrow: int | 
     one at a narrowed margin that widened more than NARROW_MISS of its users; a search that started wider leaves it
     as it is (a sample's probe, at the first margin, finds out afresh)."""
     learned = _learned_pass(engine, k, stats, n_users)
+    first, default = stats["first_margin"], _default_margin(engine, k)
     if learned is not None:
         engine._fast.margins[k] = stats["widened_passes"][learned][0]
     elif narrow is not None and stats.get("narrow_certified") == n_users:
         engine._fast.margins[k] = narrow
-    elif stats["first_margin"] == _default_margin(engine, k) or (
-            stats["first_margin"] < _default_margin(engine, k) and stats["widened_users"] > NARROW_MISS * n_users):
+    elif first == default or (first < default and stats["widened_users"] > NARROW_MISS * n_users):
         engine._fast.margins.pop(k, None)
 
 

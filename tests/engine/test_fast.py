@@ -22,6 +22,14 @@ def first_margin(engine, k):
     return fast_search._default_margin(engine, k)
 
 
+def margin_engine(at_need, **fields):
+    """A stand-in engine for fast mode's margin rules: a backend that starts its passes at the need (the GPU's) or
+    at a bound (the CPU's), no options, and ``fields``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(backend=SimpleNamespace(starts_at_need=lambda options: at_need), options=None, **fields)
+
+
 def _ints(rng, n, dim):
     return rng.integers(-3, 4, size=(n, dim)).astype(np.float32)
 
@@ -683,9 +691,8 @@ def test_learned_margin_rule(widened, fell_back, n_items, learned, at_need):
 
     # A backend that keeps the certificate's margin at every k (the CPU's), or one that starts its passes at the need
     # (the GPU's): there the first margin at k = 20 is 11, and a search that started at it forgets a learned one.
-    engine = SimpleNamespace(n_items=n_items, _fast=SimpleNamespace(margins={20: 4 * 16}), options=None,
-                             backend=SimpleNamespace(starts_at_need=lambda options: at_need))
-    m = fast_search._default_margin(engine, 20)
+    engine = margin_engine(at_need, n_items=n_items, _fast=SimpleNamespace(margins={}))
+    m = first_margin(engine, 20)
     assert m == (11 if at_need else fast.margin(20))
     engine._fast.margins = {20: 4 * m}
     stats = {"first_margin": m, "widened_users": widened, "fallback_users": fell_back,
@@ -1288,21 +1295,17 @@ def test_gpu_staging_model_declines_fast_mode_and_the_route_where_it_outlasts_th
 
 @pytest.mark.parametrize("k, want", [(1, 14), (5, 10), (10, 16), (20, 11), (50, 13), (55, 8), (56, 16), (63, 16),
                                      (64, 16), (100, 25)])
-def test_a_pass_started_at_its_need_keeps_a_power_of_two(monkeypatch, k, want):
+def test_a_pass_started_at_its_need_keeps_a_power_of_two(k, want):
     # Where the backend starts its first pass at the need, below k = 64 the pass keeps k + m + 1 within the power
     # of two that holds k + NEED_MARGIN + 1 (never more than the certificate's margin); elsewhere, and on a
     # backend that starts at a bound of the k + m + 1-th, the certificate's margin.
-    from types import SimpleNamespace
-
     from recall.engine import fast as fast_search
 
-    at_need = SimpleNamespace(backend=SimpleNamespace(starts_at_need=lambda options: True), options=None)
-    at_bound = SimpleNamespace(backend=SimpleNamespace(starts_at_need=lambda options: False), options=None)
-    got = fast_search._default_margin(at_need, k)
+    got = first_margin(margin_engine(True), k)
     assert got == want and got <= fast.margin(k)
     if k < fast_search.NEED_MARGIN_MAX_K and got < fast.margin(k):
         assert k + got + 1 == 1 << (k + fast_search.NEED_MARGIN).bit_length()
-    assert fast_search._default_margin(at_bound, k) == fast.margin(k)
+    assert first_margin(margin_engine(False), k) == fast.margin(k)
     assert Engine(np.eye(4, dtype=np.float32), device="cpu", precision="fast").backend.starts_at_need(
         EngineOptions()) is False
 
