@@ -27,8 +27,11 @@ def check_metric(metric: str) -> str:
     return metric
 
 
-#: Rows per float64 block of :func:`row_norms`: the transient copy stays at 32 MiB (dim 64) however many rows there are.
+#: Rows per float64 block of :func:`row_norms`: this many, or as many as hold _NORM_BLOCK_VALUES values where that is
+#: more (narrow rows: fewer, fuller launches). The transient squares stay at 64 MiB up to dim 128 however many rows
+#: there are.
 _NORM_BLOCK_ROWS = 65_536
+_NORM_BLOCK_VALUES = 1 << 23
 #: Host arrays of at least this many values take the compiled loops below: one pass over the rows and no float64
 #: copy (NumPy's way makes one, squares it and sums it: 1M users x 64, 0.14-0.18 s -> 0.02-0.03 s on 2 cores,
 #: docs/benchmarks.md). Without the GIL, split by rows across ``host_threads``' few threads (a thread's loop took
@@ -83,10 +86,12 @@ def row_norms(xp: Any, vecs: Any) -> Any:
     if _host_loop(xp, vecs):
         host_threads.by_rows(_host_norms, vecs, out)
         return out
-    for start in range(0, vecs.shape[0], _NORM_BLOCK_ROWS):
-        block = vecs[start:start + _NORM_BLOCK_ROWS].astype(xp.float64)
-        block *= block  # a fresh copy: squared in place (two launches on the GPU; CuPy's einsum costs 0.2 ms a call)
-        out[start:start + block.shape[0]] = block.sum(axis=1)
+    # Squared while widened (one launch writes the float64 squares; CuPy's einsum costs 0.2 ms a call) and summed
+    # straight into ``out``: two launches a block, in blocks of at least 8M values.
+    rows = max(_NORM_BLOCK_ROWS, _NORM_BLOCK_VALUES // max(vecs.shape[1], 1))
+    for start in range(0, vecs.shape[0], rows):
+        block = xp.square(vecs[start:start + rows], dtype=xp.float64)
+        block.sum(axis=1, out=out[start:start + block.shape[0]])
     return xp.sqrt(out, out=out)
 
 
@@ -111,7 +116,8 @@ def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0) -> Any:
         out = np.empty(vecs.shape, dtype=np.float32)
         host_threads.by_rows(_host_scale, vecs, norms, out)
         return out
-    return (vecs / norms[:, None]).astype(xp.float32)
+    # Divided in float64 and rounded once into the float32 result: no float64 copy of the rows.
+    return xp.divide(vecs, norms[:, None], out=xp.empty(vecs.shape, dtype=xp.float32), dtype=xp.float64)
 
 
 #: The l2 centre (:func:`l2_centre`) is taken from the catalogue's first rows, at most this many: a function of the

@@ -161,6 +161,9 @@ VARIANTS = {
     # HOOKS: the first margin where passes start at the need below k = 64 (fast.NEED_MARGIN, 2026-12-07) off (the
     # certificate's, as before), or within the power of two holding k + 5.
     "need-margin-off": {}, "need-margin-4": {},
+    # HOOKS: row norms (l2's finished scores) and cosine's scaling on the device as array operations over a float64
+    # copy of the rows (before the one-pass metrics.row_norms and _normalise, 2026-12-07), also in the float32 search.
+    "norms-copy": {}, "float32-norms-copy": {"certified_exact": "off"},
     # HOOKS: a probe that narrows only within a smaller power of two (before fast.NARROW_FLAT, 2026-12-05).
     "narrow-pow2": {},
     # HOOKS: the threshold sample's select one block a user at every rank (before the warp-a-user select of ranks up
@@ -406,6 +409,36 @@ def _rescore_sort128(engine):
     rescore._warp_kernel = built
 
 
+def _norms_copy(engine):
+    import numpy as np
+
+    from recall.backends.cupy import items as device_items
+    from recall.core import metrics
+
+    one_pass, one_pass_normalise = metrics.row_norms, metrics._normalise
+
+    def row_norms(xp, vecs):
+        if isinstance(vecs, np.ndarray):
+            return one_pass(xp, vecs)
+        out = xp.empty(vecs.shape[0], dtype=xp.float64)
+        for start in range(0, vecs.shape[0], 65_536):
+            block = vecs[start:start + 65_536].astype(xp.float64)
+            block *= block
+            out[start:start + block.shape[0]] = block.sum(axis=1)
+        return xp.sqrt(out, out=out)
+
+    def normalise(xp, vecs, what, first_row=0):
+        if isinstance(vecs, np.ndarray):
+            return one_pass_normalise(xp, vecs, what, first_row)
+        norms = row_norms(xp, vecs)
+        if bool((norms == 0).any()):
+            return one_pass_normalise(xp, vecs, what, first_row)  # (its error)
+        return (vecs / norms[:, None]).astype(xp.float32)
+
+    metrics.row_norms = device_items.row_norms = row_norms
+    metrics._normalise = normalise
+
+
 def _block_rescore(engine):
     from recall.backends.cupy import rescore
 
@@ -430,6 +463,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},
          "need-margin-off": _setting("engine.fast", NEED_MARGIN_MAX_K=0),
          "need-margin-4": _setting("engine.fast", NEED_MARGIN=4),
+         "norms-copy": _norms_copy, "float32-norms-copy": _norms_copy,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
@@ -686,7 +720,7 @@ def main() -> None:
     from recall.backends.cupy import fused, selection
     from recall.backends.cupy import items as device_items
     from recall.backends.cupy import rescore as gpu_rescore
-    from recall.core import certificate, host_threads
+    from recall.core import certificate, host_threads, metrics
     from recall.engine import fast as fast_mode
 
     # What a variant's hook may change: (module, attribute) and the shipped value, put back before every variant.
@@ -700,7 +734,8 @@ def main() -> None:
         (fused, "wgmma_smem"),
         (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"), (fast_mode, "NEED_SLACK"),
-        (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"))
+        (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"), (metrics, "row_norms"),
+        (metrics, "_normalise"), (device_items, "row_norms"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():

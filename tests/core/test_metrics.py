@@ -64,10 +64,14 @@ def test_cosine_power_of_two_scalings_tie_exactly():
     assert np.all(out == out[0])
 
 
-def test_row_norms_in_blocks_equal_the_whole_computation(monkeypatch):
-    """Blocks of rows (bounded transient memory) give the same bits as one float64 pass over every row."""
-    vecs = np.random.default_rng(3).standard_normal((103, 9)).astype(np.float32)
-    monkeypatch.setattr(metrics, "_NORM_BLOCK_ROWS", 10)
+@pytest.mark.parametrize("block_rows, block_values", [(10, 1), (10, 9 * 25), (1000, 1)], ids=["rows", "values", "one"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_norms_in_blocks_equal_the_whole_computation(monkeypatch, block_rows, block_values, dtype):
+    """Blocks of rows (bounded transient memory; by rows, or by values for narrow rows) give the same bits as one
+    float64 pass over every row."""
+    vecs = np.random.default_rng(3).standard_normal((103, 9)).astype(dtype)
+    monkeypatch.setattr(metrics, "_NORM_BLOCK_ROWS", block_rows)
+    monkeypatch.setattr(metrics, "_NORM_BLOCK_VALUES", block_values)
     wide = vecs.astype(np.float64)
     whole = np.sqrt((wide * wide).sum(axis=1))
     got = metrics.row_norms(np, vecs)
@@ -289,3 +293,38 @@ def test_l2_items_rank_by_their_distance_to_the_centroid(centre):
     np.testing.assert_array_equal(np.argsort(-got, kind="stable")[:300], np.argsort(dist, kind="stable")[:300])
     assert metrics.centroid_ranks(np, items, "ip", 7) is None
     assert metrics.centroid_ranks(np, items, "cosine", 7) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [1, 9, 64])
+def test_gpu_row_norms_and_cosine_rows_in_one_pass(monkeypatch, dim):
+    """On the device the norms square while widening and sum into their place, and cosine divides in float64 into
+    its float32 rows: the bits of the float64 copy, squared, summed and divided (the earlier array operations), in
+    blocks or whole, NaN and zero rows as such."""
+    from recall.backends import cuda_status
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    rng = np.random.default_rng(dim)
+    host = (rng.standard_normal((5_000, dim)) * np.exp(3 * rng.standard_normal((5_000, 1)))).astype(np.float32)
+    host[7, 0] = np.nan
+    vecs = cupy.asarray(host)
+    wide = vecs.astype(cupy.float64)
+    want = cupy.sqrt((wide * wide).sum(axis=1))
+    for rows, values in ((65_536, 1 << 23), (100, 1)):
+        monkeypatch.setattr(metrics, "_NORM_BLOCK_ROWS", rows)
+        monkeypatch.setattr(metrics, "_NORM_BLOCK_VALUES", values)
+        got = metrics.row_norms(cupy, vecs)
+        assert isinstance(got, cupy.ndarray) and got.dtype == cupy.float64
+        cupy.testing.assert_array_equal(got, want)
+    assert bool(cupy.isnan(got[7]))
+    np.testing.assert_allclose(cupy.asnumpy(got)[8:], np.linalg.norm(host[8:].astype(np.float64), axis=1),
+                               rtol=1e-14)
+    host[7, 0] = 1.0
+    vecs = cupy.asarray(host)
+    scaled = metrics.prepare_users("cosine", cupy, vecs)
+    assert isinstance(scaled, cupy.ndarray) and scaled.dtype == cupy.float32
+    cupy.testing.assert_array_equal(scaled, (vecs / metrics.row_norms(cupy, vecs)[:, None]).astype(cupy.float32))
