@@ -161,6 +161,13 @@ VARIANTS = {
     # HOOKS: the first margin where passes start at the need below k = 64 (fast.NEED_MARGIN, 2026-12-07) off (the
     # certificate's, as before), or within the power of two holding k + 5.
     "need-margin-off": {}, "need-margin-4": {},
+    # HOOKS: the warp merges' K-th key found one bit a step, every register counted (topk.cu RECALL_MERGE_BITWISE,
+    # before 2026-12-07: two bits a step over the registers in use), in the route and the float32 search; and the
+    # fused path's candidate buffers at 4,096 keys a user (fused_capacity's 16,384 at k <= 512), with 4,096 items
+    # or fewer (no user can pass more), alone and in blocks of 65,536 users (which 16,384 keys a user put past the
+    # memory budget).
+    "merge-bitwise": {}, "float32-merge-bitwise": {"certified_exact": "off"}, "cap4k": {},
+    "float32-cap4k": {"certified_exact": "off"},
     # HOOKS: row norms (l2's finished scores) and cosine's scaling on the device as array operations over a float64
     # copy of the rows (before the one-pass metrics.row_norms and _normalise, 2026-12-07), also in the float32 search.
     "norms-copy": {}, "float32-norms-copy": {"certified_exact": "off"},
@@ -439,6 +446,22 @@ def _norms_copy(engine):
     metrics._normalise = normalise
 
 
+def _merge_bitwise(engine):
+    from recall.backends.cupy import kernels
+
+    mod = kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_MERGE_BITWISE",))
+    sel = engine.backend.selection
+    sel.merge_fused_warp = {held: mod.get_function(f"recall_merge_fused_w{held}") for held in (8, 16)}
+    sel.merge_fused_h_warp = {held: mod.get_function(f"recall_merge_fused_hw{held}") for held in (8, 16)}
+
+
+def _cap4k(engine):
+    from recall.backends.cupy import backend, pipeline
+
+    assert engine.n_items <= 4096, "cap4k: no more than 4,096 items (a user's survivors must fit)"
+    backend.fused_capacity = pipeline.fused_capacity = lambda k: 4096
+
+
 def _block_rescore(engine):
     from recall.backends.cupy import rescore
 
@@ -464,6 +487,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "need-margin-off": _setting("engine.fast", NEED_MARGIN_MAX_K=0),
          "need-margin-4": _setting("engine.fast", NEED_MARGIN=4),
          "norms-copy": _norms_copy, "float32-norms-copy": _norms_copy,
+         "merge-bitwise": _merge_bitwise, "float32-merge-bitwise": _merge_bitwise, "cap4k": _cap4k,
+         "float32-cap4k": _cap4k,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
@@ -717,7 +742,7 @@ def main() -> None:
         fast_mode.MAX_CANDIDATE_SHARE = fast_mode.MAX_CANDIDATE_SHARE_TILES16 = a.max_candidate_share
         fast_mode.MAX_CANDIDATE_SHARE_LARGE_K = fast_mode.MAX_CANDIDATE_SHARE_TWO_CHUNKS = a.max_candidate_share
     from recall.backends.cupy import backend as gpu_backend
-    from recall.backends.cupy import fused, selection
+    from recall.backends.cupy import fused, pipeline, selection
     from recall.backends.cupy import items as device_items
     from recall.backends.cupy import rescore as gpu_rescore
     from recall.core import certificate, host_threads, metrics
@@ -735,7 +760,8 @@ def main() -> None:
         (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"), (fast_mode, "NEED_SLACK"),
         (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"), (metrics, "row_norms"),
-        (metrics, "_normalise"), (device_items, "row_norms"))
+        (metrics, "_normalise"), (device_items, "row_norms"), (gpu_backend, "fused_capacity"),
+        (pipeline, "fused_capacity"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():

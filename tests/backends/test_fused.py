@@ -323,6 +323,41 @@ def test_warp_merge_equals_the_block_merge(monkeypatch, held, dtype, k, best_fir
         assert (got_rows[0] == -1).all() and (got_rows[1][3:] == -1).all() and (got_rows[7][k // 2:] == -1).all()
 
 
+@pytest.mark.parametrize("n_items", [20, 50, 100, 130, 200, 256])
+@pytest.mark.parametrize("k", [1, 10, 27, 64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("best_first", [True, False])
+def test_warp_merge_over_one_to_eight_registers_equals_the_block_merge(monkeypatch, n_items, k, dtype, best_first):
+    # Unseeded, a catalogue in one segment: every item survives, so the one merge holds n_items keys a user, in 1, 2,
+    # 4, 5, 7 and 8 of the warp's registers (each width of topk.cu's recall_warp_least). Half the items are copies of
+    # three vectors: keys that differ in their row bits alone, down to the last bit. Bit for bit the block merge's.
+    from recall.backends.cupy import fused as fused_module
+
+    rng = np.random.default_rng(n_items + k)
+    items = rng.standard_normal((n_items, 24)).astype(dtype)
+    items[::2] = items[[0, 1, 2] * (n_items // 6 + 1)][: (n_items + 1) // 2]
+    users = rng.standard_normal((130, 24)).astype(dtype)
+    backend = Engine(items[:1].astype(np.float32), device="gpu").backend
+    sel = backend.selection
+    calls = []
+    for table in (sel.merge_fused_warp, sel.merge_fused_h_warp):
+        for key, fn in list(table.items()):
+            monkeypatch.setitem(table, key, lambda *a, fn=fn, **kw: (calls.append(1), fn(*a, **kw))[1])
+    options = EngineOptions(fused="force", seed_thresholds=False)
+    monkeypatch.setattr(fused_module, "MERGE_WARP_K", 0)
+    want_vals, want_rows, stats = _run_half(backend, items, users, k, None, options, best_first=best_first)
+    assert stats["fused"] and not calls
+    monkeypatch.setattr(fused_module, "MERGE_WARP_K", 64)
+    got_vals, got_rows, _ = _run_half(backend, items, users, k, None, options, best_first=best_first)
+    assert calls
+    if not best_first:
+        want_vals, want_rows = _best_first(want_vals, want_rows)
+        got_vals, got_rows = _best_first(got_vals, got_rows)
+    np.testing.assert_array_equal(got_rows, want_rows)
+    np.testing.assert_array_equal(got_vals, want_vals)
+    assert (got_rows[:, :min(k, n_items)] >= 0).all() and (got_rows[:, n_items:] == -1).all()
+
+
 @pytest.mark.parametrize("n_users,n_items,width,k", [
     (1, 1, 8, 1), (3, 129, 16, 7), (130, 1000, 24, 10), (300, 3001, 72, 64), (257, 2500, 128, 100),
     (129, 700, 120, 30), (700, 5000, 40, 1000), (200, 1300, 112, 16), (60, 900, 56, 5), (150, 2000, 96, 20),

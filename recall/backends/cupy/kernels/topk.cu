@@ -1005,6 +1005,57 @@ __device__ void recall_merge_body(int u, u64* __restrict__ top, int* __restrict_
     }
 }
 
+// The least key recall_merge_warp_body keeps of n > K unique keys (lo and hi their least and largest, in every lane;
+// key[r] of lane l the key r * 32 + l, 0 where there is none, none at r >= R): a value with exactly K keys at or above
+// it, bits fixed from the highest in which the keys differ, two a step (one warp-wide sum of three counts, 10 bits
+// each: at most 32 HELD <= 512 keys), stopping at the first value with exactly K keys at or above it. The keys at or
+// above it are the K largest whichever value is found (RECALL_MERGE_BITWISE, measurement only: one bit a step, one
+// count of every HELD register, as before 2026-12-07).
+template <int R, int HELD>
+__device__ __forceinline__ u64 recall_warp_least(const u64 (&key)[HELD], u64 lo, u64 hi, int K) {
+    static_assert(R <= HELD && 32 * HELD < 1024, "the counts' 10-bit fields");
+    const int top_bit = 63 - __clzll((long long)(lo ^ hi));
+    u64 least = top_bit == 63 ? 0ull : hi & ~((2ull << top_bit) - 1ull);
+#if defined(RECALL_MERGE_BITWISE)
+    for (int b = top_bit; b >= 0; --b) {
+        const u64 trial = least | (1ull << b);
+        int above = 0;
+#pragma unroll
+        for (int r = 0; r < HELD; ++r) above += key[r] >= trial ? 1 : 0;
+        above = recall_warp_sum(above);
+        if (above >= K) {
+            least = trial;
+            if (above == K) break;
+        }
+    }
+#else
+    int b = top_bit;
+    for (; b >= 1; b -= 2) {
+        // Trials t1 < t2 < t3: bit b - 1, bit b, both, above least; their counts fall as they rise.
+        const u64 t1 = least | (1ull << (b - 1)), t2 = least | (1ull << b), t3 = t1 | t2;
+        int packed = 0;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            packed += (key[r] >= t1 ? 1 : 0) + (key[r] >= t2 ? 1 << 10 : 0) + (key[r] >= t3 ? 1 << 20 : 0);
+        packed = recall_warp_sum(packed);
+        const int c1 = packed & 1023, c2 = (packed >> 10) & 1023, c3 = packed >> 20;
+        const int c = c3 >= K ? c3 : c2 >= K ? c2 : c1;
+        if (c >= K) {
+            least = c3 >= K ? t3 : c2 >= K ? t2 : t1;
+            if (c == K) return least;
+        }
+    }
+    if (b == 0) {  // an odd number of bits: the last alone
+        const u64 trial = least | 1ull;
+        int above = 0;
+#pragma unroll
+        for (int r = 0; r < R; ++r) above += key[r] >= trial ? 1 : 0;
+        if (recall_warp_sum(above) >= K) least = trial;
+    }
+#endif
+    return least;
+}
+
 // recall_merge_body one warp a user: where the user's buffer did not overflow and its keys (those it keeps and its
 // candidates) number at most 32 HELD, each lane holds HELD of them in registers and the warp finds the K-th largest
 // bit by bit (how many keys lie at or above each trial value: one warp-wide sum a bit), with no shared memory but the
@@ -1067,19 +1118,16 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
             lo = min(lo, __shfl_xor_sync(full, lo, off));
             hi = max(hi, __shfl_xor_sync(full, hi, off));
         }
-        const int top_bit = 63 - __clzll((long long)(lo ^ hi));
-        least = top_bit == 63 ? 0ull : hi & ~((2ull << top_bit) - 1ull);
-        for (int b = top_bit; b >= 0; --b) {
-            const u64 trial = least | (1ull << b);
-            int above = 0;
-#pragma unroll
-            for (int r = 0; r < HELD; ++r) above += (r < rounds && key[r] >= trial) ? 1 : 0;
-            above = recall_warp_sum(above);
-            if (above >= K) {
-                least = trial;
-                if (above == K) break;
-            }
-        }
+        // The registers that hold keys (rounds, the same in every lane) decide the count's width: the route's k = 10
+        // pass meets 27 to about 160 keys a user, one to five rounds of HELD = 8.
+        if (rounds <= 1)
+            least = recall_warp_least<1>(key, lo, hi, K);
+        else if (rounds <= 2)
+            least = recall_warp_least<2>(key, lo, hi, K);
+        else if (rounds <= 4)
+            least = recall_warp_least<4>(key, lo, hi, K);
+        else
+            least = recall_warp_least<HELD>(key, lo, hi, K);
     }
     // Each lane's kept keys at their places: in the state (a fold), in the results (a final pass in no order), or
     // in shared memory to be sorted (best first).
