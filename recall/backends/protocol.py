@@ -88,8 +88,8 @@ class Backend(Protocol):
     def free_memory(self) -> int:
         """Bytes of memory available now."""
 
-    def state_bytes(self, k: int) -> int:
-        """Bytes of running top-k state per user."""
+    def state_bytes(self, k: int, n_items: int = 0) -> int:
+        """Bytes of running top-k state per user, of a search of ``n_items`` items (0: not known, the most)."""
 
     def resident_bytes(self, n_items: int, dim: int) -> int:
         """Bytes that ``load_items`` of (n_items, dim) float32 prepared items takes on this backend, with what it

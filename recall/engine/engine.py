@@ -457,7 +457,7 @@ class Engine:
         preferred = self.options.tiles or tuning.preferred_tiles(self, users, n_items, k)
         preferred = (max(preferred[0], self.options.min_user_block), preferred[1], preferred[2])
         return plan_tiles(int(users.shape[0]), n_items, int(users.shape[1]), k, self.memory_budget, preferred,
-                          self.backend.state_bytes(k), self.backend.workers,
+                          self.backend.state_bytes(k, n_items), self.backend.workers,
                           tuning.few_users_area(self.backend, self.options))
 
     def _check_users(self, user_vecs: Any, exclude: Any, centred: bool = True) -> tuple[Any, Any, Exclusions]:

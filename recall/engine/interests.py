@@ -257,7 +257,7 @@ def _run(engine: Any, users: Any, m: int, rows: int, aggregate: str, bias: bool,
     else:
         preferred = backend.preferred_tiles(width, k_sel, users.dtype, n_users, n_items, unfused)
     plan = plan_tiles(n_users, n_items * parts, rows * width, k_sel, engine.memory_budget, preferred,
-                      backend.state_bytes(k_sel), backend.workers)
+                      backend.state_bytes(k_sel, n_items), backend.workers)
     tile = plan.item_tile // parts
     if tile >= 8:
         tile -= tile % 4  # keep tiles a multiple of 4 wide: the GPU filter reads them as float4

@@ -339,8 +339,8 @@ class TuneResult:
 
 def _plan(engine: Any, n_users: int, dim: int, k: int, tiles: Tiles) -> TilePlan:
     backend = engine.backend
-    return plan_tiles(n_users, engine.n_items, dim, k, engine.memory_budget, tiles, backend.state_bytes(k),
-                      backend.workers)
+    return plan_tiles(n_users, engine.n_items, dim, k, engine.memory_budget, tiles,
+                      backend.state_bytes(k, engine.n_items), backend.workers)
 
 
 def tune_engine(engine: Any, users: Any, k: int, *, repeat: int = 3, n_users: int | None = None, save: bool = True,

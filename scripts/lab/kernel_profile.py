@@ -163,11 +163,10 @@ VARIANTS = {
     "need-margin-off": {}, "need-margin-4": {},
     # HOOKS: the warp merges' K-th key found one bit a step, every register counted (topk.cu RECALL_MERGE_BITWISE,
     # before 2026-12-07: two bits a step over the registers in use), in the route and the float32 search; and the
-    # fused path's candidate buffers at 4,096 keys a user (fused_capacity's 16,384 at k <= 512), with 4,096 items
-    # or fewer (no user can pass more), alone and in blocks of 65,536 users (which 16,384 keys a user put past the
-    # memory budget).
-    "merge-bitwise": {}, "float32-merge-bitwise": {"certified_exact": "off"}, "cap4k": {},
-    "float32-cap4k": {"certified_exact": "off"},
+    # fused path's candidate buffers at the rule's room whatever the catalogue (selection.fused_capacity without
+    # its items, before 2026-12-07: 16,384 keys a user at k <= 512).
+    "merge-bitwise": {}, "float32-merge-bitwise": {"certified_exact": "off"}, "cap-off": {},
+    "float32-cap-off": {"certified_exact": "off"},
     # HOOKS: row norms (l2's finished scores) and cosine's scaling on the device as array operations over a float64
     # copy of the rows (before the one-pass metrics.row_norms and _normalise, 2026-12-07), also in the float32 search.
     "norms-copy": {}, "float32-norms-copy": {"certified_exact": "off"},
@@ -189,10 +188,12 @@ VARIANTS = {
     # shipped; 256 before 2026-12-05), in both searches.
     **{f"{pre}merge{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
        for n in (32, 128, 256)},
-    # HOOKS: fused searches' user blocks (cupy.backend.FUSED_USER_BLOCK) of 4,096 users (before 2026-12-04), 8,192
-    # or 16,384, in both searches.
+    # HOOKS: fused searches' user blocks (cupy.backend.FUSED_USER_BLOCK, and FUSED_SMALL_USER_BLOCK over at most
+    # 4,096 items) of 4,096 users (before 2026-12-04), 8,192 or 16,384, in both searches; and small catalogues' blocks
+    # of 32,768 users as before 2026-12-07 (`small-users-off`).
     **{f"{pre}users{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
        for n in (4096, 8192, 16384, 32768, 65536)},
+    **{f"{pre}small-users-off": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")},
     # A seeded fused search's first launch over 2,048-16,384 items (EngineOptions.fused_first_segment; shipped: a
     # whole segment), then the rest in launches of fused_segment: the first launch's merge raises the thresholds from
     # the sample's k-th best to those items' k-th best. sqrt(sample x items) would pass the fewest scores in all
@@ -455,11 +456,10 @@ def _merge_bitwise(engine):
     sel.merge_fused_h_warp = {held: mod.get_function(f"recall_merge_fused_hw{held}") for held in (8, 16)}
 
 
-def _cap4k(engine):
-    from recall.backends.cupy import backend, pipeline
+def _cap_off(engine):
+    from recall.backends.cupy import backend, pipeline, selection
 
-    assert engine.n_items <= 4096, "cap4k: no more than 4,096 items (a user's survivors must fit)"
-    backend.fused_capacity = pipeline.fused_capacity = lambda k: 4096
+    backend.fused_capacity = pipeline.fused_capacity = lambda k, n_items=0: selection.fused_capacity(k)
 
 
 def _block_rescore(engine):
@@ -487,8 +487,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "need-margin-off": _setting("engine.fast", NEED_MARGIN_MAX_K=0),
          "need-margin-4": _setting("engine.fast", NEED_MARGIN=4),
          "norms-copy": _norms_copy, "float32-norms-copy": _norms_copy,
-         "merge-bitwise": _merge_bitwise, "float32-merge-bitwise": _merge_bitwise, "cap4k": _cap4k,
-         "float32-cap4k": _cap4k,
+         "merge-bitwise": _merge_bitwise, "float32-merge-bitwise": _merge_bitwise, "cap-off": _cap_off,
+         "float32-cap-off": _cap_off,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
@@ -497,8 +497,10 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "ip-uniform": _uniform_samples, "sigma3": SIGMA3, "sigma4": SIGMA4, "sigma3-seed32k": SIGMA3,
          "sigma4-seed4k": SIGMA4, "seeded-k4k": K4K, "float32-k4k": K4K, "seed-block": BLOCK_SELECT,
          "float32-seed-block": BLOCK_SELECT, "shift32": _shift_float32, "users-arrays": _users_by_arrays,
-         **{f"{pre}users{n}": _setting("backends.cupy.backend", FUSED_USER_BLOCK=n)
+         **{f"{pre}users{n}": _setting("backends.cupy.backend", FUSED_USER_BLOCK=n, FUSED_SMALL_USER_BLOCK=n)
             for pre in ("", "float32-") for n in (4096, 8192, 16384, 32768, 65536)},
+         **{f"{pre}small-users-off": _setting("backends.cupy.backend", FUSED_SMALL_USER_BLOCK=32768)
+            for pre in ("", "float32-")},
          **{f"{pre}merge{n}": _setting(FUSED, MERGE_SMALL_THREADS=n)
             for pre in ("", "float32-") for n in (32, 128, 256)},
          **{f"{pre}merge-block": _setting(FUSED, MERGE_WARP_K=0) for pre in ("", "float32-")},
@@ -755,7 +757,8 @@ def main() -> None:
         (selection, "ESTIMATE_SIGMAS"), (selection, "ESTIMATE_SAMPLE_SHARE"), (fused, "FUSED_SEEDED_MAX_K"),
         (fused, "FUSED_HALF_SEEDED_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
-        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_rescore, "takes_warp"), (gpu_rescore, "_warp_kernel"),
+        (gpu_backend, "FUSED_USER_BLOCK"), (gpu_backend, "FUSED_SMALL_USER_BLOCK"), (gpu_rescore, "takes_warp"),
+        (gpu_rescore, "_warp_kernel"),
         (fused, "wgmma_smem"),
         (fused, "MERGE_SMALL_THREADS"), (fused, "MERGE_WARP_K"), (fused, "MERGE_WARP_HELD"),
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"), (fast_mode, "NEED_SLACK"),

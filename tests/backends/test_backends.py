@@ -112,13 +112,17 @@ def test_cpu_user_blocks_are_even_and_as_many_on_every_core(workers, n_users, di
     (33_000, 30_000, 16, np.float32, 20, "auto", 32768),  # k small for a small catalogue: seeded from 1,024 items
     (33_000, 8_000, 16, np.float32, 10, "auto", 32768),  # under 8,192 items: seeded from 512 of them
     (33_000, 1_000, 16, np.float32, 1, "auto", 4096),  # unseeded (an eighth of it is under 128): cuBLAS
+    (1_000_000, 4_096, 64, np.float16, 10, "auto", 65536),  # at most 4,096 items: buffers of 4,096 keys, larger blocks
+    (300_000, 2_048, 32, np.float32, 20, "auto", 65536),
+    (1_000_000, 4_097, 64, np.float16, 10, "auto", 32768),
     (100_000, 1_000_000, 128, np.float16, 100, "auto", 32768),
     (100_000, 1_000_000, 264, np.float16, 100, "auto", 4096),  # fast mode's d = 256: cuBLAS
     (100, 1_000_000, 64, np.float32, 100, "auto", 4096),  # fewer users than a kernel's tile
 ])
 def test_gpu_blocks_grow_only_where_the_pass_is_fused(n_users, n_items, dim, dtype, k, fused, want):
-    # The rule needs no GPU: a fused pass shares each block's launches over 32,768 users (before the budget); the
-    # cuBLAS path, whose score tiles grow with the block, keeps 4,096 (measured slower with more: docs/benchmarks.md).
+    # The rule needs no GPU: a fused pass shares each block's launches over 32,768 users (65,536 over at most 4,096
+    # items; before the budget); the cuBLAS path, whose score tiles grow with the block, keeps 4,096 (measured slower
+    # with more: docs/benchmarks.md).
     from types import SimpleNamespace
 
     from recall.backends.cupy import backend as gpu
@@ -129,7 +133,8 @@ def test_gpu_blocks_grow_only_where_the_pass_is_fused(n_users, n_items, dim, dty
     users, width, tiles = gpu.CupyBackend.preferred_tiles(stub, dim, k, dtype, n_users, n_items,  # type: ignore
                                                           options)
     assert (users, tiles) == (want, 4) and width == (16384 if dim >= 128 else 8192)
-    assert (gpu.FUSED_USER_BLOCK, gpu.USER_BLOCK) == (32768, 4096)
+    assert (gpu.FUSED_USER_BLOCK, gpu.FUSED_SMALL_USER_BLOCK, gpu.FUSED_SMALL_ITEMS, gpu.USER_BLOCK) == \
+        (32768, 65536, 4096, 4096)
 
 
 def test_asarray_dtypes_and_host_round_trip(backend):

@@ -86,6 +86,28 @@ def test_workspace_and_graphs_reused_across_searches(small_tiles):
         _same(engine.search(users, 20, exclude=excl), cpu.search(users, 20, exclude=excl))
 
 
+def test_a_small_catalogues_buffers_and_blocks_follow_its_items():
+    # selection.fused_capacity of the search's items: 3,000 items give candidate buffers of 4,096 keys a user (the
+    # rule's room 16,384 at k = 20), fused blocks of FUSED_SMALL_USER_BLOCK users; a larger catalogue on the same
+    # backend gets its own workspace of the rule's room, not the small one's. Answers the CPU's, fused and not.
+    from recall.backends.cupy import backend as gpu_backend
+
+    rng = np.random.default_rng(4)
+    small, large = _ints(rng, 3000, 8), _ints(rng, 20000, 8)
+    users = _ints(rng, 700, 8)
+    engine = Engine(small, device="gpu", options=EngineOptions(fused="force"))
+    backend = engine.backend
+    for n_items, want in ((3000, gpu_backend.FUSED_SMALL_USER_BLOCK), (4096, gpu_backend.FUSED_SMALL_USER_BLOCK),
+                          (4097, gpu_backend.FUSED_USER_BLOCK), (20000, gpu_backend.FUSED_USER_BLOCK)):
+        assert backend.preferred_tiles(8, 20, np.float32, 200_000, n_items, engine.options)[0] == want
+    _same(engine.search(users, 20), Engine(small, device="cpu").search(users, 20))
+    assert {ws.state.cand_capacity for ws in backend.pipeline._ws.values()} == {4096}
+    other = Engine(large, device=backend, options=EngineOptions(fused="force"))
+    _same(other.search(users, 20), Engine(large, device="cpu").search(users, 20))
+    assert 16384 in {ws.state.cand_capacity for ws in backend.pipeline._ws.values()}  # (the small one's may be let go)
+    assert backend.state_bytes(20, 3000) < backend.state_bytes(20, 20000) == backend.state_bytes(20)
+
+
 @pytest.mark.parametrize("options", [EngineOptions(tiles=(64, 300, 3)), EngineOptions(fused="force"),
                                      EngineOptions(certified_exact="on")], ids=["blocks", "fused", "route"])
 def test_a_search_without_exclusions_after_one_with_them_excludes_nothing(options):

@@ -9,6 +9,18 @@ import pytest
 from recall.backends.cupy.selection import seed_size
 
 
+@pytest.mark.parametrize("k, n_items, want", [
+    (10, 0, 16384), (10, 4096, 4096), (10, 3000, 4096), (10, 8193, 16384), (10, 1_000_000, 16384), (10, 1, 1),
+    (1000, 0, 32768), (1000, 20000, 32768), (1000, 9000, 16384), (5000, 0, 262144), (5000, 100_000, 131072)])
+def test_fused_capacity_holds_every_item_of_a_small_catalogue(k, n_items, want):
+    # A user's filters pass each item at most once a search: a buffer of the power of two at least the catalogue
+    # never overflows, so a small catalogue's buffers are no larger (0: the catalogue not known, the rule's room).
+    from recall.backends.cupy.selection import fused_capacity
+
+    assert fused_capacity(k, n_items) == want
+    assert fused_capacity(k, n_items) >= min(n_items or want, fused_capacity(k))
+
+
 @pytest.mark.parametrize("n_items, k, capacity, want", [
     (1_000_000, 100, 32_768, 8_192),     # S1: the full sample (the estimate would not apply to half of it)
     (1_000_000, 2_048, 32_768, 16_384),  # large k: 32k items, capped by the score buffer, halved for the estimate

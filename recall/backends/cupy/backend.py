@@ -56,6 +56,13 @@ route's re-scoring), which a larger block shares out over more users (200k x 20k
 0.0144 s at 16,384; S1 0.0788 and 0.0711 s). 32,768 against 16,384 (H100, 2026-12-06): the route 0.88-0.95x on
 1M x 4,096 and 2M x 4,096, 1M x 20k x 32, 300k-500k x 20k, 20k x 20k; 0.93-1.01x on 200k x 20k, 100k x 4,096 and
 50k x 20k; no cell slower beyond the noise (docs/benchmarks.md)."""
+FUSED_SMALL_USER_BLOCK = 65536
+FUSED_SMALL_ITEMS = 4096
+"""Users a fused block where the catalogue has at most FUSED_SMALL_ITEMS items, whose candidate buffers then hold at
+most as many keys a user (``selection.fused_capacity``): 65,536 users took 2.5-7.5% less time than 32,768 on seven
+cells of 2,048-4,096 items (the route on 100k-2M users, ip, cosine and l2, k = 5-50; the float32 search 0-4% less;
+H100, 2026-12-07, docs/benchmarks.md). Larger catalogues were not measured at this size (from 16,384 items the
+budget halves it all the same)."""
 
 STAGING_BYTES_PER_S = 13e9
 """The host's pace staging a search's excluded pairs (``staging_bound``): each block's item rows read as given and
@@ -281,10 +288,10 @@ class CupyBackend:
         # What is free now, less the search's own budget and a tenth for the allocator and the other buffers.
         return max(0, int(0.9 * self.free_memory()) - budget)
 
-    def state_bytes(self, k: int) -> int:
+    def state_bytes(self, k: int, n_items: int = 0) -> int:
         # top keys + candidates (the fused path's larger buffer) + results + per-user scalars, plus the pinned/device
         # staging of users (counted by the plan) for the pipeline slots.
-        return 8 * k + 8 * fused_capacity(k) + 12 * k + 32
+        return 8 * k + 8 * fused_capacity(k, n_items) + 12 * k + 32
 
     def preferred_tiles(self, dim: int, k: int, dtype: Any, n_users: int, n_items: int,
                         options: EngineOptions) -> tuple[int, int, int]:
@@ -304,7 +311,9 @@ class CupyBackend:
         # plan before any budget.
         probe = plan_tiles(n_users, n_items, dim, k, 1 << 62, (FUSED_USER_BLOCK, width, 4), 0)
         fused_pass = self.fused_applies(probe, n_users, n_items, k, dim, dtype, options)
-        return FUSED_USER_BLOCK if fused_pass else USER_BLOCK, width, 4
+        if not fused_pass:
+            return USER_BLOCK, width, 4
+        return FUSED_SMALL_USER_BLOCK if n_items <= FUSED_SMALL_ITEMS else FUSED_USER_BLOCK, width, 4
 
     def tune_candidates(self, heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
         return tune_candidates(heuristic)

@@ -190,7 +190,7 @@ class BlockPipeline:
         seed_fused = (bool(sample) and floor is None and np.dtype(users.dtype) == np.float16 and fused
                       and fused_path.seeds_fused(k, has_excl, options) and bool(self.backend.selection.seed_w))
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused,
-                             max(1, 0 if seed_fused else sample) if fused else None, wire_dtype(n_items))
+                             max(1, 0 if seed_fused else sample) if fused else None, wire_dtype(n_items), n_items)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
         stats = {"blocks": len(blocks), "graph_blocks": 0}
         compute, copy, fetch = self.compute_stream, self.copy_stream, self.fetch_stream
@@ -321,13 +321,14 @@ class BlockPipeline:
         return PendingSearch(finish, done)
 
     def _workspace(self, plan: TilePlan, k: int, dim: int, max_excl: int, dtype: Any, fused: bool = False,
-                   score_width: int | None = None, wire: Any = np.int64) -> _Workspace:
+                   score_width: int | None = None, wire: Any = np.int64, n_items: int = 0) -> _Workspace:
         """The device and pinned buffers of a search, kept for the next search of the same shape. The fused path
-        needs score room for the threshold sample only, and a larger candidate buffer. ``wire``: the dtype its
-        excluded item rows are staged and uploaded in (``wire_dtype``)."""
+        needs score room for the threshold sample only, and a larger candidate buffer (``selection.fused_capacity``
+        of ``n_items``). ``wire``: the dtype its excluded item rows are staged and uploaded in (``wire_dtype``)."""
         import cupy
 
-        key = (plan, k, dim, np.dtype(dtype), fused, score_width, np.dtype(wire))
+        capacity = fused_capacity(k, n_items)
+        key = (plan, k, dim, np.dtype(dtype), fused, score_width, np.dtype(wire), capacity)
         ws = self._ws.get(key)
         if ws is not None and ws.max_excl >= max_excl:
             self._ws[key] = self._ws.pop(key)  # the most recently used last
@@ -335,7 +336,7 @@ class BlockPipeline:
                 ws.state.clear()  # the last final merge emptied it, unless that search was interrupted
             return ws
         width = plan.item_tile * plan.tiles_per_call if score_width is None else score_width
-        need = (4 * plan.user_block * width + plan.user_block * self.backend.state_bytes(k)
+        need = (4 * plan.user_block * width + plan.user_block * self.backend.state_bytes(k, n_items)
                 + 2 * 4 * plan.user_block * dim)
         # Let the least recently used shapes go (_WORKSPACES, WORKSPACE_SPREAD) before taking new buffers, once no
         # queued search still uses them.
@@ -352,7 +353,7 @@ class BlockPipeline:
                 # cuBLAS path's would overflow, and each overflow rescans the segment's scores with one thread block
                 # a user.
                 state = GpuTopK.allocate(plan.user_block, k,
-                                         fused_capacity(k) if fused or plan.user_block < FUSED_TILE else 0)
+                                         capacity if fused or plan.user_block < FUSED_TILE else 0)
                 # The fused path's buffer holds the threshold sample's scores, in the kernels' float32.
                 scores = cupy.empty(plan.user_block * width,
                                     np.float32 if fused else self.backend.score_dtype(dtype))

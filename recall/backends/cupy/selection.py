@@ -70,11 +70,14 @@ def candidate_capacity(k: int) -> int:
     return max(4096, 4 * k)
 
 
-def fused_capacity(k: int) -> int:
+def fused_capacity(k: int, n_items: int = 0) -> int:
     """Candidates a user holds on the fused path: it cannot rescan a score tile when a user's buffer overflows (it
     recomputes the segment's scores, slowly), so its buffer holds about all the survivors a seeded search passes:
-    k * n_items / sample size."""
-    return pow2(max(16384, 32 * k))
+    k * n_items / sample size. A search of ``n_items`` items (0: not known) holds no more than the power of two at
+    least n_items: a user's filters pass each item at most once a search, so such a buffer never overflows (at 4,096
+    items, 4,096 keys a user where 16,384 put 32,768 users at 4 GiB)."""
+    room = pow2(max(16384, 32 * k))
+    return min(room, pow2(n_items)) if n_items > 0 else room
 
 
 #: A search seeded from a bound (not an estimate, ``estimate_rank``) on a small catalogue doubles its sample where

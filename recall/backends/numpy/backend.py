@@ -329,7 +329,7 @@ class NumpyBackend:
     def default_budget(self) -> int:
         return min(1 << 30, self.free_memory() // 4)
 
-    def state_bytes(self, k: int) -> int:
+    def state_bytes(self, k: int, n_items: int = 0) -> int:
         return 16 * k + 12 if k >= heap.BUFFER_MIN_K else 8 * k + 4
 
     def resident_bytes(self, n_items: int, dim: int) -> int:

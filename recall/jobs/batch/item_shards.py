@@ -244,7 +244,7 @@ class RangeScorer:
         budget = self.engine.memory_budget if self.engine is not None else \
             (self.budget if self.budget is not None else self.backend.default_budget())
         plan = plan_tiles(int(users.shape[0]), n_searched, int(users.shape[1]), k, budget, preferred,
-                          self.backend.state_bytes(k), self.backend.workers,
+                          self.backend.state_bytes(k, n_searched), self.backend.workers,
                           tuning.few_users_area(self.backend, options))
         return plan, preferred
 
