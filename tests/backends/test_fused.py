@@ -277,6 +277,32 @@ def test_a_pass_in_no_order_holds_the_sorted_passs_results(fused, dtype, mode, k
     np.testing.assert_array_equal(got_vals, want_vals)
 
 
+def _counted_warp_merges(monkeypatch, backend):
+    """``backend``'s warp merge kernels wrapped to count their launches: the list each launch appends to."""
+    calls = []
+    for table in (backend.selection.merge_fused_warp, backend.selection.merge_fused_h_warp):
+        for key, fn in list(table.items()):
+            monkeypatch.setitem(table, key, lambda *a, fn=fn, **kw: (calls.append(1), fn(*a, **kw))[1])
+    return calls
+
+
+def _block_then_warp_merges(monkeypatch, backend, calls, items, users, k, excl, options, best_first):
+    """((vals, rows) of the pass with every merge a block's, (vals, rows) with fused.MERGE_WARP_K's warps), best
+    first; the first asserted fused with no warp merge, the second with some (``calls``: _counted_warp_merges')."""
+    from recall.backends.cupy import fused as fused_module
+
+    monkeypatch.setattr(fused_module, "MERGE_WARP_K", 0)
+    want_vals, want_rows, stats = _run_half(backend, items, users, k, excl, options, best_first=best_first)
+    assert stats["fused"] and not calls
+    monkeypatch.setattr(fused_module, "MERGE_WARP_K", 64)
+    got_vals, got_rows, _ = _run_half(backend, items, users, k, excl, options, best_first=best_first)
+    assert calls
+    calls.clear()
+    if not best_first:
+        return _best_first(want_vals, want_rows), _best_first(got_vals, got_rows)
+    return (want_vals, want_rows), (got_vals, got_rows)
+
+
 @pytest.mark.parametrize("held", [8, 16])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("k", [1, 10, 27, 32, 33, 64])
@@ -299,25 +325,13 @@ def test_warp_merge_equals_the_block_merge(monkeypatch, held, dtype, k, best_fir
     excl[1] = list(range(3, 41000))  # 3 items left
     excl[7] = list(range(k // 2, 41000))  # fewer than k left, where k > 1
     backend = Engine(items[:1].astype(np.float32), device="gpu").backend  # one backend, its kernels counted
-    sel = backend.selection
-    calls = []
-    for table in (sel.merge_fused_warp, sel.merge_fused_h_warp):
-        for key, fn in list(table.items()):
-            monkeypatch.setitem(table, key, lambda *a, fn=fn, **kw: (calls.append(1), fn(*a, **kw))[1])
+    calls = _counted_warp_merges(monkeypatch, backend)
     monkeypatch.setattr(fused_module, "MERGE_WARP_HELD", held)
     for options in (EngineOptions(fused="force", fused_segment=384),
                     EngineOptions(fused="force", fused_segment=384, seed_thresholds=False),
                     EngineOptions(fused="force", fused_segment=20480, seed_thresholds=False)):
-        monkeypatch.setattr(fused_module, "MERGE_WARP_K", 0)
-        want_vals, want_rows, stats = _run_half(backend, items, users, k, excl, options, best_first=best_first)
-        assert stats["fused"] and not calls
-        monkeypatch.setattr(fused_module, "MERGE_WARP_K", 64)
-        got_vals, got_rows, _ = _run_half(backend, items, users, k, excl, options, best_first=best_first)
-        assert calls
-        calls.clear()
-        if not best_first:
-            want_vals, want_rows = _best_first(want_vals, want_rows)
-            got_vals, got_rows = _best_first(got_vals, got_rows)
+        (want_vals, want_rows), (got_vals, got_rows) = _block_then_warp_merges(
+            monkeypatch, backend, calls, items, users, k, excl, options, best_first)
         np.testing.assert_array_equal(got_rows, want_rows)
         np.testing.assert_array_equal(got_vals, want_vals)
         assert (got_rows[0] == -1).all() and (got_rows[1][3:] == -1).all() and (got_rows[7][k // 2:] == -1).all()
@@ -331,28 +345,15 @@ def test_warp_merge_over_one_to_eight_registers_equals_the_block_merge(monkeypat
     # Unseeded, a catalogue in one segment: every item survives, so the one merge holds n_items keys a user, in 1, 2,
     # 4, 5, 7 and 8 of the warp's registers (each width of topk.cu's recall_warp_least). Half the items are copies of
     # three vectors: keys that differ in their row bits alone, down to the last bit. Bit for bit the block merge's.
-    from recall.backends.cupy import fused as fused_module
-
     rng = np.random.default_rng(n_items + k)
     items = rng.standard_normal((n_items, 24)).astype(dtype)
     items[::2] = items[[0, 1, 2] * (n_items // 6 + 1)][: (n_items + 1) // 2]
     users = rng.standard_normal((130, 24)).astype(dtype)
     backend = Engine(items[:1].astype(np.float32), device="gpu").backend
-    sel = backend.selection
-    calls = []
-    for table in (sel.merge_fused_warp, sel.merge_fused_h_warp):
-        for key, fn in list(table.items()):
-            monkeypatch.setitem(table, key, lambda *a, fn=fn, **kw: (calls.append(1), fn(*a, **kw))[1])
-    options = EngineOptions(fused="force", seed_thresholds=False)
-    monkeypatch.setattr(fused_module, "MERGE_WARP_K", 0)
-    want_vals, want_rows, stats = _run_half(backend, items, users, k, None, options, best_first=best_first)
-    assert stats["fused"] and not calls
-    monkeypatch.setattr(fused_module, "MERGE_WARP_K", 64)
-    got_vals, got_rows, _ = _run_half(backend, items, users, k, None, options, best_first=best_first)
-    assert calls
-    if not best_first:
-        want_vals, want_rows = _best_first(want_vals, want_rows)
-        got_vals, got_rows = _best_first(got_vals, got_rows)
+    calls = _counted_warp_merges(monkeypatch, backend)
+    (want_vals, want_rows), (got_vals, got_rows) = _block_then_warp_merges(
+        monkeypatch, backend, calls, items, users, k, None, EngineOptions(fused="force", seed_thresholds=False),
+        best_first)
     np.testing.assert_array_equal(got_rows, want_rows)
     np.testing.assert_array_equal(got_vals, want_vals)
     assert (got_rows[:, :min(k, n_items)] >= 0).all() and (got_rows[:, n_items:] == -1).all()
