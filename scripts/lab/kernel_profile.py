@@ -165,6 +165,10 @@ VARIANTS = {
     # before 2026-12-07: two bits a step over the registers in use), in the route and the float32 search; and the
     # fused path's candidate buffers at the rule's room whatever the catalogue (selection.fused_capacity without
     # its items, before 2026-12-07: 16,384 keys a user at k <= 512).
+    # HOOKS: threshold samples sized as for a search that starts at its sample's bound (selection.seed_size's
+    # bound=True): no halving for an estimate, which a pass that then starts at a ranked sample's bound does not use
+    # (4,096 items at k = 50: 1,024 sampled, not 512; counted on the CPU, 75 scores a user pass, not 135).
+    "sample-bound-size": {}, "float32-sample-bound-size": {"certified_exact": "off"},
     "merge-bitwise": {}, "float32-merge-bitwise": {"certified_exact": "off"}, "cap-off": {},
     "float32-cap-off": {"certified_exact": "off"},
     # HOOKS: row norms (l2's finished scores) and cosine's scaling on the device as array operations over a float64
@@ -456,6 +460,14 @@ def _merge_bitwise(engine):
     sel.merge_fused_h_warp = {held: mod.get_function(f"recall_merge_fused_hw{held}") for held in (8, 16)}
 
 
+def _sample_bound_size(engine):
+    from recall.backends.cupy import selection
+
+    rule = selection.seed_size
+    selection.seed_size = lambda n_items, k, capacity, seeded=True, requested=0, bound=False: rule(
+        n_items, k, capacity, seeded, requested, True)
+
+
 def _cap_off(engine):
     from recall.backends.cupy import backend, pipeline, selection
 
@@ -488,7 +500,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "need-margin-4": _setting("engine.fast", NEED_MARGIN=4),
          "norms-copy": _norms_copy, "float32-norms-copy": _norms_copy,
          "merge-bitwise": _merge_bitwise, "float32-merge-bitwise": _merge_bitwise, "cap-off": _cap_off,
-         "float32-cap-off": _cap_off,
+         "float32-cap-off": _cap_off, "sample-bound-size": _sample_bound_size,
+         "float32-sample-bound-size": _sample_bound_size,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
@@ -764,7 +777,7 @@ def main() -> None:
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"), (fast_mode, "NEED_SLACK"),
         (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"), (metrics, "row_norms"),
         (metrics, "_normalise"), (device_items, "row_norms"), (gpu_backend, "fused_capacity"),
-        (pipeline, "fused_capacity"))
+        (pipeline, "fused_capacity"), (selection, "seed_size"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():
