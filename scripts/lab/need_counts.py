@@ -11,6 +11,10 @@ user's exact k-th best against that start::
 
 ``--margins``: per first margin m (the shipped is ``certificate.margin(k)``, 16 at k = 10), the users whose
 certificate fails and the candidates a user holds, where the pass starts at the need.
+
+``--samples 512,1024,2048``: per threshold sample size, the scores a user passes at the need's rank (k + slack) of a
+sample ranked as the pass ranks it (the largest norms, or under l2 the items nearest the centroid) and of evenly
+spaced rows: what a larger sample would spare a pass that starts at its bound.
 """
 from __future__ import annotations
 
@@ -62,6 +66,24 @@ def passed(spec: str, slack: int) -> dict:
         for name, (rows, r) in rules.items():
             got[name].append((s >= _kth(s[:, rows], r)[:, None]).sum(axis=1))
     return {name: (rules[name][1], np.concatenate(c)) for name, c in got.items()}
+
+
+def sample_sizes(spec: str, slack: int, sizes) -> dict:
+    """Per sample size: (scores a user passes from the ranked sample's (k + slack)-th best, from evenly spaced
+    rows'), each an array over the users."""
+    users, items, nu, ni, dim, k, metric = _data(spec, 0)
+    pu = metrics.prepare_users(metric, np, users).astype(np.float64)
+    pi = metrics.prepare_items(metric, np, items).astype(np.float64)
+    order = metrics.centroid_ranks(np, pi, metric, dim)
+    if order is None and metrics.norms_rank(metric):
+        order = np.linalg.norm(pi, axis=1)
+    rows = {(n, ranked): sample_rows(np, ni, n, order if ranked else None) for n in sizes for ranked in (True, False)}
+    got = {key: [] for key in rows}
+    for a in range(0, nu, 500):
+        s = pu[a:a + 500] @ pi.T
+        for key, r in rows.items():
+            got[key].append((s >= _kth(s[:, r], k + slack)[:, None]).sum(axis=1))
+    return {n: (np.concatenate(got[(n, True)]), np.concatenate(got[(n, False)])) for n in sizes}
 
 
 def _emulated(spec: str):
@@ -126,7 +148,18 @@ def main() -> None:
     p.add_argument("--margins", action="store_true",
                    help="per first margin m, the users whose certificate fails and the candidates a user holds, for a "
                         "pass that starts at the sample's (k + slack)-th best")
+    p.add_argument("--samples", default="", help="comma-separated sample sizes: the scores a user passes from each")
     a = p.parse_args()
+    if a.samples:
+        sizes = [int(n) for n in a.samples.split(",")]
+        print("| cell | sample: passed from the ranked sample, mean / p99; from evenly spaced rows |")
+        print("| --- | --- |")
+        for spec in a.cells.split(","):
+            got = sample_sizes(spec, a.slack, sizes)
+            print(f"| {spec} | " + "; ".join(f"{n}: {r.mean():.1f} / {np.percentile(r, 99):.0f}, even "
+                                          f"{e.mean():.1f} / {np.percentile(e, 99):.0f}"
+                                          for n, (r, e) in got.items()) + " |", flush=True)
+        return
     if a.margins:
         print("| cell | first margin m: certificates failed, candidates a user |")
         print("| --- | --- |")
