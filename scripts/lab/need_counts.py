@@ -40,6 +40,15 @@ def _data(spec: str, seed: int):
     return users, items, nu, ni, dim, k, metric
 
 
+def _pass_order(pi: np.ndarray, metric: str, dim: int) -> np.ndarray | None:
+    """The order the pass ranks its threshold sample by over prepared items ``pi``: under l2 the items nearest the
+    centroid (``metrics.centroid_ranks``), else their norms where the metric ranks by them, else None (evenly)."""
+    order = metrics.centroid_ranks(np, pi, metric, dim)
+    if order is None and metrics.norms_rank(metric):
+        order = np.linalg.norm(pi.astype(np.float64), axis=1)
+    return order
+
+
 def _kth(s: np.ndarray, r: int) -> np.ndarray:
     return -np.partition(-s, r - 1, axis=1)[:, r - 1]
 
@@ -74,9 +83,7 @@ def sample_sizes(spec: str, slack: int, sizes) -> dict:
     users, items, nu, ni, dim, k, metric = _data(spec, 0)
     pu = metrics.prepare_users(metric, np, users).astype(np.float64)
     pi = metrics.prepare_items(metric, np, items).astype(np.float64)
-    order = metrics.centroid_ranks(np, pi, metric, dim)
-    if order is None and metrics.norms_rank(metric):
-        order = np.linalg.norm(pi, axis=1)
+    order = _pass_order(pi, metric, dim)
     rows = {(n, ranked): sample_rows(np, ni, n, order if ranked else None) for n in sizes for ranked in (True, False)}
     got = {key: [] for key in rows}
     for a in range(0, nu, 500):
@@ -95,9 +102,7 @@ def _emulated(spec: str):
     pi = metrics.prepare_items(metric, np, items)
     fi = certificate.prepare_items(np, pi, metrics.bias_column(metric, dim))
     fu = certificate.prepare_users(np, pu, fi)
-    order = metrics.centroid_ranks(np, pi, metric, dim)
-    if order is None and metrics.norms_rank(metric):
-        order = np.linalg.norm(pi.astype(np.float64), axis=1)
+    order = _pass_order(pi, metric, dim)
     wide = min(k + certificate.margin(k) + 1, ni)
     rows = sample_rows(np, ni, seed_size(ni, wide, 4 * preferred_width(dim, wide), bound=False), order)
     v16 = fi.vecs16.astype(np.float64)
