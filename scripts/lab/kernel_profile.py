@@ -169,6 +169,9 @@ VARIANTS = {
     # bound=True): no halving for an estimate, which a pass that then starts at a ranked sample's bound does not use
     # (4,096 items at k = 50: 1,024 sampled, not 512; counted on the CPU, 75 scores a user pass, not 135).
     "sample-bound-size": {}, "float32-sample-bound-size": {"certified_exact": "off"},
+    # HOOKS: small catalogues' samples halved for a pass that may start at an estimate whether or not it would
+    # estimate from the half (selection.seed_size before 2026-12-07: 512 items at k = 50 on 4,096 under ip).
+    "sample-halved": {},
     "merge-bitwise": {}, "float32-merge-bitwise": {"certified_exact": "off"}, "cap-off": {},
     "float32-cap-off": {"certified_exact": "off"},
     # HOOKS: row norms (l2's finished scores) and cosine's scaling on the device as array operations over a float64
@@ -464,8 +467,16 @@ def _sample_bound_size(engine):
     from recall.backends.cupy import selection
 
     rule = selection.seed_size
-    selection.seed_size = lambda n_items, k, capacity, seeded=True, requested=0, bound=False: rule(
-        n_items, k, capacity, seeded, requested, True)
+    selection.seed_size = lambda n_items, k, capacity, seeded=True, requested=0, bound=False, ranked=True: rule(
+        n_items, k, capacity, seeded, requested, True, ranked)
+
+
+def _sample_halved(engine):
+    from recall.backends.cupy import selection
+
+    rule = selection.seed_size
+    selection.seed_size = lambda n_items, k, capacity, seeded=True, requested=0, bound=False, ranked=True: rule(
+        n_items, k, capacity, seeded, requested, bound, False)
 
 
 def _cap_off(engine):
@@ -500,7 +511,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "need-margin-4": _setting("engine.fast", NEED_MARGIN=4),
          "norms-copy": _norms_copy, "float32-norms-copy": _norms_copy,
          "merge-bitwise": _merge_bitwise, "float32-merge-bitwise": _merge_bitwise, "cap-off": _cap_off,
-         "float32-cap-off": _cap_off, "sample-bound-size": _sample_bound_size,
+         "float32-cap-off": _cap_off, "sample-bound-size": _sample_bound_size, "sample-halved": _sample_halved,
          "float32-sample-bound-size": _sample_bound_size,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
