@@ -334,6 +334,8 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
     // groups: the first half filtered while the second's products run. (Keeping the next tile's first half in flight
     // over the loop's back edge instead made ptxas serialize the products, C7514, nvcc 13.0.)
     float dh[2][32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dh[0][i] = dh[1][i] = 0.0f;
     for (int s = 0; s < t_count; ++s) {
         recall_cp_wait<STAGES - 2>();
         recall_fence_proxy_async();
