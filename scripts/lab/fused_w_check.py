@@ -173,9 +173,10 @@ def append_timing(mod_old, mod_new, out) -> None:
 
 def variant_timing(mod_w, mod_v, defines, per_ctas, pad, out) -> None:
     """The kernel as shipped against the one built with ``defines``, each at every item-tile count a block walks of
-    ``per_ctas``, on the shapes of the route's passes (k = 100 to 2,048) and of S1's."""
+    ``per_ctas``, on the shapes of the route's passes (k = 10 to 2,048; 4,096 items at k = 10 and 50) and of S1's."""
     _compare(((72, 1_000_000, 126), (64, 100_000, 760), (80, 100_000, 760), (64, 20_000, 250),
-              (48, 100_000, 1900), (80, 100_000, 2300), (128, 1_000_000, 126)),
+              (48, 100_000, 1900), (80, 100_000, 2300), (128, 1_000_000, 126), (48, 4096, 27), (64, 4096, 27),
+              (48, 4096, 66)),
              lambda padded: [(f"{label} / {n} tiles a block", kernel_w(mod, padded, p), n)
                              for label, mod, p in (("shipped", mod_w, 0), (defines, mod_v, pad))
                              if mod is not None for n in per_ctas], out)
