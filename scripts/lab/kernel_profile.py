@@ -170,7 +170,8 @@ VARIANTS = {
     # (4,096 items at k = 50: 1,024 sampled, not 512; counted on the CPU, 75 scores a user pass, not 135).
     "sample-bound-size": {}, "float32-sample-bound-size": {"certified_exact": "off"},
     # HOOKS: small catalogues' samples halved for a pass that may start at an estimate whether or not it would
-    # estimate from the half (selection.seed_size before 2026-12-07: 512 items at k = 50 on 4,096 under ip).
+    # estimate from the half, whatever the items' norms (selection.seed_size before 2026-12-07: 512 items at k = 50
+    # on 4,096 under ip; since, 1,024 where the items' norms are close, DeviceItems.loose_ranking).
     "sample-halved": {},
     "merge-bitwise": {}, "float32-merge-bitwise": {"certified_exact": "off"}, "cap-off": {},
     "float32-cap-off": {"certified_exact": "off"},
@@ -470,15 +471,15 @@ def _sample_bound_size(engine):
     from recall.backends.cupy import selection
 
     rule = selection.seed_size
-    selection.seed_size = lambda n_items, k, capacity, seeded=True, requested=0, bound=False, ranked=True: rule(
-        n_items, k, capacity, seeded, requested, True, ranked)
+    selection.seed_size = lambda n_items, k, capacity, seeded=True, requested=0, bound=False, loose=False: rule(
+        n_items, k, capacity, seeded, requested, True, loose)
 
 
 def _sample_halved(engine):
     from recall.backends.cupy import selection
 
     rule = selection.seed_size
-    selection.seed_size = lambda n_items, k, capacity, seeded=True, requested=0, bound=False, ranked=True: rule(
+    selection.seed_size = lambda n_items, k, capacity, seeded=True, requested=0, bound=False, loose=False: rule(
         n_items, k, capacity, seeded, requested, bound, False)
 
 

@@ -108,6 +108,22 @@ def test_a_small_catalogues_buffers_and_blocks_follow_its_items():
     assert backend.state_bytes(20, 3000) < backend.state_bytes(20, 20000) == backend.state_bytes(20)
 
 
+def test_a_sample_ranked_by_close_norms_is_not_halved_for_a_bound():
+    # Under ip a sample takes half its rows from the largest norms; over items of close norms (normal rows: their
+    # norms spread 0.12 of their mean, DeviceItems.loose_ranking) that sorts few of a user's best first, and the
+    # route's pass at k = 50 over 4,096 items samples 1,024 of them; where the rows' norms spread (log-normal), 512.
+    # Exact answers either way.
+    rng = np.random.default_rng(5)
+    close = rng.standard_normal((4096, 32)).astype(np.float32)
+    spread = close * np.exp(0.5 * rng.standard_normal((4096, 1))).astype(np.float32)
+    users = rng.standard_normal((600, 32)).astype(np.float32)
+    for items, want in ((close, 1024), (spread, 512)):
+        gpu = Engine(items, device="gpu", options=EngineOptions(certified_exact="on"))
+        got = gpu.search(users, 50)
+        assert gpu.stats["route"] == "certified" and gpu.stats["seed_sample"] == want
+        assert_topk_close(got.indices, got.scores, users, items, 50)
+
+
 @pytest.mark.parametrize("options", [EngineOptions(tiles=(64, 300, 3)), EngineOptions(fused="force"),
                                      EngineOptions(certified_exact="on")], ids=["blocks", "fused", "route"])
 def test_a_search_without_exclusions_after_one_with_them_excludes_nothing(options):

@@ -184,7 +184,8 @@ class BlockPipeline:
         walk = (np.dtype(users.dtype) == np.float16 and fused
                 and fused_path.walks(n_users, k, dim, best_first, floor is not None, options)
                 and bool(self.backend.selection.walk_w))
-        sample = 0 if walk else search_seed_size(plan, n_items, k, options, not may_estimate, items.ranked)
+        sample = 0 if walk else search_seed_size(plan, n_items, k, options, not may_estimate,
+                                                  may_estimate and items.loose_ranking(self.compute_stream))
         # A float16 pass of a small k on Hopper without exclusions scores and selects its sample in one kernel
         # (fused_path.seeds_fused).
         seed_fused = (bool(sample) and floor is None and np.dtype(users.dtype) == np.float16 and fused

@@ -117,7 +117,7 @@ SMALL_K_LEAST_SAMPLE = 128
 
 
 def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requested: int = 0,
-              bound: bool = False, ranked: bool = True) -> int:
+              bound: bool = False, loose: bool = False) -> int:
     """Items in a block's threshold sample (see ``recall_seed``), or 0 where seeding does not pay (or is off):
     the sample costs ``size / n_items`` of the search's GEMM work and leaves about ``k * n_items / size`` scores per
     user to pass the filter over the whole search. The rule: 8,192 items or 32 k, whichever is more, from a
@@ -129,15 +129,16 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     that may start at an estimate (not ``bound``: fast mode's float16 passes, ``estimate_rank``), whose few more
     survivors cost less than the larger sample's select (the certified route on the H200, 2026-12-04,
     docs/benchmarks.md: 8,192 items against 16,384 took 0.875x the time on 200k x 100k x 64 ip at k = 1,000, 0.928x
-    under l2 at d = 32, 0.926x on 100k x 65,536 x 64 cosine), where the pass would estimate from the half
-    (``estimate_rank`` of k over it, ``ranked``: whether the search's samples are, ``DeviceItems.ranked``); where it
-    would not, it starts at the half's bound, and the whole sample's is tighter (4,096 items at k = 50 under ip: 1,024
-    sampled, not 512: 75 scores a user pass its bound, not 135, counted on the CPU, docs/benchmarks.md). From a
-    smaller catalogue where k is small for it, a smaller sample (SMALL_K_SAMPLE_SHARE; under 8,192 items up to
-    SMALL_K_MIN_SAMPLE, at most an eighth of them), where that holds SMALL_K_LEAST_SAMPLE items. Capped by
-    ``capacity``, the score room a block has; at least 4 k items or none. Then a search that may start at an
-    estimate takes a smaller share of it where the estimate applies (ESTIMATE_SAMPLE_SHARE). ``requested``: ``EngineOptions.seed_sample`` (0:
-    the rule), taken from catalogues of at least twice it."""
+    under l2 at d = 32, 0.926x on 100k x 65,536 x 64 cosine), unless the sample's ranking sorts few of each user's
+    best items first (``loose``: the inner product over items of close norms, ``DeviceItems.loose_ranking``) and the
+    pass would not estimate from the half (``estimate_rank`` of k over it, ranked): it would start at the half's
+    bound, and the whole sample's is much tighter (normal 1M x 4,096 x 64 ip at k = 50: 1,024 sampled, not 512, took
+    0.75x the route's time; where norms spread, clustered and skewed, 1,024 took 1.09x: H100, 2026-12-07,
+    docs/benchmarks.md). From a smaller catalogue where k is small for it, a smaller sample (SMALL_K_SAMPLE_SHARE;
+    under 8,192 items up to SMALL_K_MIN_SAMPLE, at most an eighth of them), where that holds SMALL_K_LEAST_SAMPLE
+    items. Capped by ``capacity``, the score room a block has; at least 4 k items or none. Then a search that may
+    start at an estimate takes a smaller share of it where the estimate applies (ESTIMATE_SAMPLE_SHARE). ``requested``:
+    ``EngineOptions.seed_sample`` (0: the rule), taken from catalogues of at least twice it."""
     if not seeded:
         return 0
     if requested:
@@ -146,7 +147,7 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
         size, least = min(capacity, max(8192, 32 * k)), 8
         if n_items < 8 * size and 256 * k > n_items:
             size, least = 1 << max(0, (n_items // 4).bit_length() - 1), 4
-            if not bound and 8 * k <= size and estimate_rank(k, size // 2, n_items, ranked):
+            if not bound and 8 * k <= size and not (loose and not estimate_rank(k, size // 2, n_items, True)):
                 size, least = size // 2, 8
             size = min(capacity, size)
             if (bound and 4 * k <= size < BOUND_SAMPLE_PER_K * k and 2 * size <= capacity
@@ -166,14 +167,14 @@ def seed_size(n_items: int, k: int, capacity: int, seeded: bool = True, requeste
     return size
 
 
-def search_seed_size(plan: Any, n_items: int, k: int, options: Any, bound: bool = False, ranked: bool = True) -> int:
+def search_seed_size(plan: Any, n_items: int, k: int, options: Any, bound: bool = False, loose: bool = False) -> int:
     """``seed_size`` of a search under ``plan`` (``TilePlan``) and ``options`` (``EngineOptions``): the score room is
     one GEMM call's tiles; users with several vectors are not seeded. ``bound``: the search cannot start at an
-    estimate (``estimate_rank``); ``ranked``: its samples take half their rows from the items ranked first."""
+    estimate (``estimate_rank``); ``loose``: its sample's ranking sorts few of a user's best items first."""
     if plan.interests is not None:
         return 0
     return seed_size(n_items, k, plan.item_tile * plan.tiles_per_call, options.seed_thresholds, options.seed_sample,
-                     bound, ranked)
+                     bound, loose)
 
 
 #: The estimate's rank (``estimate_rank``) sits this many standard deviations, plus ESTIMATE_SLACK, above the expected
