@@ -31,8 +31,6 @@ BUILDS = (
     ("fused_w RW_DIRECT_APPEND", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_DIRECT_APPEND",)),
     ("fused_w RW_SBO_PAD", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_SBO_PAD=16",)),
     ("fused_w RW_A_REGS", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_A_REGS=1",)),
-    ("fused_w RW_PIPE=2", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_PIPE=2",)),
-    ("fused_w RW_PIPE=4", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_PIPE=4",)),
     ("fused_w RS_NO_KEEP", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRS_NO_KEEP",)),
     ("fused_w RS_KEPT=16", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRS_KEPT=16",)),
     ("walk_w", kernels.HOPPER_WALK_SOURCES, "sm_90a", ()),

@@ -235,9 +235,6 @@ VARIANTS = {
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
-    # HOOKS: fused_w.cu built with -DRW_PIPE=2 or 4: each tile's products in two halves of 64 items (four quarters
-    # of 32), a part's scores filtered while the later parts' products run.
-    "pipe": {}, "pipe4": {},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
@@ -508,8 +505,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=0) for v in ("seed-m16", "float32-seed-m16")},
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=16) for v in ("seed-m8r16", "float32-seed-m8r16")},
          "seed-m8r32": _setting(SELECTION, SEED_WARP_SMALL_RANK=32),
-         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "pipe": _fused_w_built("-DRW_PIPE=2"),
-         "pipe4": _fused_w_built("-DRW_PIPE=4"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
+         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},
          "need-margin-off": _setting("engine.fast", NEED_MARGIN_MAX_K=0),

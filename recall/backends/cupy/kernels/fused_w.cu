@@ -40,19 +40,6 @@
 #ifndef RW_A_REGS
 #define RW_A_REGS 0
 #endif
-// Measurement only (kernel_profile.py's `pipe` and `pipe4`, fused_w_check.py --defines=-DRW_PIPE=2): each tile
-// multiplied in RW_PIPE parts (2: halves of 64 items, m64n64k16, 32 accumulators a thread each; 4: quarters of 32,
-// m64n32k16, 16 each), a commit group each, every part's scores filtered while the later parts' products run,
-// instead of the whole tile's products waited for before its filter.
-#ifndef RW_PIPE
-#define RW_PIPE 0
-#endif
-#if RW_PIPE && RW_A_REGS
-#error "RW_PIPE takes the users' operand from shared memory"
-#endif
-#if RW_PIPE && RW_PIPE != 2 && RW_PIPE != 4
-#error "RW_PIPE: 2 or 4 parts a tile"
-#endif
 
 // A block's survivors kept in shared memory a user until the block is done (`out`): a survivor takes the next of
 // its user's S slots with a shared-memory atomic; past S it goes to the candidate buffer as fused.cu's RecallPending
@@ -130,66 +117,6 @@ __device__ __forceinline__ void recall_wgmma_64x128(float* d, u64 desc_a, u64 de
         : RW_D64_OPERANDS
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
-
-#if RW_PIPE
-#define RW_D16_REGS "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-#define RW_D16_OPERANDS                                                                                            \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),   \
-    "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-#define RW_D32_REGS                                                                                                \
-    RW_D16_REGS ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define RW_D32_OPERANDS                                                                                            \
-    RW_D16_OPERANDS, "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),   \
-    "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),       \
-    "+f"(d[31])
-
-// d (a warpgroup's 64 x N float32 tile, N / 2 a thread: the accumulator layout of m64n128's first N / 2) = a b or
-// d + a b, k = 16.
-template <int N>
-__device__ __forceinline__ void recall_wgmma_64xn(float* d, u64 desc_a, u64 desc_b, int accumulate);
-template <>
-__device__ __forceinline__ void recall_wgmma_64xn<64>(float* d, u64 desc_a, u64 desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RW_D32_REGS "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : RW_D32_OPERANDS
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-template <>
-__device__ __forceinline__ void recall_wgmma_64xn<32>(float* d, u64 desc_a, u64 desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {" RW_D16_REGS "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : RW_D16_OPERANDS
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// Waits until at most N of the warpgroup's commit groups are in flight.
-template <int N>
-__device__ __forceinline__ void recall_wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-// After a wait: the accumulators d[0..A-1] are read no earlier (the compiler sees them written here).
-template <int A>
-__device__ __forceinline__ void recall_wgmma_hold(float* d) {
-#pragma unroll
-    for (int i = 0; i < A; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Part `part` of RW_PIPE (items N part .. N part + N - 1, N = 128 / RW_PIPE) of the tile at b_base times the
-// warpgroup's users at a_base into d, one commit group.
-template <int KS, unsigned SBO>
-__device__ __forceinline__ void recall_wgmma_part(float* d, unsigned a_base, unsigned b_base, int part) {
-    constexpr int N = RW_TILE / RW_PIPE;
-    recall_wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-        recall_wgmma_64xn<N>(d, recall_wgmma_desc<SBO>(a_base + ks * 256u),
-                             recall_wgmma_desc<SBO>(b_base + (unsigned)(part * N / 8) * SBO + ks * 256u), ks);
-    recall_wgmma_commit();
-}
-#endif
 
 #if RW_A_REGS
 // Measurement only (fused_w_check.py --defines -DRW_A_REGS=1, kernel_profile.py's `a-regs`): the users' operand
@@ -350,50 +277,6 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
         for (int ks = 0; ks < KS; ++ks) recall_ldmatrix_x4(ua[ks], row_addr + ks * 256u);
     }
 #endif
-#if RW_PIPE
-    // dp[p]: part p of a tile (items N p .. N p + N - 1: d[A p .. A p + A - 1] of the layout above), a commit group
-    // each; part p filtered once no more than the RW_PIPE - 1 - p later parts' products are in flight. (Keeping the
-    // next tile's first part in flight over the loop's back edge instead made ptxas serialize the products, C7514,
-    // nvcc 13.0.)
-    constexpr int A = 64 / RW_PIPE;
-    float dp[RW_PIPE][A];
-#pragma unroll
-    for (int p = 0; p < RW_PIPE; ++p)
-#pragma unroll
-        for (int i = 0; i < A; ++i) dp[p][i] = 0.0f;
-    for (int s = 0; s < t_count; ++s) {
-        recall_cp_wait<STAGES - 2>();
-        recall_fence_proxy_async();
-        __syncthreads();  // tile s has landed for every thread, and no warpgroup still reads the buffer refilled next
-        if (s + STAGES - 1 < t_count)
-            load_tile(i_base + (unsigned)((s + STAGES - 1) % STAGES) * TILE_BYTES, I,
-                      (long long)(t_first + s + STAGES - 1) * RW_TILE, n_items);
-        recall_cp_commit();
-        const unsigned b_base = i_base + (unsigned)(s % STAGES) * TILE_BYTES;
-#pragma unroll
-        for (int p = 0; p < RW_PIPE; ++p) recall_wgmma_part<KS, SBO>(dp[p], a_base, b_base, p);
-        const int j0 = (t_first + s) * RW_TILE + 2 * t;
-        const bool whole = (t_first + s) * RW_TILE + RW_TILE <= n_items;
-#pragma unroll
-        for (int p = 0; p < RW_PIPE; ++p) {
-            if (RW_PIPE - 1 - p == 3) recall_wgmma_wait<3>();
-            if (RW_PIPE - 1 - p == 2) recall_wgmma_wait<2>();
-            if (RW_PIPE - 1 - p == 1) recall_wgmma_wait<1>();
-            if (RW_PIPE - 1 - p == 0) recall_wgmma_wait<0>();
-            recall_wgmma_hold<A>(dp[p]);
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int grp = 0; grp < A / 16; ++grp) {  // 32 items of the part: 8 scores of the user
-                    float s8[8];
-#pragma unroll
-                    for (int q = 0; q < 8; ++q) s8[q] = dp[p][16 * grp + 4 * (q >> 1) + 2 * h + (q & 1)];
-                    recall_append_group(s8, th[h], u0 + wrow + g + 8 * h, j0 + (RW_TILE / RW_PIPE) * p + 32 * grp,
-                                        whole, n_items, pending, cand, cnt, C);
-                }
-        }
-    }
-#else
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.0f;
@@ -431,7 +314,6 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
                                     cnt, C);
             }
     }
-#endif
 #if defined(RW_DIRECT_APPEND)
     pending.flush(C);
 #else
