@@ -235,6 +235,10 @@ VARIANTS = {
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
+    # HOOKS: seed_w.cu built with -DRS_KEPT=16 -DRS_ENOUGH_KEPT and fused.SEED_W_MAX_K 80: passes of up to 80
+    # candidates (k = 50's 66, its need's rank 53) score and select their threshold sample in one kernel, 16 keys a
+    # lane, instead of cuBLAS's GEMM writing the sampled scores and recall_seed_warp reading them.
+    "seed-w-wide": {},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
@@ -413,6 +417,18 @@ def _fused_w_built(*defines, pad=0):
     return hook
 
 
+def _seed_w_wide(engine):
+    from recall.backends.cupy import fused, kernels
+
+    mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRS_KEPT=16", "-DRS_ENOUGH_KEPT"))
+    assert engine.backend.selection.seed_w  # the shipped module's kernels first (fused_w's stay)
+    engine.backend.selection._seed_w = {16 * ks: mod.get_function(f"recall_seed_w{ks}") for ks in range(1, 10)}
+    fused.SEED_W_MAX_K = 80
+
+
+_seed_w_wide.builds = "seed_w"
+
+
 def _rescore_sort128(engine):
     """A hook: the warp re-scoring sorts every list four keys a lane over 128 (rescore.cu's RS_WARP_SHORT 0), as before
     lists of at most 32 (64) at k <= 32 (64) took 1 (2) keys a lane."""
@@ -505,7 +521,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=0) for v in ("seed-m16", "float32-seed-m16")},
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=16) for v in ("seed-m8r16", "float32-seed-m8r16")},
          "seed-m8r32": _setting(SELECTION, SEED_WARP_SMALL_RANK=32),
-         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
+         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-wide": _seed_w_wide,
+         "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},
          "need-margin-off": _setting("engine.fast", NEED_MARGIN_MAX_K=0),
@@ -780,7 +797,7 @@ def main() -> None:
         (certificate, "margin"), (selection, "SEED_WARP_RANK"), (selection, "SEED_WARP_MAX_SIZE"),
         (selection, "SEED_WARP_SMALL_RANK"),
         (selection, "ESTIMATE_SIGMAS"), (selection, "ESTIMATE_SAMPLE_SHARE"), (fused, "FUSED_SEEDED_MAX_K"),
-        (fused, "FUSED_HALF_SEEDED_MAX_K"),
+        (fused, "FUSED_HALF_SEEDED_MAX_K"), (fused, "SEED_W_MAX_K"),
         (fast_mode, "_prepare"), (fast_mode, "_prepare_users"), (fast_mode, "NARROW_FLAT"),
         (gpu_backend, "FUSED_USER_BLOCK"), (gpu_backend, "FUSED_SMALL_USER_BLOCK"), (gpu_rescore, "takes_warp"),
         (gpu_rescore, "_warp_kernel"),

@@ -157,7 +157,15 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int user = u0 + wrow + g + 8 * h;
+#if defined(RS_ENOUGH_KEPT)
+        // Measurement only (kernel_profile.py's `seed-w-wide`, with -DRS_KEPT=16): passes of more candidates than a
+        // quad keeps (fused.SEED_W_MAX_K raised) count min(K, 4 RS_KEPT) kept keys as enough (every sampled score is
+        // finite here: float16 rows, no exclusions); a rank past what the quad kept pops zeros, and the user gets
+        // the lowest threshold, a bound all the same.
+        const bool enough = recall_quad_sum(kept[h].held()) >= min(K, 4 * RS_KEPT);
+#else
         const bool enough = recall_quad_sum(kept[h].held()) >= K;
+#endif
         // The quad's largest kept key, `rank` times: each time the lowest lane holding it drops it. Every lane of
         // the warp pops (the shuffles take the whole warp): a quad short of keys pops zeros, unused.
         u32 lo = 0u;
