@@ -480,20 +480,22 @@ def _merge_bitwise(engine):
     sel.merge_fused_h_warp = {held: mod.get_function(f"recall_merge_fused_hw{held}") for held in (8, 16)}
 
 
-def _sample_bound_size(engine):
-    from recall.backends.cupy import selection
+def _seed_size_with(**forced):
+    """A hook: selection.seed_size with some of its flags forced (``bound``, ``loose``) whatever the caller passes."""
+    def hook(engine):
+        from recall.backends.cupy import selection
 
-    rule = selection.seed_size
-    selection.seed_size = lambda n_items, k, capacity, seeded=True, requested=0, bound=False, loose=False: rule(
-        n_items, k, capacity, seeded, requested, True, loose)
+        rule = selection.seed_size
+
+        def seed_size(n_items, k, capacity, seeded=True, requested=0, bound=False, loose=False):
+            return rule(n_items, k, capacity, seeded, requested, **{"bound": bound, "loose": loose, **forced})
+
+        selection.seed_size = seed_size
+
+    return hook
 
 
-def _sample_halved(engine):
-    from recall.backends.cupy import selection
-
-    rule = selection.seed_size
-    selection.seed_size = lambda n_items, k, capacity, seeded=True, requested=0, bound=False, loose=False: rule(
-        n_items, k, capacity, seeded, requested, bound, False)
+_sample_bound_size, _sample_halved = _seed_size_with(bound=True), _seed_size_with(loose=False)
 
 
 def _cap_off(engine):

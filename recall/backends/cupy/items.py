@@ -74,18 +74,25 @@ class DeviceItems:
         if self._loose is None:
             self._loose = False
             if self.norms_rank and self.ranks is None and self.vecs.shape[0] > 1:
+                import cupy
+
                 with stream:
                     norms = self._item_norms()
-                    mean = float(norms.mean())
-                    self._loose = mean > 0 and float(norms.std()) < CLOSE_NORMS_SPREAD * mean
+                    mean, std = cupy.stack((norms.mean(), norms.std())).get()  # one copy to the host
+                self._loose = bool(mean > 0 and std < CLOSE_NORMS_SPREAD * mean)
         return self._loose
 
+    @property
+    def _constant(self) -> set:
+        """The constant column, a set of it (left out of the norms), or an empty set."""
+        return set() if self.constant_column is None else {self.constant_column[0]}
+
     def _item_norms(self) -> Any:
+        """Each item's float64 norm without the constant column, made once (on the caller's stream)."""
         if self._norms is None:
             import cupy
 
-            constant = set() if self.constant_column is None else {self.constant_column[0]}
-            self._norms = norms_without(cupy, self.vecs, constant)
+            self._norms = norms_without(cupy, self.vecs, self._constant)
         return self._norms
 
     def sample(self, size: int, n_items: int, stream: Any, even: bool = False) -> tuple[Any, Any, Any]:
@@ -102,7 +109,6 @@ class DeviceItems:
             import cupy
 
             with stream:
-                constant = set() if self.constant_column is None else {self.constant_column[0]}
                 norms = self._item_norms()[:n_items]
                 order = (self.ranks[:n_items] if self.ranks is not None else norms) if ranked else None
                 rows = sample_rows(cupy, n_items, size, order)
@@ -111,7 +117,7 @@ class DeviceItems:
                 else:
                     if self._split is None:  # each row's norm without those columns too, its sum of |v| over them
                         lo, hi = self.bias_columns
-                        self._split = (norms_without(cupy, self.vecs, constant | set(range(lo, hi))),
+                        self._split = (norms_without(cupy, self.vecs, self._constant | set(range(lo, hi))),
                                        cupy.abs(self.vecs[:, lo:hi]).astype(cupy.float64).sum(axis=1))
                     rest, sums = self._split
                     got = (rows, _up32(cupy, rest[rows]), _up32(cupy, sums[rows]))
