@@ -235,10 +235,9 @@ VARIANTS = {
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
-    # HOOKS: seed_w.cu built with -DRS_KEPT=16 -DRS_ENOUGH_KEPT and fused.SEED_W_MAX_K 80: passes of up to 80
-    # candidates (k = 50's 66, its need's rank 53) score and select their threshold sample in one kernel, 16 keys a
-    # lane, instead of cuBLAS's GEMM writing the sampled scores and recall_seed_warp reading them.
-    "seed-w-wide": {},
+    # HOOKS: passes of more than 32 candidates (k = 50's 64) seeded by cuBLAS's GEMM and recall_seed_warp, as before
+    # seed_w.cu's `_wide` kernels (fused.SEED_W_MAX_K 32).
+    "seed-w-narrow": {},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
@@ -417,16 +416,10 @@ def _fused_w_built(*defines, pad=0):
     return hook
 
 
-def _seed_w_wide(engine):
-    from recall.backends.cupy import fused, kernels
+def _seed_w_narrow(engine):
+    from recall.backends.cupy import fused
 
-    mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRS_KEPT=16", "-DRS_ENOUGH_KEPT"))
-    assert engine.backend.selection.seed_w  # the shipped module's kernels first (fused_w's stay)
-    engine.backend.selection._seed_w = {16 * ks: mod.get_function(f"recall_seed_w{ks}") for ks in range(1, 10)}
-    fused.SEED_W_MAX_K = 80
-
-
-_seed_w_wide.builds = "seed_w"
+    fused.SEED_W_MAX_K = 32
 
 
 def _rescore_sort128(engine):
@@ -523,7 +516,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=0) for v in ("seed-m16", "float32-seed-m16")},
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=16) for v in ("seed-m8r16", "float32-seed-m8r16")},
          "seed-m8r32": _setting(SELECTION, SEED_WARP_SMALL_RANK=32),
-         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-wide": _seed_w_wide,
+         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _seed_w_narrow,
          "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},

@@ -31,7 +31,7 @@ def main() -> int:
     from recall.backends.cupy import fused as fused_path
     from recall.backends.cupy import kernels
     from recall.backends.cupy.items import DeviceItems
-    from recall.backends.cupy.selection import GpuTopK, Selection
+    from recall.backends.cupy.selection import GpuTopK, Selection, seed_w_kernels
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="1000000:512:80:27,200000:1024:48:27,100000:1024:80:27")
@@ -68,7 +68,7 @@ def main() -> int:
         runs = {"gemm + select": (gemm_select, None)}
         for define in a.defines.split(","):
             mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, tuple(define.split()))
-            shim = type("Sel", (), {"seed_w": {width: mod.get_function(f"recall_seed_w{width // 16}")},
+            shim = type("Sel", (), {"seed_w": seed_w_kernels(mod),
                                     "seed_args": staticmethod(Selection.seed_args)})()
             search = fused_path.FusedSearch(shim)
 

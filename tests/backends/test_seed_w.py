@@ -1,12 +1,14 @@
 """The threshold sample of a float16 pass scored and selected in one kernel (recall/backends/cupy/kernels/seed_w.cu,
-``EngineOptions.fused_seed``, Hopper): each lane of a quad keeps its RS_KEPT largest lowered keys of a user, and the
-quad's rank-th largest kept key is the threshold.
+``EngineOptions.fused_seed``, Hopper): each lane of a quad keeps its largest lowered keys of a user (RS_KEPT, or
+RS_KEPT_WIDE in passes of more than 32 candidates: ``fused.seed_w_kept``), and the quad's rank-th largest kept key is
+the threshold.
 
 Integer-valued data makes every float32 sum exact whatever its order, so the kernel's sampled scores are those of
 cuBLAS's GEMM bit for bit: its thresholds must be ``Selection.seed``'s of the same scores with each lane's share cut to
-the keys it keeps (exactly, where a lowered score's order is its score's: items of one norm), never above the
-uncut select's, and equal to it wherever no lane held more than RS_KEPT of a user's best. Searches with exclusions
-keep cuBLAS's GEMM and the select (``fused.seeds_fused``).
+the keys it keeps (exactly, where a lowered score's order is its score's: items of one norm; for a pass of more
+candidates than the 4 lanes keep, the cut select of a pass of that many), never above the uncut select's, and equal
+to it wherever no lane held more than it keeps of a user's best. Searches with exclusions keep cuBLAS's GEMM and the
+select (``fused.seeds_fused``).
 """
 from __future__ import annotations
 
@@ -23,17 +25,26 @@ from test_walk import check_fast_and_certified
 
 usable, reason = cuda_status()
 on_gpu = pytest.mark.skipif(not usable, reason=f"no usable GPU: {reason}")
-KEPT = 12  # seed_w.cu's RS_KEPT
 
 
 def test_the_rule():
-    assert fused_path.seeds_fused(27, False, EngineOptions())  # d = 64, k = 10: the route's pass keeps 27
-    assert fused_path.seeds_fused(32, False, EngineOptions())
-    assert fused_path.seeds_fused(1, False, EngineOptions())
-    assert not fused_path.seeds_fused(27, True, EngineOptions())  # exclusions: the GEMM, the mask and the select
-    assert not fused_path.seeds_fused(33, False, EngineOptions())  # k = 100's pass: cuBLAS's GEMM and a select
-    assert not fused_path.seeds_fused(27, False, EngineOptions(fused_seed=False))
-    assert not fused_path.seeds_fused(27, False, EngineOptions(warpgroup_mma=False))  # the mma.sync kernels' GPUs
+    options = EngineOptions()
+    assert fused_path.seeds_fused(27, 0, False, options)  # d = 64, k = 10: the route's pass keeps 27
+    assert fused_path.seeds_fused(27, 13, False, options)  # ... starting at its need
+    assert fused_path.seeds_fused(32, 0, False, options)
+    assert fused_path.seeds_fused(1, 0, False, options)
+    assert fused_path.seeds_fused(64, 53, False, options)  # k = 50's pass at its need: 16 keys a lane
+    assert fused_path.seeds_fused(64, 35, False, options)  # ... or an estimate
+    assert fused_path.seeds_fused(64, 0, False, options)  # its k-th: every key the 4 lanes keep
+    assert fused_path.seeds_fused(80, 64, False, options)
+    assert not fused_path.seeds_fused(73, 0, False, options)  # a rank past the 64 kept keys
+    assert not fused_path.seeds_fused(80, 65, False, options)
+    assert not fused_path.seeds_fused(81, 20, False, options)  # k = 100's pass: cuBLAS's GEMM and a select
+    assert not fused_path.seeds_fused(27, 0, True, options)  # exclusions: the GEMM, the mask and the select
+    assert not fused_path.seeds_fused(64, 53, True, options)
+    assert not fused_path.seeds_fused(27, 0, False, EngineOptions(fused_seed=False))
+    assert not fused_path.seeds_fused(27, 0, False, EngineOptions(warpgroup_mma=False))  # the mma.sync kernels' GPUs
+    assert [fused_path.seed_w_kept(k) for k in (1, 32, 33, 64, 80)] == [12, 12, 16, 16, 16]
 
 
 def test_two_blocks_an_sm():
@@ -102,7 +113,7 @@ def _one_norm(rng, size, width, lead=0, bias=0):
     return out.astype(np.float16)
 
 
-def _cut(scores, kept=KEPT):
+def _cut(scores, kept):
     """Each user's scores with each lane's share cut to its ``kept`` best (the rest -inf)."""
     out = np.full_like(scores, -np.inf)
     lane = _lane(scores.shape[1])
@@ -117,19 +128,26 @@ def _cut(scores, kept=KEPT):
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.gpu
+@on_gpu
 @pytest.mark.parametrize("n_users,size,width,k,estimate", [
     (1, 128, 16, 1, 0), (130, 512, 64, 27, 0), (300, 300, 72, 27, 9), (257, 1024, 32, 32, 0), (129, 700, 40, 20, 5),
     (200, 128, 144, 16, 0), (260, 2048, 128, 10, 3), (140, 256, 80, 32, 31), (3, 129, 56, 5, 0), (1000, 512, 24, 27, 0),
     (2, 20, 16, 27, 0),
+    # wider passes, 16 keys a lane: k = 50's 64 at its need (53) or an estimate, at its k-th, and 80 at rank 64
+    (300, 1024, 32, 64, 53), (257, 512, 64, 64, 35), (130, 600, 144, 64, 0), (200, 2048, 128, 80, 64),
+    (129, 256, 48, 33, 0), (5, 60, 16, 64, 53),
 ])
 @pytest.mark.parametrize("best", ["spread", "one lane"])
 def test_thresholds_are_the_select_of_what_each_lane_keeps(hopper, n_users, size, width, k, estimate, best):
     # Sampled items of one norm (the lowered keys in the scores' order): the kernel's thresholds equal Selection.seed's
-    # of the same exact scores cut to each lane's KEPT best, bit for bit, and are never above the uncut select's.
-    # "one lane": every user's best scores in lane 0's share (its KEPT kept fall short of the rank: strictly lower);
+    # of the same exact scores cut to each lane's kept best, bit for bit, and are never above the uncut select's.
+    # "one lane": every user's best scores in lane 0's share (its kept keys fall short of the rank: strictly lower);
     # samples off the tile of 128, and one shorter than K (fewer than K kept: -inf); every width the kernel is built
-    # for (16 to 144 columns multiplied); ranks 1 to 32 and estimates below them.
+    # for (16 to 144 columns multiplied); ranks 1 to 64 and estimates below them. A pass of more candidates than the
+    # 4 lanes keep (80 against 64) takes all 64 kept as enough: the cut select of a pass of 64 at the same rank.
     rng = np.random.default_rng(n_users + size + width + k)
+    kept = fused_path.seed_w_kept(k)
     sample = _one_norm(rng, size, width, lead=1)
     users = _ints(rng, n_users, width, -3, 4).astype(np.float16)
     sample[:, 0] = rng.choice([-1, 1], size)
@@ -138,21 +156,22 @@ def test_thresholds_are_the_select_of_what_each_lane_keeps(hopper, n_users, size
         sample[:, 0] = np.where(_lane(size) == 0, 60, -60)
     exact = users.astype(np.float32) @ sample.astype(np.float32).T
     fused, uncut = _thresholds(users, sample, k, estimate)
-    _, cut = _thresholds(users, sample, k, estimate, scores=_cut(exact))
+    _, cut = _thresholds(users, sample, min(k, 4 * kept), estimate, scores=_cut(exact, kept))
     np.testing.assert_array_equal(fused, cut)
     assert (fused <= uncut).all()
     rank = estimate if 0 < estimate < k else k
     if size < k:
         assert (fused == -np.inf).all()
-    elif best == "one lane" and rank > KEPT:
+    elif best == "one lane" and rank > kept:
         assert (fused < uncut).all()  # lane 0 held the rank's best; the others' kept stood in
-    elif best == "spread":
-        assert np.mean(fused == uncut) >= 0.9
+    elif best == "spread" and rank <= 53:  # (at rank 64 of 64 kept, only where each lane held 16 of the best)
+        assert np.mean(fused == uncut) >= (0.9 if rank <= 32 else 0.3)
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("size,width,k,estimate", [(512, 72, 27, 0), (1024, 40, 32, 12), (384, 136, 10, 0)])
+@pytest.mark.parametrize("size,width,k,estimate", [(512, 72, 27, 0), (1024, 40, 32, 12), (384, 136, 10, 0),
+                                                   (1024, 64, 64, 53)])
 def test_margins_take_the_constant_and_bias_columns_on_their_own(hopper, size, width, k, estimate):
     # A constant column (fast mode's shift: every item holds one value there) and bias columns (l2's) left out of
     # the norms and bounded on their own, as Selection.seed bounds them: the same thresholds on items of one norm
@@ -164,7 +183,8 @@ def test_margins_take_the_constant_and_bias_columns_on_their_own(hopper, size, w
     constant, bias_columns = (0, 4.0), (width - 2, width)
     exact = users.astype(np.float32) @ sample.astype(np.float32).T
     fused, uncut = _thresholds(users, sample, k, estimate, constant, bias_columns)
-    _, cut = _thresholds(users, sample, k, estimate, constant, bias_columns, scores=_cut(exact))
+    _, cut = _thresholds(users, sample, k, estimate, constant, bias_columns,
+                         scores=_cut(exact, fused_path.seed_w_kept(k)))
     np.testing.assert_array_equal(fused, cut)
     assert (fused <= uncut).all() and np.mean(fused == uncut) >= 0.9
 
@@ -183,14 +203,22 @@ def test_real_valued_thresholds_stay_below_the_kth_best(hopper):
     fused, select = _thresholds(users, sample, k, scores=scores)
     kth = -np.sort(-(users.astype(np.float64) @ sample.astype(np.float64).T), axis=1)[:, k - 1]
     assert (fused <= kth).all()
-    close = np.isclose(fused, select, rtol=1e-3, atol=0)  # the rest: a lane held more than KEPT of the best
+    close = np.isclose(fused, select, rtol=1e-3, atol=0)  # the rest: a lane held more than it keeps of the best
     assert np.mean(close) >= 0.95
+    # k = 50's pass of 64 at its need's rank: 16 keys a lane
+    fused, select = _thresholds(users, sample, 64, 53, scores=scores)
+    kth = -np.sort(-(users.astype(np.float64) @ sample.astype(np.float64).T), axis=1)[:, 52]
+    assert (fused <= kth).all()
+    assert np.mean(np.isclose(fused, select, rtol=1e-3, atol=0)) >= 0.3
+    _, further = _thresholds(users, sample, 64, 57, scores=scores)  # the select's 57th: a few places further
+    assert np.mean(fused >= further) >= 0.95
 
 
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("n_users,n_items,width,k", [
     (130, 1000, 24, 10), (300, 3001, 72, 27), (257, 2500, 64, 32), (1000, 4096, 32, 27), (200, 1300, 136, 16),
+    (300, 4096, 64, 64), (200, 3000, 40, 48),
 ])
 def test_passes_seeded_in_one_kernel_equal_the_cpu_exactly(hopper, n_users, n_items, width, k):
     # Fused float16 passes seeded by seed_w.cu (stats["seed_fused"]) and by cuBLAS's GEMM and a select: the CPU's
@@ -211,9 +239,10 @@ def test_passes_seeded_in_one_kernel_equal_the_cpu_exactly(hopper, n_users, n_it
             vals, rows = _best_first(vals, rows)
             np.testing.assert_array_equal(rows, want_rows)
             np.testing.assert_array_equal(vals, want_vals)
-    _, _, stats = _run_half("gpu", items, users, 33, None, EngineOptions(fused="force", seed_sample=256),
-                            best_first=False)
-    assert stats["seed_sample"] == 256 and not stats["seed_fused"]  # above SEED_W_MAX_K
+    for wide in (73, 81) if n_items >= 1024 else ():  # its k-th past the 64 keys 4 lanes keep; above SEED_W_MAX_K
+        _, _, stats = _run_half("gpu", items, users, wide, None, EngineOptions(fused="force", seed_sample=512),
+                                best_first=False)
+        assert stats["seed_sample"] == 512 and not stats["seed_fused"]
 
 
 @pytest.mark.gpu
@@ -242,7 +271,7 @@ def test_device_users_are_seeded_all_at_once_as_each_block_would_be(hopper, n_us
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
-@pytest.mark.parametrize("dim,k", [(32, 10), (64, 10), (64, 1), (128, 15)])
+@pytest.mark.parametrize("dim,k", [(32, 10), (64, 10), (64, 1), (128, 15), (32, 50), (64, 50)])
 def test_fast_and_certified_answers_are_the_oracles(hopper, metric, dim, k):
     # Real-valued, skewed-norm data through fast mode and exact mode's certified route, seeded in one kernel (no
     # exclusions): the answers equal the float64 oracle's, ties aware, and exact mode's equal its float32 search's bit

@@ -39,11 +39,18 @@ FUSED_SEEDED_MAX_K = 8192
 #: route took 0.0871 s, its re-scoring 0.041 s of it (one block an SM: 8,192 keys a user fill a block's shared
 #: memory), against 0.0737 s for the float32 search: that pass keeps cuBLAS + filter, and the route declines there.
 FUSED_HALF_SEEDED_MAX_K = 5121
-#: A float16 pass on Hopper that keeps at most SEED_W_MAX_K candidates a user (k + margin + 1: k up to 23 where it
-#: starts at the need, fast.NEED_MARGIN; 15 otherwise) scores and selects its threshold sample in one kernel
-#: (kernels/seed_w.cu, ``EngineOptions.fused_seed``) where the search excludes nothing: no sampled score goes through
-#: memory (:func:`seeds_fused`).
-SEED_W_MAX_K = 32
+#: A float16 pass on Hopper that keeps at most SEED_W_MAX_K candidates a user (k + margin + 1: k up to 63) scores and
+#: selects its threshold sample in one kernel (kernels/seed_w.cu, ``EngineOptions.fused_seed``) where the search
+#: excludes nothing and it starts at a rank its lanes' kept keys hold (:func:`seeds_fused`): no sampled score goes
+#: through memory. Passes of at most SEED_W_NARROW_K keep SEED_W_KEPT keys a lane (seed_w.cu's RS_KEPT), wider ones
+#: SEED_W_WIDE_KEPT (RS_KEPT_WIDE, the ``_wide`` kernels). At k = 50 (a pass of 64 starting at rank 53 or an
+#: estimate's 35) on 1M users x 4,096 items, the route took 0.888x its time with cuBLAS's GEMM and recall_seed_warp
+#: (clustered ip, d = 32), 0.897x (normal ip, d = 64) and 0.895x (skewed l2, d = 32; H100, 2026-12-07,
+#: docs/benchmarks.md).
+SEED_W_MAX_K = 80
+SEED_W_NARROW_K = 32
+SEED_W_KEPT = 12
+SEED_W_WIDE_KEPT = 16
 #: The walk (kernels/walk_w.cu, Hopper, ``EngineOptions.fused_walk``, off by default): a float16 pass that keeps at
 #: most WALK_MAX_K candidates a user (k + margin + 1: k up to 15) of rows of at most WALK_MAX_WIDTH columns
 #: multiplied, in searches of at least WALK_MIN_USERS users, takes one kernel in which each block of 128 users scores
@@ -110,12 +117,19 @@ def seed_w_smem(padded: int) -> int:
     return 2 * FUSED_TILE * padded * (1 + (2 if padded > 96 else 3))
 
 
-def seeds_fused(k: int, has_excl: bool, options: EngineOptions) -> bool:
-    """Whether a float16 fused pass keeping ``k`` candidates a user scores and selects its threshold sample in one
-    kernel (seed_w.cu, where Hopper's kernels are built: the caller checks): ``EngineOptions.fused_seed`` and
-    ``warpgroup_mma``, k at most SEED_W_MAX_K, and a search without exclusions (``has_excl`` False: with them,
-    cuBLAS's GEMM, the mask and the select took less GPU time, docs/benchmarks.md)."""
-    return options.fused_seed and options.warpgroup_mma and 0 < k <= SEED_W_MAX_K and not has_excl
+def seed_w_kept(k: int) -> int:
+    """Keys a lane of seed_w.cu's kernel keeps for a pass of ``k`` candidates a user (SEED_W_NARROW_K)."""
+    return SEED_W_KEPT if k <= SEED_W_NARROW_K else SEED_W_WIDE_KEPT
+
+
+def seeds_fused(k: int, rank: int, has_excl: bool, options: EngineOptions) -> bool:
+    """Whether a float16 fused pass keeping ``k`` candidates a user and starting at the ``rank``-th best of its
+    threshold sample (0: the k-th, ``selection.start_rank``) scores and selects the sample in one kernel (seed_w.cu,
+    where Hopper's kernels are built: the caller checks): ``EngineOptions.fused_seed`` and ``warpgroup_mma``, k at
+    most SEED_W_MAX_K, a rank within the 4 lanes' kept keys (:func:`seed_w_kept`), and a search without exclusions
+    (``has_excl`` False: with them, cuBLAS's GEMM, the mask and the select took less GPU time, docs/benchmarks.md)."""
+    return (options.fused_seed and options.warpgroup_mma and 0 < k <= SEED_W_MAX_K
+            and (rank or k) <= 4 * seed_w_kept(k) and not has_excl)
 
 
 def walk_smem(padded: int) -> int:
@@ -342,7 +356,7 @@ class FusedSearch:
         ``bias``: ``Selection.seed``'s; ``multiplied``: :meth:`search`'s."""
         n, width = users.shape
         padded = padded_width(width, multiplied)
-        kernel, smem = self.sel.seed_w[padded], seed_w_smem(padded)
+        kernel, smem = self.sel.seed_w[(padded, state.k > SEED_W_NARROW_K)], seed_w_smem(padded)
         self._allow_smem(kernel, smem)
         args = self.sel.seed_args(state, users, item_norms, False, estimate, constant, bias, thr)
         kernel((-(-n // FUSED_TILE),), (_H_THREADS,),

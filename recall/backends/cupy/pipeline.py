@@ -186,10 +186,14 @@ class BlockPipeline:
                 and bool(self.backend.selection.walk_w))
         sample = 0 if walk else search_seed_size(plan, n_items, k, options, not may_estimate,
                                                   may_estimate and items.loose_ranking(self.compute_stream))
+        # A pass that may start below its k-th best starts at the rank of selection.start_rank: an estimate over
+        # evenly spaced rows, or a bound of the items a user needs (from a sample half of the items ranked first
+        # where the items are ranked, DeviceItems.ranked); ``rank`` 0: the k-th best, a bound.
+        rank, even = start_rank(k, need, sample, n_items, items.ranked) if sample and may_estimate else (0, False)
         # A float16 pass of a small k on Hopper without exclusions scores and selects its sample in one kernel
         # (fused_path.seeds_fused).
         seed_fused = (bool(sample) and floor is None and np.dtype(users.dtype) == np.float16 and fused
-                      and fused_path.seeds_fused(k, has_excl, options) and bool(self.backend.selection.seed_w))
+                      and fused_path.seeds_fused(k, rank, has_excl, options) and bool(self.backend.selection.seed_w))
         ws = self._workspace(plan, k, dim, max_excl, users.dtype, fused,
                              max(1, 0 if seed_fused else sample) if fused else None, wire_dtype(n_items), n_items)
         state, scores_buf, slots = ws.state, ws.scores, ws.slots
@@ -201,10 +205,6 @@ class BlockPipeline:
         ready = cupy.cuda.get_current_stream().record()
         compute.wait_event(ready)
         copy.wait_event(ready)
-        # A pass that may start below its k-th best starts at the rank of selection.start_rank: an estimate over
-        # evenly spaced rows, or a bound of the items a user needs (from a sample half of the items ranked first
-        # where the items are ranked, DeviceItems.ranked); ``rank`` 0: the k-th best, a bound.
-        rank, even = start_rank(k, need, sample, n_items, items.ranked) if sample and may_estimate else (0, False)
         seed = self._refresh_sample(ws, items, n_items, sample, dim, even) if sample else None
         stats["seed_sample"] = sample
         stats["seed_fused"] = seed_fused

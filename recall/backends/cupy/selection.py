@@ -45,6 +45,13 @@ _SEED_TYPES = (((np.dtype(np.float32), np.dtype(np.float32)), ""), ((np.dtype(np
                ((np.dtype(np.float32), np.dtype(np.float16)), "_fh"))
 
 
+def seed_w_kernels(mod: Any) -> dict:
+    """seed_w.cu's kernels of a built Hopper module by (the columns multiplied, 16 to 144; whether they are the
+    ``_wide`` kernels, which keep more keys a lane: ``fused.seed_w_kept``)."""
+    return {(16 * ks, wide): mod.get_function(f"recall_seed_w{ks}{'_wide' if wide else ''}") for ks in range(1, 10)
+            for wide in (False, True)}
+
+
 def seed_warp_kernels(mod: Any) -> dict:
     """The warp-a-user select of small ranks (SEED_WARP_RANK) of a built selection module, by (score type, vector
     type, keys a lane keeps: 16, or 8 for ranks up to SEED_WARP_SMALL_RANK)."""
@@ -308,7 +315,7 @@ class Selection:
         self.merge_fused_warp = {held: mod.get_function(f"recall_merge_fused_w{held}") for held in (8, 16)}
         self.merge_fused_h_warp = {held: mod.get_function(f"recall_merge_fused_hw{held}") for held in (8, 16)}
         self._fused_w: dict[int, Any] | None = None
-        self._seed_w: dict[int, Any] = {}
+        self._seed_w: dict[tuple[int, bool], Any] = {}
         self._walk_w: dict[int, Any] | None = None
         self._merge_smem_limit = 0
 
@@ -319,9 +326,9 @@ class Selection:
         return self._fused_w
 
     @property
-    def seed_w(self) -> dict[int, Any]:
-        """seed_w.cu's threshold selects (wgmma), by the columns multiplied (16 to 144), built with :attr:`fused_w`'s
-        module; empty off Hopper."""
+    def seed_w(self) -> dict[tuple[int, bool], Any]:
+        """seed_w.cu's threshold selects (wgmma), by (the columns multiplied, 16 to 144; the ``_wide`` kernels:
+        ``seed_w_kernels``), built with :attr:`fused_w`'s module; empty off Hopper."""
         self._hopper()
         return self._seed_w
 
@@ -336,7 +343,7 @@ class Selection:
             widths = range(1, 10)
             self._fused_w = {} if mod is None else {16 * ks: mod.get_function(f"recall_fused_filter_w{ks}")
                                                     for ks in widths}
-            self._seed_w = {} if mod is None else {16 * ks: mod.get_function(f"recall_seed_w{ks}") for ks in widths}
+            self._seed_w = {} if mod is None else seed_w_kernels(mod)
 
     @property
     def walk_w(self) -> dict[int, Any]:

@@ -1,7 +1,8 @@
 // The threshold sample of a float16 pass on Hopper, scored and selected in one kernel: recall_seed's threshold (just
 // below each user's rank-th best sampled score, each lowered by its margin: topk.cu's RecallSeedMargin) from the
-// users' and the sample's float16 rows themselves, where the pass keeps at most 32 candidates a user (fused.py's
-// SEED_W_MAX_K: fast mode's and the certified route's k + margin + 1, k up to 15) and the search excludes nothing.
+// users' and the sample's float16 rows themselves, where the pass keeps at most 80 candidates a user (fused.py's
+// SEED_W_MAX_K: fast mode's and the certified route's k + margin + 1, k up to 63), starts at a rank of at most 4 KEPT
+// (below), and the search excludes nothing.
 // cuBLAS's GEMM wrote the sample's float32 scores to memory and recall_seed_warp read them back: for a million users
 // and 512 sampled items, 2 GB each way, 3.1-3.2 ms against this kernel's 2.1 (H100, docs/benchmarks.md). Compiled
 // after fused_w.cu (its wgmma helpers, tile layout, loader and product step), in its module.
@@ -9,36 +10,43 @@
 // A block of RW_THREADS owns 128 users and multiplies them by the sample a tile of 128 items at a time, as fused_w.cu
 // does (the same wgmma sequence: float32 sums of exact products, which seed_margin's bound covers in any order). A
 // thread holds 2 users' (h = 0, 1) 32 scores of each tile, the 4 lanes of a quad (t = lane % 4) a user's 128; each
-// lane lowers its scores by their margins and keeps its RS_KEPT largest keys (recall_f2ord) of each user in
-// registers, sorted, largest first: a key moves every smaller one down a place, two comparisons a place and no
-// branch. Then the quad pops its largest kept key `rank` times: the rank-th largest of the 4 RS_KEPT kept keys, ties
-// counted, which is the rank-th largest of the row unless a lane dropped a key at or above it (it held more than
-// RS_KEPT of the row's best), and never above it: a lower bound of the search's k-th best all the same
-// (recall_seed_warp would go on over the whole row, which this kernel does not keep). -inf where the quad kept fewer
-// than K keys (fewer than K finite sampled scores: recall_seed's
-// rule, counted on what was kept).
+// lane lowers its scores by their margins and keeps its KEPT largest keys (recall_f2ord) of each user in registers,
+// sorted, largest first: a key moves every smaller one down a place, two comparisons a place and no branch. Then the
+// quad pops its largest kept key `rank` times: the rank-th largest of the 4 KEPT kept keys, ties counted, which is the
+// rank-th largest of the row unless a lane dropped a key at or above it (it held more than KEPT of the row's best),
+// and never above it: a lower bound of the search's k-th best all the same (recall_seed_warp would go on over the
+// whole row, which this kernel does not keep). -inf where the quad kept fewer than K keys, or than the 4 KEPT it can
+// where K is more (fewer than K finite sampled scores: recall_seed's rule, counted on what was kept).
 //
 // Searches without exclusions only (the pipeline's rule): with 50 excluded items a user, each key that might enter
 // a lane's kept keys looked up among them, the route on 1M users x 4,096 items took 15.0 ms of GPU time against 13.1
 // with cuBLAS's GEMM, recall_mask_sampled and recall_seed_warp (H100, docs/benchmarks.md).
-// Keys a lane keeps of each user. 1M users x 512 sampled items x 80 columns at rank 27 (k = 10's pass), in launches
-// of 32,768 users (H100, scripts/lab/seed_w_profile.py, a build that also looked exclusions up): 12 keys 2.49 ms,
-// 98.1% of users at the GEMM path's threshold (the rest a place or two below); 16 keys 2.79 ms, 99.99%; 8 keys 2.38
-// ms, 28%; cuBLAS's GEMM and recall_seed_warp 3.49 ms. -DRS_KEPT=n: measurement only.
+// Keys a lane keeps of each user: RS_KEPT in passes of at most 32 candidates (fused.py's SEED_W_NARROW_K), RS_KEPT_WIDE
+// in wider ones (the `_wide` kernels: k = 50's pass keeps 64, its need's rank 53, above the 48 that 4 x 12 kept keys
+// hold). 1M users x 512 sampled items x 80 columns at rank 27 (k = 10's pass), in launches of 32,768 users (H100,
+// scripts/lab/seed_w_profile.py, a build that also looked exclusions up): 12 keys 2.49 ms, 98.1% of users at the
+// GEMM path's threshold (the rest a place or two below); 16 keys 2.79 ms, 99.99%; 8 keys 2.38 ms, 28%; cuBLAS's GEMM
+// and recall_seed_warp 3.49 ms. At rank 53, 16 keys a lane leave about half the users a place or two below the
+// sample's 53rd best, and 4-5% more scores pass after them (counted on the CPU); 16 keys take 128 registers (4 bytes
+// spilled at 128 columns). -DRS_KEPT=n, -DRS_KEPT_WIDE=n: measurement only.
 #ifndef RS_KEPT
 #define RS_KEPT 12
 #endif
+#ifndef RS_KEPT_WIDE
+#define RS_KEPT_WIDE 16
+#endif
 
-// A lane's RS_KEPT largest keys of a user, largest first (0: an empty place).
+// A lane's KEPT largest keys of a user, largest first (0: an empty place).
+template <int KEPT>
 struct RecallSeedKept {
-    u32 key[RS_KEPT];
+    u32 key[KEPT];
 
     __device__ __forceinline__ void clear() {
 #pragma unroll
-        for (int j = 0; j < RS_KEPT; ++j) key[j] = 0u;
+        for (int j = 0; j < KEPT; ++j) key[j] = 0u;
     }
 
-    __device__ __forceinline__ void push(u32 k) {  // k <= key[RS_KEPT - 1] (0 too) changes nothing
+    __device__ __forceinline__ void push(u32 k) {  // k <= key[KEPT - 1] (0 too) changes nothing
 #if defined(RS_NO_KEEP)  // measurement only (scripts/lab/seed_w_profile.py): the largest key alone
         key[0] = max(key[0], k);
 #else
@@ -49,7 +57,7 @@ struct RecallSeedKept {
     __device__ __forceinline__ int held() const {
         int c = 0;
 #pragma unroll
-        for (int j = 0; j < RS_KEPT; ++j) c += key[j] != 0u ? 1 : 0;
+        for (int j = 0; j < KEPT; ++j) c += key[j] != 0u ? 1 : 0;
         return c;
     }
 };
@@ -64,7 +72,7 @@ __device__ __forceinline__ int recall_quad_sum(int x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-template <int KS>
+template <int KS, int KEPT>
 __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__ S, int T, int K, int n_users,
                                                    float* __restrict__ thr, const half_bits* __restrict__ U, int W,
                                                    const float* __restrict__ vnorm, const float* __restrict__ vbias,
@@ -126,7 +134,7 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
         z[h] = m.z32;
         r = m.r32;
     }
-    RecallSeedKept kept[2];
+    RecallSeedKept<KEPT> kept[2];
     kept[0].clear();
     kept[1].clear();
 
@@ -157,15 +165,9 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int user = u0 + wrow + g + 8 * h;
-#if defined(RS_ENOUGH_KEPT)
-        // Measurement only (kernel_profile.py's `seed-w-wide`, with -DRS_KEPT=16): passes of more candidates than a
-        // quad keeps (fused.SEED_W_MAX_K raised) count min(K, 4 RS_KEPT) kept keys as enough (every sampled score is
-        // finite here: float16 rows, no exclusions); a rank past what the quad kept pops zeros, and the user gets
-        // the lowest threshold, a bound all the same.
-        const bool enough = recall_quad_sum(kept[h].held()) >= min(K, 4 * RS_KEPT);
-#else
-        const bool enough = recall_quad_sum(kept[h].held()) >= K;
-#endif
+        // Enough where the quad kept K keys, or all it could: a rank past the 4 KEPT kept (which fused.py's
+        // seeds_fused does not send here) would pop zeros, the lowest threshold, a bound all the same.
+        const bool enough = recall_quad_sum(kept[h].held()) >= min(K, 4 * KEPT);
         // The quad's largest kept key, `rank` times: each time the lowest lane holding it drops it. Every lane of
         // the warp pops (the shuffles take the whole warp): a quad short of keys pops zeros, unused.
         u32 lo = 0u;
@@ -174,8 +176,8 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
             const unsigned mine = (__ballot_sync(0xffffffffu, kept[h].key[0] == lo) >> (lane & ~3)) & 0xfu;
             if (t == __ffs(mine) - 1) {
 #pragma unroll
-                for (int j = 0; j < RS_KEPT - 1; ++j) kept[h].key[j] = kept[h].key[j + 1];
-                kept[h].key[RS_KEPT - 1] = 0u;
+                for (int j = 0; j < KEPT - 1; ++j) kept[h].key[j] = kept[h].key[j + 1];
+                kept[h].key[KEPT - 1] = 0u;
             }
         }
         // A key below every finite float's (the most negative scores' bins): -FLT_MAX, as recall_seed_warp.
@@ -185,25 +187,28 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
     }
 }
 
-// recall_seed_w<KS>: rows of 16 KS columns multiplied (KS = 1 .. 9, as fused_w.cu's); grid ceil(n_users / 128)
-// blocks of RW_THREADS; shared memory fused.py's seed_w_smem. The sample's T rows S (T, W) and K, then the users'
-// count and recall_seed_warp's arguments from thr on (selection.py's Selection.seed_args).
-#define RECALL_SEED_W_KERNEL(KS)                                                                                   \
+// recall_seed_w<KS>: rows of 16 KS columns multiplied (KS = 1 .. 9, as fused_w.cu's), RS_KEPT keys a lane;
+// recall_seed_w<KS>_wide, RS_KEPT_WIDE; grid ceil(n_users / 128) blocks of RW_THREADS; shared memory fused.py's
+// seed_w_smem. The sample's T rows S (T, W) and K, then the users' count and recall_seed_warp's arguments from thr on
+// (selection.py's Selection.seed_args).
+#define RECALL_SEED_W_KERNEL(KS, NAME, KEPT)                                                                       \
     extern "C" __global__ void __launch_bounds__(RW_THREADS, 2)                                                    \
-    recall_seed_w##KS(const half_bits* __restrict__ S, int T, int K, int n_users, float* __restrict__ thr,         \
-                      const half_bits* __restrict__ U, int W, const float* __restrict__ vnorm,                     \
-                      const float* __restrict__ vbias, int BL, int BH, int CC, double CV, double A, double R,      \
-                      double Z, int KE) {                                                                          \
+    NAME(const half_bits* __restrict__ S, int T, int K, int n_users, float* __restrict__ thr,                     \
+         const half_bits* __restrict__ U, int W, const float* __restrict__ vnorm, const float* __restrict__ vbias, \
+         int BL, int BH, int CC, double CV, double A, double R, double Z, int KE) {                                 \
         extern __shared__ float4 recall_seed_w_smem[];                                                            \
-        recall_seed_w_body<KS>(S, T, K, n_users, thr, U, W, vnorm, vbias, BL, BH, CC, CV, A, R, Z, KE,              \
-                               reinterpret_cast<half_bits*>(recall_seed_w_smem));                                 \
+        recall_seed_w_body<KS, KEPT>(S, T, K, n_users, thr, U, W, vnorm, vbias, BL, BH, CC, CV, A, R, Z, KE,        \
+                                     reinterpret_cast<half_bits*>(recall_seed_w_smem));                           \
     }
-RECALL_SEED_W_KERNEL(1)
-RECALL_SEED_W_KERNEL(2)
-RECALL_SEED_W_KERNEL(3)
-RECALL_SEED_W_KERNEL(4)
-RECALL_SEED_W_KERNEL(5)
-RECALL_SEED_W_KERNEL(6)
-RECALL_SEED_W_KERNEL(7)
-RECALL_SEED_W_KERNEL(8)
-RECALL_SEED_W_KERNEL(9)
+#define RECALL_SEED_W_KERNELS(KS)                                                                                  \
+    RECALL_SEED_W_KERNEL(KS, recall_seed_w##KS, RS_KEPT)                                                           \
+    RECALL_SEED_W_KERNEL(KS, recall_seed_w##KS##_wide, RS_KEPT_WIDE)
+RECALL_SEED_W_KERNELS(1)
+RECALL_SEED_W_KERNELS(2)
+RECALL_SEED_W_KERNELS(3)
+RECALL_SEED_W_KERNELS(4)
+RECALL_SEED_W_KERNELS(5)
+RECALL_SEED_W_KERNELS(6)
+RECALL_SEED_W_KERNELS(7)
+RECALL_SEED_W_KERNELS(8)
+RECALL_SEED_W_KERNELS(9)
