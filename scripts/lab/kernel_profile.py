@@ -235,9 +235,6 @@ VARIANTS = {
     # HOOKS: fused_w.cu built with -DRW_A_REGS=1: the users' operand in registers (wgmma's RS form), each product
     # reading only the items' tile from shared memory.
     "a-regs": {}, "a-regs-cta32": {"fused_tiles_per_block": 32},
-    # HOOKS: fused_w.cu built with -DRW_QUAD_STAGE=1: a tile's survivors staged a quad at a time (one shared-memory
-    # atomic a quad and user, each lane writing its survivors at its places), not an atomic a survivor.
-    "quad-stage": {},
     # HOOKS: passes of more than 32 candidates (k = 50's 64) seeded by cuBLAS's GEMM and recall_seed_warp, as before
     # seed_w.cu's `_wide` kernels (fused.SEED_W_MAX_K 32).
     "seed-w-narrow": {},
@@ -519,7 +516,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=0) for v in ("seed-m16", "float32-seed-m16")},
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=16) for v in ("seed-m8r16", "float32-seed-m8r16")},
          "seed-m8r32": _setting(SELECTION, SEED_WARP_SMALL_RANK=32),
-         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "quad-stage": _fused_w_built("-DRW_QUAD_STAGE=1"), "seed-w-narrow": _seed_w_narrow,
+         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _seed_w_narrow,
          "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},

@@ -40,9 +40,6 @@
 #ifndef RW_A_REGS
 #define RW_A_REGS 0
 #endif
-#ifndef RW_QUAD_STAGE
-#define RW_QUAD_STAGE 0
-#endif
 
 // A block's survivors kept in shared memory a user until the block is done (`out`): a survivor takes the next of
 // its user's S slots with a shared-memory atomic; past S it goes to the candidate buffer as fused.cu's RecallPending
@@ -64,16 +61,6 @@ struct RecallStaged {
         else
             pending.push(cand, cnt, C, user, key);
     }
-#if RW_QUAD_STAGE
-    // A survivor whose position `pos` among its user's the caller took (the quad's one atomic on count, below).
-    __device__ __forceinline__ void put(u64* __restrict__ cand, int* __restrict__ cnt, int C, int user, int pos,
-                                       u64 key) {
-        if (pos < S)
-            stage[(user - u0) * S + pos] = key;
-        else
-            pending.push(cand, cnt, C, user, key);
-    }
-#endif
     // After every thread's last push and a __syncthreads: thread pairs send each user's stage out (RW_THREADS = 2
     // users' worth of threads), and each thread its pending key.
     __device__ __forceinline__ void out(u64* __restrict__ cand, int* __restrict__ cnt, int C, int tid) {
@@ -316,9 +303,6 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
 
         const int j0 = (t_first + s) * RW_TILE + 2 * t;  // item of d[0]; d[4j + 2h + c] is item j0 + 8j + c
         const bool whole = (t_first + s) * RW_TILE + RW_TILE <= n_items;
-#if RW_QUAD_STAGE && !defined(RW_DIRECT_APPEND)
-        recall_w_quad_stage(d, th, u0 + wrow + g, j0, whole, n_items, t, pending, cand, cnt, C);
-#else
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -329,7 +313,6 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
                 recall_append_group(s8, th[h], u0 + wrow + g + 8 * h, j0 + 32 * grp, whole, n_items, pending, cand,
                                     cnt, C);
             }
-#endif
     }
 #if defined(RW_DIRECT_APPEND)
     pending.flush(C);
@@ -338,77 +321,6 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
     pending.out(cand, cnt, C, tid);
 #endif
 }
-
-#if RW_QUAD_STAGE
-// Measurement only (fused_w_check.py --defines -DRW_QUAD_STAGE=1, kernel_profile.py's `quad-stage`): a tile's
-// survivors staged a quad at a time. Each lane tests its groups of 8 through their maximum as recall_append_group does
-// and sets a bit a survivor (32 a user a tile); then, where any lane of the warp has one, the quad's lanes add their
-// counts up (two shuffles), one lane takes the quad's places with one shared-memory atomic, and each lane writes its
-// survivors at its own places: no atomic a survivor, and the warp goes round as often as its lane with the most.
-template <int S>
-__device__ __forceinline__ void recall_w_quad_stage(const float (&d)[64], const float (&th)[2], int user0, int j0,
-                                                    bool whole, int n_items, int t, RecallStaged<S>& pending,
-                                                    u64* __restrict__ cand, int* __restrict__ cnt, int C) {
-    unsigned bits[2] = {0u, 0u};
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int grp = 0; grp < 4; ++grp) {
-            float s8[8];
-#pragma unroll
-            for (int q = 0; q < 8; ++q) s8[q] = d[16 * grp + 4 * (q >> 1) + 2 * h + (q & 1)];
-            const float m = fmaxf(fmaxf(fmaxf(s8[0], s8[1]), fmaxf(s8[2], s8[3])),
-                                  fmaxf(fmaxf(s8[4], s8[5]), fmaxf(s8[6], s8[7])));
-            if (m > th[h]) {
-                unsigned b = 0u;
-#pragma unroll
-                for (int q = 0; q < 8; ++q) b |= (s8[q] > th[h] ? 1u : 0u) << q;
-                if (!whole) {
-#pragma unroll
-                    for (int q = 0; q < 8; ++q)
-                        if (j0 + 32 * grp + 8 * (q >> 1) + (q & 1) >= n_items) b &= ~(1u << q);
-                }
-                bits[h] |= b << (8 * grp);
-            }
-        }
-    if (!__any_sync(0xffffffffu, (bits[0] | bits[1]) != 0u)) return;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int user = user0 + 8 * h;
-        const int n = __popc(bits[h]);
-        int x = n;  // the quad's inclusive prefix of the counts, lanes t = 0..3
-        int y = __shfl_up_sync(0xffffffffu, x, 1);
-        if (t >= 1) x += y;
-        y = __shfl_up_sync(0xffffffffu, x, 2);
-        if (t >= 2) x += y;
-        const int total = __shfl_sync(0xffffffffu, x, lane | 3);
-        int base = 0;
-        if (t == 3 && total > 0) base = atomicAdd(&pending.count[user - pending.u0], total);
-        base = __shfl_sync(0xffffffffu, base, lane | 3);
-        int pos = base + x - n;
-#pragma unroll
-        for (int grp = 0; grp < 4; ++grp) {
-            unsigned b = (bits[h] >> (8 * grp)) & 0xffu;
-#pragma unroll 1
-            while (b) {
-                const int q = __ffs(b) - 1;
-                b &= b - 1u;
-                float v[8];
-#pragma unroll
-                for (int r = 0; r < 8; ++r) v[r] = d[16 * grp + 4 * (r >> 1) + 2 * h + (r & 1)];
-#pragma unroll
-                for (int w = 1; w < 8; w *= 2) {
-                    const bool upper = (q & w) != 0;
-#pragma unroll
-                    for (int r = 0; r < 8; r += 2 * w) v[r] = upper ? v[r + w] : v[r];
-                }
-                pending.put(cand, cnt, C, user, pos++, recall_key(v[0], j0 + 32 * grp + 8 * (q >> 1) + (q & 1)));
-            }
-        }
-    }
-}
-#endif
 
 // recall_fused_filter_w<16 KS>: rows of 16 KS columns multiplied (Wp), in one stage a tile; the arguments of
 // fused_h.cu's kernels (Wp is the kernel's own).
