@@ -44,9 +44,9 @@ FUSED_HALF_SEEDED_MAX_K = 5121
 #: excludes nothing and it starts at a rank its lanes' kept keys hold (:func:`seeds_fused`): no sampled score goes
 #: through memory. Passes of at most SEED_W_NARROW_K keep SEED_W_KEPT keys a lane (seed_w.cu's RS_KEPT), wider ones
 #: SEED_W_WIDE_KEPT (RS_KEPT_WIDE, the ``_wide`` kernels). At k = 50 (a pass of 64 starting at rank 53 or an
-#: estimate's 35) on 1M users x 4,096 items, the route took 0.888x its time with cuBLAS's GEMM and recall_seed_warp
-#: (clustered ip, d = 32), 0.897x (normal ip, d = 64) and 0.895x (skewed l2, d = 32; H100, 2026-12-07,
-#: docs/benchmarks.md).
+#: estimate's 35) the route with cuBLAS's GEMM and recall_seed_warp instead took 1.096-1.104x its time on 1M users x
+#: 4,096 items (clustered and skewed ip, skewed l2, normal ip), 1.026x at d = 128 (cosine), 1.019x on 100k x 1M and
+#: 1.126x on 500k x 100k (H100, 2026-12-07, interleaved, docs/benchmarks.md).
 SEED_W_MAX_K = 80
 SEED_W_NARROW_K = 32
 SEED_W_KEPT = 12
