@@ -20,21 +20,33 @@ from typing import Any
 from ..core.tiling import InterestPlan, TilePlan, item_segments
 
 
+#: A ranked threshold sample (``sample_rows`` with ``norms``) keeps every EVEN_EVERY-th of the evenly spaced rows (a
+#: half of it at 2) and takes the rest from the items ranked first; 0: all ranked. Counted on the CPU at k = 50 on
+#: 4,096 items (512 sampled, the need's 53rd best; ``python3 scripts/lab/need_counts.py --samples 512 --even-every
+#: 2,4,8,0``): a half evenly spaced passed 135 scores a user on clustered ip, a quarter 103, none 88; skewed l2 135,
+#: 120, 110; popular ip 80, 68, 64; on 100k clustered items at k = 50 from 8,192 rows 119, 104, 88. The evenly spaced
+#: rows are the hedge against items whose large norms point away from the users: with an eighth of 4,096 items
+#: (normal, d = 32) made ten times as long along one direction, a half passed 593, a quarter 971, none 1,586 (the
+#: users opposite them 834, 1,646, 3,537). Not yet timed on a GPU (scripts/lab/kernel_profile.py's ``even4``,
+#: ``even8`` and ``even0``).
+EVEN_EVERY = 2
+
+
 def sample_rows(xp: Any, n_items: int, size: int, norms: Any = None) -> Any:
     """The item rows of a threshold sample of ``size`` items (each backend's ``seed_size``): sorted, distinct int64
     of module ``xp``. With stride = n_items // size: every stride-th row, from the middle of the first stride; with
-    ``norms`` ((n_items,), where an item's norm bounds its score: the inner product), half of them every (2
-    stride)-th row and the rest the largest norms among the other rows (ties to the lower row). Any rows give a
-    valid seed (the k-th best of real items); the largest norms are the items most users rank high, so that their
-    k-th best sits nearer the final k-th best and fewer scores pass the filter, and the evenly spread half keeps the
-    seed at least that of a sample half the size where norms say little (docs/benchmarks.md: 0.62 -> 0.57 s exact,
-    0.43 -> 0.34 s fast on 1M users x 100k skewed items)."""
+    ``norms`` ((n_items,), where an item's norm bounds its score: the inner product), every (EVEN_EVERY stride)-th
+    of those rows (half of them) and the rest the largest norms among the other rows (ties to the lower row). Any
+    rows give a valid seed (the k-th best of real items); the largest norms are the items most users rank high, so
+    that their k-th best sits nearer the final k-th best and fewer scores pass the filter, and the evenly spread rows
+    keep the seed at least that of a sample of their size where norms say little (docs/benchmarks.md: 0.62 -> 0.57 s
+    exact, 0.43 -> 0.34 s fast on 1M users x 100k skewed items)."""
     stride = n_items // size
     first = stride // 2
     if norms is None:
         return xp.arange(size, dtype=xp.int64) * stride + first
-    spread = (size + 1) // 2
-    strided = xp.arange(spread, dtype=xp.int64) * (2 * stride) + first
+    spread = -(-size // EVEN_EVERY) if EVEN_EVERY else 0
+    strided = xp.arange(spread, dtype=xp.int64) * (EVEN_EVERY * stride) + first
     rank = xp.array(norms, dtype=xp.float64)
     rank[strided] = -xp.inf
     top = xp.argsort(-rank, kind="stable")[: size - spread].astype(xp.int64)

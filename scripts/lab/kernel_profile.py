@@ -173,6 +173,10 @@ VARIANTS = {
     # estimate from the half, whatever the items' norms (selection.seed_size before 2026-12-07: 512 items at k = 50
     # on 4,096 under ip; since, 1,024 where the items' norms are close, DeviceItems.loose_ranking).
     "sample-halved": {},
+    # HOOKS: ranked threshold samples (ip's largest norms, l2's items nearest the centroid) that keep a quarter, an
+    # eighth or none of their rows evenly spaced (tiled.EVEN_EVERY 4, 8, 0; a half as shipped), in the route and in
+    # the float32 search.
+    **{f"{pre}even{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-") for n in (4, 8, 0)},
     "merge-bitwise": {}, "float32-merge-bitwise": {"certified_exact": "off"}, "cap-off": {},
     "float32-cap-off": {"certified_exact": "off"},
     # HOOKS: row norms (l2's finished scores) and cosine's scaling on the device as array operations over a float64
@@ -528,6 +532,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "float32-sample-bound-size": _sample_bound_size,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
+         **{f"{pre}even{n}": _setting("backends.tiled", EVEN_EVERY=n) for pre in ("", "float32-") for n in (4, 8, 0)},
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
          "l2-even": _l2_even, **{f"need{n}": _setting("engine.fast", NEED_SLACK=n) for n in (1, 2, 3, 4, 6)},
          "need-k": _setting("engine.fast", NEED_SLACK=1 << 20),
@@ -783,6 +788,7 @@ def main() -> None:
     from recall.backends.cupy import backend as gpu_backend
     from recall.backends.cupy import fused, pipeline, selection
     from recall.backends.cupy import items as device_items
+    from recall.backends import tiled
     from recall.backends.cupy import rescore as gpu_rescore
     from recall.core import certificate, host_threads, metrics
     from recall.engine import fast as fast_mode
@@ -801,7 +807,7 @@ def main() -> None:
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"), (fast_mode, "NEED_SLACK"),
         (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"), (metrics, "row_norms"),
         (metrics, "_normalise"), (device_items, "row_norms"), (gpu_backend, "fused_capacity"),
-        (pipeline, "fused_capacity"), (selection, "seed_size"))
+        (pipeline, "fused_capacity"), (selection, "seed_size"), (tiled, "EVEN_EVERY"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():

@@ -14,7 +14,8 @@ certificate fails and the candidates a user holds, where the pass starts at the 
 
 ``--samples 512,1024,2048``: per threshold sample size, the scores a user passes at the need's rank (k + slack) of a
 sample ranked as the pass ranks it (the largest norms, or under l2 the items nearest the centroid) and of evenly
-spaced rows: what a larger sample would spare a pass that starts at its bound.
+spaced rows: what a larger sample would spare a pass that starts at its bound. ``--even-every 2,4,0``: ranked samples
+that keep every n-th of their evenly spaced rows (``tiled.EVEN_EVERY``: a half as shipped, a quarter, none).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from recall.backends.cupy.backend import preferred_width
 from recall.backends.cupy.selection import estimate_rank, seed_size, start_rank
+from recall.backends import tiled
 from recall.backends.tiled import sample_rows
 from recall.bench.workloads import generate
 from recall.core import certificate, metrics
@@ -77,20 +79,29 @@ def passed(spec: str, slack: int) -> dict:
     return {name: (rules[name][1], np.concatenate(c)) for name, c in got.items()}
 
 
-def sample_sizes(spec: str, slack: int, sizes) -> dict:
-    """Per sample size: (scores a user passes from the ranked sample's (k + slack)-th best, from evenly spaced
-    rows'), each an array over the users."""
+def sample_sizes(spec: str, slack: int, sizes, even_every=(2,)) -> dict:
+    """Per sample size: ({tiled.EVEN_EVERY: scores a user passes from the ranked sample's (k + slack)-th best}, from
+    evenly spaced rows'), each an array over the users."""
     users, items, nu, ni, dim, k, metric = _data(spec, 0)
     pu = metrics.prepare_users(metric, np, users).astype(np.float64)
     pi = metrics.prepare_items(metric, np, items).astype(np.float64)
     order = _pass_order(pi, metric, dim)
-    rows = {(n, ranked): sample_rows(np, ni, n, order if ranked else None) for n in sizes for ranked in (True, False)}
+    shipped = tiled.EVEN_EVERY
+    rows = {}
+    try:
+        for n in sizes:
+            rows[(n, None)] = sample_rows(np, ni, n)
+            for e in even_every:
+                tiled.EVEN_EVERY = e
+                rows[(n, e)] = sample_rows(np, ni, n, order)
+    finally:
+        tiled.EVEN_EVERY = shipped
     got = {key: [] for key in rows}
     for a in range(0, nu, 500):
         s = pu[a:a + 500] @ pi.T
         for key, r in rows.items():
             got[key].append((s >= _kth(s[:, r], k + slack)[:, None]).sum(axis=1))
-    return {n: (np.concatenate(got[(n, True)]), np.concatenate(got[(n, False)])) for n in sizes}
+    return {n: ({e: np.concatenate(got[(n, e)]) for e in even_every}, np.concatenate(got[(n, None)])) for n in sizes}
 
 
 def _emulated(spec: str):
@@ -154,16 +165,21 @@ def main() -> None:
                    help="per first margin m, the users whose certificate fails and the candidates a user holds, for a "
                         "pass that starts at the sample's (k + slack)-th best")
     p.add_argument("--samples", default="", help="comma-separated sample sizes: the scores a user passes from each")
+    p.add_argument("--even-every", default="2",
+                   help="with --samples: ranked samples keeping every n-th evenly spaced row (tiled.EVEN_EVERY; 0: "
+                        "none), comma-separated")
     a = p.parse_args()
     if a.samples:
         sizes = [int(n) for n in a.samples.split(",")]
-        print("| cell | sample: passed from the ranked sample, mean / p99; from evenly spaced rows |")
+        evens = [int(n) for n in a.even_every.split(",")]
+        print("| cell | sample: passed from the ranked sample (EVEN_EVERY), mean / p99; from evenly spaced rows |")
         print("| --- | --- |")
         for spec in a.cells.split(","):
-            got = sample_sizes(spec, a.slack, sizes)
-            print(f"| {spec} | " + "; ".join(f"{n}: {r.mean():.1f} / {np.percentile(r, 99):.0f}, even "
-                                          f"{e.mean():.1f} / {np.percentile(e, 99):.0f}"
-                                          for n, (r, e) in got.items()) + " |", flush=True)
+            got = sample_sizes(spec, a.slack, sizes, evens)
+            print(f"| {spec} | " + "; ".join(
+                f"{n}: " + ", ".join(f"({e}) {r.mean():.1f} / {np.percentile(r, 99):.0f}" for e, r in ranked.items())
+                + f", even {even.mean():.1f} / {np.percentile(even, 99):.0f}"
+                for n, (ranked, even) in got.items()) + " |", flush=True)
         return
     if a.margins:
         print("| cell | first margin m: certificates failed, candidates a user |")

@@ -135,12 +135,13 @@ def test_estimate_sample_is_a_share_of_the_rule_where_the_estimate_applies(monke
         assert whole // 2 < 2 * k or selection.estimate_rank(k, whole // 2, n_items, ranked=True) == 0
 
 
-def _independent_sample(n_items, size, norms):
-    # The rule spelled out row by row: the evenly spread rows, then the largest norms of the rest (lower row first).
+def _independent_sample(n_items, size, norms, even_every=2):
+    # The rule spelled out row by row: the evenly spread rows (every even_every-th of them; none at 0), then the
+    # largest norms of the rest (lower row first).
     stride = n_items // size
     if norms is None:
         return [stride // 2 + j * stride for j in range(size)]
-    spread = [stride // 2 + 2 * j * stride for j in range((size + 1) // 2)]
+    spread = [stride // 2 + j * stride for j in range(size) if even_every and j % even_every == 0]
     taken = set(spread)
     rest = sorted((r for r in range(n_items) if r not in taken), key=lambda r: (-float(norms[r]), r))
     return sorted(spread + rest[: size - len(spread)])
@@ -150,10 +151,15 @@ def _independent_sample(n_items, size, norms):
     (100_000, 1_000, 0), (70_000, 1_000, 0), (1_000_000, 100, 0), (200_001, 4_096, 0), (20_000, 300, 0),
     (33_000, 2_000, 0), (20_000, 300, 8_192), (9_000, 37, 4_096), (4_099, 1, 2_049)])
 @pytest.mark.parametrize("norms_kind", [None, "spread", "ties", "rising"])
-def test_sample_rows(n_items, k, requested, norms_kind):
+@pytest.mark.parametrize("even_every", [2, 4, 0])
+def test_sample_rows(monkeypatch, n_items, k, requested, norms_kind, even_every):
     # Sorted distinct rows within the items, the sample's size, exactly the rule's rows: with norms, ties among them
-    # (a few distinct values) and norms rising with the row (the largest all at the end, where the spread half is).
+    # (a few distinct values) and norms rising with the row (the largest all at the end, where the spread half is);
+    # half the sample evenly spaced (as shipped, tiled.EVEN_EVERY), a quarter, or none.
+    from recall.backends import tiled
     from recall.backends.tiled import sample_rows
+
+    monkeypatch.setattr(tiled, "EVEN_EVERY", even_every)
 
     size = seed_size(n_items, k, 32_768, requested=requested)
     assert size
@@ -164,7 +170,7 @@ def test_sample_rows(n_items, k, requested, norms_kind):
     assert rows.dtype == np.int64 and rows.shape == (size,)
     assert np.all(np.diff(rows) > 0) and rows[0] >= 0 and rows[-1] < n_items
     if n_items <= 200_001:
-        assert rows.tolist() == _independent_sample(n_items, size, norms)
+        assert rows.tolist() == _independent_sample(n_items, size, norms, even_every)
 
 
 def _seed_rows(size, k, dtype):
