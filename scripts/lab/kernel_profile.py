@@ -173,6 +173,11 @@ VARIANTS = {
     # estimate from the half, whatever the items' norms (selection.seed_size before 2026-12-07: 512 items at k = 50
     # on 4,096 under ip; since, 1,024 where the items' norms are close, DeviceItems.loose_ranking).
     "sample-halved": {},
+    # HOOKS: a pass whose sample is ranked starts at the need's rank of it (a bound) even where the rule would
+    # estimate over evenly spaced rows (selection.start_rank's ESTIMATE_EVEN_MU): with sample-bound-size, k = 50 on
+    # 4,096 items starts at the 53rd of 1,024 ranked rows, not the 35th of 1,024 evenly spaced ones (counted on the
+    # CPU: 75 scores a user pass on clustered ip against 210).
+    "ranked-bound": {},
     # HOOKS: ranked threshold samples (ip's largest norms, l2's items nearest the centroid) that keep a quarter, an
     # eighth or none of their rows evenly spaced (tiled.EVEN_EVERY 4, 8, 0; a half as shipped), in the route and in
     # the float32 search.
@@ -495,6 +500,20 @@ def _seed_size_with(**forced):
 _sample_bound_size, _sample_halved = _seed_size_with(bound=True), _seed_size_with(loose=False)
 
 
+def _ranked_bound(engine):
+    from recall.backends.cupy import pipeline
+
+    rule = pipeline.start_rank
+
+    def start_rank(k, need, size, n_items, ranked=False):
+        if not ranked:
+            return rule(k, need, size, n_items, ranked)
+        need = k if need <= 0 else min(need, k)
+        return (need if need < k else 0), False
+
+    pipeline.start_rank = start_rank
+
+
 def _cap_off(engine):
     from recall.backends.cupy import backend, pipeline, selection
 
@@ -531,7 +550,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "float32-cap-off": _cap_off, "sample-bound-size": _sample_bound_size, "sample-halved": _sample_halved,
          "float32-sample-bound-size": _sample_bound_size,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
-         "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1),
+         "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1), "ranked-bound": _ranked_bound,
          **{f"{pre}even{n}": _setting("backends.tiled", EVEN_EVERY=n) for pre in ("", "float32-") for n in (4, 8, 0)},
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
          "l2-even": _l2_even, **{f"need{n}": _setting("engine.fast", NEED_SLACK=n) for n in (1, 2, 3, 4, 6)},
@@ -807,7 +826,8 @@ def main() -> None:
         (device_items, "sample_rows"), (host_threads, "MAX_THREADS"), (fast_mode, "NEED_SLACK"),
         (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"), (metrics, "row_norms"),
         (metrics, "_normalise"), (device_items, "row_norms"), (gpu_backend, "fused_capacity"),
-        (pipeline, "fused_capacity"), (selection, "seed_size"), (tiled, "EVEN_EVERY"))
+        (pipeline, "fused_capacity"), (selection, "seed_size"), (tiled, "EVEN_EVERY"),
+        (pipeline, "start_rank"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():
