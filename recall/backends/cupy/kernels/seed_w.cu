@@ -155,8 +155,18 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
                 const float vb = in && bias ? __ldg(vbias + item) : 0.0f;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
+#if defined(RS_NO_LOWER)
+                    // Measurement only (kernel_profile.py's `seed-no-lower`): the sampled scores unlowered. The
+                    // search's own scores of the sampled items are these products in the same wgmma sequence; its
+                    // passes are certified (a user short of its need is widened), so a threshold that sits an ulp
+                    // above a sampled item's search score costs time, never an answer.
+                    (void)vn;
+                    (void)vb;
+                    kept[h].push(in ? recall_seed_key(d[4 * j + 2 * h + c]) : 0u);
+#else
                     const RecallSeedMargin m = {vnorm, nullptr, au[h], ab[h], r, z[h]};
                     kept[h].push(in ? recall_seed_key(m.lower(d[4 * j + 2 * h + c], vn, vb)) : 0u);
+#endif
                 }
             }
     }
