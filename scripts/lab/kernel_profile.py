@@ -439,12 +439,6 @@ def _seed_no_lower(engine):
 _seed_no_lower.builds = "seed_w"
 
 
-def _seed_w_narrow(engine):
-    from recall.backends.cupy import fused
-
-    fused.SEED_W_MAX_K = 32
-
-
 def _rescore_sort128(engine):
     """A hook: the warp re-scoring sorts every list four keys a lane over 128 (rescore.cu's RS_WARP_SHORT 0), as before
     lists of at most 32 (64) at k <= 32 (64) took 1 (2) keys a lane."""
@@ -553,7 +547,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=0) for v in ("seed-m16", "float32-seed-m16")},
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=16) for v in ("seed-m8r16", "float32-seed-m8r16")},
          "seed-m8r32": _setting(SELECTION, SEED_WARP_SMALL_RANK=32),
-         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _seed_w_narrow, "seed-no-lower": _seed_no_lower,
+         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _setting("backends.cupy.fused", SEED_W_MAX_K=32), "seed-no-lower": _seed_no_lower,
          "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},

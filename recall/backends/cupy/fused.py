@@ -117,9 +117,14 @@ def seed_w_smem(padded: int) -> int:
     return 2 * FUSED_TILE * padded * (1 + (2 if padded > 96 else 3))
 
 
+def seed_w_wide(k: int) -> bool:
+    """Whether a pass of ``k`` candidates a user takes seed_w.cu's ``_wide`` kernels (above SEED_W_NARROW_K)."""
+    return k > SEED_W_NARROW_K
+
+
 def seed_w_kept(k: int) -> int:
-    """Keys a lane of seed_w.cu's kernel keeps for a pass of ``k`` candidates a user (SEED_W_NARROW_K)."""
-    return SEED_W_KEPT if k <= SEED_W_NARROW_K else SEED_W_WIDE_KEPT
+    """Keys a lane of seed_w.cu's kernel keeps for a pass of ``k`` candidates a user (:func:`seed_w_wide`)."""
+    return SEED_W_WIDE_KEPT if seed_w_wide(k) else SEED_W_KEPT
 
 
 def seeds_fused(k: int, rank: int, has_excl: bool, options: EngineOptions) -> bool:
@@ -356,7 +361,7 @@ class FusedSearch:
         ``bias``: ``Selection.seed``'s; ``multiplied``: :meth:`search`'s."""
         n, width = users.shape
         padded = padded_width(width, multiplied)
-        kernel, smem = self.sel.seed_w[(padded, state.k > SEED_W_NARROW_K)], seed_w_smem(padded)
+        kernel, smem = self.sel.seed_w[(padded, seed_w_wide(state.k))], seed_w_smem(padded)
         self._allow_smem(kernel, smem)
         args = self.sel.seed_args(state, users, item_norms, False, estimate, constant, bias, thr)
         kernel((-(-n // FUSED_TILE),), (_H_THREADS,),

@@ -47,7 +47,7 @@ _SEED_TYPES = (((np.dtype(np.float32), np.dtype(np.float32)), ""), ((np.dtype(np
 
 def seed_w_kernels(mod: Any) -> dict:
     """seed_w.cu's kernels of a built Hopper module by (the columns multiplied, 16 to 144; whether they are the
-    ``_wide`` kernels, which keep more keys a lane: ``fused.seed_w_kept``)."""
+    ``_wide`` kernels, which keep more keys a lane: ``fused.seed_w_wide``)."""
     return {(16 * ks, wide): mod.get_function(f"recall_seed_w{ks}{'_wide' if wide else ''}") for ks in range(1, 10)
             for wide in (False, True)}
 

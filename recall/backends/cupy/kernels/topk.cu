@@ -1058,9 +1058,9 @@ __device__ __forceinline__ u64 recall_warp_least(const u64 (&key)[HELD], u64 lo,
 
 // recall_merge_body one warp a user: where the user's buffer did not overflow and its keys (those it keeps and its
 // candidates) number at most 32 HELD, each lane holds HELD of them in registers and the warp finds the K-th largest
-// two bits a step (recall_warp_least: how many keys lie at or above three trial values, one warp-wide sum a step), with
-// no shared memory but the sort of a final pass that writes best first; else recall_merge_body's radix select, one warp a user. The same keys
-// kept, the same threshold and results. Dynamic shared memory: K_pad keys a warp.
+// two bits a step (recall_warp_least: how many keys lie at or above three trial values, one warp-wide sum a step),
+// with no shared memory but the sort of a final pass that writes best first; else recall_merge_body's radix select,
+// one warp a user. The same keys kept, the same threshold and results. Dynamic shared memory: K_pad keys a warp.
 template <typename Tile, int HELD>
 __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __restrict__ n_valid,
                                        float* __restrict__ thr, u64* __restrict__ cand, int* __restrict__ cnt,
