@@ -20,37 +20,70 @@ from typing import Any
 from ..core.tiling import InterestPlan, TilePlan, item_segments
 
 
-#: A ranked threshold sample (``sample_rows`` with ``norms``) keeps every EVEN_EVERY-th of the evenly spaced rows (a
-#: half of it at 2) and takes the rest from the items ranked first; 0: all ranked. Counted on the CPU at k = 50 on
-#: 4,096 items (512 sampled, the need's 53rd best; ``python3 scripts/lab/need_counts.py --samples 512 --even-every
-#: 2,4,8,0``): a half evenly spaced passed 135 scores a user on clustered ip, a quarter 103, none 88; skewed l2 135,
-#: 120, 110; popular ip 80, 68, 64; on 100k clustered items at k = 50 from 8,192 rows 119, 104, 88. The evenly spaced
-#: rows are the hedge against items whose large norms point away from the users: with an eighth of 4,096 items
-#: (normal, d = 32) made ten times as long along one direction, a half passed 593, a quarter 971, none 1,586 (the
-#: users opposite them 834, 1,646, 3,537). Not yet timed on a GPU (scripts/lab/kernel_profile.py's ``even4``,
-#: ``even8`` and ``even0``).
+#: A ranked threshold sample (``sample_rows`` with ``norms``) keeps every ``even_every``-th of the evenly spaced rows
+#: and takes the rest from the items ranked first; 0: all ranked. Which of EVEN_CHOICES a catalogue's samples take is
+#: found from its first seeded search's users (``probed_even_every``); EVEN_EVERY without them. Counted on the CPU at
+#: k = 50 on 4,096 items (512 sampled, the need's 53rd best; ``python3 scripts/lab/need_counts.py --samples 512
+#: --even-every 2,4,8,0``): a half evenly spaced passed 135 scores a user on clustered ip, a quarter 103, none 88;
+#: skewed l2 135, 120, 110; popular ip 80, 68, 64; on 100k clustered items at k = 50 from 8,192 rows 119, 104, 88.
+#: The evenly spaced rows are the hedge against items whose large norms point away from the users: with an eighth of
+#: 4,096 items (normal, d = 32) made ten times as long along one direction, a half passed 593, a quarter 971, none
+#: 1,586 (the users opposite them 834, 1,646, 3,537). Timed (H100, docs/benchmarks.md): none evenly spaced took
+#: 0.88-0.95x the route's time at k = 50 on 4,096 items, 0.97-0.99x on larger catalogues.
 EVEN_EVERY = 2
+EVEN_CHOICES = (0, 2)
+#: The probe: at most PROBE_USERS users (evenly spaced; fewer than PROBE_LEAST: no probe), their scores against at
+#: most PROBE_ITEMS evenly spaced items.
+PROBE_USERS = 256
+PROBE_LEAST = 64
+PROBE_ITEMS = 8192
 
 
-def sample_rows(xp: Any, n_items: int, size: int, norms: Any = None) -> Any:
+def sample_rows(xp: Any, n_items: int, size: int, norms: Any = None, even_every: int | None = None) -> Any:
     """The item rows of a threshold sample of ``size`` items (each backend's ``seed_size``): sorted, distinct int64
     of module ``xp``. With stride = n_items // size: every stride-th row, from the middle of the first stride; with
-    ``norms`` ((n_items,), where an item's norm bounds its score: the inner product), every (EVEN_EVERY stride)-th
-    of those rows (half of them) and the rest the largest norms among the other rows (ties to the lower row). Any
-    rows give a valid seed (the k-th best of real items); the largest norms are the items most users rank high, so
-    that their k-th best sits nearer the final k-th best and fewer scores pass the filter, and the evenly spread rows
-    keep the seed at least that of a sample of their size where norms say little (docs/benchmarks.md: 0.62 -> 0.57 s
-    exact, 0.43 -> 0.34 s fast on 1M users x 100k skewed items)."""
+    ``norms`` ((n_items,), where an item's norm bounds its score: the inner product; or any order to rank by), every
+    (``even_every`` stride)-th of those rows (half of them at 2, none at 0; None: EVEN_EVERY) and the rest the largest norms among the
+    other rows (ties to the lower row). Any rows give a valid seed (the k-th best of real items); the largest norms
+    are the items most users rank high, so that their k-th best sits nearer the final k-th best and fewer scores pass
+    the filter, and the evenly spread rows keep the seed at least that of a sample of their size where norms say
+    little (docs/benchmarks.md: 0.62 -> 0.57 s exact, 0.43 -> 0.34 s fast on 1M users x 100k skewed items)."""
     stride = n_items // size
     first = stride // 2
     if norms is None:
         return xp.arange(size, dtype=xp.int64) * stride + first
-    spread = -(-size // EVEN_EVERY) if EVEN_EVERY else 0
-    strided = xp.arange(spread, dtype=xp.int64) * (EVEN_EVERY * stride) + first
+    even_every = EVEN_EVERY if even_every is None else even_every
+    spread = -(-size // even_every) if even_every else 0
+    strided = xp.arange(spread, dtype=xp.int64) * (even_every * stride) + first
     rank = xp.array(norms, dtype=xp.float64)
     rank[strided] = -xp.inf
     top = xp.argsort(-rank, kind="stable")[: size - spread].astype(xp.int64)
     return xp.sort(xp.concatenate([strided, top]))
+
+
+def probed_even_every(xp: Any, users: Any, items: Any, n_items: int, size: int, norms: Any, rank: int) -> int:
+    """Which of EVEN_CHOICES a ranked threshold sample (``sample_rows`` with ``norms``) of ``size`` of the first
+    ``n_items`` prepared ``items`` should keep evenly spaced, for a search that starts at each user's ``rank``-th
+    best of it: the one whose rank-th best lets the fewest scores pass for a probe of the prepared ``users`` (at most
+    PROBE_USERS, evenly spaced; their float32 scores against at most PROBE_ITEMS evenly spaced items), ties to
+    EVEN_EVERY. Speed only: any rows give a valid seed. EVEN_EVERY (the hedge) where there are fewer than PROBE_LEAST
+    users or no choice; the backends keep what the first search found for the catalogue's later searches."""
+    choices = tuple(dict.fromkeys(EVEN_CHOICES))
+    if users is None or users.shape[0] < PROBE_LEAST or len(choices) < 2 or not 0 < rank <= size:
+        return EVEN_EVERY
+    n_users = int(users.shape[0])
+    probe = xp.asarray(users[:: max(1, n_users // PROBE_USERS)][:PROBE_USERS]).astype(xp.float32)
+    check = sample_rows(xp, n_items, min(n_items, PROBE_ITEMS))
+    scores = probe @ items[check].astype(xp.float32).T
+    passed = []
+    for even_every in choices:
+        sampled = probe @ items[sample_rows(xp, n_items, size, norms, even_every)].astype(xp.float32).T
+        thr = -xp.partition(-sampled, rank - 1, axis=1)[:, rank - 1]
+        passed.append((scores >= thr[:, None]).sum())
+    counts = [int(c) for c in xp.stack(passed).tolist()]  # one copy to the host
+    if EVEN_EVERY in choices and counts[choices.index(EVEN_EVERY)] == min(counts):
+        return EVEN_EVERY
+    return choices[counts.index(min(counts))]
 
 
 def search_block(backend: Any, plan: TilePlan, users: Any, items: Any, n_items: int, state: Any, scores_buf: Any,

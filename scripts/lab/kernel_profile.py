@@ -178,10 +178,12 @@ VARIANTS = {
     # 4,096 items starts at the 53rd of 1,024 ranked rows, not the 35th of 1,024 evenly spaced ones (counted on the
     # CPU: 75 scores a user pass on clustered ip against 210).
     "ranked-bound": {},
-    # HOOKS: ranked threshold samples (ip's largest norms, l2's items nearest the centroid) that keep a quarter, an
-    # eighth or none of their rows evenly spaced (tiled.EVEN_EVERY 4, 8, 0; a half as shipped), in the route and in
-    # the float32 search.
-    **{f"{pre}even{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-") for n in (4, 8, 0)},
+    # HOOKS: ranked threshold samples (ip's largest norms, l2's items nearest the centroid) that keep a half, a
+    # quarter, an eighth or none of their rows evenly spaced whatever the users (tiled.EVEN_EVERY 2, 4, 8, 0; as
+    # shipped, a half or none, whichever tiled.probed_even_every finds passes fewer scores; even2: the rule before
+    # 2026-12-07), in the route and in the float32 search.
+    **{f"{pre}even{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
+       for n in (2, 4, 8, 0)},
     "merge-bitwise": {}, "float32-merge-bitwise": {"certified_exact": "off"}, "cap-off": {},
     "float32-cap-off": {"certified_exact": "off"},
     # HOOKS: row norms (l2's finished scores) and cosine's scaling on the device as array operations over a float64
@@ -559,7 +561,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "float32-sample-bound-size": _sample_bound_size,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,
          "est-whole": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=1), "ranked-bound": _ranked_bound,
-         **{f"{pre}even{n}": _setting("backends.tiled", EVEN_EVERY=n) for pre in ("", "float32-") for n in (4, 8, 0)},
+         **{f"{pre}even{n}": _setting("backends.tiled", EVEN_EVERY=n, EVEN_CHOICES=(n,))
+            for pre in ("", "float32-") for n in (2, 4, 8, 0)},
          "est-quarter": _setting(SELECTION, ESTIMATE_SAMPLE_SHARE=4),
          "l2-even": _l2_even, **{f"need{n}": _setting("engine.fast", NEED_SLACK=n) for n in (1, 2, 3, 4, 6)},
          "need-k": _setting("engine.fast", NEED_SLACK=1 << 20),
@@ -769,7 +772,8 @@ def interleaved(cell, names, items, users, k, excl, metric, prec, rounds, restor
         st = engines[name].stats
         print(f"| {cell} | {name} | interleaved, {rounds} rounds | median {statistics.median(times[name]):.4f} s | "
               f"x {names[0]} median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}) | "
-              f"route {st.get('route')} busy {st.get('gpu_busy_s', 0):.4f} tiles {st.get('tiles')} | widened "
+              f"route {st.get('route')} busy {st.get('gpu_busy_s', 0):.4f} tiles {st.get('tiles')} even "
+              f"{st.get('seed_even_every')} | widened "
               f"{st.get('widened_users')} fallbacks {st.get('fallback_users')} estimate {st.get('seed_estimate')} "
               f"need {st.get('seed_need_rank')} short {st.get('estimate_short_users')} |", flush=True)
         out.append({"cell": cell, "variant": name, "interleaved": rounds, "median_s": statistics.median(times[name]),
@@ -835,7 +839,7 @@ def main() -> None:
         (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"), (metrics, "row_norms"),
         (metrics, "_normalise"), (device_items, "row_norms"), (gpu_backend, "fused_capacity"),
         (pipeline, "fused_capacity"), (selection, "seed_size"), (tiled, "EVEN_EVERY"),
-        (pipeline, "start_rank"))
+        (tiled, "EVEN_CHOICES"), (pipeline, "start_rank"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():
@@ -898,14 +902,15 @@ def main() -> None:
                 if prec == "exact":
                     same += f", scores bit for bit {bool((res.scores == want_scores).all())} route {st.get('route')}"
             print(f"| {cell} | {vname} | {t:.4f} s | x shipped {t / base:.3f} | fused {st.get('fused')} tiles "
-                  f"{st.get('tiles')} seed {st.get('seed_sample')} busy {st.get('gpu_busy_s', 0):.4f} | scores "
+                  f"{st.get('tiles')} seed {st.get('seed_sample')} even {st.get('seed_even_every')} busy "
+                  f"{st.get('gpu_busy_s', 0):.4f} | scores "
                   f"{st.get('score_dtype')} precision {st.get('precision')} fallbacks {st.get('fallback_users')} "
                   f"widened {st.get('widened_users')} margin {st.get('first_margin')} estimate "
                   f"{st.get('seed_estimate')} need {st.get('seed_need_rank')} short {st.get('estimate_short_users')}"
                   f"{same} |", flush=True)
             keys = ("fused", "tiles", "seed_sample", "gpu_busy_s", "blocks", "score_dtype", "precision",
                     "fallback_users", "widened_users", "first_margin", "seed_estimate", "seed_need_rank",
-                    "estimate_short_users", "route")
+                    "estimate_short_users", "route", "seed_even_every")
             out.append({"cell": cell, "variant": vname, "median_s": t, "stats": {kk: st.get(kk) for kk in keys}})
             del engine
         restore_shipped()

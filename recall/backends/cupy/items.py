@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 
 from ...core.metrics import row_norms
-from ..tiled import sample_rows
+from ..tiled import probed_even_every, sample_rows
 
 #: Items whose norms spread less than this (their standard deviation over their mean) rank a threshold sample by norm
 #: (the inner product) no better than evenly for most users' best items (``DeviceItems.loose_ranking``): i.i.d. normal
@@ -37,6 +37,9 @@ class DeviceItems:
         self._norms: Any = None
         self._split: Any = None  # DeviceItems._split_norms, made once where there are bias columns
         self._samples: dict[tuple[int, int, bool], Any] = {}
+        #: Per ranked sample made ((size, n_items)): how many of its rows it keeps evenly spaced (every n-th of
+        #: them, ``tiled.probed_even_every``).
+        self.even_every: dict[tuple[int, int], int] = {}
         self._loose: bool | None = None
 
     @property
@@ -95,9 +98,12 @@ class DeviceItems:
             self._norms = norms_without(cupy, self.vecs, self._constant)
         return self._norms
 
-    def sample(self, size: int, n_items: int, stream: Any, even: bool = False) -> tuple[Any, Any, Any]:
+    def sample(self, size: int, n_items: int, stream: Any, even: bool = False, users: Any = None,
+               rank: int = 0) -> tuple[Any, Any, Any]:
         """The threshold sample of ``size`` of the first ``n_items`` items: (its sorted int64 device rows,
-        ``tiled.sample_rows``, half of them those ranked first (``ranked``) unless ``even``; their float32
+        ``tiled.sample_rows``, some of them those ranked first (``ranked``) unless ``even``: how many, found from a
+        probe of the first search's prepared ``users`` (host or device rows of the items' width) started at their
+        ``rank``-th best of it (``tiled.probed_even_every``, kept in ``even_every``); their float32
         norms, rounded up, for ``certificate.seed_margin``, the ``constant_column`` and the ``bias_columns`` left out;
         their sums of |v| over the ``bias_columns``, rounded up, or None without them), computed on ``stream`` the
         first time; the same arrays (so the same addresses, which a captured graph reads) for as long as this object
@@ -111,7 +117,12 @@ class DeviceItems:
             with stream:
                 norms = self._item_norms()[:n_items]
                 order = (self.ranks[:n_items] if self.ranks is not None else norms) if ranked else None
-                rows = sample_rows(cupy, n_items, size, order)
+                every = None
+                if ranked:
+                    probe = users if users is not None and users.shape[1:] == self.vecs.shape[1:] else None
+                    every = self.even_every[(size, n_items)] = probed_even_every(
+                        cupy, probe, self.vecs, n_items, size, order, rank)
+                rows = sample_rows(cupy, n_items, size, order, every)
                 if self.bias_columns is None:
                     got = (rows, _up32(cupy, norms[rows]), None)
                 else:

@@ -205,8 +205,10 @@ class BlockPipeline:
         ready = cupy.cuda.get_current_stream().record()
         compute.wait_event(ready)
         copy.wait_event(ready)
-        seed = self._refresh_sample(ws, items, n_items, sample, dim, even) if sample else None
+        seed = self._refresh_sample(ws, items, n_items, sample, dim, even, users, rank or k) if sample else None
         stats["seed_sample"] = sample
+        if sample and items.ranked and not even:
+            stats["seed_even_every"] = items.even_every[(sample, n_items)]
         stats["seed_fused"] = seed_fused
         if left_out is not None:
             stats["seed_estimate"] = rank if even else 0
@@ -392,13 +394,14 @@ class BlockPipeline:
                      staged=cupy.cuda.Event(disable_timing=True), consumed=cupy.cuda.Event(disable_timing=True))
 
     def _refresh_sample(self, ws: _Workspace, items: DeviceItems, n_items: int, size: int, dim: int,
-                        even: bool = False) -> tuple[Any, Any, Any, Any]:
+                        even: bool = False, users: Any = None, rank: int = 0) -> tuple[Any, Any, Any, Any]:
         """Gather this search's threshold sample of ``size`` rows (``seed_size``; which rows: ``sample_rows``,
-        evenly spaced only where ``even``) into the workspace's buffer, on the compute stream: (the sample, its rows,
-        their norms, their bias columns' sums or None: ``DeviceItems.sample``)."""
+        evenly spaced only where ``even``; a ranked sample made for the first time probes ``users`` started at their
+        ``rank``-th best) into the workspace's buffer, on the compute stream: (the sample, its rows, their norms,
+        their bias columns' sums or None: ``DeviceItems.sample``)."""
         if ws.sample is None or ws.sample.shape != (size, dim):
             ws.sample = self.backend.xp.empty((size, dim), items.dtype)
-        rows, norms, sums = items.sample(size, n_items, self.compute_stream, even)
+        rows, norms, sums = items.sample(size, n_items, self.compute_stream, even, users, rank)
         with self.compute_stream:
             self.backend.xp.take(items.vecs, rows, axis=0, out=ws.sample)
         return ws.sample, rows, norms, sums

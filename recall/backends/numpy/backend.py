@@ -426,7 +426,8 @@ class NumpyBackend:
         if users.shape[0] == 1 and users.dtype == np.float32 and plan.interests is None and k < n_items:
             seed = self._one_user(plan, users, items, n_items, k, excl, out_vals, out_rows, options, stats)
         else:
-            seed = self._seed(plan, items, n_items, k, options, estimate=True) if users.dtype == np.float32 else None
+            seed = (self._seed(plan, items, n_items, k, options, estimate=True, users=users)
+                    if users.dtype == np.float32 else None)
             tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows, seed)
             if seed is not None and seed.rank:
                 # A user whose threshold started at an estimate and that holds k items above it has its k best: any
@@ -438,7 +439,7 @@ class NumpyBackend:
                     rows = np.empty((short.size, k), np.int64)
                     tiled.run_blocks_threaded(self, plan, np.ascontiguousarray(users[short]), items, n_items, k,
                                               excl.subset(short), vals, rows, self._seed(plan, items, n_items, k,
-                                                                                         options))
+                                                                                         options, users=users))
                     out_vals[short], out_rows[short] = vals, rows
                 stats.update(seed_estimate=seed.rank, estimate_short_users=int(short.size))
         return _done({"blocks": -(-users.shape[0] // plan.user_block), "workers": plan.workers,
@@ -460,7 +461,7 @@ class NumpyBackend:
         wide = min(k + ONE_USER_MARGIN, n_items)
         vals = np.empty((1, wide), np.float32)
         rows = np.empty((1, wide), np.int64)
-        seed = self._seed(plan, items, n_items, wide, options)
+        seed = self._seed(plan, items, n_items, wide, options, users=users)
         tiled.run_blocks_threaded(_MatrixVector(self), plan, users, items, n_items, wide, excl, vals, rows, seed)
         kept = rows[0][rows[0] >= 0]
         exact = np.empty((1, 1, kept.size), np.float32)  # the search's own sums of the kept items
@@ -474,7 +475,7 @@ class NumpyBackend:
                 items, n_items) + 2 * dim * 2.0 ** -149  # products that underflow
             if not float(best_vals[0, k - 1]) > float(vals[0, -1]) + bound:
                 stats["one_user"] = "ordered"
-                seed = self._seed(plan, items, n_items, k, options)
+                seed = self._seed(plan, items, n_items, k, options, users=users)
                 tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows, seed)
                 return seed
         stats["one_user"] = "certified"
@@ -503,8 +504,9 @@ class NumpyBackend:
                 del self._norms[key]
 
     def _seed(self, plan: TilePlan, items: np.ndarray, n_items: int, k: int, options: EngineOptions,
-              estimate: bool = False) -> Any:
-        """The search's threshold sample (None: unseeded): ranked at k, a lower bound of each user's k-th best; or,
+              estimate: bool = False, users: np.ndarray | None = None) -> Any:
+        """The search's threshold sample (None: unseeded): ranked at k, a lower bound of each user's k-th best (the
+        ranking's rows found from a probe of ``users``, ``_sample_rows``); or,
         with ``estimate`` (and ``options.seed_estimate``), as many evenly spread items ranked at an estimate of it:
         about k·size/n_items of a sample of ``size`` score above the k-th best, ESTIMATE_SIGMAS standard deviations
         more are allowed for (a bound's sample where that rank is not below k: no fewer scores would pass)."""
@@ -517,20 +519,25 @@ class NumpyBackend:
             mean = k * size / n_items
             rank = max(1, int(np.ceil(mean + ESTIMATE_SIGMAS * np.sqrt(mean) + ESTIMATE_SIGMAS)))
             rank = rank if rank < k else 0
-        rows = tiled.sample_rows(np, n_items, size) if rank else self._sample_rows(items, n_items, size)
+        rows = tiled.sample_rows(np, n_items, size) if rank else self._sample_rows(items, n_items, size, users, k)
         vecs = np.ascontiguousarray(items[rows])
         a, _r, z = seed_margin(int(items.shape[1]), False, False)
         return _Seed(rows, vecs, row_norms(np, vecs), a, z, rank)
 
-    def _sample_rows(self, items: np.ndarray, n_items: int, size: int) -> np.ndarray:
-        """``tiled.sample_rows`` of the first ``n_items`` items: for items loaded with ``norms_rank``, half the
-        largest norms, ranked at the first seeded search of that size and kept; else evenly spread rows."""
+    def _sample_rows(self, items: np.ndarray, n_items: int, size: int, users: np.ndarray | None = None,
+                     rank: int = 0) -> np.ndarray:
+        """``tiled.sample_rows`` of the first ``n_items`` items: for items loaded with ``norms_rank``, some of the
+        largest norms (how many: ``tiled.probed_even_every`` of ``users`` started at their ``rank``-th best), ranked
+        at the first seeded search of that size and kept; else evenly spread rows."""
         samples = self._ranked.get(_memory_key(items))
         if samples is None:
             return tiled.sample_rows(np, n_items, size)
         rows = samples.get((size, n_items))
         if rows is None:
-            rows = samples[(size, n_items)] = tiled.sample_rows(np, n_items, size, row_norms(np, items[:n_items]))
+            norms = row_norms(np, items[:n_items])
+            probe = users if users is not None and users.shape[1:] == items.shape[1:] else None
+            every = tiled.probed_even_every(np, probe, items, n_items, size, norms, rank)
+            rows = samples[(size, n_items)] = tiled.sample_rows(np, n_items, size, norms, every)
         return rows
 
     def seed_scratch(self, seed: _Seed, user_block: int) -> np.ndarray:
