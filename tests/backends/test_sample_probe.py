@@ -97,25 +97,46 @@ def test_the_cpu_backend_samples_what_the_probe_found(case, want):
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("precision", ["fast", "exact"])
-@pytest.mark.parametrize("case, want", [("clustered", 0), ("hot", 2)])
-def test_the_gpu_samples_what_the_probe_found(case, want, precision):
-    """A GPU engine's first search probes its users (fast mode's float16 rows and exact mode's float32): the sample's
-    layout in ``stats`` and the device sample's rows; answers equal the float64 oracle's."""
+@pytest.mark.parametrize("case", ["clustered", "hot"])
+def test_the_gpu_samples_what_the_probe_found(case, precision):
+    """A GPU engine's first search probes its users (fast mode's float16 rows; exact mode's certified route): the
+    sample's layout in ``stats`` is the device sample's, and passes no more of every user's exact scores than the
+    other layout at the search's size and rank; answers equal the float64 oracle's."""
     import cupy
 
     users, items = _data(case, n_users=8_000)
     engine = Engine(items, device="gpu", metric="ip", precision=precision)
     k = 50
     got = engine.search(users, k)
-    assert engine.stats.get("seed_even_every") == want, engine.stats
-    # Exact mode's certified route searches the float16 items too: every resident form's ranked samples.
-    resident = [engine._items] + ([engine._fast.resident] if engine._fast is not None else [])
-    layouts = [(d, key, every) for d in resident for key, every in d.even_every.items()]
-    assert layouts and {every for _d, _key, every in layouts} == {want}
-    for device_items, (size, n_items), every in layouts:
-        rows, _norms, _sums = device_items.sample(size, n_items, cupy.cuda.get_current_stream())
-        norms = cupy.asnumpy(device_items._item_norms()[:n_items])  # the order the device ranked by
-        np.testing.assert_array_equal(cupy.asnumpy(rows), sample_rows(np, n_items, size, norms, every))
+    st = engine.stats
+    size, every, rank = st["seed_sample"], st.get("seed_even_every"), st.get("seed_need_rank") or k
+    assert size and every in tiled.EVEN_CHOICES, st
+    n_items = items.shape[0]
+    # Exact mode's certified route searches the float16 items too: the resident form whose sample it is.
+    resident = [d for d in [engine._items] + ([engine._fast.resident] if engine._fast is not None else [])
+                if d.even_every.get((size, n_items)) == every]
+    assert resident, st
+    rows, _norms, _sums = resident[0].sample(size, n_items, cupy.cuda.get_current_stream())
+    norms = cupy.asnumpy(resident[0]._item_norms()[:n_items])  # the order the device ranked by
+    rows = cupy.asnumpy(rows)
+    np.testing.assert_array_equal(rows, sample_rows(np, n_items, size, norms, every))
+    other = sample_rows(np, n_items, size, norms, 2 if every == 0 else 0)
+    assert _passed(users, items, rows, rank) <= 1.02 * _passed(users, items, other, rank)
     scores = users.astype(np.float64) @ items.astype(np.float64).T
     best = np.argpartition(-scores, k - 1, axis=1)[:, :k]  # (continuous data: no ties at the k-th)
     np.testing.assert_array_equal(np.sort(got.indices, axis=1), np.sort(best, axis=1))
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("case, want", [("clustered", 0), ("hot", 2)])
+def test_the_probe_decides_alike_on_the_device(case, want):
+    # The probe of CuPy arrays (device users, float16 items as fast mode keeps them): the choice NumPy's makes.
+    import cupy
+
+    users, items = _data(case)
+    norms = row_norms(np, items)
+    assert probed_even_every(np, users, items, items.shape[0], 512, norms, 53) == want
+    got = probed_even_every(cupy, cupy.asarray(users, cupy.float16), cupy.asarray(items, cupy.float16),
+                            items.shape[0], 512, cupy.asarray(norms), 53)
+    assert got == want
