@@ -645,7 +645,8 @@ def test_budget_of_exactly_the_smallest_tile(device, make_ties):
     users, items = make_ties(5, 30, 4, seed=47)
     k = 3
     probe = Engine(items, device=device)
-    need = TilePlan(1, 1, 1).workspace_bytes(4, k, probe.backend.state_bytes(k))
+    # (the state of a search of this catalogue: the GPU's candidate buffers hold no more than its 30 items)
+    need = TilePlan(1, 1, 1).workspace_bytes(4, k, probe.backend.state_bytes(k, probe.n_items))
     idx, val, _ = _search(Engine(items, device=device, memory_budget=need), users, k)
     _assert_exact(idx, val, users, items, k)
     with pytest.raises(ResourceError, match=rf"budget of {need - 1:,} bytes.*needs {need:,} bytes"):
