@@ -43,11 +43,12 @@ def sample_rows(xp: Any, n_items: int, size: int, norms: Any = None, even_every:
     """The item rows of a threshold sample of ``size`` items (each backend's ``seed_size``): sorted, distinct int64
     of module ``xp``. With stride = n_items // size: every stride-th row, from the middle of the first stride; with
     ``norms`` ((n_items,), where an item's norm bounds its score: the inner product; or any order to rank by), every
-    (``even_every`` stride)-th of those rows (half of them at 2, none at 0; None: EVEN_EVERY) and the rest the largest norms among the
-    other rows (ties to the lower row). Any rows give a valid seed (the k-th best of real items); the largest norms
-    are the items most users rank high, so that their k-th best sits nearer the final k-th best and fewer scores pass
-    the filter, and the evenly spread rows keep the seed at least that of a sample of their size where norms say
-    little (docs/benchmarks.md: 0.62 -> 0.57 s exact, 0.43 -> 0.34 s fast on 1M users x 100k skewed items)."""
+    (``even_every`` stride)-th of those rows (half of them at 2, none at 0; None: EVEN_EVERY) and the rest the
+    largest norms among the other rows (ties to the lower row). Any rows give a valid seed (the k-th best of real
+    items); the largest norms are the items most users rank high, so that their k-th best sits nearer the final k-th
+    best and fewer scores pass the filter, and the evenly spread rows keep the seed at least that of a sample of their
+    size where norms say little (docs/benchmarks.md: 0.62 -> 0.57 s exact, 0.43 -> 0.34 s fast on 1M users x 100k
+    skewed items)."""
     stride = n_items // size
     first = stride // 2
     if norms is None:
@@ -72,7 +73,8 @@ def probed_even_every(xp: Any, users: Any, items: Any, n_items: int, size: int, 
     if users is None or users.shape[0] < PROBE_LEAST or len(choices) < 2 or not 0 < rank <= size:
         return EVEN_EVERY
     n_users = int(users.shape[0])
-    probe = xp.asarray(users[:: max(1, n_users // PROBE_USERS)][:PROBE_USERS]).astype(xp.float32)
+    # (copied first: a host array's strided rows, contiguous before they move)
+    probe = xp.asarray(users[:: max(1, n_users // PROBE_USERS)][:PROBE_USERS].copy()).astype(xp.float32)
     check = sample_rows(xp, n_items, min(n_items, PROBE_ITEMS))
     scores = probe @ items[check].astype(xp.float32).T
     passed = []
