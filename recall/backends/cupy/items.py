@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 
 from ...core.metrics import row_norms
-from ..tiled import probed_even_every, sample_rows
+from ..tiled import ranked_rows, sample_rows
 
 #: Items whose norms spread less than this (their standard deviation over their mean) rank a threshold sample by norm
 #: (the inner product) no better than evenly for most users' best items (``DeviceItems.loose_ranking``): i.i.d. normal
@@ -116,13 +116,12 @@ class DeviceItems:
 
             with stream:
                 norms = self._item_norms()[:n_items]
-                order = (self.ranks[:n_items] if self.ranks is not None else norms) if ranked else None
-                every = None
                 if ranked:
-                    probe = users if users is not None and users.shape[1:] == self.vecs.shape[1:] else None
-                    every = self.even_every[(size, n_items)] = probed_even_every(
-                        cupy, probe, self.vecs, n_items, size, order, rank)
-                rows = sample_rows(cupy, n_items, size, order, every)
+                    order = self.ranks[:n_items] if self.ranks is not None else norms
+                    rows, self.even_every[(size, n_items)] = ranked_rows(cupy, users, self.vecs, n_items, size,
+                                                                         order, rank)
+                else:
+                    rows = sample_rows(cupy, n_items, size)
                 if self.bias_columns is None:
                     got = (rows, _up32(cupy, norms[rows]), None)
                 else:

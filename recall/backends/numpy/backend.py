@@ -534,10 +534,8 @@ class NumpyBackend:
             return tiled.sample_rows(np, n_items, size)
         rows = samples.get((size, n_items))
         if rows is None:
-            norms = row_norms(np, items[:n_items])
-            probe = users if users is not None and users.shape[1:] == items.shape[1:] else None
-            every = tiled.probed_even_every(np, probe, items, n_items, size, norms, rank)
-            rows = samples[(size, n_items)] = tiled.sample_rows(np, n_items, size, norms, every)
+            rows = samples[(size, n_items)] = tiled.ranked_rows(np, users, items, n_items, size,
+                                                                row_norms(np, items[:n_items]), rank)[0]
         return rows
 
     def seed_scratch(self, seed: _Seed, user_block: int) -> np.ndarray:
