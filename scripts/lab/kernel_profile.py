@@ -249,9 +249,9 @@ VARIANTS = {
     # HOOKS: passes of more than 32 candidates (k = 50's 64) seeded by cuBLAS's GEMM and recall_seed_warp, as before
     # seed_w.cu's `_wide` kernels (fused.SEED_W_MAX_K 32).
     "seed-w-narrow": {},
-    # HOOKS: seed_w.cu built with -DRS_NO_LOWER: the sampled scores not lowered by their margins (the search's own
-    # products of the sampled items, in the same wgmma sequence; the passes are certified).
-    "seed-no-lower": {},
+    # HOOKS: seed_w.cu built with -DRS_LOWER: the sampled scores lowered by their margins (the rule before 2026-12-07:
+    # as recall_seed_warp's over cuBLAS's sums).
+    "seed-lower": {},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
@@ -430,15 +430,15 @@ def _fused_w_built(*defines, pad=0):
     return hook
 
 
-def _seed_no_lower(engine):
+def _seed_lower(engine):
     from recall.backends.cupy import kernels, selection
 
-    mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRS_NO_LOWER",))
+    mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRS_LOWER",))
     assert engine.backend.selection.seed_w  # the shipped module's kernels first (fused_w's stay)
     engine.backend.selection._seed_w = selection.seed_w_kernels(mod)
 
 
-_seed_no_lower.builds = "seed_w"
+_seed_lower.builds = "seed_w"
 
 
 def _rescore_sort128(engine):
@@ -549,7 +549,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=0) for v in ("seed-m16", "float32-seed-m16")},
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=16) for v in ("seed-m8r16", "float32-seed-m8r16")},
          "seed-m8r32": _setting(SELECTION, SEED_WARP_SMALL_RANK=32),
-         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _setting("backends.cupy.fused", SEED_W_MAX_K=32), "seed-no-lower": _seed_no_lower,
+         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _setting("backends.cupy.fused", SEED_W_MAX_K=32), "seed-lower": _seed_lower,
          "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},

@@ -1,14 +1,13 @@
 """The threshold sample of a float16 pass scored and selected in one kernel (recall/backends/cupy/kernels/seed_w.cu,
-``EngineOptions.fused_seed``, Hopper): each lane of a quad keeps its largest lowered keys of a user (RS_KEPT, or
-RS_KEPT_WIDE in passes of more than 32 candidates: ``fused.seed_w_kept``), and the quad's rank-th largest kept key is
-the threshold.
+``EngineOptions.fused_seed``, Hopper): each lane of a quad keeps its largest keys of a user (RS_KEPT, or RS_KEPT_WIDE
+in passes of more than 32 candidates: ``fused.seed_w_kept``), and just below the quad's rank-th largest kept key is
+the threshold, unlowered: the kernel's scores are the pass's own.
 
-Integer-valued data makes every float32 sum exact whatever its order, so the kernel's sampled scores are those of
-cuBLAS's GEMM bit for bit: its thresholds must be ``Selection.seed``'s of the same scores with each lane's share cut to
-the keys it keeps (exactly, where a lowered score's order is its score's: items of one norm; for a pass of more
-candidates than the 4 lanes keep, the cut select of a pass of that many), never above the uncut select's, and equal
-to it wherever no lane held more than it keeps of a user's best. Searches with exclusions keep cuBLAS's GEMM and the
-select (``fused.seeds_fused``).
+Integer-valued data makes every float32 sum exact whatever its order: the thresholds must be just below the rank-th
+best of the exact scores with each lane's share cut to the keys it keeps (for a pass of more candidates than the 4
+lanes keep, the cut select of a pass of that many), never above the uncut row's, and equal to it wherever no lane held
+more than it keeps of a user's best. Over real values, the thresholds sit just below an unseeded fused pass's own
+scores. Searches with exclusions keep cuBLAS's GEMM and the (lowered) select (``fused.seeds_fused``).
 """
 from __future__ import annotations
 
@@ -126,6 +125,19 @@ def _cut(scores, kept):
     return out
 
 
+def _unlowered(scores, k, estimate, kept):
+    """seed_w.cu's thresholds from the pass's own float32 ``scores`` (n, T) of the sampled items: each lane's share
+    cut to its ``kept`` best, just below the quad's rank-th best kept score (ties counted), -inf where the quad kept
+    fewer than min(k, 4 kept) (fewer sampled items than k)."""
+    rank = estimate if 0 < estimate < k else k
+    out = np.full(scores.shape[0], -np.inf, np.float32)
+    for u, row in enumerate(_cut(scores, kept)):
+        held = -np.sort(-row[row > -np.inf])
+        if held.size >= min(k, 4 * kept):
+            out[u] = np.nextafter(np.float32(held[rank - 1]), np.float32(-np.inf))
+    return out
+
+
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("n_users,size,width,k,estimate", [
@@ -138,12 +150,13 @@ def _cut(scores, kept):
 ])
 @pytest.mark.parametrize("best", ["spread", "one lane"])
 def test_thresholds_are_the_select_of_what_each_lane_keeps(hopper, n_users, size, width, k, estimate, best):
-    # Sampled items of one norm (the lowered keys in the scores' order): the kernel's thresholds equal Selection.seed's
-    # of the same exact scores cut to each lane's kept best, bit for bit, and are never above the uncut select's.
-    # "one lane": every user's best scores in lane 0's share (its kept keys fall short of the rank: strictly lower);
-    # samples off the tile of 128, and one shorter than K (fewer than K kept: -inf); every width the kernel is built
-    # for (16 to 144 columns multiplied); ranks 1 to 64 and estimates below them. A pass of more candidates than the
-    # 4 lanes keep (80 against 64) takes all 64 kept as enough: the cut select of a pass of 64 at the same rank.
+    # Small-integer rows (every sum exact, the pass's own scores whatever the order): the kernel's thresholds are
+    # just below the rank-th best of the exact scores cut to each lane's kept best, bit for bit, and never above the
+    # uncut row's. "one lane": every user's best scores in lane 0's share (its kept keys fall short of the rank:
+    # strictly lower); samples off the tile of 128, and one shorter than K (fewer than K kept: -inf); every width the
+    # kernel is built for (16 to 144 columns multiplied); ranks 1 to 64 and estimates below them. A pass of more
+    # candidates than the 4 lanes keep (80 against 64) takes all 64 kept as enough: the cut select of a pass of 64 at
+    # the same rank.
     rng = np.random.default_rng(n_users + size + width + k)
     kept = fused_path.seed_w_kept(k)
     sample = _one_norm(rng, size, width, lead=1)
@@ -153,9 +166,9 @@ def test_thresholds_are_the_select_of_what_each_lane_keeps(hopper, n_users, size
         users[:, 0] = 64  # 3,840 above the rest, whose products sum to at most 1,716 (143 columns of 3 x 4)
         sample[:, 0] = np.where(_lane(size) == 0, 60, -60)
     exact = users.astype(np.float32) @ sample.astype(np.float32).T
-    fused, uncut = _thresholds(users, sample, k, estimate)
-    _, cut = _thresholds(users, sample, min(k, 4 * kept), estimate, scores=_cut(exact, kept))
-    np.testing.assert_array_equal(fused, cut)
+    fused, _ = _thresholds(users, sample, k, estimate)
+    np.testing.assert_array_equal(fused, _unlowered(exact, min(k, 4 * kept), estimate, kept))
+    uncut = _unlowered(exact, k, estimate, size)  # every lane keeping all it holds
     assert (fused <= uncut).all()
     rank = estimate if 0 < estimate < k else k
     if size < k:
@@ -170,44 +183,61 @@ def test_thresholds_are_the_select_of_what_each_lane_keeps(hopper, n_users, size
 @on_gpu
 @pytest.mark.parametrize("size,width,k,estimate", [(512, 72, 27, 0), (1024, 40, 32, 12), (384, 136, 10, 0),
                                                    (1024, 64, 64, 53)])
-def test_margins_take_the_constant_and_bias_columns_on_their_own(hopper, size, width, k, estimate):
-    # A constant column (fast mode's shift: every item holds one value there) and bias columns (l2's) left out of
-    # the norms and bounded on their own, as Selection.seed bounds them: the same thresholds on items of one norm
-    # outside the bias columns (alike in each), cut to each lane's kept keys.
+def test_constant_and_bias_columns_are_scored_as_any_other(hopper, size, width, k, estimate):
+    # A constant column (fast mode's shift: every item holds one value there) and bias columns (l2's), which the GEMM
+    # path's select bounds on their own: here unlowered, they are products like any other, and the thresholds are
+    # those of the exact scores cut to each lane's kept keys.
     rng = np.random.default_rng(size + width)
     sample = _one_norm(rng, size, width, lead=1, bias=2)
     sample[:, 0] = 4  # the constant column
     users = _ints(rng, 400, width, -3, 4).astype(np.float16)
     constant, bias_columns = (0, 4.0), (width - 2, width)
     exact = users.astype(np.float32) @ sample.astype(np.float32).T
-    fused, uncut = _thresholds(users, sample, k, estimate, constant, bias_columns)
-    _, cut = _thresholds(users, sample, k, estimate, constant, bias_columns,
-                         scores=_cut(exact, fused_path.seed_w_kept(k)))
-    np.testing.assert_array_equal(fused, cut)
+    kept = fused_path.seed_w_kept(k)
+    fused, _ = _thresholds(users, sample, k, estimate, constant, bias_columns)
+    np.testing.assert_array_equal(fused, _unlowered(exact, k, estimate, kept))
+    uncut = _unlowered(exact, k, estimate, size)
     assert (fused <= uncut).all() and np.mean(fused == uncut) >= (0.9 if k <= 32 else 0.3)
 
 
 @pytest.mark.gpu
 @on_gpu
 def test_real_valued_thresholds_stay_below_the_kth_best(hopper):
-    # Real-valued rows of skewed norms (the margins differ by item): every threshold is at most the user's k-th best
-    # exact (float64) score over the sample, and at most the GEMM path's select (whose sums differ in order only
-    # within the margin both take).
+    # Real-valued rows of skewed norms: every threshold is at most the user's k-th best exact (float64) score over the
+    # sample plus the float32 sums' error (the pass's own scores, unlowered), and within 1e-3 of the GEMM path's
+    # select (lowered by its margin) for most users (the rest: a lane held more than it keeps of the best).
     rng = np.random.default_rng(7)
     size, width, k = 512, 64, 27
     sample = (rng.standard_normal((size, width)) * rng.lognormal(0, 1, (size, 1))).astype(np.float16)
     users = (rng.standard_normal((2000, width)) * rng.lognormal(0, 1, (2000, 1))).astype(np.float16)
     scores = users.astype(np.float32) @ sample.astype(np.float32).T
-    fused, select = _thresholds(users, sample, k, scores=scores)
-    kth = -np.sort(-(users.astype(np.float64) @ sample.astype(np.float64).T), axis=1)[:, k - 1]
-    assert (fused <= kth).all()
-    close = np.isclose(fused, select, rtol=1e-3, atol=0)  # the rest: a lane held more than it keeps of the best
-    assert np.mean(close) >= 0.95
-    # k = 50's pass of 64 at its need's rank: 16 keys a lane
-    fused, select = _thresholds(users, sample, 64, 53, scores=scores)
-    kth = -np.sort(-(users.astype(np.float64) @ sample.astype(np.float64).T), axis=1)[:, 52]
-    assert (fused <= kth).all()
-    assert np.mean(np.isclose(fused, select, rtol=1e-3, atol=0)) >= 0.3
+    exact = users.astype(np.float64) @ sample.astype(np.float64).T
+    error = width * 2.0 ** -23 * (np.abs(users.astype(np.float64)) @ np.abs(sample.astype(np.float64)).T).max(axis=1)
+    for kk, estimate, share in ((k, 0, 0.95), (64, 53, 0.3)):  # and k = 50's pass of 64 at its need's rank
+        fused, select = _thresholds(users, sample, kk, estimate, scores=scores)
+        kth = -np.sort(-exact, axis=1)[:, (estimate or kk) - 1]
+        assert (fused <= kth + error).all()
+        assert np.mean(np.isclose(fused, select, rtol=1e-3, atol=0)) >= share
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("n_sample,width,k,estimate", [(512, 64, 27, 0), (500, 40, 27, 9), (1024, 32, 64, 53),
+                                                       (640, 144, 64, 35), (300, 16, 10, 0)])
+def test_thresholds_sit_just_below_the_passs_own_scores(hopper, n_sample, width, k, estimate):
+    # Real-valued rows: an unseeded fused float16 pass over the sample itself (fused_w.cu) keeps each user's k best
+    # with its own float32 scores; seed_w.cu's threshold is never above the rank-th of them, and just below it, bit
+    # for bit, wherever the lanes kept the rank's best (most users): the sampled items pass the seeded pass's filter.
+    rng = np.random.default_rng(n_sample + width + k)
+    sample = (rng.standard_normal((n_sample, width)) * rng.lognormal(0, 1, (n_sample, 1))).astype(np.float16)
+    users = (rng.standard_normal((700, width)) * rng.lognormal(0, 1, (700, 1))).astype(np.float16)
+    fused, _ = _thresholds(users, sample, k, estimate)
+    own, _rows, stats = _run_half("gpu", sample, users, k, None, EngineOptions(fused="force", seed_thresholds=False))
+    assert stats["fused"] and not stats["seed_sample"]
+    rank = estimate if 0 < estimate < k else k
+    below = np.nextafter(own[:, rank - 1], np.float32(-np.inf))
+    assert (fused <= below).all()
+    assert np.mean(fused == below) >= (0.9 if k <= 32 else 0.3)
 
 
 @pytest.mark.gpu

@@ -355,10 +355,11 @@ class FusedSearch:
              multiplied: int = 0, thr: Any = None) -> None:
         """``Selection.seed``'s thresholds for n float16 users (n, W) from the sample's float16 rows ``sample``
         (size, W) themselves, in a search without exclusions (:func:`seeds_fused`): seed_w.cu scores and selects them
-        in one kernel, each user's rank-th best of the keys its lanes kept (a lower bound all the same: see the
-        kernel). Into ``state.thr`` (one block's users), or ``thr`` (float32 (n,): a whole search's users at once,
-        the pipeline's ``preseeded``; ``state`` then gives only k). ``item_norms``, ``estimate``, ``constant``,
-        ``bias``: ``Selection.seed``'s; ``multiplied``: :meth:`search`'s."""
+        in one kernel, just below each user's rank-th best of the keys its lanes kept, unlowered: the pass's own
+        scores of those items (the same wgmma sums), at or below its rank-th best sampled score (see the kernel).
+        Into ``state.thr`` (one block's users), or ``thr`` (float32 (n,): a whole search's users at once, the
+        pipeline's ``preseeded``; ``state`` then gives only k). ``item_norms``, ``estimate``, ``constant``, ``bias``:
+        ``Selection.seed``'s arguments (the margins' unread); ``multiplied``: :meth:`search`'s."""
         n, width = users.shape
         padded = padded_width(width, multiplied)
         kernel, smem = self.sel.seed_w[(padded, seed_w_wide(state.k))], seed_w_smem(padded)

@@ -1,6 +1,5 @@
-// The threshold sample of a float16 pass on Hopper, scored and selected in one kernel: recall_seed's threshold (just
-// below each user's rank-th best sampled score, each lowered by its margin: topk.cu's RecallSeedMargin) from the
-// users' and the sample's float16 rows themselves, where the pass keeps at most 80 candidates a user (fused.py's
+// The threshold sample of a float16 pass on Hopper, scored and selected in one kernel: a threshold just below each
+// user's rank-th best sampled score, from the users' and the sample's float16 rows themselves, where the pass keeps at most 80 candidates a user (fused.py's
 // SEED_W_MAX_K: fast mode's and the certified route's k + margin + 1, k up to 63), starts at a rank of at most 4 KEPT
 // (below), and the search excludes nothing.
 // cuBLAS's GEMM wrote the sample's float32 scores to memory and recall_seed_warp read them back: for a million users
@@ -8,13 +7,19 @@
 // after fused_w.cu (its wgmma helpers, tile layout, loader and product step), in its module.
 //
 // A block of RW_THREADS owns 128 users and multiplies them by the sample a tile of 128 items at a time, as fused_w.cu
-// does (the same wgmma sequence: float32 sums of exact products, which seed_margin's bound covers in any order). A
+// does: the same wgmma sequence over the same float16 rows, so that each sampled score here is the pass's own score
+// of that item, bit for bit. The threshold is not lowered by a margin (recall_seed_warp's, over cuBLAS's sums in
+// another order, is): it sits below the pass's own rank-th best sampled score, so those items pass its filter, and
+// the certificate counts every item below a user's start as left out, bounding their exact scores itself (fast.py);
+// a threshold above some user's scores costs that user time (a widened pass), never an answer. Unlowered, the route
+// took 0.956-0.982x the time on 4,096-item catalogues (H100, docs/benchmarks.md). -DRS_LOWER (measurement only: the
+// rule before) lowers each sampled score by its margin (topk.cu's RecallSeedMargin) as recall_seed_warp does. A
 // thread holds 2 users' (h = 0, 1) 32 scores of each tile, the 4 lanes of a quad (t = lane % 4) a user's 128; each
-// lane lowers its scores by their margins and keeps its KEPT largest keys (recall_f2ord) of each user in registers,
+// lane keeps its KEPT largest keys (recall_f2ord) of each user in registers,
 // sorted, largest first: a key moves every smaller one down a place, two comparisons a place and no branch. Then the
 // quad pops its largest kept key `rank` times: the rank-th largest of the 4 KEPT kept keys, ties counted, which is the
 // rank-th largest of the row unless a lane dropped a key at or above it (it held more than KEPT of the row's best),
-// and never above it: a lower bound of the search's k-th best all the same (recall_seed_warp would go on over the
+// and never above it: at or below the pass's own k-th best all the same (recall_seed_warp would go on over the
 // whole row, which this kernel does not keep). -inf where the quad kept fewer than K keys, or than the 4 KEPT it can
 // where K is more (fewer than K finite sampled scores: recall_seed's rule, counted on what was kept).
 //
@@ -94,6 +99,7 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
     const int wrow = (warp >> 2) * 64 + (warp & 3) * 16;
     const unsigned a_base = u_base + (unsigned)(warp >> 2) * 8u * SBO;
 
+#if defined(RS_LOWER)
     // Each user's margin (recall_seed_column of each column, then recall_seed_margin_of, as recall_seed_warp's), from
     // the users' tile once it has landed: the quad's lanes read 16-byte pieces t, t + 4, ... of the row (columns
     // past W are zeros), and sum over the quad. Only the user's own terms are kept (au, ab, z; r is every user's),
@@ -134,6 +140,18 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
         z[h] = m.z32;
         r = m.r32;
     }
+#else
+    // Unlowered: the margins' arguments are not read (recall_w_step waits for each tile itself).
+    (void)vnorm;
+    (void)vbias;
+    (void)BL;
+    (void)BH;
+    (void)CC;
+    (void)CV;
+    (void)A;
+    (void)R;
+    (void)Z;
+#endif
     RecallSeedKept<KEPT> kept[2];
     kept[0].clear();
     kept[1].clear();
@@ -151,23 +169,18 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
             for (int c = 0; c < 2; ++c) {
                 const int item = j0 + 8 * j + c;
                 const bool in = item < T;
+#if defined(RS_LOWER)
                 const float vn = in ? __ldg(vnorm + item) : 0.0f;
                 const float vb = in && bias ? __ldg(vbias + item) : 0.0f;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-#if defined(RS_NO_LOWER)
-                    // Measurement only (kernel_profile.py's `seed-no-lower`): the sampled scores unlowered. The
-                    // search's own scores of the sampled items are these products in the same wgmma sequence; its
-                    // passes are certified (a user short of its need is widened), so a threshold that sits an ulp
-                    // above a sampled item's search score costs time, never an answer.
-                    (void)vn;
-                    (void)vb;
-                    kept[h].push(in ? recall_seed_key(d[4 * j + 2 * h + c]) : 0u);
-#else
                     const RecallSeedMargin m = {vnorm, nullptr, au[h], ab[h], r, z[h]};
                     kept[h].push(in ? recall_seed_key(m.lower(d[4 * j + 2 * h + c], vn, vb)) : 0u);
-#endif
                 }
+#else
+#pragma unroll
+                for (int h = 0; h < 2; ++h) kept[h].push(in ? recall_seed_key(d[4 * j + 2 * h + c]) : 0u);
+#endif
             }
     }
 
