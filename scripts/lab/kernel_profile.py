@@ -252,6 +252,8 @@ VARIANTS = {
     # HOOKS: seed_w.cu built with -DRS_LOWER: the sampled scores lowered by their margins (the rule before 2026-12-07:
     # as recall_seed_warp's over cuBLAS's sums).
     "seed-lower": {},
+    # HOOKS: every block's results through the state's buffers and a copy (before pipeline.DIRECT_OUT_USERS).
+    "copy-out": {},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
@@ -549,7 +551,9 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=0) for v in ("seed-m16", "float32-seed-m16")},
          **{v: _setting(SELECTION, SEED_WARP_SMALL_RANK=16) for v in ("seed-m8r16", "float32-seed-m8r16")},
          "seed-m8r32": _setting(SELECTION, SEED_WARP_SMALL_RANK=32),
-         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _setting("backends.cupy.fused", SEED_W_MAX_K=32), "seed-lower": _seed_lower,
+         "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _setting("backends.cupy.fused", SEED_W_MAX_K=32),
+         "seed-lower": _seed_lower,
+         "copy-out": _setting("backends.cupy.pipeline", DIRECT_OUT_USERS=2 ** 62),
          "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},
@@ -839,7 +843,7 @@ def main() -> None:
         (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"), (metrics, "row_norms"),
         (metrics, "_normalise"), (device_items, "row_norms"), (gpu_backend, "fused_capacity"),
         (pipeline, "fused_capacity"), (selection, "seed_size"), (tiled, "EVEN_EVERY"),
-        (tiled, "EVEN_CHOICES"), (pipeline, "start_rank"))
+        (tiled, "EVEN_CHOICES"), (pipeline, "start_rank"), (pipeline, "DIRECT_OUT_USERS"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():

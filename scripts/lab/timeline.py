@@ -190,7 +190,7 @@ def main() -> None:
             for name, (n, nbytes, us) in sorted(copies.items()):
                 print(f"|   copies {name} | {n} | {nbytes / 1e6:.1f} MB | {us / 1e3:.3f} ms | "
                       f"{nbytes / max(us, 1e-9) / 1e3:.1f} GB/s |")
-            top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
+            top = sorted(per_name.items(), key=lambda kv: -kv[1])[:20]
             print("|   busy by name | " + " ; ".join(f"{n[:50]} {t / 1e3:.3f} ms" for n, t in top) + " |", flush=True)
             out.append({"cell": cell, "variant": vname, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
                         "idle_ms": idle / 1e3, "tail_ms": tail,

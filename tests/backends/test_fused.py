@@ -597,3 +597,45 @@ def test_wgmma_kernel_keeps_every_survivor_past_its_stage(width, rank, capacity)
             np.uint32).view(np.float32)
         assert np.unique(rows).size == rows.size and want[u, rows].all(), u
         np.testing.assert_array_equal(scores, exact[u, rows].astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("best_first", [True, False])
+def test_final_merge_writes_device_results_in_place(monkeypatch, fused, dtype, best_first):
+    # Blocks of at least pipeline.DIRECT_OUT_USERS users whose results go to device arrays of the search's width have
+    # their final merge write there itself (eagerly, no graph), not through the state's buffers and a copy. Here
+    # every block of 200 (and the short last one of 101) does, against the copies of the rule before: the same
+    # answers, bit for bit, with exclusions, an all-excluded user and ties (small-integer data), sorted or kept in no
+    # order, and the CPU's answer.
+    from recall.backends.cupy import pipeline
+
+    rng = np.random.default_rng(31)
+    items = _ints(rng, 3000, 24).astype(dtype)
+    users = _ints(rng, 701, 24).astype(dtype)
+    excl = {u: rng.choice(3000, 900, replace=False).tolist() for u in range(1, 701, 9)}
+    excl[5] = list(range(3000))
+    k = 45
+    monkeypatch.setattr(pipeline, "DIRECT_OUT_USERS", 2 ** 62)
+    want_vals, want_rows, _ = _run_half("gpu", items, users, k, excl, fused, best_first=best_first)
+    monkeypatch.setattr(pipeline, "DIRECT_OUT_USERS", 100)
+    got_vals, got_rows, stats = _run_half("gpu", items, users, k, excl, fused, best_first=best_first)
+    assert stats["fused"] and stats["blocks"] == 4 and stats["graph_blocks"] == 0  # in place: eager
+    assert (got_rows[5] == -1).all() and np.isneginf(got_vals[5]).all()
+    if not best_first:  # kept in no order: the order the survivors were appended in, run to run
+        want_vals, want_rows = _best_first(want_vals, want_rows)
+        got_vals, got_rows = _best_first(got_vals, got_rows)
+    np.testing.assert_array_equal(got_rows, want_rows)
+    np.testing.assert_array_equal(got_vals, want_vals)
+    cpu = Engine(items.astype(np.float32), device="cpu").search(users.astype(np.float32), k, exclude=excl)
+    np.testing.assert_array_equal(got_rows, as_numpy(cpu.indices))
+
+
+def test_in_place_results_need_device_rows_of_the_searchs_width():
+    from recall.backends.cupy.pipeline import _direct_out
+
+    vals, rows = np.zeros((10, 7), np.float32), np.zeros((10, 7), np.int64)
+    assert _direct_out(vals, rows, 7)
+    assert not _direct_out(vals, rows, 6)  # wider rows than the search keeps: the copy fills their first k
+    assert not _direct_out(np.zeros((10, 14), np.float32)[:, ::2], rows, 7)  # strided
+    assert not _direct_out(vals, rows.astype(np.int32), 7)
+    assert not _direct_out(vals.astype(np.float64), rows, 7)

@@ -289,7 +289,7 @@ class FusedSearch:
 
     def search(self, users_t: Any, users: Any, items_t: Any, n_items: int, state: GpuTopK, ex_ptr: Any,
                ex_items: Any, has_excl: bool, options: EngineOptions, multiplied: int = 0,
-               best_first: bool = True, first: int = 0) -> None:
+               best_first: bool = True, first: int = 0, out: tuple | None = None) -> None:
         """Score one block's n users against every item, a segment of items per launch, each followed by a merge;
         the last merge sorts. float32: ``users_t`` is the workspace's (padded dim, padded capacity) buffer for the
         block's users transposed (zero beyond them), ``items_t`` the items transposed (:func:`operand`); float16:
@@ -297,7 +297,8 @@ class FusedSearch:
         columns multiplied (:func:`multiplied_width` of the search's users; 0: all of them). ``best_first``: the
         last merge sorts each user's results (else they are written in no order, ``selection.final_code``);
         ``first``: the items of the first launch (``EngineOptions.fused_first_segment`` where the search is seeded
-        from a sample; 0: a whole segment)."""
+        from a sample; 0: a whole segment); ``out``: (n, k) device float32 scores and int64 rows, C-contiguous, that the
+        final merge writes the results to instead of ``state.out_vals`` / ``out_rows``."""
         n = users.shape[0]
         if users.dtype == np.float16:
             launch, merges, operands = self._half(users, items_t, n_items, state, multiplied, options.warpgroup_mma)
@@ -308,7 +309,8 @@ class FusedSearch:
         # The merge's arguments around its operands: the state, then the segment and the search's constants.
         head = (state.top, state.n_valid, state.thr, state.cand, state.cnt, state.base, *operands)
         sizes = (np.int32(state.k), np.int32(k_pad), np.int32(state.cand_capacity))
-        done = (state.out_vals, state.out_rows, ex_ptr, ex_items, np.int32(1 if has_excl else 0))
+        results = (state.out_vals, state.out_rows) if out is None else out
+        done = (*results, ex_ptr, ex_items, np.int32(1 if has_excl else 0))
         if k_pad <= MERGE_WARP_K:
             merge = warp_merges[MERGE_WARP_HELD]
             grid, threads = (-(-n // MERGE_WARP_USERS),), 32 * MERGE_WARP_USERS

@@ -43,6 +43,12 @@ WORKSPACE_SPREAD = 2.5
 #: Catalogues of fewer rows stage and upload their excluded item rows as int32 (half the host's copies and the
 #: bus's bytes of int64), widened on the device to the int64 the kernels read.
 WIRE32_ROWS = 2 ** 31
+#: A fused block of at least this many users whose results go to device arrays of the search's own width has its
+#: final merge write them there itself, launched eagerly (a captured graph holds the addresses it was captured with),
+#: instead of through the state's buffers and a copy of every result (51 MB each way for a block of 65,536 users at
+#: 65 candidates): the certified route 2.4-3.6% faster on 1M-2M users x 4,096 items, the float32 search 0.4-2.8%
+#: (H100, docs/benchmarks.md). Smaller blocks keep their graphs (an embedded engine's calls of a few users).
+DIRECT_OUT_USERS = 16_384
 
 
 def wire_dtype(n_items: int) -> Any:
@@ -91,6 +97,14 @@ class PendingSearch:
 
     def __call__(self) -> dict:
         return self._finish()
+
+
+def _direct_out(out_vals: Any, out_rows: Any, k: int) -> bool:
+    """Whether device results ``out_vals`` / ``out_rows`` take a final merge's rows as they are: C-contiguous rows
+    of ``k`` float32 scores and int64 item rows (a block's rows of them are then one contiguous (n, k) piece)."""
+    return (out_vals.ndim == 2 and out_vals.shape[1] == k and out_vals.dtype == np.float32
+            and out_rows.shape == out_vals.shape and out_rows.dtype == np.int64
+            and bool(out_vals.flags.c_contiguous) and bool(out_rows.flags.c_contiguous))
 
 
 def _sample_bias(items: DeviceItems, seed: tuple) -> tuple | None:
@@ -200,6 +214,8 @@ class BlockPipeline:
         stats = {"blocks": len(blocks), "graph_blocks": 0}
         compute, copy, fetch = self.compute_stream, self.copy_stream, self.fetch_stream
         host_out = isinstance(out_vals, np.ndarray)  # page-locked host results (empty_out), filled block by block
+        # Fused blocks of DIRECT_OUT_USERS or more (not the walk's) write device results in place (their final merge).
+        direct = fused and not walk and not host_out and _direct_out(out_vals, out_rows, k)
         # Our streams do not synchronise with the caller's: order them after whatever produced the inputs and
         # the output arrays (the item upload, the caller's device users, the allocation of out_vals).
         ready = cupy.cuda.get_current_stream().record()
@@ -276,6 +292,7 @@ class BlockPipeline:
                 slot.staged.record(copy)
             with compute:
                 compute.wait_event(slot.staged)
+                out = (out_vals[start:stop], out_rows[start:stop]) if direct and n >= DIRECT_OUT_USERS else None
                 if fetched is not None:
                     compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
@@ -288,10 +305,10 @@ class BlockPipeline:
                     slot.floor[:n] = (floor if preseeded is None else preseeded)[start:stop]
                 self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
                                   ws if fused else None, items_t, floor is not None, options, multiplied, rank,
-                                  left_out is not None, best_first, walk, seed_fused, preseeded is not None, even)
+                                  left_out is not None, best_first, walk, seed_fused, preseeded is not None, even, out)
                 if left_out is not None:
                     left_out[start:stop] = state.seed_thr[:n]
-                if not host_out:
+                if not host_out and out is None:
                     out_vals[start:stop, :k] = state.out_vals[:n]
                     out_rows[start:stop, :k] = state.out_rows[:n]
                 ev[3].record(compute)
@@ -410,14 +427,16 @@ class BlockPipeline:
                      scores_buf: Any, n: int, has_excl: bool, stats: dict, seed: Any, fused_ws: Any, items_t: Any,
                      has_floor: bool, options: EngineOptions, multiplied: int = 0, estimate: int = 0,
                      keep_seed: bool = False, best_first: bool = True, walk: bool = False,
-                     seed_fused: bool = False, preseeded: bool = False, even: bool = False) -> None:
+                     seed_fused: bool = False, preseeded: bool = False, even: bool = False,
+                     out: tuple | None = None) -> None:
         """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all; ``estimate``:
         the seed's rank where it is not k (``selection.start_rank``), 0: k; ``even``: its sample is of evenly spaced
         rows where the items would rank it (an estimate); ``keep_seed``: each user's starting threshold is kept in
         ``state.seed_thr``; ``best_first``: results sorted, else in no order; ``walk``: the fused pass is the walk,
         unseeded, whose users keep -inf there; ``seed_fused``: the sample is scored and selected in one kernel,
         ``FusedSearch.seed``; ``preseeded``: that kernel ran for the whole search, and the block's thresholds wait
-        in ``slot.floor``). The cuBLAS
+        in ``slot.floor``; ``out``: the block's (n, k) device results, which its final merge writes itself, launched
+        eagerly, else None: the state's buffers). The cuBLAS
         path always runs over the slot's full capacity of rows (rows past the real users are ignored), so that every
         block runs the same launches and the graph captured for a slot replays for each of its blocks; the fused
         path (``fused_ws`` set) scores the real rows only, and runs a short last block eagerly."""
@@ -463,7 +482,7 @@ class BlockPipeline:
                 self.fused.walk(users, items_t, n_items, state, slot.ex_ptr, slot.ex_items, has_excl, multiplied)
             else:
                 self.fused.search(fused_ws.users_t, users, items_t, n_items, state, slot.ex_ptr, slot.ex_items,
-                                  has_excl, options, multiplied, best_first, first)
+                                  has_excl, options, multiplied, best_first, first, out)
 
         # The workspace (and so every other pointer, the sample buffer included) is fixed per slot; the items are
         # keyed by the device memory the launches read, not by the Python object: a segment or filtered view's
@@ -478,7 +497,8 @@ class BlockPipeline:
         # The first block of a kind runs eagerly: it compiles and loads everything the capture must not have to.
         # From the second on (the next block, or the next search of one block: an embedded engine answering one
         # user at a time), the slot's graph is captured and replayed: one launch instead of a few dozen.
-        if not (options.cuda_graphs and self.graphs_ok) or rows != cap or (graph is None and key not in self._ran):
+        if (out is not None or not (options.cuda_graphs and self.graphs_ok) or rows != cap
+                or (graph is None and key not in self._ran)):
             launches()
             if len(self._ran) > 4096:  # keys hold addresses of item arrays long gone: forget them now and then
                 self._ran.clear()
