@@ -65,6 +65,11 @@ class Backend(Protocol):
         in float64; NaN or +inf where some row holds a NaN or an infinity, 0.0 without rows: the users' check before
         a search, in one pass (``metrics.row_norms``' largest, its squares summed maybe in another order)."""
 
+    def row_norms(self, vecs: Any) -> Any:
+        """The Euclidean norms of the rows of ``vecs`` ((n, dim), this backend's array or a NumPy one), float64 (n,) of
+        the module of ``vecs``: ``metrics.row_norms``, the squares summed maybe in another order (cosine's scaling and
+        l2's finished scores take them: ``metrics.prepare_users``' and ``finish_scores``' ``norms``)."""
+
     def to_host(self, arr: Any) -> Any:
         """A NumPy copy of a backend array (NumPy arrays are returned as they are)."""
 

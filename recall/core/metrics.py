@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -106,8 +107,8 @@ ZERO_VECTOR = ("is a zero vector in float32 (every value 0, or too small for flo
                "metric 'cosine'")
 
 
-def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0) -> Any:
-    norms = row_norms(xp, vecs)
+def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0, norms_of: Callable | None = None) -> Any:
+    norms = row_norms(xp, vecs) if norms_of is None else norms_of(vecs)
     zero = norms == 0
     if bool(zero.any()):
         row = first_row + int(xp.argmax(zero))
@@ -233,10 +234,11 @@ def prepare_items(metric: str, xp: Any, item_vecs: Any, first_row: int = 0, cent
     return item_vecs
 
 
-def prepare_users(metric: str, xp: Any, user_vecs: Any) -> Any:
-    """User vectors (n_users, dim) float32 -> the float32 matrix scored against the prepared items."""
+def prepare_users(metric: str, xp: Any, user_vecs: Any, norms_of: Callable | None = None) -> Any:
+    """User vectors (n_users, dim) float32 -> the float32 matrix scored against the prepared items. ``norms_of``: what
+    computes cosine's row norms (``Backend.row_norms``; default :func:`row_norms`)."""
     if metric == "cosine":
-        return _normalise(xp, user_vecs, "user_vecs")
+        return _normalise(xp, user_vecs, "user_vecs", norms_of=norms_of)
     if metric == "l2":
         n, dim = user_vecs.shape
         out = xp.zeros((n, _augmented_width(dim)), dtype=xp.float32)
@@ -246,15 +248,16 @@ def prepare_users(metric: str, xp: Any, user_vecs: Any) -> Any:
     return user_vecs
 
 
-def finish_scores(metric: str, xp: Any, scores: Any, user_vecs: Any) -> Any:
+def finish_scores(metric: str, xp: Any, scores: Any, user_vecs: Any, norms_of: Callable | None = None) -> Any:
     """Turn selected inner-product scores (n_users, k) back into the metric's scores, in place where possible
-    (``user_vecs`` as scored: under l2, less the engine's centre).
+    (``user_vecs`` as scored: under l2, less the engine's centre; ``norms_of``: what computes their norms,
+    ``Backend.row_norms``, default :func:`row_norms`).
 
     Under ``l2`` the reported score ``2·s - ||u||²`` rounds: two items of different distances can report the same
     score. The lists stay in the order of ``s`` (the distance before that rounding, ties to the lower row): a list
     of k is the first k of a longer one, and of two equal reported scores the nearer item comes first."""
     if metric == "l2":
-        sq = (row_norms(xp, user_vecs) ** 2).astype(xp.float32)
+        sq = ((row_norms(xp, user_vecs) if norms_of is None else norms_of(user_vecs)) ** 2).astype(xp.float32)
         # -inf padding stays -inf: 2·(-inf) - finite.
         scores = 2.0 * scores - sq[:, None]
     return scores.astype(xp.float32, copy=False)

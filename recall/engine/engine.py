@@ -361,7 +361,7 @@ class Engine:
         if flt is not None:
             return self._search_filtered_async(flt, user_vecs, k, exclude)
         xp, users, excl = self._check_users(user_vecs, exclude)
-        prepared = metrics.prepare_users(self.metric, xp, users)
+        prepared = self._prepared(xp, users)
         if self.metric == "l2":
             # The scores are finished (2·s - |u|²) when the result is taken: from the engine's copy of the users
             # (the prepared matrix's first columns), not the caller's array, which it may reuse once this returns.
@@ -476,6 +476,10 @@ class Engine:
                                   centre=self.l2_centre)
         return xp, moved if centred else users, normalise(exclude, int(users.shape[0]), self.n_items)
 
+    def _prepared(self, xp: Any, users: Any) -> Any:
+        """``metrics.prepare_users`` of checked ``users`` (module ``xp``), their row norms taken by the backend."""
+        return metrics.prepare_users(self.metric, xp, users, self.backend.row_norms)
+
     def check_users(self, user_vecs: Any) -> None:
         """Raise what :meth:`search` would raise for these users (dimension, NaN/Inf, float32 overflow)."""
         self._check_users(user_vecs, None)
@@ -485,7 +489,7 @@ class Engine:
         (``users`` as :meth:`_check_users` gives them: less the l2 centre)."""
         if xp is np:
             vals, rows = self.backend.to_host(vals), self.backend.to_host(rows)
-        vals = metrics.finish_scores(self.metric, xp, vals, users)
+        vals = metrics.finish_scores(self.metric, xp, vals, users, self.backend.row_norms)
         return SearchResult(indices=rows, scores=vals, ids=self.map_ids(rows))
 
     def map_ids(self, rows: Any) -> Any:
@@ -542,11 +546,11 @@ class Engine:
         wall = time.perf_counter()
         path = "none"
         if users.shape[0] and cands.nnz and self.streamed:
-            vals, rows, path = streamed.rescore(self, self._items, metrics.prepare_users(self.metric, xp, users),
-                                                cands.indptr, cands.rows, k)
+            vals, rows, path = streamed.rescore(self, self._items, self._prepared(xp, users), cands.indptr, cands.rows,
+                                                k)
         elif users.shape[0] and cands.nnz:
-            vals, rows, path = self.backend.rescore(metrics.prepare_users(self.metric, xp, users), self._items,
-                                                    cands.indptr, cands.rows, k, self.memory_budget, self.options)
+            vals, rows, path = self.backend.rescore(self._prepared(xp, users), self._items, cands.indptr, cands.rows, k,
+                                                    self.memory_budget, self.options)
         else:
             vals = xp.full((users.shape[0], k), -np.inf, dtype=np.float32)
             rows = xp.full((users.shape[0], k), -1, dtype=np.int64)
@@ -562,7 +566,7 @@ class Engine:
         ``exclude``: as for :meth:`search`, in this engine's rows."""
         k = check_k(k)
         xp, users, excl = self._check_users(user_vecs, exclude)
-        prepared = metrics.prepare_users(self.metric, xp, users)
+        prepared = self._prepared(xp, users)
         k_sel = min(k, self.n_items)
         vals = self.backend.empty_out((users.shape[0], k_sel), np.float32, False)
         rows = self.backend.empty_out((users.shape[0], k_sel), np.int64, False)
@@ -581,7 +585,8 @@ class Engine:
         """The SearchResult of merged (inner-product) results of host ``users``: host arrays, the metric's scores,
         item rows as ids (the engine's ids are not applied: the caller maps rows)."""
         vals, rows = self.backend.to_host(best.vals), self.backend.to_host(best.rows)
-        vals = metrics.finish_scores(self.metric, np, vals, self.centred(np, np.asarray(users, dtype=np.float32)))
+        vals = metrics.finish_scores(self.metric, np, vals, self.centred(np, np.asarray(users, dtype=np.float32)),
+                                     self.backend.row_norms)
         return SearchResult(indices=rows, scores=vals, ids=rows)
 
 

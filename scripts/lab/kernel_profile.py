@@ -254,6 +254,8 @@ VARIANTS = {
     "seed-lower": {},
     # HOOKS: every block's results through the state's buffers and a copy (before pipeline.DIRECT_OUT_USERS).
     "copy-out": {},
+    # HOOKS: the backend's row norms by metrics.row_norms' array operations (before CupyBackend.row_norms' kernel).
+    "norms-ops": {}, "float32-norms-ops": {"certified_exact": "off"},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
@@ -455,6 +457,13 @@ def _rescore_sort128(engine):
     rescore._warp_kernel = built
 
 
+def _norms_ops(engine):
+    from recall.backends.cupy.backend import CupyBackend
+    from recall.core import metrics
+
+    CupyBackend.row_norms = lambda self, vecs: metrics.row_norms(self.xp.get_array_module(vecs), vecs)
+
+
 def _norms_copy(engine):
     import numpy as np
 
@@ -554,6 +563,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _setting("backends.cupy.fused", SEED_W_MAX_K=32),
          "seed-lower": _seed_lower,
          "copy-out": _setting("backends.cupy.pipeline", DIRECT_OUT_USERS=2 ** 62),
+         **{v: _norms_ops for v in ("norms-ops", "float32-norms-ops")},
          "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},
@@ -843,7 +853,8 @@ def main() -> None:
         (fast_mode, "NEED_MARGIN"), (fast_mode, "NEED_MARGIN_MAX_K"), (metrics, "row_norms"),
         (metrics, "_normalise"), (device_items, "row_norms"), (gpu_backend, "fused_capacity"),
         (pipeline, "fused_capacity"), (selection, "seed_size"), (tiled, "EVEN_EVERY"),
-        (tiled, "EVEN_CHOICES"), (pipeline, "start_rank"), (pipeline, "DIRECT_OUT_USERS"))
+        (tiled, "EVEN_CHOICES"), (pipeline, "start_rank"), (pipeline, "DIRECT_OUT_USERS"),
+        (getattr(gpu_backend, "CupyBackend", None), "row_norms"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():

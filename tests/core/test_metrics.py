@@ -328,3 +328,49 @@ def test_gpu_row_norms_and_cosine_rows_in_one_pass(monkeypatch, dim):
     scaled = metrics.prepare_users("cosine", cupy, vecs)
     assert isinstance(scaled, cupy.ndarray) and scaled.dtype == cupy.float32
     cupy.testing.assert_array_equal(scaled, (vecs / metrics.row_norms(cupy, vecs)[:, None]).astype(cupy.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [0, 1, 31, 33, 64, 300])
+def test_gpu_backend_row_norms_in_one_launch(dim):
+    """``CupyBackend.row_norms`` (one warp a row, recall_row_norms): each row's float64 norm within a few ulps of the
+    float64 oracle (its own summation order), NaN and zero rows as such, rows of another stride (a slice of wider
+    rows) and host arrays taken too; cosine's users scaled by them and l2's finished scores as the array
+    operations' up to those ulps."""
+    from recall.backends import cuda_status
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    from recall.backends.cupy.backend import CupyBackend
+
+    backend = CupyBackend()
+    rng = np.random.default_rng(dim + 1)
+    host = (rng.standard_normal((20_011, dim)) * np.exp(3 * rng.standard_normal((20_011, 1)))).astype(np.float32)
+    want = np.sqrt((host.astype(np.float64) ** 2).sum(axis=1))
+    if dim:
+        host[7, 0], host[8] = np.nan, 0.0
+        want[7], want[8] = np.nan, 0.0
+    got = backend.row_norms(cupy.asarray(host))
+    assert isinstance(got, cupy.ndarray) and got.dtype == cupy.float64 and got.shape == (20_011,)
+    np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=4e-16 * max(dim, 1) ** 0.5 + 1e-16, equal_nan=True)
+    assert backend.row_norms(cupy.zeros((0, dim), cupy.float32)).shape == (0,)
+    np.testing.assert_array_equal(backend.row_norms(host), metrics.row_norms(np, host))  # host rows: NumPy's
+    if dim < 2:
+        return
+    wide = cupy.asarray(host)[:, : dim - 1]  # rows strided past their columns
+    np.testing.assert_allclose(cupy.asnumpy(backend.row_norms(wide)),
+                               np.linalg.norm(host[:, : dim - 1].astype(np.float64), axis=1), rtol=1e-14,
+                               equal_nan=True)
+    host[7, 0], host[8] = 1.0, 0.5
+    vecs = cupy.asarray(host)
+    scaled = metrics.prepare_users("cosine", cupy, vecs, backend.row_norms)
+    np.testing.assert_allclose(cupy.asnumpy(scaled), cupy.asnumpy(metrics.prepare_users("cosine", cupy, vecs)),
+                               rtol=2e-7, atol=0)
+    scores = cupy.asarray(rng.standard_normal((20_011, 5)).astype(np.float32))
+    got = cupy.asnumpy(metrics.finish_scores("l2", cupy, scores.copy(), vecs, backend.row_norms))
+    old = cupy.asnumpy(metrics.finish_scores("l2", cupy, scores.copy(), vecs))
+    sq = (host.astype(np.float64) ** 2).sum(axis=1)[:, None]
+    assert (np.abs(got - old) <= 2.4e-7 * sq).all()  # |u|² rounded to float32 a unit apart at most

@@ -22,7 +22,7 @@ from ...core import keys
 from ...core.certificate import FastItems, FastUsers, output_scale, prepare_users, user_terms
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
-from ...core.metrics import largest_row_norm
+from ...core.metrics import largest_row_norm, row_norms
 from ...core.options import EngineOptions
 from ...core.tiling import TilePlan, plan_tiles
 from .. import candidates
@@ -220,6 +220,21 @@ class CupyBackend:
             kernel((blocks,), (256,), (vecs, np.int64(vecs.strides[0] // 4), np.int64(n), np.int32(vecs.shape[1]),
                                        out))
         return math.sqrt(float(out.get().view(np.float64)[0]))
+
+    def row_norms(self, vecs: Any) -> Any:
+        if isinstance(vecs, np.ndarray) or vecs.dtype != self.xp.float32 or vecs.ndim != 2 or (
+                vecs.size and vecs.strides[1] != 4):
+            return row_norms(self.xp.get_array_module(vecs), vecs)
+        # One launch (metrics.row_norms: a float64 square of every value written, then summed).
+        cupy = self.xp
+        n = int(vecs.shape[0])
+        out = cupy.empty(n, dtype=cupy.float64)
+        if n:
+            kernel = kernels.module(("norms.cu",)).get_function("recall_row_norms")
+            blocks = min(-(-n // 8), 8192)  # 8 warps a block, a row a warp at a time
+            kernel((blocks,), (256,), (vecs, np.int64(vecs.strides[0] // 4), np.int64(n), np.int32(vecs.shape[1]),
+                                       out))
+        return out
 
     def to_host(self, arr: Any) -> np.ndarray:
         if isinstance(arr, np.ndarray):

@@ -295,6 +295,9 @@ class NumpyBackend:
     def largest_norm(self, vecs: Any) -> float:
         return largest_row_norm(np, vecs)
 
+    def row_norms(self, vecs: Any) -> np.ndarray:
+        return row_norms(np, vecs)
+
     def to_host(self, arr: Any) -> np.ndarray:
         return to_numpy(arr)
 
