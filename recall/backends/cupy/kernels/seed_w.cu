@@ -12,7 +12,7 @@
 // another order, is): it sits below the pass's own rank-th best sampled score, so those items pass its filter, and
 // the certificate counts every item below a user's start as left out, bounding their exact scores itself (fast.py);
 // a threshold above some user's scores costs that user time (a widened pass), never an answer. Unlowered, the route
-// took 0.956-0.982x the time on 4,096-item catalogues (H100, docs/benchmarks.md). -DRS_LOWER (measurement only: the
+// took 0.94-0.98x the time on 4,096-item catalogues (H100, docs/benchmarks.md). -DRS_LOWER (measurement only: the
 // rule before) lowers each sampled score by its margin (topk.cu's RecallSeedMargin) as recall_seed_warp does. A
 // thread holds 2 users' (h = 0, 1) 32 scores of each tile, the 4 lanes of a quad (t = lane % 4) a user's 128; each
 // lane keeps its KEPT largest keys (recall_f2ord) of each user in registers,
