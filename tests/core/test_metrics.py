@@ -366,6 +366,7 @@ def test_gpu_backend_row_norms_in_one_launch(dim):
                                equal_nan=True)
     host[7, 0], host[8] = 1.0, 0.5
     vecs = cupy.asarray(host)
+    assert backend.largest_norm(vecs) == float(backend.row_norms(vecs).max())  # the users' check sums the same way
     scaled = metrics.prepare_users("cosine", cupy, vecs, backend.row_norms)
     np.testing.assert_allclose(cupy.asnumpy(scaled), cupy.asnumpy(metrics.prepare_users("cosine", cupy, vecs)),
                                rtol=2e-7, atol=0)
