@@ -68,7 +68,7 @@ class Backend(Protocol):
     def row_norms(self, vecs: Any) -> Any:
         """The Euclidean norms of the rows of ``vecs`` ((n, dim), this backend's array or a NumPy one), float64 (n,) of
         the module of ``vecs``: ``metrics.row_norms``, the squares summed maybe in another order (cosine's scaling and
-        l2's finished scores take them: ``metrics.prepare_users``' and ``finish_scores``' ``norms``)."""
+        l2's finished scores take them: ``metrics.prepare_users``' and ``finish_scores``' ``norms_of``)."""
 
     def to_host(self, arr: Any) -> Any:
         """A NumPy copy of a backend array (NumPy arrays are returned as they are)."""

@@ -132,7 +132,7 @@ def _where(indptr: np.ndarray, row: int) -> tuple[int, int]:
 
 def _check_values(engine: Any, xp: Any, flat: Any, indptr: np.ndarray, aggregate: str) -> Any:
     """Refuse zero vectors under cosine and scores that could overflow float32; returns the rows' squared norms."""
-    sq = metrics.row_norms(xp, flat) ** 2 if flat.shape[0] else xp.zeros(0, xp.float64)
+    sq = engine.backend.row_norms(flat) ** 2 if flat.shape[0] else xp.zeros(0, xp.float64)
     if engine.metric == "cosine":
         zero = sq == 0
         if bool(zero.any()):
@@ -219,7 +219,7 @@ def search(engine: Any, user_vecs: Any, k: int, exclude: Any = None, aggregate: 
         return engine.search(flat, k, exclude=exclude)  # one vector per user: the plain search
     m = int(counts.max())
     bias = engine.metric == "l2" and aggregate == "max"
-    prepared = metrics.prepare_users(engine.metric, xp, centred)
+    prepared = engine._prepared(xp, centred)
     users = _layout(xp, prepared, sq, indptr, m, aggregate, bias)
     vals, rows = _run(engine, users, m, users.shape[1] // prepared.shape[1], aggregate, bias, k, excl)
     if xp is np:

@@ -1,7 +1,7 @@
 // The threshold sample of a float16 pass on Hopper, scored and selected in one kernel: a threshold just below each
-// user's rank-th best sampled score, from the users' and the sample's float16 rows themselves, where the pass keeps at most 80 candidates a user (fused.py's
-// SEED_W_MAX_K: fast mode's and the certified route's k + margin + 1, k up to 63), starts at a rank of at most 4 KEPT
-// (below), and the search excludes nothing.
+// user's rank-th best sampled score, from the users' and the sample's float16 rows themselves, where the pass keeps
+// at most 80 candidates a user (fused.py's SEED_W_MAX_K: fast mode's and the certified route's k + margin + 1, k up
+// to 63), starts at a rank of at most 4 KEPT (below), and the search excludes nothing.
 // cuBLAS's GEMM wrote the sample's float32 scores to memory and recall_seed_warp read them back: for a million users
 // and 512 sampled items, 2 GB each way, 3.1-3.2 ms against this kernel's 2.1 (H100, docs/benchmarks.md). Compiled
 // after fused_w.cu (its wgmma helpers, tile layout, loader and product step), in its module.
@@ -15,8 +15,8 @@
 // took 0.94-0.98x the time on 4,096-item catalogues (H100, docs/benchmarks.md). -DRS_LOWER (measurement only: the
 // rule before) lowers each sampled score by its margin (topk.cu's RecallSeedMargin) as recall_seed_warp does. A
 // thread holds 2 users' (h = 0, 1) 32 scores of each tile, the 4 lanes of a quad (t = lane % 4) a user's 128; each
-// lane keeps its KEPT largest keys (recall_f2ord) of each user in registers,
-// sorted, largest first: a key moves every smaller one down a place, two comparisons a place and no branch. Then the
+// lane keeps its KEPT largest keys (recall_f2ord) of each user in registers, sorted, largest first: a key moves every
+// smaller one down a place, two comparisons a place and no branch. Then the
 // quad pops its largest kept key `rank` times: the rank-th largest of the 4 KEPT kept keys, ties counted, which is the
 // rank-th largest of the row unless a lane dropped a key at or above it (it held more than KEPT of the row's best),
 // and never above it: at or below the pass's own k-th best all the same (recall_seed_warp would go on over the
