@@ -206,35 +206,36 @@ class CupyBackend:
         return cupy.ascontiguousarray(arr, dtype=cupy.int64 if arr.dtype.kind in "iu" else cupy.float32)
 
     def largest_norm(self, vecs: Any) -> float:
-        if isinstance(vecs, np.ndarray) or vecs.dtype != self.xp.float32 or (vecs.size and vecs.strides[1] != 4):
+        if not self._rows_launch_takes(vecs):
             return largest_row_norm(self.xp.get_array_module(vecs), vecs)
         # One launch and one 8-byte transfer, on the caller's stream as the users' checks were (for 200k users x 64
         # metrics.row_norms' array operations cost 17 launches: float64 copies, squares and sums a block of 65,536 rows,
         # then the largest).
-        cupy = self.xp
-        out = cupy.zeros(1, dtype=cupy.uint64)
-        n = int(vecs.shape[0])
-        if n:
-            kernel = kernels.module(("norms.cu",)).get_function("recall_largest_norm_sq")
-            blocks = min(-(-n // 8), 4096)  # 8 warps a block, a row a warp at a time
-            kernel((blocks,), (256,), (vecs, np.int64(vecs.strides[0] // 4), np.int64(n), np.int32(vecs.shape[1]),
-                                       out))
+        out = self.xp.zeros(1, dtype=self.xp.uint64)
+        self._rows_launch("recall_largest_norm_sq", vecs, out, 4096)
         return math.sqrt(float(out.get().view(np.float64)[0]))
 
     def row_norms(self, vecs: Any) -> Any:
-        if isinstance(vecs, np.ndarray) or vecs.dtype != self.xp.float32 or vecs.ndim != 2 or (
-                vecs.size and vecs.strides[1] != 4):
+        if not self._rows_launch_takes(vecs):
             return row_norms(self.xp.get_array_module(vecs), vecs)
         # One launch (metrics.row_norms: a float64 square of every value written, then summed).
-        cupy = self.xp
-        n = int(vecs.shape[0])
-        out = cupy.empty(n, dtype=cupy.float64)
-        if n:
-            kernel = kernels.module(("norms.cu",)).get_function("recall_row_norms")
-            blocks = min(-(-n // 8), 8192)  # 8 warps a block, a row a warp at a time
-            kernel((blocks,), (256,), (vecs, np.int64(vecs.strides[0] // 4), np.int64(n), np.int32(vecs.shape[1]),
-                                       out))
+        out = self.xp.empty(int(vecs.shape[0]), dtype=self.xp.float64)
+        self._rows_launch("recall_row_norms", vecs, out, 8192)
         return out
+
+    def _rows_launch_takes(self, vecs: Any) -> bool:
+        """Whether norms.cu's kernels take ``vecs``: a device float32 (n, dim) matrix of unit column stride."""
+        return (not isinstance(vecs, np.ndarray) and vecs.dtype == self.xp.float32 and vecs.ndim == 2
+                and (not vecs.size or vecs.strides[1] == 4))
+
+    def _rows_launch(self, name: str, vecs: Any, out: Any, most_blocks: int) -> None:
+        """norms.cu's kernel ``name`` over the rows of ``vecs`` (:meth:`_rows_launch_takes`) into ``out``, on the
+        caller's stream: a warp a row, 8 warps a block, at most ``most_blocks`` blocks (nothing without rows)."""
+        n = int(vecs.shape[0])
+        if n:
+            kernel = kernels.module(("norms.cu",)).get_function(name)
+            kernel((min(-(-n // 8), most_blocks),), (256,),
+                   (vecs, np.int64(vecs.strides[0] // 4), np.int64(n), np.int32(vecs.shape[1]), out))
 
     def to_host(self, arr: Any) -> np.ndarray:
         if isinstance(arr, np.ndarray):
