@@ -225,6 +225,8 @@ class FastState:
     # (learned wider, WIDE_FIRST, or narrower, NARROW_MIN_USERS)
     unpaid: dict = field(default_factory=dict)  # k -> (small searches declined since its last fast search, which did
     # not pay; the searches until the next recheck: RECHECK_EVERY)
+    plans: dict = field(default_factory=dict)  # (users, candidates) -> the plan of the current search's float16
+    # passes of that shape (``_pass_plan``; cleared as each search starts)
 
 
 def _state(engine: Any) -> FastState:
@@ -294,6 +296,8 @@ def search(engine: Any, users: Any, k: int, excl: Exclusions, ordered: bool = Fa
     # The route's users fit the memory budget (``certifies_exact``) unless it was forced on; where fast mode's do
     # not, exact mode stages them block by block, as the route declines to.
     host = engine.backend.module_of(users) is not engine.backend.xp
+    if engine._fast is not None:
+        engine._fast.plans.clear()  # (the options, budget or tune cache may have changed since the last search)
     declined = None
     if ordered and engine._fast is None and not _room_for_copy(engine):
         declined = "no room on the device for a float16 copy of the items beside the memory budget"
@@ -629,12 +633,22 @@ def _tiles16(engine: Any, n_users: int, k: int, margin: int | None = None) -> bo
     (their columns: ``FastItems.unshifted_width``)."""
     items = _state(engine).items
     wide = min(k + (_default_margin(engine, k) if margin is None else margin) + 1, engine.n_items)
-    # The pass's plan, from the shape and dtype of its users (a stand-in that holds no memory).
-    spec = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (n_users, items.width), (0, 0))
-    plan = engine.plan(spec, engine.n_items, wide)
+    plan = _pass_plan(engine, n_users, wide)
     kept = engine.backend.pass_score_dtype(plan, n_users, engine.n_items, wide, items.unshifted_width, np.float16,
                                            engine.options)
     return np.dtype(kept) == np.float16
+
+
+def _pass_plan(engine: Any, n_users: int, wide: int) -> Any:
+    """``Engine.plan`` of a float16 pass of ``n_users`` keeping ``wide`` candidates, from the shape and dtype of its
+    users (a stand-in that holds no memory); made once a search (``FastState.plans``): ``_tiles16`` asks for it
+    before the pass runs it (a plan cost the route 0.1 ms of host time on the H100, while the GPU waited)."""
+    plans = _state(engine).plans
+    plan = plans.get((n_users, wide))
+    if plan is None:
+        spec = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (n_users, _state(engine).items.width), (0, 0))
+        plan = plans[(n_users, wide)] = engine.plan(spec, engine.n_items, wide)
+    return plan
 
 
 def _search_fast(engine: Any, users: Any, k: int, excl: Exclusions,
@@ -743,7 +757,7 @@ def _certified_pass(engine: Any, state: FastState, users: Any, fast_users: certi
     # A user whose pass holds its k best clear of its start is certified against it (the start counts as left out,
     # below), however few of the ``wide`` it holds.
     wait = engine.run(fast_users.vecs16, wide, excl, approx_vals, approx_rows, items=state.resident, left_out=left,
-                      best_first=False, need=min(need, wide))
+                      best_first=False, need=min(need, wide), plan=_pass_plan(engine, n_users, wide))
     # Every one of the ``wide`` kept is re-scored (one more than the certificate needs: which one is the least is
     # not known without a sort), queued behind the pass without waiting for it: on the H200 the host's wait and then
     # its launches left the GPU idle 0.8-1.5 ms between the two (docs/benchmarks.md).

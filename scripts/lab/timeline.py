@@ -52,6 +52,19 @@ _HOST = (
     ("recall.backends.cupy.backend", "CupyBackend.queue_after", "queue_after"),
     ("recall.core.host_threads", "copy_rows", "copy_rows (host threads)"),
     ("recall.core.exclusions", "Exclusions.block", "exclusions' block"),
+    # The certified route's host steps before its first block (host_profile.py --stamps).
+    ("recall.engine.fast", "search", "fast.search"),
+    ("recall.engine.fast", "_search_fast", "fast._search_fast"),
+    ("recall.engine.fast", "_pass_share", "fast._pass_share"),
+    ("recall.engine.engine", "Engine._prepared", "Engine._prepared"),
+    ("recall.engine.tuning", "preferred_tiles", "tuning.preferred_tiles"),
+    ("recall.backends.cupy.backend", "CupyBackend.ingest", "ingest"),
+    ("recall.backends.cupy.backend", "CupyBackend.certify_exact", "certify_exact"),
+    ("recall.backends.cupy.backend", "CupyBackend.fast_users", "fast_users (launch)"),
+    ("recall.backends.cupy.backend", "CupyBackend.fused_applies", "fused_applies"),
+    ("recall.backends.cupy.backend", "CupyBackend.pass_score_dtype", "pass_score_dtype"),
+    ("recall.backends.cupy.pipeline", "BlockPipeline._workspace", "pipeline._workspace"),
+    ("recall.backends.cupy.fused", "FusedSearch.seed", "seed_w (launch)"),
 )
 _MARK = "recall: "
 

@@ -1353,3 +1353,45 @@ def test_gpu_first_passes_keep_the_need_margin(gpu_available, metric):
         sample = np.arange(0, 6400, 97)
         oracle.assert_topk_close(as_numpy(got.indices)[sample], as_numpy(got.scores)[sample], users[sample], items,
                                  k, metric)
+
+
+def test_a_searchs_float16_pass_is_planned_once(device, monkeypatch):
+    # fast._pass_plan: the plan _tiles16 asks for before a pass is the pass's own (one Engine.plan of the float16
+    # users' shape a search, not two; a widened pass, of fewer users, has its own), and the next search plans
+    # afresh: here its options pin other tiles, which its passes then run with. The answer is exact mode's either way.
+    rng = np.random.default_rng(2)
+    items, users = _ints(rng, 3000, 12), _ints(rng, 300, 12)
+    engine = Engine(items, device=device, precision="fast", options=emulated(fast_sample=0))
+    planned, ran = [], []
+    real_plan, real_run = Engine.plan, Engine.run
+
+    def plan(self, users_, n_items, k):
+        out = real_plan(self, users_, n_items, k)
+        if np.dtype(users_.dtype) == np.float16:
+            planned.append(((int(users_.shape[0]), k), out))
+        return out
+
+    def run(self, users_, k, excl, *args, plan=None, **kwargs):
+        if np.dtype(users_.dtype) == np.float16:
+            ran.append(plan)
+        return real_run(self, users_, k, excl, *args, plan=plan, **kwargs)
+
+    def check(first, first_run):
+        keys = [key for key, _ in planned[first:]]
+        assert keys and len(keys) == len(set(keys))  # each shape planned once
+        plans = [p for _, p in planned[first:]]
+        assert ran[first_run:] and all(any(p is q for q in plans) for p in ran[first_run:])  # the passes ran those
+
+    monkeypatch.setattr(Engine, "plan", plan)
+    monkeypatch.setattr(Engine, "run", run)
+    want = Engine(items, device=device).search(users, 40)
+    got = engine.search(users, 40)
+    check(0, 0)
+    done, runs = len(planned), len(ran)
+    engine.options = emulated(fast_sample=0, tiles=(64, 512, 2))
+    again = engine.search(users, 40)
+    check(done, runs)
+    assert ran[runs].user_block == 64 and ran[0].user_block != 64  # the first pass of each search: every user
+    for res in (got, again):
+        np.testing.assert_array_equal(as_numpy(res.indices), as_numpy(want.indices))
+        np.testing.assert_array_equal(as_numpy(res.scores), as_numpy(want.scores))
