@@ -254,9 +254,6 @@ VARIANTS = {
     "seed-lower": {},
     # HOOKS: every block's results through the state's buffers and a copy (before pipeline.DIRECT_OUT_USERS).
     "copy-out": {},
-    # HOOKS: fast mode's users converted by all 32 lanes of a warp a row, one user at a time (before
-    # backend.fast_users_group).
-    "users-warp": {},
     # HOOKS: the backend's row norms by metrics.row_norms' array operations (before CupyBackend.row_norms' kernel).
     "norms-ops": {}, "float32-norms-ops": {"certified_exact": "off"},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
@@ -566,7 +563,6 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _setting("backends.cupy.fused", SEED_W_MAX_K=32),
          "seed-lower": _seed_lower,
          "copy-out": _setting("backends.cupy.pipeline", DIRECT_OUT_USERS=2 ** 62),
-         "users-warp": _setting("backends.cupy.backend", FAST_USERS_COLUMNS=1),
          **{v: _norms_ops for v in ("norms-ops", "float32-norms-ops")},
          "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),

@@ -155,7 +155,7 @@ def test_output_scale_keeps_every_tile_score_finite():
 @pytest.mark.gpu
 @pytest.mark.parametrize("metric, items_kind", [("ip", "spread"), ("ip", "normal"), ("l2", "spread"),
                                                 ("cosine", "normal"), ("ip", "exact16")])
-@pytest.mark.parametrize("dim", [3, 20, 32, 50, 64, 128, 300])  # 1, 4, 4, 8, 8, 16, 32 lanes a row
+@pytest.mark.parametrize("dim", [3, 50, 64, 300])
 @pytest.mark.parametrize("shift_kind", [None, "scores", "wild"])
 def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, shift_kind):
     # The GPU's one-launch preparation of fast mode's users (Backend.fast_users, kernels/fast16.cu) against

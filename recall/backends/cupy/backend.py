@@ -107,16 +107,6 @@ def preferred_width(dim: int, k: int) -> int:
     return max(16384 if dim >= 128 else 8192, pow2(2 * k))
 
 
-def fast_users_group(dot_dim: int) -> int:
-    """Lanes of a warp that convert one user's row in ``recall_prepare_users`` (kernels/fast16.cu): a power of two
-    giving each about FAST_USERS_COLUMNS columns, 1 to 32 (d = 32: 4 lanes a user, 8 users at a time; d = 256: 32)."""
-    return min(32, pow2(max(1, -(-dot_dim // FAST_USERS_COLUMNS))))
-
-
-#: Columns of a user's row each lane of ``recall_prepare_users`` converts (``fast_users_group``).
-FAST_USERS_COLUMNS = 8
-
-
 def tune_candidates(heuristic: tuple[int, int, int]) -> list[tuple[int, int, int]]:
     """The tilings ``recall tune`` tries on the GPU, the heuristic first."""
     return tune_band(_TUNE_USERS, _TUNE_ITEMS, _TUNE_BAND, heuristic)
@@ -397,8 +387,8 @@ class CupyBackend:
         return vals, out, "gemm"
 
     def fast_users(self, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
-        # One launch, a warp 32 users (kernels/fast16.cu, fast_users_group lanes a row), for float32 rows of unit
-        # column stride; else the array operations of certificate.prepare_users.
+        # One launch, a warp 32 users (kernels/fast16.cu), for float32 rows of unit column stride; else the array
+        # operations of certificate.prepare_users.
         cupy = self.xp
         n = int(users.shape[0])
         if users.dtype != cupy.float32 or users.ndim != 2 or (n and users.strides[1] != 4):
@@ -414,8 +404,7 @@ class CupyBackend:
             # (Without a shift the kernel reads none: any float64 array stands in for the pointer.)
             shift_d = alpha if shift is None else cupy.ascontiguousarray(shift, dtype=cupy.float64)
             kernel(((n + 255) // 256,), (256,),
-                   (users, np.int64(users.strides[0] // 4), np.int32(n), np.int32(items.dot_dim),
-                    np.int32(fast_users_group(items.dot_dim)), vecs16,
+                   (users, np.int64(users.strides[0] // 4), np.int32(n), np.int32(items.dot_dim), vecs16,
                     np.int32(items.width), shift_d, np.int32(shift is not None), *(np.int32(c) for c in at),
                     np.int32(len(items.aux_scales)),
                     *(np.float64(t[name]) for name in ("beta", "cap_bias", "bias_scale", "gamma16", "gamma32", "rest0",

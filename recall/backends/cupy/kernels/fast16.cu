@@ -47,21 +47,19 @@ __device__ __forceinline__ unsigned short fast16_up(double v) {
     return fast16_f16(fmin(v * (1.0 + 0.0009765625) + F16_TINY, F16_MAX));
 }
 
-// The sum of x over the `group` lanes (a power of two, at most 32) of the caller's aligned group, in every one of them.
-__device__ __forceinline__ double fast16_group_sum(double x, int group) {
-    for (int o = group >> 1; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+__device__ __forceinline__ double fast16_warp_sum(double x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
 }
 
-// A warp owns 32 users (a block 256): `group` lanes convert a user's row (each every group-th column), 32 / group
-// users at a time, and lane i keeps user i's maximum and sums; then each lane runs its own user's remaining steps
-// (the shift, bias and bound columns, alpha, offset, the bound) at once. A warp a user left those steps to lane 0
-// alone, 31 lanes idle through some 400 float64 instructions: 0.78 ms for 1M users x 64 dimensions, mostly that tail
-// (H100, docs/benchmarks.md); all 32 lanes over a row of 32 columns, one user at a time, left each user's chain of
-// shuffles (five steps a sum) in series: backend.fast_users_group sizes the group to about 8 columns a lane.
+// A warp owns 32 users (a block 256): it converts their rows one at a time, all lanes over the columns, and lane i
+// keeps user i's maximum and sums; then each lane runs its own user's remaining steps (the shift, bias and bound
+// columns, alpha, offset, the bound) at once. A warp a user left those steps to lane 0 alone, 31 lanes idle through
+// some 400 float64 instructions: 0.78 ms for 1M users x 64 dimensions, mostly that tail (H100, docs/benchmarks.md).
 // The columns past D0 are written here too (zeros, then the tail's own), so the caller need not zero `out16`.
 extern "C" __global__ void __launch_bounds__(256)
-recall_prepare_users(const float* __restrict__ users, long long ustride, int n, int D0, int group,
+recall_prepare_users(const float* __restrict__ users, long long ustride, int n, int D0,
                      unsigned short* __restrict__ out16, int W, const double* __restrict__ shift, int shifted,
                      int shift_at, int bias_at, int norms_at, int n_aux,
                      double beta, double cap_bias, double bias_scale, double gamma16, double gamma32, double rest0,
@@ -73,21 +71,18 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     const int first = (blockIdx.x * 8 + (int)(threadIdx.x >> 5)) * 32;
     if (first >= n) return;  // the whole warp
     const int last = min(first + 32, n);
-    const int per = 32 / group, g = lane / group, c0 = lane % group;  // users a step, this lane's user and column
     // This lane's user's (first + lane) sums and scale, kept as the warp passes it.
     double my_sv = 0.0, my_se = 0.0, my_sa = 0.0, my_alpha = 1.0, my_s = 0.0;
-    for (int base = first; base < last; base += per) {  // (every lane goes round alike: the shuffles take all 32)
-        const int u = base + g;
-        const bool live = u < last;
+    for (int u = first; u < last; ++u) {
         const float* row = users + (long long)u * ustride;
         unsigned short* out = out16 + (long long)u * W;
         double mx = 0.0;  // in float64, as every step below: no float32 operation flushes a subnormal to 0 (-ftz)
-        if (live)
-            for (int i = c0; i < D0; i += group) mx = fmax(mx, fabs(fast16_widen(row[i])));
-        for (int o = group >> 1; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        for (int i = lane; i < D0; i += 32) mx = fmax(mx, fabs(fast16_widen(row[i])));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         double alpha = mx > 0.0 ? ldexp(1.0, 13 - fast16_floor_log2(mx)) : 1.0;
         alpha = fmin(alpha, cap_bias);
-        const double s_u = shifted && live ? shift[u] : 0.0;
+        const double s_u = shifted ? shift[u] : 0.0;
         if (shifted) {
             // floor(shift_room - log2 m) for m = max(|S_u|, 2^-900): shift_room - ceil(log2 m), capped at 1000.
             const double m = fmax(fabs(s_u), ldexp(1.0, -900));
@@ -103,34 +98,25 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
         const bool pow2 = frexp(alpha, &e_alpha) == 0.5;
         const double inv = 1.0 / alpha;
         double sv = 0.0, se = 0.0, sa = 0.0;
-        if (live) {
-            for (int i = c0; i < D0; i += group) {
-                const double v = fast16_widen(row[i]);
-                const unsigned short h = fast16_f16(v * alpha);
-                out[i] = h;
-                const double a = pow2 ? fast16_f64(h) * inv : fast16_f64(h) / alpha, e = a - v;
-                sv += v * v;
-                se += e * e;
-                sa += a * a;
-            }
-            for (int i = D0 + c0; i < W; i += group) out[i] = 0;
+        for (int i = lane; i < D0; i += 32) {
+            const double v = fast16_widen(row[i]);
+            const unsigned short h = fast16_f16(v * alpha);
+            out[i] = h;
+            const double a = pow2 ? fast16_f64(h) * inv : fast16_f64(h) / alpha, e = a - v;
+            sv += v * v;
+            se += e * e;
+            sa += a * a;
         }
-        sv = fast16_group_sum(sv, group);
-        se = fast16_group_sum(se, group);
-        sa = fast16_group_sum(sa, group);
-        // To lane (u - first) from its group's first lane.
-        const int rel = lane - (base - first), src = (rel & (per - 1)) * group;
-        sv = __shfl_sync(0xffffffffu, sv, src);
-        se = __shfl_sync(0xffffffffu, se, src);
-        sa = __shfl_sync(0xffffffffu, sa, src);
-        alpha = __shfl_sync(0xffffffffu, alpha, src);
-        const double s_r = __shfl_sync(0xffffffffu, s_u, src);
-        if (rel >= 0 && rel < per) {
+        for (int i = D0 + lane; i < W; i += 32) out[i] = 0;
+        sv = fast16_warp_sum(sv);
+        se = fast16_warp_sum(se);
+        sa = fast16_warp_sum(sa);
+        if (lane == u - first) {
             my_sv = sv;
             my_se = se;
             my_sa = sa;
             my_alpha = alpha;
-            my_s = s_r;
+            my_s = s_u;
         }
     }
     __syncwarp();  // the zeros past D0 before the columns below
