@@ -642,12 +642,13 @@ def _tiles16(engine: Any, n_users: int, k: int, margin: int | None = None) -> bo
 def _pass_plan(engine: Any, n_users: int, wide: int) -> Any:
     """``Engine.plan`` of a float16 pass of ``n_users`` keeping ``wide`` candidates, from the shape and dtype of its
     users (a stand-in that holds no memory); made once a search (``FastState.plans``): ``_tiles16`` asks for it
-    before the pass runs it (a plan cost the route 0.1 ms of host time on the H100, while the GPU waited)."""
-    plans = _state(engine).plans
-    plan = plans.get((n_users, wide))
+    before the pass runs it (a plan took 0.1 ms of host time on the H100, three of them a search of the route,
+    docs/benchmarks.md)."""
+    state = _state(engine)
+    plan = state.plans.get((n_users, wide))
     if plan is None:
-        spec = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (n_users, _state(engine).items.width), (0, 0))
-        plan = plans[(n_users, wide)] = engine.plan(spec, engine.n_items, wide)
+        spec = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (n_users, state.items.width), (0, 0))
+        plan = state.plans[(n_users, wide)] = engine.plan(spec, engine.n_items, wide)
     return plan
 
 
