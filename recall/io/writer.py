@@ -163,18 +163,26 @@ class CandidateWriter:
         check_output_path(self.out_path)
         # The footer of a file with no row groups: the schema and writer options every part shares.
         _, self._template = parquet_footer.split_file(_encode(None, self.schema, self._options))
-        try:
-            self._file = open(self.tmp_path, "wb")
-        except OSError as exc:
-            if exc.errno in atomic.PATH_ERRNOS:  # the path given cannot take a file: the caller's to change (exit 2)
-                raise InputError(f"{self.out_path}: cannot create {self.tmp_path.name}: {exc.strerror or exc}") from exc
-            raise atomic.with_path(exc, self.out_path, f"cannot create {self.tmp_path.name}") from exc  # disk full...
         import fcntl
 
-        # Blocking: a process looking for leftovers may hold it for a moment (it then sees our pid alive).
-        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
-        self._write(parquet_footer.MAGIC)
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="recall-parquet")
+        # Whatever stops the opening once the file exists (a SIGTERM raised in the middle, ``raising_signals``)
+        # removes it: ``__exit__`` runs only once ``__enter__`` has returned (a CI run of the SIGTERM test of
+        # tests/jobs/test_executors.py found a worker's file left so, 2026-12-07).
+        try:
+            try:
+                self._file = open(self.tmp_path, "wb")
+            except OSError as exc:
+                if exc.errno in atomic.PATH_ERRNOS:  # the path given cannot take a file: the caller's to change
+                    raise InputError(f"{self.out_path}: cannot create {self.tmp_path.name}: "
+                                     f"{exc.strerror or exc}") from exc
+                raise atomic.with_path(exc, self.out_path, f"cannot create {self.tmp_path.name}") from exc  # disk full
+            # Blocking: a process looking for leftovers may hold it for a moment (it then sees our pid alive).
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+            self._write(parquet_footer.MAGIC)
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="recall-parquet")
+        except BaseException:
+            self.abort()
+            raise
         return self
 
     def write(self, table: pa.Table) -> None:

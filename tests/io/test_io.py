@@ -477,6 +477,31 @@ def test_writer_exception_mid_write_leaves_nothing(tmp_path: Path) -> None:
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("step", ["flock", "magic", "pool"])
+def test_writer_stopped_while_opening_leaves_nothing(tmp_path: Path, monkeypatch, step: str) -> None:
+    # A signal raised (``raising_signals``) after the temporary file exists but before ``__enter__`` returns: no
+    # ``__exit__`` runs, so the opening itself removes it; the previous file stays.
+    import fcntl
+
+    out = tmp_path / "out.parquet"
+    out.write_bytes(b"previous")
+
+    def stop(*args, **kwargs):
+        assert writer_module.atomic.temporary_path(out.absolute()).exists()  # the file it must remove
+        raise KeyboardInterrupt
+
+    if step == "flock":
+        monkeypatch.setattr(fcntl, "flock", stop)
+    elif step == "magic":
+        monkeypatch.setattr(CandidateWriter, "_write", stop)
+    else:
+        monkeypatch.setattr(writer_module, "ThreadPoolExecutor", stop)
+    with pytest.raises(KeyboardInterrupt):
+        with CandidateWriter(out):
+            pass
+    assert out.read_bytes() == b"previous" and _leftovers(tmp_path) == ["out.parquet"]
+
+
 def test_writer_keeps_previous_file_on_failure(tmp_path: Path) -> None:
     out = tmp_path / "out.parquet"
     out.write_bytes(b"previous")

@@ -924,3 +924,32 @@ def test_unreadable_shards_are_bad_shards_too(job: dict, tmp_path: Path) -> None
     assert "zz-a.parquet: cannot open the embeddings file: Too many levels of symbolic links" in message
     assert f"(3 of {len(SIZES) + 3} shards are bad" in message
     assert len(_outputs(tmp_path / "out")) == len(SIZES)
+
+
+@pytest.mark.parametrize("strings", [False, True])
+@pytest.mark.parametrize("stop_at", [1, 3])
+def test_exclusion_files_stopped_while_saved_leave_nothing(tmp_path: Path, monkeypatch, strings, stop_at) -> None:
+    # ExclusionIndex.save writes the job's exclusion index as this process's temporary files; a signal raised (or a
+    # full disk) part way removes the ones already written: the caller never got their names to remove.
+    from recall.io import IdPairs
+    from recall.jobs.batch import exclusions as batch_exclusions
+
+    keys = np.array(["a", "b"], dtype=object) if strings else np.array([3, 9], np.int64)
+    index = batch_exclusions.ExclusionIndex(keys, IdPairs(np.array([0, 2, 3]), np.array([1, 4, 2], np.int32),
+                                                          np.array([True, True]), 3, 0))
+    files = index.save(tmp_path)  # the whole save: every part, then removed by its owner
+    assert sorted(Path(p).exists() for p in files.paths.values()) == [True] * len(files.paths)
+    files.remove()
+    assert list(tmp_path.iterdir()) == []
+    real, calls = batch_exclusions._save, []
+
+    def save(path, arr):
+        calls.append(path)
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt
+        real(path, arr)
+
+    monkeypatch.setattr(batch_exclusions, "_save", save)
+    with pytest.raises(KeyboardInterrupt):
+        index.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -56,16 +56,21 @@ class ExclusionIndex:
         """Write the index into ``out_dir`` as this process's temporary files, for the workers to map."""
         paths = {part: str(temporary_path(out_dir / f"exclusions-{part}")) for part in _PARTS}
         strings = self.keys.dtype == object
-        if strings:
-            with pa.OSFile(paths["keys"], "wb") as sink:
-                with pa.ipc.new_file(sink, pa.schema([("user_id", pa.string())])) as writer:
-                    writer.write_batch(pa.record_batch([pa.array(self.keys, pa.string())], names=["user_id"]))
-        else:
-            _save(paths["keys"], self.keys.astype(np.int64, copy=False))
-        _save(paths["indptr"], self.pairs.indptr)
-        _save(paths["rows"], self.pairs.item_rows)
-        _save(paths["named"], self.pairs.named)
-        return ExclusionFiles(paths, strings, self.pairs.n_pairs, self.pairs.n_unknown)
+        files = ExclusionFiles(paths, strings, self.pairs.n_pairs, self.pairs.n_unknown)
+        try:
+            if strings:
+                with pa.OSFile(paths["keys"], "wb") as sink:
+                    with pa.ipc.new_file(sink, pa.schema([("user_id", pa.string())])) as writer:
+                        writer.write_batch(pa.record_batch([pa.array(self.keys, pa.string())], names=["user_id"]))
+            else:
+                _save(paths["keys"], self.keys.astype(np.int64, copy=False))
+            _save(paths["indptr"], self.pairs.indptr)
+            _save(paths["rows"], self.pairs.item_rows)
+            _save(paths["named"], self.pairs.named)
+        except BaseException:  # a full disk, or a signal raised in the middle: none of them left behind
+            files.remove()
+            raise
+        return files
 
 
 class ExclusionRead:
