@@ -70,37 +70,31 @@ def probed_even_every(xp: Any, users: Any, items: Any, n_items: int, size: int, 
     EVEN_EVERY. Speed only: any rows give a valid seed. EVEN_EVERY (the hedge) where there are fewer than PROBE_LEAST
     users (or rows of another width than the items') or no choice; the backends keep what the first search found for
     the catalogue's later searches (:func:`ranked_rows`)."""
-    return _probe(xp, users, items, n_items, size, norms, rank)[0]
-
-
-def ranked_rows(xp: Any, users: Any, items: Any, n_items: int, size: int, norms: Any, rank: int) -> tuple[Any, int]:
-    """A ranked threshold sample's rows (``sample_rows`` with ``norms``) and how many of them it keeps evenly spaced
-    (:func:`probed_even_every` of ``users``): each backend's sample of a catalogue, made once."""
-    every, rows = _probe(xp, users, items, n_items, size, norms, rank)
-    return (rows[every] if every in rows else sample_rows(xp, n_items, size, norms, every)), every
-
-
-def _probe(xp: Any, users: Any, items: Any, n_items: int, size: int, norms: Any, rank: int) -> tuple[int, dict]:
-    """(:func:`probed_even_every`, the rows of each layout it compared: {even_every: rows}, empty without a probe)."""
     choices = tuple(dict.fromkeys(EVEN_CHOICES))
     if (users is None or users.shape[0] < PROBE_LEAST or users.shape[1:] != items.shape[1:] or len(choices) < 2
             or not 0 < rank <= size):
-        return EVEN_EVERY, {}
+        return EVEN_EVERY
     n_users = int(users.shape[0])
     # (copied first: a host array's strided rows, contiguous before they move)
     probe = xp.asarray(users[:: max(1, n_users // PROBE_USERS)][:PROBE_USERS].copy()).astype(xp.float32)
     check = sample_rows(xp, n_items, min(n_items, PROBE_ITEMS))
     scores = probe @ items[check].astype(xp.float32).T
-    rows = {every: sample_rows(xp, n_items, size, norms, every) for every in choices}
     passed = []
     for every in choices:
-        sampled = probe @ items[rows[every]].astype(xp.float32).T
+        sampled = probe @ items[sample_rows(xp, n_items, size, norms, every)].astype(xp.float32).T
         thr = -xp.partition(-sampled, rank - 1, axis=1)[:, rank - 1]
         passed.append((scores >= thr[:, None]).sum())
     counts = [int(c) for c in xp.stack(passed).tolist()]  # one copy to the host
     if EVEN_EVERY in choices and counts[choices.index(EVEN_EVERY)] == min(counts):
-        return EVEN_EVERY, rows
-    return choices[counts.index(min(counts))], rows
+        return EVEN_EVERY
+    return choices[counts.index(min(counts))]
+
+
+def ranked_rows(xp: Any, users: Any, items: Any, n_items: int, size: int, norms: Any, rank: int) -> tuple[Any, int]:
+    """A ranked threshold sample's rows (``sample_rows`` with ``norms``) and how many of them it keeps evenly spaced
+    (:func:`probed_even_every` of ``users``): each backend's sample of a catalogue, made once."""
+    every = probed_even_every(xp, users, items, n_items, size, norms, rank)
+    return sample_rows(xp, n_items, size, norms, every), every
 
 
 def search_block(backend: Any, plan: TilePlan, users: Any, items: Any, n_items: int, state: Any, scores_buf: Any,
