@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import gc
 import importlib
+import inspect
 import json
 import statistics
 import time
@@ -254,6 +255,8 @@ VARIANTS = {
     "seed-lower": {},
     # HOOKS: every block's results through the state's buffers and a copy (before pipeline.DIRECT_OUT_USERS).
     "copy-out": {},
+    # HOOKS: in-place blocks copy device users into their slot first (before they were read where they are).
+    "slot-users": {}, "float32-slot-users": {"certified_exact": "off"},
     # HOOKS: the backend's row norms by metrics.row_norms' array operations (before CupyBackend.row_norms' kernel).
     "norms-ops": {}, "float32-norms-ops": {"certified_exact": "off"},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
@@ -342,6 +345,25 @@ def _setting(module, **values):
             setattr(mod, name, value)
 
     return hook
+
+
+def _slot_users(engine):
+    """A hook: a block given device users to read in place (``_search_slot``'s ``own``) copies them into its slot
+    on the compute stream and reads the copy, as every block did before."""
+    from recall.backends.cupy import pipeline
+
+    shipped = pipeline.BlockPipeline._search_slot
+    sig = inspect.signature(shipped)
+
+    def search_slot(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        own = bound.arguments.get("own")
+        if own is not None:
+            bound.arguments["slot"].users[:bound.arguments["n"]] = own
+            bound.arguments["own"] = None
+        return shipped(*bound.args, **bound.kwargs)
+
+    pipeline.BlockPipeline._search_slot = search_slot
 
 
 def _margin(rule):
@@ -563,6 +585,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _setting("backends.cupy.fused", SEED_W_MAX_K=32),
          "seed-lower": _seed_lower,
          "copy-out": _setting("backends.cupy.pipeline", DIRECT_OUT_USERS=2 ** 62),
+         **{v: _slot_users for v in ("slot-users", "float32-slot-users")},
          **{v: _norms_ops for v in ("norms-ops", "float32-norms-ops")},
          "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
@@ -854,6 +877,7 @@ def main() -> None:
         (metrics, "_normalise"), (device_items, "row_norms"), (gpu_backend, "fused_capacity"),
         (pipeline, "fused_capacity"), (selection, "seed_size"), (tiled, "EVEN_EVERY"),
         (tiled, "EVEN_CHOICES"), (pipeline, "start_rank"), (pipeline, "DIRECT_OUT_USERS"),
+        (getattr(pipeline, "BlockPipeline", None), "_search_slot"),
         (getattr(gpu_backend, "CupyBackend", None), "row_norms"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 

@@ -601,12 +601,14 @@ def test_wgmma_kernel_keeps_every_survivor_past_its_stage(width, rank, capacity)
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("best_first", [True, False])
-def test_final_merge_writes_device_results_in_place(monkeypatch, fused, dtype, best_first):
+@pytest.mark.parametrize("where", ["host", "device", "strided"])
+def test_final_merge_writes_device_results_in_place(monkeypatch, fused, dtype, best_first, where):
     # Blocks of at least pipeline.DIRECT_OUT_USERS users whose results go to device arrays of the search's width have
-    # their final merge write there itself (eagerly, no graph), not through the state's buffers and a copy. Here
-    # every block of 200 (and the short last one of 101) does, against the copies of the rule before: the same
-    # answers, bit for bit, with exclusions, an all-excluded user and ties (small-integer data), sorted or kept in no
-    # order, and the CPU's answer.
+    # their final merge write there itself (eagerly, no graph), not through the state's buffers and a copy; device
+    # users of C order are read where they are, not through the slot's copy (a strided view is copied). Here every
+    # block of 200 (and the short last one of 101) does, against the copies of the rule before: the same answers, bit
+    # for bit, with exclusions, an all-excluded user and ties (small-integer data), sorted or kept in no order, users
+    # from the host, the device and a strided device view, and the CPU's answer.
     from recall.backends.cupy import pipeline
 
     rng = np.random.default_rng(31)
@@ -615,10 +617,18 @@ def test_final_merge_writes_device_results_in_place(monkeypatch, fused, dtype, b
     excl = {u: rng.choice(3000, 900, replace=False).tolist() for u in range(1, 701, 9)}
     excl[5] = list(range(3000))
     k = 45
+    searched = users
+    if where != "host":
+        import cupy
+
+        wide = np.zeros((701, 40), dtype)
+        wide[:, :24] = users
+        searched = cupy.asarray(users) if where == "device" else cupy.asarray(wide)[:, :24]
+        assert searched.flags.c_contiguous == (where == "device")
     monkeypatch.setattr(pipeline, "DIRECT_OUT_USERS", 2 ** 62)
     want_vals, want_rows, _ = _run_half("gpu", items, users, k, excl, fused, best_first=best_first)
     monkeypatch.setattr(pipeline, "DIRECT_OUT_USERS", 100)
-    got_vals, got_rows, stats = _run_half("gpu", items, users, k, excl, fused, best_first=best_first)
+    got_vals, got_rows, stats = _run_half("gpu", items, searched, k, excl, fused, best_first=best_first)
     assert stats["fused"] and stats["blocks"] == 4 and stats["graph_blocks"] == 0  # in place: eager
     assert (got_rows[5] == -1).all() and np.isneginf(got_vals[5]).all()
     if not best_first:  # kept in no order: the order the survivors were appended in, run to run

@@ -293,19 +293,23 @@ class BlockPipeline:
             with compute:
                 compute.wait_event(slot.staged)
                 out = (out_vals[start:stop], out_rows[start:stop]) if direct and n >= DIRECT_OUT_USERS else None
+                # Such a block, launched eagerly, reads C-contiguous device users where they are (a graph replays
+                # the slot's fixed addresses): 1M users' copies were 96-128 MB of device copies a search.
+                own = users[start:stop] if out is not None and not host_users and users.flags.c_contiguous else None
                 if fetched is not None:
                     compute.wait_event(fetched)  # this block's final merge rewrites state.out_vals
                 ev[2].record(compute)
                 # Device users (and floors) may come from work queued on this stream: they are copied into the slot
                 # here, in order. On the copy stream they made it wait for the blocks before this one, and the
                 # slot's excluded rows queued behind them with it.
-                if not host_users:
+                if not host_users and own is None:
                     slot.users[:n] = users[start:stop]
                 if floor is not None or preseeded is not None:
                     slot.floor[:n] = (floor if preseeded is None else preseeded)[start:stop]
                 self._search_slot(slot, plan, items, n_items, state, scores_buf, n, has_excl, stats, seed,
                                   ws if fused else None, items_t, floor is not None, options, multiplied, rank,
-                                  left_out is not None, best_first, walk, seed_fused, preseeded is not None, even, out)
+                                  left_out is not None, best_first, walk, seed_fused, preseeded is not None, even, out,
+                                  own)
                 if left_out is not None:
                     left_out[start:stop] = state.seed_thr[:n]
                 if not host_out and out is None:
@@ -428,7 +432,7 @@ class BlockPipeline:
                      has_floor: bool, options: EngineOptions, multiplied: int = 0, estimate: int = 0,
                      keep_seed: bool = False, best_first: bool = True, walk: bool = False,
                      seed_fused: bool = False, preseeded: bool = False, even: bool = False,
-                     out: tuple | None = None) -> None:
+                     out: tuple | None = None, own: Any = None) -> None:
         """One block of n users (``multiplied``: the columns a float16 fused pass multiplies, 0: all; ``estimate``:
         the seed's rank where it is not k (``selection.start_rank``), 0: k; ``even``: its sample is of evenly spaced
         rows where the items would rank it (an estimate); ``keep_seed``: each user's starting threshold is kept in
@@ -436,7 +440,8 @@ class BlockPipeline:
         unseeded, whose users keep -inf there; ``seed_fused``: the sample is scored and selected in one kernel,
         ``FusedSearch.seed``; ``preseeded``: that kernel ran for the whole search, and the block's thresholds wait
         in ``slot.floor``; ``out``: the block's (n, k) device results, which its final merge writes itself, launched
-        eagerly, else None: the state's buffers). The cuBLAS
+        eagerly, else None: the state's buffers; ``own``: with ``out``, the block's device users read in place of the
+        slot's copy, or None). The cuBLAS
         path always runs over the slot's full capacity of rows (rows past the real users are ignored), so that every
         block runs the same launches and the graph captured for a slot replays for each of its blocks; the fused
         path (``fused_ws`` set) scores the real rows only, and runs a short last block eagerly."""
@@ -453,7 +458,7 @@ class BlockPipeline:
             stats["fused_first_segment"] = first
 
         def launches() -> None:
-            users = slot.users[:rows]
+            users = slot.users[:rows] if own is None else own
             backend.topk_reset(state, rows)
             if has_floor or preseeded:
                 # The floor (the k-th best of the rows searched before) stands in for the threshold sample's seed,
