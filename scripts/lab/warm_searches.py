@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_profile import cell_spec, variant_hooks, variant_options  # the lab's cells and variants
+from kernel_profile import cell_spec, timed_search, variant_hooks, variant_options  # the lab's cells, variants, timer
 
 EVENTS: list = []  # (what, seconds) since the last search started
 
@@ -80,11 +80,7 @@ def main() -> None:
     def search(cell, name, engine, users, k, label):
         EVENTS.clear()
         grown = pool.total_bytes()
-        cupy.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        engine.search(users, k)
-        cupy.cuda.Device().synchronize()
-        dt = time.perf_counter() - t0
+        dt, _ = timed_search(engine, users, k, None)
         st = engine.stats
         # recall.module / hopper_module calls are lookups once built: only the slow ones say something.
         events = [(w, s) for w, s in EVENTS if not w.startswith("recall.") or w == "recall._hopper_cubin" or s > 1e-3]
