@@ -253,6 +253,9 @@ VARIANTS = {
     # HOOKS: seed_w.cu built with -DRS_LOWER: the sampled scores lowered by their margins (the rule before 2026-12-07:
     # as recall_seed_warp's over cuBLAS's sums).
     "seed-lower": {},
+    # HOOKS: seed_w.cu's lanes push each key into their kept ones in turn (-DRS_PUSH; before a tile's 32 keys a user
+    # were taken a batch at a time, recall_seed_take).
+    "seed-push": {},
     # HOOKS: every block's results through the state's buffers and a copy (before pipeline.DIRECT_OUT_USERS).
     "copy-out": {},
     # HOOKS: in-place blocks copy device users into their slot first (before they were read where they are).
@@ -456,15 +459,20 @@ def _fused_w_built(*defines, pad=0):
     return hook
 
 
-def _seed_lower(engine):
-    from recall.backends.cupy import kernels, selection
+def _seed_built(*defines):
+    """A hook: the engine's seed_w.cu kernels built with ``defines`` (its measurement macros)."""
+    def hook(engine):
+        from recall.backends.cupy import kernels, selection
 
-    mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, ("-DRS_LOWER",))
-    assert engine.backend.selection.seed_w  # the shipped module's kernels first (fused_w's stay)
-    engine.backend.selection._seed_w = selection.seed_w_kernels(mod)
+        mod = kernels.hopper_module(kernels.HOPPER_FUSED_SOURCES, defines)
+        assert engine.backend.selection.seed_w  # the shipped module's kernels first (fused_w's stay)
+        engine.backend.selection._seed_w = selection.seed_w_kernels(mod)
+
+    hook.builds = "seed_w"
+    return hook
 
 
-_seed_lower.builds = "seed_w"
+_seed_lower = _seed_built("-DRS_LOWER")
 
 
 def _rescore_sort128(engine):
@@ -584,6 +592,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "seed-m8r32": _setting(SELECTION, SEED_WARP_SMALL_RANK=32),
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _setting("backends.cupy.fused", SEED_W_MAX_K=32),
          "seed-lower": _seed_lower,
+         "seed-push": _seed_built("-DRS_PUSH"),
          "copy-out": _setting("backends.cupy.pipeline", DIRECT_OUT_USERS=2 ** 62),
          **{v: _slot_users for v in ("slot-users", "float32-slot-users")},
          **{v: _norms_ops for v in ("norms-ops", "float32-norms-ops")},

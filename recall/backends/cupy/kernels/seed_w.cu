@@ -33,7 +33,8 @@
 // GEMM path's threshold (the rest a place or two below); 16 keys 2.79 ms, 99.99%; 8 keys 2.38 ms, 28%; cuBLAS's GEMM
 // and recall_seed_warp 3.49 ms. At rank 53, 16 keys a lane leave about half the users a place or two below the
 // sample's 53rd best, and 4-5% more scores pass after them (counted on the CPU); 16 keys take 128 registers (4 bytes
-// spilled at 128 columns). -DRS_KEPT=n, -DRS_KEPT_WIDE=n: measurement only.
+// spilled at 128 columns). -DRS_KEPT=n, -DRS_KEPT_WIDE=n: measurement only. (Measured with each key pushed into the kept
+// ones in turn; a tile's keys are now taken a batch at a time, recall_seed_take.)
 #ifndef RS_KEPT
 #define RS_KEPT 12
 #endif
@@ -66,6 +67,66 @@ struct RecallSeedKept {
         return c;
     }
 };
+
+// A tile's keys taken into a lane's kept keys a batch at a time (RS_PUSH: one at a time, recall_seed_push, the rule
+// before; measurement only). A thread's 32 scores of user h in a tile (d[4 j + 2 h + c], element i = 2 j + c) become
+// keys in place in d (wgmma overwrites d at the next tile's first product: its input is not read), elements 0-15 are
+// sorted largest first and 16-31 smallest first (bitonic networks, 80 compare-exchanges each), the larger of each
+// pair i, 16 + i holds the 16 largest (a bitonic run), merged largest first (32); the larger of that run's element
+// 15 - i and kept key i (0 past KEPT) holds the 16 largest of both, merged again, and the first KEPT are kept: the
+// same keys the pushes keep, in about 500 instructions a 32 where each push took about 60 a key (the kept keys'
+// 16 places, two comparisons and two selects each).
+#define RS_SLOT(i, h) (4 * ((i) >> 1) + 2 * (h) + ((i) & 1))
+
+__device__ __forceinline__ void recall_seed_cx(float* d, int a, int b, bool desc) {
+    const u32 x = __float_as_uint(d[a]), y = __float_as_uint(d[b]);
+    d[a] = __uint_as_float(desc ? max(x, y) : min(x, y));
+    d[b] = __uint_as_float(desc ? min(x, y) : max(x, y));
+}
+
+// Elements BASE .. BASE + 15 of user H's tile sorted, largest first (ASC: smallest first).
+template <int H, int BASE, bool ASC>
+__device__ __forceinline__ void recall_seed_sort16(float* d) {
+#pragma unroll
+    for (int size = 2; size <= 16; size <<= 1)
+#pragma unroll
+        for (int stride = size >> 1; stride > 0; stride >>= 1)
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                if ((i ^ stride) > i)
+                    recall_seed_cx(d, RS_SLOT(BASE + i, H), RS_SLOT(BASE + (i ^ stride), H), ((i & size) == 0) != ASC);
+}
+
+// Elements 0 .. 15 of user H's tile, a bitonic run, merged largest first.
+template <int H>
+__device__ __forceinline__ void recall_seed_merge16(float* d) {
+#pragma unroll
+    for (int stride = 8; stride > 0; stride >>= 1)
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            if ((i ^ stride) > i) recall_seed_cx(d, RS_SLOT(i, H), RS_SLOT(i ^ stride, H), true);
+}
+
+// User H's 32 keys of the tile (in d) into its KEPT kept keys (KEPT <= 16).
+template <int H, int KEPT>
+__device__ __forceinline__ void recall_seed_take(float* d, u32 (&key)[KEPT]) {
+    static_assert(KEPT <= 16, "a lane keeps at most the 16 largest of a tile's 32");
+    recall_seed_sort16<H, 0, false>(d);
+    recall_seed_sort16<H, 16, true>(d);
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+        d[RS_SLOT(i, H)] = __uint_as_float(max(__float_as_uint(d[RS_SLOT(i, H)]), __float_as_uint(d[RS_SLOT(16 + i, H)])));
+    recall_seed_merge16<H>(d);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const u32 a = __float_as_uint(d[RS_SLOT(i, H)]), b = __float_as_uint(d[RS_SLOT(15 - i, H)]);
+        d[RS_SLOT(i, H)] = __uint_as_float(max(i < KEPT ? key[i] : 0u, b));
+        d[RS_SLOT(15 - i, H)] = __uint_as_float(max(15 - i < KEPT ? key[15 - i] : 0u, a));
+    }
+    recall_seed_merge16<H>(d);
+#pragma unroll
+    for (int i = 0; i < KEPT; ++i) key[i] = __float_as_uint(d[RS_SLOT(i, H)]);
+}
 
 __device__ __forceinline__ u32 recall_quad_max(u32 x) {
     x = max(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -172,16 +233,26 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
 #if defined(RS_LOWER)
                 const float vn = in ? __ldg(vnorm + item) : 0.0f;
                 const float vb = in && bias ? __ldg(vbias + item) : 0.0f;
+#endif
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
+#if defined(RS_LOWER)
                     const RecallSeedMargin m = {vnorm, nullptr, au[h], ab[h], r, z[h]};
-                    kept[h].push(in ? recall_seed_key(m.lower(d[4 * j + 2 * h + c], vn, vb)) : 0u);
-                }
+                    const u32 k = in ? recall_seed_key(m.lower(d[4 * j + 2 * h + c], vn, vb)) : 0u;
 #else
-#pragma unroll
-                for (int h = 0; h < 2; ++h) kept[h].push(in ? recall_seed_key(d[4 * j + 2 * h + c]) : 0u);
+                    const u32 k = in ? recall_seed_key(d[4 * j + 2 * h + c]) : 0u;
 #endif
+#if defined(RS_PUSH) || defined(RS_NO_KEEP)
+                    kept[h].push(k);
+#else
+                    d[4 * j + 2 * h + c] = __uint_as_float(k);
+#endif
+                }
             }
+#if !defined(RS_PUSH) && !defined(RS_NO_KEEP)
+        recall_seed_take<0, KEPT>(d, kept[0].key);
+        recall_seed_take<1, KEPT>(d, kept[1].key);
+#endif
     }
 
     const int rank = KE > 0 && KE < K ? KE : K;
