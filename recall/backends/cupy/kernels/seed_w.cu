@@ -33,8 +33,8 @@
 // GEMM path's threshold (the rest a place or two below); 16 keys 2.79 ms, 99.99%; 8 keys 2.38 ms, 28%; cuBLAS's GEMM
 // and recall_seed_warp 3.49 ms. At rank 53, 16 keys a lane leave about half the users a place or two below the
 // sample's 53rd best, and 4-5% more scores pass after them (counted on the CPU); 16 keys take 128 registers (4 bytes
-// spilled at 128 columns). -DRS_KEPT=n, -DRS_KEPT_WIDE=n: measurement only. (Measured with each key pushed into the kept
-// ones in turn; a tile's keys are now taken a batch at a time, recall_seed_take.)
+// spilled at 128 columns). -DRS_KEPT=n, -DRS_KEPT_WIDE=n: measurement only. (Measured with each key pushed into the
+// kept ones in turn; a tile's keys are now taken a batch at a time, recall_seed_take.)
 #ifndef RS_KEPT
 #define RS_KEPT 12
 #endif
@@ -114,8 +114,10 @@ __device__ __forceinline__ void recall_seed_take(float* d, u32 (&key)[KEPT]) {
     recall_seed_sort16<H, 0, false>(d);
     recall_seed_sort16<H, 16, true>(d);
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
-        d[RS_SLOT(i, H)] = __uint_as_float(max(__float_as_uint(d[RS_SLOT(i, H)]), __float_as_uint(d[RS_SLOT(16 + i, H)])));
+    for (int i = 0; i < 16; ++i) {
+        const u32 a = __float_as_uint(d[RS_SLOT(i, H)]), b = __float_as_uint(d[RS_SLOT(16 + i, H)]);
+        d[RS_SLOT(i, H)] = __uint_as_float(max(a, b));
+    }
     recall_seed_merge16<H>(d);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
