@@ -40,13 +40,25 @@ BUILDS = (
     ("walk_w RK_SKIP_COMPACT", kernels.HOPPER_WALK_SOURCES, "sm_90a", ("-DRK_SKIP_COMPACT",)),
     ("fast16", ("fast16.cu",), "sm_90", ("--fmad=false",)),
     ("rescore", ("rescore.cu",), "sm_90", ()),
+    ("rescore RS_ORD_WHOLE_PIECES", ("rescore.cu",), "sm_90", ("-DRS_ORD_WHOLE_PIECES",)),
     ("norms", ("norms.cu",), "sm_90", ()),
 )
 
 
+# Templated kernels, which NVRTC instantiates by name at run time (rescore.py): instantiated here so that ptxas
+# compiles them (the warp re-scoring and the ordered block kernel over float4 rows).
+INSTANTIATE = {"rescore.cu": (
+    "template __global__ void recall_rescore_warp_t<1>(const float*, const float*, int, const long long*,"
+    " const long long*, int, int, float*, long long*);\n"
+    "template __global__ void recall_rescore_warp_t<0>(const float*, const float*, int, const long long*,"
+    " const long long*, int, int, float*, long long*);\n"
+    "template __global__ void recall_rescore_t<2, 2, 1, 1>(const float*, const float*, int, const float*,"
+    " const long long*, const long long*, int, int, int, int, float*, long long*);\n")}
+
+
 def build(nvcc: str, sources: tuple[str, ...], arch: str, options: tuple[str, ...], work: Path) -> tuple[int, str]:
     src = work / "module.cu"
-    src.write_text("".join(kernels.source(n) for n in sources))
+    src.write_text("".join(kernels.source(n) for n in sources) + "".join(INSTANTIATE.get(n, "") for n in sources))
     cmd = [nvcc, "-cubin", f"-arch={arch}", "-std=c++14", "-ftz=true", "-Xptxas", "-v", *options, str(src),
            "-o", str(work / "module.cubin")]
     done = subprocess.run(cmd, capture_output=True, text=True)

@@ -204,6 +204,9 @@ VARIANTS = {
     # HOOKS: the warp re-scoring's short lists sorted four keys a lane over 128, as every list was before rescore.cu's
     # RS_WARP_SHORT (2026-12-06).
     "rescore-sort128": {},
+    # HOOKS: the warp re-scoring's rows read a piece of 32 columns in 8 load instructions whatever its width
+    # (rescore.cu's RS_ORD_WHOLE_PIECES; before 2026-12-07 l2's last piece of 4 columns took 8, since one).
+    "rescore-pieces": {},
     # HOOKS: the fused path's merge of a small state (fused.MERGE_SMALL_K) in blocks of 32, 128 or 256 threads (64
     # shipped; 256 before 2026-12-05), in both searches.
     **{f"{pre}merge{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
@@ -487,6 +490,18 @@ def _rescore_sort128(engine):
     rescore._warp_kernel = built
 
 
+def _rescore_pieces(engine):
+    """A hook: the warp re-scoring's ordered float4 gather takes every piece of a row in 8 load instructions
+    (rescore.cu's RS_ORD_WHOLE_PIECES), as before a short last piece (l2's 4 columns) took fewer."""
+    from recall.backends.cupy import kernels, rescore
+
+    def built(vec):
+        expr = f"recall_rescore_warp_t<{int(vec)}>"
+        return kernels.module(("rescore.cu",), ("-DRS_ORD_WHOLE_PIECES",), (expr,)).get_function(expr)
+
+    rescore._warp_kernel = built
+
+
 def _norms_ops(engine):
     from recall.backends.cupy.backend import CupyBackend
     from recall.core import metrics
@@ -582,7 +597,7 @@ SIGMA3, SIGMA4 = _setting(SELECTION, ESTIMATE_SIGMAS=3.0), _setting(SELECTION, E
 K4K = _setting(FUSED, FUSED_SEEDED_MAX_K=4096, FUSED_HALF_SEEDED_MAX_K=4096)
 BLOCK_SELECT = _setting(SELECTION, SEED_WARP_RANK=0, SEED_WARP_MAX_SIZE=0)
 HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
-         "rescore-sort128": _rescore_sort128,
+         "rescore-sort128": _rescore_sort128, "rescore-pieces": _rescore_pieces,
          "direct-append-block-rescore": lambda engine: (_direct_append(engine), _block_rescore(engine)),
          "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),

@@ -476,9 +476,14 @@ __device__ __forceinline__ void rs_gather(const float* __restrict__ items, int d
 
 // ORD with VEC (above): the candidates of each warp are its 32 lanes' (j = j0 + lane), a piece of RS_ORD_PIECE
 // columns of their rows at a time staged in the warp's RS_ORD_STAGE floats of `stage` (a row every RS_ORD_STRIDE
-// floats: an 8-lane phase of a 16-byte shared access then meets 32 distinct banks, reading or writing). Load
-// instruction i of a round reads candidates 4 i .. 4 i + 3, eight lanes a row; four such loads are in flight per
-// lane before the first store (the memory-level parallelism of rs_gather's U = C = 2).
+// floats: an 8-lane phase of a 16-byte shared access then meets 32 distinct banks, reading or writing). A piece of w4
+// float4 columns takes wp load instructions a warp (wp the power of two at least w4, at most 8), each reading 32 / wp
+// rows' pieces, wp lanes a row: a whole piece of 32 columns 8 instructions of four rows, l2's last piece of 4 columns
+// (d = 32, 64, 128 and its norm column: rows of 36, 68, 132) one instruction of 32 rows, where it took the 8 of a
+// whole piece with one lane in eight reading; four loads are in flight per lane before the first store (the
+// memory-level parallelism of rs_gather's U = C = 2). The sums are the same either way (each lane adds its own row in
+// order). RS_ORD_WHOLE_PIECES (measurement only, scripts/lab/kernel_profile.py's `rescore-pieces`): every piece 8
+// instructions, as before 2026-12-07.
 #define RS_ORD_PIECE 32
 #define RS_ORD_STRIDE (RS_ORD_PIECE + 4)
 #define RS_ORD_STAGE (32 * RS_ORD_STRIDE)
@@ -494,20 +499,28 @@ __device__ __forceinline__ void rs_gather_ordered(const float* __restrict__ item
         float acc = 0.0f;
         for (int p0 = 0; p0 < dim; p0 += RS_ORD_PIECE) {
             const int w4 = min(RS_ORD_PIECE, dim - p0) >> 2;  // float4 columns of this piece
-            const int c = lane & 7;
+#if defined(RS_ORD_WHOLE_PIECES)
+            const int lg = 3;
+#else
+            const int lg = w4 > 4 ? 3 : w4 > 2 ? 2 : w4 > 1 ? 1 : 0;  // wp = 1 << lg
+#endif
+            const int wp = 1 << lg;
+            const int c = lane & (wp - 1), sub = lane >> lg;  // this lane's float4 column, its row in the load
 #pragma unroll 1
-            for (int h = 0; h < 32 / 16; ++h) {  // not unrolled: four loads in flight, not eight (registers)
+            for (int h = 0; h < wp; h += 4) {  // not unrolled: four loads in flight, not eight (registers)
                 float4 b[4];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int rr = __shfl_sync(RS_FULL, r, (4 * h + i) * 4 + (lane >> 3));
+                    // (wp is the warp's: every lane shuffles, or none)
+                    const int rr = h + i < wp ? __shfl_sync(RS_FULL, r, (((h + i) << (5 - lg)) + sub) & 31) : -1;
                     b[i] = rr >= 0 && c < w4
                                ? __ldg(reinterpret_cast<const float4*>(items + (long long)rr * dim + p0) + c)
                                : zero;
                 }
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
-                    *reinterpret_cast<float4*>(st + ((4 * h + i) * 4 + (lane >> 3)) * RS_ORD_STRIDE + 4 * c) = b[i];
+                    if (h + i < wp)
+                        *reinterpret_cast<float4*>(st + (((h + i) << (5 - lg)) + sub) * RS_ORD_STRIDE + 4 * c) = b[i];
             }
             __syncwarp();
             const float4* u4 = reinterpret_cast<const float4*>(uvec + p0);
