@@ -725,8 +725,11 @@ class Counted(_Wrapped):
         cupy.cuda.Device().synchronize()
         added = (cnt - before).astype(cupy.float64)
         fin = thr[cupy.isfinite(thr)]
+        # The shares of users past 4 and 8 keys a lane of the warp merge (fused.MERGE_WARP_HELD: 8 x 32 keys held in
+        # registers; more go through the radix select, a warp a user).
         self.log.append((self.name, float(added.mean()), float(added.max()), float((cnt > cap).mean()), cap,
-                         float(fin.mean()) if fin.size else float("nan"), int(fin.size)))
+                         float(fin.mean()) if fin.size else float("nan"), int(fin.size),
+                         float((added > 128).mean()), float((added > 256).mean())))
         return out
 
 
@@ -1039,7 +1042,9 @@ def main() -> None:
                 second = mean[1] if len(mean) > 1 else 0.0
                 print(f"| {cell} | survivors {name} x{len(rows)} | per user a launch: mean of means "
                       f"{statistics.mean(mean):.1f}, first launch {mean[0]:.1f}, second {second:.1f},"
-                      f" max {max(r[1] for r in rows):.0f} | users over capacity {max(r[2] for r in rows):.4f} "
+                      f" max {max(r[1] for r in rows):.0f}, over 128 {statistics.mean(r[6] for r in rows):.4f}, "
+                      f"over 256 {statistics.mean(r[7] for r in rows):.4f} | users over capacity "
+                      f"{max(r[2] for r in rows):.4f} "
                       f"(C {rows[0][3]}) | mean finite threshold first / last {rows[0][4]:.4g} / {rows[-1][4]:.4g} |",
                       flush=True)
             out.append({"cell": cell, "variant": "counts", "launches": clog})
