@@ -168,17 +168,25 @@ def main() -> None:
     p.add_argument("--even-every", default="2",
                    help="with --samples: ranked samples keeping every n-th evenly spaced row (tiled.EVEN_EVERY; 0: "
                         "none), comma-separated")
+    p.add_argument("--over", default="",
+                   help="with --samples: also the share of users passing more than each of these counts (128, 256: "
+                        "the GPU's warp merge holds 8 x 32 keys a user), comma-separated")
     a = p.parse_args()
     if a.samples:
         sizes = [int(n) for n in a.samples.split(",")]
         evens = [int(n) for n in a.even_every.split(",")]
+        over = [int(n) for n in a.over.split(",")] if a.over else []
+
+        def told(r):
+            shares = "".join(f", over {n} {(r > n).mean():.3f}" for n in over)
+            return f"{r.mean():.1f} / {np.percentile(r, 99):.0f}{shares}"
+
         print("| cell | sample: passed from the ranked sample (EVEN_EVERY), mean / p99; from evenly spaced rows |")
         print("| --- | --- |")
         for spec in a.cells.split(","):
             got = sample_sizes(spec, a.slack, sizes, evens)
             print(f"| {spec} | " + "; ".join(
-                f"{n}: " + ", ".join(f"({e}) {r.mean():.1f} / {np.percentile(r, 99):.0f}" for e, r in ranked.items())
-                + f", even {even.mean():.1f} / {np.percentile(even, 99):.0f}"
+                f"{n}: " + ", ".join(f"({e}) {told(r)}" for e, r in ranked.items()) + f", even {told(even)}"
                 for n, (ranked, even) in got.items()) + " |", flush=True)
         return
     if a.margins:
