@@ -478,28 +478,21 @@ def _seed_built(*defines):
 _seed_lower = _seed_built("-DRS_LOWER")
 
 
-def _rescore_sort128(engine):
-    """A hook: the warp re-scoring sorts every list four keys a lane over 128 (rescore.cu's RS_WARP_SHORT 0), as before
-    lists of at most 32 (64) at k <= 32 (64) took 1 (2) keys a lane."""
-    from recall.backends.cupy import kernels, rescore
+def _warp_rescore_built(*defines):
+    """A hook: the warp re-scoring (rescore.py's ``_warp_kernel``) built with ``defines`` (rescore.cu's measurement
+    macros): ``-DRS_WARP_SHORT=0``, every list sorted four keys a lane over 128, as before lists of at most 32 (64) at
+    k <= 32 (64) took 1 (2) keys a lane; ``-DRS_ORD_WHOLE_PIECES``, every piece of a row read in 8 load instructions,
+    as before a short last piece (l2's 4 columns) took fewer."""
+    def hook(engine):
+        from recall.backends.cupy import kernels, rescore
 
-    def built(vec):
-        expr = f"recall_rescore_warp_t<{int(vec)}>"
-        return kernels.module(("rescore.cu",), ("-DRS_WARP_SHORT=0",), (expr,)).get_function(expr)
+        def built(vec):
+            expr = f"recall_rescore_warp_t<{int(vec)}>"
+            return kernels.module(("rescore.cu",), defines, (expr,)).get_function(expr)
 
-    rescore._warp_kernel = built
+        rescore._warp_kernel = built
 
-
-def _rescore_pieces(engine):
-    """A hook: the warp re-scoring's ordered float4 gather takes every piece of a row in 8 load instructions
-    (rescore.cu's RS_ORD_WHOLE_PIECES), as before a short last piece (l2's 4 columns) took fewer."""
-    from recall.backends.cupy import kernels, rescore
-
-    def built(vec):
-        expr = f"recall_rescore_warp_t<{int(vec)}>"
-        return kernels.module(("rescore.cu",), ("-DRS_ORD_WHOLE_PIECES",), (expr,)).get_function(expr)
-
-    rescore._warp_kernel = built
+    return hook
 
 
 def _norms_ops(engine):
@@ -597,7 +590,8 @@ SIGMA3, SIGMA4 = _setting(SELECTION, ESTIMATE_SIGMAS=3.0), _setting(SELECTION, E
 K4K = _setting(FUSED, FUSED_SEEDED_MAX_K=4096, FUSED_HALF_SEEDED_MAX_K=4096)
 BLOCK_SELECT = _setting(SELECTION, SEED_WARP_RANK=0, SEED_WARP_MAX_SIZE=0)
 HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
-         "rescore-sort128": _rescore_sort128, "rescore-pieces": _rescore_pieces,
+         "rescore-sort128": _warp_rescore_built("-DRS_WARP_SHORT=0"),
+         "rescore-pieces": _warp_rescore_built("-DRS_ORD_WHOLE_PIECES"),
          "direct-append-block-rescore": lambda engine: (_direct_append(engine), _block_rescore(engine)),
          "sbo-pad16": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
          "sbo-pad16-cta32": _fused_w_built("-DRW_SBO_PAD=16", pad=16),
