@@ -34,6 +34,7 @@ BUILDS = (
     ("fused_w RS_NO_KEEP", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRS_NO_KEEP",)),
     ("fused_w RS_KEPT=16", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRS_KEPT=16",)),
     ("fused_w RS_PUSH", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRS_PUSH",)),
+    ("fused_w RW_STAGE32", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_STAGE32",)),
     ("walk_w", kernels.HOPPER_WALK_SOURCES, "sm_90a", ()),
     ("walk_w RK_COUNT", kernels.HOPPER_WALK_SOURCES, "sm_90a", ("-DRK_COUNT",)),
     ("walk_w RK_NO_TAKE", kernels.HOPPER_WALK_SOURCES, "sm_90a", ("-DRK_NO_TAKE",)),

@@ -259,6 +259,9 @@ VARIANTS = {
     # HOOKS: seed_w.cu's lanes push each key into their kept ones in turn (-DRS_PUSH; before a tile's 32 keys a user
     # were taken a batch at a time, recall_seed_take).
     "seed-push": {},
+    # HOOKS: fused_w.cu's stage of 32 survivors a user up to 80 columns (-DRW_STAGE32; before 2026-12-07, since as many
+    # as two blocks an SM leave room for: 96 at 16 columns down to 32 at 80, fused.wgmma_staged).
+    "stage32": {},
     # HOOKS: every block's results through the state's buffers and a copy (before pipeline.DIRECT_OUT_USERS).
     "copy-out": {},
     # HOOKS: in-place blocks copy device users into their slot first (before they were read where they are).
@@ -443,9 +446,17 @@ def _seed_bisect(engine):
 _seed_bisect.builds = "seed_warp"
 
 
-def _fused_w_built(*defines, pad=0):
+def _stage32_smem(padded):
+    """fused.wgmma_smem as before 2026-12-07 (fused_w.cu's RW_STAGE32): 32 survivors a user's stage up to 80 columns."""
+    from recall.backends.cupy import fused
+
+    ks = padded // 16
+    return fused.seed_w_smem(padded) + 128 * (8 * (32 if ks <= 5 else fused.wgmma_staged(padded)) + 4)
+
+
+def _fused_w_built(*defines, pad=0, smem=None):
     """A hook: the engine's wgmma kernels built with ``defines`` (fused_w.cu's measurement macros); ``pad``: their
-    RW_SBO_PAD, whose shared memory fused.wgmma_smem is told of."""
+    RW_SBO_PAD, whose shared memory fused.wgmma_smem is told of; ``smem``: fused.wgmma_smem's stand-in."""
     def hook(engine):
         from recall.backends.cupy import fused, kernels
 
@@ -457,6 +468,8 @@ def _fused_w_built(*defines, pad=0):
             shipped = fused.wgmma_smem
             # The padded tiles, less one survivor's stage a user (fused_w.cu's STAGED): no more than shipped.
             fused.wgmma_smem = lambda padded: shipped(padded) + (1 + (2 if padded > 96 else 3)) * 16 * pad - 8 * 128
+        if smem is not None:
+            fused.wgmma_smem = smem
 
     hook.builds = "fused_w"
     return hook
@@ -602,6 +615,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "a-regs": _fused_w_built("-DRW_A_REGS=1"), "seed-w-narrow": _setting("backends.cupy.fused", SEED_W_MAX_K=32),
          "seed-lower": _seed_lower,
          "seed-push": _seed_built("-DRS_PUSH"),
+         "stage32": _fused_w_built("-DRW_STAGE32", smem=_stage32_smem),
          "copy-out": _setting("backends.cupy.pipeline", DIRECT_OUT_USERS=2 ** 62),
          **{v: _slot_users for v in ("slot-users", "float32-slot-users")},
          **{v: _norms_ops for v in ("norms-ops", "float32-norms-ops")},

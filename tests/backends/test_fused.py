@@ -553,10 +553,10 @@ def test_half_fused_multiplies_only_the_columns_some_user_holds(fused, width, ze
         np.testing.assert_array_equal(host_vals, want_vals)
 
 
-@pytest.mark.parametrize("width", [32, 48, 64, 80, 96, 112, 128, 144])
+@pytest.mark.parametrize("width", [16, 32, 48, 64, 80, 96, 112, 128, 144])
 @pytest.mark.parametrize("rank,capacity", [(3, 4096), (40, 4096), (150, 4096), (600, 4096), (600, 200)])
 def test_wgmma_kernel_keeps_every_survivor_past_its_stage(width, rank, capacity):
-    # fused_w.cu keeps a block's survivors of a user in shared memory (RW_STAGED_OF: 4 to 32 of them), past that in
+    # fused_w.cu keeps a block's survivors of a user in shared memory (RW_STAGED_OF: 4 to 96 of them), past that in
     # the buffer by a global atomic, and sends the stage out at the block's end. Thresholds from a few survivors a
     # block's user to hundreds (8 tiles of 128 items a block), into buffers that hold them all or overflow: every
     # user's count must be every score above its threshold, and the keys kept exactly such items, once each. 3,001

@@ -390,14 +390,18 @@ def test_short_lists_take_a_warp_a_user():
 def test_wgmma_kernels_keep_two_blocks_an_sm():
     # fused_w.cu's shared memory (the users' tile, the item tiles in flight, each user's stage of survivors and its
     # count) stays within half of an H100/H200 SM's 228 KiB, less the 1 KiB the device reserves a block, at every
-    # width it is built for; the stage holds at least 4 keys a user.
-    from recall.backends.cupy.fused import wgmma_smem
+    # width it is built for; the stage holds at least 4 keys a user, and as many as fit where the rows are narrow
+    # (a key fewer a user would leave room for another: no stage narrower than it could be, up to 80 columns).
+    from recall.backends.cupy.fused import wgmma_smem, wgmma_staged
 
     for padded in range(16, 145, 16):
         tiles = 2 * 128 * padded * (1 + (2 if padded > 96 else 3))
         assert 2 * (wgmma_smem(padded) + 1024) <= 228 * 1024, padded
-        assert wgmma_smem(padded) - tiles >= 128 * (8 * 4 + 4), padded
-    assert wgmma_smem(64) - 2 * 128 * 64 * 4 == 128 * (8 * 32 + 4)  # 32 keys a user at d = 64
+        assert wgmma_smem(padded) - tiles == 128 * (8 * wgmma_staged(padded) + 4), padded
+        assert wgmma_staged(padded) >= 4, padded
+        if padded <= 80:
+            assert 2 * (wgmma_smem(padded) + 128 * 8 + 1024) > 228 * 1024, padded
+    assert [wgmma_staged(p) for p in (16, 32, 48, 64, 80)] == [96, 80, 64, 48, 32]
 
 
 # ---- files and the CLI -------------------------------------------------------------------------------------------

@@ -101,13 +101,18 @@ def _rounded(last: int) -> int:
     return max(16, -(-max(last, 1) // 16) * 16)
 
 
+def wgmma_staged(padded: int) -> int:
+    """Survivors of a user fused_w.cu's kernel keeps in shared memory (its RW_STAGED_OF) for rows of ``padded``
+    columns multiplied: what two blocks an SM leave beside the tiles (96 at 16 columns down to 32 at 80, 4 at 144)."""
+    ks = padded // 16
+    return {1: 96, 2: 80, 3: 64, 4: 48, 5: 32, 7: 24}.get(ks, 16 if ks <= 8 else 4)
+
+
 def wgmma_smem(padded: int) -> int:
     """Dynamic shared memory of fused_w.cu's kernel for rows of ``padded`` columns multiplied: its tiles
-    (:func:`seed_w_smem`), then each user's stage of survivors (8-byte keys, RW_STAGED_OF of them a user) and its
-    count."""
-    ks = padded // 16
-    staged = 32 if ks <= 5 else 24 if ks == 7 else 16 if ks <= 8 else 4
-    return seed_w_smem(padded) + FUSED_TILE * (8 * staged + 4)
+    (:func:`seed_w_smem`), then each user's stage of survivors (8-byte keys, :func:`wgmma_staged` of them a user)
+    and its count."""
+    return seed_w_smem(padded) + FUSED_TILE * (8 * wgmma_staged(padded) + 4)
 
 
 def seed_w_smem(padded: int) -> int:

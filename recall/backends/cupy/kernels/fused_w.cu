@@ -27,9 +27,19 @@
 // 96 KB at 128, 108 KB at 144).
 #define RW_STAGES_OF(KS) ((KS) > 6 ? 2 : 3)
 // Survivors a user's stage in shared memory holds (RecallStaged): what two blocks an SM leave beside the tiles, 8 bytes
-// a key for 128 users (1,024 S bytes) and a count a user (512 bytes): 32 up to 80 columns (112.5 KB a block at 80),
-// 16 at 96 and 128, 24 at 112, 4 at 144 (fused.py's wgmma_smem follows).
+// a key for 128 users (1,024 S bytes) and a count a user (512 bytes), within 113 KB a block (half an SM's 228 KB, less
+// the 1 KB reserved a block): 96 at 16 columns, 80 at 32, 64 at 48, 48 at 64, 32 at 80, 16 at 96 and 128, 24 at 112,
+// 4 at 144 (fused.py's wgmma_staged follows). A user's survivors past its stage take a global atomic each, so a wider
+// stage spares the users that pass the most (l2 over 4,096 skewed items at k = 50: 26% of users pass more than 128
+// scores, 32 a block of 8 tiles, counted on the CPU). RW_STAGE32 (measurement only, scripts/lab/kernel_profile.py's
+// `stage32`): 32 at every width up to 80, as before 2026-12-07.
+#if defined(RW_STAGE32)
 #define RW_STAGED_OF(KS) ((KS) <= 5 ? 32 : (KS) == 7 ? 24 : (KS) <= 8 ? 16 : 4)
+#else
+#define RW_STAGED_OF(KS) \
+    ((KS) == 1 ? 96 : (KS) == 2 ? 80 : (KS) == 3 ? 64 : (KS) == 4 ? 48 : (KS) == 5 ? 32 : (KS) == 7 ? 24 \
+     : (KS) <= 8 ? 16 : 4)
+#endif
 // Measurement only (scripts/lab/kernel_profile.py's `sbo-pad16`, fused_w_check.py --defines): bytes of padding after
 // each row group of 8 rows, so that the row groups of a tile start on other banks (a multiple of 16, at most 64; the
 // stages then hold one survivor fewer a user, so that the kernel takes no more shared memory: fused.py's wgmma_smem
