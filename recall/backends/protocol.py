@@ -70,6 +70,11 @@ class Backend(Protocol):
         the module of ``vecs``: ``metrics.row_norms``, the squares summed maybe in another order (cosine's scaling and
         l2's finished scores take them: ``metrics.prepare_users``' and ``finish_scores``' ``norms_of``)."""
 
+    def finish_l2(self, scores: Any, sq: Any) -> Any:
+        """l2's finished scores ``2·s - sq[:, None]`` of (n, k) float32 inner-product ``scores`` and (n,) float32
+        squared user norms, float32, of the module of ``scores`` (``metrics.finish_scores``' arithmetic: ``2·s``
+        exact, one rounding; -inf stays -inf)."""
+
     def to_host(self, arr: Any) -> Any:
         """A NumPy copy of a backend array (NumPy arrays are returned as they are)."""
 

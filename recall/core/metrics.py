@@ -248,16 +248,23 @@ def prepare_users(metric: str, xp: Any, user_vecs: Any, norms_of: Callable | Non
     return user_vecs
 
 
-def finish_scores(metric: str, xp: Any, scores: Any, user_vecs: Any, norms_of: Callable | None = None) -> Any:
+def finish_scores(metric: str, xp: Any, scores: Any, user_vecs: Any, norms_of: Callable | None = None,
+                  l2_of: Callable | None = None) -> Any:
     """Turn selected inner-product scores (n_users, k) back into the metric's scores, in place where possible
     (``user_vecs`` as scored: under l2, less the engine's centre; ``norms_of``: what computes their norms,
-    ``Backend.row_norms``, default :func:`row_norms`).
+    ``Backend.row_norms``, default :func:`row_norms`; ``l2_of``: what computes :func:`l2_finished`,
+    ``Backend.finish_l2``, whose GPU kernel reads and writes the scores once).
 
     Under ``l2`` the reported score ``2·s - ||u||²`` rounds: two items of different distances can report the same
     score. The lists stay in the order of ``s`` (the distance before that rounding, ties to the lower row): a list
     of k is the first k of a longer one, and of two equal reported scores the nearer item comes first."""
     if metric == "l2":
         sq = ((row_norms(xp, user_vecs) if norms_of is None else norms_of(user_vecs)) ** 2).astype(xp.float32)
-        # -inf padding stays -inf: 2·(-inf) - finite.
-        scores = 2.0 * scores - sq[:, None]
+        scores = l2_finished(xp, scores, sq) if l2_of is None else l2_of(scores, sq)
     return scores.astype(xp.float32, copy=False)
+
+
+def l2_finished(xp: Any, scores: Any, sq: Any) -> Any:
+    """``2·s - sq[:, None]`` in float32 (``2·s`` exact, one rounding): l2's reported scores from inner-product
+    ``scores`` (n, k) and squared user norms ``sq`` (n,); -inf padding stays -inf (2·(-inf) - finite)."""
+    return 2.0 * scores - sq[:, None]

@@ -489,7 +489,7 @@ class Engine:
         (``users`` as :meth:`_check_users` gives them: less the l2 centre)."""
         if xp is np:
             vals, rows = self.backend.to_host(vals), self.backend.to_host(rows)
-        vals = metrics.finish_scores(self.metric, xp, vals, users, self.backend.row_norms)
+        vals = metrics.finish_scores(self.metric, xp, vals, users, self.backend.row_norms, self.backend.finish_l2)
         return SearchResult(indices=rows, scores=vals, ids=self.map_ids(rows))
 
     def map_ids(self, rows: Any) -> Any:

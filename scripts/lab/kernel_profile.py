@@ -268,6 +268,9 @@ VARIANTS = {
     "slot-users": {}, "float32-slot-users": {"certified_exact": "off"},
     # HOOKS: the backend's row norms by metrics.row_norms' array operations (before CupyBackend.row_norms' kernel).
     "norms-ops": {}, "float32-norms-ops": {"certified_exact": "off"},
+    # HOOKS: l2's finished scores by two array operations (2·s, then less |u|²), as before CupyBackend.finish_l2's one
+    # kernel (2026-12-07), in both searches.
+    "l2-finish-ops": {}, "float32-l2-finish-ops": {"certified_exact": "off"},
     # HOOKS: ordered re-scoring a block a user at every list length (before rescore.WARP_KEYS's warp a user).
     "block-rescore": {},
     "direct-append-block-rescore": {},
@@ -508,6 +511,15 @@ def _warp_rescore_built(*defines):
     return hook
 
 
+def _l2_finish_ops(engine):
+    """A hook: l2's finished scores by CuPy's two array operations (2·s, then less |u|²), as before
+    ``CupyBackend.finish_l2``'s one kernel."""
+    from recall.backends.cupy.backend import CupyBackend
+    from recall.core import metrics
+
+    CupyBackend.finish_l2 = lambda self, scores, sq: metrics.l2_finished(self.xp, scores, sq)
+
+
 def _norms_ops(engine):
     from recall.backends.cupy.backend import CupyBackend
     from recall.core import metrics
@@ -619,6 +631,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "copy-out": _setting("backends.cupy.pipeline", DIRECT_OUT_USERS=2 ** 62),
          **{v: _slot_users for v in ("slot-users", "float32-slot-users")},
          **{v: _norms_ops for v in ("norms-ops", "float32-norms-ops")},
+         **{v: _l2_finish_ops for v in ("l2-finish-ops", "float32-l2-finish-ops")},
          "a-regs-cta32": _fused_w_built("-DRW_A_REGS=1"),
          "m16": _margin(lambda k: 16), "m64": _margin(lambda k: max(16, min(64, k // 4))),
          **{f"m{n}-small": _margin(lambda k, n=n: n if k < 64 else max(16, k // 4)) for n in (2, 4, 8)},
@@ -913,7 +926,8 @@ def main() -> None:
         (pipeline, "fused_capacity"), (selection, "seed_size"), (tiled, "EVEN_EVERY"),
         (tiled, "EVEN_CHOICES"), (pipeline, "start_rank"), (pipeline, "DIRECT_OUT_USERS"),
         (getattr(pipeline, "BlockPipeline", None), "_search_slot"),
-        (getattr(gpu_backend, "CupyBackend", None), "row_norms"))
+        (getattr(gpu_backend, "CupyBackend", None), "row_norms"),
+        (getattr(gpu_backend, "CupyBackend", None), "finish_l2"))
         if hasattr(m, name)]  # (an older tree's modules lack the newer ones)
 
     def restore_shipped():

@@ -375,3 +375,60 @@ def test_gpu_backend_row_norms_in_one_launch(dim):
     old = cupy.asnumpy(metrics.finish_scores("l2", cupy, scores.copy(), vecs))
     sq = (host.astype(np.float64) ** 2).sum(axis=1)[:, None]
     assert (np.abs(got - old) <= 2.4e-7 * sq).all()  # |u|² rounded to float32 a unit apart at most
+
+
+def _l2_cases(rng):
+    """(n, k) float32 inner-product scores over magnitudes 2^-20 to 2^40, with -inf padding, zeros of both signs and
+    values whose difference with the squared norm is exact or rounds; (n,) float32 squared norms."""
+    scores = (rng.standard_normal((300, 37)) * np.exp2(rng.integers(-20, 40, (300, 1)))).astype(np.float32)
+    scores[3, 30:] = -np.inf
+    scores[4] = -np.inf
+    scores[5, :4] = (0.0, -0.0, 1.0, -1.0)
+    sq = (rng.standard_normal(300) ** 2 * np.exp2(rng.integers(-20, 40, 300))).astype(np.float32)
+    sq[5] = 0.0
+    sq[6] = 2.0 * scores[6, 0]  # 2·s - |u|² exactly 0 for one item
+    return scores, sq
+
+
+def test_l2_finished_is_the_float32_arithmetic_through_either_seam():
+    """``finish_scores``' l2 arithmetic (``l2_finished``: 2·s exact, one float32 rounding) is what the CPU backend's
+    ``finish_l2`` computes, and what ``finish_scores`` returns through it; -inf padding stays -inf."""
+    from recall.backends.numpy.backend import NumpyBackend
+
+    scores, sq = _l2_cases(np.random.default_rng(5))
+    want = np.subtract(np.multiply(scores, np.float32(2.0)), sq[:, None], dtype=np.float32)  # float32 operations
+    got = metrics.l2_finished(np, scores, sq)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    finite = np.isfinite(scores)
+    exact = 2.0 * scores.astype(np.float64) - sq.astype(np.float64)[:, None]
+    assert (np.abs(got[finite] - exact[finite]) <= np.spacing(np.abs(got[finite])) / 2 + 1e-45).all()  # one rounding
+    assert np.isneginf(got[4]).all() and np.isneginf(got[3, 30:]).all() and got[6, 0] == 0.0
+    np.testing.assert_array_equal(NumpyBackend().finish_l2(scores, sq), want)
+    users = np.random.default_rng(6).standard_normal((300, 5)).astype(np.float32)
+    np.testing.assert_array_equal(metrics.finish_scores("l2", np, scores, users, l2_of=NumpyBackend().finish_l2),
+                                  metrics.finish_scores("l2", np, scores, users))
+
+
+@pytest.mark.gpu
+def test_gpu_backend_finish_l2_is_the_array_arithmetic_bit_for_bit():
+    """``CupyBackend.finish_l2`` (one elementwise kernel) gives the bits of the array operations it replaces
+    (``2.0 * s - sq[:, None]``) on device scores, strided too, and takes host arrays as NumPy would."""
+    from recall.backends import cuda_status, resolve
+
+    usable, reason = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    backend = resolve("gpu")
+    scores, sq = _l2_cases(np.random.default_rng(7))
+    want = metrics.l2_finished(np, scores, sq)
+    got = backend.finish_l2(cupy.asarray(scores), cupy.asarray(sq))
+    assert isinstance(got, cupy.ndarray) and got.dtype == cupy.float32
+    np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    np.testing.assert_array_equal(np.signbit(cupy.asnumpy(got)), np.signbit(want))
+    wide = cupy.asarray(np.concatenate([scores, scores], axis=1))
+    np.testing.assert_array_equal(cupy.asnumpy(backend.finish_l2(wide[:, ::2], cupy.asarray(sq))),
+                                  metrics.l2_finished(np, np.concatenate([scores, scores], axis=1)[:, ::2], sq))
+    np.testing.assert_array_equal(backend.finish_l2(scores, sq), want)

@@ -13,6 +13,7 @@ the selection kernels of ``kernels/topk.cu`` (:mod:`.selection`) reading it back
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -22,7 +23,7 @@ from ...core import keys
 from ...core.certificate import FastItems, FastUsers, output_scale, prepare_users, user_terms
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
-from ...core.metrics import largest_row_norm, row_norms
+from ...core.metrics import l2_finished, largest_row_norm, row_norms
 from ...core.options import EngineOptions
 from ...core.tiling import TilePlan, plan_tiles
 from .. import candidates
@@ -222,6 +223,14 @@ class CupyBackend:
         out = self.xp.empty(int(vecs.shape[0]), dtype=self.xp.float64)
         self._rows_launch("recall_row_norms", vecs, out, 8192)
         return out
+
+    def finish_l2(self, scores: Any, sq: Any) -> Any:
+        # One elementwise kernel (a read and a write of the scores) where CuPy's array operations made 2·s and then
+        # its difference (two reads, two writes, an array more): the same float32 arithmetic, 2·s exact and one
+        # rounding (nvrtc may contract it to one fma: the same result, 2·s being exact).
+        if isinstance(scores, np.ndarray) or scores.dtype != self.xp.float32 or sq.dtype != self.xp.float32:
+            return l2_finished(self.xp.get_array_module(scores), scores, sq)
+        return _l2_kernel(self.xp)(scores, sq[:, None])
 
     def _rows_launch_takes(self, vecs: Any) -> bool:
         """Whether norms.cu's kernels take ``vecs``: a device float32 (n, dim) matrix of unit column stride."""
@@ -492,3 +501,9 @@ class CupyBackend:
 
     def topk_result(self, state: GpuTopK) -> tuple[Any, Any]:
         return self.selection.result(state)
+
+
+@functools.cache
+def _l2_kernel(cupy: Any) -> Any:
+    """``Backend.finish_l2``'s elementwise kernel, made once a process."""
+    return cupy.ElementwiseKernel("float32 s, float32 q", "float32 out", "out = 2.0f * s - q", "recall_finish_l2")

@@ -18,7 +18,7 @@ from ...core import host_threads, keys
 from ...core.certificate import FastItems, FastUsers, prepare_users, seed_margin
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
-from ...core.metrics import largest_row_norm, row_norms
+from ...core.metrics import l2_finished, largest_row_norm, row_norms
 from ...core.options import EngineOptions
 from ...core.results import to_numpy
 from ...core.tiling import TilePlan
@@ -297,6 +297,9 @@ class NumpyBackend:
 
     def row_norms(self, vecs: Any) -> np.ndarray:
         return row_norms(np, vecs)
+
+    def finish_l2(self, scores: Any, sq: Any) -> np.ndarray:
+        return l2_finished(np, scores, sq)
 
     def to_host(self, arr: Any) -> np.ndarray:
         return to_numpy(arr)
