@@ -27,6 +27,7 @@ BUILDS = (
     ("selection RECALL_SEED_BISECT", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_SEED_BISECT",)),
     ("selection RH_EACH_SCORE", kernels.SELECTION_SOURCES, "sm_90", ("-DRH_EACH_SCORE",)),
     ("selection RECALL_MERGE_BITWISE", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_MERGE_BITWISE",)),
+    ("selection RECALL_MERGE_NO_STREAM", kernels.SELECTION_SOURCES, "sm_90", ("-DRECALL_MERGE_NO_STREAM",)),
     ("fused_w", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ()),
     ("fused_w RW_DIRECT_APPEND", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_DIRECT_APPEND",)),
     ("fused_w RW_SBO_PAD", kernels.HOPPER_FUSED_SOURCES, "sm_90a", ("-DRW_SBO_PAD=16",)),

@@ -186,6 +186,11 @@ VARIANTS = {
     **{f"{pre}even{n}": ({"certified_exact": "off"} if pre else {}) for pre in ("", "float32-")
        for n in (2, 4, 8, 0)},
     "merge-bitwise": {}, "float32-merge-bitwise": {"certified_exact": "off"}, "cap-off": {},
+    # HOOKS: the warp merges' users of more than 8 x 32 keys by the radix select (topk.cu RECALL_MERGE_NO_STREAM,
+    # before 2026-12-07: since, up to 1,023 keys the rest are read from the buffer at each count). The route's float16
+    # merge (recall_merge_fused_hw8) builds so with 61 registers and no spill (64 streaming); the float32 search's
+    # (recall_merge_fused_w8) spills there (48 registers), so no float32 variant.
+    "merge-radix": {},
     "float32-cap-off": {"certified_exact": "off"},
     # HOOKS: row norms (l2's finished scores) and cosine's scaling on the device as array operations over a float64
     # copy of the rows (before the one-pass metrics.row_norms and _normalise, 2026-12-07), also in the float32 search.
@@ -557,13 +562,20 @@ def _norms_copy(engine):
     metrics._normalise = normalise
 
 
-def _merge_bitwise(engine):
-    from recall.backends.cupy import kernels
+def _warp_merges_built(*defines):
+    """A hook: the engine's warp merges (its own backend's) built with ``defines`` (topk.cu's measurement macros)."""
+    def hook(engine):
+        from recall.backends.cupy import kernels
 
-    mod = kernels.module(kernels.SELECTION_SOURCES, ("-DRECALL_MERGE_BITWISE",))
-    sel = engine.backend.selection
-    sel.merge_fused_warp = {held: mod.get_function(f"recall_merge_fused_w{held}") for held in (8, 16)}
-    sel.merge_fused_h_warp = {held: mod.get_function(f"recall_merge_fused_hw{held}") for held in (8, 16)}
+        mod = kernels.module(kernels.SELECTION_SOURCES, defines)
+        sel = engine.backend.selection
+        sel.merge_fused_warp = {held: mod.get_function(f"recall_merge_fused_w{held}") for held in (8, 16)}
+        sel.merge_fused_h_warp = {held: mod.get_function(f"recall_merge_fused_hw{held}") for held in (8, 16)}
+
+    return hook
+
+
+_merge_bitwise = _warp_merges_built("-DRECALL_MERGE_BITWISE")
 
 
 def _seed_size_with(**forced):
@@ -639,6 +651,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "need-margin-4": _setting("engine.fast", NEED_MARGIN=4),
          "norms-copy": _norms_copy, "float32-norms-copy": _norms_copy,
          "merge-bitwise": _merge_bitwise, "float32-merge-bitwise": _merge_bitwise, "cap-off": _cap_off,
+         "merge-radix": _warp_merges_built("-DRECALL_MERGE_NO_STREAM"),
          "float32-cap-off": _cap_off, "sample-bound-size": _sample_bound_size, "sample-halved": _sample_halved,
          "float32-sample-bound-size": _sample_bound_size,
          "m-pow2": _margin(_pow2_margin), "narrow-pow2": _narrow_pow2_only,

@@ -337,14 +337,16 @@ def test_warp_merge_equals_the_block_merge(monkeypatch, held, dtype, k, best_fir
         assert (got_rows[0] == -1).all() and (got_rows[1][3:] == -1).all() and (got_rows[7][k // 2:] == -1).all()
 
 
-@pytest.mark.parametrize("n_items", [20, 50, 100, 130, 200, 256])
+@pytest.mark.parametrize("n_items", [20, 50, 100, 130, 200, 256, 257, 300, 700, 1023, 1024])
 @pytest.mark.parametrize("k", [1, 10, 27, 64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("best_first", [True, False])
 def test_warp_merge_over_one_to_eight_registers_equals_the_block_merge(monkeypatch, n_items, k, dtype, best_first):
     # Unseeded, a catalogue in one segment: every item survives, so the one merge holds n_items keys a user, in 1, 2,
-    # 4, 5, 7 and 8 of the warp's registers (each width of topk.cu's recall_warp_least). Half the items are copies of
-    # three vectors: keys that differ in their row bits alone, down to the last bit. Bit for bit the block merge's.
+    # 4, 5, 7 and 8 of the warp's registers (each width of topk.cu's recall_warp_least); past 256 the rest read from
+    # the buffer at each count (1 to 767 of them, up to RECALL_MERGE_STREAM_MAX = 1,023 keys), and 1,024 keys take the
+    # radix select. Half the items are copies of three vectors: keys that differ in their row bits alone, down to the
+    # last bit. Bit for bit the block merge's.
     rng = np.random.default_rng(n_items + k)
     items = rng.standard_normal((n_items, 24)).astype(dtype)
     items[::2] = items[[0, 1, 2] * (n_items // 6 + 1)][: (n_items + 1) // 2]

@@ -1006,14 +1006,17 @@ __device__ void recall_merge_body(int u, u64* __restrict__ top, int* __restrict_
 }
 
 // The least key recall_merge_warp_body keeps of n > K unique keys (lo and hi their least and largest, in every lane;
-// key[r] of lane l the key r * 32 + l, 0 where there is none, none at r >= R): a value with exactly K keys at or above
-// it, bits fixed from the highest in which the keys differ, two a step (one warp-wide sum of three counts, 10 bits
-// each: at most 32 HELD <= 512 keys), stopping at the first value with exactly K keys at or above it. The keys at or
-// above it are the K largest whichever value is found (RECALL_MERGE_BITWISE, measurement only: one bit a step, one
-// count of every HELD register, as before 2026-12-07).
+// key[r] of lane l the key r * 32 + l, 0 where there is none, none at r >= R; and the n_extra keys at `extra`, read
+// from memory at every count: the keys past the registers, RECALL_MERGE_STREAM_MAX in all at most): a value with
+// exactly K keys at or above it, bits fixed from the highest in which the keys differ, two a step (one warp-wide sum
+// of three counts, 10 bits each: at most 1,023 keys), stopping at the first value with exactly K keys at or above
+// it. The keys at or above it are the K largest whichever value is found (RECALL_MERGE_BITWISE, measurement only:
+// one bit a step, one count of every HELD register, as before 2026-12-07).
 template <int R, int HELD>
-__device__ __forceinline__ u64 recall_warp_least(const u64 (&key)[HELD], u64 lo, u64 hi, int K) {
+__device__ __forceinline__ u64 recall_warp_least(const u64 (&key)[HELD], u64 lo, u64 hi, int K,
+                                                 const u64* __restrict__ extra = nullptr, int n_extra = 0) {
     static_assert(R <= HELD && 32 * HELD < 1024, "the counts' 10-bit fields");
+    const int lane = threadIdx.x & 31;
     const int top_bit = 63 - __clzll((long long)(lo ^ hi));
     u64 least = top_bit == 63 ? 0ull : hi & ~((2ull << top_bit) - 1ull);
 #if defined(RECALL_MERGE_BITWISE)
@@ -1022,6 +1025,7 @@ __device__ __forceinline__ u64 recall_warp_least(const u64 (&key)[HELD], u64 lo,
         int above = 0;
 #pragma unroll
         for (int r = 0; r < HELD; ++r) above += key[r] >= trial ? 1 : 0;
+        for (int i = lane; i < n_extra; i += 32) above += extra[i] >= trial ? 1 : 0;
         above = recall_warp_sum(above);
         if (above >= K) {
             least = trial;
@@ -1037,6 +1041,10 @@ __device__ __forceinline__ u64 recall_warp_least(const u64 (&key)[HELD], u64 lo,
 #pragma unroll
         for (int r = 0; r < R; ++r)
             packed += (key[r] >= t1 ? 1 : 0) + (key[r] >= t2 ? 1 << 10 : 0) + (key[r] >= t3 ? 1 << 20 : 0);
+        for (int i = lane; i < n_extra; i += 32) {
+            const u64 k = extra[i];
+            packed += (k >= t1 ? 1 : 0) + (k >= t2 ? 1 << 10 : 0) + (k >= t3 ? 1 << 20 : 0);
+        }
         packed = recall_warp_sum(packed);
         const int c1 = packed & 1023, c2 = (packed >> 10) & 1023, c3 = packed >> 20;
         const int c = c3 >= K ? c3 : c2 >= K ? c2 : c1;
@@ -1050,6 +1058,7 @@ __device__ __forceinline__ u64 recall_warp_least(const u64 (&key)[HELD], u64 lo,
         int above = 0;
 #pragma unroll
         for (int r = 0; r < R; ++r) above += key[r] >= trial ? 1 : 0;
+        for (int i = lane; i < n_extra; i += 32) above += extra[i] >= trial ? 1 : 0;
         if (recall_warp_sum(above) >= K) least = trial;
     }
 #endif
@@ -1059,8 +1068,13 @@ __device__ __forceinline__ u64 recall_warp_least(const u64 (&key)[HELD], u64 lo,
 // recall_merge_body one warp a user: where the user's buffer did not overflow and its keys (those it keeps and its
 // candidates) number at most 32 HELD, each lane holds HELD of them in registers and the warp finds the K-th largest
 // two bits a step (recall_warp_least: how many keys lie at or above three trial values, one warp-wide sum a step),
-// with no shared memory but the sort of a final pass that writes best first; else recall_merge_body's radix select,
-// one warp a user. The same keys kept, the same threshold and results. Dynamic shared memory: K_pad keys a warp.
+// with no shared memory but the sort of a final pass that writes best first. A user of more keys, up to
+// RECALL_MERGE_STREAM_MAX, with nothing excluded, holds its first 32 HELD so and the rest are read from its buffer at
+// each count (a few steps, from L1: l2 over 4,096 skewed items at k = 50 sends 4.7% of users more than 256 keys,
+// counted on the CPU); the others take recall_merge_body's radix select, one warp a user. The same keys kept, the same
+// threshold and results. Dynamic shared memory: K_pad keys a warp. RECALL_MERGE_NO_STREAM (measurement only,
+// scripts/lab/kernel_profile.py's `merge-radix`): the radix select past 32 HELD keys, as before 2026-12-07.
+#define RECALL_MERGE_STREAM_MAX 1023  // recall_warp_least's counts: 10 bits each
 template <typename Tile, int HELD>
 __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __restrict__ n_valid,
                                        float* __restrict__ thr, u64* __restrict__ cand, int* __restrict__ cnt,
@@ -1073,7 +1087,14 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
     const unsigned full = 0xffffffffu;
     const int c = cnt[u];
     const int n_top = n_valid[u];
-    if (c > C || n_top + c > 32 * HELD) {
+    const bool any_ex = ex_ptr != nullptr && ex_ptr[u + 1] > ex_ptr[u];
+#if defined(RECALL_MERGE_NO_STREAM)
+    const int most = 32 * HELD;
+#else
+    // Kept keys (at most K <= 64) always land in the registers: only candidates are streamed.
+    const int most = any_ex ? 32 * HELD : RECALL_MERGE_STREAM_MAX;
+#endif
+    if (c > C || n_top + c > most) {
         recall_merge_body<Tile, true>(u, top, n_valid, thr, cand, cnt, base, tile, n_tile, item_start, n_items, K,
                                       K_pad, C, high_water, final_pass, out_vals, out_rows, ex_ptr, ex_items);
         return;
@@ -1084,14 +1105,23 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
     }
     const long long* ex = nullptr;
     long long n_ex = 0;
-    if (ex_ptr != nullptr && ex_ptr[u + 1] > ex_ptr[u]) {
+    if (any_ex) {
         ex = ex_items + ex_ptr[u];
         n_ex = ex_ptr[u + 1] - ex_ptr[u];
     }
     const int total = n_top + c;
-    const int rounds = (total + 31) >> 5;  // the registers in use, the same in every lane
+#if defined(RECALL_MERGE_NO_STREAM)
+    const int in_regs = total;
+    constexpr int n_extra = 0;
+#else
+    const int in_regs = min(total, 32 * HELD);
+    const int n_extra = total - in_regs;
+#endif
+    const int rounds = (in_regs + 31) >> 5;  // the registers in use, the same in every lane
     const u64* kept = top + (long long)u * K;
     const u64* fresh = cand + (long long)u * C;
+    // The keys past the registers (candidates only, none excluded), read from the buffer where they are.
+    const u64* extra = fresh + (32 * HELD - n_top);
     u64 key[HELD];
     u64 lo = ~0ull, hi = 0ull;
     int held = 0;
@@ -1106,6 +1136,10 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
             if (n_ex > 0 && recall_excluded(ex, n_ex, (long long)(~(u32)(k & 0xffffffffull)))) k = 0ull;
         }
         key[r] = k;
+        if (k != 0ull) { lo = min(lo, k); hi = max(hi, k); ++held; }
+    }
+    for (int i = lane; i < n_extra; i += 32) {
+        const u64 k = extra[i];
         if (k != 0ull) { lo = min(lo, k); hi = max(hi, k); ++held; }
     }
     const int n = recall_warp_sum(held);
@@ -1126,8 +1160,10 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
             least = recall_warp_least<2>(key, lo, hi, K);
         else if (rounds <= 4)
             least = recall_warp_least<4>(key, lo, hi, K);
-        else
+        else if (n_extra == 0)
             least = recall_warp_least<HELD>(key, lo, hi, K);
+        else
+            least = recall_warp_least<HELD>(key, lo, hi, K, extra, n_extra);
     }
     // Each lane's kept keys at their places: in the state (a fold), in the results (a final pass in no order), or
     // in shared memory to be sorted (best first).
@@ -1136,27 +1172,29 @@ __device__ void recall_merge_warp_body(int u, u64* __restrict__ top, int* __rest
     const bool best_first = final_pass == 1;
     int placed = 0;
     u64 smallest = ~0ull;
-#pragma unroll
-    for (int r = 0; r < HELD; ++r) {
-        if (r < rounds) {
-            const bool take = key[r] >= least && key[r] != 0ull;
-            const unsigned takers = __ballot_sync(full, take);
-            const int pos = placed + __popc(takers & ((1u << lane) - 1u));
-            if (take) {
-                smallest = min(smallest, key[r]);
-                if (!final_pass) {
-                    top[(long long)u * K + pos] = key[r];
-                } else if (best_first) {
-                    sel[pos] = key[r];
-                } else {
-                    const long long o = (long long)u * K + pos;
-                    out_vals[o] = recall_ord2f((u32)(key[r] >> 32));
-                    out_rows[o] = (long long)(~(u32)(key[r] & 0xffffffffull));
-                }
+    // A round of 32 keys, one a lane (the same `placed` in every lane): those at or above `least` at their places.
+    auto place = [&](u64 k) {
+        const bool take = k >= least && k != 0ull;
+        const unsigned takers = __ballot_sync(full, take);
+        const int pos = placed + __popc(takers & ((1u << lane) - 1u));
+        if (take) {
+            smallest = min(smallest, k);
+            if (!final_pass) {
+                top[(long long)u * K + pos] = k;
+            } else if (best_first) {
+                sel[pos] = k;
+            } else {
+                const long long o = (long long)u * K + pos;
+                out_vals[o] = recall_ord2f((u32)(k >> 32));
+                out_rows[o] = (long long)(~(u32)(k & 0xffffffffull));
             }
-            placed += __popc(takers);
         }
-    }
+        placed += __popc(takers);
+    };
+#pragma unroll
+    for (int r = 0; r < HELD; ++r)
+        if (r < rounds) place(key[r]);
+    for (int i0 = 0; i0 < n_extra; i0 += 32) place(i0 + lane < n_extra ? extra[i0 + lane] : 0ull);
     if (!final_pass) {
         if (lane == 0) {
             n_valid[u] = placed;
