@@ -50,6 +50,13 @@
 #ifndef RW_A_REGS
 #define RW_A_REGS 0
 #endif
+// Scores of a user tested together through their maximum (recall_append_group's N): 8 shipped; 4, 16 and 32 for
+// measurement (scripts/lab/kernel_profile.py's `group4`, `group16`, `group32`). Where most of a warp's groups hold a
+// survivor in some lane (k = 50 of 4,096 items: about 1.2% of the scores pass), each group's survivors' bits and
+// rounds are taken by the whole warp, so fewer, larger groups may cost fewer instructions.
+#ifndef RW_GROUP
+#define RW_GROUP 8
+#endif
 
 // A block's survivors kept in shared memory a user until the block is done (`out`): a survivor takes the next of
 // its user's S slots with a shared-memory atomic; past S it goes to the candidate buffer as fused.cu's RecallPending
@@ -316,12 +323,12 @@ __device__ __forceinline__ void recall_fused_w_body(const half_bits* __restrict_
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int grp = 0; grp < 4; ++grp) {  // n8 tiles 4 grp .. 4 grp + 3: 8 scores of the user
-                float s8[8];
+            for (int grp = 0; grp < 32 / RW_GROUP; ++grp) {  // n8 tiles G/2 grp .. G/2 (grp + 1) - 1: G scores
+                float sg[RW_GROUP];
 #pragma unroll
-                for (int q = 0; q < 8; ++q) s8[q] = d[16 * grp + 4 * (q >> 1) + 2 * h + (q & 1)];
-                recall_append_group(s8, th[h], u0 + wrow + g + 8 * h, j0 + 32 * grp, whole, n_items, pending, cand,
-                                    cnt, C);
+                for (int q = 0; q < RW_GROUP; ++q) sg[q] = d[2 * RW_GROUP * grp + 4 * (q >> 1) + 2 * h + (q & 1)];
+                recall_append_group(sg, th[h], u0 + wrow + g + 8 * h, j0 + 4 * RW_GROUP * grp, whole, n_items, pending,
+                                    cand, cnt, C);
             }
     }
 #if defined(RW_DIRECT_APPEND)
