@@ -267,8 +267,8 @@ VARIANTS = {
     # HOOKS: fused_w.cu's stage of 32 survivors a user up to 80 columns (-DRW_STAGE32; before 2026-12-07, since as many
     # as two blocks an SM leave room for: 96 at 16 columns down to 32 at 80, fused.wgmma_staged).
     "stage32": {},
-    # HOOKS: fused_w.cu's scores tested in groups of 4, 16 or 32 a user (-DRW_GROUP; 8 shipped).
-    "group4": {}, "group16": {}, "group32": {},
+    # HOOKS: fused_w.cu's scores tested in groups of 4, 8 (before 2026-12-07) or 32 a user (-DRW_GROUP; 16 shipped).
+    "group4": {}, "group8": {}, "group32": {},
     # HOOKS: every block's results through the state's buffers and a copy (before pipeline.DIRECT_OUT_USERS).
     "copy-out": {},
     # HOOKS: in-place blocks copy device users into their slot first (before they were read where they are).
@@ -642,7 +642,7 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "seed-lower": _seed_lower,
          "seed-push": _seed_built("-DRS_PUSH"),
          "stage32": _fused_w_built("-DRW_STAGE32", smem=_stage32_smem),
-         **{f"group{n}": _fused_w_built(f"-DRW_GROUP={n}") for n in (4, 16, 32)},
+         **{f"group{n}": _fused_w_built(f"-DRW_GROUP={n}") for n in (4, 8, 32)},
          "copy-out": _setting("backends.cupy.pipeline", DIRECT_OUT_USERS=2 ** 62),
          **{v: _slot_users for v in ("slot-users", "float32-slot-users")},
          **{v: _norms_ops for v in ("norms-ops", "float32-norms-ops")},

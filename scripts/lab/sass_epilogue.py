@@ -2,9 +2,9 @@
 Hopper module built with nvcc for sm_90a as ``build_kernels.py`` builds it, each build option given, disassembled
 with nvdisasm (``pip download --no-deps nvidia-cuda-nvdisasm``: its wheel holds ``nvidia/cu13/bin/nvdisasm``).
 
-For each ``recall_fused_filter_wN`` it reports the instructions a warp runs for one group of 8 scores of a user
-after the tile's products (``recall_append_group``): the group's maximum and its test, then, where the group holds a
-survivor, the survivors' bits (up to the survivors' loop; a whole tile's path), and each round of that loop (a
+For each ``recall_fused_filter_wN`` it reports the instructions a warp runs for one group of scores of a user
+(fused_w.cu's RW_GROUP, 16; ``--defines=-DRW_GROUP=8`` for another) after the tile's products
+(``recall_append_group``): the group's maximum and its test, then, where the group holds a survivor, the survivors' bits (up to the survivors' loop; a whole tile's path), and each round of that loop (a
 survivor its user's stage in shared memory holds). Static counts along those paths of the tile's first group: what
 the warp issues when it takes them, not a timing.
 

@@ -15,8 +15,8 @@
 //
 // A thread then holds 2 users' (rows g and g + 8 of its warp's 16) scores of 32 items each: d[4j + 2h + c] is user
 // g + 8h's score of item 8j + 2t + c (g = lane / 4, t = lane % 4), the accumulator layout of mma.m16n8 repeated over
-// j = 0..15. Each user's 32 scores are tested in four groups of 8 through their maximum, and a passing group's
-// survivors are taken from a bit mask, as in fused_h.cu; they wait in the block's shared memory, a stage a user
+// j = 0..15. Each user's 32 scores are tested in two groups of 16 (RW_GROUP) through their maximum, and a passing
+// group's survivors are taken from a bit mask, as in fused_h.cu; they wait in the block's shared memory, a stage a user
 // (RecallStaged), and go to the candidate buffers when the block is done. The float32 result of each score is the
 // sum of exact products (float16 x float16 fits float32) in the tensor cores' order: the certificate's accumulation
 // term (recall/core/certificate.py) covers any order.
@@ -50,12 +50,14 @@
 #ifndef RW_A_REGS
 #define RW_A_REGS 0
 #endif
-// Scores of a user tested together through their maximum (recall_append_group's N): 8 shipped; 4, 16 and 32 for
-// measurement (scripts/lab/kernel_profile.py's `group4`, `group16`, `group32`). Where most of a warp's groups hold a
-// survivor in some lane (k = 50 of 4,096 items: about 1.2% of the scores pass), each group's survivors' bits and
-// rounds are taken by the whole warp, so fewer, larger groups may cost fewer instructions.
+// Scores of a user tested together through their maximum (recall_append_group's N): 16. Where k is a percent or so
+// of the items (k = 50 of 4,096: 1.2% of the scores pass), nearly every group of a warp holds a survivor in some lane,
+// and each group's survivors' bits and rounds are taken by the whole warp: two groups of 16 a user a tile cost fewer
+// instructions than four of 8 (sass_epilogue.py: 17 + 52 + 37 a round against 13 + 27 + 32), and the route took
+// 0.92-0.98x its time with groups of 8 on eight cells, k = 10 and 50, d = 32 and 64 (H100, docs/benchmarks.md).
+// Measurement only: 4, 8 (before 2026-12-07) and 32 (scripts/lab/kernel_profile.py's `group4`, `group8`, `group32`).
 #ifndef RW_GROUP
-#define RW_GROUP 8
+#define RW_GROUP 16
 #endif
 
 // A block's survivors kept in shared memory a user until the block is done (`out`): a survivor takes the next of
