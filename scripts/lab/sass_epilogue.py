@@ -4,8 +4,9 @@ with nvdisasm (``pip download --no-deps nvidia-cuda-nvdisasm``: its wheel holds 
 
 For each ``recall_fused_filter_wN`` it reports the instructions a warp runs for one group of scores of a user
 (fused_w.cu's RW_GROUP, 16; ``--defines=-DRW_GROUP=8`` for another) after the tile's products
-(``recall_append_group``): the group's maximum and its test, then, where the group holds a survivor, the survivors' bits (up to the survivors' loop; a whole tile's path), and each round of that loop (a
-survivor its user's stage in shared memory holds). Static counts along those paths of the tile's first group: what
+(``recall_append_group``): the group's maximum and its test, then, where the group holds a survivor, the
+survivors' bits (up to the survivors' loop; a whole tile's path), and each round of that loop (a survivor its
+user's stage in shared memory holds). Static counts along those paths of the tile's first group: what
 the warp issues when it takes them, not a timing.
 
     python3 scripts/lab/sass_epilogue.py --nvdisasm /path/to/nvdisasm [--defines=-DRH_EACH_SCORE] [--ks 2]
