@@ -269,6 +269,10 @@ VARIANTS = {
     "stage32": {},
     # HOOKS: fused_w.cu's scores tested in groups of 4, 8 (before 2026-12-07) or 32 a user (-DRW_GROUP; 16 shipped).
     "group4": {}, "group8": {}, "group32": {},
+    # HOOKS: fused_h.cu's recall_append_group (both float16 kernels) with a group's survivors' bits from a comparison
+    # and a predicated or a score (-DRH_BITS_SET: 45 instructions against 52 at d = 32, sass_epilogue.py), its slots
+    # taken with one atomic a group (-DRH_GROUP_RESERVE), or both.
+    "bits-set": {}, "group-reserve": {}, "bits-set-reserve": {},
     # HOOKS: every block's results through the state's buffers and a copy (before pipeline.DIRECT_OUT_USERS).
     "copy-out": {},
     # HOOKS: in-place blocks copy device users into their slot first (before they were read where they are).
@@ -643,6 +647,8 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
          "seed-push": _seed_built("-DRS_PUSH"),
          "stage32": _fused_w_built("-DRW_STAGE32", smem=_stage32_smem),
          **{f"group{n}": _fused_w_built(f"-DRW_GROUP={n}") for n in (4, 8, 32)},
+         "bits-set": _fused_w_built("-DRH_BITS_SET"), "group-reserve": _fused_w_built("-DRH_GROUP_RESERVE"),
+         "bits-set-reserve": _fused_w_built("-DRH_BITS_SET", "-DRH_GROUP_RESERVE"),
          "copy-out": _setting("backends.cupy.pipeline", DIRECT_OUT_USERS=2 ** 62),
          **{v: _slot_users for v in ("slot-users", "float32-slot-users")},
          **{v: _norms_ops for v in ("norms-ops", "float32-norms-ops")},

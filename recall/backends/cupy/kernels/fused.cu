@@ -33,6 +33,12 @@ struct RecallPending {
     __device__ __forceinline__ void flush(int C) {
         if (dst != nullptr && pos < C) dst[pos] = key;
     }
+    // Measurement only (fused_h.cu's RH_GROUP_RESERVE): n slots of the user's buffer taken at once, then each key put
+    // into its own.
+    __device__ __forceinline__ int reserve(int* __restrict__ cnt, int user, int n) { return atomicAdd(&cnt[user], n); }
+    __device__ __forceinline__ void put(u64* __restrict__ cand, int* __restrict__, int C, int user, int slot, u64 k) {
+        if (slot < C) cand[(long long)user * C + slot] = k;
+    }
 };
 
 #define RF_TILE 128

@@ -85,13 +85,29 @@ __device__ __forceinline__ void recall_append_group(const float (&s)[N], float t
     // score: 49 a passing group against 27, and 41 a survivor's round against 33 with the tree below (nvcc 13.0,
     // sm_90a, scripts/lab/sass_epilogue.py); the kernel 3-12% faster, the route 4-8% (H100, docs/benchmarks.md).
     unsigned bits = 0u;
+#if defined(RH_BITS_SET)  // measurement only (kernel_profile.py's `bits-set`): a comparison and a predicated or
+    // a score, in two chains (even and odd q) that the warp's issue need not wait on one after the other
+    unsigned odd = 0u;
+#pragma unroll
+    for (int q = 0; q < N; ++q) {
+        unsigned& b = (q & 1) ? odd : bits;
+        asm("{\n.reg .pred p;\nsetp.gt.ftz.f32 p, %1, %2;\n@p or.b32 %0, %0, %3;\n}" : "+r"(b)
+            : "f"(s[q]), "f"(th), "r"(1u << q));
+    }
+    bits |= odd;
+#else
 #pragma unroll
     for (int q = 0; q < N; ++q) bits |= (s[q] > th ? 1u : 0u) << q;
+#endif
     if (!whole) {
 #pragma unroll
         for (int q = 0; q < N; ++q)
             if (row0 + 8 * (q >> 1) + (q & 1) >= n_items) bits &= ~(1u << q);
     }
+#if defined(RH_GROUP_RESERVE)  // measurement only (kernel_profile.py's `group-reserve`): the group's slots taken
+    // with one atomic (its survivors' count), so that no round waits on an atomic's answer
+    int slot = bits ? pending.reserve(cnt, user, __popc(bits)) : 0;
+#endif
 #pragma unroll 1
     while (bits) {
         const int q = __ffs(bits) - 1;
@@ -112,6 +128,8 @@ __device__ __forceinline__ void recall_append_group(const float (&s)[N], float t
 #if defined(RH_INLINE_APPEND)  // measurement only: the key stored as soon as its slot comes back
         const int pos = atomicAdd(&cnt[user], 1);
         if (pos < C) cand[(long long)user * C + pos] = recall_key(v, row);
+#elif defined(RH_GROUP_RESERVE)
+        pending.put(cand, cnt, C, user, slot++, recall_key(v, row));
 #else
         pending.push(cand, cnt, C, user, recall_key(v, row));
 #endif

@@ -80,6 +80,18 @@ struct RecallStaged {
         else
             pending.push(cand, cnt, C, user, key);
     }
+    // Measurement only (fused_h.cu's RH_GROUP_RESERVE): n places of the user's stage taken at once, then each key put
+    // into its own (past S, into the candidate buffer as push sends it).
+    __device__ __forceinline__ int reserve(int* __restrict__, int user, int n) {
+        return atomicAdd(&count[user - u0], n);
+    }
+    __device__ __forceinline__ void put(u64* __restrict__ cand, int* __restrict__ cnt, int C, int user, int slot,
+                                       u64 key) {
+        if (slot < S)
+            stage[(user - u0) * S + slot] = key;
+        else
+            pending.push(cand, cnt, C, user, key);
+    }
     // After every thread's last push and a __syncthreads: thread pairs send each user's stage out (RW_THREADS = 2
     // users' worth of threads), and each thread its pending key.
     __device__ __forceinline__ void out(u64* __restrict__ cand, int* __restrict__ cnt, int C, int tid) {
