@@ -106,7 +106,8 @@ __device__ __forceinline__ void recall_append_group(const float (&s)[N], float t
     }
 #if defined(RH_GROUP_RESERVE)  // measurement only (kernel_profile.py's `group-reserve`): the group's slots taken
     // with one atomic (its survivors' count), so that no round waits on an atomic's answer
-    int slot = bits ? pending.reserve(cnt, user, __popc(bits)) : 0;
+    if (!bits) return;  // (the rows past n_items took every survivor: nothing to reserve)
+    int slot = pending.reserve(cnt, user, __popc(bits));
 #endif
 #pragma unroll 1
     while (bits) {
