@@ -71,6 +71,23 @@ or E_u, taken 1% larger (the factors P_u, Q_u too, before rounding up), which co
 bound and of the test below (relative errors near 2^-50, against terms never below 2^-30 of the magnitudes
 involved).
 
+Items far from the origin
+-------------------------
+Where a catalogue without a bias lies far from the origin (``_far_centre``: its mean c at least as long as the median
+|x - c|; ``recall.bench.workloads``' ``offset=``), the rows' own rounding, 2^-11 of |x|, swamps the spread that
+orders a user's scores, and no bound through |x| certifies anyone. The dot part is then rounded about c:
+``x̃ = fl16(β·(x - c))`` (c in float32, x - c in float64, within 2^-53 of each component), and n'_v = |x - c|,
+r'_v = |δx'_v| (that 2^-53·n'_v added) take the places of n_v and r_v in the input-rounding and accumulation terms.
+Since y·x = y·(x - c) + y·c, with y·c the same for every item of the user, its scores keep their order, and::
+
+    f_v <= t/(αβ) - (A_u - y·c) + P'_u·n'_v + Q_u·r'_v + γ₃₂·|y|·n_v + γ₁₆·(|A_u| + L_uv) + D·2^-149 + ε_u
+      P'_u = |δy| + γ₁₆·|a|,   ε_u = D₀·2^-52·Σ|y_i c_i| + 2^-50·(|A_u| + |y·c|)
+
+where the float32 scores' own error still goes with the vectors' norms n_v (the float32 search multiplies x, not
+x - c), and ε_u covers y·c computed in float64 (D₀ terms) and the float64 steps of the offset and of the test at
+y·c's magnitude. ``FastUsers.offset`` holds A_u - y·c; a shift S_u is applied as S_u - y·c. The bound columns, where
+there are any, hold n'_v, r'_v and n_v against the users' P'_u, Q_u and γ₃₂·|y|; through the maxima, X', ΔX' and X.
+
 The float16 score tiles
 -----------------------
 Where the backend keeps its score tiles in float16 (the GPU's cuBLAS path: half the bytes written by the GEMM and
@@ -208,6 +225,23 @@ def _round16(xp: Any, vecs32: Any, scale: Any, out16: Any) -> tuple[Any, Any, An
     return _norms(xp, v64), _norms(xp, a - v64), _norms(xp, a)
 
 
+def _far_centre(xp: Any, dot: Any) -> Any:
+    """The point a catalogue's float16 rows are rounded about: the mean of (up to ``_MEDIAN_SAMPLE`` evenly spaced)
+    rows, in float32, where it is at least as long as the median row's distance from it (data far from the origin:
+    there the rows' own float16 rounding, a relative 2^-11 of |x|, would swamp the spread that orders the scores);
+    else None. Every data kind of ``recall.bench.workloads`` about the origin has that ratio under 0.1; with
+    ``offset=3`` it is 3, with ``offset=300`` 300."""
+    n = int(dot.shape[0])
+    if n == 0 or int(dot.shape[1]) == 0:
+        return None
+    sample = dot[::max(1, n // _MEDIAN_SAMPLE)].astype(xp.float64)
+    centre = sample.mean(axis=0).astype(xp.float32)
+    c64 = centre.astype(xp.float64)
+    spread = float(xp.median(_norms(xp, sample - c64)))
+    length = float(xp.sqrt((c64 * c64).sum()))
+    return centre if length > 0 and length >= spread else None
+
+
 def _width(dot_dim: int, aux: int) -> int:
     return dot_dim if aux == 0 else (dot_dim + aux + 7) // 8 * 8
 
@@ -230,6 +264,11 @@ class FastItems:
     norms_at: int | None = None  # float16 column of n_v (then r_v, then κ_v with a bias); None: no bound columns
     aux_scales: tuple[float, ...] = ()  # β_n, β_r (, β_κ): the bound columns' scales
     aux_max: tuple[float, ...] = ()  # the bound columns' largest values, unscaled (as rounded up)
+    # Items far from the origin: c, (dot_dim,) float32 on the backend, the point the dot part is rounded about (its
+    # columns hold fl16(β·(x - c))); None: about the origin. Then max_norm and max_resid are X' and ΔX' of x - c,
+    # full_max_norm is X (of x itself), and the bound columns, where there are any, hold n'_v, r'_v and n_v.
+    centre: Any = None
+    full_max_norm: float = 0.0
 
     @property
     def width(self) -> int:
@@ -259,7 +298,9 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None) -> FastItems
     """items: (n_items, D) float32 prepared vectors (arrays of module ``xp``) -> FastItems.
 
     bias_col: the column where items hold a bias c_v and users 1 (``metrics.bias_column``), every column after it
-    zero; None: every column is a dot column."""
+    zero; None: every column is a dot column. Without a bias, a catalogue that lies far from the origin (its mean at
+    least as long as the median item's distance from it) is rounded about its centre (the module docstring's "Items
+    far from the origin")."""
     n, width = int(items.shape[0]), int(items.shape[1])
     dot_dim = width if bias_col is None else int(bias_col)
     dot = items[:, :dot_dim]
@@ -271,20 +312,41 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None) -> FastItems
     max_norm = float(norms.max())
     median = float(xp.median(norms[::max(1, n // _MEDIAN_SAMPLE)]))
     biased = bias_col is not None
-    per_item = biased or max_norm > _NORM_SPREAD * median
-    n_aux = (2 + biased) if per_item else 0
+    centre = None if biased else _far_centre(xp, dot)
+    full = norms  # n_v of the vectors themselves (the float32 scores' error); the rounded rows' own where centred
+    if centre is not None:
+        # The rows rounded are x - c: their norms n'_v, largest component and spread replace the rows' own.
+        c64 = centre.astype(xp.float64)
+        norms = xp.empty(n, dtype=xp.float64)
+        maxabs = 0.0
+        for a, b in _blocks(n, dot_dim):
+            part = dot[a:b].astype(xp.float64) - c64
+            norms[a:b] = _norms(xp, part)
+            maxabs = max(maxabs, float(xp.abs(part).max()))
+    centred_max = float(norms.max())  # X' (X where not centred)
+    per_item = biased or max_norm > _NORM_SPREAD * median or (
+        centre is not None and centred_max > _NORM_SPREAD * float(xp.median(norms[::max(1, n // _MEDIAN_SAMPLE)])))
+    n_aux = (2 + biased + (centre is not None)) if per_item else 0
     aux = 1 + (_BIAS_PARTS if biased else 0) + n_aux
     scale = float(_pow2_scale(xp, xp.asarray(maxabs)))
     vecs16 = xp.zeros((n, _width(dot_dim, aux)), dtype=xp.float16)
     resids = xp.empty(n, dtype=xp.float64)
     for a, b in _blocks(n, dot_dim):
-        _, resids[a:b], _ = _round16(xp, dot[a:b], scale, vecs16[a:b, :dot_dim])
+        if centre is None:
+            _, resids[a:b], _ = _round16(xp, dot[a:b], scale, vecs16[a:b, :dot_dim])
+        else:
+            # x - c in float64 may round (float32 values whose exponents lie more than 29 apart): by at most 2^-53
+            # of each component, so the residual of the exact difference is within 2^-53·n'_v of the one computed.
+            _, resid, _ = _round16(xp, dot[a:b].astype(xp.float64) - c64, scale, vecs16[a:b, :dot_dim])
+            resids[a:b] = resid + 2.0 ** -52 * norms[a:b]
     max_resid = float(resids.max())
     fields: dict[str, Any] = {"vecs16": vecs16, "dot_dim": dot_dim, "prepared_width": width, "scale": scale,
-                              "max_norm": max_norm, "max_resid": max_resid, "shift_at": dot_dim}
+                              "max_norm": centred_max, "max_resid": max_resid, "shift_at": dot_dim}
+    if centre is not None:
+        fields.update(centre=centre, full_max_norm=max_norm)
     vecs16[:, dot_dim] = _SHIFT_ITEM
     col = dot_dim + 1
-    aux_vals = [norms, resids]
+    aux_vals = [norms, resids] + ([full] if centre is not None else [])
     if biased:
         bias = items[:, bias_col].astype(xp.float64)
         bias_max = float(xp.abs(bias).max())
@@ -370,6 +432,15 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
     alpha = _pow2_scale(xp, xp.abs(dot).max(axis=1).astype(xp.float64))
     if items.bias_at is not None:
         alpha = xp.minimum(alpha, terms["cap_bias"])
+    yc = None
+    if items.centre is not None:
+        # The dot part was rounded about c: the GEMM scores y·(x - c), and y·c, the same for every item, comes back
+        # through the offset; a shift asked for in scores of y·x is one of y·(x - c) less y·c.
+        c64 = items.centre.astype(xp.float64)
+        y64 = dot.astype(xp.float64)
+        yc, yc_abs = y64 @ c64, xp.abs(y64) @ xp.abs(c64)
+        if shift is not None:
+            shift = shift.astype(xp.float64) - yc
     if shift is not None:
         # σ_u = -S_u·αβ/_SHIFT_ITEM must fit float16: lower α (a power of two, like the cap) where it would not, to
         # 2^floor(log2(_SHIFT_USER_MAX·_SHIFT_ITEM / β) - log2(m)), m = max(|S_u|, 2^-900) (so that a shift of 0 sets
@@ -382,6 +453,8 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
     norm, resid, norm16 = _round16(xp, dot, alpha[:, None], out16[:, :items.dot_dim])
     p = resid + gamma16 * norm16 + gamma32 * norm  # the factor of n_v
     q = norm + resid + gamma16 * norm16  # the factor of r_v
+    if yc is not None:
+        p = resid + gamma16 * norm16  # the factor of n'_v; the float32 scores' γ₃₂·|y| goes with n_v
     # Float32 scores of tiny vectors underflow: each of the D steps may also lose half of float32's smallest
     # subnormal spacing, 2^-149, absolutely.
     rest = xp.full(norm.shape, terms["rest0"])
@@ -392,6 +465,11 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         out16[:, items.shift_at] = sigma
         offset = sigma.astype(xp.float64) * _SHIFT_ITEM / ab
         rest = rest + gamma16 * xp.abs(offset)
+    if yc is not None:
+        # y·c in float64 is within D·2^-53·Σ|y_i c_i| of its value (taken twice); A_u - y·c, and the certificate's
+        # float64 steps at the magnitude of y·c, round by a few 2^-53 of |A_u| + |y·c| (taken 2^-50).
+        rest = rest + items.dot_dim * 2.0 ** -52 * yc_abs + 2.0 ** -50 * (xp.abs(offset) + xp.abs(yc))
+        offset = offset - yc
     kept = xp.ones(norm.shape, dtype=bool)
     if items.bias_at is not None:
         e_u = ab / items.bias_scale
@@ -402,10 +480,14 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         through_bias = xp.where(kept, items.bias_err_max, items.bias_max * (1 + gamma32))
     else:
         through_bias = gamma32 * items.bias_max  # 0: no bias
-    through_max = _SAFETY * (p * items.max_norm + q * items.max_resid + through_bias + rest)
+    g = None if yc is None else gamma32 * norm  # centred: the factor of n_v (X through the maxima)
+    through = p * items.max_norm + q * items.max_resid + through_bias + rest
+    if g is not None:
+        through = through + g * items.full_max_norm
+    through_max = _SAFETY * through
     if items.norms_at is None:
         return alpha, offset, through_max
-    factors = [p, q] + ([xp.ones_like(p)] if items.bias_at is not None else [])
+    factors = [p, q] + ([xp.ones_like(p)] if items.bias_at is not None else []) + ([] if g is None else [g])
     cols = [_up16(xp, _SAFETY * f * ab / sc) for f, sc in zip(factors, items.aux_scales)]
     fits = kept
     for c in cols:

@@ -192,9 +192,21 @@ def _lognormal(n_users, n_items, dim, seed=0):
     return users, items
 
 
+def _far(n_users, n_items, dim, offset, seed=0):
+    """Normal users and items moved by ``offset`` in every coordinate: data far from the origin."""
+    users, items = normal_data(n_users, n_items, dim, seed)
+    return users + np.float32(offset), items + np.float32(offset)
+
+
 # Each data kind of issue 18, on the CPU and (gpu-marked, through the device fixture) the GPU: the answer is exact
-# mode's, and on continuous data fewer than 1% of the users fall back to an exact search.
+# mode's, and on continuous data fewer than 1% of the users fall back to an exact search. Far from the origin (ip 30
+# and 300 from it in every coordinate, cosine 3 and 30) every user fell back before the items were rounded about
+# their centre (certificate.prepare_items).
 KINDS = {
+    "far-ip": (lambda: _far(300, 8000, 64, 30.0, seed=13), "ip"),
+    "far-ip-300": (lambda: _far(300, 8000, 32, 300.0, seed=14), "ip"),
+    "far-cosine": (lambda: _far(300, 8000, 64, 3.0, seed=15), "cosine"),
+    "far-cosine-30": (lambda: _far(300, 8000, 48, 30.0, seed=16), "cosine"),
     "normal": (lambda: normal_data(300, 8000, 64, seed=5), "ip"),
     "lognormal": (lambda: _lognormal(300, 8000, 64, seed=6), "ip"),
     "clustered": (lambda: clustered_data(300, 8000, 64, seed=7), "ip"),
@@ -332,14 +344,20 @@ def _planted(similar_norms: bool, n_decoys: int = 100):
         fillers[:, 0] = -1.0
     else:  # short fillers: the norms spread, so every item carries its own bound in its score
         fillers = (rng.random((200, dim)) - 0.5).astype(np.float32)
-    return users, np.vstack([fillers[:100], decoys, planted, fillers[100:]])
+    # The decoys' opposites last: the catalogue's mean stays near the origin, so that its rows are rounded about the
+    # origin (certificate.prepare_items), as the planting assumes; about a centre near the decoys' the planted row
+    # would stand out.
+    return users, np.vstack([fillers[:100], decoys, planted, fillers[100:], -decoys])
 
 
 @pytest.mark.parametrize("similar_norms, n_decoys", [(True, 100), (True, 300), (False, 100)])
 def test_item_hidden_at_the_bounds_edge_is_found(device, similar_norms, n_decoys):
+    from recall.engine import fast as fast_search
+
     users, items = _planted(similar_norms, n_decoys)
     engine = Engine(items, device=device, precision="fast", options=emulated())
     got = engine.search(users, 1)
+    assert fast_search._state(engine).items.centre is None
     want = Engine(items, device=device).search(users, 1)
     oracle.assert_same_result(got, want)
     assert (as_numpy(got.indices) == 100 + n_decoys).all()  # the planted item's row

@@ -397,10 +397,12 @@ class CupyBackend:
 
     def fast_users(self, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
         # One launch, a warp 32 users (kernels/fast16.cu), for float32 rows of unit column stride; else the array
-        # operations of certificate.prepare_users.
+        # operations of certificate.prepare_users (also for items rounded about their centre, whose users' offsets
+        # the kernel does not take).
         cupy = self.xp
         n = int(users.shape[0])
-        if users.dtype != cupy.float32 or users.ndim != 2 or (n and users.strides[1] != 4):
+        if (users.dtype != cupy.float32 or users.ndim != 2 or (n and users.strides[1] != 4)
+                or items.centre is not None):
             return prepare_users(cupy, users, items, half_scores, shift)
         vecs16 = cupy.empty((n, items.width), dtype=cupy.float16)  # (the kernel writes every column)
         alpha, offset, bound = (cupy.empty(n, dtype=cupy.float64) for _ in range(3))
