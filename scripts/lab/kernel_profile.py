@@ -689,13 +689,17 @@ HOOKS = {"direct-append": _direct_append, "block-rescore": _block_rescore,
 def cell_spec(name):
     """A cell of CELLS, of a bench matrix grid as ``GRID:INDEX`` (e.g. ``gpu-fast:4``), or spelled out as
     ``KIND:USERS:ITEMS:DIM:K:METRIC[:EXCLUSIONS]`` (e.g. ``skewed:200000:20000:32:10:l2``, or with 50 exclusions a
-    user ``skewed:200000:20000:32:10:l2:50``): (kind, users, items, dim, k, metric, exclusions per user)."""
+    user ``skewed:200000:20000:32:10:l2:50``; KIND may carry parameters, ``normal:offset=300:1000000:4096:64:10:ip``):
+    (kind, users, items, dim, k, metric, exclusions per user)."""
     if name in CELLS:
         return CELLS[name]
     parts = name.split(":")
-    if len(parts) in (6, 7):
-        kind, nu, ni, dim, k, metric = parts[:6]
-        return kind, int(nu), int(ni), int(dim), int(k), metric, int(parts[6]) if len(parts) == 7 else 0
+    metrics = ("ip", "cosine", "l2")
+    excl = 1 if len(parts) >= 7 and parts[-2] in metrics else 0
+    if len(parts) >= 6 and parts[-1 - excl] in metrics:
+        kind = ":".join(parts[:-5 - excl])
+        nu, ni, dim, k, metric = parts[len(parts) - 5 - excl:len(parts) - excl]
+        return kind, int(nu), int(ni), int(dim), int(k), metric, int(parts[-1]) if excl else 0
     from recall.bench import matrix
 
     grid, _, index = name.rpartition(":")

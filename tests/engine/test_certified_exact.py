@@ -77,6 +77,24 @@ def test_route_gives_the_fused_sums_answer_bit_for_bit(device, metric, kind):
     _assert_reference(engine, res, users, 25, exclude)
 
 
+@pytest.mark.parametrize("metric, offset", [("ip", 300.0), ("ip", -40.0), ("cosine", 20.0)])
+def test_route_on_items_far_from_the_origin(device, metric, offset):
+    # Items far from the origin are rounded about their centre (certificate.prepare_items): the route certifies its
+    # users (none fell back: rounded about the origin, every one did at 300) and the answer is the fused sums', bit
+    # for bit, exclusions and an all-excluded user included.
+    users, items = normal_data(300, 4000, 40, seed=8)
+    users, items = users + np.float32(offset), items + np.float32(offset)
+    rng = np.random.default_rng(9)
+    exclude = {u: rng.choice(4000, 30, replace=False).tolist() for u in range(0, 300, 5)}
+    exclude[7] = list(range(4000))
+    engine = Engine(items, metric=metric, device=device, options=_options(device, fast_sample=0))
+    res = engine.search(users, 20, exclude=exclude)
+    assert engine.stats["route"] == "certified" and engine.stats["fallback_users"] == 0, engine.stats
+    assert fast._state(engine).items.centre is not None
+    assert (as_numpy(res.indices)[7] == -1).all()
+    _assert_reference(engine, res, users, 20, exclude)
+
+
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_route_results_taken_later_are_the_search_s(device, metric):
     # search_async on the route returns once the search ran; its results are fetched and finished (l2's scores from
