@@ -73,9 +73,9 @@ involved).
 
 Items far from the origin
 -------------------------
-Where a catalogue without a bias lies far from the origin (``_far_centre``: its mean c at least as long as the median
-|x - c|; ``recall.bench.workloads``' ``offset=``), the rows' own rounding, 2^-11 of |x|, swamps the spread that
-orders a user's scores, and no bound through |x| certifies anyone. The dot part is then rounded about c:
+Where a catalogue without a bias lies far from the origin (``metrics.far_centre``: its mean more than 8 times its
+spread from it, ``recall.bench.workloads``' ``offset=``), the rows' own rounding, 2^-11 of |x|, swamps the spread
+that orders a user's scores, and no bound through |x| certifies anyone. The dot part is then rounded about c:
 ``x̃ = fl16(β·(x - c))`` (c in float32, x - c in float64, within 2^-53 of each component), and n'_v = |x - c|,
 r'_v = |δx'_v| (that 2^-53·n'_v added) take the places of n_v and r_v in the input-rounding and accumulation terms.
 Since y·x = y·(x - c) + y·c, with y·c the same for every item of the user, its scores keep their order, and::
@@ -225,23 +225,6 @@ def _round16(xp: Any, vecs32: Any, scale: Any, out16: Any) -> tuple[Any, Any, An
     return _norms(xp, v64), _norms(xp, a - v64), _norms(xp, a)
 
 
-def _far_centre(xp: Any, dot: Any) -> Any:
-    """The point a catalogue's float16 rows are rounded about: the mean of (up to ``_MEDIAN_SAMPLE`` evenly spaced)
-    rows, in float32, where it is at least as long as the median row's distance from it (data far from the origin:
-    there the rows' own float16 rounding, a relative 2^-11 of |x|, would swamp the spread that orders the scores);
-    else None. Every data kind of ``recall.bench.workloads`` about the origin has that ratio under 0.1; with
-    ``offset=3`` it is 3, with ``offset=300`` 300."""
-    n = int(dot.shape[0])
-    if n == 0 or int(dot.shape[1]) == 0:
-        return None
-    sample = dot[::max(1, n // _MEDIAN_SAMPLE)].astype(xp.float64)
-    centre = sample.mean(axis=0).astype(xp.float32)
-    c64 = centre.astype(xp.float64)
-    spread = float(xp.median(_norms(xp, sample - c64)))
-    length = float(xp.sqrt((c64 * c64).sum()))
-    return centre if length > 0 and length >= spread else None
-
-
 def _width(dot_dim: int, aux: int) -> int:
     return dot_dim if aux == 0 else (dot_dim + aux + 7) // 8 * 8
 
@@ -264,7 +247,7 @@ class FastItems:
     norms_at: int | None = None  # float16 column of n_v (then r_v, then κ_v with a bias); None: no bound columns
     aux_scales: tuple[float, ...] = ()  # β_n, β_r (, β_κ): the bound columns' scales
     aux_max: tuple[float, ...] = ()  # the bound columns' largest values, unscaled (as rounded up)
-    # Items far from the origin: c, (dot_dim,) float32 on the backend, the point the dot part is rounded about (its
+    # Items far from the origin: c, (dot_dim,) float32 on the host, the point the dot part is rounded about (its
     # columns hold fl16(β·(x - c))); None: about the origin. Then max_norm and max_resid are X' and ΔX' of x - c,
     # full_max_norm is X (of x itself), and the bound columns, where there are any, hold n'_v, r'_v and n_v.
     centre: Any = None
@@ -294,13 +277,13 @@ class FastItems:
         return self.width
 
 
-def prepare_items(xp: Any, items: Any, bias_col: int | None = None) -> FastItems:
+def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any = None) -> FastItems:
     """items: (n_items, D) float32 prepared vectors (arrays of module ``xp``) -> FastItems.
 
     bias_col: the column where items hold a bias c_v and users 1 (``metrics.bias_column``), every column after it
-    zero; None: every column is a dot column. Without a bias, a catalogue that lies far from the origin (its mean at
-    least as long as the median item's distance from it) is rounded about its centre (the module docstring's "Items
-    far from the origin")."""
+    zero; None: every column is a dot column. centre: None, or (without a bias) a host float32 point of the dot part
+    to round the rows about (``metrics.far_centre`` of a catalogue far from the origin: the module docstring's
+    "Items far from the origin"); any point keeps the bound, a near one keeps it tight."""
     n, width = int(items.shape[0]), int(items.shape[1])
     dot_dim = width if bias_col is None else int(bias_col)
     dot = items[:, :dot_dim]
@@ -312,11 +295,14 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None) -> FastItems
     max_norm = float(norms.max())
     median = float(xp.median(norms[::max(1, n // _MEDIAN_SAMPLE)]))
     biased = bias_col is not None
-    centre = None if biased else _far_centre(xp, dot)
+    if centre is not None:
+        if biased:
+            raise ValueError("a centre is for rows without a bias column")
+        centre = np.asarray(centre, dtype=np.float32).reshape(dot_dim)
     full = norms  # n_v of the vectors themselves (the float32 scores' error); the rounded rows' own where centred
     if centre is not None:
         # The rows rounded are x - c: their norms n'_v, largest component and spread replace the rows' own.
-        c64 = centre.astype(xp.float64)
+        c64 = xp.asarray(centre, dtype=xp.float64)
         norms = xp.empty(n, dtype=xp.float64)
         maxabs = 0.0
         for a, b in _blocks(n, dot_dim):
@@ -436,7 +422,7 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
     if items.centre is not None:
         # The dot part was rounded about c: the GEMM scores y·(x - c), and y·c, the same for every item, comes back
         # through the offset; a shift asked for in scores of y·x is one of y·(x - c) less y·c.
-        c64 = items.centre.astype(xp.float64)
+        c64 = xp.asarray(items.centre, dtype=xp.float64)
         y64 = dot.astype(xp.float64)
         yc, yc_abs = y64 @ c64, xp.abs(y64) @ xp.abs(c64)
         if shift is not None:

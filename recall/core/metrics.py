@@ -5,7 +5,7 @@
 - ``l2``: ranked by -||u - v||², which for a fixed user orders items like u·v - ||v||²/2. Items become
   ``[v, -||v||²/2, 0…]`` and users ``[u, 1, 0…]`` (zero-padded to a multiple of 4 so rows stay 16-byte aligned);
   the reported score is recovered as ``2·s - ||u||²``. Vectors far from the origin are first moved near it, both
-  sides by the same point (:func:`l2_centre`, applied by the engine): the distances are unchanged.
+  sides by the same point (:func:`far_centre`, applied by the engine): the distances are unchanged.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0, norms_of: Call
     return xp.divide(vecs, norms[:, None], out=xp.empty(vecs.shape, dtype=xp.float32), dtype=xp.float64)
 
 
-#: The l2 centre (:func:`l2_centre`) is taken from the catalogue's first rows, at most this many: a function of the
+#: The centre (:func:`far_centre`) is taken from the catalogue's first rows, at most this many: a function of the
 #: rows every engine over a part of the catalogue can be given, and cheap.
 CENTRE_ROWS = 4096
 #: Items whose mean lies more than this many times their spread (root mean square distance to the mean) from the
@@ -130,10 +130,11 @@ CENTRE_ROWS = 4096
 FAR = 8.0
 
 
-def l2_centre(items: np.ndarray) -> np.ndarray | None:
-    """The point ``l2`` subtracts from items and users before scoring, from the first CENTRE_ROWS rows of host
-    ``items`` (n, dim): their mean, where it lies more than FAR times the rows' spread from the origin; None where it
-    does not (or a row is not finite: the checks name it).
+def far_centre(items: np.ndarray, far: float = FAR) -> np.ndarray | None:
+    """The point ``l2`` subtracts from items and users before scoring, and fast mode's float16 rows of ``ip`` and
+    ``cosine`` items are rounded about (``recall.core.certificate``, "Items far from the origin"), from the first
+    CENTRE_ROWS rows of host ``items`` (n, dim): their mean, where it lies more than ``far`` (FAR) times the rows'
+    spread from the origin; None where it does not (or a row is not finite: the checks name it).
 
     -||u - v||² is the same for (u - c, v - c): the ranking and the scores are the metric's, with the digits of
     the distances kept. Each coordinate of the mean is rounded to a multiple of the largest power of two not above
@@ -147,7 +148,7 @@ def l2_centre(items: np.ndarray) -> np.ndarray | None:
         return None
     mean = rows.mean(axis=0)
     spread = np.sqrt(((rows - mean) ** 2).sum(axis=1).mean())
-    if not np.linalg.norm(mean) > FAR * spread:
+    if not np.linalg.norm(mean) > far * spread:
         return None
     std = rows.std(axis=0)
     quantum = np.ones_like(std)

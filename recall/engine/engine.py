@@ -169,7 +169,7 @@ class Engine:
             if centre != "auto":
                 raise InputError(f"l2_centre: expected 'auto', None or a vector, got {centre!r}")
             if self.metric == "l2":
-                self.l2_centre = metrics.l2_centre(first_rows())
+                self.l2_centre = metrics.far_centre(first_rows())
         elif centre is not None and self.metric == "l2":
             vec = np.asarray(centre)
             if vec.shape != (dim,) or vec.dtype.kind not in "fiu" or not np.isfinite(vec).all():

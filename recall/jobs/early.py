@@ -242,7 +242,7 @@ class EarlyStart:
             # Every part is moved by the whole catalogue's centre (the full engine's, from the same first rows), so
             # that the parts' lists merge as one search's.
             backend = self._engine_args["device"]
-            self._engine_args["l2_centre"] = metrics.l2_centre(backend.to_host(matrix[:metrics.CENTRE_ROWS]))
+            self._engine_args["l2_centre"] = metrics.far_centre(backend.to_host(matrix[:metrics.CENTRE_ROWS]))
         engine = Engine(matrix[lo:hi], copy=False, **self._engine_args)  # rows that are not written again
         self._parts.append((lo, engine))
         self._lo = hi

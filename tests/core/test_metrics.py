@@ -220,20 +220,20 @@ def test_property_prepared_inner_product_ranks_like_the_metric(dim, seed, metric
 def test_l2_centre_only_far_from_the_origin():
     rng = np.random.default_rng(0)
     near = rng.standard_normal((500, 8)).astype(np.float32)
-    assert metrics.l2_centre(near) is None
-    assert metrics.l2_centre(near + 2.0) is None  # |mean| = 5.7, spread 2.8: no digits lost that matter
+    assert metrics.far_centre(near) is None
+    assert metrics.far_centre(near + 2.0) is None  # |mean| = 5.7, spread 2.8: no digits lost that matter
     far = near + np.float32(300.0)
-    c = metrics.l2_centre(far)
+    c = metrics.far_centre(far)
     assert c is not None and c.dtype == np.float32 and c.shape == (8,)
     # Each coordinate within half its quantum of the mean: the largest power of two not above its spread.
     rows = far.astype(np.float64)
     quantum = np.exp2(np.floor(np.log2(rows.std(axis=0))))
     assert (np.abs(c - rows.mean(axis=0)) <= quantum / 2).all()
     np.testing.assert_array_equal(c / quantum, np.round(c / quantum))
-    assert metrics.l2_centre(np.zeros((0, 8), np.float32)) is None
+    assert metrics.far_centre(np.zeros((0, 8), np.float32)) is None
     bad = far.copy()
     bad[3, 2] = np.nan
-    assert metrics.l2_centre(bad) is None  # the engine's checks name the row
+    assert metrics.far_centre(bad) is None  # the engine's checks name the row
 
 
 @pytest.mark.parametrize("offset", [3e3, 1e5, 1e6, 1e7, 3e7])
@@ -243,7 +243,7 @@ def test_l2_centre_keeps_integer_data_far_from_the_origin_integer_valued(offset)
     # centre rounded to 12 significant bits left 10^7 about 1,200 from it: every list of a search wrong).
     rng = np.random.default_rng(10)
     items = (rng.integers(-3, 4, (2000, 16)) + offset).astype(np.float32)
-    c = metrics.l2_centre(items)
+    c = metrics.far_centre(items)
     np.testing.assert_array_equal(c, np.round(c))
     assert np.abs(c.astype(np.float64) - offset).max() <= 1
     np.testing.assert_array_equal((items - c).astype(np.float64), items.astype(np.float64) - c.astype(np.float64))
@@ -252,7 +252,7 @@ def test_l2_centre_keeps_integer_data_far_from_the_origin_integer_valued(offset)
 def test_l2_centre_of_a_coordinate_every_row_holds_alike_is_that_value():
     items = np.full((100, 3), 5e6, np.float32)
     items[:, 0] += np.arange(100, dtype=np.float32) % 7
-    c = metrics.l2_centre(items)
+    c = metrics.far_centre(items)
     assert c[1] == c[2] == np.float32(5e6)
 
 
@@ -260,7 +260,7 @@ def test_l2_centre_is_taken_from_the_first_rows_only():
     rng = np.random.default_rng(1)
     head = (rng.standard_normal((metrics.CENTRE_ROWS, 4)) + 100).astype(np.float32)
     tail = (rng.standard_normal((50, 4)) - 5000).astype(np.float32)
-    np.testing.assert_array_equal(metrics.l2_centre(np.vstack([head, tail])), metrics.l2_centre(head))
+    np.testing.assert_array_equal(metrics.far_centre(np.vstack([head, tail])), metrics.far_centre(head))
 
 
 def test_a_float64_row_that_rounds_to_zero_in_float32_is_named_as_such() -> None:

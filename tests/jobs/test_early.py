@@ -363,7 +363,7 @@ def test_l2_far_from_the_origin_parts_share_the_centre(forced, tmp_path: Path, m
     monkeypatch.setattr(early, "Engine", lambda *a, **kw: made.append(kw.get("l2_centre")) or Engine(*a, **kw))
     summary = score_files(up, ip, tmp_path / "out.parquet", 7, metric="l2", device="cpu", batch_size=5, options=ON)
     assert summary.early_users > 0 and made
-    want = metrics.l2_centre(items)
+    want = metrics.far_centre(items)
     assert want is not None and all(np.array_equal(c, want) for c in made)
     assert (len(made) > 1) == (centre_rows < 90)
     _check(tmp_path / "out.parquet", users, items, user_ids, item_ids, 7, "l2")

@@ -162,7 +162,7 @@ def catalogue_centre(spec: JobSpec, n_items: int) -> np.ndarray | None:
         return None
     _, vectors = read_embedding_rows(spec.items_path, 0, min(n_items, metrics.CENTRE_ROWS), spec.id_col,
                                      spec.vec_col)
-    return metrics.l2_centre(vectors)
+    return metrics.far_centre(vectors)
 
 
 def scored_dim(metric: str, dim: int) -> int:
