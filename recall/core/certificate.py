@@ -60,25 +60,30 @@ D (the last term: float32 underflow, half a subnormal spacing per step). Collect
       κ_v = |c̃_v - c_v| + γ₁₆·H_v + γ₃₂·|c_v|                            (0 without a bias)
 
 (where the bias is dropped for a user, κ_v becomes max |c|·(1 + γ₃₂)). With the per-item columns, L_uv covers
-P_u·n_v + Q_u·r_v + κ_v, and
+(P_u·n_v + Q_u·r_v + κ_v)·1.01 (the users' factors are taken 1% larger, below), so that L_uv·(1 - γ₁₆) still covers
+P_u·n_v + Q_u·r_v + κ_v with room for the float64 arithmetic wherever γ₁₆ <= (1 - 1/1.01)/2 (rows of at most 20,000
+float16 columns; wider ones take no bound columns): the bound columns pay for their own accumulation term γ₁₆·L_uv,
+and::
 
-    f_v <= t/(αβ) - A_u + R_u,   R_u = γ₁₆·(|A_u| + max_v L_uv) + D·2^-149
+    f_v <= t/(αβ) - A_u + R_u,   R_u = γ₁₆·|A_u| + D·2^-149
 
-so every item's score carries its own bound and what is left, R_u, is tiny. Without them (or for a user whose
-factors would not fit float16's range, or whose bias is dropped), L = 0 and n_v, r_v, κ_v are replaced by their
-maxima X, ΔX, K over the items: ``E_u = P_u·X + Q_u·ΔX + K + γ₁₆·|A_u| + D·2^-149``. ``FastUsers.bound`` holds R_u
-or E_u, taken 1% larger (the factors P_u, Q_u too, before rounding up), which covers the float64 arithmetic of the
-bound and of the test below (relative errors near 2^-50, against terms never below 2^-30 of the magnitudes
-involved).
+so every item's score carries its own bound and what is left, R_u, is tiny (it used to hold γ₁₆·max_v L_uv, the
+accumulation term of the catalogue's largest bound column: under l2 with a few items of norms 10,000 times the
+median, larger than the gaps between a user's scores). Without them (or for a user whose factors would not fit
+float16's range, or whose bias is dropped), L = 0 and n_v, r_v, κ_v are replaced by their maxima X, ΔX, K over the
+items: ``E_u = P_u·X + Q_u·ΔX + K + γ₁₆·|A_u| + D·2^-149``. ``FastUsers.bound`` holds R_u or E_u, taken 1% larger
+(the factors P_u, Q_u too, before rounding up), which covers the float64 arithmetic of the bound and of the test
+below (relative errors near 2^-50, against terms never below 2^-30 of the magnitudes involved).
 
 Items far from the origin
 -------------------------
-Where a catalogue without a bias lies far from the origin (``metrics.far_centre``: its mean more than 8 times its
-spread from it, ``recall.bench.workloads``' ``offset=``), the rows' own rounding, 2^-11 of |x|, swamps the spread
-that orders a user's scores, and no bound through |x| certifies anyone. The dot part is then rounded about c:
-``x̃ = fl16(β·(x - c))`` (c in float32, x - c in float64, within 2^-53 of each component), and n'_v = |x - c|,
-r'_v = |δx'_v| (that 2^-53·n'_v added) take the places of n_v and r_v in the input-rounding and accumulation terms.
-Since y·x = y·(x - c) + y·c, with y·c the same for every item of the user, its scores keep their order, and::
+Where a catalogue without a bias lies far from the origin (``metrics.far_centre`` at ``fast.CENTRE_FAR``: its mean
+farther from the origin than its spread; ``recall.bench.workloads``' ``offset=``), the rows' own rounding, 2^-11 of
+|x|, swamps the spread that orders a user's scores, and no bound through |x| certifies anyone. The dot part is then
+rounded about c: ``x̃ = fl16(β·(x - c))`` (c in float32, x - c in float64, within 2^-53 of each component), and n'_v
+= |x - c|, r'_v = |δx'_v| (that 2^-53·n'_v added) take the places of n_v and r_v in the input-rounding and
+accumulation terms. Since y·x = y·(x - c) + y·c, with y·c the same for every item of the user, its scores keep their
+order, and::
 
     f_v <= t/(αβ) - (A_u - y·c) + P'_u·n'_v + Q_u·r'_v + γ₃₂·|y|·n_v + γ₁₆·(|A_u| + L_uv) + D·2^-149 + ε_u
       P'_u = |δy| + γ₁₆·|a|,   ε_u = D₀·2^-52·Σ|y_i c_i| + 2^-50·(|A_u| + |y·c|)
@@ -246,7 +251,6 @@ class FastItems:
     bias_err_max: float = 0.0  # K = max κ_v
     norms_at: int | None = None  # float16 column of n_v (then r_v, then κ_v with a bias); None: no bound columns
     aux_scales: tuple[float, ...] = ()  # β_n, β_r (, β_κ): the bound columns' scales
-    aux_max: tuple[float, ...] = ()  # the bound columns' largest values, unscaled (as rounded up)
     # Items far from the origin: c, (dot_dim,) float32 on the host, the point the dot part is rounded about (its
     # columns hold fl16(β·(x - c))); None: about the origin. Then max_norm and max_resid are X' and ΔX' of x - c,
     # full_max_norm is X (of x itself), and the bound columns, where there are any, hold n'_v, r'_v and n_v.
@@ -313,6 +317,9 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
     per_item = biased or max_norm > _NORM_SPREAD * median or (
         centre is not None and centred_max > _NORM_SPREAD * float(xp.median(norms[::max(1, n // _MEDIAN_SAMPLE)])))
     n_aux = (2 + biased + (centre is not None)) if per_item else 0
+    if _width(dot_dim, 1 + (_BIAS_PARTS if biased else 0) + n_aux) * _ACC16 > (1 - 1 / _SAFETY) / 2:
+        n_aux = 0  # columns so many that half the bound columns' 1% would not pay for their own accumulation
+    per_item = n_aux > 0
     aux = 1 + (_BIAS_PARTS if biased else 0) + n_aux
     scale = float(_pow2_scale(xp, xp.asarray(maxabs)))
     vecs16 = xp.zeros((n, _width(dot_dim, aux)), dtype=xp.float16)
@@ -349,14 +356,12 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
         aux_vals.append(kappa)
         col += _BIAS_PARTS
     if per_item:
-        scales, maxima = [], []
+        scales = []
         for j, vals in enumerate(aux_vals):
             sc = float(_pow2_scale(xp, xp.asarray(float(vals.max()))))
-            col16 = _up16(xp, vals * sc)
-            vecs16[:, col + j] = col16
+            vecs16[:, col + j] = _up16(xp, vals * sc)
             scales.append(sc)
-            maxima.append(float(col16.max()) / sc)
-        fields.update(norms_at=col, aux_scales=tuple(scales), aux_max=tuple(maxima))
+        fields.update(norms_at=col, aux_scales=tuple(scales))
     return FastItems(**fields)
 
 
@@ -478,12 +483,10 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
     fits = kept
     for c in cols:
         fits = fits & (c <= _AUX_USER_MAX)  # False for inf too
-    largest = xp.zeros_like(p)
-    for j, (c, sc, top) in enumerate(zip(cols, items.aux_scales, items.aux_max)):
-        c = xp.where(fits, c, 0).astype(xp.float16)
-        out16[:, items.norms_at + j] = c
-        largest = largest + c.astype(xp.float64) * sc * top / ab
-    return alpha, offset, xp.where(fits, _SAFETY * (rest + gamma16 * largest), through_max)
+    for j, c in enumerate(cols):
+        out16[:, items.norms_at + j] = xp.where(fits, c, 0).astype(xp.float16)
+    # The columns' 1% pays for their own accumulation term (the module docstring): R_u is rest alone.
+    return alpha, offset, xp.where(fits, _SAFETY * rest, through_max)
 
 
 def _stored_upper(xp: Any, stored: Any) -> Any:

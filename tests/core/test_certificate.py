@@ -136,6 +136,29 @@ def test_items_far_from_the_origin_are_rounded_about_their_centre():
             assert metrics.far_centre(metrics.prepare_items(metric, np, items)) is None, (kind, metric)
 
 
+@pytest.mark.parametrize("half_scores", [False, True])
+def test_the_bound_columns_pay_for_their_own_accumulation(half_scores):
+    # l2 with a few items 20,000 times the others' norm: their bound columns (|v|²/2's error above all) are the
+    # catalogue's largest. Each item's score carries its own bound, 1% over, which pays for the accumulation of
+    # those columns too: what is left per user (R_u) holds no term of the largest column (it used to be γ₁₆ times
+    # it, here more than the gaps between a user's scores), and the bound still holds for every pair.
+    rng = np.random.default_rng(11)
+    items = rng.standard_normal((3000, 24)).astype(np.float32)
+    items[rng.choice(3000, 5, replace=False)] *= np.float32(20000)
+    users = rng.standard_normal((40, 24)).astype(np.float32)
+    pu, pi, fu, fi = _prepare("l2", users, items, half_scores)
+    assert fi.norms_at is not None
+    tiny = fi.prepared_width * 2.0 ** -149  # D·2^-149
+    assert np.all(fu.bound <= 1.01 * tiny * 1.0001)  # unshifted: R_u = 1.01·D·2^-149
+    upper = _upper(fu, fi, _gemm(fu, fi))
+    exact64 = pu.astype(np.float64) @ pi.astype(np.float64).T
+    assert np.all(exact64 <= upper) and np.all((pu @ pi.T).astype(np.float64) <= upper)
+    shift = exact64.max(axis=1)  # shifted: R_u = 1.01·(γ₁₆·|A_u| + D·2^-149)
+    fs = certificate.prepare_users(np, pu, fi, half_scores=half_scores, shift=shift)
+    assert np.all(fs.bound <= 1.01 * (fi.width * 2.0 ** -22 * np.abs(fs.offset) + tiny) * 1.0001)
+    assert np.all(exact64 <= _upper(fs, fi, _gemm(fs, fi)))
+
+
 def test_l2_bias_does_not_crush_the_dot_part():
     # Issue 18: l2's -|v|²/2 column used to set the one item scale, so the vectors' own components were rounded on
     # a coarse grid and the bound was r·|u|·|v| of the augmented vectors. Now the bias has its own scale and two

@@ -234,6 +234,18 @@ def test_fast_on_each_data_kind(device, kind):
     assert engine.stats["fallback_fraction"] < 0.01, engine.stats
 
 
+@pytest.mark.parametrize("k", [50, 500])
+def test_a_few_far_items_widen_no_one_under_l2(device, k):
+    # Eight items 20,000 times the others' norm: the largest bound column's accumulation term used to be every user's
+    # (about 1.7 of the squared distances here) and widened all 300; each column pays for its own now.
+    users, items = normal_data(300, 8000, 48, seed=17)
+    items[np.random.default_rng(17).choice(8000, 8, replace=False)] *= np.float32(20000)
+    engine = Engine(items, metric="l2", device=device, precision="fast", options=emulated(fast_sample=0))
+    got = engine.search(users, k)
+    oracle.assert_same_result(got, Engine(items, metric="l2", device=device).search(users, k))
+    assert engine.stats["widened_users"] == 0 and engine.stats["fallback_users"] == 0, engine.stats
+
+
 @pytest.fixture
 def float16_tiles(monkeypatch):
     """The CPU backend with the GPU's float16 score tiles: fast mode's GEMM result scaled by output_scale and

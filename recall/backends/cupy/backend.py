@@ -409,7 +409,6 @@ class CupyBackend:
         if n:
             t = user_terms(items)
             sc = (*items.aux_scales, 1.0, 1.0, 1.0)[:3]
-            top = (*items.aux_max, 0.0, 0.0, 0.0)[:3]
             kernel = kernels.fast16_module().get_function("recall_prepare_users")
             at = [-1 if c is None else c for c in (items.shift_at, items.bias_at, items.norms_at)]
             # (Without a shift the kernel reads none: any float64 array stands in for the pointer.)
@@ -421,7 +420,7 @@ class CupyBackend:
                     *(np.float64(t[name]) for name in ("beta", "cap_bias", "bias_scale", "gamma16", "gamma32", "rest0",
                                                        "max_norm", "max_resid", "bias_err_max", "bias_max", "safety",
                                                        "aux_user_max", "shift_item", "shift_user_max")),
-                    np.int32(t["shift_room"]), *(np.float64(x) for x in (*sc, *top)), alpha, offset, bound))
+                    np.int32(t["shift_room"]), *(np.float64(x) for x in sc), alpha, offset, bound))
         return FastUsers(vecs16, alpha, offset, bound, half_scores)
 
     def fused_applies(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,

@@ -65,8 +65,7 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
                      double beta, double cap_bias, double bias_scale, double gamma16, double gamma32, double rest0,
                      double max_norm, double max_resid, double bias_err_max, double bias_max, double safety,
                      double aux_user_max, double shift_item, double shift_user_max, int shift_room, double sc0,
-                     double sc1, double sc2, double top0, double top1, double top2,
-                     double* __restrict__ alpha_out, double* __restrict__ offset_out, double* __restrict__ bound_out) {
+                     double sc1, double sc2, double* __restrict__ alpha_out, double* __restrict__ offset_out, double* __restrict__ bound_out) {
     const int lane = threadIdx.x & 31;
     const int first = (blockIdx.x * 8 + (int)(threadIdx.x >> 5)) * 32;
     if (first >= n) return;  // the whole warp
@@ -153,7 +152,7 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
         bound_out[u] = through_max;
         return;
     }
-    const double factor[3] = {p, q, 1.0}, sc[3] = {sc0, sc1, sc2}, top[3] = {top0, top1, top2};
+    const double factor[3] = {p, q, 1.0}, sc[3] = {sc0, sc1, sc2};
     unsigned short col[3] = {0, 0, 0};
     bool fits = kept;
 #pragma unroll
@@ -163,16 +162,12 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
             fits = fits && fast16_f64(col[j]) <= aux_user_max;
         }
     }
-    double largest = 0.0;
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-        if (j < n_aux) {
-            const unsigned short c = fits ? col[j] : (unsigned short)0;
-            out[norms_at + j] = c;
-            largest = largest + fast16_f64(c) * sc[j] * top[j] / ab;
-        }
+        if (j < n_aux) out[norms_at + j] = fits ? col[j] : (unsigned short)0;
     }
-    bound_out[u] = fits ? safety * (rest + gamma16 * largest) : through_max;
+    // The columns' 1% pays for their own accumulation term (certificate's docstring): R_u is rest alone.
+    bound_out[u] = fits ? safety * rest : through_max;
 }
 
 // One more than the last column in which some row of `h` (n rows of w float16, C order) holds a value other than

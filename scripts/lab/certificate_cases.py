@@ -1,11 +1,12 @@
-"""Fast mode on data far from the origin (``recall.bench.workloads``' ``offset=``), on the CPU's emulation of the
-GPU's arithmetic: per case the users widened and fallen back to an exact search, and whether the answer is exact
-mode's bit for bit. Every search takes the float16 pass (no probe, no size rule), so that the certificate is what is
-measured.
+"""Fast mode's certificate on chosen data, on the CPU's emulation of the GPU's arithmetic: per case the users
+widened and fallen back to an exact search, and whether the answer is exact mode's bit for bit. Every search takes
+the float16 pass (no probe, no size rule), so that the certificate is what is measured. Sets of cases: ``far``, data
+far from the origin (``recall.bench.workloads``' ``offset=``); ``heavy``, heavy-tailed item norms.
 
 Run from the project root::
 
-    PYTHONPATH=. python3 scripts/lab/far_origin.py [--users 3000] [--items 30000] [--json out.json]
+    PYTHONPATH=. python3 scripts/lab/certificate_cases.py [--set far] [--users 3000] [--items 30000] [--seed 0]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -17,15 +18,21 @@ import numpy as np
 from recall import Engine, EngineOptions
 from recall.bench.workloads import generate
 
-CASES = (("normal:offset=3", "ip", 64, 10), ("normal:offset=30", "ip", 64, 100), ("normal:offset=300", "ip", 64, 10),
+FAR = (("normal:offset=3", "ip", 64, 10), ("normal:offset=30", "ip", 64, 100), ("normal:offset=300", "ip", 64, 10),
          ("normal:offset=300", "ip", 256, 100), ("skewed:offset=30", "ip", 32, 50), ("int8:offset=50", "ip", 96, 50),
          ("normal:offset=3", "cosine", 64, 10), ("clustered:offset=10", "cosine", 128, 20),
          ("normal:offset=30", "cosine", 64, 10), ("normal:offset=300", "cosine", 64, 10), ("skewed", "ip", 64, 10),
          ("clustered", "cosine", 64, 50))
+HEAVY = (("normal:pareto_alpha=1.5", "l2", 64, 1000), ("normal:pareto_alpha=1.5", "l2", 256, 50),
+         ("skewed:user_sigma=2,item_sigma=1.5", "l2", 256, 50), ("popular", "ip", 64, 100), ("skewed", "l2", 32, 50),
+         ("normal:pareto_alpha=1.5", "ip", 64, 100), ("normal:item_sigma=1", "ip", 128, 10))
+SETS = {"far": FAR, "heavy": HEAVY}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--set", choices=sorted(SETS), default="far")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--users", type=int, default=3000)
     p.add_argument("--items", type=int, default=30_000)
     p.add_argument("--json", default=None)
@@ -34,8 +41,8 @@ def main() -> None:
     rows = []
     print(f"| case ({a.users:,} users x {a.items:,} items) | k | widened | fell back | equal to exact mode |")
     print("| --- | ---: | ---: | ---: | --- |")
-    for spec, metric, dim, k in CASES:
-        users, items = generate(spec, a.users, a.items, dim, seed=0)
+    for spec, metric, dim, k in SETS[a.set]:
+        users, items = generate(spec, a.users, a.items, dim, seed=a.seed)
         engine = Engine(items, metric=metric, device="cpu", precision="fast", options=options)
         got = engine.search(users, k)
         want = Engine(items, metric=metric, device="cpu").search(users, k)
@@ -47,7 +54,7 @@ def main() -> None:
               f"{'bit for bit' if same else 'NO'} |", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"users": a.users, "items": a.items, "rows": rows}, f, indent=1)
+            json.dump({"set": a.set, "users": a.users, "items": a.items, "seed": a.seed, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
