@@ -77,13 +77,12 @@ below (relative errors near 2^-50, against terms never below 2^-30 of the magnit
 
 Items far from the origin
 -------------------------
-Where a catalogue without a bias lies far from the origin (``metrics.far_centre`` at ``fast.CENTRE_FAR``: its mean
-farther from the origin than its spread; ``recall.bench.workloads``' ``offset=``), the rows' own rounding, 2^-11 of
-|x|, swamps the spread that orders a user's scores, and no bound through |x| certifies anyone. The dot part is then
-rounded about c: ``x̃ = fl16(β·(x - c))`` (c in float32, x - c in float64, within 2^-53 of each component), and n'_v
-= |x - c|, r'_v = |δx'_v| (that 2^-53·n'_v added) take the places of n_v and r_v in the input-rounding and
-accumulation terms. Since y·x = y·(x - c) + y·c, with y·c the same for every item of the user, its scores keep their
-order, and::
+Where a catalogue without a bias lies far from the origin (``metrics.far_centre``, l2's rule: its mean more than 8
+times its spread from it; ``recall.bench.workloads``' ``offset=``), the rows' own rounding, 2^-11 of |x|, swamps the
+spread that orders a user's scores, and no bound through |x| certifies anyone. The dot part is then rounded about c:
+``x̃ = fl16(β·(x - c))`` (c in float32, x - c in float64, within 2^-53 of each component), and n'_v = |x - c|, r'_v
+= |δx'_v| (that 2^-53·n'_v added) take the places of n_v and r_v in the input-rounding and accumulation terms. Since
+y·x = y·(x - c) + y·c, with y·c the same for every item of the user, its scores keep their order, and::
 
     f_v <= t/(αβ) - (A_u - y·c) + P'_u·n'_v + Q_u·r'_v + γ₃₂·|y|·n_v + γ₁₆·(|A_u| + L_uv) + D·2^-149 + ε_u
       P'_u = |δy| + γ₁₆·|a|,   ε_u = D₀·2^-52·Σ|y_i c_i| + 2^-50·(|A_u| + |y·c|)

@@ -207,13 +207,6 @@ NARROW_MISS = 0.001
 #: float16 tiles round them least (on clustered data at d = 256, 3% of first certificates fail instead of 80%). The
 #: cost: a float32 GEMM of the users against 1,024 items, about 0.1% of a search of a million items.
 SHIFT_ITEMS = 1024
-#: ip and cosine items whose mean lies more than this many times their spread from the origin are rounded about it
-#: for the float16 passes (``metrics.far_centre``; ``certificate``'s "Items far from the origin"): l2's own rule
-#: (metrics.FAR, 8) waits for the float32 products to lose digits, while float16's 2^-11 loses them much sooner. On
-#: the CPU's emulation (3,000 x 30,000, 2026-12-07, docs/benchmarks.md) cosine ``clustered:offset=10`` at d = 128
-#: (a ratio under 8) widened every user about the origin and 7 about the centre. No bench data kind about the
-#: origin comes near 1 (under 0.1).
-CENTRE_FAR = 1.0
 #: Users per block of that GEMM: (16,384 x 1,024) float32 scores are 64 MiB.
 _SHIFT_BLOCK = 16_384
 
@@ -240,9 +233,13 @@ def _state(engine: Any) -> FastState:
     if engine._fast is None:
         backend = engine.backend
         bias_col = metrics.bias_column(engine.metric, engine.dim)
-        # ip and cosine rows far from the origin are rounded about their centre (l2's were moved by it already).
+        # ip and cosine rows far from the origin are rounded about their centre, by l2's own rule (l2's rows were
+        # moved by it already). A lower ratio would help the certificate sooner (on the CPU's emulation cosine
+        # ``clustered:offset=10`` at d = 128, a ratio of 7.8, widened every user about the origin, 7 about its mean,
+        # docs/benchmarks.md), but the GPU prepares such users by the array operations, not fast16.cu's one launch,
+        # and that cost is not yet measured: only catalogues whose certificates fail wholesale take it.
         centre = None if bias_col is not None else metrics.far_centre(
-            backend.to_host(engine.prepared_items[:metrics.CENTRE_ROWS]), CENTRE_FAR)
+            backend.to_host(engine.prepared_items[:metrics.CENTRE_ROWS]))
         fast_items = certificate.prepare_items(backend.xp, engine.prepared_items, bias_col, centre)
         # Under l2 a small catalogue's float16 passes sample half their rows nearest the centroid
         # (CENTROID_MAX_ITEMS, metrics.centroid_ranks), from the exact prepared vectors.
