@@ -65,7 +65,8 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
                      double beta, double cap_bias, double bias_scale, double gamma16, double gamma32, double rest0,
                      double max_norm, double max_resid, double bias_err_max, double bias_max, double safety,
                      double aux_user_max, double shift_item, double shift_user_max, int shift_room, double sc0,
-                     double sc1, double sc2, double* __restrict__ alpha_out, double* __restrict__ offset_out, double* __restrict__ bound_out) {
+                     double sc1, double sc2,
+                     double* __restrict__ alpha_out, double* __restrict__ offset_out, double* __restrict__ bound_out) {
     const int lane = threadIdx.x & 31;
     const int first = (blockIdx.x * 8 + (int)(threadIdx.x >> 5)) * 32;
     if (first >= n) return;  // the whole warp
