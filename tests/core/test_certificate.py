@@ -61,9 +61,16 @@ def test_bound_holds_for_every_pair(metric, half_scores, seed, scale, dim, sprea
     assume(np.linalg.norm(users.astype(np.float64), axis=1).max()
            * np.linalg.norm(items.astype(np.float64), axis=1).max() < 1e36)
     pu, pi, fu0, fi = _prepare(metric, users, items, half_scores)
+    _assert_bound_holds(rng, pu, pi, fu0, fi, half_scores, shifted)
+
+
+def _assert_bound_holds(rng, pu, pi, fu0, fi, half_scores, shifted):
+    """Every (user, item)'s float64 and float32 score at or below the bound from its tile score, unshifted (``fu0``)
+    or shifted as the engine shifts: by a real score of each user (here one of a random item's)."""
     shift = None
-    if shifted:  # as the engine shifts: by a real score of each user (here one of a random item's)
-        shift = (pu.astype(np.float64) @ pi[rng.integers(0, 200, 30)].astype(np.float64).T).diagonal().copy()
+    if shifted:
+        shift = (pu.astype(np.float64) @ pi[rng.integers(0, pi.shape[0], pu.shape[0])].astype(np.float64).T)
+        shift = shift.diagonal().copy()
     fu = certificate.prepare_users(np, pu, fi, half_scores=half_scores, shift=shift) if shifted else fu0
     upper = _upper(fu, fi, _gemm(fu, fi))
     exact64 = pu.astype(np.float64) @ pi.astype(np.float64).T
@@ -100,15 +107,7 @@ def test_bound_holds_for_items_far_from_the_origin(metric, half_scores, seed, of
     assume(centre is not None and np.isfinite(centre).all())
     pu, pi, fu0, fi = _prepare(metric, users, items, half_scores, centre=centre)
     assert fi.centre is not None
-    shift = None
-    if shifted:
-        shift = (pu.astype(np.float64) @ pi[rng.integers(0, 200, 30)].astype(np.float64).T).diagonal().copy()
-    fu = certificate.prepare_users(np, pu, fi, half_scores=half_scores, shift=shift) if shifted else fu0
-    upper = _upper(fu, fi, _gemm(fu, fi))
-    exact64 = pu.astype(np.float64) @ pi.astype(np.float64).T
-    exact32 = (pu @ pi.T).astype(np.float64)
-    assert np.all(exact64 <= upper)
-    assert np.all(exact32 <= upper)
+    _assert_bound_holds(rng, pu, pi, fu0, fi, half_scores, shifted)
 
 
 def test_items_far_from_the_origin_are_rounded_about_their_centre():
