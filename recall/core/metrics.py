@@ -126,7 +126,8 @@ def _normalise(xp: Any, vecs: Any, what: str, first_row: int = 0, norms_of: Call
 CENTRE_ROWS = 4096
 #: Items whose mean lies more than this many times their spread (root mean square distance to the mean) from the
 #: origin are centred under l2: there the float32 products u·v and |v|²/2 are that ratio squared times larger than
-#: the distances that tell the items apart, and lose their digits (at 1,000 times, every list is wrong).
+#: the distances that tell the items apart, and lose their digits (at 1,000 times, every list is wrong). Fast mode
+#: rounds ip and cosine items so far out about the same point (their float16 rows lose the digits far sooner).
 FAR = 8.0
 
 
