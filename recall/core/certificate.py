@@ -441,10 +441,10 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         alpha = xp.minimum(alpha, xp.ldexp(xp.ones_like(alpha), xp.minimum(room, 1000)))
     ab = alpha * items.scale
     norm, resid, norm16 = _round16(xp, dot, alpha[:, None], out16[:, :items.dot_dim])
-    p = resid + gamma16 * norm16 + gamma32 * norm  # the factor of n_v
+    p = resid + gamma16 * norm16  # the factor of n_v; centred, of n'_v (the float32 scores' γ₃₂·|y| goes with n_v)
+    if yc is None:
+        p = p + gamma32 * norm
     q = norm + resid + gamma16 * norm16  # the factor of r_v
-    if yc is not None:
-        p = resid + gamma16 * norm16  # the factor of n'_v; the float32 scores' γ₃₂·|y| goes with n_v
     # Float32 scores of tiny vectors underflow: each of the D steps may also lose half of float32's smallest
     # subnormal spacing, 2^-149, absolutely.
     rest = xp.full(norm.shape, terms["rest0"])
