@@ -242,7 +242,11 @@ def test_a_few_far_items_widen_no_one_under_l2(device, k):
     items[np.random.default_rng(17).choice(8000, 8, replace=False)] *= np.float32(20000)
     engine = Engine(items, metric="l2", device=device, precision="fast", options=emulated(fast_sample=0))
     got = engine.search(users, k)
-    oracle.assert_same_result(got, Engine(items, metric="l2", device=device).search(users, k))
+    want = Engine(items, metric="l2", device=device).search(users, k)
+    # Fast mode's float32 sums need not be exact mode's bit for bit on the GPU (the summation order differs): the
+    # answer is checked as test_fast_on_each_data_kind checks it.
+    oracle.assert_topk_close(as_numpy(got.indices), as_numpy(got.scores), users, items, k, "l2")
+    np.testing.assert_allclose(as_numpy(got.scores), as_numpy(want.scores), rtol=1e-5, atol=1e-5)
     assert engine.stats["widened_users"] == 0 and engine.stats["fallback_users"] == 0, engine.stats
 
 
