@@ -145,11 +145,6 @@ def test_one_user_search_is_certified_or_searched_again_with_the_ordered_sums():
     assert (res.scores[0] == res.scores[0, 0]).all()
 
 
-def _blas_depth() -> int:
-    numpy_backend._deeper_than_blas_panels(ordered.PROBED_FROM + 1)  # probed once, at one BLAS thread
-    return numpy_backend._blas_depth
-
-
 def _blocked(users: np.ndarray, items: np.ndarray) -> np.ndarray:
     """users (n, D) @ items (w, D).T as one product of BLAS's blocked kernels at one thread (rows repeated up to a
     product no other kernel takes)."""
@@ -173,20 +168,77 @@ def test_every_product_is_the_cpu_score_whatever_its_shape(dim, shape):
     items = rng.standard_normal((w, dim)).astype(np.float32)
     out = np.empty((1, n, w), np.float32)
     NumpyBackend().gemm_strided_batched(users[None], items[None], out)
-    if dim <= _blas_depth():
+    if numpy_backend._how_blas_sums(dim) != "blocked":
         want = ordered_dots(users, np.broadcast_to(items, (n, w, dim)))
     else:
         want = _blocked(users, items)
     np.testing.assert_array_equal(out[0], want)
 
 
-def test_blas_depth_is_where_blas_stops_summing_in_order():
-    depth = _blas_depth()
-    assert ordered.PROBED_FROM <= depth <= ordered.DEPTH_CAP
-    with threadpool_limits(1, "blas"):
-        assert ordered._blas_equals_ordered(depth)
-        if depth < ordered.DEPTH_CAP:
-            assert not ordered._blas_equals_ordered(depth + 1)
+_MATMUL = np.matmul  # (the tests below replace NumPy's while they run)
+
+
+def _reversed_sums(users, items_t):
+    """users @ items_t with every score summed from the last dimension to the first: another order, the same for every
+    place in the product."""
+    out = np.zeros(users.shape[:-1] + items_t.shape[-1:], np.float32)
+    for d in range(users.shape[-1] - 1, -1, -1):
+        out = ordered.fma32(users[..., d:d + 1], items_t[..., d:d + 1, :], out)
+    return out
+
+
+def _placed_sums(users, items_t):
+    """The ordered sums but for every third item of every row, reversed: an order that depends on the place."""
+    out = _MATMUL(users, items_t)
+    rev = _reversed_sums(users, items_t)
+    out[..., ::3] = rev[..., ::3]
+    return out
+
+
+@pytest.mark.parametrize("blas, want", [(None, None), (_reversed_sums, "blocked"), (_placed_sums, "placed")])
+def test_blas_sums_tells_how_blas_sums(monkeypatch, blas, want):
+    # The probe against BLASes of each kind: this machine's (its blocked kernels are the ordered sums at d = 4 on
+    # every x86 kernel seen: a product of 4 dimensions in order is one FMA chain), one summing in another order
+    # everywhere, one whose order depends on the place.
+    if blas is None:
+        with threadpool_limits(1, "blas"):
+            assert ordered.blas_sums(4) == "ordered"
+        return
+    def matmul(a, b, out=None):
+        got = blas(a, b) if a.ndim >= 2 and b.ndim >= 2 and a.shape[-2] > 1 else _MATMUL(a, b)
+        if out is None:
+            return got
+        out[...] = got
+        return out
+
+    monkeypatch.setattr(ordered.np, "matmul", matmul)
+    for dim in (8, 64, 300):
+        assert ordered.blas_sums(dim) == want, dim
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_scores_are_one_sum_where_blas_sums_by_place(monkeypatch, metric):
+    # Where BLAS's sums depend on the place (OpenBLAS's Haswell kernels on an AMD EPYC: 18 tests of this file failed
+    # there before the probe), every product is the ordered kernel's: identical items score alike and tie by row, a
+    # user alone scores as in a block, the re-scoring's scores are the search's. Forced here for every dimension.
+    monkeypatch.setattr(numpy_backend, "_blas_sums", {d: "placed" for d in range(1, 4096)})
+    rng = np.random.default_rng(21)
+    items = _duplicated(rng, 3000, 48)
+    users = rng.standard_normal((64, 48)).astype(np.float32)
+    out = np.empty((1, 64, 6000), np.float32)  # 18M multiply-adds: BLAS's, where it sums in order
+    NumpyBackend().gemm_strided_batched(users[None], items[None], out)
+    np.testing.assert_array_equal(out[0], ordered_dots(users, np.broadcast_to(items, (64, 6000, 48))))
+    engine = Engine(items, metric=metric, device="cpu")
+    block = engine.search(users, 60)
+    _copies_follow_originals(block.indices, block.scores, 3000)
+    alone = engine.search(users[5:6], 60)
+    np.testing.assert_array_equal(alone.indices[0], block.indices[5])
+    np.testing.assert_array_equal(alone.scores[0], block.scores[5])
+    again = engine.rescore(users, [block.indices[u][::-1] for u in range(64)], 60)
+    for u in range(64):
+        score = dict(zip(block.indices[u].tolist(), block.scores[u].tolist()))
+        for r, v in zip(again.indices[u], again.scores[u]):
+            assert score[int(r)] == v
 
 
 @pytest.mark.parametrize("metric", ["ip", "l2"])

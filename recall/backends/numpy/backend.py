@@ -25,7 +25,7 @@ from ...core.tiling import TilePlan
 from .. import candidates, tiled
 from ..protocol import PASS_SHARE
 from . import heap
-from .ordered import PROBED_FROM, SMALL_OUTPUTS, blas_depth, blas_products, ordered_products
+from .ordered import SMALL_OUTPUTS, blas_products, blas_sums, ordered_products
 
 # Tilings `recall tune` tries on the CPU: score tiles (4 bytes a score) of 256 KiB - 4 MiB bracket a core's L2.
 _TUNE_USERS = (128, 256, 512, 1024)
@@ -96,8 +96,9 @@ SMALL_PRODUCT = 1 << 18
 ``ordered.ordered_products``, larger ones by BLAS. Every score is then the same float32 sum of its user and item
 wherever it is computed (identical items score alike, and the tie rule holds between them; the re-scoring's scores
 are the search's): BLAS's blocked kernels add the dimensions in order, one FMA each, as the ordered products do (up
-to the depth of their panels: ``ordered.blas_depth``; deeper rows take BLAS's blocked sums everywhere,
-``ordered.blas_products``), while its matrix-vector kernel (one row) and its small-matrix kernels (OpenBLAS 0.3.31 on
+to the depth of their panels: ``ordered.blas_sums``; deeper rows take BLAS's blocked sums everywhere,
+``ordered.blas_products``, and where its sums depend on the score's place every product is the ordered kernel's),
+while its matrix-vector kernel (one row) and its small-matrix kernels (OpenBLAS 0.3.31 on
 the development machine: products of up to 1,200 scores and 10^6 multiply-adds, and of up to 32,768 multiply-adds)
 sum in an order that depends on the item's place in the product (docs/reference.md, "Scores"). The ordered kernel
 runs at about 3.9 G multiply-adds a second on a core of the development machine, against BLAS's matrix-vector
@@ -208,19 +209,16 @@ def _one_blas_thread() -> Any:
                 limiter.restore_original_limits()
 
 
-_blas_depth: int | None = None  # ordered.blas_depth() at one BLAS thread, once probed
+_blas_sums: dict[int, str] = {}  # dimensions -> ordered.blas_sums() at one BLAS thread, once probed
 
 
-def _deeper_than_blas_panels(dim: int) -> bool:
-    """Whether products of ``dim`` dimensions are deeper than BLAS's panels at one thread (``ordered.blas_depth``,
-    probed once, at one thread as the searches run BLAS; never for PROBED_FROM dimensions or fewer)."""
-    global _blas_depth
-    if dim <= PROBED_FROM:
-        return False
-    if _blas_depth is None:
+def _how_blas_sums(dim: int) -> str:
+    """``ordered.blas_sums(dim)`` at one thread, as the searches run BLAS; probed once per process and dimension."""
+    got = _blas_sums.get(dim)
+    if got is None:
         with _one_blas_thread():
-            _blas_depth = blas_depth()
-    return dim > _blas_depth
+            got = _blas_sums[dim] = blas_sums(dim)
+    return got
 
 
 def _after_fork_in_child() -> None:
@@ -614,12 +612,14 @@ class NumpyBackend:
             # Fast mode's arithmetic, emulated: float16 inputs, exact products, float32 accumulation.
             users, items = users.astype(np.float32), items.astype(np.float32)
         rows, width, dim = users.shape[-2], items.shape[-2], items.shape[-1]
-        if _deeper_than_blas_panels(dim):
+        sums = _how_blas_sums(dim)
+        if sums == "blocked":
             # Deeper than BLAS's panels: its blocked kernels' sums for every product (docs/reference.md, "Scores"),
             # at one thread, as a search runs them (how OpenBLAS splits the dimensions depends on its threads).
             with _one_blas_thread():
                 blas_products(users, items, out)
-        elif rows == 1 or rows * width * dim <= SMALL_PRODUCT or rows * width <= SMALL_OUTPUTS:
+        elif (sums == "placed" or rows == 1 or rows * width * dim <= SMALL_PRODUCT
+              or rows * width <= SMALL_OUTPUTS):
             ordered_products(users, items, out)
         else:
             np.matmul(users, items.transpose(0, 2, 1), out=out)

@@ -1,19 +1,20 @@
 """The fused exact kernel's float32 sums on the CPU: ``fma(u_0, v_0, 0)``, then ``fma(u_d, v_d, s)`` for every
 further dimension in order, each rounded once to float32 (round to nearest even), as ``fmaf`` does.
 
-Up to its panel depth, that is: BLAS's blocked kernels keep the dimensions of one panel in one accumulator, and a
-product of more dimensions than a panel holds (448 with OpenBLAS 0.3.31 on an AVX-512 Xeon) is summed panel by
-panel, each panel's sum added to the score. :func:`blas_depth` finds that depth; above it the CPU scores every
-product with BLAS's blocked kernels (:func:`blas_products`: rows padded where BLAS would take another
-kernel), so that every score is still one float32 sum of its user and item wherever it is computed (then not the
-GPU's in-order sum: the last bits may differ).
+The CPU's scores are these wherever BLAS's blocked kernels compute them too (:func:`blas_sums`, probed once per
+dimension): OpenBLAS on an AVX-512 Xeon keeps one accumulator per score and adds the dimensions in order, up to its
+panel depth (448); deeper, it sums panel by panel, the same way for every score, and the CPU then scores every
+product with BLAS's blocked kernels (:func:`blas_products`: rows padded where BLAS would take another kernel), so
+that every score is still one float32 sum of its user and item wherever it is computed (then not the GPU's in-order
+sum: the last bits may differ). Where BLAS's sums depend on the score's place in the product (OpenBLAS's Haswell
+kernels, which it takes on an AMD EPYC), every product is summed here, at a seventh or so of BLAS's speed.
 
 Compiled by numba around LLVM's ``llvm.fma.f32`` (a fused multiply-add, correctly rounded on every target: the
 processor's instruction where it has one). These are the sums of the GPU's fused kernel (``kernels/fused.cu``'s
 ``RecallDotTile``) bit for bit, and of BLAS's matrix products on the CPU where a product is large enough for its
-blocked kernels (OpenBLAS on x86 keeps one accumulator per score and adds the dimensions to it in order, one FMA
-each); its matrix-vector and small-matrix kernels sum in another order, which depends on the item's place in the
-product (``NumpyBackend.gemm_strided_batched`` leaves those products to :func:`ordered_products`).
+blocked kernels where :func:`blas_sums` finds them "ordered"; its matrix-vector and small-matrix kernels sum in
+another order, which depends on the item's place in the product (``NumpyBackend.gemm_strided_batched`` leaves those
+products to :func:`ordered_products`).
 """
 from __future__ import annotations
 
@@ -92,11 +93,6 @@ def ordered_dots(users: np.ndarray, vecs: np.ndarray) -> np.ndarray:
     return out.reshape(n, w)
 
 
-PROBED_FROM = 128
-"""Products of at most this many dimensions are taken to be the ordered sums where BLAS's blocked kernels compute
-them (``tests/backends/test_cpu_sums.py`` holds any BLAS to it); :func:`blas_depth` probes above."""
-DEPTH_CAP = 8192
-"""The deepest product :func:`blas_depth` probes."""
 BLOCKED_PRODUCT = 1 << 20
 """Multiply-adds above which a product of two or more rows and more than SMALL_OUTPUTS scores takes BLAS's blocked
 kernels (OpenBLAS's small-matrix kernels take products of up to 10^6)."""
@@ -112,30 +108,58 @@ def blocked_rows(n: int, w: int, dim: int) -> int:
     return max(2, n, -(-(BLOCKED_PRODUCT + 1) // max(1, w * dim)), -(-(SMALL_OUTPUTS + 1) // max(1, w)))
 
 
+def _probe_data(dim: int, rows: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """Users (1, rows, dim) and items (1, w, dim) of many exponents, so that another order of summation shows."""
+    rng = np.random.default_rng(dim)
+    users = (rng.standard_normal((1, rows, dim)) * np.exp2(rng.integers(-8, 8, (1, rows, dim)))).astype(np.float32)
+    items = (rng.standard_normal((1, w, dim)) * np.exp2(rng.integers(-8, 8, (1, w, dim)))).astype(np.float32)
+    return users, items
+
+
 def _blas_equals_ordered(dim: int) -> bool:
     """Whether BLAS's blocked product of 64 items of ``dim`` dimensions with enough rows is the ordered sums, bit for
-    bit (values of many exponents, so that another order of summation shows)."""
-    rng = np.random.default_rng(dim)
-    rows = blocked_rows(64, 64, dim)
-    users = (rng.standard_normal((1, rows, dim)) * np.exp2(rng.integers(-8, 8, (1, rows, dim)))).astype(np.float32)
-    items = (rng.standard_normal((1, 64, dim)) * np.exp2(rng.integers(-8, 8, (1, 64, dim)))).astype(np.float32)
+    bit."""
+    users, items = _probe_data(dim, blocked_rows(64, 64, dim), 64)
     by_blas = np.matmul(users, items.transpose(0, 2, 1))
     ordered = np.empty_like(by_blas)
     ordered_products(users, items, ordered)
     return bool(np.array_equal(by_blas, ordered))
 
 
-def blas_depth() -> int:
-    """The most dimensions BLAS's blocked kernels sum in order (the ordered sums, bit for bit), between PROBED_FROM
-    and DEPTH_CAP, at the number of threads BLAS has now (OpenBLAS splits the dimensions by its threads too): a
-    bisection of 64 x 64 products, tens of milliseconds. ``NumpyBackend`` probes once, at the searches' one thread."""
-    if _blas_equals_ordered(DEPTH_CAP):
-        return DEPTH_CAP
-    lo, hi = PROBED_FROM, DEPTH_CAP  # equal at lo, not at hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _blas_equals_ordered(mid) else (lo, mid)
-    return lo
+#: (first row, first item) of the windows :func:`_blas_place_free` compares with the whole product.
+_WINDOWS = ((1, 0), (0, 1), (3, 5), (8, 16), (17, 40))
+
+
+def _blas_place_free(dim: int) -> bool:
+    """Whether BLAS's blocked kernels give every score of ``dim`` dimensions the same sum wherever it lies in the
+    product: windows of a product, each at another row and item offset (:data:`_WINDOWS`), against the whole."""
+    w = 64
+    rows = blocked_rows(64, w, dim)
+    users, items = _probe_data(dim, rows + 32, w + 64)
+    whole = np.empty((1, rows + 32, w + 64), np.float32)
+    blas_products(users, items, whole)
+    for r, c in _WINDOWS:
+        part = np.empty((1, rows, w), np.float32)
+        blas_products(users[:, r:r + rows], items[:, c:c + w], part)
+        if not np.array_equal(part, whole[:, r:r + rows, c:c + w]):
+            return False
+    return True
+
+
+def blas_sums(dim: int) -> str:
+    """How BLAS's blocked kernels sum products of ``dim`` dimensions, at the number of threads BLAS has now
+    (OpenBLAS splits the dimensions by its threads too; ``NumpyBackend`` asks at the searches' one thread), from
+    products of a few hundred rows, a millisecond or so:
+
+    - ``"ordered"``: the ordered sums, bit for bit (OpenBLAS on an AVX-512 Xeon up to 448 dimensions);
+    - ``"blocked"``: another order, but the same one for every score wherever it lies in the product (that BLAS
+      deeper than its panels, which it sums panel by panel);
+    - ``"placed"``: an order that depends on the score's place in the product (OpenBLAS 0.3.31's Haswell kernels,
+      which it takes on an AMD EPYC with AVX-512: from 8 dimensions), so that neither BLAS's product nor a part of it
+      can stand for the search's scores."""
+    if _blas_equals_ordered(dim):
+        return "ordered"
+    return "blocked" if _blas_place_free(dim) else "placed"
 
 
 def blas_products(users, items, out) -> None:
