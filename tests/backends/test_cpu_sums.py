@@ -100,6 +100,24 @@ def test_ordered_products_broadcast_users_are_the_fma_chain():
         np.testing.assert_array_equal(out[t], ordered_dots(users[0], np.broadcast_to(items[t], (3, 13, 19))))
 
 
+@pytest.mark.parametrize("n, w, dim", [(4, 64, 1), (6, 1500, 7), (9, 2049, 33), (5, 64, 130)])
+def test_four_rows_at_a_time_are_the_fma_chains(n, w, dim):
+    # ordered_products' blocks of four rows (items transposed, ROW_BLOCK_ITEMS a scratch row, the compiler's vector
+    # FMAs) against each row's chains alone: the rows past the last four, items past a block, values of many
+    # exponents, products that cancel to zero.
+    rng = np.random.default_rng(n + w + dim)
+    users = (rng.standard_normal((2, n, dim)) * np.exp2(rng.integers(-20, 20, (2, n, dim)))).astype(np.float32)
+    items = (rng.standard_normal((2, w, dim)) * np.exp2(rng.integers(-20, 20, (2, w, dim)))).astype(np.float32)
+    items[:, 3] = 0
+    users[:, 1] = -users[:, 0]
+    out = np.empty((2, n, w), np.float32)
+    ordered_products(users, items, out)
+    for t in range(2):
+        want = ordered_dots(users[t], np.broadcast_to(items[t], (n, w, dim)))
+        np.testing.assert_array_equal(out[t], want)
+        assert not np.signbit(out[t][want == 0]).any()  # a chain from +0 never ends at -0
+
+
 @pytest.mark.parametrize("shape", [(1, 42, 16), (2, 42, 32), (3, 1000, 64), (64, 4096, 64), (16, 8192, 130)])
 def test_every_product_is_the_ordered_sum(shape):
     # Small products are the ordered kernel's by construction; larger ones BLAS's blocked kernels, which add the
