@@ -236,8 +236,8 @@ def _state(engine: Any) -> FastState:
         # ip and cosine rows far from the origin are rounded about their centre, by l2's own rule (l2's rows were
         # moved by it already). A lower ratio would help the certificate sooner (on the CPU's emulation cosine
         # ``clustered:offset=10`` at d = 128, a ratio of 7.8, widened every user about the origin, 7 about its mean,
-        # docs/benchmarks.md), but the GPU prepares such users by the array operations, not fast16.cu's one launch,
-        # and that cost is not yet measured: only catalogues whose certificates fail wholesale take it.
+        # docs/benchmarks.md); its cost on the GPU (fast16.cu's launch takes the centre) is measured on far
+        # catalogues only so far.
         centre = None if bias_col is not None else metrics.far_centre(
             backend.to_host(engine.prepared_items[:metrics.CENTRE_ROWS]))
         fast_items = certificate.prepare_items(backend.xp, engine.prepared_items, bias_col, centre)

@@ -241,7 +241,8 @@ def test_output_scale_keeps_every_tile_score_finite():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("metric, items_kind", [("ip", "spread"), ("ip", "normal"), ("l2", "spread"),
-                                                ("cosine", "normal"), ("ip", "exact16")])
+                                                ("cosine", "normal"), ("ip", "exact16"), ("ip", "far"),
+                                                ("cosine", "far"), ("ip", "far-spread")])
 @pytest.mark.parametrize("dim", [3, 50, 64, 300])
 @pytest.mark.parametrize("shift_kind", [None, "scores", "wild"])
 def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, shift_kind):
@@ -251,7 +252,9 @@ def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, sh
     # order of the norms' sums. Items with spread norms (bound columns), without (none), l2 (a bias, dropped for users
     # too small to carry it), items exact in float16 (no user's residual factor fits); users: a zero row, rows of
     # 1e-25 and 1e30 scale, a subnormal-free spread of magnitudes, a strided view; shifts near the scores, zero, and
-    # far beyond them (alpha capped so that sigma fits).
+    # far beyond them (alpha capped so that sigma fits). Items far from the origin, rounded about their centre (with
+    # and without bound columns): the kernel's y·c is a warp's sum, in another order than the array form's, so the
+    # offsets agree within a few float64 steps of |y|·|c| and the shift column within one float16 step.
     from recall.backends import cuda_status, resolve
 
     usable, reason = cuda_status()
@@ -264,15 +267,21 @@ def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, sh
     if items_kind == "exact16":
         items = (rng.integers(-100, 101, (n_items, dim)) * 2.0 ** rng.integers(-3, 4, (n_items, 1))).astype(np.float32)
     else:
-        spread = rng.lognormal(0, 1.5, (n_items, 1)) if items_kind == "spread" else 1.0
+        spread = rng.lognormal(0, 1.5, (n_items, 1)) if items_kind.endswith("spread") else 1.0
         items = (rng.standard_normal((n_items, dim)) * spread).astype(np.float32)
+        if items_kind.startswith("far"):
+            items += np.float32(300 if items_kind == "far-spread" else 30)
     raw = (rng.standard_normal((n, dim)) * 10.0 ** rng.uniform(-4, 4, (n, 1))).astype(np.float32)
     raw[0] = 0 if metric != "cosine" else raw[0]  # (cosine refuses a zero row)
     raw[1] *= np.float32(1e-25)
     raw[2] *= np.float32(1e30) / np.abs(raw[2]).max()
     pi = metrics.prepare_items(metric, np, items).astype(np.float32)
     pu = metrics.prepare_users(metric, np, raw).astype(np.float32)
-    fi = certificate.prepare_items(cupy, cupy.asarray(pi), metrics.bias_column(metric, dim))
+    centre = metrics.far_centre(pi) if items_kind.startswith("far") else None
+    assert (centre is not None) == items_kind.startswith("far")
+    fi = certificate.prepare_items(cupy, cupy.asarray(pi), metrics.bias_column(metric, dim), centre)
+    if items_kind == "far-spread":
+        assert fi.norms_at is not None
     wide = cupy.zeros((n, pu.shape[1] + 3), cupy.float32)
     wide[:, :pu.shape[1]] = cupy.asarray(pu)
     shift = None
@@ -288,10 +297,18 @@ def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, sh
         assert got.half_scores
         g16, w16 = (cupy.asnumpy(x.vecs16).view(np.uint16).astype(np.int64) for x in (got, want))
         aux = fi.norms_at if fi.norms_at is not None else fi.width
-        assert (g16[:, :aux] == w16[:, :aux]).all()
+        one_step = [fi.shift_at] if centre is not None else []
+        same = [c for c in range(aux) if c not in one_step]
+        assert (g16[:, same] == w16[:, same]).all()
         assert (np.abs(g16[:, aux:] - w16[:, aux:]) <= 1).all()
+        assert (np.abs(g16[:, one_step] - w16[:, one_step]) <= 1).all()
         assert (cupy.asnumpy(got.alpha) == cupy.asnumpy(want.alpha)).all()
-        assert (cupy.asnumpy(got.offset) == cupy.asnumpy(want.offset)).all()
+        if centre is None:
+            assert (cupy.asnumpy(got.offset) == cupy.asnumpy(want.offset)).all()
+        else:
+            yc_abs = np.abs(pu[:, :fi.dot_dim].astype(np.float64)) @ np.abs(centre.astype(np.float64))
+            assert (np.abs(cupy.asnumpy(got.offset) - cupy.asnumpy(want.offset)) <= 2.0 ** -40 * yc_abs
+                    + 1e-12 * np.abs(cupy.asnumpy(want.offset))).all()
         np.testing.assert_allclose(cupy.asnumpy(got.bound), cupy.asnumpy(want.bound), rtol=1e-9, atol=0)
     if fi.bias_at is None:  # (l2 caps alpha for the bias: such a row rounds to 0 there, its residual its whole norm)
         # A row of float32 subnormals is scaled up like any other, not flushed to 0 (the kernel widens exactly).

@@ -396,13 +396,11 @@ class CupyBackend:
         return vals, out, "gemm"
 
     def fast_users(self, users: Any, items: FastItems, half_scores: bool = False, shift: Any = None) -> FastUsers:
-        # One launch, a warp 32 users (kernels/fast16.cu), for float32 rows of unit column stride; else the array
-        # operations of certificate.prepare_users (also for items rounded about their centre, whose users' offsets
-        # the kernel does not take).
+        # One launch, a warp 32 users (kernels/fast16.cu), for float32 rows of unit column stride (items rounded
+        # about a centre too); else the array operations of certificate.prepare_users.
         cupy = self.xp
         n = int(users.shape[0])
-        if (users.dtype != cupy.float32 or users.ndim != 2 or (n and users.strides[1] != 4)
-                or items.centre is not None):
+        if users.dtype != cupy.float32 or users.ndim != 2 or (n and users.strides[1] != 4):
             return prepare_users(cupy, users, items, half_scores, shift)
         vecs16 = cupy.empty((n, items.width), dtype=cupy.float16)  # (the kernel writes every column)
         alpha, offset, bound = (cupy.empty(n, dtype=cupy.float64) for _ in range(3))
@@ -415,7 +413,9 @@ class CupyBackend:
             shift_d = alpha if shift is None else cupy.ascontiguousarray(shift, dtype=cupy.float64)
             kernel(((n + 255) // 256,), (256,),
                    (users, np.int64(users.strides[0] // 4), np.int32(n), np.int32(items.dot_dim), vecs16,
-                    np.int32(items.width), shift_d, np.int32(shift is not None), *(np.int32(c) for c in at),
+                    np.int32(items.width), shift_d, np.int32(shift is not None),
+                    np.uint64(0) if items.centre is None else cupy.asarray(items.centre, dtype=cupy.float64),
+                    np.float64(items.full_max_norm), *(np.int32(c) for c in at),
                     np.int32(len(items.aux_scales)),
                     *(np.float64(t[name]) for name in ("beta", "cap_bias", "bias_scale", "gamma16", "gamma32", "rest0",
                                                        "max_norm", "max_resid", "bias_err_max", "bias_max", "safety",

@@ -6,10 +6,14 @@
 //           with a shift S_u, at 2^floor(shift_room - log2 max(|S_u|, 2^-900)) (exactly, from the exponents);
 //   the dot part fl16(alpha y_i) (one rounding, from float64), and in float64 |y|, |delta y|, |a|;
 //   p, q, rest; the shift column sigma_u = fl16(clip(-S_u alpha beta / 2^15)) and offset A_u; the bias columns e_u;
-//   the bound columns' factors (rounded up to float16), or the bound through the items' maxima where they do not fit.
+//   the bound columns' factors (rounded up to float16), or the bound through the items' maxima where they do not fit;
+//   for items rounded about a centre c (float64, D0 values; null where not centred), y.c and sum |y_i c_i| as the
+//   warp's sums: the shift is taken in scores of y.(x - c), y.c comes back through the offset, and the float32
+//   scores' own error goes with |y|.|x| (its own bound column, or the items' largest norm).
 // Every float64 step is the reference's own, in its order (the module is built with --fmad=false, so that no product
-// and sum fuse), except the three norms' sums, which run in another order (relative 2^-50 or so: far inside the
-// certificate's 1% safety, certificate._SAFETY). The NumPy form on CuPy arrays cost about 75 launches a block of
+// and sum fuse), except the sums over a row (the three norms, y.c and sum |y_i c_i|), which run in another order
+// (relative 2^-50 or so: far inside the certificate's 1% safety, certificate._SAFETY; the centre's own error term,
+// D0 2^-52 sum |y_i c_i|, holds for a sum in any order). The NumPy form on CuPy arrays cost about 75 launches a block of
 // users (3.0 ms of a 22 ms search of 200k users x 64 dimensions on the H200, docs/benchmarks.md).
 #define F16_TINY 5.9604644775390625e-08  // 2^-24
 #define F16_MAX 65504.0
@@ -58,9 +62,11 @@ __device__ __forceinline__ double fast16_warp_sum(double x) {
 // columns, alpha, offset, the bound) at once. A warp a user left those steps to lane 0 alone, 31 lanes idle through
 // some 400 float64 instructions: 0.78 ms for 1M users x 64 dimensions, mostly that tail (H100, docs/benchmarks.md).
 // The columns past D0 are written here too (zeros, then the tail's own), so the caller need not zero `out16`.
-extern "C" __global__ void __launch_bounds__(256)
+// (At least 3 blocks an SM: ptxas then takes 72 registers; held to 64 for 4, it spilled 8 bytes once the centre came.)
+extern "C" __global__ void __launch_bounds__(256, 3)
 recall_prepare_users(const float* __restrict__ users, long long ustride, int n, int D0,
                      unsigned short* __restrict__ out16, int W, const double* __restrict__ shift, int shifted,
+                     const double* __restrict__ centre, double full_max_norm,
                      int shift_at, int bias_at, int norms_at, int n_aux,
                      double beta, double cap_bias, double bias_scale, double gamma16, double gamma32, double rest0,
                      double max_norm, double max_resid, double bias_err_max, double bias_max, double safety,
@@ -72,17 +78,31 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     if (first >= n) return;  // the whole warp
     const int last = min(first + 32, n);
     // This lane's user's (first + lane) sums and scale, kept as the warp passes it.
-    double my_sv = 0.0, my_se = 0.0, my_sa = 0.0, my_alpha = 1.0, my_s = 0.0;
+    double my_sv = 0.0, my_se = 0.0, my_sa = 0.0, my_alpha = 1.0, my_s = 0.0, my_yc = 0.0, my_ya = 0.0;
     for (int u = first; u < last; ++u) {
         const float* row = users + (long long)u * ustride;
         unsigned short* out = out16 + (long long)u * W;
         double mx = 0.0;  // in float64, as every step below: no float32 operation flushes a subnormal to 0 (-ftz)
-        for (int i = lane; i < D0; i += 32) mx = fmax(mx, fabs(fast16_widen(row[i])));
+        double yc = 0.0, ya = 0.0;  // y.c and sum |y_i c_i| (centred items)
+        for (int i = lane; i < D0; i += 32) {
+            const double v = fast16_widen(row[i]);
+            mx = fmax(mx, fabs(v));
+            if (centre) {
+                const double c = centre[i];
+                yc += v * c;
+                ya += fabs(v) * fabs(c);
+            }
+        }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (centre) {
+            yc = fast16_warp_sum(yc);
+            ya = fast16_warp_sum(ya);
+        }
         double alpha = mx > 0.0 ? ldexp(1.0, 13 - fast16_floor_log2(mx)) : 1.0;
         alpha = fmin(alpha, cap_bias);
-        const double s_u = shifted ? shift[u] : 0.0;
+        // A shift asked for in scores of y.x is one of y.(x - c) less y.c.
+        const double s_u = shifted ? shift[u] - yc : 0.0;
         if (shifted) {
             // floor(shift_room - log2 m) for m = max(|S_u|, 2^-900): shift_room - ceil(log2 m), capped at 1000.
             const double m = fmax(fabs(s_u), ldexp(1.0, -900));
@@ -117,6 +137,8 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
             my_sa = sa;
             my_alpha = alpha;
             my_s = s_u;
+            my_yc = yc;
+            my_ya = ya;
         }
     }
     __syncwarp();  // the zeros past D0 before the columns below
@@ -126,7 +148,9 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     const double alpha = my_alpha, s_u = my_s;
     const double ab = alpha * beta;
     const double norm = sqrt(my_sv), resid = sqrt(my_se), norm16 = sqrt(my_sa);
-    const double p = resid + gamma16 * norm16 + gamma32 * norm;  // the factor of n_v
+    // The factor of n_v; centred, of n'_v, and g = gamma32 |y| that of the vectors' own n_v (the float32 scores).
+    const double g = gamma32 * norm;
+    const double p = centre ? resid + gamma16 * norm16 : resid + gamma16 * norm16 + g;
     const double q = norm + resid + gamma16 * norm16;              // the factor of r_v
     double rest = rest0, offset = 0.0;
     if (shift_at >= 0 && shifted) {
@@ -135,6 +159,12 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
         out[shift_at] = h;
         offset = fast16_f64(h) * shift_item / ab;
         rest = rest + gamma16 * fabs(offset);
+    }
+    if (centre) {
+        // y.c in float64 within D0 2^-53 sum |y_i c_i| of its value (taken twice); A_u - y.c and the certificate's
+        // float64 steps at its magnitude round by a few 2^-53 of |A_u| + |y.c| (taken 2^-50).
+        rest = rest + D0 * 0x1p-52 * my_ya + 0x1p-50 * (fabs(offset) + fabs(my_yc));
+        offset = offset - my_yc;
     }
     bool kept = true;
     double through_bias = gamma32 * bias_max;
@@ -146,14 +176,17 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
         out[bias_at + 1] = h;
         through_bias = kept ? bias_err_max : bias_max * (1 + gamma32);
     }
-    const double through_max = safety * (p * max_norm + q * max_resid + through_bias + rest);
+    double through = p * max_norm + q * max_resid + through_bias + rest;
+    if (centre) through = through + g * full_max_norm;
+    const double through_max = safety * through;
     alpha_out[u] = alpha;
     offset_out[u] = offset;
     if (norms_at < 0) {
         bound_out[u] = through_max;
         return;
     }
-    const double factor[3] = {p, q, 1.0}, sc[3] = {sc0, sc1, sc2};
+    // The third column: the bias's (1) or, centred (never with a bias), the vectors' own norms' (g).
+    const double factor[3] = {p, q, centre ? g : 1.0}, sc[3] = {sc0, sc1, sc2};
     unsigned short col[3] = {0, 0, 0};
     bool fits = kept;
 #pragma unroll
