@@ -163,7 +163,8 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     if (centre) {
         // y.c in float64 within D0 2^-53 sum |y_i c_i| of its value (taken twice); A_u - y.c and the certificate's
         // float64 steps at its magnitude round by a few 2^-53 of |A_u| + |y.c| (taken 2^-50).
-        rest = rest + D0 * 0x1p-52 * my_ya + 0x1p-50 * (fabs(offset) + fabs(my_yc));
+        rest = rest + D0 * 2.220446049250313080847263336181640625e-16 * my_ya
+                    + 8.8817841970012523233890533447265625e-16 * (fabs(offset) + fabs(my_yc));
         offset = offset - my_yc;
     }
     bool kept = true;
