@@ -259,6 +259,36 @@ def test_scores_are_one_sum_where_blas_sums_by_place(monkeypatch, metric):
             assert score[int(r)] == v
 
 
+def test_blas_first_pass_where_blas_sums_by_place(monkeypatch):
+    # Where BLAS sums by place, a search of many users (of a catalogue of at least BLAS_FIRST_MIN_ITEMS, at k up to
+    # BLAS_FIRST_MAX_K) takes BLAS's products first, keeps 16 more than k, re-scores
+    # them with the ordered sums and searches again the users no bound certifies (101 copies of one item: its
+    # fans' lists tie past the kept ones): every list the ordered sums' own top k, ties to the lower row, with
+    # exclusions and a shared filter.
+    from recall.core import keys
+
+    monkeypatch.setattr(numpy_backend, "_blas_sums", {d: "placed" for d in range(1, 4096)})
+    rng = np.random.default_rng(23)
+    items = rng.standard_normal((20_000, 40)).astype(np.float32)
+    items[4000:4100] = items[0]
+    users = rng.standard_normal((300, 40)).astype(np.float32)
+    users[:40] = items[0] + 0.01 * users[:40]  # these users' best items: item 0 and its copies
+    exclude = {u: rng.choice(20_000, 50, replace=False).tolist() for u in range(0, 300, 7)}
+    deny = np.arange(2500, 2600)
+    engine = Engine(items, device="cpu")
+    res = engine.search(users, 30, exclude=exclude, deny=deny)
+    assert 40 <= engine.stats["blas_searched_again"] < 100, engine.stats
+    full = np.empty((1, 300, 20_000), np.float32)
+    ordered_products(users[None], items[None], full)
+    full = full[0]
+    for u, rows in exclude.items():
+        full[u, rows] = -np.inf
+    full[:, deny] = -np.inf
+    want_vals, want_rows = keys.select(np, full, np.broadcast_to(np.arange(20_000), full.shape).copy(), 30)
+    np.testing.assert_array_equal(res.indices, want_rows)
+    np.testing.assert_array_equal(res.scores, want_vals)
+
+
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 @pytest.mark.parametrize("dim", [520, 1025])
 def test_wide_rows_score_alike_in_a_block_alone_rescored_and_certified(metric, dim):

@@ -72,7 +72,7 @@ _RANKED_ARRAYS = 8
 
 class _MatrixVector:
     """A backend whose products are NumPy's as it calls BLAS (one row: the matrix-vector kernel, whose sums are
-    within the same bound as the ordered ones but not equal to them), the rest its own: ``NumpyBackend._one_user``'s
+    within the same bound as the ordered ones but not equal to them), the rest its own: ``NumpyBackend._blas_first``'s
     first pass."""
 
     def __init__(self, backend: "NumpyBackend") -> None:
@@ -103,10 +103,20 @@ the development machine: products of up to 1,200 scores and 10^6 multiply-adds, 
 sum in an order that depends on the item's place in the product (docs/reference.md, "Scores"). The ordered kernel
 runs at about 3.9 G multiply-adds a second on a core of the development machine, against BLAS's matrix-vector
 kernel's 12 G and its blocked kernels' more (``scripts/lab/cpu_sums.py``). A search of one user takes the
-matrix-vector kernel and re-scores what it keeps (``NumpyBackend._one_user``)."""
+matrix-vector kernel and re-scores what it keeps (``NumpyBackend._blas_first``)."""
 ONE_USER_MARGIN = 16
-"""Items a search of one user keeps beyond k from its matrix-vector scores, re-scored with the ordered sums
-(``NumpyBackend._one_user``)."""
+"""Items a search whose first pass is BLAS's own products keeps beyond k a user, re-scored with the ordered sums
+(``NumpyBackend._blas_first``)."""
+BLAS_FIRST_MAX_K = 256
+BLAS_FIRST_MIN_ITEMS = 16384
+"""Where BLAS sums by place, searches of many users take its products first (``NumpyBackend._blas_first``) at k up to
+BLAS_FIRST_MAX_K against catalogues of BLAS_FIRST_MIN_ITEMS or more; the others the ordered kernel's. AMD EPYC, 2
+cores, OpenBLAS's Haswell kernels (docs/benchmarks.md, 2026-12-07): 20k x 100k x 64 ip k = 10 1.22 s against 2.13,
+20k x 100k x 32 k = 100 0.98 against 1.26, 5k x 100k x 128 k = 50 0.61 against 1.05; but 100k x 4,096 x 32 l2 k = 10
+0.41 against 0.37 (the products cheap beside the selection of 26 a user for 10) and 20k x 100k x 32 l2 k = 1,000
+5.6 against 3.6 (half the users searched again: 16 past k = 1,000 of skewed norms lie inside the bound)."""
+_RESCORE_VALUES = 1 << 22
+"""Coordinates of the candidates ``NumpyBackend._blas_first`` gathers at once to re-score them (16 MiB)."""
 SEED_SCRATCH_VALUES = 1 << 18
 """Sampled scores a worker holds at once (1 MiB), whatever the sample's size."""
 SEED_MIN_K = 300
@@ -427,8 +437,10 @@ class NumpyBackend:
                                 f"{n_items:,}; split the catalogue (recall batch --item-shards)")
         wall = time.perf_counter()
         stats: dict = {}
-        if users.shape[0] == 1 and users.dtype == np.float32 and plan.interests is None and k < n_items:
-            seed = self._one_user(plan, users, items, n_items, k, excl, out_vals, out_rows, options, stats)
+        if (users.dtype == np.float32 and plan.interests is None and k < n_items
+                and (users.shape[0] == 1 or (k <= BLAS_FIRST_MAX_K and n_items >= BLAS_FIRST_MIN_ITEMS
+                                             and _how_blas_sums(int(users.shape[1])) == "placed"))):
+            seed = self._blas_first(plan, users, items, n_items, k, excl, out_vals, out_rows, options, stats)
         else:
             seed = (self._seed(plan, items, n_items, k, options, estimate=True, users=users)
                     if users.dtype == np.float32 else None)
@@ -452,39 +464,61 @@ class NumpyBackend:
                       "wall_s": time.perf_counter() - wall,
                       "tiles": (plan.user_block, plan.item_tile, plan.tiles_per_call), **stats})
 
-    def _one_user(self, plan: TilePlan, users: np.ndarray, items: np.ndarray, n_items: int, k: int,
-                  excl: Exclusions, out_vals: np.ndarray, out_rows: np.ndarray, options: EngineOptions,
-                  stats: dict) -> Any:
-        """The search of one user: its tiles scored by BLAS's matrix-vector kernel (a third of the time its ordered
-        sums take: ``scripts/lab/cpu_sums.py``), keeping ONE_USER_MARGIN more than k; those re-scored with the ordered
-        sums (``gemm_strided_batched``'s) and the best k taken, where a bound proves that no item left out could
-        reach them: each of the two sums is within gamma_D |u| |v| of the exact product (any order of summation,
-        Higham's bound), so an item left out scores at most the least kept one plus twice that, with |v| the
-        items' largest norm. Where that does not hold (scores that close: ties, duplicated items), the user is
-        searched again with the ordered sums. ``stats["one_user"]`` says which. Returns the threshold sample."""
+    def _blas_first(self, plan: TilePlan, users: np.ndarray, items: np.ndarray, n_items: int, k: int,
+                    excl: Exclusions, out_vals: np.ndarray, out_rows: np.ndarray, options: EngineOptions,
+                    stats: dict) -> Any:
+        """A search whose first pass is BLAS's own products: one user (BLAS's matrix-vector kernel, a third of the
+        time its ordered sums take: ``scripts/lab/cpu_sums.py``), or any number where BLAS's sums depend on the
+        score's place (``ordered.blas_sums``: "placed"; its blocked kernels, at about twice the ordered kernel's
+        speed). It keeps ONE_USER_MARGIN more than k a user; those are re-scored with the ordered sums
+        (``gemm_strided_batched``'s) and the best k taken, where a bound proves that no item left out could reach
+        them: each of the two sums is within gamma_D |u| |v| of the exact product (any order of summation, Higham's
+        bound), so an item left out scores at most the least kept one plus twice that, with |v| the items' largest
+        norm. The users for whom that does not hold (scores that close: ties, duplicated items) are searched again
+        with the ordered sums. ``stats["one_user"]`` says which for one user (``"certified"`` or ``"ordered"``),
+        ``stats["blas_searched_again"]`` counts them for more. Returns the threshold sample."""
+        n, dim = int(users.shape[0]), int(users.shape[1])
         wide = min(k + ONE_USER_MARGIN, n_items)
-        vals = np.empty((1, wide), np.float32)
-        rows = np.empty((1, wide), np.int64)
-        seed = self._seed(plan, items, n_items, wide, options, users=users)
+        vals = np.empty((n, wide), np.float32)
+        rows = np.empty((n, wide), np.int64)
+        # Many users start at an estimate of each one's wide-th best, as the other searches do (run_blocks): a user
+        # that holds fewer than ``wide`` items above it is searched again below.
+        seed = self._seed(plan, items, n_items, wide, options, estimate=n > 1, users=users)
         tiled.run_blocks_threaded(_MatrixVector(self), plan, users, items, n_items, wide, excl, vals, rows, seed)
-        kept = rows[0][rows[0] >= 0]
-        exact = np.empty((1, 1, kept.size), np.float32)  # the search's own sums of the kept items
-        self.gemm_strided_batched(users[:, None, :], np.ascontiguousarray(items[kept])[None], exact)
-        exact = exact.reshape(1, -1)
-        best_vals, best_rows = keys.select(np, exact, kept[None], k)
-        if kept.size == wide:  # else every item the user may get was kept: nothing left out
-            dim = int(users.shape[1])
-            gamma = dim * 2.0 ** -24 / (1 - dim * 2.0 ** -24)
-            bound = 2 * gamma * float(np.linalg.norm(users[0].astype(np.float64))) * self._largest_norm(
-                items, n_items) + 2 * dim * 2.0 ** -149  # products that underflow
-            if not float(best_vals[0, k - 1]) > float(vals[0, -1]) + bound:
-                stats["one_user"] = "ordered"
-                seed = self._seed(plan, items, n_items, k, options, users=users)
-                tiled.run_blocks_threaded(self, plan, users, items, n_items, k, excl, out_vals, out_rows, seed)
-                return seed
-        stats["one_user"] = "certified"
-        out_vals[:] = best_vals
-        out_rows[:] = best_rows
+        estimated = seed is not None and bool(seed.rank)
+        gamma = dim * 2.0 ** -24 / (1 - dim * 2.0 ** -24)
+        largest = self._largest_norm(items, n_items)
+        again = []
+        step = max(1, _RESCORE_VALUES // (wide * dim))  # users re-scored at once: their candidates' rows gathered
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            kept = rows[lo:hi]
+            exact = np.empty((hi - lo, 1, wide), np.float32)  # the search's own sums of the kept items
+            self.gemm_strided_batched(users[lo:hi, None, :], np.ascontiguousarray(items[np.maximum(kept, 0)]), exact)
+            exact = np.where(kept >= 0, exact.reshape(hi - lo, wide), np.float32(-np.inf))
+            best_vals, best_rows = keys.select(np, exact, kept, k)
+            out_vals[lo:hi], out_rows[lo:hi] = best_vals, best_rows
+            # A user that kept fewer than ``wide`` kept every item it may get (nothing left out), unless its start
+            # was an estimate, which may have lain above its wide-th best.
+            full = kept[:, -1] >= 0
+            norms = np.linalg.norm(users[lo:hi].astype(np.float64), axis=1)
+            bound = 2 * gamma * norms * largest + 2 * dim * 2.0 ** -149  # (products that underflow)
+            fails = full & ~(best_vals[:, k - 1].astype(np.float64) > vals[lo:hi, -1].astype(np.float64) + bound)
+            if estimated:
+                fails |= ~full
+            again.extend((lo + np.flatnonzero(fails)).tolist())
+        if n == 1:
+            stats["one_user"] = "ordered" if again else "certified"
+        else:
+            stats["blas_searched_again"] = len(again)
+        if again:
+            idx = np.asarray(again, np.int64)
+            seed = self._seed(plan, items, n_items, k, options, users=users)
+            sub_vals = np.empty((idx.size, k), np.float32)
+            sub_rows = np.empty((idx.size, k), np.int64)
+            tiled.run_blocks_threaded(self, plan, np.ascontiguousarray(users[idx]), items, n_items, k,
+                                      excl.subset(idx), sub_vals, sub_rows, seed)
+            out_vals[idx], out_rows[idx] = sub_vals, sub_rows
         return seed
 
     def _largest_norm(self, items: np.ndarray, n_items: int) -> float:
