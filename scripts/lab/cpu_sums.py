@@ -1,5 +1,5 @@
 """Lab (CPU): what one float32 sum per (user, item) costs the CPU backend (``NumpyBackend.gemm_strided_batched``:
-small and one-row products by the ordered kernel; ``NumpyBackend._one_user``: a search of one user by BLAS's
+small and one-row products by the ordered kernel; ``NumpyBackend._blas_first``: a search of one user by BLAS's
 matrix-vector kernel, what it keeps re-scored). Times the engine's searches and re-scorings that take those routes,
 and the routes a row's product could take on 13 tiles of 8,192 x 64; median of 7 (3 for the larger), seconds.
 Prints a table, writes JSON.
