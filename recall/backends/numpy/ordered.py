@@ -7,7 +7,9 @@ panel depth (448); deeper, it sums panel by panel, the same way for every score,
 product with BLAS's blocked kernels (:func:`blas_products`: rows padded where BLAS would take another kernel), so
 that every score is still one float32 sum of its user and item wherever it is computed (then not the GPU's in-order
 sum: the last bits may differ). Where BLAS's sums depend on the score's place in the product (OpenBLAS's Haswell
-kernels, which it takes on an AMD EPYC), every product is summed here, at a seventh or so of BLAS's speed.
+kernels, which it takes on an AMD EPYC under ``OPENBLAS_CORETYPE=Haswell``), every product is summed here, at about
+half BLAS's speed (four rows at a time), and most searches of many users take BLAS's products first and re-score
+what they keep here (``NumpyBackend._blas_first``).
 
 Compiled by numba around LLVM's ``llvm.fma.f32`` (a fused multiply-add, correctly rounded on every target: the
 processor's instruction where it has one). These are the sums of the GPU's fused kernel (``kernels/fused.cu``'s
@@ -85,8 +87,8 @@ def _four_rows(u, items_t, out, i0, a0, a1, a2, a3):
 def ordered_products(users, items, out):
     """``out[t] = users[t or 0] @ items[t].T`` as the FMA chains, from +0 (a chain never ends at -0: an exact
     cancellation gives +0): users (1 or b, n, D), items (b, w, D), out (b, n, w), all float32. Rows four at a time
-    against the items transposed (:func:`_four_rows`: about 30 G multiply-adds a second on a core of an AMD EPYC,
-    4x the chains below) where there are four rows and ROW_BLOCK_MIN_ITEMS items; the other rows eight items at a
+    against the items transposed (:func:`_four_rows`: 20-27 G multiply-adds a second on a core of an AMD EPYC,
+    3-4x the chains below) where there are four rows and ROW_BLOCK_MIN_ITEMS items; the other rows eight items at a
     time: eight independent chains, so that the FMAs' latency is hidden."""
     b, w, dim = items.shape
     n = users.shape[1]
