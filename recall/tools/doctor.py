@@ -236,10 +236,19 @@ def _check_cpu_gemm() -> Check:
         x @ x
         times.append(time.perf_counter() - start)
     gflops = 2.0 * n ** 3 / statistics.median(times) / 1e9
+    from ..backends.numpy import blas_summation
+
+    sums = blas_summation(64)
     status = PASS if err < FP32_LIMIT else FAIL
     detail = "" if status == PASS else "NumPy's BLAS computes float32 products wrongly: reinstall NumPy"
+    if status == PASS and sums == "placed":
+        coretype = os.environ.get("OPENBLAS_CORETYPE")
+        detail = ("BLAS sums a score in an order that depends on its place in the product"
+                  + (f" (OPENBLAS_CORETYPE={coretype})" if coretype else "")
+                  + ": CPU searches sum their scores themselves, at about half BLAS's speed"
+                  + ("; without OPENBLAS_CORETYPE, OpenBLAS may pick kernels that sum in order" if coretype else ""))
     return Check("cpu-gemm-fp32", status, f"rel err {err:.1e} (limit {FP32_LIMIT:.0e}); {gflops:.1f} GFLOP/s "
-                 f"({n}^3 float32)", detail, {"rel_err": err, "gflops": gflops})
+                 f"({n}^3 float32); sums {sums}", detail, {"rel_err": err, "gflops": gflops, "blas_sums": sums})
 
 
 def _oracle_topk(users: np.ndarray, items: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -55,7 +55,24 @@ def test_doctor_cpu_json_has_every_field(cache_home: Path) -> None:
         assert set(check) == CHECK_FIELDS and check["status"] in ("PASS", "SKIP"), check
     gemm = report["checks"][0]["data"]
     assert gemm["rel_err"] < doctor.FP32_LIMIT and gemm["gflops"] > 0
+    assert gemm["blas_sums"] in ("ordered", "blocked", "placed")
     assert report["seconds"] < 30
+
+
+@pytest.mark.parametrize("sums", ["ordered", "placed"])
+def test_doctor_says_when_blas_sums_by_place(monkeypatch, sums) -> None:
+    # A BLAS whose sums depend on a score's place passes (the CPU sums its scores itself) and says what it costs and
+    # which setting may be behind it; one that sums in order says nothing more.
+    from recall.backends import numpy as numpy_backend
+
+    monkeypatch.setattr(numpy_backend, "blas_summation", lambda dim=64: sums)
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    check = doctor._check_cpu_gemm()
+    assert check.status == "PASS" and check.data["blas_sums"] == sums and f"sums {sums}" in check.summary
+    if sums == "placed":
+        assert "OPENBLAS_CORETYPE=Haswell" in check.detail and "half BLAS's speed" in check.detail
+    else:
+        assert check.detail == ""
 
 
 def test_doctor_text_without_gpu_says_so_in_one_line(no_gpu: None) -> None:

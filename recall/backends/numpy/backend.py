@@ -231,6 +231,12 @@ def _how_blas_sums(dim: int) -> str:
     return got
 
 
+def blas_summation(dim: int = 64) -> str:
+    """How BLAS sums products of ``dim`` dimensions at the searches' one thread (``ordered.blas_sums``): "ordered",
+    "blocked" or "placed" (its sums depend on a score's place: the CPU then sums its scores itself, slower)."""
+    return _how_blas_sums(dim)
+
+
 def _after_fork_in_child() -> None:
     """A forked child runs none of its parent's searches: none counted, the locks new (a parent's thread may have
     held one at the fork). A limit inherited from searches in flight (BLAS at one thread) is kept, not touched here
