@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import oracle
 from recall import Engine
@@ -285,6 +287,46 @@ def test_blas_first_pass_where_blas_sums_by_place(monkeypatch):
         full[u, rows] = -np.inf
     full[:, deny] = -np.inf
     want_vals, want_rows = keys.select(np, full, np.broadcast_to(np.arange(20_000), full.shape).copy(), 30)
+    np.testing.assert_array_equal(res.indices, want_rows)
+    np.testing.assert_array_equal(res.scores, want_vals)
+
+
+@settings(max_examples=15, deadline=None)
+@given(n_users=st.sampled_from([2, 5, 40, 700]), dim=st.integers(1, 24), k=st.integers(1, 60),
+       copies=st.integers(0, 80), excluded=st.integers(0, 40), sampled=st.sampled_from([None, "estimate", "too-high"]),
+       seed=st.integers(0, 2 ** 16))
+def test_blas_first_is_the_ordered_sums_top_k(monkeypatch, n_users, dim, k, copies, excluded, sampled, seed):
+    # Any shape, k, run of copies of one item (half the users near it: their lists tie past what the first pass
+    # keeps), exclusions, a threshold sample started at an estimate (EngineOptions.seed_sample; "too-high": ranked
+    # far below the estimate's rule, so that many users start above their best and hold too few) or none, BLAS
+    # summing by place: every list is the ordered sums' own top k (ties to the lower row), whether the bound
+    # certified its user or it was searched again.
+    from recall.core import keys
+
+    monkeypatch.setattr(numpy_backend, "_blas_sums", {d: "placed" for d in range(1, 64)})
+    rng = np.random.default_rng(seed)
+    n_items = numpy_backend.BLAS_FIRST_MIN_ITEMS
+    items = (rng.standard_normal((n_items, dim)) * rng.choice([1.0, 1e-3, 1e3], (n_items, 1))).astype(np.float32)
+    items[0] *= np.float32(1e3)
+    items[rng.choice(np.arange(1, n_items), copies, replace=False)] = items[0]
+    users = rng.standard_normal((n_users, dim)).astype(np.float32)
+    users[: n_users // 2] += items[0] / np.float32(1e3)
+    exclude = {u: rng.choice(n_items, excluded, replace=False).tolist() for u in range(0, n_users, 3)}
+    # (The CPU samples from k = SEED_MIN_K, above BLAS_FIRST_MAX_K: lowered so that this path runs, where the users
+    # are enough for blocks over the whole catalogue: 700.)
+    if sampled:
+        monkeypatch.setattr(numpy_backend, "SEED_MIN_K", 1)
+    if sampled == "too-high":
+        monkeypatch.setattr(numpy_backend, "ESTIMATE_SIGMAS", -3)
+    engine = Engine(items, device="cpu", options=EngineOptions(seed_sample=2048 if sampled else 0))
+    res = engine.search(users, k, exclude=exclude)
+    assert "blas_searched_again" in engine.stats
+    full = np.empty((1, n_users, n_items), np.float32)
+    ordered_products(users[None], items[None], full)
+    full = full[0]
+    for u, rows in exclude.items():
+        full[u, rows] = -np.inf
+    want_vals, want_rows = keys.select(np, full, np.broadcast_to(np.arange(n_items), full.shape).copy(), k)
     np.testing.assert_array_equal(res.indices, want_rows)
     np.testing.assert_array_equal(res.scores, want_vals)
 
