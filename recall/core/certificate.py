@@ -254,6 +254,7 @@ class FastItems:
     # columns hold fl16(β·(x - c))); None: about the origin. Then max_norm and max_resid are X' and ΔX' of x - c,
     # full_max_norm is X (of x itself), and the bound columns, where there are any, hold n'_v, r'_v and n_v.
     centre: Any = None
+    centre64: Any = None  # c in float64, an array of the items' module, made once (read by every block of users)
     full_max_norm: float = 0.0
 
     @property
@@ -294,7 +295,8 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
     maxabs = 0.0
     for a, b in _blocks(n, dot_dim):
         norms[a:b] = _norms(xp, dot[a:b].astype(xp.float64))
-        maxabs = max(maxabs, float(xp.abs(dot[a:b]).max()))
+        if centre is None:  # (centred, the rows rounded are x - c: their largest component is taken below)
+            maxabs = max(maxabs, float(xp.abs(dot[a:b]).max()))
     max_norm = float(norms.max())
     median = float(xp.median(norms[::max(1, n // _MEDIAN_SAMPLE)]))
     biased = bias_col is not None
@@ -335,7 +337,7 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
     fields: dict[str, Any] = {"vecs16": vecs16, "dot_dim": dot_dim, "prepared_width": width, "scale": scale,
                               "max_norm": centred_max, "max_resid": max_resid, "shift_at": dot_dim}
     if centre is not None:
-        fields.update(centre=centre, full_max_norm=max_norm)
+        fields.update(centre=centre, centre64=c64, full_max_norm=max_norm)
     vecs16[:, dot_dim] = _SHIFT_ITEM
     col = dot_dim + 1
     aux_vals = [norms, resids] + ([full] if centre is not None else [])
@@ -426,7 +428,7 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
     if items.centre is not None:
         # The dot part was rounded about c: the GEMM scores y·(x - c), and y·c, the same for every item, comes back
         # through the offset; a shift asked for in scores of y·x is one of y·(x - c) less y·c.
-        c64 = xp.asarray(items.centre, dtype=xp.float64)
+        c64 = items.centre64
         y64 = dot.astype(xp.float64)
         yc, yc_abs = y64 @ c64, xp.abs(y64) @ xp.abs(c64)
         if shift is not None:

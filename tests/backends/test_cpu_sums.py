@@ -188,7 +188,7 @@ def test_every_product_is_the_cpu_score_whatever_its_shape(dim, shape):
     items = rng.standard_normal((w, dim)).astype(np.float32)
     out = np.empty((1, n, w), np.float32)
     NumpyBackend().gemm_strided_batched(users[None], items[None], out)
-    if numpy_backend._how_blas_sums(dim) != "blocked":
+    if numpy_backend.blas_summation(dim) != "blocked":
         want = ordered_dots(users, np.broadcast_to(items, (n, w, dim)))
     else:
         want = _blocked(users, items)

@@ -414,7 +414,7 @@ class CupyBackend:
             kernel(((n + 255) // 256,), (256,),
                    (users, np.int64(users.strides[0] // 4), np.int32(n), np.int32(items.dot_dim), vecs16,
                     np.int32(items.width), shift_d, np.int32(shift is not None),
-                    np.uint64(0) if items.centre is None else cupy.asarray(items.centre, dtype=cupy.float64),
+                    np.uint64(0) if items.centre is None else items.centre64,
                     np.float64(items.full_max_norm), *(np.int32(c) for c in at),
                     np.int32(len(items.aux_scales)),
                     *(np.float64(t[name]) for name in ("beta", "cap_bias", "bias_scale", "gamma16", "gamma32", "rest0",

@@ -222,19 +222,15 @@ def _one_blas_thread() -> Any:
 _blas_sums: dict[int, str] = {}  # dimensions -> ordered.blas_sums() at one BLAS thread, once probed
 
 
-def _how_blas_sums(dim: int) -> str:
-    """``ordered.blas_sums(dim)`` at one thread, as the searches run BLAS; probed once per process and dimension."""
+def blas_summation(dim: int = 64) -> str:
+    """How BLAS sums products of ``dim`` dimensions (``ordered.blas_sums``: "ordered", "blocked", or "placed", where
+    a score's sum depends on its place and the CPU sums its scores itself, slower), at one thread, as the searches
+    run BLAS; probed once per process and dimension."""
     got = _blas_sums.get(dim)
     if got is None:
         with _one_blas_thread():
             got = _blas_sums[dim] = blas_sums(dim)
     return got
-
-
-def blas_summation(dim: int = 64) -> str:
-    """How BLAS sums products of ``dim`` dimensions at the searches' one thread (``ordered.blas_sums``): "ordered",
-    "blocked" or "placed" (its sums depend on a score's place: the CPU then sums its scores itself, slower)."""
-    return _how_blas_sums(dim)
 
 
 def _after_fork_in_child() -> None:
@@ -445,7 +441,7 @@ class NumpyBackend:
         stats: dict = {}
         if (users.dtype == np.float32 and plan.interests is None and k < n_items
                 and (users.shape[0] == 1 or (k <= BLAS_FIRST_MAX_K and n_items >= BLAS_FIRST_MIN_ITEMS
-                                             and _how_blas_sums(int(users.shape[1])) == "placed"))):
+                                             and blas_summation(int(users.shape[1])) == "placed"))):
             seed = self._blas_first(plan, users, items, n_items, k, excl, out_vals, out_rows, options, stats)
         else:
             seed = (self._seed(plan, items, n_items, k, options, estimate=True, users=users)
@@ -652,7 +648,7 @@ class NumpyBackend:
             # Fast mode's arithmetic, emulated: float16 inputs, exact products, float32 accumulation.
             users, items = users.astype(np.float32), items.astype(np.float32)
         rows, width, dim = users.shape[-2], items.shape[-2], items.shape[-1]
-        sums = _how_blas_sums(dim)
+        sums = blas_summation(dim)
         if sums == "blocked":
             # Deeper than BLAS's panels: its blocked kernels' sums for every product (docs/reference.md, "Scores"),
             # at one thread, as a search runs them (how OpenBLAS splits the dimensions depends on its threads).
