@@ -48,12 +48,14 @@ so the GEMM's only other error is its float32 accumulation of W terms::
 
     |t/(αβ) - (a·b + A_u + c̃_v + L_uv)| <= γ₁₆·(|a|·|b_v| + |A_u| + H_v + L_uv),   γ₁₆ = W·2^-22   (accumulation)
 
-with |b_v| <= n_v + r_v and H_v = (|h₁| + |h₂|)/β_b. γ₁₆ is twice the classical W·2^-23 of round-to-nearest
-accumulation, so that accumulators that truncate, and multi-term adders that align their addends to the largest
-one without guard bits (tensor cores: each block of n terms then loses less than n + 1 units of 2^-23 of its
-largest magnitude), are covered too. The float32 score f_v that exact mode computes (and the re-scoring, for the
-candidates) differs from s_v by at most ``γ₃₂·(|y|·n_v + |c_v|) + D·2^-149``, γ₃₂ = D·2^-23 for the prepared width
-D (the last term: float32 underflow, half a subnormal spacing per step). Collecting the terms::
+with |b_v| <= n_v + r_v and H_v = (|h₁| + |h₂|)/β_b. γ₁₆ is four times the classical W·u of round-to-nearest
+accumulation (u = 2^-24, float32's unit roundoff), so that accumulators that truncate, and multi-term adders that
+align their addends to the largest one without guard bits (tensor cores: each block of n terms then loses less than
+n + 1 units of 2^-23 of its largest magnitude), are covered too. The float32 score f_v that exact mode computes (and
+the re-scoring, for the candidates) differs from s_v by at most ``γ₃₂·(|y|·n_v + |c_v|) + D·2^-149`` for the prepared
+width D (the last term: float32 underflow, half a subnormal spacing per step): those sums are float32 operations
+that round to nearest, in whatever order the kernel or BLAS takes them, so the classical γ₃₂ = D·u/(1 - D·u) holds
+(``gamma32``; it was taken twice that, D·2^-23, before 2026-12-07). Collecting the terms::
 
     f_v <= t/(αβ) - A_u - L_uv + P_u·n_v + Q_u·r_v + κ_v + γ₁₆·(|A_u| + L_uv) + D·2^-149
       P_u = |δy| + γ₁₆·|a| + γ₃₂·|y|,   Q_u = |y| + |δy| + γ₁₆·|a|,
@@ -139,9 +141,15 @@ _F16_MAX = 65504.0
 _F32_TINY = 2.0 ** -149  # float32's smallest subnormal (and subnormal spacing)
 _OUT_ULP = 2.0 ** -10  # a full float16 ulp, relative
 _ACC16 = 2.0 ** -22  # γ₁₆ per float16 column
-_ACC32 = 2.0 ** -23  # γ₃₂ per prepared column
+_U32 = 2.0 ** -24  # float32's unit roundoff (round to nearest): γ₃₂ = gamma32(D)
 _BLOCK_VALUES = 1 << 23  # values per float64 block: each transient copy stays at 64 MiB however many rows
 _MEDIAN_SAMPLE = 65_536  # item norms the median of the spread test is taken over (evenly spaced)
+
+
+def gamma32(width: int) -> float:
+    """γ₃₂: a float32 sum of ``width`` products, in any order, each step rounded to nearest (or fused), is within
+    γ₃₂·Σ|products| of the exact sum (outside float32's subnormal range): the classical n·u/(1 - n·u), u = 2^-24."""
+    return width * _U32 / (1 - width * _U32)
 
 
 def output_scale(width: int) -> float:
@@ -178,7 +186,7 @@ def seed_margin(width: int, half_vectors: bool, half_tiles: bool) -> tuple[float
     - Score tiles of float16 (``half_tiles``, scaled by ``output_scale(width)``) round each score to nearest: two
       roundings of values that differ by δ differ by at most δ plus one float16 ulp of the larger, 2^-9·|s| with room
       to spare, or 2^-24 below float16's normal range."""
-    gamma = width * (_ACC16 if half_vectors else _ACC32)
+    gamma = width * _ACC16 if half_vectors else gamma32(width)
     scale = output_scale(width) if half_tiles else 1.0
     a = 2 * gamma * scale * _SAFETY
     r = 2 * _OUT_ULP if half_tiles else 0.0
@@ -350,9 +358,9 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
         vecs16[:, col], vecs16[:, col + 1] = h1, h2
         h1, h2 = h1.astype(xp.float64), h2.astype(xp.float64)
         # κ_v: the bias's own rounding, its share of the float16 accumulation, and of the float32 scores' error.
-        gamma16, gamma32 = _width(dot_dim, aux) * _ACC16, width * _ACC32
+        gamma16, g32 = _width(dot_dim, aux) * _ACC16, gamma32(width)
         kappa = (xp.abs((h1 + h2) / bias_scale - bias) + gamma16 * (xp.abs(h1) + xp.abs(h2)) / bias_scale
-                 + gamma32 * xp.abs(bias))
+                 + g32 * xp.abs(bias))
         fields.update(bias_at=col, bias_scale=bias_scale, bias_max=bias_max, bias_err_max=float(kappa.max()))
         aux_vals.append(kappa)
         col += _BIAS_PARTS
@@ -409,7 +417,7 @@ def user_terms(items: FastItems) -> dict[str, float]:
     items' β, β_b, X, ΔX, K and max |c|."""
     return {"beta": items.scale, "bias_scale": items.bias_scale,
             "cap_bias": _BIAS_USER_MAX * items.bias_scale / items.scale if items.bias_at is not None else np.inf,
-            "gamma16": items.width * _ACC16, "gamma32": items.prepared_width * _ACC32,
+            "gamma16": items.width * _ACC16, "gamma32": gamma32(items.prepared_width),
             "rest0": items.prepared_width * _F32_TINY, "max_norm": items.max_norm, "max_resid": items.max_resid,
             "bias_err_max": items.bias_err_max, "bias_max": items.bias_max, "safety": _SAFETY,
             "aux_user_max": _AUX_USER_MAX, "shift_item": _SHIFT_ITEM, "shift_user_max": _SHIFT_USER_MAX,
@@ -419,7 +427,7 @@ def user_terms(items: FastItems) -> dict[str, float]:
 def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any) -> tuple[Any, Any, Any]:
     """Fill ``out16`` (n, W) with a block of users in float16; return their (α, A_u, bound)."""
     terms = user_terms(items)
-    gamma16, gamma32 = terms["gamma16"], terms["gamma32"]
+    gamma16, g32 = terms["gamma16"], terms["gamma32"]
     dot = users[:, :items.dot_dim]
     alpha = _pow2_scale(xp, xp.abs(dot).max(axis=1).astype(xp.float64))
     if items.bias_at is not None:
@@ -445,7 +453,7 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
     norm, resid, norm16 = _round16(xp, dot, alpha[:, None], out16[:, :items.dot_dim])
     p = resid + gamma16 * norm16  # the factor of n_v; centred, of n'_v (the float32 scores' γ₃₂·|y| goes with n_v)
     if yc is None:
-        p = p + gamma32 * norm
+        p = p + g32 * norm
     q = norm + resid + gamma16 * norm16  # the factor of r_v
     # Float32 scores of tiny vectors underflow: each of the D steps may also lose half of float32's smallest
     # subnormal spacing, 2^-149, absolutely.
@@ -469,10 +477,10 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         e16 = xp.where(kept, e_u, 0.0).astype(xp.float16)
         out16[:, items.bias_at], out16[:, items.bias_at + 1] = e16, e16
         # Where the bias is dropped, the whole of it is error: c_v + γ₃₂|c_v| <= max |c|·(1 + γ₃₂).
-        through_bias = xp.where(kept, items.bias_err_max, items.bias_max * (1 + gamma32))
+        through_bias = xp.where(kept, items.bias_err_max, items.bias_max * (1 + g32))
     else:
-        through_bias = gamma32 * items.bias_max  # 0: no bias
-    g = None if yc is None else gamma32 * norm  # centred: the factor of n_v (X through the maxima)
+        through_bias = g32 * items.bias_max  # 0: no bias
+    g = None if yc is None else g32 * norm  # centred: the factor of n_v (X through the maxima)
     through = p * items.max_norm + q * items.max_resid + through_bias + rest
     if g is not None:
         through = through + g * items.full_max_norm

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...core import host_threads, keys
-from ...core.certificate import FastItems, FastUsers, prepare_users, seed_margin
+from ...core.certificate import FastItems, FastUsers, gamma32, prepare_users, seed_margin
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
 from ...core.metrics import l2_finished, largest_row_norm, row_norms
@@ -488,7 +488,7 @@ class NumpyBackend:
         seed = self._seed(plan, items, n_items, wide, options, estimate=n > 1, users=users)
         tiled.run_blocks_threaded(_MatrixVector(self), plan, users, items, n_items, wide, excl, vals, rows, seed)
         estimated = seed is not None and bool(seed.rank)
-        gamma = dim * 2.0 ** -24 / (1 - dim * 2.0 ** -24)
+        gamma = gamma32(dim)
         largest = self._largest_norm(items, n_items)
         again = []
         step = max(1, _RESCORE_VALUES // (wide * dim))  # users re-scored at once: their candidates' rows gathered
