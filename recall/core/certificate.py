@@ -94,6 +94,31 @@ x - c), and ε_u covers y·c computed in float64 (D₀ terms) and the float64 st
 y·c's magnitude. ``FastUsers.offset`` holds A_u - y·c; a shift S_u is applied as S_u - y·c. The bound columns, where
 there are any, hold n'_v, r'_v and n_v against the users' P'_u, Q_u and γ₃₂·|y|; through the maxima, X', ΔX' and X.
 
+Users along the centre
+----------------------
+Users of such data often lie along c too (vectors that share one direction), and then their own rounding δy, about
+2^-12 of |y|, and the items' r'_v against |y| dominate the bound (cosine, 30 from the origin in every coordinate:
+2.6e-5 against gaps of 4e-5 between a user's 10th and 27th scores). So each user is split along ĉ = c/|c| (float64):
+p = y·ĉ, summed column by column in float64, and y' = y - p·ĉ, each step rounded on its own, so that y' is within
+2^-52·(|p| + |y'|) of y - p·ĉ *whatever p is*. The dot part holds ỹ' = fl16(α·y') (α from y''s largest component),
+and with ``w_v = ĉ·(x_v - c)`` (float64; within (D₀ + 2)·2^-52·n'_v of its exact value), y·(x - c) = y'·(x - c) +
+p·w_v up to that error. The items hold w_v in two float16 parts W₁ = fl16(β_w·w_v), W₂ = fl16(β_w·w_v - W₁) (β_w a
+power of two), in three columns (W₁, W₁, W₂) against the user's (P₁, P₂, P₁), the two float16 parts of
+``P = p·αβ/β_w`` (α lowered where |P| would exceed 2^13, as for the bias). The three products sum to
+P̃·(W₁ + W₂) - P₂·W₂, which in the users' units is p̃·w̃_v - P₂·W₂/(αβ), with p̃ = (P₁ + P₂)·β_w/(αβ) and
+w̃_v = (W₁ + W₂)/β_w, so that::
+
+    |p̃·w̃_v - P₂·W₂/(αβ) - p·w_v| <= |p̃ - p|·max|w̃| + |p|·ω + |P₂|·max|W₂|/(αβ)
+      ω = max_v (|w̃_v - w_v| + (D₀ + 2)·2^-52·n'_v)
+
+The input-rounding and accumulation terms of the dot part take |y'|, |δy'|, |a'| in place of |y|, |δy|, |a|
+(P'_u = |δy'| + γ₁₆·|a'| + 2^-52·(|p| + |y'|), Q_u = |y'| + |δy'| + γ₁₆·|a'|); the float32 scores' own error still
+goes with |y|·n_v; the three columns' accumulation, γ₁₆·(|P₁| + |P₂|)·(max|W₁| + max|W₂|)/(αβ), and the line above
+join R_u. Users along c have |y'| far below |y| (their spread about c's direction over their distance from the
+origin), and both rounding terms shrink with it: on that cosine data the bound fell from 2.6e-5 to 4.6e-6 (γ₃₂·|y|
+the most of it). A user not along c loses nothing (|y'| <= |y|) but three float16 columns, which the rounding of
+rows up to a multiple of 8 columns often pays for already.
+
 The float16 score tiles
 -----------------------
 Where the backend keeps its score tiles in float16 (the GPU's cuBLAS path: half the bytes written by the GEMM and
@@ -131,6 +156,8 @@ import numpy as np
 _TOP_EXP = 13  # scale so the largest |component| lies in [2^13, 2^14): far below float16's 65504
 _SAFETY = 1.01
 _BIAS_PARTS = 2  # float16 columns that carry the bias (c to about 2^-22 relative: below float32's own error)
+_PROJ_PARTS = 3  # float16 columns of the users' part along the centre: (P₁, P₂, P₁) against the items' (W₁, W₁, W₂)
+_PROJ_USER_MAX = 2.0 ** _TOP_EXP  # |P| at most this (α is lowered so that it fits), as the bias's e_u
 _BIAS_USER_MAX = 2.0 ** _TOP_EXP  # e_u at most this: a bias product then stays within the scaled components' range
 _AUX_USER_MAX = 2.0 ** (_TOP_EXP + 1)  # bound factors at most this (else that user takes the bound through maxima)
 _SHIFT_ITEM = 2.0 ** 15  # what every item holds in the shift column
@@ -264,6 +291,15 @@ class FastItems:
     centre: Any = None
     centre64: Any = None  # c in float64, an array of the items' module, made once (read by every block of users)
     full_max_norm: float = 0.0
+    # Users split along the centre's direction ĉ (module docstring, "Users along the centre"): the float16 column of
+    # W₁ (W₁, then W₂ next to it); None: no split (not centred, or a centre at the origin).
+    proj_at: int | None = None
+    proj_dir: Any = None  # ĉ = c/|c|, (dot_dim,) float64, an array of the items' module
+    proj_scale: float = 1.0  # β_w
+    proj_err: float = 0.0  # ω = max ω_v
+    proj_max: float = 0.0  # max |w̃_v|
+    proj_w1_max: float = 0.0  # max |W₁| (scaled, as stored)
+    proj_w2_max: float = 0.0  # max |W₂| (scaled, as stored)
 
     @property
     def width(self) -> int:
@@ -284,7 +320,7 @@ class FastItems:
     def unshifted_width(self) -> int:
         """The columns users hold values in when their scores are not shifted: the dot part alone (rounded up to 8)
         where the items have no bias and no bound columns, else every column."""
-        if self.bias_at is None and self.norms_at is None:
+        if self.bias_at is None and self.norms_at is None and self.proj_at is None:
             return min(self.width, -(-self.dot_dim // 8) * 8)
         return self.width
 
@@ -326,10 +362,12 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
     per_item = biased or max_norm > _NORM_SPREAD * median or (
         centre is not None and centred_max > _NORM_SPREAD * float(xp.median(norms[::max(1, n // _MEDIAN_SAMPLE)])))
     n_aux = (2 + biased + (centre is not None)) if per_item else 0
-    if _width(dot_dim, 1 + (_BIAS_PARTS if biased else 0) + n_aux) * _ACC16 > (1 - 1 / _SAFETY) / 2:
+    c_len = 0.0 if centre is None else math.sqrt(float(c64 @ c64))
+    n_proj = _PROJ_PARTS if c_len > 0 else 0
+    if _width(dot_dim, 1 + (_BIAS_PARTS if biased else 0) + n_proj + n_aux) * _ACC16 > (1 - 1 / _SAFETY) / 2:
         n_aux = 0  # columns so many that half the bound columns' 1% would not pay for their own accumulation
     per_item = n_aux > 0
-    aux = 1 + (_BIAS_PARTS if biased else 0) + n_aux
+    aux = 1 + (_BIAS_PARTS if biased else 0) + n_proj + n_aux
     scale = float(_pow2_scale(xp, xp.asarray(maxabs)))
     vecs16 = xp.zeros((n, _width(dot_dim, aux)), dtype=xp.float16)
     resids = xp.empty(n, dtype=xp.float64)
@@ -348,6 +386,24 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
         fields.update(centre=centre, centre64=c64, full_max_norm=max_norm)
     vecs16[:, dot_dim] = _SHIFT_ITEM
     col = dot_dim + 1
+    if n_proj:
+        # w_v = ĉ·(x_v - c) in float64 (within (D₀ + 2)·2^-52·n'_v of ĉ·(x_v - c) exactly: the difference's rounding
+        # and the dot's), in two float16 parts of β_w·w_v.
+        chat = c64 / c_len
+        w = xp.empty(n, dtype=xp.float64)
+        for a, b in _blocks(n, dot_dim):
+            w[a:b] = (dot[a:b].astype(xp.float64) - c64) @ chat
+        w_scale = float(_pow2_scale(xp, xp.abs(w).max()))
+        w1 = (w * w_scale).astype(xp.float16)
+        w2 = (w * w_scale - w1.astype(xp.float64)).astype(xp.float16)
+        vecs16[:, col], vecs16[:, col + 1], vecs16[:, col + 2] = w1, w1, w2
+        w1, w2 = w1.astype(xp.float64), w2.astype(xp.float64)
+        w_t = (w1 + w2) / w_scale
+        omega = xp.abs(w_t - w) + (dot_dim + 2) * 2.0 ** -52 * norms
+        fields.update(proj_at=col, proj_dir=chat, proj_scale=w_scale, proj_err=float(omega.max()),
+                      proj_max=float(xp.abs(w_t).max()), proj_w1_max=float(xp.abs(w1).max()),
+                      proj_w2_max=float(xp.abs(w2).max()))
+        col += n_proj
     aux_vals = [norms, resids] + ([full] if centre is not None else [])
     if biased:
         bias = items[:, bias_col].astype(xp.float64)
@@ -414,14 +470,18 @@ def user_terms(items: FastItems) -> dict[str, float]:
     module docstring's names where it has them: γ₁₆ and γ₃₂, the underflow term every user's ``rest`` starts at
     (D·2^-149), α's cap for the bias (inf without one), the safety factor, the largest bound-column factor a user may
     hold, the shift column's values and log2(_SHIFT_USER_MAX·_SHIFT_ITEM / β) (``shift_room``, an integer); the
-    items' β, β_b, X, ΔX, K and max |c|."""
+    items' β, β_b, X, ΔX, K and max |c|; with users split along the centre, β_w, ω, max |w̃|, max |W₁|, max |W₂| and
+    log2(_PROJ_USER_MAX·β_w/β) (``proj_room``, an integer: |P| = |p|·αβ/β_w fits where α <= 2^proj_room/|p|)."""
     return {"beta": items.scale, "bias_scale": items.bias_scale,
             "cap_bias": _BIAS_USER_MAX * items.bias_scale / items.scale if items.bias_at is not None else np.inf,
             "gamma16": items.width * _ACC16, "gamma32": gamma32(items.prepared_width),
             "rest0": items.prepared_width * _F32_TINY, "max_norm": items.max_norm, "max_resid": items.max_resid,
             "bias_err_max": items.bias_err_max, "bias_max": items.bias_max, "safety": _SAFETY,
             "aux_user_max": _AUX_USER_MAX, "shift_item": _SHIFT_ITEM, "shift_user_max": _SHIFT_USER_MAX,
-            "shift_room": _floor_log2(_SHIFT_USER_MAX * _SHIFT_ITEM) - _floor_log2(items.scale)}
+            "shift_room": _floor_log2(_SHIFT_USER_MAX * _SHIFT_ITEM) - _floor_log2(items.scale),
+            "proj_scale": items.proj_scale, "proj_err": items.proj_err, "proj_max": items.proj_max,
+            "proj_w1_max": items.proj_w1_max, "proj_w2_max": items.proj_w2_max,
+            "proj_room": _floor_log2(_PROJ_USER_MAX * items.proj_scale) - _floor_log2(items.scale)}
 
 
 def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any) -> tuple[Any, Any, Any]:
@@ -429,10 +489,8 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
     terms = user_terms(items)
     gamma16, g32 = terms["gamma16"], terms["gamma32"]
     dot = users[:, :items.dot_dim]
-    alpha = _pow2_scale(xp, xp.abs(dot).max(axis=1).astype(xp.float64))
-    if items.bias_at is not None:
-        alpha = xp.minimum(alpha, terms["cap_bias"])
-    yc = None
+    rows = dot  # what the dot columns hold: y, or y' = y - p·ĉ where users are split along the centre
+    yc = proj = None
     if items.centre is not None:
         # The dot part was rounded about c: the GEMM scores y·(x - c), and y·c, the same for every item, comes back
         # through the offset; a shift asked for in scores of y·x is one of y·(x - c) less y·c.
@@ -441,19 +499,33 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         yc, yc_abs = y64 @ c64, xp.abs(y64) @ xp.abs(c64)
         if shift is not None:
             shift = shift.astype(xp.float64) - yc
+    if items.proj_at is not None:
+        # p = y·ĉ column by column (a fixed order, which the GPU's kernel repeats), y' = y - p·ĉ (each step rounded
+        # on its own): y' is within 2^-52·(|p| + |y'|) of y - p·ĉ, whatever p is.
+        chat = items.proj_dir
+        proj = xp.zeros(y64.shape[0], dtype=xp.float64)
+        for i in range(items.dot_dim):
+            proj = proj + y64[:, i] * chat[i]
+        rows = y64 - proj[:, None] * chat[None, :]
+    alpha = _pow2_scale(xp, xp.abs(rows).max(axis=1).astype(xp.float64))
+    if items.bias_at is not None:
+        alpha = xp.minimum(alpha, terms["cap_bias"])
+    if proj is not None:
+        alpha = xp.minimum(alpha, _room_cap(xp, proj, terms["proj_room"]))
     if shift is not None:
         # σ_u = -S_u·αβ/_SHIFT_ITEM must fit float16: lower α (a power of two, like the cap) where it would not, to
         # 2^floor(log2(_SHIFT_USER_MAX·_SHIFT_ITEM / β) - log2(m)), m = max(|S_u|, 2^-900) (so that a shift of 0 sets
         # no cap; the clip below keeps σ_u in range whatever the cap), from the exponents: the first two terms are
         # powers of two, and floor(j - log2(m)) = j - ceil(log2(m)).
-        frac, e = xp.frexp(xp.maximum(xp.abs(shift.astype(xp.float64)), 2.0 ** -900))
-        room = terms["shift_room"] - (e - (frac == 0.5).astype(e.dtype))
-        alpha = xp.minimum(alpha, xp.ldexp(xp.ones_like(alpha), xp.minimum(room, 1000)))
+        alpha = xp.minimum(alpha, _room_cap(xp, shift, terms["shift_room"]))
     ab = alpha * items.scale
-    norm, resid, norm16 = _round16(xp, dot, alpha[:, None], out16[:, :items.dot_dim])
+    norm, resid, norm16 = _round16(xp, rows, alpha[:, None], out16[:, :items.dot_dim])
+    full = norm if proj is None else _norms(xp, y64)  # |y| (norm: |y'| where split)
     p = resid + gamma16 * norm16  # the factor of n_v; centred, of n'_v (the float32 scores' γ₃₂·|y| goes with n_v)
     if yc is None:
         p = p + g32 * norm
+    if proj is not None:
+        p = p + 2.0 ** -52 * (xp.abs(proj) + norm)  # y' - (y - p·ĉ)
     q = norm + resid + gamma16 * norm16  # the factor of r_v
     # Float32 scores of tiny vectors underflow: each of the D steps may also lose half of float32's smallest
     # subnormal spacing, 2^-149, absolutely.
@@ -470,6 +542,19 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         # float64 steps at the magnitude of y·c, round by a few 2^-53 of |A_u| + |y·c| (taken 2^-50).
         rest = rest + items.dot_dim * 2.0 ** -52 * yc_abs + 2.0 ** -50 * (xp.abs(offset) + xp.abs(yc))
         offset = offset - yc
+    if proj is not None:
+        # P = p·αβ/β_w in two float16 parts, in the columns (P₁, P₂, P₁) against the items' (W₁, W₁, W₂): the GEMM
+        # adds p̃·w̃_v - P₂·W₂/(αβ) for p·w_v (module docstring, "Users along the centre").
+        big = proj * ab / items.proj_scale
+        p1 = big.astype(xp.float16)
+        p2 = (big - p1.astype(xp.float64)).astype(xp.float16)
+        at = items.proj_at
+        out16[:, at], out16[:, at + 1], out16[:, at + 2] = p1, p2, p1
+        p1, p2 = p1.astype(xp.float64), p2.astype(xp.float64)
+        missed = xp.abs(p1 + p2 - big) * items.proj_scale / ab  # |p̃ - p|
+        rest = rest + (missed * terms["proj_max"] + xp.abs(proj) * terms["proj_err"]
+                       + (xp.abs(p2) * terms["proj_w2_max"]
+                          + gamma16 * (xp.abs(p1) + xp.abs(p2)) * (terms["proj_w1_max"] + terms["proj_w2_max"])) / ab)
     kept = xp.ones(norm.shape, dtype=bool)
     if items.bias_at is not None:
         e_u = ab / items.bias_scale
@@ -480,7 +565,7 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         through_bias = xp.where(kept, items.bias_err_max, items.bias_max * (1 + g32))
     else:
         through_bias = g32 * items.bias_max  # 0: no bias
-    g = None if yc is None else g32 * norm  # centred: the factor of n_v (X through the maxima)
+    g = None if yc is None else g32 * full  # centred: the factor of n_v (X through the maxima)
     through = p * items.max_norm + q * items.max_resid + through_bias + rest
     if g is not None:
         through = through + g * items.full_max_norm
@@ -496,6 +581,14 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         out16[:, items.norms_at + j] = xp.where(fits, c, 0).astype(xp.float16)
     # The columns' 1% pays for their own accumulation term (the module docstring): R_u is rest alone.
     return alpha, offset, xp.where(fits, _SAFETY * rest, through_max)
+
+
+def _room_cap(xp: Any, value: Any, room: int) -> Any:
+    """Per row: 2^floor(room - log2 m), m = max(|value|, 2^-900) (float64, exactly: from the exponents, since
+    floor(j - log2 m) = j - ceil(log2 m)), at most 2^1000: the largest power of two α with α·m <= 2^room."""
+    frac, e = xp.frexp(xp.maximum(xp.abs(value.astype(xp.float64)), 2.0 ** -900))
+    exponent = xp.minimum(room - (e - (frac == 0.5).astype(e.dtype)), 1000)
+    return xp.ldexp(xp.ones(value.shape, dtype=xp.float64), exponent)
 
 
 def _stored_upper(xp: Any, stored: Any) -> Any:

@@ -5,6 +5,8 @@ The GEMM is emulated as the CPU backend runs it (float16 inputs, exact products,
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -239,6 +241,30 @@ def test_output_scale_keeps_every_tile_score_finite():
         assert np.isfinite(np.float16(worst * g)) and worst * g * (1 + width * 2.0 ** -22) < 65504
 
 
+def test_users_along_the_centre_are_split_along_it():
+    # Cosine, users and items 30 from the origin in every coordinate: the items are rounded about their centre c and
+    # each user is split along c's direction (y = y' + p·ĉ, the dot part holding y', p·ĉ·(x - c) through three
+    # columns): both rounding terms then go with |y'|, about |y|/30, and the bound falls well inside the gaps between
+    # a user's 10th and 27th scores (fast mode's candidates at k = 10), where it lay across most of them unsplit.
+    from recall.bench.workloads import generate
+
+    users, items = generate("normal:offset=30", 300, 4096, 64, seed=1)
+    pu, pi, fu, fi = _prepare("cosine", users, items, False, centre=metrics.far_centre(
+        metrics.prepare_items("cosine", np, items)))
+    assert fi.proj_at is not None and fi.width == 72  # 64 + shift + 3 split columns, rounded up to 8: no wider
+    exact = pu.astype(np.float64) @ pi.astype(np.float64).T
+    top = -np.sort(-exact, axis=1)
+    gaps = top[:, 9] - top[:, 26]
+    upper = _upper(fu, fi, _gemm(fu, fi))
+    assert np.all(exact <= upper) and np.all((pu @ pi.T).astype(np.float64) <= upper)
+    assert np.median(fu.bound) < 0.2 * np.median(gaps)
+    # Unsplit (the same items without the split columns' help: every user's p = 0 as if it lay across c), the
+    # users' own rounding comes back.
+    far = dataclasses.replace(fi, proj_at=None, proj_dir=None)
+    unsplit = certificate.prepare_users(np, pu, far)
+    assert np.median(unsplit.bound) > 0.5 * np.median(gaps) > 2.5 * np.median(fu.bound)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("metric, items_kind", [("ip", "spread"), ("ip", "normal"), ("l2", "spread"),
                                                 ("cosine", "normal"), ("ip", "exact16"), ("ip", "far"),
@@ -254,7 +280,9 @@ def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, sh
     # 1e-25 and 1e30 scale, a subnormal-free spread of magnitudes, a strided view; shifts near the scores, zero, and
     # far beyond them (alpha capped so that sigma fits). Items far from the origin, rounded about their centre (with
     # and without bound columns): the kernel's y·c is a warp's sum, in another order than the array form's, so the
-    # offsets agree within a few float64 steps of |y|·|c| and the shift column within one float16 step.
+    # offsets agree within a few float64 steps of |y|·|c| and the shift column within one float16 step; half the users
+    # lie along the centre too, split along it (p = y·ĉ in the array form's order: the dot part, which holds y - p·ĉ,
+    # and the split columns P₁, P₂ bit for bit).
     from recall.backends import cuda_status, resolve
 
     usable, reason = cuda_status()
@@ -272,6 +300,9 @@ def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, sh
         if items_kind.startswith("far"):
             items += np.float32(300 if items_kind == "far-spread" else 30)
     raw = (rng.standard_normal((n, dim)) * 10.0 ** rng.uniform(-4, 4, (n, 1))).astype(np.float32)
+    if items_kind.startswith("far"):  # half the users along the items' centre too: split along it (P columns)
+        far_rows = rng.standard_normal((n // 2, dim)) + (300 if items_kind == "far-spread" else 30)
+        raw[n // 2:] = (far_rows * 10.0 ** rng.uniform(-4, 4, (n // 2, 1))).astype(np.float32)
     raw[0] = 0 if metric != "cosine" else raw[0]  # (cosine refuses a zero row)
     raw[1] *= np.float32(1e-25)
     raw[2] *= np.float32(1e30) / np.abs(raw[2]).max()
@@ -282,6 +313,7 @@ def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, sh
     fi = certificate.prepare_items(cupy, cupy.asarray(pi), metrics.bias_column(metric, dim), centre)
     if items_kind == "far-spread":
         assert fi.norms_at is not None
+    assert (fi.proj_at is not None) == items_kind.startswith("far")
     wide = cupy.zeros((n, pu.shape[1] + 3), cupy.float32)
     wide[:, :pu.shape[1]] = cupy.asarray(pu)
     shift = None
@@ -310,7 +342,9 @@ def test_gpu_fast_users_are_the_arithmetic_of_record(metric, items_kind, dim, sh
             assert (np.abs(cupy.asnumpy(got.offset) - cupy.asnumpy(want.offset)) <= 2.0 ** -40 * yc_abs
                     + 1e-12 * np.abs(cupy.asnumpy(want.offset))).all()
         np.testing.assert_allclose(cupy.asnumpy(got.bound), cupy.asnumpy(want.bound), rtol=1e-9, atol=0)
-    if fi.bias_at is None:  # (l2 caps alpha for the bias: such a row rounds to 0 there, its residual its whole norm)
+    # (l2 caps alpha for the bias: such a row rounds to 0 there, its residual its whole norm; split along a centre,
+    # a row along it leaves y' = y - p·ĉ of a few components' rounding)
+    if fi.bias_at is None and fi.proj_at is None:
         # A row of float32 subnormals is scaled up like any other, not flushed to 0 (the kernel widens exactly).
         tiny = backend.fast_users(cupy.full((1, pu.shape[1]), np.float32(1e-40)), fi)
         assert float(tiny.alpha[0]) >= 2.0 ** 140 and (cupy.asnumpy(tiny.vecs16[:, :fi.dot_dim]) != 0).all()

@@ -9,12 +9,17 @@
 //   the bound columns' factors (rounded up to float16), or the bound through the items' maxima where they do not fit;
 //   for items rounded about a centre c (float64, D0 values; null where not centred), y.c and sum |y_i c_i| as the
 //   warp's sums: the shift is taken in scores of y.(x - c), y.c comes back through the offset, and the float32
-//   scores' own error goes with |y|.|x| (its own bound column, or the items' largest norm).
+//   scores' own error goes with |y|.|x| (its own bound column, or the items' largest norm);
+//   users split along the centre's direction (proj_dir, float64, D0 values; null where not split): p = y.c^ summed
+//   column by column (each lane its own user's, in the reference's order), the dot part then holds y' = y - p c^
+//   (alpha from y', capped at 2^floor(proj_room - log2 max(|p|, 2^-900))), the columns proj_at.. the two float16
+//   parts (P1, P2, P1) of P = p alpha beta / proj_scale, and the bound their terms.
 // Every float64 step is the reference's own, in its order (the module is built with --fmad=false, so that no product
-// and sum fuse), except the sums over a row (the three norms, y.c and sum |y_i c_i|), which run in another order
-// (relative 2^-50 or so: far inside the certificate's 1% safety, certificate._SAFETY; the centre's own error term,
-// D0 2^-52 sum |y_i c_i|, holds for a sum in any order). The NumPy form on CuPy arrays cost about 75 launches a block of
-// users (3.0 ms of a 22 ms search of 200k users x 64 dimensions on the H200, docs/benchmarks.md).
+// and sum fuse), except the sums over a row (the norms, y.c and sum |y_i c_i|; not p, which each lane sums in
+// order), which run in another order (relative 2^-50 or so: far inside the certificate's 1% safety,
+// certificate._SAFETY; the centre's own error term, D0 2^-52 sum |y_i c_i|, holds for a sum in any order). The NumPy
+// form on CuPy arrays cost about 75 launches a block of users (3.0 ms of a 22 ms search of 200k users x 64
+// dimensions on the H200, docs/benchmarks.md).
 #define F16_TINY 5.9604644775390625e-08  // 2^-24
 #define F16_MAX 65504.0
 
@@ -51,6 +56,14 @@ __device__ __forceinline__ unsigned short fast16_up(double v) {
     return fast16_f16(fmin(v * (1.0 + 0.0009765625) + F16_TINY, F16_MAX));
 }
 
+// 2^floor(room - log2 m), m = max(|x|, 2^-900), at most 2^1000 (certificate._room_cap): room - ceil(log2 m), from
+// the exponent (m = frac 2^e, frac in [0.5, 1): ceil(log2 m) = e - (frac == 0.5)).
+__device__ __forceinline__ double fast16_room_cap(double x, int room) {
+    int e;
+    const double frac = frexp(fmax(fabs(x), ldexp(1.0, -900)), &e);
+    return ldexp(1.0, min(room - (e - (frac == 0.5 ? 1 : 0)), 1000));
+}
+
 __device__ __forceinline__ double fast16_warp_sum(double x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -67,6 +80,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
 recall_prepare_users(const float* __restrict__ users, long long ustride, int n, int D0,
                      unsigned short* __restrict__ out16, int W, const double* __restrict__ shift, int shifted,
                      const double* __restrict__ centre, double full_max_norm,
+                     const double* __restrict__ proj_dir, int proj_at, double proj_scale, double proj_max,
+                     double proj_err, double proj_w1_max, double proj_w2_max, int proj_room,
                      int shift_at, int bias_at, int norms_at, int n_aux,
                      double beta, double cap_bias, double bias_scale, double gamma16, double gamma32, double rest0,
                      double max_norm, double max_resid, double bias_err_max, double bias_max, double safety,
@@ -78,15 +93,22 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     if (first >= n) return;  // the whole warp
     const int last = min(first + 32, n);
     // This lane's user's (first + lane) sums and scale, kept as the warp passes it.
-    double my_sv = 0.0, my_se = 0.0, my_sa = 0.0, my_alpha = 1.0, my_s = 0.0, my_yc = 0.0, my_ya = 0.0;
+    double my_sv = 0.0, my_se = 0.0, my_sa = 0.0, my_alpha = 1.0, my_s = 0.0, my_yc = 0.0, my_ya = 0.0, my_sf = 0.0;
+    // p = y.c^ of this lane's user, column by column: the order of the reference's sum.
+    double my_p = 0.0;
+    if (proj_dir && first + lane < last) {
+        const float* row = users + (long long)(first + lane) * ustride;
+        for (int i = 0; i < D0; ++i) my_p = my_p + fast16_widen(row[i]) * proj_dir[i];
+    }
     for (int u = first; u < last; ++u) {
         const float* row = users + (long long)u * ustride;
         unsigned short* out = out16 + (long long)u * W;
+        const double pu = __shfl_sync(0xffffffffu, my_p, u - first);
         double mx = 0.0;  // in float64, as every step below: no float32 operation flushes a subnormal to 0 (-ftz)
         double yc = 0.0, ya = 0.0;  // y.c and sum |y_i c_i| (centred items)
         for (int i = lane; i < D0; i += 32) {
             const double v = fast16_widen(row[i]);
-            mx = fmax(mx, fabs(v));
+            mx = fmax(mx, fabs(proj_dir ? v - pu * proj_dir[i] : v));
             if (centre) {
                 const double c = centre[i];
                 yc += v * c;
@@ -101,40 +123,38 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
         }
         double alpha = mx > 0.0 ? ldexp(1.0, 13 - fast16_floor_log2(mx)) : 1.0;
         alpha = fmin(alpha, cap_bias);
+        if (proj_dir) alpha = fmin(alpha, fast16_room_cap(pu, proj_room));
         // A shift asked for in scores of y.x is one of y.(x - c) less y.c.
         const double s_u = shifted ? shift[u] - yc : 0.0;
-        if (shifted) {
-            // floor(shift_room - log2 m) for m = max(|S_u|, 2^-900): shift_room - ceil(log2 m), capped at 1000.
-            const double m = fmax(fabs(s_u), ldexp(1.0, -900));
-            int e;
-            const double frac = frexp(m, &e);  // m = frac 2^e, frac in [0.5, 1): ceil(log2 m) = e - (frac == 0.5)
-            const int room = shift_room - (e - (frac == 0.5 ? 1 : 0));
-            alpha = fmin(alpha, ldexp(1.0, min(room, 1000)));
-        }
+        if (shifted) alpha = fmin(alpha, fast16_room_cap(s_u, shift_room));
         // a / alpha as a product where alpha is a power of two (always, but for a cap_bias that is not): its
         // reciprocal is then exact (alpha, at most 2^1000, is a normal float64), and each product rounds the
         // quotient's exact value as the division does.
         int e_alpha;
         const bool pow2 = frexp(alpha, &e_alpha) == 0.5;
         const double inv = 1.0 / alpha;
-        double sv = 0.0, se = 0.0, sa = 0.0;
+        double sv = 0.0, se = 0.0, sa = 0.0, sf = 0.0;  // sv over what the dot part holds (y'), sf over y
         for (int i = lane; i < D0; i += 32) {
-            const double v = fast16_widen(row[i]);
+            const double y = fast16_widen(row[i]);
+            const double v = proj_dir ? y - pu * proj_dir[i] : y;
             const unsigned short h = fast16_f16(v * alpha);
             out[i] = h;
             const double a = pow2 ? fast16_f64(h) * inv : fast16_f64(h) / alpha, e = a - v;
             sv += v * v;
             se += e * e;
             sa += a * a;
+            sf += y * y;
         }
         for (int i = D0 + lane; i < W; i += 32) out[i] = 0;
         sv = fast16_warp_sum(sv);
         se = fast16_warp_sum(se);
         sa = fast16_warp_sum(sa);
+        if (proj_dir) sf = fast16_warp_sum(sf);
         if (lane == u - first) {
             my_sv = sv;
             my_se = se;
             my_sa = sa;
+            my_sf = sf;
             my_alpha = alpha;
             my_s = s_u;
             my_yc = yc;
@@ -148,9 +168,12 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     const double alpha = my_alpha, s_u = my_s;
     const double ab = alpha * beta;
     const double norm = sqrt(my_sv), resid = sqrt(my_se), norm16 = sqrt(my_sa);
-    // The factor of n_v; centred, of n'_v, and g = gamma32 |y| that of the vectors' own n_v (the float32 scores).
-    const double g = gamma32 * norm;
-    const double p = centre ? resid + gamma16 * norm16 : resid + gamma16 * norm16 + g;
+    const double full = proj_dir ? sqrt(my_sf) : norm;  // |y| (norm: |y'| where split)
+    // The factor of n_v; centred, of n'_v, and g = gamma32 |y| that of the vectors' own n_v (the float32 scores);
+    // split, y' - (y - p c^) adds 2^-52 (|p| + |y'|).
+    const double g = gamma32 * full;
+    double p = centre ? resid + gamma16 * norm16 : resid + gamma16 * norm16 + g;
+    if (proj_dir) p = p + 2.220446049250313080847263336181640625e-16 * (fabs(my_p) + norm);
     const double q = norm + resid + gamma16 * norm16;              // the factor of r_v
     double rest = rest0, offset = 0.0;
     if (shift_at >= 0 && shifted) {
@@ -166,6 +189,20 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
         rest = rest + D0 * 2.220446049250313080847263336181640625e-16 * my_ya
                     + 8.8817841970012523233890533447265625e-16 * (fabs(offset) + fabs(my_yc));
         offset = offset - my_yc;
+    }
+    if (proj_dir) {
+        // P = p alpha beta / proj_scale in two float16 parts against the items' (W1, W1, W2).
+        const double big = my_p * ab / proj_scale;
+        const unsigned short h1 = fast16_f16(big);
+        const double p1 = fast16_f64(h1);
+        const unsigned short h2 = fast16_f16(big - p1);
+        const double p2 = fast16_f64(h2);
+        out[proj_at] = h1;
+        out[proj_at + 1] = h2;
+        out[proj_at + 2] = h1;
+        const double missed = fabs(p1 + p2 - big) * proj_scale / ab;  // |p~ - p|
+        rest = rest + (missed * proj_max + fabs(my_p) * proj_err
+                       + (fabs(p2) * proj_w2_max + gamma16 * (fabs(p1) + fabs(p2)) * (proj_w1_max + proj_w2_max)) / ab);
     }
     bool kept = true;
     double through_bias = gamma32 * bias_max;
