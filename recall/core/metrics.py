@@ -131,11 +131,12 @@ CENTRE_ROWS = 4096
 FAR = 8.0
 
 
-def far_centre(items: np.ndarray) -> np.ndarray | None:
+def far_centre(items: np.ndarray, far: float = FAR) -> np.ndarray | None:
     """The point ``l2`` subtracts from items and users before scoring, and fast mode's float16 rows of ``ip`` and
     ``cosine`` items are rounded about (``recall.core.certificate``, "Items far from the origin"), from the first
-    CENTRE_ROWS rows of host ``items`` (n, dim): their mean, where it lies more than FAR times the rows' spread from
-    the origin; None where it does not (or a row is not finite: the checks name it).
+    CENTRE_ROWS rows of host ``items`` (n, dim): their mean, where it lies more than ``far`` times the rows' spread
+    from the origin (l2: FAR; fast mode: ``fast.FAST_FAR``); None where it does not (or a row is not finite: the
+    checks name it).
 
     -||u - v||² is the same for (u - c, v - c): the ranking and the scores are the metric's, with the digits of
     the distances kept. Each coordinate of the mean is rounded to a multiple of the largest power of two not above
@@ -149,7 +150,7 @@ def far_centre(items: np.ndarray) -> np.ndarray | None:
         return None
     mean = rows.mean(axis=0)
     spread = np.sqrt(((rows - mean) ** 2).sum(axis=1).mean())
-    if not np.linalg.norm(mean) > FAR * spread:
+    if not np.linalg.norm(mean) > far * spread:
         return None
     std = rows.std(axis=0)
     quantum = np.ones_like(std)

@@ -141,6 +141,13 @@ NEED_MARGIN_MAX_K = 64
 #: far from the centre find none of their best items near it). On the H100, one process, 2M x 4,096 x 32 took
 #: 23.1 ms so (``NEED_SLACK`` 3) against 24.7 ms sampled evenly (slack 2; docs/benchmarks.md).
 CENTROID_MAX_ITEMS = 8192
+#: ip and cosine catalogues whose mean lies more than this many times their spread from the origin are rounded to
+#: float16 about it, and their users split along its direction (``certificate``, "Items far from the origin", "Users
+#: along the centre"): any centre keeps the bound, a near one keeps it tight. Data about the origin (every bench kind
+#: without ``offset``: ratios under 0.1) is rounded as before. l2's own rule, FAR = 8, left cosine
+#: ``clustered:offset=10`` at d = 128 (7.8 spreads out) about the origin, every user widened (CPU's emulation,
+#: docs/benchmarks.md).
+FAST_FAR = 1.0
 #: Sample 1/SAMPLE_DIVISOR of the users (at most ``EngineOptions.fast_sample``), and only when that is at least
 #: SAMPLE_MIN users: a smaller sample's fraction is too noisy to act on (+-4% at 128 users around 0.25), and a
 #: search that small gains or loses little either way.
@@ -233,13 +240,10 @@ def _state(engine: Any) -> FastState:
     if engine._fast is None:
         backend = engine.backend
         bias_col = metrics.bias_column(engine.metric, engine.dim)
-        # ip and cosine rows far from the origin are rounded about their centre, by l2's own rule (l2's rows were
-        # moved by it already). A lower ratio would help the certificate sooner (on the CPU's emulation cosine
-        # ``clustered:offset=10`` at d = 128, a ratio of 7.8, widened every user about the origin, 7 about its mean,
-        # docs/benchmarks.md); its cost on the GPU (fast16.cu's launch takes the centre) is measured on far
-        # catalogues only so far.
+        # ip and cosine rows off the origin are rounded about their centre (l2's rows were moved by l2's own rule
+        # already), from FAST_FAR spreads out.
         centre = None if bias_col is not None else metrics.far_centre(
-            backend.to_host(engine.prepared_items[:metrics.CENTRE_ROWS]))
+            backend.to_host(engine.prepared_items[:metrics.CENTRE_ROWS]), FAST_FAR)
         fast_items = certificate.prepare_items(backend.xp, engine.prepared_items, bias_col, centre)
         # Under l2 a small catalogue's float16 passes sample half their rows nearest the centroid
         # (CENTROID_MAX_ITEMS, metrics.centroid_ranks), from the exact prepared vectors.

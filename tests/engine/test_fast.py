@@ -234,6 +234,24 @@ def test_fast_on_each_data_kind(device, kind):
     assert engine.stats["fallback_fraction"] < 0.01, engine.stats
 
 
+def test_data_a_few_spreads_from_the_origin_is_centred(device):
+    # Cosine clusters 10 from the origin in every coordinate lie 7.8 spreads out, under l2's rule of 8: rounded about
+    # the origin every user widened (CPU's emulation, 3,000 x 30,000, docs/benchmarks.md). Fast mode centres from
+    # fast.FAST_FAR spreads, and splits the users along the centre: no user widens, none falls back.
+    from recall.bench.workloads import generate
+    from recall.engine import fast as fast_engine
+
+    users, items = generate("clustered:offset=10", 300, 8000, 128, seed=3)
+    unit = items / np.linalg.norm(items, axis=1, keepdims=True)  # cosine's prepared rows
+    ratio = np.linalg.norm(unit.mean(axis=0)) / np.sqrt(((unit - unit.mean(axis=0)) ** 2).sum(axis=1).mean())
+    assert fast_engine.FAST_FAR < ratio < 8, ratio
+    engine = Engine(items, metric="cosine", device=device, precision="fast", options=emulated(fast_sample=0))
+    got = engine.search(users, 20)
+    assert engine._fast.items.centre is not None and engine._fast.items.proj_at is not None
+    oracle.assert_same_result(got, Engine(items, metric="cosine", device=device).search(users, 20))
+    assert engine.stats["fallback_users"] == 0 and engine.stats["widened_users"] <= 3, engine.stats
+
+
 @pytest.mark.parametrize("k", [50, 500])
 def test_a_few_far_items_widen_no_one_under_l2(device, k):
     # Eight items 20,000 times the others' norm: the largest bound column's accumulation term used to be every user's
