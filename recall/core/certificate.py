@@ -349,21 +349,28 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
             raise ValueError("a centre is for rows without a bias column")
         centre = np.asarray(centre, dtype=np.float32).reshape(dot_dim)
     full = norms  # n_v of the vectors themselves (the float32 scores' error); the rounded rows' own where centred
+    n_proj = 0
     if centre is not None:
-        # The rows rounded are x - c: their norms n'_v, largest component and spread replace the rows' own.
+        # The rows rounded are x - c: their norms n'_v, largest component and spread replace the rows' own; and,
+        # where c is not the origin, w_v = ĉ·(x_v - c) in float64, within (D₀ + 2)·2^-52·n'_v of its exact value
+        # (the difference's rounding and the dot's), for the users' split along ĉ.
         c64 = xp.asarray(centre, dtype=xp.float64)
+        c_len = math.sqrt(float(c64 @ c64))
+        n_proj = _PROJ_PARTS if c_len > 0 else 0
+        chat = c64 / c_len if n_proj else None
+        w = xp.empty(n, dtype=xp.float64) if n_proj else None
         norms = xp.empty(n, dtype=xp.float64)
         maxabs = 0.0
         for a, b in _blocks(n, dot_dim):
             part = dot[a:b].astype(xp.float64) - c64
             norms[a:b] = _norms(xp, part)
             maxabs = max(maxabs, float(xp.abs(part).max()))
+            if n_proj:
+                w[a:b] = part @ chat
     centred_max = float(norms.max())  # X' (X where not centred)
     per_item = biased or max_norm > _NORM_SPREAD * median or (
         centre is not None and centred_max > _NORM_SPREAD * float(xp.median(norms[::max(1, n // _MEDIAN_SAMPLE)])))
     n_aux = (2 + biased + (centre is not None)) if per_item else 0
-    c_len = 0.0 if centre is None else math.sqrt(float(c64 @ c64))
-    n_proj = _PROJ_PARTS if c_len > 0 else 0
     if _width(dot_dim, 1 + (_BIAS_PARTS if biased else 0) + n_proj + n_aux) * _ACC16 > (1 - 1 / _SAFETY) / 2:
         n_aux = 0  # columns so many that half the bound columns' 1% would not pay for their own accumulation
     per_item = n_aux > 0
@@ -387,12 +394,7 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
     vecs16[:, dot_dim] = _SHIFT_ITEM
     col = dot_dim + 1
     if n_proj:
-        # w_v = ĉ·(x_v - c) in float64 (within (D₀ + 2)·2^-52·n'_v of ĉ·(x_v - c) exactly: the difference's rounding
-        # and the dot's), in two float16 parts of β_w·w_v.
-        chat = c64 / c_len
-        w = xp.empty(n, dtype=xp.float64)
-        for a, b in _blocks(n, dot_dim):
-            w[a:b] = (dot[a:b].astype(xp.float64) - c64) @ chat
+        # w_v in two float16 parts of β_w·w_v.
         w_scale = float(_pow2_scale(xp, xp.abs(w).max()))
         w1 = (w * w_scale).astype(xp.float16)
         w2 = (w * w_scale - w1.astype(xp.float64)).astype(xp.float16)
