@@ -1,12 +1,15 @@
 """Fast mode's certificate on chosen data, on the CPU's emulation of the GPU's arithmetic: per case the users
 widened and fallen back to an exact search, and whether the answer is exact mode's bit for bit. Every search takes
 the float16 pass (no probe, no size rule), so that the certificate is what is measured. Sets of cases: ``far``, data
-far from the origin (``recall.bench.workloads``' ``offset=``); ``heavy``, heavy-tailed item norms.
+far from the origin (``recall.bench.workloads``' ``offset=``); ``heavy``, heavy-tailed item norms; ``matrix``, issue
+18's continuous cells (normal, skewed, clustered and popular data; ip, cosine, l2; d = 32-256; k = 10-2,048).
+``--float16-tiles``: the passes keep the GPU's float16 score tiles (``NumpyBackend.float16_tiles``: its cuBLAS path,
+passes of k above 4,096 and rows wider than its float16 kernels multiply) rather than the fused kernels' float32 sums.
 
 Run from the project root::
 
     PYTHONPATH=. python3 scripts/lab/certificate_cases.py [--set far] [--users 3000] [--items 30000] [--seed 0]
-        [--json out.json]
+        [--float16-tiles] [--json out.json]
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import json
 import numpy as np
 
 from recall import Engine, EngineOptions
+from recall.backends.numpy.backend import NumpyBackend
 from recall.bench.workloads import generate
 
 FAR = (("normal:offset=3", "ip", 64, 10), ("normal:offset=30", "ip", 64, 100), ("normal:offset=300", "ip", 64, 10),
@@ -26,7 +30,9 @@ FAR = (("normal:offset=3", "ip", 64, 10), ("normal:offset=30", "ip", 64, 100), (
 HEAVY = (("normal:pareto_alpha=1.5", "l2", 64, 1000), ("normal:pareto_alpha=1.5", "l2", 256, 50),
          ("skewed:user_sigma=2,item_sigma=1.5", "l2", 256, 50), ("popular", "ip", 64, 100), ("skewed", "l2", 32, 50),
          ("normal:pareto_alpha=1.5", "ip", 64, 100), ("normal:item_sigma=1", "ip", 128, 10))
-SETS = {"far": FAR, "heavy": HEAVY}
+MATRIX = tuple((kind, metric, dim, k) for kind in ("normal", "skewed", "clustered", "popular")
+               for metric in ("ip", "cosine", "l2") for dim in (32, 64, 128, 256) for k in (10, 100, 1000, 2048))
+SETS = {"far": FAR, "heavy": HEAVY, "matrix": MATRIX}
 
 
 def main() -> None:
@@ -35,8 +41,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--users", type=int, default=3000)
     p.add_argument("--items", type=int, default=30_000)
+    p.add_argument("--float16-tiles", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    NumpyBackend.float16_tiles = a.float16_tiles
     options = EngineOptions(fast_emulation=True, fast_sample=0, float16_min_scores=0)
     rows = []
     print(f"| case ({a.users:,} users x {a.items:,} items) | k | widened | fell back | equal to exact mode |")
@@ -54,7 +62,8 @@ def main() -> None:
               f"{'bit for bit' if same else 'NO'} |", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"set": a.set, "users": a.users, "items": a.items, "seed": a.seed, "rows": rows}, f, indent=1)
+            json.dump({"set": a.set, "users": a.users, "items": a.items, "seed": a.seed,
+                       "float16_tiles": a.float16_tiles, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -276,21 +276,11 @@ def test_a_few_far_items_widen_no_one_under_l2(device, k):
 
 @pytest.fixture
 def float16_tiles(monkeypatch):
-    """The CPU backend with the GPU's float16 score tiles: fast mode's GEMM result scaled by output_scale and
-    rounded to float16 (kept in the float32 buffer the CPU selects from), so fast mode runs its GPU arithmetic."""
+    """The CPU backend with the GPU's float16 score tiles (``NumpyBackend.float16_tiles``), so that fast mode runs
+    its GPU arithmetic."""
     from recall.backends.numpy.backend import NumpyBackend
 
-    real = NumpyBackend.gemm_strided_batched
-
-    def gemm(self, users, items, out):
-        real(self, users, items, out)
-        if users.dtype == np.float16:
-            g = np.float32(fast.output_scale(items.shape[2]))
-            out[...] = (out * g).astype(np.float16).astype(np.float32)
-
-    monkeypatch.setattr(NumpyBackend, "gemm_strided_batched", gemm)
-    monkeypatch.setattr(NumpyBackend, "score_dtype",
-                        lambda self, dtype: np.dtype(np.float16 if np.dtype(dtype) == np.float16 else np.float32))
+    monkeypatch.setattr(NumpyBackend, "float16_tiles", True)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...core import host_threads, keys
-from ...core.certificate import FastItems, FastUsers, gamma32, prepare_users, seed_margin
+from ...core.certificate import FastItems, FastUsers, gamma32, output_scale, prepare_users, seed_margin
 from ...core.errors import ResourceError
 from ...core.exclusions import Exclusions
 from ...core.metrics import l2_finished, largest_row_norm, row_norms
@@ -261,6 +261,10 @@ class NumpyBackend:
     # of 1 MiB, a core's L2 (1 user x 100k items x 64, k=100: 1.50 ms at 512 items a tile, 0.87 ms at 8,192;
     # 32 users: 6.69 ms at 512, 6.19 ms at 8,192, 6.49 ms at 100,000; docs/benchmarks.md).
     few_users_area = 1 << 18
+    #: Fast mode's emulation (``EngineOptions.fast_emulation``) with the GPU's float16 score tiles, as its cuBLAS
+    #: path keeps them (passes of k above 4,096, rows wider than its float16 kernels multiply): each float16 GEMM's
+    #: result scaled by ``certificate.output_scale`` and rounded to float16. For tests and ``scripts/lab`` only.
+    float16_tiles = False
 
     def __init__(self) -> None:
         # One user block per core; each block's GEMM runs on one BLAS thread (see compute_context).
@@ -387,6 +391,8 @@ class NumpyBackend:
         return tune_band(_TUNE_USERS, _TUNE_ITEMS, _TUNE_BAND, heuristic)
 
     def score_dtype(self, input_dtype: Any) -> Any:
+        if self.float16_tiles and np.dtype(input_dtype) == np.float16:
+            return np.dtype(np.float16)
         return np.dtype(np.float32)  # float16 inputs (fast mode) are scored in float32 on the CPU
 
     def pass_score_dtype(self, plan: TilePlan, n_users: int, n_items: int, k: int, width: int, dtype: Any,
@@ -646,7 +652,14 @@ class NumpyBackend:
     def gemm_strided_batched(self, users: np.ndarray, items: np.ndarray, out: np.ndarray) -> None:
         if users.dtype == np.float16:
             # Fast mode's arithmetic, emulated: float16 inputs, exact products, float32 accumulation.
-            users, items = users.astype(np.float32), items.astype(np.float32)
+            self._float32_gemm(users.astype(np.float32), items.astype(np.float32), out)
+            if self.float16_tiles:
+                # (kept in the float32 buffer the selection reads)
+                out[...] = (out * np.float32(output_scale(items.shape[2]))).astype(np.float16)
+            return
+        self._float32_gemm(users, items, out)
+
+    def _float32_gemm(self, users: np.ndarray, items: np.ndarray, out: np.ndarray) -> None:
         rows, width, dim = users.shape[-2], items.shape[-2], items.shape[-1]
         sums = blas_summation(dim)
         if sums == "blocked":
