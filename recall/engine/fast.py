@@ -211,10 +211,14 @@ NARROW_FLAT = 64
 #: A search at a narrowed first margin that widened more than this share of its users hands the next searches of
 #: that k the default margin back (their sample's probe then finds out afresh).
 NARROW_MISS = 0.001
-#: Where score tiles are float16, each user's scores are shifted by its best float32 score over this many evenly
-#: spaced items (certificate.prepare_users' ``shift``): the scores the certificate compares then lie near 0, where
-#: float16 tiles round them least (on clustered data at d = 256, 3% of first certificates fail instead of 80%). The
-#: cost: a float32 GEMM of the users against 1,024 items, about 0.1% of a search of a million items.
+#: Where score tiles are float16, each user's scores are shifted by its best float32 score over at most this many
+#: evenly spaced items (certificate.prepare_users' ``shift``): the scores the certificate compares then lie near 0,
+#: where float16 tiles round them least (on clustered data at d = 256, 3% of first certificates fail instead of 80%).
+#: The cost: a float32 GEMM of the users against 1,024 items, about 0.1% of a search of a million items. A pass that
+#: keeps w candidates samples n_items // w items where that is fewer (:func:`shift_rows`), so that their best lies
+#: near the w-th score, the one its certificate compares, rather than far above it: on the CPU's emulation of
+#: float16 tiles (2,000 x 20,000, popular ip, d = 128 and 256, k = 1,000 and 2,048; docs/benchmarks.md) 4-23 users
+#: of 2,000 widened with the best of 1,024, none with this.
 SHIFT_ITEMS = 1024
 #: Users per block of that GEMM: (16,384 x 1,024) float32 scores are 64 MiB.
 _SHIFT_BLOCK = 16_384
@@ -627,7 +631,7 @@ def _prepare(engine: Any, users: Any, k: int, margin: int | None = None) -> cert
     # (1M x 100k x 64 at k = 100: 0.051 s of selects against 0.072 s) before it skipped the leading bits its keys
     # share; small ranks now take the warp-a-user select, whose bisection the scores' offset does not touch.
     half = _tiles16(engine, int(users.shape[0]), k, margin)
-    shift = _sampled_best(engine, users, uxp) if half else None
+    shift = _sampled_best(engine, users, uxp, _first_wide(engine, k, margin)) if half else None
     return _prepare_users(engine, users, uxp, half, shift)
 
 
@@ -645,11 +649,17 @@ def _tiles16(engine: Any, n_users: int, k: int, margin: int | None = None) -> bo
     :func:`_default_margin`) will keep float16 score tiles (``Backend.pass_score_dtype``), for users not shifted
     (their columns: ``FastItems.unshifted_width``)."""
     items = _state(engine).items
-    wide = min(k + (_default_margin(engine, k) if margin is None else margin) + 1, engine.n_items)
+    wide = _first_wide(engine, k, margin)
     plan = _pass_plan(engine, n_users, wide)
     kept = engine.backend.pass_score_dtype(plan, n_users, engine.n_items, wide, items.unshifted_width, np.float16,
                                            engine.options)
     return np.dtype(kept) == np.float16
+
+
+def _first_wide(engine: Any, k: int, margin: int | None = None) -> int:
+    """The candidates a user the first float16 pass of a search at ``k`` keeps (``margin`` more than k, default
+    :func:`_default_margin`, and one), at most every item."""
+    return min(k + (_default_margin(engine, k) if margin is None else margin) + 1, engine.n_items)
 
 
 def _pass_plan(engine: Any, n_users: int, wide: int) -> Any:
@@ -729,14 +739,19 @@ def _kept16(backend: Any, run_stats: dict) -> bool:
     return np.dtype(run_stats.get("score_dtype", backend.score_dtype(np.float16))) == np.float16
 
 
-def _sampled_best(engine: Any, users: Any, uxp: Any) -> Any:
-    """Per user (n,) float64 of module ``uxp``: the best float32 score over SHIFT_ITEMS evenly spaced items,
-    computed on the backend."""
+def shift_rows(n_items: int, wide: int) -> np.ndarray:
+    """The rows of the items a user's shift is the best score over, for a pass that keeps ``wide`` candidates a
+    user: ``n_items // wide`` of them evenly spaced, at most SHIFT_ITEMS and at least one (int64)."""
+    size = max(1, min(SHIFT_ITEMS, n_items // max(wide, 1)))
+    return np.arange(size, dtype=np.int64) * n_items // size
+
+
+def _sampled_best(engine: Any, users: Any, uxp: Any, wide: int) -> Any:
+    """Per user (n,) float64 of module ``uxp``: the best float32 score over the items of :func:`shift_rows` (for a
+    pass keeping ``wide``), computed on the backend."""
     backend = engine.backend
     xp = backend.xp
-    n_items = engine.n_items
-    size = min(SHIFT_ITEMS, n_items)
-    sample = engine.prepared_items[xp.asarray(np.arange(size, dtype=np.int64) * n_items // size)]
+    sample = engine.prepared_items[xp.asarray(shift_rows(engine.n_items, wide))]
     n_users = int(users.shape[0])
     best = xp.empty(n_users, dtype=xp.float64)
     for start in range(0, n_users, _SHIFT_BLOCK):

@@ -48,8 +48,7 @@ def emulate(users: np.ndarray, items: np.ndarray, metric: str, k: int, block: in
     if fast.new:
         from recall.engine import fast as fast_mode
 
-        size = min(fast_mode.SHIFT_ITEMS, n_items)
-        sample = prep_items[np.arange(size) * n_items // size]
+        sample = prep_items[fast_mode.shift_rows(n_items, min(k + m + 1, n_items))]
     first = {False: 0, True: 0}
     final = {False: 0, True: 0}
 

@@ -421,7 +421,8 @@ def _shift_float32(engine):
         items = fast_mode._state(engine).items
         half = fast_mode._tiles16(engine, int(users.shape[0]), k, margin)
         held = items.bias_at is not None or (items.norms_at is not None and items.max_resid > 0)
-        shift = fast_mode._sampled_best(engine, users, uxp) if half or held else None
+        shift = (fast_mode._sampled_best(engine, users, uxp, fast_mode._first_wide(engine, k, margin))
+                 if half or held else None)
         return certificate.prepare_users(uxp, users, items, half_scores=half, shift=shift)
 
     fast_mode._prepare = prepare

@@ -4,8 +4,8 @@ WIDE_FIRST), from the float64 scores of a sample of users against every item, on
 A model of the certificate (``recall.core.certificate``): a user is counted certified at a first pass of w candidates
 where its exact k-th score beats its w-th by more than its bound (``FastUsers.bound``: E_u through the items' maxima,
 or R_u where the items carry per-item bound columns, which this model then leaves out); "float16 tiles" adds the
-stored scores' rounding, 2^-9 of the w-th score's distance to the user's shift (the sampled best of
-``fast.SHIFT_ITEMS`` items, as the first pass shifts; or the exact k-th, as the widened pass does). The float16
+stored scores' rounding, 2^-9 of the w-th score's distance to the user's shift (the sampled best over
+``fast.shift_rows``' items, as the first pass shifts; or the exact k-th, as the widened pass does). The float16
 pass's own choice of which w items it keeps is not modelled. Prints a table, writes JSON.
 
     PYTHONPATH=. python3 scripts/lab/margin_needed.py --kind skewed --dim 768 --items 1000000 --metric cosine \
@@ -30,11 +30,10 @@ def measure(kind: str, n_users: int, n_items: int, dim: int, metric: str, k: int
     fast_items = certificate.prepare_items(np, items, metrics.bias_column(metric, dim))
     bound = certificate.prepare_users(np, users, fast_items).bound
     scores = -np.sort(-(users.astype(np.float64) @ items.astype(np.float64).T), axis=1)
-    size = min(fast.SHIFT_ITEMS, n_items)
-    sample = np.arange(size) * n_items // size  # the items fast._sampled_best shifts by
-    sampled_best = (users.astype(np.float64) @ items[sample].astype(np.float64).T).max(axis=1)
     kth = scores[:, k - 1]
     m = certificate.margin(k)
+    sample = fast.shift_rows(n_items, min(k + m + 1, n_items))  # the items the first pass's shift is taken over
+    sampled_best = (users.astype(np.float64) @ items[sample].astype(np.float64).T).max(axis=1)
     rows = []
     for mult in (1, 2, fast.WIDEN, 2 * fast.WIDEN):
         w = min(k + mult * m + 1, n_items)

@@ -283,6 +283,30 @@ def float16_tiles(monkeypatch):
     monkeypatch.setattr(NumpyBackend, "float16_tiles", True)
 
 
+def test_shift_rows_sample_about_as_many_items_as_lie_above_the_pass_s_last_candidate():
+    from recall.engine.fast import SHIFT_ITEMS, shift_rows
+
+    assert len(shift_rows(1_000_000, 126)) == SHIFT_ITEMS  # a pass of 126 in 1M: its 7,936 would be more
+    assert shift_rows(20_000, 1251).tolist() == [i * 20_000 // 15 for i in range(15)]
+    assert shift_rows(1, 1).tolist() == [0]
+    assert shift_rows(5, 5).tolist() == [0] and shift_rows(3, 10).tolist() == [0]  # at least one
+    rows = shift_rows(10_000, 7)
+    assert len(rows) == SHIFT_ITEMS and rows.max() < 10_000 and np.all(np.diff(rows) > 0)
+
+
+def test_float16_tiles_shifted_near_the_pass_s_last_candidate_widen_no_one(float16_tiles):
+    # Popular items at k = 1,000 of 5,000: each user's best score over 1,024 sampled items lay far above the pass's
+    # last candidate, whose stored score then rounded by 2^-10 of that distance (9 of 300 users widened); the best of
+    # n_items // w sampled items lies near it (fast.shift_rows).
+    from recall.bench.workloads import generate
+
+    users, items = generate("popular", 300, 5000, 256, seed=0)
+    engine = Engine(items, metric="ip", device="cpu", precision="fast", options=emulated())
+    got = engine.search(users, 1000)
+    assert engine.stats["widened_users"] == 0 and engine.stats["fallback_users"] == 0, engine.stats
+    oracle.assert_same_result(got, Engine(items, metric="ip", device="cpu").search(users, 1000))
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_fast_on_each_data_kind_with_float16_tiles(float16_tiles, kind):
     # The same, on the CPU emulating the GPU's float16 score tiles (and so its shifted scores).
