@@ -24,7 +24,9 @@ vectors was dominated by |v|²/2). The float16 columns, W of them, are:
 - bias: items hold two float16 parts ``h₁ = fl16(β_b·c)``, ``h₂ = fl16(β_b·c - h₁)`` (β_b a power of two), so that
   c̃ = (h₁ + h₂)/β_b is within about 2^-22·|c| of c; users hold ``e_u = α·β/β_b`` in both, an exact power of two
   (α is lowered where e_u would exceed 2^13; where e_u would be below float16's smallest subnormal 2^-24 the bias
-  is dropped for that user, e_u = 0);
+  is dropped for that user, e_u = 0). Rows of at least ``_BIAS_WIDE`` columns give the bias the shift column's
+  range: β_b·max|c| in [2^14, 2^15) and e_u up to 2^15, so that the users whose α the bias caps (under l2, those of
+  small norm against items of widely spread norms) keep 8 times the scale;
 - per-item bound columns (with a bias, and wherever the largest item norm is over ``_NORM_SPREAD`` times the
   median, so that a bound through the largest item would be loose for the items that matter): items hold, rounded
   up, n_v = |x_v|, r_v = |δx_v| (below) and, with a bias, κ_v (below), each scaled by its own power of two; users
@@ -159,6 +161,9 @@ _BIAS_PARTS = 2  # float16 columns that carry the bias (c to about 2^-22 relativ
 _PROJ_PARTS = 3  # float16 columns of the users' part along the centre: (P₁, P₂, P₁) against the items' (W₁, W₁, W₂)
 _PROJ_USER_MAX = 2.0 ** _TOP_EXP  # |P| at most this (α is lowered so that it fits), as the bias's e_u
 _BIAS_USER_MAX = 2.0 ** _TOP_EXP  # e_u at most this: a bias product then stays within the scaled components' range
+# From this many float16 columns the bias's products may reach the shift column's 2^30 (h₁ up to 2^15, e_u up to
+# 2^15): output_scale's bound still holds (its docstring).
+_BIAS_WIDE = 32
 _AUX_USER_MAX = 2.0 ** (_TOP_EXP + 1)  # bound factors at most this (else that user takes the bound through maxima)
 _SHIFT_ITEM = 2.0 ** 15  # what every item holds in the shift column
 _SHIFT_USER_MAX = 2.0 ** 15  # |σ_u| at most this (α is lowered so that it fits): the shift product is at most 2^30
@@ -186,7 +191,8 @@ def output_scale(width: int) -> float:
     Every product of scaled components is at most 2^(2·_TOP_EXP + 2)·(1 + 2^-8) (bound columns are rounded up by at
     most 2^-9), and the shift column's at most 2^30, so, as widths are multiples of 8,
     |t| <= (width + 3)·2^28·(1 + 2^-8)(1 + γ) <= 1.375·width·2^28·(1 + 2^-7); g brings that under
-    1.375·2^15·(1 + 2^-7) < 45,400, inside float16's 65,504."""
+    1.375·2^15·(1 + 2^-7) < 45,400, inside float16's 65,504. From ``_BIAS_WIDE`` (32) columns the two bias columns'
+    products may reach 2^30 too: |t| <= (width + 11)·2^28·(...), and width + 11 <= 1.375·width there."""
     return 2.0 ** (15 - 2 * (_TOP_EXP + 1) - max(0, int(width - 1).bit_length()))
 
 
@@ -281,6 +287,7 @@ class FastItems:
     shift_at: int | None = None  # float16 column of the shift (items hold _SHIFT_ITEM); None: no shift column
     bias_at: int | None = None  # float16 column of h₁ (h₂ next to it); None: no bias
     bias_scale: float = 1.0  # β_b
+    bias_user_max: float = _BIAS_USER_MAX  # e_u at most this (2^15 in rows of at least _BIAS_WIDE columns)
     bias_max: float = 0.0  # max |c|
     bias_err_max: float = 0.0  # K = max κ_v
     norms_at: int | None = None  # float16 column of n_v (then r_v, then κ_v with a bias); None: no bound columns
@@ -410,7 +417,8 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
     if biased:
         bias = items[:, bias_col].astype(xp.float64)
         bias_max = float(xp.abs(bias).max())
-        bias_scale = float(_pow2_scale(xp, xp.asarray(bias_max)))
+        wide = _width(dot_dim, aux) >= _BIAS_WIDE
+        bias_scale = float(_pow2_scale(xp, xp.asarray(bias_max))) * (2.0 if wide else 1.0)
         h1 = (bias * bias_scale).astype(xp.float16)
         h2 = (bias * bias_scale - h1.astype(xp.float64)).astype(xp.float16)
         vecs16[:, col], vecs16[:, col + 1] = h1, h2
@@ -419,7 +427,8 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
         gamma16, g32 = _width(dot_dim, aux) * _ACC16, gamma32(width)
         kappa = (xp.abs((h1 + h2) / bias_scale - bias) + gamma16 * (xp.abs(h1) + xp.abs(h2)) / bias_scale
                  + g32 * xp.abs(bias))
-        fields.update(bias_at=col, bias_scale=bias_scale, bias_max=bias_max, bias_err_max=float(kappa.max()))
+        fields.update(bias_at=col, bias_scale=bias_scale, bias_max=bias_max, bias_err_max=float(kappa.max()),
+                      bias_user_max=_BIAS_USER_MAX * (4.0 if wide else 1.0))
         aux_vals.append(kappa)
         col += _BIAS_PARTS
     if per_item:
@@ -475,7 +484,7 @@ def user_terms(items: FastItems) -> dict[str, float]:
     items' β, β_b, X, ΔX, K and max |c|; with users split along the centre, β_w, ω, max |w̃|, max |W₁|, max |W₂| and
     log2(_PROJ_USER_MAX·β_w/β) (``proj_room``, an integer: |P| = |p|·αβ/β_w fits where α <= 2^proj_room/|p|)."""
     return {"beta": items.scale, "bias_scale": items.bias_scale,
-            "cap_bias": _BIAS_USER_MAX * items.bias_scale / items.scale if items.bias_at is not None else np.inf,
+            "cap_bias": items.bias_user_max * items.bias_scale / items.scale if items.bias_at is not None else np.inf,
             "gamma16": items.width * _ACC16, "gamma32": gamma32(items.prepared_width),
             "rest0": items.prepared_width * _F32_TINY, "max_norm": items.max_norm, "max_resid": items.max_resid,
             "bias_err_max": items.bias_err_max, "bias_max": items.bias_max, "safety": _SAFETY,

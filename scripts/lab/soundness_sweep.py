@@ -16,6 +16,10 @@ exclusions or a shared item filter (empty and all-excluded users among them). It
 - a NaN in the users is refused (``InputError``) in every mode.
 
     PYTHONPATH=.:tests python3 scripts/lab/soundness_sweep.py --minutes 30 --json sweep.json [--device gpu]
+        [--float16-tiles]
+
+``--float16-tiles`` (CPU): the emulation keeps the GPU's float16 score tiles (``NumpyBackend.float16_tiles``), as its
+cuBLAS path does, and with them the users' shifted scores.
 
 Prints one line a failing cell (its seed reproduces it: ``--cell SEED``) and a summary table; writes the cells' JSON.
 """
@@ -201,8 +205,13 @@ def main() -> int:
     ap.add_argument("--cell", type=int, help="run this one cell's seed and print it")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--large", action="store_true", help="GPU-sized cells (the oracle checks 400 users of each)")
+    ap.add_argument("--float16-tiles", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.float16_tiles:
+        from recall.backends.numpy.backend import NumpyBackend
+
+        NumpyBackend.float16_tiles = True
     if args.cell is not None:
         cell = run_cell(args.cell, args.device, args.large)
         print(json.dumps(cell, indent=1))

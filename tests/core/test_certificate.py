@@ -235,10 +235,34 @@ def test_shift_keeps_float16_tiles_fine_near_the_kth_score():
 def test_output_scale_keeps_every_tile_score_finite():
     # The widest products: every component at the top of its range, the bound columns rounded up, the shift column
     # at its largest.
-    for width in (8, 16, 72, 264, 1024):
+    for width in (8, 16, 24, 32, 40, 72, 264, 1024):
         g = certificate.output_scale(width)
         worst = (width - 1) * (2.0 ** 14 * (1 + 2.0 ** -9)) ** 2 + 2.0 ** 30
+        if width >= certificate._BIAS_WIDE:  # the two bias columns' products up to 2^30 too (h₁, e_u below 2^15)
+            worst = (width - 3) * (2.0 ** 14 * (1 + 2.0 ** -9)) ** 2 + 3 * 2.0 ** 30
         assert np.isfinite(np.float16(worst * g)) and worst * g * (1 + width * 2.0 ** -22) < 65504
+
+
+@pytest.mark.parametrize("dim", [18, 19, 64])
+def test_the_bias_takes_the_shift_column_s_range_in_rows_of_32_columns(dim):
+    # l2 with item norms over three orders of magnitude (biases over six) and users of small norm, whose α the bias
+    # caps: from 32 float16 columns the bias's parts lie in [2^14, 2^15) and e_u reaches 2^15, 8 times the scale of
+    # narrower rows; the tiles stay finite and the bound holds for every pair.
+    rng = np.random.default_rng(dim)
+    items = rng.standard_normal((3000, dim)).astype(np.float32) * np.exp(rng.normal(0, 1.5, (3000, 1))).astype(
+        np.float32)
+    users = (rng.standard_normal((200, dim)) * np.exp(rng.normal(-2, 2, (200, 1)))).astype(np.float32)
+    pu, pi, fu, fi = _prepare("l2", users, items, True, shift=np.zeros(200))
+    wide = fi.width >= certificate._BIAS_WIDE
+    assert wide == (dim >= 19)  # the dot columns, the bias's 2, the shift and 3 bound columns, up to 8: 24 at d = 18
+    h1 = np.abs(fi.vecs16[:, fi.bias_at].astype(np.float64)).max()
+    assert (2.0 ** 14 <= h1 < 2.0 ** 15) if wide else (2.0 ** 13 <= h1 < 2.0 ** 14)
+    e_u = np.abs(fu.vecs16[:, fi.bias_at].astype(np.float64))
+    assert e_u.max() == (2.0 ** 15 if wide else 2.0 ** 13)  # the cap, reached by the users of small norm
+    tiles = _gemm(fu, fi)
+    assert np.all(np.isfinite(tiles))
+    exact = pu.astype(np.float64) @ pi.astype(np.float64).T
+    assert np.all(exact <= _upper(fu, fi, tiles))
 
 
 def test_users_along_the_centre_are_split_along_it():

@@ -307,6 +307,19 @@ def test_float16_tiles_shifted_near_the_pass_s_last_candidate_widen_no_one(float
     oracle.assert_same_result(got, Engine(items, metric="ip", device="cpu").search(users, 1000))
 
 
+def test_float16_tiles_keep_the_scale_of_small_users_under_l2(float16_tiles):
+    # l2, user norms log-normal (sigma 2) against items of widely spread norms: the bias caps the scale of the users
+    # of small norm, and the tiles' smallest step was wider than the gaps between their scores (68 of 400 users
+    # widened when the bias kept the dot columns' range); from 32 columns it takes the shift column's, 8 times it.
+    from recall.bench.workloads import generate
+
+    users, items = generate("skewed:user_sigma=2,item_sigma=1.5", 400, 10_000, 128, seed=0)
+    engine = Engine(items, metric="l2", device="cpu", precision="fast", options=emulated())
+    got = engine.search(users, 20)
+    assert engine.stats["widened_users"] == 0 and engine.stats["fallback_users"] == 0, engine.stats
+    oracle.assert_same_result(got, Engine(items, metric="l2", device="cpu").search(users, 20))
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_fast_on_each_data_kind_with_float16_tiles(float16_tiles, kind):
     # The same, on the CPU emulating the GPU's float16 score tiles (and so its shifted scores).
