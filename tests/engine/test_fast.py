@@ -477,6 +477,20 @@ def test_fast_equals_exact_and_the_oracle(seed, n_items, n_users, dim, k, metric
     _fast_equals_exact_and_oracle("cpu", emulated(), seed, n_items, n_users, dim, k, metric, exp, tie_range, excluded)
 
 
+@settings(max_examples=25, deadline=None)
+@given(**_DYADIC)
+def test_fast_with_float16_tiles_equals_exact_and_the_oracle(seed, n_items, n_users, dim, k, metric, exp, tie_range,
+                                                            excluded):
+    # The same with the GPU's float16 score tiles emulated (rows of 8 to 32 columns: the bias on both sides of
+    # certificate._BIAS_WIDE).
+    from recall.backends.numpy.backend import NumpyBackend
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NumpyBackend, "float16_tiles", True)
+        _fast_equals_exact_and_oracle("cpu", emulated(), seed, n_items, n_users, dim, k, metric, exp, tie_range,
+                                      excluded)
+
+
 def _spy_fast_searches(monkeypatch):
     """Record the number of users of every fast-mode search of a set of users (sample, rest)."""
     from recall.engine import fast as fast_search
