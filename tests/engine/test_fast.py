@@ -296,30 +296,24 @@ def test_shift_rows_sample_about_as_many_items_as_lie_above_the_pass_s_last_cand
     assert len(rows) == SHIFT_ITEMS and rows.max() < 10_000 and np.all(np.diff(rows) > 0)
 
 
-def test_float16_tiles_shifted_near_the_pass_s_last_candidate_widen_no_one(float16_tiles):
+@pytest.mark.parametrize("kind, metric, n_users, n_items, dim, k", [
     # Popular items at k = 1,000 of 5,000: each user's best score over 1,024 sampled items lay far above the pass's
     # last candidate, whose stored score then rounded by 2^-10 of that distance (9 of 300 users widened); the best of
     # n_items // w sampled items lies near it (fast.shift_rows).
-    from recall.bench.workloads import generate
-
-    users, items = generate("popular", 300, 5000, 256, seed=0)
-    engine = Engine(items, metric="ip", device="cpu", precision="fast", options=emulated())
-    got = engine.search(users, 1000)
-    assert engine.stats["widened_users"] == 0 and engine.stats["fallback_users"] == 0, engine.stats
-    oracle.assert_same_result(got, Engine(items, metric="ip", device="cpu").search(users, 1000))
-
-
-def test_float16_tiles_keep_the_scale_of_small_users_under_l2(float16_tiles):
+    ("popular", "ip", 300, 5000, 256, 1000),
     # l2, user norms log-normal (sigma 2) against items of widely spread norms: the bias caps the scale of the users
     # of small norm, and the tiles' smallest step was wider than the gaps between their scores (68 of 400 users
     # widened when the bias kept the dot columns' range); from 32 columns it takes the shift column's, 8 times it.
+    ("skewed:user_sigma=2,item_sigma=1.5", "l2", 400, 10_000, 128, 20),
+], ids=["shift-near-the-last-candidate", "bias-in-the-shift-range"])
+def test_float16_tiles_widen_no_one(float16_tiles, kind, metric, n_users, n_items, dim, k):
     from recall.bench.workloads import generate
 
-    users, items = generate("skewed:user_sigma=2,item_sigma=1.5", 400, 10_000, 128, seed=0)
-    engine = Engine(items, metric="l2", device="cpu", precision="fast", options=emulated())
-    got = engine.search(users, 20)
+    users, items = generate(kind, n_users, n_items, dim, seed=0)
+    engine = Engine(items, metric=metric, device="cpu", precision="fast", options=emulated())
+    got = engine.search(users, k)
     assert engine.stats["widened_users"] == 0 and engine.stats["fallback_users"] == 0, engine.stats
-    oracle.assert_same_result(got, Engine(items, metric="l2", device="cpu").search(users, 20))
+    oracle.assert_same_result(got, Engine(items, metric=metric, device="cpu").search(users, k))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
