@@ -238,7 +238,7 @@ def test_output_scale_keeps_every_tile_score_finite():
     for width in (8, 16, 24, 32, 40, 72, 264, 1024):
         g = certificate.output_scale(width)
         worst = (width - 1) * (2.0 ** 14 * (1 + 2.0 ** -9)) ** 2 + 2.0 ** 30
-        if width >= certificate._BIAS_WIDE:  # the two bias columns' products up to 2^30 too (h₁, e_u below 2^15)
+        if width >= certificate._BIAS_WIDE:  # the two bias columns' products up to 2^30 too (h₁, e_u at most 2^15)
             worst = (width - 3) * (2.0 ** 14 * (1 + 2.0 ** -9)) ** 2 + 3 * 2.0 ** 30
         assert np.isfinite(np.float16(worst * g)) and worst * g * (1 + width * 2.0 ** -22) < 65504
 
