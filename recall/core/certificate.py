@@ -383,7 +383,8 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
     per_item = n_aux > 0
     aux = 1 + (_BIAS_PARTS if biased else 0) + n_proj + n_aux
     scale = float(_pow2_scale(xp, xp.asarray(maxabs)))
-    vecs16 = xp.zeros((n, _width(dot_dim, aux)), dtype=xp.float16)
+    w16 = _width(dot_dim, aux)  # W: the float16 columns
+    vecs16 = xp.zeros((n, w16), dtype=xp.float16)
     resids = xp.empty(n, dtype=xp.float64)
     for a, b in _blocks(n, dot_dim):
         if centre is None:
@@ -417,18 +418,18 @@ def prepare_items(xp: Any, items: Any, bias_col: int | None = None, centre: Any 
     if biased:
         bias = items[:, bias_col].astype(xp.float64)
         bias_max = float(xp.abs(bias).max())
-        wide = _width(dot_dim, aux) >= _BIAS_WIDE
+        wide = w16 >= _BIAS_WIDE  # (the shift column's range: h₁ in [2^14, 2^15), e_u up to _SHIFT_USER_MAX)
         bias_scale = float(_pow2_scale(xp, xp.asarray(bias_max))) * (2.0 if wide else 1.0)
         h1 = (bias * bias_scale).astype(xp.float16)
         h2 = (bias * bias_scale - h1.astype(xp.float64)).astype(xp.float16)
         vecs16[:, col], vecs16[:, col + 1] = h1, h2
         h1, h2 = h1.astype(xp.float64), h2.astype(xp.float64)
         # κ_v: the bias's own rounding, its share of the float16 accumulation, and of the float32 scores' error.
-        gamma16, g32 = _width(dot_dim, aux) * _ACC16, gamma32(width)
+        gamma16, g32 = w16 * _ACC16, gamma32(width)
         kappa = (xp.abs((h1 + h2) / bias_scale - bias) + gamma16 * (xp.abs(h1) + xp.abs(h2)) / bias_scale
                  + g32 * xp.abs(bias))
         fields.update(bias_at=col, bias_scale=bias_scale, bias_max=bias_max, bias_err_max=float(kappa.max()),
-                      bias_user_max=_BIAS_USER_MAX * (4.0 if wide else 1.0))
+                      bias_user_max=_SHIFT_USER_MAX if wide else _BIAS_USER_MAX)
         aux_vals.append(kappa)
         col += _BIAS_PARTS
     if per_item:
@@ -516,7 +517,7 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         chat = items.proj_dir
         proj = xp.zeros(y64.shape[0], dtype=xp.float64)
         for i in range(items.dot_dim):
-            proj = proj + y64[:, i] * chat[i]
+            proj += y64[:, i] * chat[i]
         rows = y64 - proj[:, None] * chat[None, :]
     alpha = _pow2_scale(xp, xp.abs(rows).max(axis=1).astype(xp.float64))
     if items.bias_at is not None:
