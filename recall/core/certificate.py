@@ -54,13 +54,13 @@ with |b_v| <= n_v + r_v and H_v = (|h₁| + |h₂|)/β_b. γ₁₆ is four times
 accumulation (u = 2^-24, float32's unit roundoff), so that accumulators that truncate, and multi-term adders that
 align their addends to the largest one without guard bits (tensor cores: each block of n terms then loses less than
 n + 1 units of 2^-23 of its largest magnitude), are covered too. The float32 score f_v that exact mode computes (and
-the re-scoring, for the candidates) differs from s_v by at most ``γ₃₂·(|y|·n_v + |c_v|) + D·2^-149`` for the prepared
-width D (the last term: float32 underflow, half a subnormal spacing per step): those sums are float32 operations
-that round to nearest, in whatever order the kernel or BLAS takes them, so the classical γ₃₂ = D·u/(1 - D·u) holds
-(``gamma32``; it was taken twice that, D·2^-23, before 2026-12-07). Collecting the terms::
+the re-scoring, for the candidates) differs from s_v by at most ``γ₃₂·(|y|·n_v + |c_v|) + φ·n_v + F_u`` for the
+prepared width D (the last two terms: below float32's normal range, next section): those sums are float32
+operations that round to nearest, in whatever order the kernel or BLAS takes them, so the classical
+γ₃₂ = D·u/(1 - D·u) holds (``gamma32``; it was taken twice that, D·2^-23, before 2026-12-07). Collecting the terms::
 
-    f_v <= t/(αβ) - A_u - L_uv + P_u·n_v + Q_u·r_v + κ_v + γ₁₆·(|A_u| + L_uv) + D·2^-149
-      P_u = |δy| + γ₁₆·|a| + γ₃₂·|y|,   Q_u = |y| + |δy| + γ₁₆·|a|,
+    f_v <= t/(αβ) - A_u - L_uv + P_u·n_v + Q_u·r_v + κ_v + γ₁₆·(|A_u| + L_uv) + F_u
+      P_u = |δy| + γ₁₆·|a| + γ₃₂·|y| + φ,   Q_u = |y| + |δy| + γ₁₆·|a|,
       κ_v = |c̃_v - c_v| + γ₁₆·H_v + γ₃₂·|c_v|                            (0 without a bias)
 
 (where the bias is dropped for a user, κ_v becomes max |c|·(1 + γ₃₂)). With the per-item columns, L_uv covers
@@ -69,15 +69,33 @@ P_u·n_v + Q_u·r_v + κ_v with room for the float64 arithmetic wherever γ₁�
 float16 columns; wider ones take no bound columns): the bound columns pay for their own accumulation term γ₁₆·L_uv,
 and::
 
-    f_v <= t/(αβ) - A_u + R_u,   R_u = γ₁₆·|A_u| + D·2^-149
+    f_v <= t/(αβ) - A_u + R_u,   R_u = γ₁₆·|A_u| + F_u
 
 so every item's score carries its own bound and what is left, R_u, is tiny (it used to hold γ₁₆·max_v L_uv, the
 accumulation term of the catalogue's largest bound column: under l2 with a few items of norms 10,000 times the
 median, larger than the gaps between a user's scores). Without them (or for a user whose factors would not fit
 float16's range, or whose bias is dropped), L = 0 and n_v, r_v, κ_v are replaced by their maxima X, ΔX, K over the
-items: ``E_u = P_u·X + Q_u·ΔX + K + γ₁₆·|A_u| + D·2^-149``. ``FastUsers.bound`` holds R_u or E_u, taken 1% larger
+items: ``E_u = P_u·X + Q_u·ΔX + K + γ₁₆·|A_u| + F_u``. ``FastUsers.bound`` holds R_u or E_u, taken 1% larger
 (the factors P_u, Q_u too, before rounding up), which covers the float64 arithmetic of the bound and of the test
 below (relative errors near 2^-50, against terms never below 2^-30 of the magnitudes involved).
+
+Below float32's normal range
+----------------------------
+The GPU's own kernels are built with ``-ftz=true`` (CuPy builds every kernel so): a float32 operation reads an
+input below 2^-126 in magnitude as 0 and writes a result below it as 0, where the CPU and cuBLAS keep subnormals.
+Exact mode's f_v may lose, besides γ₃₂'s relative error, at most 2^-126 at each of its at most 2D operations (a
+product and a sum apiece where they are not fused; half a subnormal spacing where subnormals are kept), and the
+products of flushed inputs: y_i·x_i with |x_i| < 2^-126 loses at most |y_i|·2^-126, one with |y_i| < 2^-126 at most
+|x_i|·2^-126, and over the dot columns Σ|y_i| <= √D₀·|y| (Cauchy-Schwarz, D₀ dot columns), the bias column at most
+2^-126 (the user holds 1). So::
+
+    |f_v - s_v| <= γ₃₂·(|y|·n_v + |c_v|) + φ·n_v + F_u,   φ = √D₀·2^-126,   F_u = (2D + 1)·2^-126 + φ·|y|
+
+(``float32_floor``, ``flush_factor``; φ taken 1% larger). Rows of ordinary scale never feel these terms (for |y|
+near 1, φ is about 2^-100 of γ₃₂·|y|); they keep the proof a proof for vectors whose scores, or whose components, are
+that small. The
+float16 GEMM never leaves float32's normal range: its inputs are scaled float16 values, whose products are exact
+multiples of 2^-48, and so are their sums.
 
 Items far from the origin
 -------------------------
@@ -88,13 +106,14 @@ spread that orders a user's scores, and no bound through |x| certifies anyone. T
 = |δx'_v| (that 2^-53·n'_v added) take the places of n_v and r_v in the input-rounding and accumulation terms. Since
 y·x = y·(x - c) + y·c, with y·c the same for every item of the user, its scores keep their order, and::
 
-    f_v <= t/(αβ) - (A_u - y·c) + P'_u·n'_v + Q_u·r'_v + γ₃₂·|y|·n_v + γ₁₆·(|A_u| + L_uv) + D·2^-149 + ε_u
+    f_v <= t/(αβ) - (A_u - y·c) + P'_u·n'_v + Q_u·r'_v + (γ₃₂·|y| + φ)·n_v + γ₁₆·(|A_u| + L_uv) + F_u + ε_u
       P'_u = |δy| + γ₁₆·|a|,   ε_u = D₀·2^-52·Σ|y_i c_i| + 2^-50·(|A_u| + |y·c|)
 
-where the float32 scores' own error still goes with the vectors' norms n_v (the float32 search multiplies x, not
-x - c), and ε_u covers y·c computed in float64 (D₀ terms) and the float64 steps of the offset and of the test at
+where the float32 scores' own error (with φ) still goes with the vectors' norms n_v (the float32 search multiplies
+x, not x - c), and ε_u covers y·c computed in float64 (D₀ terms) and the float64 steps of the offset and of the test at
 y·c's magnitude. ``FastUsers.offset`` holds A_u - y·c; a shift S_u is applied as S_u - y·c. The bound columns, where
-there are any, hold n'_v, r'_v and n_v against the users' P'_u, Q_u and γ₃₂·|y|; through the maxima, X', ΔX' and X.
+there are any, hold n'_v, r'_v and n_v against the users' P'_u, Q_u and γ₃₂·|y| + φ; through the maxima, X', ΔX'
+and X.
 
 Users along the centre
 ----------------------
@@ -170,7 +189,7 @@ _SHIFT_USER_MAX = 2.0 ** 15  # |σ_u| at most this (α is lowered so that it fit
 _NORM_SPREAD = 2.0  # per-item bound columns where max |x| > this x median |x| (and always for augmented metrics)
 _F16_TINY = 2.0 ** -24  # float16's smallest subnormal (and subnormal spacing)
 _F16_MAX = 65504.0
-_F32_TINY = 2.0 ** -149  # float32's smallest subnormal (and subnormal spacing)
+_F32_FLUSH = 2.0 ** -126  # float32's smallest normal: the GPU's own kernels (-ftz=true) flush anything below it to 0
 _OUT_ULP = 2.0 ** -10  # a full float16 ulp, relative
 _ACC16 = 2.0 ** -22  # γ₁₆ per float16 column
 _U32 = 2.0 ** -24  # float32's unit roundoff (round to nearest): γ₃₂ = gamma32(D)
@@ -182,6 +201,23 @@ def gamma32(width: int) -> float:
     """γ₃₂: a float32 sum of ``width`` products, in any order, each step rounded to nearest (or fused), is within
     γ₃₂·Σ|products| of the exact sum (outside float32's subnormal range): the classical n·u/(1 - n·u), u = 2^-24."""
     return width * _U32 / (1 - width * _U32)
+
+
+def float32_floor(width: int) -> float:
+    """What a float32 sum of ``width`` products may lose besides γ₃₂'s relative error, absolutely: each of its at most
+    2·width operations (a product and a sum apiece where they are not fused) may flush a result below float32's
+    normal range (2^-126) to 0, as the GPU's own kernels do (CuPy builds them with ``-ftz=true``), or round it by
+    half the subnormal spacing where subnormals are kept (the CPU, cuBLAS): 2·width·2^-126 covers both."""
+    return 2 * width * _F32_FLUSH
+
+
+def flush_factor(width: int) -> float:
+    """φ: what a float32 sum of ``width`` products loses to inputs flushed to 0, per unit of the rows' norms. The
+    GPU's kernels read a component below 2^-126 as 0, so a product y_i·x_i loses at most 2^-126·(|y_i| + |x_i|), and
+    over the row Σ|y_i| <= √width·|y|: at most φ·(|y| + |x|), φ = √width·2^-126 (taken 1% larger, for the rounding of
+    the square root and of the norms it multiplies). ``fast16.cu`` and ``topk.cu``'s ``recall_seed_margin`` compute
+    the same."""
+    return _SAFETY * math.sqrt(width) * _F32_FLUSH
 
 
 def output_scale(width: int) -> float:
@@ -215,7 +251,10 @@ def seed_margin(width: int, half_vectors: bool, half_tiles: bool) -> tuple[float
 
     - Two sums of the same ``width`` products differ by at most 2·γ·Σ|u_i v_i| <= 2·γ·P, with γ =
       width·γ₃₂ for float32 vectors and width·γ₁₆ for float16 ones (exact products, the tensor cores' sums), each
-      step losing at most half of float32's smallest subnormal spacing besides: 2·width·2^-149.
+      losing :func:`float32_floor` besides (results below float32's normal range flushed or rounded): Z holds twice
+      that. Where one GEMM flushes float32 inputs below 2^-126 to 0 and the other keeps them, they differ by
+      φ·(|u| + |v|) more (:func:`flush_factor`), which the GPU's select adds for float32 vectors (float16 ones, and
+      the products and sums of their scaled values, never leave float32's normal range).
     - Score tiles of float16 (``half_tiles``, scaled by ``output_scale(width)``) round each score to nearest: two
       roundings of values that differ by δ differ by at most δ plus one float16 ulp of the larger, 2^-9·|s| with room
       to spare, or 2^-24 below float16's normal range."""
@@ -223,7 +262,7 @@ def seed_margin(width: int, half_vectors: bool, half_tiles: bool) -> tuple[float
     scale = output_scale(width) if half_tiles else 1.0
     a = 2 * gamma * scale * _SAFETY
     r = 2 * _OUT_ULP if half_tiles else 0.0
-    z = 2 * width * _F32_TINY * scale + (_F16_TINY if half_tiles else 0.0)
+    z = 2 * float32_floor(width) * scale + (_F16_TINY if half_tiles else 0.0)
     return a, r, z
 
 
@@ -480,14 +519,16 @@ def prepare_users(xp: Any, users: Any, items: FastItems, half_scores: bool = Fal
 def user_terms(items: FastItems) -> dict[str, float]:
     """The scalars :func:`prepare_users`' arithmetic takes from ``items`` and from this module's constants, by the
     module docstring's names where it has them: γ₁₆ and γ₃₂, the underflow term every user's ``rest`` starts at
-    (D·2^-149), α's cap for the bias (inf without one), the safety factor, the largest bound-column factor a user may
-    hold, the shift column's values and log2(_SHIFT_USER_MAX·_SHIFT_ITEM / β) (``shift_room``, an integer); the
-    items' β, β_b, X, ΔX, K and max |c|; with users split along the centre, β_w, ω, max |w̃|, max |W₁|, max |W₂| and
-    log2(_PROJ_USER_MAX·β_w/β) (``proj_room``, an integer: |P| = |p|·αβ/β_w fits where α <= 2^proj_room/|p|)."""
+    ((2D + 1)·2^-126), φ (``flush``), α's cap for the bias (inf without one), the safety factor, the largest
+    bound-column factor a user may hold, the shift column's values and log2(_SHIFT_USER_MAX·_SHIFT_ITEM / β)
+    (``shift_room``, an integer); the items' β, β_b, X, ΔX, K and max |c|; with users split along the centre, β_w,
+    ω, max |w̃|, max |W₁|, max |W₂| and log2(_PROJ_USER_MAX·β_w/β) (``proj_room``, an integer: |P| = |p|·αβ/β_w
+    fits where α <= 2^proj_room/|p|)."""
     return {"beta": items.scale, "bias_scale": items.bias_scale,
             "cap_bias": items.bias_user_max * items.bias_scale / items.scale if items.bias_at is not None else np.inf,
             "gamma16": items.width * _ACC16, "gamma32": gamma32(items.prepared_width),
-            "rest0": items.prepared_width * _F32_TINY, "max_norm": items.max_norm, "max_resid": items.max_resid,
+            "rest0": float32_floor(items.prepared_width) + _F32_FLUSH, "flush": flush_factor(items.dot_dim),
+            "max_norm": items.max_norm, "max_resid": items.max_resid,
             "bias_err_max": items.bias_err_max, "bias_max": items.bias_max, "safety": _SAFETY,
             "aux_user_max": _AUX_USER_MAX, "shift_item": _SHIFT_ITEM, "shift_user_max": _SHIFT_USER_MAX,
             "shift_room": _floor_log2(_SHIFT_USER_MAX * _SHIFT_ITEM) - _floor_log2(items.scale),
@@ -533,15 +574,17 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
     ab = alpha * items.scale
     norm, resid, norm16 = _round16(xp, rows, alpha[:, None], out16[:, :items.dot_dim])
     full = norm if proj is None else _norms(xp, y64)  # |y| (norm: |y'| where split)
-    p = resid + gamma16 * norm16  # the factor of n_v; centred, of n'_v (the float32 scores' γ₃₂·|y| goes with n_v)
+    # The factor of n_v; centred, of n'_v (the float32 scores' γ₃₂·|y| + φ goes with n_v: g below).
+    p = resid + gamma16 * norm16
+    phi = terms["flush"]
     if yc is None:
-        p = p + g32 * norm
+        p = p + (g32 * norm + phi)
     if proj is not None:
         p = p + 2.0 ** -52 * (xp.abs(proj) + norm)  # y' - (y - p·ĉ)
     q = norm + resid + gamma16 * norm16  # the factor of r_v
-    # Float32 scores of tiny vectors underflow: each of the D steps may also lose half of float32's smallest
-    # subnormal spacing, 2^-149, absolutely.
-    rest = xp.full(norm.shape, terms["rest0"])
+    # Float32 scores of tiny vectors underflow: the GPU's kernels flush results and inputs below 2^-126 to 0
+    # (module docstring, "Below float32's normal range").
+    rest = terms["rest0"] + phi * full
     offset = xp.zeros_like(norm)
     if items.shift_at is not None and shift is not None:
         sigma = xp.clip(-shift.astype(xp.float64) * ab / _SHIFT_ITEM, -_SHIFT_USER_MAX, _SHIFT_USER_MAX)
@@ -577,7 +620,7 @@ def _prepare_block(xp: Any, users: Any, items: FastItems, out16: Any, shift: Any
         through_bias = xp.where(kept, items.bias_err_max, items.bias_max * (1 + g32))
     else:
         through_bias = g32 * items.bias_max  # 0: no bias
-    g = None if yc is None else g32 * full  # centred: the factor of n_v (X through the maxima)
+    g = None if yc is None else g32 * full + phi  # centred: the factor of n_v (X through the maxima)
     through = p * items.max_norm + q * items.max_resid + through_bias + rest
     if g is not None:
         through = through + g * items.full_max_norm

@@ -412,13 +412,16 @@ def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, wh
     # lowered above the threshold; -inf where fewer than k sampled scores are finite, the largest float below an
     # infinite k-th best. ``products``: the bound P_j of sum |u_i v_ji| of each sampled item (default |u| |v_j|);
     # ``exact``: the select resolved the k-th itself.
-    from recall.core.certificate import seed_margin
+    from recall.core.certificate import flush_factor, seed_margin
 
     a, r, z = seed_margin(user.size, np.dtype(vector_dtype) == np.float16, np.dtype(score_dtype) == np.float16)
     unorm = float(np.sqrt(np.sum(user.astype(np.float64) ** 2)))
     keep = sampled > -np.inf
     s = sampled[keep].astype(np.float64)
     vn = norms[keep].astype(np.float64) * unorm if products is None else products[keep]
+    # Float32 vectors: the select lowers by φ·(|u| + |v_j|) more (one GEMM may flush inputs below 2^-126, the other
+    # not), at most this much (|u| here over every column).
+    flushed = 0.0 if np.dtype(vector_dtype) == np.float16 else flush_factor(user.size) * (unorm + norms[keep])
     if s.size < k:
         assert got == -np.inf, (where, got)
         return
@@ -426,7 +429,7 @@ def _check_threshold(got, sampled, norms, user, k, score_dtype, vector_dtype, wh
     with np.errstate(invalid="ignore"):  # the infinite scores' margins: not used
         margin = a * vn + r * np.abs(s) + z
         high = np.where(finite, s - margin, s)
-        low = np.where(finite, s - 1.0001 * margin - 4 * np.spacing(np.abs(s).astype(np.float32)), s)
+        low = np.where(finite, s - 1.0001 * (margin + flushed) - 4 * np.spacing(np.abs(s).astype(np.float32)), s)
     hi, lo = np.sort(high)[::-1][k - 1], np.sort(low)[::-1][k - 1]
     top = np.finfo(np.float32).max
     assert got < hi or (np.isinf(hi) and got == top), (where, got, hi)
@@ -563,6 +566,45 @@ def test_seed_margin_bounds_two_sums_of_the_same_products():
                 acc = np.float32(acc + u[i] * v[i])
             sums.append(float(acc))
         assert max(sums) - min(sums) <= a * float(np.linalg.norm(u) * np.linalg.norm(v)) + z
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e-39, 1.0])
+def test_seed_margin_bounds_a_sum_that_flushes_against_one_that_does_not(scale):
+    # The GPU's kernels read float32 inputs below 2^-126 as 0 and write results below it as 0 (-ftz=true), where
+    # cuBLAS and the CPU keep subnormals: a sample scored by one and a search by the other differ by at most
+    # A |u| |v| + φ (|u| + |v|) + Z (certificate.flush_factor, which the GPU's select adds for float32 vectors;
+    # Z: certificate.float32_floor, twice). Rows near 10^-20 (products near 10^-40, each flushed), items of
+    # subnormal components against users of 10^20, and rows of ordinary scale.
+    from recall.core.certificate import flush_factor, seed_margin
+
+    tiny = np.float32(2.0 ** -126)
+
+    def flush(x):
+        return np.where(np.abs(x) < tiny, np.float32(0), x).astype(np.float32)
+
+    rng = np.random.default_rng(4)
+    width = 40
+    a, _, z = seed_margin(width, False, False)
+    phi = flush_factor(width)
+    worst = 0.0
+    with np.errstate(under="ignore"):
+        for trial in range(300):
+            u = rng.standard_normal(width) * (1e20 if scale == 1e-39 else scale)
+            v = rng.standard_normal(width) * scale * 10.0 ** rng.uniform(-1, 1, width)
+            u, v = u.astype(np.float32), v.astype(np.float32)
+            kept = np.float32(0)
+            for i in rng.permutation(width):
+                kept = np.float32(kept + u[i] * v[i])
+            flushed = np.float32(0)
+            fu, fv = flush(u), flush(v)
+            for i in rng.permutation(width):
+                flushed = flush(np.float32(flushed + flush(np.float32(fu[i] * fv[i]))))
+            nu, nv = float(np.linalg.norm(u.astype(np.float64))), float(np.linalg.norm(v.astype(np.float64)))
+            gap = abs(float(kept) - float(flushed))
+            assert gap <= a * nu * nv + phi * (nu + nv) + z, (trial, gap)
+            worst = max(worst, gap / (a * nu * nv + 2 * width * 2.0 ** -149))
+    if scale != 1.0:
+        assert worst > 1  # (the case the terms are for: the margin of subnormal rounding alone would not cover it)
 
 
 @pytest.mark.gpu

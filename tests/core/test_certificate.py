@@ -30,6 +30,27 @@ def _upper(fu: certificate.FastUsers, fi: certificate.FastItems, tiles: np.ndarr
     return np.stack([certificate.outside_bound(np, tiles[:, j], fu, fi) for j in range(tiles.shape[1])], axis=1)
 
 
+def _ftz32(pu: np.ndarray, pi: np.ndarray, fused: bool) -> np.ndarray:
+    """The float32 scores of a GPU kernel built with ``-ftz=true``, columns in order: inputs and results below
+    float32's normal range (2^-126) read and written as 0; with ``fused`` each step one fused multiply-add (the
+    product exact in float64, the sum rounded to float32 through float64), else a rounded product and a rounded
+    sum."""
+    tiny = np.float32(2.0 ** -126)
+
+    def flush(a):
+        return np.where(np.abs(a) < tiny, np.float32(0), a).astype(np.float32)
+
+    u, v = flush(pu.astype(np.float32)), flush(pi.astype(np.float32))
+    s = np.zeros((u.shape[0], v.shape[0]), np.float32)
+    with np.errstate(under="ignore"):
+        for i in range(u.shape[1]):
+            if fused:
+                s = flush((s + np.outer(u[:, i].astype(np.float64), v[:, i])).astype(np.float32))
+            else:
+                s = flush(s + flush(np.outer(u[:, i], v[:, i])))
+    return s.astype(np.float64)
+
+
 def _prepare(metric: str, users: np.ndarray, items: np.ndarray, half: bool, shift: np.ndarray | None = None,
              centre: np.ndarray | None = None):
     pi, pu = metrics.prepare_items(metric, np, items), metrics.prepare_users(metric, np, users)
@@ -41,15 +62,16 @@ def _prepare(metric: str, users: np.ndarray, items: np.ndarray, half: bool, shif
 @pytest.mark.parametrize("half_scores", [False, True])
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e3, 1e6, 1e18]),
+@given(seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-30, 1e-20, 1e-6, 1.0, 1e3, 1e6, 1e18]),
        dim=st.integers(1, 70), spread=st.sampled_from([0.0, 1.0, 3.0]), shifted=st.booleans(),
        user_ratio=st.sampled_from([1.0, 1e-8, 1e12]))
 def test_bound_holds_for_every_pair(metric, half_scores, seed, scale, dim, spread, shifted, user_ratio):
     # The certificate is only as good as the bound: for every (user, item), the exact score (float64) and the
-    # float32 score exact mode computes must lie at or below the bound derived from that item's tile score, across
-    # magnitudes (float16 subnormals after scaling, float32 underflow), dimensions, item norm spreads (which switch
-    # the per-item bound columns on), l2's bias columns (dropped for users far larger than the items), and shifted
-    # scores.
+    # float32 score exact mode computes (by BLAS, and as the GPU's kernels do, flushing what falls below float32's
+    # normal range) must lie at or below the bound derived from that item's tile score, across magnitudes (float16
+    # subnormals after scaling, float32 underflow: scores near 10^-40 at scale 10^-20), dimensions, item norm
+    # spreads (which switch the per-item bound columns on), l2's bias columns (dropped for users far larger than the
+    # items), and shifted scores.
     if metric == "l2" and scale > 1e6:
         scale = 1e6  # |v|²/2 must stay inside float32, as the engine's input checks require
     rng = np.random.default_rng(seed)
@@ -79,6 +101,36 @@ def _assert_bound_holds(rng, pu, pi, fu0, fi, half_scores, shifted):
     exact32 = (pu @ pi.T).astype(np.float64)
     assert np.all(exact64 <= upper)
     assert np.all(exact32 <= upper)
+    for fused in (False, True):
+        assert np.all(_ftz32(pu, pi, fused) <= upper)
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("half_scores", [False, True])
+@pytest.mark.parametrize("kind", ["subnormal items", "tiny rows"])
+def test_bound_holds_where_the_gpu_flushes_float32_subnormals(metric, half_scores, kind):
+    # The GPU's kernels read float32 inputs below 2^-126 as 0 and write results below it as 0 (-ftz=true). A
+    # catalogue of subnormal components (scaled up into float16's range like any other) scores 0 there against users
+    # of norm 10^20 whose exact scores are near 10^-18: a loss of |y_i|·2^-126 a component, which no term of |y|·|x|
+    # covers. Users and items near 10^-20 have products near 10^-40, each flushed: a loss of up to 2^-126 a step,
+    # where subnormal rounding loses 2^-150. The bound must hold against those scores too
+    # (certificate.float32_floor, flush_factor).
+    rng = np.random.default_rng(5)
+    dim = 24
+    items = rng.standard_normal((300, dim)) * np.exp(rng.standard_normal((300, 1)))
+    users = rng.standard_normal((40, dim))
+    if kind == "subnormal items":
+        items *= 1e-39
+        users[:20] *= 1e20
+    else:
+        items *= 1e-20
+        users *= 1e-20
+    items, users = items.astype(np.float32), users.astype(np.float32)
+    pu, pi, fu0, fi = _prepare(metric, users, items, half_scores)
+    lost = np.abs(_ftz32(pu, pi, False) - pu.astype(np.float64) @ pi.astype(np.float64).T)
+    assert lost.max() > (1e-25 if kind == "subnormal items" else 1e-40)  # far above subnormal rounding's 2^-150
+    _assert_bound_holds(rng, pu, pi, fu0, fi, half_scores, shifted=False)
+    _assert_bound_holds(rng, pu, pi, fu0, fi, half_scores, shifted=True)
 
 
 @pytest.mark.parametrize("half_scores", [False, True])
@@ -149,12 +201,14 @@ def test_the_bound_columns_pay_for_their_own_accumulation(half_scores):
     users = rng.standard_normal((40, 24)).astype(np.float32)
     pu, pi, fu, fi = _prepare("l2", users, items, half_scores)
     assert fi.norms_at is not None
-    tiny = fi.prepared_width * 2.0 ** -149  # D·2^-149
-    assert np.all(fu.bound <= 1.01 * tiny * 1.0001)  # unshifted: R_u = 1.01·D·2^-149
+    # F_u = (2D + 1)·2^-126 + φ·|y|: what float32 may lose below its normal range
+    tiny = (certificate.float32_floor(fi.prepared_width) + 2.0 ** -126
+            + certificate.flush_factor(fi.dot_dim) * np.linalg.norm(pu[:, :fi.dot_dim].astype(np.float64), axis=1))
+    assert np.all(fu.bound <= 1.01 * tiny * 1.0001)  # unshifted: R_u = 1.01·F_u
     upper = _upper(fu, fi, _gemm(fu, fi))
     exact64 = pu.astype(np.float64) @ pi.astype(np.float64).T
     assert np.all(exact64 <= upper) and np.all((pu @ pi.T).astype(np.float64) <= upper)
-    shift = exact64.max(axis=1)  # shifted: R_u = 1.01·(γ₁₆·|A_u| + D·2^-149)
+    shift = exact64.max(axis=1)  # shifted: R_u = 1.01·(γ₁₆·|A_u| + F_u)
     fs = certificate.prepare_users(np, pu, fi, half_scores=half_scores, shift=shift)
     assert np.all(fs.bound <= 1.01 * (fi.width * 2.0 ** -22 * np.abs(fs.offset) + tiny) * 1.0001)
     assert np.all(exact64 <= _upper(fs, fi, _gemm(fs, fi)))

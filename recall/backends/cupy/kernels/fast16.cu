@@ -169,13 +169,15 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     const double ab = alpha * beta;
     const double norm = sqrt(my_sv), resid = sqrt(my_se), norm16 = sqrt(my_sa);
     const double full = proj_dir ? sqrt(my_sf) : norm;  // |y| (norm: |y'| where split)
-    // The factor of n_v; centred, of n'_v, and g = gamma32 |y| that of the vectors' own n_v (the float32 scores);
-    // split, y' - (y - p c^) adds 2^-52 (|p| + |y'|).
-    const double g = gamma32 * full;
+    // The factor of n_v; centred, of n'_v, and g = gamma32 |y| + phi that of the vectors' own n_v (the float32
+    // scores; phi: certificate.flush_factor(D0), inputs below 2^-126 read as 0); split, y' - (y - p c^) adds
+    // 2^-52 (|p| + |y'|).
+    const double phi = 1.01 * sqrt((double)D0) * ldexp(1.0, -126);
+    const double g = gamma32 * full + phi;
     double p = centre ? resid + gamma16 * norm16 : resid + gamma16 * norm16 + g;
     if (proj_dir) p = p + 2.220446049250313080847263336181640625e-16 * (fabs(my_p) + norm);
     const double q = norm + resid + gamma16 * norm16;              // the factor of r_v
-    double rest = rest0, offset = 0.0;
+    double rest = rest0 + phi * full, offset = 0.0;
     if (shift_at >= 0 && shifted) {
         const double sigma = fmin(fmax(-s_u * ab / shift_item, -shift_user_max), shift_user_max);
         const unsigned short h = fast16_f16(sigma);

@@ -197,7 +197,8 @@ __device__ __forceinline__ void recall_seed_w_body(const half_bits* __restrict__
             ub = fmax(ub, __shfl_xor_sync(0xffffffffu, ub, o));
             uc = fmax(uc, __shfl_xor_sync(0xffffffffu, uc, o));
         }
-        const RecallSeedMargin m = recall_seed_margin_of(vnorm, vbias, BL, BH, CV, A, R, Z, sq, ub, uc);
+        // (phi 0: float16 vectors never leave float32's normal range, recall_seed_margin_of)
+        const RecallSeedMargin m = recall_seed_margin_of(vnorm, vbias, BL, BH, CV, A, R, Z, sq, ub, uc, 0.0);
         au[h] = m.au;
         ab[h] = m.ab;
         z[h] = m.z32;

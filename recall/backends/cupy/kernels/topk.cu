@@ -233,22 +233,27 @@ __device__ __forceinline__ void recall_seed_user_part(const V* __restrict__ urow
 }
 
 // A user's margin from the reduced sums: A |u| and A max |u_b| (0 without bias columns), each rounded up, and Z
-// grown by A |u_CC| CV (uc: |u_CC|, 0 without a constant column).
+// grown by A |u_CC| CV (uc: |u_CC|, 0 without a constant column). PHI (certificate.flush_factor; 0 for float16
+// vectors): one GEMM may read float32 inputs below 2^-126 as 0 where the other keeps them, phi (|u| + |v_j|) more.
 __device__ __forceinline__ RecallSeedMargin recall_seed_margin_of(const float* vnorm, const float* vbias, int BL,
                                                                   int BH, double CV, double A, double R, double Z,
-                                                                  double sq, double ub, double uc) {
+                                                                  double sq, double ub, double uc, double phi) {
     const bool bias = BH > BL;
-    return {vnorm, bias ? vbias : nullptr, __double2float_ru(A * sqrt(sq)), bias ? __double2float_ru(A * ub) : 0.0f,
-            __double2float_ru(R), __double2float_ru(Z + A * uc * CV)};
+    const double norm = sqrt(sq);
+    return {vnorm, bias ? vbias : nullptr, __double2float_ru(A * norm + phi),
+            bias ? __double2float_ru(A * ub) : 0.0f, __double2float_ru(R),
+            __double2float_ru(Z + A * uc * CV + phi * norm)};
 }
 
-// The same, |u_CC| read from the user's row `urow` of W.
+// The same, |u_CC| read from the user's row `urow` of W; phi = certificate.flush_factor(W) for float32 vectors (the
+// products and sums of float16 ones never leave float32's normal range).
 template <typename V>
 __device__ __forceinline__ RecallSeedMargin recall_seed_margin(const V* __restrict__ urow, int W, const float* vnorm,
                                                                const float* vbias, int CC, double CV, int BL, int BH,
                                                                double A, double R, double Z, double sq, double ub) {
     const double uc = CC >= 0 && CC < W ? fabs((double)recall_load(urow, CC)) : 0.0;
-    return recall_seed_margin_of(vnorm, vbias, BL, BH, CV, A, R, Z, sq, ub, uc);
+    const double phi = sizeof(V) == 4 ? 1.01 * sqrt((double)W) * ldexp(1.0, -126) : 0.0;
+    return recall_seed_margin_of(vnorm, vbias, BL, BH, CV, A, R, Z, sq, ub, uc, phi);
 }
 
 // A lowered score's key; 0 (no key) for -inf and NaN.
