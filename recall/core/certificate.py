@@ -92,10 +92,9 @@ products of flushed inputs: y_i·x_i with |x_i| < 2^-126 loses at most |y_i|·2^
     |f_v - s_v| <= γ₃₂·(|y|·n_v + |c_v|) + φ·n_v + F_u,   φ = √D₀·2^-126,   F_u = (2D + 1)·2^-126 + φ·|y|
 
 (``float32_floor``, ``flush_factor``; φ taken 1% larger). Rows of ordinary scale never feel these terms (for |y|
-near 1, φ is about 2^-100 of γ₃₂·|y|); they keep the proof a proof for vectors whose scores, or whose components, are
-that small. The
-float16 GEMM never leaves float32's normal range: its inputs are scaled float16 values, whose products are exact
-multiples of 2^-48, and so are their sums.
+near 1, φ is about 2^-100 of γ₃₂·|y|); they keep the proof a proof for vectors whose scores, or whose components,
+are that small. The float16 GEMM never leaves float32's normal range: its inputs are scaled float16 values, whose
+products are exact multiples of 2^-48, and so are their sums.
 
 Items far from the origin
 -------------------------
