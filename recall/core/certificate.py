@@ -214,8 +214,8 @@ def flush_factor(width: int) -> float:
     """φ: what a float32 sum of ``width`` products loses to inputs flushed to 0, per unit of the rows' norms. The
     GPU's kernels read a component below 2^-126 as 0, so a product y_i·x_i loses at most 2^-126·(|y_i| + |x_i|), and
     over the row Σ|y_i| <= √width·|y|: at most φ·(|y| + |x|), φ = √width·2^-126 (taken 1% larger, for the rounding of
-    the square root and of the norms it multiplies). ``fast16.cu`` and ``topk.cu``'s ``recall_seed_margin`` compute
-    the same."""
+    the square root and of the norms it multiplies). ``fast16.cu`` takes it (``user_terms``' ``flush``);
+    ``topk.cu``'s ``recall_seed_margin`` computes the same from its rows' width."""
     return _SAFETY * math.sqrt(width) * _F32_FLUSH
 
 

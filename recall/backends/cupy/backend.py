@@ -422,8 +422,8 @@ class CupyBackend:
                     np.int32(t["proj_room"]), *(np.int32(c) for c in at),
                     np.int32(len(items.aux_scales)),
                     *(np.float64(t[name]) for name in ("beta", "cap_bias", "bias_scale", "gamma16", "gamma32", "rest0",
-                                                       "max_norm", "max_resid", "bias_err_max", "bias_max", "safety",
-                                                       "aux_user_max", "shift_item", "shift_user_max")),
+                                                       "flush", "max_norm", "max_resid", "bias_err_max", "bias_max",
+                                                       "safety", "aux_user_max", "shift_item", "shift_user_max")),
                     np.int32(t["shift_room"]), *(np.float64(x) for x in sc), alpha, offset, bound))
         return FastUsers(vecs16, alpha, offset, bound, half_scores)
 

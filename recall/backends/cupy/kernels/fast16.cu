@@ -84,9 +84,9 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
                      double proj_err, double proj_w1_max, double proj_w2_max, int proj_room,
                      int shift_at, int bias_at, int norms_at, int n_aux,
                      double beta, double cap_bias, double bias_scale, double gamma16, double gamma32, double rest0,
-                     double max_norm, double max_resid, double bias_err_max, double bias_max, double safety,
-                     double aux_user_max, double shift_item, double shift_user_max, int shift_room, double sc0,
-                     double sc1, double sc2,
+                     double flush, double max_norm, double max_resid, double bias_err_max, double bias_max,
+                     double safety, double aux_user_max, double shift_item, double shift_user_max, int shift_room,
+                     double sc0, double sc1, double sc2,
                      double* __restrict__ alpha_out, double* __restrict__ offset_out, double* __restrict__ bound_out) {
     const int lane = threadIdx.x & 31;
     const int first = (blockIdx.x * 8 + (int)(threadIdx.x >> 5)) * 32;
@@ -169,15 +169,14 @@ recall_prepare_users(const float* __restrict__ users, long long ustride, int n, 
     const double ab = alpha * beta;
     const double norm = sqrt(my_sv), resid = sqrt(my_se), norm16 = sqrt(my_sa);
     const double full = proj_dir ? sqrt(my_sf) : norm;  // |y| (norm: |y'| where split)
-    // The factor of n_v; centred, of n'_v, and g = gamma32 |y| + phi that of the vectors' own n_v (the float32
-    // scores; phi: certificate.flush_factor(D0), inputs below 2^-126 read as 0); split, y' - (y - p c^) adds
+    // The factor of n_v; centred, of n'_v, and g = gamma32 |y| + flush that of the vectors' own n_v (the float32
+    // scores; flush: certificate.flush_factor, inputs below 2^-126 read as 0); split, y' - (y - p c^) adds
     // 2^-52 (|p| + |y'|).
-    const double phi = 1.01 * sqrt((double)D0) * ldexp(1.0, -126);
-    const double g = gamma32 * full + phi;
+    const double g = gamma32 * full + flush;
     double p = centre ? resid + gamma16 * norm16 : resid + gamma16 * norm16 + g;
     if (proj_dir) p = p + 2.220446049250313080847263336181640625e-16 * (fabs(my_p) + norm);
     const double q = norm + resid + gamma16 * norm16;              // the factor of r_v
-    double rest = rest0 + phi * full, offset = 0.0;
+    double rest = rest0 + flush * full, offset = 0.0;
     if (shift_at >= 0 && shifted) {
         const double sigma = fmin(fmax(-s_u * ab / shift_item, -shift_user_max), shift_user_max);
         const unsigned short h = fast16_f16(sigma);
